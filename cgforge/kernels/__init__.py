@@ -1,0 +1,8 @@
+"""The kernel generator: problem -> sparse CG -> schedule -> CUDA source -> NVRTC -> launch."""
+
+from .convolution import Convolution
+from .graph import ConvGraph
+from .problem import Instruction, TPProblem
+from .tensor_product import TensorProduct
+
+__all__ = ["ConvGraph", "Convolution", "Instruction", "TPProblem", "TensorProduct"]

@@ -1,0 +1,275 @@
+"""torch.library custom ops for the tensor product and the fused convolution.
+
+Each op has a CUDA implementation (generated kernels), a CPU implementation (the torch reference),
+a fake implementation (shapes only, for torch.compile) and an autograd formula. The backward ops
+are differentiable too: their derivatives are combinations of forward and backward calls (the op
+is trilinear in x, y, W), so any derivative order works, e.g. forces in a training loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import plan as plans
+from .codegen import Layout
+from .reference import reference_tp, reference_tp_backward
+
+_MAX_BLOCKS = 2**31 - 1
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool) -> int:
+    blocks = max(1, math.ceil(rows / warps))
+    if shared_weights:  # bounded so the per-warp grad-W partial rows stay small
+        blocks = min(blocks, 4 * _sm_count(device))
+    return min(blocks, _MAX_BLOCKS)
+
+
+def _needs_zero_fill(p, out_side: bool) -> bool:
+    irreps = p.irreps_out if out_side else p.irreps_in1
+    used = {(i.i_out if out_side else i.i_in1) for i in p.instructions}
+    return any(mul > 0 and k not in used for k, (mul, _) in enumerate(irreps))
+
+
+def _launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dtype: torch.dtype,
+            device: torch.device, gw_partial: bool = False) -> int:
+    """Launch one generated kernel over `rows` rows; returns the number of warps launched."""
+    from .runtime import I64
+
+    plan = plans.get(key)
+    sched = plan.schedule(dtype)
+    warps = sched.warps_per_block
+    blocks = _grid(rows, warps, device, gw_partial)
+    if rows == 0:
+        return 0
+    handle = plan.kernel(dtype, layout, backward, device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows)],
+                  shared_mem=warps * sched.smem_per_warp * itemsize)
+    return blocks * warps
+
+
+def _backward_buffers(key: str, x, y, w, rows_for_partials: int):
+    p = plans.get(key).problem
+    gx = torch.zeros_like(x) if _needs_zero_fill(p, out_side=False) else torch.empty_like(x)
+    gy = torch.zeros_like(y)
+    if p.shared_weights:
+        sched = plans.get(key).schedule(x.dtype)
+        warps = _grid(rows_for_partials, sched.warps_per_block, x.device, True) * sched.warps_per_block
+        gw = torch.zeros(warps, max(p.weight_numel, 1), dtype=x.dtype, device=x.device)
+    else:
+        gw = torch.empty_like(w)
+    return gx, gy, gw
+
+
+def _finish_gw(key: str, gw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if plans.get(key).problem.shared_weights:
+        return gw.sum(0)[: w.shape[0]].reshape(w.shape)
+    return gw
+
+
+# ---------------------------------------------------------------- tensor product
+
+@torch.library.custom_op("cgforge::tp_forward", mutates_args=())
+def tp_forward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, key: str) -> torch.Tensor:
+    p = plans.get(key).problem
+    if x.device.type != "cuda":
+        return reference_tp(p, x, y, w)
+    x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
+    rows = x.shape[0]
+    shape = (rows, p.irreps_out.dim)
+    out = (x.new_zeros(shape) if _needs_zero_fill(p, out_side=True) else x.new_empty(shape))
+    _launch(key, False, Layout(), rows, [x, y, w, out, None, None, None, None], x.dtype, x.device)
+    return out
+
+
+@tp_forward.register_fake
+def _(x, y, w, key):
+    return x.new_empty(x.shape[0], plans.get(key).problem.irreps_out.dim)
+
+
+@torch.library.custom_op("cgforge::tp_backward", mutates_args=())
+def tp_backward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, g: torch.Tensor, key: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = plans.get(key).problem
+    if x.device.type != "cuda":
+        return reference_tp_backward(p, x, y, w, g)
+    x, y, w, g = x.contiguous(), y.contiguous(), w.contiguous(), g.contiguous()
+    rows = x.shape[0]
+    gx, gy, gw = _backward_buffers(key, x, y, w, rows)
+    _launch(key, True, Layout(), rows, [x, y, w, g, gx, gy, gw, None, None, None, None], x.dtype, x.device,
+            gw_partial=p.shared_weights)
+    return gx, gy, _finish_gw(key, gw, w)
+
+
+@tp_backward.register_fake
+def _(x, y, w, g, key):
+    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(w)
+
+
+def _tp_setup(ctx, inputs, output):
+    x, y, w, key = inputs
+    ctx.save_for_backward(x, y, w)
+    ctx.key = key
+
+
+def _tp_grad(ctx, g):
+    x, y, w = ctx.saved_tensors
+    gx, gy, gw = tp_backward(x, y, w, g.contiguous(), ctx.key)
+    return gx, gy, gw, None
+
+
+tp_forward.register_autograd(_tp_grad, setup_context=_tp_setup)
+
+
+def _tp_bwd_setup(ctx, inputs, output):
+    x, y, w, g, key = inputs
+    ctx.save_for_backward(x, y, w, g)
+    ctx.key = key
+
+
+def _trilinear_double_backward(fwd, bwd, x, y, w, g, ggx, ggy, ggw):
+    """Gradients of <ggx, Bx> + <ggy, By> + <ggw, Bw> for a trilinear f(x, y, w) with backward B."""
+    dx = dy = dw = dg = None
+
+    def add(a, b):
+        return b if a is None else a + b
+
+    if ggx is not None:
+        dg = add(dg, fwd(ggx, y, w))
+        _, by, bw = bwd(ggx, y, w, g)
+        dy, dw = add(dy, by), add(dw, bw)
+    if ggy is not None:
+        dg = add(dg, fwd(x, ggy, w))
+        bx, _, bw = bwd(x, ggy, w, g)
+        dx, dw = add(dx, bx), add(dw, bw)
+    if ggw is not None:
+        dg = add(dg, fwd(x, y, ggw))
+        bx, by, _ = bwd(x, y, ggw, g)
+        dx, dy = add(dx, bx), add(dy, by)
+    return dx, dy, dw, dg
+
+
+def _tp_bwd_grad(ctx, ggx, ggy, ggw):
+    x, y, w, g = ctx.saved_tensors
+    key = ctx.key
+    dx, dy, dw, dg = _trilinear_double_backward(
+        lambda a, b, c: tp_forward(a, b, c, key),
+        lambda a, b, c, d: tp_backward(a, b, c, d, key),
+        x, y, w, g, ggx, ggy, ggw)
+    return dx, dy, dw, dg, None
+
+
+tp_backward.register_autograd(_tp_bwd_grad, setup_context=_tp_bwd_setup)
+
+
+# ---------------------------------------------------------------- fused convolution
+# Graph tensors (see graph.ConvGraph): sender/receiver int32 [E]; rowptr int64 [N+1] over edges
+# sorted by receiver, perm int32 (edge ids in that order; empty when the edges already are);
+# rowptr_t/perm_t the same sorted by sender (the transpose, for the deterministic backward).
+
+def _reference_conv(p, x, y, w, sender, receiver):
+    messages = reference_tp(p, x.index_select(0, sender.long()), y, w)
+    return x.new_zeros(x.shape[0], p.irreps_out.dim).index_add(0, receiver.long(), messages)
+
+
+def _reference_conv_backward(p, x, y, w, g, sender, receiver):
+    gxe, gy, gw = reference_tp_backward(p, x.index_select(0, sender.long()), y, w,
+                                        g.index_select(0, receiver.long()))
+    return torch.zeros_like(x).index_add(0, sender.long(), gxe), gy, gw
+
+
+@torch.library.custom_op("cgforge::conv_forward", mutates_args=())
+def conv_forward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, sender: torch.Tensor,
+                 receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor, rowptr_t: torch.Tensor,
+                 perm_t: torch.Tensor, key: str, deterministic: bool) -> torch.Tensor:
+    p = plans.get(key).problem
+    num_nodes = x.shape[0]
+    if x.device.type != "cuda":
+        return _reference_conv(p, x, y, w, sender, receiver)
+    x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
+    shape = (num_nodes, p.irreps_out.dim)
+    if deterministic:
+        out = x.new_zeros(shape) if _needs_zero_fill(p, out_side=True) else x.new_empty(shape)
+        layout = Layout(csr=True, perm=perm.numel() > 0, xidx=True)
+        args = [x, y, w, out, rowptr, perm if perm.numel() else None, sender, None]
+        _launch(key, False, layout, num_nodes, args, x.dtype, x.device)
+    else:
+        out = x.new_zeros(shape)
+        args = [x, y, w, out, None, None, sender, receiver]
+        _launch(key, False, Layout(xidx=True, atomic=True), sender.shape[0], args, x.dtype, x.device)
+    return out
+
+
+@conv_forward.register_fake
+def _(x, y, w, sender, receiver, rowptr, perm, rowptr_t, perm_t, key, deterministic):
+    return x.new_empty(x.shape[0], plans.get(key).problem.irreps_out.dim)
+
+
+@torch.library.custom_op("cgforge::conv_backward", mutates_args=())
+def conv_backward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, g: torch.Tensor, sender: torch.Tensor,
+                  receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor, rowptr_t: torch.Tensor,
+                  perm_t: torch.Tensor, key: str, deterministic: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = plans.get(key).problem
+    if x.device.type != "cuda":
+        return _reference_conv_backward(p, x, y, w, g, sender, receiver)
+    x, y, w, g = x.contiguous(), y.contiguous(), w.contiguous(), g.contiguous()
+    edges = sender.shape[0]
+    if deterministic:
+        rows = x.shape[0]
+        gx, gy, gw = _backward_buffers(key, x, y, w, rows)
+        args = [x, y, w, g, gx, gy, gw, rowptr_t, perm_t, None, receiver]
+        _launch(key, True, Layout(csr=True, perm=True, gidx=True), rows, args, x.dtype, x.device,
+                gw_partial=p.shared_weights)
+    else:
+        gx, gy, gw = _backward_buffers(key, x, y, w, edges)
+        gx.zero_()
+        args = [x, y, w, g, gx, gy, gw, None, None, sender, receiver]
+        _launch(key, True, Layout(xidx=True, gidx=True, atomic=True), edges, args, x.dtype, x.device,
+                gw_partial=p.shared_weights)
+    return gx, gy, _finish_gw(key, gw, w)
+
+
+@conv_backward.register_fake
+def _(x, y, w, g, sender, receiver, rowptr, perm, rowptr_t, perm_t, key, deterministic):
+    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(w)
+
+
+def _conv_setup(ctx, inputs, output):
+    x, y, w, *graph, key, deterministic = inputs
+    ctx.save_for_backward(x, y, w, *graph)
+    ctx.key, ctx.deterministic = key, deterministic
+
+
+def _conv_grad(ctx, g):
+    x, y, w, *graph = ctx.saved_tensors
+    gx, gy, gw = conv_backward(x, y, w, g.contiguous(), *graph, ctx.key, ctx.deterministic)
+    return gx, gy, gw, None, None, None, None, None, None, None, None
+
+
+conv_forward.register_autograd(_conv_grad, setup_context=_conv_setup)
+
+
+def _conv_bwd_setup(ctx, inputs, output):
+    x, y, w, g, *graph, key, deterministic = inputs
+    ctx.save_for_backward(x, y, w, g, *graph)
+    ctx.key, ctx.deterministic = key, deterministic
+
+
+def _conv_bwd_grad(ctx, ggx, ggy, ggw):
+    x, y, w, g, *graph = ctx.saved_tensors
+    key, det = ctx.key, ctx.deterministic
+    dx, dy, dw, dg = _trilinear_double_backward(
+        lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
+        lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
+        x, y, w, g, ggx, ggy, ggw)
+    return (dx, dy, dw, dg) + (None,) * 8
+
+
+conv_backward.register_autograd(_conv_bwd_grad, setup_context=_conv_bwd_setup)

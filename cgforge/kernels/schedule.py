@@ -1,0 +1,196 @@
+"""Static schedule of a tensor product for the generated kernels: plain values.
+
+One warp computes one row (a batch row, or one node of a convolution). Lanes own channels.
+
+Forward: segments group the instructions by output irrep and split its channels into chunks;
+a lane owns output channels c0 + lane + 32*j and keeps their accumulators in registers, so every
+output element is written exactly once. Backward: segments group by in1 irrep (lanes own in1
+channels) so grad x accumulates in registers the same way; grad W is owned per term; grad y is
+reduced across the warp.
+
+Per segment, the operands the lanes read repeatedly are staged in shared memory with coalesced
+copies: the in1 slices (and, backward, the grad-out slices), and the whole in2 row. Offsets here
+are in elements of one warp's shared-memory window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cg import sparse_cg
+from .problem import TPProblem
+
+WARP = 32
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A copy between a row of a global tensor and the warp's shared memory."""
+
+    global_offset: int  # element offset inside the row
+    smem_offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Term:
+    """One instruction's work inside a segment."""
+
+    ins: int
+    mode: str  # "uvu" or "uvw"
+    has_weight: bool
+    mul1: int
+    mul2: int
+    mul_out: int
+    d1: int
+    d2: int
+    d3: int
+    x_smem: int  # smem offset of in1 channel `x_base`
+    x_base: int  # first in1 channel staged (uvu: the chunk start; uvw: 0)
+    y_offset: int  # offset of the in2 irrep inside the (fully staged) in2 row
+    g_smem: int  # backward only: smem offset of grad-out channel `g_base` (-1 forward)
+    g_base: int
+    w_offset: int  # offset of this instruction's weights in a weight row
+    cg: tuple[tuple[int, int, int, float], ...]  # (m1, m2, m3, value), path weight folded in
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Channels [c0, c1) of one irrep (out irrep forward, in1 irrep backward)."""
+
+    irrep: int
+    c0: int
+    c1: int
+    dim: int  # 2l+1 of that irrep
+    row_offset: int  # offset of channel 0 of that irrep in its row
+    stage_smem: int  # smem offset where results are staged for a coalesced store
+    loads: tuple[Slice, ...]  # operands staged before the terms run
+    terms: tuple[Term, ...]
+
+    @property
+    def lane_iters(self) -> int:
+        return -(-(self.c1 - self.c0) // WARP)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    problem: TPProblem
+    forward: tuple[Segment, ...]
+    backward: tuple[Segment, ...]
+    y_smem: int  # the whole in2 row is staged at this offset
+    smem_per_warp: int  # elements
+    warps_per_block: int
+    chunk: int
+
+    @property
+    def in2_dim(self) -> int:
+        return self.problem.irreps_in2.dim
+
+
+def _cg_terms(problem: TPProblem, k: int) -> tuple[tuple[int, int, int, float], ...]:
+    ins = problem.instructions[k]
+    l1, l2, l3 = (problem.irreps_in1[ins.i_in1].ir.l, problem.irreps_in2[ins.i_in2].ir.l,
+                  problem.irreps_out[ins.i_out].ir.l)
+    return tuple((a, b, c, v * ins.path_weight) for a, b, c, v in sparse_cg(l1, l2, l3))
+
+
+def _offsets(irreps) -> list[int]:
+    out, total = [], 0
+    for mul, ir in irreps:
+        out.append(total)
+        total += mul * ir.dim
+    return out
+
+
+def _forward_segment(problem: TPProblem, i_out: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
+    """Segment for out irrep `i_out`, channels [c0, c1); smem from `base`. Returns it and its smem end."""
+    p = problem
+    off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
+    mul_o, ir_o = p.irreps_out[i_out]
+    cursor = base
+    staged: dict[tuple[int, int, int], int] = {}  # (i_in1, first channel, count) -> smem offset
+    loads, terms = [], []
+    for k, (ins, woff) in enumerate(zip(p.instructions, p.weight_offsets)):
+        if ins.i_out != i_out:
+            continue
+        mul1, ir1 = p.irreps_in1[ins.i_in1]
+        mul2, ir2 = p.irreps_in2[ins.i_in2]
+        first, count = (c0, c1 - c0) if ins.mode == "uvu" else (0, mul1)
+        key = (ins.i_in1, first, count)
+        if key not in staged:
+            staged[key] = cursor
+            loads.append(Slice(off1[ins.i_in1] + first * ir1.dim, cursor, count * ir1.dim))
+            cursor += count * ir1.dim
+        terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
+                          staged[key], first, off2[ins.i_in2], -1, 0, woff, _cg_terms(p, k)))
+    stage = cursor
+    cursor += (c1 - c0) * ir_o.dim
+    seg = Segment(i_out, c0, c1, ir_o.dim, offo[i_out], stage, tuple(loads), tuple(terms))
+    return seg, cursor
+
+
+def _backward_segment(problem: TPProblem, i_in1: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
+    """Segment for in1 irrep `i_in1`, channels [c0, c1): grad x of those channels, and the grad W
+    and grad y contributions of every instruction reading them."""
+    p = problem
+    off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
+    mul1, ir1 = p.irreps_in1[i_in1]
+    cursor = base
+    loads = [Slice(off1[i_in1] + c0 * ir1.dim, cursor, (c1 - c0) * ir1.dim)]
+    x_smem = cursor
+    cursor += (c1 - c0) * ir1.dim
+    staged: dict[tuple[int, int, int], int] = {}
+    terms = []
+    for k, (ins, woff) in enumerate(zip(p.instructions, p.weight_offsets)):
+        if ins.i_in1 != i_in1:
+            continue
+        mul2, ir2 = p.irreps_in2[ins.i_in2]
+        mul_o, ir_o = p.irreps_out[ins.i_out]
+        first, count = (c0, c1 - c0) if ins.mode == "uvu" else (0, mul_o)
+        key = (ins.i_out, first, count)
+        if key not in staged:
+            staged[key] = cursor
+            loads.append(Slice(offo[ins.i_out] + first * ir_o.dim, cursor, count * ir_o.dim))
+            cursor += count * ir_o.dim
+        terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
+                          x_smem, c0, off2[ins.i_in2], staged[key], first, woff, _cg_terms(p, k)))
+    stage = cursor
+    cursor += (c1 - c0) * ir1.dim
+    seg = Segment(i_in1, c0, c1, ir1.dim, off1[i_in1], stage, tuple(loads), tuple(terms))
+    return seg, cursor
+
+
+def _segments(problem: TPProblem, chunk: int, base: int, backward: bool) -> tuple[list[Segment], int]:
+    irreps = problem.irreps_in1 if backward else problem.irreps_out
+    build = _backward_segment if backward else _forward_segment
+    used = {(ins.i_in1 if backward else ins.i_out) for ins in problem.instructions}
+    segments, peak = [], base
+    for i, (mul, _) in enumerate(irreps):
+        if i not in used:
+            continue  # never written: the op zero-fills these (forward) or they get no gradient
+        for c0 in range(0, mul, chunk):
+            seg, end = build(problem, i, c0, min(mul, c0 + chunk), base)
+            segments.append(seg)
+            peak = max(peak, end)
+    return segments, peak
+
+
+def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
+                   warps_per_block: int = 4, max_chunk: int = 128) -> Schedule:
+    """Pick channel chunks (multiples of 32) so that one warp's window fits the block budget."""
+    problem.validate()
+    y_dim = problem.irreps_in2.dim
+    chunk = max_chunk
+    while True:
+        fwd, peak_f = _segments(problem, chunk, y_dim, backward=False)
+        bwd, peak_b = _segments(problem, chunk, y_dim, backward=True)
+        per_warp = max(peak_f, peak_b, y_dim)
+        for wpb in (warps_per_block, 2, 1):
+            if per_warp * itemsize * wpb <= smem_bytes_per_block:
+                return Schedule(problem, tuple(fwd), tuple(bwd), 0, per_warp, wpb, chunk)
+        if chunk == WARP:
+            raise ValueError(
+                f"problem too large for shared memory: one warp needs {per_warp * itemsize} bytes "
+                f"(budget {smem_bytes_per_block} per block) even with {WARP}-channel chunks; "
+                "uvw instructions with very large in1/out multiplicities are not supported")
+        chunk = max(WARP, chunk // 2)
