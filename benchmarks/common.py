@@ -1,0 +1,86 @@
+"""Timing, peer loading and reporting shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cuda_time(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of fn() measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write), the practical memory roof."""
+    a = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_time(lambda: b.copy_(a), iters=10, warmup=3)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def peers() -> dict:
+    found = {}
+    try:
+        import openequivariance as oeq
+
+        found["oeq"] = oeq
+    except Exception as exc:  # peers are optional: report, do not fail
+        print("OpenEquivariance not importable:", repr(exc)[:200])
+    try:
+        import cuequivariance as cue
+        import cuequivariance_torch as cuet
+
+        found["cueq"] = (cue, cuet)
+    except Exception as exc:
+        print("cuEquivariance not importable:", repr(exc)[:200])
+    return found
+
+
+def environment() -> dict:
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    try:
+        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        info["commit"] = os.environ.get("CGFORGE_COMMIT", "unknown")
+    for mod in ("e3nn", "cupy", "cuequivariance", "openequivariance"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return info
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(os.environ.get("OUT", RESULTS))
+    path = out_dir / f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def fmt(v) -> str:
+    return f"{v:8.3f}" if isinstance(v, float) else f"{'n/a':>8s}"

@@ -1,0 +1,174 @@
+"""`cgforge doctor`: what cgforge finds on this machine, and a compile (with a GPU, a launch) proving it.
+
+Prints versions, the NVRTC library, the GPU and the kernel cache directory, then compiles a small
+kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it on a
+tensor and checks the result. Returns 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["main"]
+
+AXPY_SOURCE = r"""
+extern "C" __global__ void cgforge_doctor_axpy(double a, const double* __restrict__ x,
+                                               double* __restrict__ y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a * x[i];
+}
+"""
+KERNEL = "cgforge_doctor_axpy"
+
+
+def _dist_version(*names: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _cupy_version() -> str:
+    dists = importlib.metadata.packages_distributions().get("cupy", [])
+    for dist in dists:
+        return f"{importlib.metadata.version(dist)} ({dist})"
+    return "not installed"
+
+
+def _cache_dir_status() -> tuple[str, bool]:
+    from .kernels.compiler import cache_dir
+
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".doctor.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        return f"{directory} (NOT writable: {e}; kernels will be recompiled in every process)", False
+    return f"{directory} (writable)", True
+
+
+class _Report:
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+        self.failed = False
+
+    def info(self, label: str, value: str) -> None:
+        self.out(f"  {label:<16} {value}")
+
+    def check(self, label: str, ok: bool, detail: str, *, fatal: bool = True) -> None:
+        status = "ok" if ok else ("FAIL" if fatal else "warn")
+        self.out(f"  [{status:>4}] {label}: {detail}")
+        self.failed |= fatal and not ok
+
+
+def _check_compile(report: _Report, arch: str):
+    from .kernels.compiler import CompileError, compile_cubin
+
+    start = time.perf_counter()
+    try:
+        result = compile_cubin(AXPY_SOURCE, arch=arch, name="cgforge_doctor_axpy.cu")
+    except (CompileError, ValueError, RuntimeError) as e:
+        report.check(f"compile for {arch}", False, str(e).splitlines()[0])
+        return None
+    ms = 1e3 * (time.perf_counter() - start)
+    res = result.kernels.get(KERNEL)
+    if res is None:
+        report.check(f"compile for {arch}", False, "cubin built, but NVRTC's log has no ptxas report")
+        return result
+    report.check(f"compile for {arch}", True, f"{len(result.cubin)} byte cubin in {ms:.0f} ms; "
+                 f"{res.registers} registers, {res.spill_stores} bytes spill stores")
+    return result
+
+
+def _check_gpu_run(report: _Report, torch, arch: str) -> None:
+    from .kernels.runtime import I64, load_kernels
+
+    result = _check_compile(report, arch)
+    if result is None:
+        return
+    try:
+        kernel = load_kernels(result.cubin, [KERNEL])[KERNEL]
+        n = 1000
+        x = torch.arange(n, dtype=torch.float64, device="cuda")
+        y = torch.ones(n, dtype=torch.float64, device="cuda")
+        import numpy as np
+
+        kernel.launch(((n + 127) // 128,), (128,), [np.float64(2.5), x, y, I64(n)])
+        torch.cuda.synchronize()
+        expected = 1.0 + 2.5 * torch.arange(n, dtype=torch.float64)
+        ok = torch.equal(y.cpu(), expected)
+        detail = "axpy result exact" if ok else f"wrong result, max error {(y.cpu() - expected).abs().max()}"
+        report.check("load and run on the GPU", ok, detail)
+    except Exception as e:  # report anything the driver or CuPy raises, don't crash the doctor
+        report.check("load and run on the GPU", False, f"{type(e).__name__}: {e}")
+
+
+def main(out: Callable[[str], None] = print) -> int:
+    """Print the environment report and run the checks; 0 when all checks pass."""
+    report = _Report(out)
+    out("cgforge doctor")
+    report.info("python", f"{platform.python_version()} ({sys.executable})")
+    report.info("cgforge", _dist_version("cgforge"))
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None:
+        report.info("torch", "not installed")
+    else:
+        report.info("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
+    report.info("e3nn", _dist_version("e3nn"))
+    report.info("cupy", _cupy_version())
+    report.info("mace-torch", _dist_version("mace-torch"))
+    report.info("nequip", _dist_version("nequip"))
+    report.info("ase", _dist_version("ase"))
+
+    from .kernels import compiler
+
+    nvrtc_ok = compiler.nvrtc_available()
+    if nvrtc_ok:
+        major, minor = compiler.nvrtc_version()
+        report.info("nvrtc", f"{major}.{minor} ({compiler.nvrtc_library_path()})")
+    else:
+        try:
+            compiler.nvrtc_version()
+        except compiler.NvrtcUnavailableError as e:
+            report.info("nvrtc", f"NOT FOUND\n{e}")
+
+    gpu_arch = None
+    if torch is not None and torch.cuda.is_available():
+        from .kernels.runtime import device_arch
+
+        gpu_arch = device_arch()
+        count = torch.cuda.device_count()
+        report.info("gpu", f"{torch.cuda.get_device_name()} ({gpu_arch}), {count} visible")
+    else:
+        report.info("gpu", "no GPU")
+    cache_text, cache_ok = _cache_dir_status()
+    if os.environ.get("CGFORGE_CACHE_DISABLE", "") in ("1", "true", "yes"):
+        cache_text += ", disabled by CGFORGE_CACHE_DISABLE"
+    report.info("kernel cache", cache_text)
+
+    out("checks")
+    report.check("nvrtc found", nvrtc_ok, "yes" if nvrtc_ok else "install nvidia-cuda-nvrtc-cu12")
+    report.check("kernel cache writable", cache_ok, str(Path(compiler.cache_dir())), fatal=False)
+    if nvrtc_ok:
+        _check_compile(report, "sm_80")
+        if gpu_arch is not None:
+            _check_gpu_run(report, torch, gpu_arch)
+    out("all checks passed" if not report.failed else "some checks FAILED")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
