@@ -1,0 +1,355 @@
+"""Neighbour lists in pure torch: one cell-list (binning) search that runs unchanged on CPU and CUDA.
+
+Conventions are those of matscipy's ``neighbour_list("ijS", atoms, cutoff)``:
+an edge is (sender i, receiver j, integer image vector S) with
+
+    vector = positions[j] - positions[i] + S @ cell,    |vector| < cutoff  (strict)
+
+``cell`` holds the lattice vectors as rows (ASE convention). Every pair appears in both directions,
+an atom is its own neighbour through periodic images when the cell is small, and (i, i, 0) never
+appears. Shifts refer to the positions as given: atoms may lie outside the cell, also along periodic
+directions, and need not be wrapped by the caller.
+
+Edges come sorted by (receiver, sender): the fused convolution consumes receiver-sorted (CSR) edges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["neighbour_list", "edges_within", "VerletNeighbourList"]
+
+PbcLike = bool | Sequence[bool] | Tensor | np.ndarray
+
+# Candidate pairs examined per chunk. Bounds the transient memory (~60 bytes a candidate) whatever N is.
+_CANDIDATES_PER_CHUNK = 1 << 22
+# A cell much thinner than the cutoff needs (2 reach + 1)^3 images; refuse absurd requests clearly.
+_MAX_BIN_OFFSETS = 1 << 20
+
+
+def _as_pbc(pbc: PbcLike) -> tuple[bool, bool, bool]:
+    if isinstance(pbc, bool | np.bool_):
+        return (bool(pbc),) * 3
+    if isinstance(pbc, Tensor):
+        values = pbc.detach().cpu().reshape(-1).tolist()
+    else:
+        values = np.asarray(pbc).reshape(-1)
+    if len(values) != 3 or not all(v in (0, 1) for v in values):
+        raise ValueError(f"pbc must be a bool or three bools, got {pbc!r}")
+    return tuple(bool(v) for v in values)  # type: ignore[return-value]
+
+
+def _check_cutoff(cutoff: float, name: str = "cutoff") -> float:
+    try:
+        value = float(cutoff)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(cutoff).__name__}") from None
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {cutoff!r}")
+    return value
+
+
+def _check_positions_and_cell(positions: Tensor, cell: Tensor) -> None:
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if not isinstance(cell, Tensor):
+        raise TypeError(f"cell must be a torch.Tensor, got {type(cell).__name__}")
+    if positions.ndim != 2 or positions.shape[1] != 3:
+        raise ValueError(f"positions must have shape [N, 3], got {tuple(positions.shape)}")
+    if positions.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"positions must be float32 or float64, got {positions.dtype}")
+    if tuple(cell.shape) != (3, 3):
+        raise ValueError(f"cell must have shape [3, 3] (lattice vectors as rows), got {tuple(cell.shape)}")
+    if cell.dtype != positions.dtype:
+        raise ValueError(f"cell dtype {cell.dtype} does not match positions dtype {positions.dtype}")
+    if cell.device != positions.device:
+        raise ValueError(f"cell is on {cell.device} but positions are on {positions.device}")
+
+
+def _binning_basis(cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray:
+    """Rows: the periodic lattice vectors, completed by an orthonormal basis of their complement.
+
+    Non-periodic cell vectors are never used for shifts, so they may be zero, parallel or anything:
+    binning along them happens in Cartesian distance perpendicular to the periodic lattice.
+    """
+    periodic_rows = [d for d in range(3) if pbc[d]]
+    if not periodic_rows:
+        return np.eye(3)
+    lattice = cell[periodic_rows]
+    singular_values = np.linalg.svd(lattice, compute_uv=False)
+    if singular_values.max() == 0.0 or singular_values.min() <= 1e-9 * singular_values.max():
+        raise ValueError(
+            f"cell is singular along its periodic directions (pbc={pbc}): "
+            f"lattice vectors {lattice.tolist()} are not linearly independent"
+        )
+    _, _, right = np.linalg.svd(lattice)
+    complement = iter(right[len(periodic_rows):])
+    return np.stack([cell[d] if pbc[d] else next(complement) for d in range(3)])
+
+
+def _bins_per_direction(lengths: np.ndarray, cutoff: float, n_atoms: int) -> list[int]:
+    """Bins at least `cutoff` wide, coarsened when the box is mostly vacuum so memory stays O(N)."""
+    max_bins = 2 * n_atoms + 64
+    width = cutoff
+    while True:
+        bins = [max(1, int(length // width)) for length in lengths]
+        total = math.prod(bins)
+        if total <= max_bins:
+            return bins
+        width *= max(1.01, (total / max_bins) ** (1 / 3))
+
+
+def _empty_edges(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.int64, device=device)
+
+
+def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float,
+            candidates_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    n_atoms, device, dtype = positions.shape[0], positions.device, positions.dtype
+    if n_atoms == 0:
+        return _empty_edges(device)
+    if not bool(torch.isfinite(positions).all()):
+        raise ValueError("positions contain NaN or inf")
+    cell_host = cell.to("cpu", torch.float64).numpy()
+    if not np.isfinite(cell_host).all():
+        raise ValueError(f"cell contains NaN or inf: {cell_host.tolist()}")
+
+    # Fractional coordinates in the binning basis (float64 whatever the input dtype: wrapping must be exact).
+    basis = _binning_basis(cell_host, pbc)
+    inverse = np.linalg.inv(basis)
+    heights = 1.0 / np.linalg.norm(inverse, axis=0)  # spacing of lattice planes per direction, in Å
+    frac = positions.to(torch.float64) @ torch.as_tensor(inverse, device=device)
+    periodic = torch.tensor(pbc, device=device)
+    wrap = torch.where(periodic, -torch.floor(frac), torch.zeros_like(frac))  # integer images into the cell
+    frac = frac + wrap
+    low, high = torch.stack([frac.amin(0), frac.amax(0)]).cpu().numpy()
+    origin = np.where(pbc, 0.0, low)
+    extent = np.where(pbc, 1.0, high - low)
+
+    bins = _bins_per_direction(extent * heights, cutoff, n_atoms)
+    bin_width = np.where(extent > 0, extent / np.asarray(bins), 1.0)
+    # How many bins each side can hold a neighbour: one when bins are >= cutoff wide, more for a thin cell.
+    reach = [
+        math.ceil(cutoff * bins[d] / (extent[d] * heights[d]) - 1e-9) if pbc[d] else min(1, bins[d] - 1)
+        for d in range(3)
+    ]
+    n_offsets = math.prod(2 * r + 1 for r in reach)
+    if n_offsets > _MAX_BIN_OFFSETS:
+        raise ValueError(
+            f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
+            f"the search would need {n_offsets} periodic images"
+        )
+
+    bins_t = torch.tensor(bins, device=device)
+    coord = (frac - torch.as_tensor(origin, device=device)) / torch.as_tensor(bin_width, device=device)
+    # Clamped: a wrapped coordinate that rounds to exactly 1.0 stays in the last bin.
+    coord = torch.minimum(torch.floor(coord).long().clamp_(min=0), bins_t - 1)
+    bin_of_atom = (coord[:, 0] * bins[1] + coord[:, 1]) * bins[2] + coord[:, 2]
+    atoms_by_bin = torch.argsort(bin_of_atom, stable=True)
+    atoms_in_bin = torch.bincount(bin_of_atom, minlength=math.prod(bins))
+    first_in_bin = torch.cumsum(atoms_in_bin, 0) - atoms_in_bin
+
+    # Tables over occupied bins x bin offsets: which bin (and periodic image of it) each offset lands in.
+    occupied = torch.nonzero(atoms_in_bin).squeeze(1)
+    row_of_bin = torch.full_like(atoms_in_bin, -1)
+    row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
+    row_of_atom = row_of_bin[bin_of_atom]
+    occupied_coord = torch.stack(
+        [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
+    )
+    axes = [torch.arange(-r, r + 1, device=device) for r in reach]
+    offsets = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+    target = occupied_coord[:, None, :] + offsets[None, :, :]
+    image = torch.where(periodic, torch.div(target, bins_t, rounding_mode="floor"), torch.zeros_like(target))
+    target = target - image * bins_t
+    valid = ((target >= 0) & (target < bins_t)).all(-1)
+    target_bin = torch.where(valid, (target[..., 0] * bins[1] + target[..., 1]) * bins[2] + target[..., 2], 0)
+    pair_count = torch.where(valid, atoms_in_bin[target_bin], 0).reshape(-1)
+    pair_first = first_in_bin[target_bin].reshape(-1)
+    pair_image = image.reshape(-1, 3)
+    pair_image_vector = pair_image.to(dtype) @ cell
+    pair_is_home = (pair_image == 0).all(-1)
+
+    # Chunks of receivers with a bounded number of candidate senders each.
+    per_atom = pair_count.reshape(-1, n_offsets).sum(1)[row_of_atom]
+    cumulative = torch.cumsum(per_atom, 0)
+    total = int(cumulative[-1])
+    n_chunks = max(1, math.ceil(total / candidates_per_chunk))
+    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk,
+                              right=True)
+    bounds = sorted({0, n_atoms, *cuts.tolist()})
+    ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
+
+    wrapped = positions.detach() + wrap.to(dtype) @ cell
+    # Coordinates as three 1-D rows (structure of arrays): 1-D index_select is the fastest gather on CPU.
+    sender_rows = wrapped.index_select(0, atoms_by_bin).T.contiguous()  # senders are read bin by bin
+    wrap_int = wrap.long()
+    # The search runs on wrapped coordinates with a slightly larger cutoff; the survivors are then cut
+    # exactly as edges_within() computes them from the positions as given, so that both always agree.
+    scale = float(torch.maximum(positions.abs().max(), wrapped.abs().max()))
+    search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * scale
+    offset_ids = torch.arange(n_offsets, device=device)
+    senders, receivers, shifts = [], [], []
+    start_total = 0
+    for begin, end, end_total in zip(bounds[:-1], bounds[1:], ends, strict=True):
+        chunk_total = end_total - start_total
+        start_total = end_total
+        if chunk_total == 0:
+            continue
+        # Receiver a meets every atom c of every (bin, image) its offsets reach:
+        # vector = wrapped[a] - image @ cell - wrapped[c], the first two terms once per (a, offset).
+        pairs = (row_of_atom[begin:end, None] * n_offsets + offset_ids).reshape(-1)
+        image_vector = pair_image_vector.index_select(0, pairs).view(-1, n_offsets, 3)
+        pair_base = wrapped[begin:end, None, :] - image_vector
+        pair_rows = pair_base.reshape(-1, 3).T.contiguous()
+        counts = pair_count.index_select(0, pairs)
+        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts,
+                                       output_size=chunk_total)
+        pair_offset = pair_first.index_select(0, pairs) - torch.cumsum(counts, 0) + counts
+        sorted_index = torch.arange(chunk_total, device=device).add_(pair_offset.index_select(0, slot))
+        distance_sq = torch.zeros(chunk_total, dtype=dtype, device=device)
+        for d in range(3):
+            component = pair_rows[d].index_select(0, slot).sub_(sender_rows[d].index_select(0, sorted_index))
+            distance_sq.addcmul_(component, component)
+        keep = torch.nonzero(distance_sq < search_cutoff * search_cutoff).squeeze(1)
+        slot = slot.index_select(0, keep)
+        pair = pairs.index_select(0, slot)
+        receiver = begin + torch.div(slot, n_offsets, rounding_mode="floor")
+        sender = atoms_by_bin.index_select(0, sorted_index.index_select(0, keep))
+        not_self = torch.nonzero((receiver != sender) | ~pair_is_home.index_select(0, pair)).squeeze(1)
+        receiver, sender, pair = (t.index_select(0, not_self) for t in (receiver, sender, pair))
+        receivers.append(receiver)
+        senders.append(sender)
+        # Back from wrapped to the positions as given: vector = p[a] - p[c] + (W[a] - W[c] - image) @ cell.
+        shifts.append(wrap_int.index_select(0, receiver) - wrap_int.index_select(0, sender)
+                      - pair_image.index_select(0, pair))
+    if not receivers:
+        return _empty_edges(device)
+    sender, receiver, shift = torch.cat(senders), torch.cat(receivers), torch.cat(shifts)
+    inside = torch.nonzero(edges_within(positions, cell, sender, receiver, shift, cutoff)[2]).squeeze(1)
+    sender, receiver, shift = (t.index_select(0, inside) for t in (sender, receiver, shift))
+    # Receivers are already ascending (chunks and slots go receiver by receiver); order senders within them.
+    order = torch.argsort(receiver * n_atoms + sender, stable=True)
+    return tuple(t.index_select(0, order) for t in (sender, receiver, shift))
+
+
+def neighbour_list(
+    positions: Tensor,
+    cell: Tensor,
+    pbc: PbcLike,
+    cutoff: float,
+    *,
+    return_vectors: bool = False,
+    candidates_per_chunk: int = _CANDIDATES_PER_CHUNK,
+) -> tuple[Tensor, ...]:
+    """All pairs closer than `cutoff`, as matscipy's ``neighbour_list("ijS", ...)`` finds them.
+
+    positions [N, 3] and cell [3, 3] (lattice vectors as rows) share dtype (float32/float64) and device;
+    pbc is three bools (a tuple avoids a device sync; a tensor is accepted). Along non-periodic directions
+    the cell is ignored and may be zero.
+
+    Returns (sender, receiver, shifts): int64 [E], int64 [E], int64 [E, 3], sorted by (receiver, sender),
+    such that ``vectors = positions[receiver] - positions[sender] + shifts @ cell``. With
+    ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
+    respect to positions and cell. Indices never carry gradients.
+
+    Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide; candidates are
+    processed in chunks of `candidates_per_chunk`). The build syncs with the device a few times.
+    """
+    _check_positions_and_cell(positions, cell)
+    pbc = _as_pbc(pbc)
+    cutoff = _check_cutoff(cutoff)
+    if int(candidates_per_chunk) < 1:
+        raise ValueError(f"candidates_per_chunk must be >= 1, got {candidates_per_chunk}")
+    with torch.no_grad():
+        sender, receiver, shifts = _search(positions.detach(), cell.detach(), pbc, cutoff,
+                                           int(candidates_per_chunk))
+    if not return_vectors:
+        return sender, receiver, shifts
+    vectors, lengths, _ = edges_within(positions, cell, sender, receiver, shifts, cutoff)
+    return sender, receiver, shifts, vectors, lengths
+
+
+def edges_within(
+    positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, cutoff: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list.
+
+    Differentiable with respect to positions and cell (the stress path goes through ``shifts @ cell``,
+    a matmul, never a gather). No device sync: apply the mask as a weight, or index with it when needed.
+    """
+    vectors = (positions.index_select(0, receiver) - positions.index_select(0, sender)
+               + shifts.to(positions.dtype) @ cell)
+    lengths = torch.linalg.vector_norm(vectors, dim=-1)
+    return vectors, lengths, lengths < cutoff
+
+
+class VerletNeighbourList:
+    """A neighbour list at ``cutoff + skin`` rebuilt only when it may have gone stale.
+
+    ``update(positions, cell, pbc)`` rebuilds when any atom has moved more than skin/2 since the last
+    build (then no pair can have crossed into the cutoff unseen), or when the cell, pbc, atom count,
+    dtype or device changed. Between rebuilds the check costs one device-to-host bool. Consumers take
+    ``sender, receiver, shifts`` and mask each step with :func:`edges_within` at ``cutoff``.
+    """
+
+    def __init__(self, cutoff: float, skin: float = 0.5) -> None:
+        self.cutoff = _check_cutoff(cutoff)
+        skin = float(skin)
+        if not math.isfinite(skin) or skin < 0.0:
+            raise ValueError(f"skin must be a finite number >= 0, got {skin!r}")
+        self.skin = skin
+        self.sender: Tensor | None = None
+        self.receiver: Tensor | None = None
+        self.shifts: Tensor | None = None
+        self.n_builds = 0
+        self._positions: Tensor | None = None
+        self._cell: Tensor | None = None
+        self._pbc: tuple[bool, bool, bool] | None = None
+
+    @property
+    def list_cutoff(self) -> float:
+        return self.cutoff + self.skin
+
+    def update(self, positions: Tensor, cell: Tensor, pbc: PbcLike) -> bool:
+        """Rebuild if needed; returns True when the list was rebuilt."""
+        _check_positions_and_cell(positions, cell)
+        pbc = _as_pbc(pbc)
+        if not self._is_stale(positions, cell, pbc):
+            return False
+        self.sender, self.receiver, self.shifts = neighbour_list(positions, cell, pbc, self.list_cutoff)
+        self._positions = positions.detach().clone()
+        self._cell = cell.detach().clone()
+        self._pbc = pbc
+        self.n_builds += 1
+        return True
+
+    def edges(self, positions: Tensor, cell: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(vectors, lengths, mask) of the current list at the true cutoff; call after update()."""
+        if self.sender is None:
+            raise RuntimeError("VerletNeighbourList.edges() called before update()")
+        return edges_within(positions, cell, self.sender, self.receiver, self.shifts, self.cutoff)
+
+    def _is_stale(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]) -> bool:
+        reference = self._positions
+        if (
+            reference is None
+            or pbc != self._pbc
+            or reference.shape != positions.shape
+            or reference.dtype != positions.dtype
+            or reference.device != positions.device
+        ):
+            return True
+        with torch.no_grad():
+            stale = (cell != self._cell).any()
+            if positions.shape[0]:
+                moved_sq = (positions - reference).square().sum(-1).amax()
+                # Written as "not <=" so that NaN positions count as moved and reach the build's checks.
+                stale = stale | ~(moved_sq <= (0.5 * self.skin) ** 2)
+            return bool(stale)  # the one host sync per step
