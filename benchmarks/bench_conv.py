@@ -16,7 +16,7 @@ import torch
 from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
+from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
 
 from cgforge.kernels import Convolution, ConvGraph  # noqa: E402
 from cgforge.kernels.problems import PROBLEMS  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
                     oeq = found["oeq"]
                     try:
                         prob = oeq.TPProblem(i1, i2, io, ins, shared_weights=False, internal_weights=False,
-                                             irrep_dtype=dtype, weight_dtype=dtype)
+                                             irrep_dtype=NP_DTYPE[dtype], weight_dtype=NP_DTYPE[dtype])
                         ca = oeq.TensorProductConv(prob, torch_op=True, deterministic=False)
                         impls["oeq_atomic"] = lambda ca=ca: ca.forward(x, y, w, receiver, sender)
                         perm = torch.argsort(receiver * n + sender)

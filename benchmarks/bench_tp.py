@@ -13,7 +13,7 @@ import torch
 from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
+from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
 
 from cgforge.kernels import TensorProduct  # noqa: E402
 from cgforge.kernels.problems import PROBLEMS  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> None:
                 try:
                     oeq = found["oeq"]
                     prob = oeq.TPProblem(i1, i2, io, ins, shared_weights=False, internal_weights=False,
-                                         irrep_dtype=dtype, weight_dtype=dtype)
+                                         irrep_dtype=NP_DTYPE[dtype], weight_dtype=NP_DTYPE[dtype])
                     impls["oeq"] = oeq.TensorProduct(prob, torch_op=True)
                 except Exception as exc:
                     r["oeq_fail"] = repr(exc)[:200]

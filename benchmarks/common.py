@@ -9,9 +9,11 @@ import platform
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}  # OpenEquivariance wants numpy dtypes
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 5) -> float:
