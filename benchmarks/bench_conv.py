@@ -18,7 +18,7 @@ from e3nn import o3
 sys.path.insert(0, os.path.dirname(__file__))
 from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
 
-from cgforge.kernels import Convolution, ConvGraph  # noqa: E402
+from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
 from cgforge.kernels.problems import PROBLEMS  # noqa: E402
 
 DHFR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dhfr_jac_23558.tinker.xyz"
@@ -139,7 +139,6 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
                 rows.append(r)
                 print(r, flush=True)
-                del impls, x, y, w, e3, conv
                 torch.cuda.empty_cache()
     env = environment()
     path = write_json("conv", {"env": env, "bandwidth_GBps": bandwidth / 1e9, "rows": rows})

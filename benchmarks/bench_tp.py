@@ -89,7 +89,6 @@ def main() -> None:
                         torch.cuda.empty_cache()
             rows.append(r)
             print(r, flush=True)
-            del impls, e3, ours, x, y, w, ref, g
             torch.cuda.empty_cache()
     env = environment()
     path = write_json("tp", {"env": env, "bandwidth_GBps": bandwidth / 1e9, "rows": rows})

@@ -74,7 +74,8 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         name=name, scalar=scalar, lit=_literal(scalar),
         warps=schedule.warps_per_block, smem_per_warp=schedule.smem_per_warp,
         in1_dim=p.irreps_in1.dim, in2_dim=p.irreps_in2.dim, out_dim=p.irreps_out.dim,
-        wnumel=max(p.weight_numel, 1), shared_weights=p.shared_weights, gw_op="+=" if p.shared_weights else "=", y_smem=schedule.y_smem,
+        wnumel=max(p.weight_numel, 1), shared_weights=p.shared_weights, y_smem=schedule.y_smem,
+        gw_op="+=" if p.shared_weights else "=",  # shared weights: per-warp partial sums
         forward=schedule.forward, backward=schedule.backward,
         seg_gy=[_gy_slots(s) for s in schedule.backward],
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,

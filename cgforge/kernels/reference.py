@@ -19,8 +19,8 @@ def reference_tp(problem: TPProblem, x: torch.Tensor, y: torch.Tensor, weight: t
     outs = [x.new_zeros(batch, mul, ir.dim) for mul, ir in problem.irreps_out]
     s1, s2 = problem.irreps_in1.slices(), problem.irreps_in2.slices()
     for ins, woff in zip(problem.instructions, problem.weight_offsets):
-        (m1, ir1), (m2, ir2), (mo, iro) = (problem.irreps_in1[ins.i_in1], problem.irreps_in2[ins.i_in2],
-                                           problem.irreps_out[ins.i_out])
+        (m1, ir1), (m2, ir2), (_, iro) = (problem.irreps_in1[ins.i_in1], problem.irreps_in2[ins.i_in2],
+                                          problem.irreps_out[ins.i_out])
         xs = x[:, s1[ins.i_in1]].reshape(batch, m1, ir1.dim)
         ys = y[:, s2[ins.i_in2]].reshape(batch, m2, ir2.dim)
         cg = dense_cg(ir1.l, ir2.l, iro.l, ins.path_weight, x.dtype, x.device)
@@ -36,7 +36,7 @@ def reference_tp(problem: TPProblem, x: torch.Tensor, y: torch.Tensor, weight: t
         outs[ins.i_out] = outs[ins.i_out] + contrib
     if not outs:
         return x.new_zeros(batch, 0)
-    return torch.cat([o.reshape(batch, -1) for o in outs], dim=1)
+    return torch.cat([o.flatten(1) for o in outs], dim=1)
 
 
 _EINSUM = {  # operands: weight, x, y, cg, grad-out  (b: row)
@@ -69,11 +69,10 @@ def reference_tp_backward(problem: TPProblem, x: torch.Tensor, y: torch.Tensor, 
             w = w_rows[:, woff:woff + ins.weight_numel].reshape(batch, *ins.path_shape)
         else:
             w = x.new_ones(batch, m1, m2)
-        gx[:, s1[ins.i_in1]] += torch.einsum(_EINSUM[ins.mode, "x"], w, ys, cg, gs).reshape(batch, -1)
-        gy[:, s2[ins.i_in2]] += torch.einsum(_EINSUM[ins.mode, "y"], w, xs, cg, gs).reshape(batch, -1)
+        gx[:, s1[ins.i_in1]] += torch.einsum(_EINSUM[ins.mode, "x"], w, ys, cg, gs).flatten(1)
+        gy[:, s2[ins.i_in2]] += torch.einsum(_EINSUM[ins.mode, "y"], w, xs, cg, gs).flatten(1)
         if ins.has_weight:
-            gw[:, woff:woff + ins.weight_numel] = torch.einsum(_EINSUM[ins.mode, "w"], xs, ys, cg, gs).reshape(
-                batch, -1)
+            gw[:, woff:woff + ins.weight_numel] = torch.einsum(_EINSUM[ins.mode, "w"], xs, ys, cg, gs).flatten(1)
     if problem.shared_weights:
         gw = gw.sum(0)
     return gx, gy, gw
