@@ -1,0 +1,94 @@
+"""The ``cgforge`` command line. One small function per subcommand; each returns the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _check_paths(src: str, dst: str, force: bool) -> None:
+    """Refuse before any work: IN must exist, OUT must not be IN, OUT needs --force to be replaced."""
+    if not os.path.exists(src):
+        raise FileNotFoundError(f"IN: {src} does not exist")
+    if os.path.exists(dst):
+        if os.path.samefile(src, dst):
+            raise ValueError(f"OUT is the same file as IN ({dst}); cgforge never writes over its input")
+        if not force:
+            raise FileExistsError(f"OUT: {dst} exists; pass --force to overwrite it")
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    from cgforge import patches
+
+    _check_paths(args.input, args.output, args.force)
+    model = patches.load(args.input, device=args.device, dtype=args.dtype)
+    out = patches.save_patched(model, args.output, force=args.force)
+    print(f"cgforge: wrote patched model to {out}")
+    return EXIT_OK
+
+
+def cmd_unpatch(args: argparse.Namespace) -> int:
+    from cgforge import patches
+    from cgforge.patches import mace
+
+    _check_paths(args.input, args.output, args.force)
+    if patches.checkpoint_kind(args.input) != "mace":
+        raise ValueError(f"IN: {args.input}: unpatch writes MACE .model files; this is not one")
+    model = mace.load_mace(args.input, device="cpu", dtype=None, patched=False)
+    patches.atomic_save(mace.unpatch(model), args.output, force=args.force)
+    print(f"cgforge: wrote plain MACE model to {args.output}")
+    return EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main()
+
+
+def _add_io(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", metavar="IN", help="checkpoint to read (never modified)")
+    parser.add_argument("output", metavar="OUT", help="file to write")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cgforge", description="Fast equivariant kernels for MACE and NequIP."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("patch", help="write a copy of a checkpoint that uses cgforge's kernels")
+    _add_io(p)
+    p.add_argument("--device", default="cpu", help="device to load and save on: cpu (default), cuda, cuda:N")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="convert the model's precision (default: keep the checkpoint's)")
+    p.set_defaults(func=cmd_patch)
+
+    p = sub.add_parser("unpatch", help="write a plain MACE model (loadable without cgforge)")
+    _add_io(p)
+    p.set_defaults(func=cmd_unpatch)
+
+    p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"cgforge {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

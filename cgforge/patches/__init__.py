@@ -1,0 +1,127 @@
+"""Adapters that put cgforge's kernels into MACE and NequIP models and checkpoints.
+
+    model = cgforge.patches.load("mace.model", device="cuda", dtype="float32")   # patched, ready to run
+    cgforge.patches.save_patched(model, "mace-cgforge.model")
+    plain = cgforge.patches.unpatch(model)                                         # loadable without cgforge
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import mace as _mace
+from .mace_legacy import LegacyCheckpointError, describe_file
+
+__all__ = ["load", "patch", "unpatch", "save_patched", "checkpoint_kind", "LegacyCheckpointError"]
+
+_NEQUIP_SUFFIXES = (".ckpt", ".nequip.zip")
+_MACE_SUFFIXES = (".model", ".pt", ".pth")
+_COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
+
+
+def checkpoint_kind(path: str | os.PathLike) -> str:
+    """``"mace"`` or ``"nequip"``, from the file name, else from the file's contents."""
+    path = os.fspath(path)
+    name = os.path.basename(path).lower()
+    if name.endswith(_COMPILED_SUFFIXES):
+        raise ValueError(
+            f"{path}: a compiled (TorchScript/AOTInductor) model; cgforge patches eager models: "
+            "give the .ckpt or .nequip.zip it was compiled from"
+        )
+    if name.endswith(_NEQUIP_SUFFIXES):
+        return "nequip"
+    if name.endswith(_MACE_SUFFIXES):
+        return "mace"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if _is_torch_pickle_zip(path):
+        return "mace"
+    raise ValueError(
+        f"{path}: cannot tell the checkpoint type (found {describe_file(path)}); expected a MACE "
+        f"{'/'.join(_MACE_SUFFIXES)} file or a NequIP {'/'.join(_NEQUIP_SUFFIXES)} file"
+    )
+
+
+def _is_torch_pickle_zip(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(n.endswith("/data.pkl") for n in zf.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def load(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> torch.nn.Module:
+    """Load a MACE or NequIP checkpoint and return the model patched with cgforge's kernels.
+
+    ``dtype`` None keeps the checkpoint's precision; ``"float32"``/``"float64"`` converts.
+    MACE files written by older mace-torch or with e3nn 0.4 inside are upgraded in memory.
+    """
+    if checkpoint_kind(path) == "nequip":
+        from .nequip import load_nequip  # lazy: nequip is an optional dependency
+
+        return load_nequip(path, device=device, dtype=dtype)
+    return _mace.load_mace(path, device=device, dtype=dtype, patched=True)
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Patch a model in place (idempotent) and return it."""
+    if _mace.is_mace_model(model):
+        return _mace.patch(model)
+    raise TypeError(f"model: expected a MACE model, got {type(model).__module__}.{type(model).__qualname__}")
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``patch`` in place: the model no longer refers to cgforge."""
+    if _mace.is_mace_model(model):
+        return _mace.unpatch(model)
+    raise TypeError(f"model: expected a MACE model, got {type(model).__module__}.{type(model).__qualname__}")
+
+
+def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Patch ``model`` (if not yet) and write it as a whole-model pickle, atomically.
+
+    Refuses to overwrite an existing ``path`` unless ``force``. The file loads with
+    ``torch.load(path, weights_only=False)`` wherever cgforge is installed, and in MACECalculator.
+    """
+    patch(model)
+    return atomic_save(model, path, force=force)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, then rename it into place."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"output: {path} is a directory, expected a file name")
+    if path.exists() and not force:
+        raise FileExistsError(f"output: {path} exists; use force=True (--force) to overwrite it")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

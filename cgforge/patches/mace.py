@@ -1,0 +1,389 @@
+"""Put cgforge's fused convolution into MACE models (mace-torch 0.3.x).
+
+mace-torch already has a socket for fused convolutions (cuEquivariance and OpenEquivariance use it):
+an interaction block that *has* a ``conv_fusion`` attribute calls
+
+    message = self.conv_tp(node_feats, edge_attrs, tp_weights, edge_index)
+
+with ``edge_index[0]`` the senders and ``edge_index[1]`` the receivers, and expects the messages already
+summed per receiver, ``[num_nodes, irreps_out.dim]``. Without it the block gathers ``node_feats[sender]``,
+calls the e3nn TensorProduct per edge and scatter-sums. So patching a block is: set ``conv_fusion`` and
+swap ``conv_tp`` for a ``FusedConvTP`` with the same ``weight_numel``. The block's own forward, its
+radial MLP and every other submodule stay as they are.
+
+The state_dict is unchanged: ``FusedConvTP`` keeps the two (weightless) buffers e3nn's TensorProduct
+has, ``weight`` (empty) and ``output_mask``, so state dicts move freely between patched and plain
+models. The original e3nn module rides along (not as a submodule) so ``unpatch`` restores it exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from e3nn import o3
+
+from cgforge import kernels
+
+from . import mace_legacy
+
+log = logging.getLogger(__name__)
+
+# Interaction blocks of mace-torch 0.3.16 whose forward has the conv_fusion branch.
+SUPPORTED_INTERACTIONS = (
+    "RealAgnosticInteractionBlock",
+    "RealAgnosticResidualInteractionBlock",
+    "RealAgnosticDensityInteractionBlock",
+    "RealAgnosticDensityResidualInteractionBlock",
+    "RealAgnosticAttResidualInteractionBlock",
+    "RealAgnosticResidualNonLinearInteractionBlock",
+)
+_FUSION_TAG = "cgforge"
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its blocks) is of a type or version cgforge does not patch."""
+
+
+class GraphCache:
+    """One ConvGraph per model call, shared by all interaction blocks of one model.
+
+    MACE hands the same ``data["edge_index"]`` tensor to every interaction block, so the first block
+    builds the graph (receiver sort / CSR) and the others reuse it. A hit needs the very same tensor
+    object (held here, so its id cannot be recycled), an unchanged in-place version counter and the
+    same node count. The cache is also registered as a forward pre-hook of the model and emptied at
+    the start of every model call: graphs never outlive a call, so a caller that mutates or reuses
+    tensors between calls cannot get a stale graph. Rebuilding once per call costs one sort of the
+    edges, small next to the model. Not shared between threads calling one model at the same time.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._edge_index: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+        self._graph: Any = None
+
+    def get(self, edge_index: torch.Tensor, num_nodes: int) -> Any:
+        key = (_version(edge_index), int(num_nodes))
+        if self._edge_index is edge_index and self._key == key:
+            return self._graph
+        graph = kernels.ConvGraph(edge_index[0], edge_index[1], int(num_nodes))
+        self._edge_index, self._key, self._graph = edge_index, key, graph
+        return graph
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:  # forward pre-hook
+        self.clear()
+
+    # Pickled (with the model) and deep-copied empty: a graph belongs to one call on one device.
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.clear()
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter; the per-call reset covers them
+        return -1
+
+
+class FusedConvTP(torch.nn.Module):
+    """MACE's ``conv_tp`` with the conv_fusion call signature, backed by ``cgforge.kernels.Convolution``."""
+
+    def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache) -> None:
+        super().__init__()
+        self.conv = kernels.Convolution.from_e3nn(e3nn_tp)
+        if self.conv.weight_numel != e3nn_tp.weight_numel:
+            raise UnsupportedModelError(
+                f"cgforge Convolution has weight_numel {self.conv.weight_numel}, the e3nn TensorProduct "
+                f"{e3nn_tp.weight_numel}"
+            )
+        self.weight_numel = e3nn_tp.weight_numel
+        self.irreps_in1 = e3nn_tp.irreps_in1
+        self.irreps_in2 = e3nn_tp.irreps_in2
+        self.irreps_out = e3nn_tp.irreps_out
+        self.instructions = e3nn_tp.instructions
+        self.shared_weights = e3nn_tp.shared_weights
+        self.internal_weights = e3nn_tp.internal_weights
+        # Adopt the e3nn module's buffers and its (weightless) generated submodules under the same names:
+        # the state_dict keeps exactly the keys, order and values of the TensorProduct it replaces.
+        if any(True for _ in e3nn_tp.parameters()):
+            raise UnsupportedModelError("conv_tp has parameters; MACE passes its weights per edge")
+        for name, buf in e3nn_tp.named_buffers(recurse=False):
+            self.register_buffer(name, buf, persistent=name not in e3nn_tp._non_persistent_buffers_set)
+        for name, child in e3nn_tp.named_children():
+            self.add_module(name, child)
+        self.graphs = graphs
+        # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
+        self.original = (e3nn_tp,)
+
+    def forward(
+        self,
+        node_feats: torch.Tensor,
+        edge_attrs: torch.Tensor,
+        tp_weights: torch.Tensor,
+        edge_index: torch.Tensor,
+    ) -> torch.Tensor:
+        graph = self.graphs.get(edge_index, node_feats.shape[0])
+        # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
+        return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
+
+    def extra_repr(self) -> str:
+        return f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, weight_numel={self.weight_numel}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (everything is checked before anything is changed)
+
+
+def is_mace_model(obj: Any) -> bool:
+    return (
+        isinstance(obj, torch.nn.Module)
+        and type(obj).__module__.startswith("mace.")
+        and isinstance(getattr(obj, "interactions", None), torch.nn.ModuleList)
+    )
+
+
+def _describe(obj: Any) -> str:
+    cls = type(obj)
+    if isinstance(obj, dict):
+        keys = ", ".join(sorted(map(str, obj))[:6])
+        return f"a dict with keys [{keys}] (a state_dict or training checkpoint, not a whole model)"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def interaction_blocks(model: Any) -> list[torch.nn.Module]:
+    """The model's interaction blocks, after checking that every one can be patched."""
+    if not is_mace_model(model):
+        raise TypeError(
+            f"model: expected a MACE model (a mace.modules.models class with .interactions), got "
+            f"{_describe(model)}"
+        )
+    blocks = list(model.interactions)
+    for i, block in enumerate(blocks):
+        _check_block(f"interactions.{i}", block)
+    return blocks
+
+
+def _check_block(where: str, block: torch.nn.Module) -> None:
+    cls = type(block)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ != "mace.modules.blocks" or cls.__name__ not in SUPPORTED_INTERACTIONS:
+        raise UnsupportedModelError(
+            f"{where}: interaction block {name} is not supported by cgforge "
+            f"(supported: {', '.join(SUPPORTED_INTERACTIONS)})"
+        )
+    tp = getattr(block, "conv_tp", None)
+    if isinstance(tp, FusedConvTP):
+        return
+    if hasattr(block, "conv_fusion"):
+        raise UnsupportedModelError(
+            f"{where}: {cls.__name__} already uses another fused convolution ({type(tp).__qualname__}, "
+            f"conv_fusion={block.conv_fusion!r}); convert the model back to e3nn first "
+            "(mace.cli.convert_cueq_e3nn / convert_oeq_e3nn)"
+        )
+    if type(tp) is not o3.TensorProduct:
+        raise UnsupportedModelError(
+            f"{where}.conv_tp: expected an e3nn o3.TensorProduct, got {_describe(tp)} "
+            "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
+        )
+    if tp.internal_weights or tp.shared_weights:
+        raise UnsupportedModelError(
+            f"{where}.conv_tp: expected per-edge weights (shared_weights=False, internal_weights=False)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch / unpatch
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every interaction block's convolution for cgforge's fused one. In place, idempotent.
+
+    Raises ``TypeError`` for an object that is not a MACE model and ``UnsupportedModelError`` (a
+    ``ValueError``) naming the first unsupported block; the model is left untouched in both cases.
+    """
+    blocks = interaction_blocks(model)
+    graphs = _graph_cache(model) or GraphCache()
+    replacements: dict[int, FusedConvTP] = {}
+    for i, block in enumerate(blocks):
+        if isinstance(block.conv_tp, FusedConvTP):
+            continue
+        try:
+            fused = FusedConvTP(block.conv_tp, graphs)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise UnsupportedModelError(
+                f"interactions.{i}.conv_tp ({block.conv_tp}): cgforge cannot build this convolution: {err}"
+            ) from err
+        replacements[i] = fused
+    for i, fused in replacements.items():
+        blocks[i].conv_tp = fused
+        blocks[i].conv_fusion = _FUSION_TAG
+    for block in blocks:
+        block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
+    if not any(hook is graphs for hook in model._forward_pre_hooks.values()):
+        _remove_graph_hooks(model)
+        model.register_forward_pre_hook(graphs)
+    if replacements:
+        log.info("cgforge: patched %d MACE interaction blocks", len(replacements))
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn a patched model back into a plain MACE model (no cgforge objects left). In place."""
+    if not is_mace_model(model):
+        raise TypeError(f"model: expected a MACE model, got {_describe(model)}")
+    blocks = list(model.interactions)
+    for i, block in enumerate(blocks):
+        if isinstance(getattr(block, "conv_tp", None), FusedConvTP) and block.conv_fusion != _FUSION_TAG:
+            raise UnsupportedModelError(
+                f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
+            )
+    for block in blocks:
+        fused = getattr(block, "conv_tp", None)
+        if not isinstance(fused, FusedConvTP):
+            continue
+        (original,) = fused.original
+        for name in original._buffers:
+            original._buffers[name] = fused._buffers[name]  # as moved/converted since patching
+        block.conv_tp = original
+        del block.conv_fusion
+    _remove_graph_hooks(model)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return is_mace_model(model) and any(isinstance(getattr(b, "conv_tp", None), FusedConvTP)
+                                        for b in model.interactions)
+
+
+def patch_symmetric_contractions(model: torch.nn.Module) -> torch.nn.Module:
+    """Hook for the generated symmetric-contraction kernel (a later issue).
+
+    Will swap each ``EquivariantProductBasisBlock.symmetric_contractions`` (mace's SymmetricContraction,
+    called as ``symmetric_contractions(node_feats [N, C, (L+1)^2], node_attrs [N, num_elements])``) for a
+    cgforge module with the same state_dict. Not implemented yet.
+    """
+    raise NotImplementedError("cgforge's symmetric-contraction kernel is not implemented yet")
+
+
+def _graph_cache(model: torch.nn.Module) -> GraphCache | None:
+    for block in model.interactions:
+        tp = getattr(block, "conv_tp", None)
+        if isinstance(tp, FusedConvTP):
+            return tp.graphs
+    return None
+
+
+def _remove_graph_hooks(model: torch.nn.Module) -> None:
+    for key in [k for k, hook in model._forward_pre_hooks.items() if isinstance(hook, GraphCache)]:
+        del model._forward_pre_hooks[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Older MACE pickles
+
+
+def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
+    """Give models pickled by older mace-torch the buffers newer code reads. Returns what changed.
+
+    Older versions kept ``r_max``, ``atomic_numbers`` and ``num_interactions`` as plain attributes
+    (or not at all); mace-torch 0.3.16 and its calculator read them as tensors.
+    """
+    changed = []
+    any_param = next(model.parameters(), None)
+    device = any_param.device if any_param is not None else torch.device("cpu")
+
+    def as_buffer(name: str, value: Any, dtype: torch.dtype) -> None:
+        if name in model.__dict__:
+            del model.__dict__[name]
+        model.register_buffer(name, torch.as_tensor(value, dtype=dtype, device=device))
+        changed.append(name)
+
+    r_max = getattr(model, "r_max", None)
+    if r_max is None and hasattr(model, "radial_embedding"):
+        r_max = getattr(model.radial_embedding.cutoff_fn, "r_max", None)
+    if r_max is None:
+        raise UnsupportedModelError("model has no r_max (neither attribute nor radial cutoff)")
+    if not isinstance(r_max, torch.Tensor):
+        as_buffer("r_max", float(r_max), torch.float64)
+    numbers = getattr(model, "atomic_numbers", None)
+    if numbers is None:
+        raise UnsupportedModelError("model has no atomic_numbers: cannot tell which elements it knows")
+    if not isinstance(numbers, torch.Tensor):
+        as_buffer("atomic_numbers", [int(z) for z in numbers], torch.int64)
+    n = getattr(model, "num_interactions", None)
+    if not isinstance(n, torch.Tensor):
+        as_buffer("num_interactions", len(model.interactions) if n is None else int(n), torch.int64)
+    if not hasattr(model, "heads"):
+        model.heads = ["Default"]
+        changed.append("heads")
+    if changed:
+        warnings.warn(
+            f"MACE model pickled by an older mace-torch: upgraded {', '.join(changed)} in memory "
+            "(save it again to keep the upgrade)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a .model file
+
+
+def load_mace(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    *,
+    patched: bool = True,
+) -> torch.nn.Module:
+    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside).
+
+    Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's).
+    """
+    device = parse_device(device)
+    dtype = parse_dtype(dtype)
+    model = mace_legacy.load_pickle(path, map_location="cpu")
+    if not is_mace_model(model):
+        raise UnsupportedModelError(
+            f"{os.fspath(path)}: expected a whole pickled MACE model (the .model file mace_run_train "
+            f"writes), found {_describe(model)}"
+        )
+    upgrade_old_attributes(model)
+    if patched:
+        patch(model)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return model.to(device=device)
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but CUDA is not available on this machine")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype: expected None, 'float32' or 'float64', got {dtype!r}")
