@@ -21,7 +21,7 @@ from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers,
 from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
 from cgforge.kernels.problems import PROBLEMS  # noqa: E402
 
-DHFR = Path(__file__).resolve().parents[2] / "shared" / "data" / "dhfr_jac_23558.tinker.xyz"
+DHFR = Path(os.environ.get("CGFORGE_DHFR", Path(__file__).resolve().parents[2] / "shared" / "data" / "dhfr_jac_23558.tinker.xyz"))
 
 
 def water_system():
