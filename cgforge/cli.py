@@ -27,6 +27,14 @@ def cmd_patch(args: argparse.Namespace) -> int:
     from cgforge import patches
 
     _check_paths(args.input, args.output, args.force)
+    if patches.checkpoint_kind(args.input) == "nequip":
+        from cgforge.patches.nequip import save_patched_nequip
+
+        if args.dtype is not None:
+            raise ValueError("--dtype: a NequIP model keeps the model_dtype it was built with; leave --dtype out")
+        out = save_patched_nequip(args.input, args.output, force=args.force)
+        print(f"cgforge: wrote patched NequIP package to {out}")
+        return EXIT_OK
     model = patches.load(args.input, device=args.device, dtype=args.dtype)
     out = patches.save_patched(model, args.output, force=args.force)
     print(f"cgforge: wrote patched model to {out}")
@@ -64,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("patch", help="write a copy of a checkpoint that uses cgforge's kernels")
+    p = sub.add_parser("patch", help="write a copy of a checkpoint that uses cgforge's kernels "
+                       "(MACE .model -> .model; NequIP .ckpt/.nequip.zip -> .nequip.zip)")
     _add_io(p)
     p.add_argument("--device", default="cpu", help="device to load and save on: cpu (default), cuda, cuda:N")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,

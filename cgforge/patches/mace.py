@@ -29,6 +29,7 @@ from e3nn import o3
 from cgforge import kernels
 
 from . import mace_legacy
+from .graph_cache import CallGraphCache
 
 log = logging.getLogger(__name__)
 
@@ -48,50 +49,11 @@ class UnsupportedModelError(ValueError):
     """The model (or one of its blocks) is of a type or version cgforge does not patch."""
 
 
-class GraphCache:
-    """One ConvGraph per model call, shared by all interaction blocks of one model.
+class GraphCache(CallGraphCache):
+    """MACE's per-call graph: every interaction block gets the same ``edge_index`` tensor."""
 
-    MACE hands the same ``data["edge_index"]`` tensor to every interaction block, so the first block
-    builds the graph (receiver sort / CSR) and the others reuse it. A hit needs the very same tensor
-    object (held here, so its id cannot be recycled), an unchanged in-place version counter and the
-    same node count. The cache is also registered as a forward pre-hook of the model and emptied at
-    the start of every model call: graphs never outlive a call, so a caller that mutates or reuses
-    tensors between calls cannot get a stale graph. Rebuilding once per call costs one sort of the
-    edges, small next to the model. Not shared between threads calling one model at the same time.
-    """
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self._edge_index: torch.Tensor | None = None
-        self._key: tuple[int, int] | None = None
-        self._graph: Any = None
-
-    def get(self, edge_index: torch.Tensor, num_nodes: int) -> Any:
-        key = (_version(edge_index), int(num_nodes))
-        if self._edge_index is edge_index and self._key == key:
-            return self._graph
-        graph = kernels.ConvGraph(edge_index[0], edge_index[1], int(num_nodes))
-        self._edge_index, self._key, self._graph = edge_index, key, graph
-        return graph
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:  # forward pre-hook
-        self.clear()
-
-    # Pickled (with the model) and deep-copied empty: a graph belongs to one call on one device.
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.clear()
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter; the per-call reset covers them
-        return -1
+    def get(self, edge_index: torch.Tensor, num_nodes: int) -> Any:  # type: ignore[override]
+        return super().get(edge_index[0], edge_index[1], num_nodes)
 
 
 class FusedConvTP(torch.nn.Module):

@@ -1,0 +1,50 @@
+"""cgforge's ``nequip.extension`` entry point: registers the ``enable_cgforge`` model modifier.
+
+nequip imports every installed ``nequip.extension`` entry point named ``init_always`` while ``nequip``
+itself is being imported (see pyproject.toml). nequip finds model modifiers by walking a model's modules
+for classmethods marked with ``@model_modifier``, so the modifier must live on a class that is in every
+NequIP model: it is attached here to nequip's ``TensorProductScatter``, the convolution it replaces.
+Configs (``modifiers: [{modifier: enable_cgforge}]``), ``nequip.model.modify`` and ``nequip-compile
+--modifiers`` then find it by name.
+
+This module runs inside ``import nequip``, so it imports only the two nequip modules it needs; the
+patching code (and cgforge's kernels) load when the modifier is first applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nequip.nn._tp_scatter_base import TensorProductScatter
+from nequip.nn.model_modifier_utils import model_modifier
+
+MODIFIER_NAME = "enable_cgforge"
+
+
+def _enable_cgforge(cls: type, model: Any) -> Any:
+    """
+    Use cgforge's fused convolution (JIT-generated CUDA kernels for the e3nn tensor product + scatter;
+    a torch reference on CPU) in every NequIP convolution. Same weights and state_dict, same energies and
+    forces. Eager models only: cgforge's kernels are launched from Python, so `nequip-compile`
+    (TorchScript / AOTInductor) cannot hold them; run the eager model or package (e.g. with
+    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator).
+    """
+    from .nequip import enable_cgforge  # lazy: keeps `import nequip` light
+
+    return enable_cgforge(model)
+
+
+def register() -> None:
+    """Attach the modifier to nequip's TensorProductScatter (idempotent)."""
+    if MODIFIER_NAME in TensorProductScatter.__dict__:
+        return
+    modifier = model_modifier(
+        persistent=False,  # an acceleration: same outputs, so never baked into `nequip-package` builds
+        private=False,
+        unsupported_devices=[],  # CPU runs the torch reference
+        supported_compile_modes=[],  # eager only, see the docstring above
+    )(classmethod(_enable_cgforge))
+    setattr(TensorProductScatter, MODIFIER_NAME, modifier)
+
+
+register()
