@@ -93,8 +93,8 @@ def test_schedule_interpreter(name):
     g = torch.randn_like(ref)
     grads = torch.autograd.grad(ref, (x, y, w), g)
     problem = TPProblem.from_e3nn(tp)
-    for chunk in (32, 128):
-        sched = build_schedule(problem, max_chunk=chunk)
+    for fwd_chunk, bwd_chunk in ((32, 128), (128, 32), (64, 64)):
+        sched = build_schedule(problem, max_chunk=fwd_chunk, max_chunk_backward=bwd_chunk)
         assert rel(run_forward(sched, x.detach(), y.detach(), w.detach()), ref.detach()) < 1e-12
         for a, b in zip(run_backward(sched, x.detach(), y.detach(), w.detach(), g), grads):
             assert rel(a, b) < 1e-12
@@ -104,7 +104,8 @@ def test_large_multiplicity_is_chunked():
     args = single_path(6, 2, 6, 1024, 1, "uvu")
     problem = TPProblem.build(*args)
     sched = build_schedule(problem, itemsize=8)
-    assert sched.smem_per_warp * 8 * sched.warps_per_block <= 96 * 1024
+    for launch in (sched.forward_launch, sched.backward_launch):
+        assert launch.smem_per_warp * 8 * launch.warps_per_block <= 96 * 1024
     assert len(sched.forward) >= 8  # 1024 channels split into chunks
     tp = e3nn_tp(args)
     x, y, w = random_inputs(tp, 2)

@@ -59,7 +59,8 @@ def _gy_slots(seg: Segment) -> list[int]:
 
 
 def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
-    digest = hashlib.sha1(f"{schedule.problem.key()}|{schedule.chunk}|{scalar}".encode()).hexdigest()[:12]
+    launches = f"{schedule.forward_launch}|{schedule.backward_launch}"
+    digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}".encode()).hexdigest()[:12]
     return f"cgf_{digest}_{layout.tag()}"
 
 
@@ -72,7 +73,7 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
     source = _template().render(
         title=f"{p.irreps_in1} x {p.irreps_in2} -> {p.irreps_out} ({scalar}, layout {layout.tag()})",
         name=name, scalar=scalar, lit=_literal(scalar),
-        warps=schedule.warps_per_block, smem_per_warp=schedule.smem_per_warp,
+        fwd=schedule.forward_launch, bwd=schedule.backward_launch,
         in1_dim=p.irreps_in1.dim, in2_dim=p.irreps_in2.dim, out_dim=p.irreps_out.dim,
         wnumel=max(p.weight_numel, 1), shared_weights=p.shared_weights, y_smem=schedule.y_smem,
         gw_op="+=" if p.shared_weights else "=",  # shared weights: per-warp partial sums

@@ -42,15 +42,15 @@ def _launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dty
     from .runtime import I64
 
     plan = plans.get(key)
-    sched = plan.schedule(dtype)
-    warps = sched.warps_per_block
+    launch = plan.schedule(dtype).launch(backward)
+    warps = launch.warps_per_block
     blocks = _grid(rows, warps, device, gw_partial)
     if rows == 0:
         return 0
     handle = plan.kernel(dtype, layout, backward, device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows)],
-                  shared_mem=warps * sched.smem_per_warp * itemsize)
+                  shared_mem=warps * launch.smem_per_warp * itemsize)
     return blocks * warps
 
 
@@ -59,8 +59,8 @@ def _backward_buffers(key: str, x, y, w, rows_for_partials: int):
     gx = torch.zeros_like(x) if _needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy = torch.zeros_like(y)
     if p.shared_weights:
-        sched = plans.get(key).schedule(x.dtype)
-        warps = _grid(rows_for_partials, sched.warps_per_block, x.device, True) * sched.warps_per_block
+        wpb = plans.get(key).schedule(x.dtype).backward_launch.warps_per_block
+        warps = _grid(rows_for_partials, wpb, x.device, True) * wpb
         gw = torch.zeros(warps, max(p.weight_numel, 1), dtype=x.dtype, device=x.device)
     else:
         gw = torch.empty_like(w)

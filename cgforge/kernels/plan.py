@@ -7,13 +7,14 @@ torch.compile and CUDA graphs can handle; the key resolves here.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 
 import torch
 
 from .codegen import Layout, render
 from .problem import TPProblem
-from .schedule import Schedule, build_schedule
+from .schedule import BACKWARD_CHUNK, FORWARD_CHUNK, Schedule, build_schedule
 
 _PLANS: dict[str, Plan] = {}
 _LOCK = threading.Lock()
@@ -30,7 +31,11 @@ class Plan:
     def schedule(self, dtype: torch.dtype) -> Schedule:
         size = torch.empty((), dtype=dtype).element_size()
         if size not in self._schedules:
-            self._schedules[size] = build_schedule(self.problem, itemsize=size)
+            # Tuning knobs for sweeps (channels per segment); the defaults live in schedule.py.
+            fwd, bwd = os.environ.get("CGFORGE_FORWARD_CHUNK"), os.environ.get("CGFORGE_BACKWARD_CHUNK")
+            self._schedules[size] = build_schedule(
+                self.problem, itemsize=size, max_chunk=int(fwd) if fwd else FORWARD_CHUNK,
+                max_chunk_backward=int(bwd) if bwd else BACKWARD_CHUNK)
         return self._schedules[size]
 
     def kernel(self, dtype: torch.dtype, layout: Layout, backward: bool, device: torch.device):

@@ -73,18 +73,35 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Launch:
+    """How one direction's kernel is launched: its channel chunk and its own shared-memory window
+    (a forward kernel never pays for the larger backward window, which would cut its occupancy)."""
+
+    chunk: int
+    smem_per_warp: int  # elements
+    warps_per_block: int
+
+
+@dataclass(frozen=True)
 class Schedule:
     problem: TPProblem
     forward: tuple[Segment, ...]
     backward: tuple[Segment, ...]
     y_smem: int  # the whole in2 row is staged at this offset
-    smem_per_warp: int  # elements
-    warps_per_block: int
-    chunk: int
+    forward_launch: Launch
+    backward_launch: Launch
 
     @property
     def in2_dim(self) -> int:
         return self.problem.irreps_in2.dim
+
+    @property
+    def smem_per_warp(self) -> int:
+        """The larger window (enough for either direction; what the CPU interpreter allocates)."""
+        return max(self.forward_launch.smem_per_warp, self.backward_launch.smem_per_warp)
+
+    def launch(self, backward: bool) -> Launch:
+        return self.backward_launch if backward else self.forward_launch
 
 
 def _cg_terms(problem: TPProblem, k: int) -> tuple[tuple[int, int, int, float], ...]:
@@ -175,19 +192,38 @@ def _segments(problem: TPProblem, chunk: int, base: int, backward: bool) -> tupl
     return segments, peak
 
 
+# Default chunks, from H100 sweeps (benchmarks/results/chunk-sweep-*.log): small forward chunks keep the
+# per-warp window small (more resident warps hide the latency of the staged loads); the backward
+# reduces grad y across the warp once per segment, so fewer, wider segments pay off there.
+FORWARD_CHUNK = 128
+BACKWARD_CHUNK = 128
+
+
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
-                   warps_per_block: int = 4, max_chunk: int = 128) -> Schedule:
-    """Pick channel chunks (multiples of 32) so that one warp's window fits the block budget."""
+                   warps_per_block: int = 4, max_chunk: int | None = None,
+                   max_chunk_backward: int | None = None) -> Schedule:
+    """Pick each direction's channel chunk (a multiple of 32, at most the given maximum) so that one
+    warp's window fits the block budget. ``max_chunk`` alone sets both directions."""
     problem.validate()
     y_dim = problem.irreps_in2.dim
-    chunk = max_chunk
+    fwd_max = max_chunk if max_chunk is not None else FORWARD_CHUNK
+    bwd_max = max_chunk_backward if max_chunk_backward is not None else (
+        max_chunk if max_chunk is not None else BACKWARD_CHUNK)
+    forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
+    backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
+    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch)
+
+
+def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
+         warps_per_block: int) -> tuple[list[Segment], Launch]:
+    if chunk < WARP or chunk % WARP:
+        raise ValueError(f"max_chunk must be a positive multiple of {WARP}, got {chunk}")
     while True:
-        fwd, peak_f = _segments(problem, chunk, y_dim, backward=False)
-        bwd, peak_b = _segments(problem, chunk, y_dim, backward=True)
-        per_warp = max(peak_f, peak_b, y_dim)
+        segments, peak = _segments(problem, chunk, y_dim, backward)
+        per_warp = max(peak, y_dim)
         for wpb in (warps_per_block, 2, 1):
             if per_warp * itemsize * wpb <= smem_bytes_per_block:
-                return Schedule(problem, tuple(fwd), tuple(bwd), 0, per_warp, wpb, chunk)
+                return segments, Launch(chunk, per_warp, wpb)
         if chunk == WARP:
             raise ValueError(
                 f"problem too large for shared memory: one warp needs {per_warp * itemsize} bytes "
