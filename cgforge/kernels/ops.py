@@ -8,26 +8,34 @@ is trilinear in x, y, W), so any derivative order works, e.g. forces in a traini
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import plan as plans
 from .codegen import Layout
 from .reference import reference_tp, reference_tp_backward
 
-_MAX_BLOCKS = 2**31 - 1
+_MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
 
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool) -> int:
-    blocks = max(1, math.ceil(rows / warps))
-    if shared_weights:  # bounded so the per-warp grad-W partial rows stay small
-        blocks = min(blocks, 4 * _sm_count(device))
+def launch_blocks(rows: int, warps_per_block: int, cap: int | None = None) -> int:
+    """Blocks for `rows` rows at one warp per row: ceil(rows / warps_per_block), clamped to [1, cap] and
+    to CUDA's grid limit. Clamping never drops rows: the kernels loop over rows with a grid stride
+    (64-bit row index), so a smaller grid runs more rows per warp."""
+    if rows < 0 or warps_per_block < 1:
+        raise ValueError(f"rows must be >= 0 and warps_per_block >= 1, got {rows} and {warps_per_block}")
+    blocks = max(1, -(-rows // warps_per_block))  # integer ceil: exact for any row count
+    if cap is not None:
+        blocks = min(blocks, max(1, cap))
     return min(blocks, _MAX_BLOCKS)
+
+
+def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool) -> int:
+    # shared weights: bounded so the per-warp grad-W partial rows stay small
+    return launch_blocks(rows, warps, 4 * _sm_count(device) if shared_weights else None)
 
 
 def _needs_zero_fill(p, out_side: bool) -> bool:
@@ -42,7 +50,7 @@ def _launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dty
     from .runtime import I64
 
     plan = plans.get(key)
-    launch = plan.schedule(dtype).launch(backward)
+    launch = plan.schedule(dtype, layout.csr).launch(backward)
     warps = launch.warps_per_block
     blocks = _grid(rows, warps, device, gw_partial)
     if rows == 0:
@@ -59,7 +67,7 @@ def _backward_buffers(key: str, x, y, w, rows_for_partials: int):
     gx = torch.zeros_like(x) if _needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy = torch.zeros_like(y)
     if p.shared_weights:
-        wpb = plans.get(key).schedule(x.dtype).backward_launch.warps_per_block
+        wpb = plans.get(key).schedule(x.dtype).backward_launch.warps_per_block  # the same for every layout
         warps = _grid(rows_for_partials, wpb, x.device, True) * wpb
         gw = torch.zeros(warps, max(p.weight_numel, 1), dtype=x.dtype, device=x.device)
     else:
@@ -133,8 +141,16 @@ def _tp_bwd_setup(ctx, inputs, output):
     ctx.key = key
 
 
-def _trilinear_double_backward(fwd, bwd, x, y, w, g, ggx, ggy, ggw):
-    """Gradients of <ggx, Bx> + <ggy, By> + <ggw, Bw> for a trilinear f(x, y, w) with backward B."""
+def _has_unweighted_paths(key: str) -> bool:
+    return any(not ins.has_weight for ins in plans.get(key).problem.instructions)
+
+
+def _trilinear_double_backward(fwd, bwd, x, y, w, g, ggx, ggy, ggw, unweighted: bool = False):
+    """Gradients of <ggx, Bx> + <ggy, By> + <ggw, Bw> for a trilinear f(x, y, w) with backward B.
+
+    With `unweighted` paths (uvu without weights) f is only affine in w: f = f_w(x, y, w) + f_u(x, y).
+    The ggw terms need f_w alone, so f_u (f and B at w = 0) is subtracted from them.
+    """
     dx = dy = dw = dg = None
 
     def add(a, b):
@@ -149,8 +165,13 @@ def _trilinear_double_backward(fwd, bwd, x, y, w, g, ggx, ggy, ggw):
         bx, _, bw = bwd(x, ggy, w, g)
         dx, dw = add(dx, bx), add(dw, bw)
     if ggw is not None:
-        dg = add(dg, fwd(x, y, ggw))
+        fw = fwd(x, y, ggw)
         bx, by, _ = bwd(x, y, ggw, g)
+        if unweighted:
+            zero = torch.zeros_like(ggw)
+            bx0, by0, _ = bwd(x, y, zero, g)
+            fw, bx, by = fw - fwd(x, y, zero), bx - bx0, by - by0
+        dg = add(dg, fw)
         dx, dy = add(dx, bx), add(dy, by)
     return dx, dy, dw, dg
 
@@ -161,7 +182,7 @@ def _tp_bwd_grad(ctx, ggx, ggy, ggw):
     dx, dy, dw, dg = _trilinear_double_backward(
         lambda a, b, c: tp_forward(a, b, c, key),
         lambda a, b, c, d: tp_backward(a, b, c, d, key),
-        x, y, w, g, ggx, ggy, ggw)
+        x, y, w, g, ggx, ggy, ggw, _has_unweighted_paths(key))
     return dx, dy, dw, dg, None
 
 
@@ -172,6 +193,19 @@ tp_backward.register_autograd(_tp_bwd_grad, setup_context=_tp_bwd_setup)
 # Graph tensors (see graph.ConvGraph): sender/receiver int32 [E]; rowptr int64 [N+1] over edges
 # sorted by receiver, perm int32 (edge ids in that order; empty when the edges already are);
 # rowptr_t/perm_t the same sorted by sender (the transpose, for the deterministic backward).
+
+_GRAPH_DTYPES = (("sender", torch.int32), ("receiver", torch.int32), ("rowptr", torch.int64),
+                 ("perm", torch.int32), ("rowptr_t", torch.int64), ("perm_t", torch.int32))
+
+
+def check_graph_tensors(*graph: torch.Tensor) -> None:
+    """The kernels read these as int32 / int64 arrays: another width would be read as garbage, silently.
+    ConvGraph builds them right; this guards direct calls of the ops (cheap: no data is touched)."""
+    for (name, dtype), t in zip(_GRAPH_DTYPES, graph):
+        if t.dtype != dtype or t.dim() != 1 or (t.numel() and not t.is_contiguous()):
+            raise TypeError(f"conv op: {name} must be a contiguous 1-D {dtype} tensor (build it with "
+                            f"cgforge.kernels.ConvGraph), got {t.dtype} with shape {list(t.shape)}")
+
 
 def _reference_conv(p, x, y, w, sender, receiver):
     messages = reference_tp(p, x.index_select(0, sender.long()), y, w)
@@ -192,6 +226,7 @@ def conv_forward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, sender: torc
     num_nodes = x.shape[0]
     if x.device.type != "cuda":
         return _reference_conv(p, x, y, w, sender, receiver)
+    check_graph_tensors(sender, receiver, rowptr, perm, rowptr_t, perm_t)
     x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
     shape = (num_nodes, p.irreps_out.dim)
     if deterministic:
@@ -219,6 +254,7 @@ def conv_backward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, g: torch.Te
     p = plans.get(key).problem
     if x.device.type != "cuda":
         return _reference_conv_backward(p, x, y, w, g, sender, receiver)
+    check_graph_tensors(sender, receiver, rowptr, perm, rowptr_t, perm_t)
     x, y, w, g = x.contiguous(), y.contiguous(), w.contiguous(), g.contiguous()
     edges = sender.shape[0]
     if deterministic:
@@ -268,7 +304,7 @@ def _conv_bwd_grad(ctx, ggx, ggy, ggw):
     dx, dy, dw, dg = _trilinear_double_backward(
         lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
         lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
-        x, y, w, g, ggx, ggy, ggw)
+        x, y, w, g, ggx, ggy, ggw, _has_unweighted_paths(key))
     return (dx, dy, dw, dg) + (None,) * 8
 
 

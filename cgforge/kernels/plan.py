@@ -14,7 +14,7 @@ import torch
 
 from .codegen import Layout, render
 from .problem import TPProblem
-from .schedule import BACKWARD_CHUNK, FORWARD_CHUNK, Schedule, build_schedule
+from .schedule import Schedule, build_schedule, default_chunks
 
 _PLANS: dict[str, Plan] = {}
 _LOCK = threading.Lock()
@@ -25,18 +25,20 @@ _SCALAR = {torch.float32: "float", torch.float64: "double"}
 class Plan:
     def __init__(self, problem: TPProblem):
         self.problem = problem
-        self._schedules: dict[int, Schedule] = {}
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._kernels: dict[tuple, object] = {}
 
-    def schedule(self, dtype: torch.dtype) -> Schedule:
+    def schedule(self, dtype: torch.dtype, rows_are_nodes: bool = False) -> Schedule:
+        """The schedule for kernels whose rows are nodes (CSR convolution) or edges / batch rows."""
         size = torch.empty((), dtype=dtype).element_size()
-        if size not in self._schedules:
-            # Tuning knobs for sweeps (channels per segment); the defaults live in schedule.py.
-            fwd, bwd = os.environ.get("CGFORGE_FORWARD_CHUNK"), os.environ.get("CGFORGE_BACKWARD_CHUNK")
-            self._schedules[size] = build_schedule(
-                self.problem, itemsize=size, max_chunk=int(fwd) if fwd else FORWARD_CHUNK,
-                max_chunk_backward=int(bwd) if bwd else BACKWARD_CHUNK)
-        return self._schedules[size]
+        key = (size, rows_are_nodes)
+        if key not in self._schedules:
+            fwd, bwd = default_chunks(self.problem, size, rows_are_nodes)
+            # Sweep knobs (benchmarks/sweep_chunks.py) override the defaults.
+            fwd = int(os.environ.get("CGFORGE_FORWARD_CHUNK", fwd))
+            bwd = int(os.environ.get("CGFORGE_BACKWARD_CHUNK", bwd))
+            self._schedules[key] = build_schedule(self.problem, itemsize=size, max_chunk=fwd, max_chunk_backward=bwd)
+        return self._schedules[key]
 
     def kernel(self, dtype: torch.dtype, layout: Layout, backward: bool, device: torch.device):
         """The launchable forward or backward kernel of this layout, compiled on first use."""
@@ -46,7 +48,7 @@ class Plan:
             from .compiler import compile_cubin
             from .runtime import device_arch, load_kernels
 
-            source, name = render(self.schedule(dtype), _SCALAR[dtype], layout,
+            source, name = render(self.schedule(dtype, layout.csr), _SCALAR[dtype], layout,
                                   forward=not backward, backward=backward)
             fn = f"{name}_{'backward' if backward else 'forward'}"
             result = compile_cubin(source, arch=device_arch(device), name=f"{fn}.cu")

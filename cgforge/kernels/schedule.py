@@ -192,23 +192,41 @@ def _segments(problem: TPProblem, chunk: int, base: int, backward: bool) -> tupl
     return segments, peak
 
 
-# Default chunks, from H100 sweeps (benchmarks/results/chunk-sweep-*.log): small forward chunks keep the
-# per-warp window small (more resident warps hide the latency of the staged loads); the backward
-# reduces grad y across the warp once per segment, so fewer, wider segments pay off there.
-FORWARD_CHUNK = 128
-BACKWARD_CHUNK = 128
+# Default chunks, from an H100 sweep (benchmarks/sweep_chunks.py; benchmarks/results/chunk-sweep-h100-*.log).
+# Forward, rows = nodes (deterministic convolution): every segment walks all edges of the node again,
+# so few wide segments win (mace-large 5.7 ms at 128 vs 12.6 at 32). Forward, rows = edges (tensor
+# product, atomic convolution): 64 (mace-medium 0.45 ms vs 0.56 at 128). Backward: each segment ends
+# in warp reductions of grad y, so wide segments win (mace-medium 0.67 ms at 64 vs 1.26 at 32) until
+# the window cuts occupancy: above ~8 KiB per warp narrower wins (mace-large conv 10.0 ms at 32 vs
+# 16.5 at 128; nequip-benzene 4.4 vs 5.7).
+NODE_FORWARD_CHUNK = 128
+EDGE_FORWARD_CHUNK = 64
+BACKWARD_CHUNK = 64
+BACKWARD_WINDOW_BYTES = 8 * 1024
+
+
+def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool) -> tuple[int, int]:
+    """(forward, backward) channel chunks for a kernel whose rows are nodes (CSR) or edges/batch rows."""
+    forward = NODE_FORWARD_CHUNK if rows_are_nodes else EDGE_FORWARD_CHUNK
+    backward = BACKWARD_CHUNK
+    y_dim = problem.irreps_in2.dim
+    while backward > WARP and _segments(problem, backward, y_dim, True)[1] * itemsize > BACKWARD_WINDOW_BYTES:
+        backward //= 2
+    return forward, backward
 
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
                    warps_per_block: int = 4, max_chunk: int | None = None,
                    max_chunk_backward: int | None = None) -> Schedule:
     """Pick each direction's channel chunk (a multiple of 32, at most the given maximum) so that one
-    warp's window fits the block budget. ``max_chunk`` alone sets both directions."""
+    warp's window fits the block budget. ``max_chunk`` alone sets both directions; None: the defaults
+    of ``default_chunks`` for rows that are edges."""
     problem.validate()
     y_dim = problem.irreps_in2.dim
-    fwd_max = max_chunk if max_chunk is not None else FORWARD_CHUNK
+    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes=False)
+    fwd_max = max_chunk if max_chunk is not None else auto_fwd
     bwd_max = max_chunk_backward if max_chunk_backward is not None else (
-        max_chunk if max_chunk is not None else BACKWARD_CHUNK)
+        max_chunk if max_chunk is not None else auto_bwd)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch)
