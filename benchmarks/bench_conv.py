@@ -2,7 +2,7 @@
 OpenEquivariance TensorProductConv (atomic, deterministic) and cuEquivariance's fused uniform_1d
 polynomial with gather/scatter indices, in one process on one GPU.
 
-    python benchmarks/bench_conv.py [problem ...]     (SYSTEMS=water,dhfr DTYPES=float32,float64)
+    python benchmarks/bench_conv.py [problem ...]     (SYSTEMS=water,dhfr DTYPES=float32,float64 DOUBLE=1)
 """
 
 from __future__ import annotations
@@ -51,7 +51,14 @@ def edges(atoms, cutoff):
     return s, r
 
 
+def double_backward(fn, g, leaves) -> None:
+    """What training with forces does: gradients with create_graph, then a gradient of a function of them."""
+    grads = torch.autograd.grad(fn(), leaves, g, create_graph=True)
+    torch.autograd.grad(sum(t.square().sum() for t in grads), leaves)
+
+
 def main() -> None:
+    double = os.environ.get("DOUBLE", "1") == "1"
     names = sys.argv[1:] or ["mace-medium", "mace-large", "nequip-water", "nequip-benzene"]
     systems = os.environ.get("SYSTEMS", "water,dhfr").split(",")
     dtypes = [getattr(torch, d) for d in os.environ.get("DTYPES", "float32,float64").split(",")]
@@ -129,6 +136,9 @@ def main() -> None:
                         r[f"{tag}_fwd"] = cuda_time(fn, iters=10, warmup=3)
                         r[f"{tag}_fb"] = cuda_time(lambda fn=fn, g=g, leaves=leaves:
                                                    torch.autograd.grad(fn(), leaves, g), iters=10, warmup=3)
+                        if double and tag != "e3nn":
+                            r[f"{tag}_dbl"] = cuda_time(lambda fn=fn, g=g, leaves=leaves: double_backward(fn, g, leaves),
+                                                        iters=5, warmup=2)
                         del out, g
                     except torch.OutOfMemoryError:
                         r[f"{tag}_fail"] = "out of memory"
@@ -145,12 +155,13 @@ def main() -> None:
     print(f"\n{env}\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; JSON: {path}")
     print(f"{'system':6s} {'problem':15s} {'dtype':7s} | {'det':>8s} {'atomic':>8s} {'e3nn':>8s} {'oeqA':>8s} "
           f"{'oeqD':>8s} {'cueq':>8s} {'floor':>8s} | {'det':>8s} {'atomic':>8s} {'oeqA':>8s} {'oeqD':>8s} "
-          f"{'cueq':>8s} {'floor':>8s}  (ms: fwd | fwd+bwd)")
+          f"{'cueq':>8s} {'floor':>8s} | {'det':>8s} {'oeqA':>8s} {'oeqD':>8s} {'cueq':>8s}  (ms: fwd | fwd+bwd | dbl)")
     for r in rows:
         f = [fmt(r.get(f"{t}_fwd")) for t in ("det", "atomic", "e3nn", "oeq_atomic", "oeq_det", "cueq")]
         b = [fmt(r.get(f"{t}_fb")) for t in ("det", "atomic", "oeq_atomic", "oeq_det", "cueq")]
+        d = [fmt(r.get(f"{t}_dbl")) for t in ("det", "oeq_atomic", "oeq_det", "cueq")]
         print(f"{r['system']:6s} {r['problem']:15s} {r['dtype']:7s} | {' '.join(f)} {fmt(r['floor_fwd'])} | "
-              f"{' '.join(b)} {fmt(r['floor_fb'])}")
+              f"{' '.join(b)} {fmt(r['floor_fb'])} | {' '.join(d)}")
 
 
 if __name__ == "__main__":

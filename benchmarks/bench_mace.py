@@ -1,8 +1,9 @@
-"""MACE model call and calculator call on a water box: cgforge-patched vs MACE with e3nn and with
-cuEquivariance (and OpenEquivariance when importable), in one process, plus a torch.profiler
-summary of the patched model call.
+"""MACE model call and calculator call on a water box: cgforge-patched vs MACE with e3nn, with
+cuEquivariance, OpenEquivariance and hybrid (cueq + OEQ) when importable, in one process, plus a
+torch.profiler summary of the patched model call.
 
-    python benchmarks/bench_mace.py [n_side=12] [float32|float64] [backends=e3nn,cgforge,cueq,oeq]
+    python benchmarks/bench_mace.py [n_side=12] [float32|float64] [backends=e3nn,cgforge,cueq,oeq,hybrid]
+                                    [shape=small|medium|large]
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from common import environment, write_json  # noqa: E402
 from cgforge.patches import patch, save_patched  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
+HIDDEN = {"small": "128x0e", "medium": "128x0e+128x1o", "large": "128x0e+128x1o+128x2e"}
 
-def mace_mp_medium_shape(dtype: torch.dtype) -> torch.nn.Module:
-    """MACE-MP-medium's architecture (89 elements, 128x0e+128x1o, L=3, correlation 3), random weights."""
+
+def mace_mp_shape(dtype: torch.dtype, shape: str = "medium") -> torch.nn.Module:
+    """A MACE-MP foundation model's architecture (89 elements, 128 channels, max_L 0/1/2 for
+    small/medium/large, L=3 spherical harmonics, correlation 3, two residual interaction blocks),
+    random weights: speed does not depend on training."""
     from mace import modules
 
     torch.set_default_dtype(dtype)
@@ -33,7 +38,7 @@ def mace_mp_medium_shape(dtype: torch.dtype) -> torch.nn.Module:
     return modules.ScaleShiftMACE(
         r_max=6.0, num_bessel=10, num_polynomial_cutoff=5, max_ell=3, interaction_cls=block,
         interaction_cls_first=block, num_interactions=2, num_elements=len(elements),
-        hidden_irreps=o3.Irreps("128x0e+128x1o"), MLP_irreps=o3.Irreps("16x0e"), gate=torch.nn.functional.silu,
+        hidden_irreps=o3.Irreps(HIDDEN[shape]), MLP_irreps=o3.Irreps("16x0e"), gate=torch.nn.functional.silu,
         atomic_energies=np.zeros(len(elements)), avg_num_neighbors=60.0, atomic_numbers=elements, correlation=3,
         radial_type="bessel", atomic_inter_scale=1.0, atomic_inter_shift=0.0)
 
@@ -52,7 +57,8 @@ def median_seconds(fn, n: int) -> float:
 def main() -> None:
     n_side = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     dname = sys.argv[2] if len(sys.argv) > 2 else "float32"
-    backends = (sys.argv[3] if len(sys.argv) > 3 else "e3nn,cgforge,cueq,oeq").split(",")
+    backends = (sys.argv[3] if len(sys.argv) > 3 else "e3nn,cgforge,cueq,oeq,hybrid").split(",")
+    shape = sys.argv[4] if len(sys.argv) > 4 else "medium"
     dtype = getattr(torch, dname)
     from mace.calculators import MACECalculator
 
@@ -60,13 +66,13 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp()
     plain = os.path.join(tmp, "mace.model")
-    torch.save(mace_mp_medium_shape(dtype), plain)
+    torch.save(mace_mp_shape(dtype, shape), plain)
     patched = os.path.join(tmp, "mace-cgforge.model")
     save_patched(patch(torch.load(plain, weights_only=False)), patched)
     rows, energies = {}, {}
     for backend in backends:
         try:
-            kw = {"enable_cueq": backend == "cueq", "enable_oeq": backend == "oeq"}
+            kw = {"enable_cueq": backend in ("cueq", "hybrid"), "enable_oeq": backend in ("oeq", "hybrid")}
             path = patched if backend == "cgforge" else plain
             calc = MACECalculator(model_paths=path, device="cuda", default_dtype=dname, **kw)
             a = atoms.copy()
@@ -109,8 +115,9 @@ def main() -> None:
             rows[backend] = {"fail": repr(exc)[:300]}
         print(backend, {k: v for k, v in rows[backend].items() if k != "profile"}, flush=True)
     env = environment()
-    path = write_json("mace", {"env": env, "atoms": len(atoms), "dtype": dname, "rows": rows})
-    print(f"\n{env}\nMACE-MP-medium shape, {len(atoms)} atoms, {dname}; JSON: {path}")
+    path = write_json(f"mace-{shape}-{dname}", {"env": env, "atoms": len(atoms), "dtype": dname, "shape": shape,
+                                                "rows": rows})
+    print(f"\n{env}\nMACE-MP-{shape} shape, {len(atoms)} atoms, {dname}; JSON: {path}")
     print(f"{'backend':8s} {'calc step':>10s} {'model+stress':>13s} {'model':>8s} {'peak GB':>8s} {'energy':>14s}")
     for b, r in rows.items():
         if "fail" in r:
