@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,11 +16,10 @@ from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
+from shapes import dhfr_atoms  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
 from cgforge.kernels.problems import PROBLEMS  # noqa: E402
-
-DHFR = Path(os.environ.get("CGFORGE_DHFR", Path(__file__).resolve().parents[2] / "shared" / "data" / "dhfr_jac_23558.tinker.xyz"))
 
 
 def water_system():
@@ -31,15 +29,7 @@ def water_system():
 
 
 def dhfr_system():
-    import ase
-
-    lines = DHFR.read_text().splitlines()
-    n = int(lines[0].split()[0])
-    rows = [ln.split() for ln in lines[1:1 + n + 1] if len(ln.split()) >= 5]
-    rows = [r for r in rows if r[0].isdigit()][:n]
-    symbols = [r[1][0] for r in rows]
-    pos = np.array([[float(v) for v in r[2:5]] for r in rows])
-    return ase.Atoms(symbols=symbols, positions=pos, cell=[62.23] * 3, pbc=True), 5.0
+    return dhfr_atoms(), 5.0
 
 
 def edges(atoms, cutoff):

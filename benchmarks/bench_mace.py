@@ -15,32 +15,13 @@ import time
 
 import numpy as np
 import torch
-from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, write_json  # noqa: E402
+from shapes import mace_mp_shape  # noqa: E402
 
 from cgforge.patches import patch, save_patched  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
-
-HIDDEN = {"small": "128x0e", "medium": "128x0e+128x1o", "large": "128x0e+128x1o+128x2e"}
-
-
-def mace_mp_shape(dtype: torch.dtype, shape: str = "medium") -> torch.nn.Module:
-    """A MACE-MP foundation model's architecture (89 elements, 128 channels, max_L 0/1/2 for
-    small/medium/large, L=3 spherical harmonics, correlation 3, two residual interaction blocks),
-    random weights: speed does not depend on training."""
-    from mace import modules
-
-    torch.set_default_dtype(dtype)
-    elements = list(range(1, 90))
-    block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
-    return modules.ScaleShiftMACE(
-        r_max=6.0, num_bessel=10, num_polynomial_cutoff=5, max_ell=3, interaction_cls=block,
-        interaction_cls_first=block, num_interactions=2, num_elements=len(elements),
-        hidden_irreps=o3.Irreps(HIDDEN[shape]), MLP_irreps=o3.Irreps("16x0e"), gate=torch.nn.functional.silu,
-        atomic_energies=np.zeros(len(elements)), avg_num_neighbors=60.0, atomic_numbers=elements, correlation=3,
-        radial_type="bessel", atomic_inter_scale=1.0, atomic_inter_shift=0.0)
 
 
 def median_seconds(fn, n: int) -> float:

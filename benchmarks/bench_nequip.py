@@ -5,7 +5,7 @@ Every backend runs through nequip's own NequIPCalculator (matscipy neighbour lis
 ../shared/anchors.md; the cgforge Calculator (GPU neighbour list, no stress unless asked) is
 timed as one more row when it is importable.
 
-    python benchmarks/bench_nequip.py [n_side=12] [config=water|M] [backends=e3nn,cgforge,oeq,cueq,cgforge-calc]
+    python benchmarks/bench_nequip.py [n_side=12] [config=l1|M] [backends=e3nn,cgforge,oeq,cueq,cgforge-calc]
 """
 
 from __future__ import annotations
@@ -19,29 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, write_json  # noqa: E402
+from shapes import nequip_shape  # noqa: E402
 
 from cgforge.plugin.water import water_box  # noqa: E402
 
-CONFIGS = {
-    # OpenEquivariance's "nequip-water" shape: 32 features, l_max 1, parity
-    "water": dict(num_layers=4, l_max=1, parity=True, num_features=32, radial_mlp_depth=1, radial_mlp_width=128),
-    # PresetNequIPGNNModel("M") shapes
-    "M": dict(num_layers=4, l_max=2, parity=False, num_features=[128, 64, 32], type_embed_num_features=32,
-              radial_mlp_depth=1, radial_mlp_width=128),
-}
 MODIFIERS = {"oeq": "enable_OpenEquivariance", "cueq": "enable_CuEquivariance"}
-
-
-def build(config: str, r_max: float = 5.0) -> torch.nn.Module:
-    """A NequIP GNN of the given shape with random weights (speed does not depend on training)."""
-    from nequip.model import NequIPGNNModel
-    from nequip.utils.global_state import set_global_state
-
-    set_global_state()
-    torch.manual_seed(0)
-    return NequIPGNNModel(seed=1, model_dtype="float32", type_names=["H", "O"], r_max=r_max,
-                          avg_num_neighbors=40.0, per_type_energy_shifts={"H": 0.0, "O": 0.0},
-                          per_type_energy_scales={"H": 1.0, "O": 1.0}, **CONFIGS[config])
 
 
 def median_seconds(fn, n: int) -> float:
@@ -71,7 +53,7 @@ def run_backend(backend: str, config: str, atoms) -> dict:
 
     from cgforge.patches import nequip as cgforge_nequip
 
-    model = build(config)
+    model = nequip_shape(config)
     if backend.startswith("cgforge"):
         # what the enable_cgforge modifier does (the direct call: on the GPU machine cgforge is on
         # PYTHONPATH, not installed, so nequip's entry-point lookup does not see it)
@@ -108,7 +90,7 @@ def run_backend(backend: str, config: str, atoms) -> dict:
 
 def main() -> None:
     n_side = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-    config = sys.argv[2] if len(sys.argv) > 2 else "water"
+    config = sys.argv[2] if len(sys.argv) > 2 else "l1"
     backends = (sys.argv[3] if len(sys.argv) > 3 else "e3nn,cgforge,oeq,cueq,cgforge-calc").split(",")
     atoms = water_box(n_side=n_side)
     rows = {}

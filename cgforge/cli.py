@@ -54,6 +54,13 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_md(args: argparse.Namespace) -> int:
+    from .plugin.md import run_from_args
+
+    run_from_args(args)
+    return EXIT_OK
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import main as doctor_main
 
@@ -83,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unpatch", help="write a plain MACE model (loadable without cgforge)")
     _add_io(p)
     p.set_defaults(func=cmd_unpatch)
+
+    from .plugin.md import add_md_arguments
+
+    p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model on cgforge's "
+                       "kernels: NVT or NVE, progress lines, a trajectory")
+    add_md_arguments(p)
+    p.set_defaults(func=cmd_md)
 
     p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
     p.set_defaults(func=cmd_doctor)

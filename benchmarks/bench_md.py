@@ -1,0 +1,328 @@
+"""End-to-end MD step: cgforge's Calculator vs MACECalculator / NequIPCalculator, in one run.
+
+Seconds per NVT step (energy + forces) and per NPT-like step (energy + forces + stress), peak GPU memory,
+and for cgforge a breakdown (neighbour list, model forward, backward, copy out, other), on water boxes and
+DHFR, FP32 and FP64. A step moves every atom by ~0.01 Å from a reference frame (as MD does between
+neighbour-list rebuilds) and asks the calculator through ASE. The neighbour-list rebuild is timed apart
+(``nl_build_s``): in MD it happens every few tens of steps.
+
+    python benchmarks/bench_md.py                                   # everything (long)
+    python benchmarks/bench_md.py --systems 5k --dtypes float32 --models mace-mp-medium --backends cgforge,e3nn
+
+Systems: 1k, 5k, 20k, 50k (water boxes of 7^3, 12^3, 19^3, 26^3 molecules), dhfr (23,558 atoms; file from
+$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
+Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
+32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
+Backends: cgforge (our calculator, patched model), cgforge-unpatched (our calculator, the model's own
+e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid when
+importable). The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, peers, write_json  # noqa: E402
+from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
+
+from cgforge.plugin.calculator import Calculator  # noqa: E402
+from cgforge.plugin.neighbours import neighbour_list  # noqa: E402
+from cgforge.plugin.water import water_box  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
+WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
+MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
+BACKENDS = ("cgforge", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
+NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Systems and models
+
+
+def system(name: str):
+    if name in WATER:
+        return water_box(n_side=WATER[name])
+    if name.isdigit():  # a box of that many molecules (small ones for a CPU smoke run)
+        return water_box(int(name))
+    if name == "dhfr":
+        return dhfr_atoms()
+    raise ValueError(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count")
+
+
+def nequip_model(shape: str, dtype: str, modifier: str | None = None) -> torch.nn.Module:
+    model = nequip_shape(NEQUIP_SHAPES[shape], dtype, tuple(NEQUIP_TYPES))
+    if modifier:
+        from nequip.model.modify_utils import modify
+
+        model = modify(model, [{"modifier": modifier}])
+    return model.eval()
+
+
+def bundled(kind: str) -> Path:
+    from cgforge.plugin.bundled import model_path
+
+    path = Path(model_path(kind))
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled {kind} model {path} missing")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Calculators
+
+
+def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stress: bool):
+    """(ASE calculator, computes_stress_always) for one model x backend x dtype."""
+    if backend.startswith("cgforge"):
+        patch = backend == "cgforge"
+        if model_name == "mace-mp-medium":
+            source = files["mace-mp-medium", dtype]
+        elif model_name.startswith("nequip-"):
+            source = nequip_model(model_name, dtype)
+        else:
+            source = bundled(model_name.split("-")[1])
+        calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
+                          patch=patch, stress_with_forces=stress)
+        return calc, False
+    if model_name in ("mace-mp-medium", "bundled-mace"):
+        from mace.calculators import MACECalculator
+
+        path = files["mace-mp-medium", dtype] if model_name == "mace-mp-medium" else bundled("mace")
+        kw = {"enable_cueq": backend in ("cueq", "hybrid"), "enable_oeq": backend in ("oeq", "hybrid")}
+        return MACECalculator(model_paths=str(path), device=DEVICE, default_dtype=dtype, **kw), True
+    from nequip.data.transforms import ChemicalSpeciesToAtomTypeMapper, NeighborListTransform
+    from nequip.integrations.ase import NequIPCalculator
+
+    if backend == "hybrid":
+        raise ValueError("no hybrid backend for NequIP")
+    modifier = {"e3nn": None, "oeq": "enable_OpenEquivariance", "cueq": "enable_CuEquivariance"}[backend]
+    if model_name == "bundled-nequip":
+        from cgforge.patches.nequip import _load_models
+
+        model = _load_models(bundled("nequip"))["sole_model"].eval()
+        if modifier:
+            from nequip.model.modify_utils import modify
+
+            model = modify(model, [{"modifier": modifier}])
+    else:
+        model = nequip_model(model_name, dtype, modifier)
+    types = model.type_names
+    calc = NequIPCalculator(model.to(DEVICE), device=DEVICE, transforms=[
+        ChemicalSpeciesToAtomTypeMapper(model_type_names=types, chemical_species_to_atom_type_map={t: t for t in types}),
+        NeighborListTransform(r_max=float(model.metadata["r_max"]))])
+    return calc, True
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else float("nan")
+
+
+def reset_memory() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def time_steps(atoms, steps: int, warmup: int, props: tuple[str, ...], seed: int = 1) -> list[float]:
+    rng = np.random.default_rng(seed)
+    p0 = atoms.get_positions().copy()
+    times = []
+    for i in range(warmup + steps):
+        atoms.set_positions(p0 + 0.01 * rng.normal(size=p0.shape))
+        sync()
+        start = time.perf_counter()
+        for prop in props:
+            atoms.calc.get_property(prop, atoms)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    atoms.set_positions(p0)
+    return times
+
+
+def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps: int, warmup: int) -> dict:
+    row: dict = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms)}
+    reset_memory()
+    t = time.perf_counter()
+    calc, always_stress = make_calculator(model_name, backend, dtype, files, stress=False)
+    row["setup_s"] = time.perf_counter() - t
+    a = atoms.copy()
+    a.calc = calc
+    nvt = time_steps(a, steps, warmup, ("forces", "energy"))
+    row["nvt_s"] = float(np.median(nvt))
+    row["peak_gb_nvt"] = peak_gb()
+    a.calc.get_property("energy", a)
+    row["energy"] = float(a.calc.results["energy"])
+    if always_stress:  # the peer computes stress on every call: its NVT step is its NPT step
+        row["npt_s"] = row["nvt_s"]
+        row["peak_gb"] = row["peak_gb_nvt"]
+        if hasattr(calc, "_atoms_to_batch"):
+            row.update(mace_peer_breakdown(calc, a))
+    else:
+        row["edges"] = calc.n_edges
+        calc.record_timings(True)
+        timed = 5
+        total = sum(time_steps(a, timed, 0, ("forces", "energy"), seed=2))
+        seconds = dict(calc.timings.seconds)
+        calc.record_timings(False)
+        row["breakdown_nvt"] = {k: v / timed for k, v in seconds.items()}
+        row["breakdown_nvt"]["other"] = total / timed - sum(row["breakdown_nvt"].values())
+        row["nl_build_s"] = nl_build_seconds(calc, a)
+        calc.stress_with_forces = True
+        reset_memory()
+        npt = time_steps(a, steps, warmup, ("forces", "energy"), seed=3)
+        assert "stress" in calc.results
+        row["npt_s"] = float(np.median(npt))
+        row["peak_gb"] = peak_gb()
+        row["n_builds"] = calc.neighbours.n_builds
+    del calc, a
+    gc.collect()
+    reset_memory()
+    return row
+
+
+def nl_build_seconds(calc: Calculator, atoms) -> float:
+    positions = torch.as_tensor(atoms.positions, dtype=calc.dtype, device=DEVICE)
+    cell = torch.as_tensor(np.array(atoms.cell), dtype=calc.dtype, device=DEVICE)
+    pbc = tuple(bool(p) for p in atoms.pbc)
+    times = []
+    for _ in range(4):
+        sync()
+        t = time.perf_counter()
+        neighbour_list(positions, cell, pbc, calc.neighbours.list_cutoff)
+        sync()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))
+
+
+def mace_peer_breakdown(calc, atoms) -> dict:
+    """MACECalculator: its CPU batch preparation and the model call (with stress, as it always asks)."""
+    prep, model = [], []
+    for _ in range(3):
+        sync()
+        t = time.perf_counter()
+        batch = calc._atoms_to_batch(atoms)
+        sync()
+        prep.append(time.perf_counter() - t)
+        data = calc._clone_batch(batch).to_dict()
+        t = time.perf_counter()
+        calc.models[0](data, compute_stress=True, training=False)
+        sync()
+        model.append(time.perf_counter() - t)
+    return {"breakdown_nvt": {"batch_prep": float(np.median(prep)), "model_with_stress": float(np.median(model))}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+_PEERS: dict | None = None
+
+
+def available_backends(requested: list[str], model_name: str) -> list[str]:
+    global _PEERS
+    if _PEERS is None:
+        _PEERS = peers()
+    found = _PEERS
+    out = []
+    for b in requested:
+        if b in ("cueq", "hybrid") and "cueq" not in found:
+            continue
+        if b in ("oeq", "hybrid") and "oeq" not in found:
+            continue
+        if b == "hybrid" and model_name.startswith(("nequip", "bundled-nequip")):
+            continue
+        out.append(b)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", default="1k,5k,20k,50k,dhfr")
+    parser.add_argument("--models", default="mace-mp-medium,nequip-l1,nequip-M")
+    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_md.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    systems = args.systems.split(",")
+    models = args.models.split(",")
+    for m in models:
+        if m not in MODELS:
+            sys.exit(f"--models: unknown {m!r}; choose from {MODELS}")
+    tmp = Path(tempfile.mkdtemp())
+    files = {}
+    rows = []
+    for dtype in args.dtypes.split(","):
+        if "mace-mp-medium" in models:
+            files["mace-mp-medium", dtype] = tmp / f"mace-mp-medium-{dtype}.model"
+            torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), files["mace-mp-medium", dtype])
+        for sysname in systems:
+            atoms = system(sysname)
+            for model_name in models:
+                for backend in available_backends(args.backends.split(","), model_name):
+                    try:
+                        row = measure(model_name, backend, dtype, atoms, files, args.steps, args.warmup)
+                    except torch.cuda.OutOfMemoryError:
+                        row = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms),
+                               "error": "out of GPU memory"}
+                    except Exception as err:  # a peer failing must not stop the others
+                        row = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms),
+                               "error": f"{type(err).__name__}: {str(err)[:200]}"}
+                    gc.collect()
+                    reset_memory()
+                    row["system"] = sysname
+                    rows.append(row)
+                    print(row, flush=True)
+    env = environment()
+    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args)})
+    print_table(rows, env, path)
+
+
+def print_table(rows: list[dict], env: dict, path: Path) -> None:
+    print(f"\n{env.get('device', '?')}, torch {env['torch']}, {env['date']}; JSON: {path}")
+    print("seconds per MD step (median); NVT = energy+forces, NPT = +stress; breakdown of cgforge's NVT step in ms")
+    head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
+            f"{'peak GB':>8s}  breakdown")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        prefix = f"{r['system']:7s} {r['atoms']:6d} {r['model']:15s} {r['dtype']:7s} {r['backend']:18s}"
+        if "error" in r:
+            print(f"{prefix} {r['error']}")
+            continue
+        parts = " ".join(f"{k}={1000 * v:.1f}" for k, v in r.get("breakdown_nvt", {}).items())
+        if "nl_build_s" in r:
+            parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
+        print(f"{prefix} {r['nvt_s']:8.4f} {r['npt_s']:8.4f} {r['peak_gb']:8.2f}  {parts}")
+
+
+if __name__ == "__main__":
+    main()
