@@ -172,12 +172,18 @@ for ckpt, out in zip(sys.argv[1::2], sys.argv[2::2]):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _nequip_state(nequip_state):
+    """Every test here runs in nequip's global state (see conftest), restored after the module."""
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _restore_global_state():
     """nequip's loaders set process-wide state (default dtype, seeds, e3nn flags): undo it afterwards."""
     dtype = torch.get_default_dtype()
     e3nn_flags = e3nn.get_optimization_defaults()
     rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
     set_global_state()
+    torch.set_default_dtype(torch.float64)  # set_global_state() does it only once per process
     yield
     torch.set_default_dtype(dtype)
     e3nn.set_optimization_defaults(**e3nn_flags)

@@ -129,7 +129,7 @@ class TPProblem:
             if path_normalization == "element":
                 x = sum(num_elements(s) for s in raw if s[2] == r[2])
             elif path_normalization == "path":
-                x = num_elements(r)
+                x = num_elements(r) * sum(1 for s in raw if s[2] == r[2])  # as e3nn: paths into this output
             else:
                 x = 1
             if x > 0:
