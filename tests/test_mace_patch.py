@@ -184,11 +184,6 @@ def test_deepcopy_and_pickle_of_a_patched_model_run() -> None:
         assert_same_outputs(evaluate(model, water_dimer()), ref, tol=1e-10)
 
 
-def test_symmetric_contraction_hook_is_not_implemented_yet() -> None:
-    with pytest.raises(NotImplementedError):
-        pm.patch_symmetric_contractions(build_model())
-
-
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])

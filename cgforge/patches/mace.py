@@ -14,6 +14,10 @@ radial MLP and every other submodule stay as they are.
 The state_dict is unchanged: ``FusedConvTP`` keeps the two (weightless) buffers e3nn's TensorProduct
 has, ``weight`` (empty) and ``output_mask``, so state dicts move freely between patched and plain
 models. The original e3nn module rides along (not as a submodule) so ``unpatch`` restores it exactly.
+
+Each product block's ``symmetric_contractions`` (MACE's SymmetricContraction) is swapped the same way for
+a ``FusedSymmetricContraction``, which holds the original's own parameters and buffers under the same
+names (same state_dict) and keeps the original for ``unpatch``.
 """
 
 from __future__ import annotations
@@ -101,6 +105,32 @@ class FusedConvTP(torch.nn.Module):
         return f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, weight_numel={self.weight_numel}"
 
 
+class FusedSymmetricContraction(kernels.SymmetricContraction):
+    """MACE's product-basis ``SymmetricContraction`` backed by cgforge's generated kernels.
+
+    Built by ``kernels.SymmetricContraction.from_mace``: it holds the original's parameters and buffers
+    themselves, under the same names, so the state_dict is unchanged. The original rides along (not as a
+    submodule) so ``unpatch`` restores it exactly.
+    """
+
+    @classmethod
+    def wrap(cls, original: torch.nn.Module) -> FusedSymmetricContraction:
+        fused = cls.from_mace(original)
+        fused.original = (original,)
+        return fused
+
+    def restore(self) -> torch.nn.Module:
+        """The original module, given the tensors as moved/converted since patching."""
+        (original,) = self.original
+        for mine, theirs in zip(self.contractions, original.contractions):
+            for name in theirs._parameters:
+                theirs._parameters[name] = mine._parameters[name]
+            for name in theirs._buffers:
+                theirs._buffers[name] = mine._buffers[name]
+            theirs.weights = mine.weights
+        return original
+
+
 # ---------------------------------------------------------------------------------------------
 # Checks (everything is checked before anything is changed)
 
@@ -185,17 +215,43 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                 f"interactions.{i}.conv_tp ({block.conv_tp}): cgforge cannot build this convolution: {err}"
             ) from err
         replacements[i] = fused
+    contractions = _symmetric_contraction_replacements(model)
     for i, fused in replacements.items():
         blocks[i].conv_tp = fused
         blocks[i].conv_fusion = _FUSION_TAG
+    for i, fused in contractions.items():
+        model.products[i].symmetric_contractions = fused
     for block in blocks:
         block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
     if not any(hook is graphs for hook in model._forward_pre_hooks.values()):
         _remove_graph_hooks(model)
         model.register_forward_pre_hook(graphs)
-    if replacements:
-        log.info("cgforge: patched %d MACE interaction blocks", len(replacements))
+    if replacements or contractions:
+        log.info("cgforge: patched %d MACE interaction blocks and %d product blocks", len(replacements),
+                 len(contractions))
     return model
+
+
+def _symmetric_contraction_replacements(model: torch.nn.Module) -> dict[int, FusedSymmetricContraction]:
+    """cgforge versions of every product block's symmetric contraction (none changed yet)."""
+    replacements = {}
+    for i, block in enumerate(getattr(model, "products", [])):
+        sc = getattr(block, "symmetric_contractions", None)
+        if isinstance(sc, FusedSymmetricContraction):
+            continue
+        cls = type(sc)
+        if cls.__module__ != "mace.modules.symmetric_contraction" or cls.__name__ != "SymmetricContraction":
+            raise UnsupportedModelError(
+                f"products.{i}.symmetric_contractions: expected mace's SymmetricContraction, got {_describe(sc)} "
+                "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
+            )
+        try:
+            replacements[i] = FusedSymmetricContraction.wrap(sc)
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
+            raise UnsupportedModelError(
+                f"products.{i}.symmetric_contractions: cgforge cannot build this contraction: {err}"
+            ) from err
+    return replacements
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,23 +273,20 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             original._buffers[name] = fused._buffers[name]  # as moved/converted since patching
         block.conv_tp = original
         del block.conv_fusion
+    for block in getattr(model, "products", []):
+        sc = getattr(block, "symmetric_contractions", None)
+        if isinstance(sc, FusedSymmetricContraction):
+            block.symmetric_contractions = sc.restore()
     _remove_graph_hooks(model)
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return is_mace_model(model) and any(isinstance(getattr(b, "conv_tp", None), FusedConvTP)
-                                        for b in model.interactions)
-
-
-def patch_symmetric_contractions(model: torch.nn.Module) -> torch.nn.Module:
-    """Hook for the generated symmetric-contraction kernel (a later issue).
-
-    Will swap each ``EquivariantProductBasisBlock.symmetric_contractions`` (mace's SymmetricContraction,
-    called as ``symmetric_contractions(node_feats [N, C, (L+1)^2], node_attrs [N, num_elements])``) for a
-    cgforge module with the same state_dict. Not implemented yet.
-    """
-    raise NotImplementedError("cgforge's symmetric-contraction kernel is not implemented yet")
+    return is_mace_model(model) and (
+        any(isinstance(getattr(b, "conv_tp", None), FusedConvTP) for b in model.interactions)
+        or any(isinstance(getattr(b, "symmetric_contractions", None), FusedSymmetricContraction)
+               for b in getattr(model, "products", []))
+    )
 
 
 def _graph_cache(model: torch.nn.Module) -> GraphCache | None:
