@@ -11,6 +11,19 @@ from . import plan as plans
 from .checks import check_features, check_same, check_weights
 from .problem import TPProblem
 
+# The kernels index inside one row (channel and weight offsets, staged counts) with 32-bit ints; rows
+# themselves are counted with 64-bit ints.
+MAX_ROW_ELEMENTS = 2**31 - 1
+
+
+def check_row_sizes(problem: TPProblem) -> None:
+    """Refuse a problem whose rows (in1, in2, out or per-row weights) overflow a 32-bit index."""
+    for name, size in (("irreps_in1", problem.irreps_in1.dim), ("irreps_in2", problem.irreps_in2.dim),
+                       ("irreps_out", problem.irreps_out.dim), ("weight_numel", problem.weight_numel)):
+        if size > MAX_ROW_ELEMENTS:
+            raise ValueError(f"{name} has {size} elements per row; the kernels index inside a row with 32-bit "
+                             f"ints, so at most {MAX_ROW_ELEMENTS} are supported")
+
 
 class TensorProduct(torch.nn.Module):
     """out = TP(x, y, weight) with e3nn's layout, weight order and normalisation.
@@ -25,6 +38,7 @@ class TensorProduct(torch.nn.Module):
         if problem is None:
             problem = TPProblem.build(irreps_in1, irreps_in2, irreps_out, instructions, shared_weights,
                                       irrep_normalization, path_normalization)
+        check_row_sizes(problem)
         self.problem = problem
         self.key = plans.register(problem)
         # plain ints for the checks, so torch.compile guards on nothing but these
