@@ -13,9 +13,13 @@ Systems: 1k, 5k, 20k, 50k (water boxes of 7^3, 12^3, 19^3, 26^3 molecules), dhfr
 $CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
 32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
-Backends: cgforge (our calculator, patched model), cgforge-unpatched (our calculator, the model's own
-e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid when
-importable). The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
+Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
+cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
+Verlet list fed to the model: no per-step cut, skin edges included), cgforge-unpatched (our calculator, the
+model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
+when importable). --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
+cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
+The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -43,7 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
-BACKENDS = ("cgforge", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
+                   "cgforge-unpatched": {"patch": False}}
+SKIN = 1.0
+PROFILE = False
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
 NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
 
@@ -87,7 +95,6 @@ def bundled(kind: str) -> Path:
 def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stress: bool):
     """(ASE calculator, computes_stress_always) for one model x backend x dtype."""
     if backend.startswith("cgforge"):
-        patch = backend == "cgforge"
         if model_name == "mace-mp-medium":
             source = files["mace-mp-medium", dtype]
         elif model_name.startswith("nequip-"):
@@ -95,7 +102,7 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
         else:
             source = bundled(model_name.split("-")[1])
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
-                          patch=patch, stress_with_forces=stress)
+                          stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
         return calc, False
     if model_name in ("mace-mp-medium", "bundled-mace"):
         from mace.calculators import MACECalculator
@@ -182,6 +189,11 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
             row.update(mace_peer_breakdown(calc, a))
     else:
         row["edges"] = calc.n_edges
+        row["cuda_graph"] = bool(calc.cuda_graph)
+        row["capture_error"] = calc.step.capture_error
+        row["model_edge_slots"] = calc.step.capacity
+        if PROFILE:
+            row["profile"] = profile_steps(a, f"{model_name} {backend} {dtype} {len(atoms)} atoms")
         calc.record_timings(True)
         timed = 5
         total = sum(time_steps(a, timed, 0, ("forces", "energy"), seed=2))
@@ -201,6 +213,55 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     gc.collect()
     reset_memory()
     return row
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    rules = (("cgf_sc_", "symmetric contraction (cgforge)"), ("cgf_", "convolution (cgforge)"),
+             ("gemm", "GEMM"), ("xmma", "GEMM"), ("cutlass", "GEMM"), ("sort", "sort"), ("radix", "sort"),
+             ("scatter", "index/scatter/gather"), ("index", "index/scatter/gather"), ("gather", "index/scatter/gather"),
+             ("reduce", "reduction"), ("cat", "copy/cat"), ("copy", "copy/cat"), ("memcpy", "copy/cat"),
+             ("memset", "copy/cat"), ("fill", "elementwise"), ("elementwise", "elementwise"))
+    for key, category in rules:
+        if key in low:
+            return category
+    return "other"
+
+
+def profile_steps(atoms, label: str, steps: int = 3) -> dict:
+    """torch.profiler over `steps` NVT steps: GPU time per kernel category and the top kernels (printed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(5)
+    p0 = atoms.get_positions().copy()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            atoms.set_positions(p0 + 0.01 * rng.normal(size=p0.shape))
+            atoms.calc.get_property("forces", atoms)
+        sync()
+    atoms.set_positions(p0)
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 1000.0 / steps  # ms per step
+    categories: dict[str, float] = {}
+    for name, ms in kernels.items():
+        categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + ms
+    total = sum(kernels.values())
+    print(f"\n## profile: {label}: GPU kernel time {total:.2f} ms per step ({len(kernels)} distinct kernels)")
+    for category, ms in sorted(categories.items(), key=lambda kv: -kv[1]):
+        print(f"  {category:34s} {ms:8.3f} ms  {100 * ms / max(total, 1e-9):5.1f} %")
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
+    print("  top kernels (ms per step):")
+    for name, ms in top:
+        print(f"    {ms:8.3f}  {name[:110]}")
+    try:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
+    except (AttributeError, KeyError, ValueError):
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    print("  by op (all steps together):")
+    print(table, flush=True)
+    return {"gpu_ms": total, "categories": categories, "top": top}
 
 
 def nl_build_seconds(calc: Calculator, atoms) -> float:
@@ -267,9 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin (Å) of cgforge's calculator")
+    parser.add_argument("--profile", action="store_true", help="profile cgforge's NVT step (torch.profiler)")
     args = parser.parse_args(argv)
-    global DEVICE
+    global DEVICE, SKIN, PROFILE
     DEVICE = args.device
+    SKIN = args.skin
+    PROFILE = args.profile
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_md.py needs a CUDA GPU (or --device cpu for a smoke run)")
     systems = args.systems.split(",")
@@ -321,6 +386,8 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
         parts = " ".join(f"{k}={1000 * v:.1f}" for k, v in r.get("breakdown_nvt", {}).items())
         if "nl_build_s" in r:
             parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
+        if "edges" in r:
+            parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')}"
         print(f"{prefix} {r['nvt_s']:8.4f} {r['npt_s']:8.4f} {r['peak_gb']:8.2f}  {parts}")
 
 

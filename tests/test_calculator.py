@@ -4,7 +4,6 @@ finite differences of the energy, properties computed only when asked, Verlet re
 from __future__ import annotations
 
 import copy
-import random
 import sys
 from pathlib import Path
 
@@ -176,17 +175,18 @@ def test_stress_is_the_cell_derivative(mace_calc, name):
 
 
 class EnergySpy:
-    """Wraps an adapter's energy(): records whether autograd was on and whether the cell carried a strain."""
+    """Wraps an adapter's energy(): records whether autograd was on and whether the geometry carried a strain
+    (strained positions are ``pos @ (I + strain)``, not the leaf the forces are taken of)."""
 
     def __init__(self, calc: Calculator) -> None:
         self.calls: list[dict] = []
         self.inner = calc.adapter.energy
         calc.adapter.energy = self
 
-    def __call__(self, positions, cell, *args, **kwargs):
-        self.calls.append({"grad": torch.is_grad_enabled(), "cell_grad": cell.requires_grad,
+    def __call__(self, positions, vectors, *args, **kwargs):
+        self.calls.append({"grad": torch.is_grad_enabled(), "cell_grad": positions.grad_fn is not None,
                            "positions_grad": positions.requires_grad})
-        return self.inner(positions, cell, *args, **kwargs)
+        return self.inner(positions, vectors, *args, **kwargs)
 
 
 def test_only_asked_properties_are_computed(mace_model):
@@ -268,6 +268,22 @@ def test_changing_atoms_and_species(mace_model, mace_calc):
     assert abs(e2 - properties(atoms, Calculator(copy.deepcopy(mace_model), device="cpu"), False)["energy"]) < 1e-10
 
 
+def test_step_options_defaults_and_errors(mace_model):
+    calc = Calculator(copy.deepcopy(mace_model), device="cpu", warmup=False)
+    assert calc.inert_edges_reason is None, "the test model's edges beyond the cutoff contribute zero"
+    assert calc.cuda_graph is False and calc.step.filter_edges and not calc.step.padded  # CPU: eager, exact
+    whole = Calculator(copy.deepcopy(mace_model), device="cpu", warmup=False, filter_edges=False)
+    atoms = periodic_box()
+    got, ref = properties(atoms, whole, True), properties(atoms, calc, True)
+    assert whole.n_edges > calc.n_edges, "the whole Verlet list (skin edges too) went to the model"
+    assert_close(got, ref, 1e-12)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+            Calculator(copy.deepcopy(mace_model), device="cpu", cuda_graph=True, warmup=False)
+    with pytest.raises(ValueError, match="margin"):
+        type(calc.step)(calc.adapter, calc.neighbours, margin=-1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 
@@ -325,24 +341,6 @@ def test_missing_bundled_model_fails_only_when_asked(monkeypatch, mace_model):
 
 # ---------------------------------------------------------------------------------------------
 # NequIP
-
-
-@pytest.fixture(scope="module")
-def nequip_state():
-    """nequip sets process-wide state (float64 default dtype, seeds): restore it afterwards."""
-    pytest.importorskip("nequip")
-    import e3nn
-    from nequip.utils.global_state import set_global_state
-
-    dtype, flags = torch.get_default_dtype(), e3nn.get_optimization_defaults()
-    rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    set_global_state()
-    yield
-    torch.set_default_dtype(dtype)
-    e3nn.set_optimization_defaults(**flags)
-    torch.set_rng_state(rng[0])
-    np.random.set_state(rng[1])
-    random.setstate(rng[2])
 
 
 def nequip_model(dtype: str = "float64", l_max: int = 2) -> torch.nn.Module:
@@ -447,6 +445,22 @@ def test_cuda_kernels_compile_at_construction(mace_model, monkeypatch):
     atoms.calc = calc
     atoms.get_forces()
     atoms.get_stress()
+
+
+@cuda
+def test_cuda_steps_are_captured_by_default(mace_model):
+    calc = Calculator(copy.deepcopy(mace_model), device="cuda", skin=0.5)
+    assert calc.cuda_graph and calc.step.padded
+    cpu = Calculator(copy.deepcopy(mace_model), device="cpu", skin=0.0, warmup=False)
+    atoms = triclinic_box()
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        atoms.positions = atoms.positions + rng.normal(scale=0.03, size=atoms.positions.shape)
+        assert_close(properties(atoms, calc, True), properties(atoms, cpu, True), 1e-9)
+    assert calc.step.capture_error is None
+    # one graph per property set asked for: energy, forces, per-atom energies, stress (and any recaptures)
+    assert (True, True, False) in calc.step._graphs and calc.step.n_captures >= 4
+    assert calc.step.capacity >= calc.n_edges
 
 
 @cuda

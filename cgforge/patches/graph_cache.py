@@ -3,6 +3,10 @@
 MACE hands the same ``edge_index`` to every interaction block; NequIP hands each layer fresh views
 ``edge_index[0]`` / ``edge_index[1]`` of one tensor. Either way the first layer builds the graph
 (receiver sort, CSR, transpose permutation) and the others reuse it.
+
+A caller that owns the edge tensors (cgforge's calculator) can also *pin* a graph it built itself for
+those tensors: the layers then use it across calls, nothing is built or checked per call (no host sync,
+so the model step can be captured in a CUDA graph), and the caller keeps graph and edges consistent.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 import torch
 
 from cgforge import kernels
+from cgforge.kernels.graph import ConvGraph
+
+__all__ = ["CallGraphCache", "graph_caches"]
 
 
 class CallGraphCache:
@@ -17,18 +24,48 @@ class CallGraphCache:
     layout, unchanged in-place version counters and the same node count. The cache is also registered
     as a forward pre-hook of the model and emptied at the start of every call, so a graph never
     outlives a call (inference tensors have no version counter). Not thread-safe.
+
+    A pinned graph (``pin``) is matched by base tensors, view layout and node count only (no version
+    check: its owner refills the edge tensors in place and rebuilds the graph with them), and survives
+    the per-call reset until ``unpin``.
     """
 
     def __init__(self) -> None:
+        self._pinned: tuple[tuple, tuple, kernels.ConvGraph] | None = None
         self.clear()
 
     def clear(self) -> None:
+        """Forget the per-call graph (a pinned graph stays)."""
         self._bases: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key: tuple | None = None
         self._graph: kernels.ConvGraph | None = None
 
+    def pin(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, graph: kernels.ConvGraph) -> None:
+        """Serve ``graph`` whenever a layer asks for exactly these edge tensors (same views of the same bases).
+
+        The caller guarantees that ``graph`` describes ``edge_src -> edge_dst`` over ``graph.num_nodes`` nodes,
+        now and after every in-place refill of the tensors; nothing is checked here.
+        """
+        if not isinstance(graph, ConvGraph):
+            raise TypeError(f"graph must be a cgforge ConvGraph, got {type(graph).__name__}")
+        bases = (_base(edge_src), _base(edge_dst))
+        key = (_layout(edge_src), _layout(edge_dst), int(graph.num_nodes))
+        self._pinned = (bases, key, graph)
+
+    def unpin(self) -> None:
+        self._pinned = None
+
+    @property
+    def pinned(self) -> kernels.ConvGraph | None:
+        return None if self._pinned is None else self._pinned[2]
+
     def get(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, num_nodes: int) -> kernels.ConvGraph:
         bases = (_base(edge_src), _base(edge_dst))
+        pinned = self._pinned
+        if pinned is not None:
+            (src, dst), key, graph = pinned
+            if src is bases[0] and dst is bases[1] and key == (_layout(edge_src), _layout(edge_dst), int(num_nodes)):
+                return graph
         key = (_layout(edge_src), _layout(edge_dst), _version(bases[0]), _version(bases[1]), int(num_nodes))
         cached = self._bases
         if cached is not None and cached[0] is bases[0] and cached[1] is bases[1] and self._key == key:
@@ -45,7 +82,21 @@ class CallGraphCache:
         return {}
 
     def __setstate__(self, state: dict) -> None:
+        self._pinned = None
         self.clear()
+
+
+def graph_caches(model: torch.nn.Module) -> list[CallGraphCache]:
+    """The distinct graph caches of a patched model (its layers' ``graphs`` and its forward pre-hooks)."""
+    found: dict[int, CallGraphCache] = {}
+    for module in model.modules():
+        cache = getattr(module, "graphs", None)
+        if isinstance(cache, CallGraphCache):
+            found.setdefault(id(cache), cache)
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, CallGraphCache):
+                found.setdefault(id(hook), hook)
+    return list(found.values())
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

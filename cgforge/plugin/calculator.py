@@ -11,10 +11,14 @@ calculator differentiates it:
 
     E(x, eps) = model(positions (I + eps), cell (I + eps)),  forces = -dE/dx,  stress = sym(dE/d eps) / V
 
-at eps = 0. The strain enters only when stress is asked for, and the cell as one [3, 3] matrix (edge shifts
-are ``unit_shifts @ cell``, a matmul): the stress costs one extra small GEMM in the backward, never a
-gather over repeated indices. Properties not asked for are not computed (energy-only calls run without
-autograd).
+at eps = 0. The strain enters only when stress is asked for, as one [3, 3] matrix multiplying every edge
+vector: dE/d eps is the virial, sum over edges of vector (x) dE/d vector, one small GEMM in the backward,
+never a gather over repeated indices. Properties not asked for are not computed (energy-only calls run
+without autograd).
+
+On CUDA the step (edge cut, model, backward) is captured in a CUDA graph and replayed (``cuda_graph``); see
+``step_graph``. That needs a model whose edges beyond the cutoff contribute exactly zero (checked per model,
+``inert_edges``); other models run the eager step with exact edge counts.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import Tensor
 
 from .inputs import ModelAdapter, adapter_for, is_nequip_model
 from .neighbours import VerletNeighbourList
+from .step_graph import ModelStep
 
 __all__ = ["Calculator", "load_model", "resolve_device", "BUNDLED"]
 
@@ -141,7 +146,7 @@ class _Timings:
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
+def _no_phase(name: str) -> Iterator[None]:
     yield
 
 
@@ -157,6 +162,12 @@ class Calculator(AseCalculator):
     stress_with_forces: also compute the stress whenever forces are computed (for NPT integrators that ask
     for forces and stress in separate calls; costs one small GEMM more in the backward).
     warmup: run the model once at construction so kernels compile now, not in the first MD step.
+    cuda_graph: capture the model step in a CUDA graph and replay it (None: on for CUDA when the model's
+    edges beyond the cutoff are known to contribute zero, ``self.inert_edges``; True where that is not known
+    or not on CUDA is an error).
+    filter_edges: cut the Verlet list to the cutoff every step, on the device (True), or feed the model the
+    whole list, skin included (False: no per-step cut and one edge layout per rebuild, but ~((rc + skin) /
+    rc)^3 times the edges). None: True. False needs a model whose edges beyond the cutoff contribute zero.
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
@@ -173,6 +184,8 @@ class Calculator(AseCalculator):
         patch: bool = True,
         stress_with_forces: bool = False,
         warmup: bool = True,
+        cuda_graph: bool | None = None,
+        filter_edges: bool | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -186,19 +199,55 @@ class Calculator(AseCalculator):
         self.cutoff = self.adapter.cutoff
         self.neighbours = VerletNeighbourList(self.cutoff, skin)
         self.stress_with_forces = bool(stress_with_forces)
+        # Why edges beyond the cutoff may matter for this model (None: they contribute exactly zero).
+        self.inert_edges_reason = self.adapter.inert_beyond_cutoff()
+        self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
+                              cuda_graph=self._cuda_graph(cuda_graph))
         self.timings: _Timings | None = None
-        self.n_edges = 0
         self._species: Tensor | None = None
-        self._cell: Tensor | None = None
         self._pbc: tuple[bool, bool, bool] | None = None
         if warmup:
             self.warm_up()
 
+    def _filter_edges(self, filter_edges: bool | None) -> bool:
+        if filter_edges is None:
+            # Measured (benchmarks/results): cutting the list on the device costs far less than the skin's
+            # extra edges cost the model (+59% edges at rc 6 Å, skin 1 Å).
+            return True
+        if not filter_edges and self.inert_edges_reason is not None:
+            raise ValueError(f"filter_edges=False needs a model whose edges beyond the cutoff contribute zero; for "
+                             f"this one that is not known: {self.inert_edges_reason}")
+        return bool(filter_edges)
+
+    def _cuda_graph(self, cuda_graph: bool | None) -> bool:
+        if cuda_graph is None:
+            return self.device.type == "cuda" and self.inert_edges_reason is None
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a CUDA device, got {self.device}")
+        if cuda_graph and self.inert_edges_reason is not None:
+            raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the "
+                             f"cutoff contribute zero; for this one that is not known: {self.inert_edges_reason}")
+        return bool(cuda_graph)
+
+    @property
+    def n_edges(self) -> int:
+        """Edges the model saw at the last step within the cutoff (all Verlet edges when not filtering)."""
+        return self.step.n_edges
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether steps run as CUDA-graph replays (False after a failed capture: see ``step.capture_error``)."""
+        return self.step.cuda_graph
+
     # --- public helpers -------------------------------------------------------------------------
 
     def record_timings(self, enabled: bool = True) -> None:
-        """Start (or stop) a per-phase breakdown in ``self.timings.seconds`` (syncs the device per phase)."""
+        """Start (or stop) a per-phase breakdown in ``self.timings.seconds`` (syncs the device per phase).
+
+        Phases: neighbour_list (staleness check and rebuilds), then model (a CUDA-graph replay) or edges /
+        forward / backward (the eager step), and copy_out."""
         self.timings = _Timings(self.device) if enabled else None
+        self.step.phase = self.timings.phase if enabled else _no_phase
 
     def warm_up(self) -> None:
         """Compile every cgforge kernel of the model, then run energy, forces and stress of a tiny periodic
@@ -212,15 +261,13 @@ class Calculator(AseCalculator):
         spacing = min(1.5, 0.4 * self.cutoff)
         grid = np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
         jitter = np.random.default_rng(0).normal(scale=0.05 * spacing, size=(n, 3))
-        positions = torch.as_tensor(grid * spacing + jitter, dtype=self.dtype).to(self.device)
-        cell = torch.eye(3, dtype=self.dtype, device=self.device) * (2 * spacing)
-        saved = self.neighbours
-        self.neighbours = VerletNeighbourList(self.cutoff, saved.skin)
-        try:
-            self._evaluate(positions, cell, (True, True, True), self.adapter.warmup_species(n),
-                           forces=True, stress=True, per_atom=True, volume=(2 * spacing) ** 3)
-        finally:
-            self.neighbours = saved
+        positions = grid * spacing + jitter
+        cell = np.eye(3) * (2 * spacing)
+        # A step of its own (eager, its own neighbour list): the calculator's buffers stay untouched.
+        step = ModelStep(self.adapter, VerletNeighbourList(self.cutoff, self.neighbours.skin),
+                         filter_edges=self.step.filter_edges)
+        step.run(positions, cell, (True, True, True), self.adapter.warmup_species(n), forces=True, stress=True,
+                 per_atom=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -241,77 +288,36 @@ class Calculator(AseCalculator):
         if self._species is None or "numbers" in system_changes or self._species.shape[0] != len(atoms):
             self._species = None
             self._species = self.adapter.species(atoms.numbers)
-        if self._cell is None or "cell" in system_changes or "pbc" in system_changes:
-            self._cell = torch.as_tensor(np.asarray(atoms.cell), dtype=self.dtype).to(self.device)
+        if self._pbc is None or "pbc" in system_changes:
             self._pbc = tuple(bool(p) for p in atoms.pbc)
-        positions = torch.as_tensor(atoms.positions, dtype=self.dtype).to(self.device)
         want = set(properties)
         volume = abs(float(atoms.cell.volume))
         stress = "stress" in want or (self.stress_with_forces and "forces" in want and volume > 0.0)
         if stress and not volume > 0.0:
             raise PropertyNotImplementedError("stress: the cell has zero volume; give the Atoms a 3-D cell")
         self.results.update(self._evaluate(
-            positions, self._cell, self._pbc, self._species,
+            atoms.positions, np.asarray(atoms.cell), self._pbc, self._species,
             forces="forces" in want or stress, stress=stress, per_atom="energies" in want, volume=volume,
         ))
 
     # --- the step ---------------------------------------------------------------------------------
 
-    def _phase(self, name: str):
-        return self.timings.phase(name) if self.timings is not None else _nothing()
-
-    def _edges(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]
-               ) -> tuple[Tensor, Tensor, Tensor]:
-        """(sender, receiver, unit shifts) of the pairs within the cutoff now, from the skin list."""
-        nl = self.neighbours
-        try:
-            nl.update(positions, cell, pbc)
-        except ValueError as err:
-            raise ValueError(f"atoms: {err}") from err
-        with torch.no_grad():
-            _, _, inside = nl.edges(positions, cell)
-            keep = torch.nonzero(inside).squeeze(1)
-        self.n_edges = keep.numel()
-        return nl.sender.index_select(0, keep), nl.receiver.index_select(0, keep), nl.shifts.index_select(0, keep)
-
-    def _evaluate(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], species: Tensor, *,
-                  forces: bool, stress: bool, per_atom: bool, volume: float = 0.0) -> dict:
+    def _evaluate(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor,
+                  *, forces: bool, stress: bool, per_atom: bool, volume: float = 0.0) -> dict:
         """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure."""
-        with self._phase("neighbour_list"):
-            sender, receiver, unit_shifts = self._edges(positions, cell, pbc)
-        grad = forces or stress
-        with torch.set_grad_enabled(grad):
-            pos = positions.detach().requires_grad_(grad)
-            strain = None
-            if stress:
-                strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
-                deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
-                pos_in, cell_in = pos @ deform, cell @ deform
-            else:
-                pos_in, cell_in = pos, cell
-            with self._phase("forward"):
-                energy, energies = self.adapter.energy(pos_in, cell_in, species, sender, receiver, unit_shifts,
-                                                       per_atom)
-            parts = [energy.detach().reshape(1)]
-            if grad:
-                with self._phase("backward"):
-                    inputs = [pos] if strain is None else [pos, strain]
-                    grads = torch.autograd.grad(energy, inputs, allow_unused=True)
-                gradient = grads[0] if grads[0] is not None else torch.zeros_like(pos)
-                parts.append(-gradient.reshape(-1))
-                if strain is not None:
-                    virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
-                    parts.append((0.5 * (virial + virial.T)).reshape(-1))
-            if per_atom:
-                parts.append(energies.detach().reshape(-1))
-        # One device-to-host copy for everything asked for.
-        with self._phase("copy_out"):
-            host = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
+        if not np.isfinite(positions).all():
+            raise ValueError("atoms: positions contain NaN or inf")
+        try:
+            host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
+        except ValueError as err:  # neighbour list: singular cell, cutoff too large for the cell, ...
+            if str(err).startswith(("atoms:", "species:")):
+                raise
+            raise ValueError(f"atoms: {err}") from err
         n = positions.shape[0]
         results = {"energy": float(host[0])}
         results["free_energy"] = results["energy"]
         at = 1
-        if grad:
+        if forces or stress:
             results["forces"] = host[at:at + 3 * n].reshape(n, 3).copy()
             at += 3 * n
             if stress:

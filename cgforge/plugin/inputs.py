@@ -1,20 +1,23 @@
 """Model inputs built directly as device tensors, and the energy of one structure.
 
-Each adapter turns (positions, cell, edges) into the energy of one model, with no data objects, loaders
-or host round trips. The calculator owns positions, strain, neighbour list and autograd; an adapter only
-knows how its model wants the graph:
+Each adapter turns (edge vectors, edges, species) into the energy of one model, with no data objects,
+loaders or host round trips. The calculator owns positions, strain, neighbour list, edge vectors and
+autograd; an adapter only knows how its model wants the graph:
 
-- MACE: the dict ``MACE.forward`` takes (``positions``, ``node_attrs`` one-hot over ``model.atomic_numbers``,
-  ``edge_index`` = [sender, receiver] with ``vector = positions[receiver] - positions[sender] + shifts``,
-  ``shifts``, ``unit_shifts``, ``cell``, ``batch``, ``ptr``, ``head``), called with every force/stress option
-  off: the model returns the energy only and the calculator differentiates it.
+- MACE: the dict ``MACE.forward`` takes (``node_attrs`` one-hot over ``model.atomic_numbers``, ``edge_index``
+  = [sender, receiver], ``batch``, ``ptr``, ``head``, ...), called with every force/stress option off: the
+  model returns the energy only and the calculator differentiates it. MACE computes
+  ``vector = positions[receiver] - positions[sender] + shifts`` itself; it gets ``positions`` = zeros and
+  ``shifts`` = the calculator's edge vectors, so the vectors are exactly ours and the model's gathers of
+  ``positions`` (advanced indexing, whose backward is a sort-based accumulation) sit off the gradient path.
 - NequIP: an AtomicDataDict with ``edge_vectors`` already filled in, given to the energy model inside the
   ``ForceStressOutput`` wrapper (whose own displacement/stress machinery is skipped).
 
-Edges come from ``cgforge.plugin.neighbours`` as (sender, receiver, unit shift S) with
-``vector = positions[receiver] - positions[sender] + S @ cell``. The strained geometry (positions and cell
-both multiplied by ``I + strain``) arrives from the calculator, so ``S @ cell`` is one [E, 3] x [3, 3]
-product with the one cell: no per-edge gather of the cell.
+Edge vectors follow ``cgforge.plugin.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
+
+``inert_beyond_cutoff()`` says whether edges longer than the cutoff contribute exactly zero, with zero
+derivative, to the model's energy (checked per model, see the adapters). Only then may the calculator feed
+the model its whole Verlet list or pad the edge arrays (CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ase.data import chemical_symbols
 from torch import Tensor
 
 from cgforge.patches.graph_cache import CallGraphCache
+
+from .inert_edges import mace_inert_beyond_cutoff, nequip_inert_beyond_cutoff
 
 __all__ = ["ModelAdapter", "MaceAdapter", "NequipAdapter", "adapter_for", "UnknownElementError"]
 
@@ -53,9 +58,22 @@ class ModelAdapter(Protocol):
     def warmup_species(self, n: int) -> Tensor:
         """The same for n atoms cycling over the model's species (a structure for compiling kernels)."""
 
-    def energy(self, positions: Tensor, cell: Tensor, species: Tensor, sender: Tensor, receiver: Tensor,
-               unit_shifts: Tensor, per_atom: bool) -> tuple[Tensor, Tensor | None]:
-        """(total energy as a 0-d tensor, per-atom energies [N] or None)."""
+    sender_row: int  # the row of the model's edge_index holding senders (the other holds receivers)
+
+    def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
+               per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        """(total energy as a 0-d tensor, per-atom energies [N] or None).
+
+        positions [N, 3] (strained when stress is asked for), vectors [E, 3] (``pos[receiver] - pos[sender] +
+        S @ cell``, strained alike), edge_index [2, E] in the model's orientation (see ``edge_index``).
+        """
+
+    def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
+        """The model's [2, E] edge_index: rows ``sender_row`` = sender and ``1 - sender_row`` = receiver."""
+
+    def inert_beyond_cutoff(self) -> str | None:
+        """None when edges at or beyond the cutoff contribute exactly zero (and zero derivative) to the energy,
+        else why that is not known for this model."""
 
 
 def _unknown(numbers: np.ndarray, known: np.ndarray, model_elements: list[str]) -> UnknownElementError:
@@ -79,6 +97,7 @@ def _check_numbers(numbers: np.ndarray) -> np.ndarray:
 
 class MaceAdapter:
     kind = "mace"
+    sender_row = 0
 
     def __init__(self, model: torch.nn.Module, device: torch.device, head: str | None = None) -> None:
         self.model = model
@@ -110,24 +129,31 @@ class MaceAdapter:
     def _one_hot(self, index: Tensor) -> Tensor:
         return torch.nn.functional.one_hot(index, self.n_species).to(self.dtype)
 
-    def _batch_and_ptr(self, n_atoms: int) -> tuple[Tensor, Tensor]:
-        # One structure: batch all zeros, ptr [0, N]. Cached per size: no allocation per step.
+    def _per_structure(self, n_atoms: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # One structure: batch all zeros, ptr [0, N], zero positions and cell. Cached per size: no allocation
+        # per step (and fixed addresses for a captured step).
         if n_atoms not in self._per_size:
-            self._per_size = {n_atoms: (torch.zeros(n_atoms, dtype=torch.int64, device=self.device),
-                                        torch.tensor([0, n_atoms], dtype=torch.int64, device=self.device))}
+            kw = {"dtype": torch.int64, "device": self.device}
+            self._per_size = {n_atoms: (torch.zeros(n_atoms, **kw), torch.tensor([0, n_atoms], **kw),
+                                        torch.zeros(n_atoms, 3, dtype=self.dtype, device=self.device),
+                                        torch.zeros(3, 3, dtype=self.dtype, device=self.device))}
         return self._per_size[n_atoms]
 
-    def energy(self, positions: Tensor, cell: Tensor, species: Tensor, sender: Tensor, receiver: Tensor,
-               unit_shifts: Tensor, per_atom: bool) -> tuple[Tensor, Tensor | None]:
-        batch, ptr = self._batch_and_ptr(positions.shape[0])
-        unit_shifts = unit_shifts.to(positions.dtype)
+    def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
+        return torch.stack([sender, receiver])
+
+    def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
+               per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        batch, ptr, zeros, cell = self._per_structure(positions.shape[0])
+        # MACE sets requires_grad on data["positions"] and gathers it per edge; zeros (a leaf that no
+        # gradient is asked of) keep that gather off the backward. vectors = 0 - 0 + shifts, exactly.
         data = {
-            "positions": positions,
+            "positions": zeros,
             "node_attrs": species,
-            "edge_index": torch.stack([sender, receiver]),
-            "shifts": unit_shifts @ cell,
-            "unit_shifts": unit_shifts,
-            "cell": cell.view(3, 3),
+            "edge_index": edge_index,
+            "shifts": vectors,
+            "unit_shifts": cell[0].expand(vectors.shape[0], 3),  # read only for MACE's own stress: not asked
+            "cell": cell,
             "batch": batch,
             "ptr": ptr,
             "head": self._head_index,
@@ -137,6 +163,9 @@ class MaceAdapter:
         energy = out["energy"].sum()
         node_energy = out.get("node_energy") if per_atom else None
         return energy, node_energy
+
+    def inert_beyond_cutoff(self) -> str | None:
+        return mace_inert_beyond_cutoff(self.model)
 
 
 def _choose_head(heads: list[str], head: str | None) -> str:
@@ -158,6 +187,7 @@ def _choose_head(heads: list[str], head: str | None) -> str:
 
 class NequipAdapter:
     kind = "nequip"
+    sender_row = 1  # nequip: edge_index[0] is the centre (receives messages), edge_index[1] the neighbour
 
     def __init__(self, model: torch.nn.Module, device: torch.device,
                  type_map: dict[str, str] | None = None) -> None:
@@ -205,18 +235,19 @@ class NequipAdapter:
     def warmup_species(self, n: int) -> Tensor:
         return torch.arange(n, device=self.device) % self.n_species
 
-    def energy(self, positions: Tensor, cell: Tensor, species: Tensor, sender: Tensor, receiver: Tensor,
-               unit_shifts: Tensor, per_atom: bool) -> tuple[Tensor, Tensor | None]:
-        # nequip: edge_index[0] is the centre (receives messages), vector = pos[index[1]] - pos[index[0]].
-        # Our list holds every pair in both directions, so (receiver -> sender, -S) is the same edge set
-        # with the centres already sorted, as the fused convolution's CSR order wants.
-        vectors = (positions.index_select(0, sender) - positions.index_select(0, receiver)
-                   - unit_shifts.to(positions.dtype) @ cell)
+    def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
+        return torch.stack([receiver, sender])
+
+    def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
+               per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        # nequip: edge_index[0] is the centre, vector = pos[index[1]] - pos[index[0]]. Our list holds every pair
+        # in both directions, so (receiver -> sender, -vector) is the same edge set with the centres already
+        # sorted, as the fused convolution's CSR order wants.
         data = {
             "pos": positions,
             "atom_types": species,
-            "edge_index": torch.stack([receiver, sender]),
-            "edge_vectors": vectors,
+            "edge_index": edge_index,
+            "edge_vectors": -vectors,
         }
         # The patched model empties its per-call graph cache in a forward pre-hook of the GraphModel, which
         # calling the inner energy model skips: empty it here.
@@ -227,6 +258,9 @@ class NequipAdapter:
         energy = out["total_energy"].sum()
         atomic = out["atomic_energy"].reshape(-1) if per_atom else None
         return energy, atomic
+
+    def inert_beyond_cutoff(self) -> str | None:
+        return nequip_inert_beyond_cutoff(self.energy_model)
 
 
 def _nequip_energy_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,130 @@
+"""Model edges in a fixed-capacity, receiver-sorted layout, built on the device without a host sync.
+
+The calculator's Verlet list holds the pairs within ``cutoff + skin``. The model gets the pairs selected by
+a mask (within the cutoff now, or all of them), laid out in ``capacity`` slots:
+
+- the selected edges keep their (receiver, sender) order;
+- the ``capacity - count`` free slots hold *padding edges*: self-edges (k, k) whose vector is
+  ``pad_offset`` (longer than the cutoff), spread evenly over the atoms and placed at the end of their
+  atom's row, so the whole array stays sorted by receiver and no row grows long. For a model whose edges
+  beyond the cutoff contribute exactly zero (``ModelAdapter.zero_beyond_cutoff``), padding changes nothing.
+
+Every index is computed with device arithmetic (cumsum, index_add, index_copy, a stable sort for the
+transpose), no ``nonzero`` and no ``.item()``: the layout can run inside a captured CUDA graph, where the
+number of selected edges is known only on the device. ``count`` comes back as a device scalar; a count
+above the capacity (overflow) leaves a garbage layout that stays in bounds, and the caller recomputes with
+more room.
+
+``conv_graph`` wraps the layout's graph tensors in a ``ConvGraph`` without the constructor's checks (which
+read device values): the layout is valid by construction, and a test checks it field by field against
+``ConvGraph``'s own constructor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cgforge.kernels import ConvGraph
+
+__all__ = ["EdgeLayout", "layout_edges", "conv_graph", "pad_offset_vector"]
+
+
+@dataclass
+class EdgeLayout:
+    sender: Tensor  # int64 [C]
+    receiver: Tensor  # int64 [C], ascending
+    unit_shifts: Tensor  # float [C, 3] (zero for padding)
+    pad_offset: Tensor  # float [C, 3] (zero for real edges, the padding vector for padding edges)
+    count: Tensor  # int64 0-d: edges selected (> C means overflow: the layout is not valid)
+    graph: tuple[Tensor, ...] | None  # ConvGraph tensors (sender32, receiver32, rowptr, perm, rowptr_t, perm_t)
+
+    @property
+    def capacity(self) -> int:
+        return self.sender.shape[0]
+
+    def tensors(self) -> list[Tensor]:
+        fixed = [self.sender, self.receiver, self.unit_shifts, self.pad_offset, self.count]
+        return fixed + list(self.graph or ())
+
+    def copy_(self, other: EdgeLayout) -> None:
+        """Refill this layout's tensors in place (same capacity): captured graphs keep reading them."""
+        mine, theirs = self.tensors(), other.tensors()
+        if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            raise ValueError("EdgeLayout.copy_: layouts of different capacity or kind")
+        for a, b in zip(mine, theirs):
+            a.copy_(b)
+
+
+def pad_offset_vector(cutoff: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The vector of a padding edge: well beyond the cutoff, never zero (spherical harmonics normalise it).
+
+    Made once, outside any capture (a tensor from host values is a host-to-device copy)."""
+    return torch.tensor([2.0 * float(cutoff) + 1.0, 0.0, 0.0], dtype=dtype, device=device)
+
+
+def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int,
+                 capacity: int, pad_vector: Tensor, with_graph: bool) -> EdgeLayout:
+    """The edges where ``keep`` is set, receiver-sorted, padded to ``capacity`` slots (see the module doc).
+
+    keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];
+    pad_vector: float [3] on the same device. Edges not kept may be anything (in range). Allocates its
+    outputs; reads nothing back to the host and copies nothing from it.
+    """
+    n, cap, device = int(num_nodes), int(capacity), sender.device
+    if n < 1 or cap < 0:
+        raise ValueError(f"layout_edges: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
+    keep_int = keep.to(torch.int64)
+    rank = torch.cumsum(keep_int, 0) - 1  # slot among the kept edges
+    count = keep_int.sum()
+    free = (cap - count).clamp(min=0)
+    kept_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, receiver, keep_int)
+    kept_end = torch.cumsum(kept_per_row, 0)  # kept edges in rows <= r
+    # Padding edge j sits on atom floor(j * n / free): ceil(r * free / n) of them come before row r.
+    rows = torch.arange(n + 1, device=device)
+    pads_before = torch.div(rows * free + (n - 1), n, rounding_mode="floor")
+    dump = torch.full((), cap, dtype=torch.int64, device=device)  # writes that must not land go to slot `cap`
+
+    real_slot = rank + pads_before.index_select(0, receiver)
+    real_slot = torch.where(keep & (real_slot < cap), real_slot, dump)
+    j = torch.arange(cap, device=device)
+    pad_row = torch.div(j * n, free.clamp(min=1), rounding_mode="floor").clamp(max=n - 1)
+    pad_slot = torch.where(j < free, j + kept_end.index_select(0, pad_row), dump)
+
+    def place(real: Tensor, pad: Tensor) -> Tensor:
+        out = real.new_zeros((cap + 1, *real.shape[1:]))
+        out.index_copy_(0, real_slot, real)
+        out.index_copy_(0, pad_slot, pad)
+        return out[:cap]
+
+    zeros3 = unit_shifts.new_zeros(cap, 3)
+    pad_rows = pad_vector.to(unit_shifts.dtype).expand(cap, 3).contiguous()
+    out_sender = place(sender, pad_row)
+    out_receiver = place(receiver, pad_row)
+    out_shifts = place(unit_shifts, zeros3)
+    out_pad = place(unit_shifts.new_zeros(unit_shifts.shape), pad_rows)
+    graph = None
+    if with_graph:
+        pads_per_row = pads_before[1:] - pads_before[:-1]
+        rowptr = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        rowptr[1:] = torch.cumsum(kept_per_row + pads_per_row, 0).clamp(max=cap)
+        ones = torch.ones(cap, dtype=torch.int64, device=device)
+        rowptr_t = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        rowptr_t[1:] = torch.cumsum(torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, out_sender, ones), 0)
+        perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
+        perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
+        graph = (out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
+    return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph)
+
+
+def conv_graph(layout: EdgeLayout, num_nodes: int) -> ConvGraph:
+    """A deterministic ``ConvGraph`` over the layout's graph tensors, without the constructor's device reads."""
+    if layout.graph is None:
+        raise ValueError("conv_graph: the layout was built with with_graph=False")
+    graph = ConvGraph.__new__(ConvGraph)
+    graph.num_nodes = int(num_nodes)
+    graph.deterministic = True
+    graph.sender, graph.receiver, graph.rowptr, graph.perm, graph.rowptr_t, graph.perm_t = layout.graph
+    return graph

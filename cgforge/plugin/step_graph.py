@@ -1,0 +1,305 @@
+"""One model step (energy, forces, stress) on static device buffers, optionally captured in a CUDA graph.
+
+Per call the host copies positions in, asks the Verlet list whether it is stale (one host sync), runs the
+step and copies the results out (one device-to-host copy, which also brings back the edge count). The step:
+
+1. edges: the Verlet list (pairs within cutoff + skin) is cut to the cutoff on the device and laid out,
+   receiver-sorted and padded, in a fixed number of slots (``edge_layout``); or, with ``filter_edges=False``,
+   the whole Verlet list is laid out once per rebuild. The ConvGraph of the layout is pinned in the
+   model's graph cache, so no layer builds or checks one.
+2. vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), times (I + strain) when stress
+   is asked for; the model's energy; autograd gives forces = -dE/dpos (index_add over the edges, no
+   sort-based gather backward) and the virial dE/dstrain = sum over edges of vector (x) dE/dvector.
+
+With ``cuda_graph`` the step is captured once per (buffer capacities, properties) and replayed: no Python
+and no kernel-launch cost per step. Buffers have a capacity with a small margin; the edge count is checked
+after the step (it comes back with the results), and a step whose edges overflowed the capacity is run again
+with more room (a new capture). Capacities shrink at a neighbour-list rebuild when far too large.
+
+Padding needs a model whose edges beyond the cutoff contribute exactly zero (``inert_beyond_cutoff``);
+without that the step runs eagerly with exact edge counts (``padded=False``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from cgforge.patches.graph_cache import graph_caches
+
+from .edge_layout import EdgeLayout, conv_graph, layout_edges, pad_offset_vector
+from .inputs import ModelAdapter
+from .neighbours import VerletNeighbourList, edges_within
+
+__all__ = ["ModelStep"]
+
+Phase = Callable[[str], AbstractContextManager]
+
+
+def _no_phase(name: str) -> AbstractContextManager:
+    return nullcontext()
+
+
+class ModelStep:
+    """Energy (and forces, stress, per-atom energies) of one structure per ``run``; see the module doc.
+
+    filter_edges: cut the Verlet list to the cutoff every step (on the device) rather than feed the model all
+    of it. padded: fixed capacities with padding edges (needed for, and implied by, ``cuda_graph``).
+    margin: spare capacity (fraction) given to edge buffers when they are sized.
+    """
+
+    def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
+                 cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01) -> None:
+        self.adapter = adapter
+        self.neighbours = neighbours
+        self.cutoff = float(adapter.cutoff)
+        self.filter_edges = bool(filter_edges)
+        self.cuda_graph = bool(cuda_graph)
+        self.padded = self.cuda_graph if padded is None else bool(padded) or self.cuda_graph
+        if not math.isfinite(margin) or margin < 0:
+            raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
+        self.margin = float(margin)
+        self.caches = graph_caches(adapter.model)
+        self.pad_vector = pad_offset_vector(self.cutoff, self.dtype, self.device)
+        self.phase: Phase = _no_phase
+        self.n_edges = 0  # edges within the cutoff at the last step (all Verlet edges when not filtering)
+        self.n_captures = 0
+        self.capture_error: str | None = None
+        self._n: int | None = None
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._pool = None
+        self._capacity: int | None = None  # model edge slots (filtered, padded)
+        self._verlet: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # sender, receiver, shifts, valid
+        self._layout: EdgeLayout | None = None  # the model layout of the whole Verlet list (not filtering)
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+    @property
+    def capacity(self) -> int | None:
+        """Model edge slots (including padding) of the current layout."""
+        if not self.filter_edges:
+            return None if self._layout is None else self._layout.capacity
+        return self._capacity
+
+    def invalidate(self) -> None:
+        """Drop every captured graph. Their memory goes back once no tensor of their pool is alive: the pinned
+        graph (built inside the capture) is let go too; the next step pins a new one."""
+        self._graphs.clear()
+        self._pool = None
+        for cache in self.caches:
+            cache.unpin()
+
+    # --- the call ---------------------------------------------------------------------------------
+
+    def run(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor, *,
+            forces: bool, stress: bool, per_atom: bool) -> np.ndarray:
+        """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom]
+        as float64 on the host. The virial is sym(dE/d strain) (stress = virial / volume)."""
+        self._load_structure(positions, cell, species)
+        with self.phase("neighbour_list"):
+            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
+            if rebuilt or self._verlet is None:
+                self._load_verlet()
+        key = (bool(forces or stress), bool(stress), bool(per_atom))
+        while True:
+            with self.phase("model") if self.cuda_graph else nullcontext():  # eager: edges/forward/backward
+                out = self._execute(key)
+            with self.phase("copy_out"):
+                host = out.cpu().numpy()
+            count = int(host[-1])
+            if not (self.padded and self.filter_edges and count > self._capacity):
+                break
+            self._capacity = self._fit(None, count)  # overflow: the layout was not valid; again, with room
+            self.invalidate()
+        self.n_edges = count
+        return host[:-1]
+
+    # --- static inputs ------------------------------------------------------------------------------
+
+    def _load_structure(self, positions: np.ndarray, cell: np.ndarray, species: Tensor) -> None:
+        n = int(positions.shape[0])
+        if n != self._n:
+            self.invalidate()
+            self._n = n
+            self._pos = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
+            self._cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
+            self._host_cell = None
+            self._species = species.clone()
+            self._species_source = species
+            self._verlet = None
+            self._layout = None
+            self._capacity = None
+            pinned = self.device.type == "cuda"
+            self._host_pos = torch.zeros(n, 3, dtype=self.dtype, pin_memory=pinned)
+        self._host_pos.numpy()[:] = positions
+        self._pos.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
+        if self._host_cell is None or not np.array_equal(self._host_cell, cell):
+            self._host_cell = np.array(cell, dtype=np.float64)
+            self._cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
+        if species is not self._species_source:
+            if species.shape != self._species.shape or species.dtype != self._species.dtype:
+                raise ValueError(f"species: expected shape {tuple(self._species.shape)} for {n} atoms, got "
+                                 f"{tuple(species.shape)}")
+            self._species.copy_(species)
+            self._species_source = species
+
+    def _fit(self, current: int | None, needed: int) -> int:
+        """Capacity for `needed` edges: kept while it fits and is not far too large, else needed + margin."""
+        if not self.padded:
+            return needed
+        if current is not None and needed <= current <= needed * (1 + 4 * self.margin) + 256:
+            return current
+        return int(math.ceil(needed * (1 + self.margin) / 64.0) + 1) * 64
+
+    def _load_verlet(self) -> None:
+        """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering)."""
+        nl = self.neighbours
+        count = nl.sender.shape[0]
+        old = self._verlet
+        capacity = self._fit(None if old is None else old[0].shape[0], count)
+        if old is None or old[0].shape[0] != capacity:
+            self.invalidate()
+            kw = {"dtype": torch.int64, "device": self.device}
+            old = (torch.zeros(capacity, **kw), torch.zeros(capacity, **kw),
+                   torch.zeros(capacity, 3, dtype=self.dtype, device=self.device),
+                   torch.zeros(capacity, dtype=torch.bool, device=self.device))
+            self._verlet = old
+        sender, receiver, shifts, valid = old
+        for buf, src in ((sender, nl.sender), (receiver, nl.receiver), (shifts, nl.shifts)):
+            buf[:count].copy_(src)
+            buf[count:].zero_()  # padding entries: (0, 0, 0), never kept (valid is False)
+        valid.copy_(torch.arange(capacity, device=self.device) < count)
+        with torch.no_grad():
+            if not self.filter_edges:
+                layout = layout_edges(valid, sender, receiver, shifts, self._n, self._fit(
+                    None if self._layout is None else self._layout.capacity, count), self.pad_vector,
+                    with_graph=bool(self.caches))
+                if self._layout is not None and self._layout.capacity == layout.capacity:
+                    self._layout.copy_(layout)
+                else:
+                    self.invalidate()
+                    self._layout = layout
+            elif self.padded:
+                within = int(self._keep().sum())  # a rebuild syncs anyway
+                capacity = self._fit(self._capacity, within)
+                if capacity != self._capacity:
+                    self.invalidate()
+                    self._capacity = capacity
+
+    # --- the step itself (capture-safe: no host reads when padded) ---------------------------------
+
+    def _keep(self) -> Tensor:
+        sender, receiver, shifts, valid = self._verlet
+        _, _, inside = edges_within(self._pos, self._cell, sender, receiver, shifts, self.cutoff)
+        return inside & valid
+
+    def _step_layout(self) -> EdgeLayout:
+        if not self.filter_edges:
+            return self._layout
+        sender, receiver, shifts, _ = self._verlet
+        keep = self._keep()
+        capacity = self._capacity if self.padded else int(keep.sum())  # eager: exact, one sync
+        return layout_edges(keep, sender, receiver, shifts, self._n, capacity, self.pad_vector,
+                            with_graph=bool(self.caches))
+
+    def _compute(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
+        # Named ranges for torch.profiler (host-side markers only: harmless inside a capture).
+        with record_function("cgforge.step"):
+            return self._compute_step(key, phase)
+
+    def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
+        grad, stress, per_atom = key
+        adapter = self.adapter
+        with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
+            layout = self._step_layout()
+            edge_index = adapter.edge_index(layout.sender, layout.receiver)
+            if self.caches:
+                graph = conv_graph(layout, self._n)
+                src, dst = edge_index[adapter.sender_row], edge_index[1 - adapter.sender_row]
+                for cache in self.caches:
+                    cache.pin(src, dst, graph)
+        with torch.set_grad_enabled(grad):
+            pos = self._pos.detach().requires_grad_(grad)
+            with record_function("cgforge.edge_vectors"):
+                vectors = (pos.index_select(0, layout.receiver) - pos.index_select(0, layout.sender)
+                           + layout.unit_shifts @ self._cell + layout.pad_offset)
+            strain = None
+            positions = pos
+            if stress:
+                # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial.
+                strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
+                deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
+                vectors, positions = vectors @ deform, pos @ deform
+            with phase("forward"), record_function("cgforge.model_forward"):
+                energy, energies = adapter.energy(positions, vectors, self._species, edge_index, per_atom)
+            parts = [energy.detach().reshape(1)]
+            if grad:
+                with phase("backward"), record_function("cgforge.backward"):
+                    inputs = [pos] if strain is None else [pos, strain]
+                    grads = torch.autograd.grad(energy, inputs, allow_unused=True)
+                gradient = grads[0] if grads[0] is not None else torch.zeros_like(pos)
+                parts.append(-gradient.reshape(-1))
+                if strain is not None:
+                    virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
+                    parts.append((0.5 * (virial + virial.T)).reshape(-1))
+            if per_atom:
+                parts.append(energies.detach().reshape(-1))
+        parts.append(layout.count.reshape(1))
+        return torch.cat([p.to(torch.float64) for p in parts])
+
+    # --- eager or captured ----------------------------------------------------------------------------
+
+    def _execute(self, key: tuple[bool, bool, bool]) -> Tensor:
+        if not self.cuda_graph:
+            return self._compute(key, self.phase)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key)
+            if entry is None:  # capture failed: run eagerly from now on (the reason is kept)
+                return self._compute(key, self.phase)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, key: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
+        device = self.device
+        torch.cuda.synchronize(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        try:
+            # Warm-up on a side stream (cuBLAS workspaces, autograd's device threads), as torch asks.
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._compute(key, _no_phase)
+            torch.cuda.current_stream(device).wait_stream(side)
+            if self._pool is None:
+                # One pool for all keys: a step's output is read right after its replay, before any other
+                # replay may reuse that memory.
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._compute(key, _no_phase)
+        except Exception as err:  # noqa: BLE001 - any failure to capture falls back to the eager step
+            torch.cuda.synchronize(device)
+            self.invalidate()
+            self.cuda_graph = False
+            self.capture_error = f"{type(err).__name__}: {err}"
+            warnings.warn(f"cgforge: CUDA-graph capture of the model step failed, running it eagerly "
+                          f"({self.capture_error})", RuntimeWarning, stacklevel=3)
+            return None
+        self._graphs[key] = (graph, out)
+        self.n_captures += 1
+        return graph, out
