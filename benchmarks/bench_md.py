@@ -234,7 +234,7 @@ def profile_steps(atoms, label: str, steps: int = 3) -> dict:
 
     rng = np.random.default_rng(5)
     p0 = atoms.get_positions().copy()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             atoms.set_positions(p0 + 0.01 * rng.normal(size=p0.shape))
             atoms.calc.get_property("forces", atoms)
@@ -261,6 +261,14 @@ def profile_steps(atoms, label: str, steps: int = 3) -> dict:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
     print("  by op (all steps together):")
     print(table, flush=True)
+    try:  # the same by input shape: which tensors the elementwise and GEMM time is spent on
+        shapes = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_device_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70
+        )
+        print("  by op and input shape (all steps together):")
+        print(shapes, flush=True)
+    except (AttributeError, KeyError, ValueError, TypeError) as error:
+        print(f"  (no by-shape table: {error})")
     return {"gpu_ms": total, "categories": categories, "top": top}
 
 

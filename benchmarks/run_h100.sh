@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
+# installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
+#   bash benchmarks/run_h100.sh tests|md|models|stability
+set -uo pipefail
+OUT=${OUT:-benchmarks/results}
+export OUT
+# The project is on PYTHONPATH, not installed, so nequip would not find its `nequip.extension` entry point
+# (the enable_cgforge modifier): a metadata-only dist-info written from pyproject.toml provides it.
+EP_DIR=$(mktemp -d)
+python3 - "$EP_DIR" <<'PY'
+import sys, tomllib
+from pathlib import Path
+project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+info = Path(sys.argv[1]) / f"cgforge-{project['version']}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cgforge\nVersion: {project['version']}\n")
+groups = project.get("entry-points", {}) | {"console_scripts": project.get("scripts", {})}
+text = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for g, eps in groups.items())
+(info / "entry_points.txt").write_text(text)
+PY
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$EP_DIR"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/device.txt"
+case "${1:-}" in
+tests)  # the CUDA-marked tests of the modules this session changed
+    # shellcheck disable=SC2086  # TESTS is a list of paths (default: every test module)
+    timeout "${TEST_LIMIT:-540}" python3 -m pytest -m cuda -q -p no:cacheprovider --durations=15 ${TESTS:-tests} \
+        > "$OUT/cuda-tests.log" 2>&1; tail -25 "$OUT/cuda-tests.log" ;;
+md)     # end-to-end step: cgforge on every size, then the peers on the 5184-atom box
+    python3 benchmarks/bench_md.py --systems 1k,5k,20k,50k,dhfr --models mace-mp-medium,bundled-mace,bundled-nequip,nequip-M \
+        --dtypes float32 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md-cgforge.log" | tail -25
+    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
+        --backends e3nn,cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md-peers.log" | tail -12 ;;
+models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and NequIP, with the peers
+    python3 benchmarks/bench_mace.py 12 float32 cgforge,cueq,oeq,hybrid,e3nn medium 2>&1 | tee "$OUT/mace.log" | tail -12
+    python3 benchmarks/bench_nequip.py 12 M e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-M.log" | tail -10
+    python3 benchmarks/bench_nequip.py 12 l1 e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-l1.log" | tail -10 ;;
+stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
+    for m in mace nequip; do
+        python3 benchmarks/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
+    done ;;
+*) echo "usage: $0 tests|md|models|stability" >&2; exit 2 ;;
+esac
