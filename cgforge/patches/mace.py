@@ -18,6 +18,9 @@ models. The original e3nn module rides along (not as a submodule) so ``unpatch``
 Each product block's ``symmetric_contractions`` (MACE's SymmetricContraction) is swapped the same way for
 a ``FusedSymmetricContraction``, which holds the original's own parameters and buffers under the same
 names (same state_dict) and keeps the original for ``unpatch``.
+
+Every e3nn ``o3.Linear`` and ``FullyConnectedNet`` (the radial MLPs) is swapped for the plain-torch
+stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from e3nn import o3
 
 from cgforge import kernels
 
-from . import mace_legacy
+from . import e3nn_layers, mace_legacy
 from .graph_cache import CallGraphCache
 
 log = logging.getLogger(__name__)
@@ -223,12 +226,13 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         model.products[i].symmetric_contractions = fused
     for block in blocks:
         block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
+    layers = e3nn_layers.swap_in(model)
     if not any(hook is graphs for hook in model._forward_pre_hooks.values()):
         _remove_graph_hooks(model)
         model.register_forward_pre_hook(graphs)
     if replacements or contractions:
-        log.info("cgforge: patched %d MACE interaction blocks and %d product blocks", len(replacements),
-                 len(contractions))
+        log.info("cgforge: patched %d MACE interaction blocks, %d product blocks and %d e3nn layers",
+                 len(replacements), len(contractions), layers)
     return model
 
 
@@ -277,6 +281,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         sc = getattr(block, "symmetric_contractions", None)
         if isinstance(sc, FusedSymmetricContraction):
             block.symmetric_contractions = sc.restore()
+    e3nn_layers.swap_out(model)
     _remove_graph_hooks(model)
     return model
 
