@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|models|stability
+#   bash benchmarks/run_h100.sh tests|md|md64|models|stability
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -30,7 +30,12 @@ md)     # end-to-end step: cgforge on every size, then the peers on the 5184-ato
     python3 benchmarks/bench_md.py --systems 1k,5k,20k,50k,dhfr --models mace-mp-medium,bundled-mace,bundled-nequip,nequip-M \
         --dtypes float32 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md-cgforge.log" | tail -25
     python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
-        --backends e3nn,cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md-peers.log" | tail -12 ;;
+        --backends e3nn,cueq,oeq,hybrid --steps 5 --warmup 2 2>&1 | tee "$OUT/md-peers.log" | tail -12 ;;
+md64)   # FP64 on the 5184-atom box: cgforge and the cuEquivariance/OpenEquivariance peers
+    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M,bundled-mace,bundled-nequip \
+        --dtypes float64 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md64-cgforge.log" | tail -8
+    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float64 \
+        --backends cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md64-peers.log" | tail -8 ;;
 models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and NequIP, with the peers
     python3 benchmarks/bench_mace.py 12 float32 cgforge,cueq,oeq,hybrid,e3nn medium 2>&1 | tee "$OUT/mace.log" | tail -12
     python3 benchmarks/bench_nequip.py 12 M e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-M.log" | tail -10
@@ -39,5 +44,5 @@ stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
     for m in mace nequip; do
         python3 benchmarks/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
     done ;;
-*) echo "usage: $0 tests|md|models|stability" >&2; exit 2 ;;
+*) echo "usage: $0 tests|md|md64|models|stability" >&2; exit 2 ;;
 esac
