@@ -13,13 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load_rows(paths: list[Path], dtype: str, kind: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
+def load_rows(paths: list[Path], dtype: str, kind: str,
+              skip_systems: tuple[str, ...] = ()) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """{(model, backend): [(atoms, seconds per step)]}, the last file's row winning for a repeated point."""
     points: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
     for path in paths:
         for row in json.loads(path.read_text())["rows"]:
             seconds = row.get(f"{kind}_s")
-            if row.get("dtype") != dtype or not isinstance(seconds, int | float):
+            if row.get("dtype") != dtype or not isinstance(seconds, int | float) or row.get("system") in skip_systems:
                 continue
             points[(row["model"], row["backend"])][int(row["atoms"])] = float(seconds)
     return {key: sorted(values.items()) for key, values in points.items()}
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kind", default="nvt", choices=("nvt", "npt"))
     parser.add_argument("--title", default="")
+    parser.add_argument("--skip-systems", default="dhfr", help="comma-separated systems left out (not water)")
     args = parser.parse_args(argv)
     if args.png.exists():
         raise SystemExit(f"{args.png} exists; give a new file name")
@@ -41,14 +43,19 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = load_rows(args.json, args.dtype, args.kind)
+    series = load_rows(args.json, args.dtype, args.kind, tuple(filter(None, args.skip_systems.split(","))))
     if not series:
         raise SystemExit(f"no {args.dtype} {args.kind} rows in {[str(p) for p in args.json]}")
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    models = sorted({model for model, _ in series})
+    backends = sorted({backend for _, backend in series})
+    colours = {model: plt.get_cmap("tab10")(i) for i, model in enumerate(models)}  # colour: model
+    markers = dict(zip(backends, "osD^vP*X"))  # marker: backend
     for (model, backend), values in sorted(series.items()):
         atoms, seconds = zip(*values, strict=True)
         style = "-" if backend.startswith("cgforge") else "--"
-        ax.plot(atoms, [1e3 * s for s in seconds], style, marker="o", label=f"{model} / {backend}")
+        ax.plot(atoms, [1e3 * s for s in seconds], style, color=colours[model], marker=markers.get(backend, "o"),
+                label=f"{model} / {backend}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("atoms")

@@ -23,6 +23,8 @@ from cgforge.plugin.md import (
     add_md_arguments,
     check_new_path,
     default_trajectory_path,
+    relax_steps,
+    relax_structure,
     run_md,
 )
 from cgforge.plugin.water import water_box
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(atoms)} atoms; model {args.model} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {device}, "
           f"{calc.dtype}; ready in {time.perf_counter() - start:.1f} s", flush=True)
 
-    # 3. MD: Langevin NVT or velocity-Verlet NVE, progress every --log-interval steps.
+    # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
+    if relax_steps(args):
+        relax_structure(atoms, calc, relax_steps(args))
+
+    # 4. MD: Langevin NVT or velocity-Verlet NVE, progress every --log-interval steps.
     summary = run_md(atoms, ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep,
                      steps=args.steps, friction=args.friction, trajectory=trajectory,
                      trajectory_interval=args.traj_interval, log_interval=args.log_interval, seed=args.seed,

@@ -96,6 +96,17 @@ def test_cli_md_runs_and_refuses_to_overwrite(model_file, tmp_path, capsys):
     assert cli_main([*argv, "--force", "--ensemble", "nve"]) == 0
 
 
+def test_cli_md_relaxes_a_generated_box_first(tmp_path, capsys):
+    """The bundled model on the grid box: forces of eV/Å that FIRE brings down before MD starts."""
+    argv = ["md", "--model", "mace", "--molecules", "8", "--steps", "1", "--device", "cpu", "--relax", "20"]
+    assert cli_main([*argv, "-o", str(tmp_path / "r.traj")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("relaxed"))
+    before, after = (float(v) for v in line.split("energy ")[1].split(" eV")[0].split(" -> "))
+    assert after < before - 1.0 and "relaxed 20 FIRE steps" in line
+    assert cli_main([*argv[:-2], "--relax", "-1", "-o", str(tmp_path / "n.traj")]) == 1
+    assert "--relax" in capsys.readouterr().err
+
+
 def test_cli_md_reads_a_structure_and_reports_bad_input(model_file, tmp_path, capsys):
     structure = tmp_path / "in.xyz"
     water_box(8, seed=4).write(structure)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 from ase import Atoms, units
@@ -236,6 +236,23 @@ a stream, or None for silence.
     return summary
 
 
+def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1) -> None:
+    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å), printing the energy before and after.
+
+    The generated water box holds rigid, randomly oriented molecules on a grid, far from the model's
+    equilibrium: started straight into MD it heats to ~1500 K within 20 fs.
+    """
+    from ase.optimize import FIRE
+
+    atoms.calc = calc
+    before = atoms.get_potential_energy()
+    optimizer = FIRE(atoms, logfile=None)
+    optimizer.run(fmax=fmax, steps=steps)
+    after = atoms.get_potential_energy()
+    print(f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
+          f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å", flush=True)
+
+
 def _thermalize(atoms: Atoms, temperature_K: float, rng: np.random.Generator) -> None:
     """Maxwell-Boltzmann momenta (ASE >= 3.28 names it thermalize_momenta)."""
     try:
@@ -264,6 +281,7 @@ def _printer(log: TextIO | Callable[[str], None] | None) -> Callable[[str], None
 # Command line (shared by `cgforge md` and examples/water_md.py)
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
+DEFAULT_RELAX = 100  # FIRE steps for a generated box
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 
 
@@ -288,7 +306,18 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour-list skin in Å (default 1.0)")
+    parser.add_argument("--relax", type=int, default=None,
+                        help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "
+                             "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure)")
     parser.add_argument("--force", action="store_true", help="overwrite the trajectory file if it exists")
+
+
+def relax_steps(args: argparse.Namespace) -> int:
+    """FIRE steps before MD: --relax, else 100 for a generated box and 0 for a structure file."""
+    steps = args.relax if args.relax is not None else (0 if args.structure is not None else DEFAULT_RELAX)
+    if steps < 0:
+        raise ValueError(f"--relax: expected a number of steps >= 0, got {steps}")
+    return steps
 
 
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
@@ -312,6 +341,8 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     calc = Calculator(args.model, device=device, dtype=args.dtype, skin=args.skin)
     print(f"model {args.model} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {device} in {calc.dtype}, "
           f"ready in {time.perf_counter() - t:.1f} s (kernels compiled)", flush=True)
+    if relax_steps(args):
+        relax_structure(atoms, calc, relax_steps(args))
     summary = run_md(atoms, calc, ensemble=args.ensemble, temperature_K=args.temperature,
                      timestep_fs=args.timestep, steps=args.steps, friction=args.friction, trajectory=path,
                      trajectory_interval=args.traj_interval, log_interval=args.log_interval, seed=args.seed,
