@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 case "${1:-}" in
 tests)  # the CUDA-marked tests of the modules this session changed
     # shellcheck disable=SC2086  # TESTS is a list of paths (default: every test module)
-    timeout "${TEST_LIMIT:-540}" python3 -m pytest -m cuda -q -p no:cacheprovider --durations=15 ${TESTS:-tests} \
+    timeout "${TEST_LIMIT:-540}" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider --durations=15 ${TESTS:-tests} \
         > "$OUT/cuda-tests.log" 2>&1; tail -25 "$OUT/cuda-tests.log" ;;
 md)     # end-to-end step: cgforge on every size, then the peers on the 5184-atom box
     python3 benchmarks/bench_md.py --systems 1k,5k,20k,50k,dhfr --models mace-mp-medium,bundled-mace,bundled-nequip,nequip-M \
