@@ -32,6 +32,7 @@ def water_checks(atoms: Atoms, cutoff: float = 1.6) -> dict[str, float]:
     distance is always inside it.
     """
     i, j, d, vec = neighbor_list("ijdD", atoms, cutoff)
+    min_distance = float(d.min()) if len(d) else cutoff
     symbols = np.array(atoms.get_chemical_symbols())
     oxygens, hydrogens = np.flatnonzero(symbols == "O"), np.flatnonzero(symbols == "H")
     h_o = (symbols[i] == "H") & (symbols[j] == "O")
@@ -49,9 +50,7 @@ def water_checks(atoms: Atoms, cutoff: float = 1.6) -> dict[str, float]:
             continue
         cosine = bonds[0] @ bonds[1] / (np.linalg.norm(bonds[0]) * np.linalg.norm(bonds[1]))
         bad += not 80.0 <= np.degrees(np.arccos(np.clip(cosine, -1.0, 1.0))) <= 130.0
-    all_d = neighbor_list("d", atoms, cutoff)
-    return {"min_distance": float(all_d.min()) if len(all_d) else cutoff, "max_oh": max_oh,
-            "bad_molecules": int(bad)}
+    return {"min_distance": min_distance, "max_oh": max_oh, "bad_molecules": int(bad)}
 
 
 def main(argv: list[str] | None = None) -> None:

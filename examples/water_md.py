@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     add_md_arguments(parser)
     args = parser.parse_args(argv)
 
+    relax = relax_steps(args)  # FIRE steps before MD, checked before anything is loaded
     device = resolve_device(args.device)  # cuda when available
     trajectory = (check_new_path(args.trajectory, args.force) if args.trajectory
                   else default_trajectory_path("water-md"))
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{calc.dtype}; ready in {time.perf_counter() - start:.1f} s", flush=True)
 
     # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
-    if relax_steps(args):
-        relax_structure(atoms, calc, relax_steps(args))
+    if relax:
+        relax_structure(atoms, calc, relax)
 
     # 4. MD: Langevin NVT or velocity-Verlet NVE, progress every --log-interval steps.
     summary = run_md(atoms, ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep,

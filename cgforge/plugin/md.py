@@ -281,8 +281,8 @@ def _printer(log: TextIO | Callable[[str], None] | None) -> Callable[[str], None
 # Command line (shared by `cgforge md` and examples/water_md.py)
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
-DEFAULT_RELAX = 100  # FIRE steps for a generated box
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
+DEFAULT_RELAX = 100  # FIRE steps for a generated box
 
 
 def add_md_arguments(parser: argparse.ArgumentParser) -> None:
@@ -324,6 +324,7 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     from .calculator import Calculator, resolve_device
     from .water import water_box
 
+    relax = relax_steps(args)  # bad input fails before the model is loaded and compiled
     device = resolve_device(args.device)
     path = (check_new_path(args.trajectory, args.force) if args.trajectory is not None
             else default_trajectory_path(stem))
@@ -341,8 +342,8 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     calc = Calculator(args.model, device=device, dtype=args.dtype, skin=args.skin)
     print(f"model {args.model} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {device} in {calc.dtype}, "
           f"ready in {time.perf_counter() - t:.1f} s (kernels compiled)", flush=True)
-    if relax_steps(args):
-        relax_structure(atoms, calc, relax_steps(args))
+    if relax:
+        relax_structure(atoms, calc, relax)
     summary = run_md(atoms, calc, ensemble=args.ensemble, temperature_K=args.temperature,
                      timestep_fs=args.timestep, steps=args.steps, friction=args.friction, trajectory=path,
                      trajectory_interval=args.traj_interval, log_interval=args.log_interval, seed=args.seed,
