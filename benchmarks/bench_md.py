@@ -15,7 +15,8 @@ Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Ã
 32 features, 4 layers, r 5 Ã…), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
 Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
 cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
-Verlet list fed to the model: no per-step cut, skin edges included), cgforge-unpatched (our calculator, the
+Verlet list fed to the model: no per-step cut, skin edges included), cgforge-e3nn-sc (captured, the
+self-connections through e3nn's outer product rather than one linear map per species), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
 when importable). --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
@@ -47,9 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
-BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-unpatched", "e3nn", "cueq",
+            "oeq", "hybrid")
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
-                   "cgforge-unpatched": {"patch": False}}
+                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-unpatched": {"patch": False}}
 SKIN = 1.0
 PROFILE = False
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
@@ -103,6 +105,9 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
             source = bundled(model_name.split("-")[1])
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
                           stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
+        if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
+            calc.step.group_species = False
+            calc.warm_up()
         return calc, False
     if model_name in ("mace-mp-medium", "bundled-mace"):
         from mace.calculators import MACECalculator

@@ -88,7 +88,7 @@ class SplitLinear(torch.nn.Module):
         return out.reshape(*batch_shape, out.shape[-1])
 
     def restore(self) -> torch.nn.Module:
-        return _restore(self)
+        return restore_original(self)
 
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.irreps_out}, {len(self.paths)} paths"
@@ -150,8 +150,9 @@ class FoldedMLP(torch.nn.Module):
         return f"hs={self.hs}, activation scales folded"
 
 
-def _restore(stand_in: torch.nn.Module) -> torch.nn.Module:
-    """The original module, given the tensors as moved/converted since patching."""
+def restore_original(stand_in: torch.nn.Module) -> torch.nn.Module:
+    """``stand_in.original[0]`` given the stand-in's own parameters and buffers (as moved/converted since
+    patching: ``.to()`` replaced them in the stand-in only)."""
     (original,) = stand_in.original
     for name in original._parameters:
         original._parameters[name] = stand_in._parameters[name]
@@ -202,12 +203,13 @@ def swap_in(model: torch.nn.Module) -> int:
     return count
 
 
-def swap_out(model: torch.nn.Module) -> int:
-    """Put the e3nn originals back (with the tensors as moved/converted since). In place; returns how many."""
+def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
+    """Put the e3nn originals of the ``kinds`` stand-ins back (with the tensors as moved/converted since).
+    In place; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, SplitLinear | FoldedMLP):
+            if isinstance(child, kinds):
                 parent._modules[name] = child.restore()
                 count += 1
     return count

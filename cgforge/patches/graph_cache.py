@@ -7,9 +7,15 @@ MACE hands the same ``edge_index`` to every interaction block; NequIP hands each
 A caller that owns the edge tensors (cgforge's calculator) can also *pin* a graph it built itself for
 those tensors: the layers then use it across calls, nothing is built or checked per call (no host sync,
 so the model step can be captured in a CUDA graph), and the caller keeps graph and edges consistent.
+
+The same caller can say, for the duration of its call (``species``), which nodes share their attributes:
+the self-connections then work per species (``species_linear``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -32,7 +38,18 @@ class CallGraphCache:
 
     def __init__(self) -> None:
         self._pinned: tuple[tuple, tuple, kernels.ConvGraph] | None = None
+        self.species = None  # SpeciesGroups of the call in progress, while a caller vouches for them
         self.clear()
+
+    @contextmanager
+    def use_species(self, groups: object) -> Iterator[None]:
+        """Within the block, nodes of one species (``species_linear.SpeciesGroups``) have identical node
+        attributes in every call of the model: the caller built the inputs and guarantees it."""
+        previous, self.species = self.species, groups
+        try:
+            yield
+        finally:
+            self.species = previous
 
     def clear(self) -> None:
         """Forget the per-call graph (a pinned graph stays)."""
@@ -83,6 +100,7 @@ class CallGraphCache:
 
     def __setstate__(self, state: dict) -> None:
         self._pinned = None
+        self.species = None
         self.clear()
 
 

@@ -20,7 +20,9 @@ a ``FusedSymmetricContraction``, which holds the original's own parameters and b
 names (same state_dict) and keeps the original for ``unpatch``.
 
 Every e3nn ``o3.Linear`` and ``FullyConnectedNet`` (the radial MLPs) is swapped for the plain-torch
-stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd.
+stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd. Each
+``skip_tp`` (a FullyConnectedTensorProduct with the one-hot element) becomes a ``species_linear`` stand-in:
+one linear map per element when cgforge's calculator groups the atoms, e3nn's own code otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from e3nn import o3
 
 from cgforge import kernels
 
-from . import e3nn_layers, mace_legacy
+from . import e3nn_layers, mace_legacy, species_linear
 from .graph_cache import CallGraphCache
 
 log = logging.getLogger(__name__)
@@ -227,6 +229,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     for block in blocks:
         block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
     layers = e3nn_layers.swap_in(model)
+    layers += species_linear.swap_in(model, "skip_tp", graphs)
     if not any(hook is graphs for hook in model._forward_pre_hooks.values()):
         _remove_graph_hooks(model)
         model.register_forward_pre_hook(graphs)
@@ -282,6 +285,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(sc, FusedSymmetricContraction):
             block.symmetric_contractions = sc.restore()
     e3nn_layers.swap_out(model)
+    species_linear.swap_out(model)
     _remove_graph_hooks(model)
     return model
 

@@ -9,6 +9,9 @@ with ``tp`` an e3nn "uvu" ``TensorProduct`` with per-edge weights. That is exact
 ``Convolution`` with sender = ``edge_src`` and receiver = ``edge_dst``, so patching swaps each such
 module for a ``CgforgeTensorProductScatter`` that keeps the original ``tp`` submodule (state dicts match
 both ways) and calls the fused kernel. All layers of one model share one ``ConvGraph`` per call.
+Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type embedding) becomes a
+``species_linear`` stand-in: one linear map per atom type in cgforge's calculator, e3nn's code otherwise;
+e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less autograd traffic).
 
 Three ways in:
 - the ``enable_cgforge`` model modifier (registered by ``nequip_modifier`` through nequip's
@@ -42,6 +45,7 @@ import torch
 
 from cgforge import kernels
 
+from . import e3nn_layers, species_linear
 from .graph_cache import CallGraphCache
 from .mace import UnsupportedModelError, parse_device, parse_dtype
 
@@ -362,9 +366,11 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                 parent._modules[name] = new[where]
             else:
                 module.graphs = graphs
+        swapped = species_linear.swap_in(root, "sc", graphs)
+        e3nn_layers.swap_in(root)
         _install_hook(root, graphs)
         if new:
-            log.info("cgforge: patched %d NequIP convolutions", len(new))
+            log.info("cgforge: patched %d NequIP convolutions and %d self-connections", len(new), swapped)
     return model
 
 
@@ -376,6 +382,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
                 (original,) = module.original
                 original.tp = module.tp  # as moved / converted since patching
                 parent._modules[name] = original
+        species_linear.swap_out(root)
+        e3nn_layers.swap_out(root)
         _remove_hooks(root)
     return model
 

@@ -58,6 +58,9 @@ class ModelAdapter(Protocol):
     def warmup_species(self, n: int) -> Tensor:
         """The same for n atoms cycling over the model's species (a structure for compiling kernels)."""
 
+    def species_index(self, species: Tensor) -> Tensor:
+        """[N] int64 species index of each atom, from what ``species`` returned."""
+
     sender_row: int  # the row of the model's edge_index holding senders (the other holds receivers)
 
     def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
@@ -125,6 +128,9 @@ class MaceAdapter:
 
     def warmup_species(self, n: int) -> Tensor:
         return self._one_hot(torch.arange(n, device=self.device) % self.n_species)
+
+    def species_index(self, species: Tensor) -> Tensor:
+        return species.argmax(dim=1)
 
     def _one_hot(self, index: Tensor) -> Tensor:
         return torch.nn.functional.one_hot(index, self.n_species).to(self.dtype)
@@ -234,6 +240,9 @@ class NequipAdapter:
 
     def warmup_species(self, n: int) -> Tensor:
         return torch.arange(n, device=self.device) % self.n_species
+
+    def species_index(self, species: Tensor) -> Tensor:
+        return species
 
     def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
         return torch.stack([receiver, sender])

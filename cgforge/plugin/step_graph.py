@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from cgforge.patches.graph_cache import graph_caches
+from cgforge.patches.species_linear import SpeciesGroups
 
 from .edge_layout import EdgeLayout, conv_graph, layout_edges, pad_offset_vector
 from .inputs import ModelAdapter
@@ -53,6 +54,9 @@ class ModelStep:
     filter_edges: cut the Verlet list to the cutoff every step (on the device) rather than feed the model all
     of it. padded: fixed capacities with padding edges (needed for, and implied by, ``cuda_graph``).
     margin: spare capacity (fraction) given to edge buffers when they are sized.
+    group_species: tell the patched model which atoms share a species, so its self-connections run one linear
+    map per species (``patches.species_linear``); False keeps e3nn's path (for comparisons). Read when a
+    structure is loaded.
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
@@ -66,6 +70,7 @@ class ModelStep:
         if not math.isfinite(margin) or margin < 0:
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.margin = float(margin)
+        self.group_species = True
         self.caches = graph_caches(adapter.model)
         self.pad_vector = pad_offset_vector(self.cutoff, self.dtype, self.device)
         self.phase: Phase = _no_phase
@@ -78,6 +83,7 @@ class ModelStep:
         self._capacity: int | None = None  # model edge slots (filtered, padded)
         self._verlet: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # sender, receiver, shifts, valid
         self._layout: EdgeLayout | None = None  # the model layout of the whole Verlet list (not filtering)
+        self._groups: SpeciesGroups | None = None  # atoms by species, for the per-species self-connections
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +145,7 @@ class ModelStep:
             self._host_cell = None
             self._species = species.clone()
             self._species_source = species
+            self._groups = self._species_groups()
             self._verlet = None
             self._layout = None
             self._capacity = None
@@ -155,6 +162,15 @@ class ModelStep:
                                  f"{tuple(species.shape)}")
             self._species.copy_(species)
             self._species_source = species
+            self.invalidate()  # a capture holds the species groups as they were
+            self._groups = self._species_groups()
+
+    def _species_groups(self) -> SpeciesGroups | None:
+        # The model's node attributes are a function of the species index within one structure (the adapter
+        # builds them), which is what the per-species self-connections need to know.
+        if not (self.caches and self.group_species):
+            return None
+        return SpeciesGroups.from_species(self.adapter.species_index(self._species))
 
     def _fit(self, current: int | None, needed: int) -> int:
         """Capacity for `needed` edges: kept while it fits and is not far too large, else needed + margin."""
@@ -243,7 +259,9 @@ class ModelStep:
                 strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
                 deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
                 vectors, positions = vectors @ deform, pos @ deform
-            with phase("forward"), record_function("cgforge.model_forward"):
+            with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
+                for cache in self.caches:
+                    grouped.enter_context(cache.use_species(self._groups))
                 energy, energies = adapter.energy(positions, vectors, self._species, edge_index, per_atom)
             parts = [energy.detach().reshape(1)]
             if grad:
