@@ -16,7 +16,9 @@ Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Ã
 Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
 cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
 Verlet list fed to the model: no per-step cut, skin edges included), cgforge-e3nn-sc (captured, the
-self-connections through e3nn's outer product rather than one linear map per species), cgforge-unpatched (our calculator, the
+self-connections through e3nn's outer product rather than one linear map per species), cgforge-3xtf32 and
+cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
+the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
 when importable). --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
@@ -48,10 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
-BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-unpatched", "e3nn", "cueq",
-            "oeq", "hybrid")
+BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-3xtf32", "cgforge-tf32",
+            "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
-                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-unpatched": {"patch": False}}
+                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-3xtf32": {"radial_precision": "3xtf32"},
+                   "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False}}
 SKIN = 1.0
 PROFILE = False
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
@@ -197,6 +200,8 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
         row["cuda_graph"] = bool(calc.cuda_graph)
         row["capture_error"] = calc.step.capture_error
         row["model_edge_slots"] = calc.step.capacity
+        row["radial_precision"] = calc.radial_precision
+        row["radial_precision_error"] = calc.radial_precision_error
         if PROFILE:
             row["profile"] = profile_steps(a, f"{model_name} {backend} {dtype} {len(atoms)} atoms")
         calc.record_timings(True)
@@ -401,6 +406,8 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
             parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
         if "edges" in r:
             parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')}"
+        if r.get("radial_precision_error") is not None:
+            parts += f" | radial {r['radial_precision']} (forces changed {r['radial_precision_error']:.1e})"
         print(f"{prefix} {r['nvt_s']:8.4f} {r['npt_s']:8.4f} {r['peak_gb']:8.2f}  {parts}")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|models|stability
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -36,6 +36,10 @@ md64)   # FP64 on the 5184-atom box: cgforge and the cuEquivariance/OpenEquivari
         --dtypes float64 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md64-cgforge.log" | tail -8
     python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float64 \
         --backends cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md64-peers.log" | tail -8 ;;
+ab)     # A/B in one run: per-species self-connections (cgforge vs cgforge-e3nn-sc), radial-MLP precision modes
+    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
+        --backends cgforge,cgforge-e3nn-sc,cgforge-3xtf32,cgforge-tf32 --steps 10 --warmup 3 2>&1 \
+        | tee "$OUT/md-ab.log" | tail -12 ;;
 models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and NequIP, with the peers
     python3 benchmarks/bench_mace.py 12 float32 cgforge,cueq,oeq,hybrid,e3nn medium 2>&1 | tee "$OUT/mace.log" | tail -12
     python3 benchmarks/bench_nequip.py 12 M e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-M.log" | tail -10
@@ -44,5 +48,5 @@ stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
     for m in mace nequip; do
         python3 benchmarks/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
     done ;;
-*) echo "usage: $0 tests|md|md64|models|stability" >&2; exit 2 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability" >&2; exit 2 ;;
 esac

@@ -161,3 +161,4 @@ def test_doctor_reports_and_compiles():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nvrtc" in done.stdout.lower()
     assert "e3nn" in done.stdout
+    assert "[  ok] generated tensor product (sm_80)" in done.stdout  # the whole generator, CUDA compiled

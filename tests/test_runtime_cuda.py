@@ -231,3 +231,4 @@ def test_doctor_runs_the_gpu_check(capsys):
     assert doctor.main() == 0
     out = capsys.readouterr().out
     assert "load and run on the GPU: axpy result exact" in out
+    assert "[  ok] generated tensor product on the GPU" in out

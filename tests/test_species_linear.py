@@ -164,3 +164,24 @@ def graphs_of(model: torch.nn.Module) -> CallGraphCache:
 
     (cache,) = graph_caches(model)
     return cache
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["mace", "nequip"])
+def test_cuda_captured_step_follows_a_species_change(model: str) -> None:
+    """The capture holds the species groups: an in-place species change must recapture, not replay."""
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    atoms = water_box(64, seed=3)
+    calc = Calculator(model, device="cuda")
+    atoms.calc = calc
+    atoms.get_forces()
+    assert calc.cuda_graph
+    atoms.numbers[[0, 5, 7]] = [8, 1, 8]
+    forces = atoms.get_forces()
+    energy = atoms.get_potential_energy()
+    fresh = atoms.copy()
+    fresh.calc = Calculator(model, device="cuda")
+    assert abs(fresh.get_potential_energy() - energy) < 1e-5 * abs(energy)
+    assert np.abs(fresh.get_forces() - forces).max() < 1e-4 * np.abs(forces).max()

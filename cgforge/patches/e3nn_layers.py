@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .radial_precision import radial_matmul
+
 
 class SplitLinear(torch.nn.Module):
     """``o3.Linear`` with shared internal weights and no biases, its input split once."""
@@ -95,7 +97,11 @@ class SplitLinear(torch.nn.Module):
 
 
 class FoldedMLP(torch.nn.Module):
-    """``e3nn.nn.FullyConnectedNet`` with the activations' scale factors folded into the next weights."""
+    """``e3nn.nn.FullyConnectedNet`` with the activations' scale factors folded into the next weights.
+
+    ``precision``: how its products run (``radial_precision.MODES``; FP32 unless asked for)."""
+
+    precision = "fp32"  # a class default: models pickled before the attribute existed read it too
 
     def __init__(self, net: torch.nn.Module) -> None:
         super().__init__()
@@ -134,10 +140,10 @@ class FoldedMLP(torch.nn.Module):
             f, cst = self._activation(layer.act)
             if f is None:
                 w = layer.weight * (scale / math.sqrt(layer.h_in * layer.var_in / layer.var_out))
-                x, scale = x @ w, 1.0
+                x, scale = radial_matmul(x, w, self.precision), 1.0
             else:
                 w = layer.weight * (scale / math.sqrt(layer.h_in * layer.var_in))
-                x, scale = f(x @ w), cst * math.sqrt(layer.var_out)
+                x, scale = f(radial_matmul(x, w, self.precision)), cst * math.sqrt(layer.var_out)
         return x * scale if scale != 1.0 else x
 
     def restore(self) -> torch.nn.Module:

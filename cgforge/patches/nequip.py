@@ -11,7 +11,8 @@ module for a ``CgforgeTensorProductScatter`` that keeps the original ``tp`` subm
 both ways) and calls the fused kernel. All layers of one model share one ``ConvGraph`` per call.
 Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type embedding) becomes a
 ``species_linear`` stand-in: one linear map per atom type in cgforge's calculator, e3nn's code otherwise;
-e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less autograd traffic).
+e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less autograd traffic), and the
+radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an optional TF32 mode).
 
 Three ways in:
 - the ``enable_cgforge`` model modifier (registered by ``nequip_modifier`` through nequip's
@@ -45,7 +46,7 @@ import torch
 
 from cgforge import kernels
 
-from . import e3nn_layers, species_linear
+from . import e3nn_layers, radial_precision, species_linear
 from .graph_cache import CallGraphCache
 from .mace import UnsupportedModelError, parse_device, parse_dtype
 
@@ -368,6 +369,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                 module.graphs = graphs
         swapped = species_linear.swap_in(root, "sc", graphs)
         e3nn_layers.swap_in(root)
+        radial_precision.swap_in(root, "edge_mlp")
         _install_hook(root, graphs)
         if new:
             log.info("cgforge: patched %d NequIP convolutions and %d self-connections", len(new), swapped)
@@ -384,6 +386,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
                 parent._modules[name] = original
         species_linear.swap_out(root)
         e3nn_layers.swap_out(root)
+        radial_precision.swap_out(root)
         _remove_hooks(root)
     return model
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,9 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
+from cgforge.patches.radial_precision import MODES as RADIAL_MODES
+from cgforge.patches.radial_precision import radial_layers, set_radial_precision
+
 from .inputs import ModelAdapter, adapter_for, is_nequip_model
 from .neighbours import VerletNeighbourList
 from .step_graph import ModelStep
@@ -45,6 +49,7 @@ __all__ = ["Calculator", "load_model", "resolve_device", "BUNDLED"]
 
 BUNDLED = ("mace", "nequip")
 _WARMUP_ATOMS = 8
+RADIAL_TF32_TOL = 1e-4  # the largest relative change of the forces a TF32 radial-MLP mode may make (issue 10)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -168,6 +173,11 @@ class Calculator(AseCalculator):
     filter_edges: cut the Verlet list to the cutoff every step, on the device (True), or feed the model the
     whole list, skin included (False: no per-step cut and one edge layout per rebuild, but ~((rc + skin) /
     rc)^3 times the edges). None: True. False needs a model whose edges beyond the cutoff contribute zero.
+    radial_precision: ``"fp32"`` (default), ``"tf32"`` or ``"3xtf32"``: how the radial MLPs' matrix products
+    run (``cgforge.patches.radial_precision``; the TF32 modes need CUDA and an FP32 model). The first structure
+    is evaluated in FP32 and in the mode asked for: the mode is kept only if the forces change by at most
+    ``RADIAL_TF32_TOL`` (norm of the difference over the norm of the FP32 forces). ``radial_precision_error``
+    holds the change and ``radial_precision`` the mode in use (a warning says when it fell back to FP32).
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
@@ -186,6 +196,7 @@ class Calculator(AseCalculator):
         warmup: bool = True,
         cuda_graph: bool | None = None,
         filter_edges: bool | None = None,
+        radial_precision: str = "fp32",
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -195,6 +206,10 @@ class Calculator(AseCalculator):
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
         self.model = module
         self.adapter: ModelAdapter = adapter_for(module, self.device, head=head, type_map=type_map)
+        self.radial_precision_requested = self._radial_precision(radial_precision)
+        self.radial_precision = "fp32"  # the mode in use: decided on the first structure
+        self.radial_precision_error: float | None = None
+        set_radial_precision(module, "fp32")
         self.dtype = self.adapter.dtype
         self.cutoff = self.adapter.cutoff
         self.neighbours = VerletNeighbourList(self.cutoff, skin)
@@ -218,6 +233,22 @@ class Calculator(AseCalculator):
             raise ValueError(f"filter_edges=False needs a model whose edges beyond the cutoff contribute zero; for "
                              f"this one that is not known: {self.inert_edges_reason}")
         return bool(filter_edges)
+
+    def _radial_precision(self, mode: str) -> str:
+        if mode not in RADIAL_MODES:
+            raise ValueError(f"radial_precision: expected one of {', '.join(RADIAL_MODES)}, got {mode!r}")
+        if mode == "fp32":
+            return mode
+        if self.device.type != "cuda":
+            raise ValueError(f"radial_precision={mode!r} needs a CUDA device (TF32 is a tensor-core format), got "
+                             f"{self.device}")
+        if next(self.model.parameters()).dtype != torch.float32:
+            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is "
+                             f"{next(self.model.parameters()).dtype}")
+        if not radial_layers(self.model):
+            raise ValueError(f"radial_precision={mode!r} needs a model patched by cgforge (its radial MLPs are cgforge "
+                             "layers); this one has none")
+        return mode
 
     def _cuda_graph(self, cuda_graph: bool | None) -> bool:
         if cuda_graph is None:
@@ -302,11 +333,33 @@ class Calculator(AseCalculator):
 
     # --- the step ---------------------------------------------------------------------------------
 
+    def _check_radial_precision(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool],
+                                species: Tensor) -> None:
+        """Forces of this structure in FP32 and in the mode asked for; the mode stays only within tolerance."""
+        mode = self.radial_precision_requested
+        forces = {}
+        for m in ("fp32", mode):
+            set_radial_precision(self.model, m)
+            self.step.invalidate()  # a captured step holds the GEMM kernels it was captured with
+            host = self.step.run(positions, cell, pbc, species, forces=True, stress=False, per_atom=False)
+            forces[m] = host[1:1 + 3 * positions.shape[0]]
+        reference = float(np.linalg.norm(forces["fp32"]))
+        error = float(np.linalg.norm(forces[mode] - forces["fp32"])) / max(reference, np.finfo(float).tiny)
+        self.radial_precision_error = error
+        self.radial_precision = mode if error <= RADIAL_TF32_TOL else "fp32"
+        if self.radial_precision != mode:
+            set_radial_precision(self.model, "fp32")
+            self.step.invalidate()
+            warnings.warn(f"cgforge: radial MLPs kept in FP32: {mode} changed the forces by {error:.2e} (relative), "
+                          f"more than {RADIAL_TF32_TOL:.0e}", RuntimeWarning, stacklevel=4)
+
     def _evaluate(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor,
                   *, forces: bool, stress: bool, per_atom: bool, volume: float = 0.0) -> dict:
         """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure."""
         if not np.isfinite(positions).all():
             raise ValueError("atoms: positions contain NaN or inf")
+        if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
+            self._check_radial_precision(positions, cell, pbc, species)
         try:
             host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
         except ValueError as err:  # neighbour list: singular cell, cutoff too large for the cell, ...

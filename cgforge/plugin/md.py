@@ -309,6 +309,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relax", type=int, default=None,
                         help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "
                              "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure)")
+    parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
+                        help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
+                             "models; kept only if the first structure's forces change by <= 1e-4 relative, "
+                             "which is printed)")
     parser.add_argument("--force", action="store_true", help="overwrite the trajectory file if it exists")
 
 
@@ -339,9 +343,17 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
                                                                else CPU_MOLECULES)
         atoms = water_box(n, seed=args.seed)
     t = time.perf_counter()
-    calc = Calculator(args.model, device=device, dtype=args.dtype, skin=args.skin)
+    calc = Calculator(args.model, device=device, dtype=args.dtype, skin=args.skin,
+                      radial_precision=args.radial_precision)
     print(f"model {args.model} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {device} in {calc.dtype}, "
           f"ready in {time.perf_counter() - t:.1f} s (kernels compiled)", flush=True)
+    if calc.radial_precision_requested != "fp32":
+        atoms.calc = calc
+        atoms.get_forces()  # the first structure decides (see Calculator)
+        mode = calc.radial_precision_requested
+        kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
+        print(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} relative "
+              f"(tolerance 1e-4)", flush=True)
     if relax:
         relax_structure(atoms, calc, relax)
     summary = run_md(atoms, calc, ensemble=args.ensemble, temperature_K=args.temperature,

@@ -1,0 +1,168 @@
+"""Optional TF32 tensor-core products in the radial MLPs (FP32 unless asked for).
+
+The radial MLPs turn each edge's length basis into the convolution's weights: [E, 64] x [64, 1280] for
+MACE-MP-medium, [E, 128] x [128, 768] for NequIP M, forward and again backward. In FP32 without tensor cores
+these GEMMs are a third of a 5184-atom water step on an H100. Two cheaper modes, never on by default:
+
+- ``"tf32"``: both products (forward, and the backward's ``grad @ W^T``) on TF32 tensor cores, whose
+  operands keep a 10-bit mantissa. On the bundled water models (CPU emulation of TF32 rounding) that moves
+  the forces by 3-5e-4 relative: more than the 1e-4 the calculator accepts.
+- ``"3xtf32"``: the forward product split as a_hi b_hi + a_hi b_lo + a_lo b_hi (hi = the TF32 rounding,
+  lo = the rest), one TF32 GEMM over the three stacked along K: FP32-level accuracy (3e-7 relative on the
+  forces, emulated) for 3x the tensor-core work and a [E, 3K] copy of the input. Only for products wide
+  enough to be compute-bound in FP32 (K >= 32 and N >= 2K: MACE's [64, 1280] and [64, 512], NequIP's
+  [128, 768]); narrower ones are memory-bound and stay FP32. The backward product stays FP32: its large
+  operand (the weights' gradient, [E, 1280]) would have to be split in memory, which costs more than it saves.
+
+The calculator measures the change of the forces before it keeps a mode (``Calculator(radial_precision=...)``).
+Only the radial MLP layers of patched models take part: MACE's ``FoldedMLP`` stand-ins and, in NequIP, the
+linear layers of each ``edge_mlp`` (``RadialLinear``). ``set_radial_precision(model, mode)`` sets them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["MODES", "RadialLinear", "radial_layers", "radial_matmul", "set_radial_precision", "swap_in",
+           "swap_out", "tf32_round"]
+
+MODES = ("fp32", "tf32", "3xtf32")
+
+
+@contextmanager
+def _tf32_cublas() -> Iterator[None]:
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = previous
+
+
+def _tf32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with cuBLAS allowed to use TF32 (CPU tensors: plain FP32; tests replace this to emulate TF32)."""
+    with _tf32_cublas():
+        return a @ b
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """FP32 values rounded to the nearest TF32 value (10-bit mantissa; ties away from zero): the 13 low
+    mantissa bits cleared after adding half of their range."""
+    bits = t.contiguous().view(torch.int32)
+    return torch.bitwise_and(bits + 0x1000, -0x2000).view(torch.float32)
+
+
+def _split3_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b to about FP32 accuracy from one TF32 GEMM: [a_hi, a_hi, a_lo] @ [b_hi; b_lo; b_hi]."""
+    a_hi, b_hi = tf32_round(a), tf32_round(b)
+    return _tf32_mm(torch.cat([a_hi, a_hi, a - a_hi], dim=1), torch.cat([b_hi, b - b_hi, b_hi], dim=0))
+
+
+class _TF32MatMul(torch.autograd.Function):
+    """x @ w with TF32 allowed in the forward product and, for ``"tf32"``, in the backward's too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.mode = mode
+        return _split3_mm(x, w) if mode == "3xtf32" else _tf32_mm(x, w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        mode = ctx.mode if ctx.mode == "tf32" else "fp32"
+        gx = radial_matmul(grad, w.t(), mode) if ctx.needs_input_grad[0] else None
+        gw = radial_matmul(x.t(), grad, mode) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def _compute_bound(w: torch.Tensor) -> bool:
+    """Whether an [E, K] x [K, N] product is worth 3xTF32: FP32 FLOPs, not the output's bytes, bound it."""
+    k, n = w.shape
+    return k >= 32 and n >= 2 * k
+
+
+def radial_matmul(x: torch.Tensor, w: torch.Tensor, mode: str = "fp32") -> torch.Tensor:
+    """x @ w in one of ``MODES`` (differentiable to any order; FP32 tensors for the TF32 modes)."""
+    if mode == "fp32" or x.dtype != torch.float32 or (mode == "3xtf32" and not _compute_bound(w)):
+        return x @ w
+    return _TF32MatMul.apply(x, w, mode)
+
+
+class RadialLinear(torch.nn.Module):
+    """nequip's ``ScalarLinearLayer`` (``input @ (weight * alpha) [+ bias]``) with a ``precision`` mode.
+
+    Holds the original's parameters under the same names (same state_dict); the original rides along."""
+
+    precision = "fp32"
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        for name, param in layer._parameters.items():  # a bias of None too, as nequip registers it
+            self.register_parameter(name, param)
+        if "bias" not in self._parameters:
+            self.register_parameter("bias", None)
+        for name, buf in layer._buffers.items():  # alpha is a buffer in nequip
+            self.register_buffer(name, buf, persistent=name not in layer._non_persistent_buffers_set)
+        if "alpha" not in self._buffers:
+            self.alpha = float(layer.alpha)
+        self.original = (layer,)
+
+    @classmethod
+    def supports(cls, layer: torch.nn.Module) -> bool:
+        return (type(layer).__name__ == "ScalarLinearLayer" and hasattr(layer, "alpha")
+                and isinstance(getattr(layer, "weight", None), torch.nn.Parameter)
+                and not hasattr(layer, "parametrizations") and not list(layer.children()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = radial_matmul(x, self.weight * self.alpha, self.precision)
+        return out if self.bias is None else out + self.bias
+
+    def restore(self) -> torch.nn.Module:
+        from .e3nn_layers import restore_original  # e3nn_layers imports this module
+
+        return restore_original(self)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, alpha={float(self.alpha):.6f}, precision={self.precision}"
+
+
+def swap_in(model: torch.nn.Module, mlp_attribute: str = "edge_mlp") -> int:
+    """Replace the linear layers of every ``mlp_attribute`` MLP (nequip's radial MLPs) by ``RadialLinear``."""
+    count = 0
+    for parent in list(model.modules()):
+        mlp = parent._modules.get(mlp_attribute)
+        if mlp is None:
+            continue
+        for holder in list(mlp.modules()):
+            for name, child in list(holder.named_children()):
+                if RadialLinear.supports(child):
+                    holder._modules[name] = RadialLinear(child)
+                    count += 1
+    return count
+
+
+def swap_out(model: torch.nn.Module) -> int:
+    """Put nequip's own linear layers back. In place; returns how many."""
+    from . import e3nn_layers
+
+    return e3nn_layers.swap_out(model, (RadialLinear,))
+
+
+def radial_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The radial MLP layers of a patched model (those with a ``precision`` mode)."""
+    return [m for m in model.modules() if getattr(m, "precision", None) in MODES]
+
+
+def set_radial_precision(model: torch.nn.Module, mode: str) -> int:
+    """Set the mode of every radial MLP layer of a patched model; returns how many layers."""
+    if mode not in MODES:
+        raise ValueError(f"radial precision: expected one of {', '.join(MODES)}, got {mode!r}")
+    layers = radial_layers(model)
+    for layer in layers:
+        layer.precision = mode
+    return len(layers)
