@@ -79,6 +79,65 @@ def test_layout_overflow_is_reported_and_stays_in_bounds():
     assert int(rowptr[-1]) <= layout.capacity and bool((rowptr[1:] >= rowptr[:-1]).all())
 
 
+def _verlet_list(seed: int = 5, cutoff: float = 4.0):
+    from cgforge.plugin.neighbours import neighbour_list
+
+    atoms = water_box(8, seed=seed)  # a 6.2 A cube: atoms see their own images, several shifts per pair
+    atoms.rattle(0.05, seed=seed)
+    return neighbour_list(torch.tensor(atoms.positions), torch.tensor(np.array(atoms.cell)), True, cutoff), len(atoms)
+
+
+def test_edge_topology_of_a_neighbour_list():
+    (sender, receiver, shifts), n = _verlet_list()
+    topology = el.edge_topology(sender, receiver, shifts, n, capacity=sender.shape[0] + 5)
+    rev = topology.reverse
+    v = sender.shape[0]
+    assert torch.equal(rev[v:], torch.arange(v, v + 5)), "entries past the list are their own reverse"
+    rev = rev[:v]
+    assert torch.equal(rev[rev], torch.arange(v))
+    assert torch.equal(sender[rev], receiver) and torch.equal(receiver[rev], sender)
+    assert torch.equal(shifts[rev], -shifts)
+    for r in range(n):
+        assert bool((receiver[topology.rowptr[r]:topology.rowptr[r + 1]] == r).all())
+    assert int(topology.rowptr[-1]) == v
+    # a list missing one direction of a pair has no topology
+    drop = 7
+    keep = torch.arange(v) != drop
+    assert el.edge_topology(sender[keep], receiver[keep], shifts[keep], n) is None
+
+
+@pytest.mark.parametrize("extra", [0, 37])
+def test_layout_with_topology_needs_no_sort_and_is_the_same_graph(extra):
+    """The topology path: same edges, slots and row pointers; the transpose from reverse edges, not a sort."""
+    (sender, receiver, shifts), n = _verlet_list()
+    topology = el.edge_topology(sender, receiver, shifts, n)
+    gen = torch.Generator().manual_seed(extra)
+    u = torch.rand(sender.shape[0], generator=gen)
+    keep = torch.minimum(u, u[topology.reverse]) < 0.6  # symmetric, as lengths of a pair are
+    count = int(keep.sum())
+    pad = torch.tensor([13.0, 0.0, 0.0], dtype=torch.float64)
+    args = (keep, sender, receiver, shifts.double(), n, count + extra, pad)
+    plain = el.layout_edges(*args, with_graph=True)
+    fast = el.layout_edges(*args, with_graph=True, topology=topology)
+    for a, b in zip([plain.sender, plain.receiver, plain.unit_shifts, plain.pad_offset, plain.count, *plain.graph[:5]],
+                    [fast.sender, fast.receiver, fast.unit_shifts, fast.pad_offset, fast.count, *fast.graph[:5]]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    perm_t, rowptr_t = fast.graph[5].long(), fast.graph[4]
+    cap = count + extra
+    assert torch.equal(torch.sort(perm_t).values, torch.arange(cap)), "a permutation of the slots"
+    senders_in_order = torch.repeat_interleave(torch.arange(n), rowptr_t[1:] - rowptr_t[:-1])
+    assert torch.equal(fast.sender[perm_t], senders_in_order), "row s of the transpose lists edges sent by s"
+    # what the backward kernel sums per sender, in the transpose's order, is the scatter by sender
+    values = torch.randn(cap, 3, generator=gen, dtype=torch.float64)
+    per_sender = torch.stack([values[perm_t[rowptr_t[s]:rowptr_t[s + 1]]].sum(0) for s in range(n)])
+    torch.testing.assert_close(per_sender, torch.zeros(n, 3, dtype=torch.float64).index_add(0, fast.sender, values))
+    # a kept edge whose reverse is not kept is dropped (the kept set stays symmetric)
+    one_sided = keep.clone()
+    one_sided[int(torch.nonzero(keep)[0])] = False
+    lopsided = el.layout_edges(one_sided, *args[1:], with_graph=True, topology=topology)
+    assert int(lopsided.count) == count - 2
+
+
 def test_pinned_graph_serves_only_its_own_edge_tensors():
     from cgforge.patches.graph_cache import CallGraphCache
 

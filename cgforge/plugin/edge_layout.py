@@ -18,6 +18,11 @@ more room.
 ``conv_graph`` wraps the layout's graph tensors in a ``ConvGraph`` without the constructor's checks (which
 read device values): the layout is valid by construction, and a test checks it field by field against
 ``ConvGraph``'s own constructor.
+
+With an ``EdgeTopology`` of the list (built once per neighbour-list rebuild: its row pointers and the reverse
+of every edge) a step needs no sort and no atomics: kept edges per row come from the row pointers, and since
+the kept set is symmetric (an edge is kept with its reverse) every node sends as many edges as it receives,
+so the transpose's row pointers are the layout's own and its permutation is "the slot of my reverse edge".
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import Tensor
 
 from cgforge.kernels import ConvGraph
 
-__all__ = ["EdgeLayout", "layout_edges", "conv_graph", "pad_offset_vector"]
+__all__ = ["EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "layout_edges", "pad_offset_vector"]
 
 
 @dataclass
@@ -58,6 +63,53 @@ class EdgeLayout:
             a.copy_(b)
 
 
+@dataclass
+class EdgeTopology:
+    """Of a receiver-sorted edge list whose every edge (s -> r, S) has its reverse (r -> s, -S) in the list."""
+
+    rowptr: Tensor  # int64 [N + 1]: the edges of receiver r are rowptr[r] .. rowptr[r + 1] - 1
+    reverse: Tensor  # int64 [V]: reverse[v] is the index of the reverse of edge v (entries past the list: v)
+
+    def copy_(self, other: EdgeTopology) -> None:
+        """Refill in place (same sizes): captured graphs keep reading these tensors."""
+        if self.rowptr.shape != other.rowptr.shape or self.reverse.shape != other.reverse.shape:
+            raise ValueError("EdgeTopology.copy_: topologies of different sizes")
+        self.rowptr.copy_(other.rowptr)
+        self.reverse.copy_(other.reverse)
+
+
+def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: int,
+                  capacity: int | None = None) -> EdgeTopology | None:
+    """The topology of a (receiver, sender)-sorted list of ``V`` edges with integer image shifts [V, 3], padded
+    to ``capacity`` entries; None when an edge has no reverse in the list. One sort and host reads: for a
+    neighbour-list rebuild, not for a step."""
+    n, count = int(num_nodes), int(sender.shape[0])
+    capacity = count if capacity is None else int(capacity)
+    device = sender.device
+    reverse = torch.arange(capacity, device=device)
+    rowptr = torch.searchsorted(receiver, torch.arange(n + 1, device=device))
+    if count:
+        reach = int(shifts.abs().max())
+        side = 2 * reach + 1
+        if n * n * side**3 >= 2**62:  # the keys below would overflow
+            return None
+
+        def key(s: Tensor, r: Tensor, image: Tensor) -> Tensor:
+            code = ((image[:, 0] + reach) * side + image[:, 1] + reach) * side + image[:, 2] + reach
+            return (r * n + s) * side**3 + code
+
+        shifts = shifts.to(torch.int64)
+        keys = key(sender, receiver, shifts)
+        order = torch.argsort(keys)
+        sorted_keys = keys.index_select(0, order)
+        wanted = key(receiver, sender, -shifts)
+        where = torch.searchsorted(sorted_keys, wanted).clamp(max=count - 1)
+        if not bool((sorted_keys.index_select(0, where) == wanted).all()):
+            return None
+        reverse[:count] = order.index_select(0, where)
+    return EdgeTopology(rowptr, reverse)
+
+
 def pad_offset_vector(cutoff: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The vector of a padding edge: well beyond the cutoff, never zero (spherical harmonics normalise it).
 
@@ -66,21 +118,29 @@ def pad_offset_vector(cutoff: float, dtype: torch.dtype, device: torch.device) -
 
 
 def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int,
-                 capacity: int, pad_vector: Tensor, with_graph: bool) -> EdgeLayout:
+                 capacity: int, pad_vector: Tensor, with_graph: bool,
+                 topology: EdgeTopology | None = None) -> EdgeLayout:
     """The edges where ``keep`` is set, receiver-sorted, padded to ``capacity`` slots (see the module doc).
 
     keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];
-    pad_vector: float [3] on the same device. Edges not kept may be anything (in range). Allocates its
-    outputs; reads nothing back to the host and copies nothing from it.
+    pad_vector: float [3] on the same device. Edges not kept may be anything (in range). With ``topology``
+    an edge is kept only together with its reverse. Allocates its outputs; reads nothing back to the host
+    and copies nothing from it.
     """
     n, cap, device = int(num_nodes), int(capacity), sender.device
     if n < 1 or cap < 0:
         raise ValueError(f"layout_edges: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
+    if topology is not None:
+        keep = keep & keep.index_select(0, topology.reverse)  # symmetric whatever the rounding of the lengths
     keep_int = keep.to(torch.int64)
     rank = torch.cumsum(keep_int, 0) - 1  # slot among the kept edges
     count = keep_int.sum()
     free = (cap - count).clamp(min=0)
-    kept_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, receiver, keep_int)
+    if topology is not None:  # kept edges before each row start, from the inclusive prefix sum: no atomics
+        kept_before = torch.cat([keep_int.new_zeros(1), rank + 1]).index_select(0, topology.rowptr)
+        kept_per_row = kept_before[1:] - kept_before[:-1]
+    else:
+        kept_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, receiver, keep_int)
     kept_end = torch.cumsum(kept_per_row, 0)  # kept edges in rows <= r
     # Padding edge j sits on atom floor(j * n / free): ceil(r * free / n) of them come before row r.
     rows = torch.arange(n + 1, device=device)
@@ -110,10 +170,18 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
         pads_per_row = pads_before[1:] - pads_before[:-1]
         rowptr = torch.zeros(n + 1, dtype=torch.int64, device=device)
         rowptr[1:] = torch.cumsum(kept_per_row + pads_per_row, 0).clamp(max=cap)
-        ones = torch.ones(cap, dtype=torch.int64, device=device)
-        rowptr_t = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        rowptr_t[1:] = torch.cumsum(torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, out_sender, ones), 0)
-        perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
+        if topology is not None:
+            # Symmetric: node s sends the reverses of the edges it receives, so the transpose has the same rows
+            # and lists, in row s, the slots of the reverses of row s's edges (a padding self-edge: itself).
+            rowptr_t = rowptr
+            reverse_slot = place(real_slot.index_select(0, topology.reverse), pad_slot)
+            perm_t = reverse_slot.clamp(max=max(cap - 1, 0)).to(torch.int32)  # overflow: garbage, in bounds
+        else:
+            ones = torch.ones(cap, dtype=torch.int64, device=device)
+            rowptr_t = torch.zeros(n + 1, dtype=torch.int64, device=device)
+            rowptr_t[1:] = torch.cumsum(torch.zeros(n, dtype=torch.int64, device=device).index_add_(
+                0, out_sender, ones), 0)
+            perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
         graph = (out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph)

@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
-from .edge_layout import EdgeLayout, conv_graph, layout_edges, pad_offset_vector
+from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
 from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
@@ -82,6 +82,7 @@ class ModelStep:
         self._pool = None
         self._capacity: int | None = None  # model edge slots (filtered, padded)
         self._verlet: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # sender, receiver, shifts, valid
+        self._topology: EdgeTopology | None = None  # row pointers and reverse edges of the Verlet list
         self._layout: EdgeLayout | None = None  # the model layout of the whole Verlet list (not filtering)
         self._groups: SpeciesGroups | None = None  # atoms by species, for the per-species self-connections
 
@@ -147,6 +148,7 @@ class ModelStep:
             self._species_source = species
             self._groups = self._species_groups()
             self._verlet = None
+            self._topology = None
             self._layout = None
             self._capacity = None
             pinned = self.device.type == "cuda"
@@ -198,11 +200,12 @@ class ModelStep:
             buf[:count].copy_(src)
             buf[count:].zero_()  # padding entries: (0, 0, 0), never kept (valid is False)
         valid.copy_(torch.arange(capacity, device=self.device) < count)
+        self._load_topology(capacity)
         with torch.no_grad():
             if not self.filter_edges:
                 layout = layout_edges(valid, sender, receiver, shifts, self._n, self._fit(
                     None if self._layout is None else self._layout.capacity, count), self.pad_vector,
-                    with_graph=bool(self.caches))
+                    with_graph=bool(self.caches), topology=self._topology)
                 if self._layout is not None and self._layout.capacity == layout.capacity:
                     self._layout.copy_(layout)
                 else:
@@ -214,6 +217,21 @@ class ModelStep:
                 if capacity != self._capacity:
                     self.invalidate()
                     self._capacity = capacity
+
+    def _load_topology(self, capacity: int) -> None:
+        """The Verlet list's row pointers and reverse edges, into static buffers (a capture reads them)."""
+        nl = self.neighbours
+        topology = edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity)
+        if topology is None or self._topology is None:
+            if (topology is None) != (self._topology is None):
+                self.invalidate()  # the other layout path from now on
+            self._topology = topology
+            return
+        try:
+            self._topology.copy_(topology)
+        except ValueError:  # another list capacity
+            self.invalidate()
+            self._topology = topology
 
     # --- the step itself (capture-safe: no host reads when padded) ---------------------------------
 
@@ -227,9 +245,11 @@ class ModelStep:
             return self._layout
         sender, receiver, shifts, _ = self._verlet
         keep = self._keep()
+        if self._topology is not None:
+            keep = keep & keep.index_select(0, self._topology.reverse)  # as layout_edges keeps them
         capacity = self._capacity if self.padded else int(keep.sum())  # eager: exact, one sync
         return layout_edges(keep, sender, receiver, shifts, self._n, capacity, self.pad_vector,
-                            with_graph=bool(self.caches))
+                            with_graph=bool(self.caches), topology=self._topology)
 
     def _compute(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
         # Named ranges for torch.profiler (host-side markers only: harmless inside a capture).
