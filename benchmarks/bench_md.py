@@ -16,7 +16,8 @@ Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Ã
 Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
 cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
 Verlet list fed to the model: no per-step cut, skin edges included), cgforge-e3nn-sc (captured, the
-self-connections through e3nn's outer product rather than one linear map per species), cgforge-3xtf32 and
+self-connections through e3nn's outer product rather than one linear map per species), cgforge-sorted
+(captured, the edge layout's transpose sorted every step rather than taken from reverse edges), cgforge-3xtf32 and
 cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
 the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
@@ -50,10 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
-BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-3xtf32", "cgforge-tf32",
-            "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
+            "cgforge-tf32", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
-                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-3xtf32": {"radial_precision": "3xtf32"},
+                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-sorted": {"warmup": False},
+                   "cgforge-3xtf32": {"radial_precision": "3xtf32"},
                    "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False}}
 SKIN = 1.0
 PROFILE = False
@@ -110,6 +112,9 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
                           stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
         if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
             calc.step.group_species = False
+            calc.warm_up()
+        if backend == "cgforge-sorted":  # the edge layout sorted every step, as before the edge topology
+            calc.step.use_topology = False
             calc.warm_up()
         return calc, False
     if model_name in ("mace-mp-medium", "bundled-mace"):

@@ -36,9 +36,10 @@ md64)   # FP64 on the 5184-atom box: cgforge and the cuEquivariance/OpenEquivari
         --dtypes float64 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md64-cgforge.log" | tail -8
     python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float64 \
         --backends cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md64-peers.log" | tail -8 ;;
-ab)     # A/B in one run: per-species self-connections (cgforge vs cgforge-e3nn-sc), radial-MLP precision modes
+ab)     # A/B in one run: per-species self-connections (vs cgforge-e3nn-sc), the edge topology (vs cgforge-sorted),
+        # radial-MLP precision modes
     python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
-        --backends cgforge,cgforge-e3nn-sc,cgforge-3xtf32,cgforge-tf32 --steps 10 --warmup 3 2>&1 \
+        --backends cgforge,cgforge-e3nn-sc,cgforge-sorted,cgforge-3xtf32,cgforge-tf32 --steps 10 --warmup 3 2>&1 \
         | tee "$OUT/md-ab.log" | tail -12 ;;
 models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and NequIP, with the peers
     python3 benchmarks/bench_mace.py 12 float32 cgforge,cueq,oeq,hybrid,e3nn medium 2>&1 | tee "$OUT/mace.log" | tail -12

@@ -223,6 +223,20 @@ def test_mace_whole_list_and_padding_match_the_filtered_step(mace_calc, mode, tr
         assert step.n_edges == mace_calc.step.n_edges
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_sorted_and_topology_layouts_give_the_same_step(mace_calc, padded):
+    atoms = _box(seed=6, triclinic=True)
+    steps = []
+    for use_topology in (True, False):
+        step = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 1.0), padded=padded)
+        step.use_topology = use_topology
+        steps.append(step)
+    topo, plain = (_run(step, mace_calc, atoms) for step in steps)
+    assert steps[0]._topology is not None and steps[1]._topology is None
+    _assert_same(topo, plain, len(atoms))
+    assert steps[0].n_edges == steps[1].n_edges
+
+
 @pytest.mark.parametrize("interaction", ["RealAgnosticInteractionBlock", "RealAgnosticDensityResidualInteractionBlock"])
 def test_every_checked_mace_block_ignores_skin_edges(interaction):
     calc = Calculator(build_model(interaction=interaction, r_max=4.0), device="cpu", warmup=False)

@@ -56,7 +56,8 @@ class ModelStep:
     margin: spare capacity (fraction) given to edge buffers when they are sized.
     group_species: tell the patched model which atoms share a species, so its self-connections run one linear
     map per species (``patches.species_linear``); False keeps e3nn's path (for comparisons). Read when a
-    structure is loaded.
+    structure is loaded. use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
+    step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
@@ -71,6 +72,7 @@ class ModelStep:
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.margin = float(margin)
         self.group_species = True
+        self.use_topology = True
         self.caches = graph_caches(adapter.model)
         self.pad_vector = pad_offset_vector(self.cutoff, self.dtype, self.device)
         self.phase: Phase = _no_phase
@@ -221,7 +223,7 @@ class ModelStep:
     def _load_topology(self, capacity: int) -> None:
         """The Verlet list's row pointers and reverse edges, into static buffers (a capture reads them)."""
         nl = self.neighbours
-        topology = edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity)
+        topology = edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology else None
         if topology is None or self._topology is None:
             if (topology is None) != (self._topology is None):
                 self.invalidate()  # the other layout path from now on
@@ -245,9 +247,12 @@ class ModelStep:
             return self._layout
         sender, receiver, shifts, _ = self._verlet
         keep = self._keep()
-        if self._topology is not None:
-            keep = keep & keep.index_select(0, self._topology.reverse)  # as layout_edges keeps them
-        capacity = self._capacity if self.padded else int(keep.sum())  # eager: exact, one sync
+        if self.padded:
+            capacity = self._capacity
+        else:  # eager: exact, one sync; counted as layout_edges keeps them (with their reverses)
+            if self._topology is not None:
+                keep = keep & keep.index_select(0, self._topology.reverse)
+            capacity = int(keep.sum())
         return layout_edges(keep, sender, receiver, shifts, self._n, capacity, self.pad_vector,
                             with_graph=bool(self.caches), topology=self._topology)
 
