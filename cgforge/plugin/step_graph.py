@@ -8,8 +8,9 @@ step and copies the results out (one device-to-host copy, which also brings back
    the whole Verlet list is laid out once per rebuild. The ConvGraph of the layout is pinned in the
    model's graph cache, so no layer builds or checks one.
 2. vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), times (I + strain) when stress
-   is asked for; the model's energy; autograd gives forces = -dE/dpos (index_add over the edges, no
-   sort-based gather backward) and the virial dE/dstrain = sum over edges of vector (x) dE/dvector.
+   is asked for; the model's energy; autograd gives forces = -dE/dpos (segment sums over the layout's
+   receiver rows and its transpose: no atomics, deterministic, ``edge_vectors``) and the virial
+   dE/dstrain = sum over edges of vector (x) dE/dvector.
 
 With ``cuda_graph`` the step is captured once per (buffer capacities, properties) and replayed: no Python
 and no kernel-launch cost per step. Buffers have a capacity with a small margin; the edge count is checked
@@ -36,6 +37,7 @@ from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
+from .edge_vectors import edge_differences
 from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
@@ -274,8 +276,8 @@ class ModelStep:
                     cache.pin(src, dst, graph)
         with torch.set_grad_enabled(grad):
             pos = self._pos.detach().requires_grad_(grad)
-            with record_function("cgforge.edge_vectors"):
-                vectors = (pos.index_select(0, layout.receiver) - pos.index_select(0, layout.sender)
+            with record_function("cgforge.edge_vectors"):  # the forces come back through CSR row sums
+                vectors = (edge_differences(pos, layout.sender, layout.receiver, layout.graph)
                            + layout.unit_shifts @ self._cell + layout.pad_offset)
             strain = None
             positions = pos

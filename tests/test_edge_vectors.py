@@ -1,0 +1,94 @@
+"""Edge vectors whose backward (the forces) is CSR row sums: equal to autograd's scatter, no atomics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cgforge.plugin import edge_layout as el
+from cgforge.plugin.edge_vectors import edge_differences, row_sums
+from cgforge.plugin.neighbours import neighbour_list
+from cgforge.plugin.water import water_box
+
+
+def _layout(use_topology: bool, extra: int = 23):
+    atoms = water_box(8, seed=2)
+    atoms.rattle(0.05, seed=3)
+    positions = torch.tensor(atoms.positions)
+    cell = torch.tensor(np.array(atoms.cell))
+    sender, receiver, shifts = neighbour_list(positions, cell, True, 4.0)
+    n = len(atoms)
+    topology = el.edge_topology(sender, receiver, shifts, n) if use_topology else None
+    keep = torch.linalg.vector_norm(positions[receiver] - positions[sender] + shifts.double() @ cell, dim=1) < 3.0
+    count = int((keep & keep[topology.reverse]).sum()) if topology is not None else int(keep.sum())
+    pad = el.pad_offset_vector(3.0, torch.float64, torch.device("cpu"))
+    layout = el.layout_edges(keep, sender, receiver, shifts.double(), n, count + extra, pad, with_graph=True,
+                             topology=topology)
+    return positions, layout
+
+
+def test_row_sums() -> None:
+    values = torch.randn(10, 3, dtype=torch.float32)
+    rowptr = torch.tensor([0, 0, 4, 5, 10])
+    want = torch.stack([values[a:b].sum(0) for a, b in zip(rowptr[:-1], rowptr[1:])])
+    got = row_sums(values, rowptr)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("use_topology", [True, False])
+def test_forces_through_row_sums_equal_the_scatter(use_topology: bool) -> None:
+    positions, layout = _layout(use_topology)
+    weights = torch.randn(layout.capacity, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def energy(vectors: torch.Tensor) -> torch.Tensor:  # a smooth function of the vectors (padding edges: offset)
+        vectors = vectors + layout.pad_offset
+        return (torch.sin(vectors) * weights).sum() + vectors.square().sum(1).sqrt().sum()
+
+    pos = positions.clone().requires_grad_()
+    vectors = edge_differences(pos, layout.sender, layout.receiver, layout.graph)
+    ref_pos = positions.clone().requires_grad_()
+    ref = ref_pos.index_select(0, layout.receiver) - ref_pos.index_select(0, layout.sender)
+    assert torch.equal(vectors, ref)
+    grad, = torch.autograd.grad(energy(vectors), pos, create_graph=True)
+    ref_grad, = torch.autograd.grad(energy(ref), ref_pos, create_graph=True)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-13, atol=1e-13)
+    # second order too (a force-matching loss would need it)
+    second, = torch.autograd.grad(grad.square().sum(), pos)
+    ref_second, = torch.autograd.grad(ref_grad.square().sum(), ref_pos)
+    torch.testing.assert_close(second, ref_second, rtol=1e-12, atol=1e-12)
+    names = set()
+    stack = [vectors.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            stack.extend(child for child, _ in node.next_functions)
+    assert "IndexSelectBackward0" not in names, "no scatter (atomics) in the forces' backward"
+
+
+def test_without_a_graph_it_is_plain_autograd() -> None:
+    positions, layout = _layout(True)
+    pos = positions.clone().requires_grad_()
+    vectors = edge_differences(pos, layout.sender, layout.receiver, None)
+    assert type(vectors.grad_fn).__name__ == "SubBackward0"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["mace", "nequip"])
+def test_cuda_forces_are_bitwise_reproducible(model: str) -> None:
+    """Deterministic convolution, no atomics in the edge backward: two calculators, the same bits."""
+    from cgforge.plugin import Calculator
+
+    atoms = water_box(216, seed=4)
+    runs = []
+    for _ in range(2):
+        a = atoms.copy()
+        a.calc = Calculator(model, device="cuda")
+        runs.append([a.get_forces().copy() for _ in range(2)])
+        a.positions += 0.01
+        runs[-1].append(a.get_forces().copy())
+    for first, second in zip(*runs):
+        assert np.array_equal(first, second)
+    assert np.array_equal(runs[0][0], runs[0][1])
