@@ -18,10 +18,18 @@ __all__ = ["edge_differences", "row_sums"]
 
 
 def row_sums(values: Tensor, rowptr: Tensor) -> Tensor:
-    """[N, ...] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, ...], in its dtype."""
-    prefix = torch.cumsum(values.to(torch.float64), 0)
-    prefix = torch.cat([prefix.new_zeros(1, *prefix.shape[1:]), prefix])
-    return (prefix.index_select(0, rowptr[1:]) - prefix.index_select(0, rowptr[:-1])).to(values.dtype)
+    """[N, K] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, K], in its dtype.
+
+    One prefix sum over the columns laid end to end: a 1-D scan is one parallel pass on the GPU, where a scan
+    along dim 0 of a [C, 3] tensor would run each column serially. A column's carry cancels in the differences.
+    """
+    rows, width = values.shape
+    flat = values.t().to(torch.float64).reshape(-1)
+    prefix = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
+    column_start = (torch.arange(width, device=values.device) * rows).unsqueeze(1)  # [K, 1]
+    ends = prefix.index_select(0, (column_start + rowptr[1:]).reshape(-1))
+    starts = prefix.index_select(0, (column_start + rowptr[:-1]).reshape(-1))
+    return (ends - starts).reshape(width, -1).t().to(values.dtype)
 
 
 class _EdgeDifferences(torch.autograd.Function):
