@@ -9,11 +9,11 @@ a mask (within the cutoff now, or all of them), laid out in ``capacity`` slots:
   atom's row, so the whole array stays sorted by receiver and no row grows long. For a model whose edges
   beyond the cutoff contribute exactly zero (``ModelAdapter.zero_beyond_cutoff``), padding changes nothing.
 
-Every index is computed with device arithmetic (cumsum, index_add, index_copy, a stable sort for the
-transpose), no ``nonzero`` and no ``.item()``: the layout can run inside a captured CUDA graph, where the
-number of selected edges is known only on the device. ``count`` comes back as a device scalar; a count
-above the capacity (overflow) leaves a garbage layout that stays in bounds, and the caller recomputes with
-more room.
+Every index is computed with device arithmetic (cumsum, index_copy, and without a topology index_add and
+a stable sort for the transpose), no ``nonzero`` and no ``.item()``: the layout can run inside a captured
+CUDA graph, where the number of selected edges is known only on the device. ``count`` comes back as a
+device scalar; a count above the capacity (overflow) leaves a garbage layout that stays in bounds, and the
+caller recomputes with more room.
 
 ``conv_graph`` wraps the layout's graph tensors in a ``ConvGraph`` without the constructor's checks (which
 read device values): the layout is valid by construction, and a test checks it field by field against
