@@ -5,8 +5,10 @@ sum over the edges i sends. Autograd's backward of ``index_select`` adds every e
 atomics: many edges of one atom collide (the layout is receiver-sorted) and the order of the additions, so
 the last bits of the forces, changes from run to run. The layout already holds both CSR orders (receiver
 rows, and the transpose for the convolution's backward): each sum is then a segment sum over contiguous
-rows, taken as differences of one prefix sum in FP64 (exact to ~1e-14 relative of a row's sum at any
-system size: partial sums grow like sqrt(edges)). Deterministic, and no host sync (CUDA-graph capture).
+rows, taken by ``cgforge.kernels.segment_sum`` in a fixed order (on CUDA one warp per row and a fixed
+butterfly, accumulated in FP64; a parallel prefix sum would not do: CUB's scan adds partial sums in the order
+they become ready, which moved the last bits of FP64 forces between runs). Deterministic, and no host sync
+(CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -14,22 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cgforge.kernels.segment_sum import segment_sum
+
 __all__ = ["edge_differences", "row_sums"]
 
 
 def row_sums(values: Tensor, rowptr: Tensor) -> Tensor:
-    """[N, K] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, K], in its dtype.
-
-    One prefix sum over the columns laid end to end: a 1-D scan is one parallel pass on the GPU, where a scan
-    along dim 0 of a [C, 3] tensor would run each column serially. A column's carry cancels in the differences.
-    """
-    rows, width = values.shape
-    flat = values.t().to(torch.float64).reshape(-1)
-    prefix = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
-    column_start = (torch.arange(width, device=values.device) * rows).unsqueeze(1)  # [K, 1]
-    ends = prefix.index_select(0, (column_start + rowptr[1:]).reshape(-1))
-    starts = prefix.index_select(0, (column_start + rowptr[:-1]).reshape(-1))
-    return (ends - starts).reshape(width, -1).t().to(values.dtype)
+    """[N, K] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, K], in its dtype, in an
+    order fixed for every run (``cgforge.kernels.segment_sum``)."""
+    return segment_sum(values, rowptr)
 
 
 class _EdgeDifferences(torch.autograd.Function):

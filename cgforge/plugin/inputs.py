@@ -166,9 +166,11 @@ class MaceAdapter:
         }
         out = self.model(data, training=False, compute_force=False, compute_virials=False,
                          compute_stress=False, compute_displacement=False)
-        energy = out["energy"].sum()
-        node_energy = out.get("node_energy") if per_atom else None
-        return energy, node_energy
+        # The total as a plain sum of the per-atom energies: MACE's own total is a scatter_sum over `batch` (atomics
+        # on CUDA), whose last bits change from run to run; torch.sum reduces in a fixed order.
+        node_energy = out.get("node_energy")
+        energy = out["energy"].sum() if node_energy is None else node_energy.sum()
+        return energy, node_energy if per_atom else None
 
     def inert_beyond_cutoff(self) -> str | None:
         return mace_inert_beyond_cutoff(self.model)
@@ -264,9 +266,9 @@ class NequipAdapter:
             if isinstance(hook, CallGraphCache):
                 hook.clear()
         out = self.energy_model(data)
-        energy = out["total_energy"].sum()
-        atomic = out["atomic_energy"].reshape(-1) if per_atom else None
-        return energy, atomic
+        atomic = out.get("atomic_energy")  # its plain sum: nequip's total is a scatter (atomics on CUDA)
+        energy = out["total_energy"].sum() if atomic is None else atomic.sum()
+        return energy, atomic.reshape(-1) if per_atom and atomic is not None else None
 
     def inert_beyond_cutoff(self) -> str | None:
         return nequip_inert_beyond_cutoff(self.energy_model)

@@ -1,0 +1,130 @@
+"""Sums of contiguous row segments, in a fixed order: bitwise the same result on every run.
+
+    out[i] = values[rowptr[i]] + ... + values[rowptr[i + 1] - 1]        values [C, K] -> out [N, K]
+
+The forces are such sums (the backward of the edge vectors over the CSR layout). Atomics, and the parallel
+prefix sums of CUB (decoupled look-back: a tile adds its predecessors' partial sums in whatever order they
+happen to be ready), change the order of floating-point additions from run to run, so the last bits of the
+forces move. Here one warp owns a row: lane l adds elements l, l + 32, ... in order, then the 32 partial sums
+meet in a fixed butterfly. Accumulation is in FP64 for FP32 and FP64 values alike.
+
+On CUDA the sum runs as this kernel; on the CPU (and as the oracle in tests) as differences of one FP64 prefix
+sum, which is serial there and so deterministic too. The backward of a segment sum is a gather (every element
+of row i receives out's gradient of row i): differentiable again, so double backward works.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = ["SEGMENT_SUM_SOURCE", "segment_sum", "segment_sum_reference"]
+
+_WARPS_PER_BLOCK = 8
+
+SEGMENT_SUM_SOURCE = r"""
+template <typename T>
+__device__ void segment_sum(const T* __restrict__ values, const long long* __restrict__ rowptr,
+                            T* __restrict__ out, int rows, int width) {
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;  // uniform per warp: the shuffles below see all 32 lanes
+    const long long start = rowptr[row], end = rowptr[row + 1];
+    for (int k = 0; k < width; ++k) {
+        double sum = 0.0;
+        for (long long j = start + lane; j < end; j += 32) sum += (double)values[j * width + k];
+        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (lane == 0) out[(long long)row * width + k] = (T)sum;
+    }
+}
+
+extern "C" __global__ void segment_sum_f32(const float* values, const long long* rowptr, float* out, int rows,
+                                           int width) {
+    segment_sum<float>(values, rowptr, out, rows, width);
+}
+
+extern "C" __global__ void segment_sum_f64(const double* values, const long long* rowptr, double* out, int rows,
+                                           int width) {
+    segment_sum<double>(values, rowptr, out, rows, width);
+}
+"""
+
+_KERNEL_NAMES = {torch.float32: "segment_sum_f32", torch.float64: "segment_sum_f64"}
+
+
+def segment_sum_reference(values: Tensor, rowptr: Tensor) -> Tensor:
+    """The same sums from one FP64 prefix sum over the columns laid end to end (any device, differentiable).
+
+    A 1-D scan is one parallel pass, where a scan along dim 0 of a [C, 3] tensor would run each column serially;
+    a column's carry cancels in the differences."""
+    rows, width = values.shape
+    flat = values.t().to(torch.float64).reshape(-1)
+    prefix = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
+    column_start = (torch.arange(width, device=values.device) * rows).unsqueeze(1)  # [K, 1]
+    ends = prefix.index_select(0, (column_start + rowptr[1:]).reshape(-1))
+    starts = prefix.index_select(0, (column_start + rowptr[:-1]).reshape(-1))
+    return (ends - starts).reshape(width, -1).t().to(values.dtype)
+
+
+@functools.cache
+def _kernels(device_index: int) -> dict:
+    from .runtime import load_source
+
+    with torch.cuda.device(device_index):
+        return load_source(SEGMENT_SUM_SOURCE, list(_KERNEL_NAMES.values()), name="segment_sum.cu")
+
+
+def _launch(values: Tensor, rowptr: Tensor) -> Tensor:
+    from .runtime import I32
+
+    values = values.contiguous()
+    rowptr = rowptr.to(torch.int64).contiguous()
+    rows, width = rowptr.shape[0] - 1, values.shape[1]
+    out = values.new_empty((rows, width))
+    if rows == 0 or width == 0:
+        return out
+    threads = 32 * _WARPS_PER_BLOCK
+    kernel = _kernels(values.device.index if values.device.index is not None else torch.cuda.current_device())
+    kernel[_KERNEL_NAMES[values.dtype]].launch(
+        (-(-rows // _WARPS_PER_BLOCK),), (threads,), [values, rowptr, out, I32(rows), I32(width)])
+    return out
+
+
+def _row_of_element(rowptr: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The row of every element 0..count-1 and whether it lies inside a row (device arithmetic, no sync)."""
+    element = torch.arange(count, device=rowptr.device, dtype=rowptr.dtype)
+    row = torch.searchsorted(rowptr, element, right=True) - 1
+    inside = (element >= rowptr[0]) & (element < rowptr[-1])
+    return row.clamp(0, max(rowptr.shape[0] - 2, 0)), inside
+
+
+class _SegmentSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, rowptr: Tensor) -> Tensor:
+        ctx.save_for_backward(rowptr)
+        ctx.count = values.shape[0]
+        return _launch(values, rowptr)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (rowptr,) = ctx.saved_tensors
+        row, inside = _row_of_element(rowptr, ctx.count)
+        return grad.index_select(0, row) * inside.unsqueeze(1).to(grad.dtype), None
+
+
+def segment_sum(values: Tensor, rowptr: Tensor) -> Tensor:
+    """[N, K] sums of the rows rowptr[i] .. rowptr[i + 1] - 1 of ``values`` [C, K], in a fixed order (module doc).
+
+    rowptr: [N + 1] non-decreasing, with rowptr[-1] <= C (not checked: it lives on the device). FP32 or FP64."""
+    if values.dim() != 2:
+        raise ValueError(f"values: expected a [C, K] tensor, got shape {tuple(values.shape)}")
+    if rowptr.dim() != 1 or rowptr.shape[0] < 1:
+        raise ValueError(f"rowptr: expected a 1-D tensor of N + 1 row starts, got shape {tuple(rowptr.shape)}")
+    if values.device.type != "cuda" or values.dtype not in _KERNEL_NAMES:
+        return segment_sum_reference(values, rowptr)
+    if rowptr.device != values.device:
+        raise ValueError(f"rowptr: on {rowptr.device}, values on {values.device}")
+    return _SegmentSum.apply(values, rowptr)
+
