@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -39,11 +40,68 @@ def _dist_version(*names: str) -> str:
     return "not installed"
 
 
+def _cupy_distributions() -> list[str]:
+    """The installed distributions that provide the `cupy` package (cupy-cuda12x, cupy-cuda13x, ...)."""
+    return sorted(set(importlib.metadata.packages_distributions().get("cupy", [])))
+
+
 def _cupy_version() -> str:
-    dists = importlib.metadata.packages_distributions().get("cupy", [])
-    for dist in dists:
-        return f"{importlib.metadata.version(dist)} ({dist})"
-    return "not installed"
+    dists = _cupy_distributions()
+    if not dists:
+        return "not installed"
+    return ", ".join(f"{importlib.metadata.version(dist)} ({dist})" for dist in dists)
+
+
+# The install extras by CUDA major (pyproject.toml), and the wheels each brings.
+EXTRAS = {12: ("cupy-cuda12x", "nvidia-cuda-nvrtc-cu12"), 13: ("cupy-cuda13x", "nvidia-cuda-nvrtc")}
+
+
+def _cupy_cuda_major(dist: str) -> int | None:
+    """12 for cupy-cuda12x (CuPy's wheels name the CUDA major); None for a source build (`cupy`)."""
+    match = re.fullmatch(r"cupy-cuda(\d+)x", dist.lower().replace("_", "-"))
+    return int(match.group(1)) if match else None
+
+
+def _install_hint(major: int | None) -> str:
+    if major in EXTRAS:
+        return f"pip install 'cgforge[cuda{major}]' ({' and '.join(EXTRAS[major])})"
+    if major is None:
+        return "pip install 'cgforge[cuda12]' or 'cgforge[cuda13]', the CUDA major of torch.version.cuda"
+    return f"no cgforge extra for CUDA {major}: install cupy-cuda{major}x and CUDA {major}'s NVRTC yourself"
+
+
+def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
+                        nvrtc: tuple[int, int] | None) -> list[tuple[bool, str]]:
+    """(ok, detail) for the CUDA majors of torch (torch.version.cuda), CuPy (its wheel's name) and NVRTC.
+
+    cgforge compiles with NVRTC and launches through CuPy on torch's stream: all three should be built for
+    one CUDA major. A mix often works (the driver runs older CUDA code) but loads two CUDA runtimes into the
+    process and ties the newest GPUs to the older NVRTC; the fix is the extra of torch's major.
+    """
+    if torch_cuda is None:
+        return [(True, "torch is a CPU build: NVRTC compiles here, the kernels run only with CUDA torch")]
+    torch_major = int(torch_cuda.split(".")[0])
+    fix = _install_hint(torch_major)
+    checks = []
+    if len(cupy_dists) > 1:
+        checks.append((False, f"several CuPy wheels are installed ({', '.join(cupy_dists)}): they share the "
+                              f"`cupy` package; uninstall all but the one for CUDA {torch_major} ({fix})"))
+    mismatched = [d for d in cupy_dists if _cupy_cuda_major(d) not in (torch_major, None)]
+    if mismatched:
+        wrong = ", ".join(f"{d} (CUDA {_cupy_cuda_major(d)})" for d in mismatched)
+        checks.append((False, f"torch is built for CUDA {torch_cuda} but CuPy is {wrong}: "
+                              f"pip uninstall {' '.join(mismatched)}; {fix}"))
+    if nvrtc is not None and nvrtc[0] != torch_major:
+        # the loader finds the CUDA 12 wheel's library first: it has to go (or CGFORGE_NVRTC_PATH names one)
+        wheel = EXTRAS.get(nvrtc[0], (None, None))[1]
+        remove = f"pip uninstall {wheel}; " if wheel else ""
+        checks.append((False, f"torch is built for CUDA {torch_cuda} but NVRTC is {nvrtc[0]}.{nvrtc[1]}: "
+                              f"{remove}{fix}; or set CGFORGE_NVRTC_PATH to CUDA {torch_major}'s libnvrtc.so"))
+    if not checks:
+        cupy = ", ".join(cupy_dists) or "no CuPy"
+        nvrtc_text = f"NVRTC {nvrtc[0]}.{nvrtc[1]}" if nvrtc else "no NVRTC"
+        checks.append((True, f"torch CUDA {torch_cuda}, {cupy}, {nvrtc_text}"))
+    return checks
 
 
 def _cache_dir_status() -> tuple[str, bool]:
@@ -209,7 +267,12 @@ def main(out: Callable[[str], None] = print) -> int:
     report.info("kernel cache", cache_text)
 
     out("checks")
-    report.check("nvrtc found", nvrtc_ok, "yes" if nvrtc_ok else "install nvidia-cuda-nvrtc-cu12")
+    torch_cuda = torch.version.cuda if torch is not None else None
+    torch_major = int(torch_cuda.split(".")[0]) if torch_cuda else None
+    report.check("nvrtc found", nvrtc_ok, "yes" if nvrtc_ok else _install_hint(torch_major))
+    for ok, detail in cuda_version_checks(torch_cuda, _cupy_distributions(),
+                                          compiler.nvrtc_version() if nvrtc_ok else None):
+        report.check("CUDA versions match", ok, detail, fatal=False)
     report.check("kernel cache writable", cache_ok, str(Path(compiler.cache_dir())), fatal=False)
     if nvrtc_ok:
         _check_compile(report, "sm_80")

@@ -19,17 +19,25 @@ def leaves(tp, n, e, dtype=torch.float64, seed=0):
             for shape in ((n, tp.irreps_in1.dim), (e, tp.irreps_in2.dim), (e, tp.weight_numel))]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("n,e,index_dtype", [(1, 0, torch.int64), (1, 4, torch.int32), (7, 40, torch.int64),
-                                             (30, 200, torch.int32)])
-def test_random_graph_matches_e3nn(deterministic, n, e, index_dtype):
-    tp = e3nn_tp(PROBLEMS["nequip-water"])
-    conv = Convolution.from_e3nn(tp)
+GRAPHS = [(1, 0, torch.int64), (1, 4, torch.int32), (7, 40, torch.int64), (30, 200, torch.int32)]
+
+
+def random_graph(n, e):
     gen = torch.Generator().manual_seed(e)
     s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
     if e >= 4:
         s[:2], r[:2] = 0, 0  # a self-edge, repeated
-    graph = ConvGraph(s.to(index_dtype), r.to(index_dtype), n, deterministic=deterministic)
+    return s, r
+
+
+# The CPU op sums with index_add whatever the graph's mode (the mode picks CUDA kernels): one run per graph,
+# and the mode's CPU-visible effect, the CSR arrays the CUDA kernels read, is tested on its own below.
+@pytest.mark.parametrize("n,e,index_dtype", GRAPHS)
+def test_random_graph_matches_e3nn(n, e, index_dtype):
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    conv = Convolution.from_e3nn(tp)
+    s, r = random_graph(n, e)
+    graph = ConvGraph(s.to(index_dtype), r.to(index_dtype), n)
     x, y, w = leaves(tp, n, e)
     ref = e3nn_conv(tp, x, y, w, s, r, n)
     out = conv(x, y, w, graph)
@@ -37,6 +45,41 @@ def test_random_graph_matches_e3nn(deterministic, n, e, index_dtype):
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, (x, y, w), g), torch.autograd.grad(ref, (x, y, w), g)):
         assert rel(a, b) < 1e-12
+
+
+def _check_csr(rowptr, perm, keys, n):
+    """rowptr counts the edges of each row; perm (empty: identity) lists the edges sorted by row, stably."""
+    order = perm.long() if perm.numel() else torch.arange(keys.shape[0])
+    assert rowptr.dtype == torch.int64 and perm.dtype == torch.int32
+    assert torch.equal(rowptr, torch.cat([torch.zeros(1, dtype=torch.int64),
+                                          torch.bincount(keys, minlength=n).cumsum(0)]))
+    assert torch.equal(order.sort().values, torch.arange(keys.shape[0]))  # a permutation
+    sorted_keys = keys[order]
+    assert bool((sorted_keys[1:] >= sorted_keys[:-1]).all())
+    for row in range(n):  # stable: within a row, edges in their original order
+        assert bool((order[rowptr[row]:rowptr[row + 1]].diff() > 0).all())
+
+
+@pytest.mark.parametrize("n,e,index_dtype", GRAPHS + [(5, 12, torch.int64)])
+def test_graph_modes_on_cpu(n, e, index_dtype):
+    s, r = random_graph(n, e)
+    if n == 5:
+        r = r.sort().values  # already sorted receivers: perm stays empty (the kernels read edges in order)
+    det = ConvGraph(s.to(index_dtype), r.to(index_dtype), n)
+    assert det.deterministic and det.sender.dtype == det.receiver.dtype == torch.int32
+    _check_csr(det.rowptr, det.perm, r, n)
+    _check_csr(det.rowptr_t, det.perm_t, s, n)
+    assert det.perm_t.numel() == e  # the backward kernel always reads perm_t
+    if n == 5:
+        assert det.perm.numel() == 0
+    atomic = ConvGraph(s.to(index_dtype), r.to(index_dtype), n, deterministic=False)
+    assert not atomic.deterministic
+    assert [t.numel() for t in atomic.tensors()[2:]] == [0, 0, 0, 0]  # atomics need no CSR
+    # the CPU op ignores the mode: both give the same sums, bit for bit
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    conv = Convolution.from_e3nn(tp)
+    x, y, w = (t.detach() for t in leaves(tp, n, e))
+    assert torch.equal(conv(x, y, w, det), conv(x, y, w, atomic))
 
 
 def test_water_box_graph_fp64_fp32_and_double_backward():

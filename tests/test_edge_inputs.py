@@ -30,12 +30,13 @@ def _grid_stride_rows(rows: int, blocks: int, warps: int) -> list[int]:
     return sorted(row for first in range(stride) for row in range(first, rows, stride))
 
 
-@pytest.mark.parametrize("rows,warps,cap", [(0, 4, None), (1, 4, None), (5, 4, None), (130, 4, 3), (97, 2, 1),
-                                            (64, 1, 1000)])
-def test_launch_blocks_cover_every_row(rows, warps, cap):
+# expected: ceil(rows / warps), at least 1, at most cap (worked out by hand, not by the formula under test)
+@pytest.mark.parametrize("rows,warps,cap,expected", [(0, 4, None, 1), (1, 4, None, 1), (5, 4, None, 2),
+                                                     (8, 4, None, 2), (130, 4, 3, 3), (97, 2, 1, 1),
+                                                     (64, 1, 1000, 64), (9, 4, 0, 1)])
+def test_launch_blocks_cover_every_row(rows, warps, cap, expected):
     blocks = ops.launch_blocks(rows, warps, cap)
-    assert 1 <= blocks <= (cap or blocks)
-    assert blocks == max(1, min(-(-rows // warps), cap or INT32_LIMIT))
+    assert blocks == expected
     assert _grid_stride_rows(rows, blocks, warps) == list(range(rows))
 
 

@@ -115,9 +115,10 @@ def test_conv_deterministic_is_bitwise_reproducible_and_double_backward():
     conv = Convolution.from_e3nn(tp)
     s, r = _graph(200, 5000, seed=3)
     graph = ConvGraph(s, r, 200)
-    x = torch.randn(200, tp.irreps_in1.dim, device=DEV, requires_grad=True)
-    y = torch.randn(5000, tp.irreps_in2.dim, device=DEV, requires_grad=True)
-    w = torch.randn(5000, tp.weight_numel, device=DEV, requires_grad=True)
+    f32 = dict(dtype=torch.float32, device=DEV, requires_grad=True)  # FP32 whatever the default dtype
+    x = torch.randn(200, tp.irreps_in1.dim, **f32)
+    y = torch.randn(5000, tp.irreps_in2.dim, **f32)
+    w = torch.randn(5000, tp.weight_numel, **f32)
     outs = [conv(x, y, w, graph) for _ in range(3)]
     grads = [torch.autograd.grad(o.square().sum(), (x, y, w)) for o in outs]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -143,9 +144,11 @@ def test_conv_cuda_graph_capture():
     conv = Convolution.from_e3nn(tp)
     s, r = _graph(100, 2000, seed=5)
     graph = ConvGraph(s, r, 100)
-    x = torch.randn(100, tp.irreps_in1.dim, device=DEV)
-    y = torch.randn(2000, tp.irreps_in2.dim, device=DEV)
-    w = torch.randn(2000, tp.weight_numel, device=DEV)
+    # FP32 stated, not inherited: under a float64 default (nequip's) the inputs would not match tp's FP32
+    f32 = dict(dtype=torch.float32, device=DEV)
+    x = torch.randn(100, tp.irreps_in1.dim, **f32)
+    y = torch.randn(2000, tp.irreps_in2.dim, **f32)
+    w = torch.randn(2000, tp.weight_numel, **f32)
     conv(x, y, w, graph)
     cg = torch.cuda.CUDAGraph()
     with torch.cuda.graph(cg):
@@ -153,5 +156,5 @@ def test_conv_cuda_graph_capture():
     x.copy_(torch.randn_like(x))
     cg.replay()
     torch.cuda.synchronize()
-    ref = torch.zeros(100, tp.irreps_out.dim, device=DEV).index_add(0, r, tp(x[s], y, w))
+    ref = torch.zeros(100, tp.irreps_out.dim, **f32).index_add(0, r, tp(x[s], y, w))
     assert rel(out, ref) < 1e-5

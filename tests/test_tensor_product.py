@@ -1,5 +1,7 @@
 """CPU tests of the tensor-product pipeline against e3nn (FP64 and FP32)."""
 
+import zlib
+
 import pytest
 import torch
 from tp_cases import e3nn_tp, random_inputs, rel, single_path
@@ -23,7 +25,7 @@ def test_problem_matches_e3nn_normalisation(name):
 def test_forward_backward_fp64(name, shared):
     tp = e3nn_tp(PROBLEMS[name], shared)
     ours = TensorProduct.from_e3nn(tp)
-    x, y, w = random_inputs(tp, 7, seed=hash(name) % 1000)
+    x, y, w = random_inputs(tp, 7, seed=zlib.crc32(name.encode()) % 1000)  # stable: hash() varies with PYTHONHASHSEED
     ref, out = tp(x, y, w), ours(x, y, w)
     assert rel(out, ref) < 1e-12
     g = torch.randn_like(ref)
