@@ -219,9 +219,11 @@ def test_cuda_default_runs_cgforge_kernels(model_file):
 
 
 def flip_bytes_in_largest_member(path: Path) -> str:
-    """Invert 8 bytes in the middle of the file's largest zip member's data; returns the member's name."""
+    """Invert 8 bytes in the middle of the file's largest tensor storage (torch.save: <name>/data/<key>,
+    torch.package: <name>/.data/<key>.storage); returns the member's name."""
     with zipfile.ZipFile(path) as archive:
-        info = max(archive.infolist(), key=lambda i: i.compress_size)
+        storages = [i for i in archive.infolist() if "data/" in i.filename and not i.filename.endswith(".pkl")]
+        info = max(storages, key=lambda i: i.compress_size)
     with open(path, "r+b") as f:
         f.seek(info.header_offset + 26)
         name_length, extra_length = struct.unpack("<HH", f.read(4))
