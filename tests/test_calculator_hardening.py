@@ -197,6 +197,8 @@ def test_cpu_default_runs_the_unpatched_model(model_file):
     assert patched.patched is True and pm.is_patched(patched.model)
     atoms = box()
     assert abs(energy(calc, atoms) - energy(patched, atoms)) < 1e-10 * abs(energy(patched, atoms))
+    given = Calculator(patched.model, device="cpu", warmup=False)  # a module patched already stays patched
+    assert given.patched is True
     with pytest.raises(TypeError, match="patch: expected None, True or False, got 'yes'"):
         Calculator(model_file, device="cpu", patch="yes")
 

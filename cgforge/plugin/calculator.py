@@ -279,8 +279,8 @@ class Calculator(AseCalculator):
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
         super().__init__(**ase_kwargs)
         self.device = resolve_device(device)
-        self.patched = self._patch(patch, radial_precision)
-        module = load_model(model, self.device, dtype, patch=self.patched)
+        module = load_model(model, self.device, dtype, patch=self._patch(patch, radial_precision))
+        self.patched = _is_patched(module)  # a module given already patched stays so
         for p in module.parameters():
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
         self.model = module
@@ -536,6 +536,16 @@ def _closest_pair(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool
     image = " (with its own periodic image)" if i[k] == j[k] else ""
     periodic = " (minimum image)" if any(pbc) else ""
     return f"closest pair: atoms {i[k]} and {j[k]}{image} at {d[k]:.3g} Å{periodic}"
+
+
+def _is_patched(model: torch.nn.Module) -> bool:
+    from cgforge.patches import mace as pm
+
+    if pm.is_mace_model(model):
+        return pm.is_patched(model)
+    from cgforge.patches import nequip as pn
+
+    return pn.is_patched(model)
 
 
 def _non_finite_parameters(model: torch.nn.Module) -> str:
