@@ -107,13 +107,13 @@ def test_patched_models_expose_their_radial_layers(nequip_state) -> None:
 def _calculator(model: str, mode: str, monkeypatch) -> Calculator:
     # the CUDA requirement bypassed: on CPU the TF32 product is the emulation
     monkeypatch.setattr(Calculator, "_radial_precision", lambda self, m: m)
-    return Calculator(model, device="cpu", warmup=False, radial_precision=mode)
+    return Calculator(model, device="cpu", patch=True, warmup=False, radial_precision=mode)
 
 
 @pytest.mark.parametrize("model", ["mace", "nequip"])
 def test_the_calculator_measures_the_mode_before_keeping_it(model: str, emulate_tf32, monkeypatch) -> None:
     atoms = water_box(27, seed=0)
-    atoms.calc = Calculator(model, device="cpu", warmup=False)
+    atoms.calc = Calculator(model, device="cpu", patch=True, warmup=False)
     fp32 = atoms.get_forces()
     for mode in ("3xtf32", "tf32"):
         calc = _calculator(model, mode, monkeypatch)
@@ -141,7 +141,7 @@ def test_a_mode_that_moves_the_forces_is_refused(monkeypatch) -> None:
     with pytest.warns(RuntimeWarning, match="radial MLPs kept in FP32: tf32 changed the forces by"):
         forces = atoms.get_forces()
     assert calc.radial_precision == "fp32" and calc.radial_precision_error > 1e-4
-    reference = Calculator("mace", device="cpu", warmup=False)
+    reference = Calculator("mace", device="cpu", patch=True, warmup=False)
     atoms.calc = reference
     assert np.abs(atoms.get_forces() - forces).max() < 1e-6 * np.abs(forces).max()
 

@@ -142,7 +142,7 @@ def test_the_calculator_runs_mace_self_connections_per_species(monkeypatch) -> N
 
     monkeypatch.setattr(SpeciesSelfConnection, "_per_species", spy)
     model = build_model()
-    calc = Calculator(model, device="cpu", warmup=False)
+    calc = Calculator(model, device="cpu", patch=True, warmup=False)
     calls.clear()  # patching checked each stand-in against e3nn
     atoms = water_box(8, seed=1)
     atoms.calc = calc
@@ -152,7 +152,7 @@ def test_the_calculator_runs_mace_self_connections_per_species(monkeypatch) -> N
     # without the groups every self-connection takes e3nn's path: the same energy and forces
     forces = atoms.get_forces()
     monkeypatch.setattr("cgforge.plugin.step_graph.ModelStep._species_groups", lambda self: None)
-    atoms.calc = Calculator(build_model(), device="cpu", warmup=False)
+    atoms.calc = Calculator(build_model(), device="cpu", patch=True, warmup=False)
     calls.clear()
     assert abs(atoms.get_potential_energy() - energy) < 1e-12 * abs(energy)
     assert np.abs(atoms.get_forces() - forces).max() < 1e-12 * np.abs(forces).max()

@@ -205,7 +205,7 @@ MODES = {"whole-list": dict(filter_edges=False), "padded": dict(filter_edges=Tru
 
 @pytest.fixture(scope="module")
 def mace_calc():
-    return Calculator(build_model(r_max=4.0), device="cpu", skin=1.0, warmup=False)
+    return Calculator(build_model(r_max=4.0), device="cpu", patch=True, skin=1.0, warmup=False)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -239,7 +239,7 @@ def test_sorted_and_topology_layouts_give_the_same_step(mace_calc, padded):
 
 @pytest.mark.parametrize("interaction", ["RealAgnosticInteractionBlock", "RealAgnosticDensityResidualInteractionBlock"])
 def test_every_checked_mace_block_ignores_skin_edges(interaction):
-    calc = Calculator(build_model(interaction=interaction, r_max=4.0), device="cpu", warmup=False)
+    calc = Calculator(build_model(interaction=interaction, r_max=4.0), device="cpu", patch=True, warmup=False)
     assert calc.inert_edges_reason is None
     atoms = _box(seed=5)
     step = step_graph.ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), filter_edges=False,
@@ -249,11 +249,11 @@ def test_every_checked_mace_block_ignores_skin_edges(interaction):
 
 def test_models_with_live_skin_edges_are_not_padded():
     model = build_model(interaction="RealAgnosticAttResidualInteractionBlock", r_max=4.0)
-    calc = Calculator(model, device="cpu", warmup=False)
+    calc = Calculator(model, device="cpu", patch=True, warmup=False)
     assert "RealAgnosticAttResidualInteractionBlock" in calc.inert_edges_reason
     assert not calc.step.padded and calc.step.filter_edges
     with pytest.raises(ValueError, match="filter_edges=False needs a model"):
-        Calculator(copy.deepcopy(model), device="cpu", warmup=False, filter_edges=False)
+        Calculator(copy.deepcopy(model), device="cpu", patch=True, warmup=False, filter_edges=False)
     # and indeed: feeding it the skin edges would change its energy
     atoms = _box(seed=2)
     step = step_graph.ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), filter_edges=False)
@@ -265,7 +265,7 @@ def test_models_with_live_skin_edges_are_not_padded():
 
 
 def test_whole_list_lays_out_and_builds_the_graph_once_per_rebuild(mace_calc, monkeypatch):
-    fresh = Calculator(copy.deepcopy(mace_calc.model), device="cpu", skin=0.0, warmup=False)
+    fresh = Calculator(copy.deepcopy(mace_calc.model), device="cpu", patch=True, skin=0.0, warmup=False)
     atoms = _box(seed=4)
     rng = np.random.default_rng(0)
     frames, refs = [], []
@@ -412,7 +412,7 @@ def _nequip_model(dtype: str = "float64"):
 
 @pytest.mark.parametrize("mode", ["whole-list", "padded", "whole-list-padded"])
 def test_nequip_whole_list_and_padding_match_the_filtered_step(nequip_state, mode):
-    calc = Calculator(_nequip_model(), device="cpu", warmup=False)
+    calc = Calculator(_nequip_model(), device="cpu", patch=True, warmup=False)
     assert calc.inert_edges_reason is None
     atoms = _box(seed=3, triclinic=True)
     step = step_graph.ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), **MODES[mode])

@@ -374,8 +374,12 @@ def load_mace(
 
     Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's).
     """
+    from cgforge.patches import verify_checksums  # the package imports this module
+
     device = parse_device(device)
     dtype = parse_dtype(dtype)
+    if os.path.isfile(path):
+        verify_checksums(path)  # torch.load would not notice a damaged weight tensor
     model = mace_legacy.load_pickle(path, map_location="cpu")
     if not is_mace_model(model):
         raise UnsupportedModelError(

@@ -519,15 +519,21 @@ def load_nequip(
     *,
     model_name: str = SOLE_MODEL,
     verify: bool = True,
+    patched: bool = True,
 ) -> torch.nn.Module:
     """Load a NequIP ``.ckpt`` or ``.nequip.zip`` and return its model patched, in eval mode, on ``device``.
 
     ``dtype`` None keeps the model's precision; a NequIP model is built for one ``model_dtype``, so asking
     for another raises ``ValueError``. ``model_name`` picks a model of a multi-model file. ``verify``
-    compares patched and unpatched energies and forces on a small structure. Like nequip's own loaders,
-    this initialises nequip's global state (float64 default dtype, TF32 off).
+    compares patched and unpatched energies and forces on a small structure. ``patched=False`` returns the
+    model as nequip builds it. The file's zip checksums are checked first (a damaged file raises
+    ``ValueError``). Like nequip's own loaders, this initialises nequip's global state (float64 default
+    dtype, TF32 off).
     """
+    from cgforge.patches import verify_checksums
+
     p = _check_input(path)
+    verify_checksums(p)  # nequip's loaders would not notice a damaged weight tensor
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     if not isinstance(model_name, str):
@@ -539,6 +545,8 @@ def load_nequip(
     _check_dtype(model, dtype)
     model.eval()
     model.to(device)
+    if not patched:
+        return unpatch(model)  # a file written patched (enable_cgforge modifier) holds cgforge layers
     if verify:
         verify_patch(model)
     else:

@@ -12,6 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "Calculator": "calculator",
+    "NonFiniteOutputError": "calculator",
     "run_md": "md",
     "water_box": "water",
     "VerletNeighbourList": "neighbours",

@@ -13,12 +13,17 @@ calculator differentiates it:
 
 at eps = 0. The strain enters only when stress is asked for, as one [3, 3] matrix multiplying every edge
 vector: dE/d eps is the virial, sum over edges of vector (x) dE/d vector, one small GEMM in the backward,
-never a gather over repeated indices. Properties not asked for are not computed (energy-only calls run
-without autograd).
+never a gather over repeated indices. Energy and forces come from one model run (``forces_with_energy``,
+on by default: an energy call on a new structure computes the forces too, as MACECalculator does, so
+``get_potential_energy()`` then ``get_forces()`` cost one run); stress only when asked for (or with
+``stress_with_forces``).
 
 On CUDA the step (edge cut, model, backward) is captured in a CUDA graph and replayed (``cuda_graph``); see
 ``step_graph``. That needs a model whose edges beyond the cutoff contribute exactly zero (checked per model,
 ``inert_edges``); other models run the eager step with exact edge counts.
+
+Every result is checked on the host for NaN and inf (``NonFiniteOutputError``, which names the output, the
+atoms and the closest pair of atoms).
 """
 
 from __future__ import annotations
@@ -45,11 +50,20 @@ from .inputs import ModelAdapter, adapter_for, is_nequip_model
 from .neighbours import VerletNeighbourList
 from .step_graph import ModelStep
 
-__all__ = ["Calculator", "load_model", "resolve_device", "BUNDLED"]
+__all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
 BUNDLED = ("mace", "nequip")
 _WARMUP_ATOMS = 8
 RADIAL_TF32_TOL = 1e-4  # the largest relative change of the forces a TF32 radial-MLP mode may make (issue 10)
+_SHOWN_ATOMS = 8  # atom indices named in a NonFiniteOutputError
+
+
+class NonFiniteOutputError(ValueError):
+    """The model returned NaN or inf (energy, forces, stress or per-atom energies) for a structure.
+
+    The message names the outputs, the first atoms whose forces (or per-atom energies) are not finite and the
+    closest pair of atoms (minimum image). The usual causes are overlapping atoms or a damaged model file.
+    """
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -120,14 +134,52 @@ def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patc
         if kind == "nequip":
             from cgforge.patches import nequip as pn
 
-            model = pn.load_nequip(path, device=device, dtype=dtype)
-            return model if patch else pn.unpatch(model)
+            return pn.load_nequip(path, device=device, dtype=dtype, patched=patch)
         return patches.mace.load_mace(path, device=device, dtype=dtype, patched=patch)
     except (ValueError, TypeError, OSError):
         raise
     except Exception as err:  # a corrupt file fails deep inside torch.load / pickle
         raise ValueError(f"model: could not load {path} as a {kind} checkpoint ({type(err).__name__}: {err})") \
             from err
+
+
+_ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
+_OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
+                 "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision")
+
+
+def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
+    """(model, dtype, ase's keywords): MACECalculator's spellings mapped to ours, anything unknown refused.
+
+    ase's Calculator would keep unknown keywords as parameters that do nothing (a typo, or
+    ``default_dtype="float64"``, would pass unnoticed)."""
+    kwargs = dict(kwargs)
+    if "model_paths" in kwargs:  # MACECalculator: a path or a list of paths (a committee)
+        paths = kwargs.pop("model_paths")
+        if model is not None:
+            raise TypeError("Calculator: got both model= and model_paths= (MACECalculator's spelling of model=); "
+                            "give one")
+        if isinstance(paths, list | tuple):
+            if len(paths) != 1:
+                raise TypeError(f"model_paths: cgforge's Calculator runs one model, got a list of {len(paths)}")
+            (paths,) = paths
+        if not isinstance(paths, str | os.PathLike):
+            raise TypeError(f"model_paths: expected a checkpoint path or a list of one, got {type(paths).__name__}")
+        model = paths
+    if "default_dtype" in kwargs:  # MACECalculator: "float32", "float64", or "" for the model's own
+        default_dtype = kwargs.pop("default_dtype")
+        if dtype is not None:
+            raise TypeError("Calculator: got both dtype= and default_dtype= (MACECalculator's spelling of dtype=); "
+                            "give one")
+        dtype = default_dtype if default_dtype != "" else None
+    unknown = sorted(set(kwargs) - set(_ASE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"Calculator: unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
+                        f"{', '.join(_OUR_KEYWORDS)} (MACECalculator's model_paths= and default_dtype= mean model= "
+                        f"and dtype=) and ase's {', '.join(_ASE_KEYWORDS)}")
+    if model is None:
+        raise TypeError("Calculator: missing model: 'mace', 'nequip', a checkpoint path or a MACE/NequIP module")
+    return model, dtype, kwargs
 
 
 class _Timings:
@@ -156,14 +208,23 @@ def _no_phase(name: str) -> Iterator[None]:
 
 
 class Calculator(AseCalculator):
-    """ASE calculator for MACE and NequIP models running on cgforge's kernels.
+    """ASE calculator for MACE and NequIP models running on cgforge's kernels (on CUDA; see ``patch``).
 
     model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
     ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
     device: None picks cuda when available, else cpu. dtype: None keeps the model's.
     skin: Verlet skin in Å (the list holds pairs within cutoff + skin and is rebuilt when an atom moved
     more than skin/2). head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}
-    for types that are not chemical symbols. patch: False runs the model's own kernels (for comparisons).
+    for types that are not chemical symbols.
+    patch: True runs cgforge's kernels, False the model's own (e3nn) code. None (default): the fastest correct
+    path, cgforge's kernels on CUDA and the model's own code on a CPU, where cgforge's CPU path (a torch
+    reference for tests) is slower. Measured (2-core CPU box, 1 thread, CPU time per call, 96-atom water box
+    ``water_box(32)``, bundled models, energy + forces): MACE (FP32) 136 ms patched, 84 ms unpatched; NequIP
+    (FP64) 35 ms patched, 26 ms unpatched. ``self.patched`` says which is in use.
+    forces_with_energy: an energy call on a new structure computes the forces in the same run (default True,
+    as MACECalculator does): ``get_potential_energy()`` then ``get_forces()`` cost one model run, not two. The
+    backward costs about 1.8 forwards on a CPU (MACE above: 30 ms energy only, 84 ms with forces), so False
+    suits energy-only work (an energy call then runs without autograd).
     stress_with_forces: also compute the stress whenever forces are computed (for NPT integrators that ask
     for forces and stress in separate calls; costs one small GEMM more in the backward).
     warmup: run the model once at construction so kernels compile now, not in the first MD step.
@@ -178,30 +239,48 @@ class Calculator(AseCalculator):
     is evaluated in FP32 and in the mode asked for: the mode is kept only if the forces change by at most
     ``RADIAL_TF32_TOL`` (norm of the difference over the norm of the FP32 forces). ``radial_precision_error``
     holds the change and ``radial_precision`` the mode in use (a warning says when it fell back to FP32).
+    MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
+    and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
+
+    Stress (eV/Å^3, ase's sign and Voigt order) is sym(dE/d eps) / V: eps strains all positions and all three
+    cell vectors, V is the volume of ``atoms.cell``. With partial periodicity (a slab, pbc=(True, True, False))
+    the same holds: the non-periodic cell vector is strained too (it places no images, so only the atoms'
+    positions along it feel that strain) and V includes it as given. This equals finite differences of the
+    energy under that strain and NequIP's calculator. MACECalculator divides the same virial by the volume of
+    a cell whose non-periodic vectors it replaces by max|position| * 5 * cutoff along their axis, so its slab
+    stress is ours times V / V_mace (about 17x smaller for an 8-molecule, 6.2 Å box); compare virials
+    (stress x volume) instead. A structure without a 3-D cell (zero volume) has no stress.
+
+    A NaN or inf in the model's output raises ``NonFiniteOutputError`` (a ValueError) naming the output, the
+    first atoms, the closest pair of atoms and any non-finite model parameters (also at the warm-up, so a
+    broken model file fails at construction).
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 
     def __init__(
         self,
-        model: str | os.PathLike | torch.nn.Module,
+        model: str | os.PathLike | torch.nn.Module | None = None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         *,
         skin: float = 1.0,
         head: str | None = None,
         type_map: dict[str, str] | None = None,
-        patch: bool = True,
+        patch: bool | None = None,
+        forces_with_energy: bool = True,
         stress_with_forces: bool = False,
         warmup: bool = True,
         cuda_graph: bool | None = None,
         filter_edges: bool | None = None,
         radial_precision: str = "fp32",
-        **kwargs,
+        **kwargs: object,
     ) -> None:
-        super().__init__(**kwargs)
+        model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
+        super().__init__(**ase_kwargs)
         self.device = resolve_device(device)
-        module = load_model(model, self.device, dtype, patch=patch)
+        module = load_model(model, self.device, dtype, patch=self._patch(patch, radial_precision))
+        self.patched = _is_patched(module)  # a module given already patched stays so
         for p in module.parameters():
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
         self.model = module
@@ -213,6 +292,7 @@ class Calculator(AseCalculator):
         self.dtype = self.adapter.dtype
         self.cutoff = self.adapter.cutoff
         self.neighbours = VerletNeighbourList(self.cutoff, skin)
+        self.forces_with_energy = bool(forces_with_energy)
         self.stress_with_forces = bool(stress_with_forces)
         # Why edges beyond the cutoff may matter for this model (None: they contribute exactly zero).
         self.inert_edges_reason = self.adapter.inert_beyond_cutoff()
@@ -223,6 +303,15 @@ class Calculator(AseCalculator):
         self._pbc: tuple[bool, bool, bool] | None = None
         if warmup:
             self.warm_up()
+
+    def _patch(self, patch: bool | None, radial_precision: str) -> bool:
+        if patch is not None:
+            if not isinstance(patch, bool):
+                raise TypeError(f"patch: expected None, True or False, got {patch!r}")
+            return patch
+        # None: the fastest correct path. On CUDA cgforge's kernels; on a CPU the model's own e3nn code, which
+        # measured faster there (see the class doc). The TF32 radial modes live in cgforge's layers.
+        return self.device.type == "cuda" or radial_precision != "fp32"
 
     def _filter_edges(self, filter_edges: bool | None) -> bool:
         if filter_edges is None:
@@ -297,8 +386,12 @@ class Calculator(AseCalculator):
         # A step of its own (eager, its own neighbour list): the calculator's buffers stay untouched.
         step = ModelStep(self.adapter, VerletNeighbourList(self.cutoff, self.neighbours.skin),
                          filter_edges=self.step.filter_edges)
-        step.run(positions, cell, (True, True, True), self.adapter.warmup_species(n), forces=True, stress=True,
-                 per_atom=True)
+        pbc = (True, True, True)
+        host = step.run(positions, cell, pbc, self.adapter.warmup_species(n), forces=True, stress=True, per_atom=True)
+        if not np.isfinite(host).all():  # a broken model file shows here, before any user structure
+            raise NonFiniteOutputError(self._non_finite_message(
+                host, positions, cell, pbc, forces=True, stress=True, per_atom=True,
+                what=f"the warm-up structure ({n} atoms about {spacing:.2g} Å apart)"))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -323,12 +416,15 @@ class Calculator(AseCalculator):
             self._pbc = tuple(bool(p) for p in atoms.pbc)
         want = set(properties)
         volume = abs(float(atoms.cell.volume))
-        stress = "stress" in want or (self.stress_with_forces and "forces" in want and volume > 0.0)
+        # Energy and forces from one run (the backward costs about what the forward does, see the class doc);
+        # energies asked of a structure whose forces are known (system_changes empty) need no forces again.
+        forces = "forces" in want or (self.forces_with_energy and "forces" not in self.results)
+        stress = "stress" in want or (self.stress_with_forces and forces and volume > 0.0)
         if stress and not volume > 0.0:
             raise PropertyNotImplementedError("stress: the cell has zero volume; give the Atoms a 3-D cell")
         self.results.update(self._evaluate(
             atoms.positions, np.asarray(atoms.cell), self._pbc, self._species,
-            forces="forces" in want or stress, stress=stress, per_atom="energies" in want, volume=volume,
+            forces=forces or stress, stress=stress, per_atom="energies" in want, volume=volume,
         ))
 
     # --- the step ---------------------------------------------------------------------------------
@@ -367,6 +463,9 @@ class Calculator(AseCalculator):
                 raise
             raise ValueError(f"atoms: {err}") from err
         n = positions.shape[0]
+        if not np.isfinite(host).all():  # host arrays: no device sync of its own
+            raise NonFiniteOutputError(self._non_finite_message(host, positions, cell, pbc, forces=forces,
+                                                                stress=stress, per_atom=per_atom))
         results = {"energy": float(host[0])}
         results["free_energy"] = results["energy"]
         at = 1
@@ -379,3 +478,79 @@ class Calculator(AseCalculator):
         if per_atom:
             results["energies"] = host[at:at + n].copy()
         return results
+
+    def _non_finite_message(self, host: np.ndarray, positions: np.ndarray, cell: np.ndarray,
+                            pbc: tuple[bool, bool, bool], *, forces: bool, stress: bool, per_atom: bool,
+                            what: str = "this structure") -> str:
+        """Which outputs are NaN/inf, on which atoms, the closest pair, the model's parameters; computed only
+        after a failure."""
+        n = positions.shape[0]
+        parts, atoms = [], np.zeros(n, dtype=bool)
+        if not np.isfinite(host[0]):
+            parts.append(f"energy {host[0]}")
+        at = 1
+        if forces or stress:
+            bad = ~np.isfinite(host[at:at + 3 * n].reshape(n, 3)).all(axis=1)
+            at += 3 * n
+            if bad.any():
+                parts.append(f"forces on {int(bad.sum())} of {n} atoms")
+                atoms |= bad
+            if stress:
+                if not np.isfinite(host[at:at + 9]).all():
+                    parts.append("stress")
+                at += 9
+        if per_atom:
+            bad = ~np.isfinite(host[at:at + n])
+            if bad.any():
+                parts.append(f"per-atom energies of {int(bad.sum())} of {n} atoms")
+                atoms |= bad
+        lines = [f"model output is not finite for {what}: {', '.join(parts)}"]
+        if atoms.any():
+            index = np.nonzero(atoms)[0]
+            more = ", ..." if index.size > _SHOWN_ATOMS else ""
+            lines.append(f"atoms {', '.join(map(str, index[:_SHOWN_ATOMS]))}{more}")
+        lines.append(_closest_pair(positions, cell, pbc, self.cutoff))
+        broken = _non_finite_parameters(self.model)
+        if broken:
+            lines.append(f"the model's own parameters hold NaN/inf ({broken}): the model file is broken; "
+                         "re-download or re-train it")
+        else:
+            lines.append("usual causes: atoms on top of each other (or an MD run that blew up before this step), "
+                         "or a damaged model file; if patch=False gives finite numbers here, report it to cgforge")
+        return "; ".join(lines)
+
+
+def _closest_pair(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], within: float) -> str:
+    """'closest pair: atoms i and j at d Å' (minimum image, within the model's cutoff)."""
+    from ase.neighborlist import primitive_neighbor_list
+
+    if not np.isfinite(positions).all():
+        return "positions hold NaN/inf"
+    try:
+        i, j, d = primitive_neighbor_list("ijd", pbc, cell, positions, within, self_interaction=False)
+    except Exception as err:  # noqa: BLE001 - a diagnosis only: never hide the error it is part of
+        return f"closest pair not found ({type(err).__name__}: {err})"
+    if d.size == 0:
+        return f"no two atoms closer than the cutoff, {within:g} Å"
+    k = int(np.argmin(d))
+    image = " (with its own periodic image)" if i[k] == j[k] else ""
+    periodic = " (minimum image)" if any(pbc) else ""
+    return f"closest pair: atoms {i[k]} and {j[k]}{image} at {d[k]:.3g} Å{periodic}"
+
+
+def _is_patched(model: torch.nn.Module) -> bool:
+    from cgforge.patches import mace as pm
+
+    if pm.is_mace_model(model):
+        return pm.is_patched(model)
+    from cgforge.patches import nequip as pn
+
+    return pn.is_patched(model)
+
+
+def _non_finite_parameters(model: torch.nn.Module) -> str:
+    """'name, name, ...' of the parameters and buffers holding NaN or inf ('' when none)."""
+    names = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
