@@ -74,7 +74,7 @@ def test_run_md_refuses_to_overwrite_and_bad_arguments(model, tmp_path):
     assert existing.read_text() == "keep me"
     run_md(atoms, calc, steps=2, trajectory=existing, force=True, trajectory_interval=1, log=None)
     assert len(read(existing, ":")) == 3
-    for kwargs, match in [({"ensemble": "npt"}, "ensemble"), ({"steps": -1}, "steps"),
+    for kwargs, match in [({"ensemble": "npx"}, "ensemble"), ({"steps": -1}, "steps"),
                           ({"timestep_fs": 0}, "timestep_fs"), ({"trajectory": tmp_path / "x.pdb"}, "trajectory"),
                           ({"trajectory": tmp_path / "no" / "x.traj"}, "does not exist")]:
         with pytest.raises(ValueError if "exist" not in match else FileNotFoundError, match=match):
@@ -134,7 +134,7 @@ def test_water_md_example(model_file, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "final temperature" in printed and "ns/day" in printed
-    assert len(read(out, ":")) == 1  # frames every 10 steps: step 0 only
+    assert [f.info["md_step"] for f in read(out, ":")] == [0, 3]  # frames every 10 steps and the last step
     with pytest.raises(FileExistsError):
         main(argv)
 
