@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. MD: Langevin NVT, velocity-Verlet NVE or Berendsen NPT, progress every --log-interval steps; the run
     #    stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the current step.
-    summary = run_md(atoms, calc, log=setup.log or print, **setup.run_md_kwargs)
+    summary = run_md(atoms, calc, log=[print, setup.log] if setup.log else print, **setup.run_md_kwargs)
     print(f"final temperature {summary.temperature_K:.1f} K, energy drift "
           f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")
     return 0

@@ -130,10 +130,11 @@ def test_water_md_example(model_file, tmp_path, capsys):
     main = runpy.run_path(str(ROOT / "examples" / "water_md.py"))["main"]
     out = tmp_path / "example.traj"
     argv = ["--model", str(model_file), "--molecules", "8", "--steps", "3", "--log-interval", "1",
-            "--device", "cpu", "-o", str(out)]
+            "--device", "cpu", "-o", str(out), "--log", str(tmp_path / "example.log")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "final temperature" in printed and "ns/day" in printed
+    assert (tmp_path / "example.log").read_text().splitlines()[-1] in printed  # the MD lines to both
     assert [f.info["md_step"] for f in read(out, ":")] == [0, 3]  # frames every 10 steps and the last step
     with pytest.raises(FileExistsError):
         main(argv)

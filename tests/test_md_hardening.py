@@ -209,6 +209,11 @@ def test_log_path_gets_the_lines_instead_of_stdout(tmp_path, capsys):
     assert log.read_text().count("done:") == 1  # replaced, not appended
     with pytest.raises(ValueError, match="trajectory and log name the same file"):
         run_md(_copper(), EMT(), steps=1, log=tmp_path / "x.traj", trajectory=tmp_path / "x.traj")
+    both: list[str] = []
+    run_md(_copper(), EMT(), steps=2, log=[both.append, tmp_path / "both.log"])  # to a callable and a file
+    assert both == (tmp_path / "both.log").read_text().splitlines() and both[-1].startswith("done: 2 steps")
+    with pytest.raises(ValueError, match="log: at most one file name"):
+        run_md(_copper(), EMT(), steps=1, log=[tmp_path / "a.log", tmp_path / "b.log"])
 
 
 def test_outputs_never_overwrite_the_restart_file(tmp_path):

@@ -271,8 +271,8 @@ def read_structure(path: str | os.PathLike, what: str = "structure", index: int 
         atoms = read(path, index=index)
     except Exception as err:  # ase.io raises a different type per format; all mean "not a structure"
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{what}: cannot read {path} as a structure (any ase.io format, e.g. .xyz, .traj, "
-                         f"POSCAR): {type(err).__name__}: {reason}") from None
+        raise ValueError(f"{what}: {path}: not a structure file ase.io can read (e.g. .xyz, .extxyz, .traj, "
+                         f"POSCAR, .cif): {type(err).__name__}: {reason}") from None
     if isinstance(atoms, list):
         atoms = atoms[-1] if atoms else None
     if not isinstance(atoms, Atoms) or len(atoms) == 0:
@@ -290,9 +290,12 @@ def _decode_rng(text: Any, what: str, path: Path) -> dict:
         state = json.loads(bytes.fromhex(str(text)).decode())
         if not isinstance(state, dict) or "bit_generator" not in state:
             raise ValueError("not a generator state")
-        return state
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{what}: {path}: the saved random state md_rng is unreadable ({err})") from None
+    ours = type(np.random.default_rng(0).bit_generator).__name__
+    if state["bit_generator"] != ours:
+        raise ValueError(f"{what}: {path}: the saved random state is for {state['bit_generator']}; run_md uses {ours}")
+    return state
 
 
 def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Restart:
@@ -416,8 +419,23 @@ def _printer(log: Any, force: bool) -> tuple[Callable[[str], None], Callable[[],
         return _stream_printer(log), (lambda: None), None
     if callable(log):
         return log, (lambda: None), None
-    raise TypeError(f"log: expected print, a callable taking a line, a stream, a file name or None, got "
-                    f"{type(log).__name__}")
+    if isinstance(log, list | tuple) and log and not any(isinstance(x, list | tuple) for x in log):
+        if sum(isinstance(x, str | os.PathLike) for x in log) > 1:
+            raise ValueError("log: at most one file name in the list")
+        parts = [_printer(x, force) for x in log]
+        path = next((p for _, _, p in parts if p is not None), None)
+
+        def write_all(line: str) -> None:
+            for write, _, _ in parts:
+                write(line)
+
+        def close_all() -> None:
+            for _, close, _ in parts:
+                close()
+
+        return write_all, close_all, path
+    raise TypeError(f"log: expected print, a callable taking a line, a stream, a file name, a list of these or "
+                    f"None, got {type(log).__name__}")
 
 
 def _stream_printer(stream: TextIO) -> Callable[[str], None]:
@@ -467,8 +485,8 @@ def _total_energy(atoms: Atoms) -> float:
 class _Guard:
     """Stops a run that blew up: non-finite forces or energy, or a temperature above the limit."""
 
-    def __init__(self, atoms: Atoms, max_temperature_K: float, timestep_fs: float) -> None:
-        self.atoms, self.max_temperature_K, self.timestep_fs = atoms, max_temperature_K, timestep_fs
+    def __init__(self, atoms: Atoms, max_temperature_K: float) -> None:
+        self.atoms, self.max_temperature_K = atoms, max_temperature_K
 
     def check(self, step: int) -> None:
         atoms = self.atoms
@@ -597,7 +615,7 @@ def run_md(
     init_velocities: bool | None = None,
     max_temperature_K: float | None = None,
     restart: str | os.PathLike | Restart | None = None,
-    log: TextIO | Callable[[str], None] | str | os.PathLike | None = print,
+    log: TextIO | Callable[[str], None] | str | os.PathLike | list | tuple | None = print,
     **unknown: Any,
 ) -> MDSummary:
     """Run MD on ``atoms`` in place: NVT (Langevin, ``friction`` in 1/fs, default 0.01), NVE (velocity Verlet)
@@ -609,7 +627,8 @@ def run_md(
     ``temperature_K`` (``seed``, zero total momentum) when ``init_velocities`` is True, or when it is None and
     the atoms are at rest. ``trajectory``: a new .traj/.xyz/.extxyz file written every ``trajectory_interval``
     steps and at the last step (an existing file only with ``force=True``). ``log``: print (default), a
-    callable taking a line, a stream, a file name (the lines go to that new file instead of stdout) or None.
+    callable taking a line, a stream, a file name (the lines go to that new file instead of stdout), a list of
+    these (``[print, "md.log"]``: each line to all) or None.
 
     ``max_temperature_K``: the run stops with :class:`MDInstabilityError` above it (default
     ``max(5000, 10 * temperature_K)``; ``math.inf`` turns the check off), as it does for non-finite forces or
@@ -636,7 +655,8 @@ def run_md(
         raise TypeError(f"restart: expected a trajectory file name or a Restart, got {type(restart).__name__}")
     _check_calculator(atoms, calculator)
     path = check_new_path(trajectory, o["force"]) if trajectory is not None else None
-    log_path = check_new_path(log, o["force"], "log", suffixes=None) if isinstance(log, str | os.PathLike) else None
+    named = [x for x in (log if isinstance(log, list | tuple) else [log]) if isinstance(x, str | os.PathLike)]
+    log_path = check_new_path(named[0], o["force"], "log", suffixes=None) if named else None
     restart_path = None if restart is None else restart.path if isinstance(restart, Restart) else Path(restart)
     check_distinct({"trajectory": path, "log": log_path}, {"restart": restart_path})
     state = read_restart(restart) if restart is not None else None
@@ -657,28 +677,25 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
          log_path: Path | None) -> MDSummary:
     rng = np.random.default_rng(o["seed"])
     if state is not None and state.rng_state is not None:
-        if state.rng_state.get("bit_generator") != type(rng.bit_generator).__name__:
-            raise ValueError(f"restart: {state.path}: saved random state is for {state.rng_state.get('bit_generator')}"
-                             f", this numpy uses {type(rng.bit_generator).__name__}")
-        rng.bit_generator.state = state.rng_state
+        rng.bit_generator.state = state.rng_state  # the generator's kind was checked by read_restart
     elif state is None and (o["init_velocities"] or (o["init_velocities"] is None and not np.any(atoms.get_momenta()))):
         _thermalize(atoms, o["temperature_K"], rng)
         if len(atoms) > 1:  # one atom: no motion would be left (and ASE's Stationary divides by zero)
             from ase.md.velocitydistribution import Stationary
 
             Stationary(atoms)
+    dyn = _make_dynamics(atoms, o, rng)
     calc = atoms.calc
     stress_flag = getattr(calc, "stress_with_forces", None)
     if o["ensemble"] == "npt" and stress_flag is False:
         calc.stress_with_forces = True  # the barostat asks for the stress after the forces: one model run, not two
-    dyn = _make_dynamics(atoms, o, rng)
     start = state.step if state is not None else 0
     dyn.nsteps = start
     end = start + o["steps"]
     dt = o["timestep_fs"]
     time0 = state.time_fs if state is not None and math.isfinite(state.time_fs) else start * dt
     writer = _TrajectoryWriter(path, atoms) if path is not None else None
-    guard = _Guard(atoms, o["max_temperature_K"], dt)
+    guard = _Guard(atoms, o["max_temperature_K"])
     ensemble = o["ensemble"]
     out(f"cgforge md: {len(atoms)} atoms, {ensemble.upper()}"
         + (f" at {o['temperature_K']:g} K" if ensemble != "nve" else "")
