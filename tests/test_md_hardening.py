@@ -376,3 +376,23 @@ def test_banner_of_the_bundled_nequip_model(nequip_state):
     calc = Calculator("nequip", device="cpu")
     assert {p.dtype for p in calc.model.parameters()} == {torch.float32}
     assert " in float32, " in model_banner("nequip", calc, 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ensemble", ["nve", "nvt"])
+def test_restart_with_the_bundled_model_repeats_the_run_bitwise(tmp_path, ensemble):
+    """cgforge's Calculator: forces do not depend on where the Verlet list was last built, so a restart from a
+    .traj frame repeats the uninterrupted run bit for bit (one calculator for all three runs: its list and
+    caches carry over from other positions, as they would not in a fresh process)."""
+    from cgforge.plugin import Calculator
+
+    torch.set_default_dtype(torch.float32)
+    calc = Calculator("mace", device="cpu")
+    common = dict(ensemble=ensemble, temperature_K=300, timestep_fs=0.5, log=None, seed=11, trajectory_interval=2)
+    run_md(water_box(4, seed=3), calc, steps=4, trajectory=tmp_path / "whole.traj", **common)
+    run_md(water_box(4, seed=3), calc, steps=2, trajectory=tmp_path / "half.traj", **common)
+    run_md(None, calc, restart=tmp_path / "half.traj", steps=2, trajectory=tmp_path / "rest.traj", **common)
+    whole, again = _final(tmp_path / "whole.traj"), _final(tmp_path / "rest.traj")
+    assert whole.info["md_step"] == again.info["md_step"] == 4
+    assert np.array_equal(whole.positions, again.positions)
+    assert np.array_equal(whole.get_momenta(), again.get_momenta())

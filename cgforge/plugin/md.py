@@ -833,7 +833,7 @@ FLAGS = {"ensemble": "--ensemble", "temperature_K": "--temperature", "timestep_f
          "steps": "--steps", "friction": "--friction", "pressure_bar": "--pressure", "taut_fs": "--taut",
          "taup_fs": "--taup", "compressibility_per_bar": "--compressibility", "trajectory": "--trajectory",
          "trajectory_interval": "--traj-interval", "log_interval": "--log-interval", "seed": "--seed",
-         "force": "--force", "init_velocities": "--init-velocities", "max_temperature_K": "--max-temperature",
+         "force": "--force", "max_temperature_K": "--max-temperature",
          "restart": "--restart", "log": "--log"}
 
 
