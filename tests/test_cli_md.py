@@ -91,6 +91,8 @@ def _one_line_error(capsys) -> str:
     (["--model", "missing.model"], "--model: missing.model not found"),
     (["--log", "."], "--log: . is a directory"),
     (["--log", "no/such/dir/md.log"], "--log: directory no/such/dir does not exist"),
+    (["--device", "tpu"], "--device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (["--radial-precision", "tf32"], "--radial-precision: tf32 needs a CUDA device"),
 ])
 def test_bad_flags_fail_before_the_model_loads_and_name_the_flag(tmp_path, capsys, no_model, extra, message):
     assert main(_md(tmp_path, *extra)) == EXIT_ERROR

@@ -122,7 +122,7 @@ def test_cli_md_reads_a_structure_and_reports_bad_input(model_file, tmp_path, ca
         assert "CUDA is not available" in capsys.readouterr().err
     assert cli_main(["md", "--model", str(model_file), "--molecules", "8", "--device", "cpu", "--radial-precision",
                      "3xtf32", "-o", str(tmp_path / "t.traj")]) == 1
-    assert "radial_precision='3xtf32' needs a CUDA device" in capsys.readouterr().err
+    assert "--radial-precision: 3xtf32 needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "t.traj").exists()
 
 

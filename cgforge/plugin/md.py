@@ -753,7 +753,7 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
         summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, log_path)
         raise MDInterrupted(message, step, summary) from None
     except Exception as err:
-        out(f"stopped at step {dyn.nsteps}: {type(err).__name__}: {err}")
+        out(f"stopped after step {dyn.nsteps}: {type(err).__name__}: {err}")
         raise
     finally:
         if writer is not None:
@@ -942,7 +942,16 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     _number("--skin", args.skin, strict=False)
     if args.molecules is not None:
         _count("--molecules", args.molecules, 1)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        raise ValueError(f"--device: {str(err).removeprefix('device: ')}") from None
+    radial = getattr(args, "radial_precision", "fp32")
+    if radial != "fp32" and device.type != "cuda":
+        raise ValueError(f"--radial-precision: {radial} needs a CUDA device (TF32 is a tensor-core format), got "
+                         f"{device}")
+    if radial != "fp32" and args.dtype == "float64":
+        raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
     model = _model_file(args.model)
     trajectory = (check_new_path(args.trajectory, args.force, what="--trajectory") if args.trajectory is not None
                   else default_trajectory_path(stem))
