@@ -1,0 +1,4 @@
+"""cgforge: JIT CUDA kernels for Clebsch-Gordan tensor products, patches for MACE and NequIP, an ASE
+calculator and MD."""
+
+__version__ = "0.1.0"  # keep equal to pyproject.toml's version (tests/test_cli_md.py checks)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
+EXIT_ERROR = 1  # bad input, unreadable or unwritable file, model that fails to load
+EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
+EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temperature above the limit)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
 
 
 def _check_paths(src: str, dst: str, force: bool) -> None:
@@ -21,6 +23,16 @@ def _check_paths(src: str, dst: str, force: bool) -> None:
             raise ValueError(f"OUT is the same file as IN ({dst}); cgforge never writes over its input")
         if not force:
             raise FileExistsError(f"OUT: {dst} exists; pass --force to overwrite it")
+
+
+def _check_mace_output(dst: str) -> None:
+    """A MACE model is written as a pickled module: OUT must be named like one, as NequIP's must be a package."""
+    from cgforge.patches import _COMPILED_SUFFIXES, _MACE_SUFFIXES, _NEQUIP_SUFFIXES
+
+    name = os.path.basename(dst).lower()
+    if not name.endswith(_MACE_SUFFIXES) or name.endswith(_COMPILED_SUFFIXES + _NEQUIP_SUFFIXES):
+        raise ValueError(f"OUT: {dst} must end with {', '.join(_MACE_SUFFIXES)} (cgforge writes MACE models as "
+                         "pickled .model files, which MACE's tools load)")
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
@@ -35,6 +47,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
         out = save_patched_nequip(args.input, args.output, force=args.force)
         print(f"cgforge: wrote patched NequIP package to {out}")
         return EXIT_OK
+    _check_mace_output(args.output)
     model = patches.load(args.input, device=args.device, dtype=args.dtype)
     out = patches.save_patched(model, args.output, force=args.force)
     print(f"cgforge: wrote patched model to {out}")
@@ -48,6 +61,7 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
     _check_paths(args.input, args.output, args.force)
     if patches.checkpoint_kind(args.input) != "mace":
         raise ValueError(f"IN: {args.input}: unpatch writes MACE .model files; this is not one")
+    _check_mace_output(args.output)
     model = mace.load_mace(args.input, device="cpu", dtype=None, patched=False)
     patches.atomic_save(mace.unpatch(model), args.output, force=args.force)
     print(f"cgforge: wrote plain MACE model to {args.output}")
@@ -74,9 +88,14 @@ def _add_io(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cgforge import __version__
+
     parser = argparse.ArgumentParser(
-        prog="cgforge", description="Fast equivariant kernels for MACE and NequIP."
+        prog="cgforge", description="Fast equivariant kernels for MACE and NequIP.",
+        epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input or file), {EXIT_USAGE} usage, "
+               f"{EXIT_UNSTABLE} MD blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C)",
     )
+    parser.add_argument("--version", action="version", version=f"cgforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("patch", help="write a copy of a checkpoint that uses cgforge's kernels "
@@ -94,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .plugin.md import add_md_arguments
 
     p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model on cgforge's "
-                       "kernels: NVT or NVE, progress lines, a trajectory")
+                       "kernels: NVT, NVE or NPT, progress lines, a trajectory, restarts",
+                       epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
+                              f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
+                              f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
+                              "trajectory ends with the last completed step; continue with --restart)")
     add_md_arguments(p)
     p.set_defaults(func=cmd_md)
 
@@ -106,11 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    return run_guarded(lambda: args.func(args), f"cgforge {args.command}")
+
+
+def run_guarded(func: Callable[[], int], prog: str) -> int:
+    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback."""
     try:
-        return args.func(args)
+        return func()
+    except KeyboardInterrupt as err:
+        detail = str(err) if str(err) else "interrupted (Ctrl-C)"
+        print(f"{prog}: {detail}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, TypeError, OSError) as err:
-        print(f"cgforge {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_ERROR
+    except RuntimeError as err:
+        from .plugin.md import MDInstabilityError
+
+        if not isinstance(err, MDInstabilityError):
+            raise  # a bug or a device failure: the traceback is what helps
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_UNSTABLE
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 
     python examples/water_md.py                       # bundled MACE water model, NVT at 300 K
     python examples/water_md.py --model nequip --ensemble nve --steps 200
+    python examples/water_md.py --ensemble npt --pressure 1000 --steps 2000 --log npt.log
     python examples/water_md.py --model my.model --molecules 512 --device cuda --dtype float32
     python examples/water_md.py --structure my.xyz --model my.nequip.zip
+    python examples/water_md.py --restart water-md-....traj --steps 1000   # continue a run
 
 GPU when present (a 1728-molecule, 5184-atom box), else CPU (a 32-molecule box that runs in seconds).
 Prints progress (step, ps, ns/day, temperature, energy drift) and writes a trajectory to a new file.
-``cgforge md`` takes the same arguments.
+``cgforge md`` takes the same arguments and returns the same exit codes (0 done, 1 error, 2 usage,
+3 the run blew up, 130 Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,18 +19,9 @@ import argparse
 import sys
 import time
 
-from cgforge.plugin.calculator import Calculator, resolve_device
-from cgforge.plugin.md import (
-    CPU_MOLECULES,
-    GPU_MOLECULES,
-    add_md_arguments,
-    check_new_path,
-    default_trajectory_path,
-    relax_steps,
-    relax_structure,
-    run_md,
-)
-from cgforge.plugin.water import water_box
+from cgforge.cli import run_guarded
+from cgforge.plugin.calculator import Calculator
+from cgforge.plugin.md import add_md_arguments, model_banner, prepare_md, relax_structure, run_md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,44 +29,28 @@ def main(argv: list[str] | None = None) -> int:
     add_md_arguments(parser)
     args = parser.parse_args(argv)
 
-    relax = relax_steps(args)  # FIRE steps before MD, checked before anything is loaded
-    device = resolve_device(args.device)  # cuda when available
-    trajectory = (check_new_path(args.trajectory, args.force) if args.trajectory
-                  else default_trajectory_path("water-md"))
-
-    # 1. The system: a periodic box of randomly oriented water molecules at 1 g/cm^3 (or a file).
-    if args.structure:
-        from ase.io import read
-
-        atoms = read(args.structure)
-    else:
-        n = args.molecules or (GPU_MOLECULES if device.type == "cuda" else CPU_MOLECULES)
-        atoms = water_box(n, seed=args.seed)
+    # 1. Every flag and file checked first; the system: a periodic box of randomly oriented water molecules
+    #    at 1 g/cm^3, a structure file, or the last frame of a trajectory (--restart). No model loaded yet.
+    setup = prepare_md(args, stem="water-md")
+    atoms = setup.atoms
 
     # 2. The calculator: loads and patches the model, compiles its kernels now (not in the first step).
     start = time.perf_counter()
-    atoms.calc = Calculator(args.model, device=device, dtype=args.dtype, skin=args.skin)
-    calc = atoms.calc
-    print(f"{len(atoms)} atoms; model {args.model} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {device}, "
-          f"{calc.dtype}; ready in {time.perf_counter() - start:.1f} s", flush=True)
+    calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+                      stress_with_forces=args.ensemble == "npt")  # NPT asks for the stress every step
+    print(f"{len(atoms)} atoms; {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
 
     # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
-    if relax:
-        relax_structure(atoms, calc, relax)
+    if setup.relax:
+        relax_structure(atoms, calc, setup.relax)
 
-    # 4. MD: Langevin NVT or velocity-Verlet NVE, progress every --log-interval steps.
-    summary = run_md(atoms, ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep,
-                     steps=args.steps, friction=args.friction, trajectory=trajectory,
-                     trajectory_interval=args.traj_interval, log_interval=args.log_interval, seed=args.seed,
-                     force=args.force)
+    # 4. MD: Langevin NVT, velocity-Verlet NVE or Berendsen NPT, progress every --log-interval steps; the run
+    #    stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the current step.
+    summary = run_md(atoms, calc, log=[print, setup.log] if setup.log else print, **setup.run_md_kwargs)
     print(f"final temperature {summary.temperature_K:.1f} K, energy drift "
           f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, TypeError, OSError) as err:
-        print(f"water_md: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(run_guarded(main, "water_md"))  # one-line errors and cgforge md's exit codes

@@ -162,3 +162,17 @@ def test_doctor_reports_and_compiles():
     assert "nvrtc" in done.stdout.lower()
     assert "e3nn" in done.stdout
     assert "[  ok] generated tensor product (sm_80)" in done.stdout  # the whole generator, CUDA compiled
+
+
+@pytest.mark.parametrize("command", ["patch", "unpatch"])
+def test_mace_output_names_are_checked_before_loading(model_file, tmp_path: Path, capsys, command) -> None:
+    """As for NequIP (OUT must be a .nequip.zip), a MACE OUT must be named like a MACE model file."""
+    src, _ = model_file
+    for name in ("patched.zip", "patched", "patched.nequip.zip", "patched.nequip.pth", "patched.ckpt"):
+        assert main([command, str(src), str(tmp_path / name)]) == 1, name
+        err = capsys.readouterr().err
+        assert f"OUT: {tmp_path / name} must end with .model, .pt, .pth" in err, err
+    assert os.listdir(tmp_path) == []
+    before = _sha(src)
+    assert main([command, str(src), str(src), "--force"]) == 1  # never over IN, even with --force
+    assert "same file" in capsys.readouterr().err and _sha(src) == before

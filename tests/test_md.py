@@ -74,7 +74,7 @@ def test_run_md_refuses_to_overwrite_and_bad_arguments(model, tmp_path):
     assert existing.read_text() == "keep me"
     run_md(atoms, calc, steps=2, trajectory=existing, force=True, trajectory_interval=1, log=None)
     assert len(read(existing, ":")) == 3
-    for kwargs, match in [({"ensemble": "npt"}, "ensemble"), ({"steps": -1}, "steps"),
+    for kwargs, match in [({"ensemble": "npx"}, "ensemble"), ({"steps": -1}, "steps"),
                           ({"timestep_fs": 0}, "timestep_fs"), ({"trajectory": tmp_path / "x.pdb"}, "trajectory"),
                           ({"trajectory": tmp_path / "no" / "x.traj"}, "does not exist")]:
         with pytest.raises(ValueError if "exist" not in match else FileNotFoundError, match=match):
@@ -122,7 +122,7 @@ def test_cli_md_reads_a_structure_and_reports_bad_input(model_file, tmp_path, ca
         assert "CUDA is not available" in capsys.readouterr().err
     assert cli_main(["md", "--model", str(model_file), "--molecules", "8", "--device", "cpu", "--radial-precision",
                      "3xtf32", "-o", str(tmp_path / "t.traj")]) == 1
-    assert "radial_precision='3xtf32' needs a CUDA device" in capsys.readouterr().err
+    assert "--radial-precision: 3xtf32 needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "t.traj").exists()
 
 
@@ -130,11 +130,12 @@ def test_water_md_example(model_file, tmp_path, capsys):
     main = runpy.run_path(str(ROOT / "examples" / "water_md.py"))["main"]
     out = tmp_path / "example.traj"
     argv = ["--model", str(model_file), "--molecules", "8", "--steps", "3", "--log-interval", "1",
-            "--device", "cpu", "-o", str(out)]
+            "--device", "cpu", "-o", str(out), "--log", str(tmp_path / "example.log")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "final temperature" in printed and "ns/day" in printed
-    assert len(read(out, ":")) == 1  # frames every 10 steps: step 0 only
+    assert (tmp_path / "example.log").read_text().splitlines()[-1] in printed  # the MD lines to both
+    assert [f.info["md_step"] for f in read(out, ":")] == [0, 3]  # frames every 10 steps and the last step
     with pytest.raises(FileExistsError):
         main(argv)
 
