@@ -132,7 +132,7 @@ class VelocityVerlet(Integrator):
 class Langevin(Integrator):
     """NVT: ASE's ``Langevin`` scheme (``fixcm=False``), ``friction_per_fs`` in 1/fs as ``run_md`` takes it.
 
-    Per step, with xi = noise(0), eta = noise(1) (standard normals [N, 3]):
+    Per step, with xi, eta = noise(0, (2, N, 3)) (standard normals, xi first as ASE draws them):
         v += c1 F/m - c2 v + (c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta) / dt
         forces at r';  v += c1 F'/m - c2 v + (c3 xi - c4 eta);  p = m v
     with ASE's coefficients c1..c5 (``ase.md.langevin.Langevin.updatevars``)."""
@@ -158,8 +158,7 @@ class Langevin(Integrator):
         self.c4 = fr / 2.0 * self.c5
 
     def before_forces(self, s: MDState, noise) -> None:
-        shape = (self.n_atoms, 3)
-        xi, eta = noise(0, shape), noise(1, shape)
+        xi, eta = noise(0, (2, self.n_atoms, 3)).unbind(0)  # ASE's order: xi, then eta
         rnd_pos = self.c5 * eta
         self._rnd_vel = self.c3 * xi - self.c4 * eta
         v = s.momenta / s.masses
@@ -211,8 +210,8 @@ class CSVR(Integrator):
     def _rescale(self, s: MDState, noise, stream: int) -> None:
         c, kt_per_dof = self.c, self.target_kinetic / self.dof
         kinetic = kinetic_energy(s)
-        r1 = noise(stream, (1,))[0]
-        rest = noise(stream + 1, (self.dof - 1,)).square().sum()
+        draws = noise(stream, (self.dof,))
+        r1, rest = draws[0], draws[1:].square().sum()
         new = (c * kinetic + (1 - c) * kt_per_dof * (r1 * r1 + rest)
                + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic * kt_per_dof))
         sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic) + math.sqrt((1 - c) * kt_per_dof) * r1)
@@ -227,7 +226,7 @@ class CSVR(Integrator):
 
     def after_forces(self, s: MDState, noise) -> None:
         self._kick(s)
-        self._rescale(s, noise, 2)
+        self._rescale(s, noise, 1)
 
     def conserved(self, s: MDState) -> Tensor:
         return s.energy + kinetic_energy(s) - s.extra["heat"]
@@ -293,11 +292,11 @@ class StochasticCellRescaling(CSVR):
         dt = self.dt
         if self.anisotropic:
             drift = (self.rate / 3) * (torch.diagonal(pressure) - self.p0) * dt
-            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / (3 * volume)) * noise(4, (3,))
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / (3 * volume)) * noise(2, (3,))
             mu = torch.exp(step)  # per Cartesian axis
         else:
             drift = self.rate * (torch.diagonal(pressure).mean() - self.p0) * dt
-            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / volume) * noise(4, (1,))[0]
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / volume) * noise(2, (1,))[0]
             mu = torch.exp(step / 3).expand(3)
         s.positions.mul_(mu)
         s.cell.mul_(mu)
