@@ -155,14 +155,16 @@ def test_stochastic_cell_rescaling_samples_the_ideal_gas_volume(anisotropic):
     atoms = oscillators(n, temperature_K=t0, seed=4)
     atoms.set_cell(np.eye(3) * 12.0)
     atoms.pbc = True
-    integrator = StochasticCellRescaling(2.0, t0, p0 / units.GPa, tau_fs=20.0, tau_p_fs=40.0,
+    # A strong thermostat (tau 4 fs) decorrelates K within steps, so V decorrelates in ~tau_p / dt = 20 steps:
+    # ~600 independent samples, 1.4% on <V>. Euler-Maruyama in ln V at dt / tau_p = 0.05 is ~0.8% high.
+    integrator = StochasticCellRescaling(2.0, t0, p0 / units.GPa, tau_fs=4.0, tau_p_fs=40.0,
                                          compressibility_per_GPa=units.GPa / p0, anisotropic=anisotropic, dof=3 * n)
     engine = energy_function_engine(zero_energy, atoms, integrator, seed=6, block=100)
     engine.run(500)
     v = _series(engine, 12000, 4, "V")["V"]
     mean = (n + 1) * kt / p0
-    assert abs(v.mean() / mean - 1) < 0.035
-    assert 0.75 < v.var() / ((n + 1) * (kt / p0) ** 2) < 1.3
+    assert abs(v.mean() / mean - 1) < 0.045
+    assert 0.7 < v.var() / ((n + 1) * (kt / p0) ** 2) < 1.35
     cell = engine.atoms.cell.array
     if anisotropic:
         assert abs(cell[0, 0] / cell[1, 1] - 1) > 1e-6, "the axes moved independently"
