@@ -21,7 +21,12 @@ self-connections through e3nn's outer product rather than one linear map per spe
 cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
 the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
-when importable). --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
+when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
+Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
+model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
+cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
+``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
+set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
@@ -52,7 +57,11 @@ DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measure
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
-            "cgforge-tf32", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid")
+            "cgforge-tf32", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
+            "fastmace")
+MD_BACKENDS = ("cgforge-engine", "cgforge-ase", "fastmace")  # whole MD steps, not force calls
+MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
+      "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
                    "cgforge-e3nn-sc": {"warmup": False}, "cgforge-sorted": {"warmup": False},
                    "cgforge-3xtf32": {"radial_precision": "3xtf32"},
@@ -230,6 +239,130 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     return row
 
 
+def md_atoms(atoms, dtype: str):
+    """The box relaxed by 50 FIRE steps of the bundled MACE model (the generated box starts far from equilibrium
+    and would heat by ~1000 K), with Maxwell-Boltzmann momenta at 300 K, zero total momentum."""
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+    from ase.optimize import FIRE
+
+    a = atoms.copy()
+    a.calc = Calculator(bundled("mace"), device=DEVICE, dtype=dtype, skin=SKIN)
+    FIRE(a, logfile=None).run(fmax=0.2, steps=50)
+    a.calc = None
+    MaxwellBoltzmannDistribution(a, temperature_K=MD["temperature_K"], rng=np.random.default_rng(0))
+    Stationary(a)
+    return a
+
+
+def _md_source(model_name: str, dtype: str, files: dict):
+    if model_name == "mace-mp-medium":
+        return files["mace-mp-medium", dtype]
+    if model_name.startswith("nequip-"):
+        return nequip_model(model_name, dtype)
+    return bundled(model_name.split("-")[1])
+
+
+def _ns_per_day(seconds_per_step: float) -> float:
+    return MD["timestep_fs"] * 1e-6 * 86400.0 / seconds_per_step
+
+
+def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) -> dict:
+    """Seconds per whole MD step (median-free: wall time of ``MD['steps']`` steps after ``MD['warmup']``)."""
+    row: dict = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms), "md": True}
+    if backend == "fastmace":
+        return row | fastmace_md(model_name, dtype, atoms, files)
+    from ase import units
+    from ase.md.langevin import Langevin as AseLangevin
+
+    from cgforge.plugin.engine import Engine
+    from cgforge.plugin.integrators import Langevin, StochasticCellRescaling
+
+    reset_memory()
+    t = time.perf_counter()
+    calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
+                      dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN)
+    row["setup_s"] = time.perf_counter() - t
+    dt, temp, fr = MD["timestep_fs"], MD["temperature_K"], MD["friction_per_fs"]
+    for ensemble in MD["ensembles"]:
+        a = atoms.copy()
+        a.calc = calc
+        if backend == "cgforge-ase":
+            if ensemble != "nvt":
+                continue
+            dyn = AseLangevin(a, dt * units.fs, temperature_K=temp, friction=fr / units.fs,
+                              rng=np.random.default_rng(1), fixcm=False)
+            t = time.perf_counter()
+            dyn.run(MD["warmup"])
+            run = dyn.run
+        else:
+            integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
+                          else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
+            engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"))
+            t = time.perf_counter()
+            engine.run(MD["warmup"])
+            run = engine.run
+        sync()
+        row[f"{ensemble}_warmup_s"] = time.perf_counter() - t
+        reset_memory()
+        t = time.perf_counter()
+        run(MD["steps"])
+        sync()
+        row[f"{ensemble}_s"] = (time.perf_counter() - t) / MD["steps"]
+        row[f"{ensemble}_ns_per_day"] = _ns_per_day(row[f"{ensemble}_s"])
+        row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
+        if backend == "cgforge-engine":
+            row[f"{ensemble}_stats"] = dict(engine.stats)
+            row["cuda_graph"] = engine.cuda_graph
+            row["capture_error"] = engine.capture_error
+            del engine
+        gc.collect()
+    del calc
+    gc.collect()
+    reset_memory()
+    return row
+
+
+def fastmace_md(model_name: str, dtype: str, atoms, files: dict) -> dict:
+    """FastMACE in a subprocess per ensemble (it patches MACE on import)."""
+    import json
+    import subprocess
+
+    from ase.io import write
+
+    if model_name not in ("mace-mp-medium", "bundled-mace"):
+        return {"error": "FastMACE runs MACE models only"}
+    if dtype != "float32":
+        return {"error": "FastMACE runs float32"}
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "atoms.traj"
+        write(str(path), atoms)
+        for ensemble in MD.get("fastmace_ensembles", MD["ensembles"]):
+            cmd = [sys.executable, str(Path(__file__).with_name("fastmace_md.py")),
+                   str(_md_source(model_name, dtype, files)), str(path), "--ensemble", ensemble,
+                   "--steps", str(MD["steps"]), "--warmup", str(MD["warmup"]), "--timestep", str(MD["timestep_fs"]),
+                   "--temperature", str(MD["temperature_K"]), "--friction", str(MD["friction_per_fs"])]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                child = json.loads(lines[-1]) if lines else {"error": f"no result (rc {done.returncode}): "
+                                                                      f"{done.stderr[-300:]}"}
+            except subprocess.TimeoutExpired:
+                child = {"error": "timed out after 600 s"}
+            if "error" in child:
+                out[f"{ensemble}_error"] = child["error"]
+                continue
+            out[f"{ensemble}_s"] = child["s_per_step"]
+            out[f"{ensemble}_ns_per_day"] = _ns_per_day(child["s_per_step"])
+            out[f"{ensemble}_setup_s"] = child["setup_s"]
+            out["peak_gb"] = max(out.get("peak_gb", 0.0), child["peak_gb"])
+            out["fastmace"] = child.get("fastmace")
+            out["plan"] = child.get("plan")
+    if not any(k.endswith("_s") for k in out):
+        return {"error": "; ".join(f"{k}: {v}" for k, v in out.items() if k.endswith("_error"))}
+    return out
+
+
 def kernel_category(name: str) -> str:
     low = name.lower()
     rules = (("cgf_sc_", "symmetric contraction (cgforge)"), ("cgf_", "convolution (cgforge)"),
@@ -353,7 +486,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin (Å) of cgforge's calculator")
     parser.add_argument("--profile", action="store_true", help="profile cgforge's NVT step (torch.profiler)")
+    parser.add_argument("--md-steps", type=int, default=MD["steps"], help="timed steps of the whole-MD backends")
+    parser.add_argument("--md-warmup", type=int, default=MD["warmup"], help="steps before timing (captures)")
+    parser.add_argument("--ensembles", default="nvt,npt", help="whole-MD backends: nvt, npt or both")
+    parser.add_argument("--fastmace-ensembles", default=None,
+                        help="FastMACE's ensembles (default: --ensembles; each costs a ~1 min setup)")
     args = parser.parse_args(argv)
+    MD.update(steps=args.md_steps, warmup=args.md_warmup, ensembles=tuple(args.ensembles.split(",")),
+              fastmace_ensembles=tuple((args.fastmace_ensembles or args.ensembles).split(",")))
+    for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):
+        if ensemble not in ("nvt", "npt"):
+            sys.exit(f"--ensembles: expected nvt and/or npt, got {ensemble!r}")
     global DEVICE, SKIN, PROFILE
     DEVICE = args.device
     SKIN = args.skin
@@ -374,10 +517,15 @@ def main(argv: list[str] | None = None) -> None:
             torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), files["mace-mp-medium", dtype])
         for sysname in systems:
             atoms = system(sysname)
+            relaxed = None
             for model_name in models:
                 for backend in available_backends(args.backends.split(","), model_name):
                     try:
-                        row = measure(model_name, backend, dtype, atoms, files, args.steps, args.warmup)
+                        if backend in MD_BACKENDS:
+                            relaxed = relaxed if relaxed is not None else md_atoms(atoms, dtype)
+                            row = measure_md(model_name, backend, dtype, relaxed, files)
+                        else:
+                            row = measure(model_name, backend, dtype, atoms, files, args.steps, args.warmup)
                     except torch.cuda.OutOfMemoryError:
                         row = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms),
                                "error": "out of GPU memory"}
@@ -397,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
 def print_table(rows: list[dict], env: dict, path: Path) -> None:
     print(f"\n{env.get('device', '?')}, torch {env['torch']}, {env['date']}; JSON: {path}")
     print("seconds per MD step (median); NVT = energy+forces, NPT = +stress; breakdown of cgforge's NVT step in ms")
+    print(f"backends {', '.join(MD_BACKENDS)}: whole MD steps (integrator included), {MD['timestep_fs']} fs, "
+          f"mean over {MD['steps']} steps; the others: one force call through ASE")
     head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
             f"{'peak GB':>8s}  breakdown")
     print(head)
@@ -406,6 +556,10 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
         if "error" in r:
             print(f"{prefix} {r['error']}")
             continue
+        if r.get("md"):
+            print(f"{prefix} {_cell(r.get('nvt_s'))} {_cell(r.get('npt_s'))} {r.get('peak_gb', float('nan')):8.2f}  "
+                  + md_details(r))
+            continue
         parts = " ".join(f"{k}={1000 * v:.1f}" for k, v in r.get("breakdown_nvt", {}).items())
         if "nl_build_s" in r:
             parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
@@ -414,6 +568,30 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
         if r.get("radial_precision_error") is not None:
             parts += f" | radial {r['radial_precision']} (forces changed {r['radial_precision_error']:.1e})"
         print(f"{prefix} {r['nvt_s']:8.4f} {r['npt_s']:8.4f} {r['peak_gb']:8.2f}  {parts}")
+
+
+def _cell(value) -> str:
+    return f"{value:8.4f}" if isinstance(value, float) else f"{'-':>8s}"
+
+
+def md_details(r: dict) -> str:
+    parts = []
+    for ensemble in ("nvt", "npt"):
+        if f"{ensemble}_ns_per_day" in r:
+            text = f"{ensemble.upper()} {1000 * r[f'{ensemble}_s']:.2f} ms/step {r[f'{ensemble}_ns_per_day']:.2f} ns/day"
+            stats = r.get(f"{ensemble}_stats")
+            if stats:
+                text += f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures {stats['captures']})"
+            if f"{ensemble}_setup_s" in r:
+                text += f" setup {r[f'{ensemble}_setup_s']:.0f} s"
+            parts.append(text)
+        if f"{ensemble}_error" in r:
+            parts.append(f"{ensemble.upper()} error: {r[f'{ensemble}_error'][:80]}")
+    if "setup_s" in r:
+        parts.append(f"calculator setup {r['setup_s']:.1f} s")
+    if r.get("capture_error"):
+        parts.append(f"capture failed: {r['capture_error'][:80]}")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

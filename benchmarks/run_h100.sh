@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -71,5 +71,10 @@ stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
     for m in mace nequip; do
         python3 benchmarks/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
     done ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability" >&2; exit 2 ;;
+engine) # whole MD steps on the 5184-atom box (~5 min): cgforge's engine (NVT, NPT), our Calculator under ASE's
+        # Langevin, FastMACE 1.0 (NVT, its own process, setup ~1 min each, reported apart); one table, printed last
+    python3 benchmarks/bench_md.py --systems 5k --models bundled-mace,mace-mp-medium --dtypes float32 \
+        --backends cgforge-engine,cgforge-ase,fastmace --ensembles nvt,npt --fastmace-ensembles nvt \
+        --md-steps "${MD_STEPS:-200}" --md-warmup 20 2>&1 | tee "$OUT/md-engine.log" | tail -12 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine" >&2; exit 2 ;;
 esac

@@ -323,12 +323,19 @@ class VerletNeighbourList:
         pbc = _as_pbc(pbc)
         if not self._is_stale(positions, cell, pbc):
             return False
+        self.rebuild(positions, cell, pbc)
+        return True
+
+    def rebuild(self, positions: Tensor, cell: Tensor, pbc: PbcLike) -> None:
+        """Build the list now at these positions and cell, stale or not (the MD engine decides staleness on the
+        device, from the reference positions it keeps itself)."""
+        _check_positions_and_cell(positions, cell)
+        pbc = _as_pbc(pbc)
         self.sender, self.receiver, self.shifts = neighbour_list(positions, cell, pbc, self.list_cutoff)
         self._positions = positions.detach().clone()
         self._cell = cell.detach().clone()
         self._pbc = pbc
         self.n_builds += 1
-        return True
 
     def edges(self, positions: Tensor, cell: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(vectors, lengths, mask) of the current list at the true cutoff; call after update()."""

@@ -27,6 +27,7 @@ import math
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,13 +42,29 @@ from .edge_vectors import edge_differences
 from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
-__all__ = ["ModelStep"]
+__all__ = ["ModelStep", "StepOutput"]
 
 Phase = Callable[[str], AbstractContextManager]
 
 
 def _no_phase(name: str) -> AbstractContextManager:
     return nullcontext()
+
+
+@dataclass
+class StepOutput:
+    """One step's results as device tensors (``ModelStep.compute`` / ``evaluate``).
+
+    energy []; forces [N, 3] (None without forces); virial [3, 3] = sym(dE/d strain) (None without stress);
+    energies [N] (None without per_atom); count [] int64: the edges laid out within the cutoff (compare with
+    ``ModelStep.capacity`` when padded: a larger count means the layout overflowed and the step is invalid).
+    """
+
+    energy: Tensor
+    forces: Tensor | None
+    virial: Tensor | None
+    energies: Tensor | None
+    count: Tensor
 
 
 class ModelStep:
@@ -80,6 +97,7 @@ class ModelStep:
         self.phase: Phase = _no_phase
         self.n_edges = 0  # edges within the cutoff at the last step (all Verlet edges when not filtering)
         self.n_captures = 0
+        self.generation = 0  # +1 at every invalidate(): graphs captured over these buffers (the MD engine's) are stale
         self.capture_error: str | None = None
         self._n: int | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -110,6 +128,7 @@ class ModelStep:
         graph (built inside the capture) is let go too; the next step pins a new one."""
         self._graphs.clear()
         self._pool = None
+        self.generation += 1
         for cache in self.caches:
             cache.unpin()
 
@@ -138,10 +157,91 @@ class ModelStep:
         self.n_edges = count
         return host[:-1]
 
+    def evaluate(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], species: Tensor, *,
+                 forces: bool = True, stress: bool = False, per_atom: bool = False) -> StepOutput:
+        """``run`` on device tensors: positions [N, 3] and cell [3, 3] (any float dtype, on ``self.device``) in,
+        device tensors out (float64; views of the step's output buffer, valid until the next call).
+
+        No host copies of positions or results; the host reads two scalars: the Verlet list's staleness (as
+        ``run``) and, when padded, the edge count (an overflowed layout is run again with room)."""
+        self.load(positions, cell, species)
+        with self.phase("neighbour_list"):
+            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
+            if rebuilt or self._verlet is None:
+                self._load_verlet()
+        key = (bool(forces or stress), bool(stress), bool(per_atom))
+        while True:
+            out = self._execute(key)
+            if not (self.padded and self.filter_edges):
+                break
+            count = int(out[-1])
+            if count <= self._capacity:
+                break
+            self._capacity = self._fit(None, count)
+            self.invalidate()
+        n = self._n
+        at = 1
+        parts: dict[str, Tensor | None] = {"forces": None, "virial": None, "energies": None}
+        if key[0]:
+            parts["forces"] = out[at:at + 3 * n].view(n, 3)
+            at += 3 * n
+        if key[1]:
+            parts["virial"] = out[at:at + 9].view(3, 3)
+            at += 9
+        if key[2]:
+            parts["energies"] = out[at:at + n]
+        return StepOutput(energy=out[0], count=out[-1].to(torch.int64), **parts)
+
+    # --- the tensor-level pieces (the MD engine captures them with its integrator) --------------------
+
+    def load(self, positions: Tensor, cell: Tensor, species: Tensor) -> None:
+        """Copy device positions [N, 3] and cell [3, 3] into the static buffers (no host copy); new buffers
+        (and no captured graph) when the atom count or species changed."""
+        if positions.ndim != 2 or positions.shape[1] != 3 or tuple(cell.shape) != (3, 3):
+            raise ValueError(f"positions must be [N, 3] and cell [3, 3], got {tuple(positions.shape)} and "
+                             f"{tuple(cell.shape)}")
+        self._ensure_structure(int(positions.shape[0]), species)
+        self._pos.copy_(positions)
+        self._cell.copy_(cell)
+        self._host_cell = None  # the host path compares against the last host cell: it no longer holds
+
+    @property
+    def positions(self) -> Tensor:
+        """The static positions buffer [N, 3] (model dtype) that ``compute`` reads: write it in place."""
+        return self._pos
+
+    @property
+    def cell(self) -> Tensor:
+        """The static cell buffer [3, 3] (model dtype) that ``compute`` reads: write it in place."""
+        return self._cell
+
+    def rebuild(self, pbc: tuple[bool, bool, bool]) -> None:
+        """Rebuild the Verlet list at the positions and cell in the buffers now, and load it (host syncs)."""
+        self.neighbours.rebuild(self._pos, self._cell, pbc)
+        self._load_verlet()
+
+    def grow(self, count: int) -> None:
+        """Room for ``count`` model edges (after a step whose edge count exceeded the capacity)."""
+        if self.padded and self.filter_edges and count > self._capacity:
+            self._capacity = self._fit(None, count)
+            self.invalidate()
+
+    def compute(self, *, forces: bool, stress: bool = False, per_atom: bool = False) -> StepOutput:
+        """One step on the buffers as they are, eagerly (capture-safe when padded: no host reads), for callers
+        that capture it themselves. Results in the model's dtype, count as int64."""
+        return self._compute_parts((bool(forces or stress), bool(stress), bool(per_atom)), _no_phase)
+
     # --- static inputs ------------------------------------------------------------------------------
 
     def _load_structure(self, positions: np.ndarray, cell: np.ndarray, species: Tensor) -> None:
-        n = int(positions.shape[0])
+        self._ensure_structure(int(positions.shape[0]), species)
+        self._host_pos.numpy()[:] = positions
+        self._pos.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
+        if self._host_cell is None or not np.array_equal(self._host_cell, cell):
+            self._host_cell = np.array(cell, dtype=np.float64)
+            self._cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
+
+    def _ensure_structure(self, n: int, species: Tensor) -> None:
         if n != self._n:
             self.invalidate()
             self._n = n
@@ -157,11 +257,6 @@ class ModelStep:
             self._capacity = None
             pinned = self.device.type == "cuda"
             self._host_pos = torch.zeros(n, 3, dtype=self.dtype, pin_memory=pinned)
-        self._host_pos.numpy()[:] = positions
-        self._pos.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
-        if self._host_cell is None or not np.array_equal(self._host_cell, cell):
-            self._host_cell = np.array(cell, dtype=np.float64)
-            self._cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
         if species is not self._species_source:
             if species.shape != self._species.shape or species.dtype != self._species.dtype:
                 raise ValueError(f"species: expected shape {tuple(self._species.shape)} for {n} atoms, got "
@@ -259,11 +354,19 @@ class ModelStep:
                             with_graph=bool(self.caches), topology=self._topology)
 
     def _compute(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
+        """The step's results in one float64 tensor: energy, forces, virial, per-atom energies, edge count."""
+        out = self._compute_parts(key, phase)
+        parts = [out.energy.reshape(1)]
+        parts += [t.reshape(-1) for t in (out.forces, out.virial, out.energies) if t is not None]
+        parts.append(out.count.reshape(1))
+        return torch.cat([p.to(torch.float64) for p in parts])
+
+    def _compute_parts(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
         # Named ranges for torch.profiler (host-side markers only: harmless inside a capture).
         with record_function("cgforge.step"):
             return self._compute_step(key, phase)
 
-    def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
+    def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
         grad, stress, per_atom = key
         adapter = self.adapter
         with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
@@ -290,20 +393,19 @@ class ModelStep:
                 for cache in self.caches:
                     grouped.enter_context(cache.use_species(self._groups))
                 energy, energies = adapter.energy(positions, vectors, self._species, edge_index, per_atom)
-            parts = [energy.detach().reshape(1)]
+            out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
+                             count=layout.count.reshape(()).to(torch.int64))
             if grad:
                 with phase("backward"), record_function("cgforge.backward"):
                     inputs = [pos] if strain is None else [pos, strain]
                     grads = torch.autograd.grad(energy, inputs, allow_unused=True)
-                gradient = grads[0] if grads[0] is not None else torch.zeros_like(pos)
-                parts.append(-gradient.reshape(-1))
+                out.forces = -(grads[0] if grads[0] is not None else torch.zeros_like(pos))
                 if strain is not None:
                     virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
-                    parts.append((0.5 * (virial + virial.T)).reshape(-1))
+                    out.virial = 0.5 * (virial + virial.T)
             if per_atom:
-                parts.append(energies.detach().reshape(-1))
-        parts.append(layout.count.reshape(1))
-        return torch.cat([p.to(torch.float64) for p in parts])
+                out.energies = energies.detach().reshape(-1)
+        return out
 
     # --- eager or captured ----------------------------------------------------------------------------
 

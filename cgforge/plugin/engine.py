@@ -1,0 +1,555 @@
+"""The MD engine: integrator and model step on the device, the host sees the state only between blocks.
+
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.engine import Engine
+    from cgforge.plugin.integrators import Langevin
+
+    calc = Calculator("mace")
+    engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
+    engine.run(1000, every=10, callback=lambda e: print(e.step, e.atoms.get_temperature()))
+
+State (positions, momenta, forces, energy, virial, cell, integrator scalars, step counter) lives in float64
+tensors on the calculator's device. A *block* of ``block`` steps runs without a host sync: on CUDA as
+replays of a CUDA graph that holds ``steps_per_graph`` whole steps (integrator + edge cut + model + backward),
+then one device-to-host copy of a small report (and of the state when an observer is due). ``atoms`` is
+written (positions, momenta, cell; energy, forces, stress as the calculator's results; the engine state in
+``atoms.info['cgforge_engine']``) every ``every`` steps, before ``callback(engine)``.
+
+Correctness inside a block, checked per step on the device: a step whose positions went beyond the Verlet
+list's reach (``stale``), whose edges overflowed the captured buffers (``overflow``), or that blew up
+(non-finite energy or forces, temperature above ``max_temperature_K``) is not committed: the state goes back to
+the step's start, and the block's later steps are computed but not committed either. Between blocks the host
+rebuilds the list or grows the buffers (a new capture) and carries on from the last committed step, or raises
+``MDBlowUp`` naming the step and the value. The list is also rebuilt before a block when the slack left (how far
+atoms may still move) is below ``rebuild_margin`` times the largest slack used per block so far, so discarded
+steps stay rare.
+
+Random numbers are a function of (seed, step) (``engine_rng``): a discarded and redone step draws the same
+numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
+``load_state``) continues exactly as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from ase import Atoms, units
+from torch import Tensor
+
+from .engine_forces import EnergyFunctionForces, ForceResult, ModelForces
+from .engine_rng import NoiseSource
+from .integrators import Integrator, MDState, kinetic_energy
+
+__all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
+
+ENGINE_INFO_KEY = "cgforge_engine"
+_FORMAT = 1
+_REPORT = ("committed", "stopped", "stale", "overflow", "blow_kind", "blow_step", "blow_value", "count_max",
+           "slack", "temperature")
+_BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
+
+
+class MDBlowUp(RuntimeError):
+    """The simulation blew up: ``quantity`` ('energy', 'forces', 'temperature' or 'displacement') took ``value`` at
+    ``step`` (the step that was not committed; the engine's state is the step before)."""
+
+    def __init__(self, step: int, quantity: str, value: float, detail: str = "") -> None:
+        self.step, self.quantity, self.value = int(step), quantity, float(value)
+        super().__init__(f"MD blew up at step {self.step}: {quantity} {value:.6g}{detail}; the engine's state is that "
+                         f"of step {self.step - 1}")
+
+
+def _count(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class Engine:
+    """MD on the device; see the module doc.
+
+    forces: a cgforge ``Calculator`` (its model step, neighbour list and device are used), or a force provider
+    (``engine_forces.EnergyFunctionForces`` or anything with its interface). atoms: the structure (positions,
+    momenta, cell, masses, pbc; no constraints); written back every ``every`` steps and by ``sync_atoms()``.
+    integrator: ``integrators.VelocityVerlet``, ``Langevin``, ``CSVR`` or ``StochasticCellRescaling``.
+    seed: the noise's seed. block: steps between host syncs. steps_per_graph: steps unrolled in one CUDA graph
+    (blocks replay it; a remainder replays a one-step graph). cuda_graph: None captures on CUDA when the
+    provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
+    target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
+    """
+
+    def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
+                 steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
+                 rebuild_margin: float = 1.5) -> None:
+        if not isinstance(atoms, Atoms):
+            raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
+        if len(atoms) == 0:
+            raise ValueError("atoms: expected a structure with at least one atom, got an empty Atoms")
+        if atoms.constraints:
+            raise ValueError(f"atoms: the engine does not apply constraints ({atoms.constraints}); remove them or run "
+                             "ASE's own dynamics with the calculator")
+        if not isinstance(integrator, Integrator):
+            raise TypeError(f"integrator: expected a cgforge.plugin.integrators integrator, got "
+                            f"{type(integrator).__name__}")
+        self.provider = ModelForces(forces) if hasattr(forces, "step") and hasattr(forces, "adapter") else forces
+        if not callable(getattr(self.provider, "compute", None)):
+            raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
+        self.atoms = atoms
+        self.integrator = integrator
+        self.seed = _count("seed", seed, 0)
+        self.block = _count("block", block, 1)
+        self.steps_per_graph = _count("steps_per_graph", steps_per_graph, 1)
+        self.rebuild_margin = float(rebuild_margin)
+        self.pbc = tuple(bool(p) for p in atoms.pbc)
+        if integrator.changes_cell and not all(self.pbc):
+            raise ValueError(f"integrator: {integrator.name} changes the cell, which needs pbc on all axes; atoms.pbc "
+                             f"is {self.pbc}")
+        self.device = torch.device(self.provider.device)
+        self.cuda_graph = self._want_graph(cuda_graph)
+        self.capture_error: str | None = None
+        n = len(atoms)
+        f64 = {"dtype": torch.float64, "device": self.device}
+        masses = torch.as_tensor(atoms.get_masses(), **f64).reshape(n, 1)
+        integrator.bind(masses)
+        self.state = MDState(
+            positions=torch.as_tensor(atoms.get_positions(), **f64).clone(),
+            momenta=torch.as_tensor(atoms.get_momenta(), **f64).clone(),
+            forces=torch.zeros(n, 3, **f64), energy=torch.zeros((), **f64), virial=torch.zeros(3, 3, **f64),
+            cell=torch.as_tensor(np.array(atoms.cell), **f64).clone(), masses=masses,
+            step=torch.zeros((), dtype=torch.int64, device=self.device),
+            extra=integrator.initial_extra(self.device))
+        self.noise = NoiseSource(self.seed, self.state.step)
+        reference = integrator.temperature_K if integrator.temperature_K is not None else atoms.get_temperature()
+        self.max_temperature_K = (max(2000.0, 5.0 * float(reference)) if max_temperature_K is None
+                                  else float(max_temperature_K))
+        if not self.max_temperature_K > 0:
+            raise ValueError(f"max_temperature_K: expected a number > 0, got {max_temperature_K!r}")
+        self._step = 0  # host mirror of state.step
+        self._forces_known = False
+        self._started = False
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_generation: int | None = None
+        self._pool = None
+        self._report = {name: torch.zeros((), dtype=torch.float64 if name in ("blow_value", "slack", "temperature")
+                                          else torch.bool if name in ("stopped", "stale", "overflow")
+                                          else torch.int64, device=self.device) for name in _REPORT}
+        pinned = self.device.type == "cuda"
+        self._host_report = torch.zeros(len(_REPORT), dtype=torch.float64, pin_memory=pinned)
+        self._host_snapshot: Tensor | None = None
+        self._snapshot_step: int | None = None
+        self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
+        self._last_slack: float | None = None
+        self._fresh_list = True
+        self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "captures": 0, "grows": 0,
+                      "wall_s": 0.0}
+
+    # --- public ------------------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Steps committed since the start (continued across a restart)."""
+        return self._step
+
+    def run(self, steps: int, every: int = 0, callback: Callable[[Engine], None] | None = None) -> None:
+        """Advance ``steps`` steps; every ``every`` steps (counted from step 0) write ``atoms`` and call
+        ``callback(self)``. Raises ``MDBlowUp`` when the run blows up."""
+        steps = _count("steps", steps, 0)
+        every = _count("every", every, 0)
+        start = time.perf_counter()
+        self._start()
+        target = self._step + steps
+        stuck = 0
+        while self._step < target:
+            size = min(self.block, target - self._step)
+            if every:
+                size = min(size, every - self._step % every)
+            size = self._plan_block(size)
+            observe = bool(every) and (self._step + size) % every == 0
+            committed = self._run_block(size, observe)
+            stuck = 0 if committed else stuck + 1
+            if stuck > 3:
+                raise RuntimeError(f"the engine made no progress at step {self._step + 1} in {stuck} blocks (edge "
+                                   f"buffers kept overflowing); stats {self.stats}")
+            if observe and committed == size:
+                self._write_atoms()
+                if callback is not None:
+                    callback(self)
+        if not every or self._step % every:
+            self._snapshot_step = None
+        self.stats["wall_s"] += time.perf_counter() - start
+
+    def sync_atoms(self) -> Atoms:
+        """Write the current state into ``atoms`` (one device-to-host copy) and return it."""
+        self._start()
+        if self._snapshot_step != self._step:
+            self._take_snapshot()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        self._write_atoms()
+        return self.atoms
+
+    def temperature(self) -> float:
+        """Kinetic temperature in K (3N degrees of freedom, as ASE's ``get_temperature``); syncs."""
+        return float(kinetic_energy(self.state)) / (1.5 * len(self.atoms) * units.kB)
+
+    def conserved_energy(self) -> float:
+        """The integrator's conserved quantity in eV (``Integrator.conserved``); syncs."""
+        self._start()
+        return float(self.integrator.conserved(self.state))
+
+    def state_dict(self) -> dict:
+        """Everything a restart needs (host arrays and plain values): equal continuation after ``load_state``."""
+        self._start()
+        s = self.state
+        return {"format": _FORMAT, "step": self._step, "seed": self.seed, "integrator": self.integrator.name,
+                "params": self.integrator.params(), "numbers": self.atoms.numbers.copy(),
+                "positions": s.positions.cpu().numpy(), "momenta": s.momenta.cpu().numpy(),
+                "forces": s.forces.cpu().numpy(), "energy": float(s.energy), "virial": s.virial.cpu().numpy(),
+                "cell": s.cell.cpu().numpy(), "extra": {k: float(v) for k, v in s.extra.items()}}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """``state_dict`` as a .npz file (written to a temporary name, then renamed: never half a file)."""
+        path = Path(path)
+        if path.suffix != ".npz":
+            raise ValueError(f"path: expected a .npz file name, got {path}")
+        d = self.state_dict()
+        meta = {k: d[k] for k in ("format", "step", "seed", "integrator", "params", "energy", "extra")}
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, meta=np.array(json.dumps(meta)), **{k: d[k] for k in ("numbers", "positions", "momenta",
+                                                                             "forces", "virial", "cell")})
+        os.replace(tmp, path)
+        return path
+
+    def load_state(self, source: dict | str | os.PathLike | Atoms) -> None:
+        """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine (a
+        trajectory frame: positions, momenta, cell; forces and energy from its calculator results when present,
+        else computed; step and integrator scalars from ``atoms.info['cgforge_engine']``)."""
+        d = self._read_state(source)
+        n = len(self.atoms)
+        if np.asarray(d["positions"]).shape != (n, 3):
+            raise ValueError(f"restart: {np.asarray(d['positions']).shape[0]} atoms, the engine has {n}")
+        if "numbers" in d and not np.array_equal(np.asarray(d["numbers"]), self.atoms.numbers):
+            raise ValueError("restart: the atomic numbers differ from the engine's atoms")
+        if d.get("integrator") not in (None, self.integrator.name):
+            raise ValueError(f"restart: written by integrator {d['integrator']!r}, this engine runs "
+                             f"{self.integrator.name!r}")
+        if d.get("params") is not None and d["params"] != self.integrator.params():
+            warnings.warn(f"restart: integrator settings changed from {d['params']} to {self.integrator.params()}",
+                          RuntimeWarning, stacklevel=2)
+        s = self.state
+        with torch.no_grad():
+            for name in ("positions", "momenta", "cell"):
+                getattr(s, name).copy_(torch.as_tensor(np.asarray(d[name]), dtype=torch.float64))
+            self._forces_known = d.get("forces") is not None
+            if self._forces_known:
+                s.forces.copy_(torch.as_tensor(np.asarray(d["forces"]), dtype=torch.float64))
+                s.energy.fill_(float(d["energy"]))
+                if d.get("virial") is not None:
+                    s.virial.copy_(torch.as_tensor(np.asarray(d["virial"]), dtype=torch.float64))
+            for k, v in (d.get("extra") or {}).items():
+                if k in s.extra:
+                    s.extra[k].fill_(float(v))
+            step = int(d.get("step", 0))
+            s.step.fill_(step)
+        self._step = step
+        if d.get("seed") is not None and int(d["seed"]) != self.seed:
+            warnings.warn(f"restart: seed {d['seed']} replaces the engine's seed {self.seed}", RuntimeWarning,
+                          stacklevel=2)
+            self.seed = self.noise.seed = int(d["seed"])
+        self._started = False  # the list is rebuilt at the restored positions
+        self._snapshot_step = None
+
+    # --- setup -------------------------------------------------------------------------------------------
+
+    def _want_graph(self, cuda_graph: bool | None) -> bool:
+        capturable = self.device.type == "cuda" and (
+            not isinstance(self.provider, ModelForces) or self.provider.step.padded)
+        if cuda_graph is None:
+            return capturable
+        if cuda_graph and not capturable:
+            raise ValueError(f"cuda_graph=True needs a CUDA device and a capturable model step (device "
+                             f"{self.device}; a calculator with cuda_graph on)")
+        return bool(cuda_graph)
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        s = self.state
+        self.provider.start(s.positions, s.cell, self.pbc, self.atoms.numbers, self.integrator.changes_cell)
+        self.stats["rebuilds"] += 1
+        self._fresh_list = True
+        self._slack_per_step = 0.0
+        initial = getattr(self.provider, "initial_slack", None)
+        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
+        if not self._forces_known:
+            for _ in range(4):
+                result = self.provider.compute(s.positions, s.cell, virial=self.integrator.needs_virial)
+                if not bool(result.overflow):
+                    break
+                self.provider.grow(int(result.count))
+            self._store(result)
+            if not (math.isfinite(float(s.energy)) and bool(torch.isfinite(s.forces).all())):
+                raise MDBlowUp(self._step, "energy", float(s.energy), " (or non-finite forces) at the start")
+            self._forces_known = True
+        self._started = True
+
+    def _store(self, result: ForceResult) -> None:
+        s = self.state
+        s.forces.copy_(result.forces)
+        s.energy.copy_(result.energy)
+        if result.virial is not None:
+            s.virial.copy_(result.virial)
+
+    # --- the step (capture-safe: no host reads) ------------------------------------------------------------
+
+    def _one_step(self) -> None:
+        s, rep, integrator = self.state, self._report, self.integrator
+        saved = {k: t.clone() for k, t in s.tensors().items()}
+        integrator.before_forces(s, self.noise)
+        result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
+        self._store(result)
+        integrator.after_forces(s, self.noise)
+        temperature = kinetic_energy(s) / (1.5 * s.positions.shape[0] * units.kB)
+        bad_energy = ~torch.isfinite(s.energy)
+        bad_forces = ~torch.isfinite(s.forces).all()
+        hot = ~(temperature <= self.max_temperature_K)
+        kind = torch.where(bad_energy, 1, torch.where(bad_forces, 2, torch.where(hot, 3, 0)))
+        value = torch.where(bad_energy, s.energy, torch.where(bad_forces, s.forces.abs().amax(), temperature))
+        invalid = result.stale | result.overflow
+        blow = ~invalid & (kind > 0)
+        fresh = ~rep["stopped"]
+        bad = rep["stopped"] | invalid | blow
+        for k, t in s.tensors().items():
+            t.copy_(torch.where(bad, saved[k], t))
+        new_blow = blow & fresh
+        rep["blow_kind"].copy_(torch.where(new_blow, kind, rep["blow_kind"]))
+        rep["blow_step"].copy_(torch.where(new_blow, s.step + 1, rep["blow_step"]))
+        rep["blow_value"].copy_(torch.where(new_blow, value, rep["blow_value"]))
+        rep["stale"].logical_or_(result.stale & fresh)
+        rep["overflow"].logical_or_(result.overflow & fresh)
+        rep["count_max"].copy_(torch.maximum(rep["count_max"], torch.where(fresh, result.count, 0)))
+        good = ~bad
+        rep["slack"].copy_(torch.where(good, result.slack, rep["slack"]))
+        rep["temperature"].copy_(torch.where(good, temperature, rep["temperature"]))
+        s.step.add_(good.to(torch.int64))
+        rep["committed"].add_(good.to(torch.int64))
+        rep["stopped"].logical_or_(bad)
+
+    def _steps(self, count: int) -> None:
+        for _ in range(count):
+            self._one_step()
+
+    # --- blocks ------------------------------------------------------------------------------------------
+
+    def _run_block(self, size: int, observe: bool) -> int:
+        for name, t in self._report.items():
+            t.fill_(float("nan") if name == "slack" else 0)
+        if self.cuda_graph:
+            self._replay(size)
+        else:
+            with torch.no_grad():
+                self._steps(size)
+        if observe:
+            self._take_snapshot()
+        host = self._read_report()
+        committed = int(host["committed"])
+        self._step += committed
+        self.stats["blocks"] += 1
+        self.stats["steps"] += committed
+        self.stats["discarded"] += size - committed
+        if observe and committed == size:
+            self._snapshot_step = self._step
+        if host["blow_kind"]:
+            kind = _BLOW_KINDS[int(host["blow_kind"])]
+            detail = (f" K, above max_temperature_K={self.max_temperature_K:g}" if kind == "temperature"
+                      else " (not finite)")
+            raise MDBlowUp(int(host["blow_step"]), kind, host["blow_value"], detail)
+        if committed and math.isfinite(host["slack"]):
+            if self._last_slack is not None:  # the fastest use of slack per step, slowly forgetting old highs
+                used = (self._last_slack - host["slack"]) / committed
+                self._slack_per_step = max(used, 0.95 * self._slack_per_step)
+            self._last_slack = host["slack"]
+        if host["overflow"]:
+            self.provider.grow(int(host["count_max"]))
+            self.stats["grows"] += 1
+        if host["stale"]:
+            if committed == 0 and self._fresh_list:
+                raise MDBlowUp(self._step + 1, "displacement", float("nan"),
+                               " (an atom moved beyond the neighbour list's skin within one step: a blow-up or a "
+                               "timestep far too large)")
+            self._rebuild()
+        elif committed:
+            self._fresh_list = False
+        return committed
+
+    def _plan_block(self, size: int) -> int:
+        """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
+        the fastest use of slack seen); a rebuild first when not one step is left."""
+        if getattr(self.provider, "foreign_rebuild", False):
+            self._rebuild()
+        slack, rate = self._last_slack, self.rebuild_margin * self._slack_per_step
+        if slack is None or not rate > 0:
+            return size
+        safe = math.floor(slack / rate)
+        if safe < 1:
+            self._rebuild()
+            safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
+        return max(1, min(size, safe))
+
+    def _rebuild(self) -> None:
+        self.provider.rebuild(self.state.positions, self.state.cell)
+        self.stats["rebuilds"] += 1
+        self._fresh_list = True
+        initial = getattr(self.provider, "initial_slack", None)  # the slack of a fresh list (no atom moved)
+        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
+
+    def _read_report(self) -> dict[str, float]:
+        packed = torch.stack([t.to(torch.float64) for t in self._report.values()])
+        self._host_report.copy_(packed, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the one sync of the block
+        return dict(zip(_REPORT, self._host_report.tolist(), strict=True))
+
+    def _replay(self, size: int) -> None:
+        generation = getattr(self.provider, "generation", 0)
+        if generation != self._graph_generation:
+            self._graphs.clear()
+            self._pool = None
+            self._graph_generation = generation
+        k = self.steps_per_graph
+        for count, times in ((k, size // k), (1, size % k)):
+            if times == 0:
+                continue
+            graph = self._graphs.get(count) or self._capture(count)
+            if graph is None:  # capture failed: eager from now on
+                with torch.no_grad():
+                    self._steps(count * times)
+                continue
+            for _ in range(times):
+                graph.replay()
+
+    def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
+        device = self.device
+        backup = {k: t.clone() for k, t in {**self.state.tensors(), "step": self.state.step}.items()}
+        report = {k: t.clone() for k, t in self._report.items()}
+
+        def restore() -> None:
+            for k, t in {**self.state.tensors(), "step": self.state.step}.items():
+                t.copy_(backup[k])
+            for k, t in self._report.items():
+                t.copy_(report[k])
+
+        torch.cuda.synchronize(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(side), torch.no_grad():  # warm-up, as torch asks before a capture
+                self._steps(count)
+            torch.cuda.current_stream(device).wait_stream(side)
+            restore()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+                self._steps(count)
+        except Exception as err:  # noqa: BLE001 - a failed capture falls back to eager steps
+            torch.cuda.synchronize(device)
+            restore()
+            self.cuda_graph = False
+            self.capture_error = f"{type(err).__name__}: {err}"
+            warnings.warn(f"cgforge engine: CUDA-graph capture failed, running eagerly ({self.capture_error})",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        torch.cuda.synchronize(device)
+        restore()
+        self._graphs[count] = graph
+        self.stats["captures"] += 1
+        return graph
+
+    # --- host copies ---------------------------------------------------------------------------------------
+
+    def _take_snapshot(self) -> None:
+        """Queue a copy of the state into a pinned host buffer (read after the block's sync)."""
+        s = self.state
+        parts = [s.positions, s.momenta, s.forces, s.energy, s.virial, s.cell, *s.extra.values()]
+        packed = torch.cat([p.reshape(-1) for p in parts])
+        if self._host_snapshot is None or self._host_snapshot.numel() != packed.numel():
+            self._host_snapshot = torch.zeros(packed.numel(), dtype=torch.float64,
+                                              pin_memory=self.device.type == "cuda")
+        self._host_snapshot.copy_(packed, non_blocking=True)
+        self._snapshot_step = self._step
+
+    def _write_atoms(self) -> None:
+        n = len(self.atoms)
+        flat = self._host_snapshot.numpy()
+        at = 0
+
+        def take(size: int) -> np.ndarray:
+            nonlocal at
+            at += size
+            return flat[at - size:at].copy()
+
+        positions, momenta, forces = take(3 * n).reshape(n, 3), take(3 * n).reshape(n, 3), take(3 * n).reshape(n, 3)
+        energy, virial, cell = float(take(1)[0]), take(9).reshape(3, 3), take(9).reshape(3, 3)
+        extra = {k: float(take(1)[0]) for k in self.state.extra}
+        atoms = self.atoms
+        atoms.set_cell(cell, scale_atoms=False)
+        atoms.set_positions(positions, apply_constraint=False)
+        atoms.set_momenta(momenta, apply_constraint=False)
+        atoms.info[ENGINE_INFO_KEY] = {"step": self._step, "seed": self.seed, "integrator": self.integrator.name,
+                                       "extra": extra}
+        results = {"energy": energy, "free_energy": energy, "forces": forces}
+        if self.integrator.needs_virial:
+            from ase.stress import full_3x3_to_voigt_6_stress
+
+            results["stress"] = full_3x3_to_voigt_6_stress(virial / abs(np.linalg.det(cell)))
+        calc = atoms.calc
+        if calc is not None and hasattr(calc, "results") and hasattr(calc, "check_state"):
+            calc.atoms = atoms.copy()  # ASE's cache: these results belong to exactly this structure
+            calc.results = results
+        else:
+            from ase.calculators.singlepoint import SinglePointCalculator
+
+            atoms.calc = SinglePointCalculator(atoms, **results)
+
+    def _read_state(self, source) -> dict:
+        if isinstance(source, dict):
+            return source
+        if isinstance(source, Atoms):
+            info = source.info.get(ENGINE_INFO_KEY, {})
+            d = {"positions": source.get_positions(), "momenta": source.get_momenta(),
+                 "cell": np.array(source.cell), "numbers": source.numbers, "step": info.get("step", 0),
+                 "seed": info.get("seed"), "integrator": info.get("integrator"), "extra": info.get("extra", {})}
+            results = getattr(source.calc, "results", {}) if source.calc is not None else {}
+            if "forces" in results and "energy" in results:
+                d["forces"], d["energy"] = results["forces"], results["energy"]
+                if "stress" in results:
+                    from ase.stress import voigt_6_to_full_3x3_stress
+
+                    d["virial"] = voigt_6_to_full_3x3_stress(results["stress"]) * abs(source.get_volume())
+                elif self.integrator.needs_virial:
+                    d["forces"] = None  # no virial stored: compute everything again
+            return d
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"restart: {path} not found")
+        with np.load(path) as z:
+            d = json.loads(str(z["meta"]))
+            d.update({k: z[k] for k in ("numbers", "positions", "momenta", "forces", "virial", "cell")})
+        return d
+
+
+def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,
+                           **kwargs) -> Engine:
+    """An engine over a torch energy function ``energy_fn(positions, cell) -> energy`` (float64, CPU unless
+    ``device=`` is given)."""
+    device = kwargs.pop("device", "cpu")
+    return Engine(EnergyFunctionForces(energy_fn, device=device), atoms, integrator, **kwargs)

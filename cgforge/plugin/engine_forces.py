@@ -1,0 +1,172 @@
+"""Force providers for the MD engine: a cgforge Calculator's model step, or any torch energy function.
+
+A provider evaluates energy, forces (and the virial) of the engine's float64 state inside the engine's step
+(``compute``: no host reads, so it can be captured in a CUDA graph) and says on the device whether the result
+can be trusted: ``stale`` (the Verlet list may miss a pair: an atom moved too far since the list was built) and
+``overflow`` (more edges than the captured buffers hold). The engine discards such a step, and between blocks
+calls ``rebuild`` / ``grow`` on the host.
+
+Staleness with a changing cell (NPT): with M = cell_ref^-1 cell and the affine displacement u_i = r_i - r_ref,i M,
+an image pair's vector is v' = v_ref M + u_j - u_i, so |v'| >= s_min(M) |v_ref| - 2 max|u|, and s_min(M) >= 1 -
+||M - I||_F. A pair outside the list (|v_ref| >= rc + skin) stays outside the cutoff while
+2 max|u| <= (1 - ||M - I||_F)(rc + skin) - rc; with a fixed cell (M = I) that is ASE's max|u| <= skin / 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces"]
+
+
+@dataclass
+class ForceResult:
+    """Device tensors of one evaluation: energy [] and forces [N, 3] and virial [3, 3] (float64); stale and
+    overflow [] bool; slack [] float64 (how far, in Å, the atoms may still move before the list is stale); count
+    [] int64 (model edges, for ``grow``)."""
+
+    energy: Tensor
+    forces: Tensor
+    virial: Tensor | None
+    stale: Tensor
+    overflow: Tensor
+    slack: Tensor
+    count: Tensor
+
+
+def _false(device: torch.device) -> Tensor:
+    return torch.zeros((), dtype=torch.bool, device=device)
+
+
+class EnergyFunctionForces:
+    """Forces (and virial) from ``energy_fn(positions [N, 3], cell [3, 3]) -> energy []`` by autograd.
+
+    The virial is dE/d strain at zero strain for positions and cell both strained by (I + strain). For test
+    potentials and small custom force fields; no neighbour list (never stale)."""
+
+    generation = 0
+
+    def __init__(self, energy_fn: Callable[[Tensor, Tensor], Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float64) -> None:
+        self.energy_fn = energy_fn
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
+              changes_cell: bool) -> None:
+        self._false = _false(self.device)
+        self._count = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._slack = torch.full((), float("inf"), dtype=torch.float64, device=self.device)
+
+    def compute(self, positions: Tensor, cell: Tensor, *, virial: bool) -> ForceResult:
+        with torch.enable_grad():
+            pos = positions.detach().to(self.dtype).requires_grad_(True)
+            box = cell.detach().to(self.dtype)
+            inputs = [pos]
+            if virial:
+                strain = torch.zeros(3, 3, dtype=self.dtype, device=self.device, requires_grad=True)
+                deform = torch.eye(3, dtype=self.dtype, device=self.device) + strain
+                energy = self.energy_fn(pos @ deform, box @ deform)
+                inputs.append(strain)
+            else:
+                energy = self.energy_fn(pos, box)
+            grads = torch.autograd.grad(energy, inputs)
+        w = None
+        if virial:
+            w = (0.5 * (grads[1] + grads[1].T)).to(torch.float64)
+        return ForceResult(energy=energy.detach().to(torch.float64).reshape(()), forces=-grads[0].to(torch.float64),
+                           virial=w, stale=self._false, overflow=self._false, slack=self._slack, count=self._count)
+
+    def rebuild(self, positions: Tensor, cell: Tensor) -> None:
+        pass
+
+    def grow(self, count: int) -> None:
+        pass
+
+    @property
+    def n_rebuilds(self) -> int:
+        return 0
+
+
+class ModelForces:
+    """The model step of a cgforge ``Calculator`` (``calc.step``: its static buffers, Verlet list and padded edge
+    capacity) as an engine force provider. ``generation`` changes when the step's buffers were reallocated
+    (a graph captured over them must be captured again)."""
+
+    def __init__(self, calc) -> None:
+        self.calc = calc
+        self.step = calc.step
+        self.device = calc.device
+        self.dtype = calc.dtype
+        self.cutoff = float(calc.neighbours.cutoff)
+        self.skin = float(calc.neighbours.skin)
+        self.n_rebuilds = 0
+
+    @property
+    def generation(self) -> int:
+        return self.step.generation
+
+    @property
+    def initial_slack(self) -> float:
+        """How far (Å) atoms may move right after a rebuild with the cell fixed (half the skin)."""
+        return 0.5 * self.skin
+
+    @property
+    def foreign_rebuild(self) -> bool:
+        """True when someone else (the calculator's own ``run``) rebuilt the shared Verlet list since our last
+        rebuild: our reference positions no longer describe it."""
+        return self.calc.neighbours.n_builds != self._builds
+
+    def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
+              changes_cell: bool) -> None:
+        self.pbc = pbc
+        self.changes_cell = bool(changes_cell)
+        self.species = self.calc.adapter.species(np.asarray(numbers))
+        self.step.load(positions.to(self.dtype), cell.to(self.dtype), self.species)
+        self._false = _false(self.device)
+        self.rebuild(positions, cell)
+
+    def rebuild(self, positions: Tensor, cell: Tensor) -> None:
+        """New Verlet list at these (committed) positions; host syncs."""
+        self.step.positions.copy_(positions)
+        self.step.cell.copy_(cell)
+        self.step.rebuild(self.pbc)
+        self._ref_positions = positions.detach().clone()
+        self._ref_cell_inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
+        self._builds = self.calc.neighbours.n_builds
+        self.n_rebuilds += 1
+
+    def grow(self, count: int) -> None:
+        self.step.grow(int(count))
+
+    def _slack(self, positions: Tensor, cell: Tensor) -> Tensor:
+        reference = self._ref_positions
+        if self._ref_cell_inverse is None:
+            allowed = 0.5 * self.skin
+        else:
+            deform = self._ref_cell_inverse @ cell
+            reference = reference @ deform
+            eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
+            bound = (1.0 - torch.linalg.matrix_norm(deform - eye)) * (self.cutoff + self.skin)
+            allowed = 0.5 * (bound - self.cutoff)
+        moved = (positions - reference).square().sum(-1).amax().sqrt()
+        return allowed - moved
+
+    def compute(self, positions: Tensor, cell: Tensor, *, virial: bool) -> ForceResult:
+        step = self.step
+        step.positions.copy_(positions)
+        step.cell.copy_(cell)
+        slack = self._slack(positions, cell)
+        out = step.compute(forces=True, stress=virial)
+        if step.padded and step.filter_edges:
+            overflow = out.count > step.capacity
+        else:
+            overflow = self._false
+        w = out.virial.to(torch.float64) if virial else None
+        return ForceResult(energy=out.energy.to(torch.float64), forces=out.forces.to(torch.float64), virial=w,
+                           stale=~(slack >= 0), overflow=overflow, slack=slack, count=out.count)

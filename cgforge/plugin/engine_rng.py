@@ -1,0 +1,74 @@
+"""Counter-based Gaussian noise for the MD engine: the draws are a function of (seed, step, stream, index).
+
+Why not a ``torch.Generator``: a generator's state advances with every replay of a captured step, also of a
+step the engine throws away (a neighbour list went stale inside a block, the edge buffers overflowed) and
+redoes. Noise keyed by the committed step number makes a run independent of when rebuilds happened, a restart
+needs only (seed, step), and CPU and CUDA draw the same numbers (integer arithmetic, then float64).
+
+The hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64), keyed per
+step and stream, two rounds per draw. A product of two 32-bit words can pass 2^63: torch's int64 multiply wraps
+(two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the result is exact; the safe 16-bit
+split (``_mul32_exact``) is the test's reference, and a CUDA test checks that both devices draw the same numbers.
+Uniforms become normals by Box-Muller. Statistics are tested in tests/test_engine_rng.py (moments, a
+Kolmogorov-Smirnov test, independence across steps, streams and seeds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["normal_noise", "NoiseSource"]
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+
+
+def _mul32_exact(x: Tensor | int, c: int) -> Tensor | int:
+    """(x * c) mod 2^32 for 0 <= x < 2^32 without an int64 overflow (16-bit halves): the reference."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: Tensor | int) -> Tensor | int:
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _stream_key(seed: int, stream: int) -> int:
+    return _mix((_mix(seed & _M32) ^ _mix((seed >> 32) & _M32 ^ 0x68E31DA4) ^ _mix(stream + 1)) & _M32)
+
+
+def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
+    step = step.to(torch.int64)
+    k1 = _mix(_stream_key(int(seed), int(stream)) ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
+    k2 = k1 ^ 0x5BD1E995
+    index = torch.arange(n, dtype=torch.int64, device=device)
+    return _mix(_mix(index ^ k1) ^ k2)
+
+
+def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``n`` standard normal float64 draws for (seed, step, stream); ``step`` an int64 scalar tensor (device-side:
+    capture-safe, no host read)."""
+    half = (n + 1) // 2
+    u = uniform_bits(seed, step, stream, 2 * half, device).to(torch.float64) * (1.0 / 2.0**32)
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - u[:half]))  # 1 - u in (0, 1]: finite logarithm
+    angle = (2.0 * math.pi) * u[half:]
+    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n]  # both Box-Muller outputs
+
+
+class NoiseSource:
+    """Draws for the current step: ``source(stream, shape)`` -> float64 normals of ``shape``. The engine points
+    ``step`` at its device step counter; tests may replace a source with one that replays given numbers."""
+
+    def __init__(self, seed: int, step: Tensor) -> None:
+        self.seed = int(seed)
+        self.step = step
+
+    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        return normal_noise(self.seed, self.step, stream, math.prod(shape), self.step.device).view(shape)

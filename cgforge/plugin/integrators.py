@@ -1,0 +1,307 @@
+"""MD integrators in torch for the engine (``engine.Engine``): the same code on CPU tensors and in a CUDA graph.
+
+Every integrator splits one step around the force call: ``before_forces`` (kicks, drift, cell scaling), the
+engine evaluates forces (and the virial when ``needs_virial``) at the new positions, ``after_forces``. They
+work in place on an ``MDState`` of float64 tensors (ASE units: Å, eV, amu, ASE time) and read random numbers
+only through the noise source they are given (``noise(stream, shape)``, standard normals of the step being
+taken), so tests can feed them ASE's own draws.
+
+- ``VelocityVerlet``: ASE's ``VelocityVerlet``, operation for operation.
+- ``Langevin``: ASE's ``Langevin`` (the Vanden-Eijnden & Ciccotti second-order scheme that ASE implements,
+  ``fixcm=False``): with the same forces and the same random numbers (xi, then eta, per step) it gives ASE's
+  numbers.
+- ``CSVR``: Bussi-Donadio-Parrinello stochastic velocity rescaling (J. Chem. Phys. 126, 014101, 2007) around
+  velocity Verlet, a half-step rescale before the first kick and after the second. Chosen as the global
+  thermostat over a Nosé-Hoover chain: it samples the canonical distribution also for stiff or harmonic
+  systems (a chain can be non-ergodic there), has no thermostat masses to tune, leaves velocity Verlet as it
+  is between rescalings (gentle on dynamics), and its effective energy (``conserved``) is a drift check.
+- ``StochasticCellRescaling``: Bernetti & Bussi's stochastic cell rescaling barostat (J. Chem. Phys. 153,
+  114107, 2020) with the CSVR thermostat, isotropic or anisotropic (each Cartesian axis scaled on its own, no
+  shear). See the class doc for the equations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from ase import units
+from torch import Tensor
+
+__all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
+           "kinetic_energy", "kinetic_tensor"]
+
+@dataclass
+class MDState:
+    """The engine's state, float64 on the device: positions, momenta, forces [N, 3], energy [], virial [3, 3]
+    (sym(dE/d strain); zero unless computed), cell [3, 3] (rows), masses [N, 1], step [] int64, and the
+    integrator's own scalars (``extra``: thermostat heat, ...)."""
+
+    positions: Tensor
+    momenta: Tensor
+    forces: Tensor
+    energy: Tensor
+    virial: Tensor
+    cell: Tensor
+    masses: Tensor
+    step: Tensor
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Everything a step changes (what a discarded step restores), by name."""
+        out = {"positions": self.positions, "momenta": self.momenta, "forces": self.forces, "energy": self.energy,
+               "virial": self.virial, "cell": self.cell}
+        out.update({f"extra.{k}": v for k, v in self.extra.items()})
+        return out
+
+
+def kinetic_energy(state: MDState) -> Tensor:
+    return 0.5 * (state.momenta.square() / state.masses).sum()
+
+
+def kinetic_tensor(state: MDState) -> Tensor:
+    """sum_i p_i (x) p_i / m_i [3, 3] (twice the kinetic energy tensor)."""
+    return (state.momenta / state.masses).T @ state.momenta
+
+
+def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return value
+
+
+class Integrator:
+    """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step."""
+
+    name = "integrator"
+    needs_virial = False  # the engine computes the virial every step (NPT)
+    changes_cell = False
+    temperature_K: float | None = None
+
+    def __init__(self, timestep_fs: float) -> None:
+        self.timestep_fs = _check("timestep_fs", timestep_fs)
+        self.dt = self.timestep_fs * units.fs
+
+    def params(self) -> dict[str, float | int | bool | str | None]:
+        """The physical settings, for a restart's record (and a check that a restart continues the same run)."""
+        return {"timestep_fs": self.timestep_fs}
+
+    def bind(self, masses: Tensor) -> None:
+        self.masses = masses
+        self.n_atoms = int(masses.shape[0])
+
+    def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
+        return {}
+
+    def before_forces(self, s: MDState, noise) -> None:
+        raise NotImplementedError
+
+    def after_forces(self, s: MDState, noise) -> None:
+        raise NotImplementedError
+
+    def conserved(self, s: MDState) -> Tensor:
+        """The quantity the scheme conserves (NVE: total energy; CSVR: total energy minus the heat put in)."""
+        return s.energy + kinetic_energy(s)
+
+    # velocity Verlet's pieces, shared by the schemes built around it
+    def _kick(self, s: MDState) -> None:
+        s.momenta.add_(0.5 * self.dt * s.forces)
+
+    def _drift(self, s: MDState) -> None:
+        s.positions.add_(self.dt * s.momenta / s.masses)
+
+
+class VelocityVerlet(Integrator):
+    """NVE: ASE's ``VelocityVerlet`` (p += dt/2 F; r += dt p/m; forces; p += dt/2 F), same operations."""
+
+    name = "velocity_verlet"
+
+    def before_forces(self, s: MDState, noise) -> None:
+        self._kick(s)
+        self._drift(s)
+
+    def after_forces(self, s: MDState, noise) -> None:
+        self._kick(s)
+
+
+class Langevin(Integrator):
+    """NVT: ASE's ``Langevin`` scheme (``fixcm=False``), ``friction_per_fs`` in 1/fs as ``run_md`` takes it.
+
+    Per step, with xi, eta = noise(0, (2, N, 3)) (standard normals, xi first as ASE draws them):
+        v += c1 F/m - c2 v + (c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta) / dt
+        forces at r';  v += c1 F'/m - c2 v + (c3 xi - c4 eta);  p = m v
+    with ASE's coefficients c1..c5 (``ase.md.langevin.Langevin.updatevars``)."""
+
+    name = "langevin"
+
+    def __init__(self, timestep_fs: float, temperature_K: float, friction_per_fs: float) -> None:
+        super().__init__(timestep_fs)
+        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
+        self.friction_per_fs = _check("friction_per_fs", friction_per_fs, strict=False)
+
+    def params(self) -> dict:
+        return {**super().params(), "temperature_K": self.temperature_K, "friction_per_fs": self.friction_per_fs}
+
+    def bind(self, masses: Tensor) -> None:
+        super().bind(masses)
+        dt, fr, kt = self.dt, self.friction_per_fs / units.fs, units.kB * self.temperature_K
+        sigma = torch.sqrt(2 * kt * fr / masses)
+        self.c1 = dt / 2.0 - dt * dt * fr / 8.0
+        self.c2 = dt * fr / 2 - dt * dt * fr * fr / 8.0
+        self.c3 = math.sqrt(dt) * sigma / 2.0 - dt**1.5 * fr * sigma / 8.0
+        self.c5 = dt**1.5 * sigma / (2 * math.sqrt(3))
+        self.c4 = fr / 2.0 * self.c5
+
+    def before_forces(self, s: MDState, noise) -> None:
+        xi, eta = noise(0, (2, self.n_atoms, 3)).unbind(0)  # ASE's order: xi, then eta
+        rnd_pos = self.c5 * eta
+        self._rnd_vel = self.c3 * xi - self.c4 * eta
+        v = s.momenta / s.masses
+        v = v + (self.c1 * s.forces / s.masses - self.c2 * v + self._rnd_vel)
+        x = s.positions.clone()
+        s.positions.copy_(x + self.dt * v + rnd_pos)
+        self._v = (s.positions - x - rnd_pos) / self.dt  # as ASE: the velocity the drift implies
+        s.momenta.copy_(self._v * s.masses)
+
+    def after_forces(self, s: MDState, noise) -> None:
+        v = self._v + (self.c1 * s.forces / s.masses - self.c2 * self._v + self._rnd_vel)
+        s.momenta.copy_(v * s.masses)
+
+
+class CSVR(Integrator):
+    """NVT: velocity Verlet with Bussi's stochastic velocity rescaling, half a step (dt/2) each side.
+
+    One rescaling over a time h draws R1 and S = sum of (dof - 1) squared normals and sets
+        K' = c K + (1 - c) Kt (R1^2 + S) / dof + 2 R1 sqrt(c (1 - c) K Kt / dof),  c = exp(-h / tau),
+    Kt = dof kT / 2; momenta scale by alpha = sign(sqrt(c K) + sqrt((1 - c) Kt / dof) R1) sqrt(K' / K).
+    ``dof``: None is 3N - 3 (velocity Verlet with translation-invariant forces keeps the total momentum, which a
+    global rescaling keeps zero); pass 3N when an external field breaks that. ``extra['heat']`` sums K' - K, so
+    ``conserved`` = E_pot + E_kin - heat stays constant up to the integration error. Start from thermal momenta:
+    a system at rest (K = 0) cannot be rescaled."""
+
+    name = "csvr"
+
+    def __init__(self, timestep_fs: float, temperature_K: float, tau_fs: float = 100.0, dof: int | None = None) -> None:
+        super().__init__(timestep_fs)
+        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
+        self.tau_fs = _check("tau_fs", tau_fs)
+        if dof is not None and (isinstance(dof, bool) or not isinstance(dof, int) or dof < 2):
+            raise ValueError(f"dof: expected None or an int >= 2, got {dof!r}")
+        self.dof_requested = dof
+
+    def params(self) -> dict:
+        return {**super().params(), "temperature_K": self.temperature_K, "tau_fs": self.tau_fs,
+                "dof": self.dof_requested}
+
+    def bind(self, masses: Tensor) -> None:
+        super().bind(masses)
+        self.dof = self.dof_requested or max(3 * self.n_atoms - 3, 2)
+        self.target_kinetic = 0.5 * self.dof * units.kB * self.temperature_K
+        self.c = math.exp(-0.5 * self.timestep_fs / self.tau_fs)
+
+    def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
+        return {"heat": torch.zeros((), dtype=torch.float64, device=device)}
+
+    def _rescale(self, s: MDState, noise, stream: int) -> None:
+        c, kt_per_dof = self.c, self.target_kinetic / self.dof
+        kinetic = kinetic_energy(s)
+        draws = noise(stream, (self.dof,))
+        r1, rest = draws[0], draws[1:].square().sum()
+        new = (c * kinetic + (1 - c) * kt_per_dof * (r1 * r1 + rest)
+               + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic * kt_per_dof))
+        sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic) + math.sqrt((1 - c) * kt_per_dof) * r1)
+        alpha = torch.where(kinetic > 0, sign * torch.sqrt(new / kinetic.clamp(min=1e-300)), 1.0)
+        s.momenta.mul_(alpha)
+        s.extra["heat"].add_((alpha * alpha - 1) * kinetic)
+
+    def before_forces(self, s: MDState, noise) -> None:
+        self._rescale(s, noise, 0)
+        self._kick(s)
+        self._drift(s)
+
+    def after_forces(self, s: MDState, noise) -> None:
+        self._kick(s)
+        self._rescale(s, noise, 1)
+
+    def conserved(self, s: MDState) -> Tensor:
+        return s.energy + kinetic_energy(s) - s.extra["heat"]
+
+
+class StochasticCellRescaling(CSVR):
+    """NPT: Bernetti-Bussi stochastic cell rescaling (C-rescale) with the CSVR thermostat.
+
+    The pressure tensor is P = (sum p (x) p / m - W) / V, W = sym(dE/d strain) (the model's virial). Once per
+    step, from the state at the start of the step (GROMACS's placement: the forces are then evaluated at the
+    scaled positions), the log-volume eps = ln V moves by the Itô form of the paper's equation
+        d eps = (beta / tau_p) (P - P0) dt + sqrt(2 kT beta dt / (V tau_p)) R
+    (in ln V the kT/V term of the paper's volume equation cancels against the Itô drift of the V-dependent noise),
+    and positions, cell and momenta scale by mu = exp(d eps / 3), mu, 1 / mu. Anisotropic: each Cartesian axis a
+    has its own log-length x_a with d x_a = (beta / (3 tau_p)) (P_aa - P0) dt + sqrt(2 kT beta dt / (3 V tau_p)) R_a
+    (the axes' sum is the isotropic equation); the cell's columns scale, so there is no shear. Both sample
+    exp(-(E + P0 V) / kT) with the flat measure in V (isotropic) or in the three lengths (anisotropic): an ideal
+    gas has <V> = (N + 1) kT / P0 (tests/test_engine_integrators.py).
+
+    pressure_GPa: P0. compressibility_per_GPa: beta (water: 0.45 / GPa); only the product beta / tau_p matters for
+    the dynamics. tau_p_fs: the barostat's relaxation time. tau_fs, dof: the thermostat's (``CSVR``).
+    """
+
+    name = "stochastic_cell_rescaling"
+    needs_virial = True
+    changes_cell = True
+
+    def __init__(self, timestep_fs: float, temperature_K: float, pressure_GPa: float = 1e-4, *,
+                 tau_fs: float = 100.0, tau_p_fs: float = 1000.0, compressibility_per_GPa: float = 0.45,
+                 anisotropic: bool = False, dof: int | None = None) -> None:
+        super().__init__(timestep_fs, temperature_K, tau_fs, dof)
+        try:
+            self.pressure_GPa = float(pressure_GPa)
+        except (TypeError, ValueError):
+            raise TypeError(f"pressure_GPa: expected a number, got {type(pressure_GPa).__name__}") from None
+        if not math.isfinite(self.pressure_GPa):
+            raise ValueError(f"pressure_GPa: expected a finite number, got {pressure_GPa!r}")
+        self.tau_p_fs = _check("tau_p_fs", tau_p_fs)
+        self.compressibility_per_GPa = _check("compressibility_per_GPa", compressibility_per_GPa)
+        self.anisotropic = bool(anisotropic)
+
+    def params(self) -> dict:
+        return {**super().params(), "pressure_GPa": self.pressure_GPa, "tau_p_fs": self.tau_p_fs,
+                "compressibility_per_GPa": self.compressibility_per_GPa, "anisotropic": self.anisotropic}
+
+    def bind(self, masses: Tensor) -> None:
+        super().bind(masses)
+        self.p0 = self.pressure_GPa * units.GPa
+        self.beta = self.compressibility_per_GPa / units.GPa
+        self.kt = units.kB * self.temperature_K
+        self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
+
+    def pressure_tensor(self, s: MDState) -> Tensor:
+        volume = torch.linalg.det(s.cell).abs()
+        return (kinetic_tensor(s) - s.virial) / volume
+
+    def before_forces(self, s: MDState, noise) -> None:
+        volume = torch.linalg.det(s.cell).abs()
+        pressure = self.pressure_tensor(s)
+        self._rescale(s, noise, 0)
+        self._kick(s)
+        self._drift(s)
+        dt = self.dt
+        if self.anisotropic:
+            drift = (self.rate / 3) * (torch.diagonal(pressure) - self.p0) * dt
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / (3 * volume)) * noise(2, (3,))
+            mu = torch.exp(step)  # per Cartesian axis
+        else:
+            drift = self.rate * (torch.diagonal(pressure).mean() - self.p0) * dt
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / volume) * noise(2, (1,))[0]
+            mu = torch.exp(step / 3).expand(3)
+        s.positions.mul_(mu)
+        s.cell.mul_(mu)
+        s.momenta.div_(mu)
+
+    def conserved(self, s: MDState) -> Tensor:
+        """E_pot + E_kin + P0 V - heat (the barostat's own work is not tracked: not a conserved quantity)."""
+        return super().conserved(s) + self.p0 * torch.linalg.det(s.cell).abs()

@@ -1,0 +1,176 @@
+"""The MD engine with cgforge's Calculator (the bundled MACE water model): equal to ASE's VelocityVerlet with the
+same calculator, Verlet-list rebuilds inside blocks change nothing, the Atoms and the calculator's results are
+written back; (CUDA) the captured engine equals the eager one, rebuild timing and edge-buffer growth change
+nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase import units
+from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
+
+from cgforge.plugin import Calculator
+from cgforge.plugin.engine import ENGINE_INFO_KEY, Engine
+from cgforge.plugin.integrators import CSVR, Langevin, StochasticCellRescaling, VelocityVerlet
+from cgforge.plugin.water import water_box
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _globals():
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+
+
+def thermal_water(molecules: int, temperature_K: float = 300.0, seed: int = 0):
+    atoms = water_box(molecules, seed=seed)
+    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=np.random.default_rng(seed))
+    Stationary(atoms)
+    return atoms
+
+
+@pytest.fixture(scope="module")
+def calc64() -> Calculator:
+    return Calculator("mace", device="cpu", dtype="float64", skin=0.25)
+
+
+def test_engine_equals_ase_velocity_verlet_with_the_bundled_model(calc64):
+    """24 atoms, FP64, a 0.25 Å skin so that the list goes stale inside blocks: the engine discards those steps,
+    rebuilds and redoes them; the trajectory is ASE's to rounding."""
+    atoms = thermal_water(8, 600.0)
+    ref = atoms.copy()
+    ref.calc = calc64
+    AseVelocityVerlet(ref, 1.0 * units.fs).run(12)
+    mine = atoms.copy()
+    mine.calc = calc64
+    engine = Engine(calc64, mine, VelocityVerlet(1.0), block=6)
+    engine.run(12)
+    engine.sync_atoms()
+    assert np.abs(mine.positions - ref.positions).max() <= 1e-10
+    assert np.abs(mine.get_momenta() - ref.get_momenta()).max() <= 1e-10
+    assert abs(mine.get_potential_energy() - ref.get_potential_energy()) <= 1e-10
+    assert engine.stats["rebuilds"] >= 2, engine.stats
+
+
+def test_atoms_carry_the_state_and_the_calculators_results(calc64, monkeypatch):
+    atoms = thermal_water(8)
+    atoms.calc = calc64
+    engine = Engine(calc64, atoms, Langevin(0.5, 300.0, 0.01), seed=4, block=3)
+    seen = []
+
+    def observe(e: Engine) -> None:
+        # served from the results the engine wrote: the calculator is not run again
+        monkeypatch.setattr(calc64, "calculate", lambda *a, **k: pytest.fail("the calculator ran again"))
+        seen.append((e.step, e.atoms.get_potential_energy(), e.atoms.get_forces().copy(), e.atoms.info.copy()))
+        monkeypatch.undo()
+
+    engine.run(4, every=2, callback=observe)
+    assert [s[0] for s in seen] == [2, 4]
+    step, energy, forces, info = seen[-1]
+    assert info[ENGINE_INFO_KEY]["step"] == 4 and info[ENGINE_INFO_KEY]["integrator"] == "langevin"
+    assert energy == pytest.approx(float(engine.state.energy), abs=1e-12)
+    np.testing.assert_allclose(forces, engine.state.forces.numpy(), atol=1e-12)
+    fresh = atoms.copy()
+    fresh.calc = Calculator("mace", device="cpu", dtype="float64")
+    np.testing.assert_allclose(fresh.get_forces(), forces, atol=1e-9)  # they are this structure's forces
+
+
+@pytest.mark.slow
+def test_nve_energy_drift_of_the_bundled_model(calc64):
+    """60 fs of NVE at 0.5 fs in FP64 (24 atoms from a 300 K start): the total energy stays within 1 meV/atom of
+    its start (the integration error; a force that is not the energy's gradient drifts far more)."""
+    atoms = thermal_water(8, 300.0, seed=2)
+    atoms.calc = calc64
+    engine = Engine(calc64, atoms, VelocityVerlet(0.5), block=10)
+    e0 = engine.conserved_energy()
+    totals = []
+    engine.run(120, every=10, callback=lambda e: totals.append(e.conserved_energy()))
+    drift = np.abs(np.array(totals) - e0).max() / len(atoms)
+    assert drift < 1e-3, drift
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (the lead runs these on the GPU machine)
+
+
+def _run(calc, atoms, integrator, steps=40, **kw) -> Engine:
+    a = atoms.copy()
+    a.calc = calc
+    engine = Engine(calc, a, integrator, seed=7, **kw)
+    engine.run(steps)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def cuda_calc() -> Calculator:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return Calculator("mace", device="cuda", dtype="float64", skin=0.5)
+
+
+@cuda
+def test_captured_engine_equals_eager_engine(cuda_calc):
+    atoms = thermal_water(343, seed=1)  # 1029 atoms
+    eager = _run(cuda_calc, atoms, Langevin(1.0, 300.0, 0.02), cuda_graph=False, block=8)
+    captured = _run(cuda_calc, atoms, Langevin(1.0, 300.0, 0.02), cuda_graph=True, block=8)
+    assert captured.cuda_graph and captured.stats["captures"] >= 1, captured.capture_error
+    unrolled = _run(cuda_calc, atoms, Langevin(1.0, 300.0, 0.02), cuda_graph=True, block=8, steps_per_graph=4)
+    for other in (captured, unrolled):
+        assert (other.state.positions - eager.state.positions).abs().max() <= 1e-10
+        assert (other.state.momenta - eager.state.momenta).abs().max() <= 1e-10
+
+
+@cuda
+def test_rebuilds_inside_a_run_change_nothing(cuda_calc):
+    """A run that rebuilds the list when the device says so (steps discarded and redone inside blocks) equals one
+    that rebuilds before every step."""
+    atoms = thermal_water(343, 600.0, seed=2)
+    normal = _run(cuda_calc, atoms, CSVR(1.0, 600.0, 50.0), steps=60, block=10, rebuild_margin=0.0)
+    assert normal.stats["rebuilds"] >= 2, normal.stats
+
+    a = atoms.copy()
+    a.calc = cuda_calc
+    always = Engine(cuda_calc, a, CSVR(1.0, 600.0, 50.0), seed=7, block=1)
+    always._plan_block = lambda size: (always._rebuild(), 1)[1]
+    always.run(60)
+    assert always.stats["rebuilds"] >= 60
+    assert (normal.state.positions - always.state.positions).abs().max() <= 1e-8
+    assert (normal.state.momenta - always.state.momenta).abs().max() <= 1e-7
+
+
+@cuda
+def test_edge_overflow_grows_the_buffers_and_changes_nothing(cuda_calc):
+    atoms = thermal_water(343, seed=3)
+    reference = _run(cuda_calc, atoms, VelocityVerlet(1.0), steps=20, block=5)
+    a = atoms.copy()
+    a.calc = cuda_calc
+    engine = Engine(cuda_calc, a, VelocityVerlet(1.0), seed=7, block=5)
+    engine.run(1)
+    cuda_calc.step.grow(0)
+    cuda_calc.step._capacity = cuda_calc.step._capacity // 2  # too small: the next step overflows
+    cuda_calc.step.invalidate()
+    engine.run(19)
+    assert engine.stats["grows"] >= 1 and engine.stats["discarded"] >= 1, engine.stats
+    assert (engine.state.positions - reference.state.positions).abs().max() <= 1e-10
+
+
+@cuda
+def test_fp32_npt_runs_and_keeps_the_density():
+    torch.set_default_dtype(torch.float32)
+    calc = Calculator("mace", device="cuda", dtype="float32")
+    atoms = thermal_water(1728, seed=4)
+    atoms.calc = calc
+    engine = Engine(calc, atoms, StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=500.0), seed=1)
+    v0 = atoms.get_volume()
+    engine.run(200, every=50)
+    assert engine.cuda_graph, engine.capture_error
+    assert abs(atoms.get_volume() / v0 - 1) < 0.05
+    assert "stress" in atoms.calc.results
