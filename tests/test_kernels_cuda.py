@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from tp_cases import e3nn_tp, random_inputs, rel
+from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel
 
 from cgforge.kernels import ConvGraph, Convolution, TensorProduct
-from cgforge.kernels.problems import PROBLEMS
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -9,24 +9,29 @@ channels) so grad x accumulates in registers the same way; grad W is owned per t
 reduced across the warp.
 
 Per segment, the operands the lanes read repeatedly are staged in shared memory with coalesced
-copies: the in1 slices (and, backward, the grad-out slices), and the whole in2 row. Offsets here
-are in elements of one warp's shared-memory window.
+copies (`Load`, each naming its source tensor): the in1 slices (and, backward, the grad-out slices),
+and the whole in2 row. Offsets here are in elements of one warp's shared-memory window.
+
+The tuning value (`core.tuning.TPTuning`: chunks, loop order) is a field of the schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cg import sparse_cg
+from ..core.cg import sparse_cg
+from ..core.errors import SharedMemoryError
+from ..core.tuning import TPTuning
 from .problem import TPProblem
 
 WARP = 32
 
 
 @dataclass(frozen=True)
-class Slice:
-    """A copy between a row of a global tensor and the warp's shared memory."""
+class Load:
+    """A coalesced copy of `count` elements of a row of `source` into the warp's shared memory."""
 
+    source: str  # "x" (an in1 row) or "g" (a grad-out row, backward)
     global_offset: int  # element offset inside the row
     smem_offset: int
     count: int
@@ -64,12 +69,17 @@ class Segment:
     dim: int  # 2l+1 of that irrep
     row_offset: int  # offset of channel 0 of that irrep in its row
     stage_smem: int  # smem offset where results are staged for a coalesced store
-    loads: tuple[Slice, ...]  # operands staged before the terms run
+    loads: tuple[Load, ...]  # operands staged before the terms run
     terms: tuple[Term, ...]
 
     @property
     def lane_iters(self) -> int:
         return -(-(self.c1 - self.c0) // WARP)
+
+    @property
+    def x_smem(self) -> int:
+        """Backward: where the segment's own in1 channels are staged."""
+        return next(ld.smem_offset for ld in self.loads if ld.source == "x")
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,12 @@ class Schedule:
     y_smem: int  # the whole in2 row is staged at this offset
     forward_launch: Launch
     backward_launch: Launch
+    tuning: TPTuning = TPTuning()
+    rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
+
+    @property
+    def loop_order(self) -> str:
+        return self.tuning.loop_order
 
     @property
     def in2_dim(self) -> int:
@@ -136,7 +152,7 @@ def _forward_segment(problem: TPProblem, i_out: int, c0: int, c1: int, base: int
         key = (ins.i_in1, first, count)
         if key not in staged:
             staged[key] = cursor
-            loads.append(Slice(off1[ins.i_in1] + first * ir1.dim, cursor, count * ir1.dim))
+            loads.append(Load("x", off1[ins.i_in1] + first * ir1.dim, cursor, count * ir1.dim))
             cursor += count * ir1.dim
         terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
                           staged[key], first, off2[ins.i_in2], -1, 0, woff, _cg_terms(p, k)))
@@ -153,7 +169,7 @@ def _backward_segment(problem: TPProblem, i_in1: int, c0: int, c1: int, base: in
     off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
     mul1, ir1 = p.irreps_in1[i_in1]
     cursor = base
-    loads = [Slice(off1[i_in1] + c0 * ir1.dim, cursor, (c1 - c0) * ir1.dim)]
+    loads = [Load("x", off1[i_in1] + c0 * ir1.dim, cursor, (c1 - c0) * ir1.dim)]
     x_smem = cursor
     cursor += (c1 - c0) * ir1.dim
     staged: dict[tuple[int, int, int], int] = {}
@@ -167,7 +183,7 @@ def _backward_segment(problem: TPProblem, i_in1: int, c0: int, c1: int, base: in
         key = (ins.i_out, first, count)
         if key not in staged:
             staged[key] = cursor
-            loads.append(Slice(offo[ins.i_out] + first * ir_o.dim, cursor, count * ir_o.dim))
+            loads.append(Load("g", offo[ins.i_out] + first * ir_o.dim, cursor, count * ir_o.dim))
             cursor += count * ir_o.dim
         terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
                           x_smem, c0, off2[ins.i_in2], staged[key], first, woff, _cg_terms(p, k)))
@@ -217,19 +233,20 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool) -> t
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
                    warps_per_block: int = 4, max_chunk: int | None = None,
-                   max_chunk_backward: int | None = None) -> Schedule:
+                   max_chunk_backward: int | None = None, *, tuning: TPTuning | None = None,
+                   rows_are_nodes: bool = False) -> Schedule:
     """Pick each direction's channel chunk (a multiple of 32, at most the given maximum) so that one
-    warp's window fits the block budget. ``max_chunk`` alone sets both directions; None: the defaults
-    of ``default_chunks`` for rows that are edges."""
+    warp's window fits the block budget. The maximum: ``max_chunk`` / ``max_chunk_backward`` (``max_chunk``
+    alone sets both), else the tuning's chunks, else ``default_chunks`` for the kind of rows."""
     problem.validate()
+    tuning = tuning if tuning is not None else TPTuning()
     y_dim = problem.irreps_in2.dim
-    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes=False)
-    fwd_max = max_chunk if max_chunk is not None else auto_fwd
-    bwd_max = max_chunk_backward if max_chunk_backward is not None else (
-        max_chunk if max_chunk is not None else auto_bwd)
+    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes)
+    fwd_max = next(c for c in (max_chunk, tuning.forward_chunk, auto_fwd) if c is not None)
+    bwd_max = next(c for c in (max_chunk_backward, max_chunk, tuning.backward_chunk, auto_bwd) if c is not None)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
-    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch)
+    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
@@ -243,7 +260,7 @@ def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: i
             if per_warp * itemsize * wpb <= smem_bytes_per_block:
                 return segments, Launch(chunk, per_warp, wpb)
         if chunk == WARP:
-            raise ValueError(
+            raise SharedMemoryError(
                 f"problem too large for shared memory: one warp needs {per_warp * itemsize} bytes "
                 f"(budget {smem_bytes_per_block} per block) even with {WARP}-channel chunks; "
                 "uvw instructions with very large in1/out multiplicities are not supported")
