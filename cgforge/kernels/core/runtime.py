@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,39 +35,33 @@ _MAX_THREADS_PER_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class I32:
-    value: int
+class _Scalar:
+    """A kernel argument of a stated C type; integers are range-checked (no silent wrap-around)."""
+
+    value: int | float
+    _CTYPE: ClassVar[type] = ctypes.c_double
+    _BITS: ClassVar[int] = 0  # integer width, 0 for floating point
 
     def ctype(self) -> ctypes._SimpleCData:
-        if not -(2**31) <= self.value < 2**31:
-            raise OverflowError(f"I32 value {self.value} does not fit in int32")
-        return ctypes.c_int32(self.value)
+        if self._BITS and not -(2 ** (self._BITS - 1)) <= self.value < 2 ** (self._BITS - 1):
+            raise OverflowError(f"{type(self).__name__} value {self.value} does not fit in int{self._BITS}")
+        return self._CTYPE(self.value)
 
 
-@dataclasses.dataclass(frozen=True)
-class I64:
-    value: int
-
-    def ctype(self) -> ctypes._SimpleCData:
-        if not -(2**63) <= self.value < 2**63:
-            raise OverflowError(f"I64 value {self.value} does not fit in int64")
-        return ctypes.c_int64(self.value)
+class I32(_Scalar):
+    _CTYPE, _BITS = ctypes.c_int32, 32
 
 
-@dataclasses.dataclass(frozen=True)
-class F32:
-    value: float
-
-    def ctype(self) -> ctypes._SimpleCData:
-        return ctypes.c_float(self.value)
+class I64(_Scalar):
+    _CTYPE, _BITS = ctypes.c_int64, 64
 
 
-@dataclasses.dataclass(frozen=True)
-class F64:
-    value: float
+class F32(_Scalar):
+    _CTYPE = ctypes.c_float
 
-    def ctype(self) -> ctypes._SimpleCData:
-        return ctypes.c_double(self.value)
+
+class F64(_Scalar):
+    _CTYPE = ctypes.c_double
 
 
 _NUMPY_CTYPES: dict[type, type] = {
@@ -264,7 +258,7 @@ def _c_value(index: int, arg: Any, device: int) -> ctypes._SimpleCData:
         return ctypes.c_uint64(arg.data_ptr())
     if arg is None:
         return ctypes.c_uint64(0)
-    if isinstance(arg, (I32, I64, F32, F64)):
+    if isinstance(arg, _Scalar):
         return arg.ctype()
     ctype = _NUMPY_CTYPES.get(type(arg))
     if ctype is not None:

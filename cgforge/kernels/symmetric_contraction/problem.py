@@ -24,6 +24,7 @@ import torch
 from e3nn import o3
 
 from ..core.cg import wigner_3j
+from ..core.offsets import running_offsets
 
 MAX_CORRELATION = 4  # beyond this the U tensors (D**nu entries per column) get unreasonably large
 
@@ -54,11 +55,7 @@ class SCProblem:
 
     @property
     def coupling_offsets(self) -> tuple[int, ...]:
-        offsets, total = [], 0
-        for ir in self.coupling:
-            offsets.append(total)
-            total += ir.dim
-        return tuple(offsets)
+        return running_offsets(ir.dim for ir in self.coupling)
 
     @property
     def in_dim(self) -> int:

@@ -45,8 +45,16 @@ class Ref:
     index: int
 
 
+class _HasL:
+    l: int
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.l + 1
+
+
 @dataclass(frozen=True)
-class Node:
+class Node(_HasL):
     """value[mo] = sum cg (ma, mi, mo, v): v * left[ma] * x_input[mi]; irrep (l, p) of `degree` inputs."""
 
     left: Ref
@@ -56,13 +64,11 @@ class Node:
     degree: int
     cg: tuple[tuple[int, int, int, float], ...]
 
-    @property
-    def dim(self) -> int:
-        return 2 * self.l + 1
-
 
 @dataclass(frozen=True)
 class Term:
+    """Z += W'[slot] * left (one basis chain of a group)."""
+
     slot: int
     left: Ref
 
@@ -87,16 +93,14 @@ class Linear:
 
 
 @dataclass(frozen=True)
-class OutputPlan:
+class OutputPlan(_HasL):
+    """One output irrep: its degree-1 terms and its groups."""
+
     l: int
     p: int
     offset: int  # column of this irrep's block in an output row (channel-major within the block)
     linear: tuple[Linear, ...]
     groups: tuple[Group, ...]
-
-    @property
-    def dim(self) -> int:
-        return 2 * self.l + 1
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 from e3nn import o3
 
 from ..core.errors import UnsupportedProblemError
+from ..core.offsets import running_offsets
 
 SUPPORTED_MODES = ("uvu", "uvw")
 MAX_L = 6
@@ -53,11 +54,7 @@ class TPProblem:
 
     @property
     def weight_offsets(self) -> tuple[int, ...]:
-        offsets, total = [], 0
-        for ins in self.instructions:
-            offsets.append(total)
-            total += ins.weight_numel
-        return tuple(offsets)
+        return running_offsets(ins.weight_numel for ins in self.instructions)
 
     def key(self) -> str:
         """A stable text identity of the problem (used to name ops' problem registry entries)."""
