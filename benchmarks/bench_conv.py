@@ -16,10 +16,10 @@ from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
+from problems import PROBLEMS  # noqa: E402
 from shapes import dhfr_atoms  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
-from cgforge.kernels.problems import PROBLEMS  # noqa: E402
 
 
 def water_system():

@@ -18,19 +18,13 @@ from e3nn import o3
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import edges, water_system  # noqa: E402
 from common import cuda_time, environment, write_json  # noqa: E402
+from problems import PROBLEMS  # noqa: E402
 
-from cgforge.kernels import ConvGraph, Convolution, TensorProduct  # noqa: E402
-from cgforge.kernels import plan as plans  # noqa: E402
-from cgforge.kernels.problems import PROBLEMS  # noqa: E402
+from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPTuning  # noqa: E402
 
 TP_PROBLEMS = ["mace-large", "mace-medium", "nequip-water", "nequip-benzene", "nequip-presetM", "nequip-lmax2",
                "diffdock-L1", "tetris-poly"]
 CONV_PROBLEMS = ["mace-medium", "mace-large", "nequip-water", "nequip-benzene"]
-
-
-def use_chunk(chunk: int) -> None:
-    os.environ["CGFORGE_FORWARD_CHUNK"] = os.environ["CGFORGE_BACKWARD_CHUNK"] = str(chunk)
-    plans._PLANS.clear()  # new plans read the knobs again
 
 
 def fwd_and_bwd(run, leaves) -> tuple[float, float]:
@@ -52,11 +46,11 @@ def main() -> None:
     rows = []
     for dtype in dtypes:
         for chunk in [*chunks, chunks[0]]:
-            use_chunk(chunk)
+            tuning = TPTuning(forward_chunk=chunk, backward_chunk=chunk)  # a plan of its own per chunk
             for name in TP_PROBLEMS:
                 i1, i2, io, ins = PROBLEMS[name]
                 e3 = o3.TensorProduct(i1, i2, io, ins, shared_weights=False, internal_weights=False)
-                tp = TensorProduct.from_e3nn(e3).to("cuda")
+                tp = TensorProduct.from_e3nn(e3, tuning=tuning).to("cuda")
                 x, y, w = (torch.randn(batch, d, device="cuda", dtype=dtype, requires_grad=True)
                            for d in (i1.dim, i2.dim, e3.weight_numel))
                 f, b = fwd_and_bwd(lambda: tp(x, y, w), (x, y, w))
@@ -65,7 +59,7 @@ def main() -> None:
             for name in CONV_PROBLEMS:
                 i1, i2, io, ins = PROBLEMS[name]
                 e3 = o3.TensorProduct(i1, i2, io, ins, shared_weights=False, internal_weights=False)
-                conv = Convolution.from_e3nn(e3).to("cuda")
+                conv = Convolution.from_e3nn(e3, tuning=tuning).to("cuda")
                 x = torch.randn(n, i1.dim, device="cuda", dtype=dtype, requires_grad=True)
                 y = torch.randn(e, i2.dim, device="cuda", dtype=dtype, requires_grad=True)
                 w = torch.randn(e, e3.weight_numel, device="cuda", dtype=dtype, requires_grad=True)

@@ -132,11 +132,12 @@ class _Report:
 
 
 def _check_compile(report: _Report, arch: str):
-    from .kernels.compiler import CompileError, compile_cubin
+    from .kernels.core.compiler import CompileError
+    from .kernels.core.registry import compile_source
 
     start = time.perf_counter()
     try:
-        result = compile_cubin(AXPY_SOURCE, arch=arch, name="cgforge_doctor_axpy.cu")
+        result = compile_source(AXPY_SOURCE, KERNEL, arch)
     except (CompileError, ValueError, RuntimeError) as e:
         report.check(f"compile for {arch}", False, str(e).splitlines()[0])
         return None
@@ -182,21 +183,23 @@ _TP_INSTRUCTIONS = [(0, 0, 0, "uvu", True), (0, 1, 1, "uvu", True), (1, 1, 0, "u
 def _check_generated_tp(report: _Report, torch, gpu: bool) -> None:
     """Render and compile a generated tensor product for sm_80; with a GPU, run it against the CPU reference."""
     from .kernels import TensorProduct
-    from .kernels import plan as plans
-    from .kernels.codegen import Layout, render
-    from .kernels.compiler import CompileError, compile_cubin
+    from .kernels.core.compiler import CompileError
+    from .kernels.core.registry import compile_source
+    from .kernels.tensor_product import plan as plans
+    from .kernels.tensor_product.layout import TP_LAYOUT
 
     tp = TensorProduct(*_TP_IRREPS, _TP_INSTRUCTIONS)
     try:
-        schedule = plans.get(tp.key).schedule(torch.float32)
-        source, name = render(schedule, "float", Layout(), forward=True, backward=True)
-        start = time.perf_counter()
-        result = compile_cubin(source, arch="sm_80", name=f"{name}.cu")
-        ms = 1e3 * (time.perf_counter() - start)
-        reports = [result.kernels.get(f"{name}_{d}") for d in ("forward", "backward")]
+        plan, reports, lines, ms = plans.get(tp.key), [], 0, 0.0
+        for backward in (False, True):
+            source, function = plan.source(torch.float32, TP_LAYOUT, backward)
+            start = time.perf_counter()
+            reports.append(compile_source(source, function, "sm_80").kernels.get(function))
+            ms += 1e3 * (time.perf_counter() - start)
+            lines += len(source.splitlines())
         detail = ", ".join(f"{d} {r.registers} registers / {r.spill_stores} B spills" for d, r in
                            zip(("forward", "backward"), reports) if r is not None)
-        report.check("generated tensor product (sm_80)", True, f"{len(source.splitlines())} lines of CUDA, "
+        report.check("generated tensor product (sm_80)", True, f"{lines} lines of CUDA, "
                      f"compiled in {ms:.0f} ms; {detail or 'no ptxas report'}")
     except (CompileError, ValueError, RuntimeError) as e:
         report.check("generated tensor product (sm_80)", False, str(e).splitlines()[0])

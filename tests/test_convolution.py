@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from tp_cases import e3nn_tp, rel
+from tp_cases import PROBLEMS, e3nn_tp, rel
 
 from cgforge.kernels import ConvGraph, Convolution
-from cgforge.kernels.problems import PROBLEMS
 
 
 def e3nn_conv(tp, x, y, w, s, r, n):
@@ -111,7 +110,7 @@ def test_water_box_graph_fp64_fp32_and_double_backward():
 
 
 def test_gradgradcheck_small():
-    from cgforge.kernels.problems import channelwise
+    from tp_cases import channelwise
 
     tp = e3nn_tp(channelwise("2x0e+1x1o", "1x0e+1x1o", "2x0e+1x1o"))
     conv = Convolution.from_e3nn(tp)

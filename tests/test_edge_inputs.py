@@ -15,11 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPProblem, ops
-from cgforge.kernels.codegen import Layout, render
-from cgforge.kernels.runtime import KernelHandle
-from cgforge.kernels.schedule import build_schedule
-from cgforge.kernels.tensor_product import MAX_ROW_ELEMENTS, check_row_sizes
+from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPProblem
+from cgforge.kernels.convolution import GraphTensors
+from cgforge.kernels.core.runtime import KernelHandle
+from cgforge.kernels.tensor_product import ops
+from cgforge.kernels.tensor_product.codegen import render
+from cgforge.kernels.tensor_product.layout import Layout
+from cgforge.kernels.tensor_product.module import MAX_ROW_ELEMENTS, check_row_sizes
+from cgforge.kernels.tensor_product.schedule import build_schedule
 
 INT32_LIMIT = 2**31
 
@@ -116,18 +119,18 @@ def test_graph_sizes_beyond_int32_are_refused():
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_conv_op_refuses_graph_tensors_of_another_width(deterministic):
     graph = ConvGraph(torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0]), 3, deterministic=deterministic)
-    ops.check_graph_tensors(*graph.tensors())  # what ConvGraph builds passes
+    graph.tensors().check()  # what ConvGraph builds passes
     tensors = list(graph.tensors())
     for k, name in enumerate(("sender", "receiver", "rowptr", "perm", "rowptr_t", "perm_t")):
         bad = list(tensors)
         other = torch.int64 if tensors[k].dtype == torch.int32 else torch.int32
         bad[k] = tensors[k].to(other)
         with pytest.raises(TypeError, match=f"{name} must be a contiguous 1-D {tensors[k].dtype}"):
-            ops.check_graph_tensors(*bad)
+            GraphTensors(*bad).check()
     strided = list(tensors)
     strided[0] = torch.tensor([0, 9, 2, 9, 1, 9], dtype=torch.int32)[::2]
     with pytest.raises(TypeError, match="sender must be a contiguous"):
-        ops.check_graph_tensors(*strided)
+        GraphTensors(*strided).check()
 
 
 # ------------------------------------------------------------------------------------------ CUDA
@@ -143,9 +146,7 @@ def _free_gib() -> float:
 @cuda
 @pytest.mark.parametrize("shared", [False, True])
 def test_grid_capped_far_below_the_row_count_computes_every_row(monkeypatch, shared):
-    from tp_cases import e3nn_tp, random_inputs, rel
-
-    from cgforge.kernels.problems import PROBLEMS
+    from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel
 
     tp = e3nn_tp(PROBLEMS["nequip-water"], shared, device="cuda")
     ours = TensorProduct.from_e3nn(tp)

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from tp_cases import e3nn_tp, random_inputs, rel
+from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel
 
-from cgforge.kernels import ConvGraph, Convolution, TensorProduct
-from cgforge.kernels.problems import PROBLEMS
+from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPTuning
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -96,6 +95,30 @@ def test_conv_forward_backward(name, dtype, deterministic, n, e):
     tp = e3nn_tp(PROBLEMS[name], device=DEV)
     conv = Convolution.from_e3nn(tp)
     s, r = _graph(n, e, seed=e)
+    graph = ConvGraph(s, r, n, deterministic=deterministic)
+    x = torch.randn(n, tp.irreps_in1.dim, dtype=torch.float64, device=DEV, requires_grad=True)
+    y = torch.randn(e, tp.irreps_in2.dim, dtype=torch.float64, device=DEV, requires_grad=True)
+    w = torch.randn(e, tp.weight_numel, dtype=torch.float64, device=DEV, requires_grad=True)
+    ref = torch.zeros(n, tp.irreps_out.dim, dtype=torch.float64, device=DEV).index_add(0, r, tp(x[s], y, w))
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (x, y, w), g)
+    xs, ys, ws = (t.detach().to(dtype).requires_grad_() for t in (x, y, w))
+    out = conv(xs, ys, ws, graph)
+    assert rel(out.double(), ref) < TOL[dtype] * 10
+    for a, b in zip(torch.autograd.grad(out, (xs, ys, ws), g.to(dtype)), ref_grads):
+        assert rel(a.double(), b) < TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("name", ["mace-medium", "diffdock-L1"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_conv_edges_outer_loop_order(name, dtype, deterministic):
+    """The other loop order (edges outermost, every segment per edge) on the GPU, against e3nn."""
+    torch.set_default_dtype(torch.float64)
+    tp = e3nn_tp(PROBLEMS[name], device=DEV)
+    conv = Convolution.from_e3nn(tp, tuning=TPTuning(loop_order="edges"))
+    n, e = 50, 400
+    s, r = _graph(n, e, seed=7)
     graph = ConvGraph(s, r, n, deterministic=deterministic)
     x = torch.randn(n, tp.irreps_in1.dim, dtype=torch.float64, device=DEV, requires_grad=True)
     y = torch.randn(e, tp.irreps_in2.dim, dtype=torch.float64, device=DEV, requires_grad=True)

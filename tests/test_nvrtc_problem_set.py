@@ -2,12 +2,13 @@
 the ptxas report is read and spills are reported (-s shows them)."""
 
 import pytest
+from tp_cases import PROBLEMS
 
 from cgforge.kernels import TPProblem
-from cgforge.kernels.codegen import Layout, render
-from cgforge.kernels.compiler import compile_cubin, nvrtc_available
-from cgforge.kernels.problems import PROBLEMS
-from cgforge.kernels.schedule import build_schedule
+from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+from cgforge.kernels.tensor_product.codegen import render
+from cgforge.kernels.tensor_product.layout import Layout
+from cgforge.kernels.tensor_product.schedule import build_schedule
 
 pytestmark = pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")
 LAYOUTS = {"tp": (Layout(), Layout()),

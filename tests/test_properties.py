@@ -32,8 +32,8 @@ from problem_strategies import (
 )
 
 from cgforge.kernels import ConvGraph, Convolution, TPProblem
-from cgforge.kernels.interpreter import run_backward, run_forward
-from cgforge.kernels.schedule import build_schedule
+from cgforge.kernels.tensor_product.evaluate import run_backward, run_forward
+from cgforge.kernels.tensor_product.schedule import build_schedule
 
 FP64_TOL = 1e-12
 seeds = st.integers(0, 2**31 - 1)
@@ -200,7 +200,8 @@ def test_generated_source_compiles_with_nvrtc(problem, scalar, conv):
     """Random problems render to CUDA that NVRTC accepts, forward and backward, with a ptxas report.
     Compiled for real: no disk cache (random kernels would only litter it), no earlier in-memory hit."""
     from cgforge.kernels import compiler
-    from cgforge.kernels.codegen import Layout, render
+    from cgforge.kernels.tensor_product.codegen import render
+    from cgforge.kernels.tensor_product.layout import Layout
 
     compiler.clear_memory_cache()
     schedule = build_schedule(problem.cgforge().problem, itemsize=4 if scalar == "float" else 8)

@@ -13,14 +13,15 @@ from e3nn import o3
 from mace.modules.symmetric_contraction import SymmetricContraction as MaceSC
 from mace_helpers import MP_SHAPES, assert_same_outputs, build_model, evaluate, water_dimer
 
-from cgforge.kernels import SymmetricContraction, sc_ops
-from cgforge.kernels.compiler import compile_cubin, nvrtc_available
-from cgforge.kernels.sc_codegen import render
-from cgforge.kernels.sc_problem import SCProblem, mace_u_matrices
-from cgforge.kernels.sc_program import backward_program, forward_program
-from cgforge.kernels.sc_program import evaluate as run_program
-from cgforge.kernels.sc_reference import interpret_sc, reference_sc
-from cgforge.kernels.sc_schedule import build_sc_schedule
+from cgforge.kernels import SymmetricContraction
+from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+from cgforge.kernels.core.ir import evaluate as run_program
+from cgforge.kernels.symmetric_contraction import ops as sc_ops
+from cgforge.kernels.symmetric_contraction.codegen import render
+from cgforge.kernels.symmetric_contraction.problem import SCProblem, mace_u_matrices
+from cgforge.kernels.symmetric_contraction.program import backward_program, forward_program
+from cgforge.kernels.symmetric_contraction.reference import interpret_sc, reference_sc
+from cgforge.kernels.symmetric_contraction.schedule import build_sc_schedule
 from cgforge.patches import mace as pm
 
 cuda = pytest.mark.cuda

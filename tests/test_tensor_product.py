@@ -4,12 +4,11 @@ import zlib
 
 import pytest
 import torch
-from tp_cases import e3nn_tp, random_inputs, rel, single_path
+from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel, single_path
 
 from cgforge.kernels import TensorProduct, TPProblem
-from cgforge.kernels.interpreter import run_backward, run_forward
-from cgforge.kernels.problems import PROBLEMS
-from cgforge.kernels.schedule import build_schedule
+from cgforge.kernels.tensor_product.evaluate import run_backward, run_forward
+from cgforge.kernels.tensor_product.schedule import build_schedule
 
 SMALL = ["nequip-water", "nequip-lmax1-parity", "diffdock-L1", "tetris-poly"]
 
@@ -63,7 +62,7 @@ def test_double_backward_matches_e3nn(name):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_gradcheck_and_gradgradcheck(shared):
-    from cgforge.kernels.problems import fully_connected
+    from tp_cases import fully_connected
 
     tp = e3nn_tp(fully_connected("1x0e+1x1o", "1x1o", "1x0e+1x1o+1x2e"), shared)
     ours = TensorProduct.from_e3nn(tp)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from cgforge import kernels
-from cgforge.kernels.graph import ConvGraph
+from cgforge.kernels import ConvGraph
 
 __all__ = ["CallGraphCache", "graph_caches"]
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from cgforge.kernels import ConvGraph
+from cgforge.kernels.convolution import GraphTensors
 
 __all__ = ["EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "layout_edges", "pad_offset_vector"]
 
@@ -44,7 +45,7 @@ class EdgeLayout:
     unit_shifts: Tensor  # float [C, 3] (zero for padding)
     pad_offset: Tensor  # float [C, 3] (zero for real edges, the padding vector for padding edges)
     count: Tensor  # int64 0-d: edges selected (> C means overflow: the layout is not valid)
-    graph: tuple[Tensor, ...] | None  # ConvGraph tensors (sender32, receiver32, rowptr, perm, rowptr_t, perm_t)
+    graph: GraphTensors | None  # the ConvGraph's tensors
 
     @property
     def capacity(self) -> int:
@@ -183,7 +184,7 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
                 0, out_sender, ones), 0)
             perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
-        graph = (out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
+        graph = GraphTensors(out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph)
 
 
@@ -191,8 +192,4 @@ def conv_graph(layout: EdgeLayout, num_nodes: int) -> ConvGraph:
     """A deterministic ``ConvGraph`` over the layout's graph tensors, without the constructor's device reads."""
     if layout.graph is None:
         raise ValueError("conv_graph: the layout was built with with_graph=False")
-    graph = ConvGraph.__new__(ConvGraph)
-    graph.num_nodes = int(num_nodes)
-    graph.deterministic = True
-    graph.sender, graph.receiver, graph.rowptr, graph.perm, graph.rowptr_t, graph.perm_t = layout.graph
-    return graph
+    return ConvGraph.trusted(layout.graph, num_nodes, deterministic=True)

@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 
+from ..core.checks import check_features, check_same, check_weights
+from ..core.tuning import TPTuning
 from . import ops
 from . import plan as plans
-from .checks import check_features, check_same, check_weights
+from .layout import TP_LAYOUT
 from .problem import TPProblem
 
 # The kernels index inside one row (channel and weight offsets, staged counts) with 32-bit ints; rows
@@ -28,29 +30,34 @@ def check_row_sizes(problem: TPProblem) -> None:
 class TensorProduct(torch.nn.Module):
     """out = TP(x, y, weight) with e3nn's layout, weight order and normalisation.
 
-    CUDA tensors run the generated kernels, CPU tensors the torch reference.
+    CUDA tensors run the generated kernels, CPU tensors the torch reference. ``tuning``: the kernels'
+    knobs (``TPTuning``: channel chunks, loop order); None: the defaults (or the CGFORGE_* sweep variables).
     """
+
+    tuning: TPTuning | None = None  # a class default: modules pickled before tuning existed have none
 
     def __init__(self, irreps_in1: Any, irreps_in2: Any, irreps_out: Any, instructions: list,
                  shared_weights: bool = False, irrep_normalization: str = "component",
-                 path_normalization: str = "element", *, problem: TPProblem | None = None):
+                 path_normalization: str = "element", *, problem: TPProblem | None = None,
+                 tuning: TPTuning | None = None):
         super().__init__()
+        self.tuning = tuning
         if problem is None:
             problem = TPProblem.build(irreps_in1, irreps_in2, irreps_out, instructions, shared_weights,
                                       irrep_normalization, path_normalization)
         check_row_sizes(problem)
         self.problem = problem
-        self.key = plans.register(problem)
+        self.key = plans.register(problem, tuning)
         # plain ints for the checks, so torch.compile guards on nothing but these
         self._dims = (problem.irreps_in1.dim, problem.irreps_in2.dim, problem.weight_numel,
                       problem.shared_weights)
 
     @classmethod
-    def from_e3nn(cls, tp: Any) -> TensorProduct:
+    def from_e3nn(cls, tp: Any, tuning: TPTuning | None = None) -> TensorProduct:
         if getattr(tp, "internal_weights", False):
             raise ValueError("from_e3nn needs a TensorProduct with internal_weights=False "
                              "(pass the weights to forward)")
-        return cls(None, None, None, [], problem=TPProblem.from_e3nn(tp))
+        return cls(None, None, None, [], problem=TPProblem.from_e3nn(tp), tuning=tuning)
 
     irreps_in1 = property(lambda self: self.problem.irreps_in1)
     irreps_in2 = property(lambda self: self.problem.irreps_in2)
@@ -60,7 +67,7 @@ class TensorProduct(torch.nn.Module):
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a new process: register again
         super().__setstate__(state)
-        self.key = plans.register(self.problem)
+        self.key = plans.register(self.problem, self.tuning)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         in1, in2, numel, shared = self._dims
@@ -72,13 +79,11 @@ class TensorProduct(torch.nn.Module):
 
     def compile_kernels(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Compile (or load from cache) the CUDA kernels now rather than at the first call."""
-        from .codegen import Layout
-
         device = torch.device(device)
         if device.type == "cuda":
             plan = plans.get(self.key)
             for backward in (False, True):
-                plan.kernel(dtype, Layout(), backward, device)
+                plan.kernel(dtype, TP_LAYOUT, backward, device)
 
     def extra_repr(self) -> str:
         p = self.problem

@@ -9,24 +9,30 @@ channels) so grad x accumulates in registers the same way; grad W is owned per t
 reduced across the warp.
 
 Per segment, the operands the lanes read repeatedly are staged in shared memory with coalesced
-copies: the in1 slices (and, backward, the grad-out slices), and the whole in2 row. Offsets here
-are in elements of one warp's shared-memory window.
+copies (`Load`, each naming its source tensor): the in1 slices (and, backward, the grad-out slices),
+and the whole in2 row. Offsets here are in elements of one warp's shared-memory window.
+
+The tuning value (`core.tuning.TPTuning`: chunks, loop order) is a field of the schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cg import sparse_cg
+from ..core.cg import sparse_cg
+from ..core.errors import SharedMemoryError
+from ..core.offsets import running_offsets
+from ..core.tuning import TPTuning
 from .problem import TPProblem
 
 WARP = 32
 
 
 @dataclass(frozen=True)
-class Slice:
-    """A copy between a row of a global tensor and the warp's shared memory."""
+class Load:
+    """A coalesced copy of `count` elements of a row of `source` into the warp's shared memory."""
 
+    source: str  # "x" (an in1 row) or "g" (a grad-out row, backward)
     global_offset: int  # element offset inside the row
     smem_offset: int
     count: int
@@ -64,12 +70,17 @@ class Segment:
     dim: int  # 2l+1 of that irrep
     row_offset: int  # offset of channel 0 of that irrep in its row
     stage_smem: int  # smem offset where results are staged for a coalesced store
-    loads: tuple[Slice, ...]  # operands staged before the terms run
+    loads: tuple[Load, ...]  # operands staged before the terms run
     terms: tuple[Term, ...]
 
     @property
     def lane_iters(self) -> int:
         return -(-(self.c1 - self.c0) // WARP)
+
+    @property
+    def x_smem(self) -> int:
+        """Backward: where the segment's own in1 channels are staged."""
+        return next(ld.smem_offset for ld in self.loads if ld.source == "x")
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,12 @@ class Schedule:
     y_smem: int  # the whole in2 row is staged at this offset
     forward_launch: Launch
     backward_launch: Launch
+    tuning: TPTuning = TPTuning()
+    rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
+
+    @property
+    def loop_order(self) -> str:
+        return self.tuning.loop_order
 
     @property
     def in2_dim(self) -> int:
@@ -112,81 +129,55 @@ def _cg_terms(problem: TPProblem, k: int) -> tuple[tuple[int, int, int, float], 
 
 
 def _offsets(irreps) -> list[int]:
-    out, total = [], 0
-    for mul, ir in irreps:
-        out.append(total)
-        total += mul * ir.dim
-    return out
+    return list(running_offsets(mul * ir.dim for mul, ir in irreps))
 
 
-def _forward_segment(problem: TPProblem, i_out: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
-    """Segment for out irrep `i_out`, channels [c0, c1); smem from `base`. Returns it and its smem end."""
+def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
+    """Segment for channels [c0, c1) of irrep `i` (out irrep forward, in1 irrep backward); smem from
+    `base`. Forward: the terms of every instruction into it, their in1 slices staged. Backward: grad x
+    of those channels, and the grad W and grad y contributions of every instruction reading them (the
+    segment's in1 channels and the instructions' grad-out slices staged). Returns it and its smem end."""
     p = problem
     off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
-    mul_o, ir_o = p.irreps_out[i_out]
+    own, own_offsets = (p.irreps_in1, off1) if backward else (p.irreps_out, offo)
+    dim = own[i].ir.dim
     cursor = base
-    staged: dict[tuple[int, int, int], int] = {}  # (i_in1, first channel, count) -> smem offset
-    loads, terms = [], []
-    for k, (ins, woff) in enumerate(zip(p.instructions, p.weight_offsets)):
-        if ins.i_out != i_out:
-            continue
-        mul1, ir1 = p.irreps_in1[ins.i_in1]
-        mul2, ir2 = p.irreps_in2[ins.i_in2]
-        first, count = (c0, c1 - c0) if ins.mode == "uvu" else (0, mul1)
-        key = (ins.i_in1, first, count)
-        if key not in staged:
-            staged[key] = cursor
-            loads.append(Slice(off1[ins.i_in1] + first * ir1.dim, cursor, count * ir1.dim))
-            cursor += count * ir1.dim
-        terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
-                          staged[key], first, off2[ins.i_in2], -1, 0, woff, _cg_terms(p, k)))
-    stage = cursor
-    cursor += (c1 - c0) * ir_o.dim
-    seg = Segment(i_out, c0, c1, ir_o.dim, offo[i_out], stage, tuple(loads), tuple(terms))
-    return seg, cursor
-
-
-def _backward_segment(problem: TPProblem, i_in1: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
-    """Segment for in1 irrep `i_in1`, channels [c0, c1): grad x of those channels, and the grad W
-    and grad y contributions of every instruction reading them."""
-    p = problem
-    off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
-    mul1, ir1 = p.irreps_in1[i_in1]
-    cursor = base
-    loads = [Slice(off1[i_in1] + c0 * ir1.dim, cursor, (c1 - c0) * ir1.dim)]
-    x_smem = cursor
-    cursor += (c1 - c0) * ir1.dim
-    staged: dict[tuple[int, int, int], int] = {}
+    loads: list[Load] = []
+    if backward:
+        loads.append(Load("x", off1[i] + c0 * dim, cursor, (c1 - c0) * dim))
+        cursor += (c1 - c0) * dim
+    staged: dict[tuple[int, int, int], int] = {}  # (irrep, first channel, count) -> smem offset
     terms = []
     for k, (ins, woff) in enumerate(zip(p.instructions, p.weight_offsets)):
-        if ins.i_in1 != i_in1:
+        if (ins.i_in1 if backward else ins.i_out) != i:
             continue
-        mul2, ir2 = p.irreps_in2[ins.i_in2]
-        mul_o, ir_o = p.irreps_out[ins.i_out]
-        first, count = (c0, c1 - c0) if ins.mode == "uvu" else (0, mul_o)
-        key = (ins.i_out, first, count)
+        (mul1, ir1), (mul2, ir2), (mul_o, ir_o) = (p.irreps_in1[ins.i_in1], p.irreps_in2[ins.i_in2],
+                                                   p.irreps_out[ins.i_out])
+        # the operand staged per instruction: grad-out channels (backward) or in1 channels (forward)
+        source, j, mul_s, dim_s, offsets = (("g", ins.i_out, mul_o, ir_o.dim, offo) if backward
+                                            else ("x", ins.i_in1, mul1, ir1.dim, off1))
+        first, count = (c0, c1 - c0) if ins.mode == "uvu" else (0, mul_s)
+        key = (j, first, count)
         if key not in staged:
             staged[key] = cursor
-            loads.append(Slice(offo[ins.i_out] + first * ir_o.dim, cursor, count * ir_o.dim))
-            cursor += count * ir_o.dim
+            loads.append(Load(source, offsets[j] + first * dim_s, cursor, count * dim_s))
+            cursor += count * dim_s
+        x_smem, x_base, g_smem, g_base = (base, c0, staged[key], first) if backward else (staged[key], first, -1, 0)
         terms.append(Term(k, ins.mode, ins.has_weight, mul1, mul2, mul_o, ir1.dim, ir2.dim, ir_o.dim,
-                          x_smem, c0, off2[ins.i_in2], staged[key], first, woff, _cg_terms(p, k)))
-    stage = cursor
-    cursor += (c1 - c0) * ir1.dim
-    seg = Segment(i_in1, c0, c1, ir1.dim, off1[i_in1], stage, tuple(loads), tuple(terms))
-    return seg, cursor
+                          x_smem, x_base, off2[ins.i_in2], g_smem, g_base, woff, _cg_terms(p, k)))
+    seg = Segment(i, c0, c1, dim, own_offsets[i], cursor, tuple(loads), tuple(terms))
+    return seg, cursor + (c1 - c0) * dim
 
 
 def _segments(problem: TPProblem, chunk: int, base: int, backward: bool) -> tuple[list[Segment], int]:
     irreps = problem.irreps_in1 if backward else problem.irreps_out
-    build = _backward_segment if backward else _forward_segment
     used = {(ins.i_in1 if backward else ins.i_out) for ins in problem.instructions}
     segments, peak = [], base
     for i, (mul, _) in enumerate(irreps):
         if i not in used:
             continue  # never written: the op zero-fills these (forward) or they get no gradient
         for c0 in range(0, mul, chunk):
-            seg, end = build(problem, i, c0, min(mul, c0 + chunk), base)
+            seg, end = _segment(problem, backward, i, c0, min(mul, c0 + chunk), base)
             segments.append(seg)
             peak = max(peak, end)
     return segments, peak
@@ -217,19 +208,20 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool) -> t
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
                    warps_per_block: int = 4, max_chunk: int | None = None,
-                   max_chunk_backward: int | None = None) -> Schedule:
+                   max_chunk_backward: int | None = None, *, tuning: TPTuning | None = None,
+                   rows_are_nodes: bool = False) -> Schedule:
     """Pick each direction's channel chunk (a multiple of 32, at most the given maximum) so that one
-    warp's window fits the block budget. ``max_chunk`` alone sets both directions; None: the defaults
-    of ``default_chunks`` for rows that are edges."""
+    warp's window fits the block budget. The maximum: ``max_chunk`` / ``max_chunk_backward`` (``max_chunk``
+    alone sets both), else the tuning's chunks, else ``default_chunks`` for the kind of rows."""
     problem.validate()
+    tuning = tuning if tuning is not None else TPTuning()
     y_dim = problem.irreps_in2.dim
-    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes=False)
-    fwd_max = max_chunk if max_chunk is not None else auto_fwd
-    bwd_max = max_chunk_backward if max_chunk_backward is not None else (
-        max_chunk if max_chunk is not None else auto_bwd)
+    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes)
+    fwd_max = next(c for c in (max_chunk, tuning.forward_chunk, auto_fwd) if c is not None)
+    bwd_max = next(c for c in (max_chunk_backward, max_chunk, tuning.backward_chunk, auto_bwd) if c is not None)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
-    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch)
+    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
@@ -243,7 +235,7 @@ def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: i
             if per_warp * itemsize * wpb <= smem_bytes_per_block:
                 return segments, Launch(chunk, per_warp, wpb)
         if chunk == WARP:
-            raise ValueError(
+            raise SharedMemoryError(
                 f"problem too large for shared memory: one warp needs {per_warp * itemsize} bytes "
                 f"(budget {smem_bytes_per_block} per block) even with {WARP}-channel chunks; "
                 "uvw instructions with very large in1/out multiplicities are not supported")

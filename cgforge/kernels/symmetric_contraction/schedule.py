@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import cache
 
 import numpy as np
-import torch
 from e3nn import o3
 
-from .sc_problem import SCProblem
+from ..core.cg import sparse_cg
+from .problem import SCProblem
 
-_CG_ZERO = 1e-12  # wigner_3j entries below this (relative to the largest) are round-off zeros
 _IN_SPAN = 1e-9  # a chain is in MACE's span if its residual is below this (relative)
 _NEW_DIRECTION = (1e-3, 1e-8)  # a chain extends the basis if its new part is above this (relative)
 _FIT_TOL = 1e-10  # largest relative misfit of U = B A accepted
@@ -47,8 +45,16 @@ class Ref:
     index: int
 
 
+class _HasL:
+    l: int
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.l + 1
+
+
 @dataclass(frozen=True)
-class Node:
+class Node(_HasL):
     """value[mo] = sum cg (ma, mi, mo, v): v * left[ma] * x_input[mi]; irrep (l, p) of `degree` inputs."""
 
     left: Ref
@@ -58,13 +64,11 @@ class Node:
     degree: int
     cg: tuple[tuple[int, int, int, float], ...]
 
-    @property
-    def dim(self) -> int:
-        return 2 * self.l + 1
-
 
 @dataclass(frozen=True)
 class Term:
+    """Z += W'[slot] * left (one basis chain of a group)."""
+
     slot: int
     left: Ref
 
@@ -89,16 +93,14 @@ class Linear:
 
 
 @dataclass(frozen=True)
-class OutputPlan:
+class OutputPlan(_HasL):
+    """One output irrep: its degree-1 terms and its groups."""
+
     l: int
     p: int
     offset: int  # column of this irrep's block in an output row (channel-major within the block)
     linear: tuple[Linear, ...]
     groups: tuple[Group, ...]
-
-    @property
-    def dim(self) -> int:
-        return 2 * self.l + 1
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,6 @@ class SCSchedule:
 
 def _coupling_cost(cg) -> int:
     return len({(a, b) for a, b, _, _ in cg}) + len(cg)
-
-
-@cache
-def sparse_w3j(l1: int, l2: int, l3: int) -> tuple[tuple[int, int, int, float], ...]:
-    dense = o3.wigner_3j(l1, l2, l3, dtype=torch.float64).numpy()
-    scale = np.abs(dense).max()
-    return tuple((int(i), int(j), int(k), float(dense[i, j, k]))
-                 for i, j, k in zip(*np.nonzero(np.abs(dense) > _CG_ZERO * scale)))
 
 
 def _couples(l1: int, p1: int, l2: int, p2: int, l3: int, p3: int) -> bool:
@@ -257,7 +251,7 @@ class _Builder:
 
     def _couple(self, left: np.ndarray, l_left: int, i: int, l_out: int) -> np.ndarray:
         cg = np.zeros((2 * l_left + 1, self.coupling[i].dim, 2 * l_out + 1))
-        for a, b, c, v in sparse_w3j(l_left, self.coupling[i].l, l_out):
+        for a, b, c, v in sparse_cg(l_left, self.coupling[i].l, l_out):
             cg[a, b, c] = v
         t = np.einsum("abc,ax,by->cxy", cg, left, self.inputs[i])
         return t.reshape(2 * l_out + 1, -1)
@@ -266,7 +260,7 @@ class _Builder:
         if ref[0] == "x" or ref in self.node_ids:
             return 0
         l_left = self._irrep_of(ref[1])[0]
-        return self.node_cost(ref[1]) + _coupling_cost(sparse_w3j(l_left, self.coupling[ref[2]].l, ref[3]))
+        return self.node_cost(ref[1]) + _coupling_cost(sparse_cg(l_left, self.coupling[ref[2]].l, ref[3]))
 
     def make(self, ref) -> Ref:
         if ref[0] == "x":
@@ -276,7 +270,7 @@ class _Builder:
             l_left = self._irrep_of(ref[1])[0]
             degree = 2 if left.kind == "x" else self.nodes[left.index].degree + 1
             self.nodes.append(Node(left, ref[2], ref[3], ref[4], degree,
-                                   sparse_w3j(l_left, self.coupling[ref[2]].l, ref[3])))
+                                   sparse_cg(l_left, self.coupling[ref[2]].l, ref[3])))
             self.node_ids[ref] = len(self.nodes) - 1
         return Ref("n", self.node_ids[ref])
 
@@ -358,7 +352,7 @@ class _Builder:
         ll, lp = self._irrep_of(left)
         cost = self.node_cost(left) + 2 * ll + 2
         if (o, ll, lp, i) not in self.groups:
-            cost += _coupling_cost(sparse_w3j(ll, self.coupling[i].l, ir_out.l))
+            cost += _coupling_cost(sparse_cg(ll, self.coupling[i].l, ir_out.l))
         return cost
 
     def _commit(self, o: int, cand, slot: int) -> None:
@@ -370,7 +364,7 @@ class _Builder:
         ll, lp = self._irrep_of(left)
         ref = self.make(left)
         group = self.groups.setdefault(
-            (o, ll, lp, i), {"cg": sparse_w3j(ll, self.coupling[i].l, ir_out.l), "terms": []})
+            (o, ll, lp, i), {"cg": sparse_cg(ll, self.coupling[i].l, ir_out.l), "terms": []})
         group["terms"].append(Term(slot, ref))
 
 

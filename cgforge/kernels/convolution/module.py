@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from ..core.checks import check_features, check_same, check_weights
+from ..tensor_product import plan as plans
+from ..tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
+from ..tensor_product.module import TensorProduct
 from . import ops
-from .checks import check_features, check_same, check_weights
 from .graph import ConvGraph
-from .tensor_product import TensorProduct
 
 
 class Convolution(TensorProduct):
@@ -30,14 +32,9 @@ class Convolution(TensorProduct):
         return ops.conv_forward(x, y, weight, *graph.tensors(), self.key, graph.deterministic)
 
     def compile_kernels(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        from . import plan as plans
-        from .codegen import Layout
-
         device = torch.device(device)
         if device.type != "cuda":
             return
         plan = plans.get(self.key)
-        for layout, backward in ((Layout(csr=True, perm=True, xidx=True), False),
-                                 (Layout(csr=True, perm=False, xidx=True), False),
-                                 (Layout(csr=True, perm=True, gidx=True), True)):
+        for layout, backward in ((CONV_FORWARD, False), (CONV_FORWARD_SORTED, False), (CONV_BACKWARD, True)):
             plan.kernel(dtype, layout, backward, device)

@@ -1,9 +1,9 @@
-"""A schedule as straight-line code for one (atom, channel): statements the template prints verbatim.
+"""The symmetric contraction as straight-line statements for one (atom, channel).
 
-Each statement is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on scalar variables: inputs ``x{k}``
+Each statement (core.ir) is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on scalar variables: inputs ``x{k}``
 (the channel's D features), ``w{r}`` (its species' transformed weights), ``g{o}_{M}`` (grad of the
-outputs); results ``o{o}_{M}`` (forward), ``gx{k}`` and ``gw{r}`` (backward). The same statements are
-evaluated with NumPy by ``evaluate`` so CI checks the generated code's arithmetic without a GPU.
+outputs); results ``o{o}_{M}`` (forward), ``gx{k}`` and ``gw{r}`` (backward). The template prints them
+verbatim and ``core.ir.evaluate`` runs them with NumPy, so CI checks the generated code's arithmetic.
 
 Backward is written by hand at the level of nodes and groups (not a mechanical reverse of the forward
 statements) so it keeps few values alive: nodes are recomputed, each group's Z is recomputed, and the
@@ -12,37 +12,17 @@ adjoints of nodes are accumulated and pushed back through the couplings in rever
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import numpy as np
-
-from .sc_schedule import Ref, SCSchedule
-
-
-@dataclass(frozen=True)
-class Statement:
-    dst: str
-    accumulate: bool
-    terms: tuple[tuple[float | None, str, str | None], ...]  # (coef or None, a, b or None)
-
-
-@dataclass(frozen=True)
-class Program:
-    statements: tuple[Statement, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]  # variables never assigned are zero
-    external: tuple[str, ...] = ()  # accumulators declared (and zeroed) outside the statements
-
-    def assigned(self) -> set[str]:
-        return {s.dst for s in self.statements}
-
-    def multiply_adds(self) -> int:
-        return sum(len(s.terms) for s in self.statements)
+from ..core.ir import Program, Statement
+from ..core.tuning import SCTuning
+from .schedule import Ref, SCSchedule
 
 
 class _Writer:
-    def __init__(self, external: tuple[str, ...] = ()):
+    def __init__(self, pairings: tuple[str, ...], external: tuple[str, ...] = ()):
+        # Partial sums ("pd", "qd") save 3-5% of the statements on MACE-MP shapes but raised ptxas's
+        # register count by 50-80% (float32 forward, large: 72 -> 127; float64 backward spills 72 -> 364
+        # bytes): SCTuning keeps them off until measured on a GPU.
+        self.pairings = pairings
         self.statements: list[Statement] = []
         self.live: set[str] = set(external)
         self._products: dict[tuple[str, str], str] = {}
@@ -89,12 +69,6 @@ def _x(schedule: SCSchedule, i: int, m: int, grad: bool = False) -> str:
     return _ref_var(schedule, Ref("x", i), m, grad)
 
 
-# Partial sums ("pd", "qd") save 3-5% of the statements on MACE-MP shapes but raised ptxas's register
-# count by 50-80% (float32 forward, large: 72 -> 127; float64 backward spills 72 -> 364 bytes): off until
-# measured on a GPU. Set CGFORGE_SC_PAIRINGS=pq,pd,qd to try them.
-_PAIRINGS = tuple(os.environ.get("CGFORGE_SC_PAIRINGS", "pq").split(","))
-
-
 def _bilinear(w: _Writer, terms: list[tuple[str, str, str, float]]) -> None:
     """dst += v * p * q for every (p, q, dst, v), sharing partial results the cheapest way.
 
@@ -111,7 +85,7 @@ def _bilinear(w: _Writer, terms: list[tuple[str, str, str, float]]) -> None:
         "pd": len({(p, d) for p, _, d, _ in terms}),
         "qd": len({(q, d) for _, q, d, _ in terms}),
     }
-    mode = min(_PAIRINGS, key=lambda m: distinct[m])
+    mode = min(w.pairings, key=lambda m: distinct[m])
     if mode == "pq":
         for p, q, d, v in terms:
             w.add(d, v, w.product(p, q))
@@ -147,9 +121,9 @@ def _inputs(schedule: SCSchedule, grads: bool) -> tuple[str, ...]:
     return tuple(names)
 
 
-def forward_program(schedule: SCSchedule) -> Program:
+def forward_program(schedule: SCSchedule, tuning: SCTuning | None = None) -> Program:
     inputs = _inputs(schedule, grads=False)
-    w = _Writer()
+    w = _Writer((tuning or SCTuning()).pairings)
     w.live.update(inputs)
     _emit_nodes(schedule, w)
     outputs = []
@@ -169,12 +143,13 @@ def forward_program(schedule: SCSchedule) -> Program:
     return Program(tuple(w.statements), inputs, tuple(outputs))
 
 
-def backward_program(schedule: SCSchedule, grad_weights: bool, external_gw: bool = False) -> Program:
+def backward_program(schedule: SCSchedule, grad_weights: bool, external_gw: bool = False,
+                     tuning: SCTuning | None = None) -> Program:
     """grad x (and grad W' if asked) of sum_o <g_o, out_o>; gw accumulators may live outside (per species)."""
     p = schedule.problem
     inputs = _inputs(schedule, grads=True)
     external = tuple(f"gw{r}" for r in range(schedule.num_slots)) if (grad_weights and external_gw) else ()
-    w = _Writer(external)
+    w = _Writer((tuning or SCTuning()).pairings, external)
     w.live.update(inputs)
     _emit_nodes(schedule, w)
 
@@ -219,17 +194,3 @@ def backward_program(schedule: SCSchedule, grad_weights: bool, external_gw: bool
     return Program(tuple(w.statements), inputs, tuple(outputs), external)
 
 
-def evaluate(program: Program, env: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run the statements on arrays (one entry per row); returns the program's outputs."""
-    values = dict(env)
-    missing = [n for n in program.inputs + program.external if n not in values]
-    if missing:
-        raise KeyError(f"evaluate: inputs missing: {missing[:5]}")
-    shape = np.shape(next(iter(env.values()))) if env else ()
-    for s in program.statements:
-        total = values[s.dst] if s.accumulate else 0.0
-        for coef, a, b in s.terms:
-            t = values[a] if b is None else values[a] * values[b]
-            total = total + (t if coef is None else coef * t)
-        values[s.dst] = total
-    return {n: np.broadcast_to(values.get(n, 0.0), shape).copy() for n in program.outputs}

@@ -9,7 +9,7 @@ index [N]; returns [N, sum_o C * (2 l_o + 1)]. The state_dict is MACE's:
 in MACE's order, so state dicts move between the two freely.
 
 The species' weights enter through W' = A W (a small float64 matmul per call, cached while no weight
-requires grad); the kernels evaluate a reduced basis (see sc_schedule). The species is taken as a
+requires grad); the kernels evaluate a reduced basis (see schedule). The species is taken as a
 constant: no gradient flows to a one-hot ``species`` (MACE's node_attrs), as in cuEquivariance's path.
 """
 
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from e3nn import o3
 
-from . import sc_ops
-from .checks import FLOAT_DTYPES
-from .sc_problem import SCProblem, mace_u_matrices
+from ..core.checks import FLOAT_DTYPES
+from ..core.tuning import SCTuning
+from . import ops as sc_ops
+from .problem import SCProblem, mace_u_matrices
 
 
 class _Contraction(torch.nn.Module):
@@ -49,9 +50,13 @@ class _Contraction(torch.nn.Module):
 class SymmetricContraction(torch.nn.Module):
     """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu], as MACE."""
 
+    tuning: SCTuning | None = None  # a class default: modules pickled before tuning existed have none
+
     def __init__(self, irreps_in: Any, irreps_out: Any, correlation: int, num_elements: int, *,
-                 _contractions: list[_Contraction] | None = None):
+                 tuning: SCTuning | None = None, _contractions: list[_Contraction] | None = None):
+        """``tuning``: the kernels' knobs (None: defaults, or the CGFORGE_SC_* sweep variables)."""
         super().__init__()
+        self.tuning = tuning
         irreps_in, irreps_out = o3.Irreps(irreps_in), o3.Irreps(irreps_out)
         if _contractions is None:
             # validates the arguments and computes MACE's U tensors
@@ -108,14 +113,14 @@ class SymmetricContraction(torch.nn.Module):
                     raise ValueError(f"contractions.{o}: weights of degree {nu} have shape {list(shape)}, "
                                      f"expected {list(expected)}")
         self.problem = problem
-        self.key = sc_ops.register(problem)
+        self.key = sc_ops.register(problem, self.tuning)
         self._transform: dict[torch.device, torch.Tensor] = {}
         self._cached: tuple | None = None
         self._weight_refs: list | None = None
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a new process: register again
         super().__setstate__(state)
-        self.key = sc_ops.register(self.problem)
+        self.key = sc_ops.register(self.problem, self.tuning)
         self._transform, self._cached, self._weight_refs = {}, None, None
 
     @property
@@ -170,7 +175,7 @@ class SymmetricContraction(torch.nn.Module):
         device = torch.device(device)
         if device.type == "cuda":
             plan = sc_ops.get(self.key)
-            for which in ("forward", "backward", "backward_w"):
+            for which in sc_ops.KERNELS:
                 plan.kernel(dtype, which, device)
 
     def extra_repr(self) -> str:

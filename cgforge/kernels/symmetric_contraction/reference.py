@@ -8,13 +8,11 @@ fallback. Both are plain differentiable torch code on any device.
 
 from __future__ import annotations
 
-from functools import cache
-
-import numpy as np
 import torch
 
-from .sc_problem import SCProblem
-from .sc_schedule import Ref, SCSchedule
+from ..core.cg import dense_numpy
+from .problem import SCProblem
+from .schedule import Ref, SCSchedule
 
 
 def reference_sc(problem: SCProblem, x: torch.Tensor, species: torch.Tensor,
@@ -40,16 +38,8 @@ def reference_sc(problem: SCProblem, x: torch.Tensor, species: torch.Tensor,
     return torch.cat(outs, dim=1)
 
 
-@cache
-def _dense_cg(cg: tuple, shape: tuple[int, int, int]) -> np.ndarray:
-    dense = np.zeros(shape)
-    for a, b, c, v in cg:
-        dense[a, b, c] = v
-    return dense
-
-
 def _coupling(cg: tuple, left: torch.Tensor, right: torch.Tensor, l_out: int) -> torch.Tensor:
-    dense = torch.as_tensor(_dense_cg(cg, (left.shape[-1], right.shape[-1], 2 * l_out + 1)),
+    dense = torch.as_tensor(dense_numpy(cg, (left.shape[-1], right.shape[-1], 2 * l_out + 1)),
                             dtype=left.dtype, device=left.device)
     return torch.einsum("nca,ncb,abm->ncm", left, right, dense)
 
@@ -111,7 +101,7 @@ def interpret_sc_backward(schedule: SCSchedule, x: torch.Tensor, species: torch.
         return wp[:, slot, :].index_select(0, species).unsqueeze(-1)
 
     def cg_dense(cg, dims) -> torch.Tensor:
-        return torch.as_tensor(_dense_cg(cg, dims), dtype=x.dtype, device=x.device)
+        return torch.as_tensor(dense_numpy(cg, dims), dtype=x.dtype, device=x.device)
 
     for out in schedule.outputs:
         go = g[:, out.offset:out.offset + channels * out.dim].reshape(n, channels, out.dim)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .cg import dense_cg
+from ..core.cg import dense_cg
 from .problem import TPProblem
 
 

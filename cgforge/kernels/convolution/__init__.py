@@ -1,0 +1,6 @@
+"""The fused convolution: the tensor product's program over a graph's edges (graph.py: ConvGraph)."""
+
+from .graph import ConvGraph, GraphTensors
+from .module import Convolution
+
+__all__ = ["ConvGraph", "Convolution", "GraphTensors"]

@@ -1,0 +1,92 @@
+"""Tuning values: the knobs of a schedule as plain frozen dataclasses, part of the schedule.
+
+Nothing is read from the environment at import. A module takes ``tuning=...`` explicitly; without
+one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
+
+- ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
+  ``CGFORGE_LOOP_ORDER`` (``segments`` or ``edges``);
+- ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LOOP_ORDERS = ("segments", "edges")
+PAIRINGS = ("pq", "pd", "qd")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class TPTuning:
+    """Tensor product and convolution kernels.
+
+    forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the
+    measured defaults of ``schedule.default_chunks``). loop_order: in a row with several edges (the
+    deterministic convolution), ``segments`` walks the edges once per segment (today's default, few
+    live registers), ``edges`` walks them once and runs every segment per edge (every segment's
+    accumulators live across the edge loop).
+    """
+
+    forward_chunk: int | None = None
+    backward_chunk: int | None = None
+    loop_order: str = "segments"
+
+    def __post_init__(self) -> None:
+        for name in ("forward_chunk", "backward_chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 32 or value % 32):
+                raise ValueError(f"{name} must be None or a positive multiple of 32, got {value!r}")
+        if self.loop_order not in LOOP_ORDERS:
+            raise ValueError(f"loop_order must be one of {LOOP_ORDERS}, got {self.loop_order!r}")
+
+    @classmethod
+    def from_env(cls) -> TPTuning:
+        return cls(_env_int("CGFORGE_FORWARD_CHUNK"), _env_int("CGFORGE_BACKWARD_CHUNK"),
+                   os.environ.get("CGFORGE_LOOP_ORDER") or "segments")
+
+    def key(self) -> str:
+        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}"
+
+
+@dataclass(frozen=True)
+class SCTuning:
+    """Symmetric contraction kernels.
+
+    block: threads per block (one atom's channels for C = 128). chunk: atoms per thread in the
+    grad-W' kernel (amortises the per-species atomics). pairings: how bilinear sums share partial
+    results (``pq`` only: the partial sums ``pd``/``qd`` save 3-5% of the statements on MACE-MP
+    shapes but raised ptxas's register count by 50-80%; off until measured on a GPU).
+    """
+
+    block: int = 128
+    chunk: int = 16
+    pairings: tuple[str, ...] = ("pq",)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, int) or not 32 <= self.block <= 1024 or self.block % 32:
+            raise ValueError(f"block must be a multiple of 32 in [32, 1024], got {self.block!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {self.chunk!r}")
+        if not self.pairings or any(p not in PAIRINGS for p in self.pairings):
+            raise ValueError(f"pairings must be a non-empty subset of {PAIRINGS}, got {self.pairings!r}")
+
+    @classmethod
+    def from_env(cls) -> SCTuning:
+        default = cls()
+        pairings = os.environ.get("CGFORGE_SC_PAIRINGS")
+        return cls(_env_int("CGFORGE_SC_BLOCK") or default.block, _env_int("CGFORGE_SC_CHUNK") or default.chunk,
+                   tuple(pairings.split(",")) if pairings else default.pairings)
+
+    def key(self) -> str:
+        return f"{self.block}|{self.chunk}|{','.join(self.pairings)}"

@@ -1,0 +1,40 @@
+"""Render CUDA C++ for a Schedule: the template's skeleton plus the printed program (stage 5)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from ..core.ir import c_group, literal
+from ..core.templates import template
+from .layout import Layout
+from .program import build_program
+from .schedule import Schedule
+
+
+def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
+    launches = f"{schedule.forward_launch}|{schedule.backward_launch}"
+    # the loop order enters the name only when not the default (default kernels keep their names)
+    order = "" if schedule.loop_order == "segments" else f"|{schedule.loop_order}"
+    digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}{order}".encode()).hexdigest()[:12]
+    return f"cgf_{digest}_{layout.tag()}"
+
+
+def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backward: bool) -> tuple[str, str]:
+    """CUDA source and the kernel base name (`<name>_forward`, `<name>_backward`)."""
+    literal(scalar, 0.0)  # checks the scalar type
+    p = schedule.problem
+    name = kernel_name(schedule, scalar, layout)
+    source = template("tensor_product.cu.j2").render(
+        title=f"{p.irreps_in1} x {p.irreps_in2} -> {p.irreps_out} ({scalar}, layout {layout.tag()})",
+        name=name, scalar=scalar, c=lambda group: c_group(group, scalar),
+        fwd=schedule.forward_launch, bwd=schedule.backward_launch,
+        in1_dim=p.irreps_in1.dim, in2_dim=p.irreps_in2.dim, out_dim=p.irreps_out.dim,
+        wnumel=max(p.weight_numel, 1), shared_weights=p.shared_weights, y_smem=schedule.y_smem,
+        gw_op="+=" if p.shared_weights else "=",  # shared weights: per-warp partial sums
+        forward=build_program(schedule, backward=False) if forward else None,
+        backward=build_program(schedule, backward=True) if backward else None,
+        loop_order=schedule.loop_order,
+        csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
+        emit_forward=forward, emit_backward=backward,
+    )
+    return source, name

@@ -1,0 +1,33 @@
+"""How rows map to edges and operands: the compile-time flags of one kernel variant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """csr: a row walks the edges rowptr[row]..rowptr[row+1]; otherwise row == edge.
+    perm: edge position -> edge id (y, W and grad-y rows are read at the edge id).
+    xidx: the in1 row of an edge is xidx[eid] (else the row itself).
+    gidx: backward only, the grad-out row of an edge is gidx[eid] (else the row itself).
+    atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x).
+    """
+
+    csr: bool = False
+    perm: bool = False
+    xidx: bool = False
+    gidx: bool = False
+    atomic: bool = False
+
+    def tag(self) -> str:
+        return "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
+
+
+TP_LAYOUT = Layout()
+# The convolution's kernels: deterministic (CSR over receivers forward, over senders backward) and atomic.
+CONV_FORWARD = Layout(csr=True, perm=True, xidx=True)
+CONV_FORWARD_SORTED = Layout(csr=True, perm=False, xidx=True)  # edges already sorted by receiver
+CONV_BACKWARD = Layout(csr=True, perm=True, gidx=True)
+ATOMIC_FORWARD = Layout(xidx=True, atomic=True)
+ATOMIC_BACKWARD = Layout(xidx=True, gidx=True, atomic=True)

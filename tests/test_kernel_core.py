@@ -1,0 +1,237 @@
+"""CPU tests of the kernel core and the stages of the tensor-product / convolution generator.
+
+The convolution kernels' programs run on the CPU evaluator for every layout and both loop orders,
+against e3nn in FP64; the printed source carries the program's statements; tuning values, typed graph
+tensors, exception classes, old import paths (pickles) and the explain walkthrough.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from tp_cases import PROBLEMS, e3nn_tp, rel
+
+from cgforge.kernels import (
+    ConvGraph,
+    SCTuning,
+    SharedMemoryError,
+    TensorProduct,
+    TPProblem,
+    TPTuning,
+    UnknownKernelKeyError,
+    UnsupportedProblemError,
+)
+from cgforge.kernels.convolution import GraphTensors
+from cgforge.kernels.core.compiler import nvrtc_available
+from cgforge.kernels.core.ir import c_group
+from cgforge.kernels.tensor_product import layout as layouts
+from cgforge.kernels.tensor_product import plan as plans
+from cgforge.kernels.tensor_product.codegen import render
+from cgforge.kernels.tensor_product.evaluate import run_backward, run_forward
+from cgforge.kernels.tensor_product.program import build_program
+from cgforge.kernels.tensor_product.schedule import build_schedule
+
+SMALL = ["nequip-water", "tetris-poly"]  # the others: slow (a shared CPU runs ~100k small torch ops per problem)
+LARGE = [n for n in PROBLEMS if n not in SMALL]
+
+
+def _graph(num_nodes: int, num_edges: int, seed: int) -> ConvGraph:
+    gen = torch.Generator().manual_seed(seed)
+    sender = torch.randint(0, num_nodes, (num_edges,), generator=gen)
+    receiver = torch.randint(0, num_nodes, (num_edges,), generator=gen)
+    return ConvGraph(sender, receiver, num_nodes)
+
+
+def _conv_case(name: str, shared: bool):
+    torch.set_default_dtype(torch.float64)
+    tp = e3nn_tp(PROBLEMS[name], shared)
+    graph = _graph(5, 13, seed=len(name))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, tp.irreps_in1.dim, generator=gen, dtype=torch.float64)
+    y = torch.randn(13, tp.irreps_in2.dim, generator=gen, dtype=torch.float64)
+    w = torch.randn(*(() if shared else (13,)), tp.weight_numel, generator=gen, dtype=torch.float64)
+    g = torch.randn(5, tp.irreps_out.dim, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, y, w)]
+    s, r = graph.sender.long(), graph.receiver.long()
+    ref = torch.zeros(5, tp.irreps_out.dim, dtype=torch.float64).index_add(0, r, tp(leaves[0][s], leaves[1], leaves[2]))
+    grads = torch.autograd.grad(ref, leaves, g)
+    return TPProblem.from_e3nn(tp), graph, (x, y, w, g), ref.detach(), grads
+
+
+def _check_conv_kernels(name: str, shared: bool, loop_order: str) -> None:
+    problem, graph, (x, y, w, g), ref, grads = _conv_case(name, shared)
+    t = graph.tensors()
+    n, e = x.shape[0], y.shape[0]
+    # chunk 32: several segments per irrep (the edges order keeps them all live)
+    nodes = build_schedule(problem, itemsize=8, max_chunk=32, tuning=TPTuning(loop_order=loop_order),
+                           rows_are_nodes=True)
+    for layout, perm in ((layouts.CONV_FORWARD, t.perm), (layouts.CONV_FORWARD_SORTED, None)):
+        if perm is None:  # the sorted-edges kernel: give it edges sorted by receiver
+            order = torch.argsort(t.receiver.long(), stable=True)
+            sorted_graph = ConvGraph(t.sender[order], t.receiver[order], n)
+            ts = sorted_graph.tensors()
+            out = run_forward(nodes, x, y[order], w if shared else w[order], layout, n, ts.rowptr, None, ts.sender)
+        else:
+            out = run_forward(nodes, x, y, w, layout, n, t.rowptr, t.perm, t.sender)
+        assert rel(out, ref) < 1e-12, (layout, "forward")
+    res = run_backward(nodes, x, y, w, g, layouts.CONV_BACKWARD, n, t.rowptr_t, t.perm_t, None, t.receiver)
+    for a, b in zip(res, grads):
+        assert rel(a, b) < 1e-12
+    edges = build_schedule(problem, itemsize=8, max_chunk=32, tuning=TPTuning(loop_order=loop_order))
+    out = run_forward(edges, x, y, w, layouts.ATOMIC_FORWARD, e, None, None, t.sender, t.receiver, out_rows=n)
+    assert rel(out, ref) < 1e-12
+    res = run_backward(edges, x, y, w, g, layouts.ATOMIC_BACKWARD, e, None, None, t.sender, t.receiver)
+    for a, b in zip(res, grads):
+        assert rel(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("loop_order", ["segments", "edges"])
+def test_conv_kernel_programs_match_e3nn(name, loop_order):
+    """Every convolution kernel (deterministic with and without perm, atomic; forward and backward), as
+    the program the GPU runs, evaluated on CPU in FP64 against e3nn + scatter."""
+    _check_conv_kernels(name, name == "tetris-poly", loop_order)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("loop_order", ["segments", "edges"])
+def test_conv_kernel_programs_match_e3nn_large(name, loop_order):
+    _check_conv_kernels(name, False, loop_order)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_source_prints_the_program(backward):
+    """Each CG statement group of the program is a line of the source, in program order."""
+    problem = TPProblem.build(*PROBLEMS["diffdock-L1"])
+    schedule = build_schedule(problem, itemsize=4)
+    source, _ = render(schedule, "float", layouts.TP_LAYOUT, forward=not backward, backward=backward)
+    lines = [line.strip() for line in source.splitlines()]
+    expected = [c_group(grp, "float") for sc in build_program(schedule, backward).segments for tc in sc.terms
+                for grp in tc.products + tc.adjoint]
+    cg_lines = [line for line in lines if line.startswith(("acc[j]", "t3[", "{ const scalar_t cg"))]
+    assert cg_lines == expected and expected
+
+
+def test_loads_name_their_source():
+    schedule = build_schedule(TPProblem.build(*PROBLEMS["nequip-water"]))
+    assert all(ld.source == "x" for seg in schedule.forward for ld in seg.loads)
+    for seg in schedule.backward:
+        assert [ld.source for ld in seg.loads][0] == "x" and {ld.source for ld in seg.loads[1:]} == {"g"}
+        assert seg.x_smem == seg.loads[0].smem_offset
+
+
+def test_loop_order_changes_only_csr_kernels():
+    problem = TPProblem.build(*PROBLEMS["nequip-water"])
+    seg, edg = (build_schedule(problem, tuning=TPTuning(loop_order=o), rows_are_nodes=True)
+                for o in ("segments", "edges"))
+    a, name_a = render(seg, "float", layouts.CONV_FORWARD, True, False)
+    b, name_b = render(edg, "float", layouts.CONV_FORWARD, True, False)
+    assert name_a != name_b and "edges outermost" in b and "edges outermost" not in a
+    assert b.count("stage(smem + 0, y + eid") == 1  # y staged once per edge, not per segment
+
+
+@pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")
+@pytest.mark.parametrize("scalar", ["float", "double"])
+def test_edges_loop_order_compiles(scalar):
+    from cgforge.kernels.core.compiler import compile_cubin
+
+    problem = TPProblem.build(*PROBLEMS["nequip-water"])
+    schedule = build_schedule(problem, itemsize=4 if scalar == "float" else 8,
+                              tuning=TPTuning(loop_order="edges"), rows_are_nodes=True)
+    for layout, backward in ((layouts.CONV_FORWARD, False), (layouts.CONV_BACKWARD, True)):
+        source, base = render(schedule, scalar, layout, forward=not backward, backward=backward)
+        fn = f"{base}_{'backward' if backward else 'forward'}"
+        assert 0 < compile_cubin(source, arch="sm_90", name=f"{fn}.cu").resources(fn).registers <= 255
+
+
+def test_tuning_values(monkeypatch):
+    with pytest.raises(ValueError, match="forward_chunk"):
+        TPTuning(forward_chunk=48)
+    with pytest.raises(ValueError, match="loop_order"):
+        TPTuning(loop_order="rows")
+    with pytest.raises(ValueError, match="block"):
+        SCTuning(block=100)
+    monkeypatch.setenv("CGFORGE_FORWARD_CHUNK", "32")
+    monkeypatch.setenv("CGFORGE_LOOP_ORDER", "edges")
+    assert TPTuning() == TPTuning(None, None, "segments")  # the environment is read by from_env only
+    assert TPTuning.from_env() == TPTuning(32, None, "edges")
+    problem = TPProblem.build(*PROBLEMS["nequip-water"])
+    env_plan = plans.get(plans.register(problem))  # no tuning given: the sweep variables, read now
+    assert env_plan.tuning.forward_chunk == 32 and env_plan.schedule(torch.float32).forward_launch.chunk == 32
+    monkeypatch.setenv("CGFORGE_FORWARD_CHUNK", "x")
+    with pytest.raises(ValueError, match="CGFORGE_FORWARD_CHUNK"):
+        TPTuning.from_env()
+    explicit = TensorProduct(*PROBLEMS["nequip-water"], tuning=TPTuning(forward_chunk=64, backward_chunk=32))
+    schedule = plans.get(explicit.key).schedule(torch.float32)
+    assert (schedule.forward_launch.chunk, schedule.backward_launch.chunk) == (64, 32)
+    assert schedule.tuning == explicit.tuning
+
+
+def test_conv_graph_trusted_checks_dtypes_and_shapes():
+    graph = _graph(4, 9, seed=3)
+    same = ConvGraph.trusted(graph.tensors(), 4)
+    assert isinstance(same.tensors(), GraphTensors) and same.num_edges == 9 and same.deterministic
+    assert all(a is b for a, b in zip(same.tensors(), graph.tensors()))
+    bad = graph.tensors()._replace(rowptr=graph.rowptr.int())
+    with pytest.raises(TypeError, match="rowptr must be a contiguous 1-D torch.int64"):
+        ConvGraph.trusted(bad, 4)
+    with pytest.raises(ValueError, match="rowptr and rowptr_t need 6 entries"):
+        ConvGraph.trusted(graph.tensors(), 5)
+
+
+def test_exception_classes():
+    with pytest.raises(UnsupportedProblemError) as err:
+        TPProblem.build("1x7e", "1x0e", "1x7e", [(0, 0, 0, "uvu", True)])
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(UnknownKernelKeyError, match="build the TensorProduct"):
+        plans.get("tp_missing")
+    big = TPProblem.build("4096x6e", "1x0e", "4096x6e", [(0, 0, 0, "uvw", True)])
+    with pytest.raises(SharedMemoryError):
+        build_schedule(big)
+
+
+@pytest.mark.parametrize("path,name", [("cgforge.kernels.convolution", "Convolution"),
+                                       ("cgforge.kernels.tensor_product", "TensorProduct"),
+                                       ("cgforge.kernels.problem", "Instruction"),
+                                       ("cgforge.kernels.problem", "TPProblem"),
+                                       ("cgforge.kernels.sc_problem", "SCProblem"),
+                                       ("cgforge.kernels.symmetric_contraction", "_Contraction"),
+                                       ("cgforge.kernels.symmetric_contraction", "_rebuild_after_load")])
+def test_paths_named_by_old_pickles_resolve(path, name):
+    """Whole-model pickles written by earlier versions name these (module, attribute) pairs."""
+    assert getattr(importlib.import_module(path), name) is not None
+
+
+def test_old_compiler_path_is_the_same_module():
+    from cgforge.kernels import compiler, runtime
+    from cgforge.kernels.core import compiler as core_compiler
+    from cgforge.kernels.core import runtime as core_runtime
+
+    assert compiler is core_compiler and runtime is core_runtime
+
+
+def test_import_loads_no_model_package():
+    code = ("import sys, cgforge.kernels; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mace', 'nequip', 'ase')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_explain_prints_every_stage(capsys):
+    from cgforge.kernels.explain import main
+
+    arch = "sm_90" if nvrtc_available() else "none"
+    assert main(["8x0e+8x1o", "0e+1o", "8x0e+8x1o+8x1e", "--arch", arch, "--lines", "5"]) == 0
+    text = capsys.readouterr().out
+    for stage in ("1. problem", "2. sparse CG", "3. schedule", "4. program", "6. generated forward kernel"):
+        assert stage in text
+    assert "l=(1, 1, 1): 6 nonzeros of 27" in text
+    assert 'extern "C" __global__' in text
+    if arch != "none":
+        assert "5. ptxas report" in text and "registers" in text
+    assert main(["8x0e", "0e", "--mode", "uvw"]) == 2  # uvw needs IRREPS_OUT: a clear error, no traceback
