@@ -516,7 +516,8 @@ class Calculator(AseCalculator):
                          "re-download or re-train it")
         else:
             lines.append("usual causes: atoms on top of each other (or an MD run that blew up before this step), "
-                         "or a damaged model file; if patch=False gives finite numbers here, report it to cgforge")
+                         "or a damaged model file" + ("; if patch=False gives finite numbers here, report it to "
+                                                      "cgforge" if self.patched else ""))
         return "; ".join(lines)
 
 
