@@ -882,7 +882,8 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour-list skin in Å (default 1.0)")
     parser.add_argument("--relax", type=int, default=None,
                         help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "
-                             "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure)")
+                             "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure; refused "
+                             "with --restart)")
     parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
                              "models; kept only if the first structure's forces change by <= 1e-4 relative, "
