@@ -145,6 +145,7 @@ def test_csvr_thermostats_a_lennard_jones_crystal():
     assert abs(engine.conserved_energy() - e0) / len(atoms) < 2e-4  # eV/atom over 17 ps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anisotropic", [False, True])
 def test_stochastic_cell_rescaling_samples_the_ideal_gas_volume(anisotropic):
     """Ideal gas of N atoms at P0 (flat measure in V): V ~ Gamma(N + 1, kT / P0), <V> = (N + 1) kT / P0. At N = 8
