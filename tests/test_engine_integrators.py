@@ -256,6 +256,17 @@ def test_blow_up_on_non_finite_energy():
         engine.run(10)
 
 
+def test_make_integrator_maps_ensemble_names():
+    from cgforge.plugin.integrators import make_integrator
+
+    kinds = {"nve": VelocityVerlet, "nvt": Langevin, "nvt-csvr": CSVR, "npt": StochasticCellRescaling}
+    for name, kind in kinds.items():
+        assert type(make_integrator(name, timestep_fs=1.0)) is kind
+    assert make_integrator("NPT-aniso", timestep_fs=1.0, pressure_GPa=2.0).anisotropic
+    with pytest.raises(ValueError, match="ensemble: expected one of"):
+        make_integrator("npe", timestep_fs=1.0)
+
+
 def test_arguments_are_checked():
     atoms = argon_box()
     forces = EnergyFunctionForces(lennard_jones())

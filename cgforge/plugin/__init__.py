@@ -14,6 +14,8 @@ _EXPORTS = {
     "Calculator": "calculator",
     "run_md": "md",
     "water_box": "water",
+    "Engine": "engine",
+    "MDBlowUp": "engine",
     "VerletNeighbourList": "neighbours",
     "neighbour_list": "neighbours",
 }
