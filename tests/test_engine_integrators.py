@@ -145,6 +145,7 @@ def test_csvr_thermostats_a_lennard_jones_crystal():
     assert abs(engine.conserved_energy() - e0) / len(atoms) < 2e-4  # eV/atom over 17 ps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anisotropic", [False, True])
 def test_stochastic_cell_rescaling_samples_the_ideal_gas_volume(anisotropic):
     """Ideal gas of N atoms at P0 (flat measure in V): V ~ Gamma(N + 1, kT / P0), <V> = (N + 1) kT / P0. At N = 8
@@ -253,6 +254,17 @@ def test_blow_up_on_non_finite_energy():
     engine = energy_function_engine(energy, atoms, VelocityVerlet(1.0), block=5)
     with pytest.raises(MDBlowUp, match=r"at step 3: energy nan"):
         engine.run(10)
+
+
+def test_make_integrator_maps_ensemble_names():
+    from cgforge.plugin.integrators import make_integrator
+
+    kinds = {"nve": VelocityVerlet, "nvt": Langevin, "nvt-csvr": CSVR, "npt": StochasticCellRescaling}
+    for name, kind in kinds.items():
+        assert type(make_integrator(name, timestep_fs=1.0)) is kind
+    assert make_integrator("NPT-aniso", timestep_fs=1.0, pressure_GPa=2.0).anisotropic
+    with pytest.raises(ValueError, match="ensemble: expected one of"):
+        make_integrator("npe", timestep_fs=1.0)
 
 
 def test_arguments_are_checked():

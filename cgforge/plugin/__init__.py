@@ -15,6 +15,8 @@ _EXPORTS = {
     "NonFiniteOutputError": "calculator",
     "run_md": "md",
     "water_box": "water",
+    "Engine": "engine",
+    "MDBlowUp": "engine",
     "VerletNeighbourList": "neighbours",
     "neighbour_list": "neighbours",
 }

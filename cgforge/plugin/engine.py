@@ -119,13 +119,23 @@ class Engine:
         f64 = {"dtype": torch.float64, "device": self.device}
         masses = torch.as_tensor(atoms.get_masses(), **f64).reshape(n, 1)
         integrator.bind(masses)
-        self.state = MDState(
-            positions=torch.as_tensor(atoms.get_positions(), **f64).clone(),
-            momenta=torch.as_tensor(atoms.get_momenta(), **f64).clone(),
-            forces=torch.zeros(n, 3, **f64), energy=torch.zeros((), **f64), virial=torch.zeros(3, 3, **f64),
-            cell=torch.as_tensor(np.array(atoms.cell), **f64).clone(), masses=masses,
-            step=torch.zeros((), dtype=torch.int64, device=self.device),
-            extra=integrator.initial_extra(self.device))
+        extra = integrator.initial_extra(self.device)
+        # One flat buffer holds everything a step changes, the fields are views of it: saving and restoring a
+        # step is one copy each, and a snapshot for the host one transfer.
+        shapes = {"positions": (n, 3), "momenta": (n, 3), "forces": (n, 3), "energy": (), "virial": (3, 3),
+                  "cell": (3, 3), **{f"extra.{k}": () for k in extra}}
+        self._flat = torch.zeros(sum(math.prod(v) for v in shapes.values()), **f64)
+        views = dict(zip(shapes, (part.view(shape) for part, shape in zip(
+            self._flat.split([math.prod(v) for v in shapes.values()]), shapes.values(), strict=True)), strict=True))
+        self.state = MDState(**{k: v for k, v in views.items() if not k.startswith("extra.")}, masses=masses,
+                             step=torch.zeros((), dtype=torch.int64, device=self.device),
+                             extra={k: views[f"extra.{k}"] for k in extra})
+        with torch.no_grad():
+            self.state.positions.copy_(torch.as_tensor(atoms.get_positions(), **f64))
+            self.state.momenta.copy_(torch.as_tensor(atoms.get_momenta(), **f64))
+            self.state.cell.copy_(torch.as_tensor(np.array(atoms.cell), **f64))
+            for k, v in extra.items():
+                self.state.extra[k].copy_(v)
         self.noise = NoiseSource(self.seed, self.state.step)
         reference = integrator.temperature_K if integrator.temperature_K is not None else atoms.get_temperature()
         self.max_temperature_K = (max(2000.0, 5.0 * float(reference)) if max_temperature_K is None
@@ -312,7 +322,7 @@ class Engine:
 
     def _one_step(self) -> None:
         s, rep, integrator = self.state, self._report, self.integrator
-        saved = {k: t.clone() for k, t in s.tensors().items()}
+        saved = self._flat.clone()
         integrator.before_forces(s, self.noise)
         result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
         self._store(result)
@@ -327,8 +337,7 @@ class Engine:
         blow = ~invalid & (kind > 0)
         fresh = ~rep["stopped"]
         bad = rep["stopped"] | invalid | blow
-        for k, t in s.tensors().items():
-            t.copy_(torch.where(bad, saved[k], t))
+        self._flat.copy_(torch.where(bad, saved, self._flat))
         new_blow = blow & fresh
         rep["blow_kind"].copy_(torch.where(new_blow, kind, rep["blow_kind"]))
         rep["blow_step"].copy_(torch.where(new_blow, s.step + 1, rep["blow_step"]))
@@ -383,8 +392,8 @@ class Engine:
         if host["stale"]:
             if committed == 0 and self._fresh_list:
                 raise MDBlowUp(self._step + 1, "displacement", float("nan"),
-                               " (an atom moved beyond the neighbour list's skin within one step: a blow-up or a "
-                               "timestep far too large)")
+                               " (atoms moved or the cell deformed beyond the neighbour list's skin within one "
+                               "step: a blow-up, a timestep or barostat rate far too large, or a skin too small)")
             self._rebuild()
         elif committed:
             self._fresh_list = False
@@ -438,12 +447,12 @@ class Engine:
 
     def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
         device = self.device
-        backup = {k: t.clone() for k, t in {**self.state.tensors(), "step": self.state.step}.items()}
+        backup = (self._flat.clone(), self.state.step.clone())
         report = {k: t.clone() for k, t in self._report.items()}
 
         def restore() -> None:
-            for k, t in {**self.state.tensors(), "step": self.state.step}.items():
-                t.copy_(backup[k])
+            self._flat.copy_(backup[0])
+            self.state.step.copy_(backup[1])
             for k, t in self._report.items():
                 t.copy_(report[k])
 
@@ -478,13 +487,10 @@ class Engine:
 
     def _take_snapshot(self) -> None:
         """Queue a copy of the state into a pinned host buffer (read after the block's sync)."""
-        s = self.state
-        parts = [s.positions, s.momenta, s.forces, s.energy, s.virial, s.cell, *s.extra.values()]
-        packed = torch.cat([p.reshape(-1) for p in parts])
-        if self._host_snapshot is None or self._host_snapshot.numel() != packed.numel():
-            self._host_snapshot = torch.zeros(packed.numel(), dtype=torch.float64,
+        if self._host_snapshot is None:
+            self._host_snapshot = torch.zeros(self._flat.numel(), dtype=torch.float64,
                                               pin_memory=self.device.type == "cuda")
-        self._host_snapshot.copy_(packed, non_blocking=True)
+        self._host_snapshot.copy_(self._flat, non_blocking=True)
         self._snapshot_step = self._step
 
     def _write_atoms(self) -> None:

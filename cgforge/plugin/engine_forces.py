@@ -152,7 +152,7 @@ class ModelForces:
             deform = self._ref_cell_inverse @ cell
             reference = reference @ deform
             eye = torch.eye(3, dtype=deform.dtype, device=deform.device)
-            bound = (1.0 - torch.linalg.matrix_norm(deform - eye)) * (self.cutoff + self.skin)
+            bound = (1.0 - (deform - eye).square().sum().sqrt()) * (self.cutoff + self.skin)
             allowed = 0.5 * (bound - self.cutoff)
         moved = (positions - reference).square().sum(-1).amax().sqrt()
         return allowed - moved

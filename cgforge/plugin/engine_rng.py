@@ -5,10 +5,11 @@ step the engine throws away (a neighbour list went stale inside a block, the edg
 redoes. Noise keyed by the committed step number makes a run independent of when rebuilds happened, a restart
 needs only (seed, step), and CPU and CUDA draw the same numbers (integer arithmetic, then float64).
 
-The hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64), keyed per
-step and stream, two rounds per draw. A product of two 32-bit words can pass 2^63: torch's int64 multiply wraps
-(two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the result is exact; the safe 16-bit
-split (``_mul32_exact``) is the test's reference, and a CUDA test checks that both devices draw the same numbers.
+The hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64), keyed
+per step and stream, three rounds per draw with independent round keys. A product of two 32-bit words can pass
+2^63: torch's int64 multiply wraps (two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the
+result is exact; the safe 16-bit split (``_mul32_exact``) is the test's reference, and a CUDA test checks that
+both devices draw the same numbers.
 Uniforms become normals by Box-Muller. Statistics are tested in tests/test_engine_rng.py (moments, a
 Kolmogorov-Smirnov test, independence across steps, streams and seeds).
 """
@@ -47,9 +48,10 @@ def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.dev
     """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
     step = step.to(torch.int64)
     k1 = _mix(_stream_key(int(seed), int(stream)) ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
-    k2 = k1 ^ 0x5BD1E995
+    k2 = _mix(k1 ^ 0x9E3779B9)  # independent round keys: no related-key structure between the rounds
+    k3 = _mix(k2 ^ 0x85EBCA6B)
     index = torch.arange(n, dtype=torch.int64, device=device)
-    return _mix(_mix(index ^ k1) ^ k2)
+    return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
 
 
 def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:

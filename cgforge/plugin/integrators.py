@@ -30,7 +30,7 @@ from ase import units
 from torch import Tensor
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "kinetic_energy", "kinetic_tensor"]
+           "make_integrator", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -63,6 +63,11 @@ def kinetic_energy(state: MDState) -> Tensor:
 def kinetic_tensor(state: MDState) -> Tensor:
     """sum_i p_i (x) p_i / m_i [3, 3] (twice the kinetic energy tensor)."""
     return (state.momenta / state.masses).T @ state.momenta
+
+
+def volume(cell: Tensor) -> Tensor:
+    """|det(cell)| as a triple product (elementwise ops: safe in a CUDA-graph capture, unlike an LU)."""
+    return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
 
 
 def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:
@@ -280,11 +285,10 @@ class StochasticCellRescaling(CSVR):
         self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
 
     def pressure_tensor(self, s: MDState) -> Tensor:
-        volume = torch.linalg.det(s.cell).abs()
-        return (kinetic_tensor(s) - s.virial) / volume
+        return (kinetic_tensor(s) - s.virial) / volume(s.cell)
 
     def before_forces(self, s: MDState, noise) -> None:
-        volume = torch.linalg.det(s.cell).abs()
+        v = volume(s.cell)
         pressure = self.pressure_tensor(s)
         self._rescale(s, noise, 0)
         self._kick(s)
@@ -292,11 +296,11 @@ class StochasticCellRescaling(CSVR):
         dt = self.dt
         if self.anisotropic:
             drift = (self.rate / 3) * (torch.diagonal(pressure) - self.p0) * dt
-            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / (3 * volume)) * noise(2, (3,))
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / (3 * v)) * noise(2, (3,))
             mu = torch.exp(step)  # per Cartesian axis
         else:
             drift = self.rate * (torch.diagonal(pressure).mean() - self.p0) * dt
-            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / volume) * noise(2, (1,))[0]
+            step = drift + torch.sqrt(2 * self.kt * self.rate * dt / v) * noise(2, (1,))[0]
             mu = torch.exp(step / 3).expand(3)
         s.positions.mul_(mu)
         s.cell.mul_(mu)
@@ -304,4 +308,27 @@ class StochasticCellRescaling(CSVR):
 
     def conserved(self, s: MDState) -> Tensor:
         """E_pot + E_kin + P0 V - heat (the barostat's own work is not tracked: not a conserved quantity)."""
-        return super().conserved(s) + self.p0 * torch.linalg.det(s.cell).abs()
+        return super().conserved(s) + self.p0 * volume(s.cell)
+
+
+ENSEMBLES = ("nve", "nvt", "nvt-csvr", "npt", "npt-aniso")
+
+
+def make_integrator(ensemble: str, *, timestep_fs: float, temperature_K: float = 300.0, friction_per_fs: float = 0.01,
+                    tau_fs: float = 100.0, pressure_GPa: float = 1e-4, tau_p_fs: float = 1000.0,
+                    compressibility_per_GPa: float = 0.45) -> Integrator:
+    """The integrator for an ensemble name (the CLI's choices): nve (VelocityVerlet), nvt (ASE's Langevin with
+    ``friction_per_fs``), nvt-csvr (CSVR with ``tau_fs``), npt / npt-aniso (CSVR + stochastic cell rescaling,
+    isotropic / each axis on its own, at ``pressure_GPa``)."""
+    name = str(ensemble).lower()
+    if name == "nve":
+        return VelocityVerlet(timestep_fs)
+    if name == "nvt":
+        return Langevin(timestep_fs, temperature_K, friction_per_fs)
+    if name == "nvt-csvr":
+        return CSVR(timestep_fs, temperature_K, tau_fs)
+    if name in ("npt", "npt-aniso"):
+        return StochasticCellRescaling(timestep_fs, temperature_K, pressure_GPa, tau_fs=tau_fs, tau_p_fs=tau_p_fs,
+                                       compressibility_per_GPa=compressibility_per_GPa,
+                                       anisotropic=name == "npt-aniso")
+    raise ValueError(f"ensemble: expected one of {ENSEMBLES}, got {ensemble!r}")

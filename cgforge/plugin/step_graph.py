@@ -261,10 +261,12 @@ class ModelStep:
             if species.shape != self._species.shape or species.dtype != self._species.dtype:
                 raise ValueError(f"species: expected shape {tuple(self._species.shape)} for {n} atoms, got "
                                  f"{tuple(species.shape)}")
-            self._species.copy_(species)
+            same = bool(torch.equal(species.to(self._species.device), self._species))  # another tensor, same values
             self._species_source = species
-            self.invalidate()  # a capture holds the species groups as they were
-            self._groups = self._species_groups()
+            if not same:
+                self._species.copy_(species)
+                self.invalidate()  # a capture holds the species groups as they were
+                self._groups = self._species_groups()
 
     def _species_groups(self) -> SpeciesGroups | None:
         # The model's node attributes are a function of the species index within one structure (the adapter
