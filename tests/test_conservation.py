@@ -154,16 +154,19 @@ def check_nve(plain: Potential, patched: Potential, atoms: Atoms) -> None:
     assert np.abs(x_patched - x_plain).max() < 1e-6, "patched and plain trajectories diverge"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_forces_match_finite_differences_of_the_energy(potentials, name):
     check_forces_match_finite_differences(potentials(name)[1], _system(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_force_jacobian_is_symmetric_and_matches_finite_differences(potentials, name):
     check_force_jacobian(potentials(name)[1], _system(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_nve_energy_drift_is_bounded_and_matches_the_unpatched_model(potentials, name):
     plain, patched = potentials(name)
