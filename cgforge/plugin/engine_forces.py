@@ -106,10 +106,15 @@ class ModelForces:
         self.cutoff = float(calc.neighbours.cutoff)
         self.skin = float(calc.neighbours.skin)
         self.n_rebuilds = 0
+        # Reference positions (and cell inverse) of the last rebuild: updated in place, since a captured graph
+        # reads them at the address it was captured with; a new allocation bumps the generation (recapture).
+        self._ref_positions: Tensor | None = None
+        self._ref_cell_inverse: Tensor | None = None
+        self._own_generation = 0
 
     @property
-    def generation(self) -> int:
-        return self.step.generation
+    def generation(self) -> tuple[int, int]:
+        return self.step.generation, self._own_generation
 
     @property
     def initial_slack(self) -> float:
@@ -136,10 +141,18 @@ class ModelForces:
         self.step.positions.copy_(positions)
         self.step.cell.copy_(cell)
         self.step.rebuild(self.pbc)
-        self._ref_positions = positions.detach().clone()
-        self._ref_cell_inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
+        self._ref_positions = self._keep(self._ref_positions, positions.detach())
+        inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
+        self._ref_cell_inverse = None if inverse is None else self._keep(self._ref_cell_inverse, inverse)
         self._builds = self.calc.neighbours.n_builds
         self.n_rebuilds += 1
+
+    def _keep(self, held: Tensor | None, value: Tensor) -> Tensor:
+        """``value`` in ``held``'s storage when it fits (captured graphs keep reading it), else a new tensor."""
+        if held is not None and held.shape == value.shape and held.dtype == value.dtype:
+            return held.copy_(value)
+        self._own_generation += 1
+        return value.clone()
 
     def grow(self, count: int) -> None:
         self.step.grow(int(count))
