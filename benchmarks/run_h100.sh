@@ -22,7 +22,7 @@ PY
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$EP_DIR"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/device.txt"
 case "${1:-}" in
-tests)  # the whole CUDA suite in one call: three pytest processes side by side on the one GPU (NVRTC compiles
+tests)  # the whole CUDA suite in one call: four pytest processes side by side on the one GPU (NVRTC compiles
         # on the CPU cores), each module in exactly one shard; TESTS=paths runs just those, in one process
     limit=${TEST_LIMIT:-540}
     if [ -n "${TESTS:-}" ]; then
@@ -30,12 +30,13 @@ tests)  # the whole CUDA suite in one call: three pytest processes side by side 
         timeout "$limit" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider --durations=15 $TESTS \
             > "$OUT/cuda-tests.log" 2>&1; tail -25 "$OUT/cuda-tests.log"; exit 0
     fi
-    kernels="tests/test_properties.py tests/test_kernels_cuda.py tests/test_segment_sum.py tests/test_runtime_cuda.py
+    kernels="tests/test_properties.py tests/test_segment_sum.py tests/test_runtime_cuda.py
              tests/test_symmetric_contraction.py tests/test_tensor_product.py tests/test_convolution.py"
+    generated="tests/test_kernels_cuda.py"
     models="tests/test_nequip_patch.py tests/test_conservation.py tests/test_equivariance.py tests/test_edge_vectors.py"
-    rest=$(ls tests/test_*.py | grep -v -x -F -f <(printf '%s\n' $kernels $models) | sort -r | tr '\n' ' ')
+    rest=$(ls tests/test_*.py | grep -v -x -F -f <(printf '%s\n' $kernels $generated $models) | sort -r | tr '\n' ' ')
     pids=()
-    for shard in kernels models rest; do
+    for shard in kernels generated models rest; do
         # shellcheck disable=SC2086  # the shard's module list
         timeout "$limit" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider --durations=10 ${!shard} \
             > "$OUT/cuda-tests-$shard.log" 2>&1 &
@@ -43,7 +44,7 @@ tests)  # the whole CUDA suite in one call: three pytest processes side by side 
     done
     status=0
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-    for shard in kernels models rest; do
+    for shard in kernels generated models rest; do
         echo "== $shard: $(grep -E '(passed|failed|error)' "$OUT/cuda-tests-$shard.log" | tail -1)"
         grep -E '^(FAILED|ERROR) ' "$OUT/cuda-tests-$shard.log" | cut -c1-240
     done
