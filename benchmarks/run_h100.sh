@@ -38,7 +38,7 @@ tests)  # the whole CUDA suite in one call: four pytest processes side by side o
     pids=()
     for shard in kernels generated models rest; do
         # shellcheck disable=SC2086  # the shard's module list
-        timeout "$limit" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider --durations=10 ${!shard} \
+        timeout -s INT -k 30 "$limit" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider --durations=10 ${!shard} \
             > "$OUT/cuda-tests-$shard.log" 2>&1 &
         pids+=($!)
     done
