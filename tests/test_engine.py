@@ -194,14 +194,21 @@ def test_edge_overflow_grows_the_buffers_and_changes_nothing(cuda_calc):
 
 
 @cuda
-def test_fp32_npt_runs_and_keeps_the_density():
+def test_fp32_npt_expands_an_overpressured_box():
+    """The generated grid box starts far from equilibrium (the bundled model gives ~+86 kbar at 1 g/cm^3, unrelaxed):
+    under the barostat it must expand, and the pressure fall, captured and without a blow-up."""
     torch.set_default_dtype(torch.float32)
     calc = Calculator("mace", device="cuda", dtype="float32")
     atoms = thermal_water(1728, seed=4)
     atoms.calc = calc
+
+    def pressure_bar() -> float:
+        return -float(np.trace(atoms.get_stress(voigt=False))) / 3 / units.bar
+
     engine = Engine(calc, atoms, StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=500.0), seed=1)
-    v0 = atoms.get_volume()
+    v0, p0 = atoms.get_volume(), pressure_bar()
     engine.run(200, every=50)
     assert engine.cuda_graph, engine.capture_error
-    assert abs(atoms.get_volume() / v0 - 1) < 0.05
+    assert p0 > 1e4 and atoms.get_volume() > v0, (p0, v0, atoms.get_volume())
+    assert abs(pressure_bar()) < p0
     assert "stress" in atoms.calc.results
