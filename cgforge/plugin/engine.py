@@ -20,9 +20,9 @@ list's reach (``stale``), whose edges overflowed the captured buffers (``overflo
 (non-finite energy or forces, temperature above ``max_temperature_K``) is not committed: the state goes back to
 the step's start, and the block's later steps are computed but not committed either. Between blocks the host
 rebuilds the list or grows the buffers (a new capture) and carries on from the last committed step, or raises
-``MDBlowUp`` naming the step and the value. The list is also rebuilt before a block when the slack left (how far
-atoms may still move) is below ``rebuild_margin`` times the largest slack used per block so far, so discarded
-steps stay rare.
+``MDBlowUp`` naming the step and the value. So that discarded steps stay rare, a block is no longer than the
+steps the list's slack (how far atoms may still move, read with the report) should last at ``rebuild_margin``
+times the fastest use of slack per step seen, and the list is rebuilt first when not one step is left.
 
 Random numbers are a function of (seed, step) (``engine_rng``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
