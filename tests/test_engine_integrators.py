@@ -175,26 +175,30 @@ def test_stochastic_cell_rescaling_samples_the_ideal_gas_volume(anisotropic):
 
 @pytest.mark.slow
 def test_stochastic_cell_rescaling_reaches_the_target_pressure():
-    """Argon at 60 K and 0.1 GPa (CSVR + C-rescale): the mean pressure (virial + kinetic) over the run equals
-    the target within its statistical error, and the density settles."""
-    lj = lennard_jones()
-    atoms = argon_box(n_side=3, spacing=3.6, temperature_K=60.0, seed=2)
+    """Argon fluid (64 atoms, 150 K, 0.1 GPa; CSVR + C-rescale; LJ cut at 6.5 Å < half the box): after
+    equilibration the mean pressure (virial + kinetic) equals the target within its statistical error, and the
+    density settles."""
+    lj = lennard_jones(cutoff=6.5)
+    atoms = argon_box(n_side=4, spacing=3.75, temperature_K=150.0, seed=2)
     target = 0.1
-    integrator = StochasticCellRescaling(4.0, 60.0, target, tau_fs=100.0, tau_p_fs=400.0,
-                                         compressibility_per_GPa=0.5)
+    integrator = StochasticCellRescaling(4.0, 150.0, target, tau_fs=100.0, tau_p_fs=400.0,
+                                         compressibility_per_GPa=2.0)
     engine = energy_function_engine(lj, atoms, integrator, seed=1, block=50)
-    engine.run(1000)
+    engine.run(1500)
     pressures, volumes = [], []
 
     def observe(e: Engine) -> None:
         pressures.append(float(torch.diagonal(integrator.pressure_tensor(e.state)).mean()) / units.GPa)
         volumes.append(e.atoms.get_volume())
 
-    engine.run(4000, every=10, callback=observe)
+    engine.run(3000, every=10, callback=observe)
     p, v = np.array(pressures), np.array(volumes)
-    error = p.std() / np.sqrt(len(p) / 20)  # ~20 samples per correlation time
-    assert abs(p.mean() - target) < max(3 * error, 0.02), (p.mean(), error)
-    assert abs(v[: len(v) // 2].mean() / v[len(v) // 2:].mean() - 1) < 0.02
+    assert 2 * 6.5 < v.min() ** (1 / 3), "the cutoff stays below half the box"
+    error = p.std() / np.sqrt(len(p) / 10)  # ~10 samples (100 steps) per correlation time
+    assert abs(p.mean() - target) < max(4 * error, 0.02), (p.mean(), error)
+    # V fluctuates by sqrt(kT beta / V) ~ 3.5% here with a ~100-step correlation: the halves agree to ~2%
+    # (one sigma); a density still drifting (or a barostat running away) leaves that far behind
+    assert abs(v[: len(v) // 2].mean() / v[len(v) // 2:].mean() - 1) < 0.08
 
 
 # ---------------------------------------------------------------------------------------------
