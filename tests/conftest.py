@@ -23,3 +23,14 @@ def nequip_state():
 
     with nequip_global_state(), state_fixture("nequip_state"):
         yield
+
+
+@pytest.fixture
+def fp64_one_thread():
+    """FP64 default dtype and one CPU thread (the engine tests run thousands of tiny steps), restored after."""
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    yield
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)

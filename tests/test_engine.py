@@ -20,14 +20,7 @@ from cgforge.plugin.water import water_box
 cuda = pytest.mark.cuda
 
 
-@pytest.fixture(autouse=True)
-def _globals():
-    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    yield
-    torch.set_default_dtype(dtype)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fp64_one_thread")
 
 
 def thermal_water(molecules: int, temperature_K: float = 300.0, seed: int = 0):

@@ -33,15 +33,7 @@ from cgforge.plugin.integrators import CSVR, Langevin, StochasticCellRescaling, 
 TOL = 1e-10  # Å and amu Å/(ASE time): the FP64 trajectories agree to rounding
 
 
-@pytest.fixture(autouse=True)
-def _globals():
-    """FP64 defaults and one thread: the statistics tests run thousands of tiny steps."""
-    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    yield
-    torch.set_default_dtype(dtype)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fp64_one_thread")
 
 
 def _assert_same_state(engine: Engine, atoms) -> None:

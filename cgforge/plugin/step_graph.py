@@ -139,10 +139,7 @@ class ModelStep:
         """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom]
         as float64 on the host. The virial is sym(dE/d strain) (stress = virial / volume)."""
         self._load_structure(positions, cell, species)
-        with self.phase("neighbour_list"):
-            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
-            if rebuilt or self._verlet is None:
-                self._load_verlet()
+        self._refresh_list(pbc)
         key = (bool(forces or stress), bool(stress), bool(per_atom))
         while True:
             with self.phase("model") if self.cuda_graph else nullcontext():  # eager: edges/forward/backward
@@ -157,6 +154,13 @@ class ModelStep:
         self.n_edges = count
         return host[:-1]
 
+    def _refresh_list(self, pbc: tuple[bool, bool, bool]) -> None:
+        """Rebuild the Verlet list when it is stale (one host sync) and load it into the static buffers."""
+        with self.phase("neighbour_list"):
+            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
+            if rebuilt or self._verlet is None:
+                self._load_verlet()
+
     def evaluate(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], species: Tensor, *,
                  forces: bool = True, stress: bool = False, per_atom: bool = False) -> StepOutput:
         """``run`` on device tensors: positions [N, 3] and cell [3, 3] (any float dtype, on ``self.device``) in,
@@ -165,10 +169,7 @@ class ModelStep:
         No host copies of positions or results; the host reads two scalars: the Verlet list's staleness (as
         ``run``) and, when padded, the edge count (an overflowed layout is run again with room)."""
         self.load(positions, cell, species)
-        with self.phase("neighbour_list"):
-            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
-            if rebuilt or self._verlet is None:
-                self._load_verlet()
+        self._refresh_list(pbc)
         key = (bool(forces or stress), bool(stress), bool(per_atom))
         while True:
             out = self._execute(key)
