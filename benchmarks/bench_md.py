@@ -139,7 +139,7 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
         raise ValueError("no hybrid backend for NequIP")
     modifier = {"e3nn": None, "oeq": "enable_OpenEquivariance", "cueq": "enable_CuEquivariance"}[backend]
     if model_name == "bundled-nequip":
-        from cgforge.patches.nequip import _load_models
+        from cgforge.patches.nequip import load_models as _load_models
 
         model = _load_models(bundled("nequip"))["sole_model"].eval()
         if modifier:

@@ -27,7 +27,9 @@ def _check_paths(src: str, dst: str, force: bool) -> None:
 
 def _check_mace_output(dst: str) -> None:
     """A MACE model is written as a pickled module: OUT must be named like one, as NequIP's must be a package."""
-    from cgforge.patches import _COMPILED_SUFFIXES, _MACE_SUFFIXES, _NEQUIP_SUFFIXES
+    from cgforge.patches import COMPILED_SUFFIXES as _COMPILED_SUFFIXES
+    from cgforge.patches import MACE_SUFFIXES as _MACE_SUFFIXES
+    from cgforge.patches import NEQUIP_SUFFIXES as _NEQUIP_SUFFIXES
 
     name = os.path.basename(dst).lower()
     if not name.endswith(_MACE_SUFFIXES) or name.endswith(_COMPILED_SUFFIXES + _NEQUIP_SUFFIXES):

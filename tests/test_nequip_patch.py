@@ -512,7 +512,7 @@ def test_one_graph_per_model_call_shared_by_layers(models: Models, monkeypatch: 
         conv_calls.append(type(self))
         return original_forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(pn.kernels, "ConvGraph", CountingGraph)
+    monkeypatch.setattr(kernels, "ConvGraph", CountingGraph)
     monkeypatch.setattr(kernels.Convolution, "forward", counting_forward)
     first, second = cu_structure(seed=0), cu_structure(seed=4)
     evaluate(model, first)

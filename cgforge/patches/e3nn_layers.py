@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
+from . import stand_in
 from .radial_precision import radial_matmul
+from .stand_in import restore_original
 
 
 class SplitLinear(torch.nn.Module):
@@ -156,17 +158,6 @@ class FoldedMLP(torch.nn.Module):
         return f"hs={self.hs}, activation scales folded"
 
 
-def restore_original(stand_in: torch.nn.Module) -> torch.nn.Module:
-    """``stand_in.original[0]`` given the stand-in's own parameters and buffers (as moved/converted since
-    patching: ``.to()`` replaced them in the stand-in only)."""
-    (original,) = stand_in.original
-    for name in original._parameters:
-        original._parameters[name] = stand_in._parameters[name]
-    for name in original._buffers:
-        original._buffers[name] = stand_in._buffers[name]
-    return original
-
-
 def _checked(stand_in: torch.nn.Module, original: torch.nn.Module, width: int) -> torch.nn.Module | None:
     """``stand_in`` if it matches ``original`` on a random input, else ``None`` with a warning."""
     param = next(iter(original.parameters()), None)
@@ -210,12 +201,5 @@ def swap_in(model: torch.nn.Module) -> int:
 
 
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
-    """Put the e3nn originals of the ``kinds`` stand-ins back (with the tensors as moved/converted since).
-    In place; returns how many."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, kinds):
-                parent._modules[name] = child.restore()
-                count += 1
-    return count
+    """Put the e3nn originals of the ``kinds`` stand-ins back. In place; returns how many."""
+    return stand_in.swap_out(model, kinds)

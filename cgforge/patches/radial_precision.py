@@ -26,6 +26,9 @@ from contextlib import contextmanager
 
 import torch
 
+from . import stand_in
+from .stand_in import restore_original
+
 __all__ = ["MODES", "RadialLinear", "radial_layers", "radial_matmul", "set_radial_precision", "swap_in",
            "swap_out", "tf32_round"]
 
@@ -123,8 +126,6 @@ class RadialLinear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
     def restore(self) -> torch.nn.Module:
-        from .e3nn_layers import restore_original  # e3nn_layers imports this module
-
         return restore_original(self)
 
     def extra_repr(self) -> str:
@@ -148,9 +149,7 @@ def swap_in(model: torch.nn.Module, mlp_attribute: str = "edge_mlp") -> int:
 
 def swap_out(model: torch.nn.Module) -> int:
     """Put nequip's own linear layers back. In place; returns how many."""
-    from . import e3nn_layers
-
-    return e3nn_layers.swap_out(model, (RadialLinear,))
+    return stand_in.swap_out(model, (RadialLinear,))
 
 
 def radial_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from e3nn import o3
 
-from . import e3nn_layers
-from .e3nn_layers import restore_original
+from . import stand_in
+from .stand_in import restore_original
 
 __all__ = ["SpeciesGroups", "SpeciesSelfConnection", "swap_in", "swap_out"]
 
@@ -199,4 +199,4 @@ def swap_in(model: torch.nn.Module, attribute: str, graphs: object) -> int:
 
 def swap_out(model: torch.nn.Module) -> int:
     """Put the e3nn originals back. In place; returns how many."""
-    return e3nn_layers.swap_out(model, (SpeciesSelfConnection,))
+    return stand_in.swap_out(model, (SpeciesSelfConnection,))

@@ -68,7 +68,7 @@ class NonFiniteOutputError(ValueError):
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """None: cuda when available, else cpu. A cuda device on a machine without one is a clear error."""
-    from cgforge.patches.mace import parse_device
+    from cgforge.patches.common import parse_device
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,7 +93,8 @@ def load_model(model: str | os.PathLike | torch.nn.Module, device: torch.device,
                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
     """A ready MACE or NequIP model on ``device``: bundled name, checkpoint path or module (patched in place)."""
     from cgforge import patches
-    from cgforge.patches.mace import is_mace_model, parse_dtype
+    from cgforge.patches.common import parse_dtype
+    from cgforge.patches.families import is_mace_model
 
     dtype = parse_dtype(dtype)
     if isinstance(model, str) and model.lower() in BUNDLED:

@@ -37,8 +37,11 @@ from e3nn import o3
 
 from cgforge import kernels
 
-from . import e3nn_layers, mace_legacy, species_linear
-from .graph_cache import CallGraphCache
+from .. import e3nn_layers, species_linear
+from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
+from ..families import is_mace_model
+from ..graph_cache import CallGraphCache
+from . import legacy as mace_legacy
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,6 @@ SUPPORTED_INTERACTIONS = (
     "RealAgnosticResidualNonLinearInteractionBlock",
 )
 _FUSION_TAG = "cgforge"
-
-
-class UnsupportedModelError(ValueError):
-    """The model (or one of its blocks) is of a type or version cgforge does not patch."""
 
 
 class GraphCache(CallGraphCache):
@@ -138,14 +137,6 @@ class FusedSymmetricContraction(kernels.SymmetricContraction):
 
 # ---------------------------------------------------------------------------------------------
 # Checks (everything is checked before anything is changed)
-
-
-def is_mace_model(obj: Any) -> bool:
-    return (
-        isinstance(obj, torch.nn.Module)
-        and type(obj).__module__.startswith("mace.")
-        and isinstance(getattr(obj, "interactions", None), torch.nn.ModuleList)
-    )
 
 
 def _describe(obj: Any) -> str:
@@ -374,8 +365,6 @@ def load_mace(
 
     Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's).
     """
-    from cgforge.patches import verify_checksums  # the package imports this module
-
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     if os.path.isfile(path):
@@ -392,26 +381,3 @@ def load_mace(
     if dtype is not None:
         model.to(dtype=dtype)
     return model.to(device=device)
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from err
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} asked for, but CUDA is not available on this machine")
-    return dev
-
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ValueError(f"dtype: expected None, 'float32' or 'float64', got {dtype!r}")

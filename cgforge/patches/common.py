@@ -1,0 +1,111 @@
+"""Helpers every model family of cgforge.patches shares: argument parsing, errors, species lookup.
+
+Public names only: the family packages (``mace``, ``nequip``) and the plugin import them from here, so no
+package reaches into another's private helpers.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+import zlib
+
+import numpy as np
+import torch
+from ase.data import chemical_symbols
+
+__all__ = ["UnsupportedModelError", "UnknownElementError", "parse_device", "parse_dtype", "check_numbers",
+           "unknown_elements",
+           "vanishes_at_zero", "current_umask",
+           "verify_checksums"]
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its blocks) is of a type or version cgforge does not patch."""
+
+
+class UnknownElementError(ValueError):
+    """The structure holds elements the model was not trained on."""
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device: cpu or an available cuda device, else a ValueError naming it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but CUDA is not available on this machine")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None (keep the model's), or float32/float64 from a name or a torch.dtype."""
+    if dtype is None or dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype: expected None, 'float32' or 'float64', got {dtype!r}")
+
+
+def check_numbers(numbers: np.ndarray) -> np.ndarray:
+    """Atomic numbers of one non-empty structure as int64."""
+    numbers = np.asarray(numbers)
+    if numbers.ndim != 1 or numbers.size == 0:
+        raise ValueError(f"atoms: expected a non-empty structure, got {numbers.size} atoms")
+    return numbers.astype(np.int64, copy=False)
+
+
+def unknown_elements(numbers: np.ndarray, known: np.ndarray, model_elements: list[str]) -> UnknownElementError:
+    """The error naming the elements of ``numbers`` where ``known`` is False."""
+    missing = sorted({int(z) for z in np.unique(numbers[~known])})
+    names = ", ".join(chemical_symbols[z] if 0 < z < len(chemical_symbols) else f"Z={z}" for z in missing)
+    return UnknownElementError(
+        f"atoms: element(s) {names} not known to the model, which knows {', '.join(model_elements)}"
+    )
+
+
+def vanishes_at_zero(mlp: torch.nn.Module, in_dim: int) -> bool:
+    """MLP(0) == 0 exactly (then an edge with zero features gets zero weights: see the adapters)."""
+    param = next(mlp.parameters(), None)
+    if param is None:
+        return False
+    with torch.no_grad():
+        out = mlp(torch.zeros(2, in_dim, dtype=param.dtype, device=param.device))
+    return bool((out == 0).all())
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it): files written atomically get the usual mode."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def verify_checksums(path: str | os.PathLike) -> None:
+    """Read every member of a zip checkpoint and check its CRC-32; a damaged file raises ValueError naming it.
+
+    torch.save files (MACE ``.model``, NequIP ``.ckpt``) and torch.package archives (``.nequip.zip``) are zip
+    files whose members carry CRC-32 checksums that torch's own reader does not check: a flipped byte in a
+    weight tensor loads silently and gives wild numbers. This reads the file once (about as long as loading
+    it). Files that are not zips (torch's pre-1.6 pickle format) have no checksums: nothing is checked.
+    """
+    path = os.fspath(path)
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        return  # not a zip: the loader says what it is
+    damaged = "the file is damaged; re-download or re-export it"
+    with archive:
+        for info in archive.infolist():
+            try:
+                with archive.open(info) as member:
+                    while member.read(1 << 24):
+                        pass  # the CRC-32 is checked as the member's end is read
+            except (zipfile.BadZipFile, zlib.error, EOFError) as err:
+                raise ValueError(f"{path}: member {info.filename!r} fails its check ({err}): {damaged}") from err

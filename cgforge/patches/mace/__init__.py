@@ -1,0 +1,33 @@
+"""Everything cgforge knows about MACE (mace-torch 0.3.x).
+
+- ``patch``: swapping cgforge's kernels into a MACE model, unpatching, loading ``.model`` files.
+- ``legacy``: reading ``.model`` files pickled with e3nn 0.4 under the installed e3nn.
+- ``adapter``: the calculator's ``MaceAdapter`` and the check that edges beyond the cutoff are inert.
+
+The names below are this package's public API. They also keep the class paths that patched models saved
+by earlier versions pickled (``cgforge.patches.mace.FusedConvTP`` and the like) loadable. Note that the
+name ``patch`` here is the function; the module is ``cgforge.patches.mace.patch`` in ``sys.modules``.
+"""
+
+from .patch import (
+    SUPPORTED_INTERACTIONS,
+    FusedConvTP,
+    FusedSymmetricContraction,
+    GraphCache,
+    UnsupportedModelError,
+    interaction_blocks,
+    is_mace_model,
+    is_patched,
+    load_mace,
+    parse_device,
+    parse_dtype,
+    patch,
+    unpatch,
+    upgrade_old_attributes,
+)
+
+__all__ = [
+    "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "UnsupportedModelError",
+    "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "parse_device", "parse_dtype", "patch",
+    "unpatch", "upgrade_old_attributes",
+]

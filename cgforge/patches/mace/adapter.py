@@ -1,0 +1,165 @@
+"""The calculator's adapter for MACE models, and whether edges beyond the cutoff are inert.
+
+``MaceAdapter`` turns (edge vectors, edges, species) into the energy of a MACE model with no data objects:
+the dict ``MACE.forward`` takes (``node_attrs`` one-hot over ``model.atomic_numbers``, ``edge_index`` =
+[sender, receiver], ``batch``, ``ptr``, ``head``, ...), called with every force/stress option off: the model
+returns the energy only and the calculator differentiates it. MACE computes ``vector = positions[receiver] -
+positions[sender] + shifts`` itself; it gets ``positions`` = zeros and ``shifts`` = the calculator's edge
+vectors, so the vectors are exactly ours and the model's gathers of ``positions`` (advanced indexing, whose
+backward is a sort-based accumulation) sit off the gradient path. The protocol it follows is
+``cgforge.plugin.inputs.ModelAdapter``.
+
+``inert_beyond_cutoff`` (see ``cgforge.plugin.inputs`` for why the calculator asks), read from the code of
+mace-torch 0.3.16:
+
+- MACE: ``PolynomialCutoff`` returns ``envelope * (r < r_max)``: exactly 0 at and beyond r_max, and so is its
+  derivative (the mask's derivative is 0, the envelope stays finite). ``RadialEmbeddingBlock`` either
+  multiplies the radial basis by it (``apply_cutoff`` True, the default: edge features 0) or hands it to the
+  interaction blocks, which multiply the convolution weights (and edge densities) by it. With zero edge
+  features the weights are ``MLP(0)``: zero only for a bias-free MLP whose activation vanishes at 0 (e3nn's
+  ``FullyConnectedNet`` with SiLU), checked here by evaluating the MLP at 0. Blocks whose radial MLP also
+  reads node features (attention, non-linear) are inert only with ``apply_cutoff`` False. ZBL pair repulsion
+  carries the same polynomial envelope (at the covalent-radii sum). A zero weight makes the convolution's
+  message and its derivative with respect to the spherical harmonics exactly zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from ase.data import chemical_symbols
+from torch import Tensor
+
+from ..common import check_numbers, unknown_elements, vanishes_at_zero
+from .patch import SUPPORTED_INTERACTIONS
+
+__all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
+
+_MODELS = ("MACE", "ScaleShiftMACE")
+# Their radial MLP input mixes in node features: not zero for an edge with zero edge features.
+_BLOCKS_NEEDING_CUTOFF_WEIGHTS = ("RealAgnosticAttResidualInteractionBlock",
+                                  "RealAgnosticResidualNonLinearInteractionBlock")
+
+
+class MaceAdapter:
+    kind = "mace"
+    sender_row = 0
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, head: str | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.cutoff = float(model.r_max)
+        elements = [int(z) for z in model.atomic_numbers.tolist()]
+        self.elements = elements
+        self.n_species = len(elements)
+        table = np.full(max(elements + [118]) + 1, -1, dtype=np.int64)
+        table[elements] = np.arange(len(elements))
+        self._table = table
+        heads = list(getattr(model, "heads", None) or ["Default"])
+        self.head = choose_head(heads, head)
+        self._head_index = torch.tensor([heads.index(self.head)], device=device)
+        self._per_size: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def species(self, numbers: np.ndarray) -> Tensor:
+        numbers = check_numbers(numbers)
+        inside = (numbers >= 0) & (numbers < len(self._table))
+        index = np.where(inside, self._table[np.clip(numbers, 0, len(self._table) - 1)], -1)
+        if (index < 0).any():
+            raise unknown_elements(numbers, index >= 0, [chemical_symbols[z] for z in self.elements])
+        return self._one_hot(torch.as_tensor(index, device=self.device))
+
+    def warmup_species(self, n: int) -> Tensor:
+        return self._one_hot(torch.arange(n, device=self.device) % self.n_species)
+
+    def species_index(self, species: Tensor) -> Tensor:
+        return species.argmax(dim=1)
+
+    def _one_hot(self, index: Tensor) -> Tensor:
+        return torch.nn.functional.one_hot(index, self.n_species).to(self.dtype)
+
+    def _per_structure(self, n_atoms: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # One structure: batch all zeros, ptr [0, N], zero positions and cell. Cached per size: no allocation
+        # per step (and fixed addresses for a captured step).
+        if n_atoms not in self._per_size:
+            kw = {"dtype": torch.int64, "device": self.device}
+            self._per_size = {n_atoms: (torch.zeros(n_atoms, **kw), torch.tensor([0, n_atoms], **kw),
+                                        torch.zeros(n_atoms, 3, dtype=self.dtype, device=self.device),
+                                        torch.zeros(3, 3, dtype=self.dtype, device=self.device))}
+        return self._per_size[n_atoms]
+
+    def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
+        return torch.stack([sender, receiver])
+
+    def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
+               per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        batch, ptr, zeros, cell = self._per_structure(positions.shape[0])
+        # MACE sets requires_grad on data["positions"] and gathers it per edge; zeros (a leaf that no
+        # gradient is asked of) keep that gather off the backward. vectors = 0 - 0 + shifts, exactly.
+        data = {
+            "positions": zeros,
+            "node_attrs": species,
+            "edge_index": edge_index,
+            "shifts": vectors,
+            "unit_shifts": cell[0].expand(vectors.shape[0], 3),  # read only for MACE's own stress: not asked
+            "cell": cell,
+            "batch": batch,
+            "ptr": ptr,
+            "head": self._head_index,
+        }
+        out = self.model(data, training=False, compute_force=False, compute_virials=False,
+                         compute_stress=False, compute_displacement=False)
+        # The total as a plain sum of the per-atom energies: MACE's own total is a scatter_sum over `batch` (atomics
+        # on CUDA), whose last bits change from run to run; torch.sum reduces in a fixed order.
+        node_energy = out.get("node_energy")
+        energy = out["energy"].sum() if node_energy is None else node_energy.sum()
+        return energy, node_energy if per_atom else None
+
+    def inert_beyond_cutoff(self) -> str | None:
+        return inert_beyond_cutoff(self.model)
+
+
+def choose_head(heads: list[str], head: str | None) -> str:
+    if head is not None:
+        if head not in heads:
+            raise ValueError(f"head: {head!r} is not a head of this model; it has {heads}")
+        return head
+    if len(heads) == 1:
+        return heads[0]
+    default = [h for h in heads if h.lower() == "default"]
+    if default:
+        return default[0]
+    raise ValueError(f"head: this model has several heads {heads}; pass head=... to choose one")
+
+
+def inert_beyond_cutoff(model: torch.nn.Module) -> str | None:
+    """None if every edge at or beyond ``model.r_max`` contributes exactly zero, else the reason it may not."""
+    cls = type(model)
+    if cls.__module__ != "mace.modules.models" or cls.__name__ not in _MODELS:
+        return f"MACE model class {cls.__name__} is not one cgforge has checked ({', '.join(_MODELS)})"
+    radial = getattr(model, "radial_embedding", None)
+    if type(radial).__name__ != "RadialEmbeddingBlock":
+        return f"radial embedding {type(radial).__name__} is not mace's RadialEmbeddingBlock"
+    cutoff_fn = getattr(radial, "cutoff_fn", None)
+    if type(cutoff_fn).__name__ != "PolynomialCutoff":
+        return f"radial cutoff {type(cutoff_fn).__name__} is not mace's PolynomialCutoff"
+    if float(cutoff_fn.r_max) > float(model.r_max):
+        return f"radial cutoff r_max {float(cutoff_fn.r_max)} exceeds the model's r_max {float(model.r_max)}"
+    weights_cut = not getattr(radial, "apply_cutoff", True)  # the blocks multiply their weights by the cutoff
+    for i, block in enumerate(model.interactions):
+        name = type(block).__name__
+        if name not in SUPPORTED_INTERACTIONS:
+            return f"interactions.{i}: {name} is not a block cgforge has checked"
+        if weights_cut:
+            continue
+        if name in _BLOCKS_NEEDING_CUTOFF_WEIGHTS:
+            return (f"interactions.{i}: {name} feeds node features to its radial MLP; with apply_cutoff=True an "
+                    "edge beyond the cutoff still gets nonzero weights")
+        for attr in ("conv_tp_weights", "density_fn"):
+            mlp = getattr(block, attr, None)
+            if mlp is not None and not vanishes_at_zero(mlp, int(mlp.hs[0])):
+                return f"interactions.{i}.{attr} is not zero for zero edge features (bias or activation)"
+    if hasattr(model, "pair_repulsion"):
+        if type(getattr(model, "pair_repulsion_fn", None)).__name__ != "ZBLBasis":
+            return "pair repulsion is not mace's ZBLBasis"
+    return None

@@ -1,0 +1,155 @@
+"""The calculator's adapter for NequIP models, and whether edges beyond the cutoff are inert.
+
+``NequipAdapter`` builds an AtomicDataDict with ``edge_vectors`` already filled in and gives it to the energy
+model inside the ``ForceStressOutput`` wrapper (whose own displacement/stress machinery is skipped); the
+calculator differentiates the energy. The protocol it follows is ``cgforge.plugin.inputs.ModelAdapter``.
+This module imports no nequip code (packaged models carry their own classes: matched by name).
+
+``inert_beyond_cutoff`` (see ``cgforge.plugin.inputs`` for why the calculator asks), read from nequip 0.19:
+
+- NequIP: ``BesselEdgeLengthEncoding`` multiplies the basis by nequip's ``PolynomialCutoff``
+  (``out * (x < 1)``, x = r / r_max per edge type); each ``InteractionBlock`` weights its convolution with
+  ``edge_mlp(edge embedding)``, a bias-free MLP (checked at 0 here); ZBL and Lennard-Jones terms multiply by
+  the same cutoff. The energy model is checked module by module against this list; anything else is
+  "not known", and the calculator filters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from ase.data import atomic_numbers as _SYMBOL_TO_Z
+from ase.data import chemical_symbols
+from torch import Tensor
+
+from ..common import UnknownElementError, check_numbers, unknown_elements, vanishes_at_zero
+from ..graph_cache import CallGraphCache
+
+__all__ = ["NequipAdapter", "energy_model_of", "inert_beyond_cutoff"]
+
+_NODE_MODULES = ("NodeTypeEmbed", "ApplyFactor", "ScalarMLP", "AtomwiseLinear", "PerTypeScaleShift",
+                 "AtomwiseReduce", "AtomwiseOperation", "SphericalHarmonicEdgeAttrs", "EdgeLengthNormalizer")
+_CUTOFF_MODULES = ("BesselEdgeLengthEncoding", "AddRadialCutoffToData", "ZBL", "LennardJones",
+                   "SimpleLennardJones")
+
+
+class NequipAdapter:
+    kind = "nequip"
+    sender_row = 1  # nequip: edge_index[0] is the centre (receives messages), edge_index[1] the neighbour
+
+    def __init__(self, model: torch.nn.Module, device: torch.device,
+                 type_map: dict[str, str] | None = None) -> None:
+        metadata = model.metadata
+        self.model = model
+        self.device = device
+        self.type_names = metadata["type_names"].split(" ")
+        self.n_species = len(self.type_names)
+        self.cutoff = float(metadata["r_max"])
+        # nequip's own calculator feeds float64 positions whatever the model dtype (the model casts after
+        # the edge geometry): do the same, so FP32 models see the same edge lengths.
+        self.dtype = torch.float64
+        self.energy_model = energy_model_of(model)
+        table = np.full(119, -1, dtype=np.int64)
+        for symbol, type_name in self._symbol_to_type(type_map).items():
+            table[_SYMBOL_TO_Z[symbol]] = self.type_names.index(type_name)
+        self._table = table
+
+    def _symbol_to_type(self, type_map: dict[str, str] | None) -> dict[str, str]:
+        if type_map is None:
+            # Default: type names that are chemical symbols map to themselves.
+            return {name: name for name in self.type_names if name in _SYMBOL_TO_Z}
+        if not isinstance(type_map, dict):
+            raise TypeError(f"type_map: expected a dict chemical symbol -> type name, got {type(type_map).__name__}")
+        for symbol, name in type_map.items():
+            if symbol not in _SYMBOL_TO_Z:
+                raise ValueError(f"type_map: {symbol!r} is not a chemical symbol")
+            if name not in self.type_names:
+                raise ValueError(f"type_map: {name!r} is not a type of this model; types are {self.type_names}")
+        return dict(type_map)
+
+    def species(self, numbers: np.ndarray) -> Tensor:
+        numbers = check_numbers(numbers)
+        inside = (numbers >= 0) & (numbers < len(self._table))
+        index = np.where(inside, self._table[np.clip(numbers, 0, len(self._table) - 1)], -1)
+        if (index < 0).any():
+            known = [chemical_symbols[z] for z in np.nonzero(self._table >= 0)[0]]
+            err = unknown_elements(numbers, index >= 0, known or ["(no chemical symbols)"])
+            if len(known) < self.n_species:
+                err = UnknownElementError(f"{err}; model types are {self.type_names}: pass type_map="
+                                          "{symbol: type name} for types that are not chemical symbols")
+            raise err
+        return torch.as_tensor(index, device=self.device)
+
+    def warmup_species(self, n: int) -> Tensor:
+        return torch.arange(n, device=self.device) % self.n_species
+
+    def species_index(self, species: Tensor) -> Tensor:
+        return species
+
+    def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
+        return torch.stack([receiver, sender])
+
+    def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
+               per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        # nequip: edge_index[0] is the centre, vector = pos[index[1]] - pos[index[0]]. Our list holds every pair
+        # in both directions, so (receiver -> sender, -vector) is the same edge set with the centres already
+        # sorted, as the fused convolution's CSR order wants.
+        data = {
+            "pos": positions,
+            "atom_types": species,
+            "edge_index": edge_index,
+            "edge_vectors": -vectors,
+        }
+        # The patched model empties its per-call graph cache in a forward pre-hook of the GraphModel, which
+        # calling the inner energy model skips: empty it here.
+        for hook in self.model._forward_pre_hooks.values():
+            if isinstance(hook, CallGraphCache):
+                hook.clear()
+        out = self.energy_model(data)
+        atomic = out.get("atomic_energy")  # its plain sum: nequip's total is a scatter (atomics on CUDA)
+        energy = out["total_energy"].sum() if atomic is None else atomic.sum()
+        return energy, atomic.reshape(-1) if per_atom and atomic is not None else None
+
+    def inert_beyond_cutoff(self) -> str | None:
+        return inert_beyond_cutoff(self.energy_model)
+
+
+def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The energy model inside nequip's ForceStressOutput (matched by class name: packaged classes differ)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and type(inner).__name__ == "ForceStressOutput" and hasattr(inner, "func"):
+        return inner.func
+    raise ValueError(
+        f"model: expected a nequip GraphModel wrapping a ForceStressOutput energy model, found "
+        f"{type(inner).__name__ if inner is not None else 'no .model'}; cgforge's calculator differentiates the "
+        "energy itself"
+    )
+
+
+def _class_name(module: object) -> str:
+    # a TorchScript-compiled module (nequip scripts some) keeps its Python class name as original_name
+    return getattr(module, "original_name", None) or type(module).__name__
+
+
+def inert_beyond_cutoff(energy_model: torch.nn.Module) -> str | None:
+    """The same for a NequIP energy model (the SequentialGraphNetwork inside ForceStressOutput)."""
+    if type(energy_model).__name__ != "SequentialGraphNetwork":
+        return f"energy model {type(energy_model).__name__} is not a nequip SequentialGraphNetwork"
+    for name, module in energy_model._modules.items():
+        cls = type(module).__name__
+        if cls in _NODE_MODULES:
+            continue
+        if cls in _CUTOFF_MODULES:
+            if _class_name(getattr(module, "cutoff", None)) != "PolynomialCutoff":
+                return f"{name} ({cls}): its cutoff is not nequip's PolynomialCutoff"
+            continue
+        if cls == "ConvNetLayer":
+            conv = getattr(module, "conv", None)
+            if type(conv).__name__ != "InteractionBlock":
+                return f"{name}.conv ({type(conv).__name__}) is not nequip's InteractionBlock"
+            mlp = conv.edge_mlp
+            if not vanishes_at_zero(mlp, int(mlp.dims[0])):
+                return f"{name}.conv.edge_mlp is not zero for zero edge features (bias or activation)"
+            continue
+        return f"{name} ({cls}) is not a module cgforge has checked"
+    return None

@@ -1,0 +1,52 @@
+"""``load_nequip``: read a NequIP file (``files``), patch it (``patch``) and check it (``verify``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..common import parse_device, parse_dtype, verify_checksums
+from .files import SOLE_MODEL, check_dtype, check_input, load_models
+from .patch import patch, unpatch
+from .verify import verify_patch
+
+
+def load_nequip(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    *,
+    model_name: str = SOLE_MODEL,
+    verify: bool = True,
+    patched: bool = True,
+) -> torch.nn.Module:
+    """Load a NequIP ``.ckpt`` or ``.nequip.zip`` and return its model patched, in eval mode, on ``device``.
+
+    ``dtype`` None keeps the model's precision; a NequIP model is built for one ``model_dtype``, so asking
+    for another raises ``ValueError``. ``model_name`` picks a model of a multi-model file. ``verify``
+    compares patched and unpatched energies and forces on a small structure. ``patched=False`` returns the
+    model as nequip builds it. The file's zip checksums are checked first (a damaged file raises
+    ``ValueError``). Like nequip's own loaders, this initialises nequip's global state (float64 default
+    dtype, TF32 off).
+    """
+    p = check_input(path)
+    verify_checksums(p)  # nequip's loaders would not notice a damaged weight tensor
+    device = parse_device(device)
+    dtype = parse_dtype(dtype)
+    if not isinstance(model_name, str):
+        raise TypeError(f"model_name: expected a str, got {type(model_name).__name__}")
+    models = load_models(p)
+    if model_name not in models:
+        raise ValueError(f"model_name: {p} has no model {model_name!r}; it has {sorted(models.keys())}")
+    model = models[model_name]
+    check_dtype(model, dtype)
+    model.eval()
+    model.to(device)
+    if not patched:
+        return unpatch(model)  # a file written patched (enable_cgforge modifier) holds cgforge layers
+    if verify:
+        verify_patch(model)
+    else:
+        patch(model)
+    return model

@@ -1,0 +1,131 @@
+"""Patch and unpatch NequIP models (nequip >= 0.19), and the ``enable_cgforge`` model modifier.
+
+Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter``; all layers of one model
+share one ``ConvGraph`` per call. Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type
+embedding) becomes a ``species_linear`` stand-in: one linear map per atom type in cgforge's calculator,
+e3nn's code otherwise; e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less
+autograd traffic), and the radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an
+optional TF32 mode). The modifier is registered by ``cgforge.patches.nequip_modifier`` through nequip's
+``nequip.extension`` entry point, for nequip configs and tools.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import e3nn_layers, radial_precision, species_linear
+from ..common import UnsupportedModelError
+from ..graph_cache import CallGraphCache
+from .conv import CgforgeTensorProductScatter, scatter_sites
+from .files import SUPPORTED_ROUTE, CompiledModelError
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch / unpatch / the modifier
+
+
+def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The models that get called: each entry of nequip's ModuleDict, or the model itself."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a NequIP model (torch.nn.Module), got {type(model).__name__}")
+    if isinstance(model, torch.nn.ModuleDict):
+        return list(model.values())
+    return [model]
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap every NequIP convolution for cgforge's fused one. In place, idempotent; returns ``model``.
+
+    ``model`` is a GraphModel or nequip's ModuleDict of them, from the installed nequip or a package.
+    Everything is checked before anything changes: ``UnsupportedModelError`` (a ValueError) names the
+    first module cgforge cannot take, and the model is left as it was.
+    """
+    plans = []
+    for root in _roots(model):
+        sites = scatter_sites(root)
+        if not sites:
+            cls = type(root)
+            raise UnsupportedModelError(
+                f"model: no NequIP convolution (nequip.nn TensorProductScatter) found in "
+                f"{cls.__module__}.{cls.__qualname__}; cgforge patches NequIP GNN models"
+            )
+        graphs = _graph_cache(root) or CallGraphCache()
+        new = {}
+        for where, _parent, _name, module in sites:
+            if isinstance(module, CgforgeTensorProductScatter):
+                continue
+            try:
+                new[where] = CgforgeTensorProductScatter(module, graphs)
+            except (ValueError, TypeError, NotImplementedError) as err:
+                raise UnsupportedModelError(
+                    f"{where} ({module.tp}): cgforge cannot build this convolution: {err}"
+                ) from err
+        plans.append((root, sites, graphs, new))
+    for root, sites, graphs, new in plans:
+        for where, parent, name, module in sites:
+            if where in new:
+                parent._modules[name] = new[where]
+            else:
+                module.graphs = graphs
+        swapped = species_linear.swap_in(root, "sc", graphs)
+        e3nn_layers.swap_in(root)
+        radial_precision.swap_in(root, "edge_mlp")
+        _install_hook(root, graphs)
+        if new:
+            log.info("cgforge: patched %d NequIP convolutions and %d self-connections", len(new), swapped)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Put the original convolutions back (no cgforge objects left). In place; returns ``model``."""
+    for root in _roots(model):
+        for _where, parent, name, module in scatter_sites(root):
+            if isinstance(module, CgforgeTensorProductScatter):
+                (original,) = module.original
+                original.tp = module.tp  # as moved / converted since patching
+                parent._modules[name] = original
+        species_linear.swap_out(root)
+        e3nn_layers.swap_out(root)
+        radial_precision.swap_out(root)
+        _remove_hooks(root)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, CgforgeTensorProductScatter) for m in model.modules())
+
+
+def enable_cgforge(model: torch.nn.Module) -> torch.nn.Module:
+    """The body of the ``enable_cgforge`` model modifier: refuse compile workflows, then ``patch``."""
+    from nequip.scripts._workflow_utils import get_workflow_state
+
+    if get_workflow_state() == "compile":
+        raise CompiledModelError(f"enable_cgforge cannot be used in nequip-compile: {SUPPORTED_ROUTE}")
+    if any(getattr(m, "is_compile_graph_model", False) for m in model.modules()):
+        raise CompiledModelError(
+            "enable_cgforge: this model is built for train-time torch.compile (compile_mode: compile); "
+            "cgforge patches eager models, use compile_mode: eager"
+        )
+    return patch(model)
+
+
+def _graph_cache(root: torch.nn.Module) -> CallGraphCache | None:
+    for m in root.modules():
+        if isinstance(m, CgforgeTensorProductScatter):
+            return m.graphs
+    return None
+
+
+def _install_hook(root: torch.nn.Module, graphs: CallGraphCache) -> None:
+    if not any(hook is graphs for hook in root._forward_pre_hooks.values()):
+        _remove_hooks(root)
+        root.register_forward_pre_hook(graphs)
+
+
+def _remove_hooks(root: torch.nn.Module) -> None:
+    for key in [k for k, hook in root._forward_pre_hooks.items() if isinstance(hook, CallGraphCache)]:
+        del root._forward_pre_hooks[key]
