@@ -9,7 +9,8 @@ neighbour-list rebuilds) and asks the calculator through ASE. The neighbour-list
     python benchmarks/bench_md.py                                   # everything (long)
     python benchmarks/bench_md.py --systems 5k --dtypes float32 --models mace-mp-medium --backends cgforge,e3nn
 
-Systems: 1k, 5k, 20k, 50k (water boxes of 7^3, 12^3, 19^3, 26^3 molecules), dhfr (23,558 atoms; file from
+Systems: 1k, 5k, 20k, 50k, 100k, 200k, 500k, 1m (water boxes of 7^3 ... 70^3 molecules; --nvt-only for
+capacity runs of the large ones), dhfr (23,558 atoms; file from
 $CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
 32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
@@ -20,7 +21,8 @@ self-connections through e3nn's outer product rather than one linear map per spe
 (captured, the edge layout's transpose sorted every step rather than taken from reverse edges), cgforge-3xtf32 and
 cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
 the mode in use and the force change), cgforge-unpatched (our calculator, the
-model's own e3nn kernels), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
+model's own e3nn kernels), cgforge-streaming (radial MLP inside the convolution per chunk of edges: no
+per-edge weight tensors; eager steps), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
@@ -54,10 +56,10 @@ from cgforge.plugin.water import water_box  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
-WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26}
+WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26, "100k": 32, "200k": 41, "500k": 55, "1m": 70}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
-            "cgforge-tf32", "cgforge-unpatched", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
+            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
             "fastmace")
 MD_BACKENDS = ("cgforge-engine", "cgforge-ase", "fastmace")  # whole MD steps, not force calls
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
@@ -65,9 +67,11 @@ MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
                    "cgforge-e3nn-sc": {"warmup": False}, "cgforge-sorted": {"warmup": False},
                    "cgforge-3xtf32": {"radial_precision": "3xtf32"},
-                   "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False}}
+                   "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
+                   "cgforge-streaming": {"streaming": True}}
 SKIN = 1.0
 PROFILE = False
+NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
 NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
 
@@ -211,6 +215,7 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
             row.update(mace_peer_breakdown(calc, a))
     else:
         row["edges"] = calc.n_edges
+        row["streaming"] = bool(calc.streaming)
         row["cuda_graph"] = bool(calc.cuda_graph)
         row["capture_error"] = calc.step.capture_error
         row["model_edge_slots"] = calc.step.capacity
@@ -218,6 +223,11 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
         row["radial_precision_error"] = calc.radial_precision_error
         if PROFILE:
             row["profile"] = profile_steps(a, f"{model_name} {backend} {dtype} {len(atoms)} atoms")
+        if NVT_ONLY:
+            del calc, a
+            gc.collect()
+            reset_memory()
+            return row
         calc.record_timings(True)
         timed = 5
         total = sum(time_steps(a, timed, 0, ("forces", "energy"), seed=2))
@@ -486,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin (Å) of cgforge's calculator")
     parser.add_argument("--profile", action="store_true", help="profile cgforge's NVT step (torch.profiler)")
+    parser.add_argument("--nvt-only", action="store_true",
+                        help="energy + forces steps and peak memory only (no breakdown, no NPT): large boxes")
     parser.add_argument("--md-steps", type=int, default=MD["steps"], help="timed steps of the whole-MD backends")
     parser.add_argument("--md-warmup", type=int, default=MD["warmup"], help="steps before timing (captures)")
     parser.add_argument("--ensembles", default="nvt,npt", help="whole-MD backends: nvt, npt or both")
@@ -497,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):
         if ensemble not in ("nvt", "npt"):
             sys.exit(f"--ensembles: expected nvt and/or npt, got {ensemble!r}")
-    global DEVICE, SKIN, PROFILE
+    global DEVICE, SKIN, PROFILE, NVT_ONLY
+    NVT_ONLY = args.nvt_only
     DEVICE = args.device
     SKIN = args.skin
     PROFILE = args.profile

@@ -4,7 +4,7 @@ core/ is shared by every op; tensor_product/, convolution/ and symmetric_contrac
 problem -> schedule -> program. ``python -m cgforge.kernels.explain`` prints the stages for one problem.
 """
 
-from .convolution import ConvGraph, Convolution
+from .convolution import ConvGraph, Convolution, streaming_convolution
 from .core.errors import KernelError, SharedMemoryError, UnknownKernelKeyError, UnsupportedProblemError
 from .core.tuning import SCTuning, TPTuning
 from .symmetric_contraction import SymmetricContraction
@@ -12,4 +12,4 @@ from .tensor_product import Instruction, TensorProduct, TPProblem
 
 __all__ = ["ConvGraph", "Convolution", "Instruction", "KernelError", "SCTuning", "SharedMemoryError",
            "SymmetricContraction", "TPProblem", "TPTuning", "TensorProduct", "UnknownKernelKeyError",
-           "UnsupportedProblemError"]
+           "UnsupportedProblemError", "streaming_convolution"]

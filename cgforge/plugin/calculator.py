@@ -54,6 +54,7 @@ __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device",
 
 BUNDLED = ("mace", "nequip")
 _WARMUP_ATOMS = 8
+STREAMING_AUTO_FRACTION = 0.25  # streaming=None turns on when stored per-edge tensors would exceed this of free memory
 RADIAL_TF32_TOL = 1e-4  # the largest relative change of the forces a TF32 radial-MLP mode may make (issue 10)
 _SHOWN_ATOMS = 8  # atom indices named in a NonFiniteOutputError
 
@@ -146,7 +147,8 @@ def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patc
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 _OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
-                 "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision")
+                 "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
+                 "streaming")
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
@@ -240,6 +242,11 @@ class Calculator(AseCalculator):
     is evaluated in FP32 and in the mode asked for: the mode is kept only if the forces change by at most
     ``RADIAL_TF32_TOL`` (norm of the difference over the norm of the FP32 forces). ``radial_precision_error``
     holds the change and ``radial_precision`` the mode in use (a warning says when it fell back to FP32).
+    streaming: compute the radial MLP inside the convolution chunk by chunk, so no per-edge weight tensor is
+    stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
+    grows with atoms, not edges x channels. True: on (eager steps: chunk ranges are read on the host, so no CUDA
+    graph); False: off; None (default): on for a CUDA structure whose stored per-edge tensors would take more
+    than ``STREAMING_AUTO_FRACTION`` of the free device memory (``self.streaming`` says what is in use).
     MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
     and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
 
@@ -275,6 +282,7 @@ class Calculator(AseCalculator):
         cuda_graph: bool | None = None,
         filter_edges: bool | None = None,
         radial_precision: str = "fp32",
+        streaming: bool | None = None,
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
@@ -297,6 +305,16 @@ class Calculator(AseCalculator):
         self.stress_with_forces = bool(stress_with_forces)
         # Why edges beyond the cutoff may matter for this model (None: they contribute exactly zero).
         self.inert_edges_reason = self.adapter.inert_beyond_cutoff()
+        if streaming not in (None, True, False):
+            raise TypeError(f"streaming: expected None, True or False, got {streaming!r}")
+        self.streaming_requested = streaming
+        self.streaming = False
+        if streaming:
+            self._start_streaming()
+            if cuda_graph:
+                raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
+                                 "the host, so its steps run eagerly")
+            cuda_graph = False
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
                               cuda_graph=self._cuda_graph(cuda_graph))
         self.timings: _Timings | None = None
@@ -339,6 +357,33 @@ class Calculator(AseCalculator):
             raise ValueError(f"radial_precision={mode!r} needs a model patched by cgforge (its radial MLPs are cgforge "
                              "layers); this one has none")
         return mode
+
+    def _start_streaming(self) -> None:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = min(max(free // 20, 64 << 20), 1 << 30)  # a chunk's working set: 5% of free, 64 MiB..1 GiB
+        else:
+            budget = 256 << 20
+        if not self.adapter.set_streaming(budget):
+            raise ValueError("streaming=True: this model has no layer that can stream its edges (MACE models "
+                             "patched by cgforge with RealAgnostic(Residual)InteractionBlocks can; on a CPU pass "
+                             "patch=True too)")
+        self.streaming = True
+
+    def _auto_streaming(self, positions: np.ndarray, volume: float) -> None:
+        """Turn streaming on (for good) when this structure's stored per-edge tensors would not fit comfortably."""
+        if self.streaming or self.streaming_requested is not None or self.device.type != "cuda" or volume <= 0.0:
+            return
+        n = positions.shape[0]
+        edges = n * n / volume * 4.19 * self.cutoff ** 3  # uniform density: n x atoms within the cutoff sphere
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if edges * self.adapter.stored_edge_bytes() > STREAMING_AUTO_FRACTION * free:
+            try:
+                self._start_streaming()
+            except ValueError:
+                return  # no layer can stream: the stored path it is
+            self.step.cuda_graph = False
+            self.step.invalidate()
 
     def _cuda_graph(self, cuda_graph: bool | None) -> bool:
         if cuda_graph is None:
@@ -455,6 +500,7 @@ class Calculator(AseCalculator):
         """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure."""
         if not np.isfinite(positions).all():
             raise ValueError("atoms: positions contain NaN or inf")
+        self._auto_streaming(positions, volume)
         if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
             self._check_radial_precision(positions, cell, pbc, species)
         try:

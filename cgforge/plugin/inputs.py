@@ -67,6 +67,13 @@ class ModelAdapter(Protocol):
         """None when edges at or beyond the cutoff contribute exactly zero (and zero derivative) to the energy,
         else why that is not known for this model."""
 
+    def stored_edge_bytes(self) -> int:
+        """Bytes per edge the model's stored path keeps per call in its per-edge tensors (0: not known)."""
+
+    def set_streaming(self, budget_bytes: int | None) -> int:
+        """Compute per-edge weights chunk by chunk (chunks sized to ``budget_bytes``), or stop (None); the
+        number of layers that stream (0: none can)."""
+
 
 def adapter_for(model: torch.nn.Module, device: torch.device, *, head: str | None = None,
                 type_map: dict[str, str] | None = None) -> ModelAdapter:

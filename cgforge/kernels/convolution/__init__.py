@@ -2,5 +2,6 @@
 
 from .graph import ConvGraph, GraphTensors
 from .module import Convolution
+from .streaming import chunk_ranges, streaming_convolution
 
-__all__ = ["ConvGraph", "Convolution", "GraphTensors"]
+__all__ = ["ConvGraph", "Convolution", "GraphTensors", "chunk_ranges", "streaming_convolution"]

@@ -24,9 +24,15 @@ from ..tensor_product.reference import reference_tp, reference_tp_backward
 from .graph import GraphTensors
 
 
-def _reference_conv(p, x, y, w, sender, receiver):
+def _output_rows(x: torch.Tensor, rowptr: torch.Tensor) -> int:
+    """Rows of the output: one per CSR row (a receiver range when the graph is a chunk of a larger one,
+    senders still indexing all of x), else one per node of x."""
+    return rowptr.shape[0] - 1 if rowptr.numel() else x.shape[0]
+
+
+def _reference_conv(p, x, y, w, sender, receiver, rows):
     messages = reference_tp(p, x.index_select(0, sender.long()), y, w)
-    return x.new_zeros(x.shape[0], p.irreps_out.dim).index_add(0, receiver.long(), messages)
+    return x.new_zeros(rows, p.irreps_out.dim).index_add(0, receiver.long(), messages)
 
 
 def _reference_conv_backward(p, x, y, w, g, sender, receiver):
@@ -36,7 +42,7 @@ def _reference_conv_backward(p, x, y, w, g, sender, receiver):
 
 
 def _conv_fake(x, y, w, sender, receiver, rowptr, perm, rowptr_t, perm_t, key, deterministic):
-    return x.new_empty(x.shape[0], plans.get(key).problem.irreps_out.dim)
+    return x.new_empty(_output_rows(x, rowptr), plans.get(key).problem.irreps_out.dim)
 
 
 def _conv_grad(ctx, g):
@@ -50,9 +56,9 @@ def conv_forward(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, sender: torc
                  receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor, rowptr_t: torch.Tensor,
                  perm_t: torch.Tensor, key: str, deterministic: bool) -> torch.Tensor:
     p = plans.get(key).problem
-    num_nodes = x.shape[0]
+    num_nodes = _output_rows(x, rowptr)
     if x.device.type != "cuda":
-        return _reference_conv(p, x, y, w, sender, receiver)
+        return _reference_conv(p, x, y, w, sender, receiver, num_nodes)
     graph = GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t)
     graph.check()
     x, y, w = x.contiguous(), y.contiguous(), w.contiguous()

@@ -2,6 +2,7 @@
 
 - ``patch``: swapping cgforge's kernels into a MACE model, unpatching, loading ``.model`` files.
 - ``legacy``: reading ``.model`` files pickled with e3nn 0.4 under the installed e3nn.
+- ``streaming``: the radial MLP inside the convolution, per chunk of edges (``set_streaming``).
 - ``adapter``: the calculator's ``MaceAdapter`` and the check that edges beyond the cutoff are inert.
 
 The names below are this package's public API. They also keep the class paths that patched models saved
@@ -25,9 +26,10 @@ from .patch import (
     unpatch,
     upgrade_old_attributes,
 )
+from .streaming import set_streaming
 
 __all__ = [
     "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "UnsupportedModelError",
     "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "parse_device", "parse_dtype", "patch",
-    "unpatch", "upgrade_old_attributes",
+    "set_streaming", "unpatch", "upgrade_old_attributes",
 ]

@@ -31,6 +31,7 @@ from ase.data import chemical_symbols
 from torch import Tensor
 
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
+from . import streaming
 from .patch import SUPPORTED_INTERACTIONS
 
 __all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
@@ -117,6 +118,20 @@ class MaceAdapter:
 
     def inert_beyond_cutoff(self) -> str | None:
         return inert_beyond_cutoff(self.model)
+
+    def stored_edge_bytes(self) -> int:
+        """Bytes per edge the stored path keeps per call (every layer's tensor-product weights, their
+        gradient and the message buffers: about three weight rows per layer), for choosing streaming."""
+        itemsize = torch.finfo(self.dtype).bits // 8
+        return 3 * itemsize * sum(b.conv_tp.weight_numel for b in streaming.streaming_blocks(self.model))
+
+    def set_streaming(self, budget_bytes: int | None) -> int:
+        """Stream the edges of every layer that can, in chunks sized to ``budget_bytes`` (None: stop).
+        Returns the number of streaming layers (0 when the model has none that can)."""
+        if budget_bytes is None or not streaming.streaming_blocks(self.model):
+            streaming.set_streaming(self.model, None)
+            return 0
+        return streaming.set_streaming(self.model, streaming.chunk_edges_for(self.model, budget_bytes, self.dtype))
 
 
 def choose_head(heads: list[str], head: str | None) -> str:

@@ -42,6 +42,7 @@ from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_ch
 from ..families import is_mace_model
 from ..graph_cache import CallGraphCache
 from . import legacy as mace_legacy
+from .streaming import DeferredWeights, set_streaming
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class FusedConvTP(torch.nn.Module):
         for name, child in e3nn_tp.named_children():
             self.add_module(name, child)
         self.graphs = graphs
+        self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
         # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
         self.original = (e3nn_tp,)
 
@@ -102,6 +104,10 @@ class FusedConvTP(torch.nn.Module):
         edge_index: torch.Tensor,
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
+        if isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
+            return kernels.streaming_convolution(self.conv, node_feats.contiguous(), edge_attrs.contiguous(),
+                                                 tp_weights.radial_in, tp_weights.radial, graph,
+                                                 self.chunk_edges, scale=tp_weights.scale)
         # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
         return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
 
@@ -262,6 +268,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             raise UnsupportedModelError(
                 f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
             )
+    set_streaming(model, None)
     for block in blocks:
         fused = getattr(block, "conv_tp", None)
         if not isinstance(fused, FusedConvTP):

@@ -113,6 +113,12 @@ class NequipAdapter:
     def inert_beyond_cutoff(self) -> str | None:
         return inert_beyond_cutoff(self.energy_model)
 
+    def stored_edge_bytes(self) -> int:
+        return 0  # streaming edges is built for MACE so far
+
+    def set_streaming(self, budget_bytes: int | None) -> int:
+        return 0
+
 
 def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
     """The energy model inside nequip's ForceStressOutput (matched by class name: packaged classes differ)."""

@@ -1,0 +1,235 @@
+"""The streaming radial convolution (weights made per chunk of edges) against radial MLP + e3nn + index_add."""
+
+import numpy as np
+import pytest
+import torch
+from e3nn import nn as e3nn_nn
+from e3nn import o3
+from tp_cases import PROBLEMS, e3nn_tp, rel
+
+from cgforge.kernels import ConvGraph, Convolution, streaming_convolution
+from cgforge.kernels.convolution import chunk_ranges
+
+
+def _mlp(features: int, weight_numel: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    mlp = e3nn_nn.FullyConnectedNet([features, 16, 16, weight_numel], torch.nn.functional.silu)
+    return mlp.double().requires_grad_(False)
+
+
+def _case(problem: str, n: int, e: int, seed: int = 0):
+    tp = e3nn_tp(PROBLEMS[problem])
+    gen = torch.Generator().manual_seed(seed)
+    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    s[:3], r[:3] = 0, 0  # a repeated self-edge and a high-degree node
+    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(e, tp.irreps_in2.dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    rad = torch.randn(e, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(e, 1, generator=gen, dtype=torch.float64, requires_grad=True)
+    return tp, s, r, x, y, rad, scale
+
+
+def _reference(tp, mlp, s, r, x, y, rad, scale, n):
+    w = mlp(rad) * scale
+    return torch.zeros(n, tp.irreps_out.dim, dtype=x.dtype).index_add(0, r, tp(x[s], y, w))
+
+
+@pytest.mark.parametrize("problem,chunk_edges", [("nequip-water", 1), ("nequip-water", 7), ("nequip-water", 10_000),
+                                                   ("mace-medium", 16)])
+def test_matches_radial_mlp_e3nn_index_add(problem, chunk_edges):
+    torch.set_default_dtype(torch.float64)
+    n, e = 13, 90
+    tp, s, r, x, y, rad, scale = _case(problem, n, e)
+    mlp = _mlp(8, tp.weight_numel, seed=1)
+    conv = Convolution.from_e3nn(tp)
+    graph = ConvGraph(s, r, n)
+    out = streaming_convolution(conv, x, y, rad, mlp, graph, chunk_edges, scale=scale)
+    ref = _reference(tp, mlp, s, r, x, y, rad, scale, n)
+    assert rel(out, ref) < 1e-12
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (x, y, rad, scale), g)
+    want = torch.autograd.grad(ref, (x, y, rad, scale), g)
+    for name, a, b in zip(("x", "y", "radial_in", "scale"), got, want):
+        assert rel(a, b) < 1e-11, name
+
+
+def test_chunk_size_changes_nothing_but_rounding_and_scale_is_optional():
+    torch.set_default_dtype(torch.float64)
+    n, e = 20, 150
+    tp, s, r, x, y, rad, _ = _case("nequip-water", n, e, seed=3)
+    mlp = _mlp(8, tp.weight_numel, seed=2)
+    conv = Convolution.from_e3nn(tp)
+    graph = ConvGraph(s, r, n)
+    results = []
+    for chunk in (5, e):
+        out = streaming_convolution(conv, x, y, rad, mlp, graph, chunk)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (x, y, rad))))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            # CPU BLAS blocks by batch size, so FP64 rounding may differ; the CUDA kernels sum each row in
+            # the same CSR order whatever the chunk (bitwise, tested on the GPU)
+            assert rel(a, b) < 1e-14
+    ref = torch.zeros(n, tp.irreps_out.dim).index_add(0, r, tp(x[s], y, mlp(rad)))
+    assert rel(results[0][0], ref) < 1e-12
+
+
+def test_water_graph_forces_chain():
+    """A periodic water graph: y and the radial input made from positions, so gradients reach them."""
+    from cgforge.plugin.neighbours import neighbour_list
+    from cgforge.plugin.water import water_box
+
+    torch.set_default_dtype(torch.float64)
+    atoms = water_box(n_molecules=8)
+    pos = torch.tensor(atoms.positions, requires_grad=True)
+    s, r, shifts = neighbour_list(pos.detach(), torch.tensor(np.array(atoms.cell)), tuple(atoms.pbc), 3.0)
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    vec = pos[r] - pos[s] + shifts.to(pos.dtype)
+    y = o3.spherical_harmonics(tp.irreps_in2, vec, normalize=True)
+    length = vec.norm(dim=1, keepdim=True)
+    rad = torch.cat([torch.sin(k * length) / length for k in range(1, 9)], dim=1)
+    n = len(atoms)
+    x = torch.randn(n, tp.irreps_in1.dim, generator=torch.Generator().manual_seed(0))
+    mlp = _mlp(8, tp.weight_numel, seed=4)
+    conv = Convolution.from_e3nn(tp)
+    energy = streaming_convolution(conv, x, y, rad, mlp, ConvGraph(s, r, n), 50).square().sum()
+    ref = torch.zeros(n, tp.irreps_out.dim).index_add(0, r, tp(x[s], y, mlp(rad))).square().sum()
+    assert rel(energy, ref) < 1e-12
+    f, = torch.autograd.grad(energy, pos, retain_graph=True)  # ref shares y and the radial input
+    f_ref, = torch.autograd.grad(ref, pos)
+    assert rel(f, f_ref) < 1e-11
+
+
+def test_chunk_ranges_cover_rows_within_budget():
+    rowptr = np.cumsum([0, 3, 0, 9, 1, 1, 0, 4])
+    ranges = chunk_ranges(rowptr, 4)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(rowptr) - 1
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for r0, r1 in ranges:  # within the budget, or a single row that alone exceeds it
+        assert rowptr[r1] - rowptr[r0] <= 4 or r1 - r0 == 1
+    assert chunk_ranges(np.zeros(1, dtype=np.int64), 4) == []
+    with pytest.raises(ValueError, match="chunk_edges"):
+        chunk_ranges(rowptr, 0)
+
+
+def test_bad_input_is_named():
+    torch.set_default_dtype(torch.float64)
+    tp, s, r, x, y, rad, scale = _case("nequip-water", 5, 12)
+    conv = Convolution.from_e3nn(tp)
+    graph = ConvGraph(s, r, 5)
+    mlp = _mlp(8, tp.weight_numel, seed=0)
+    with pytest.raises(ValueError, match="y must have shape"):
+        streaming_convolution(conv, x, y[:-1], rad, mlp, graph, 4)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        streaming_convolution(conv, x, y, rad, mlp, graph, 4, scale=scale[:, :0])
+    with pytest.raises(ValueError, match="chunk_edges"):
+        streaming_convolution(conv, x, y, rad, mlp, graph, 0)
+    with pytest.raises(ValueError, match="deterministic"):
+        streaming_convolution(conv, x, y, rad, mlp, ConvGraph(s, r, 5, deterministic=False), 4)
+    with pytest.raises(RuntimeError, match="require"):
+        streaming_convolution(conv, x, y, rad, mlp.requires_grad_(True), graph, 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_streaming_matches_stored_path_and_is_bitwise_reproducible(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.set_default_dtype(torch.float64)
+    n, e = 300, 6000
+    tp, s, r, x, y, rad, scale = _case("mace-medium", n, e, seed=5)
+    mlp = _mlp(8, tp.weight_numel, seed=6).to("cuda", dtype)
+    conv = Convolution.from_e3nn(tp)
+    dev = [t.detach().to("cuda", dtype).requires_grad_() for t in (x, y, rad, scale)]
+    graph = ConvGraph(s.cuda(), r.cuda(), n)
+
+    def run(fn):
+        out = fn(*dev)
+        return (out, *torch.autograd.grad(out.square().sum(), dev))
+
+    stored = run(lambda a, b, c, d: conv(a, b, mlp(c) * d, graph))
+    first = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d))
+    again = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d))
+    tol = 1e-11 if dtype == torch.float64 else 2e-5
+    for a, b, c in zip(first, stored, again):
+        assert rel(a, b) < tol
+        assert torch.equal(a, c)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Patched MACE models with streaming on
+
+
+def _mace_case(interaction: str = "RealAgnosticResidualInteractionBlock", first: str | None = None):
+    pytest.importorskip("mace")
+    from mace_helpers import build_model, evaluate
+
+    from cgforge.patches import mace as pm
+
+    torch.set_default_dtype(torch.float64)
+    plain = build_model(interaction=interaction, first=first)
+    ref = evaluate(plain, _water_pair())
+    patched = pm.patch(build_model(interaction=interaction, first=first))
+    patched.requires_grad_(False)
+    return pm, patched, ref, evaluate
+
+
+def _water_pair():
+    from mace_helpers import water_dimer
+
+    return water_dimer()
+
+
+@pytest.mark.parametrize("chunk_edges", [3, 1000])
+def test_mace_streaming_equals_plain_model(chunk_edges):
+    from mace_helpers import assert_same_outputs
+
+    pm, patched, ref, evaluate = _mace_case(first="RealAgnosticInteractionBlock")
+    keys = list(patched.state_dict())
+    assert pm.set_streaming(patched, chunk_edges) == 2
+    assert list(patched.state_dict()) == keys  # the stand-in adopts the MLP's parameters under their names
+    assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
+    assert pm.set_streaming(patched, None) == 0
+    assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
+
+
+def test_mace_streaming_unpatch_restores_plain_modules():
+    from cgforge.patches.mace.streaming import DeferredRadial
+
+    pm, patched, ref, evaluate = _mace_case()
+    pm.set_streaming(patched, 5)
+    assert any(isinstance(m, DeferredRadial) for m in patched.modules())
+    pm.unpatch(patched)
+    assert not any(type(m).__module__.startswith("cgforge") for m in patched.modules())
+    out = evaluate(patched, _water_pair())
+    assert np.allclose(out["forces"], ref["forces"], rtol=0, atol=1e-12)
+
+
+def test_mace_streaming_leaves_unsupported_blocks_on_the_stored_path_and_checks_arguments():
+    pm, patched, ref, evaluate = _mace_case(interaction="RealAgnosticDensityInteractionBlock")
+    assert pm.set_streaming(patched, 8) == 0
+    with pytest.raises(ValueError, match="chunk_edges"):
+        pm.set_streaming(patched, 0)
+    with pytest.raises(TypeError, match="MACE"):
+        pm.set_streaming(torch.nn.Linear(2, 2), 8)
+
+
+@pytest.mark.slow
+def test_calculator_streaming_equals_stored_path_and_checks_its_arguments():
+    pytest.importorskip("mace")
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    torch.set_default_dtype(torch.float64)
+    atoms = water_box(n_molecules=8)
+    stored = Calculator("mace", device="cpu", dtype="float64", patch=True, streaming=False)
+    streamed = Calculator("mace", device="cpu", dtype="float64", patch=True, streaming=True)
+    assert streamed.streaming and not stored.streaming
+    e0, f0 = stored.get_potential_energy(atoms), stored.get_forces(atoms)
+    a = atoms.copy()
+    e1, f1 = streamed.get_potential_energy(a), streamed.get_forces(a)
+    assert abs(e1 - e0) < 1e-10 * abs(e0)
+    assert np.abs(f1 - f0).max() < 1e-10
+    with pytest.raises(TypeError, match="streaming"):
+        Calculator("mace", device="cpu", streaming="yes", warmup=False)
+    with pytest.raises(ValueError, match="patch=True"):
+        Calculator("mace", device="cpu", streaming=True, warmup=False)  # the CPU default runs MACE's own code
