@@ -107,6 +107,8 @@ def test_chunk_ranges_cover_rows_within_budget():
     for r0, r1 in ranges:  # within the budget, or a single row that alone exceeds it
         assert rowptr[r1] - rowptr[r0] <= 4 or r1 - r0 == 1
     assert chunk_ranges(np.zeros(1, dtype=np.int64), 4) == []
+    wide = chunk_ranges(rowptr, 4, min_rows=3)  # rows for parallelism win over the edge budget
+    assert all(r1 - r0 >= 3 for r0, r1 in wide[:-1]) and wide[-1][1] == len(rowptr) - 1
     with pytest.raises(ValueError, match="chunk_edges"):
         chunk_ranges(rowptr, 0)
 
@@ -147,8 +149,8 @@ def test_cuda_streaming_matches_stored_path_and_is_bitwise_reproducible(dtype):
         return (out, *torch.autograd.grad(out.square().sum(), dev))
 
     stored = run(lambda a, b, c, d: conv(a, b, mlp(c) * d, graph))
-    first = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d))
-    again = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d))
+    first = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d, min_rows=16))
+    again = run(lambda a, b, c, d: streaming_convolution(conv, a, b, c, mlp, graph, 1000, scale=d, min_rows=16))
     tol = 1e-11 if dtype == torch.float64 else 2e-5
     for a, b, c in zip(first, stored, again):
         assert rel(a, b) < tol

@@ -311,6 +311,8 @@ class Calculator(AseCalculator):
         self.streaming = False
         if streaming:
             self._start_streaming()
+        else:
+            self.adapter.set_streaming(None)  # a model given as a module may stream from an earlier calculator
             if cuda_graph:
                 raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
                                  "the host, so its steps run eagerly")
