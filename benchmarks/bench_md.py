@@ -580,7 +580,8 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
             parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')}"
         if r.get("radial_precision_error") is not None:
             parts += f" | radial {r['radial_precision']} (forces changed {r['radial_precision_error']:.1e})"
-        print(f"{prefix} {r['nvt_s']:8.4f} {r['npt_s']:8.4f} {r['peak_gb']:8.2f}  {parts}")
+        peak = r.get("peak_gb", r.get("peak_gb_nvt"))  # --nvt-only rows: no NPT step
+        print(f"{prefix} {_cell(r['nvt_s'])} {_cell(r.get('npt_s'))} {peak:8.2f}  {parts}")
 
 
 def _cell(value) -> str:

@@ -27,6 +27,34 @@ from cgforge.plugin.water import water_box  # noqa: E402
 GB = 1e9
 
 
+class SavedTensors:
+    """What autograd keeps for the backward, in GB, by kind of row: per atom, per edge, other (each storage once)."""
+
+    def __init__(self, atoms: int, edges: int) -> None:
+        self.atoms, self.edges = atoms, edges
+        self.seen: dict[int, tuple[str, int, tuple]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda:
+            rows = t.shape[0] if t.dim() else 0
+            kind = "atom" if rows == self.atoms else "edge" if rows >= 0.9 * self.edges and rows > self.atoms else "other"
+            storage = t.untyped_storage()
+            self.seen[storage.data_ptr()] = (kind, storage.nbytes(), tuple(t.shape))
+        return t
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def summary(self) -> dict:
+        out: dict = {}
+        for kind, nbytes, shape in self.seen.values():
+            out.setdefault(kind, 0.0)
+            out[kind] += nbytes / GB
+            key = f"{kind} {list(shape[1:])}"
+            out[key] = out.get(key, 0.0) + nbytes / GB
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:16])
+
+
 def probe(atoms, model: torch.nn.Module, streaming: bool) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -41,8 +69,11 @@ def probe(atoms, model: torch.nn.Module, streaming: bool) -> dict:
     row["rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
     a.positions += 1e-3
     torch.cuda.reset_peak_memory_stats()
-    a.get_forces()
+    saved = SavedTensors(len(a), calc.n_edges)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        a.get_forces()
     row["forces_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
+    row["saved_for_backward_gb"] = saved.summary()
     row["bytes_per_atom"] = row["forces_peak_gb"] * GB / len(a)
     row["bytes_per_edge"] = row["forces_peak_gb"] * GB / max(calc.n_edges, 1)
     del calc, a
@@ -70,6 +101,9 @@ def main() -> None:
     path = write_json("streaming-memory", {"environment": environment(), "rows": rows, "args": vars(args)})
     print(f"JSON: {path}")
     print(f"{'system':8} {'atoms':>8} {'edges':>10} {'rest GB':>8} {'E GB':>8} {'E+F GB':>8} {'B/atom':>8} {'B/edge':>7}")
+    for r in rows:
+        if "saved_for_backward_gb" in r:
+            print(r["system"], "saved for backward (GB):", {k: round(v, 2) for k, v in r["saved_for_backward_gb"].items()})
     for r in rows:
         if "error" in r:
             print(f"{r['system']:8} {r['error']}")

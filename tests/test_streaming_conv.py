@@ -185,9 +185,13 @@ def _water_pair():
 def test_mace_streaming_equals_plain_model(chunk_edges):
     from mace_helpers import assert_same_outputs
 
+    from cgforge.patches.mace.adapter import inert_beyond_cutoff
+
     pm, patched, ref, evaluate = _mace_case(first="RealAgnosticInteractionBlock")
     keys = list(patched.state_dict())
+    inert = inert_beyond_cutoff(patched)
     assert pm.set_streaming(patched, chunk_edges) == 2
+    assert inert_beyond_cutoff(patched) == inert  # the analysis sees through the deferred MLP
     assert list(patched.state_dict()) == keys  # the stand-in adopts the MLP's parameters under their names
     assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
     assert pm.set_streaming(patched, None) == 0

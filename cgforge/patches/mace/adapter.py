@@ -172,6 +172,7 @@ def inert_beyond_cutoff(model: torch.nn.Module) -> str | None:
                     "edge beyond the cutoff still gets nonzero weights")
         for attr in ("conv_tp_weights", "density_fn"):
             mlp = getattr(block, attr, None)
+            mlp = mlp.mlp if isinstance(mlp, streaming.DeferredRadial) else mlp  # the MLP a streaming block defers
             if mlp is not None and not vanishes_at_zero(mlp, int(mlp.hs[0])):
                 return f"interactions.{i}.{attr} is not zero for zero edge features (bias or activation)"
     if hasattr(model, "pair_repulsion"):
