@@ -239,3 +239,38 @@ def test_calculator_streaming_equals_stored_path_and_checks_its_arguments():
         Calculator("mace", device="cpu", streaming="yes", warmup=False)
     with pytest.raises(ValueError, match="patch=True"):
         Calculator("mace", device="cpu", streaming=True, warmup=False)  # the CPU default runs MACE's own code
+
+
+@pytest.mark.slow
+def test_calculator_retries_streaming_when_the_stored_path_runs_out_of_memory(monkeypatch):
+    pytest.importorskip("mace")
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    torch.set_default_dtype(torch.float64)
+    atoms = water_box(n_molecules=8)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
+    assert not calc.streaming
+    reference = calc.get_forces(atoms.copy())
+    run, calls = calc.step.run, []
+
+    def out_of_memory_once(*args, **kwargs):
+        calls.append(calc.streaming)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(calc.step, "run", out_of_memory_once)
+    a = atoms.copy()
+    a.positions[0, 0] += 1e-3
+    with pytest.warns(UserWarning, match="streaming edges from now on"):
+        forces = calc.get_forces(a)
+    assert calls == [False, True] and calc.streaming
+    assert np.abs(forces - Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False,
+                                      streaming=False).get_forces(a)).max() < 1e-10
+    assert np.abs(forces - reference).max() > 0  # the displaced structure, not a cached result
+    streaming_off = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False, streaming=False)
+    monkeypatch.setattr(streaming_off.step, "run", lambda *a, **k: (_ for _ in ()).throw(
+        torch.cuda.OutOfMemoryError("simulated")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # streaming=False: the user's choice stands
+        streaming_off.get_forces(atoms.copy())
