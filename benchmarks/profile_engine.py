@@ -1,0 +1,96 @@
+"""Where the MD engine's step goes (one GPU): ms per step over engine settings, then the kernels of one step.
+
+    python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip] [--molecules 1728] [--steps 200]
+
+Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, bundled model, 0.5 fs), then profiles the
+fastest setting eagerly (kernels by name, count per step) so the integrator's small kernels show apart
+from the model's. Prints a table; JSON goes to benchmarks/results/ (or $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, write_json  # noqa: E402
+
+from cgforge.plugin.calculator import Calculator  # noqa: E402
+from cgforge.plugin.engine import Engine  # noqa: E402
+from cgforge.plugin.integrators import Langevin  # noqa: E402
+from cgforge.plugin.water import water_box  # noqa: E402
+
+
+def make(model: str, molecules: int):
+    atoms = water_box(molecules)
+    rng = np.random.default_rng(0)
+    masses = atoms.get_masses()[:, None]
+    atoms.set_momenta(rng.normal(size=(len(atoms), 3)) * np.sqrt(masses * 300 * 8.617e-5))
+    calc = Calculator(model.split("-")[1], device="cuda", dtype="float32")
+    return atoms, calc
+
+
+def ms_per_step(calc, atoms, steps: int, **engine_kw) -> float:
+    a = atoms.copy()
+    engine = Engine(calc, a, Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"), **engine_kw)
+    engine.run(40)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.run(steps)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / steps
+
+
+def kernel_table(calc, atoms, steps: int = 10) -> tuple[list[tuple[str, float, int]], int]:
+    a = atoms.copy()
+    engine = Engine(calc, a, Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"), cuda_graph=False)
+    engine.run(5)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.run(steps)
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            total[e.name] += e.device_time_total / 1000 / steps
+            count[e.name] += 1
+    rows = sorted(((n, total[n], count[n] // steps) for n in total), key=lambda r: -r[1])
+    return rows, sum(count.values()) // steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bundled-mace", choices=("bundled-mace", "bundled-nequip"))
+    parser.add_argument("--molecules", type=int, default=1728)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    atoms, calc = make(args.model, args.molecules)
+    sweep = []
+    for spg, block in ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50)):
+        ms = ms_per_step(calc, atoms, args.steps, steps_per_graph=spg, block=block)
+        sweep.append({"steps_per_graph": spg, "block": block, "ms_per_step": ms})
+        print(sweep[-1], flush=True)
+    kernels, per_step = kernel_table(calc, atoms)
+    path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "sweep": sweep,
+                                         "kernels_per_step": per_step,
+                                         "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]})
+    print(f"\n{args.model}, {len(atoms)} atoms, NVT Langevin FP32; JSON: {path}")
+    print(f"eager step: {per_step} kernels, {sum(r[1] for r in kernels):.3f} ms of kernel time")
+    for n, ms, c in kernels[:25]:
+        print(f"  {ms:8.3f} ms {c:4d}x  {n[:110]}")
+    print("steps_per_graph block  ms/step")
+    for r in sweep:
+        print(f"{r['steps_per_graph']:15d} {r['block']:5d} {r['ms_per_step']:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
