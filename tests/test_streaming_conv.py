@@ -219,6 +219,15 @@ def test_mace_streaming_leaves_unsupported_blocks_on_the_stored_path_and_checks_
         pm.set_streaming(torch.nn.Linear(2, 2), 8)
 
 
+def test_streaming_options_leave_the_cuda_graph_choice_alone():
+    pytest.importorskip("mace")
+    from cgforge.plugin import Calculator
+
+    for streaming in (None, False):  # only streaming=True turns the CUDA graph off
+        with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+            Calculator("mace", device="cpu", patch=True, streaming=streaming, cuda_graph=True, warmup=False)
+
+
 @pytest.mark.slow
 def test_calculator_streaming_equals_stored_path_and_checks_its_arguments():
     pytest.importorskip("mace")
@@ -237,6 +246,8 @@ def test_calculator_streaming_equals_stored_path_and_checks_its_arguments():
     assert np.abs(f1 - f0).max() < 1e-10
     with pytest.raises(TypeError, match="streaming"):
         Calculator("mace", device="cpu", streaming="yes", warmup=False)
+    with pytest.raises(ValueError, match="cuda_graph=True and streaming=True"):
+        Calculator("mace", device="cpu", patch=True, streaming=True, cuda_graph=True, warmup=False)
     with pytest.raises(ValueError, match="patch=True"):
         Calculator("mace", device="cpu", streaming=True, warmup=False)  # the CPU default runs MACE's own code
 

@@ -313,13 +313,13 @@ class Calculator(AseCalculator):
         self.streaming_requested = streaming
         self.streaming = False
         if streaming:
-            self._start_streaming()
-        else:
-            self.adapter.set_streaming(None)  # a model given as a module may stream from an earlier calculator
             if cuda_graph:
                 raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
                                  "the host, so its steps run eagerly")
+            self._start_streaming()
             cuda_graph = False
+        else:
+            self.adapter.set_streaming(None)  # a model given as a module may stream from an earlier calculator
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
                               cuda_graph=self._cuda_graph(cuda_graph))
         self.timings: _Timings | None = None
