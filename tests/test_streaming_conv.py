@@ -285,3 +285,27 @@ def test_calculator_retries_streaming_when_the_stored_path_runs_out_of_memory(mo
         torch.cuda.OutOfMemoryError("simulated")))
     with pytest.raises(torch.cuda.OutOfMemoryError):  # streaming=False: the user's choice stands
         streaming_off.get_forces(atoms.copy())
+
+
+@pytest.mark.slow
+def test_nequip_calculator_streaming_equals_stored_path():
+    pytest.importorskip("nequip")
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    atoms = water_box(n_molecules=8)
+    stored = Calculator("nequip", device="cpu", patch=True, streaming=False)
+    streamed = Calculator("nequip", device="cpu", patch=True, streaming=True)
+    assert streamed.streaming and streamed.inert_edges_reason == stored.inert_edges_reason
+    e0, f0 = stored.get_potential_energy(atoms), stored.get_forces(atoms)
+    a = atoms.copy()
+    e1, f1 = streamed.get_potential_energy(a), streamed.get_forces(a)
+    # the bundled model computes in FP32 (its model_dtype) with FP64 positions: FP32 rounding of a different order
+    model_dtype = next(streamed.model.parameters()).dtype
+    tol = 1e-10 if model_dtype == torch.float64 else 1e-5
+    assert abs(e1 - e0) <= tol * max(abs(e0), 1.0)
+    assert np.abs(f1 - f0).max() <= tol * max(np.abs(f0).max(), 1.0)
+    from cgforge.patches import unpatch
+
+    unpatch(streamed.model)
+    assert not any(type(m).__module__.startswith("cgforge") for m in streamed.model.modules())

@@ -17,7 +17,7 @@ import torch
 
 from . import mace
 from .common import current_umask, verify_checksums
-from .families import is_mace_model
+from .families import is_mace_model, is_nequip_model
 from .mace.legacy import LegacyCheckpointError, describe_file
 
 __all__ = ["load", "patch", "unpatch", "save_patched", "checkpoint_kind", "verify_checksums", "LegacyCheckpointError"]
@@ -75,18 +75,25 @@ def load(
     return mace.load_mace(path, device=device, dtype=dtype, patched=True)
 
 
-def patch(model: torch.nn.Module) -> torch.nn.Module:
-    """Patch a model in place (idempotent) and return it."""
+def _family(model: torch.nn.Module) -> Any:
     if is_mace_model(model):
-        return mace.patch(model)
-    raise TypeError(f"model: expected a MACE model, got {type(model).__module__}.{type(model).__qualname__}")
+        return mace
+    if is_nequip_model(model):
+        from . import nequip  # nequip is optional: imported for its models only
+
+        return nequip
+    raise TypeError(f"model: expected a MACE or NequIP model, got {type(model).__module__}."
+                    f"{type(model).__qualname__}")
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Patch a MACE or NequIP model in place (idempotent) and return it."""
+    return _family(model).patch(model)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo ``patch`` in place: the model no longer refers to cgforge."""
-    if is_mace_model(model):
-        return mace.unpatch(model)
-    raise TypeError(f"model: expected a MACE model, got {type(model).__module__}.{type(model).__qualname__}")
+    return _family(model).unpatch(model)
 
 
 def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool = False) -> Path:

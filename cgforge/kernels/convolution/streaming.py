@@ -78,9 +78,10 @@ def _edge_ids(order: torch.Tensor, e0: int, e1: int, device: torch.device) -> to
 
 
 def _weights(radial: Callable[[torch.Tensor], torch.Tensor], radial_in: torch.Tensor,
-             scale: torch.Tensor | None) -> torch.Tensor:
+             scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     w = radial(radial_in)
-    return w if scale is None else w * scale
+    w = w if scale is None else w * scale
+    return w.to(dtype)  # the convolution's dtype (a model may run its radial MLP in another)
 
 
 class _StreamingConv(torch.autograd.Function):
@@ -93,7 +94,8 @@ class _StreamingConv(torch.autograd.Function):
         for r0, r1 in chunks.forward:
             e0, e1 = int(chunks.rowptr[r0]), int(chunks.rowptr[r1])
             ids = _edge_ids(t.perm, e0, e1, x.device)
-            w = _weights(radial, radial_in.index_select(0, ids), None if scale is None else scale.index_select(0, ids))
+            w = _weights(radial, radial_in.index_select(0, ids),
+                         None if scale is None else scale.index_select(0, ids), x.dtype)
             rowptr = t.rowptr[r0:r1 + 1] - e0
             receiver = t.receiver.index_select(0, ids) - r0  # the reference path's rows; kernels read rowptr
             out[r0:r1] = ops.conv_forward(x, y.index_select(0, ids), w.contiguous(), t.sender.index_select(0, ids),
@@ -122,7 +124,7 @@ class _StreamingConv(torch.autograd.Function):
             with torch.enable_grad():  # recompute this chunk's weights, keeping the graph to radial_in
                 r_in = radial_in.index_select(0, ids).detach().requires_grad_()
                 s_in = scale.index_select(0, ids).detach().requires_grad_() if ctx.has_scale else None
-                w = _weights(radial, r_in, s_in)
+                w = _weights(radial, r_in, s_in, x.dtype)
             rowptr_t = t.rowptr_t[r0:r1 + 1] - e0
             local = torch.arange(e1 - e0, dtype=torch.int32, device=x.device)
             sender = t.sender.index_select(0, ids) - r0  # rows of the x slice (reference path)

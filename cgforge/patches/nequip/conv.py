@@ -24,6 +24,7 @@ from cgforge import kernels
 
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
+from ..streaming import DeferredWeights
 
 try:
     from nequip.nn._tp_scatter_base import TensorProductScatter
@@ -138,6 +139,7 @@ class CgforgeTensorProductScatter(TensorProductScatter):
         self.tp = original.tp
         self.conv = _convolution(original.tp)
         self.graphs = graphs
+        self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
         self.original = (original,)
 
     def forward(
@@ -150,6 +152,10 @@ class CgforgeTensorProductScatter(TensorProductScatter):
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_src, edge_dst, x.shape[0])
         dtype = self.model_dtype  # explicit casts as nequip's other accelerations do (AMP)
+        if isinstance(edge_weight, DeferredWeights):  # streaming: the edge MLP runs per chunk of edges
+            return kernels.streaming_convolution(self.conv, x.to(dtype).contiguous(), edge_attr.to(dtype).contiguous(),
+                                                 edge_weight.radial_in, edge_weight.radial, graph,
+                                                 self.chunk_edges, scale=edge_weight.scale)
         return self.conv(
             x.to(dtype).contiguous(),
             edge_attr.to(dtype).contiguous(),

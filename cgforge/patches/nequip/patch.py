@@ -20,6 +20,7 @@ from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
 from .conv import CgforgeTensorProductScatter, scatter_sites
 from .files import SUPPORTED_ROUTE, CompiledModelError
+from .streaming import set_streaming
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Put the original convolutions back (no cgforge objects left). In place; returns ``model``."""
     for root in _roots(model):
+        set_streaming(root, None)
         for _where, parent, name, module in scatter_sites(root):
             if isinstance(module, CgforgeTensorProductScatter):
                 (original,) = module.original
