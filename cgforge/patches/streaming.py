@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeferredRadial", "DeferredWeights", "chunk_edges_for"]
+__all__ = ["DeferredRadial", "DeferredWeights", "chunk_edges_for", "defer_radial"]
 
 
 class DeferredWeights:
@@ -70,3 +70,24 @@ def chunk_edges_for(layers: list[tuple[torch.nn.Module, int]], budget_bytes: int
         per_edge = max(per_edge, 3 * weight_numel + 2 * sum(widths))
     itemsize = torch.finfo(dtype).bits // 8
     return max(1024, int(budget_bytes // max(per_edge * itemsize, 1)))
+
+
+def defer_radial(layers: list[torch.nn.Module], mlp_attr: str, conv_attr: str, chunk_edges: int | None) -> int:
+    """Swap each layer's radial MLP (``layer.<mlp_attr>``) for a ``DeferredRadial`` and tell its convolution
+    (``layer.<conv_attr>``) the chunk size; None swaps the MLPs back. Returns the number of streaming layers.
+    The MLPs' parameters stop requiring grad: the streaming path is for inference."""
+    if chunk_edges is not None and (isinstance(chunk_edges, bool) or not isinstance(chunk_edges, int)
+                                    or chunk_edges < 1):
+        raise ValueError(f"chunk_edges must be a positive int or None, got {chunk_edges!r}")
+    for layer in layers:
+        mlp = getattr(layer, mlp_attr)
+        if chunk_edges is None:
+            if isinstance(mlp, DeferredRadial):
+                setattr(layer, mlp_attr, mlp.mlp)
+        else:
+            if not isinstance(mlp, DeferredRadial):
+                mlp = DeferredRadial(mlp)
+                setattr(layer, mlp_attr, mlp)
+            mlp.requires_grad_(False)
+        getattr(layer, conv_attr).chunk_edges = chunk_edges
+    return len(layers) if chunk_edges is not None else 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..families import is_mace_model
-from ..streaming import DeferredRadial, DeferredWeights
+from ..streaming import DeferredRadial, DeferredWeights, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
 
 __all__ = ["STREAMING_INTERACTIONS", "DeferredRadial", "DeferredWeights", "chunk_edges_for", "set_streaming",
@@ -44,21 +44,7 @@ def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
     """
     if not is_mace_model(model):
         raise TypeError(f"model: expected a patched MACE model, got {type(model).__qualname__}")
-    if chunk_edges is not None and (isinstance(chunk_edges, bool) or not isinstance(chunk_edges, int)
-                                    or chunk_edges < 1):
-        raise ValueError(f"chunk_edges must be a positive int or None, got {chunk_edges!r}")
-    blocks = streaming_blocks(model)
-    for block in blocks:
-        if chunk_edges is None:
-            if isinstance(block.conv_tp_weights, DeferredRadial):
-                block.conv_tp_weights = block.conv_tp_weights.mlp
-            block.conv_tp.chunk_edges = None
-        else:
-            if not isinstance(block.conv_tp_weights, DeferredRadial):
-                block.conv_tp_weights = DeferredRadial(block.conv_tp_weights)
-            block.conv_tp_weights.requires_grad_(False)
-            block.conv_tp.chunk_edges = chunk_edges
-    return len(blocks) if chunk_edges is not None else 0
+    return defer_radial(streaming_blocks(model), "conv_tp_weights", "conv_tp", chunk_edges)
 
 
 def chunk_edges_for(model: torch.nn.Module, budget_bytes: int, dtype: torch.dtype) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..streaming import DeferredRadial
 from ..streaming import chunk_edges_for as _chunk_edges_for
+from ..streaming import defer_radial
 from .conv import CgforgeTensorProductScatter
 
 __all__ = ["chunk_edges_for", "set_streaming", "streaming_layers"]
@@ -26,21 +26,7 @@ def streaming_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
     """Stream the edges of every layer that can (``chunk_edges`` per chunk), or stop (None); the number of
     streaming layers. The radial MLPs' parameters stop requiring grad (inference)."""
-    if chunk_edges is not None and (isinstance(chunk_edges, bool) or not isinstance(chunk_edges, int)
-                                    or chunk_edges < 1):
-        raise ValueError(f"chunk_edges must be a positive int or None, got {chunk_edges!r}")
-    layers = streaming_layers(model)
-    for layer in layers:
-        if chunk_edges is None:
-            if isinstance(layer.edge_mlp, DeferredRadial):
-                layer.edge_mlp = layer.edge_mlp.mlp
-            layer.tp_scatter.chunk_edges = None
-        else:
-            if not isinstance(layer.edge_mlp, DeferredRadial):
-                layer.edge_mlp = DeferredRadial(layer.edge_mlp)
-            layer.edge_mlp.requires_grad_(False)
-            layer.tp_scatter.chunk_edges = chunk_edges
-    return len(layers) if chunk_edges is not None else 0
+    return defer_radial(streaming_layers(model), "edge_mlp", "tp_scatter", chunk_edges)
 
 
 def chunk_edges_for(model: torch.nn.Module, budget_bytes: int, dtype: torch.dtype) -> int:
