@@ -19,7 +19,7 @@ __all__ = ["check_matplotlib", "write_plot"]
 def check_matplotlib(what: str = "plot") -> None:
     """An error naming ``what`` when matplotlib is not installed (checked before a run, not after it)."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"{what}: writing a plot needs matplotlib (pip install matplotlib)")
+        raise ValueError(f"{what}: writing a plot needs matplotlib (pip install matplotlib, or cgforge[plot])")
 
 
 def _panels(history: list[dict[str, float]], npt: bool) -> list[tuple[str, list[tuple[str, str]]]]:
