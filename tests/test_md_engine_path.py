@@ -140,7 +140,8 @@ def test_the_host_sees_the_state_only_at_log_and_trajectory_steps(calc, tmp_path
                                              ("npt", {"pressure_bar": 5000.0, "taup_fs": 100.0})])
 def test_engine_restart_repeats_the_uninterrupted_run(calc, tmp_path, ensemble, extra):
     """The engine's noise is a hash of (seed, step): the seed and step in the frame continue the same sequence.
-    The restart rebuilds the neighbour list, which the model's own code sums in list order: equal to 1e-12."""
+    The restart rebuilds the neighbour list, which the model's own code sums in list order: bound 1e-12 (measured
+    bit for bit)."""
     common = dict(ensemble=ensemble, temperature_K=400, timestep_fs=0.5, trajectory_interval=3, seed=7,
                   engine="device", log=None, **extra)
     run_md(water_box(4, seed=3), calc, steps=6, trajectory=tmp_path / "whole.traj", **common)
@@ -257,6 +258,19 @@ def test_auto_runs_ase_on_a_cpu_and_csvr_on_both_paths(calc, tmp_path):
     assert summary.engine == "device" and math.isfinite(summary.temperature_K)
 
 
+def test_ase_csvr_restart_continues_the_saved_generator(tmp_path):
+    """ASE's Bussi draws from the numpy generator whose state each frame saves (md_rng)."""
+    common = dict(thermostat="csvr", taut_fs=20.0, temperature_K=500, timestep_fs=2.0, seed=4, log=None,
+                  trajectory_interval=5)
+    run_md(_copper(), EMT(), steps=10, trajectory=tmp_path / "whole.traj", **common)
+    run_md(_copper(), EMT(), steps=5, trajectory=tmp_path / "half.traj", **common)
+    run_md(None, EMT(), restart=tmp_path / "half.traj", steps=5, trajectory=tmp_path / "rest.traj", **common)
+    whole, again = _final(tmp_path / "whole.traj"), _final(tmp_path / "rest.traj")
+    assert again.info["md_step"] == 10
+    # EMT's sums follow its neighbour list, rebuilt at the restart: equal to rounding
+    assert np.abs(whole.get_momenta() - again.get_momenta()).max() <= 1e-10
+
+
 def test_cli_engine_and_thermostat_flags(model_file, tmp_path, capsys):
     for bad in (["--engine", "gpu"], ["--thermostat", "berendsen"]):
         with pytest.raises(SystemExit) as info:  # argparse's choices: a usage error, before anything loads
@@ -316,3 +330,21 @@ def test_run_md_takes_the_engine_by_default_on_cuda(tmp_path):
     frames = read(tmp_path / "gpu.traj", ":")
     assert [f.info["md_step"] for f in frames] == [0, 10, 20] and np.isfinite(frames[-1].get_forces()).all()
     assert run_md(water_box(64, seed=1), calc, steps=2, engine="ase", log=None).engine == "ase"
+
+
+@pytest.mark.cuda
+def test_cuda_engine_path_equals_ase_path_in_fp64(tmp_path):
+    """The captured engine and ASE's velocity Verlet over the calculator's own captured step, FP64, 20 steps: the
+    same trajectory to 1e-8 Å (the integrator's float64 arithmetic may round differently on the GPU)."""
+    torch.set_default_dtype(torch.float64)
+    calc = Calculator("mace", device="cuda", dtype="float64")
+    frames = {}
+    for engine in ("device", "ase"):
+        out = tmp_path / f"{engine}.traj"
+        run_md(water_box(64, seed=2), calc, ensemble="nve", steps=20, trajectory=out, engine=engine, log=None,
+               plot=tmp_path / f"{engine}.png")
+        frames[engine] = read(out, ":")
+        assert (tmp_path / f"{engine}.png").read_bytes()[:8] == PNG_MAGIC
+    for a, d in zip(frames["ase"], frames["device"], strict=True):
+        assert np.abs(a.positions - d.positions).max() <= 1e-8
+        assert np.abs(a.get_forces() - d.get_forces()).max() <= 1e-6

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from ase import Atoms
@@ -39,6 +39,9 @@ from .md_options import (
     checked_options,
     ensemble_options,
 )
+
+if TYPE_CHECKING:
+    from .md import MDSummary
 
 __all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "MDSetup",
            "relax_steps"]
@@ -255,9 +258,8 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                    restart=restart, run_md_kwargs=kwargs)
 
 
-def run_from_args(args: argparse.Namespace, stem: str = "md") -> Any:
-    """``cgforge md``: check everything, load the model, relax if asked, run; lines to stdout (and --log).
-    Returns run_md's ``MDSummary``."""
+def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
+    """``cgforge md``: check everything, load the model, relax if asked, run; lines to stdout (and --log)."""
     from .calculator import Calculator
     from .md import run_md
 
