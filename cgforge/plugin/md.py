@@ -373,10 +373,14 @@ def _plot(path: Path | None, progress: Progress | None, atoms: Atoms, o: dict[st
     if path is None:
         return None
     history = progress.history if progress is not None else []
-    title = (f"{len(atoms)} atoms, {o['ensemble'].upper()}" + (f" {o['temperature_K']:g} K" if o["ensemble"] != "nve"
-                                                               else "") + f", {o['timestep_fs']:g} fs")
+    ensemble = o["ensemble"]
+    targets = {"temperature_K": o["temperature_K"]} if ensemble != "nve" else {}
+    if ensemble == "npt":
+        targets["pressure_bar"] = o["pressure_bar"]
+    title = (f"{len(atoms)} atoms, {ensemble.upper()}" + (f" {o['temperature_K']:g} K" if ensemble != "nve" else "")
+             + (f" {o['pressure_bar']:g} bar" if ensemble == "npt" else "") + f", {o['timestep_fs']:g} fs")
     try:
-        if write_plot(path, history, title, o["ensemble"] == "npt"):
+        if write_plot(path, history, title, ensemble == "npt", targets):
             out(f"plot: {path}")
             return str(path)
         out(f"plot: nothing recorded, {path} not written")

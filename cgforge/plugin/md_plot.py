@@ -34,9 +34,11 @@ def _panels(history: list[dict[str, float]], npt: bool) -> list[tuple[str, list[
     return panels
 
 
-def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: bool) -> bool:
-    """Write the figure to ``path`` (a hidden temporary file in the same folder, then renamed: never half a file).
-    False (nothing written) when nothing was recorded."""
+def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: bool,
+               targets: dict[str, float] | None = None) -> bool:
+    """Write the figure to ``path`` (a hidden temporary file in the same folder, then renamed: never half a file);
+    ``targets``: a dashed line at the thermostat's or barostat's target, by record key. False (nothing written)
+    when nothing was recorded."""
     if not history:
         return False
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -53,6 +55,9 @@ def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: boo
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=legend)
+        for key, _ in series:
+            if targets and key in targets:
+                ax.axhline(targets[key], color="0.4", linestyle="--", linewidth=0.8, label="target")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if len(series) > 1:
