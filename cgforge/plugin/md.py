@@ -55,7 +55,7 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
-from .md_checks import Guard, MDInstabilityError, Progress, engine_blow_up, total_energy
+from .md_checks import Guard, MDInstabilityError, Progress, total_energy
 from .md_cli import add_md_arguments, model_banner, prepare_md, relax_structure, run_from_args
 from .md_dynamics import (
     AseDynamics,
@@ -307,7 +307,7 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
     try:
         with _ctrl_c_after_step() as interrupted:
             dyn.interrupted = interrupted  # the engine polls it between blocks
-            for _ in _irun(dyn, o["steps"], o["max_temperature_K"]):
+            for _ in dyn.irun(o["steps"]):
                 step = dyn.nsteps
                 guard.check(step)
                 if progress is None:
@@ -354,16 +354,6 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
     out(f"done: {o['steps']} steps, {summary.simulated_ps:g} ps in {summary.wall_s:.1f} s "
         f"({summary.ns_per_day:.3f} ns/day)" + (f"; trajectory: {path}" if path else ""))
     return summary
-
-
-def _irun(dyn: Any, steps: int, max_temperature_K: float) -> Iterator[Any]:
-    """``dyn.irun(steps)`` with the engine's blow-up error turned into run_md's."""
-    from .engine import MDBlowUp
-
-    try:
-        yield from dyn.irun(steps)
-    except MDBlowUp as err:
-        raise engine_blow_up(err, max_temperature_K) from None
 
 
 def _plot(path: Path | None, progress: Progress | None, atoms: Atoms, o: dict[str, Any], out: Callable[[str], None],

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from ase import Atoms, units
 
+from .md_checks import engine_blow_up
 from .md_files import Restart, encode_info
 
 ENGINE_OPTIONS = ("block", "steps_per_graph", "cuda_graph", "rebuild_margin")
@@ -155,6 +156,15 @@ class EngineDynamics:
         self._extra: dict[str, float] = {}
 
     def irun(self, steps: int) -> Iterator[None]:
+        """See the module doc; the engine's ``MDBlowUp`` comes out as run_md's ``MDInstabilityError``."""
+        from .engine import MDBlowUp
+
+        try:
+            yield from self._irun(steps)
+        except MDBlowUp as err:
+            raise engine_blow_up(err, self.engine.max_temperature_K) from None
+
+    def _irun(self, steps: int) -> Iterator[None]:
         e = self.engine
         end = e.step + steps
         e.sync_atoms()  # computes the forces of the start
