@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .plugin.md import add_md_arguments
 
     p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model on cgforge's "
-                       "kernels: NVT, NVE or NPT, progress lines, a trajectory, restarts",
+                       "kernels (integrator on the GPU with cgforge's device engine): NVT, NVE or NPT, progress lines, "
+                       "a trajectory, restarts, a plot",
                        epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
                               f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
                               f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "

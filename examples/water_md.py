@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup.relax:
         relax_structure(atoms, calc, setup.relax)
 
-    # 4. MD: Langevin NVT, velocity-Verlet NVE or Berendsen NPT, progress every --log-interval steps; the run
-    #    stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the current step.
+    # 4. MD: Langevin (or --thermostat csvr) NVT, velocity-Verlet NVE or NPT, progress every --log-interval
+    #    steps; on a GPU cgforge's device engine runs the integrator next to the model (--engine ase: ASE's
+    #    dynamics). The run stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the
+    #    current step; --plot draws the run at the end.
     summary = run_md(atoms, calc, log=[print, setup.log] if setup.log else print, **setup.run_md_kwargs)
     print(f"final temperature {summary.temperature_K:.1f} K, energy drift "
           f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")

@@ -1,0 +1,106 @@
+"""What an MD run reports and checks: the progress lines (and the values the plot needs) and the blow-up
+guard, with the one error both integrator paths raise."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from ase import Atoms
+
+from .md_plot import record
+
+
+class MDInstabilityError(RuntimeError):
+    """The run blew up: non-finite forces/energy or a runaway temperature at ``step``."""
+
+    def __init__(self, step: int, quantity: str, value: float, message: str) -> None:
+        super().__init__(message)
+        self.step, self.quantity, self.value = step, quantity, value
+
+
+def instability(step: int, quantity: str, value: float, what: str) -> MDInstabilityError:
+    return MDInstabilityError(step, quantity, value,
+                              f"MD became unstable at step {step}: {what}. Try a smaller timestep, relax the "
+                              "structure first, or check the model and the structure")
+
+
+def too_hot(temperature: float, limit: float) -> str:
+    return (f"the temperature reached {temperature:.4g} K, above the limit of {limit:g} K (max_temperature_K, "
+            "--max-temperature)")
+
+
+def engine_blow_up(err: Any, max_temperature_K: float) -> MDInstabilityError:
+    """The engine's ``MDBlowUp`` as the error (and message) run_md raises on both paths."""
+    value = err.value
+    what = {"temperature": lambda: too_hot(value, max_temperature_K),
+            "energy": lambda: f"the potential energy is {value}",
+            "forces": lambda: f"the forces are not finite (largest component {value})",
+            }.get(err.quantity, lambda: str(err).split("; the engine's state")[0].removeprefix("MD blew up at "))()
+    return instability(err.step, err.quantity, value, what)
+
+
+class Progress:
+    """A line per call: step, ps, ns/day since the previous line, T, total energy and its drift."""
+
+    def __init__(self, atoms: Atoms, out: Callable[[str], None], etot0: float, start_step: int,
+                 start_time_fs: float) -> None:
+        self.atoms, self.out, self.etot0 = atoms, out, etot0
+        self.n_atoms = len(atoms)
+        self.last_step, self.last_time_fs = start_step, start_time_fs
+        self.last_time = time.perf_counter()
+        self.drift = 0.0
+        self.ns_per_day = float("nan")
+        self.history: list[dict[str, float]] = []  # the values of every line, for the plot
+
+    def header(self) -> None:
+        self.out(f"{'step':>8s} {'time[ps]':>10s} {'ns/day':>9s} {'T[K]':>8s} {'Etot[eV]':>14s} "
+                 f"{'drift[meV/atom]':>16s}")
+
+    def __call__(self, step: int, time_fs: float, etot: float) -> None:
+        now = time.perf_counter()
+        self.drift = (etot - self.etot0) / self.n_atoms * 1000.0
+        if step > self.last_step:
+            simulated_ns = (time_fs - self.last_time_fs) * 1e-6
+            self.ns_per_day = simulated_ns / ((now - self.last_time) / 86400.0)
+        speed = f"{self.ns_per_day:9.3f}" if math.isfinite(self.ns_per_day) else f"{'-':>9s}"
+        self.out(f"{step:8d} {time_fs / 1000:10.4f} {speed} {self.atoms.get_temperature():8.1f} "
+                 f"{etot:14.5f} {self.drift:16.4f}")
+        self.history.append(record(self.atoms, step, time_fs, etot, self.ns_per_day))
+        self.last_step, self.last_time, self.last_time_fs = step, now, time_fs
+
+
+def total_energy(atoms: Atoms) -> float:
+    return float(atoms.get_potential_energy()) + float(atoms.get_kinetic_energy())
+
+
+class Guard:
+    """Stops a run that blew up: non-finite forces or energy, or a temperature above the limit."""
+
+    def __init__(self, atoms: Atoms, max_temperature_K: float) -> None:
+        self.atoms, self.max_temperature_K = atoms, max_temperature_K
+
+    def check(self, step: int) -> None:
+        atoms = self.atoms
+        forces = atoms.get_forces()  # cached: the integrator just asked for them
+        bad = ~np.isfinite(forces).all(axis=1)
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            self._stop(step, "forces", float(forces[first][~np.isfinite(forces[first])][0]),
+                       f"the forces are not finite on {int(bad.sum())} of {len(atoms)} atoms (first: atom {first}, "
+                       f"{atoms.get_chemical_symbols()[first]}, force {forces[first].tolist()})")
+        results = getattr(atoms.calc, "results", None)
+        energy = results.get("energy") if isinstance(results, dict) else None
+        if energy is not None and not np.isfinite(energy):
+            self._stop(step, "energy", float(energy), f"the potential energy is {float(energy)}")
+        temperature = float(atoms.get_temperature())
+        if not math.isfinite(temperature):
+            self._stop(step, "temperature", temperature, f"the temperature is {temperature} (non-finite velocities)")
+        if temperature > self.max_temperature_K:
+            self._stop(step, "temperature", temperature, too_hot(temperature, self.max_temperature_K))
+
+    def _stop(self, step: int, quantity: str, value: float, what: str) -> None:
+        raise instability(step, quantity, value, what)

@@ -1,0 +1,299 @@
+"""``cgforge md`` (and examples/water_md.py): the flags, their checks before any model loads, and the run."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from ase import Atoms
+
+from .md_files import (
+    PLOT_SUFFIXES,
+    Restart,
+    check_distinct,
+    check_new_path,
+    default_trajectory_path,
+    read_restart,
+    read_structure,
+    stream_printer,
+)
+from .md_options import (
+    DEFAULT_COMPRESSIBILITY_PER_BAR,
+    DEFAULT_FRICTION,
+    DEFAULT_PRESSURE_BAR,
+    DEFAULT_TAUP_FS,
+    DEFAULT_TAUT_FS,
+    ENGINES,
+    ENSEMBLES,
+    MAX_TEMPERATURE_FACTOR,
+    MAX_TEMPERATURE_FLOOR_K,
+    THERMOSTATS,
+    check_atoms_for,
+    check_count,
+    check_number,
+    checked_options,
+    ensemble_options,
+)
+
+if TYPE_CHECKING:
+    from .md import MDSummary
+
+__all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "MDSetup",
+           "relax_steps"]
+
+
+def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
+                    out: Callable[[str], None] | None = None) -> None:
+    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å), printing the energy before and after.
+
+    The generated water box holds rigid, randomly oriented molecules on a grid, far from the model's
+    equilibrium: started straight into MD it heats to ~1500 K within 20 fs.
+    """
+    from ase.optimize import FIRE
+
+    atoms.calc = calc
+    before = atoms.get_potential_energy()
+    optimizer = FIRE(atoms, logfile=None)
+    optimizer.run(fmax=fmax, steps=steps)
+    after = atoms.get_potential_energy()
+    line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
+            f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
+    if out is None:
+        print(line, flush=True)
+    else:
+        out(line)
+
+
+def model_banner(name: str, calc: Any, seconds: float) -> str:
+    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, load time."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
+    dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
+    compiled = " (kernels compiled)" if calc.device.type == "cuda" else ""
+    return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, "
+            f"ready in {seconds:.1f} s{compiled}")
+
+
+CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
+GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
+DEFAULT_RELAX = 100  # FIRE steps for a generated box
+
+# run_md's argument -> the flag that sets it, so that errors name what the user typed.
+FLAGS = {"ensemble": "--ensemble", "temperature_K": "--temperature", "timestep_fs": "--timestep",
+         "steps": "--steps", "friction": "--friction", "pressure_bar": "--pressure", "taut_fs": "--taut",
+         "taup_fs": "--taup", "compressibility_per_bar": "--compressibility", "trajectory": "--trajectory",
+         "trajectory_interval": "--traj-interval", "log_interval": "--log-interval", "seed": "--seed",
+         "force": "--force", "max_temperature_K": "--max-temperature",
+         "restart": "--restart", "log": "--log", "engine": "--engine", "thermostat": "--thermostat",
+         "plot": "--plot"}
+
+
+def add_md_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--molecules", type=int, default=None,
+                      help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
+    what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
+    what.add_argument("--restart", default=None, metavar="TRAJ",
+                      help="continue a run from the last frame of its trajectory: step counter, velocities and "
+                           "thermostat random state (exact from .traj); --steps more steps, into a new -o file")
+    parser.add_argument("--model", default="mace",
+                        help="'mace' or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip file")
+    parser.add_argument("--ensemble", type=str.lower, choices=ENSEMBLES, default="nvt",
+                        help="nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic "
+                             "cell: stochastic cell rescaling with the CSVR thermostat in the device engine, "
+                             "Berendsen's thermostat and barostat in ASE's dynamics)")
+    parser.add_argument("--engine", type=str.lower, choices=ENGINES, default="auto",
+                        help="auto (default): cgforge's device engine (integrator and model on the GPU, the host "
+                             "sees the state only at log and trajectory steps) when the model runs on CUDA, ASE's "
+                             "dynamics otherwise; device: the engine also on a CPU; ase: ASE's dynamics")
+    parser.add_argument("--thermostat", type=str.lower, choices=THERMOSTATS, default=None,
+                        help="NVT: langevin (default; --friction) or csvr (Bussi's stochastic velocity rescaling; "
+                             f"--taut, default {DEFAULT_TAUT_FS:g} fs)")
+    parser.add_argument("--temperature", type=float, default=300.0, help="K (default 300)")
+    parser.add_argument("--timestep", type=float, default=0.5, help="fs (default 0.5)")
+    parser.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
+    parser.add_argument("--friction", type=float, default=None,
+                        help=f"NVT: Langevin friction in 1/fs (default {DEFAULT_FRICTION:g})")
+    parser.add_argument("--pressure", type=float, default=None,
+                        help=f"NPT: pressure in bar (default {DEFAULT_PRESSURE_BAR:g})")
+    parser.add_argument("--taut", type=float, default=None,
+                        help=f"NPT and NVT with --thermostat csvr: temperature coupling time in fs (default "
+                             f"{DEFAULT_TAUT_FS:g})")
+    parser.add_argument("--taup", type=float, default=None,
+                        help=f"NPT: pressure coupling time in fs (default {DEFAULT_TAUP_FS:g})")
+    parser.add_argument("--compressibility", type=float, default=None,
+                        help=f"NPT: isothermal compressibility in 1/bar (default {DEFAULT_COMPRESSIBILITY_PER_BAR:g}, "
+                             "water)")
+    parser.add_argument("--max-temperature", type=float, default=None,
+                        help=f"stop (exit code 3) when the temperature exceeds this, in K (default: "
+                             f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x --temperature); 'inf' "
+                             "turns it off); non-finite forces or energy always stop the run")
+    parser.add_argument("--seed", type=int, default=0, help="velocities, thermostat noise and box (default 0)")
+    parser.add_argument("-o", "--trajectory", default=None,
+                        help="trajectory file to write, .traj or .xyz (default: a new md-<date>-<time>.traj)")
+    parser.add_argument("--traj-interval", type=int, default=10,
+                        help="steps between frames (default 10; the last step is always written)")
+    parser.add_argument("--log", default=None, metavar="FILE",
+                        help="also write the progress lines (and the model and relaxation lines) to this new file")
+    parser.add_argument("--log-interval", type=int, default=10, help="steps between progress lines (default 10)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="at the end (also of a run that blew up or was interrupted) plot temperature, energy, "
+                             "pressure and volume (NPT) and ns/day against time from the progress lines into this "
+                             f"new file ({', '.join(PLOT_SUFFIXES)})")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                        help="model precision (default: the model's)")
+    parser.add_argument("--skin", type=float, default=1.0, help="neighbour-list skin in Å (default 1.0)")
+    parser.add_argument("--relax", type=int, default=None,
+                        help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "
+                             "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure; refused "
+                             "with --restart)")
+    parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
+                        help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
+                             "models; kept only if the first structure's forces change by <= 1e-4 relative, "
+                             "which is printed)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the trajectory, log and plot files if they exist (never the input files)")
+
+
+def relax_steps(args: argparse.Namespace) -> int:
+    """FIRE steps before MD: --relax, else 100 for a generated box and 0 for a structure file or a restart."""
+    if args.relax is not None:
+        steps = check_count("--relax", args.relax, 0)
+        if steps and getattr(args, "restart", None) is not None:
+            raise ValueError("--relax: a restart continues the saved state; relaxing it would not; leave --relax out")
+        return steps
+    return 0 if args.structure is not None or getattr(args, "restart", None) is not None else DEFAULT_RELAX
+
+
+@dataclass
+class MDSetup:
+    """What ``cgforge md`` checked and prepared before loading the model."""
+
+    atoms: Atoms
+    device: Any
+    relax: int
+    trajectory: Path
+    log: Path | None
+    plot: Path | None
+    restart: Restart | None
+    run_md_kwargs: dict[str, Any]
+
+
+def _model_file(model: str) -> Path | None:
+    """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
+    from .calculator import BUNDLED
+
+    if model.lower() in BUNDLED:
+        return None
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"--model: {model} not found (expected 'mace', 'nequip' or a checkpoint file)")
+    return path
+
+
+def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
+    """Every flag checked (errors name the flag), the structure read or built and the output files checked,
+    all before any model is loaded."""
+    from .calculator import resolve_device
+
+    flag = FLAGS.get
+    o = checked_options(dict(
+        ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,
+        friction=args.friction, pressure_bar=args.pressure, taut_fs=args.taut, taup_fs=args.taup,
+        compressibility_per_bar=args.compressibility, trajectory_interval=args.traj_interval,
+        log_interval=args.log_interval, seed=args.seed, force=args.force, init_velocities=None,
+        max_temperature_K=args.max_temperature, engine=getattr(args, "engine", "auto"),
+        thermostat=getattr(args, "thermostat", None)), lambda k: flag(k, k))
+    relax = relax_steps(args)
+    check_number("--skin", args.skin, strict=False)
+    if args.molecules is not None:
+        check_count("--molecules", args.molecules, 1)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        raise ValueError(f"--device: {str(err).removeprefix('device: ')}") from None
+    radial = getattr(args, "radial_precision", "fp32")
+    if radial != "fp32" and device.type != "cuda":
+        raise ValueError(f"--radial-precision: {radial} needs a CUDA device (TF32 is a tensor-core format), got "
+                         f"{device}")
+    if radial != "fp32" and args.dtype == "float64":
+        raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
+    model = _model_file(args.model)
+    trajectory = (check_new_path(args.trajectory, args.force, what="--trajectory") if args.trajectory is not None
+                  else default_trajectory_path(stem))
+    log = check_new_path(args.log, args.force, what="--log", suffixes=None) if args.log is not None else None
+    plot_name = getattr(args, "plot", None)
+    plot = check_new_path(plot_name, args.force, "--plot", PLOT_SUFFIXES) if plot_name is not None else None
+    if plot is not None:
+        from .md_plot import check_matplotlib
+
+        check_matplotlib("--plot")
+    restart_path = Path(args.restart) if args.restart is not None else None
+    structure = Path(args.structure) if args.structure is not None else None
+    check_distinct({"--trajectory": trajectory, "--log": log, "--plot": plot},
+                   {"--structure": structure, "--restart": restart_path, "--model": model})
+    restart = None
+    if restart_path is not None:
+        restart = read_restart(restart_path, "--restart")
+        atoms = restart.atoms
+    elif structure is not None:
+        atoms = read_structure(structure, "--structure")
+    else:
+        from .water import water_box
+
+        n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
+                                                               else CPU_MOLECULES)
+        atoms = water_box(n, seed=args.seed)
+    check_atoms_for(o["ensemble"], atoms, lambda k: flag(k, k))
+    kwargs = {k: o[k] for k in ("ensemble", "temperature_K", "timestep_fs", "steps", "trajectory_interval",
+                                "log_interval", "seed", "force", "max_temperature_K", "engine")}
+    kwargs.update(ensemble_options(o))
+    kwargs.update(trajectory=trajectory, restart=restart, plot=plot)
+    return MDSetup(atoms=atoms, device=device, relax=relax, trajectory=trajectory, log=log, plot=plot,
+                   restart=restart, run_md_kwargs=kwargs)
+
+
+def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
+    """``cgforge md``: check everything, load the model, relax if asked, run; lines to stdout (and --log)."""
+    from .calculator import Calculator
+    from .md import run_md
+
+    setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
+    log_stream = open(setup.log, "w" if args.force else "x", encoding="utf-8") if setup.log else None  # noqa: SIM115
+    to_log = stream_printer(log_stream) if log_stream else None
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+        if to_log is not None:
+            to_log(line)
+
+    try:
+        atoms = setup.atoms
+        t = time.perf_counter()
+        calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+                          radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt")
+        out(model_banner(args.model, calc, time.perf_counter() - t))
+        if calc.radial_precision_requested != "fp32":
+            atoms.calc = calc
+            atoms.get_forces()  # the first structure decides (see Calculator)
+            mode = calc.radial_precision_requested
+            kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
+            out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} relative "
+                f"(tolerance 1e-4)")
+        if setup.relax:
+            relax_structure(atoms, calc, setup.relax, out=out)
+        summary = run_md(atoms, calc, log=out, **setup.run_md_kwargs)
+        summary.log = str(setup.log) if setup.log else None
+        return summary
+    except Exception as err:
+        if to_log is not None:
+            to_log(f"error: {err}")
+        raise
+    finally:
+        if log_stream is not None:
+            log_stream.close()

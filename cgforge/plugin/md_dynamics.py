@@ -1,0 +1,237 @@
+"""The integrators behind :func:`cgforge.plugin.md.run_md`: ASE's dynamics (numpy on the host, any ASE
+calculator) or cgforge's device engine (``engine.Engine``: a cgforge Calculator's model step and the integrator
+on its device), behind one interface.
+
+What run_md needs from a dynamics object: ``nsteps`` (the step counter), ``irun(steps)`` (a generator that
+yields once at the current state, then after steps with ``atoms`` updated and the forces available from
+``atoms.get_forces()``) and ``restart_info()`` (what a frame must hold for a restart to continue exactly). ASE's
+dynamics yield after every step; the engine yields only at multiples of the trajectory and log intervals and at
+the last step (the only host copies), and after a block when Ctrl-C was pressed.
+
+Which integrator runs each ensemble:
+
+=========  ===========================================  ===============================================
+ensemble   ASE's dynamics                               device engine
+=========  ===========================================  ===============================================
+nve        velocity Verlet                              velocity Verlet (the same operations)
+nvt        Langevin (``--thermostat langevin``) or      ASE's Langevin scheme, noise a hash of (seed,
+           Bussi's CSVR (``csvr``)                      step); or CSVR
+npt        Berendsen thermostat + isotropic barostat    stochastic cell rescaling (Bernetti-Bussi) with
+                                                        the CSVR thermostat, isotropic
+=========  ===========================================  ===============================================
+
+NPT differs on purpose: Berendsen's weak coupling reaches the target density and temperature but suppresses
+the volume fluctuations; stochastic cell rescaling relaxes as fast (first order, the same ``taup`` and
+compressibility) and samples the isothermal-isobaric ensemble, fluctuations included, with no barostat mass to
+tune. The two agree on averages, not trajectory by trajectory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from ase import Atoms, units
+
+from .md_checks import engine_blow_up
+from .md_files import Restart, encode_info
+
+ENGINE_OPTIONS = ("block", "steps_per_graph", "cuda_graph", "rebuild_margin")
+# Steps between the engine's host syncs (one small report each; blocks also end at log and trajectory steps).
+# Longer on CUDA, where a sync stalls the launch queue; short on a CPU, where it costs nothing and Ctrl-C is
+# acted on sooner.
+ENGINE_BLOCK = {"cuda": 50, "cpu": 10}
+
+
+def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
+    """None when the device engine can run ``calc`` on ``atoms``, else why it cannot."""
+    if not all(hasattr(calc, name) for name in ("step", "adapter", "neighbours", "device")):
+        return (f"the device engine runs the model step of a cgforge Calculator; {type(calc).__name__} is not one "
+                "(ASE's dynamics run any ASE calculator)")
+    if atoms.constraints:
+        return f"the device engine does not apply constraints ({atoms.constraints})"
+    return None
+
+
+def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
+    """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
+    CUDA); 'device' that cannot be served is an error naming why."""
+    unfit = engine_unfit(calc, atoms)
+    if choice == "device":
+        if unfit is not None:
+            raise ValueError(f"engine: 'device' (--engine device) cannot run this: {unfit}; use engine='ase' "
+                             "(--engine ase)")
+        return "device"
+    if choice == "auto" and unfit is None and getattr(calc.device, "type", None) == "cuda":
+        return "device"
+    return "ase"
+
+
+def check_engine_options(options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"engine_options: expected a dict or None, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise ValueError(f"engine_options: unknown key {unknown[0]!r}; known: {', '.join(ENGINE_OPTIONS)}")
+    return dict(options)
+
+
+def ase_dynamics(atoms: Atoms, o: dict[str, Any], rng: np.random.Generator) -> Any:
+    """ASE's integrator for ``o['ensemble']`` (and ``o['thermostat']``)."""
+    dt = o["timestep_fs"] * units.fs
+    ensemble = o["ensemble"]
+    if ensemble == "nvt" and o["thermostat"] == "csvr":
+        from ase.md.bussi import Bussi
+
+        return Bussi(atoms, dt, temperature_K=o["temperature_K"], taut=o["taut_fs"] * units.fs, rng=rng)
+    if ensemble == "nvt":
+        from ase.md.langevin import Langevin
+
+        # fixcm=False: ASE >= 3.28 deprecates its approximate centre-of-mass fix (the box may drift as a whole)
+        return Langevin(atoms, dt, temperature_K=o["temperature_K"], friction=o["friction"] / units.fs, rng=rng,
+                        fixcm=False)
+    if ensemble == "npt":
+        from ase.md.nptberendsen import NPTBerendsen
+
+        bar = 1e5 * units.Pascal
+        return NPTBerendsen(atoms, dt, temperature_K=o["temperature_K"], pressure_au=o["pressure_bar"] * bar,
+                            taut=o["taut_fs"] * units.fs, taup=o["taup_fs"] * units.fs,
+                            compressibility_au=o["compressibility_per_bar"] / bar)
+    from ase.md.verlet import VelocityVerlet
+
+    return VelocityVerlet(atoms, dt)
+
+
+def engine_integrator(o: dict[str, Any]) -> Any:
+    """The engine's integrator for ``o`` (units converted: bar -> GPa, 1/bar -> 1/GPa)."""
+    from . import integrators as it
+
+    dt, temperature = o["timestep_fs"], o["temperature_K"]
+    if o["ensemble"] == "nvt" and o["thermostat"] == "csvr":
+        return it.CSVR(dt, temperature, tau_fs=o["taut_fs"])
+    if o["ensemble"] == "nvt":
+        return it.Langevin(dt, temperature, o["friction"])
+    if o["ensemble"] == "npt":
+        return it.StochasticCellRescaling(dt, temperature, o["pressure_bar"] * 1e-4, tau_fs=o["taut_fs"],
+                                          tau_p_fs=o["taup_fs"],
+                                          compressibility_per_GPa=o["compressibility_per_bar"] * 1e4)
+    return it.VelocityVerlet(dt)
+
+
+class AseDynamics:
+    """ASE's dynamics with the numpy generator's state as the restart information."""
+
+    def __init__(self, dyn: Any) -> None:
+        self.dyn = dyn
+
+    @property
+    def nsteps(self) -> int:
+        return self.dyn.nsteps
+
+    @nsteps.setter
+    def nsteps(self, value: int) -> None:
+        self.dyn.nsteps = value
+
+    def irun(self, steps: int) -> Iterator[Any]:
+        return self.dyn.irun(steps)
+
+    def restart_info(self) -> dict[str, Any]:
+        rng = getattr(self.dyn, "rng", None)
+        return {"md_rng": encode_info(rng.bit_generator.state)} if isinstance(rng, np.random.Generator) else {}
+
+    def describe(self) -> str:
+        return f"ASE {type(self.dyn).__name__}"
+
+
+class EngineDynamics:
+    """The device engine behind run_md's loop (see the module doc). ``interrupted``: polled after each block."""
+
+    def __init__(self, engine: Any, intervals: tuple[int, ...]) -> None:
+        self.engine, self.intervals = engine, intervals
+        self.nsteps = engine.step
+        self.interrupted: Callable[[], bool] = lambda: False
+        self._extra: dict[str, float] = {}
+
+    def irun(self, steps: int) -> Iterator[None]:
+        """See the module doc; the engine's ``MDBlowUp`` comes out as run_md's ``MDInstabilityError``."""
+        from .engine import MDBlowUp
+
+        try:
+            yield from self._irun(steps)
+        except MDBlowUp as err:
+            raise engine_blow_up(err, self.engine.max_temperature_K) from None
+
+    def _irun(self, steps: int) -> Iterator[None]:
+        e = self.engine
+        end = e.step + steps
+        e.sync_atoms()  # computes the forces of the start
+        self._written()
+        yield
+        while e.step < end:
+            step = e.step
+            stop = min([end, *((step // k + 1) * k for k in self.intervals)])
+            target = min(stop, step + e.block)
+            # every=target: target is the one multiple of itself after step, so the engine writes atoms there from
+            # the copy it queued with the block's report: no sync of its own
+            e.run(target - step, every=target if target == stop else 0)
+            self.nsteps = e.step
+            if target == stop:
+                self._written()
+                yield
+            elif self.interrupted():
+                e.sync_atoms()
+                self._written()
+                yield
+
+    def _written(self) -> None:
+        from .engine import ENGINE_INFO_KEY
+
+        # Kept out of atoms.info (a dict there would not survive extended XYZ); restart_info carries it.
+        self._extra = dict(self.engine.atoms.info.pop(ENGINE_INFO_KEY, {}).get("extra", {}))
+
+    def restart_info(self) -> dict[str, Any]:
+        e = self.engine
+        return {"md_engine": encode_info({"seed": e.seed, "integrator": e.integrator.name, "extra": self._extra})}
+
+    def describe(self) -> str:
+        e = self.engine
+        graph = ", CUDA graph" if e.cuda_graph else ""
+        return f"cgforge device engine ({e.integrator.name} on {e.device}{graph})"
+
+
+def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart | None, options: dict[str, Any],
+                    intervals: tuple[int, ...]) -> EngineDynamics:
+    """The engine for ``atoms`` (positions, momenta, cell as run_md set them), continuing ``state``'s step counter
+    and, when it was written by the engine, its seed and integrator scalars (the noise is a hash of (seed,
+    step), so that is the whole random state). It stops for the host at multiples of ``intervals``."""
+    from .engine import Engine
+
+    integrator = engine_integrator(o)
+    seed, extra = o["seed"], {}
+    saved = state.engine_state if state is not None else None
+    if saved is not None:
+        seed = int(saved["seed"])
+        extra = saved.get("extra", {}) if saved.get("integrator") == integrator.name else {}
+    options = {"block": ENGINE_BLOCK.get(calc.device.type, 10), **options}
+    engine = Engine(calc, atoms, integrator, seed=seed, max_temperature_K=o["max_temperature_K"], **options)
+    if state is not None:
+        engine.load_state({"positions": atoms.get_positions(), "momenta": atoms.get_momenta(),
+                           "cell": np.array(atoms.cell), "numbers": atoms.numbers, "step": state.step,
+                           "extra": extra})
+    return EngineDynamics(engine, intervals)
+
+
+def thermalize(atoms: Atoms, temperature_K: float, rng: np.random.Generator) -> None:
+    """Maxwell-Boltzmann momenta (ASE >= 3.28 names it thermalize_momenta), zero total momentum."""
+    try:
+        from ase.md.velocitydistribution import thermalize_momenta
+    except ImportError:
+        from ase.md.velocitydistribution import MaxwellBoltzmannDistribution as thermalize_momenta
+    thermalize_momenta(atoms, temperature_K=temperature_K, rng=rng)
+    if len(atoms) > 1:  # one atom: no motion would be left (and ASE's Stationary divides by zero)
+        from ase.md.velocitydistribution import Stationary
+
+        Stationary(atoms)

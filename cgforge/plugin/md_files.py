@@ -1,0 +1,288 @@
+"""Files of an MD run: output names that never overwrite inputs, structures and restarts read with one clear
+error, trajectories written crash-safely, the log's line printers."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+from ase import Atoms
+
+XYZ_SUFFIXES = (".xyz", ".extxyz")
+TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+@dataclass
+class Restart:
+    """The state a restart continues from: the last frame of a trajectory written by :func:`run_md`."""
+
+    path: Path
+    atoms: Atoms
+    step: int
+    time_fs: float
+    etot0: float | None
+    rng_state: dict | None  # ASE's dynamics: the numpy generator's state (md_rng)
+    engine_state: dict | None = None  # the device engine: seed, integrator, its scalars (md_engine)
+
+
+def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "trajectory",
+                   suffixes: tuple[str, ...] | None = TRAJ_SUFFIXES) -> Path:
+    """``path`` as a Path, after refusing an existing file (unless ``force``), a directory, a missing parent
+    or (when ``suffixes`` is given) a name that does not end with one of them."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{what}: expected a file name, got {type(path).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
+    if path.exists() and not force:
+        raise FileExistsError(f"{what}: {path} exists; choose a new name or pass --force (force=True) to overwrite")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{what}: {path} must end with {', '.join(suffixes[:-1])} or {suffixes[-1]}")
+    return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def check_distinct(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Refuse an output that names an input file or another output (``force`` never overrides this)."""
+    outs = [(k, v) for k, v in outputs.items() if v is not None]
+    for i, (name, path) in enumerate(outs):
+        for in_name, in_path in inputs.items():
+            if in_path is not None and _same_file(path, in_path):
+                raise ValueError(f"{name}: {path} is the {in_name} file; cgforge never writes over its input")
+        for other, other_path in outs[i + 1:]:
+            if _same_file(path, other_path):
+                raise ValueError(f"{name} and {other} name the same file ({path}); give them different names")
+
+
+def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = ".") -> Path:
+    """A file name that does not exist yet: ``<stem>-<date>-<time>.traj`` (with -1, -2... if needed)."""
+    base = f"{stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    path = Path(directory) / f"{base}.traj"
+    n = 0
+    while path.exists():
+        n += 1
+        path = Path(directory) / f"{base}-{n}.traj"
+    return path
+
+# ---------------------------------------------------------------------------------------------
+# Reading structures and restarts
+
+
+def read_structure(path: str | os.PathLike, what: str = "structure", index: int | str = -1) -> Atoms:
+    """The structure in ``path`` (any ase.io format; the last frame of a trajectory), or one clear error
+    naming ``what`` and the file: missing, a directory, empty, not a structure, no atoms."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{what}: expected a file name, got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: {path} not found")
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected a structure file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{what}: {path} is empty")
+    from ase.io import read
+
+    try:
+        atoms = read(path, index=index)
+    except Exception as err:  # ase.io raises a different type per format; all mean "not a structure"
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{what}: {path}: not a structure file ase.io can read (e.g. .xyz, .extxyz, .traj, "
+                         f"POSCAR, .cif): {type(err).__name__}: {reason}") from None
+    if isinstance(atoms, list):
+        atoms = atoms[-1] if atoms else None
+    if not isinstance(atoms, Atoms) or len(atoms) == 0:
+        raise ValueError(f"{what}: {path} holds no atoms")
+    return atoms
+
+
+def encode_info(state: dict) -> str:
+    """A frame's ``atoms.info`` value for ``state``: hex of JSON, only [0-9a-f], so it survives extended XYZ's
+    key=value comment line as well as .traj."""
+    return json.dumps(state).encode().hex()
+
+
+def _decode_info(text: Any, key: str, needs: str, what: str, path: Path) -> dict:
+    try:
+        state = json.loads(bytes.fromhex(str(text)).decode())
+        if not isinstance(state, dict) or needs not in state:
+            raise ValueError(f"no {needs!r} in it")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what}: {path}: the saved random state {key} is unreadable ({err})") from None
+    return state
+
+
+def _decode_rng(text: Any, what: str, path: Path) -> dict:
+    state = _decode_info(text, "md_rng", "bit_generator", what, path)
+    ours = type(np.random.default_rng(0).bit_generator).__name__
+    if state["bit_generator"] != ours:
+        raise ValueError(f"{what}: {path}: the saved random state is for {state['bit_generator']}; run_md uses {ours}")
+    return state
+
+
+def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Restart:
+    """The last frame of a trajectory written by :func:`run_md`, with the step counter and random state."""
+    if isinstance(path, Restart):
+        return path
+    atoms = read_structure(path, what)
+    path = Path(path)
+    info = atoms.info
+    if "md_step" not in info:
+        raise ValueError(f"{what}: {path} has no MD step counter (md_step in the frame's info): it was not written "
+                         "by cgforge md / run_md; start from it as a structure instead")
+    try:
+        step = int(info["md_step"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: {path}: md_step is {info['md_step']!r}, expected an int") from None
+    if step < 0:
+        raise ValueError(f"{what}: {path}: md_step is {step}, expected >= 0")
+    if not atoms.has("momenta"):
+        raise ValueError(f"{what}: {path}: the last frame has no momenta to continue from")
+    rng = _decode_rng(info["md_rng"], what, path) if "md_rng" in info else None
+    engine = _decode_info(info["md_engine"], "md_engine", "seed", what, path) if "md_engine" in info else None
+    etot0 = float(info["md_etot0"]) if "md_etot0" in info else None
+    time_fs = float(info.get("md_time_fs", float("nan")))
+    for key in ("md_step", "md_rng", "md_engine", "md_etot0", "md_time_fs", "md_ensemble"):
+        info.pop(key, None)
+    atoms.calc = None  # the frame's stored results are not the calculator's
+    return Restart(path=path, atoms=atoms, step=step, time_fs=time_fs, etot0=etot0, rng_state=rng,
+                   engine_state=engine)
+
+
+def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
+    frame = restart.atoms
+    if atoms is not None and (len(atoms) != len(frame) or not np.array_equal(atoms.numbers, frame.numbers)):
+        raise ValueError(f"restart: {restart.path} holds {frame.get_chemical_formula()} ({len(frame)} atoms), "
+                         f"atoms is {atoms.get_chemical_formula()} ({len(atoms)} atoms); pass atoms=None to "
+                         "continue the saved structure")
+
+
+def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
+    """``atoms`` set to the restart frame's state (positions, momenta, cell), or the frame's Atoms if None."""
+    if atoms is None or atoms is restart.atoms:
+        return restart.atoms
+    frame = restart.atoms
+    atoms.set_cell(frame.cell)
+    atoms.pbc = frame.pbc
+    atoms.positions = frame.positions
+    atoms.set_momenta(frame.get_momenta())
+    return atoms
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+class TrajectoryWriter:
+    """Frames to ``path``, created only at the first frame: that frame goes to a hidden temporary file in the
+    same folder, which then replaces ``path``. A run that fails before its first frame leaves no file behind
+    and an existing file (``force=True``) untouched."""
+
+    def __init__(self, path: Path, atoms: Atoms) -> None:
+        self.path, self.atoms = path, atoms
+        self.frames = 0
+        self.last_step: int | None = None
+        self._traj = None
+        self._xyz = path.suffix.lower() in XYZ_SUFFIXES
+        self._tmp: Path | None = None
+
+    def write(self, step: int, info: dict[str, Any]) -> None:
+        self.atoms.info.update(info)
+        try:
+            if self.frames == 0:
+                self._first_frame()
+            elif self._xyz:
+                self._write_xyz(self.path)
+            else:
+                self._traj.write()
+        finally:
+            for key in info:
+                self.atoms.info.pop(key, None)
+        self.frames += 1
+        self.last_step = step
+
+    def _write_xyz(self, path: Path) -> None:
+        from ase.io import write
+
+        write(str(path), self.atoms, format="extxyz", append=True)
+
+    def _first_frame(self) -> None:
+        from ase.io.trajectory import Trajectory
+
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        os.close(os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask decides the mode
+        if self._xyz:
+            self._write_xyz(self._tmp)
+        else:
+            with Trajectory(str(self._tmp), "w", self.atoms) as traj:
+                traj.write()
+        os.replace(self._tmp, self.path)
+        self._tmp = None
+        if not self._xyz:
+            self._traj = Trajectory(str(self.path), "a", self.atoms)
+
+    def close(self) -> None:
+        if self._traj is not None:
+            self._traj.close()
+            self._traj = None
+        if self._tmp is not None and self._tmp.exists():
+            self._tmp.unlink()  # our own half-written first frame, never a user's file
+
+
+def make_printer(log: Any, force: bool) -> tuple[Callable[[str], None], Callable[[], None], Path | None]:
+    """(write a line, close, the log file's path) for ``log``: print, a callable, a stream, a path or None."""
+    if log is None:
+        return (lambda line: None), (lambda: None), None
+    if log is print:
+        return (lambda line: print(line, flush=True)), (lambda: None), None  # the sys.stdout of the moment
+    if isinstance(log, str | os.PathLike):
+        path = check_new_path(log, force, what="log", suffixes=None)
+        stream = open(path, "w" if force else "x", encoding="utf-8")  # noqa: SIM115 (closed by run_md)
+        return stream_printer(stream), stream.close, path
+    if hasattr(log, "write"):
+        return stream_printer(log), (lambda: None), None
+    if callable(log):
+        return log, (lambda: None), None
+    if isinstance(log, list | tuple) and log and not any(isinstance(x, list | tuple) for x in log):
+        if sum(isinstance(x, str | os.PathLike) for x in log) > 1:
+            raise ValueError("log: at most one file name in the list")
+        parts = [make_printer(x, force) for x in log]
+        path = next((p for _, _, p in parts if p is not None), None)
+
+        def write_all(line: str) -> None:
+            for write, _, _ in parts:
+                write(line)
+
+        def close_all() -> None:
+            for _, close, _ in parts:
+                close()
+
+        return write_all, close_all, path
+    raise TypeError(f"log: expected print, a callable taking a line, a stream, a file name, a list of these or "
+                    f"None, got {type(log).__name__}")
+
+
+def stream_printer(stream: TextIO) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    return write
+
