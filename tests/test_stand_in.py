@@ -130,3 +130,19 @@ def test_torch_internals_are_touched_in_one_audited_module() -> None:
             offenders += _private_torch_attributes(path)
     assert not offenders, offenders
     assert _private_torch_attributes(ROOT / "cgforge" / "patches" / "torch_internals.py")  # the test can fail
+
+
+def test_a_mace_convolution_that_fails_its_check_stays_e3nn_and_unfused(monkeypatch) -> None:
+    from mace_helpers import assert_same_outputs, evaluate, water_dimer
+
+    torch.set_default_dtype(torch.float64)
+    plain = build_model()
+    ref = evaluate(plain, water_dimer())
+    original = pm.FusedConvTP.self_check
+    monkeypatch.setattr(pm.FusedConvTP, "self_check", lambda self, g: (lambda got, want: (got + 1, want))(
+        *original(self, g)))
+    with pytest.warns(UserWarning, match=r"kept the original interactions\.0\.conv_tp \(TensorProduct\)"):
+        model = pm.patch(build_model())
+    assert all(type(b.conv_tp) is o3.TensorProduct and not hasattr(b, "conv_fusion") for b in model.interactions)
+    assert isinstance(model.products[0].symmetric_contractions, pm.FusedSymmetricContraction)
+    assert_same_outputs(evaluate(model, water_dimer()), ref, tol=1e-10)

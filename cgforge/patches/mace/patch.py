@@ -220,7 +220,9 @@ def _fused_maker(graphs: GraphCache) -> stand_in.Maker:
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         parent, _, name = where.rpartition(".")
-        kind = parent.partition(".")[0]
+        kind, _, index = parent.partition(".")
+        if not index.isdigit():  # only the direct children of interactions[i] and products[i]
+            return None
         if kind == "interactions" and name == "conv_tp" and not isinstance(child, FusedConvTP):
             try:
                 return FusedConvTP(child, graphs)
