@@ -216,10 +216,16 @@ def test_old_compiler_path_is_the_same_module():
 
 
 def test_import_loads_no_model_package():
+    """kernels/ knows no model: importing it loads no model package, no ASE and nothing of the layers above."""
     code = ("import sys, cgforge.kernels; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mace', 'nequip', 'ase')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mace', 'nequip', 'ase') "
+            "or m.startswith(('cgforge.patches', 'cgforge.plugin'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+    # the old public name resolves on first use (then the patches layer is imported)
+    code = "from cgforge.kernels import SymmetricContraction as S; print(S.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "cgforge.patches.mace.symmetric_contraction"
 
 
 def test_explain_prints_every_stage(capsys):

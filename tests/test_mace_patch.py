@@ -60,8 +60,8 @@ def test_fused_path_runs_and_builds_one_graph_per_call(monkeypatch: pytest.Monke
             built.append(args[2])
             super().__init__(*args, **kwargs)
 
+    model = pm.patch(build_model(num_interactions=3))  # (its self-checks build graphs of their own)
     monkeypatch.setattr(kernels, "ConvGraph", CountingGraph)
-    model = pm.patch(build_model(num_interactions=3))
     evaluate(model, water_dimer())
     assert built == [6], "one ConvGraph for the 3 interaction blocks of one call"
     evaluate(model, water_dimer(shift=0.1))

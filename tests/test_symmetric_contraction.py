@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 from functools import cache
 
 import numpy as np
@@ -13,16 +14,15 @@ from e3nn import o3
 from mace.modules.symmetric_contraction import SymmetricContraction as MaceSC
 from mace_helpers import MP_SHAPES, assert_same_outputs, build_model, evaluate, water_dimer
 
-from cgforge.kernels import SymmetricContraction
 from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
 from cgforge.kernels.core.ir import evaluate as run_program
 from cgforge.kernels.symmetric_contraction import ops as sc_ops
 from cgforge.kernels.symmetric_contraction.codegen import render
-from cgforge.kernels.symmetric_contraction.problem import SCProblem, mace_u_matrices
 from cgforge.kernels.symmetric_contraction.program import backward_program, forward_program
 from cgforge.kernels.symmetric_contraction.reference import interpret_sc, reference_sc
 from cgforge.kernels.symmetric_contraction.schedule import build_sc_schedule
 from cgforge.patches import mace as pm
+from cgforge.patches.mace.symmetric_contraction import SymmetricContraction, mace_problem, mace_u_matrices
 
 cuda = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -261,6 +261,53 @@ def test_deepcopy_and_pickle() -> None:
         assert torch.equal(other(x, species), ref)
 
 
+
+def test_the_old_public_path_is_the_mace_class() -> None:
+    import cgforge.kernels
+    from cgforge.kernels.symmetric_contraction import SymmetricContractionBase
+
+    assert cgforge.kernels.SymmetricContraction is SymmetricContraction is pm.SymmetricContraction
+    assert issubclass(SymmetricContraction, SymmetricContractionBase)
+    assert issubclass(pm.FusedSymmetricContraction, SymmetricContraction)
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        cgforge.kernels.NotAName  # noqa: B018
+
+
+@pytest.mark.parametrize("old", [b"cgforge.kernels.symmetric_contraction.module",
+                                 b"cgforge.kernels.symmetric_contraction"])
+def test_pickles_naming_the_kernels_paths_load(old: bytes) -> None:
+    """Whole-model pickles of earlier versions name SymmetricContraction, _Contraction and _rebuild_after_load
+    under cgforge.kernels.symmetric_contraction[.module]; the MACE layout moved to cgforge.patches.mace."""
+    ours = SymmetricContraction.from_mace(mace_sc(4, OUT["medium"], 3, 2))
+    x, species, _ = inputs(ours, 3, torch.float64)
+    ref = ours(x, species)
+    data = pickle.dumps(ours, protocol=2)  # torch.save's protocol: GLOBAL opcodes "module\nname\n"
+    new = b"ccgforge.patches.mace.symmetric_contraction\n"
+    assert data.count(new + b"_Contraction\n") == 1 and new + b"_rebuild_after_load\n" in data
+    loaded = pickle.loads(data.replace(new, b"c" + old + b"\n"))
+    assert type(loaded) is SymmetricContraction and type(loaded.contractions[0]).__name__ == "_Contraction"
+    assert torch.equal(loaded(x, species), ref)
+    state = ours.state_dict()
+    loaded.load_state_dict({k: v * 2 if k.endswith("U_matrix_2") else v for k, v in state.items()})
+    assert loaded.key != ours.key  # the pickled load hook (_rebuild_after_load) ran
+
+
+def test_the_kernel_problem_takes_u_tensors_as_values() -> None:
+    """kernels/ knows no model: any U tensors (here a random one) define the problem, checked for shape."""
+    from cgforge.kernels.symmetric_contraction import SCProblem
+
+    rng = np.random.default_rng(0)
+    u = [[rng.standard_normal((1, 4, 2)), rng.standard_normal((1, 4, 4, 3))]]
+    problem = SCProblem.build("2x0e+2x1o", "2x0e", 2, 3, u=u)
+    assert problem.num_params(0, 1) == 2 and problem.num_params(0, 2) == 3 and problem.in_dim == 4
+    with pytest.raises(ValueError, match=r"u\[0\]\[1\] must have shape \[1, 4, 4\] \+ \[K\]"):
+        SCProblem.build("2x0e+2x1o", "2x0e", 2, 3, u=[[u[0][0], u[0][1][0]]])
+    with pytest.raises(ValueError, match="one list of U tensors per output irrep"):
+        SCProblem.build("2x0e+2x1o", "2x0e", 2, 3, u=None)
+    with pytest.raises(ValueError, match=r"u\[0\] must hold 2 tensors"):
+        SCProblem.build("2x0e+2x1o", "2x0e", 2, 3, u=[u[0][:1]])
+
+
 def test_double_backward_through_the_interpreter() -> None:
     ours = SymmetricContraction.from_mace(mace_sc(1, OUT["medium"], 2, 2))
     x, species, _ = inputs(ours, 2, torch.float64, seed=9)
@@ -335,7 +382,7 @@ def test_schedule_interpreter_and_program_match_the_definition(size: str) -> Non
 
 
 def test_basis_is_much_smaller_for_mace_mp_large() -> None:
-    problem = SCProblem.build(irreps(128, HIDDEN_IN), irreps(128, OUT["large"]), 3, 89)
+    problem = mace_problem(irreps(128, HIDDEN_IN), irreps(128, OUT["large"]), 3, 89)
     schedule = build_sc_schedule(problem)
     assert schedule.num_params == 159
     assert schedule.num_slots == 49  # ranks of MACE's columns: 1+4+8, 1+3+12, 1+5+14

@@ -12,32 +12,29 @@ names, so the state_dict is unchanged), and keep the original for ``restore``.
   over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
   (tiny) weight matrix: only the GEMMs and the bare activation touch edge-sized tensors.
 
-``wrap`` checks the stand-in against the original on a small random input and returns ``None`` (the
-caller keeps the e3nn module) if the layer has a feature not handled here or the numbers differ.
+``wrap`` returns ``None`` (the caller keeps the e3nn module) if the layer has a feature not handled here,
+or if the stand-in fails the self-check of ``stand_in.checked`` (with a warning).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 
 from . import stand_in
 from .radial_precision import radial_matmul
-from .stand_in import restore_original
+from .stand_in import StandIn, checked
+from .torch_internals import adopt
 
 
-class SplitLinear(torch.nn.Module):
+class SplitLinear(torch.nn.Module, StandIn):
     """``o3.Linear`` with shared internal weights and no biases, its input split once."""
 
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
-        for name, param in linear.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in linear.named_buffers(recurse=False):
-            self.register_buffer(name, buf, persistent=name not in linear._non_persistent_buffers_set)
+        adopt(self, linear)
         self.irreps_in, self.irreps_out = linear.irreps_in, linear.irreps_out
         self.in_dims = [mul_ir.dim for mul_ir in self.irreps_in]
         self.out_dims = [mul_ir.dim for mul_ir in self.irreps_out]
@@ -65,11 +62,12 @@ class SplitLinear(torch.nn.Module):
         )
 
     @classmethod
-    def wrap(cls, linear: torch.nn.Module) -> SplitLinear | None:
-        if not cls.supports(linear):
-            return None
-        stand_in = cls(linear)
-        return _checked(stand_in, linear, sum(stand_in.in_dims))
+    def wrap(cls, linear: torch.nn.Module, where: str = "") -> SplitLinear | None:
+        return checked(cls(linear), where) if cls.supports(linear) else None
+
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.random(generator, 7, sum(self.in_dims))
+        return self(x), self.original[0](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch_shape = x.shape[:-1]
@@ -91,14 +89,11 @@ class SplitLinear(torch.nn.Module):
         )
         return out.reshape(*batch_shape, out.shape[-1])
 
-    def restore(self) -> torch.nn.Module:
-        return restore_original(self)
-
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.irreps_out}, {len(self.paths)} paths"
 
 
-class FoldedMLP(torch.nn.Module):
+class FoldedMLP(torch.nn.Module, StandIn):
     """``e3nn.nn.FullyConnectedNet`` with the activations' scale factors folded into the next weights.
 
     ``precision``: how its products run (``radial_precision.MODES``; FP32 unless asked for)."""
@@ -107,8 +102,7 @@ class FoldedMLP(torch.nn.Module):
 
     def __init__(self, net: torch.nn.Module) -> None:
         super().__init__()
-        for name, layer in net.named_children():  # layer0, layer1, ...: the same state_dict keys
-            self.add_module(name, layer)
+        adopt(self, net, children=True)  # layer0, layer1, ...: the same state_dict keys
         self.hs = list(net.hs)
         self.original = (net,)
 
@@ -131,10 +125,12 @@ class FoldedMLP(torch.nn.Module):
         )
 
     @classmethod
-    def wrap(cls, net: torch.nn.Module) -> FoldedMLP | None:
-        if not cls.supports(net):
-            return None
-        return _checked(cls(net), net, net.hs[0])
+    def wrap(cls, net: torch.nn.Module, where: str = "") -> FoldedMLP | None:
+        return checked(cls(net), where) if cls.supports(net) else None
+
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.random(generator, 7, self.hs[0])
+        return self(x), self.original[0](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0  # the previous activation's output scale, not yet applied
@@ -148,33 +144,8 @@ class FoldedMLP(torch.nn.Module):
                 x, scale = f(radial_matmul(x, w, self.precision)), cst * math.sqrt(layer.var_out)
         return x * scale if scale != 1.0 else x
 
-    def restore(self) -> torch.nn.Module:
-        (net,) = self.original
-        for name, layer in self.named_children():
-            net._modules[name] = layer
-        return net
-
     def extra_repr(self) -> str:
         return f"hs={self.hs}, activation scales folded"
-
-
-def _checked(stand_in: torch.nn.Module, original: torch.nn.Module, width: int) -> torch.nn.Module | None:
-    """``stand_in`` if it matches ``original`` on a random input, else ``None`` with a warning."""
-    param = next(iter(original.parameters()), None)
-    device = param.device if param is not None else torch.device("cpu")
-    dtype = param.dtype if param is not None else torch.get_default_dtype()
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(7, width, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        want, got = original(x), stand_in(x)
-    tol = 1e-10 if dtype == torch.float64 else 1e-4
-    if got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))):
-        return stand_in
-    warnings.warn(
-        f"cgforge: kept e3nn's {type(original).__name__} ({original}): the plain-torch stand-in differs from it",
-        stacklevel=3,
-    )
-    return None
 
 
 def swap_in(model: torch.nn.Module) -> int:
@@ -185,19 +156,14 @@ def swap_in(model: torch.nn.Module) -> int:
     from e3nn import o3
     from e3nn.nn import FullyConnectedNet
 
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, o3.Linear):
-                stand_in = SplitLinear.wrap(child)
-            elif isinstance(child, FullyConnectedNet):
-                stand_in = FoldedMLP.wrap(child)
-            else:
-                continue
-            if stand_in is not None:
-                parent._modules[name] = stand_in
-                count += 1
-    return count
+    def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        if isinstance(child, o3.Linear) and SplitLinear.supports(child):
+            return SplitLinear(child)
+        if isinstance(child, FullyConnectedNet) and FoldedMLP.supports(child):
+            return FoldedMLP(child)
+        return None
+
+    return len(stand_in.swap_in(model, make))
 
 
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:

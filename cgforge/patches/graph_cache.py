@@ -22,6 +22,8 @@ import torch
 from cgforge import kernels
 from cgforge.kernels import ConvGraph
 
+from .torch_internals import base_tensor, forward_pre_hooks, tensor_version
+
 __all__ = ["CallGraphCache", "graph_caches"]
 
 
@@ -65,7 +67,7 @@ class CallGraphCache:
         """
         if not isinstance(graph, ConvGraph):
             raise TypeError(f"graph must be a cgforge ConvGraph, got {type(graph).__name__}")
-        bases = (_base(edge_src), _base(edge_dst))
+        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         key = (_layout(edge_src), _layout(edge_dst), int(graph.num_nodes))
         self._pinned = (bases, key, graph)
 
@@ -77,13 +79,13 @@ class CallGraphCache:
         return None if self._pinned is None else self._pinned[2]
 
     def get(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, num_nodes: int) -> kernels.ConvGraph:
-        bases = (_base(edge_src), _base(edge_dst))
+        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         pinned = self._pinned
         if pinned is not None:
             (src, dst), key, graph = pinned
             if src is bases[0] and dst is bases[1] and key == (_layout(edge_src), _layout(edge_dst), int(num_nodes)):
                 return graph
-        key = (_layout(edge_src), _layout(edge_dst), _version(bases[0]), _version(bases[1]), int(num_nodes))
+        key = (_layout(edge_src), _layout(edge_dst), tensor_version(bases[0]), tensor_version(bases[1]), int(num_nodes))
         cached = self._bases
         if cached is not None and cached[0] is bases[0] and cached[1] is bases[1] and self._key == key:
             return self._graph
@@ -111,22 +113,13 @@ def graph_caches(model: torch.nn.Module) -> list[CallGraphCache]:
         cache = getattr(module, "graphs", None)
         if isinstance(cache, CallGraphCache):
             found.setdefault(id(cache), cache)
-        for hook in module._forward_pre_hooks.values():
+        for hook in forward_pre_hooks(module):
             if isinstance(hook, CallGraphCache):
                 found.setdefault(id(hook), hook)
     return list(found.values())
 
 
-def _base(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
 
 
 def _layout(t: torch.Tensor) -> tuple:
     return t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter; the per-call reset covers them
-        return -1

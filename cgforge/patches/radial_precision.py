@@ -27,7 +27,8 @@ from contextlib import contextmanager
 import torch
 
 from . import stand_in
-from .stand_in import restore_original
+from .stand_in import StandIn
+from .torch_internals import adopt
 
 __all__ = ["MODES", "RadialLinear", "radial_layers", "radial_matmul", "set_radial_precision", "swap_in",
            "swap_out", "tf32_round"]
@@ -96,7 +97,7 @@ def radial_matmul(x: torch.Tensor, w: torch.Tensor, mode: str = "fp32") -> torch
     return _TF32MatMul.apply(x, w, mode)
 
 
-class RadialLinear(torch.nn.Module):
+class RadialLinear(torch.nn.Module, StandIn):
     """nequip's ``ScalarLinearLayer`` (``input @ (weight * alpha) [+ bias]``) with a ``precision`` mode.
 
     Holds the original's parameters under the same names (same state_dict); the original rides along."""
@@ -105,13 +106,10 @@ class RadialLinear(torch.nn.Module):
 
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
-        for name, param in layer._parameters.items():  # a bias of None too, as nequip registers it
-            self.register_parameter(name, param)
-        if "bias" not in self._parameters:
+        adopt(self, layer)  # a bias of None too, as nequip registers it; alpha is a buffer in nequip
+        if not hasattr(self, "bias"):
             self.register_parameter("bias", None)
-        for name, buf in layer._buffers.items():  # alpha is a buffer in nequip
-            self.register_buffer(name, buf, persistent=name not in layer._non_persistent_buffers_set)
-        if "alpha" not in self._buffers:
+        if not hasattr(self, "alpha"):
             self.alpha = float(layer.alpha)
         self.original = (layer,)
 
@@ -125,26 +123,23 @@ class RadialLinear(torch.nn.Module):
         out = radial_matmul(x, self.weight * self.alpha, self.precision)
         return out if self.bias is None else out + self.bias
 
-    def restore(self) -> torch.nn.Module:
-        return restore_original(self)
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.random(generator, 7, self.weight.shape[0])
+        return self(x), self.original[0](x)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, alpha={float(self.alpha):.6f}, precision={self.precision}"
 
 
 def swap_in(model: torch.nn.Module, mlp_attribute: str = "edge_mlp") -> int:
-    """Replace the linear layers of every ``mlp_attribute`` MLP (nequip's radial MLPs) by ``RadialLinear``."""
-    count = 0
-    for parent in list(model.modules()):
-        mlp = parent._modules.get(mlp_attribute)
-        if mlp is None:
-            continue
-        for holder in list(mlp.modules()):
-            for name, child in list(holder.named_children()):
-                if RadialLinear.supports(child):
-                    holder._modules[name] = RadialLinear(child)
-                    count += 1
-    return count
+    """Replace the linear layers of every ``mlp_attribute`` MLP (nequip's radial MLPs) by ``RadialLinear``,
+    each checked against its original (``stand_in.checked``). In place; returns how many."""
+
+    def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        inside = f".{mlp_attribute}." in f".{where}"  # a layer of (a submodule of) an ``mlp_attribute`` MLP
+        return RadialLinear(child) if inside and RadialLinear.supports(child) else None
+
+    return len(stand_in.swap_in(model, make))
 
 
 def swap_out(model: torch.nn.Module) -> int:

@@ -22,7 +22,8 @@ import torch
 from e3nn import o3
 
 from . import stand_in
-from .stand_in import restore_original
+from .stand_in import StandIn, checked
+from .torch_internals import adopt, give_back
 
 __all__ = ["SpeciesGroups", "SpeciesSelfConnection", "swap_in", "swap_out"]
 
@@ -55,7 +56,7 @@ class SpeciesGroups:
         return cls(order, inverse, counts_host, order.index_select(0, starts), int(species.numel()))
 
 
-class SpeciesSelfConnection(torch.nn.Module):
+class SpeciesSelfConnection(torch.nn.Module, StandIn):
     """An e3nn ``FullyConnectedTensorProduct`` (shared internal weights, scalar second input), computed per
     species when the caller has said which nodes share their attributes, else by the e3nn module itself.
 
@@ -65,12 +66,7 @@ class SpeciesSelfConnection(torch.nn.Module):
 
     def __init__(self, tp: torch.nn.Module, graphs: object) -> None:
         super().__init__()
-        for name, param in tp.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in tp.named_buffers(recurse=False):
-            self.register_buffer(name, buf, persistent=name not in tp._non_persistent_buffers_set)
-        for name, child in tp.named_children():
-            self.add_module(name, child)
+        adopt(self, tp, children=True)
         self.irreps_in1, self.irreps_in2, self.irreps_out = (
             o3.Irreps(tp.irreps_in1), o3.Irreps(tp.irreps_in2), o3.Irreps(tp.irreps_out))
         self.in1_dims = [mul_ir.dim for mul_ir in self.irreps_in1]
@@ -105,12 +101,9 @@ class SpeciesSelfConnection(torch.nn.Module):
         )
 
     @classmethod
-    def wrap(cls, tp: torch.nn.Module, graphs: object) -> SpeciesSelfConnection | None:
-        """The stand-in if ``tp`` is supported and matches it on a random input, else None (keep e3nn's)."""
-        if not cls.supports(tp):
-            return None
-        stand_in = cls(tp, graphs)
-        return stand_in if stand_in._matches_original() else None
+    def wrap(cls, tp: torch.nn.Module, graphs: object, where: str = "") -> SpeciesSelfConnection | None:
+        """The stand-in if ``tp`` is supported and passes ``stand_in.checked``, else None (keep e3nn's)."""
+        return checked(cls(tp, graphs), where) if cls.supports(tp) else None
 
     # --- the two paths ------------------------------------------------------------------------------
 
@@ -122,7 +115,8 @@ class SpeciesSelfConnection(torch.nn.Module):
         return self._per_species(x, attrs, groups)
 
     def _e3nn(self, x: torch.Tensor, attrs: torch.Tensor) -> torch.Tensor:
-        return self.restore()(x, attrs)
+        (tp,) = self.original
+        return give_back(self, tp, deep=False)(x, attrs)  # its submodules are ours: only its own tensors
 
     def species_matrices(self, attrs_rows: torch.Tensor) -> list[torch.Tensor]:
         """Per path, the [K, u, w] matrices of K attribute rows [K, dim in2]."""
@@ -152,29 +146,14 @@ class SpeciesSelfConnection(torch.nn.Module):
                                    for b, d in zip(blocks, self.out_dims)], dim=1))
         return torch.cat(outs).index_select(0, groups.inverse)
 
-    # --- checks and restore ----------------------------------------------------------------------------
+    # --- the self-check ---------------------------------------------------------------------------------
 
-    def _matches_original(self) -> bool:
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Both paths against e3nn on 9 random nodes of 3 species (attribute rows random per species)."""
-        param = self.weight
-        generator = torch.Generator(device="cpu").manual_seed(0)
-
-        def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator, dtype=torch.float64).to(param.device, param.dtype)
-
-        species = torch.tensor([2, 0, 1, 0, 2, 2, 1, 0, 0], device=param.device)
-        attrs = rand(3, self.irreps_in2.dim).index_select(0, species)
-        x = rand(species.numel(), self.irreps_in1.dim)
-        with torch.no_grad():
-            want = self._e3nn(x, attrs)
-            got = self._per_species(x, attrs, SpeciesGroups.from_species(species))
-        tol = 1e-10 if param.dtype == torch.float64 else 1e-4
-        return got.shape == want.shape and bool(torch.allclose(
-            got, want, rtol=tol, atol=tol * float(want.abs().max().clamp(min=1))))
-
-    def restore(self) -> torch.nn.Module:
-        """The original module, given the tensors as moved/converted since patching."""
-        return restore_original(self)
+        species = torch.tensor([2, 0, 1, 0, 2, 2, 1, 0, 0], device=self.weight.device)
+        attrs = self.random(generator, 3, self.irreps_in2.dim).index_select(0, species)
+        x = self.random(generator, species.numel(), self.irreps_in1.dim)
+        return self._per_species(x, attrs, SpeciesGroups.from_species(species)), self._e3nn(x, attrs)
 
     def extra_repr(self) -> str:
         return f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, per species when grouped"
@@ -182,19 +161,17 @@ class SpeciesSelfConnection(torch.nn.Module):
 
 def swap_in(model: torch.nn.Module, attribute: str, graphs: object) -> int:
     """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its stand-in, when
-    supported. In place; returns how many were replaced."""
-    count = 0
-    for parent in list(model.modules()):
-        child = parent._modules.get(attribute)
-        if child is None or isinstance(child, SpeciesSelfConnection):
-            if isinstance(child, SpeciesSelfConnection):
-                child.graphs = graphs
-            continue
-        stand_in = SpeciesSelfConnection.wrap(child, graphs)
-        if stand_in is not None:
-            parent._modules[attribute] = stand_in
-            count += 1
-    return count
+    supported and checked (``stand_in.checked``). In place; returns how many were replaced."""
+
+    def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        if where.rpartition(".")[2] != attribute:
+            return None
+        if isinstance(child, SpeciesSelfConnection):
+            child.graphs = graphs  # patched before: the model's cache now
+            return None
+        return SpeciesSelfConnection(child, graphs) if SpeciesSelfConnection.supports(child) else None
+
+    return len(stand_in.swap_in(model, make))
 
 
 def swap_out(model: torch.nn.Module) -> int:

@@ -24,6 +24,10 @@ On CUDA the step (edge cut, model, backward) is captured in a CUDA graph and rep
 
 Every result is checked on the host for NaN and inf (``NonFiniteOutputError``, which names the output, the
 atoms and the closest pair of atoms).
+
+Over 450 lines on purpose: this is ASE's calculator contract in one place (every argument checked and named,
+the model loaded and patched, ``calculate`` and the diagnosis of a non-finite result); the step itself is
+``step_graph``'s and what a model family needs is its adapter's (``cgforge.patches``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ times the fastest use of slack per step seen, and the list is rebuilt first when
 Random numbers are a function of (seed, step) (``engine_rng``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
 ``load_state``) continues exactly as an uninterrupted run.
+
+Over 450 lines on purpose: the block loop, the commit-or-discard rule and the capture it replays have to be
+read together to see that a discarded step leaves no trace in the state; the integrators, the forces and
+the random numbers live in ``integrators``, ``engine_forces`` and ``engine_rng``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ with more room (a new capture). Capacities shrink at a neighbour-list rebuild wh
 
 Padding needs a model whose edges beyond the cutoff contribute exactly zero (``inert_beyond_cutoff``);
 without that the step runs eagerly with exact edge counts (``padded=False``).
+
+Just over 450 lines: the static buffers, their capture and the overflow rule that re-runs a step share one
+set of capacities and read best together; the edge layout and the edge vectors are ``edge_layout``'s and
+``edge_vectors``'s.
 """
 
 from __future__ import annotations

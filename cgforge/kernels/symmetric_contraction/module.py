@@ -1,151 +1,90 @@
-"""`SymmetricContraction`: MACE's product-basis contraction with generated kernels.
+"""`SymmetricContractionBase`: a torch module that runs a symmetric-contraction problem on its weights.
 
-Same call as ``mace.modules.SymmetricContraction``: ``forward(x [N, C, D], species)`` with x one
-channel-major block of node features (what ``EquivariantProductBasisBlock`` passes) and species a
-one-hot (or any [N, E] float tensor whose argmax is the species, as MACE's node_attrs) or an integer
-index [N]; returns [N, sum_o C * (2 l_o + 1)]. The state_dict is MACE's:
-``contractions.{o}.weights_max`` [E, K, C] (the highest degree), ``contractions.{o}.weights.{j}``
-(degree correlation - 1 - j), the U tensors ``contractions.{o}.U_matrix_{nu}`` and the zeroed flags,
-in MACE's order, so state dicts move between the two freely.
+Model-agnostic: the problem (irreps, correlation, species count, U tensors) is a value, and a subclass
+holds the weights in its model's layout and names, supplying them through ``weight_tensors()`` in
+(output, degree) order, each [E, K_{o,nu}, C]. MACE's layout (``contractions.{o}.weights_max`` ...) is
+``cgforge.patches.mace.SymmetricContraction``; that class is also reachable here under its old names
+(``SymmetricContraction``, ``_Contraction``, ``_rebuild_after_load``, imported on first use), because
+whole-model pickles written by earlier versions name this module.
 
-The species' weights enter through W' = A W (a small float64 matmul per call, cached while no weight
-requires grad); the kernels evaluate a reduced basis (see schedule). The species is taken as a
-constant: no gradient flows to a one-hot ``species`` (MACE's node_attrs), as in cuEquivariance's path.
+``forward(x [N, C, D], species)`` with species a one-hot (or any [N, E] float tensor whose argmax is the
+species) or an integer index [N]; returns [N, sum_o C * (2 l_o + 1)]. The species' weights enter through
+W' = A W (a small float64 matmul per call, cached while no weight requires grad); the kernels evaluate
+a reduced basis (see schedule). The species is taken as a constant: no gradient flows to a one-hot
+``species``.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from e3nn import o3
 
 from ..core.checks import FLOAT_DTYPES
 from ..core.tuning import SCTuning
 from . import ops as sc_ops
-from .problem import SCProblem, mace_u_matrices
+from .problem import SCProblem
+from .schedule import SCSchedule
+
+# (name, module it lives in now): names whole-model pickles of earlier versions look up in kernels
+MOVED = {name: "cgforge.patches.mace.symmetric_contraction"
+         for name in ("SymmetricContraction", "_Contraction", "_rebuild_after_load")}
 
 
-class _Contraction(torch.nn.Module):
-    """Holds one output irrep's tensors under MACE's names (no compute of its own)."""
+def moved_names(module: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) resolving ``names`` in their new home, imported on first use:
+    so ``import cgforge.kernels`` imports nothing of the patches layer."""
 
-    def __init__(self, parameters: list[tuple[str, torch.nn.Parameter]],
-                 buffers: list[tuple[str, torch.Tensor, bool]], weights: torch.nn.ParameterList, correlation: int):
-        super().__init__()
-        for name, param in parameters:
-            self.register_parameter(name, param)
-        for name, buf, persistent in buffers:
-            self.register_buffer(name, buf, persistent=persistent)
-        self.weights = weights
-        self.correlation = correlation
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(MOVED[name]), name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
-    def weight(self, nu: int) -> torch.Tensor:
-        """Weights of degree nu, [E, K, C] (MACE: weights_max is the highest degree, weights[j] degree corr-1-j)."""
-        return self.weights_max if nu == self.correlation else self.weights[self.correlation - 1 - nu]
-
-    def u(self, nu: int) -> torch.Tensor:
-        return getattr(self, f"U_matrix_{nu}")
+    return __getattr__
 
 
-class SymmetricContraction(torch.nn.Module):
-    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu], as MACE."""
+__getattr__ = moved_names(__name__, tuple(MOVED))
+
+
+class SymmetricContractionBase(torch.nn.Module):
+    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu].
+
+    A subclass calls ``_plan(problem)`` once it holds its weights (and again when the U tensors change)
+    and implements ``weight_tensors()``.
+    """
 
     tuning: SCTuning | None = None  # a class default: modules pickled before tuning existed have none
+    problem: SCProblem
+    key: str
 
-    def __init__(self, irreps_in: Any, irreps_out: Any, correlation: int, num_elements: int, *,
-                 tuning: SCTuning | None = None, _contractions: list[_Contraction] | None = None):
-        """``tuning``: the kernels' knobs (None: defaults, or the CGFORGE_SC_* sweep variables)."""
-        super().__init__()
-        self.tuning = tuning
-        irreps_in, irreps_out = o3.Irreps(irreps_in), o3.Irreps(irreps_out)
-        if _contractions is None:
-            # validates the arguments and computes MACE's U tensors
-            problem = SCProblem.build(irreps_in, irreps_out, correlation, num_elements)
-            _contractions = [_fresh_contraction(problem, o) for o in range(len(irreps_out))]
-        self.irreps_in, self.irreps_out = irreps_in, irreps_out
-        self.num_elements = int(num_elements)
-        self.contractions = torch.nn.ModuleList(_contractions)
-        self._build()
-        self.register_load_state_dict_post_hook(_rebuild_after_load)
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The weights W_{o,nu} [E, K_{o,nu}, C] in (output, degree) order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement weight_tensors()")
 
-    @classmethod
-    def from_mace(cls, module: Any) -> SymmetricContraction:
-        """Wrap a ``mace.modules.SymmetricContraction``, sharing its parameters and buffers (same state_dict)."""
-        contractions = getattr(module, "contractions", None)
-        if not isinstance(contractions, torch.nn.ModuleList) or not hasattr(module, "irreps_out"):
-            raise TypeError(f"from_mace expects a MACE SymmetricContraction, got {type(module).__name__}")
-        if len(contractions) != len(module.irreps_out):
-            raise ValueError(f"MACE SymmetricContraction has {len(contractions)} contractions for "
-                             f"{len(module.irreps_out)} output irreps")
-        adopted, num_elements = [], None
-        for o, c in enumerate(contractions):
-            corr = int(c.correlation)
-            weights = getattr(c, "weights", None)
-            if not isinstance(weights, torch.nn.ParameterList) or len(weights) != corr - 1:
-                raise ValueError(f"contractions.{o}: expected internal weights (a ParameterList of "
-                                 f"{corr - 1}), got {type(weights).__name__}")
-            params = [(n, p) for n, p in c.named_parameters(recurse=False)]
-            buffers = [(n, b, n not in c._non_persistent_buffers_set) for n, b in c.named_buffers(recurse=False)]
-            names = {n for n, _ in params}
-            missing = [f"U_matrix_{nu}" for nu in range(1, corr + 1) if not hasattr(c, f"U_matrix_{nu}")]
-            if "weights_max" not in names or missing:
-                raise ValueError(f"contractions.{o}: expected weights_max and U_matrix_1..{corr}")
-            adopted.append(_Contraction(params, buffers, weights, corr))
-            num_elements = int(c.weights_max.shape[0])
-        return cls(module.irreps_in, module.irreps_out, 0, num_elements, _contractions=adopted)
-
-    # ------------------------------------------------------------------ problem and plan
-
-    def _u_tensors(self) -> list[list[torch.Tensor]]:
-        return [[c.u(nu) for nu in range(1, c.correlation + 1)] for c in self.contractions]
-
-    def _build(self, only_if_changed: bool = False) -> None:
-        correlation = tuple(c.correlation for c in self.contractions)
-        problem = SCProblem.build(self.irreps_in, self.irreps_out, correlation, self.num_elements,
-                                  u=self._u_tensors())
-        if only_if_changed and problem.key() == self.problem.key():
-            return
-        shapes = [[tuple(c.weight(nu).shape) for nu in range(1, c.correlation + 1)] for c in self.contractions]
-        for o, per_nu in enumerate(shapes):
-            for nu, shape in enumerate(per_nu, start=1):
-                expected = (problem.num_elements, problem.num_params(o, nu), problem.channels)
-                if shape != expected:
-                    raise ValueError(f"contractions.{o}: weights of degree {nu} have shape {list(shape)}, "
-                                     f"expected {list(expected)}")
+    def _plan(self, problem: SCProblem) -> None:
+        """Register the problem's kernels (with ``self.tuning``) and forget what was derived from the old."""
         self.problem = problem
         self.key = sc_ops.register(problem, self.tuning)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
         self._transform: dict[torch.device, torch.Tensor] = {}
         self._cached: tuple | None = None
-        self._weight_refs: list | None = None
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a new process: register again
         super().__setstate__(state)
         self.key = sc_ops.register(self.problem, self.tuning)
-        self._transform, self._cached, self._weight_refs = {}, None, None
+        self._reset_caches()
 
     @property
-    def schedule(self):
+    def schedule(self) -> SCSchedule:
         return sc_ops.get(self.key).schedule
 
-    def _weights(self) -> list[torch.Tensor]:
-        """MACE's weight tensors in degree order, found through nn.Module's attribute lookup only when the
-        containers' entries changed (that lookup costs more than a small system's kernels)."""
-        found = self._weight_refs
-        if found is not None and all(d.get(k) is v for d, k, v in found):
-            return [v for d, k, v in found if k != "weights"]
-        found = []
-        for c in self.contractions:
-            found.append((c._modules, "weights", c.weights))
-            for nu in range(1, c.correlation + 1):
-                d, k = ((c._parameters, "weights_max") if nu == c.correlation
-                        else (c.weights._parameters, str(c.correlation - 1 - nu)))
-                found.append((d, k, d[k]))
-        self._weight_refs = found
-        return [v for d, k, v in found if k != "weights"]
-
     def transformed_weights(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """W' [E, R, C] = A @ W (in float64, then cast), W the concatenated MACE weights [E, K, C]."""
-        weights = self._weights()
+        """W' [E, R, C] = A @ W (in float64, then cast), W the concatenated weights [E, K, C]."""
+        weights = self.weight_tensors()
         grads = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
         if not grads and not torch.compiler.is_compiling():
             stamp = (dtype, device, tuple((w.data_ptr(), w._version) for w in weights))
@@ -160,8 +99,6 @@ class SymmetricContraction(torch.nn.Module):
         if not grads and not torch.compiler.is_compiling():
             self._cached = (stamp, wp)
         return wp
-
-    # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor, species: torch.Tensor) -> torch.Tensor:
         p = self.problem
@@ -181,11 +118,6 @@ class SymmetricContraction(torch.nn.Module):
     def extra_repr(self) -> str:
         p = self.problem
         return (f"{p.irreps_in} -> {p.irreps_out}, correlation={p.correlation}, num_elements={p.num_elements}")
-
-
-def _rebuild_after_load(module: SymmetricContraction, incompatible_keys: Any) -> None:
-    """Loaded U tensors may differ from those the kernels were made for (a plain function: picklable)."""
-    module._build(only_if_changed=True)
 
 
 def _check_x(x: torch.Tensor, channels: int, dim: int) -> None:
@@ -219,34 +151,4 @@ def _species_index(species: torch.Tensor, n: int, num_elements: int, device: tor
     return species.to(torch.int32)
 
 
-def _fresh_contraction(problem: SCProblem, o: int) -> _Contraction:
-    """New weights and U buffers laid out as mace-torch 0.3.16's Contraction registers them."""
-    dtype = torch.get_default_dtype()
-    corr = problem.correlation[o]
-    e, c = problem.num_elements, problem.channels
-    us = [torch.as_tensor(mace_u_matrices(str(o3.Irreps([ir for ir in problem.coupling])),
-                                          str(problem.outputs[o]), nu), dtype=dtype)
-          for nu in range(1, corr + 1)]
-    if problem.outputs[o].dim == 1:
-        us = [u[0] for u in us]  # MACE squeezes the output axis of scalars
-    nonzero = [bool(torch.any(u != 0)) for u in us]
-
-    def init(nu: int) -> torch.nn.Parameter:
-        k = us[nu - 1].shape[-1]
-        return torch.nn.Parameter(torch.randn(e, k, c, dtype=dtype) / k)
-
-    weights_max = init(corr)
-    weights = [init(nu) for nu in range(corr - 1, 0, -1)]  # weights[j] is degree corr - 1 - j
-    # MACE's zeroing: flag j marks U of degree j + 1 as all-zero and zeroes weights[j] (its indexing, kept)
-    for j in range(corr - 1):
-        if not nonzero[j]:
-            weights[j] = torch.nn.Parameter(torch.zeros_like(weights[j]), requires_grad=False)
-    if not nonzero[corr - 1]:
-        weights_max = torch.nn.Parameter(torch.zeros_like(weights_max), requires_grad=False)
-    buffers = [(f"U_matrix_{nu}", us[nu - 1], True) for nu in range(1, corr + 1)]
-    buffers += [(f"weights_{j}_zeroed", torch.tensor(not nonzero[j]), True) for j in range(corr - 1)]
-    buffers.append(("weights_max_zeroed", torch.tensor(not nonzero[corr - 1]), True))
-    return _Contraction([("weights_max", weights_max)], buffers, torch.nn.ParameterList(weights), corr)
-
-
-__all__ = ["SymmetricContraction"]
+__all__ = ["SymmetricContractionBase"]

@@ -1,29 +1,25 @@
-"""The symmetric-contraction problem (MACE's product basis) as plain values.
+"""The symmetric-contraction problem (a product basis) as plain values.
 
 For every atom b (species e) and channel c, output irrep o (dimension d_o) is
 
     out_o[b, c, M] = sum_{nu=1..corr} sum_k W_{o,nu}[e, k, c] * sum_{i1..inu} U_{o,nu}[M, i1..inu, k]
                      * x[b, c, i1] * ... * x[b, c, inu]
 
-with x[b, c, :] one channel of the node features across all input irreps (dimension D), and the U
-tensors MACE computes (``mace.tools.cg.U_matrix_real``). The problem keeps the U tensors as they are
-given (float64 numpy, always with the output axis, also for d_o = 1) and knows nothing of MACE
-modules; ``mace_u_matrices`` recomputes MACE's U tensors from their definition for modules built
-without a MACE instance (model knowledge: to move to cgforge/patches/mace/ with the state-dict adapter).
+with x[b, c, :] one channel of the node features across all input irreps (dimension D). The U tensors
+are values given by the caller (float64 numpy, always with the output axis, also for d_o = 1): the
+problem knows no model. MACE's U tensors and weight layout live in cgforge/patches/mace/
+(``symmetric_contraction.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from functools import cache
-from math import sqrt
 
 import numpy as np
 import torch
 from e3nn import o3
 
-from ..core.cg import wigner_3j
 from ..core.offsets import running_offsets
 
 MAX_CORRELATION = 4  # beyond this the U tensors (D**nu entries per column) get unreasonably large
@@ -77,10 +73,10 @@ class SCProblem:
     def key(self) -> str:
         return self._key
 
-    @classmethod
-    def build(cls, irreps_in, irreps_out, correlation: int | tuple[int, ...], num_elements: int,
-              u: list[list] | None = None) -> SCProblem:
-        """Check the arguments; compute MACE's U tensors unless given (any array-likes, per output/degree)."""
+    @staticmethod
+    def check_arguments(irreps_in, irreps_out, correlation: int | tuple[int, ...], num_elements: int
+                        ) -> tuple[o3.Irreps, o3.Irreps, tuple[int, ...], int]:
+        """The arguments checked and normalised (correlation one int per output irrep); clear errors."""
         irreps_in, irreps_out = o3.Irreps(irreps_in), o3.Irreps(irreps_out)
         if len(irreps_in) == 0 or len(irreps_out) == 0:
             raise ValueError(f"irreps_in and irreps_out must not be empty, got {irreps_in!r} -> {irreps_out!r}")
@@ -96,19 +92,27 @@ class SCProblem:
                              f"got {correlation!r}")
         if not isinstance(num_elements, (int, np.integer)) or num_elements < 1:
             raise ValueError(f"num_elements must be a positive int, got {num_elements!r}")
-        coupling = o3.Irreps([ir for _, ir in irreps_in])
-        dim = coupling.dim
+        return irreps_in, irreps_out, correlation, int(num_elements)
+
+    @classmethod
+    def build(cls, irreps_in, irreps_out, correlation: int | tuple[int, ...], num_elements: int,
+              u: list[list]) -> SCProblem:
+        """Check the arguments and the U tensors (any array-likes, ``u[o][nu - 1]``, output axis included)."""
+        irreps_in, irreps_out, correlation, num_elements = cls.check_arguments(
+            irreps_in, irreps_out, correlation, num_elements)
+        if u is None or len(u) != len(irreps_out):
+            raise ValueError(f"u must hold one list of U tensors per output irrep ({len(irreps_out)}), "
+                             f"got {None if u is None else len(u)}")
+        dim = o3.Irreps([ir for _, ir in irreps_in]).dim
         tensors = []
         for o, (_, ir_out) in enumerate(irreps_out):
+            if len(u[o]) != correlation[o]:
+                raise ValueError(f"u[{o}] must hold {correlation[o]} tensors (degrees 1..{correlation[o]}), "
+                                 f"got {len(u[o])}")
             per_nu = []
             for nu in range(1, correlation[o] + 1):
-                if u is None:
-                    t = mace_u_matrices(str(coupling), str(ir_out), nu)
-                else:
-                    t = u[o][nu - 1]
-                    t = t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, float)
-                    if t.ndim == nu + 1 and ir_out.dim == 1:  # MACE squeezes the output axis of scalars
-                        t = t[None]
+                t = u[o][nu - 1]
+                t = t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, float)
                 expected = (ir_out.dim,) + (dim,) * nu
                 if t.ndim != nu + 2 or t.shape[:-1] != expected:
                     raise ValueError(f"u[{o}][{nu - 1}] must have shape {list(expected)} + [K], got {list(t.shape)}")
@@ -119,61 +123,5 @@ class SCProblem:
             for t in per_nu:
                 digest.update(str(t.shape).encode())
                 digest.update(t.tobytes())
-        key = f"{irreps_in}|{irreps_out}|{correlation}|{int(num_elements)}|{digest.hexdigest()[:16]}"
-        return cls(irreps_in, irreps_out, correlation, int(num_elements), tuple(tensors), key)
-
-
-# ---------------------------------------------------------------------------------------------------
-# MACE's U tensors from their definition: every chain of couplings ((x_i1 (x) x_i2 -> a) (x) x_i3 -> b) ...
-# of the coupling irreps, with e3nn's wigner_3j in component normalisation, in MACE's column order.
-
-
-def _chains(coupling: tuple[o3.Irrep, ...], degree: int, filter_mid: frozenset | None
-            ) -> list[tuple[o3.Irrep, np.ndarray]]:
-    """All coupling chains of `degree` inputs: (irrep, tensor [d, D**degree]), in MACE's order."""
-    dim = sum(ir.dim for ir in coupling)
-    if degree == 1:
-        out, start = [], 0
-        for ir in coupling:
-            e = np.zeros((ir.dim, dim))
-            e[:, start:start + ir.dim] = np.eye(ir.dim)
-            out.append((ir, e))
-            start += ir.dim
-        return out
-    result = []
-    for ir_left, c_left in _chains(coupling, degree - 1, filter_mid):
-        start = 0
-        for ir in coupling:
-            for ir_out in ir_left * ir:
-                if filter_mid is not None and ir_out not in filter_mid:
-                    continue
-                cg = wigner_3j(ir_out.l, ir_left.l, ir.l) * sqrt(ir_out.dim)
-                # [out, left dims..., this input's m] placed in this input's slice of the last axis
-                block = np.einsum("jk,ijl->ikl", c_left, cg)
-                full = np.zeros((ir_out.dim, c_left.shape[1], dim))
-                full[:, :, start:start + ir.dim] = block
-                result.append((ir_out, full.reshape(ir_out.dim, -1)))
-            start += ir.dim
-    result.sort(key=lambda t: t[0])  # stable: equal irreps keep their generation order, as in MACE
-    return result
-
-
-@cache
-def _mace_u(coupling: str, ir_out: str, degree: int) -> np.ndarray:
-    irreps = tuple(ir for _, ir in o3.Irreps(coupling))
-    target = o3.Irrep(ir_out)
-    # MACE restricts the intermediate irreps of 4-fold products to l < 12 with parity (-1)^l.
-    filter_mid = frozenset(o3.Irrep(l, (-1) ** l) for l in range(12)) if degree == 4 else None
-    dim = sum(ir.dim for ir in irreps)
-    cols = [t for ir, t in _chains(irreps, degree, filter_mid) if ir == target]
-    if not cols:  # no coupling reaches this irrep: one all-zero column, as MACE stores it
-        return np.zeros((target.dim,) + (dim,) * degree + (1,))
-    return np.stack(cols, axis=-1).reshape((target.dim,) + (dim,) * degree + (len(cols),))
-
-
-def mace_u_matrices(coupling: str, ir_out: str, degree: int) -> np.ndarray:
-    """MACE's U tensor (``U_matrix_real(coupling, ir_out, degree)[-1]``, reduced CG off), output axis kept.
-
-    Shape [d_out, D, ..., D, K]; a copy, so callers may modify it.
-    """
-    return _mace_u(str(o3.Irreps(coupling)), str(o3.Irrep(ir_out)), int(degree)).copy()
+        key = f"{irreps_in}|{irreps_out}|{correlation}|{num_elements}|{digest.hexdigest()[:16]}"
+        return cls(irreps_in, irreps_out, correlation, num_elements, tuple(tensors), key)

@@ -4,6 +4,8 @@
 - ``legacy``: reading ``.model`` files pickled with e3nn 0.4 under the installed e3nn.
 - ``streaming``: the radial MLP inside the convolution, per chunk of edges (``set_streaming``).
 - ``adapter``: the calculator's ``MaceAdapter`` and the check that edges beyond the cutoff are inert.
+- ``symmetric_contraction``: ``SymmetricContraction`` (MACE's U tensors and state-dict layout over
+  cgforge's symmetric-contraction kernels; also ``cgforge.kernels.SymmetricContraction``).
 
 The names below are this package's public API. They also keep the class paths that patched models saved
 by earlier versions pickled (``cgforge.patches.mace.FusedConvTP`` and the like) loadable. Note that the
@@ -27,9 +29,10 @@ from .patch import (
     upgrade_old_attributes,
 )
 from .streaming import set_streaming
+from .symmetric_contraction import SymmetricContraction, mace_problem, mace_u_matrices
 
 __all__ = [
-    "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "UnsupportedModelError",
-    "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "parse_device", "parse_dtype", "patch",
-    "set_streaming", "unpatch", "upgrade_old_attributes",
+    "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "SymmetricContraction",
+    "UnsupportedModelError", "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "mace_problem",
+    "mace_u_matrices", "parse_device", "parse_dtype", "patch", "set_streaming", "unpatch", "upgrade_old_attributes",
 ]

@@ -30,6 +30,8 @@ from e3nn import nn as e3nn_nn
 from e3nn import o3
 from e3nn.util.codegen import CodeGenMixin
 
+from ..torch_internals import buffers_dict, parameters_dict, replace_child
+
 log = logging.getLogger(__name__)
 
 
@@ -195,7 +197,7 @@ def rebuild_legacy_modules(root: torch.nn.Module) -> int:
     for name, new in rebuilt.items():
         parent_name, _, child = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
-        parent._modules[child] = new
+        replace_child(parent, child, new)
     if rebuilt:
         log.info("rebuilt %d e3nn 0.4 modules with the installed e3nn", len(rebuilt))
     return len(rebuilt)
@@ -234,7 +236,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
-    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     floating = [t for t in tensors if t.is_floating_point()]
     device = tensors[0].device if tensors else torch.device("cpu")
     return device, floating[0].dtype if floating else torch.get_default_dtype()
@@ -242,9 +244,9 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
 
 def _copy_tensors(name: str, old: torch.nn.Module, new: torch.nn.Module) -> None:
     """Move the pickled parameters and buffers into the rebuilt module (same names, same shapes)."""
-    for kind in ("_parameters", "_buffers"):
-        for key, tensor in getattr(old, kind).items():
-            fresh = getattr(new, kind).get(key)
+    for slots in (parameters_dict, buffers_dict):
+        for key, tensor in slots(old).items():
+            fresh = slots(new).get(key)
             if tensor is None or fresh is None:
                 if tensor is not None or fresh is not None:
                     raise LegacyCheckpointError(f"{name}.{key}: in only one of old and rebuilt module")
@@ -254,8 +256,8 @@ def _copy_tensors(name: str, old: torch.nn.Module, new: torch.nn.Module) -> None
                     f"{name}.{key}: pickled shape {tuple(tensor.shape)} but the rebuilt module has "
                     f"{tuple(fresh.shape)}"
                 )
-            getattr(new, kind)[key] = tensor
-    missing = set(new._parameters) - set(old._parameters)
+            slots(new)[key] = tensor
+    missing = set(parameters_dict(new)) - set(parameters_dict(old))
     if missing:
         raise LegacyCheckpointError(f"{name}: rebuilt module has parameters not pickled: {sorted(missing)}")
 
@@ -300,7 +302,7 @@ def _rebuild_linear(old: Any) -> torch.nn.Module:
     biases = [
         any(i.i_in == -1 and i.i_out == k for i in old.instructions) for k in range(len(old.irreps_out))
     ]
-    weight = old._parameters.get("weight", old._buffers.get("weight"))
+    weight = parameters_dict(old).get("weight", buffers_dict(old).get("weight"))
     f_in = f_out = None
     if weight is not None and weight.dim() == 3:
         f_in, f_out = int(weight.shape[0]), int(weight.shape[1])

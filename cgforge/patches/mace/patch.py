@@ -37,12 +37,15 @@ from e3nn import o3
 
 from cgforge import kernels
 
-from .. import e3nn_layers, species_linear
+from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
 from ..families import is_mace_model
 from ..graph_cache import CallGraphCache
+from ..stand_in import StandIn, convolution_check
+from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
 from .streaming import DeferredWeights, set_streaming
+from .symmetric_contraction import SymmetricContraction
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class GraphCache(CallGraphCache):
         return super().get(edge_index[0], edge_index[1], num_nodes)
 
 
-class FusedConvTP(torch.nn.Module):
+class FusedConvTP(torch.nn.Module, StandIn):
     """MACE's ``conv_tp`` with the conv_fusion call signature, backed by ``cgforge.kernels.Convolution``."""
 
     def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache) -> None:
@@ -87,10 +90,7 @@ class FusedConvTP(torch.nn.Module):
         # the state_dict keeps exactly the keys, order and values of the TensorProduct it replaces.
         if any(True for _ in e3nn_tp.parameters()):
             raise UnsupportedModelError("conv_tp has parameters; MACE passes its weights per edge")
-        for name, buf in e3nn_tp.named_buffers(recurse=False):
-            self.register_buffer(name, buf, persistent=name not in e3nn_tp._non_persistent_buffers_set)
-        for name, child in e3nn_tp.named_children():
-            self.add_module(name, child)
+        adopt(self, e3nn_tp, children=True)
         self.graphs = graphs
         self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
         # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
@@ -111,16 +111,19 @@ class FusedConvTP(torch.nn.Module):
         # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
         return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
 
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return convolution_check(self, generator, self.conv, self.original[0])
+
     def extra_repr(self) -> str:
         return f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, weight_numel={self.weight_numel}"
 
 
-class FusedSymmetricContraction(kernels.SymmetricContraction):
+class FusedSymmetricContraction(SymmetricContraction, StandIn):
     """MACE's product-basis ``SymmetricContraction`` backed by cgforge's generated kernels.
 
-    Built by ``kernels.SymmetricContraction.from_mace``: it holds the original's parameters and buffers
-    themselves, under the same names, so the state_dict is unchanged. The original rides along (not as a
-    submodule) so ``unpatch`` restores it exactly.
+    Built by ``SymmetricContraction.from_mace`` (symmetric_contraction.py): it holds the original's parameters
+    and buffers themselves, under the same names, so the state_dict is unchanged. The original rides along (not
+    as a submodule) so ``unpatch`` restores it exactly (``StandIn.restore``).
     """
 
     @classmethod
@@ -129,16 +132,12 @@ class FusedSymmetricContraction(kernels.SymmetricContraction):
         fused.original = (original,)
         return fused
 
-    def restore(self) -> torch.nn.Module:
-        """The original module, given the tensors as moved/converted since patching."""
-        (original,) = self.original
-        for mine, theirs in zip(self.contractions, original.contractions):
-            for name in theirs._parameters:
-                theirs._parameters[name] = mine._parameters[name]
-            for name in theirs._buffers:
-                theirs._buffers[name] = mine._buffers[name]
-            theirs.weights = mine.weights
-        return original
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.problem
+        x = self.random(generator, 5, p.channels, p.in_dim)
+        species = torch.arange(5, device=x.device) % p.num_elements
+        one_hot = torch.nn.functional.one_hot(species, p.num_elements).to(x.dtype)  # MACE's node_attrs
+        return self(x, species), self.original[0](x, one_hot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,56 +205,49 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     """
     blocks = interaction_blocks(model)
     graphs = _graph_cache(model) or GraphCache()
-    replacements: dict[int, FusedConvTP] = {}
-    for i, block in enumerate(blocks):
-        if isinstance(block.conv_tp, FusedConvTP):
-            continue
-        try:
-            fused = FusedConvTP(block.conv_tp, graphs)
-        except (ValueError, TypeError, NotImplementedError) as err:
-            raise UnsupportedModelError(
-                f"interactions.{i}.conv_tp ({block.conv_tp}): cgforge cannot build this convolution: {err}"
-            ) from err
-        replacements[i] = fused
-    contractions = _symmetric_contraction_replacements(model)
-    for i, fused in replacements.items():
-        blocks[i].conv_tp = fused
-        blocks[i].conv_fusion = _FUSION_TAG
-    for i, fused in contractions.items():
-        model.products[i].symmetric_contractions = fused
+    fused = stand_in.swap_in(model, _fused_maker(graphs))  # raises before any change: model untouched
     for block in blocks:
-        block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
+        if isinstance(block.conv_tp, FusedConvTP):
+            block.conv_fusion = _FUSION_TAG
+            block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
     layers = e3nn_layers.swap_in(model)
     layers += species_linear.swap_in(model, "skip_tp", graphs)
-    if not any(hook is graphs for hook in model._forward_pre_hooks.values()):
-        _remove_graph_hooks(model)
+    if not any(hook is graphs for hook in forward_pre_hooks(model)):
+        remove_forward_pre_hooks(model, GraphCache)
         model.register_forward_pre_hook(graphs)
-    if replacements or contractions:
-        log.info("cgforge: patched %d MACE interaction blocks, %d product blocks and %d e3nn layers",
-                 len(replacements), len(contractions), layers)
+    if fused:
+        log.info("cgforge: patched %d MACE convolutions and product blocks and %d e3nn layers", len(fused), layers)
     return model
 
 
-def _symmetric_contraction_replacements(model: torch.nn.Module) -> dict[int, FusedSymmetricContraction]:
-    """cgforge versions of every product block's symmetric contraction (none changed yet)."""
-    replacements = {}
-    for i, block in enumerate(getattr(model, "products", [])):
-        sc = getattr(block, "symmetric_contractions", None)
-        if isinstance(sc, FusedSymmetricContraction):
-            continue
-        cls = type(sc)
-        if cls.__module__ != "mace.modules.symmetric_contraction" or cls.__name__ != "SymmetricContraction":
-            raise UnsupportedModelError(
-                f"products.{i}.symmetric_contractions: expected mace's SymmetricContraction, got {_describe(sc)} "
-                "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
-            )
-        try:
-            replacements[i] = FusedSymmetricContraction.wrap(sc)
-        except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
-            raise UnsupportedModelError(
-                f"products.{i}.symmetric_contractions: cgforge cannot build this contraction: {err}"
-            ) from err
-    return replacements
+def _fused_maker(graphs: GraphCache) -> stand_in.Maker:
+    """The walker's maker of the fused convolutions (``interactions.i.conv_tp``) and symmetric contractions
+    (``products.i.symmetric_contractions``); raises ``UnsupportedModelError`` for one cgforge cannot build."""
+
+    def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        parent, _, name = where.rpartition(".")
+        kind, _, index = parent.partition(".")
+        if not index.isdigit():  # only the direct children of interactions[i] and products[i]
+            return None
+        if kind == "interactions" and name == "conv_tp" and not isinstance(child, FusedConvTP):
+            try:
+                return FusedConvTP(child, graphs)
+            except (ValueError, TypeError, NotImplementedError) as err:
+                raise UnsupportedModelError(f"{where} ({child}): cgforge cannot build this convolution: {err}") from err
+        if kind == "products" and name == "symmetric_contractions" and not isinstance(child, FusedSymmetricContraction):
+            cls = type(child)
+            if cls.__module__ != "mace.modules.symmetric_contraction" or cls.__name__ != "SymmetricContraction":
+                raise UnsupportedModelError(
+                    f"{where}: expected mace's SymmetricContraction, got {_describe(child)} "
+                    "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
+                )
+            try:
+                return FusedSymmetricContraction.wrap(child)
+            except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
+                raise UnsupportedModelError(f"{where}: cgforge cannot build this contraction: {err}") from err
+        return None
+
+    return make
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -269,22 +261,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
                 f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
             )
     set_streaming(model, None)
+    stand_in.swap_out(model, (FusedConvTP, FusedSymmetricContraction))
     for block in blocks:
-        fused = getattr(block, "conv_tp", None)
-        if not isinstance(fused, FusedConvTP):
-            continue
-        (original,) = fused.original
-        for name in original._buffers:
-            original._buffers[name] = fused._buffers[name]  # as moved/converted since patching
-        block.conv_tp = original
-        del block.conv_fusion
-    for block in getattr(model, "products", []):
-        sc = getattr(block, "symmetric_contractions", None)
-        if isinstance(sc, FusedSymmetricContraction):
-            block.symmetric_contractions = sc.restore()
+        if getattr(block, "conv_fusion", None) == _FUSION_TAG:
+            del block.conv_fusion
     e3nn_layers.swap_out(model)
     species_linear.swap_out(model)
-    _remove_graph_hooks(model)
+    remove_forward_pre_hooks(model, GraphCache)
     return model
 
 
@@ -302,11 +285,6 @@ def _graph_cache(model: torch.nn.Module) -> GraphCache | None:
         if isinstance(tp, FusedConvTP):
             return tp.graphs
     return None
-
-
-def _remove_graph_hooks(model: torch.nn.Module) -> None:
-    for key in [k for k, hook in model._forward_pre_hooks.items() if isinstance(hook, GraphCache)]:
-        del model._forward_pre_hooks[key]
 
 
 # ---------------------------------------------------------------------------------------------

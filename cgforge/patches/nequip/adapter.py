@@ -25,6 +25,7 @@ from torch import Tensor
 from ..common import UnknownElementError, check_numbers, unknown_elements, vanishes_at_zero
 from ..graph_cache import CallGraphCache
 from ..streaming import DeferredRadial
+from ..torch_internals import forward_pre_hooks
 from . import streaming
 
 __all__ = ["NequipAdapter", "energy_model_of", "inert_beyond_cutoff"]
@@ -104,7 +105,7 @@ class NequipAdapter:
         }
         # The patched model empties its per-call graph cache in a forward pre-hook of the GraphModel, which
         # calling the inner energy model skips: empty it here.
-        for hook in self.model._forward_pre_hooks.values():
+        for hook in forward_pre_hooks(self.model):
             if isinstance(hook, CallGraphCache):
                 hook.clear()
         out = self.energy_model(data)
@@ -152,7 +153,7 @@ def inert_beyond_cutoff(energy_model: torch.nn.Module) -> str | None:
     """The same for a NequIP energy model (the SequentialGraphNetwork inside ForceStressOutput)."""
     if type(energy_model).__name__ != "SequentialGraphNetwork":
         return f"energy model {type(energy_model).__name__} is not a nequip SequentialGraphNetwork"
-    for name, module in energy_model._modules.items():
+    for name, module in energy_model.named_children():
         cls = type(module).__name__
         if cls in _NODE_MODULES:
             continue

@@ -24,7 +24,9 @@ from cgforge import kernels
 
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
+from ..stand_in import StandIn, convolution_check
 from ..streaming import DeferredWeights
+from ..torch_internals import state_without
 
 try:
     from nequip.nn._tp_scatter_base import TensorProductScatter
@@ -120,7 +122,7 @@ def scatter_sites(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str
 # The replacement module
 
 
-class CgforgeTensorProductScatter(TensorProductScatter):
+class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     """nequip's TensorProductScatter running cgforge's fused ``Convolution``.
 
     Keeps the original ``tp`` (the e3nn TensorProduct and its buffers) as a submodule, so state dicts are
@@ -164,13 +166,17 @@ class CgforgeTensorProductScatter(TensorProductScatter):
         )
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_modules"] = {k: v for k, v in self._modules.items() if k != "conv"}
-        return state
+        return state_without(self, "conv")
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.conv = _convolution(self.tp)
+
+    def check_placement(self) -> tuple[torch.device, torch.dtype]:
+        return super().check_placement()[0], self.model_dtype
+
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return convolution_check(self, generator, self.conv, self.tp)
 
     def extra_repr(self) -> str:
         return f"cgforge: {self.tp.irreps_in1} x {self.tp.irreps_in2} -> {self.tp.irreps_out}"

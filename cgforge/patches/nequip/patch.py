@@ -15,9 +15,11 @@ import logging
 
 import torch
 
-from .. import e3nn_layers, radial_precision, species_linear
+from .. import e3nn_layers, radial_precision, species_linear, stand_in
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
+from ..stand_in import StandIn
+from ..torch_internals import forward_pre_hooks, remove_forward_pre_hooks
 from .conv import CgforgeTensorProductScatter, scatter_sites
 from .files import SUPPORTED_ROUTE, CompiledModelError
 from .streaming import set_streaming
@@ -47,7 +49,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     """
     plans = []
     for root in _roots(model):
-        sites = scatter_sites(root)
+        sites = scatter_sites(root)  # checks every convolution first: raises with the model unchanged
         if not sites:
             cls = type(root)
             raise UnsupportedModelError(
@@ -55,23 +57,9 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
                 f"{cls.__module__}.{cls.__qualname__}; cgforge patches NequIP GNN models"
             )
         graphs = _graph_cache(root) or CallGraphCache()
-        new = {}
-        for where, _parent, _name, module in sites:
-            if isinstance(module, CgforgeTensorProductScatter):
-                continue
-            try:
-                new[where] = CgforgeTensorProductScatter(module, graphs)
-            except (ValueError, TypeError, NotImplementedError) as err:
-                raise UnsupportedModelError(
-                    f"{where} ({module.tp}): cgforge cannot build this convolution: {err}"
-                ) from err
-        plans.append((root, sites, graphs, new))
-    for root, sites, graphs, new in plans:
-        for where, parent, name, module in sites:
-            if where in new:
-                parent._modules[name] = new[where]
-            else:
-                module.graphs = graphs
+        plans.append((root, graphs, {where for where, *_ in sites}))
+    for root, graphs, wheres in plans:
+        new = stand_in.swap_in(root, _scatter_maker(graphs, wheres))
         swapped = species_linear.swap_in(root, "sc", graphs)
         e3nn_layers.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
@@ -81,19 +69,32 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _scatter_maker(graphs: CallGraphCache, wheres: set[str]) -> stand_in.Maker:
+    """The walker's maker of ``CgforgeTensorProductScatter`` at the (checked) convolution sites ``wheres``."""
+
+    def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        if where not in wheres:
+            return None
+        if isinstance(child, CgforgeTensorProductScatter):
+            child.graphs = graphs  # patched before: the model's cache now
+            return None
+        try:
+            return CgforgeTensorProductScatter(child, graphs)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise UnsupportedModelError(f"{where} ({child.tp}): cgforge cannot build this convolution: {err}") from err
+
+    return make
+
+
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Put the original convolutions back (no cgforge objects left). In place; returns ``model``."""
     for root in _roots(model):
         set_streaming(root, None)
-        for _where, parent, name, module in scatter_sites(root):
-            if isinstance(module, CgforgeTensorProductScatter):
-                (original,) = module.original
-                original.tp = module.tp  # as moved / converted since patching
-                parent._modules[name] = original
+        stand_in.swap_out(root, (CgforgeTensorProductScatter,))
         species_linear.swap_out(root)
         e3nn_layers.swap_out(root)
         radial_precision.swap_out(root)
-        _remove_hooks(root)
+        remove_forward_pre_hooks(root, CallGraphCache)
     return model
 
 
@@ -123,11 +124,6 @@ def _graph_cache(root: torch.nn.Module) -> CallGraphCache | None:
 
 
 def _install_hook(root: torch.nn.Module, graphs: CallGraphCache) -> None:
-    if not any(hook is graphs for hook in root._forward_pre_hooks.values()):
-        _remove_hooks(root)
+    if not any(hook is graphs for hook in forward_pre_hooks(root)):
+        remove_forward_pre_hooks(root, CallGraphCache)
         root.register_forward_pre_hook(graphs)
-
-
-def _remove_hooks(root: torch.nn.Module) -> None:
-    for key in [k for k, hook in root._forward_pre_hooks.items() if isinstance(hook, CallGraphCache)]:
-        del root._forward_pre_hooks[key]
