@@ -80,7 +80,7 @@ class StandInData:
         self.pair_force_calls = 0
         self._eatoms_buffer = torch.zeros(nlocal, dtype=torch.float64, device=self._device)
         self._shared = shared
-        self.exchanges = 0
+        self.exchanges = 0  # forward and reverse exchanges done
 
     def _array(self, name: str) -> Any:
         a = self._host[name]
@@ -151,6 +151,7 @@ class StandInData:
     def _reverse_exchange(self, grad: torch.Tensor, gout: torch.Tensor, width: int) -> None:
         self._check(grad, gout, width)
         shared, n = self._shared, self.nlocal
+        self.exchanges += 1
         gout.zero_()
         gout[:n] = grad[:n]
         shared.posted[self.domain] = (torch.as_tensor(self.owner[n:]), grad[n:].detach().clone())
