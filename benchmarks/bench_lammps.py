@@ -153,14 +153,20 @@ def main() -> None:
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
                 if run.returncode != 0 or not lines:
-                    tail = (run.stderr.strip() or run.stdout.strip()).splitlines()[-1:] or ["no output"]
-                    rows.append({**row, "error": f"exit {run.returncode}: {tail[0][:200]}"})
+                    rows.append({**row, "error": f"exit {run.returncode}: {_why(run.stdout + run.stderr)}"})
                 else:
                     rows.append({**row, **json.loads(lines[-1][len("RESULT "):])})
                 print(_line(rows[-1]), flush=True)
     payload = {"environment": environment(), "dtype": args.dtype, "kokkos": args.kokkos, "steps": args.steps,
                "ghost_neighbours": args.ghost_neighbours, "ghost_cutoff": ghost_cutoff, "rows": rows}
     print(f"wrote {write_json('lammps', payload)}")
+
+
+def _why(output: str) -> str:
+    """The Python exception behind a failed run (LAMMPS's own last line says only 'compute_forces failure')."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception")) and "ERROR" not in ln]
+    return ((errors or lines or ["no output"])[-1])[:240]
 
 
 def _line(row: dict) -> str:

@@ -110,6 +110,7 @@ def test_matches_calculator(kind, mode, n_domains, request):
         assert all(d.nlocal < len(atoms) for d in domains)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mace", "nequip"])
 def test_patched_kernels_exchange_two_domains(kind, request):
     """cgforge's kernels (their CPU path): per-call graphs of LAMMPS's pair list, per-species self-connections."""

@@ -58,14 +58,14 @@ def lammps_env():
 
 @pytest.fixture(scope="module")
 def water(tmp_path_factory):
-    """The start state: 32 waters (9.86 Å box), Maxwell-Boltzmann velocities at 300 K; its LAMMPS data file."""
+    """The start state: 32 waters (9.86 Å box), random velocities at 300 K; its LAMMPS data file."""
     from ase.io.lammpsdata import write_lammps_data
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 
     from cgforge.plugin.water import water_box
 
     atoms = water_box(32, seed=0)
-    MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    sigma = np.sqrt(300 * units.kB / atoms.get_masses())[:, None]  # Maxwell-Boltzmann at 300 K
+    atoms.set_velocities(sigma * np.random.default_rng(0).standard_normal((len(atoms), 3)))
     path = tmp_path_factory.mktemp("lammps_real") / "water.data"
     with open(path, "w") as f:
         write_lammps_data(f, atoms, specorder=["H", "O"], masses=True, velocities=True, units="metal")
