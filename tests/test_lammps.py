@@ -209,3 +209,14 @@ def test_cli_rejects_unsupported_models(tmp_path, capsys):
     assert not (tmp_path / "out.pkl").exists()
     assert cli_main(["lammps-model", str(tmp_path / "none.model"), str(tmp_path / "out.pkl")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_atoms_without_pairs(mace_file):
+    """Isolated atoms: no pairs, energies only (the model's reference energies), zero forces."""
+    atoms = Atoms("OH", positions=[[1.0, 1.0, 1.0], [6.0, 6.0, 6.0]], cell=[12.0, 12.0, 12.0], pbc=True)
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    got, domains = run(obj, atoms, mode="ghost", n_domains=1)
+    assert domains[0].npairs == 0 and domains[0].pair_force_calls == 0
+    ref = reference(mace_file, atoms, patch=False)
+    assert abs(got["energy"] - ref["energy"]) < TOL * abs(ref["energy"])
+    assert np.allclose(got["energies"], ref["energies"], rtol=TOL, atol=0) and not got["forces"].any()

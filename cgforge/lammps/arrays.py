@@ -91,20 +91,24 @@ def read_pairs(data: Any, device: torch.device, dtype: torch.dtype) -> PairData:
 
 
 def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> None:
-    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``."""
+    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
+
+    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element)."""
     fij = fij.detach().to(torch.float64).contiguous()
     eatoms = eatoms.detach().to(torch.float64)
-    if is_device_flavour(data):
-        target = to_tensor(data.eatoms)  # read-only property: the array LAMMPS reads, written in place
-        target.copy_(eatoms.to(target.device))
-        data.energy = float(energy)
-        if target.is_cuda or fij.is_cuda:
-            forces = fij if fij.is_cuda else fij.to(target.device)
-            _sync(forces)  # LAMMPS reads the forces on its own stream
-            data.update_pair_forces_gpu(forces)
+    device = is_device_flavour(data)
+    if eatoms.numel():
+        if device:
+            target = to_tensor(data.eatoms)  # a read-only property: the array LAMMPS reads, written in place
+            target.copy_(eatoms.to(target.device))
         else:
-            data.update_pair_forces(np.ascontiguousarray(fij.cpu().numpy()))
-        return
-    data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
+            data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
     data.energy = float(energy)
-    data.update_pair_forces(np.ascontiguousarray(fij.cpu().numpy()))
+    if not fij.shape[0]:
+        return
+    if device and (fij.is_cuda or to_tensor(data.rij).is_cuda):
+        forces = fij.to(to_tensor(data.rij).device)
+        _sync(forces)  # LAMMPS reads the forces on its own stream
+        data.update_pair_forces_gpu(forces)
+    else:
+        data.update_pair_forces(np.ascontiguousarray(fij.cpu().numpy()))

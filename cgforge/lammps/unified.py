@@ -88,6 +88,7 @@ class CgforgeMLIAP(_mliap_base()):
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
                  mode: str = "auto") -> None:
+        from cgforge.patches.common import UnsupportedModelError
         from cgforge.plugin.calculator import load_model
 
         super().__init__()
@@ -106,7 +107,10 @@ class CgforgeMLIAP(_mliap_base()):
         self.mode = mode
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
         # file fails here and not inside LAMMPS.
-        module = load_model(path, torch.device("cpu"), self.dtype, patch=patch is not False)
+        try:
+            module = load_model(path, torch.device("cpu"), self.dtype, patch=patch is not False)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
         adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
         self.kind = adapter.kind
         self.cutoff = float(adapter.cutoff)
@@ -192,6 +196,9 @@ class CgforgeMLIAP(_mliap_base()):
         pairs = read_pairs(data, self._device, adapter.dtype)
         mode = self._choose_mode(data, pairs.ghost_centres, pairs.ntotal > pairs.nlocal)
         self.last_mode = mode
+        if pairs.listed.numel() == 0:  # a domain without atoms: nothing to count
+            write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
+            return
         species = adapter.species_from_index(pairs.elems)
         vectors = (-pairs.rij).detach().requires_grad_(True)  # pos[receiver] - pos[sender], receiver = pair_i
         edge_index = adapter.edge_index(pairs.neighbour, pairs.centre)
