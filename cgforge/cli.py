@@ -70,6 +70,35 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_lammps_model(args: argparse.Namespace) -> int:
+    from .lammps import CgforgeMLIAP
+    from .lammps.write import usage_lines, write_lammps_model
+
+    if args.input.lower() not in ("mace", "nequip"):
+        _check_paths(args.input, args.output, args.force)
+    elif os.path.exists(args.output) and not args.force:
+        raise FileExistsError(f"OUT: {args.output} exists; pass --force to overwrite it")
+    patch = {"auto": None, "on": True, "off": False}[args.patch]
+    type_map = _parse_type_map(args.type_map)
+    obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
+                       type_map=type_map, mode=args.mode)
+    out = write_lammps_model(obj, args.output, force=args.force)
+    print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
+    for line in usage_lines(obj, out.name):
+        print(f"  {line}")
+    return EXIT_OK
+
+
+def _parse_type_map(text: str | None) -> dict[str, str] | None:
+    """'H=Hydrogen,O=Oxygen' -> {'H': 'Hydrogen', 'O': 'Oxygen'}."""
+    if text is None:
+        return None
+    pairs = [p.split("=") for p in text.split(",") if p.strip()]
+    if not pairs or any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+        raise ValueError(f"--type-map: expected SYMBOL=TYPE[,SYMBOL=TYPE...], got {text!r}")
+    return {a.strip(): b.strip() for a, b in pairs}
+
+
 def cmd_md(args: argparse.Namespace) -> int:
     from .plugin.md import run_from_args
 
@@ -111,6 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unpatch", help="write a plain MACE model (loadable without cgforge)")
     _add_io(p)
     p.set_defaults(func=cmd_unpatch)
+
+    p = sub.add_parser("lammps-model", help="write the file LAMMPS's `pair_style mliap unified` loads (a MACE or "
+                       "NequIP model inside; patched and compiled in the LAMMPS process)")
+    p.add_argument("input", metavar="IN", help="checkpoint (.model, .ckpt, .nequip.zip) or 'mace'/'nequip' (the "
+                   "bundled water models); never modified")
+    p.add_argument("output", metavar="OUT", help="file to write: .pkl (pickle; recommended) or .pt (torch.save; "
+                   "needs TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 in LAMMPS with torch >= 2.6)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="run the model in this precision (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the device of LAMMPS's arrays: "
+                   "CUDA with Kokkos on a GPU, else cpu)")
+    p.add_argument("--patch", choices=("auto", "on", "off"), default="auto",
+                   help="cgforge's kernels: auto (on CUDA only, default), on, off (the model's own code)")
+    p.add_argument("--head", default=None, help="MACE head of a multi-head model")
+    p.add_argument("--type-map", default=None, metavar="SYMBOL=TYPE,...",
+                   help="NequIP: chemical symbol of each type whose name is not one")
+    p.add_argument("--mode", choices=("auto", "ghost", "exchange"), default="auto",
+                   help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange), "
+                   "ghost or exchange")
+    p.set_defaults(func=cmd_lammps_model)
 
     from .plugin.md import add_md_arguments
 

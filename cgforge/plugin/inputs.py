@@ -50,6 +50,10 @@ class ModelAdapter(Protocol):
     def species_index(self, species: Tensor) -> Tensor:
         """[N] int64 species index of each atom, from what ``species`` returned."""
 
+    def species_from_index(self, index: Tensor) -> Tensor:
+        """The inverse of ``species_index``: the species input from [N] integer indices into the model's
+        species (MACE: ``model.atomic_numbers`` order; NequIP: its type names), on the device."""
+
     sender_row: int  # the row of the model's edge_index holding senders (the other holds receivers)
 
     def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,

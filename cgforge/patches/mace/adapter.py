@@ -76,6 +76,9 @@ class MaceAdapter:
     def species_index(self, species: Tensor) -> Tensor:
         return species.argmax(dim=1)
 
+    def species_from_index(self, index: Tensor) -> Tensor:
+        return self._one_hot(index.to(device=self.device, dtype=torch.int64))
+
     def _one_hot(self, index: Tensor) -> Tensor:
         return torch.nn.functional.one_hot(index, self.n_species).to(self.dtype)
 

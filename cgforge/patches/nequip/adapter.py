@@ -89,6 +89,9 @@ class NequipAdapter:
     def species_index(self, species: Tensor) -> Tensor:
         return species
 
+    def species_from_index(self, index: Tensor) -> Tensor:
+        return index.to(device=self.device, dtype=torch.int64)
+
     def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
         return torch.stack([receiver, sender])
 

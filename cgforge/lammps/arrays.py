@@ -1,0 +1,114 @@
+"""Reading LAMMPS's ML-IAP data object into torch tensors and writing the results back, for both flavours.
+
+Facts used (LAMMPS's ``mliap_unified_couple.pyx`` and its Kokkos twin, 29Aug2024 and later):
+
+- Host flavour (``pair_style mliap unified``): numpy views of LAMMPS memory. ``pair_i`` / ``pair_j`` [npairs]
+  int32 (``pair_i`` is the centre; pairs come grouped by centre, centres in neighbour-list order), ``rij``
+  [npairs, 3] float64 = x[j] - x[i], strictly within the cutoff; ``elems`` [ntotal] int32 element index (the
+  order of ``element_types``; -1 for a NULL type); ``iatoms`` [natomneigh] the atom index of each list entry,
+  of which the first ``nlistatoms`` are local atoms. ``eatoms`` [nlistatoms] and ``energy`` are write-only
+  properties; ``update_pair_forces(fij)`` takes a C-contiguous float64 [npairs, 3] array and adds ``fij`` to
+  f[i], ``-fij`` to f[j], and ``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
+- Kokkos flavour (``-k on -sf kk``): the same names, but arrays are CuPy arrays on the GPU (numpy when
+  Kokkos runs on the host), ``eatoms`` is a read-only property returning the array to write into, and
+  ``update_pair_forces_gpu(fij)`` takes a device array (anything with ``data_ptr()`` or ``.data.ptr``). Device
+  arrays come in through DLPack (zero-copy); Kokkos writes them on its own stream, so the device is
+  synchronised before they are read and before LAMMPS reads the forces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["PairData", "is_device_flavour", "read_pairs", "to_tensor", "write_results"]
+
+
+def is_device_flavour(data: Any) -> bool:
+    """True for the Kokkos data object (it has ``update_pair_forces_gpu``), False for the host one."""
+    return callable(getattr(data, "update_pair_forces_gpu", None))
+
+
+def to_tensor(array: Any) -> Tensor:
+    """A tensor sharing ``array``'s memory: numpy through ``from_numpy``, anything else through DLPack."""
+    if isinstance(array, Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    if hasattr(array, "__dlpack__"):
+        return torch.from_dlpack(array)
+    raise TypeError(f"LAMMPS data: expected a numpy, DLPack or torch array, got {type(array).__name__}")
+
+
+def _sync(*tensors: Tensor) -> None:
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class PairData:
+    """One call's inputs as tensors on the model's device."""
+
+    nlocal: int
+    ntotal: int
+    centre: Tensor  # int64 [npairs] (pair_i)
+    neighbour: Tensor  # int64 [npairs] (pair_j)
+    rij: Tensor  # [npairs, 3] in the model's input dtype
+    elems: Tensor  # int64 [ntotal], NULL types (-1) as 0
+    listed: Tensor  # int64 [nlistatoms]: atom index of each eatoms entry (iatoms[:nlistatoms])
+    ghost_centres: bool  # pairs centred on ghost atoms exist (ghost-neighbour mode)
+
+
+def read_pairs(data: Any, device: torch.device, dtype: torch.dtype) -> PairData:
+    """The pair list, element indices and listed atoms of ``data`` as tensors on ``device``."""
+    nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
+    nlocal = int(getattr(data, "nlocal", nlist))  # the Kokkos object of LAMMPS 29Aug2024 has no nlocal
+    npairs = int(data.npairs)
+    raw = {"pair_i": data.pair_i, "pair_j": data.pair_j, "rij": data.rij, "elems": data.elems,
+           "iatoms": data.iatoms}
+    tensors = {}
+    for name, array in raw.items():
+        if array is None:
+            if name in ("pair_i", "pair_j", "rij") and npairs == 0:
+                array = np.zeros((0, 3) if name == "rij" else 0, dtype=np.float64 if name == "rij" else np.int32)
+            elif name == "iatoms":
+                array = np.arange(nlist, dtype=np.int32)
+            else:
+                raise ValueError(f"LAMMPS data: {name} is missing (NULL)")
+        tensors[name] = to_tensor(array)
+    _sync(*tensors.values())
+    centre = tensors["pair_i"][:npairs].to(device=device, dtype=torch.int64)
+    neighbour = tensors["pair_j"][:npairs].to(device=device, dtype=torch.int64)
+    rij = tensors["rij"][:npairs].to(device=device, dtype=dtype)
+    elems = tensors["elems"][:ntotal].to(device=device, dtype=torch.int64).clamp(min=0)
+    listed = tensors["iatoms"][:nlist].to(device=device, dtype=torch.int64)
+    natomneigh = int(getattr(data, "natomneigh", nlist) or nlist)
+    return PairData(nlocal, ntotal, centre, neighbour, rij, elems, listed, natomneigh > nlist)
+
+
+def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> None:
+    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
+
+    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element)."""
+    fij = fij.detach().to(torch.float64).contiguous()
+    eatoms = eatoms.detach().to(torch.float64)
+    device = is_device_flavour(data)
+    if eatoms.numel():
+        if device:
+            target = to_tensor(data.eatoms)  # a read-only property: the array LAMMPS reads, written in place
+            target.copy_(eatoms.to(target.device))
+        else:
+            data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
+    data.energy = float(energy)
+    if not fij.shape[0]:
+        return
+    if device and (fij.is_cuda or to_tensor(data.rij).is_cuda):
+        forces = fij.to(to_tensor(data.rij).device)
+        _sync(forces)  # LAMMPS reads the forces on its own stream
+        data.update_pair_forces_gpu(forces)
+    else:
+        data.update_pair_forces(np.ascontiguousarray(fij.cpu().numpy()))

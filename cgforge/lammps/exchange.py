@@ -1,0 +1,120 @@
+"""Node features sent between message-passing layers: LAMMPS's ``forward_exchange`` / ``reverse_exchange``.
+
+In exchange mode LAMMPS gives each domain one cutoff of ghost atoms and pairs centred on its own (local)
+atoms only. A layer's messages are then right for local atoms and wrong (missing neighbours) for ghosts, so
+before every layer but the first the ghosts' node features are replaced by their owners' (on this or another
+MPI rank):
+
+    feats = [feats[:nlocal], zeros for the ghosts]      # only the local rows are meaningful
+    data.forward_exchange(feats, out, width)            # out[:nlocal] = feats[:nlocal], out[ghost] = owner's
+    backward: data.reverse_exchange(grad, gout, width)  # gout[local] = grad[local] + grads of its ghost copies
+
+(the contract of the Kokkos ML-IAP data object of LAMMPS 22 Jul 2025 and later, which MACE's and nequip's
+LAMMPS classes use in the same way; only ``gout[:nlocal]`` is read here). The first layer needs no exchange:
+its input is the species embedding, known for ghosts too.
+
+The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
+whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
+dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
+act only while ``ExchangeHooks.active`` holds a data object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ExchangeHooks", "exchange_features", "message_layers"]
+
+_NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, feats: Tensor, data: Any) -> Tensor:  # noqa: D102
+        flat = feats.reshape(feats.shape[0], -1).contiguous()
+        out = torch.empty_like(flat)
+        data.forward_exchange(flat, out, flat.shape[1])
+        ctx.data = data
+        ctx.shape = feats.shape
+        return out.view(feats.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        flat = grad.reshape(grad.shape[0], -1).contiguous()
+        gout = torch.empty_like(flat)
+        ctx.data.reverse_exchange(flat, gout, flat.shape[1])
+        return gout.view(ctx.shape), None
+
+
+def exchange_features(feats: Tensor, data: Any, nlocal: int) -> Tensor:
+    """``feats`` [ntotal, ...] with the ghost rows replaced by their owners' rows (differentiable)."""
+    ghosts = feats.shape[0] - nlocal
+    if ghosts < 0:
+        raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than nlocal={nlocal}")
+    padded = torch.cat([feats[:nlocal], feats.new_zeros((ghosts, *feats.shape[1:]))])
+    return _Exchange.apply(padded, data)
+
+
+def message_layers(model: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
+    """The model's message-passing layers in call order: MACE's interaction blocks, NequIP's ConvNetLayers."""
+    if kind == "mace":
+        return list(model.interactions)
+    if kind == "nequip":
+        from cgforge.patches.nequip.adapter import energy_model_of
+
+        return [m for m in energy_model_of(model).modules() if type(m).__name__ == "ConvNetLayer"]
+    raise ValueError(f"kind: expected 'mace' or 'nequip', got {kind!r}")
+
+
+class ExchangeHooks:
+    """Forward pre-hooks on layers 2..L of a model that exchange the ghosts' input features while active."""
+
+    def __init__(self, model: torch.nn.Module, kind: str) -> None:
+        self.kind = kind
+        self.layers = message_layers(model, kind)
+        self._data: Any = None
+        self._nlocal = 0
+        self.calls = 0  # exchanges done (a test checks that they happen)
+        self._handles = []
+        for layer in self.layers[1:]:
+            if kind == "mace":
+                self._handles.append(layer.register_forward_pre_hook(self._mace_hook, with_kwargs=True))
+            else:
+                self._handles.append(layer.register_forward_pre_hook(self._nequip_hook))
+
+    @contextmanager
+    def active(self, data: Any, nlocal: int) -> Iterator[None]:
+        """Within the block, the hooked layers exchange ghost features through ``data``."""
+        self._data, self._nlocal = data, int(nlocal)
+        try:
+            yield
+        finally:
+            self._data = None
+
+    def _mace_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._data is None:
+            return None
+        if "node_feats" not in kwargs:
+            raise RuntimeError(f"exchange: {type(module).__name__} was called without a node_feats keyword; this "
+                               "MACE version calls its interaction blocks differently from mace-torch 0.3.16")
+        self.calls += 1
+        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._nlocal))
+        return args, kwargs
+
+    def _nequip_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._data is None:
+            return None
+        data = args[0]
+        self.calls += 1
+        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._nlocal)
+        return None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

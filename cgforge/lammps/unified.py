@@ -1,0 +1,275 @@
+"""cgforge's ``MLIAPUnified`` class: MACE and NequIP models in LAMMPS through ``pair_style mliap unified``.
+
+LAMMPS calls ``compute_forces(data)`` once per force evaluation with the atoms of one MPI domain: local atoms
+and ghosts (``ntotal``), the pairs within the cutoff (``pair_i`` the centre, ``pair_j``, ``rij = x_j - x_i``)
+and the element index of every atom (``elems``). The step:
+
+1. the graph: every pair is an edge from ``pair_j`` (sender) to ``pair_i`` (receiver), with the calculator's
+   vector convention ``pos[receiver] - pos[sender] = -rij``; nodes are all ``ntotal`` atoms. Pairs arrive
+   grouped by centre, i.e. sorted by receiver, as the fused convolution wants them;
+2. the model's per-atom energies (``ModelAdapter.energy``, as in ``cgforge.plugin.Calculator``); the energy
+   of this domain is the sum over its local (listed) atoms only;
+3. ``fij = dE/drij`` by autograd, written back with ``update_pair_forces`` (host arrays) or
+   ``update_pair_forces_gpu`` (Kokkos device arrays): LAMMPS adds the pair forces to both atoms, sums the
+   ghosts' forces into their owners and tallies the virial ``-rij (x) fij``.
+
+Two modes (``mode="auto"`` picks per call):
+
+- ghost-neighbour (``pair_style mliap unified FILE 1``): LAMMPS also lists the pairs of ghost atoms and
+  the model runs all its layers over local atoms and ghosts. Local energies are exact when the ghost shell
+  holds every atom within layers x cutoff of the domain: ``comm_modify cutoff`` >= layers x cutoff + skin.
+  Works with any ML-IAP build.
+- exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
+  ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
+  ghosts' node features are sent from their owners before every layer but the first (``exchange``).
+
+The object pickles small: the model file's bytes and the options. The model is loaded, patched (cgforge's
+kernels: by default on CUDA, as the Calculator does) and compiled lazily, in the LAMMPS process, at the
+first call; no torch module, CuPy or NVRTC state is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arrays import is_device_flavour, read_pairs, to_tensor, write_results
+from .exchange import ExchangeHooks, message_layers
+
+__all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
+
+MODES = ("auto", "ghost", "exchange")
+_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp")
+
+
+class LammpsSetupError(RuntimeError):
+    """The LAMMPS run is set up in a way that gives wrong numbers with this model (the message says the fix)."""
+
+
+def _mliap_base() -> type:
+    """LAMMPS's ``MLIAPUnified`` when importable (inside LAMMPS it is), else a stand-in with its attributes."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # lammps.mliap warns when imported outside a LAMMPS process
+            from lammps.mliap.mliap_unified_abc import MLIAPUnified
+        return MLIAPUnified
+    except Exception:  # noqa: BLE001 - no LAMMPS, or one whose python library cannot be found: not needed here
+        class MLIAPUnified:  # the attributes LAMMPS's coupling reads
+            def __init__(self, interface: Any = None, element_types: list[str] | None = None,
+                         ndescriptors: int | None = None, nparams: int | None = None,
+                         rcutfac: float | None = None) -> None:
+                self.interface = interface
+                self.element_types = element_types
+                self.ndescriptors = ndescriptors
+                self.nparams = nparams
+                self.rcutfac = rcutfac
+
+        return MLIAPUnified
+
+
+class CgforgeMLIAP(_mliap_base()):
+    """A MACE or NequIP model for ``pair_style mliap unified`` (see the module doc; written by
+    ``cgforge lammps-model``).
+
+    model: ``"mace"`` / ``"nequip"`` (the bundled water models) or a checkpoint path (.model, .ckpt,
+    .nequip.zip): its bytes travel inside this object. dtype: None keeps the model's. device: None picks the
+    device of LAMMPS's arrays (CUDA for Kokkos on a GPU, else the CPU); "cpu", "cuda", "cuda:N" force one.
+    patch: cgforge's kernels (True), the model's own code (False), None: on CUDA only (as the Calculator).
+    head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements
+    (``pair_coeff * * O H``); mode: "auto", "ghost" or "exchange" (see the module doc).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
+                 patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
+                 mode: str = "auto") -> None:
+        from cgforge.patches.common import UnsupportedModelError
+        from cgforge.plugin.calculator import load_model
+
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if patch not in (None, True, False):
+            raise TypeError(f"patch: expected None, True or False, got {patch!r}")
+        path = _model_path(model)
+        self.model_name = path.name
+        self.model_bytes = path.read_bytes()
+        self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
+        self.device = None if device is None else str(device)
+        self.patch = patch
+        self.head = head
+        self.type_map = dict(type_map) if type_map is not None else None
+        self.mode = mode
+        # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
+        # file fails here and not inside LAMMPS.
+        try:
+            module = load_model(path, torch.device("cpu"), self.dtype, patch=patch is not False)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
+        adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
+        self.kind = adapter.kind
+        self.cutoff = float(adapter.cutoff)
+        self.layers = len(message_layers(module, adapter.kind))
+        self.element_types = _element_names(adapter, self.type_map)
+        self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
+        self.ndescriptors = 1  # required by the coupling; unused
+        self.nparams = 1
+        self.last_mode: str | None = None
+        self._clear_runtime()
+
+    # --- pickling: options and bytes only ----------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.interface = None
+        self._clear_runtime()
+
+    def _clear_runtime(self) -> None:
+        self._model = self._adapter = self._device = self._hooks = self._tmp = None
+        self._caches: list = []
+
+    @property
+    def ghost_cutoff(self) -> float:
+        """The ghost shell ghost-neighbour mode needs (add the neighbour skin): layers x cutoff."""
+        return self.layers * self.cutoff
+
+    # --- the lazy set-up in the LAMMPS process -----------------------------------------------------
+
+    def _device_for(self, data: Any) -> torch.device:
+        from cgforge.plugin.calculator import resolve_device
+
+        if self.device not in (None, "auto"):
+            return resolve_device(self.device)
+        if is_device_flavour(data):
+            elems = to_tensor(data.elems)
+            if elems.is_cuda:
+                return elems.device
+        return torch.device("cpu")
+
+    def prepare(self, data: Any) -> None:
+        """Load the model for ``data`` (on the device of its arrays, or ``device``) unless loaded already.
+
+        ``compute_forces`` does this at its first call. Loading is not thread-safe (e3nn's code generation
+        traces modules with torch.fx, which patches every module call while it runs): callers that run
+        several objects in threads prepare them first."""
+        if self._model is None:
+            self.setup(self._device_for(data))
+
+    def setup(self, device: torch.device | str) -> None:
+        """Load (and patch) the model on ``device`` now."""
+        from cgforge.patches.graph_cache import graph_caches
+        from cgforge.plugin.calculator import load_model
+
+        device = torch.device(device)
+        patch = device.type == "cuda" if self.patch is None else self.patch
+        self._tmp = tempfile.TemporaryDirectory(prefix="cgforge-lammps-")  # lives as long as the model
+        path = Path(self._tmp.name) / self.model_name
+        path.write_bytes(self.model_bytes)
+        model = load_model(path, device, self.dtype, patch=patch)
+        for p in model.parameters():
+            p.requires_grad_(False)  # autograd tracks the pair vectors only
+        self._adapter = _adapter(model, device, self.head, self.type_map)
+        self._model, self._device = model, device
+        self._hooks = ExchangeHooks(model, self.kind)
+        self._caches = graph_caches(model)
+
+    # --- the ML-IAP interface ---------------------------------------------------------------------
+
+    def compute_descriptors(self, data: Any) -> None:
+        pass
+
+    def compute_gradients(self, data: Any) -> None:
+        pass
+
+    def compute_forces(self, data: Any) -> None:
+        """Per-atom energies, the domain's energy and the pair forces of one LAMMPS step into ``data``."""
+        self.prepare(data)
+        adapter = self._adapter
+        pairs = read_pairs(data, self._device, adapter.dtype)
+        mode = self._choose_mode(data, pairs.ghost_centres, pairs.ntotal > pairs.nlocal)
+        self.last_mode = mode
+        if pairs.listed.numel() == 0:  # a domain without atoms: nothing to count
+            write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
+            return
+        species = adapter.species_from_index(pairs.elems)
+        vectors = (-pairs.rij).detach().requires_grad_(True)  # pos[receiver] - pos[sender], receiver = pair_i
+        edge_index = adapter.edge_index(pairs.neighbour, pairs.centre)
+        positions = torch.zeros(pairs.ntotal, 3, dtype=adapter.dtype, device=self._device)  # unused: shape only
+        with torch.enable_grad(), ExitStack() as stack:
+            if self._caches:
+                from cgforge.patches.species_linear import SpeciesGroups
+
+                groups = SpeciesGroups.from_species(pairs.elems)
+                for cache in self._caches:
+                    stack.enter_context(cache.use_species(groups))
+            if mode == "exchange":
+                stack.enter_context(self._hooks.active(data, pairs.nlocal))
+            _, node_energy = adapter.energy(positions, vectors, species, edge_index, True)
+            if node_energy is None:
+                raise ValueError("model: it returns no per-atom energies, which LAMMPS needs (eatoms)")
+            eatoms = node_energy.reshape(-1).index_select(0, pairs.listed)
+            energy = eatoms.sum()
+            grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0] if vectors.shape[0] else None
+        fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
+        write_results(data, eatoms, energy.detach(), fij)
+
+    def _choose_mode(self, data: Any, ghost_centres: bool, has_ghosts: bool) -> str:
+        can_exchange = callable(getattr(data, "forward_exchange", None))
+        if self.mode == "exchange":
+            if not can_exchange:
+                raise LammpsSetupError("mode='exchange' needs a LAMMPS whose ML-IAP data object has forward_exchange "
+                                       "(Kokkos ML-IAP, LAMMPS 22 Jul 2025 or later); this one has none: use "
+                                       f"mode='ghost' with `pair_style mliap unified FILE 1` and `comm_modify "
+                                       f"cutoff {self.ghost_cutoff:g}` (+ the neighbour skin)")
+            return "exchange"
+        if ghost_centres or not has_ghosts or self.layers == 1:
+            return "ghost"
+        if self.mode == "auto" and can_exchange:
+            return "exchange"
+        raise LammpsSetupError(
+            f"this {self.layers}-layer model needs the pairs of ghost atoms: use `pair_style mliap unified FILE 1` "
+            f"and `comm_modify cutoff {self.ghost_cutoff:g}` (layers x cutoff, plus the neighbour skin)"
+            + ("" if can_exchange else ", or a LAMMPS with forward_exchange (Kokkos ML-IAP, 22 Jul 2025+)"))
+
+
+def _model_path(model: str | os.PathLike) -> Path:
+    if isinstance(model, str) and model.lower() in ("mace", "nequip"):
+        from cgforge.plugin.bundled import model_path
+
+        return Path(model_path(model.lower()))
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model: expected 'mace', 'nequip' or a checkpoint path, got {type(model).__name__}")
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model: checkpoint {path} not found")
+    if path.is_dir():
+        raise IsADirectoryError(f"model: {path} is a directory, expected a checkpoint file")
+    return path
+
+
+def _adapter(model: torch.nn.Module, device: torch.device, head: str | None,
+             type_map: dict[str, str] | None) -> Any:
+    from cgforge.plugin.inputs import adapter_for
+
+    return adapter_for(model, device, head=head, type_map=type_map)
+
+
+def _element_names(adapter: Any, type_map: dict[str, str] | None) -> list[str]:
+    """The element names ``pair_coeff`` maps LAMMPS types to, in the model's species order."""
+    if adapter.kind == "mace":
+        from ase.data import chemical_symbols
+
+        return [chemical_symbols[z] for z in adapter.elements]
+    names = list(adapter.type_names)
+    if type_map:  # NequIP types named otherwise: LAMMPS sees the chemical symbols mapped to them
+        by_type = {t: s for s, t in type_map.items()}
+        names = [by_type.get(t, t) for t in names]
+    return names

@@ -1,0 +1,65 @@
+"""``cgforge lammps-model IN OUT``: write the file ``pair_style mliap unified OUT`` loads.
+
+LAMMPS (``mliap_unified_couple.pyx``) reads a file ending in ``.pt`` / ``.pth`` with ``torch.load`` and any
+other with ``pickle.load``. The object holds the model file's bytes and plain options only, so plain pickle
+is the default; a ``.pt`` name is written with ``torch.save`` and, since torch 2.6 loads only weights by
+default, needs ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in LAMMPS's environment (printed as a note).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .unified import CgforgeMLIAP
+
+__all__ = ["TORCH_SUFFIXES", "usage_lines", "write_lammps_model"]
+
+TORCH_SUFFIXES = (".pt", ".pth")
+
+
+def write_lammps_model(obj: CgforgeMLIAP, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write ``obj`` to ``path`` (pickle, or torch.save for .pt/.pth) through a temporary file and a rename."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"OUT: {path} is a directory, expected a file name")
+    if path.exists() and not force:
+        raise FileExistsError(f"OUT: {path} exists; pass --force to overwrite it")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"OUT: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if path.name.lower().endswith(TORCH_SUFFIXES):
+                torch.save(obj, f)
+            else:
+                pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def usage_lines(obj: CgforgeMLIAP, path: str | os.PathLike, skin: float = 1.0) -> list[str]:
+    """The LAMMPS input lines for ``obj`` written at ``path`` (ghost-neighbour mode, and exchange mode)."""
+    elements = " ".join(obj.element_types)
+    lines = [
+        f"# {obj.kind} model, {obj.layers} message-passing layers, cutoff {obj.cutoff:g} A; elements {elements}",
+        "# ghost-neighbour mode (any LAMMPS with ML-IAP + PYTHON): a ghost shell of layers x cutoff + skin",
+        f"pair_style mliap unified {path} 1",
+        f"pair_coeff * * {elements}   # LAMMPS atom types 1, 2, ... in this element order (or your own)",
+        f"comm_modify cutoff {obj.ghost_cutoff + skin:g}   # {obj.layers} x {obj.cutoff:g} + skin {skin:g}",
+        "# exchange mode (Kokkos ML-IAP with forward_exchange, LAMMPS 22 Jul 2025+): one cutoff of ghosts",
+        f"# pair_style mliap unified {path} 0",
+    ]
+    if str(path).lower().endswith(TORCH_SUFFIXES):
+        lines.append("# a .pt file: run LAMMPS with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch >= 2.6 loads weights "
+                     "only); a .pkl name avoids that")
+    return lines

@@ -1,0 +1,222 @@
+"""cgforge.lammps against a stand-in of LAMMPS's ML-IAP data object (built from ASE), and the CLI.
+
+The stand-in (``cgforge.lammps.standin``) gives each domain its local atoms, ghosts and pairs as LAMMPS
+does, adds the pair forces and the virial up as ``update_pair_forces`` does, and exchanges node features
+between domains. Energy, per-atom energies, forces and virial must equal ``cgforge.plugin.Calculator`` on
+the periodic structure to 1e-10 (FP64), in both modes, on one domain and split into two.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+
+from cgforge.cli import main as cli_main
+from cgforge.lammps import CgforgeMLIAP, LammpsSetupError
+from cgforge.lammps.standin import build_domains, combine, run_domains
+from cgforge.plugin import Calculator
+from cgforge.plugin.water import water_box
+
+TOL = 1e-10
+R_MAX = 3.0
+
+
+@pytest.fixture(autouse=True)
+def fp64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="module")
+def mace_file(tmp_path_factory) -> str:
+    from mace_helpers import build_model
+
+    path = tmp_path_factory.mktemp("lammps") / "tiny.model"
+    torch.save(build_model(r_max=R_MAX), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def nequip_file(tmp_path_factory, nequip_state) -> str:
+    from nequip.model import NequIPGNNModel
+
+    from cgforge.patches.nequip import save_patched_nequip
+
+    model = NequIPGNNModel(
+        seed=1, model_dtype="float64", type_names=["H", "O"], r_max=R_MAX, avg_num_neighbors=10.0,
+        per_type_energy_shifts={"H": -1.0, "O": -2.0}, per_type_energy_scales={"H": 1.0, "O": 1.5},
+        num_layers=2, l_max=2, parity=True, num_features=4, radial_mlp_depth=1, radial_mlp_width=8,
+    ).eval()
+    path = tmp_path_factory.mktemp("lammps") / "tiny.nequip.zip"
+    return str(save_patched_nequip(model, path))
+
+
+def structure(seed: int = 5) -> Atoms:
+    atoms = water_box(12, seed=seed)  # 36 atoms, a 7.1 Å cube: smaller than the 2 x 3 Å ghost shell
+    atoms.rattle(0.05, seed=seed)
+    return atoms
+
+
+def reference(path: str, atoms: Atoms, patch: bool) -> dict:
+    a = atoms.copy()
+    a.calc = Calculator(path, device="cpu", patch=patch)
+    return {"energy": a.get_potential_energy(), "energies": a.get_potential_energies(), "forces": a.get_forces(),
+            "virial": -a.get_stress(voigt=False) * a.get_volume()}  # LAMMPS's sign: W = -dE/d strain
+
+
+def run(obj: CgforgeMLIAP, atoms: Atoms, *, mode: str, n_domains: int, flavour: str = "host",
+        device: str = "cpu") -> tuple[dict, list]:
+    ghost = mode == "ghost"
+    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff if ghost else obj.cutoff,
+                            n_domains=n_domains, ghost_neighbours=ghost, exchange=not ghost, flavour=flavour,
+                            device=device)
+    models = [pickle.loads(pickle.dumps(obj)) for _ in domains]  # one per rank, as LAMMPS loads the file
+    run_domains(models, domains)
+    assert all(m.last_mode == mode for m in models)
+    return combine(domains, len(atoms)), domains
+
+
+def assert_matches(got: dict, ref: dict, tol: float = TOL) -> None:
+    virial = 0.5 * (got["virial"] + got["virial"].T)  # LAMMPS keeps xy, xz, yz of -sum rij (x) fij
+    for key, value in (("energy", got["energy"]), ("energies", got["energies"]), ("forces", got["forces"]),
+                       ("virial", virial)):
+        want = np.asarray(ref[key])
+        assert np.linalg.norm(want) > 0
+        err = np.linalg.norm(np.asarray(value) - want) / np.linalg.norm(want)
+        assert err < tol, f"{key}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+@pytest.mark.parametrize("mode", ["ghost", "exchange"])
+@pytest.mark.parametrize("n_domains", [1, 2])
+def test_matches_calculator(kind, mode, n_domains, request):
+    path = request.getfixturevalue(f"{kind}_file")
+    obj = CgforgeMLIAP(path, patch=False)
+    assert obj.layers == 2 and obj.cutoff == R_MAX and obj.element_types == ["H", "O"]
+    atoms = structure()
+    got, domains = run(obj, atoms, mode=mode, n_domains=n_domains)
+    assert_matches(got, reference(path, atoms, patch=False))
+    # exchange mode sends features before the second layer, forward and backward, on every domain
+    assert all(d.exchanges == (2 if mode == "exchange" else 0) for d in domains)
+    if n_domains == 2:
+        assert all(d.nlocal < len(atoms) for d in domains)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+def test_patched_kernels_exchange_two_domains(kind, request):
+    """cgforge's kernels (their CPU path): per-call graphs of LAMMPS's pair list, per-species self-connections."""
+    path = request.getfixturevalue(f"{kind}_file")
+    atoms = structure(seed=7)
+    got, _ = run(CgforgeMLIAP(path, patch=True), atoms, mode="exchange", n_domains=2)
+    assert_matches(got, reference(path, atoms, patch=True))
+
+
+def test_kokkos_flavour_through_dlpack(mace_file):
+    """Device arrays in through DLPack, eatoms written in place, forces through update_pair_forces_gpu."""
+    atoms = structure(seed=8)
+    got, domains = run(CgforgeMLIAP(mace_file, patch=False), atoms, mode="exchange", n_domains=2, flavour="kokkos")
+    assert all(d.pair_force_calls == 1 for d in domains)
+    assert_matches(got, reference(mace_file, atoms, patch=False))
+
+
+@pytest.mark.cuda
+def test_cuda_kokkos_flavour(mace_file):
+    atoms = structure(seed=9)
+    got, _ = run(CgforgeMLIAP(mace_file, patch=True), atoms, mode="exchange", n_domains=2, flavour="kokkos",
+                 device="cuda")
+    assert_matches(got, reference(mace_file, atoms, patch=False), tol=1e-9)
+
+
+def test_exchange_is_what_makes_it_right(mace_file):
+    """Without the feature exchange the ghosts' second-layer input is wrong: the energy changes."""
+    atoms = structure()
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True)
+    model = copy.deepcopy(obj)
+    model.prepare(domains[0])
+    model._hooks.remove()
+    model.compute_forces(domains[0])
+    got, ref = combine(domains, len(atoms)), reference(mace_file, atoms, patch=False)
+    err = np.linalg.norm(got["forces"] - ref["forces"]) / np.linalg.norm(ref["forces"])
+    assert err > 1e-5 and abs(got["energy"] - ref["energy"]) > 10 * TOL * abs(ref["energy"]), err
+
+
+def test_setup_errors(mace_file):
+    atoms = structure()
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    # pairs of local atoms only, no exchange: a 2-layer model cannot be right
+    (plain,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False)
+    with pytest.raises(LammpsSetupError, match=r"pair_style mliap unified FILE 1.*comm_modify cutoff 6"):
+        obj.compute_forces(plain)
+    forced = CgforgeMLIAP(mace_file, patch=False, mode="exchange")
+    (ghosts,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff)
+    with pytest.raises(LammpsSetupError, match="forward_exchange"):
+        forced.compute_forces(ghosts)
+    with pytest.raises(ValueError, match="mode"):
+        CgforgeMLIAP(mace_file, mode="both")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        CgforgeMLIAP(mace_file + ".missing")
+
+
+def test_pickle_holds_bytes_and_options_only(mace_file):
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    (data,) = build_domains(structure(), obj.element_types, obj.cutoff, obj.ghost_cutoff)
+    obj.compute_forces(data)  # loaded now: the runtime state must not travel
+    blob = pickle.dumps(obj)
+    with open(mace_file, "rb") as f:
+        size = len(f.read())
+    assert len(blob) < size + 4096
+    again = pickle.loads(blob)
+    assert again._model is None and again.interface is None and again.rcutfac == 0.5 * R_MAX
+    assert again.ndescriptors == 1 and again.nparams == 1
+
+
+def test_cli_writes_a_loadable_file(mace_file, tmp_path, capsys):
+    out = tmp_path / "tiny.mliap.pkl"
+    assert cli_main(["lammps-model", mace_file, str(out), "--patch", "off"]) == 0
+    text = capsys.readouterr().out
+    assert "pair_style mliap unified tiny.mliap.pkl 1" in text and "comm_modify cutoff 7" in text
+    with open(out, "rb") as f:
+        obj = pickle.load(f)
+    assert isinstance(obj, CgforgeMLIAP) and obj.patch is False and obj.element_types == ["H", "O"]
+    atoms = structure()
+    got, _ = run(obj, atoms, mode="ghost", n_domains=1)
+    assert_matches(got, reference(mace_file, atoms, patch=False))
+    # never over IN, never over an existing OUT without --force; .pt is written with torch.save
+    assert cli_main(["lammps-model", mace_file, mace_file]) == 1
+    assert cli_main(["lammps-model", mace_file, str(out)]) == 1
+    assert "exists" in capsys.readouterr().err
+    pt = tmp_path / "tiny.pt"
+    assert cli_main(["lammps-model", mace_file, str(pt), "--patch", "off"]) == 0
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in capsys.readouterr().out
+    assert isinstance(torch.load(pt, weights_only=False), CgforgeMLIAP)
+
+
+def test_cli_rejects_unsupported_models(tmp_path, capsys):
+    bad = tmp_path / "linear.model"
+    torch.save(torch.nn.Linear(2, 2), bad)
+    assert cli_main(["lammps-model", str(bad), str(tmp_path / "out.pkl")]) == 1
+    assert "expected a whole pickled MACE model" in capsys.readouterr().err
+    assert not (tmp_path / "out.pkl").exists()
+    assert cli_main(["lammps-model", str(tmp_path / "none.model"), str(tmp_path / "out.pkl")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_atoms_without_pairs(mace_file):
+    """Isolated atoms: no pairs, energies only (the model's reference energies), zero forces."""
+    atoms = Atoms("OH", positions=[[1.0, 1.0, 1.0], [6.0, 6.0, 6.0]], cell=[12.0, 12.0, 12.0], pbc=True)
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    got, domains = run(obj, atoms, mode="ghost", n_domains=1)
+    assert domains[0].npairs == 0 and domains[0].pair_force_calls == 0
+    ref = reference(mace_file, atoms, patch=False)
+    assert abs(got["energy"] - ref["energy"]) < TOL * abs(ref["energy"])
+    assert np.allclose(got["energies"], ref["energies"], rtol=TOL, atol=0) and not got["forces"].any()

