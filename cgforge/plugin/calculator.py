@@ -316,6 +316,7 @@ class Calculator(AseCalculator):
             raise TypeError(f"streaming: expected None, True or False, got {streaming!r}")
         self.streaming_requested = streaming
         self.streaming = False
+        self._auto_streaming_checked = -1  # the atom count whose memory estimate was last made
         if streaming:
             if cuda_graph:
                 raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
@@ -384,6 +385,9 @@ class Calculator(AseCalculator):
         if self.streaming or self.streaming_requested is not None or self.device.type != "cuda" or volume <= 0.0:
             return
         n = positions.shape[0]
+        if n == self._auto_streaming_checked:  # once per system size: MD steps pay nothing for it
+            return
+        self._auto_streaming_checked = n
         edges = n * n / volume * 4.19 * self.cutoff ** 3  # uniform density: n x atoms within the cutoff sphere
         free, _ = torch.cuda.mem_get_info(self.device)
         if edges * self.adapter.stored_edge_bytes() > STREAMING_AUTO_FRACTION * free:
