@@ -48,7 +48,7 @@ class _Shared:
     """What the domains' exchanges meet at."""
 
     def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=120)
+        self.barrier = threading.Barrier(n, timeout=600)  # a first CUDA call may compile kernels for minutes
         self.posted: dict[int, Any] = {}
 
 

@@ -176,6 +176,11 @@ class CgforgeMLIAP(_mliap_base()):
         model = load_model(path, device, self.dtype, patch=patch)
         for p in model.parameters():
             p.requires_grad_(False)  # autograd tracks the pair vectors only
+        model_dtype = next(model.parameters()).dtype
+        for module in model.modules():  # compile every kernel now, not in the middle of a step (or exchange)
+            compile_kernels = getattr(module, "compile_kernels", None)
+            if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
+                compile_kernels(device, model_dtype)
         self._adapter = _adapter(model, device, self.head, self.type_map)
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
