@@ -48,7 +48,7 @@ class _Shared:
     """What the domains' exchanges meet at."""
 
     def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=600)  # a first CUDA call may compile kernels for minutes
+        self.barrier = threading.Barrier(n, timeout=120)
         self.posted: dict[int, Any] = {}
 
 
@@ -261,6 +261,11 @@ def run_domains(models: Sequence[Any], domains: Sequence[StandInData]) -> None:
         for d in range(len(domains)):
             call(d)
     else:
+        if any(data._device.type == "cuda" for data in domains):
+            # torch runs a device's backward passes on one worker thread: one domain's reverse exchange inside
+            # its backward would block the other domain's backward forever
+            raise ValueError("the stand-in exchanges between domains in threads, which deadlocks in CUDA backward "
+                             "passes: use ghost-neighbour mode on CUDA (real LAMMPS ranks are processes)")
         errors: list[BaseException] = []
 
         def target(d: int) -> None:
