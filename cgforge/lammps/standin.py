@@ -172,7 +172,8 @@ class _KokkosData(StandInData):
     def update_pair_forces_gpu(self, fij: torch.Tensor) -> None:
         if not (isinstance(fij, torch.Tensor) and fij.dtype == torch.float64 and fij.is_contiguous()):
             raise TypeError("update_pair_forces_gpu: expected a contiguous float64 tensor")
-        if fij.device != self._device:
+        # "cuda" (no index) names the current device, as torch.device("cuda:0") does on one GPU
+        if fij.device.type != self._device.type or self._device.index not in (None, fij.device.index):
             raise ValueError(f"update_pair_forces_gpu: forces on {fij.device}, LAMMPS's arrays on {self._device}")
         self._tally(fij.cpu().numpy())
 
