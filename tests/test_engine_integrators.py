@@ -105,6 +105,7 @@ def test_langevin_samples_the_canonical_distribution():
     assert abs(s["U"].mean() / (1.5 * n * units.kB * t0) - 1) < 0.03
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_csvr_kinetic_energy_is_gamma_distributed():
     """An ideal gas (no forces) with CSVR: K alone follows the thermostat's Markov chain, whose stationary law is
     Gamma(dof / 2, kT): mean dof kT / 2, variance dof (kT)^2 / 2."""

@@ -227,6 +227,7 @@ def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "tiny.model"
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_trainer_checkpoint_patched_by_cli_matches(trained_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "tiny-cgforge.model"
     before = _sha(trained_model)

@@ -31,6 +31,7 @@ def test_every_interaction_block_matches_e3nn_fp64(interaction: str) -> None:
     assert_same_outputs(evaluate(patched, water_dimer()), ref, tol=1e-10)
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 @pytest.mark.parametrize("size", sorted(MP_SHAPES))
 def test_mace_mp_shapes_match_e3nn_fp64(size: str) -> None:
     model = build_model(

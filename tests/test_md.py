@@ -54,6 +54,7 @@ def test_nve_conserves_energy(model, tmp_path):
     assert "ns/day" in lines[1] and "drift" in lines[1]
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_nvt_thermostat_and_extxyz(model, tmp_path):
     atoms = water_box(8, seed=2)
     summary = run_md(atoms, Calculator(copy.deepcopy(model), device="cpu"), ensemble="nvt", temperature_K=500,
@@ -96,6 +97,7 @@ def test_cli_md_runs_and_refuses_to_overwrite(model_file, tmp_path, capsys):
     assert cli_main([*argv, "--force", "--ensemble", "nve"]) == 0
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_cli_md_relaxes_a_generated_box_first(tmp_path, capsys):
     """The bundled model on the grid box: forces of eV/Å that FIRE brings down before MD starts."""
     argv = ["md", "--model", "mace", "--molecules", "8", "--steps", "1", "--device", "cpu", "--relax", "20"]
@@ -140,6 +142,7 @@ def test_water_md_example(model_file, tmp_path, capsys):
         main(argv)
 
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_bundled_mace_nve(tmp_path):
     """The bundled water model: NVE from an equilibrated small box conserves energy.
 

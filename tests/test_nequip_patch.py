@@ -44,6 +44,9 @@ from cgforge.patches import nequip as pn  # noqa: E402
 from cgforge.patches.graph_cache import CallGraphCache  # noqa: E402
 
 cuda = pytest.mark.cuda
+# Every test here needs the module's models, trained by nequip-train first (~40 s on a CPU, 76 s loaded): the
+# whole module is in the full tier (CI); the fast tier covers NequIP through the bundled model's tests.
+pytestmark = pytest.mark.slow
 NEQUIP = lambda script: [sys.executable, "-m", f"nequip.scripts.{script}"]  # nequip-train etc., PATH or not
 R_MAX = 3.0
 NUM_LAYERS = 3

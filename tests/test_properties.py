@@ -74,6 +74,7 @@ def _assert_same_problem(ours: TPProblem, theirs: TPProblem) -> None:
 @hypothesis_settings(150)
 @given(problem=problems(), batch=st.integers(1, 4), seed=seeds, chunk=st.sampled_from([32, 64, 128]),
        chunk_bwd=st.sampled_from([32, 64, 128]))
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_cpu_path_and_schedule_interpreter_match_e3nn(problem, batch, seed, chunk, chunk_bwd):
     tp = problem.e3nn()
     ours = problem.cgforge()
@@ -196,6 +197,7 @@ def _nvrtc_available() -> bool:
 @hypothesis_settings(8)
 @given(problem=problems(max_paths=3), scalar=st.sampled_from(["float", "double"]),
        conv=st.booleans())
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_generated_source_compiles_with_nvrtc(problem, scalar, conv):
     """Random problems render to CUDA that NVRTC accepts, forward and backward, with a ptxas report.
     Compiled for real: no disk cache (random kernels would only litter it), no earlier in-memory hit."""

@@ -194,6 +194,7 @@ def test_correlation_four() -> None:
 
 # ----------------------------------------------------------------------------- module behaviour
 
+@pytest.mark.slow  # > 10 s on a CPU: the full tier (CI) runs it
 def test_state_dict_is_maces_and_loads_both_ways() -> None:
     ref_module = mace_sc(8, OUT["large"], 3, 5)
     with default_dtype(torch.float64):
