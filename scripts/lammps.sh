@@ -6,6 +6,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${1:-$root/.venv/bin/python}
+# absolute: a relative Python_EXECUTABLE is not found by CMake, which then takes the build tools' own Python
+# (no NumPy: "Could NOT find Python (missing: ... NumPy)", seen in a fresh-clone CI run)
+py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")
 src=${CGFORGE_LAMMPS_SRC:-$root/../shared/lammps}
 dest=$root/.lammps
 if [ -f "$dest/src/build/liblammps.so" ]; then
