@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from cgforge.patches import atomic_save
 
 from .unified import CgforgeMLIAP
 
@@ -24,27 +26,13 @@ TORCH_SUFFIXES = (".pt", ".pth")
 
 def write_lammps_model(obj: CgforgeMLIAP, path: str | os.PathLike, *, force: bool = False) -> Path:
     """Write ``obj`` to ``path`` (pickle, or torch.save for .pt/.pth) through a temporary file and a rename."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"OUT: {path} is a directory, expected a file name")
-    if path.exists() and not force:
-        raise FileExistsError(f"OUT: {path} exists; pass --force to overwrite it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"OUT: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if path.name.lower().endswith(TORCH_SUFFIXES):
-                torch.save(obj, f)
-            else:
-                pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    def dump(o: CgforgeMLIAP, f: Any) -> None:
+        if Path(path).name.lower().endswith(TORCH_SUFFIXES):
+            torch.save(o, f)
+        else:
+            pickle.dump(o, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return atomic_save(obj, path, force=force, dump=dump, what="OUT")
 
 
 def usage_lines(obj: CgforgeMLIAP, path: str | os.PathLike, skin: float = 1.0) -> list[str]:

@@ -106,19 +106,21 @@ def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool
     return atomic_save(model, path, force=force)
 
 
-def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """``torch.save`` to a temporary file beside ``path``, then rename it into place."""
+def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump: Any = torch.save,
+                what: str = "output") -> Path:
+    """``dump(obj, file)`` (default ``torch.save``) to a temporary file beside ``path``, then rename it into
+    place; ``what`` names the path in errors (e.g. a command-line argument)."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"output: {path} is a directory, expected a file name")
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
     if path.exists() and not force:
-        raise FileExistsError(f"output: {path} exists; use force=True (--force) to overwrite it")
+        raise FileExistsError(f"{what}: {path} exists; use force=True (--force) to overwrite it")
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"output: directory {path.parent} does not exist")
+        raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the usual mode
