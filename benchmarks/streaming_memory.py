@@ -3,8 +3,9 @@
     python benchmarks/streaming_memory.py --systems 20k,100k [--streaming on|off]
 
 Prints GB and bytes per atom / per edge for: the calculator's buffers at rest after a step (neighbour list,
-edge layout, model), the peak of an energy-only call (forward) and of an energy + forces call. JSON goes to
-benchmarks/results/ (or $OUT).
+edge layout, model), the peak of an energy-only call (forward, the first call: it builds the neighbour list)
+and of an energy + forces call, and what is alive at the forces call's peak, by the code that allocated it
+(torch's allocation history, replayed). JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -27,32 +28,35 @@ from cgforge.plugin.water import water_box  # noqa: E402
 GB = 1e9
 
 
-class SavedTensors:
-    """What autograd keeps for the backward, in GB, by kind of row: per atom, per edge, other (each storage once)."""
+def _label(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost Python frame outside torch's own files."""
+    for f in frames:
+        name = f.get("filename", "")
+        if name.endswith(".py") and "/torch/" not in name:
+            short = "/".join(name.split("/")[-2:])
+            return f"{short}:{f.get('line')} {f.get('name')}"
+    return "torch internals"
 
-    def __init__(self, atoms: int, edges: int) -> None:
-        self.atoms, self.edges = atoms, edges
-        self.seen: dict[int, tuple[str, int, tuple]] = {}
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_cuda:
-            rows = t.shape[0] if t.dim() else 0
-            kind = "atom" if rows == self.atoms else "edge" if rows >= 0.9 * self.edges and rows > self.atoms else "other"
-            storage = t.untyped_storage()
-            self.seen[storage.data_ptr()] = (kind, storage.nbytes(), tuple(t.shape))
-        return t
-
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def summary(self) -> dict:
-        out: dict = {}
-        for kind, nbytes, shape in self.seen.values():
-            out.setdefault(kind, 0.0)
-            out[kind] += nbytes / GB
-            key = f"{kind} {list(shape[1:])}"
-            out[key] = out.get(key, 0.0) + nbytes / GB
-        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:16])
+def peak_allocations(trace: list[dict], top: int = 12) -> tuple[float, list[tuple[str, float]]]:
+    """Replay one device's allocation trace: the peak (GB above what was allocated when recording began) and
+    the allocations alive at that moment, summed by the code that made them (GB, largest first)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, _label(event.get("frames", [])))
+            total += size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr)[0]
+    by_site: dict[str, float] = {}
+    for size, site in at_peak.values():
+        by_site[site] = by_site.get(site, 0.0) + size / GB
+    return peak / GB, sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
 
 
 def probe(atoms, model: torch.nn.Module, streaming: bool) -> dict:
@@ -69,11 +73,16 @@ def probe(atoms, model: torch.nn.Module, streaming: bool) -> dict:
     row["rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
     a.positions += 1e-3
     torch.cuda.reset_peak_memory_stats()
-    saved = SavedTensors(len(a), calc.n_edges)
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
         a.get_forces()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     row["forces_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
-    row["saved_for_backward_gb"] = saved.summary()
+    above, sites = peak_allocations(trace)
+    row["forces_peak_above_rest_gb"] = above
+    row["alive_at_peak_gb"] = dict(sites)
     row["bytes_per_atom"] = row["forces_peak_gb"] * GB / len(a)
     row["bytes_per_edge"] = row["forces_peak_gb"] * GB / max(calc.n_edges, 1)
     del calc, a
@@ -102,8 +111,8 @@ def main() -> None:
     print(f"JSON: {path}")
     print(f"{'system':8} {'atoms':>8} {'edges':>10} {'rest GB':>8} {'E GB':>8} {'E+F GB':>8} {'B/atom':>8} {'B/edge':>7}")
     for r in rows:
-        if "saved_for_backward_gb" in r:
-            print(r["system"], "saved for backward (GB):", {k: round(v, 2) for k, v in r["saved_for_backward_gb"].items()})
+        for site, gb in r.get("alive_at_peak_gb", {}).items():
+            print(f"{r['system']:8} alive at the forces peak: {gb:7.3f} GB  {site}")
     for r in rows:
         if "error" in r:
             print(f"{r['system']:8} {r['error']}")

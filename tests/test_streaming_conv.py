@@ -157,6 +157,74 @@ def test_cuda_streaming_matches_stored_path_and_is_bitwise_reproducible(dtype):
         assert torch.equal(a, c)
 
 
+def _geometry(lmax_irreps, mlp):
+    """edge_fn from edge vectors and lengths: e3nn harmonics, a sine basis with a smooth cutoff, the MLP."""
+
+    def basis(length):
+        cut = (1 - (length / 3.0) ** 2).clamp(min=0) ** 2
+        return torch.cat([torch.sin(k * length) / length for k in range(1, 9)], dim=1), cut
+
+    def edge_fn(vec, length):
+        rad, cut = basis(length)
+        return o3.spherical_harmonics(lmax_irreps, vec, normalize=True), mlp(rad) * cut
+
+    return edge_fn, basis
+
+
+@pytest.mark.parametrize("chunk_edges", [1, 7, 10_000])
+def test_edge_geometry_streams_from_vectors_and_lengths(chunk_edges):
+    """Only the vectors and lengths are edge inputs: harmonics, radial basis and weights made per chunk;
+    values and gradients (x, vectors, lengths) equal e3nn TP + index_add in FP64."""
+    from cgforge.kernels import streaming_edge_convolution
+
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    n, e = 17, 120
+    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, requires_grad=True)
+    vec = (torch.randn(e, 3, generator=gen) * 1.3).requires_grad_()
+    length = vec.detach().norm(dim=1, keepdim=True).requires_grad_()  # a separate input, as MACE passes it
+    mlp = _mlp(8, tp.weight_numel, seed=5)
+    edge_fn, basis = _geometry(tp.irreps_in2, mlp)
+    out = streaming_edge_convolution(Convolution.from_e3nn(tp), x, (vec, length), edge_fn, ConvGraph(s, r, n),
+                                     chunk_edges, constants=(mlp,))
+    y_ref, w_ref = edge_fn(vec, length)
+    ref = torch.zeros(n, tp.irreps_out.dim).index_add(0, r, tp(x[s], y_ref, w_ref))
+    assert rel(out, ref) < 1e-12
+    g = torch.randn(ref.shape, generator=gen)
+    got = torch.autograd.grad(out, (x, vec, length), g)
+    want = torch.autograd.grad(ref, (x, vec, length), g)
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-11
+
+
+def test_edge_convolution_names_bad_edge_inputs_and_outputs():
+    from cgforge.kernels import streaming_edge_convolution
+    from cgforge.patches.streaming import EdgeRows
+
+    torch.set_default_dtype(torch.float64)
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    conv = Convolution.from_e3nn(tp)
+    s, r = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0])
+    x, vec = torch.randn(3, tp.irreps_in1.dim), torch.randn(3, 3)
+    mlp = _mlp(8, tp.weight_numel, seed=6)
+    edge_fn, _ = _geometry(tp.irreps_in2, mlp)
+    graph = ConvGraph(s, r, 3)
+    with pytest.raises(ValueError, match=r"edge_inputs\[1\] must be a tensor with one row per edge"):
+        streaming_edge_convolution(conv, x, (vec, vec[:2]), edge_fn, graph, 4)
+    with pytest.raises(ValueError, match="edge_fn must return y"):
+        streaming_edge_convolution(conv, x, (vec,), lambda v: (v, v), graph, 4)
+    with pytest.raises(RuntimeError, match="require grad"):
+        streaming_edge_convolution(conv, x, (vec, vec.norm(dim=1, keepdim=True)), edge_fn, graph, 4,
+                                   constants=(mlp.requires_grad_(True),))
+    deferred = EdgeRows(lambda v: v, (vec,))
+    with pytest.raises(AttributeError, match="computed only inside the streaming convolution"):
+        deferred.shape  # noqa: B018
+    with pytest.raises(TypeError, match=r"one value per edge \(\[E, 1\]\)"):
+        deferred * torch.ones(3, 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Patched MACE models with streaming on
 
@@ -186,15 +254,21 @@ def test_mace_streaming_equals_plain_model(chunk_edges):
     from mace_helpers import assert_same_outputs
 
     from cgforge.patches.mace.adapter import inert_beyond_cutoff
+    from cgforge.patches.mace.streaming import DeferredRadialEmbedding, DeferredSphericalHarmonics
 
     pm, patched, ref, evaluate = _mace_case(first="RealAgnosticInteractionBlock")
     keys = list(patched.state_dict())
     inert = inert_beyond_cutoff(patched)
     assert pm.set_streaming(patched, chunk_edges) == 2
+    # every block streams: the harmonics and the radial embedding are deferred into the convolutions too
+    assert isinstance(patched.spherical_harmonics, DeferredSphericalHarmonics)
+    assert isinstance(patched.radial_embedding, DeferredRadialEmbedding)
     assert inert_beyond_cutoff(patched) == inert  # the analysis sees through the deferred MLP
     assert list(patched.state_dict()) == keys  # the stand-in adopts the MLP's parameters under their names
     assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
     assert pm.set_streaming(patched, None) == 0
+    assert type(patched.spherical_harmonics).__name__ == "SphericalHarmonics"
+    assert type(patched.radial_embedding).__name__ == "RadialEmbeddingBlock"
     assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
 
 
@@ -213,6 +287,9 @@ def test_mace_streaming_unpatch_restores_plain_modules():
 def test_mace_streaming_leaves_unsupported_blocks_on_the_stored_path_and_checks_arguments():
     pm, patched, ref, evaluate = _mace_case(interaction="RealAgnosticDensityInteractionBlock")
     assert pm.set_streaming(patched, 8) == 0
+    # the density blocks read edge_feats themselves: the geometry stays stored
+    assert type(patched.spherical_harmonics).__name__ == "SphericalHarmonics"
+    assert type(patched.radial_embedding).__name__ == "RadialEmbeddingBlock"
     with pytest.raises(ValueError, match="chunk_edges"):
         pm.set_streaming(patched, 0)
     with pytest.raises(TypeError, match="MACE"):

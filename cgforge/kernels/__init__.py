@@ -6,7 +6,7 @@ kernels/ knows no model: ``SymmetricContraction`` (MACE's layout over the symmet
 lives in cgforge.patches.mace and is reachable here, imported on first use, under its old public name.
 """
 
-from .convolution import ConvGraph, Convolution, streaming_convolution
+from .convolution import ConvGraph, Convolution, streaming_convolution, streaming_edge_convolution
 from .core.errors import KernelError, SharedMemoryError, UnknownKernelKeyError, UnsupportedProblemError
 from .core.tuning import SCTuning, TPTuning
 from .symmetric_contraction import SCProblem, SymmetricContractionBase, moved_names
@@ -17,4 +17,4 @@ __getattr__ = moved_names(__name__, ("SymmetricContraction",))
 
 __all__ = ["ConvGraph", "Convolution", "Instruction", "KernelError", "SCProblem", "SCTuning", "SharedMemoryError",
            "SymmetricContraction", "SymmetricContractionBase", "TPProblem", "TPTuning", "TensorProduct",
-           "UnknownKernelKeyError", "UnsupportedProblemError", "streaming_convolution"]
+           "UnknownKernelKeyError", "UnsupportedProblemError", "streaming_convolution", "streaming_edge_convolution"]

@@ -1,61 +1,156 @@
-"""Streaming edges, shared by the model families: the radial MLP deferred into the convolution.
+"""Streaming edges, shared by the model families: per-edge values deferred into the convolution.
 
 A message-passing layer computes its tensor-product weights for every edge (``radial(edge_features)``,
 [E, weight_numel]) and hands them to the convolution. While streaming, the layer's radial MLP is a
 ``DeferredRadial`` stand-in that returns ``DeferredWeights`` (the MLP, its input and an optional per-edge
-scale, nothing computed); the family's patched convolution recognises it and calls
-``kernels.streaming_convolution``, which makes and consumes the weights chunk by chunk. The stand-in
-adopts the MLP's submodules under their own names, so the state_dict is unchanged.
+scale, nothing computed); the family's patched convolution recognises it and calls ``stream``, which hands
+``kernels.streaming_edge_convolution`` the edge inputs and the function that makes (y, weights) from a chunk
+of them: the weights are made and consumed chunk by chunk, forward and backward.
+
+A family may defer more: the spherical harmonics and the radial basis themselves (``EdgeRows``: a per-edge
+value given as a function of per-edge tensors, e.g. the edge vectors and lengths). Then the convolution's
+only per-edge inputs are those tensors, everything between them and the weights is recomputed per chunk,
+and autograd keeps nothing of it for the backward (``Deferred`` stand-ins make such values; MACE's are in
+``mace/streaming.py``). Stand-ins adopt the original's submodules under their own names, so the state_dict
+is unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["DeferredRadial", "DeferredWeights", "chunk_edges_for", "defer_radial"]
+from cgforge import kernels
+
+__all__ = ["Deferred", "DeferredRadial", "DeferredWeights", "EdgeRows", "chunk_edges_for", "defer_radial",
+           "stream"]
+
+
+class EdgeRows:
+    """A per-edge value [E, k], not computed: ``fn(*(t[chunk] for t in inputs))`` for any chunk of edges.
+
+    ``fn`` must treat rows independently (row e of its output depends only on row e of its inputs). The
+    only arithmetic it supports is what layers do with such values before the convolution: a product with
+    another per-edge value of one column (a cutoff); anything else fails loudly rather than computing the
+    value for every edge."""
+
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> None:
+        self.fn, self.inputs = fn, tuple(inputs)
+
+    @property
+    def num_edges(self) -> int:
+        return self.inputs[0].shape[0]
+
+    def __mul__(self, other: Any) -> EdgeRows:
+        if isinstance(other, EdgeRows):
+            n = len(self.inputs)
+            return EdgeRows(lambda *rows: self.fn(*rows[:n]) * other.fn(*rows[n:]), self.inputs + other.inputs)
+        if isinstance(other, Tensor) and other.shape == (self.num_edges, 1):
+            return EdgeRows(lambda *rows: self.fn(*rows[:-1]) * rows[-1], self.inputs + (other,))
+        raise TypeError(f"a deferred per-edge value can be multiplied by one value per edge ([E, 1]), got "
+                        f"{type(other).__name__} {list(getattr(other, 'shape', []))}")
+
+    __rmul__ = __mul__
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{name!r}: a deferred per-edge value (streaming edges) is computed only inside the "
+                             "streaming convolution; this model reads it elsewhere, so it cannot stream its edge "
+                             "geometry (turn streaming off)")
+
+
+def _rows(value: Tensor | EdgeRows) -> EdgeRows:
+    return value if isinstance(value, EdgeRows) else EdgeRows(lambda rows: rows, (value,))
 
 
 class DeferredWeights:
     """``radial(radial_in) * scale`` for every edge, not computed: the streaming convolution computes it
-    per chunk. Supports only what MACE does with tp_weights before the convolution (``* cutoff``);
-    anything else fails loudly rather than computing the weights of every edge."""
+    per chunk. ``radial_in`` and ``scale`` are tensors or ``EdgeRows``. Supports only what the layers do with
+    tp_weights before the convolution (``* cutoff``); anything else fails loudly rather than computing the
+    weights of every edge."""
 
-    def __init__(self, radial: torch.nn.Module, radial_in: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def __init__(self, radial: torch.nn.Module, radial_in: Tensor | EdgeRows,
+                 scale: Tensor | EdgeRows | None = None) -> None:
         self.radial, self.radial_in, self.scale = radial, radial_in, scale
 
     def __mul__(self, other: Any) -> DeferredWeights:
-        if not isinstance(other, torch.Tensor) or other.shape != (self.radial_in.shape[0], 1):
+        if not (isinstance(other, EdgeRows) or isinstance(other, Tensor) and other.shape == (self.num_edges, 1)):
             raise TypeError(f"deferred tp_weights can be scaled by one value per edge ([E, 1]), got "
                             f"{type(other).__name__} {list(getattr(other, 'shape', []))}")
-        return DeferredWeights(self.radial, self.radial_in, other if self.scale is None else self.scale * other)
+        return DeferredWeights(self.radial, self.radial_in, other if self.scale is None else _rows(self.scale) * other)
 
     __rmul__ = __mul__
 
     @property
     def num_edges(self) -> int:
-        return self.radial_in.shape[0]
+        return self.radial_in.num_edges if isinstance(self.radial_in, EdgeRows) else self.radial_in.shape[0]
 
 
-class DeferredRadial(torch.nn.Module):
-    """Stand-in for a block's ``conv_tp_weights`` while it streams: returns ``DeferredWeights``."""
+def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: DeferredWeights,
+           graph: kernels.ConvGraph, chunk_edges: int) -> Tensor:
+    """``conv(x, y, weights)`` by ``kernels.streaming_edge_convolution``: the per-edge tensors behind y, the
+    radial input and the scale (each input once) are the edge inputs; (y, weights) are made per chunk."""
+    parts = [_rows(y), _rows(weights.radial_in)] + ([] if weights.scale is None else [_rows(weights.scale)])
+    inputs: list[Tensor] = []
+    where: list[list[int]] = []  # per part: the positions of its inputs in `inputs`
+    for part in parts:
+        slots = []
+        for t in part.inputs:
+            found = next((k for k, seen in enumerate(inputs) if seen is t), None)
+            if found is None:
+                found = len(inputs)
+                inputs.append(t)
+            slots.append(found)
+        where.append(slots)
+    radial = weights.radial
 
-    def __init__(self, mlp: torch.nn.Module) -> None:
+    def edge_fn(*rows: Tensor) -> tuple[Tensor, Tensor]:
+        values = [part.fn(*(rows[k] for k in slots)) for part, slots in zip(parts, where, strict=True)]
+        w = radial(values[1])
+        return values[0], (w * values[2] if len(values) > 2 else w)
+
+    constants = (radial,) if isinstance(radial, torch.nn.Module) else ()
+    return kernels.streaming_edge_convolution(conv, x, inputs, edge_fn, graph, chunk_edges, constants=constants)
+
+
+class Deferred(torch.nn.Module):
+    """Base of the stand-ins that return deferred values while streaming: holds ``module`` (the original)
+    and adopts its submodules, parameters and buffers under their own names (same state_dict); other
+    attributes are read from the original."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
-        for name, child in mlp.named_children():  # same state_dict keys as the MLP it defers
+        for name, child in module.named_children():
             self.add_module(name, child)
-        for name, param in mlp.named_parameters(recurse=False):
+        for name, param in module.named_parameters(recurse=False):
             self.register_parameter(name, param)
-        for name, buf in mlp.named_buffers(recurse=False):
+        for name, buf in module.named_buffers(recurse=False):
             self.register_buffer(name, buf)
-        self.original = (mlp,)  # a tuple: not a submodule again; shares the adopted children
+        self.original = (module,)  # a tuple: not a submodule again; shares the adopted children
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.original[0]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "original":
+                raise
+            return getattr(self.original[0], name)
+
+
+class DeferredRadial(Deferred):
+    """Stand-in for a layer's radial MLP while it streams: returns ``DeferredWeights``."""
 
     @property
     def mlp(self) -> torch.nn.Module:
-        return self.original[0]
+        return self.module
 
-    def forward(self, edge_feats: torch.Tensor) -> DeferredWeights:
+    def forward(self, edge_feats: Tensor | EdgeRows) -> DeferredWeights:
         return DeferredWeights(self.mlp, edge_feats)
 
 
@@ -66,8 +161,9 @@ def chunk_edges_for(layers: list[tuple[torch.nn.Module, int]], budget_bytes: int
     for mlp, weight_numel in layers:
         mlp = mlp.mlp if isinstance(mlp, DeferredRadial) else mlp
         widths = [p.shape[-1] for p in mlp.parameters() if p.dim() == 2]
-        # weights, dW and the recomputed weights in the backward, plus every hidden activation twice
-        per_edge = max(per_edge, 3 * weight_numel + 2 * sum(widths))
+        # weights, dW and the recomputed weights in the backward, every hidden activation twice, and the
+        # recomputed edge geometry (spherical harmonics, radial basis and their intermediates: ~64 values)
+        per_edge = max(per_edge, 3 * weight_numel + 2 * sum(widths) + 64)
     itemsize = torch.finfo(dtype).bits // 8
     return max(1024, int(budget_bytes // max(per_edge * itemsize, 1)))
 

@@ -2,6 +2,7 @@
 
 from .graph import ConvGraph, GraphTensors
 from .module import Convolution
-from .streaming import chunk_ranges, streaming_convolution
+from .streaming import chunk_ranges, streaming_convolution, streaming_edge_convolution
 
-__all__ = ["ConvGraph", "Convolution", "GraphTensors", "chunk_ranges", "streaming_convolution"]
+__all__ = ["ConvGraph", "Convolution", "GraphTensors", "chunk_ranges", "streaming_convolution",
+           "streaming_edge_convolution"]

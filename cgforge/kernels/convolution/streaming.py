@@ -22,7 +22,7 @@ refuses parameters that require grad while grad is on. The backward is not diffe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,10 @@ from . import ops
 from .graph import ConvGraph
 from .module import Convolution
 
-__all__ = ["MIN_CHUNK_ROWS", "chunk_ranges", "streaming_convolution"]
+__all__ = ["MIN_CHUNK_ROWS", "EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
+
+# (rows of each edge input for one chunk of edges) -> (y, weights) rows of that chunk
+EdgeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # The convolution kernels run one warp per row and each warp walks its row's edges in turn, so a launch
@@ -77,16 +80,18 @@ def _edge_ids(order: torch.Tensor, e0: int, e1: int, device: torch.device) -> to
     return torch.arange(e0, e1, device=device)
 
 
-def _weights(radial: Callable[[torch.Tensor], torch.Tensor], radial_in: torch.Tensor,
-             scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    w = radial(radial_in)
-    w = w if scale is None else w * scale
-    return w.to(dtype)  # the convolution's dtype (a model may run its radial MLP in another)
+def _edge_rows(edge_fn: EdgeFunction, rows: list[torch.Tensor], dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (y, w) in the convolution's dtype (a model may run its radial MLP in another)."""
+    y, w = edge_fn(*rows)
+    return y.to(dtype).contiguous(), w.to(dtype).contiguous()
 
 
 class _StreamingConv(torch.autograd.Function):
+    """out = conv(x, y, w) with (y, w) = edge_fn(*(t[chunk] for t in edge_inputs)) made per chunk of edges."""
+
     @staticmethod
-    def forward(ctx, x, y, radial_in, scale, conv, radial, graph, chunk_edges, min_rows):  # noqa: D102
+    def forward(ctx, x, conv, edge_fn, graph, chunk_edges, min_rows, *edge_inputs):  # noqa: D102
         t = graph.tensors()
         chunks = _Chunks(graph, chunk_edges, min_rows)
         out = x.new_empty(graph.num_nodes, conv.irreps_out.dim)
@@ -94,62 +99,68 @@ class _StreamingConv(torch.autograd.Function):
         for r0, r1 in chunks.forward:
             e0, e1 = int(chunks.rowptr[r0]), int(chunks.rowptr[r1])
             ids = _edge_ids(t.perm, e0, e1, x.device)
-            w = _weights(radial, radial_in.index_select(0, ids),
-                         None if scale is None else scale.index_select(0, ids), x.dtype)
+            y, w = _edge_rows(edge_fn, [e.index_select(0, ids) for e in edge_inputs], x.dtype)
             rowptr = t.rowptr[r0:r1 + 1] - e0
             receiver = t.receiver.index_select(0, ids) - r0  # the reference path's rows; kernels read rowptr
-            out[r0:r1] = ops.conv_forward(x, y.index_select(0, ids), w.contiguous(), t.sender.index_select(0, ids),
-                                          receiver, rowptr, empty_idx, empty_ptr, empty_idx, conv.key, True)
-        ctx.save_for_backward(x, y, radial_in, scale)
-        ctx.conv, ctx.radial, ctx.graph, ctx.chunks = conv, radial, graph, chunks
-        ctx.has_scale = scale is not None
+            out[r0:r1] = ops.conv_forward(x, y, w, t.sender.index_select(0, ids), receiver, rowptr, empty_idx,
+                                          empty_ptr, empty_idx, conv.key, True)
+        ctx.save_for_backward(x, *edge_inputs)
+        ctx.conv, ctx.edge_fn, ctx.graph, ctx.chunks = conv, edge_fn, graph, chunks
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
-        x, y, radial_in, scale = ctx.saved_tensors
-        conv, radial, graph = ctx.conv, ctx.radial, ctx.graph
+        x, *edge_inputs = ctx.saved_tensors
+        conv, graph, chunks = ctx.conv, ctx.graph, ctx.chunks
         t = graph.tensors()
-        chunks = ctx.chunks
         g = g.contiguous()
         gx = torch.empty_like(x)
-        gy = torch.empty_like(y)
-        g_radial = torch.empty_like(radial_in)
-        g_scale = torch.empty_like(scale) if ctx.has_scale else None
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        grads = [torch.zeros_like(edge_inputs[i]) for i in wanted]
         empty_ptr, empty_idx = t.rowptr.new_empty(0), t.sender.new_empty(0)
         for r0, r1 in chunks.backward:
             e0, e1 = int(chunks.rowptr_t[r0]), int(chunks.rowptr_t[r1])
             ids = _edge_ids(t.perm_t, e0, e1, x.device)
-            with torch.enable_grad():  # recompute this chunk's weights, keeping the graph to radial_in
-                r_in = radial_in.index_select(0, ids).detach().requires_grad_()
-                s_in = scale.index_select(0, ids).detach().requires_grad_() if ctx.has_scale else None
-                w = _weights(radial, r_in, s_in, x.dtype)
+            rows = [e.index_select(0, ids) for e in edge_inputs]
+            leaves = [rows[i].detach().requires_grad_() for i in wanted]
+            for i, leaf in zip(wanted, leaves, strict=True):
+                rows[i] = leaf
+            with torch.enable_grad():  # recompute this chunk's (y, w), keeping the graph to the edge inputs
+                y, w = _edge_rows(ctx.edge_fn, rows, x.dtype)
             rowptr_t = t.rowptr_t[r0:r1 + 1] - e0
             local = torch.arange(e1 - e0, dtype=torch.int32, device=x.device)
             sender = t.sender.index_select(0, ids) - r0  # rows of the x slice (reference path)
-            gxc, gyc, gwc = ops.conv_backward(x[r0:r1], y.index_select(0, ids), w.detach().contiguous(), g, sender,
+            gxc, gyc, gwc = ops.conv_backward(x[r0:r1], y.detach(), w.detach(), g, sender,
                                               t.receiver.index_select(0, ids), empty_ptr, empty_idx, rowptr_t,
                                               local, conv.key, True)
             gx[r0:r1] = gxc
-            gy.index_copy_(0, ids, gyc)
-            inputs = (r_in, s_in) if ctx.has_scale else (r_in,)
-            grads = torch.autograd.grad(w, inputs, gwc)
-            g_radial.index_copy_(0, ids, grads[0])
-            if ctx.has_scale:
-                g_scale.index_copy_(0, ids, grads[1])
-        return gx, gy, g_radial, g_scale, None, None, None, None, None
+            if leaves:
+                outputs = [(o, go) for o, go in ((y, gyc), (w, gwc)) if o.requires_grad]
+                chunk_grads = torch.autograd.grad([o for o, _ in outputs], leaves, [go for _, go in outputs],
+                                                  allow_unused=True) if outputs else [None] * len(leaves)
+                for full, part in zip(grads, chunk_grads, strict=True):
+                    if part is not None:
+                        full.index_copy_(0, ids, part.to(full.dtype))
+        by_input = dict(zip(wanted, grads, strict=True))
+        return (gx, None, None, None, None, None, *(by_input.get(i) for i in range(len(edge_inputs))))
 
 
-def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, radial_in: torch.Tensor,
-                          radial: Callable[[torch.Tensor], torch.Tensor], graph: ConvGraph, chunk_edges: int,
-                          scale: torch.Tensor | None = None, min_rows: int | None = None) -> torch.Tensor:
-    """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges.
+def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: Sequence[torch.Tensor],
+                               edge_fn: EdgeFunction, graph: ConvGraph, chunk_edges: int,
+                               min_rows: int | None = None, constants: Iterable[torch.nn.Module] = ()
+                               ) -> torch.Tensor:
+    """``conv(x, y, w, graph)`` where ``(y, w) = edge_fn(*edge_inputs)`` is made and used per chunk of edges.
 
-    x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F] (e.g. the radial basis); ``radial`` maps
-    [C, F] rows to [C, weight_numel] rows independently (e.g. an MLP); scale None or [E, 1]. Needs a
-    deterministic graph. Gradients flow to x, y, radial_in and scale. A chunk holds at most
-    ``chunk_edges`` edges or at least ``min_rows`` rows (default: ``MIN_CHUNK_ROWS`` on CUDA, 1 on a CPU).
+    x [N, irreps_in1]; edge_inputs: tensors with one row per edge (e.g. the edge vectors and lengths);
+    ``edge_fn`` maps the rows of one chunk of them to that chunk's y [C, irreps_in2] and weights
+    [C, weight_numel], row by row (each output row depends only on the same input rows: e.g. spherical
+    harmonics, a radial basis and an MLP). Only the edge inputs are kept for the backward, which
+    recomputes ``edge_fn`` per chunk and sends the gradients of y and w through it: gradients flow to x
+    and to every edge input that requires grad. ``constants``: modules used by ``edge_fn`` whose parameters
+    are treated as constants (refused when they require grad while grad is on). Needs a deterministic
+    graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
+    ``MIN_CHUNK_ROWS`` on CUDA, 1 on a CPU).
     """
     if not isinstance(conv, Convolution):
         raise TypeError(f"conv must be a cgforge Convolution, got {type(conv).__name__}")
@@ -161,22 +172,55 @@ def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, r
         raise ValueError(f"chunk_edges must be a positive int, got {chunk_edges!r}")
     if conv.weight_numel == 0 or conv.shared_weights:
         raise ValueError("streaming_convolution needs per-edge weights (shared_weights=False, weight_numel > 0)")
-    edges = graph.num_edges
-    for name, t, width in (("y", y, conv.irreps_in2.dim), ("radial_in", radial_in, None), ("scale", scale, 1)):
-        if t is None:
-            continue
-        if t.dim() != 2 or t.shape[0] != edges or (width is not None and t.shape[1] != width):
-            want = f"[{edges}, {width if width is not None else 'F'}]"
-            raise ValueError(f"{name} must have shape {want} (one row per edge), got {list(t.shape)}")
     if x.dim() != 2 or x.shape != (graph.num_nodes, conv.irreps_in1.dim):
         raise ValueError(f"x must have shape [{graph.num_nodes}, {conv.irreps_in1.dim}], got {list(x.shape)}")
-    if torch.is_grad_enabled() and isinstance(radial, torch.nn.Module):
-        trained = [n for n, p in radial.named_parameters() if p.requires_grad]
+    edge_inputs = tuple(edge_inputs)
+    for k, e in enumerate(edge_inputs):
+        if not isinstance(e, torch.Tensor) or e.dim() < 1 or e.shape[0] != graph.num_edges:
+            raise ValueError(f"edge_inputs[{k}] must be a tensor with one row per edge ({graph.num_edges}), got "
+                             f"{list(getattr(e, 'shape', [])) or type(e).__name__}")
+    if torch.is_grad_enabled():
+        trained = [n for m in constants for n, p in m.named_parameters() if p.requires_grad]
         if trained:
             raise RuntimeError(
                 f"streaming_convolution treats the radial parameters as constants, but {trained[:3]} require "
                 "grad: call requires_grad_(False) on the radial module (inference), or use the stored path "
                 "to train")
+    if graph.num_edges:  # the shapes edge_fn makes, checked on one edge before any kernel runs
+        with torch.no_grad():
+            y, w = edge_fn(*(e[:1] for e in edge_inputs))
+        for name, t, width in (("y", y, conv.irreps_in2.dim), ("weights", w, conv.weight_numel)):
+            if t.shape != (1, width):
+                raise ValueError(f"edge_fn must return y [C, {conv.irreps_in2.dim}] and weights "
+                                 f"[C, {conv.weight_numel}] for C edges; its {name} for 1 edge has shape "
+                                 f"{list(t.shape)}")
     if min_rows is None:
         min_rows = MIN_CHUNK_ROWS if x.device.type == "cuda" else 1
-    return _StreamingConv.apply(x, y, radial_in, scale, conv, radial, graph, chunk_edges, int(min_rows))
+    return _StreamingConv.apply(x, conv, edge_fn, graph, chunk_edges, int(min_rows), *edge_inputs)
+
+
+def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, radial_in: torch.Tensor,
+                          radial: Callable[[torch.Tensor], torch.Tensor], graph: ConvGraph, chunk_edges: int,
+                          scale: torch.Tensor | None = None, min_rows: int | None = None) -> torch.Tensor:
+    """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges.
+
+    x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F] (e.g. the radial basis); ``radial`` maps
+    [C, F] rows to [C, weight_numel] rows independently (e.g. an MLP); scale None or [E, 1]. Gradients
+    flow to x, y, radial_in and scale. ``streaming_edge_convolution`` with the edge inputs
+    (y, radial_in[, scale]).
+    """
+    edges = graph.num_edges if isinstance(graph, ConvGraph) else None
+    for name, t, width in (("y", y, conv.irreps_in2.dim), ("radial_in", radial_in, None), ("scale", scale, 1)):
+        if t is None or edges is None:
+            continue
+        if t.dim() != 2 or t.shape[0] != edges or (width is not None and t.shape[1] != width):
+            want = f"[{edges}, {width if width is not None else 'F'}]"
+            raise ValueError(f"{name} must have shape {want} (one row per edge), got {list(t.shape)}")
+
+    def edge_fn(y_rows: torch.Tensor, radial_rows: torch.Tensor, *scale_rows: torch.Tensor):
+        w = radial(radial_rows)
+        return y_rows, (w * scale_rows[0] if scale_rows else w)
+
+    inputs = (y, radial_in) if scale is None else (y, radial_in, scale)
+    constants = (radial,) if isinstance(radial, torch.nn.Module) else ()
+    return streaming_edge_convolution(conv, x, inputs, edge_fn, graph, chunk_edges, min_rows, constants)

@@ -31,6 +31,7 @@ from ase.data import chemical_symbols
 from torch import Tensor
 
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
+from ..streaming import Deferred
 from . import streaming
 from .patch import SUPPORTED_INTERACTIONS
 
@@ -157,6 +158,7 @@ def inert_beyond_cutoff(model: torch.nn.Module) -> str | None:
     if cls.__module__ != "mace.modules.models" or cls.__name__ not in _MODELS:
         return f"MACE model class {cls.__name__} is not one cgforge has checked ({', '.join(_MODELS)})"
     radial = getattr(model, "radial_embedding", None)
+    radial = radial.module if isinstance(radial, Deferred) else radial  # the block a streaming model defers
     if type(radial).__name__ != "RadialEmbeddingBlock":
         return f"radial embedding {type(radial).__name__} is not mace's RadialEmbeddingBlock"
     cutoff_fn = getattr(radial, "cutoff_fn", None)

@@ -42,6 +42,7 @@ from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_ch
 from ..families import is_mace_model
 from ..graph_cache import CallGraphCache
 from ..stand_in import StandIn, convolution_check
+from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
 from .streaming import DeferredWeights, set_streaming
@@ -105,9 +106,7 @@ class FusedConvTP(torch.nn.Module, StandIn):
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
         if isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
-            return kernels.streaming_convolution(self.conv, node_feats.contiguous(), edge_attrs.contiguous(),
-                                                 tp_weights.radial_in, tp_weights.radial, graph,
-                                                 self.chunk_edges, scale=tp_weights.scale)
+            return stream(self.conv, node_feats.contiguous(), edge_attrs, tp_weights, graph, self.chunk_edges)
         # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
         return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
 

@@ -1,31 +1,70 @@
-"""Streaming edges in patched MACE models: the radial MLP runs inside the convolution, chunk by chunk.
+"""Streaming edges in patched MACE models: the edge geometry and the radial MLP run inside the convolution.
 
 A MACE interaction block computes ``tp_weights = conv_tp_weights(edge_feats)`` ([E, weight_numel],
 1.8 GB per MACE-MP-medium layer at 436k edges), optionally ``tp_weights * cutoff``, and hands it to
 ``conv_tp``. With streaming on, ``conv_tp_weights`` is a ``DeferredRadial`` stand-in that returns a
 ``DeferredWeights`` value (the MLP, its input and the per-edge scale, nothing computed), and the
-patched ``conv_tp`` (``FusedConvTP``) recognises it and calls ``kernels.streaming_convolution``, which
-makes and consumes the weights per chunk of edges, forward and backward.
+patched ``conv_tp`` (``FusedConvTP``) recognises it and streams (``patches.streaming.stream``): the weights
+are made and consumed per chunk of edges, forward and backward.
+
+When every interaction block streams, the model's spherical harmonics and radial embedding are deferred
+too (``DeferredSphericalHarmonics``, ``DeferredRadialEmbedding``: ``EdgeRows`` of the edge vectors and
+lengths): each chunk recomputes them from the vectors and lengths, so autograd keeps only those two per
+edge (16 bytes in FP32) instead of the harmonics, the radial basis and their intermediates (~350 bytes).
+MACE's forward passes ``edge_attrs``, ``edge_feats`` and ``cutoff`` only to the interaction blocks (read
+from mace-torch 0.3.16's ``MACE`` and ``ScaleShiftMACE``), so nothing else sees the deferred values; a
+radial embedding with a distance transform (which reads node attributes) keeps the stored geometry.
 
 Only the blocks whose forward uses ``tp_weights`` solely as ``conv_tp``'s weights (optionally times the
 cutoff) stream (``STREAMING_INTERACTIONS``); the others keep the stored path. The state_dict is
-unchanged: the stand-in adopts the MLP's submodules under their own names.
+unchanged: the stand-ins adopt the originals' submodules under their own names.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..families import is_mace_model
-from ..streaming import DeferredRadial, DeferredWeights, defer_radial
+from ..streaming import Deferred, DeferredRadial, DeferredWeights, EdgeRows, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
 
-__all__ = ["STREAMING_INTERACTIONS", "DeferredRadial", "DeferredWeights", "chunk_edges_for", "set_streaming",
-           "streaming_blocks"]
+__all__ = ["STREAMING_INTERACTIONS", "DeferredRadial", "DeferredRadialEmbedding", "DeferredSphericalHarmonics",
+           "DeferredWeights", "chunk_edges_for", "set_streaming", "streaming_blocks"]
 
 # Blocks of mace-torch 0.3.16 whose forward is: tp_weights = conv_tp_weights(edge_feats) [* cutoff],
-# message = conv_tp(node_feats, edge_attrs, tp_weights, edge_index) and nothing else reads tp_weights.
+# message = conv_tp(node_feats, edge_attrs, tp_weights, edge_index) and nothing else reads tp_weights,
+# edge_attrs, edge_feats or cutoff.
 STREAMING_INTERACTIONS = ("RealAgnosticInteractionBlock", "RealAgnosticResidualInteractionBlock")
+# Models whose forward hands edge_attrs, edge_feats and cutoff to the interaction blocks only.
+_GEOMETRY_MODELS = ("MACE", "ScaleShiftMACE")
+
+
+class DeferredSphericalHarmonics(Deferred):
+    """Stand-in for ``model.spherical_harmonics`` while the geometry streams: returns ``EdgeRows`` of the
+    vectors (the original module applied to each chunk's rows)."""
+
+    def forward(self, vectors: Tensor) -> EdgeRows:
+        return EdgeRows(self.module, (vectors,))
+
+
+class DeferredRadialEmbedding(Deferred):
+    """Stand-in for ``model.radial_embedding`` while the geometry streams: (edge_feats, cutoff) as
+    ``EdgeRows`` of the lengths (the original block's forward applied to each chunk's rows; cutoff None
+    when the block applies it to the features itself, as it returns)."""
+
+    def forward(self, lengths: Tensor, node_attrs: Tensor, edge_index: Tensor,
+                atomic_numbers: Tensor) -> tuple[EdgeRows, EdgeRows | None]:
+        block = self.module
+
+        def feats(rows: Tensor) -> Tensor:
+            return block(rows, node_attrs, edge_index, atomic_numbers)[0]
+
+        def cutoff(rows: Tensor) -> Tensor:
+            return block(rows, node_attrs, edge_index, atomic_numbers)[1]
+
+        applies_cutoff = getattr(block, "apply_cutoff", True)
+        return EdgeRows(feats, (lengths,)), None if applies_cutoff else EdgeRows(cutoff, (lengths,))
 
 
 def streaming_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -36,6 +75,25 @@ def streaming_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             and isinstance(getattr(b, "conv_tp", None), FusedConvTP)]
 
 
+def geometry_can_stream(model: torch.nn.Module) -> bool:
+    """True when the spherical harmonics and radial embedding can be deferred into the convolutions: every
+    interaction block streams, the model's forward is one we read, no distance transform."""
+    embedding = model.radial_embedding
+    embedding = embedding.module if isinstance(embedding, Deferred) else embedding
+    return (type(model).__name__ in _GEOMETRY_MODELS and len(streaming_blocks(model)) == len(model.interactions)
+            and type(embedding).__name__ == "RadialEmbeddingBlock" and not hasattr(embedding, "distance_transform"))
+
+
+def _defer_geometry(model: torch.nn.Module, on: bool) -> None:
+    for attr, kind in (("spherical_harmonics", DeferredSphericalHarmonics),
+                       ("radial_embedding", DeferredRadialEmbedding)):
+        module = getattr(model, attr)
+        if on and not isinstance(module, Deferred):
+            setattr(model, attr, kind(module))
+        elif not on and isinstance(module, Deferred):
+            setattr(model, attr, module.module)
+
+
 def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
     """Stream the edges of every block that can (``chunk_edges`` per chunk), or stop (None).
 
@@ -44,7 +102,9 @@ def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
     """
     if not is_mace_model(model):
         raise TypeError(f"model: expected a patched MACE model, got {type(model).__qualname__}")
-    return defer_radial(streaming_blocks(model), "conv_tp_weights", "conv_tp", chunk_edges)
+    count = defer_radial(streaming_blocks(model), "conv_tp_weights", "conv_tp", chunk_edges)
+    _defer_geometry(model, chunk_edges is not None and geometry_can_stream(model))
+    return count
 
 
 def chunk_edges_for(model: torch.nn.Module, budget_bytes: int, dtype: torch.dtype) -> int:

@@ -25,7 +25,7 @@ from cgforge import kernels
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
 from ..stand_in import StandIn, convolution_check
-from ..streaming import DeferredWeights
+from ..streaming import DeferredWeights, stream
 from ..torch_internals import state_without
 
 try:
@@ -155,9 +155,8 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
         graph = self.graphs.get(edge_src, edge_dst, x.shape[0])
         dtype = self.model_dtype  # explicit casts as nequip's other accelerations do (AMP)
         if isinstance(edge_weight, DeferredWeights):  # streaming: the edge MLP runs per chunk of edges
-            return kernels.streaming_convolution(self.conv, x.to(dtype).contiguous(), edge_attr.to(dtype).contiguous(),
-                                                 edge_weight.radial_in, edge_weight.radial, graph,
-                                                 self.chunk_edges, scale=edge_weight.scale)
+            return stream(self.conv, x.to(dtype).contiguous(), edge_attr.to(dtype), edge_weight, graph,
+                          self.chunk_edges)
         return self.conv(
             x.to(dtype).contiguous(),
             edge_attr.to(dtype).contiguous(),
