@@ -29,21 +29,24 @@ GB = 1e9
 
 
 def _label(frames: list[dict]) -> str:
-    """Where an allocation was made: the innermost Python frame outside torch's own files."""
-    for f in frames:
-        name = f.get("filename", "")
-        if name.endswith(".py") and "/torch/" not in name:
-            short = "/".join(name.split("/")[-2:])
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return "torch internals"
+    """Where an allocation was made: the innermost Python frame outside torch's own files, after the innermost
+    torch frame when there is one (``autograd/__init__.py:grad`` marks the autograd engine's backward)."""
+    py = [f for f in frames if f.get("filename", "").endswith(".py")]
+    inner_torch = next((f for f in py if "/torch/" in f["filename"]), None)
+    ours = next((f for f in py if "/torch/" not in f["filename"]), None)
+    site = "" if ours is None else f"{'/'.join(ours['filename'].split('/')[-2:])}:{ours.get('line')} {ours.get('name')}"
+    if inner_torch is not None and (ours is None or py.index(inner_torch) < py.index(ours)):
+        site = f"[torch {'/'.join(inner_torch['filename'].split('/')[-2:])}:{inner_torch.get('name')}] " + site
+    return site or "no Python frame"
 
 
-def peak_allocations(trace: list[dict], top: int = 12) -> tuple[float, list[tuple[str, float]]]:
+def peak_allocations(trace: list[dict], top: int = 16) -> tuple[float, list[tuple[str, float]]]:
     """Replay one device's allocation trace: the peak (GB above what was allocated when recording began) and
     the allocations alive at that moment, summed by the code that made them (GB, largest first)."""
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     at_peak: dict[int, tuple[int, str]] = {}
+    peak_event = ""
     for event in trace:
         action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
         if action == "alloc":
@@ -51,38 +54,50 @@ def peak_allocations(trace: list[dict], top: int = 12) -> tuple[float, list[tupl
             total += size
             if total > peak:
                 peak, at_peak = total, dict(live)
+                backward = any(f.get("name") in ("grad", "backward") and "/torch/" in f.get("filename", "")
+                               for f in event.get("frames", []))
+                peak_event = f"{'backward' if backward else 'forward'}: {size / GB:.3f} GB at {live[addr][1]}"
         elif action == "free_completed" and addr in live:
             total -= live.pop(addr)[0]
     by_site: dict[str, float] = {}
     for size, site in at_peak.values():
         by_site[site] = by_site.get(site, 0.0) + size / GB
-    return peak / GB, sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+    first = (f"(the allocation that set the peak, in the {peak_event})", 0.0)
+    return peak / GB, [first] + sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
 
 
-def probe(atoms, model: torch.nn.Module, streaming: bool) -> dict:
+def probe(atoms, model: torch.nn.Module, streaming: bool, skin: float) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    calc = Calculator(model, device="cuda", streaming=streaming, cuda_graph=False, forces_with_energy=False)
+    calc = Calculator(model, device="cuda", streaming=streaming, cuda_graph=False, forces_with_energy=False,
+                      skin=skin)
     a = atoms.copy()
     a.calc = calc
     torch.cuda.reset_peak_memory_stats()
-    a.get_potential_energy()
-    row = {"atoms": len(a), "edges": calc.n_edges, "streaming": calc.streaming,
-           "energy_peak_gb": (torch.cuda.max_memory_allocated() - base) / GB}
-    row["rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
-    a.positions += 1e-3
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    row = {"atoms": len(a)}
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
-        a.get_forces()
-        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        for phase, call in (("energy", a.get_potential_energy), ("forces", a.get_forces)):
+            if phase == "forces":
+                a.positions += 1e-3
+                row["rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                call()
+            except torch.cuda.OutOfMemoryError as error:  # what was alive when it failed
+                row["error"] = f"out of GPU memory in the {phase} call: {str(error).splitlines()[0][:160]}"
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", clear_history=True)
+            row[f"{phase}_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
+            above, sites = peak_allocations(trace)
+            row[f"{phase}_alive_at_peak_gb"] = dict(sites)
+            if "error" in row:
+                return row
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    row["forces_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
-    above, sites = peak_allocations(trace)
-    row["forces_peak_above_rest_gb"] = above
-    row["alive_at_peak_gb"] = dict(sites)
+    row.update(edges=calc.n_edges, streaming=calc.streaming)
     row["bytes_per_atom"] = row["forces_peak_gb"] * GB / len(a)
     row["bytes_per_edge"] = row["forces_peak_gb"] * GB / max(calc.n_edges, 1)
     del calc, a
@@ -94,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default="20k,100k")
     parser.add_argument("--streaming", default="on", choices=("on", "off"))
+    parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin in Å (bench_md's default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("streaming_memory.py needs a CUDA GPU")
@@ -101,9 +117,11 @@ def main() -> None:
     rows = []
     for name in args.systems.split(","):
         try:
-            row = probe(water_box(n_side=WATER[name]), model, args.streaming == "on")
-        except torch.cuda.OutOfMemoryError:
-            row = {"system": name, "error": "out of GPU memory"}
+            row = probe(water_box(n_side=WATER[name]), model, args.streaming == "on", args.skin)
+        except torch.cuda.OutOfMemoryError as error:
+            row = {"system": name, "error": f"out of GPU memory: {str(error).splitlines()[0][:160]}"}
+        gc.collect()
+        torch.cuda.empty_cache()
         row["system"] = name
         rows.append(row)
         print(row, flush=True)
@@ -111,8 +129,9 @@ def main() -> None:
     print(f"JSON: {path}")
     print(f"{'system':8} {'atoms':>8} {'edges':>10} {'rest GB':>8} {'E GB':>8} {'E+F GB':>8} {'B/atom':>8} {'B/edge':>7}")
     for r in rows:
-        for site, gb in r.get("alive_at_peak_gb", {}).items():
-            print(f"{r['system']:8} alive at the forces peak: {gb:7.3f} GB  {site}")
+        for phase in ("energy", "forces"):
+            for site, gb in r.get(f"{phase}_alive_at_peak_gb", {}).items():
+                print(f"{r['system']:8} alive at the {phase} peak: {gb:7.3f} GB  {site}")
     for r in rows:
         if "error" in r:
             print(f"{r['system']:8} {r['error']}")

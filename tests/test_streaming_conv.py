@@ -199,6 +199,37 @@ def test_edge_geometry_streams_from_vectors_and_lengths(chunk_edges):
         assert rel(a, b) < 1e-11
 
 
+def test_edge_convolution_applies_an_affine_row_map_per_chunk():
+    """out_fn (here a linear layer with a bias) applied per chunk equals out_fn after the whole convolution,
+    values and gradients; its gradient is formed through its vector-Jacobian product at zero rows."""
+    from cgforge.kernels import streaming_edge_convolution
+
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(12)
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    n, e = 15, 100
+    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, requires_grad=True)
+    vec = torch.randn(e, 3, generator=gen, requires_grad=True)
+    length = vec.detach().norm(dim=1, keepdim=True).requires_grad_()
+    mlp = _mlp(8, tp.weight_numel, seed=7)
+    torch.manual_seed(8)
+    linear = torch.nn.Linear(tp.irreps_out.dim, 5).double().requires_grad_(False)
+    edge_fn, _ = _geometry(tp.irreps_in2, mlp)
+    out = streaming_edge_convolution(Convolution.from_e3nn(tp), x, (vec, length), edge_fn, ConvGraph(s, r, n), 9,
+                                     constants=(mlp,), out_fn=linear)
+    y_ref, w_ref = edge_fn(vec, length)
+    ref = linear(torch.zeros(n, tp.irreps_out.dim).index_add(0, r, tp(x[s], y_ref, w_ref)))
+    assert out.shape == (n, 5) and rel(out, ref) < 1e-12
+    g = torch.randn(ref.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(out, (x, vec, length), g), torch.autograd.grad(ref, (x, vec, length), g),
+                    strict=True):
+        assert rel(a, b) < 1e-11
+    with pytest.raises(TypeError, match="out_fn must be a callable"):
+        streaming_edge_convolution(Convolution.from_e3nn(tp), x, (vec, length), edge_fn, ConvGraph(s, r, n), 9,
+                                   out_fn=3)
+
+
 def test_edge_convolution_names_bad_edge_inputs_and_outputs():
     from cgforge.kernels import streaming_edge_convolution
     from cgforge.patches.streaming import EdgeRows
@@ -254,7 +285,7 @@ def test_mace_streaming_equals_plain_model(chunk_edges):
     from mace_helpers import assert_same_outputs
 
     from cgforge.patches.mace.adapter import inert_beyond_cutoff
-    from cgforge.patches.mace.streaming import DeferredRadialEmbedding, DeferredSphericalHarmonics
+    from cgforge.patches.mace.streaming import AppliedLinear, DeferredRadialEmbedding, DeferredSphericalHarmonics
 
     pm, patched, ref, evaluate = _mace_case(first="RealAgnosticInteractionBlock")
     keys = list(patched.state_dict())
@@ -263,12 +294,17 @@ def test_mace_streaming_equals_plain_model(chunk_edges):
     # every block streams: the harmonics and the radial embedding are deferred into the convolutions too
     assert isinstance(patched.spherical_harmonics, DeferredSphericalHarmonics)
     assert isinstance(patched.radial_embedding, DeferredRadialEmbedding)
+    # and each block's linear after the convolution runs inside it; an untagged message is refused
+    assert all(isinstance(b.linear, AppliedLinear) for b in patched.interactions)
+    with pytest.raises(RuntimeError, match="applies its linear layer itself"):
+        patched.interactions[0].linear(torch.zeros(2, 3))
     assert inert_beyond_cutoff(patched) == inert  # the analysis sees through the deferred MLP
     assert list(patched.state_dict()) == keys  # the stand-in adopts the MLP's parameters under their names
     assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
     assert pm.set_streaming(patched, None) == 0
     assert type(patched.spherical_harmonics).__name__ == "SphericalHarmonics"
     assert type(patched.radial_embedding).__name__ == "RadialEmbeddingBlock"
+    assert not any(isinstance(b.linear, AppliedLinear) or b.conv_tp.fused_linear for b in patched.interactions)
     assert_same_outputs(evaluate(patched, _water_pair()), ref, tol=1e-11)
 
 

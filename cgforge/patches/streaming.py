@@ -89,9 +89,10 @@ class DeferredWeights:
 
 
 def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: DeferredWeights,
-           graph: kernels.ConvGraph, chunk_edges: int) -> Tensor:
+           graph: kernels.ConvGraph, chunk_edges: int, out_fn: torch.nn.Module | None = None) -> Tensor:
     """``conv(x, y, weights)`` by ``kernels.streaming_edge_convolution``: the per-edge tensors behind y, the
-    radial input and the scale (each input once) are the edge inputs; (y, weights) are made per chunk."""
+    radial input and the scale (each input once) are the edge inputs; (y, weights) are made per chunk.
+    ``out_fn``: the linear layer that follows, applied per chunk of output rows (see the kernel's doc)."""
     parts = [_rows(y), _rows(weights.radial_in)] + ([] if weights.scale is None else [_rows(weights.scale)])
     inputs: list[Tensor] = []
     where: list[list[int]] = []  # per part: the positions of its inputs in `inputs`
@@ -112,7 +113,8 @@ def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: 
         return values[0], (w * values[2] if len(values) > 2 else w)
 
     constants = (radial,) if isinstance(radial, torch.nn.Module) else ()
-    return kernels.streaming_edge_convolution(conv, x, inputs, edge_fn, graph, chunk_edges, constants=constants)
+    return kernels.streaming_edge_convolution(conv, x, inputs, edge_fn, graph, chunk_edges, constants=constants,
+                                              out_fn=out_fn)
 
 
 class Deferred(torch.nn.Module):

@@ -87,14 +87,32 @@ def _edge_rows(edge_fn: EdgeFunction, rows: list[torch.Tensor], dtype: torch.dty
     return y.to(dtype).contiguous(), w.to(dtype).contiguous()
 
 
+def _row_map_width(out_fn: Callable[[torch.Tensor], torch.Tensor], conv: Convolution, x: torch.Tensor) -> int:
+    return out_fn(x.new_zeros(1, conv.irreps_out.dim)).shape[-1]
+
+
+def _row_map_transpose(out_fn: Callable[[torch.Tensor], torch.Tensor], g: torch.Tensor, conv: Convolution,
+                       ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The gradient of the convolution's rows from the gradient of out_fn's rows, range by range. out_fn is
+    affine, so its vector-Jacobian product is the same at every point: taken at zero rows."""
+    gc = g.new_empty(g.shape[0], conv.irreps_out.dim)
+    for r0, r1 in ranges:
+        with torch.enable_grad():
+            z = g.new_zeros(r1 - r0, conv.irreps_out.dim, requires_grad=True)
+            gc[r0:r1] = torch.autograd.grad(out_fn(z), z, g[r0:r1])[0]
+    return gc
+
+
 class _StreamingConv(torch.autograd.Function):
-    """out = conv(x, y, w) with (y, w) = edge_fn(*(t[chunk] for t in edge_inputs)) made per chunk of edges."""
+    """out = out_fn(conv(x, y, w)) with (y, w) = edge_fn(*(t[chunk] for t in edge_inputs)) made per chunk of
+    edges (out_fn None: the identity)."""
 
     @staticmethod
-    def forward(ctx, x, conv, edge_fn, graph, chunk_edges, min_rows, *edge_inputs):  # noqa: D102
+    def forward(ctx, x, conv, edge_fn, out_fn, graph, chunk_edges, min_rows, *edge_inputs):  # noqa: D102
         t = graph.tensors()
         chunks = _Chunks(graph, chunk_edges, min_rows)
-        out = x.new_empty(graph.num_nodes, conv.irreps_out.dim)
+        width = conv.irreps_out.dim if out_fn is None else _row_map_width(out_fn, conv, x)
+        out = x.new_empty(graph.num_nodes, width)
         empty_ptr, empty_idx = t.rowptr.new_empty(0), t.sender.new_empty(0)
         for r0, r1 in chunks.forward:
             e0, e1 = int(chunks.rowptr[r0]), int(chunks.rowptr[r1])
@@ -102,10 +120,11 @@ class _StreamingConv(torch.autograd.Function):
             y, w = _edge_rows(edge_fn, [e.index_select(0, ids) for e in edge_inputs], x.dtype)
             rowptr = t.rowptr[r0:r1 + 1] - e0
             receiver = t.receiver.index_select(0, ids) - r0  # the reference path's rows; kernels read rowptr
-            out[r0:r1] = ops.conv_forward(x, y, w, t.sender.index_select(0, ids), receiver, rowptr, empty_idx,
-                                          empty_ptr, empty_idx, conv.key, True)
+            rows = ops.conv_forward(x, y, w, t.sender.index_select(0, ids), receiver, rowptr, empty_idx,
+                                    empty_ptr, empty_idx, conv.key, True)
+            out[r0:r1] = rows if out_fn is None else out_fn(rows)
         ctx.save_for_backward(x, *edge_inputs)
-        ctx.conv, ctx.edge_fn, ctx.graph, ctx.chunks = conv, edge_fn, graph, chunks
+        ctx.conv, ctx.edge_fn, ctx.out_fn, ctx.graph, ctx.chunks = conv, edge_fn, out_fn, graph, chunks
         return out
 
     @staticmethod
@@ -114,9 +133,9 @@ class _StreamingConv(torch.autograd.Function):
         x, *edge_inputs = ctx.saved_tensors
         conv, graph, chunks = ctx.conv, ctx.graph, ctx.chunks
         t = graph.tensors()
-        g = g.contiguous()
+        g = g.contiguous() if ctx.out_fn is None else _row_map_transpose(ctx.out_fn, g, conv, chunks.forward)
         gx = torch.empty_like(x)
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[7:]) if need]
         grads = [torch.zeros_like(edge_inputs[i]) for i in wanted]
         empty_ptr, empty_idx = t.rowptr.new_empty(0), t.sender.new_empty(0)
         for r0, r1 in chunks.backward:
@@ -143,14 +162,15 @@ class _StreamingConv(torch.autograd.Function):
                     if part is not None:
                         full.index_copy_(0, ids, part.to(full.dtype))
         by_input = dict(zip(wanted, grads, strict=True))
-        return (gx, None, None, None, None, None, *(by_input.get(i) for i in range(len(edge_inputs))))
+        return (gx, None, None, None, None, None, None, *(by_input.get(i) for i in range(len(edge_inputs))))
 
 
 def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: Sequence[torch.Tensor],
                                edge_fn: EdgeFunction, graph: ConvGraph, chunk_edges: int,
-                               min_rows: int | None = None, constants: Iterable[torch.nn.Module] = ()
-                               ) -> torch.Tensor:
-    """``conv(x, y, w, graph)`` where ``(y, w) = edge_fn(*edge_inputs)`` is made and used per chunk of edges.
+                               min_rows: int | None = None, constants: Iterable[torch.nn.Module] = (),
+                               out_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``conv(x, y, w, graph)`` where ``(y, w) = edge_fn(*edge_inputs)`` is made and used per chunk of edges;
+    with ``out_fn``, ``out_fn(conv(...))``.
 
     x [N, irreps_in1]; edge_inputs: tensors with one row per edge (e.g. the edge vectors and lengths);
     ``edge_fn`` maps the rows of one chunk of them to that chunk's y [C, irreps_in2] and weights
@@ -161,6 +181,11 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
     are treated as constants (refused when they require grad while grad is on). Needs a deterministic
     graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
     ``MIN_CHUNK_ROWS`` on CUDA, 1 on a CPU).
+
+    ``out_fn``: an affine map applied to each row of the convolution's output (e.g. the linear layer a
+    message-passing block applies next), here to one chunk of rows at a time, so the convolution's own
+    output ([N, irreps_out], often the widest per-node tensor of a model) never exists for all nodes in the
+    forward; the backward forms its gradient once. Its parameters count as ``constants``.
     """
     if not isinstance(conv, Convolution):
         raise TypeError(f"conv must be a cgforge Convolution, got {type(conv).__name__}")
@@ -179,6 +204,10 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
         if not isinstance(e, torch.Tensor) or e.dim() < 1 or e.shape[0] != graph.num_edges:
             raise ValueError(f"edge_inputs[{k}] must be a tensor with one row per edge ({graph.num_edges}), got "
                              f"{list(getattr(e, 'shape', [])) or type(e).__name__}")
+    if out_fn is not None and not callable(out_fn):
+        raise TypeError(f"out_fn must be a callable row map or None, got {type(out_fn).__name__}")
+    if isinstance(out_fn, torch.nn.Module):
+        constants = (*constants, out_fn)
     if torch.is_grad_enabled():
         trained = [n for m in constants for n, p in m.named_parameters() if p.requires_grad]
         if trained:
@@ -196,7 +225,7 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                                  f"{list(t.shape)}")
     if min_rows is None:
         min_rows = MIN_CHUNK_ROWS if x.device.type == "cuda" else 1
-    return _StreamingConv.apply(x, conv, edge_fn, graph, chunk_edges, int(min_rows), *edge_inputs)
+    return _StreamingConv.apply(x, conv, edge_fn, out_fn, graph, chunk_edges, int(min_rows), *edge_inputs)
 
 
 def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, radial_in: torch.Tensor,

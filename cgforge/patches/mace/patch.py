@@ -45,7 +45,7 @@ from ..stand_in import StandIn, convolution_check
 from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
-from .streaming import DeferredWeights, set_streaming
+from .streaming import DeferredWeights, mark_linear_applied, set_streaming
 from .symmetric_contraction import SymmetricContraction
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,9 @@ class FusedConvTP(torch.nn.Module, StandIn):
         adopt(self, e3nn_tp, children=True)
         self.graphs = graphs
         self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
+        # While streaming: the block's next linear layer, applied per chunk inside the convolution (a tuple:
+        # not a submodule, so the state_dict is unchanged; streaming.set_streaming sets it)
+        self.fused_linear: tuple[torch.nn.Module, ...] = ()
         # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
         self.original = (e3nn_tp,)
 
@@ -106,7 +109,10 @@ class FusedConvTP(torch.nn.Module, StandIn):
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
         if isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
-            return stream(self.conv, node_feats.contiguous(), edge_attrs, tp_weights, graph, self.chunk_edges)
+            linear = self.fused_linear[0] if self.fused_linear else None
+            out = stream(self.conv, node_feats.contiguous(), edge_attrs, tp_weights, graph, self.chunk_edges,
+                         out_fn=linear)
+            return out if linear is None else mark_linear_applied(out, linear)
         # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
         return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
 

@@ -7,6 +7,10 @@ A MACE interaction block computes ``tp_weights = conv_tp_weights(edge_feats)`` (
 patched ``conv_tp`` (``FusedConvTP``) recognises it and streams (``patches.streaming.stream``): the weights
 are made and consumed per chunk of edges, forward and backward.
 
+The block's ``linear`` (right after the convolution) runs inside the convolution too, per chunk of output
+rows (``AppliedLinear`` passes the tagged result through): MACE-MP-medium's convolution output, [N, 5120],
+the widest per-atom tensor of the model, never exists for all atoms in the forward.
+
 When every interaction block streams, the model's spherical harmonics and radial embedding are deferred
 too (``DeferredSphericalHarmonics``, ``DeferredRadialEmbedding``: ``EdgeRows`` of the edge vectors and
 lengths): each chunk recomputes them from the vectors and lengths, so autograd keeps only those two per
@@ -29,8 +33,9 @@ from ..families import is_mace_model
 from ..streaming import Deferred, DeferredRadial, DeferredWeights, EdgeRows, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
 
-__all__ = ["STREAMING_INTERACTIONS", "DeferredRadial", "DeferredRadialEmbedding", "DeferredSphericalHarmonics",
-           "DeferredWeights", "chunk_edges_for", "set_streaming", "streaming_blocks"]
+__all__ = ["STREAMING_INTERACTIONS", "AppliedLinear", "DeferredRadial", "DeferredRadialEmbedding",
+           "DeferredSphericalHarmonics", "DeferredWeights", "chunk_edges_for", "mark_linear_applied", "set_streaming",
+           "streaming_blocks"]
 
 # Blocks of mace-torch 0.3.16 whose forward is: tp_weights = conv_tp_weights(edge_feats) [* cutoff],
 # message = conv_tp(node_feats, edge_attrs, tp_weights, edge_index) and nothing else reads tp_weights,
@@ -67,6 +72,29 @@ class DeferredRadialEmbedding(Deferred):
         return EdgeRows(feats, (lengths,)), None if applies_cutoff else EdgeRows(cutoff, (lengths,))
 
 
+_APPLIED = "_cgforge_applied_linear"  # attribute of a message whose linear the convolution applied already
+
+
+def mark_linear_applied(message: Tensor, linear: torch.nn.Module) -> Tensor:
+    """Tag a convolution's output as already passed through ``linear`` (read by ``AppliedLinear``)."""
+    setattr(message, _APPLIED, linear)
+    return message
+
+
+class AppliedLinear(Deferred):
+    """Stand-in for a streaming block's ``linear`` (the layer right after its convolution), which the
+    convolution applies per chunk of rows (so MACE-MP-medium's [N, 5120] convolution output never exists for
+    all atoms): passes through a message the convolution tagged, refuses any other (applying the linear
+    again would be wrong, silently)."""
+
+    def forward(self, message: Tensor) -> Tensor:
+        if getattr(message, _APPLIED, None) is not self.module:
+            raise RuntimeError("streaming edges: this block's convolution applies its linear layer itself, but the "
+                               "message reached the linear by another path (e.g. LAMMPS ghost truncation); turn "
+                               "streaming off for this use")
+        return message
+
+
 def streaming_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The interaction blocks of a patched MACE model that can stream."""
     from .patch import FusedConvTP
@@ -82,6 +110,17 @@ def geometry_can_stream(model: torch.nn.Module) -> bool:
     embedding = embedding.module if isinstance(embedding, Deferred) else embedding
     return (type(model).__name__ in _GEOMETRY_MODELS and len(streaming_blocks(model)) == len(model.interactions)
             and type(embedding).__name__ == "RadialEmbeddingBlock" and not hasattr(embedding, "distance_transform"))
+
+
+def _fuse_linear(blocks: list[torch.nn.Module], on: bool) -> None:
+    for block in blocks:
+        linear = block.linear
+        if on and not isinstance(linear, AppliedLinear):
+            block.conv_tp.fused_linear = (linear,)
+            block.linear = AppliedLinear(linear)
+        elif not on and isinstance(linear, AppliedLinear):
+            block.conv_tp.fused_linear = ()
+            block.linear = linear.module
 
 
 def _defer_geometry(model: torch.nn.Module, on: bool) -> None:
@@ -102,7 +141,9 @@ def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
     """
     if not is_mace_model(model):
         raise TypeError(f"model: expected a patched MACE model, got {type(model).__qualname__}")
-    count = defer_radial(streaming_blocks(model), "conv_tp_weights", "conv_tp", chunk_edges)
+    blocks = streaming_blocks(model)
+    count = defer_radial(blocks, "conv_tp_weights", "conv_tp", chunk_edges)
+    _fuse_linear(blocks, chunk_edges is not None)
     _defer_geometry(model, chunk_edges is not None and geometry_can_stream(model))
     return count
 
