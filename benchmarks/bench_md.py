@@ -22,7 +22,7 @@ self-connections through e3nn's outer product rather than one linear map per spe
 cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
 the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), cgforge-streaming (radial MLP inside the convolution per chunk of edges: no
-per-edge weight tensors; eager steps), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
+per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radial MLPs in 3xTF32), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
@@ -59,7 +59,7 @@ DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measure
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26, "100k": 32, "200k": 41, "500k": 55, "1m": 70}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
-            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
+            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
             "fastmace")
 MD_BACKENDS = ("cgforge-engine", "cgforge-ase", "fastmace")  # whole MD steps, not force calls
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
@@ -68,7 +68,8 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-e3nn-sc": {"warmup": False}, "cgforge-sorted": {"warmup": False},
                    "cgforge-3xtf32": {"radial_precision": "3xtf32"},
                    "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
-                   "cgforge-streaming": {"streaming": True}}
+                   "cgforge-streaming": {"streaming": True},
+                   "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
