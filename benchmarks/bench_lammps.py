@@ -1,9 +1,10 @@
 """LAMMPS ``pair_style mliap unified`` speed: ms/step and ns/day of NVE water boxes, in one run and one table:
-cgforge's class on each LAMMPS build given, MACE's own ML-IAP class where it can run (its failure reason in the
-row otherwise), and cgforge's own MD engine (``cgforge.plugin.engine``) on the same box and model.
+cgforge's class on each LAMMPS build given (``cgforge``: its kernels; ``unpatched``: the same class running the
+model's own e3nn code), MACE's own ML-IAP class where it can run (its failure reason in the row otherwise), and
+cgforge's own MD engine (``cgforge.plugin.engine``, ``engine``) on the same box and model.
 
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
-        [--ranks 1] [--steps 10] [--warmup 3] [--dtype float32] [--classes cgforge mace-own engine]
+        [--ranks 1] [--steps 10] [--warmup 3] [--dtype float32] [--classes cgforge unpatched mace-own engine]
         [--device auto] [--timeout 240] [--budget 540]
 
 Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
@@ -40,7 +41,7 @@ SKIN = 1.0
 SPECORDER = ["H", "O"]  # LAMMPS atom types 1, 2 of the water data files
 KOKKOS_FLAGS = {"kokkos": ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"],
                 "kokkos-host": ["-k", "on", "t", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]}
-CLASSES = ("cgforge", "mace-own", "engine")
+CLASSES = ("cgforge", "unpatched", "mace-own", "engine")
 
 
 def ns_per_day(ms_per_step: float) -> float:
@@ -199,6 +200,31 @@ def _mace_peer(source: Path, dtype: str, folder: Path) -> tuple[Path | None, str
         return None, f"could not build mace's ML-IAP object ({type(err).__name__}: {err})"
 
 
+def _object_files(host, classes: list[str], folder: Path, stem: str) -> dict:
+    """The LAMMPS model files of cgforge's class, by (class, array flavour): the model on --device for host arrays,
+    on the arrays' device under Kokkos; 'unpatched' is the same class running the model's own (e3nn) code."""
+    from cgforge.lammps.write import write_lammps_model
+
+    files = {}
+    for cls in [c for c in classes if c in ("cgforge", "unpatched")]:
+        for flavour in ("host", "kokkos"):
+            obj = copy.copy(host)
+            obj.patch = False if cls == "unpatched" else None
+            obj.device = host.device if flavour == "host" else None
+            files[cls, flavour] = write_lammps_model(obj, folder / f"{cls}-{flavour}-{stem}.mliap.pkl")
+    return files
+
+
+def _file_for(files: dict, cls: str, build: Build) -> tuple[Path | None, str | None]:
+    """The model file ``cls`` runs on ``build`` with, or why it cannot run there."""
+    if cls == "mace-own":
+        path, why = files["mace-own"]
+        if path is not None and not build.kokkos:
+            return None, "mace's class writes forces with update_pair_forces_gpu, which only the Kokkos data object has"
+        return path, why
+    return files[cls, "kokkos" if build.kokkos else "host"], None
+
+
 def _model_source(name: str, dtype: str, folder: Path) -> Path:
     """A checkpoint file for --models NAME: the bundled model, the MACE-MP-medium shape, or a path."""
     if name in ("mace", "nequip"):
@@ -285,7 +311,6 @@ def run(args: argparse.Namespace) -> None:
     from common import environment, write_json
 
     from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
     from cgforge.plugin.water import water_box
 
     builds = [Build.find(p) for p in args.lammps]
@@ -314,19 +339,15 @@ def run(args: argparse.Namespace) -> None:
 
     for name in args.models:
         source = _model_source(name, args.dtype, folder)
-        # cgforge's object: the model on --device for host arrays, on the arrays' device under Kokkos
         host = CgforgeMLIAP(source, dtype=args.dtype, device=device)
-        kokkos = copy.copy(host)
-        kokkos.device = None
-        ours = {"host": host, "kokkos": kokkos}
-        missing = [e for e in SPECORDER if e not in ours["host"].element_types]
+        missing = [e for e in SPECORDER if e not in host.element_types]
         if missing:
             raise SystemExit(f"--models {name}: the model has no {missing} (water needs H and O)")
-        files = {k: write_lammps_model(obj, folder / f"cgforge-{k}-{source.stem}.mliap.pkl")
-                 for k, obj in ours.items()}
-        peer = (_mace_peer(source, args.dtype, folder) if "mace-own" in args.classes and ours["host"].kind == "mace"
-                else (None, "not a MACE model"))
-        ghost_cutoff = (ours["host"].ghost_cutoff if args.ghost_neighbours else ours["host"].cutoff) + SKIN
+        files = _object_files(host, args.classes, folder, source.stem)
+        if "mace-own" in args.classes:
+            files["mace-own"] = (_mace_peer(source, args.dtype, folder) if host.kind == "mace"
+                                 else (None, "not a MACE model"))
+        ghost_cutoff = (host.ghost_cutoff if args.ghost_neighbours else host.cutoff) + SKIN
         for size in args.sizes:
             atoms = water_box(size, seed=0)
             data = folder / f"water-{size}.data"
@@ -335,20 +356,12 @@ def run(args: argparse.Namespace) -> None:
                     write_lammps_data(f, atoms, specorder=SPECORDER, masses=True, units="metal")
             base = {"model": name, "molecules": size, "atoms": len(atoms), "dtype": args.dtype}
             for build in builds:
-                for cls in ("cgforge", "mace-own"):
-                    if cls not in args.classes:
-                        continue
+                for cls in [c for c in args.classes if c != "engine"]:
                     for ranks in args.ranks:
                         row = {**base, "class": cls, "build": build.kind, "lammps": str(build.path), "ranks": ranks}
-                        why = build.unusable()
                         launcher = build.launcher(ranks)
-                        model_file, peer_why = (files["kokkos" if build.kokkos else "host"], None) \
-                            if cls == "cgforge" else peer
-                        if cls == "mace-own" and model_file is not None and not build.kokkos:
-                            peer_why = ("mace's class writes forces with update_pair_forces_gpu, which only the "
-                                        "Kokkos data object has")
-                            model_file = None
-                        why = why or (launcher if isinstance(launcher, str) else None) or peer_why
+                        model_file, file_why = _file_for(files, cls, build)
+                        why = build.unusable() or (launcher if isinstance(launcher, str) else None) or file_why
                         if why:
                             add({**row, "error": why})
                             continue
@@ -371,14 +384,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _line(row: dict) -> str:
-    head = f"{row['model']:>14s} {row['class']:>8s} {row['build']:>11s} {row['atoms']:7d} atoms {row['ranks']:2d} ranks"
+    head = f"{row['model']:>14s} {row['class']:>9s} {row['build']:>11s} {row['atoms']:7d} atoms {row['ranks']:2d} ranks"
     if "error" in row:
         return f"{head}  -- {row['error']}"
     return f"{head} {row['ms_per_step']:10.1f} ms/step {row['ns_per_day']:9.4f} ns/day"
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'model':>14s} {'class':>8s} {'build':>11s} {'atoms':>7s} {'ranks':>5s} {'ms/step':>9s} "
+    lines = [f"{'model':>14s} {'class':>9s} {'build':>11s} {'atoms':>7s} {'ranks':>5s} {'ms/step':>9s} "
              f"{'ns/day':>8s} {'peak GB':>7s}  note"]
     for r in rows:
         if "error" in r:
@@ -387,7 +400,7 @@ def _table(rows: list[dict]) -> str:
             peak = f"{r['peak_gb']:7.1f}" if "peak_gb" in r else f"{'-':>7s}"
             cells = f"{r['ms_per_step']:9.1f} {r['ns_per_day']:8.4f} {peak}"
             note = f"ghosts {r['ghosts_rank0']}" if "ghosts_rank0" in r else f"cuda graph {r.get('cuda_graph')}"
-        lines.append(f"{r['model']:>14s} {r['class']:>8s} {r['build']:>11s} {r['atoms']:7d} {r['ranks']:5d} "
+        lines.append(f"{r['model']:>14s} {r['class']:>9s} {r['build']:>11s} {r['atoms']:7d} {r['ranks']:5d} "
                      f"{cells}  {note}")
     return "\n".join(lines)
 

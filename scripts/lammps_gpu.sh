@@ -16,9 +16,10 @@
 #   CGFORGE_LAMMPS_TARBALL  default .device/lammps/lammps-29Aug2024u3-src.tar.gz (LAMMPS stable 29Aug2024 u3,
 #                           a copy without lib/, so Kokkos comes from the next one)
 #   CGFORGE_KOKKOS_TARBALL  default .device/lammps/kokkos-4.3.01.tar.gz (the Kokkos release that LAMMPS
-#                           29Aug2024 bundles; a tarball with a top folder kokkos/, e.g. `git archive
-#                           --prefix=kokkos/ 4.3.01` of github.com/kokkos/kokkos). Not needed for --plain.
+#                           29Aug2024 bundles, 2.4 MB; a tarball with a top folder kokkos/). Not needed for --plain.
 #   Put them in place with:  mkdir -p .device/lammps && cp ../shared/lammps/*.tar.gz .device/lammps/
+#   and, from a clone of github.com/kokkos/kokkos (the `fetch` tool brings one to /work/.mirror/kokkos+kokkos/repo):
+#     git --git-dir=KOKKOS/.git archive --format=tar --prefix=kokkos/ 4.3.01 | gzip > .device/lammps/kokkos-4.3.01.tar.gz
 # Other settings: CGFORGE_LAMMPS_PYTHON (python3), CGFORGE_LAMMPS_JOBS (16), CGFORGE_LAMMPS_BUDGET (seconds this
 # call may spend, 540: the compile step stops cleanly before that so the next call resumes it).
 # MPI: LAMMPS's serial stubs (one rank; no MPI library needed) unless `mpicxx` is on PATH.
@@ -35,7 +36,7 @@ mode=kokkos
 case "${1:-}" in
   --plain) mode=plain; shift ;;
   --kokkos-host) mode=kokkos-host; shift ;;
-  -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+  -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
   -*) fail "unknown option ${1} (expected --plain or --kokkos-host, or none for KOKKOS+CUDA)" ;;
 esac
 [ $# -eq 1 ] || fail "usage: bash scripts/lammps_gpu.sh [--plain | --kokkos-host] DEST"
