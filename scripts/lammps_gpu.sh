@@ -59,6 +59,12 @@ if [ -f "$dest/.mode" ] && [ "$(cat "$dest/.mode")" != "$mode" ]; then
 fi
 echo "$mode" > "$dest/.mode"
 
+if [ "$mode" = kokkos ]; then  # nvcc_wrapper calls `nvcc` from PATH, at configure and at every compile
+  nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc 2>/dev/null | head -n 1)
+  [ -n "$nvcc" ] || fail "nvcc not found on PATH or in /usr/local/cuda*/bin (the KOKKOS CUDA build needs it; --plain needs none)"
+  export PATH="$(dirname "$nvcc"):$PATH"
+fi
+
 environment_line() {
   echo "export PYTHONPATH=$src/python:\$PYTHONPATH LD_LIBRARY_PATH=$build:\$LD_LIBRARY_PATH"
 }
@@ -193,7 +199,8 @@ while changed:  # a dropped header still included by a kept file comes back (wit
 for s in sorted(gone):
     for suffix in (".cpp", ".h"):
         (kk / (s + suffix)).unlink(missing_ok=True)
-print(f"lammps_gpu: removed {len(gone)} unneeded KOKKOS style twins: {' '.join(sorted(gone))}")
+(src / "trimmed-kokkos-styles.txt").write_text("\n".join(sorted(gone)) + "\n")
+print(f"lammps_gpu: removed {len(gone)} unneeded KOKKOS style twins (listed in {src}/trimmed-kokkos-styles.txt)")
 EOF
   touch "$src/.trimmed"
 fi
@@ -226,12 +233,13 @@ if [ ! -f "$dest/.configured" ]; then
   fi
   case "$mode" in
     kokkos)
-      nvcc=$(command -v nvcc) || fail "nvcc not found (the KOKKOS CUDA build needs it; --plain needs none)"
       log "nvcc: $nvcc ($("$nvcc" --version | tail -n 2 | head -n 1))"
       # Kokkos links the driver library (libcuda.so): the toolkit's stub, else the driver's own libcuda.so.1
       # (CMake looks for the unversioned name only), else CGFORGE_CUDA_DRIVER.
       driver=${CGFORGE_CUDA_DRIVER:-}
-      cudadir=$(dirname "$(readlink -f "$nvcc")")/..
+      # the toolkit nvcc runs from (it may be a wrapper script elsewhere): its dry run prints TOP=
+      cudadir=$(cd /tmp && "$nvcc" --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n 1)
+      [ -n "$cudadir" ] || cudadir=$(dirname "$(readlink -f "$nvcc")")/..
       for d in "$cudadir/lib64/stubs" "$cudadir/targets/x86_64-linux/lib/stubs" "$cudadir/lib64"; do
         [ -z "$driver" ] && [ -f "$d/libcuda.so" ] && driver=$d/libcuda.so
       done
