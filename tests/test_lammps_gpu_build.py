@@ -152,3 +152,17 @@ def test_bench_failure_reason_is_the_python_exception(bench):
     assert bench._why(output).startswith("AttributeError: 'MLIAPDataPy'")
     assert bench._why("ERROR: Unrecognized pair style 'mliap/kk'\n").startswith("ERROR: Unrecognized")
     assert bench._why("") == "no output"
+
+
+def test_bench_case_results_timeouts_and_late_failures(bench):
+    """A case's RESULT counts even when the process fails after it; no RESULT is an error; a hang times out."""
+    result = 'import json; print("RESULT " + json.dumps({"ms_per_step": 2.0}), flush=True)'
+    env = dict(os.environ)
+    ok = bench._run_case([sys.executable, "-c", result], env, 60)
+    assert ok["ms_per_step"] == 2.0 and "exit" not in ok and "error" not in ok
+    late = bench._run_case([sys.executable, "-c", result + "; raise SystemExit('teardown')"], env, 60)
+    assert late["ms_per_step"] == 2.0 and late["exit"] == 1 and "error" not in late
+    failed = bench._run_case([sys.executable, "-c", "raise ValueError('no model')"], env, 60)
+    assert failed["error"] == "exit 1: ValueError: no model"
+    hung = bench._run_case([sys.executable, "-c", "import time; time.sleep(60)"], env, 1)
+    assert hung["error"].startswith("timed out after 1 s")
