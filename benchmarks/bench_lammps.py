@@ -1,45 +1,107 @@
-"""LAMMPS ``pair_style mliap unified`` speed: ms/step and ns/day of NVE water boxes, cgforge's class vs MACE's
-own ML-IAP class (when mace's is importable and the LAMMPS build can run it), in one run.
+"""LAMMPS ``pair_style mliap unified`` speed: ms/step and ns/day of NVE water boxes, in one run and one table:
+cgforge's class on each LAMMPS build given (``cgforge``: its kernels; ``unpatched``: the same class running the
+model's own e3nn code), MACE's own ML-IAP class where it can run (its failure reason in the row otherwise), and
+cgforge's own MD engine (``cgforge.plugin.engine``, ``engine``) on the same box and model.
 
-    python benchmarks/bench_lammps.py [--sizes 32 216] [--ranks 1 2] [--steps 20] [--dtype float32]
-        [--kokkos] [--ghost-neighbours 1|0] [--model mace|PATH] [--lammps .lammps]
+    python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
+        [--ranks 1] [--steps 10] [--warmup 3] [--dtype float32] [--classes cgforge unpatched mace-own engine]
+        [--device auto] [--timeout 240] [--budget 540]
 
-Each (size, ranks, class) runs in its own ``mpirun -np R python bench_lammps.py --worker ...`` with the
-LAMMPS build named by --lammps (default .lammps, built by scripts/lammps.sh). Sizes are water molecules
-(``water_box(n)``). Ghost-neighbour mode (``--ghost-neighbours 1``, the default) gives every rank a ghost shell
-of layers x cutoff + skin; ``0`` is the exchange mode, which needs a Kokkos LAMMPS with ``forward_exchange``
-(22 Jul 2025+). ``--kokkos`` adds ``-k on g 1 -sf kk -pk kokkos newton on neigh half`` (a Kokkos CUDA build,
-one GPU per rank). MACE's class (``mace.calculators.lammps_mliap_mace``) writes forces with
-``update_pair_forces_gpu`` and exchanges features between layers, so it runs only on such a build; where it
-cannot run, its row says why. Results: a table, and JSON under benchmarks/results/.
+Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
+arrays; ``kokkos``: KOKKOS CUDA, run with ``-k on g 1 -sf kk``, device arrays; ``kokkos-host``: KOKKOS Serial);
+a DIR without one is ``scripts/lammps.sh``'s MPI build (host arrays, DIR/tools/bin/mpirun). cgforge's class runs
+its model on ``--device`` (auto: CUDA when there is one) on host-array builds and on the arrays' device on Kokkos
+builds. Sizes are water molecules (1728 = 5184 atoms); models are ``mace`` (bundled), ``mace-mp-medium`` (that
+architecture with random weights, benchmarks/shapes.py) or a checkpoint path.
+
+Every case runs in its own process (``mpirun -np R`` when R > 1) with ``--timeout`` seconds; ``--budget`` bounds the
+whole run (cases past it are rows saying so), so one failure or hang costs one row. Ghost-neighbour mode
+(``pair_style mliap unified FILE 1``, ghost shell layers x cutoff + skin): LAMMPS 29Aug2024 has no
+``forward_exchange``, which MACE's class calls between layers. Results: the table last, and JSON under $OUT when
+set, else benchmarks/results/ (rewritten after every case).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DT_PS = 0.0005
 SKIN = 1.0
+SPECORDER = ["H", "O"]  # LAMMPS atom types 1, 2 of the water data files
+KOKKOS_FLAGS = {"kokkos": ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"],
+                "kokkos-host": ["-k", "on", "t", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]}
+CLASSES = ("cgforge", "unpatched", "mace-own", "engine")
 
 
-def worker(args: argparse.Namespace) -> None:
-    """Inside mpirun: set up LAMMPS, warm up, time ``--steps`` NVE steps, print one JSON line on rank 0."""
+def ns_per_day(ms_per_step: float) -> float:
+    return DT_PS * 1e-3 * 86400e3 / ms_per_step
+
+
+@dataclass
+class Build:
+    """One LAMMPS build folder and its kind (plain, kokkos, kokkos-host, mpi)."""
+
+    path: Path
+    kind: str
+
+    @classmethod
+    def find(cls, path: str) -> Build:
+        folder = Path(path).resolve()
+        mode = folder / ".mode"
+        if mode.is_file():
+            return cls(folder, mode.read_text().strip())
+        return cls(folder, "mpi" if (folder / "tools" / "bin" / "mpirun").is_file() else "plain")
+
+    @property
+    def kokkos(self) -> bool:
+        return self.kind.startswith("kokkos")
+
+    def unusable(self) -> str | None:
+        """Why this build cannot run (None: it can)."""
+        if not (self.path / "src" / "build" / "liblammps.so").is_file():
+            return f"no liblammps.so in {self.path}/src/build (not built)"
+        if (self.path / ".mode").is_file() and not (self.path / ".built").is_file():
+            return f"{self.path}: scripts/lammps_gpu.sh has not finished this build (run it again)"
+        return None
+
+    def environment(self) -> dict:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(self.path / "src" / "python"), str(ROOT), env.get("PYTHONPATH", "")])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([str(self.path / "src" / "build"), str(self.path / "tools" / "lib"),
+                                                  env.get("LD_LIBRARY_PATH", "")])
+        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # MACE's object is a .pt file (torch >= 2.6)
+        return env
+
+    def launcher(self, ranks: int) -> list[str] | str:
+        """The command prefix for ``ranks`` processes, or why there is none."""
+        if ranks == 1:
+            return []
+        mpirun = self.path / "tools" / "bin" / "mpirun"
+        if self.kind != "mpi" or not mpirun.is_file():
+            return f"{ranks} ranks need an MPI build with mpirun ({self.path} is '{self.kind}')"
+        return [str(mpirun), "-np", str(ranks)]
+
+
+# --- workers (each case's own process) --------------------------------------------------------------------
+
+def lammps_worker(args: argparse.Namespace) -> None:
+    """Set up LAMMPS, warm up, time ``--steps`` NVE steps; print one RESULT line on rank 0."""
     import lammps
     import lammps.mliap
 
-    cmdargs = ["-log", "none", "-screen", "none", "-nocite"]
-    if args.kokkos:
-        cmdargs += ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
-    lmp = lammps.lammps(cmdargs=cmdargs)
-    if args.kokkos:
+    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"] + KOKKOS_FLAGS.get(args.kind, []))
+    if args.kind.startswith("kokkos"):
         lammps.mliap.activate_mliappy_kokkos(lmp)
     else:
         lammps.mliap.activate_mliappy(lmp)
@@ -49,26 +111,79 @@ def worker(args: argparse.Namespace) -> None:
         boundary p p p
         read_data {args.data}
         pair_style mliap unified {args.model_file} {args.ghost_neighbours}
-        pair_coeff * * {args.elements}
+        pair_coeff * * {' '.join(SPECORDER)}
         comm_modify cutoff {args.ghost_cutoff}
         neighbor {SKIN} bin
         timestep {DT_PS}
         fix integrate all nve
         thermo {max(args.steps, 1)}
     """)
+    start = time.perf_counter()
     lmp.command(f"run {args.warmup}")
+    warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     lmp.command(f"run {args.steps} pre no post no")
     seconds = time.perf_counter() - start
     if lmp.extract_setting("world_rank") == 0:
         ms = 1e3 * seconds / args.steps
-        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": DT_PS * 1e-3 * 86400e3 / ms,
-                                      "atoms": lmp.get_natoms(), "pe": lmp.get_thermo("pe")}))
+        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "atoms": lmp.get_natoms(),
+                                      "ghosts_rank0": lmp.extract_setting("nghost"), "warmup_s": warmup_s,
+                                      "pe": lmp.get_thermo("pe"), **_gpu_memory()}), flush=True)
     lmp.close()
 
 
-def _mace_peer(model_name: str, dtype: str, folder: Path) -> tuple[Path | None, str | None]:
-    """MACE's own ML-IAP object for the same model, pickled; or why not."""
+def engine_worker(args: argparse.Namespace) -> None:
+    """cgforge's MD engine, NVE (velocity Verlet) on the same box: warm up, time ``--steps`` steps."""
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.engine import Engine
+    from cgforge.plugin.integrators import VelocityVerlet
+    from cgforge.plugin.water import water_box
+
+    device = _device(args.device)
+    atoms = water_box(args.molecules, seed=0)
+    calc = Calculator(args.model_file, device=device, dtype=args.dtype, skin=SKIN)
+    engine = Engine(calc, atoms, VelocityVerlet(DT_PS * 1e3), seed=1, max_temperature_K=float("inf"))
+    start = time.perf_counter()
+    engine.run(args.warmup)
+    _sync(device)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.run(args.steps)
+    _sync(device)
+    ms = 1e3 * (time.perf_counter() - start) / args.steps
+    print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "atoms": len(atoms),
+                                  "warmup_s": warmup_s, "device": str(device), "cuda_graph": engine.cuda_graph,
+                                  "capture_error": engine.capture_error,
+                                  "pe": float(engine.state.energy.item()), **_gpu_memory()}), flush=True)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _gpu_memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+# --- the driver --------------------------------------------------------------------------------------------
+
+def _mace_peer(source: Path, dtype: str, folder: Path) -> tuple[Path | None, str | None]:
+    """MACE's own ML-IAP object for the same model, written as .pt; or why not."""
     try:
         import torch
         from mace.calculators.lammps_mliap_mace import LAMMPS_MLIAP_MACE
@@ -77,103 +192,221 @@ def _mace_peer(model_name: str, dtype: str, folder: Path) -> tuple[Path | None, 
     except Exception as err:  # noqa: BLE001 - a missing peer is a row, not a failure
         return None, f"mace's ML-IAP class not importable ({type(err).__name__}: {err})"
     try:
-        model = load_model(model_name, torch.device("cpu"), dtype, patch=False)
-        path = folder / "mace-own.mliap.pt"
+        model = load_model(source, torch.device("cpu"), dtype, patch=False)
+        path = folder / f"mace-own-{source.stem}.mliap.pt"
         torch.save(LAMMPS_MLIAP_MACE(model), path)
         return path, None
     except Exception as err:  # noqa: BLE001
         return None, f"could not build mace's ML-IAP object ({type(err).__name__}: {err})"
 
 
-def _environment(lammps_dir: Path) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(lammps_dir / "src" / "python"), str(ROOT), env.get("PYTHONPATH", "")])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lammps_dir / "src" / "build"), str(lammps_dir / "tools" / "lib"),
-                                              env.get("LD_LIBRARY_PATH", "")])
-    env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # MACE's object is a .pt file (torch >= 2.6)
-    return env
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 216], help="water molecules per box")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--model", default="mace", help="'mace' (bundled) or a MACE/NequIP checkpoint")
-    parser.add_argument("--device", default=None, help="cgforge's class: cpu or cuda (default: LAMMPS's arrays')")
-    parser.add_argument("--kokkos", action="store_true")
-    parser.add_argument("--ghost-neighbours", type=int, default=1, choices=(0, 1))
-    parser.add_argument("--lammps", default=str(ROOT / ".lammps"), help="LAMMPS build folder (build.sh's DEST)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
-    parser.add_argument("--model-file", help=argparse.SUPPRESS)
-    parser.add_argument("--elements", default="H O", help=argparse.SUPPRESS)
-    parser.add_argument("--ghost-cutoff", type=float, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from ase.io.lammpsdata import write_lammps_data
-    from common import environment, write_json
-
-    from cgforge.lammps import CgforgeMLIAP
+def _object_files(host, classes: list[str], folder: Path, stem: str) -> dict:
+    """The LAMMPS model files of cgforge's class, by (class, array flavour): the model on --device for host arrays,
+    on the arrays' device under Kokkos; 'unpatched' is the same class running the model's own (e3nn) code."""
     from cgforge.lammps.write import write_lammps_model
-    from cgforge.plugin.water import water_box
 
-    lammps_dir = Path(args.lammps)
-    env = _environment(lammps_dir)
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    mpirun = lammps_dir / "tools" / "bin" / "mpirun"
-    folder = Path(tempfile.mkdtemp(prefix="bench-lammps-"))
-    ours = CgforgeMLIAP(args.model, dtype=args.dtype, device=args.device)
-    classes = {"cgforge": (write_lammps_model(ours, folder / "cgforge.mliap.pkl"), None)}
-    classes["mace-own"] = _mace_peer(args.model, args.dtype, folder) if ours.kind == "mace" else (None, "not MACE")
-    ghost_cutoff = (ours.ghost_cutoff if args.ghost_neighbours else ours.cutoff) + SKIN
-    rows = []
-    for size in args.sizes:
-        atoms = water_box(size, seed=0)
-        data = folder / f"water-{size}.data"
-        with open(data, "w") as f:
-            write_lammps_data(f, atoms, specorder=ours.element_types, masses=True, units="metal")
-        for ranks in args.ranks:
-            for name, (model_file, why) in classes.items():
-                row = {"class": name, "molecules": size, "atoms": len(atoms), "ranks": ranks}
-                if model_file is None:
-                    rows.append({**row, "error": why})
-                    continue
-                cmd = [str(mpirun), "-np", str(ranks), sys.executable, __file__, "--worker", "--data", str(data),
-                       "--model-file", str(model_file), "--elements", " ".join(ours.element_types),
-                       "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours", str(args.ghost_neighbours),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--kokkos"] if args.kokkos else [])
-                run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-                if run.returncode != 0 or not lines:
-                    rows.append({**row, "error": f"exit {run.returncode}: {_why(run.stdout + run.stderr)}"})
-                else:
-                    rows.append({**row, **json.loads(lines[-1][len("RESULT "):])})
-                print(_line(rows[-1]), flush=True)
-    payload = {"environment": environment(), "dtype": args.dtype, "kokkos": args.kokkos, "steps": args.steps,
-               "ghost_neighbours": args.ghost_neighbours, "ghost_cutoff": ghost_cutoff, "rows": rows}
-    print(f"wrote {write_json('lammps', payload)}")
+    files = {}
+    for cls in [c for c in classes if c in ("cgforge", "unpatched")]:
+        for flavour in ("host", "kokkos"):
+            obj = copy.copy(host)
+            obj.patch = False if cls == "unpatched" else None
+            obj.device = host.device if flavour == "host" else None
+            files[cls, flavour] = write_lammps_model(obj, folder / f"{cls}-{flavour}-{stem}.mliap.pkl")
+    return files
+
+
+def _file_for(files: dict, cls: str, build: Build) -> tuple[Path | None, str | None]:
+    """The model file ``cls`` runs on ``build`` with, or why it cannot run there."""
+    if cls == "mace-own":
+        path, why = files["mace-own"]
+        if path is not None and not build.kokkos:
+            return None, "mace's class writes forces with update_pair_forces_gpu, which only the Kokkos data object has"
+        return path, why
+    return files[cls, "kokkos" if build.kokkos else "host"], None
+
+
+def _model_source(name: str, dtype: str, folder: Path) -> Path:
+    """A checkpoint file for --models NAME: the bundled model, the MACE-MP-medium shape, or a path."""
+    if name in ("mace", "nequip"):
+        from cgforge.plugin.bundled import model_path
+
+        return Path(model_path(name))
+    if name == "mace-mp-medium":
+        import torch
+        from shapes import mace_mp_shape
+
+        path = folder / f"mace-mp-medium-{dtype}.model"
+        torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), path)
+        return path
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"--models: {name} is neither 'mace', 'nequip', 'mace-mp-medium' nor a file")
+    return path
+
+
+def _run_case(cmd: list[str], env: dict, timeout: float) -> dict:
+    """Run one case's process (its own session, killed whole on timeout); its RESULT, or an error."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s: {_why(output or '')}", "wall_s": timeout}
+    wall = time.perf_counter() - start
+    lines = [ln for ln in output.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: {_why(output)}", "wall_s": wall}
+    # measured; a failure after it (e.g. at Kokkos' or CUDA's teardown) is kept as a note, not lost as an error
+    tail = {"exit": proc.returncode, "exit_reason": _why(output)} if proc.returncode else {}
+    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall, **tail}
 
 
 def _why(output: str) -> str:
     """The Python exception behind a failed run (LAMMPS's own last line says only 'compute_forces failure')."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception")) and "ERROR" not in ln]
-    return ((errors or lines or ["no output"])[-1])[:240]
+    lammps_errors = [ln for ln in lines if ln.startswith("ERROR")]
+    return ((errors or lammps_errors or lines or ["no output"])[-1])[:300]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lammps", nargs="+", default=[str(ROOT / ".lammps")], help="LAMMPS build folders")
+    parser.add_argument("--models", nargs="+", default=["mace", "mace-mp-medium"])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1728, 4096], help="water molecules per box")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--classes", nargs="+", default=list(CLASSES), choices=CLASSES)
+    parser.add_argument("--device", default="auto", help="model device on host-array builds and for the engine")
+    parser.add_argument("--ghost-neighbours", type=int, default=1, choices=(0, 1))
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS)")
+    parser.add_argument("--worker", choices=("lammps", "engine"), help=argparse.SUPPRESS)
+    parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--model-file", help=argparse.SUPPRESS)
+    parser.add_argument("--molecules", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ghost-cutoff", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "lammps":
+        lammps_worker(args)
+        return
+    if args.worker == "engine":
+        engine_worker(args)
+        return
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup: at least 1 (the first run sets LAMMPS up)")
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch
+    from ase.io.lammpsdata import write_lammps_data
+    from common import environment, write_json
+
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.plugin.water import water_box
+
+    builds = [Build.find(p) for p in args.lammps]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    folder = Path(tempfile.mkdtemp(prefix="bench-lammps-"))
+    rows: list[dict] = []
+    payload = {"environment": environment(), "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+               "ghost_neighbours": args.ghost_neighbours, "device": device,
+               "builds": {str(b.path): b.kind for b in builds}, "rows": rows}
+    out = write_json("lammps", payload)
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(_line(row), flush=True)
+        out.write_text(json.dumps(payload, indent=1))
+
+    def left() -> float:
+        return float("inf") if args.budget is None else args.budget - (time.perf_counter() - t0)
+
+    def case(row: dict, cmd: list[str], env: dict) -> None:
+        if left() < 10:
+            add({**row, "error": f"skipped: --budget {args.budget:g} s spent"})
+            return
+        env = {**env, "OMP_NUM_THREADS": str(args.threads)}
+        add({**row, **_run_case(cmd, env, min(args.timeout, left()))})
+
+    for name in args.models:
+        source = _model_source(name, args.dtype, folder)
+        host = CgforgeMLIAP(source, dtype=args.dtype, device=device)
+        missing = [e for e in SPECORDER if e not in host.element_types]
+        if missing:
+            raise SystemExit(f"--models {name}: the model has no {missing} (water needs H and O)")
+        files = _object_files(host, args.classes, folder, source.stem)
+        if "mace-own" in args.classes:
+            files["mace-own"] = (_mace_peer(source, args.dtype, folder) if host.kind == "mace"
+                                 else (None, "not a MACE model"))
+        ghost_cutoff = (host.ghost_cutoff if args.ghost_neighbours else host.cutoff) + SKIN
+        for size in args.sizes:
+            atoms = water_box(size, seed=0)
+            data = folder / f"water-{size}.data"
+            if not data.exists():
+                with open(data, "w") as f:
+                    write_lammps_data(f, atoms, specorder=SPECORDER, masses=True, units="metal")
+            base = {"model": name, "molecules": size, "atoms": len(atoms), "dtype": args.dtype}
+            for build in builds:
+                for cls in [c for c in args.classes if c != "engine"]:
+                    for ranks in args.ranks:
+                        row = {**base, "class": cls, "build": build.kind, "lammps": str(build.path), "ranks": ranks}
+                        launcher = build.launcher(ranks)
+                        model_file, file_why = _file_for(files, cls, build)
+                        why = build.unusable() or (launcher if isinstance(launcher, str) else None) or file_why
+                        if why:
+                            add({**row, "error": why})
+                            continue
+                        cmd = launcher + [sys.executable, __file__, "--worker", "lammps", "--kind", build.kind,
+                                          "--data", str(data), "--model-file", str(model_file),
+                                          "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours",
+                                          str(args.ghost_neighbours), "--steps", str(args.steps),
+                                          "--warmup", str(args.warmup)]
+                        case(row, cmd, build.environment())
+            if "engine" in args.classes:
+                row = {**base, "class": "engine", "build": "-", "lammps": "", "ranks": 1}
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                cmd = [sys.executable, __file__, "--worker", "engine", "--model-file", str(source), "--molecules",
+                       str(size), "--dtype", args.dtype, "--device", device, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup)]
+                case(row, cmd, env)
+    print()
+    print(_table(rows))
+    print(f"wrote {out}")
 
 
 def _line(row: dict) -> str:
-    head = f"{row['class']:>9s} {row['atoms']:7d} atoms {row['ranks']:2d} ranks"
+    head = f"{row['model']:>14s} {row['class']:>9s} {row['build']:>11s} {row['atoms']:7d} atoms {row['ranks']:2d} ranks"
     if "error" in row:
         return f"{head}  -- {row['error']}"
     return f"{head} {row['ms_per_step']:10.1f} ms/step {row['ns_per_day']:9.4f} ns/day"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'model':>14s} {'class':>9s} {'build':>11s} {'atoms':>7s} {'ranks':>5s} {'ms/step':>9s} "
+             f"{'ns/day':>8s} {'peak GB':>7s}  note"]
+    for r in rows:
+        if "error" in r:
+            cells, note = f"{'-':>9s} {'-':>8s} {'-':>7s}", r["error"][:110]
+        else:
+            peak = f"{r['peak_gb']:7.1f}" if "peak_gb" in r else f"{'-':>7s}"
+            cells = f"{r['ms_per_step']:9.1f} {r['ns_per_day']:8.4f} {peak}"
+            note = f"ghosts {r['ghosts_rank0']}" if "ghosts_rank0" in r else f"cuda graph {r.get('cuda_graph')}"
+            if r.get("exit"):
+                note += f"; then exit {r['exit']}: {r['exit_reason'][:60]}"
+        lines.append(f"{r['model']:>14s} {r['class']:>9s} {r['build']:>11s} {r['atoms']:7d} {r['ranks']:5d} "
+                     f"{cells}  {note}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

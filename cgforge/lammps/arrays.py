@@ -66,7 +66,7 @@ class PairData:
 def read_pairs(data: Any, device: torch.device, dtype: torch.dtype) -> PairData:
     """The pair list, element indices and listed atoms of ``data`` as tensors on ``device``."""
     nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
-    nlocal = int(getattr(data, "nlocal", nlist))  # the Kokkos object of LAMMPS 29Aug2024 has no nlocal
+    nlocal = int(getattr(data, "nlocal", nlist))  # older Kokkos data objects lack nlocal (29Aug2024 has it)
     npairs = int(data.npairs)
     raw = {"pair_i": data.pair_i, "pair_j": data.pair_j, "rij": data.rij, "elems": data.elems,
            "iatoms": data.iatoms}
