@@ -79,8 +79,10 @@ class CallGraphCache:
         return None if self._pinned is None else self._pinned[2]
 
     def get(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, num_nodes: int) -> kernels.ConvGraph:
-        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         pinned = self._pinned
+        if torch.compiler.is_compiling():
+            return self._compiled_get(pinned)
+        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         if pinned is not None:
             (src, dst), key, graph = pinned
             if src is bases[0] and dst is bases[1] and key == (_layout(edge_src), _layout(edge_dst), int(num_nodes)):
@@ -92,6 +94,18 @@ class CallGraphCache:
         graph = kernels.ConvGraph(edge_src, edge_dst, int(num_nodes))
         self._bases, self._key, self._graph = bases, key, graph
         return graph
+
+    @staticmethod
+    def _compiled_get(pinned: tuple | None) -> kernels.ConvGraph:
+        # Under torch.compile the identity, view-layout and version checks read tensor metadata that dynamo
+        # cannot put in a graph (each would break it), and a graph built here would read the indices' range
+        # on the host. Only the pinned graph is served: its owner (the calculator's compiled step) pins the
+        # graph of exactly the edges it passes the model, before each call.
+        if pinned is None:
+            raise RuntimeError("cgforge: a patched model compiled with torch.compile needs the convolution graph "
+                               "pinned by its caller (cgforge's Calculator(compile=True) does); compile the "
+                               "Calculator's step rather than the model itself")
+        return pinned[2]
 
     def __call__(self, module: torch.nn.Module, args: object) -> None:  # forward pre-hook
         self.clear()
