@@ -124,6 +124,8 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
             source = nequip_model(model_name, dtype)
         else:
             source = bundled(model_name.split("-")[1])
+        if CGFORGE_OPTIONS[backend].get("compile"):
+            torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
                           stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
         if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
@@ -298,6 +300,8 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from cgforge.plugin.integrators import Langevin, StochasticCellRescaling
 
     reset_memory()
+    if ENGINE_BACKENDS.get(backend, {}).get("compile"):
+        torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,

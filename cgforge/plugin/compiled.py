@@ -42,6 +42,12 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # the same graphs, guards and recompilations in seconds rather than a minute of C++ compilation on a CPU).
 BACKEND = "inductor"
 
+# What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
+# recompile limit under fullgraph=True (not one of them): every compiled calculator of a process adds entries to
+# the one cache of its adapter's ``energy`` code (torch._dynamo.config.recompile_limit, 8 by default).
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
+                   getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
+
 EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
 
@@ -125,7 +131,7 @@ class CompiledEnergy:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             return self._compiled(positions, vectors, species, edge_index, per_atom)
-        except torch._dynamo.exc.TorchDynamoException as err:
+        except _COMPILE_ERRORS as err:
             self._compiled = None
             self.error = _reason(err)
             warnings.warn(f"cgforge: torch.compile of the model failed, running it eagerly ({self.error})",
