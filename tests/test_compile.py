@@ -7,6 +7,8 @@ slow ones compile with Inductor itself; the CUDA ones check the compiled step in
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import numpy as np
 import pytest
 import torch
@@ -111,22 +113,32 @@ def test_the_patched_models_compile_as_one_graph():
         a.get_forces()
         calc.adapter.energy = energy
         positions, vectors, species, edge_index, per_atom = seen["args"]
-        for cache in step.caches:  # the step pinned its graph; the species groups as in a step
-            cache.species = step._groups
-        try:
+        with ExitStack() as stack:  # the step pinned its graph; species groups and serving as in its call
+            for cache in step.caches:
+                stack.enter_context(cache.use_species(step._groups))
+                stack.enter_context(cache.serve_pinned())
             explained = torch._dynamo.explain(energy)(positions.detach(), vectors.detach().requires_grad_(True),
                                                       species, edge_index, False)
-        finally:
-            for cache in step.caches:
-                cache.species = None
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (kind, explained.break_reasons)
 
 
-def test_a_compiled_model_without_a_pinned_graph_says_what_to_do():
+def test_a_compiled_model_gets_a_pinned_graph_only_from_its_caller():
+    """Compiling a patched model outside the calculator's step is an error naming the way, also when a graph is
+    pinned (for the calculator's own edges, not the ones the model is called with)."""
+    from cgforge.kernels import ConvGraph
     from cgforge.patches.graph_cache import CallGraphCache
 
+    cache = CallGraphCache()
+    sender, receiver = torch.tensor([0, 1]), torch.tensor([1, 0])
+    graph = ConvGraph(sender, receiver, 2)
     with pytest.raises(RuntimeError, match="Calculator\\(compile=True\\)"):
-        CallGraphCache._compiled_get(None)
+        cache._compiled_get()
+    cache.pin(sender, receiver, graph)
+    with pytest.raises(RuntimeError, match="Calculator\\(compile=True\\)"):
+        cache._compiled_get()
+    with cache.serve_pinned():
+        assert cache._compiled_get() is graph
+    assert not cache.compiling_caller
 
 
 # --- the compiled step (aot_eager) --------------------------------------------------------------------------

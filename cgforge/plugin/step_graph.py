@@ -414,6 +414,8 @@ class ModelStep:
             with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
                 for cache in self.caches:
                     grouped.enter_context(cache.use_species(self._groups))
+                    if self.compiled is not None:
+                        grouped.enter_context(cache.serve_pinned())
                 energy, energies = self._energy(positions, vectors, edge_index, layout, per_atom)
             out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
                              count=layout.count.reshape(()).to(torch.int64))
