@@ -19,8 +19,13 @@ patched by cgforge, streaming, a torch without a working compiler for the device
 the first call (a graph break in some model's code under ``fullgraph=True``, an Inductor or Triton error) warns
 and runs that step, and every later one, eagerly; ``CompiledEnergy.error`` keeps the reason.
 
-The patched model serves a pinned convolution graph only while compiling (``graph_cache``): the step pins the
-graph of its edges before every call, as it does anyway.
+Under compilation the patched model's layers take the convolution graph the step pinned for its edges (as it
+does before every call anyway), and only inside the step's ``serve_pinned`` block (``graph_cache``): a patched
+model compiled by someone else gets an error saying so rather than a graph of other edges.
+
+Not fused away: the symmetric contraction's transformed weights (W' = A W, a few small kernels per product
+block) are cached by the eager path but recomputed in the compiled graph (the cache's check reads data
+pointers, which dynamo cannot trace).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 BACKEND = "inductor"
 
 # What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
-# recompile limit under fullgraph=True (not one of them): every compiled calculator of a process adds entries to
-# the one cache of its adapter's ``energy`` code (torch._dynamo.config.recompile_limit, 8 by default).
+# recompile limit under fullgraph=True (not one of them). All calculators of a process share the cache of their
+# adapter's ``energy`` code: one of the same architecture and shapes reuses an entry (measured: a second and third
+# bundled-MACE calculator compile nothing), other architectures or atom counts add entries, 8 at most
+# (torch._dynamo.config.recompile_limit).
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
 
@@ -112,10 +119,6 @@ class CompiledEnergy:
         inductor = BACKEND == "inductor"
         self._compiled: EnergyFn | None = torch.compile(energy, backend=BACKEND, mode=mode if inductor else None,
                                                         fullgraph=True)
-
-    @property
-    def active(self) -> bool:
-        return self._compiled is not None
 
     def __call__(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor, per_atom: bool,
                  edges_dynamic: tuple[Tensor, ...] | None = None) -> tuple[Tensor, Tensor | None]:
