@@ -106,7 +106,7 @@ def test_compile_flag_reaches_the_calculator(tmp_path, capsys, monkeypatch):
     seen = []
 
     def capture(*args, **kwargs):
-        seen.append(kwargs["compile"])
+        seen.append(kwargs.get("compile", False))
         raise ValueError("stopped after the flags (test)")
 
     monkeypatch.setattr(calculator_module, "Calculator", capture)

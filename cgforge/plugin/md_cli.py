@@ -287,7 +287,7 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
         t = time.perf_counter()
         calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
                           radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt",
-                          compile=getattr(args, "compile", None) or False)
+                          **({"compile": args.compile} if getattr(args, "compile", None) else {}))
         out(model_banner(args.model, calc, time.perf_counter() - t))
         if calc.radial_precision_requested != "fp32":
             atoms.calc = calc
