@@ -22,10 +22,14 @@ self-connections through e3nn's outer product rather than one linear map per spe
 cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
 the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), cgforge-streaming (radial MLP inside the convolution per chunk of edges: no
-per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radial MLPs in 3xTF32), e3nn, cueq, oeq, hybrid (the peers' calculators with their kernels; cueq/oeq/hybrid
+per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radial MLPs in 3xTF32),
+cgforge-compiled (captured, the model's forward and backward compiled by torch.compile: ``Calculator(compile=True)``;
+its first call, compilation included, is ``first_call_s``), e3nn, cueq, oeq, hybrid (the peers' calculators with
+their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
+cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -59,9 +63,10 @@ DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measure
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26, "100k": 32, "200k": 41, "500k": 55, "1m": 70}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
-            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-ase",
-            "fastmace")
-MD_BACKENDS = ("cgforge-engine", "cgforge-ase", "fastmace")  # whole MD steps, not force calls
+            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
+            "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")
+MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")  # whole MD steps
+ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
@@ -69,7 +74,8 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-3xtf32": {"radial_precision": "3xtf32"},
                    "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
                    "cgforge-streaming": {"streaming": True},
-                   "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"}}
+                   "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
+                   "cgforge-compiled": {"compile": True}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
@@ -122,6 +128,8 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
             source = nequip_model(model_name, dtype)
         else:
             source = bundled(model_name.split("-")[1])
+        if CGFORGE_OPTIONS[backend].get("compile"):
+            torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
                           stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
         if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
@@ -204,6 +212,11 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     row["setup_s"] = time.perf_counter() - t
     a = atoms.copy()
     a.calc = calc
+    sync()
+    t = time.perf_counter()
+    a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
+    sync()
+    row["first_call_s"] = time.perf_counter() - t
     nvt = time_steps(a, steps, warmup, ("forces", "energy"))
     row["nvt_s"] = float(np.median(nvt))
     row["peak_gb_nvt"] = peak_gb()
@@ -222,6 +235,8 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
         row["model_edge_slots"] = calc.step.capacity
         row["radial_precision"] = calc.radial_precision
         row["radial_precision_error"] = calc.radial_precision_error
+        row["compile"] = calc.compile
+        row["compile_error"] = calc.step.compile_error
         if PROFILE:
             row["profile"] = profile_steps(a, f"{model_name} {backend} {dtype} {len(atoms)} atoms")
         if NVT_ONLY:
@@ -289,9 +304,12 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from cgforge.plugin.integrators import Langevin, StochasticCellRescaling
 
     reset_memory()
+    if ENGINE_BACKENDS.get(backend, {}).get("compile"):
+        torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
-                      dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN)
+                      dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
+                      **ENGINE_BACKENDS.get(backend, {}))
     row["setup_s"] = time.perf_counter() - t
     dt, temp, fr = MD["timestep_fs"], MD["temperature_K"], MD["friction_per_fs"]
     for ensemble in MD["ensembles"]:
@@ -309,6 +327,11 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
                           else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
             engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"))
+            sync()
+            t = time.perf_counter()
+            engine.run(1)  # the first step: CUDA-graph capture, and torch.compile when asked for (apart)
+            sync()
+            row[f"{ensemble}_first_step_s"] = time.perf_counter() - t
             t = time.perf_counter()
             engine.run(MD["warmup"])
             run = engine.run
@@ -321,10 +344,12 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
         row[f"{ensemble}_s"] = (time.perf_counter() - t) / MD["steps"]
         row[f"{ensemble}_ns_per_day"] = _ns_per_day(row[f"{ensemble}_s"])
         row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
-        if backend == "cgforge-engine":
+        if backend in ENGINE_BACKENDS:
             row[f"{ensemble}_stats"] = dict(engine.stats)
             row["cuda_graph"] = engine.cuda_graph
             row["capture_error"] = engine.capture_error
+            row["compile"] = calc.compile
+            row["compile_error"] = calc.step.compile_error
             del engine
         gc.collect()
     del calc
@@ -579,6 +604,10 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
             parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
         if "edges" in r:
             parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')}"
+        if "first_call_s" in r:
+            parts += f" | first call {r['first_call_s']:.1f} s"
+        if r.get("compile_error"):
+            parts += f" | compile failed: {r['compile_error'][:60]}"
         if r.get("radial_precision_error") is not None:
             parts += f" | radial {r['radial_precision']} (forces changed {r['radial_precision_error']:.1e})"
         peak = r.get("peak_gb", r.get("peak_gb_nvt"))  # --nvt-only rows: no NPT step
@@ -599,6 +628,8 @@ def md_details(r: dict) -> str:
                 text += f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures {stats['captures']})"
             if f"{ensemble}_setup_s" in r:
                 text += f" setup {r[f'{ensemble}_setup_s']:.0f} s"
+            if f"{ensemble}_first_step_s" in r:
+                text += f" first step {r[f'{ensemble}_first_step_s']:.1f} s"
             parts.append(text)
         if f"{ensemble}_error" in r:
             parts.append(f"{ensemble.upper()} error: {r[f'{ensemble}_error'][:80]}")
@@ -606,6 +637,8 @@ def md_details(r: dict) -> str:
         parts.append(f"calculator setup {r['setup_s']:.1f} s")
     if r.get("capture_error"):
         parts.append(f"capture failed: {r['capture_error'][:80]}")
+    if r.get("compile_error"):
+        parts.append(f"compile failed: {r['compile_error'][:80]}")
     return "; ".join(parts)
 
 

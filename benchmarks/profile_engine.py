@@ -1,10 +1,14 @@
 """Where the MD engine's step goes (one GPU): ms per step over engine settings, then the kernels of one step.
 
     python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip] [--molecules 1728] [--steps 200]
+                                        [--compile [MODE]]
 
 Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, bundled model, 0.5 fs), then profiles the
 fastest setting eagerly (kernels by name, count per step) so the integrator's small kernels show apart
-from the model's. Prints a table; JSON goes to benchmarks/results/ (or $OUT).
+from the model's. With ``--compile`` the same again with ``Calculator(compile=MODE)`` (torch.compile of the
+model's forward and backward; MODE default or max-autotune-no-cudagraphs), so kernel counts and ms per step
+show before and after; the first step of each (capture, and compilation) is timed apart. Prints a table; JSON
+goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -37,8 +41,17 @@ def make(model: str, molecules: int):
     rng = np.random.default_rng(0)
     masses = atoms.get_masses()[:, None]
     atoms.set_momenta(rng.normal(size=(len(atoms), 3)) * np.sqrt(masses * 300 * 8.617e-5))
-    calc = Calculator(model.split("-")[1], device="cuda", dtype="float32")
-    return atoms, calc
+    return atoms
+
+
+def first_step_s(calc, atoms) -> float:
+    """Seconds of the engine's first step with this calculator: capture, and torch.compile when asked for."""
+    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.run(1)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
 
 
 def ms_per_step(calc, atoms, steps: int, **engine_kw) -> float:
@@ -79,24 +92,41 @@ def main() -> None:
     parser.add_argument("--model", default="bundled-mace", choices=("bundled-mace", "bundled-nequip"))
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="also measure Calculator(compile=MODE) (default mode when MODE is left out)")
     args = parser.parse_args()
-    atoms, calc = make(args.model, args.molecules)
-    sweep = []
-    for spg, block in ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50)):
-        ms = ms_per_step(calc, atoms, args.steps, steps_per_graph=spg, block=block)
-        sweep.append({"steps_per_graph": spg, "block": block, "ms_per_step": ms})
-        print(sweep[-1], flush=True)
-    kernels, per_step = kernel_table(calc, atoms)
-    path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "sweep": sweep,
-                                         "kernels_per_step": per_step,
-                                         "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]})
+    atoms = make(args.model, args.molecules)
+    variants = [None] + ([args.compile] if args.compile else [])
+    results = []
+    for mode in variants:
+        print(f"\n# compile={mode}", flush=True)
+        t = time.perf_counter()
+        calc = Calculator(args.model.split("-")[1], device="cuda", dtype="float32", compile=mode or False)
+        setup = time.perf_counter() - t
+        first = first_step_s(calc, atoms)
+        sweep = []
+        for spg, block in ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50)):
+            ms = ms_per_step(calc, atoms, args.steps, steps_per_graph=spg, block=block)
+            sweep.append({"steps_per_graph": spg, "block": block, "ms_per_step": ms})
+            print(sweep[-1], flush=True)
+        kernels, per_step = kernel_table(calc, atoms)
+        results.append({"compile": mode, "compile_error": calc.step.compile_error, "setup_s": setup,
+                        "first_step_s": first, "sweep": sweep, "kernels_per_step": per_step,
+                        "kernel_ms": sum(r[1] for r in kernels),
+                        "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]})
+        del calc
+    path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "results": results})
     print(f"\n{args.model}, {len(atoms)} atoms, NVT Langevin FP32; JSON: {path}")
-    print(f"eager step: {per_step} kernels, {sum(r[1] for r in kernels):.3f} ms of kernel time")
-    for n, ms, c in kernels[:25]:
-        print(f"  {ms:8.3f} ms {c:4d}x  {n[:110]}")
-    print("steps_per_graph block  ms/step")
-    for r in sweep:
-        print(f"{r['steps_per_graph']:15d} {r['block']:5d} {r['ms_per_step']:8.3f}")
+    for res in results:
+        print(f"\ncompile={res['compile']}: calculator {res['setup_s']:.1f} s, first engine step {res['first_step_s']:.1f} s"
+              f" (capture{', torch.compile' if res['compile'] else ''})"
+              + (f"; compile failed: {res['compile_error']}" if res["compile_error"] else ""))
+        print(f"eager step: {res['kernels_per_step']} kernels, {res['kernel_ms']:.3f} ms of kernel time")
+        for k in res["kernels"][:25]:
+            print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name'][:110]}")
+        print("steps_per_graph block  ms/step")
+        for r in res["sweep"]:
+            print(f"{r['steps_per_graph']:15d} {r['block']:5d} {r['ms_per_step']:8.3f}")
 
 
 if __name__ == "__main__":

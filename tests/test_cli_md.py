@@ -93,11 +93,27 @@ def _one_line_error(capsys) -> str:
     (["--log", "no/such/dir/md.log"], "--log: directory no/such/dir does not exist"),
     (["--device", "tpu"], "--device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     (["--radial-precision", "tf32"], "--radial-precision: tf32 needs a CUDA device"),
+    (["--compile", "reduce-overhead"], "--compile: mode 'reduce-overhead' captures CUDA graphs of its own"),
+    (["--compile", "fast"], "--compile: expected one of default, max-autotune-no-cudagraphs, got 'fast'"),
 ])
 def test_bad_flags_fail_before_the_model_loads_and_name_the_flag(tmp_path, capsys, no_model, extra, message):
     assert main(_md(tmp_path, *extra)) == EXIT_ERROR
     assert message in _one_line_error(capsys)
     assert os.listdir(tmp_path) == []
+
+
+def test_compile_flag_reaches_the_calculator(tmp_path, capsys, monkeypatch):
+    seen = []
+
+    def capture(*args, **kwargs):
+        seen.append(kwargs.get("compile", False))
+        raise ValueError("stopped after the flags (test)")
+
+    monkeypatch.setattr(calculator_module, "Calculator", capture)
+    for extra in ([], ["--compile"], ["--compile", "max-autotune-no-cudagraphs"]):
+        assert main(_md(tmp_path, *extra)) == EXIT_ERROR
+        assert "stopped after the flags (test)" in _one_line_error(capsys)
+    assert seen == [False, "default", "max-autotune-no-cudagraphs"]
 
 
 def test_bad_flags_that_need_files(tmp_path, capsys, no_model):

@@ -41,6 +41,7 @@ class CallGraphCache:
     def __init__(self) -> None:
         self._pinned: tuple[tuple, tuple, kernels.ConvGraph] | None = None
         self.species = None  # SpeciesGroups of the call in progress, while a caller vouches for them
+        self.compiling_caller = False  # a caller's compiled call is in progress (``serve_pinned``)
         self.clear()
 
     @contextmanager
@@ -52,6 +53,16 @@ class CallGraphCache:
             yield
         finally:
             self.species = previous
+
+    @contextmanager
+    def serve_pinned(self) -> Iterator[None]:
+        """Within the block, a call traced by torch.compile gets the pinned graph, unchecked: the caller pinned
+        the graph of exactly the edges it passes (``get`` under compilation)."""
+        previous, self.compiling_caller = self.compiling_caller, True
+        try:
+            yield
+        finally:
+            self.compiling_caller = previous
 
     def clear(self) -> None:
         """Forget the per-call graph (a pinned graph stays)."""
@@ -79,8 +90,10 @@ class CallGraphCache:
         return None if self._pinned is None else self._pinned[2]
 
     def get(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, num_nodes: int) -> kernels.ConvGraph:
-        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         pinned = self._pinned
+        if torch.compiler.is_compiling():
+            return self._compiled_get()
+        bases = (base_tensor(edge_src), base_tensor(edge_dst))
         if pinned is not None:
             (src, dst), key, graph = pinned
             if src is bases[0] and dst is bases[1] and key == (_layout(edge_src), _layout(edge_dst), int(num_nodes)):
@@ -93,6 +106,19 @@ class CallGraphCache:
         self._bases, self._key, self._graph = bases, key, graph
         return graph
 
+    def _compiled_get(self) -> kernels.ConvGraph:
+        # Under torch.compile the identity, view-layout and version checks read tensor metadata that dynamo
+        # cannot put in a graph (each would break it), and a graph built here would read the indices' range
+        # on the host. Only the pinned graph is served, and only inside its owner's ``serve_pinned`` (the
+        # calculator's compiled step pins the graph of exactly the edges it passes the model, before each call):
+        # a model compiled by someone else never gets a graph pinned for other edges.
+        pinned = self._pinned
+        if pinned is None or not self.compiling_caller:
+            raise RuntimeError("cgforge: a patched model compiled with torch.compile needs the convolution graph "
+                               "pinned by its caller (cgforge's Calculator(compile=True) does); compile the "
+                               "Calculator's step rather than the model itself")
+        return pinned[2]
+
     def __call__(self, module: torch.nn.Module, args: object) -> None:  # forward pre-hook
         self.clear()
 
@@ -103,6 +129,7 @@ class CallGraphCache:
     def __setstate__(self, state: dict) -> None:
         self._pinned = None
         self.species = None
+        self.compiling_caller = False
         self.clear()
 
 

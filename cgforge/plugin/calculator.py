@@ -50,6 +50,7 @@ from torch import Tensor
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
+from .compiled import check_compile, parse_compile
 from .inputs import ModelAdapter, adapter_for, is_nequip_model
 from .neighbours import VerletNeighbourList
 from .step_graph import ModelStep
@@ -152,7 +153,7 @@ def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patc
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 _OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
                  "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
-                 "streaming")
+                 "streaming", "compile")
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
@@ -227,7 +228,8 @@ class Calculator(AseCalculator):
     path, cgforge's kernels on CUDA and the model's own code on a CPU, where cgforge's CPU path (a torch
     reference for tests) is slower. Measured (2-core CPU box, 1 thread, CPU time per call, 96-atom water box
     ``water_box(32)``, bundled models, energy + forces): MACE (FP32) 136 ms patched, 84 ms unpatched; NequIP
-    (FP64) 35 ms patched, 26 ms unpatched. ``self.patched`` says which is in use.
+    (FP64) 35 ms patched, 26 ms unpatched. ``self.patched`` says which is in use (``compile`` needs, and with None
+    gets, the patched model).
     forces_with_energy: an energy call on a new structure computes the forces in the same run (default True,
     as MACECalculator does): ``get_potential_energy()`` then ``get_forces()`` cost one model run, not two. The
     backward costs about 1.8 forwards on a CPU (MACE above: 30 ms energy only, 84 ms with forces), so False
@@ -254,6 +256,13 @@ class Calculator(AseCalculator):
     memory on the stored path (the step is then retried streaming); ``self.streaming`` says what is in use.
     Measured (H100, MACE-MP-medium shape, FP32): streaming costs time (5184 atoms: 46 ms eager vs 27 ms captured)
     and saves memory (4.9 vs 6.8 GB; 500k atoms in 52 GB where the stored path stops near 40k).
+    compile: False (default), True or an Inductor mode (``"default"``, ``"max-autotune-no-cudagraphs"``): compile the
+    model's forward and backward with ``torch.compile`` (``cgforge.plugin.compiled``), fusing the small elementwise
+    kernels around cgforge's own; the step is still captured in a CUDA graph (``cuda_graph``). The first step (and
+    the first after the edge capacity changes) pays the compilation. Needs a model patched by cgforge and a working
+    compiler (Triton on CUDA, a C++ compiler on a CPU): otherwise a clear error here. A compilation that fails at the
+    first step warns and runs the model eagerly (``step.compile_error`` says why); switching to streaming (out of
+    memory) turns it off.
     MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
     and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
 
@@ -290,12 +299,14 @@ class Calculator(AseCalculator):
         filter_edges: bool | None = None,
         radial_precision: str = "fp32",
         streaming: bool | None = None,
+        compile: bool | str = False,
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
+        compile_mode = parse_compile(compile)  # the Inductor mode, or None; checked before the model loads
         super().__init__(**ase_kwargs)
         self.device = resolve_device(device)
-        module = load_model(model, self.device, dtype, patch=self._patch(patch, radial_precision))
+        module = load_model(model, self.device, dtype, patch=self._patch(patch, radial_precision, compile_mode))
         self.patched = _is_patched(module)  # a module given already patched stays so
         for p in module.parameters():
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
@@ -325,22 +336,26 @@ class Calculator(AseCalculator):
             cuda_graph = False
         else:
             self.adapter.set_streaming(None)  # a model given as a module may stream from an earlier calculator
+        self.compile = compile_mode
+        if self.compile is not None:
+            check_compile(self.device, patched=self.patched, streaming=self.streaming)
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
-                              cuda_graph=self._cuda_graph(cuda_graph))
+                              cuda_graph=self._cuda_graph(cuda_graph), compile=self.compile)
         self.timings: _Timings | None = None
         self._species: Tensor | None = None
         self._pbc: tuple[bool, bool, bool] | None = None
         if warmup:
             self.warm_up()
 
-    def _patch(self, patch: bool | None, radial_precision: str) -> bool:
+    def _patch(self, patch: bool | None, radial_precision: str, compile_mode: str | None) -> bool:
         if patch is not None:
             if not isinstance(patch, bool):
                 raise TypeError(f"patch: expected None, True or False, got {patch!r}")
             return patch
         # None: the fastest correct path. On CUDA cgforge's kernels; on a CPU the model's own e3nn code, which
-        # measured faster there (see the class doc). The TF32 radial modes live in cgforge's layers.
-        return self.device.type == "cuda" or radial_precision != "fp32"
+        # measured faster there (see the class doc). The TF32 radial modes live in cgforge's layers; compile needs
+        # cgforge's patched model.
+        return self.device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None
 
     def _filter_edges(self, filter_edges: bool | None) -> bool:
         if filter_edges is None:
@@ -400,6 +415,8 @@ class Calculator(AseCalculator):
         except ValueError:
             return False
         self.step.cuda_graph = False
+        if self.step.compiled is not None:  # the streaming convolution reads chunk ranges on the host
+            self.step.set_compile(None)
         self.step.invalidate()
         return True
 

@@ -74,8 +74,10 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
     dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
     compiled = " (kernels compiled)" if calc.device.type == "cuda" else ""
+    mode = getattr(calc, "compile", None)
+    inductor = f"; torch.compile ({mode}) at the first step" if mode else ""
     return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, "
-            f"ready in {seconds:.1f} s{compiled}")
+            f"ready in {seconds:.1f} s{compiled}{inductor}")
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
@@ -156,6 +158,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
                              "models; kept only if the first structure's forces change by <= 1e-4 relative, "
                              "which is printed)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                        help="compile the model's forward and backward with torch.compile (Inductor) inside the "
+                             "captured step; MODE: default or max-autotune-no-cudagraphs (default: off; the first "
+                             "step pays the compilation)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite the trajectory, log and plot files if they exist (never the input files)")
 
@@ -200,6 +206,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     """Every flag checked (errors name the flag), the structure read or built and the output files checked,
     all before any model is loaded."""
     from .calculator import resolve_device
+    from .compiled import parse_compile
 
     flag = FLAGS.get
     o = checked_options(dict(
@@ -223,6 +230,9 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                          f"{device}")
     if radial != "fp32" and args.dtype == "float64":
         raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
+    compile_mode = getattr(args, "compile", None)
+    if compile_mode is not None:
+        parse_compile(compile_mode, "--compile")
     model = _model_file(args.model)
     trajectory = (check_new_path(args.trajectory, args.force, what="--trajectory") if args.trajectory is not None
                   else default_trajectory_path(stem))
@@ -276,7 +286,8 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
         atoms = setup.atoms
         t = time.perf_counter()
         calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
-                          radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt")
+                          radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt",
+                          **({"compile": args.compile} if getattr(args, "compile", None) else {}))
         out(model_banner(args.model, calc, time.perf_counter() - t))
         if calc.radial_precision_requested != "fp32":
             atoms.calc = calc

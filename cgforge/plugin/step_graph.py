@@ -41,6 +41,7 @@ from torch.profiler import record_function
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
+from .compiled import CompiledEnergy
 from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
 from .edge_vectors import edge_differences
 from .inputs import ModelAdapter
@@ -81,10 +82,13 @@ class ModelStep:
     map per species (``patches.species_linear``); False keeps e3nn's path (for comparisons). Read when a
     structure is loaded. use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
     step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
+    compile: None, or the Inductor mode (``compiled.MODES``) the model's energy is compiled with
+    (``compiled.CompiledEnergy``; the caller checked that it can work: ``compiled.check_compile``).
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
-                 cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01) -> None:
+                 cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01,
+                 compile: str | None = None) -> None:
         self.adapter = adapter
         self.neighbours = neighbours
         self.cutoff = float(adapter.cutoff)
@@ -97,6 +101,7 @@ class ModelStep:
         self.group_species = True
         self.use_topology = True
         self.caches = graph_caches(adapter.model)
+        self.compiled = None if compile is None else CompiledEnergy(adapter.energy, compile)
         self.pad_vector = pad_offset_vector(self.cutoff, self.dtype, self.device)
         self.phase: Phase = _no_phase
         self.n_edges = 0  # edges within the cutoff at the last step (all Verlet edges when not filtering)
@@ -126,6 +131,16 @@ class ModelStep:
         if not self.filter_edges:
             return None if self._layout is None else self._layout.capacity
         return self._capacity
+
+    def set_compile(self, mode: str | None) -> None:
+        """Compile the model's energy with this Inductor mode from the next step on (None: eager)."""
+        self.compiled = None if mode is None else CompiledEnergy(self.adapter.energy, mode)
+        self.invalidate()
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why compilation failed (the step then runs the model eagerly), or None."""
+        return None if self.compiled is None else self.compiled.error
 
     def invalidate(self) -> None:
         """Drop every captured graph. Their memory goes back once no tensor of their pool is alive: the pinned
@@ -399,7 +414,9 @@ class ModelStep:
             with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
                 for cache in self.caches:
                     grouped.enter_context(cache.use_species(self._groups))
-                energy, energies = adapter.energy(positions, vectors, self._species, edge_index, per_atom)
+                    if self.compiled is not None:
+                        grouped.enter_context(cache.serve_pinned())
+                energy, energies = self._energy(positions, vectors, edge_index, layout, per_atom)
             out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
                              count=layout.count.reshape(()).to(torch.int64))
             if grad:
@@ -413,6 +430,15 @@ class ModelStep:
             if per_atom:
                 out.energies = energies.detach().reshape(-1)
         return out
+
+    def _energy(self, positions: Tensor, vectors: Tensor, edge_index: Tensor, layout: EdgeLayout,
+                per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        if self.compiled is None:
+            return self.adapter.energy(positions, vectors, self._species, edge_index, per_atom)
+        # Unpadded, the edge count changes every step (or rebuild): symbolic from the first compilation.
+        g = layout.graph
+        dynamic = None if self.padded else () if g is None else (g.sender, g.receiver, g.perm_t)
+        return self.compiled(positions, vectors, self._species, edge_index, per_atom, edges_dynamic=dynamic)
 
     # --- eager or captured ----------------------------------------------------------------------------
 

@@ -72,6 +72,10 @@ class SymmetricContractionBase(torch.nn.Module):
     def _reset_caches(self) -> None:
         self._transform: dict[torch.device, torch.Tensor] = {}
         self._cached: tuple | None = None
+        # Plain ints for forward's checks: torch.compile would otherwise guard on the e3nn Irreps they come
+        # from, whose __len__ raises (dynamo's sequence-length guard fails).
+        p = self.problem
+        self._dims = (p.channels, p.in_dim, p.num_elements)
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a new process: register again
         super().__setstate__(state)
@@ -101,9 +105,9 @@ class SymmetricContractionBase(torch.nn.Module):
         return wp
 
     def forward(self, x: torch.Tensor, species: torch.Tensor) -> torch.Tensor:
-        p = self.problem
-        _check_x(x, p.channels, p.in_dim)
-        index = _species_index(species, x.shape[0], p.num_elements, x.device)
+        channels, in_dim, num_elements = self._dims
+        _check_x(x, channels, in_dim)
+        index = _species_index(species, x.shape[0], num_elements, x.device)
         wp = self.transformed_weights(x.dtype, x.device)
         return sc_ops.contraction(x, index, wp, self.key)
 

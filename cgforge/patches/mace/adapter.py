@@ -85,7 +85,13 @@ class MaceAdapter:
 
     def _per_structure(self, n_atoms: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         # One structure: batch all zeros, ptr [0, N], zero positions and cell. Cached per size: no allocation
-        # per step (and fixed addresses for a captured step).
+        # per step (and fixed addresses for a captured step). Under torch.compile they are made in the graph
+        # (constants to Inductor): filling the cache there would change what the graph's guards saw.
+        if torch.compiler.is_compiling():
+            kw = {"dtype": torch.int64, "device": self.device}
+            return (torch.zeros(n_atoms, **kw), torch.arange(2, **kw) * n_atoms,
+                    torch.zeros(n_atoms, 3, dtype=self.dtype, device=self.device),
+                    torch.zeros(3, 3, dtype=self.dtype, device=self.device))
         if n_atoms not in self._per_size:
             kw = {"dtype": torch.int64, "device": self.device}
             self._per_size = {n_atoms: (torch.zeros(n_atoms, **kw), torch.tensor([0, n_atoms], **kw),

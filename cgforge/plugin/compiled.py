@@ -1,0 +1,153 @@
+"""The model's energy compiled by ``torch.compile`` (Inductor) for the calculator's step (``compile=...``).
+
+What is compiled: the adapter's ``energy(positions, vectors, species, edge_index, per_atom)``, the whole patched
+model, as one graph (``fullgraph=True``). The forces stay ``torch.autograd.grad`` outside it: AOTAutograd
+compiles the model's backward too, so Inductor fuses the small elementwise, copy and index kernels of both
+passes. cgforge's own kernels (convolution, symmetric contraction) are ``torch.library`` custom ops with fake
+implementations and registered autograd: opaque nodes in the graph, launched as they are. The edge layout, the
+edge vectors and their backward (the forces' segment sums) stay eager, as does the ``ModelStep`` around them,
+which still captures the whole step (layout, compiled forward and backward) in its own CUDA graph: hence only
+Inductor modes without Inductor's own CUDA graphs (``MODES``).
+
+Shapes: a padded step has fixed edge capacities, so the graph is specialised to them; a new capacity (an
+overflow, or a rebuild that shrinks it) compiles once more with the edge count symbolic (torch's automatic
+dynamic shapes), and no further capacity change recompiles. An unpadded step (exact edge counts, every step
+another) marks the edge dimension dynamic from the first call: one compilation.
+
+Failures: an unsupported configuration is refused when the calculator is made (``check_compile``: a model not
+patched by cgforge, streaming, a torch without a working compiler for the device). A compilation that fails at
+the first call (a graph break in some model's code under ``fullgraph=True``, an Inductor or Triton error) warns
+and runs that step, and every later one, eagerly; ``CompiledEnergy.error`` keeps the reason.
+
+Under compilation the patched model's layers take the convolution graph the step pinned for its edges (as it
+does before every call anyway), and only inside the step's ``serve_pinned`` block (``graph_cache``): a patched
+model compiled by someone else gets an error saying so rather than a graph of other edges.
+
+Not fused away: the symmetric contraction's transformed weights (W' = A W, a few small kernels per product
+block) are cached by the eager path but recomputed in the compiled graph (the cache's check reads data
+pointers, which dynamo cannot trace).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["MODES", "CompiledEnergy", "check_compile", "parse_compile"]
+
+# Inductor modes that leave CUDA graphs to the step ("reduce-overhead" and "max-autotune" capture with
+# Inductor's cudagraph trees, which cannot nest inside the step's own capture).
+MODES = ("default", "max-autotune-no-cudagraphs")
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+# The torch.compile backend. Tests set "aot_eager" (dynamo and AOTAutograd without Inductor's code generation:
+# the same graphs, guards and recompilations in seconds rather than a minute of C++ compilation on a CPU).
+BACKEND = "inductor"
+
+# What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
+# recompile limit under fullgraph=True (not one of them). All calculators of a process share the cache of their
+# adapter's ``energy`` code: one of the same architecture and shapes reuses an entry (measured: a second and third
+# bundled-MACE calculator compile nothing), other architectures or atom counts add entries, 8 at most
+# (torch._dynamo.config.recompile_limit).
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
+                   getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
+
+EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
+
+
+def parse_compile(value: object, name: str = "compile") -> str | None:
+    """None (no compilation) for False/None, the Inductor mode for True ("default") or a mode name."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "default"
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected True, False or an Inductor mode ({', '.join(MODES)}), got "
+                        f"{type(value).__name__} {value!r}")
+    if value in _CUDAGRAPH_MODES:
+        raise ValueError(f"{name}: mode {value!r} captures CUDA graphs of its own, which cannot nest in the step's "
+                         f"capture; use one of {', '.join(MODES)} (the step is captured anyway)")
+    if value not in MODES:
+        flags = "" if name.startswith("--") else "True, False or "
+        raise ValueError(f"{name}: expected {flags}one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
+def check_compile(device: torch.device, *, patched: bool, streaming: bool) -> None:
+    """Raise (naming the problem) when ``compile`` cannot work for this calculator: checked at construction."""
+    if not patched:
+        raise ValueError("compile: needs a model patched by cgforge (patch=True): the compiled graph keeps "
+                         "cgforge's kernels as custom ops and serves them the step's pinned edge graph; the "
+                         "unpatched e3nn code is not supported")
+    if streaming:
+        raise ValueError("compile and streaming=True: the streaming convolution reads its chunk ranges on the host, "
+                         "which torch.compile cannot put in one graph")
+    if not torch._dynamo.is_dynamo_supported():
+        raise RuntimeError(f"compile: torch.compile is not supported with this Python/torch "
+                           f"({torch.__version__}); use compile=False")
+    if BACKEND != "inductor":  # tests: no code generation, no compiler needed
+        return
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise RuntimeError("compile: Inductor needs Triton for CUDA devices and it is not importable (pip "
+                               "install triton, the version matching torch); use compile=False")
+    elif device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()  # searches torch._inductor.config.cpp.cxx (and $CXX)
+        except Exception as err:  # noqa: BLE001 - torch raises its own error types for "none found"
+            raise RuntimeError(f"compile: Inductor's CPU backend needs a C++ compiler and found none ({err}); "
+                               "install one (g++) or use compile=False") from err
+    else:
+        raise ValueError(f"compile: supported on cuda and cpu devices, got {device}")
+
+
+class CompiledEnergy:
+    """``energy`` (an adapter's) compiled once with ``torch.compile(mode=mode, fullgraph=True)``; eager from the
+    first compilation failure on (with a warning; ``error`` says why)."""
+
+    def __init__(self, energy: EnergyFn, mode: str) -> None:
+        self.mode = mode
+        self.eager = energy
+        self.error: str | None = None
+        inductor = BACKEND == "inductor"
+        self._compiled: EnergyFn | None = torch.compile(energy, backend=BACKEND, mode=mode if inductor else None,
+                                                        fullgraph=True)
+
+    def __call__(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor, per_atom: bool,
+                 edges_dynamic: tuple[Tensor, ...] | None = None) -> tuple[Tensor, Tensor | None]:
+        """The energy; ``edges_dynamic``: tensors whose first dimension (the edges) varies from call to call,
+        besides ``vectors`` and ``edge_index`` (marked dynamic, so a new edge count does not recompile)."""
+        if self._compiled is None:
+            return self.eager(positions, vectors, species, edge_index, per_atom)
+        if edges_dynamic is not None:
+            torch._dynamo.maybe_mark_dynamic(vectors, 0)
+            torch._dynamo.maybe_mark_dynamic(edge_index, 1)
+            for t in edges_dynamic:
+                if t.numel():
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        try:
+            return self._compiled(positions, vectors, species, edge_index, per_atom)
+        except _COMPILE_ERRORS as err:
+            self._compiled = None
+            self.error = _reason(err)
+            warnings.warn(f"cgforge: torch.compile of the model failed, running it eagerly ({self.error})",
+                          RuntimeWarning, stacklevel=3)
+            return self.eager(positions, vectors, species, edge_index, per_atom)
+
+
+def _reason(err: BaseException) -> str:
+    """One line: the dynamo error's first line and, when it wraps one (a backend's), the error inside."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    inner = getattr(err, "inner_exception", None) or err.__cause__
+    if inner is not None and inner is not err:
+        inner_lines = str(inner).strip().splitlines()
+        text += f" {type(inner).__name__}: {inner_lines[0] if inner_lines else ''}"
+    return text[:500]
