@@ -136,16 +136,19 @@ def _fwd_fake(x, species, wp, key):
     return x.new_empty(x.shape[0], get(key).problem.out_dim)
 
 
-def _fwd_grad(ctx, g):
+def _fwd_grad(ctx, g, direct: bool = False):
+    """The forward op's gradient: through the ``sc_backward`` custom op (traceable by AOTAutograd, whose
+    backward tracing with fake tensors ``torch.compiler.is_compiling()`` does not report), or, with ``direct``
+    (the eager autograd.Function, no double backward asked), its implementation without the dispatch."""
     x, species, wp = ctx.saved_tensors
     (key,) = ctx.args
     need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_gx or need_gw):
         return None, None, None, None
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        gx, gw = sc_backward(x, species, wp, g.contiguous(), key, need_gx, need_gw)
-    else:
+    if direct and not torch.is_grad_enabled():
         gx, gw = backward_impl(x, species, wp, g, key, need_gw)
+    else:
+        gx, gw = sc_backward(x, species, wp, g.contiguous(), key, need_gx, need_gw)
     return (gx if need_gx else None), None, (gw if need_gw else None), None
 
 
@@ -201,7 +204,7 @@ class _EagerContraction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _fwd_grad(ctx, g)
+        return _fwd_grad(ctx, g, direct=True)
 
 
 def contraction(x: torch.Tensor, species: torch.Tensor, wp: torch.Tensor, key: str) -> torch.Tensor:
