@@ -435,9 +435,11 @@ class ModelStep:
                 per_atom: bool) -> tuple[Tensor, Tensor | None]:
         if self.compiled is None:
             return self.adapter.energy(positions, vectors, self._species, edge_index, per_atom)
-        # Unpadded, the edge count changes every step (or rebuild): symbolic from the first compilation.
+        # The edge count is symbolic from the first compilation: unpadded it changes every step, padded at every
+        # capacity change (an MD run grows its buffers a few times; a second compilation mid-run cost ~25 s on
+        # the H100 for MACE-MP-medium, more than its 200 steps).
         g = layout.graph
-        dynamic = None if self.padded else () if g is None else (g.sender, g.receiver, g.perm_t)
+        dynamic = () if g is None else (g.sender, g.receiver, g.perm_t)
         return self.compiled(positions, vectors, self._species, edge_index, per_atom, edges_dynamic=dynamic)
 
     # --- eager or captured ----------------------------------------------------------------------------
