@@ -1,6 +1,7 @@
 """NVE steps in LAMMPS with a ``cgforge lammps-model`` file (run under mpirun by tests/test_lammps_real.py).
 
     mpirun -np 2 python tests/lammps_nve.py MODEL.pkl DATA.lmp OUT.json --steps 10 --ghost-cutoff 11
+    python tests/lammps_nve.py ... --kokkos     # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
 
 Reads a LAMMPS data file (types in ``--elements`` order, velocities included), runs ``fix nve`` with
 ``pair_style mliap unified MODEL 1`` (ghost-neighbour mode) and writes, on rank 0, every atom's position,
@@ -31,13 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ghost-cutoff", type=float, required=True)
     parser.add_argument("--ghost-neighbours", type=int, default=1)
     parser.add_argument("--every", type=int, default=1, help="record every N steps (0: only the last)")
+    parser.add_argument("--kokkos", action="store_true", help="a Kokkos CUDA build: one GPU, device arrays")
     args = parser.parse_args(argv)
 
     import lammps
     import lammps.mliap
 
-    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
-    lammps.mliap.activate_mliappy(lmp)
+    cmdargs = ["-log", "none", "-screen", "none", "-nocite"]
+    if args.kokkos:
+        cmdargs += ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
+    lmp = lammps.lammps(cmdargs=cmdargs)
+    if args.kokkos:
+        lammps.mliap.activate_mliappy_kokkos(lmp)
+    else:
+        lammps.mliap.activate_mliappy(lmp)
     me = lmp.extract_setting("world_rank")
     nprocs = lmp.extract_setting("world_size")
     lmp.commands_string(f"""

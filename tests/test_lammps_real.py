@@ -27,9 +27,12 @@ STEPS, DT_PS, EVERY = 10, 0.0005, 5
 TOL = 1e-10
 
 
-def _lammps_env() -> tuple[dict, str | None] | str:
+def _lammps_env(variable: str = "CGFORGE_LAMMPS_DIR", default: Path | None = ROOT / ".lammps"
+                ) -> tuple[dict, str | None] | str:
     """(environment for the subprocesses, mpirun or None), or why there is no usable LAMMPS."""
-    build = Path(os.environ.get("CGFORGE_LAMMPS_DIR", ROOT / ".lammps"))
+    if variable not in os.environ and default is None:
+        return f"no LAMMPS build named ({variable} is not set)"
+    build = Path(os.environ.get(variable, default))
     lib = build / "src" / "build" / "liblammps.so"
     if not lib.is_file():
         return (f"no LAMMPS build at {build} (set CGFORGE_LAMMPS_DIR, or let scripts/test.sh build one from "
@@ -88,7 +91,8 @@ def calc():
     return Calculator("mace", device="cpu", dtype="float64")
 
 
-def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path) -> dict:
+def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path,
+                kokkos: bool = False) -> dict:
     from cgforge.lammps import CgforgeMLIAP
 
     with open(model, "rb") as f:
@@ -96,7 +100,7 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     assert isinstance(obj, CgforgeMLIAP)
     cmd = [sys.executable, str(ROOT / "tests" / "lammps_nve.py"), str(model), str(data), str(out),
            "--steps", str(STEPS), "--dt", str(DT_PS), "--every", str(EVERY),
-           "--ghost-cutoff", str(obj.ghost_cutoff + 1.0)]
+           "--ghost-cutoff", str(obj.ghost_cutoff + 1.0)] + (["--kokkos"] if kokkos else [])
     if ranks > 1:
         if mpirun is None:
             pytest.skip("no mpirun next to the LAMMPS build or on PATH")
@@ -116,10 +120,25 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_nve_in_lammps_matches_ase_and_calculator(lammps_env, water, model_file, calc, ranks, tmp_path):
-    torch.set_default_dtype(torch.float64)
     env, mpirun = lammps_env
-    atoms, data = water
-    result = _run_lammps(env, mpirun, ranks, model_file, data, tmp_path / "out.json")
+    result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json")
+    _check_against_calculator(result, water[0], calc)
+
+
+@pytest.mark.cuda
+def test_nve_in_kokkos_lammps_on_the_gpu_matches_ase_and_calculator(water, model_file, calc, tmp_path):
+    """A Kokkos CUDA LAMMPS (``scripts/lammps_gpu.sh DEST``, named by CGFORGE_LAMMPS_KOKKOS_DIR): the model on
+    the GPU reads LAMMPS's device arrays and writes forces with ``update_pair_forces_gpu``; the same checks."""
+    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
+    if isinstance(found, str):
+        pytest.skip(found)
+    env, _ = found
+    result = _run_lammps(env, None, 1, model_file, water[1], tmp_path / "out.json", kokkos=True)
+    _check_against_calculator(result, water[0], calc)
+
+
+def _check_against_calculator(result: dict, atoms, calc) -> None:
+    torch.set_default_dtype(torch.float64)
     frames = result["frames"]
     assert [f["step"] for f in frames] == list(range(0, STEPS + 1, EVERY))
     # Each recorded step: the Calculator at LAMMPS's positions gives LAMMPS's energy, forces and virial.
