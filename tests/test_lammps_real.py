@@ -126,6 +126,8 @@ def test_nve_in_lammps_matches_ase_and_calculator(lammps_env, water, model_file,
 
 
 @pytest.mark.cuda
+@pytest.mark.xfail(strict=True, reason="H100, 2026-11-24: the Kokkos run's step-0 energy is 1.08e-9 relative from "
+                   "the CPU Calculator (FP64; tolerance 1e-10), not yet explained (issue 20)")
 def test_nve_in_kokkos_lammps_on_the_gpu_matches_ase_and_calculator(water, model_file, calc, tmp_path):
     """A Kokkos CUDA LAMMPS (``scripts/lammps_gpu.sh DEST``, named by CGFORGE_LAMMPS_KOKKOS_DIR): the model on
     the GPU reads LAMMPS's device arrays and writes forces with ``update_pair_forces_gpu``; the same checks."""
