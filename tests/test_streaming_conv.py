@@ -168,7 +168,19 @@ def _geometry(lmax_irreps, mlp):
         rad, cut = basis(length)
         return o3.spherical_harmonics(lmax_irreps, vec, normalize=True), mlp(rad) * cut
 
-    return edge_fn, basis
+    return edge_fn
+
+
+def _geometry_case(seed: int, n: int, e: int):
+    """A random graph; node features; edge vectors and their lengths as a separate input, as MACE passes them."""
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    tp = e3nn_tp(PROBLEMS["nequip-water"])
+    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, requires_grad=True)
+    vec = (torch.randn(e, 3, generator=gen) * 1.3).requires_grad_()
+    length = vec.detach().norm(dim=1, keepdim=True).requires_grad_()
+    return gen, tp, s, r, x, vec, length
 
 
 @pytest.mark.parametrize("chunk_edges", [1, 7, 10_000])
@@ -177,16 +189,10 @@ def test_edge_geometry_streams_from_vectors_and_lengths(chunk_edges):
     values and gradients (x, vectors, lengths) equal e3nn TP + index_add in FP64."""
     from cgforge.kernels import streaming_edge_convolution
 
-    torch.set_default_dtype(torch.float64)
-    gen = torch.Generator().manual_seed(11)
-    tp = e3nn_tp(PROBLEMS["nequip-water"])
-    n, e = 17, 120
-    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
-    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, requires_grad=True)
-    vec = (torch.randn(e, 3, generator=gen) * 1.3).requires_grad_()
-    length = vec.detach().norm(dim=1, keepdim=True).requires_grad_()  # a separate input, as MACE passes it
+    n = 17
+    gen, tp, s, r, x, vec, length = _geometry_case(11, n, 120)
     mlp = _mlp(8, tp.weight_numel, seed=5)
-    edge_fn, basis = _geometry(tp.irreps_in2, mlp)
+    edge_fn = _geometry(tp.irreps_in2, mlp)
     out = streaming_edge_convolution(Convolution.from_e3nn(tp), x, (vec, length), edge_fn, ConvGraph(s, r, n),
                                      chunk_edges, constants=(mlp,))
     y_ref, w_ref = edge_fn(vec, length)
@@ -204,18 +210,12 @@ def test_edge_convolution_applies_an_affine_row_map_per_chunk():
     values and gradients; its gradient is formed through its vector-Jacobian product at zero rows."""
     from cgforge.kernels import streaming_edge_convolution
 
-    torch.set_default_dtype(torch.float64)
-    gen = torch.Generator().manual_seed(12)
-    tp = e3nn_tp(PROBLEMS["nequip-water"])
-    n, e = 15, 100
-    s, r = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
-    x = torch.randn(n, tp.irreps_in1.dim, generator=gen, requires_grad=True)
-    vec = torch.randn(e, 3, generator=gen, requires_grad=True)
-    length = vec.detach().norm(dim=1, keepdim=True).requires_grad_()
+    n = 15
+    gen, tp, s, r, x, vec, length = _geometry_case(12, n, 100)
     mlp = _mlp(8, tp.weight_numel, seed=7)
     torch.manual_seed(8)
     linear = torch.nn.Linear(tp.irreps_out.dim, 5).double().requires_grad_(False)
-    edge_fn, _ = _geometry(tp.irreps_in2, mlp)
+    edge_fn = _geometry(tp.irreps_in2, mlp)
     out = streaming_edge_convolution(Convolution.from_e3nn(tp), x, (vec, length), edge_fn, ConvGraph(s, r, n), 9,
                                      constants=(mlp,), out_fn=linear)
     y_ref, w_ref = edge_fn(vec, length)
@@ -240,7 +240,7 @@ def test_edge_convolution_names_bad_edge_inputs_and_outputs():
     s, r = torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0])
     x, vec = torch.randn(3, tp.irreps_in1.dim), torch.randn(3, 3)
     mlp = _mlp(8, tp.weight_numel, seed=6)
-    edge_fn, _ = _geometry(tp.irreps_in2, mlp)
+    edge_fn = _geometry(tp.irreps_in2, mlp)
     graph = ConvGraph(s, r, 3)
     with pytest.raises(ValueError, match=r"edge_inputs\[1\] must be a tensor with one row per edge"):
         streaming_edge_convolution(conv, x, (vec, vec[:2]), edge_fn, graph, 4)

@@ -252,12 +252,9 @@ def _model_path(model: str | os.PathLike) -> Path:
         return Path(model_path(model.lower()))
     if not isinstance(model, str | os.PathLike):
         raise TypeError(f"model: expected 'mace', 'nequip' or a checkpoint path, got {type(model).__name__}")
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"model: checkpoint {path} not found")
-    if path.is_dir():
-        raise IsADirectoryError(f"model: {path} is a directory, expected a checkpoint file")
-    return path
+    from cgforge.patches.common import existing_file
+
+    return existing_file(model, "model", "a checkpoint file")
 
 
 def _adapter(model: torch.nn.Module, device: torch.device, head: str | None,

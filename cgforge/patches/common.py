@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -78,6 +79,17 @@ def vanishes_at_zero(mlp: torch.nn.Module, in_dim: int) -> bool:
     with torch.no_grad():
         out = mlp(torch.zeros(2, in_dim, dtype=param.dtype, device=param.device))
     return bool((out == 0).all())
+
+
+def existing_file(path: str | os.PathLike, what: str, expected: str) -> Path:
+    """``path`` as a Path when it names an existing file; else the error naming ``what`` (the argument or flag)
+    and, for a directory, what was ``expected`` there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: {path} not found")
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected {expected}")
+    return path
 
 
 def current_umask() -> int:

@@ -47,6 +47,7 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
+from cgforge.patches.common import existing_file
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
@@ -132,10 +133,7 @@ def load_model(model: str | os.PathLike | torch.nn.Module, device: torch.device,
 def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patch: bool) -> torch.nn.Module:
     from cgforge import patches
 
-    if not path.exists():
-        raise FileNotFoundError(f"model: checkpoint {path} not found")
-    if path.is_dir():
-        raise IsADirectoryError(f"model: {path} is a directory, expected a checkpoint file")
+    existing_file(path, "model", "a checkpoint file")
     kind = patches.checkpoint_kind(path)
     try:
         if kind == "nequip":
@@ -254,12 +252,13 @@ class Calculator(AseCalculator):
     graph); False: off; None (default): on for a CUDA structure whose stored path would take more than
     ``STREAMING_AUTO_FRACTION`` of the free device memory (estimated from the edge count), or that ran out of
     memory on the stored path (the step is then retried streaming); ``self.streaming`` says what is in use.
-    Measured (H100, MACE-MP-medium shape, FP32): streaming costs time (5184 atoms: 46 ms eager vs 27 ms captured)
-    and saves memory (4.9 vs 6.8 GB; 500k atoms in 52 GB where the stored path stops near 40k).
+    Measured (H100, MACE-MP-medium shape, FP32): streaming costs time (5184 atoms: 63 ms eager vs 27 ms captured)
+    and saves memory (5.2 vs 6.8 GB; 500k atoms in 38 GB and 1.03 M in 75 GB, where the stored path stops near
+    40k).
     compile: False (default), True or an Inductor mode (``"default"``, ``"max-autotune-no-cudagraphs"``): compile the
     model's forward and backward with ``torch.compile`` (``cgforge.plugin.compiled``), fusing the small elementwise
-    kernels around cgforge's own; the step is still captured in a CUDA graph (``cuda_graph``). The first step (and
-    the first after the edge capacity changes) pays the compilation. Needs a model patched by cgforge and a working
+    kernels around cgforge's own; the step is still captured in a CUDA graph (``cuda_graph``). The first step pays the
+    compilation (the edge count is symbolic: a run compiles once). Needs a model patched by cgforge and a working
     compiler (Triton on CUDA, a C++ compiler on a CPU): otherwise a clear error here. A compilation that fails at the
     first step warns and runs the model eagerly (``step.compile_error`` says why); switching to streaming (out of
     memory) turns it off.

@@ -15,6 +15,8 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
+from cgforge.patches.common import existing_file
+
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -91,11 +93,7 @@ def read_structure(path: str | os.PathLike, what: str = "structure", index: int 
     naming ``what`` and the file: missing, a directory, empty, not a structure, no atoms."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{what}: expected a file name, got {type(path).__name__}")
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{what}: {path} not found")
-    if path.is_dir():
-        raise IsADirectoryError(f"{what}: {path} is a directory, expected a structure file")
+    path = existing_file(path, what, "a structure file")
     if path.stat().st_size == 0:
         raise ValueError(f"{what}: {path} is empty")
     from ase.io import read

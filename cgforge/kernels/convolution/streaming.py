@@ -80,10 +80,16 @@ def _edge_ids(order: torch.Tensor, e0: int, e1: int, device: torch.device) -> to
     return torch.arange(e0, e1, device=device)
 
 
-def _edge_rows(edge_fn: EdgeFunction, rows: list[torch.Tensor], dtype: torch.dtype
+def _edge_rows(edge_fn: EdgeFunction, rows: list[torch.Tensor], conv: Convolution, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's (y, w) in the convolution's dtype (a model may run its radial MLP in another)."""
+    """One chunk's (y, w) in the convolution's dtype (a model may run its radial MLP in another), their shapes
+    checked before any kernel reads them."""
     y, w = edge_fn(*rows)
+    count = rows[0].shape[0] if rows else 0
+    for name, t, width in (("y", y, conv.irreps_in2.dim), ("weights", w, conv.weight_numel)):
+        if tuple(t.shape) != (count, width):
+            raise ValueError(f"edge_fn must return y [C, {conv.irreps_in2.dim}] and weights [C, {conv.weight_numel}] "
+                             f"for C edges; its {name} for {count} edges has shape {list(t.shape)}")
     return y.to(dtype).contiguous(), w.to(dtype).contiguous()
 
 
@@ -117,7 +123,7 @@ class _StreamingConv(torch.autograd.Function):
         for r0, r1 in chunks.forward:
             e0, e1 = int(chunks.rowptr[r0]), int(chunks.rowptr[r1])
             ids = _edge_ids(t.perm, e0, e1, x.device)
-            y, w = _edge_rows(edge_fn, [e.index_select(0, ids) for e in edge_inputs], x.dtype)
+            y, w = _edge_rows(edge_fn, [e.index_select(0, ids) for e in edge_inputs], conv, x.dtype)
             rowptr = t.rowptr[r0:r1 + 1] - e0
             receiver = t.receiver.index_select(0, ids) - r0  # the reference path's rows; kernels read rowptr
             rows = ops.conv_forward(x, y, w, t.sender.index_select(0, ids), receiver, rowptr, empty_idx,
@@ -146,7 +152,7 @@ class _StreamingConv(torch.autograd.Function):
             for i, leaf in zip(wanted, leaves, strict=True):
                 rows[i] = leaf
             with torch.enable_grad():  # recompute this chunk's (y, w), keeping the graph to the edge inputs
-                y, w = _edge_rows(ctx.edge_fn, rows, x.dtype)
+                y, w = _edge_rows(ctx.edge_fn, rows, conv, x.dtype)
             rowptr_t = t.rowptr_t[r0:r1 + 1] - e0
             local = torch.arange(e1 - e0, dtype=torch.int32, device=x.device)
             sender = t.sender.index_select(0, ids) - r0  # rows of the x slice (reference path)
@@ -215,14 +221,6 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                 f"streaming_convolution treats the radial parameters as constants, but {trained[:3]} require "
                 "grad: call requires_grad_(False) on the radial module (inference), or use the stored path "
                 "to train")
-    if graph.num_edges:  # the shapes edge_fn makes, checked on one edge before any kernel runs
-        with torch.no_grad():
-            y, w = edge_fn(*(e[:1] for e in edge_inputs))
-        for name, t, width in (("y", y, conv.irreps_in2.dim), ("weights", w, conv.weight_numel)):
-            if t.shape != (1, width):
-                raise ValueError(f"edge_fn must return y [C, {conv.irreps_in2.dim}] and weights "
-                                 f"[C, {conv.weight_numel}] for C edges; its {name} for 1 edge has shape "
-                                 f"{list(t.shape)}")
     if min_rows is None:
         min_rows = MIN_CHUNK_ROWS if x.device.type == "cuda" else 1
     return _StreamingConv.apply(x, conv, edge_fn, out_fn, graph, chunk_edges, int(min_rows), *edge_inputs)
