@@ -136,7 +136,8 @@ def test_cuda_kokkos_flavour(mace_file):
     atoms = structure(seed=9)
     got, _ = run(CgforgeMLIAP(mace_file, patch=True), atoms, mode="ghost", n_domains=2, flavour="kokkos",
                  device="cuda")
-    assert_matches(got, reference(mace_file, atoms, patch=False), tol=1e-9)
+    # cgforge's kernels on both sides: the model's own code differs by its float32-rounded CG constants (~1e-9)
+    assert_matches(got, reference(mace_file, atoms, patch=True))
 
 
 def test_exchange_is_what_makes_it_right(mace_file):

@@ -206,3 +206,65 @@ def test_gpu_mace_mp_shapes_match_e3nn(size: str) -> None:
     ).cuda()
     ref = evaluate(model, water_dimer(), device="cuda")
     assert_same_outputs(evaluate(_patched_copy(model), water_dimer(), device="cuda"), ref, tol=1e-10)
+
+
+def _exact_constants(model: torch.nn.Module) -> int:
+    """Put exact float64 values into the constants a MACE model built in float32 carries rounded: e3nn's
+    Wigner 3j values in its generated TensorProduct modules (buffers ``_w3j_l1_l2_l3``) and the symmetric
+    contractions' U tensors (from their definition); returns how many tensors changed."""
+    from e3nn import o3
+
+    from cgforge.patches.mace.symmetric_contraction import mace_u_matrices
+
+    changed = 0
+
+    def put(buf: torch.Tensor, exact: torch.Tensor) -> None:
+        nonlocal changed
+        exact = exact.to(buf).reshape(buf.shape)
+        changed += int(not torch.equal(exact, buf))
+        buf.copy_(exact)
+
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if name.startswith("_w3j_"):
+                put(buf, o3.wigner_3j(*(int(v) for v in name.split("_")[2:5]), dtype=torch.float64))
+        contractions = getattr(module, "contractions", None)
+        if hasattr(module, "irreps_out") and isinstance(contractions, torch.nn.ModuleList):
+            coupling = str(o3.Irreps([ir for _, ir in o3.Irreps(module.irreps_in)]))
+            for c, (_, ir_out) in zip(contractions, o3.Irreps(module.irreps_out)):
+                for nu in range(1, int(c.correlation) + 1):
+                    put(getattr(c, f"U_matrix_{nu}"),
+                        torch.as_tensor(mace_u_matrices(coupling, str(ir_out), nu), dtype=torch.float64))
+            if callable(getattr(module, "_build", None)):
+                module._build(only_if_changed=True)  # cgforge's contraction plans from the U it holds
+    return changed
+
+
+def test_fp64_difference_from_the_bundled_model_is_its_fp32_constants() -> None:
+    """The bundled MACE model was built in float32: its e3nn TensorProducts carry Clebsch-Gordan values and its
+    symmetric contractions U tensors rounded to float32, and cast to float64 they stay rounded. cgforge's
+    kernels use exact CG values and an exact coupling basis fitted to U, so in FP64 they differ from the
+    model's own code by ~1e-9 relative (seen by the LAMMPS Kokkos check on the H100). With exact constants in
+    both models, the unpatched model equals the patched one to 1e-12: the constants are the whole difference."""
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    torch.set_default_dtype(torch.float64)
+    atoms = water_box(32, seed=0)
+
+    def energy_forces(calc: Calculator) -> tuple[float, torch.Tensor]:
+        a = atoms.copy()
+        a.calc = calc
+        return a.get_potential_energy(), torch.as_tensor(a.get_forces())
+
+    def rel(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) -> tuple[float, float]:
+        return abs(a[0] - b[0]) / abs(b[0]), float((a[1] - b[1]).norm() / b[1].norm())
+
+    plain, patched = (Calculator("mace", device="cpu", dtype="float64", patch=p) for p in (False, True))
+    before = rel(energy_forces(plain), energy_forces(patched))
+    assert min(before) > 1e-11, before  # the difference this test explains
+    for calc in (plain, patched):
+        assert _exact_constants(calc.adapter.model) > 0  # the model did carry rounded values
+        calc.reset()  # ASE's cache would hand back the results of the same positions
+    after = rel(energy_forces(plain), energy_forces(patched))
+    assert max(after) < 1e-12, after
