@@ -31,11 +31,11 @@ from cgforge.plugin.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 
-def make(model: str, molecules: int):
+def make(model: str, molecules: int, device: str = "cuda"):
     from ase.optimize import FIRE
 
     atoms = water_box(molecules)
-    atoms.calc = Calculator(model.split("-")[1], device="cuda", dtype="float32")
+    atoms.calc = Calculator(model.split("-")[1], device=device, dtype="float32")
     FIRE(atoms, logfile=None).run(steps=50)  # as bench_md's MD boxes: the grid box is far from equilibrium
     atoms.calc = None
     rng = np.random.default_rng(0)

@@ -35,22 +35,53 @@ def calc64() -> Calculator:
     return Calculator("mace", device="cpu", dtype="float64", skin=0.25)
 
 
-def test_engine_equals_ase_velocity_verlet_with_the_bundled_model(calc64):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_engine_equals_ase_velocity_verlet_with_the_bundled_model(calc64, pipelined):
     """24 atoms, FP64, a 0.25 Å skin so that the list goes stale inside blocks: the engine discards those steps,
-    rebuilds and redoes them; the trajectory is ASE's to rounding."""
+    rebuilds and redoes them; the trajectory is ASE's to rounding. Pipelined: the next list is searched at a
+    block's start state during the block and installed after it (on a CPU in sequence; the same logic)."""
     atoms = thermal_water(8, 600.0)
     ref = atoms.copy()
     ref.calc = calc64
-    AseVelocityVerlet(ref, 1.0 * units.fs).run(12)
+    AseVelocityVerlet(ref, 1.0 * units.fs).run(24)
     mine = atoms.copy()
     mine.calc = calc64
-    engine = Engine(calc64, mine, VelocityVerlet(1.0), block=6)
-    engine.run(12)
+    engine = Engine(calc64, mine, VelocityVerlet(1.0), block=6, pipelined_rebuild=pipelined)
+    engine.run(24)
     engine.sync_atoms()
     assert np.abs(mine.positions - ref.positions).max() <= 1e-10
     assert np.abs(mine.get_momenta() - ref.get_momenta()).max() <= 1e-10
     assert abs(mine.get_potential_energy() - ref.get_potential_energy()) <= 1e-10
     assert engine.stats["rebuilds"] >= 2, engine.stats
+    assert (engine.stats["overlapped_rebuilds"] >= 2) == pipelined, engine.stats
+
+
+def test_pipelined_rebuild_under_a_changing_cell_equals_synchronous_rebuilds(calc64):
+    """NPT (the cell moves between the snapshot a list is searched for and its installation): the same
+    trajectory as rebuilding synchronously."""
+    atoms = thermal_water(8)
+    runs = []
+    for pipelined in (False, True):
+        a = atoms.copy()
+        a.calc = calc64
+        engine = Engine(calc64, a, StochasticCellRescaling(0.5, 300.0, 0.1, tau_p_fs=2000.0),
+                        seed=3, block=5, pipelined_rebuild=pipelined)
+        engine.run(20)
+        runs.append(engine)
+    plain, pipelined = runs
+    assert pipelined.stats["overlapped_rebuilds"] >= 1, pipelined.stats
+    assert (plain.state.cell - pipelined.state.cell).abs().max() <= 1e-10
+    assert (plain.state.positions - pipelined.state.positions).abs().max() <= 1e-10
+
+
+def test_pipelined_rebuild_needs_a_calculator():
+    from cgforge.plugin.engine import energy_function_engine
+
+    atoms = thermal_water(2)
+    with pytest.raises(ValueError, match="pipelined_rebuild=True needs a provider"):
+        energy_function_engine(lambda p, c: p.square().sum(), atoms, VelocityVerlet(1.0), pipelined_rebuild=True)
+    with pytest.raises(TypeError, match="pipelined_rebuild"):
+        energy_function_engine(lambda p, c: p.square().sum(), atoms, VelocityVerlet(1.0), pipelined_rebuild="yes")
 
 
 def test_atoms_carry_the_state_and_the_calculators_results(calc64, monkeypatch):
@@ -168,6 +199,19 @@ def test_rebuilds_inside_a_run_change_nothing(cuda_calc):
     assert always.stats["rebuilds"] >= 60
     assert (normal.state.positions - always.state.positions).abs().max() <= 1e-8
     assert (normal.state.momenta - always.state.momenta).abs().max() <= 1e-7
+
+
+@cuda
+def test_pipelined_rebuilds_on_a_side_stream_change_nothing(cuda_calc):
+    """Lists searched on a side stream during a block (captured steps running) give the trajectory of
+    synchronous rebuilds."""
+    atoms = thermal_water(343, 600.0, seed=2)
+    plain = _run(cuda_calc, atoms, CSVR(1.0, 600.0, 50.0), steps=60, block=10, pipelined_rebuild=False)
+    piped = _run(cuda_calc, atoms, CSVR(1.0, 600.0, 50.0), steps=60, block=10)
+    assert piped.pipelined_rebuild and piped.cuda_graph
+    assert piped.stats["overlapped_rebuilds"] >= 2 and plain.stats["overlapped_rebuilds"] == 0, piped.stats
+    assert (plain.state.positions - piped.state.positions).abs().max() <= 1e-8
+    assert (plain.state.momenta - piped.state.momenta).abs().max() <= 1e-7
 
 
 @cuda

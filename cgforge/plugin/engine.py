@@ -24,6 +24,13 @@ rebuilds the list or grows the buffers (a new capture) and carries on from the l
 steps the list's slack (how far atoms may still move, read with the report) should last at ``rebuild_margin``
 times the fastest use of slack per step seen, and the list is rebuilt first when not one step is left.
 
+Pipelined rebuilds (on by default on CUDA): the list's last steps (at most ``_HIDE_STEPS``) run as a block of
+their own, and during it the next list is searched on a side stream for the block's start state (a copy
+queued before its steps); the host's waits of that search then overlap the block's GPU work instead of
+leaving the GPU idle. The list is installed after the block with that start state as the staleness
+reference: it holds every pair within cutoff + skin of those positions, so it stays valid while no atom
+has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
+
 Random numbers are a function of (seed, step) (``engine_rng``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
 ``load_state``) continues exactly as an uninterrupted run.
@@ -59,6 +66,10 @@ _FORMAT = 1
 _REPORT = ("committed", "stopped", "stale", "overflow", "blow_kind", "blow_step", "blow_value", "count_max",
            "slack", "temperature")
 _BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
+# Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (H100,
+# 5184 atoms of the bundled MACE model: a search of ~4-8 ms against ~4.7 ms per step), and few, because the
+# new list is as old as this block when it is installed.
+_HIDE_STEPS = 2
 
 
 class MDBlowUp(RuntimeError):
@@ -88,11 +99,13 @@ class Engine:
     (blocks replay it; a remainder replays a one-step graph). cuda_graph: None captures on CUDA when the
     provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
     target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
+    pipelined_rebuild: search the next neighbour list on a side stream while a block runs (None: on CUDA with a
+    calculator; see the module doc).
     """
 
     def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
                  steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
-                 rebuild_margin: float = 1.5) -> None:
+                 rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None) -> None:
         if not isinstance(atoms, Atoms):
             raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
         if len(atoms) == 0:
@@ -118,6 +131,7 @@ class Engine:
                              f"is {self.pbc}")
         self.device = torch.device(self.provider.device)
         self.cuda_graph = self._want_graph(cuda_graph)
+        self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
         self.capture_error: str | None = None
         n = len(atoms)
         f64 = {"dtype": torch.float64, "device": self.device}
@@ -162,8 +176,9 @@ class Engine:
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
         self._last_slack: float | None = None
         self._fresh_list = True
-        self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "captures": 0, "grows": 0,
-                      "wall_s": 0.0}
+        self._search_next = False  # this block searches the next list (pipelined rebuild; set by _plan_block)
+        self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
+                      "grows": 0, "wall_s": 0.0}
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -293,6 +308,17 @@ class Engine:
                              f"{self.device}; a calculator with cuda_graph on)")
         return bool(cuda_graph)
 
+    def _want_pipelined(self, pipelined: bool | None) -> bool:
+        able = callable(getattr(self.provider, "snapshot", None))
+        if pipelined is None:
+            return able and self.device.type == "cuda"  # on a CPU the search cannot overlap the steps
+        if pipelined not in (True, False):
+            raise TypeError(f"pipelined_rebuild: expected None, True or False, got {pipelined!r}")
+        if pipelined and not able:
+            raise ValueError(f"pipelined_rebuild=True needs a provider with snapshot/search/install (a cgforge "
+                             f"Calculator); {type(self.provider).__name__} has none")
+        return pipelined
+
     def _start(self) -> None:
         if self._started:
             return
@@ -365,11 +391,16 @@ class Engine:
     def _run_block(self, size: int, observe: bool) -> int:
         for name, t in self._report.items():
             t.fill_(float("nan") if name == "slack" else 0)
+        # Pipelined rebuild: in the list's last block (``_plan_block``) the next list is searched at the block's
+        # start state on a side stream while the block runs, and installed after it.
+        pending = self.provider.snapshot(self.state.positions, self.state.cell) if self._search_next else None
         if self.cuda_graph:
             self._replay(size)
         else:
             with torch.no_grad():
                 self._steps(size)
+        if pending is not None:
+            self.provider.search(pending)
         if observe:
             self._take_snapshot()
         host = self._read_report()
@@ -393,11 +424,14 @@ class Engine:
         if host["overflow"]:
             self.provider.grow(int(host["count_max"]))
             self.stats["grows"] += 1
+        if host["stale"] and committed == 0 and self._fresh_list:
+            raise MDBlowUp(self._step + 1, "displacement", float("nan"),
+                           " (atoms moved or the cell deformed beyond the neighbour list's skin within one "
+                           "step: a blow-up, a timestep or barostat rate far too large, or a skin too small)")
+        if pending is not None:
+            self._install(pending, committed)
+            return committed  # a stale step of this block is redone with the new list
         if host["stale"]:
-            if committed == 0 and self._fresh_list:
-                raise MDBlowUp(self._step + 1, "displacement", float("nan"),
-                               " (atoms moved or the cell deformed beyond the neighbour list's skin within one "
-                               "step: a blow-up, a timestep or barostat rate far too large, or a skin too small)")
             self._rebuild()
         elif committed:
             self._fresh_list = False
@@ -405,7 +439,9 @@ class Engine:
 
     def _plan_block(self, size: int) -> int:
         """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
-        the fastest use of slack seen); a rebuild first when not one step is left."""
+        the fastest use of slack seen); a rebuild first when not one step is left. Pipelined, the list's last
+        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched."""
+        self._search_next = False
         if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
         slack, rate = self._last_slack, self.rebuild_margin * self._slack_per_step
@@ -415,7 +451,21 @@ class Engine:
         if safe < 1:
             self._rebuild()
             safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
+        if self.pipelined_rebuild and safe >= 1:
+            if safe > _HIDE_STEPS:
+                return min(size, safe - _HIDE_STEPS)
+            self._search_next = True
         return max(1, min(size, safe))
+
+    def _install(self, pending, committed: int) -> None:
+        """Take the list searched at this block's start; its slack is what is left after the committed steps."""
+        self.provider.install(pending)
+        self.stats["rebuilds"] += 1
+        self.stats["overlapped_rebuilds"] += 1
+        self._fresh_list = committed == 0  # then the list is at the current state
+        initial = getattr(self.provider, "initial_slack", None)
+        self._last_slack = (None if initial is None or not math.isfinite(initial)
+                            else initial - committed * self._slack_per_step)
 
     def _rebuild(self) -> None:
         self.provider.rebuild(self.state.positions, self.state.cell)

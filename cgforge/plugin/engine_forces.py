@@ -21,7 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces"]
+from .edge_layout import EdgeTopology
+from .neighbours import neighbour_list
+
+__all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces", "PendingList"]
 
 
 @dataclass
@@ -37,6 +40,18 @@ class ForceResult:
     overflow: Tensor
     slack: Tensor
     count: Tensor
+
+
+@dataclass
+class PendingList:
+    """A Verlet list being found for a snapshot of the state (``ModelForces.snapshot``/``search``/``install``):
+    the snapshot's positions and cell (float64), the list once searched, and the CUDA event that orders its use."""
+
+    positions: Tensor
+    cell: Tensor
+    lists: tuple[Tensor, Tensor, Tensor] | None = None
+    topology: tuple | None = None  # ModelStep.list_topology of the lists
+    ready: torch.cuda.Event | None = None
 
 
 def _false(device: torch.device) -> Tensor:
@@ -111,6 +126,8 @@ class ModelForces:
         self._ref_positions: Tensor | None = None
         self._ref_cell_inverse: Tensor | None = None
         self._own_generation = 0
+        self._side: torch.cuda.Stream | None = None  # the pipelined rebuild's search stream
+        self._retired: PendingList | None = None
 
     @property
     def generation(self) -> tuple[int, int]:
@@ -141,6 +158,58 @@ class ModelForces:
         self.step.positions.copy_(positions)
         self.step.cell.copy_(cell)
         self.step.rebuild(self.pbc)
+        self._set_reference(positions, cell)
+
+    # A rebuild in three parts, so the search overlaps a block of MD steps on the GPU (the engine's pipelined
+    # rebuild): ``snapshot`` queues copies of the block's start state before its steps, ``search`` finds the list
+    # at that state on a side stream (its host syncs wait for that stream only, not for the block), ``install``
+    # loads it between blocks. The list is valid for the snapshot's positions, which become the reference of
+    # the staleness check, so steps taken since then only use up some of its slack.
+
+    def snapshot(self, positions: Tensor, cell: Tensor) -> PendingList:
+        """Queue copies of the state a list will be searched for (before the steps that change it)."""
+        pending = PendingList(positions.detach().clone(), cell.detach().clone())
+        if self.device.type == "cuda":
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
+
+    def search(self, pending: PendingList) -> None:
+        """Find the Verlet list at the snapshot (host syncs on a side stream when on CUDA)."""
+        cutoff = self.calc.neighbours.list_cutoff
+        if self.device.type != "cuda":
+            pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
+                                           cutoff)
+            pending.topology = self.step.list_topology(pending.lists)
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_event(pending.ready)
+        self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
+        with torch.cuda.stream(self._side):  # everything here, the casts too: the main stream is busy with MD
+            pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
+                                           cutoff)
+            pending.topology = self.step.list_topology(pending.lists)
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+
+    def install(self, pending: PendingList) -> None:
+        """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""
+        positions, cell, lists, topology = pending.positions, pending.cell, pending.lists, pending.topology
+        if self.device.type == "cuda":
+            # Copies on this stream of what the side stream made (no record_stream: a cross-stream free inside a
+            # later CUDA-graph capture invalidates the capture); the originals stay referenced until the next
+            # search, whose stream waits for a point after these copies, so their memory is not reused early.
+            torch.cuda.current_stream(self.device).wait_event(pending.ready)
+            lists = tuple(t.clone() for t in lists)
+            if topology is not None and topology[1] is not None:
+                made = topology[1]
+                topology = (topology[0], EdgeTopology(made.rowptr.clone(), made.reverse.clone()))
+            self._retired = pending
+        self.step.install_list(positions.to(self.dtype), cell.to(self.dtype), self.pbc, lists, topology)
+        self._set_reference(positions, cell)
+
+    def _set_reference(self, positions: Tensor, cell: Tensor) -> None:
         self._ref_positions = self._keep(self._ref_positions, positions.detach())
         inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
         self._ref_cell_inverse = None if inverse is None else self._keep(self._ref_cell_inverse, inverse)

@@ -331,10 +331,15 @@ class VerletNeighbourList:
         device, from the reference positions it keeps itself)."""
         _check_positions_and_cell(positions, cell)
         pbc = _as_pbc(pbc)
-        self.sender, self.receiver, self.shifts = neighbour_list(positions, cell, pbc, self.list_cutoff)
+        self.install(positions, cell, pbc, neighbour_list(positions, cell, pbc, self.list_cutoff))
+
+    def install(self, positions: Tensor, cell: Tensor, pbc: PbcLike, lists: tuple[Tensor, Tensor, Tensor]) -> None:
+        """Take (sender, receiver, shifts) that ``neighbour_list`` found at ``list_cutoff`` for these positions
+        and cell (possibly computed elsewhere, e.g. on a side stream while MD steps ran) as the list."""
+        self.sender, self.receiver, self.shifts = lists
         self._positions = positions.detach().clone()
         self._cell = cell.detach().clone()
-        self._pbc = pbc
+        self._pbc = _as_pbc(pbc)
         self.n_builds += 1
 
     def edges(self, positions: Tensor, cell: Tensor) -> tuple[Tensor, Tensor, Tensor]:

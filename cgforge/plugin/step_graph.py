@@ -240,6 +240,24 @@ class ModelStep:
         self.neighbours.rebuild(self._pos, self._cell, pbc)
         self._load_verlet()
 
+    def install_list(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool],
+                     lists: tuple[Tensor, Tensor, Tensor], topology: tuple[int, EdgeTopology | None] | None = None
+                     ) -> None:
+        """Load a Verlet list found elsewhere at ``positions`` and ``cell`` (not the buffers' values: the MD
+        engine searches at a block's start while the block runs); the buffers keep the current state.
+        ``topology``: what ``list_topology`` made of these lists, if it was called (on the search's stream)."""
+        self.neighbours.install(positions, cell, pbc, lists)
+        self._load_verlet(topology)
+
+    def list_topology(self, lists: tuple[Tensor, Tensor, Tensor]) -> tuple[int, EdgeTopology | None]:
+        """(list capacity, topology) that loading ``lists`` needs, made ahead (its sort and host reads can run on
+        another stream while the current list is still in use); nothing of the step changes."""
+        sender, receiver, shifts = lists
+        capacity = self._fit(None if self._verlet is None else self._verlet[0].shape[0], sender.shape[0])
+        if not self.use_topology:
+            return capacity, None
+        return capacity, edge_topology(sender, receiver, shifts, self._n, capacity)
+
     def grow(self, count: int) -> None:
         """Room for ``count`` model edges (after a step whose edge count exceeded the capacity)."""
         if self.padded and self.filter_edges and count > self._capacity:
@@ -303,12 +321,15 @@ class ModelStep:
             return current
         return int(math.ceil(needed * (1 + self.margin) / 64.0) + 1) * 64
 
-    def _load_verlet(self) -> None:
-        """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering)."""
+    def _load_verlet(self, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
+        """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering);
+        ``prepared``: ``list_topology`` of it, used when made for the capacity chosen now."""
         nl = self.neighbours
         count = nl.sender.shape[0]
         old = self._verlet
         capacity = self._fit(None if old is None else old[0].shape[0], count)
+        if prepared is not None and prepared[0] != capacity:
+            prepared = None
         if old is None or old[0].shape[0] != capacity:
             self.invalidate()
             kw = {"dtype": torch.int64, "device": self.device}
@@ -321,7 +342,7 @@ class ModelStep:
             buf[:count].copy_(src)
             buf[count:].zero_()  # padding entries: (0, 0, 0), never kept (valid is False)
         valid.copy_(torch.arange(capacity, device=self.device) < count)
-        self._load_topology(capacity)
+        self._load_topology(capacity, prepared)
         with torch.no_grad():
             if not self.filter_edges:
                 layout = layout_edges(valid, sender, receiver, shifts, self._n, self._fit(
@@ -339,10 +360,14 @@ class ModelStep:
                     self.invalidate()
                     self._capacity = capacity
 
-    def _load_topology(self, capacity: int) -> None:
+    def _load_topology(self, capacity: int, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
         """The Verlet list's row pointers and reverse edges, into static buffers (a capture reads them)."""
         nl = self.neighbours
-        topology = edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology else None
+        if prepared is not None:
+            topology = prepared[1]
+        else:
+            topology = (edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology
+                        else None)
         if topology is None or self._topology is None:
             if (topology is None) != (self._topology is None):
                 self.invalidate()  # the other layout path from now on
