@@ -204,6 +204,15 @@ def test_cli_writes_a_loadable_file(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(pt), "--patch", "off"]) == 0
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in capsys.readouterr().out
     assert isinstance(torch.load(pt, weights_only=False), CgforgeMLIAP)
+    # --cuda-graph: the option travels in the file; a combination that cannot work fails before writing
+    off = tmp_path / "off.pkl"
+    assert cli_main(["lammps-model", mace_file, str(off), "--cuda-graph", "off"]) == 0
+    with open(off, "rb") as f:
+        assert pickle.load(f).cuda_graph is False
+    capsys.readouterr()
+    bad = tmp_path / "bad.pkl"
+    assert cli_main(["lammps-model", mace_file, str(bad), "--cuda-graph", "on", "--mode", "exchange"]) == 1
+    assert "cuda_graph=True and mode='exchange'" in capsys.readouterr().err and not bad.exists()
 
 
 def test_cli_rejects_unsupported_models(tmp_path, capsys):

@@ -23,6 +23,13 @@ Two modes (``mode="auto"`` picks per call):
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
   ghosts' node features are sent from their owners before every layer but the first (``exchange``).
 
+Ghost-mode calls on CUDA run the padded step (``captured``): LAMMPS's arrays copied into static buffers with
+room to spare, the edges laid out for the fused convolution without a sort (pairs come in ascending centre
+order: a device flag checks it and a call that breaks it runs, with every later one, on the eager step above),
+species grouped in fixed rooms, and the whole step (layout, model, autograd, energy sum) captured in a CUDA
+graph and replayed (``cuda_graph``). Exchange-mode calls and CPU calls stay eager: the exchange calls LAMMPS
+back inside the model, and a CPU has no graphs to replay.
+
 The object pickles small: the model file's bytes and the options. The model is loaded, patched (cgforge's
 kernels: by default on CUDA, as the Calculator does) and compiled lazily, in the LAMMPS process, at the
 first call; no torch module, CuPy or NVRTC state is pickled.
