@@ -225,11 +225,12 @@ def test_cli_rejects_unsupported_models(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_atoms_without_pairs(mace_file):
+@pytest.mark.parametrize("padded", [False, True])
+def test_atoms_without_pairs(mace_file, padded):
     """Isolated atoms: no pairs, energies only (the model's reference energies), zero forces."""
     atoms = Atoms("OH", positions=[[1.0, 1.0, 1.0], [6.0, 6.0, 6.0]], cell=[12.0, 12.0, 12.0], pbc=True)
-    obj = CgforgeMLIAP(mace_file, patch=False)
-    got, domains = run(obj, atoms, mode="ghost", n_domains=1)
+    obj = CgforgeMLIAP(mace_file, patch=padded, _padded=padded)
+    got, domains = run(obj, atoms, mode="ghost", n_domains=1, path="padded" if padded else "eager")
     assert domains[0].npairs == 0 and domains[0].pair_force_calls == 0
     ref = reference(mace_file, atoms, patch=False)
     assert abs(got["energy"] - ref["energy"]) < TOL * abs(ref["energy"])
@@ -305,11 +306,14 @@ def relabel_ghosts(data: StandInData, seed: int) -> None:
     data.gid, data.owner = gid, owner
 
 
-def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file):
-    """Grouped but not ascending: the device flag sends the call (and later ones) to the eager path, once warned."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file, device):
+    """Grouped but not ascending: the device flag sends the call (and later ones) to the eager path, once warned
+    (on CUDA: from the captured step)."""
     atoms = structure(seed=13)
-    obj = CgforgeMLIAP(mace_file, patch=True, _padded=True)
-    (data,) = domains_of(obj, atoms)
+    obj = CgforgeMLIAP(mace_file, patch=True, device=device, _padded=True)
+    kw = {"flavour": "kokkos", "device": device} if device == "cuda" else {}
+    (data,) = domains_of(obj, atoms, **kw)
     relabel_ghosts(data, seed=1)
     centres = data._host["pair_i"]
     assert (np.diff(centres) < 0).any() and (np.diff(centres) != 0).sum() == len(np.unique(centres)) - 1
@@ -318,7 +322,8 @@ def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file):
     assert obj.last_path == "eager" and "ascending" in obj.padded_off
     ref = reference(mace_file, atoms, patch=True)
     assert_matches(combine([data], len(atoms)), ref)
-    (data,) = domains_of(obj, atoms)  # ascending again: the object stays on the eager path, without a warning
+    assert obj.capture_error is None and obj._step.n_captures == (device == "cuda")
+    (data,) = domains_of(obj, atoms, **kw)  # ascending again: the object stays on the eager path, without a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_domains([obj], [data])
@@ -355,13 +360,15 @@ def test_cuda_graph_option(mace_file):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
 @pytest.mark.parametrize("flavour", ["host", "kokkos"])
-def test_cuda_captured_step(mace_file, flavour):
+def test_cuda_captured_step(kind, flavour, request):
     """Captured equals eager on the GPU (FP64, 1e-9 relative) per domain, replays, and captures again after a
     growth; host arrays (model on cuda) and Kokkos device arrays."""
+    path = request.getfixturevalue(f"{kind}_file")
     kw = {"flavour": flavour, "device": "cuda"}
-    captured = CgforgeMLIAP(mace_file, patch=True, device="cuda")
-    eager = CgforgeMLIAP(mace_file, patch=True, device="cuda", cuda_graph=False)
+    captured = CgforgeMLIAP(path, patch=True, device="cuda")
+    eager = CgforgeMLIAP(path, patch=True, device="cuda", cuda_graph=False)
     small, big = structure(seed=14), water_box(24, seed=4)
     big.rattle(0.05, seed=4)
     captures = []
@@ -375,4 +382,4 @@ def test_cuda_captured_step(mace_file, flavour):
     assert captures[0] == 1 and captures[2] > captures[1] and captures[3] == captures[2] == captures[4]
     atoms = structure(seed=15)
     got, _ = run(captured, atoms, mode="ghost", n_domains=2, path="captured", **kw)
-    assert_matches(got, reference(mace_file, atoms, patch=True), tol=1e-9)
+    assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)

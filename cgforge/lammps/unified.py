@@ -257,6 +257,7 @@ class CgforgeMLIAP(_mliap_base()):
             if step.run(data, arrays):
                 self.last_path = "captured" if step.cuda_graph else "padded"
                 return
+            step.invalidate()  # its graph and buffers' memory back: not used again
             self.padded_off = ("LAMMPS's pairs are not in ascending centre order, which the padded step needs (it "
                                "lays them out without a sort)")
             warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step", RuntimeWarning,
