@@ -354,6 +354,14 @@ def test_cuda_graph_option(mace_file):
     state = padded.__getstate__()
     assert padded._step is not None and "_step" not in state and "padded_off" not in state
     assert pickle.loads(pickle.dumps(padded))._step is None
+    # a file written before cuda_graph existed loads with the default
+    old = {k: v for k, v in auto.__getstate__().items()
+           if k not in ("cuda_graph", "_padded", "inert_edges_reason", "last_path")}
+    again = CgforgeMLIAP.__new__(CgforgeMLIAP)
+    again.__setstate__(old)
+    assert again.cuda_graph is None and not again._padded
+    again.compute_forces(data)
+    assert again.last_path == "eager" and again.inert_edges_reason is None
 
 
 # --- CUDA: the captured step --------------------------------------------------------------------------------

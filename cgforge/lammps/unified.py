@@ -157,6 +157,8 @@ class CgforgeMLIAP(_mliap_base()):
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
+        # Files written before an option existed load with its default.
+        self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None})
         self.__dict__.update(state)
         self.interface = None
         self._clear_runtime()
@@ -221,6 +223,7 @@ class CgforgeMLIAP(_mliap_base()):
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
         self._caches = graph_caches(model)
+        self.inert_edges_reason = self._adapter.inert_beyond_cutoff()  # of the model as loaded here
         capture = self._capture_on(device)
         if capture or self._padded:
             self._step = PaddedStep(self._adapter, self._caches, cuda_graph=capture)
