@@ -94,7 +94,8 @@ class PaddedStep:
     adapter: the model's ``ModelAdapter``; caches: its graph caches (``graph_caches``; empty for a model
     that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
     self-connections through e3nn's path (for comparisons). ``capture_error`` says why a capture
-    failed (the step then runs eagerly); ``n_captures``, ``n_growths`` count captures and buffer growths.
+    failed (the step then runs eagerly); ``n_captures`` counts captures, ``n_growths`` growths of the buffers or
+    of the species rooms.
     """
 
     def __init__(self, adapter: Any, caches: list, *, cuda_graph: bool, margin: float = MARGIN,
