@@ -80,8 +80,9 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
         raise FileExistsError(f"OUT: {args.output} exists; pass --force to overwrite it")
     patch = {"auto": None, "on": True, "off": False}[args.patch]
     type_map = _parse_type_map(args.type_map)
+    cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
     obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
-                       type_map=type_map, mode=args.mode)
+                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
     for line in usage_lines(obj, out.name):
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("auto", "ghost", "exchange"), default="auto",
                    help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange), "
                    "ghost or exchange")
+    p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                   help="ghost-mode steps padded and captured in a CUDA graph: auto (default: on CUDA, for a model "
+                   "whose edges beyond the cutoff contribute zero), on (an error where it cannot be), off (eager)")
     p.set_defaults(func=cmd_lammps_model)
 
     from .plugin.md import add_md_arguments

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from ase import Atoms
 
 from cgforge.cli import main as cli_main
 from cgforge.lammps import CgforgeMLIAP, LammpsSetupError
-from cgforge.lammps.standin import build_domains, combine, run_domains
+from cgforge.lammps.standin import StandInData, build_domains, combine, run_domains
 from cgforge.plugin import Calculator
 from cgforge.plugin.water import water_box
 
@@ -73,7 +74,7 @@ def reference(path: str, atoms: Atoms, patch: bool) -> dict:
 
 
 def run(obj: CgforgeMLIAP, atoms: Atoms, *, mode: str, n_domains: int, flavour: str = "host",
-        device: str = "cpu") -> tuple[dict, list]:
+        device: str = "cpu", path: str | None = None) -> tuple[dict, list]:
     ghost = mode == "ghost"
     domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff if ghost else obj.cutoff,
                             n_domains=n_domains, ghost_neighbours=ghost, exchange=not ghost, flavour=flavour,
@@ -81,6 +82,7 @@ def run(obj: CgforgeMLIAP, atoms: Atoms, *, mode: str, n_domains: int, flavour: 
     models = [pickle.loads(pickle.dumps(obj)) for _ in domains]  # one per rank, as LAMMPS loads the file
     run_domains(models, domains)
     assert all(m.last_mode == mode for m in models)
+    assert path is None or all(m.last_path == path for m in models), [m.last_path for m in models]
     return combine(domains, len(atoms)), domains
 
 
@@ -203,6 +205,15 @@ def test_cli_writes_a_loadable_file(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(pt), "--patch", "off"]) == 0
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1" in capsys.readouterr().out
     assert isinstance(torch.load(pt, weights_only=False), CgforgeMLIAP)
+    # --cuda-graph: the option travels in the file; a combination that cannot work fails before writing
+    off = tmp_path / "off.pkl"
+    assert cli_main(["lammps-model", mace_file, str(off), "--cuda-graph", "off"]) == 0
+    with open(off, "rb") as f:
+        assert pickle.load(f).cuda_graph is False
+    capsys.readouterr()
+    bad = tmp_path / "bad.pkl"
+    assert cli_main(["lammps-model", mace_file, str(bad), "--cuda-graph", "on", "--mode", "exchange"]) == 1
+    assert "cuda_graph=True and mode='exchange'" in capsys.readouterr().err and not bad.exists()
 
 
 def test_cli_rejects_unsupported_models(tmp_path, capsys):
@@ -215,12 +226,169 @@ def test_cli_rejects_unsupported_models(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_atoms_without_pairs(mace_file):
+@pytest.mark.parametrize("padded", [False, True])
+def test_atoms_without_pairs(mace_file, padded):
     """Isolated atoms: no pairs, energies only (the model's reference energies), zero forces."""
     atoms = Atoms("OH", positions=[[1.0, 1.0, 1.0], [6.0, 6.0, 6.0]], cell=[12.0, 12.0, 12.0], pbc=True)
-    obj = CgforgeMLIAP(mace_file, patch=False)
-    got, domains = run(obj, atoms, mode="ghost", n_domains=1)
+    obj = CgforgeMLIAP(mace_file, patch=padded, _padded=padded)
+    got, domains = run(obj, atoms, mode="ghost", n_domains=1, path="padded" if padded else "eager")
     assert domains[0].npairs == 0 and domains[0].pair_force_calls == 0
     ref = reference(mace_file, atoms, patch=False)
     assert abs(got["energy"] - ref["energy"]) < TOL * abs(ref["energy"])
     assert np.allclose(got["energies"], ref["energies"], rtol=TOL, atol=0) and not got["forces"].any()
+
+
+# --- the padded step (cgforge.lammps.captured): the same code that CUDA captures, run eagerly on the CPU ---------
+
+
+def domains_of(obj: CgforgeMLIAP, atoms: Atoms, n_domains: int = 1, **kw) -> list[StandInData]:
+    return build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff, n_domains=n_domains, **kw)
+
+
+def per_domain(obj: CgforgeMLIAP, data: StandInData) -> dict:
+    """One compute_forces of ``obj`` on ``data``: what it wrote, as assert_matches reads it."""
+    run_domains([obj], [data])
+    return {"energy": data.energy_written, "energies": data.eatoms_written.copy(), "forces": data.f.copy(),
+            "virial": data.virial.copy()}
+
+
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+@pytest.mark.parametrize("n_domains", [1, 2])
+def test_padded_step_matches(kind, n_domains, request):
+    """Padded buffers, a pinned graph without a sort, species in fixed rooms: equal to the eager path and the
+    Calculator (cgforge's kernels on all three), on one domain and two."""
+    path = request.getfixturevalue(f"{kind}_file")
+    atoms = structure(seed=11)
+    padded = CgforgeMLIAP(path, patch=True, _padded=True)
+    got, domains = run(padded, atoms, mode="ghost", n_domains=n_domains, path="padded")
+    eager, _ = run(CgforgeMLIAP(path, patch=True), atoms, mode="ghost", n_domains=n_domains, path="eager")
+    ref = reference(path, atoms, patch=True)
+    assert_matches(got, ref)
+    assert_matches(got, eager)
+    assert_matches(eager, ref)
+
+
+def test_padded_step_grows_and_shrinks(mace_file):
+    """One object over calls whose pair, atom and species counts grow and shrink: buffers grow (a new capture
+    on CUDA), stale entries past the counts change nothing, every call equals the eager path's."""
+    padded = CgforgeMLIAP(mace_file, patch=True, _padded=True)
+    eager = CgforgeMLIAP(mace_file, patch=True)
+    small, big = structure(seed=12), water_box(24, seed=3)
+    big.rattle(0.05, seed=3)
+    calls = [(small, 2, 1), (small, 2, 0), (big, 1, 0), (small, 2, 1)]
+    seen = []
+    for atoms, n_domains, d in calls:
+        got = per_domain(padded, domains_of(padded, atoms, n_domains)[d])
+        want = per_domain(eager, domains_of(eager, atoms, n_domains)[d])
+        assert padded.last_path == "padded" and eager.last_path == "eager"
+        assert_matches(got, want)
+        step = padded._step
+        seen.append((step.capacities, step._room.capacities, step.n_growths))
+    (first, room0, _), (_, _, grown0), (third, room2, grown2), (fourth, _, grown3) = seen
+    assert grown0 == 0 and grown2 >= 2 and grown3 == grown2  # the big box grew the buffers and the species rooms
+    assert third[0] > first[0] and third[1] > first[1] and fourth == third  # pairs, nodes; never shrunk
+    assert all(b >= a for a, b in zip(room0, room2)) and room2 != room0  # a species overflowed: run again
+
+
+def relabel_ghosts(data: StandInData, seed: int) -> None:
+    """Permute the ghosts' indices in place: pairs stay grouped by centre, centres no longer ascend."""
+    n, total = data.nlocal, data.ntotal
+    new = np.arange(total)
+    new[n:] = n + np.random.default_rng(seed).permutation(total - n)
+    host = data._host
+    for name in ("pair_i", "jatoms"):
+        host[name] = new[host[name]].astype(np.int32)
+    for name in ("elems",):
+        moved = np.empty_like(host[name])
+        moved[new] = host[name]
+        host[name] = moved
+    gid, owner = np.empty_like(data.gid), np.empty_like(data.owner)
+    gid[new], owner[new] = data.gid, data.owner
+    data.gid, data.owner = gid, owner
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file, device):
+    """Grouped but not ascending: the device flag sends the call (and later ones) to the eager path, once warned
+    (on CUDA: from the captured step)."""
+    atoms = structure(seed=13)
+    obj = CgforgeMLIAP(mace_file, patch=True, device=device, _padded=True)
+    kw = {"flavour": "kokkos", "device": device} if device == "cuda" else {}
+    (data,) = domains_of(obj, atoms, **kw)
+    relabel_ghosts(data, seed=1)
+    centres = data._host["pair_i"]
+    assert (np.diff(centres) < 0).any() and (np.diff(centres) != 0).sum() == len(np.unique(centres)) - 1
+    with pytest.warns(RuntimeWarning, match="ascending centre order"):
+        run_domains([obj], [data])
+    assert obj.last_path == "eager" and "ascending" in obj.padded_off
+    ref = reference(mace_file, atoms, patch=True)
+    assert_matches(combine([data], len(atoms)), ref)
+    assert obj.capture_error is None and obj._step.n_captures == (device == "cuda")
+    (data,) = domains_of(obj, atoms, **kw)  # ascending again: the object stays on the eager path, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_domains([obj], [data])
+    assert obj.last_path == "eager"
+    assert_matches(combine([data], len(atoms)), ref)
+
+
+def test_cuda_graph_option(mace_file):
+    with pytest.raises(TypeError, match="cuda_graph"):
+        CgforgeMLIAP(mace_file, cuda_graph="on")
+    with pytest.raises(TypeError, match="cuda_graph"):
+        CgforgeMLIAP(mace_file, cuda_graph=1)
+    with pytest.raises(ValueError, match="cuda_graph=True and mode='exchange'"):
+        CgforgeMLIAP(mace_file, cuda_graph=True, mode="exchange")
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+        CgforgeMLIAP(mace_file, cuda_graph=True, device="cpu")
+    obj = CgforgeMLIAP(mace_file, patch=False, cuda_graph=True)  # the device is known at the first call
+    (data,) = domains_of(obj, structure())
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+        obj.compute_forces(data)
+    # None: eager on a CPU, and nothing of a padded step travels in the pickle
+    auto = CgforgeMLIAP(mace_file, patch=False)
+    auto.compute_forces(data)
+    assert auto.last_path == "eager" and auto._step is None and auto.capture_error is None
+    padded = CgforgeMLIAP(mace_file, patch=True, _padded=True)
+    (data,) = domains_of(padded, structure())
+    padded.compute_forces(data)
+    state = padded.__getstate__()
+    assert padded._step is not None and "_step" not in state and "padded_off" not in state
+    assert pickle.loads(pickle.dumps(padded))._step is None
+    # a file written before cuda_graph existed loads with the default
+    old = {k: v for k, v in auto.__getstate__().items()
+           if k not in ("cuda_graph", "_padded", "inert_edges_reason", "last_path")}
+    again = CgforgeMLIAP.__new__(CgforgeMLIAP)
+    again.__setstate__(old)
+    assert again.cuda_graph is None and not again._padded
+    again.compute_forces(data)
+    assert again.last_path == "eager" and again.inert_edges_reason is None
+
+
+# --- CUDA: the captured step --------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+@pytest.mark.parametrize("flavour", ["host", "kokkos"])
+def test_cuda_captured_step(kind, flavour, request):
+    """Captured equals eager on the GPU (FP64, 1e-9 relative) per domain, replays, and captures again after a
+    growth; host arrays (model on cuda) and Kokkos device arrays."""
+    path = request.getfixturevalue(f"{kind}_file")
+    kw = {"flavour": flavour, "device": "cuda"}
+    captured = CgforgeMLIAP(path, patch=True, device="cuda")
+    eager = CgforgeMLIAP(path, patch=True, device="cuda", cuda_graph=False)
+    small, big = structure(seed=14), water_box(24, seed=4)
+    big.rattle(0.05, seed=4)
+    captures = []
+    for atoms, n_domains, d in [(small, 2, 0), (small, 2, 1), (big, 1, 0), (big, 1, 0), (small, 2, 0)]:
+        got = per_domain(captured, domains_of(captured, atoms, n_domains, **kw)[d])
+        want = per_domain(eager, domains_of(eager, atoms, n_domains, **kw)[d])
+        assert captured.last_path == "captured" and eager.last_path == "eager"
+        assert captured.capture_error is None
+        assert_matches(got, want, tol=1e-9)
+        captures.append(captured._step.n_captures)
+    assert captures[0] == 1 and captures[2] > captures[1] and captures[3] == captures[2] == captures[4]
+    atoms = structure(seed=15)
+    got, _ = run(captured, atoms, mode="ghost", n_domains=2, path="captured", **kw)
+    assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)

@@ -8,7 +8,7 @@ import torch
 from e3nn import o3
 
 from cgforge.patches.graph_cache import CallGraphCache
-from cgforge.patches.species_linear import SpeciesGroups, SpeciesSelfConnection, swap_in, swap_out
+from cgforge.patches.species_linear import SpeciesGroups, SpeciesRoom, SpeciesSelfConnection, swap_in, swap_out
 
 # (irreps of x, irreps of the attributes, irreps out): MACE-MP skip_tp shapes (scaled down), NequIP's sc
 SHAPES = [
@@ -48,6 +48,36 @@ def test_per_species_path_equals_e3nn(irreps_x: str, irreps_a: str, irreps_out: 
     gx_got, gw_got = torch.autograd.grad(got, [x, stand_in.weight], grad)
     torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw_got, gw_want, rtol=1e-12, atol=1e-12)
+
+
+def test_species_room_groups_equal_exact_groups() -> None:
+    """Fixed room per species (the captured LAMMPS step): the valid nodes' outputs and gradients equal the exact
+    groups'; padding nodes past num_valid and unused room change nothing; counts say when a room overflowed."""
+    torch.manual_seed(4)
+    tp = o3.FullyConnectedTensorProduct("8x0e+4x1o", "4x0e", "8x0e+4x1o").double()
+    graphs = CallGraphCache()
+    stand_in = SpeciesSelfConnection.wrap(tp, graphs)
+    species = torch.tensor([3, 0, 3, 1, 1, 0, 3, 3, 0, 1, 0, 0])  # the last 3 are padding (num_valid 9)
+    valid = 9
+    groups, x, attrs = _groups_and_inputs(tp, species)
+    room = SpeciesRoom([5, 4, 0, 6], "cpu")  # species 2 absent: no group
+    padded, counts = room.groups(species, torch.tensor(valid))
+    assert counts.tolist() == [3, 2, 0, 4] and room.fits(counts.tolist())
+    assert padded.counts == (5, 4, 6) and padded.order.shape[0] == 15
+    assert torch.equal(padded.order.index_select(0, padded.inverse[:valid]), torch.arange(valid))
+    grad = torch.randn(len(species), tp.irreps_out.dim, dtype=torch.float64)
+    grad[valid:] = 0.0  # padding nodes' outputs are never summed
+    outs = []
+    for g in (groups, padded):
+        with graphs.use_species(g):
+            out = stand_in(x, attrs)
+        outs.append((out[:valid], torch.autograd.grad(out, x, grad)[0]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-12, atol=1e-12)
+    _, counts = SpeciesRoom([2, 4, 0, 6], "cpu").groups(species, torch.tensor(valid))
+    assert not SpeciesRoom([2, 4, 0, 6], "cpu").fits(counts.tolist())  # 3 of species 0 in a room of 2
+    with pytest.raises(ValueError, match="capacities"):
+        SpeciesRoom([0, 0], "cpu")
 
 
 def test_without_groups_it_is_e3nn_exactly() -> None:

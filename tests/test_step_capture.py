@@ -53,6 +53,8 @@ def test_layout_keeps_selected_edges_sorted_with_spread_padding(n, e, extra):
     real = ~is_pad
     assert torch.equal(layout.sender[real], sender[keep]) and torch.equal(layout.receiver[real], receiver[keep])
     assert torch.equal(layout.unit_shifts[real], shifts[keep])
+    slots = torch.nonzero(real).flatten()
+    assert torch.equal(layout.slot[keep], slots) and (layout.slot[~keep] == layout.capacity).all()
     assert torch.equal(layout.sender[is_pad], layout.receiver[is_pad]), "padding edges are self-edges"
     assert torch.equal(layout.pad_offset[is_pad], pad.expand(extra, 3))
     assert (layout.unit_shifts[is_pad] == 0).all()

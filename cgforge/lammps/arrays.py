@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PairData", "is_device_flavour", "read_pairs", "to_tensor", "write_results"]
+__all__ = ["LammpsArrays", "PairData", "is_device_flavour", "lammps_arrays", "read_pairs", "to_tensor",
+           "write_results"]
 
 
 def is_device_flavour(data: Any) -> bool:
@@ -63,8 +64,25 @@ class PairData:
     ghost_centres: bool  # pairs centred on ghost atoms exist (ghost-neighbour mode)
 
 
-def read_pairs(data: Any, device: torch.device, dtype: torch.dtype) -> PairData:
-    """The pair list, element indices and listed atoms of ``data`` as tensors on ``device``."""
+@dataclass
+class LammpsArrays:
+    """One call's arrays as LAMMPS holds them (tensors sharing its memory, host or device; synchronised with
+    LAMMPS's stream) and its counts (host ints)."""
+
+    nlocal: int
+    ntotal: int
+    npairs: int
+    nlist: int  # nlistatoms: entries of eatoms
+    natomneigh: int  # centres in the neighbour list (> nlist: ghost atoms are centres too)
+    pair_i: Tensor
+    pair_j: Tensor
+    rij: Tensor
+    elems: Tensor
+    iatoms: Tensor
+
+
+def lammps_arrays(data: Any) -> LammpsArrays:
+    """``data``'s arrays without a copy, NULL ones made up where they may be (no pairs; iatoms: 0..nlist-1)."""
     nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
     nlocal = int(getattr(data, "nlocal", nlist))  # older Kokkos data objects lack nlocal (29Aug2024 has it)
     npairs = int(data.npairs)
@@ -81,13 +99,18 @@ def read_pairs(data: Any, device: torch.device, dtype: torch.dtype) -> PairData:
                 raise ValueError(f"LAMMPS data: {name} is missing (NULL)")
         tensors[name] = to_tensor(array)
     _sync(*tensors.values())
-    centre = tensors["pair_i"][:npairs].to(device=device, dtype=torch.int64)
-    neighbour = tensors["pair_j"][:npairs].to(device=device, dtype=torch.int64)
-    rij = tensors["rij"][:npairs].to(device=device, dtype=dtype)
-    elems = tensors["elems"][:ntotal].to(device=device, dtype=torch.int64).clamp(min=0)
-    listed = tensors["iatoms"][:nlist].to(device=device, dtype=torch.int64)
     natomneigh = int(getattr(data, "natomneigh", nlist) or nlist)
-    return PairData(nlocal, ntotal, centre, neighbour, rij, elems, listed, natomneigh > nlist)
+    return LammpsArrays(nlocal, ntotal, npairs, nlist, natomneigh, **tensors)
+
+
+def read_pairs(a: LammpsArrays, device: torch.device, dtype: torch.dtype) -> PairData:
+    """The pair list, element indices and listed atoms of one call (``lammps_arrays``) as tensors on ``device``."""
+    centre = a.pair_i[:a.npairs].to(device=device, dtype=torch.int64)
+    neighbour = a.pair_j[:a.npairs].to(device=device, dtype=torch.int64)
+    rij = a.rij[:a.npairs].to(device=device, dtype=dtype)
+    elems = a.elems[:a.ntotal].to(device=device, dtype=torch.int64).clamp(min=0)
+    listed = a.iatoms[:a.nlist].to(device=device, dtype=torch.int64)
+    return PairData(a.nlocal, a.ntotal, centre, neighbour, rij, elems, listed, a.natomneigh > a.nlist)
 
 
 def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> None:

@@ -23,6 +23,13 @@ Two modes (``mode="auto"`` picks per call):
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
   ghosts' node features are sent from their owners before every layer but the first (``exchange``).
 
+Ghost-mode calls on CUDA run the padded step (``captured``): LAMMPS's arrays copied into static buffers with
+room to spare, the edges laid out for the fused convolution without a sort (pairs come in ascending centre
+order: a device flag checks it and a call that breaks it runs, with every later one, on the eager step above),
+species grouped in fixed rooms, and the whole step (layout, model, autograd, energy sum) captured in a CUDA
+graph and replayed (``cuda_graph``). Exchange-mode calls and CPU calls stay eager: the exchange calls LAMMPS
+back inside the model, and a CPU has no graphs to replay.
+
 The object pickles small: the model file's bytes and the options. The model is loaded, patched (cgforge's
 kernels: by default on CUDA, as the Calculator does) and compiled lazily, in the LAMMPS process, at the
 first call; no torch module, CuPy or NVRTC state is pickled.
@@ -39,13 +46,14 @@ from typing import Any
 
 import torch
 
-from .arrays import is_device_flavour, read_pairs, to_tensor, write_results
+from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
+from .captured import PaddedStep
 from .exchange import ExchangeHooks, message_layers
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
-_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp")
+_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off")
 
 
 class LammpsSetupError(RuntimeError):
@@ -83,11 +91,17 @@ class CgforgeMLIAP(_mliap_base()):
     patch: cgforge's kernels (True), the model's own code (False), None: on CUDA only (as the Calculator).
     head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements
     (``pair_coeff * * O H``); mode: "auto", "ghost" or "exchange" (see the module doc).
+    cuda_graph: run ghost-mode calls as the padded step captured in a CUDA graph (``captured``): None (default)
+    on CUDA when the model's edges beyond the cutoff are known to contribute zero; True insists (an error on a
+    CPU, in exchange mode, which calls LAMMPS back inside the model, or for such a model); False: eager calls.
+    ``capture_error`` says why a capture failed (the calls then run eagerly); ``last_path`` which path the last
+    call took ("captured", "padded": the same step without capture, or "eager"). _padded: internal, True runs
+    ghost-mode calls on the padded step even where they are not captured (CPU tests).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", cuda_graph: bool | None = None, _padded: bool = False) -> None:
         from cgforge.patches.common import UnsupportedModelError
         from cgforge.plugin.calculator import load_model
 
@@ -96,6 +110,14 @@ class CgforgeMLIAP(_mliap_base()):
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if patch not in (None, True, False):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
+        if not (cuda_graph is None or isinstance(cuda_graph, bool)):
+            raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
+        if cuda_graph and mode == "exchange":
+            raise ValueError("cuda_graph=True and mode='exchange': exchange mode calls LAMMPS back inside the model "
+                             "(forward_exchange), which a captured step cannot; use ghost mode (`pair_style mliap "
+                             "unified FILE 1`) or cuda_graph=None")
+        if cuda_graph and device is not None and not str(device).startswith("cuda"):
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got device={device!r}")
         path = _model_path(model)
         self.model_name = path.name
         self.model_bytes = path.read_bytes()
@@ -105,6 +127,8 @@ class CgforgeMLIAP(_mliap_base()):
         self.head = head
         self.type_map = dict(type_map) if type_map is not None else None
         self.mode = mode
+        self.cuda_graph = cuda_graph
+        self._padded = bool(_padded)
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
         # file fails here and not inside LAMMPS.
         try:
@@ -112,6 +136,10 @@ class CgforgeMLIAP(_mliap_base()):
         except UnsupportedModelError as err:
             raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
         adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
+        self.inert_edges_reason = adapter.inert_beyond_cutoff()  # None: padding edges change nothing
+        if cuda_graph and self.inert_edges_reason is not None:
+            raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the cutoff "
+                             f"contribute zero; for this one that is not known: {self.inert_edges_reason}")
         self.kind = adapter.kind
         self.cutoff = float(adapter.cutoff)
         self.layers = len(message_layers(module, adapter.kind))
@@ -120,6 +148,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.ndescriptors = 1  # required by the coupling; unused
         self.nparams = 1
         self.last_mode: str | None = None
+        self.last_path: str | None = None
         self._clear_runtime()
 
     # --- pickling: options and bytes only ----------------------------------------------------------
@@ -128,6 +157,8 @@ class CgforgeMLIAP(_mliap_base()):
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
+        # Files written before an option existed load with its default.
+        self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None})
         self.__dict__.update(state)
         self.interface = None
         self._clear_runtime()
@@ -135,6 +166,13 @@ class CgforgeMLIAP(_mliap_base()):
     def _clear_runtime(self) -> None:
         self._model = self._adapter = self._device = self._hooks = self._tmp = None
         self._caches: list = []
+        self._step: PaddedStep | None = None
+        self.padded_off: str | None = None  # why ghost-mode calls left the padded step for good (None: they did not)
+
+    @property
+    def capture_error(self) -> str | None:
+        """Why the CUDA-graph capture failed (calls then run the padded step eagerly), or None."""
+        return None if self._step is None else self._step.capture_error
 
     @property
     def ghost_cutoff(self) -> float:
@@ -185,6 +223,19 @@ class CgforgeMLIAP(_mliap_base()):
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
         self._caches = graph_caches(model)
+        self.inert_edges_reason = self._adapter.inert_beyond_cutoff()  # of the model as loaded here
+        capture = self._capture_on(device)
+        if capture or self._padded:
+            self._step = PaddedStep(self._adapter, self._caches, cuda_graph=capture)
+
+    def _capture_on(self, device: torch.device) -> bool:
+        """Whether ghost-mode calls are captured on ``device`` (``cuda_graph`` resolved)."""
+        if self.cuda_graph is None:
+            return device.type == "cuda" and self.mode != "exchange" and self.inert_edges_reason is None
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {device} (LAMMPS's arrays are on "
+                             "the host: pass device='cuda', or cuda_graph=None)")
+        return self.cuda_graph
 
     # --- the ML-IAP interface ---------------------------------------------------------------------
 
@@ -197,10 +248,30 @@ class CgforgeMLIAP(_mliap_base()):
     def compute_forces(self, data: Any) -> None:
         """Per-atom energies, the domain's energy and the pair forces of one LAMMPS step into ``data``."""
         self.prepare(data)
-        adapter = self._adapter
-        pairs = read_pairs(data, self._device, adapter.dtype)
-        mode = self._choose_mode(data, pairs.ghost_centres, pairs.ntotal > pairs.nlocal)
+        arrays = lammps_arrays(data)
+        mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
+        if mode == "exchange" and self.cuda_graph:
+            raise LammpsSetupError("cuda_graph=True, but LAMMPS runs this model in exchange mode, which calls LAMMPS "
+                                   "back inside the model (forward_exchange): a captured step cannot. Use "
+                                   "`pair_style mliap unified FILE 1` (ghost mode) or cuda_graph=None")
+        step = self._step
+        if step is not None and self.padded_off is None and mode == "ghost" and arrays.nlist:
+            if step.run(data, arrays):
+                self.last_path = "captured" if step.cuda_graph else "padded"
+                return
+            step.invalidate()  # its graph and buffers' memory back: not used again
+            self.padded_off = ("LAMMPS's pairs are not in ascending centre order, which the padded step needs (it "
+                               "lays them out without a sort)")
+            warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step", RuntimeWarning,
+                          stacklevel=2)
+        self.last_path = "eager"
+        self._eager(data, arrays, mode)
+
+    def _eager(self, data: Any, arrays: LammpsArrays, mode: str) -> None:
+        """One call with a graph and species groups of its own, autograd run eagerly."""
+        adapter = self._adapter
+        pairs = read_pairs(arrays, self._device, adapter.dtype)
         if pairs.listed.numel() == 0:  # a domain without atoms: nothing to count
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
             return

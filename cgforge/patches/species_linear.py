@@ -16,6 +16,7 @@ for its own calls (``CallGraphCache.species``); every other call takes e3nn's ow
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +26,15 @@ from . import stand_in
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, give_back
 
-__all__ = ["SpeciesGroups", "SpeciesSelfConnection", "swap_in", "swap_out"]
+__all__ = ["SpeciesGroups", "SpeciesRoom", "SpeciesSelfConnection", "swap_in", "swap_out"]
 
 
 @dataclass(frozen=True)
 class SpeciesGroups:
     """Nodes grouped by species: ``order`` lists node indices species by species (``counts[k]`` of the k-th
     species present), ``inverse[n]`` is the place of node n in ``order``, ``representatives[k]`` one node of
-    the k-th species. Built once per structure (it reads the counts back to the host)."""
+    the k-th species. Built once per structure (it reads the counts back to the host), or with a fixed room per
+    species by ``SpeciesRoom`` (``counts`` are then the rooms, and unused places repeat node 0)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
@@ -54,6 +56,53 @@ class SpeciesGroups:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return cls(order, inverse, counts_host, order.index_select(0, starts), int(species.numel()))
+
+
+class SpeciesRoom:
+    """Fixed room per species, for grouping nodes inside a captured CUDA graph, where ``from_species`` cannot run
+    (it reads the counts to the host, and a LAMMPS domain's ghost counts change every step).
+
+    ``capacities[k]`` slots for species k (0: no group). ``groups`` lays the nodes out species by species, each
+    group padded to its room (unused slots hold node 0, whose outputs nobody gathers); nodes past ``num_valid``
+    belong to no group. Each group costs its room, not its count: a few per cent more work for the margin.
+    """
+
+    def __init__(self, capacities: Sequence[int], device: torch.device | str) -> None:
+        self.capacities = tuple(int(c) for c in capacities)
+        if any(c < 0 for c in self.capacities) or not any(self.capacities):
+            raise ValueError(f"capacities: expected non-negative counts, one positive at least, got {capacities}")
+        present = [k for k, c in enumerate(self.capacities) if c]
+        self.sizes = tuple(self.capacities[k] for k in present)
+        self.total = sum(self.sizes)
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        # Device constants made here, outside any capture (a tensor from host values is a host-to-device copy).
+        kw = {"dtype": torch.int64, "device": torch.device(device)}
+        self._species = torch.tensor(present, **kw)
+        self._starts = torch.tensor(starts, **kw)
+        self._sizes = torch.tensor(self.sizes, **kw)
+
+    def fits(self, counts: Sequence[int]) -> bool:
+        """Whether every species' count (one per species, as ``groups`` returns them) fits its room."""
+        return len(counts) == len(self.capacities) and all(n <= c for n, c in zip(counts, self.capacities))
+
+    def groups(self, species: torch.Tensor, num_valid: torch.Tensor) -> tuple[SpeciesGroups, torch.Tensor]:
+        """The groups of the first ``num_valid`` (a device scalar) of [N] species indices, and the count of each
+        species among them (int64 [len(capacities)]; a count above its room leaves that group's overflow out, so
+        the caller checks ``fits`` and runs again with more room). No host reads, no sort."""
+        n, device, k = species.shape[0], species.device, len(self.capacities)
+        node = torch.arange(n, device=device)
+        index = torch.where(node < num_valid, species.long(), k)  # padding nodes: past every species
+        counts = torch.zeros(k + 1, dtype=torch.int64, device=device).index_add_(0, index, torch.ones_like(index))
+        member = index[:, None] == self._species[None, :]  # [N, groups]: at most one per row
+        rank = torch.cumsum(member.to(torch.int64), 0) - 1  # place among the nodes of its species so far
+        placed = (member & (rank < self._sizes)).any(1)
+        slot = ((self._starts + rank) * member).sum(1)
+        dump = torch.full((), self.total, dtype=torch.int64, device=device)  # writes that must not land
+        order = torch.zeros(self.total + 1, dtype=torch.int64, device=device)
+        order.index_copy_(0, torch.where(placed, slot, dump), node)
+        order = order[:self.total]
+        inverse = torch.where(placed, slot, torch.zeros_like(slot))  # others read slot 0: finite, never summed
+        return SpeciesGroups(order, inverse, self.sizes, order.index_select(0, self._starts), n), counts[:k]
 
 
 class SpeciesSelfConnection(torch.nn.Module, StandIn):

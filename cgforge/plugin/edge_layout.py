@@ -46,6 +46,7 @@ class EdgeLayout:
     pad_offset: Tensor  # float [C, 3] (zero for real edges, the padding vector for padding edges)
     count: Tensor  # int64 0-d: edges selected (> C means overflow: the layout is not valid)
     graph: GraphTensors | None  # the ConvGraph's tensors
+    slot: Tensor | None = None  # int64 [V]: the slot of each input edge (C for one not kept, or past C)
 
     @property
     def capacity(self) -> int:
@@ -53,7 +54,7 @@ class EdgeLayout:
 
     def tensors(self) -> list[Tensor]:
         fixed = [self.sender, self.receiver, self.unit_shifts, self.pad_offset, self.count]
-        return fixed + list(self.graph or ())
+        return fixed + list(self.graph or ()) + ([] if self.slot is None else [self.slot])
 
     def copy_(self, other: EdgeLayout) -> None:
         """Refill this layout's tensors in place (same capacity): captured graphs keep reading them."""
@@ -125,8 +126,9 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
 
     keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];
     pad_vector: float [3] on the same device. Edges not kept may be anything (in range). With ``topology``
-    an edge is kept only together with its reverse. Allocates its outputs; reads nothing back to the host
-    and copies nothing from it.
+    an edge is kept only together with its reverse. ``slot`` of the result maps each input edge to its slot
+    (gradients per slot gather back to the input edges through it). Allocates its outputs; reads nothing back
+    to the host and copies nothing from it.
     """
     n, cap, device = int(num_nodes), int(capacity), sender.device
     if n < 1 or cap < 0:
@@ -185,7 +187,7 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
             perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
         graph = GraphTensors(out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
-    return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph)
+    return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, real_slot)
 
 
 def conv_graph(layout: EdgeLayout, num_nodes: int) -> ConvGraph:

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,9 +48,10 @@ from .edge_vectors import edge_differences
 from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
-__all__ = ["ModelStep", "StepOutput"]
+__all__ = ["ModelStep", "StepOutput", "capture_graph", "capture_or_fall_back"]
 
 Phase = Callable[[str], AbstractContextManager]
+T = TypeVar("T")
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -482,31 +484,46 @@ class ModelStep:
         return out
 
     def _capture(self, key: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
-        device = self.device
-        torch.cuda.synchronize(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        try:
-            # Warm-up on a side stream (cuBLAS workspaces, autograd's device threads), as torch asks.
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._compute(key, _no_phase)
-            torch.cuda.current_stream(device).wait_stream(side)
-            if self._pool is None:
-                # One pool for all keys: a step's output is read right after its replay, before any other
-                # replay may reuse that memory.
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._compute(key, _no_phase)
-        except Exception as err:  # noqa: BLE001 - any failure to capture falls back to the eager step
-            torch.cuda.synchronize(device)
-            self.invalidate()
-            self.cuda_graph = False
-            self.capture_error = f"{type(err).__name__}: {err}"
-            warnings.warn(f"cgforge: CUDA-graph capture of the model step failed, running it eagerly "
-                          f"({self.capture_error})", RuntimeWarning, stacklevel=3)
-            return None
-        self._graphs[key] = (graph, out)
-        self.n_captures += 1
-        return graph, out
+        if self._pool is None:
+            # One pool for all keys: a step's output is read right after its replay, before any other
+            # replay may reuse that memory.
+            self._pool = torch.cuda.graph_pool_handle()
+        entry = capture_or_fall_back(self, lambda: self._compute(key, _no_phase), self._pool, "the model step")
+        if entry is not None:
+            self._graphs[key] = entry
+            self.n_captures += 1
+        return entry
+
+
+def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object,
+                         what: str) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    """``capture_graph(compute, owner.device, pool)``, or None when that fails: then ``owner`` (a step with
+    ``device``, ``invalidate()``, ``cuda_graph`` and ``capture_error``) runs eagerly from now on, with the reason
+    kept in ``capture_error`` and a warning naming ``what``."""
+    try:
+        return capture_graph(compute, owner.device, pool)
+    except Exception as err:  # noqa: BLE001 - any failure to capture falls back to the eager step
+        torch.cuda.synchronize(owner.device)
+        owner.invalidate()
+        owner.cuda_graph = False
+        owner.capture_error = f"{type(err).__name__}: {err}"
+        warnings.warn(f"cgforge: CUDA-graph capture of {what} failed, running it eagerly ({owner.capture_error})",
+                      RuntimeWarning, stacklevel=4)
+        return None
+
+
+def capture_graph(compute: Callable[[], T], device: torch.device, pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``compute()`` captured in a new CUDA graph (memory from ``pool``), after two warm-up calls on a side stream
+    (cuBLAS workspaces, autograd's device threads), as torch asks. Returns the graph and what the captured call
+    returned (static tensors that every replay rewrites); raises whatever the warm-up or the capture raised."""
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            compute()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = compute()
+    return graph, out

@@ -1,0 +1,252 @@
+"""The padded LAMMPS step: each call's pair list on static buffers, laid out without a sort, captured on CUDA.
+
+``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode. On the host: LAMMPS's counts
+(npairs, ntotal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
+a margin; a growth drops the captured graph, the next call captures again); its arrays are copied into the
+buffers (device copies; host-to-device from numpy); the counts reach the device as three fills; the step runs
+(a CUDA-graph replay, or eagerly, e.g. on a CPU); one small device-to-host copy brings back the energy and two
+checks, and the per-atom energies and pair forces go to LAMMPS as ``arrays.write_results`` writes them.
+
+The step itself reads nothing back to the host (capture-safe):
+
+1. Edges: slot p < npairs holds pair p, the edge pair_j -> pair_i with vector -rij;
+   ``edge_layout.layout_edges`` keeps their order and fills the other slots with padding self-edges longer
+   than the cutoff (exactly zero contribution: the model must be ``inert_beyond_cutoff``), spread over the
+   nodes. Nodes are the ntotal atoms and padding nodes up to the node capacity (species 0, no real edge);
+   listed entries past nlistatoms are masked out of the energy.
+2. The convolution graph, with no sort for the forward: LAMMPS lists the pairs grouped by centre in
+   ascending centre order (its ilist is 0..inum-1, then the ghosts in order), so the layout is already in
+   receiver-CSR order (the ``ConvGraph``'s ``perm`` is empty), its row pointers come from per-row counts and a
+   prefix sum, the slots from prefix sums, and the graph is pinned in the model's graph caches
+   (``ConvGraph.trusted``): no layer builds a graph, reads the index range to the host or argsorts receivers.
+   The transpose (the backward, by sender) still takes one stable argsort of the sender ids inside the step
+   (capture-safe). ``edge_layout``'s sort-free transpose needs the slot of every edge's reverse: a ghost-mode
+   list usually holds both directions of a pair, but finding the reverse is a search (a sort) per call, and
+   LAMMPS's ghost neighbour lists do not promise it (ghosts at the edge of its binning grid).
+   The order is not checked on the host: the step computes a device flag "receivers not ascending", read
+   with the energy; if it is ever set the caller redoes that call on the eager path (``CgforgeMLIAP``).
+3. Per-species self-connections (``species_linear``): ``SpeciesGroups.from_species`` reads the counts to the
+   host, and the ghosts' counts change every step, so the groups have a fixed room per species
+   (``SpeciesRoom``, sized from the counts with a margin); the counts come back with the energy, and a call
+   whose species overflowed their room is run again with more (a new capture). Unpadded groups would cost a
+   host read per call; no groups would send the self-connections through e3nn's outer product, n_species
+   times the work (89x for MACE-MP's elements).
+4. The model's per-atom energies, the energy over the listed atoms and ``fij = dE/drij`` (autograd through
+   the edge vectors, gathered back from slots to pairs).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cgforge.patches.species_linear import SpeciesRoom
+from cgforge.plugin.edge_layout import conv_graph, layout_edges, pad_offset_vector
+from cgforge.plugin.step_graph import capture_or_fall_back
+
+from .arrays import LammpsArrays, write_results
+
+__all__ = ["PaddedStep"]
+
+MARGIN = 0.1  # spare capacity given to every buffer when it grows
+
+
+def room(needed: int, margin: float = MARGIN) -> int:
+    """A capacity for ``needed`` entries with the margin, in multiples of 64 (at least 64)."""
+    return int(math.ceil(needed * (1.0 + margin) / 64.0) + 1) * 64
+
+
+@dataclass
+class _Buffers:
+    """The step's static inputs; the counts are device scalars refilled per call."""
+
+    pair_i: Tensor  # int64 [P]
+    pair_j: Tensor  # int64 [P]
+    vectors: Tensor  # [P, 3] model dtype: -rij
+    elems: Tensor  # int64 [N]
+    listed: Tensor  # int64 [L]
+    positions: Tensor  # zeros [N, 3] (the adapters take positions for their shape)
+    npairs: Tensor  # int64 0-d
+    ntotal: Tensor
+    nlist: Tensor
+
+    @property
+    def capacities(self) -> tuple[int, int, int]:
+        return self.pair_i.shape[0], self.elems.shape[0], self.listed.shape[0]
+
+
+@dataclass
+class _Outputs:
+    fij: Tensor  # [P, 3] model dtype: dE/drij (rows past npairs: anything)
+    eatoms: Tensor  # [L] (entries past nlistatoms: zero)
+    status: Tensor  # float64 [2 + n_species]: energy, receivers-not-ascending flag, species counts
+
+
+class PaddedStep:
+    """One ghost-mode ``compute_forces`` on static buffers (see the module doc), captured in a CUDA graph when
+    ``cuda_graph`` (needs CUDA), else run eagerly on the same buffers (the same code; CPU tests run it).
+
+    adapter: the model's ``ModelAdapter``; caches: its graph caches (``graph_caches``; empty for a model
+    that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
+    self-connections through e3nn's path (for comparisons). ``capture_error`` says why a capture
+    failed (the step then runs eagerly); ``n_captures`` counts captures, ``n_growths`` growths of the buffers or
+    of the species rooms.
+    """
+
+    def __init__(self, adapter: Any, caches: list, *, cuda_graph: bool, margin: float = MARGIN,
+                 group_species: bool = True) -> None:
+        if cuda_graph and adapter.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {adapter.device}")
+        reason = adapter.inert_beyond_cutoff()
+        if reason is not None:
+            raise ValueError("the padded step pads the edges, which needs a model whose edges beyond the cutoff "
+                             f"contribute zero; for this one that is not known: {reason}")
+        self.adapter, self.caches = adapter, list(caches)
+        self.cuda_graph = bool(cuda_graph)
+        self.margin = float(margin)
+        self.group_species = bool(group_species)
+        self.capture_error: str | None = None
+        self.n_captures = 0
+        self.n_growths = 0
+        self.pad_vector = pad_offset_vector(adapter.cutoff, adapter.dtype, adapter.device)
+        self._buf: _Buffers | None = None
+        self._room: SpeciesRoom | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._out: _Outputs | None = None
+        self._pool = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def capacities(self) -> tuple[int, int, int] | None:
+        """(pairs, nodes, listed atoms) the buffers hold now, or None before the first call."""
+        return None if self._buf is None else self._buf.capacities
+
+    def invalidate(self) -> None:
+        """Drop the captured graph (the next call captures again) and the graph pinned from its pool."""
+        self._graph = self._out = None
+        self._pool = None
+        for cache in self.caches:
+            cache.unpin()
+
+    # --- the call ------------------------------------------------------------------------------------
+
+    def run(self, data: Any, arrays: LammpsArrays) -> bool:
+        """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; ghost-neighbour mode, at least
+        one listed atom). False when LAMMPS's pairs were not in ascending centre order: nothing was written, the
+        caller runs the call another way."""
+        self._fit(arrays)
+        self._load(arrays)
+        while True:
+            out = self._execute()
+            status = out.status.cpu()  # one sync: the energy and the checks
+            if status[1] != 0:
+                return False
+            counts = [int(c) for c in status[2:].tolist()]
+            if self._room is None or self._room.fits(counts):
+                break
+            # some species overflowed its room: again, with more
+            self._room = SpeciesRoom([self._grown(c, r) for c, r in zip(counts, self._room.capacities)], self.device)
+            self.n_growths += 1
+            self.invalidate()
+        write_results(data, out.eatoms[:arrays.nlist], status[0], out.fij[:arrays.npairs])
+        return True
+
+    def _grown(self, count: int, current: int) -> int:
+        return current if count <= current else room(count, self.margin)
+
+    def _fit(self, a: LammpsArrays) -> None:
+        """New buffers when a count exceeds its capacity (and species rooms at the first call)."""
+        wanted = (a.npairs, max(a.ntotal, 1), a.nlist)
+        if self._buf is not None:
+            if all(n <= c for n, c in zip(wanted, self._buf.capacities)):
+                return
+            self.n_growths += 1
+        old = (0, 0, 0) if self._buf is None else self._buf.capacities
+        p, n, listed = (self._grown(w, c) for w, c in zip(wanted, old))
+        dev, dt = self.device, self.adapter.dtype
+        kw = {"dtype": torch.int64, "device": dev}
+        self._buf = _Buffers(torch.zeros(p, **kw), torch.zeros(p, **kw), torch.zeros(p, 3, dtype=dt, device=dev),
+                             torch.zeros(n, **kw), torch.zeros(listed, **kw), torch.zeros(n, 3, dtype=dt, device=dev),
+                             torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw))
+        if self.caches and self.group_species and self._room is None:
+            # the first call: rooms from its counts (one host read, outside any step)
+            counts = torch.bincount(a.elems[:a.ntotal].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
+            self._room = SpeciesRoom([room(int(c), self.margin) if c else 0 for c in counts.tolist()], dev)
+        self.invalidate()
+
+    def _load(self, a: LammpsArrays) -> None:
+        """LAMMPS's arrays into the buffers (entries past the counts keep earlier values: in range, unused)."""
+        b = self._buf
+        b.pair_i[:a.npairs].copy_(a.pair_i[:a.npairs])
+        b.pair_j[:a.npairs].copy_(a.pair_j[:a.npairs])
+        b.vectors[:a.npairs].copy_(a.rij[:a.npairs])
+        b.vectors[:a.npairs].neg_()  # pos[receiver] - pos[sender], receiver = pair_i
+        b.elems[:a.ntotal].copy_(a.elems[:a.ntotal])
+        b.elems[a.ntotal:].zero_()  # padding nodes: species 0
+        b.listed[:a.nlist].copy_(a.iatoms[:a.nlist])
+        b.npairs.fill_(a.npairs)
+        b.ntotal.fill_(a.ntotal)
+        b.nlist.fill_(a.nlist)
+
+    def _execute(self) -> _Outputs:
+        if not self.cuda_graph:
+            return self._compute()
+        if self._graph is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            entry = capture_or_fall_back(self, self._compute, self._pool, "the LAMMPS step")
+            if entry is None:  # eager from now on (the reason is in capture_error)
+                return self._compute()
+            self._graph, self._out = entry
+            self.n_captures += 1
+        self._graph.replay()
+        return self._out
+
+    # --- the step (capture-safe: no host reads) ----------------------------------------------------------
+
+    def _compute(self) -> _Outputs:
+        adapter, b = self.adapter, self._buf
+        p, n, listed_cap = b.capacities
+        with torch.no_grad():
+            slots = torch.arange(p, device=self.device)
+            keep = slots < b.npairs
+            receiver = b.pair_i
+            unsorted = ((receiver[1:] < receiver[:-1]) & keep[1:]).any().reshape(1)
+            layout = layout_edges(keep, b.pair_j, receiver, b.vectors, n, p, self.pad_vector,
+                                  with_graph=bool(self.caches))
+            edge_index = adapter.edge_index(layout.sender, layout.receiver)
+            if self.caches:
+                graph = conv_graph(layout, n)
+                src, dst = edge_index[adapter.sender_row], edge_index[1 - adapter.sender_row]
+                for cache in self.caches:
+                    cache.pin(src, dst, graph)
+            elems = b.elems.clamp(min=0)  # NULL types (-1) as 0, as the eager path reads them
+            species = adapter.species_from_index(elems)
+            groups, counts = None, torch.zeros(0, dtype=torch.int64, device=self.device)
+            if self._room is not None:
+                groups, counts = self._room.groups(elems, b.ntotal)
+        with torch.enable_grad(), ExitStack() as stack:
+            if groups is not None:
+                for cache in self.caches:
+                    stack.enter_context(cache.use_species(groups))
+            vectors = (layout.unit_shifts + layout.pad_offset).requires_grad_(True)  # -rij, or the padding vector
+            _, node_energy = adapter.energy(b.positions, vectors, species, edge_index, True)
+            if node_energy is None:
+                raise ValueError("model: it returns no per-atom energies, which LAMMPS needs (eatoms)")
+            listed = torch.arange(listed_cap, device=self.device) < b.nlist
+            eatoms = torch.where(listed, node_energy.reshape(-1).index_select(0, b.listed), 0.0)
+            energy = eatoms.sum()
+            grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0]
+        if grad is None:
+            grad = torch.zeros_like(vectors)
+        fij = -grad.index_select(0, layout.slot.clamp(max=p - 1))  # dE/drij = -dE/dvector, from slots to pairs
+        status = torch.cat([energy.detach().reshape(1).to(torch.float64), unsorted.to(torch.float64),
+                            counts.to(torch.float64)])
+        return _Outputs(fij.detach(), eatoms.detach(), status)
