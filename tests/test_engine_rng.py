@@ -75,3 +75,27 @@ def test_cuda_draws_equal_cpu_draws():
         assert torch.equal(bits_cpu, bits_gpu.cpu())
         torch.testing.assert_close(draw(4, step, 1, 5000), draw(4, step, 1, 5000, "cuda").cpu(), rtol=1e-13,
                                    atol=1e-13)
+
+
+def test_noise_kernel_compiles_without_spills() -> None:
+    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    result = compile_cubin(rng.NORMAL_NOISE_SOURCE, arch="sm_90", name="normal_noise.cu")
+    res = result.resources("normal_noise_f64")
+    # a 40-byte frame is double cos/sin's large-argument reduction (never taken here: angles lie in [0, 2 pi))
+    assert not res.spills and res.stack_frame <= 64, res
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [1, 2, 7, 15553, 100001])
+def test_cuda_noise_kernel_equals_the_torch_expression(n: int) -> None:
+    """The one-kernel draws are the torch expression's (the engine's numbers did not change with the kernel)."""
+    for step in (0, 11, 2**33 + 5):
+        kernel = rng.normal_noise(9, torch.tensor(step, device="cuda"), 2, n, "cuda")
+        reference = rng.normal_noise_reference(9, torch.tensor(step, device="cuda"), 2, n, "cuda")
+        assert kernel.shape == (n,) and kernel.dtype == torch.float64
+        torch.testing.assert_close(kernel, reference, rtol=1e-15, atol=1e-15)
+        torch.testing.assert_close(kernel.cpu(), rng.normal_noise(9, torch.tensor(step), 2, n, "cpu"), rtol=1e-13,
+                                   atol=1e-13)
