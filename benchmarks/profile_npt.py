@@ -10,33 +10,20 @@ import argparse
 import os
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_engine import make  # noqa: E402
+from profile_engine import kernel_table, make  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.engine import Engine  # noqa: E402
 from cgforge.plugin.integrators import Langevin, StochasticCellRescaling  # noqa: E402
 
 
-def kernels(calc, atoms, integrator, steps: int = 10) -> dict[str, tuple[float, int]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = Engine(calc, atoms.copy(), integrator, seed=1, max_temperature_K=float("inf"), cuda_graph=False)
-    engine.run(5)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.run(steps)
-        torch.cuda.synchronize()
-    table: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            table[e.name][0] += e.device_time_total / 1000 / steps
-            table[e.name][1] += 1
-    return {k: (v[0], v[1] // steps) for k, v in table.items()}
+def kernels(calc, atoms, integrator) -> dict[str, tuple[float, int]]:
+    rows, _ = kernel_table(calc, atoms, integrator=integrator)
+    return {name: (ms, calls) for name, ms, calls in rows}
 
 
 def captured_ms(calc, atoms, integrator, steps: int = 200) -> float:
