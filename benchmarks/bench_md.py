@@ -24,12 +24,15 @@ the mode in use and the force change), cgforge-unpatched (our calculator, the
 model's own e3nn kernels), cgforge-streaming (radial MLP inside the convolution per chunk of edges: no
 per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radial MLPs in 3xTF32),
 cgforge-compiled (captured, the model's forward and backward compiled by torch.compile: ``Calculator(compile=True)``;
-its first call, compilation included, is ``first_call_s``), e3nn, cueq, oeq, hybrid (the peers' calculators with
+its first call, compilation included, is ``first_call_s``), cgforge-mlp (captured, the radial MLPs run rather
+than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
+tables on for FP32 MACE on CUDA), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
+cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -64,9 +67,13 @@ WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26, "100k": 32, "200k": 41, "500k"
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
-            "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")
-MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")  # whole MD steps
-ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True}}
+            "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
+            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp")
+MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
+               "cgforge-engine-compiled-mlp")  # whole MD steps
+ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
+                   "cgforge-engine-mlp": {"radial_table": False},
+                   "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
@@ -75,7 +82,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
                    "cgforge-streaming": {"streaming": True},
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
-                   "cgforge-compiled": {"compile": True}}
+                   "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
@@ -234,6 +241,7 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
         row["capture_error"] = calc.step.capture_error
         row["model_edge_slots"] = calc.step.capacity
         row["radial_precision"] = calc.radial_precision
+        row["radial_table"] = getattr(calc, "radial_table", None)
         row["radial_precision_error"] = calc.radial_precision_error
         row["compile"] = calc.compile
         row["compile_error"] = calc.step.compile_error
@@ -311,6 +319,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
                       **ENGINE_BACKENDS.get(backend, {}))
     row["setup_s"] = time.perf_counter() - t
+    row["radial_table"] = calc.radial_table
     dt, temp, fr = MD["timestep_fs"], MD["temperature_K"], MD["friction_per_fs"]
     for ensemble in MD["ensembles"]:
         a = atoms.copy()

@@ -33,7 +33,7 @@ class StandIn(QSPCFwCalculator):
 
     made: list[StandIn] = []
 
-    def __init__(self, model, device=None, dtype=None, *, skin=1.0, radial_precision="fp32",
+    def __init__(self, model, device=None, dtype=None, *, skin=1.0, radial_precision="fp32", radial_table=None,
                  stress_with_forces=False) -> None:
         super().__init__(cutoff=6.0, skin=skin)
         self.model = torch.nn.Linear(1, 1).to(torch.float32)
@@ -41,6 +41,7 @@ class StandIn(QSPCFwCalculator):
         self.device = torch.device(device)
         self.dtype = torch.float64
         self.radial_precision_requested = radial_precision
+        self.radial_table_requested = radial_table
         self.stress_with_forces = stress_with_forces
         StandIn.made.append(self)
 
@@ -202,6 +203,13 @@ def test_log_file_restart_and_stand_in_banner(tmp_path, capsys, stand_in):
     out = capsys.readouterr().out
     assert "from step 6 of" in out and "relaxed" not in out  # no relaxation of a restart
     assert [f.info["md_step"] for f in read(second, ":")] == [9]
+
+
+@pytest.mark.parametrize("flag, requested", [(None, None), ("auto", None), ("on", True), ("off", False)])
+def test_radial_table_flag_reaches_the_calculator(tmp_path, stand_in, flag, requested):
+    extra = () if flag is None else ("--radial-table", flag)
+    assert main(_md(tmp_path, "--steps", "2", *extra)) == 0
+    assert stand_in.made[-1].radial_table_requested is requested
 
 
 def test_npt_from_the_command_line(tmp_path, capsys, stand_in):

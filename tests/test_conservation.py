@@ -18,17 +18,36 @@ CUDA-marked tests run the same checks with the generated kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from ase import Atoms, units
 from potentials import Potential, mace_potential, mace_system, nequip_potential, nequip_system
 
+
+def _with_radial_tables(pot: Potential) -> Potential:
+    """The same model, patched with every block's weights read from tables of the edge length. The tables are C1:
+    the force Jacobian jumps by O(h^2) at their knots, so the FP64 checks here get fine ones (tol 1e-10)."""
+    from cgforge.patches import mace
+
+    def patch(model: torch.nn.Module) -> torch.nn.Module:
+        model = mace.patch(model)
+        mace.set_radial_table(model, True, tol=1e-10)
+        return model
+
+    return dataclasses.replace(pot, patch_fn=patch)
+
+
 MODELS = {
     "mace-l2": lambda: mace_potential(hidden="8x0e+8x1o+8x2e", max_ell=2),
     "mace-l3-corr3": lambda: mace_potential(interaction="RealAgnosticResidualInteractionBlock",
                                             first="RealAgnosticInteractionBlock", hidden="8x0e+8x1o+8x2e+8x3o",
                                             max_ell=3, correlation=3),
+    "mace-l3-corr3-tables": lambda: _with_radial_tables(mace_potential(
+        interaction="RealAgnosticResidualInteractionBlock", first="RealAgnosticInteractionBlock",
+        hidden="8x0e+8x1o+8x2e+8x3o", max_ell=3, correlation=3)),
     "mace-density-l3-corr3": lambda: mace_potential(interaction="RealAgnosticDensityResidualInteractionBlock",
                                                     hidden="8x0e+8x1o+8x2e", max_ell=3, correlation=3),
     "nequip-l1-noparity": lambda: nequip_potential(1, parity=False),

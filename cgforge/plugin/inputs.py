@@ -78,6 +78,13 @@ class ModelAdapter(Protocol):
         """Compute per-edge weights chunk by chunk (chunks sized to ``budget_bytes``), or stop (None); the
         number of layers that stream (0: none can)."""
 
+    def why_not_tabulated(self) -> str | None:
+        """None when every layer's weights can be read from tables of the edge length, else the reason."""
+
+    def set_radial_table(self, on: bool) -> list[tuple[int, float]]:
+        """Read each layer's weights from a table of the edge length (``on``), or from its radial MLP again;
+        the (intervals, measured relative error) of each table in use. Raises ValueError when it cannot."""
+
 
 def adapter_for(model: torch.nn.Module, device: torch.device, *, head: str | None = None,
                 type_map: dict[str, str] | None = None) -> ModelAdapter:

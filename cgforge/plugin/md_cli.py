@@ -76,8 +76,11 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
     compiled = " (kernels compiled)" if calc.device.type == "cuda" else ""
     mode = getattr(calc, "compile", None)
     inductor = f"; torch.compile ({mode}) at the first step" if mode else ""
+    errors = getattr(calc, "radial_table_errors", [])
+    table = (f"; radial tables ({max(n for n, _ in errors)} intervals, error {max(e for _, e in errors):.0e})"
+             if errors else "")
     return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, "
-            f"ready in {seconds:.1f} s{compiled}{inductor}")
+            f"ready in {seconds:.1f} s{compiled}{table}{inductor}")
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
@@ -160,6 +163,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
                              "models; kept only if the first structure's forces change by <= 1e-4 relative, "
                              "which is printed)")
+    parser.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
+                        help="read each layer's weights from a table of the edge length instead of the radial MLP "
+                             "(MACE; fitted at start, relative error <= 1e-7); auto (default): on for FP32 on CUDA "
+                             "when the model allows it")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="compile the model's forward and backward with torch.compile (Inductor) inside the "
                              "captured step; MODE: default or max-autotune-no-cudagraphs (default: off; the first "
@@ -289,6 +296,7 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
         t = time.perf_counter()
         calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
                           radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt",
+                          radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
                           **({"compile": args.compile} if getattr(args, "compile", None) else {}))
         out(model_banner(args.model, calc, time.perf_counter() - t))
         if calc.radial_precision_requested != "fp32":

@@ -3,6 +3,7 @@
 - ``patch``: swapping cgforge's kernels into a MACE model, unpatching, loading ``.model`` files.
 - ``legacy``: reading ``.model`` files pickled with e3nn 0.4 under the installed e3nn.
 - ``streaming``: the radial MLP inside the convolution, per chunk of edges (``set_streaming``).
+- ``radial_table``: each block's weights read from a table of the edge length (``set_radial_table``).
 - ``adapter``: the calculator's ``MaceAdapter`` and the check that edges beyond the cutoff are inert.
 - ``symmetric_contraction``: ``SymmetricContraction`` (MACE's U tensors and state-dict layout over
   cgforge's symmetric-contraction kernels; also ``cgforge.kernels.SymmetricContraction``).
@@ -28,11 +29,13 @@ from .patch import (
     unpatch,
     upgrade_old_attributes,
 )
+from .radial_table import set_radial_table
 from .streaming import set_streaming
 from .symmetric_contraction import SymmetricContraction, mace_problem, mace_u_matrices
 
 __all__ = [
     "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "SymmetricContraction",
     "UnsupportedModelError", "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "mace_problem",
-    "mace_u_matrices", "parse_device", "parse_dtype", "patch", "set_streaming", "unpatch", "upgrade_old_attributes",
+    "mace_u_matrices", "parse_device", "parse_dtype", "patch", "set_radial_table", "set_streaming", "unpatch",
+    "upgrade_old_attributes",
 ]

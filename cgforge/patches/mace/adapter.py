@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
 from ..streaming import Deferred
-from . import streaming
+from . import radial_table, streaming
 from .patch import SUPPORTED_INTERACTIONS
 
 __all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
@@ -144,6 +144,16 @@ class MaceAdapter:
             return 0
         return streaming.set_streaming(self.model, streaming.chunk_edges_for(self.model, budget_bytes, self.dtype))
 
+    def why_not_tabulated(self) -> str | None:
+        return radial_table.why_not_tabulated(self.model)
+
+    def set_radial_table(self, on: bool) -> list[tuple[int, float]]:
+        """Tabulate every block's weights as functions of r (``patches.mace.radial_table``), or stop; the
+        (intervals, measured relative error) of each table in use."""
+        radial_table.set_radial_table(self.model, on)
+        return [(t.table_coeffs.shape[0], max(t.value_error, t.slope_error))
+                for t in radial_table.radial_tables(self.model)]
+
 
 def choose_head(heads: list[str], head: str | None) -> str:
     if head is not None:
@@ -184,7 +194,7 @@ def inert_beyond_cutoff(model: torch.nn.Module) -> str | None:
                     "edge beyond the cutoff still gets nonzero weights")
         for attr in ("conv_tp_weights", "density_fn"):
             mlp = getattr(block, attr, None)
-            mlp = mlp.mlp if isinstance(mlp, streaming.DeferredRadial) else mlp  # the MLP a streaming block defers
+            mlp = mlp.module if isinstance(mlp, Deferred) else mlp  # the MLP a streaming or tabulated block holds
             if mlp is not None and not vanishes_at_zero(mlp, int(mlp.hs[0])):
                 return f"interactions.{i}.{attr} is not zero for zero edge features (bias or activation)"
     if hasattr(model, "pair_repulsion"):

@@ -45,6 +45,7 @@ from ..stand_in import StandIn, convolution_check
 from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
+from .radial_table import set_radial_table
 from .streaming import DeferredWeights, mark_linear_applied, set_streaming
 from .symmetric_contraction import SymmetricContraction
 
@@ -266,6 +267,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
                 f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
             )
     set_streaming(model, None)
+    set_radial_table(model, False)
     stand_in.swap_out(model, (FusedConvTP, FusedSymmetricContraction))
     for block in blocks:
         if getattr(block, "conv_fusion", None) == _FUSION_TAG:

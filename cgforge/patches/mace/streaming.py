@@ -126,10 +126,10 @@ def _fuse_linear(blocks: list[torch.nn.Module], on: bool) -> None:
 def _defer_geometry(model: torch.nn.Module, on: bool) -> None:
     for attr, kind in (("spherical_harmonics", DeferredSphericalHarmonics),
                        ("radial_embedding", DeferredRadialEmbedding)):
-        module = getattr(model, attr)
+        module = getattr(model, attr)  # other stand-ins (a radial table's lengths) stay: they stream as they are
         if on and not isinstance(module, Deferred):
             setattr(model, attr, kind(module))
-        elif not on and isinstance(module, Deferred):
+        elif not on and isinstance(module, kind):
             setattr(model, attr, module.module)
 
 

@@ -134,6 +134,14 @@ class NequipAdapter:
         chunk = streaming.chunk_edges_for(self.energy_model, budget_bytes, self.dtype)
         return streaming.set_streaming(self.energy_model, chunk)
 
+    def why_not_tabulated(self) -> str | None:
+        return "radial tables are built for MACE models so far (NequIP's edge MLPs keep their GEMMs)"
+
+    def set_radial_table(self, on: bool) -> list[tuple[int, float]]:
+        if on:
+            raise ValueError(f"radial tables: {self.why_not_tabulated()}")
+        return []
+
 
 def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
     """The energy model inside nequip's ForceStressOutput (matched by class name: packaged classes differ)."""

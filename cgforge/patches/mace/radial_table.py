@@ -1,0 +1,124 @@
+"""Radial tables in patched MACE models: each block's tensor-product weights as a table of the edge length.
+
+A MACE interaction block's weights are ``conv_tp_weights(edge_feats)`` with ``edge_feats`` the model's radial
+embedding of the edge lengths (a Bessel basis times a polynomial cutoff): a smooth function of r alone,
+W(r) [weight_numel]. With tables on, each block's ``conv_tp_weights`` is a ``TabulatedRadial`` stand-in
+that evaluates a cubic table of W(r) (``kernels.radial_table``, fitted in FP64 from the block's own MLP and
+the model's embedding, error measured between the knots) and the model's ``radial_embedding`` is
+``LengthsAsEdgeFeatures``, which hands the lengths on as the blocks' edge features: the radial basis, the
+MLP's GEMMs and activations, forward and backward, leave the step.
+
+The same conditions as deferring the geometry while streaming (``streaming.geometry_can_stream``): MACE's
+forward hands edge_feats and cutoff to the interaction blocks only, and those blocks use them only as the
+radial MLP's input (times the cutoff, which the table then includes). The state_dict is unchanged (the
+tables are non-persistent buffers; the stand-ins adopt the originals' submodules).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from ...kernels.radial_table import RadialTable, fit_radial_table, radial_table
+from ..families import is_mace_model
+from ..streaming import Deferred, DeferredRadial
+from . import streaming
+
+__all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table"]
+
+# The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
+# resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
+DEFAULT_TOL = 1e-7
+
+
+class LengthsAsEdgeFeatures(Deferred):
+    """Stand-in for ``model.radial_embedding`` while the blocks read tables: (lengths [E, 1], None)."""
+
+    def forward(self, lengths: Tensor, node_attrs: Tensor, edge_index: Tensor,
+                atomic_numbers: Tensor) -> tuple[Tensor, None]:
+        return lengths, None
+
+
+class TabulatedRadial(Deferred):
+    """Stand-in for a block's ``conv_tp_weights``: W(r) from a table (the original MLP rides along, adopted)."""
+
+    def __init__(self, mlp: torch.nn.Module, table: RadialTable, like: Tensor) -> None:
+        super().__init__(mlp)
+        self.register_buffer("table_coeffs", table.coeffs.to(like.device, like.dtype), persistent=False)
+        self.r_max = table.r_max
+        self.value_error, self.slope_error = table.value_error, table.slope_error
+
+    def forward(self, lengths: Tensor) -> Tensor:
+        return radial_table(lengths, self.table_coeffs, self.r_max)
+
+    def extra_repr(self) -> str:
+        return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[2]}, r_max={self.r_max}, "
+                f"error={max(self.value_error, self.slope_error):.1e}")
+
+
+def _original(module: torch.nn.Module) -> torch.nn.Module:
+    return module.module if isinstance(module, Deferred) else module
+
+
+def _radial_function(embedding: torch.nn.Module, mlp: torch.nn.Module):
+    """W(r) of one block in FP64 on the CPU (copies; the model is left alone): mlp(embedding(r)) [* cutoff]."""
+    embedding = copy.deepcopy(embedding).to("cpu", torch.float64)
+    mlp = copy.deepcopy(getattr(mlp, "original", (mlp,))[0]).to("cpu", torch.float64)  # e3nn's net, not a stand-in
+
+    def fn(r: Tensor) -> Tensor:
+        feats, cutoff = embedding(r.unsqueeze(1), None, None, None)
+        w = mlp(feats)
+        return w if cutoff is None else w * cutoff
+
+    return fn
+
+
+def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
+    """The tables a patched MACE model's blocks read now (empty: none)."""
+    return [b.conv_tp_weights for b in model.interactions if isinstance(b.conv_tp_weights, TabulatedRadial)]
+
+
+def why_not_tabulated(model: torch.nn.Module) -> str | None:
+    """None when ``set_radial_table(model, True)`` can tabulate every block, else the reason."""
+    if not is_mace_model(model):
+        return f"not a MACE model ({type(model).__qualname__})"
+    if any(isinstance(b.conv_tp_weights, DeferredRadial) for b in model.interactions):
+        return "the model streams its edges (tables and streaming are not combined yet)"
+    if not streaming.geometry_can_stream(model):
+        return ("its blocks or radial embedding are not ones whose weights cgforge reads as a function of r alone "
+                f"({', '.join(streaming.STREAMING_INTERACTIONS)} with a plain RadialEmbeddingBlock, in a patched "
+                "MACE or ScaleShiftMACE)")
+    return None
+
+
+def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL) -> int:
+    """Tabulate every block's weights as a function of r (``on``), or give the MLPs back. Returns the number of
+    tabulated blocks. Raises ValueError naming the reason when the model cannot (``why_not_tabulated``) or a
+    block's weights cannot be tabulated within ``tol``. In place."""
+    if not on:
+        for block in model.interactions:
+            if isinstance(block.conv_tp_weights, TabulatedRadial):
+                block.conv_tp_weights = block.conv_tp_weights.module
+        if isinstance(model.radial_embedding, LengthsAsEdgeFeatures):
+            model.radial_embedding = model.radial_embedding.module
+        return 0
+    if radial_tables(model):
+        return len(radial_tables(model))
+    reason = why_not_tabulated(model)
+    if reason is not None:
+        raise ValueError(f"radial tables: {reason}")
+    embedding = _original(model.radial_embedding)
+    like = next(p for p in model.parameters() if p.is_floating_point())
+    tables = []
+    for i, block in enumerate(model.interactions):
+        try:
+            table = fit_radial_table(_radial_function(embedding, block.conv_tp_weights), float(model.r_max), tol=tol)
+        except ValueError as err:
+            raise ValueError(f"radial tables: interactions.{i}: {err}") from err
+        tables.append(TabulatedRadial(block.conv_tp_weights, table, like))
+    for block, table in zip(model.interactions, tables, strict=True):  # all fitted: swap them in together
+        block.conv_tp_weights = table
+    model.radial_embedding = LengthsAsEdgeFeatures(embedding)
+    return len(tables)
