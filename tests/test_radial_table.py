@@ -34,7 +34,7 @@ def float64():
 def test_fit_meets_its_tolerance_between_the_knots(tol: float) -> None:
     table = fit_radial_table(_smooth, R_MAX, tol=tol)
     assert max(table.value_error, table.slope_error) <= tol
-    assert table.coeffs.shape == (table.intervals, 4, 3) and table.coeffs.dtype == torch.float64
+    assert table.coeffs.shape == (table.intervals, 3, 4) and table.coeffs.dtype == torch.float64
     # fresh points (not the fit's check points), the values and the derivative
     r = torch.rand(4000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * R_MAX + 1e-3
     exact, slope = torch.func.jvp(_smooth, (r,), (torch.ones_like(r),))
@@ -111,8 +111,8 @@ def test_op_rejects_bad_inputs(float64) -> None:
     r = torch.rand(5)
     with pytest.raises(ValueError, match="edge lengths"):
         radial_table(torch.rand(5, 2), table.coeffs, R_MAX)
-    with pytest.raises(ValueError, match=r"\[N, 4, C\]"):
-        radial_table(r, table.coeffs[:, :3], R_MAX)
+    with pytest.raises(ValueError, match=r"\[N, C, 4\]"):
+        radial_table(r, table.coeffs[:, :, :3], R_MAX)
     with pytest.raises(ValueError, match="float32 or both float64"):
         radial_table(r.float(), table.coeffs, R_MAX)
     with pytest.raises(ValueError, match="constants"):
@@ -136,11 +136,17 @@ def test_kernels_compile_without_spills() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_kernels_equal_the_torch_path(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("edges", [1000, 100003])
+@pytest.mark.parametrize("by_length", [False, True])  # the edges taken in their own order, or in order of length
+def test_cuda_kernels_equal_the_torch_path(dtype: torch.dtype, edges: int, by_length: bool, monkeypatch) -> None:
+    from cgforge.kernels.radial_table import ops
+
+    monkeypatch.setattr(ops, "SORT_MIN_COLUMNS", 1 if by_length else 10**9)
+    monkeypatch.setattr(ops, "SORT_MIN_EDGES", 1 if by_length else 10**9)
     table = _table()
     coeffs = table.coeffs.to("cuda", dtype)
     gen = torch.Generator().manual_seed(4)
-    r = torch.cat([torch.rand(100003, generator=gen, dtype=torch.float64) * (R_MAX + 1) - 0.5,
+    r = torch.cat([torch.rand(edges, generator=gen, dtype=torch.float64) * (R_MAX + 1) - 0.5,
                    torch.tensor([0.0, R_MAX, float("nan")], dtype=torch.float64)]).to("cuda", dtype)
     g = torch.randn(r.shape[0], 3, generator=gen, dtype=torch.float64).to("cuda", dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}

@@ -1,6 +1,6 @@
 """Fit a table of cubic Hermite polynomials to a smooth function of one variable, with a measured error.
 
-    W_j(r) = c[i, 0, j] + c[i, 1, j] t + c[i, 2, j] t^2 + c[i, 3, j] t^3,    i = floor(r / h), t = r / h - i
+    W_j(r) = c[i, j, 0] + c[i, j, 1] t + c[i, j, 2] t^2 + c[i, j, 3] t^3,    i = floor(r / h), t = r / h - i
 
 on N intervals of width h = r_max / N. The values and first derivatives at the knots are the function's
 own (FP64, forward-mode autodiff), so the table is C1 and its error falls as h^4 (h^3 for the
@@ -29,7 +29,7 @@ _ROWS_PER_CALL = 1 << 15  # rows of one call of the function (bounds the fit's m
 
 @dataclass(frozen=True)
 class RadialTable:
-    """Cubic coefficients [N, 4, C] (FP64) over [0, r_max], and the measured relative errors of the values and
+    """Cubic coefficients [N, C, 4] (FP64) over [0, r_max], and the measured relative errors of the values and
     the derivative between the knots."""
 
     coeffs: Tensor
@@ -43,7 +43,7 @@ class RadialTable:
 
     @property
     def columns(self) -> int:
-        return self.coeffs.shape[2]
+        return self.coeffs.shape[1]
 
     def evaluate(self, r: Tensor, order: int = 0) -> Tensor:
         """The table (order 0) or its derivative in r (FP64, torch): [n, C]."""
@@ -63,23 +63,23 @@ def _values_and_slopes(fn: Callable[[Tensor], Tensor], r: Tensor) -> tuple[Tenso
 
 
 def _hermite(f: Tensor, m: Tensor, h: float) -> Tensor:
-    """[N, 4, C] coefficients in t of the cubic through (f_i, f_i+1) with slopes (m_i, m_i+1) in r."""
+    """[N, C, 4] coefficients in t of the cubic through (f_i, f_i+1) with slopes (m_i, m_i+1) in r."""
     f0, f1, m0, m1 = f[:-1], f[1:], m[:-1] * h, m[1:] * h
-    return torch.stack([f0, m0, 3 * (f1 - f0) - 2 * m0 - m1, 2 * (f0 - f1) + m0 + m1], dim=1)
+    return torch.stack([f0, m0, 3 * (f1 - f0) - 2 * m0 - m1, 2 * (f0 - f1) + m0 + m1], dim=2)
 
 
 def _first_interval(fn: Callable[[Tensor], Tensor], h: float, f1: Tensor, m1: Tensor) -> Tensor:
-    """[4, C]: the cubic on [0, h] through fn at h/3 and 2h/3 with fn's value and slope at h, for a function that
+    """[C, 4]: the cubic on [0, h] through fn at h/3 and 2h/3 with fn's value and slope at h, for a function that
     cannot be evaluated at 0 itself (a basis like sin(a r) / r is 0 / 0 there but smooth)."""
     inner, _ = _values_and_slopes(fn, torch.tensor([h / 3, 2 * h / 3], dtype=torch.float64))
     t = torch.tensor([1 / 3, 2 / 3, 1.0], dtype=torch.float64)
     a = torch.cat([torch.stack([t ** 0, t, t ** 2, t ** 3], 1),
                    torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=torch.float64)])  # the last row: d/dt at t = 1
-    return torch.linalg.solve(a, torch.stack([inner[0], inner[1], f1, m1 * h]))
+    return torch.linalg.solve(a, torch.stack([inner[0], inner[1], f1, m1 * h])).t()
 
 
 def _table(fn: Callable[[Tensor], Tensor], r_max: float, n: int) -> Tensor:
-    """The [N, 4, C] coefficients of fn's cubic Hermite table on n intervals."""
+    """The [N, C, 4] coefficients of fn's cubic Hermite table on n intervals."""
     h = r_max / n
     f, m = _values_and_slopes(fn, torch.linspace(0.0, r_max, n + 1, dtype=torch.float64))
     if f.dim() != 2 or f.shape[0] != n + 1:

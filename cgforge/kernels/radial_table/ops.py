@@ -1,6 +1,6 @@
 """Evaluating a radial table for every edge: custom ops with a CUDA kernel, a torch path and autograd.
 
-    radial_table(r, coeffs, r_max)[e, j] = W_j(r_e)          r [E], coeffs [N, 4, C] -> [E, C]
+    radial_table(r, coeffs, r_max)[e, j] = W_j(r_e)          r [E], coeffs [N, C, 4] -> [E, C]
 
 Two ops, each differentiable again, so forces (first derivatives in r) and their derivatives work:
 ``radial_table_eval`` (the table or its k-th derivative in r, [E, C]) and ``radial_table_dot``
@@ -8,9 +8,13 @@ Two ops, each differentiable again, so forces (first derivatives in r) and their
 edges). r is clamped into [0, r_max], where the table is defined: the values hold their end values
 outside, the derivatives are zero there (what the clamp's derivative is), and a NaN length gives NaN.
 
-CUDA: the evaluation is one thread per output element (coalesced along the columns, memory-bound: it
-writes the weights once and reads four coefficient rows per edge, mostly from L2); the dot product one
-warp per edge, its lanes' partial sums met in a fixed butterfly, so the result is the same on every run.
+CUDA: one warp per edge, lanes over the columns; each column's four coefficients are one 16-byte load
+([N, C, 4] layout), so an edge reads 4x the bytes it writes, from L2 (a table is a few MB). For wide tables
+(``SORT_MIN_COLUMNS``) the kernels visit the edges in order of length (one argsort per call): a block takes
+a run of consecutive lengths, whose edges share an interval or two, and reads their coefficients from L1.
+H100, 436,566 edges (``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges'
+own order (writing [E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms
+does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: the same result every run.
 """
 
 from __future__ import annotations
@@ -27,25 +31,42 @@ __all__ = ["RADIAL_TABLE_SOURCE", "radial_table", "radial_table_dot", "radial_ta
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
 RADIAL_TABLE_SOURCE = r"""
-// d^order/dr^order of the cubic of interval k at t (before the factor scale^order); c points at column j of
-// interval k, whose four coefficients lie `cols` apart.
+// The four cubic coefficients of one column of one interval: adjacent in memory ([N, C, 4] layout), one 16-byte
+// load in FP32, two in FP64.
+template <typename T> struct Cubic;
+template <> struct Cubic<float> {
+    float c0, c1, c2, c3;
+    __device__ __forceinline__ static Cubic load(const float* p) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+        return {v.x, v.y, v.z, v.w};
+    }
+};
+template <> struct Cubic<double> {
+    double c0, c1, c2, c3;
+    __device__ __forceinline__ static Cubic load(const double* p) {
+        const double2* q = reinterpret_cast<const double2*>(p);
+        const double2 a = __ldg(q), b = __ldg(q + 1);
+        return {a.x, a.y, b.x, b.y};
+    }
+};
+
+// d^order/dt^order of the cubic at t (the caller multiplies by scale^order).
 template <typename T>
-__device__ __forceinline__ T cubic(const T* __restrict__ c, int cols, T t, int order) {
-    const T c0 = c[0], c1 = c[cols], c2 = c[2 * cols], c3 = c[3 * cols];
+__device__ __forceinline__ T derivative(const Cubic<T>& c, T t, int order) {
     switch (order) {
-        case 0: return ((c3 * t + c2) * t + c1) * t + c0;
-        case 1: return ((T)3 * c3 * t + (T)2 * c2) * t + c1;
-        case 2: return (T)6 * c3 * t + (T)2 * c2;
-        case 3: return (T)6 * c3;
+        case 0: return ((c.c3 * t + c.c2) * t + c.c1) * t + c.c0;
+        case 1: return ((T)3 * c.c3 * t + (T)2 * c.c2) * t + c.c1;
+        case 2: return (T)6 * c.c3 * t + (T)2 * c.c2;
+        case 3: return (T)6 * c.c3;
         default: return (T)0;
     }
 }
 
-// The interval and the position inside it of length r, clamped into [0, r_max]; `factor` multiplies the
-// cubic's value: scale^order inside, 0 outside for derivatives (the clamp's), NaN for a NaN length.
+// The interval's coefficients and the position t inside it of length r, clamped into [0, r_max]; `factor`
+// multiplies the cubic: scale^order inside, 0 outside for derivatives (the clamp's), NaN for a NaN length.
 template <typename T>
 __device__ __forceinline__ const T* locate(const T* __restrict__ coeffs, T r, int n, int cols, T scale, T r_max,
-                                           int order, int j, T& t, T& factor) {
+                                           int order, T& t, T& factor) {
     T u = r * scale;
     u = u > (T)0 ? u : (T)0;  // also maps NaN to 0: the read stays in bounds
     u = u < (T)n ? u : (T)n;
@@ -55,55 +76,64 @@ __device__ __forceinline__ const T* locate(const T* __restrict__ coeffs, T r, in
     for (int i = 0; i < order; ++i) factor *= scale;
     if (order > 0 && !(r >= (T)0 && r <= r_max)) factor = (T)0;
     if (r != r) factor = r;
-    return coeffs + (long long)k * 4 * cols + j;
+    return coeffs + (long long)k * cols * 4;
 }
 
-template <typename T>
-__device__ void table_eval(const T* __restrict__ r, const T* __restrict__ coeffs, T* __restrict__ out,
-                           long long edges, int n, int cols, T scale, T r_max, int order) {
-    const long long total = edges * cols;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long e = i / cols;
-        const int j = (int)(i - e * cols);
-        T t, factor;
-        const T* c = locate(coeffs, r[e], n, cols, scale, r_max, order, j, t, factor);
-        out[i] = factor * cubic(c, cols, t, order);
+// Block b takes positions [b * per_block, (b + 1) * per_block) of `by_length` (edge ids in order of length; null:
+// the edges' own order), one warp per edge, lanes over the columns.
+#define FOR_EACH_EDGE(body)                                                                                    \
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;                                                \
+    const long long p_end = min((long long)(blockIdx.x + 1) * per_block, edges);                               \
+    for (long long p = (long long)blockIdx.x * per_block + (threadIdx.x >> 5); p < p_end; p += warps) {        \
+        const long long e = by_length ? by_length[p] : p;                                                      \
+        T t, factor;                                                                                           \
+        const T* row = locate(coeffs, r[e], n, cols, scale, r_max, order, t, factor);                          \
+        body                                                                                                   \
     }
+
+template <typename T>
+__device__ void table_eval(const T* __restrict__ r, const long long* __restrict__ by_length,
+                           const T* __restrict__ coeffs, T* __restrict__ out, long long edges, long long per_block,
+                           int n, int cols, T scale, T r_max, int order) {
+    FOR_EACH_EDGE(
+        T* o = out + e * cols;
+        for (int j = lane; j < cols; j += 32) o[j] = factor * derivative(Cubic<T>::load(row + 4 * j), t, order);
+    )
 }
 
 template <typename T>
-__device__ void table_dot(const T* __restrict__ r, const T* __restrict__ coeffs, const T* __restrict__ g,
-                          T* __restrict__ out, long long edges, int n, int cols, T scale, T r_max, int order) {
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
-    for (long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; e < edges; e += warps) {
-        T t, factor, sum = (T)0;
-        const T* c = locate(coeffs, r[e], n, cols, scale, r_max, order, 0, t, factor);
-        for (int j = lane; j < cols; j += 32) sum += g[e * cols + j] * cubic(c + j, cols, t, order);
+__device__ void table_dot(const T* __restrict__ r, const long long* __restrict__ by_length,
+                          const T* __restrict__ coeffs, const T* __restrict__ g, T* __restrict__ out, long long edges,
+                          long long per_block, int n, int cols, T scale, T r_max, int order) {
+    FOR_EACH_EDGE(
+        const T* ge = g + e * cols;
+        T sum = (T)0;
+        for (int j = lane; j < cols; j += 32) sum += ge[j] * derivative(Cubic<T>::load(row + 4 * j), t, order);
         for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
         if (lane == 0) out[e] = factor * sum;
-    }
+    )
 }
 
 #define RADIAL_TABLE_KERNELS(T, SUFFIX)                                                                        \
-extern "C" __global__ void radial_table_eval_##SUFFIX(const T* r, const T* coeffs, T* out, long long edges,   \
-                                                      int n, int cols, T scale, T r_max, int order) {         \
-    table_eval<T>(r, coeffs, out, edges, n, cols, scale, r_max, order);                                       \
+extern "C" __global__ void radial_table_eval_##SUFFIX(const T* r, const long long* by_length, const T* coeffs, \
+                                                      T* out, long long edges, long long per_block, int n,     \
+                                                      int cols, T scale, T r_max, int order) {                 \
+    table_eval<T>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max, order);                  \
 }                                                                                                              \
-extern "C" __global__ void radial_table_dot_##SUFFIX(const T* r, const T* coeffs, const T* g, T* out,         \
-                                                     long long edges, int n, int cols, T scale, T r_max,      \
-                                                     int order) {                                              \
-    table_dot<T>(r, coeffs, g, out, edges, n, cols, scale, r_max, order);                                      \
+extern "C" __global__ void radial_table_dot_##SUFFIX(const T* r, const long long* by_length, const T* coeffs,  \
+                                                     const T* g, T* out, long long edges, long long per_block, \
+                                                     int n, int cols, T scale, T r_max, int order) {           \
+    table_dot<T>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max, order);                \
 }
 RADIAL_TABLE_KERNELS(float, f32)
 RADIAL_TABLE_KERNELS(double, f64)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_EVAL_THREADS = 256
-_DOT_WARPS = 8
-_BLOCKS_PER_SM = 32  # grid-stride loops: enough blocks to fill the GPU, no more
+_WARPS = 8
+_BLOCKS_PER_SM = 8  # runs of edges per SM: long runs share intervals, enough blocks to balance the SMs
+SORT_MIN_EDGES = 16384
+SORT_MIN_COLUMNS = 640  # measured: 1280 columns gain from the sort, 512 tie, 224 and fewer lose
 
 
 def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int = 0) -> Tensor:
@@ -113,7 +143,7 @@ def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int =
     u = (r * scale).clamp(0.0, float(n))
     k = torch.nan_to_num(u, nan=0.0).floor().clamp(max=n - 1)
     t = (u - k).unsqueeze(1)
-    c0, c1, c2, c3 = coeffs.index_select(0, k.long()).unbind(1)
+    c0, c1, c2, c3 = coeffs.index_select(0, k.long()).unbind(2)
     if order == 0:
         v = ((c3 * t + c2) * t + c1) * t + c0
     elif order == 1:
@@ -141,26 +171,26 @@ def _kernels(device_index: int) -> dict:
 def _launch(op: str, r: Tensor, coeffs: Tensor, g: Tensor | None, out: Tensor, r_max: float, order: int) -> None:
     from ..core.runtime import F32, F64, I32, I64
 
-    edges, (n, _, cols) = r.shape[0], coeffs.shape
+    edges, (n, cols, _) = r.shape[0], coeffs.shape
     if out.numel() == 0:
         return
     device = r.device.index if r.device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     real = F32 if r.dtype == torch.float32 else F64
-    if op == "eval":
-        threads, work = _EVAL_THREADS, edges * cols
-        tensors = [r, coeffs, out]
-    else:
-        threads, work = 32 * _DOT_WARPS, edges * 32
-        tensors = [r, coeffs, g, out]
-    blocks = max(1, min(-(-work // threads), _BLOCKS_PER_SM * sms))
+    if coeffs.data_ptr() % 16:  # the kernels read each column's four coefficients as one 16-byte vector
+        coeffs = coeffs.clone()
+    by_length = torch.argsort(r) if edges >= SORT_MIN_EDGES and cols >= SORT_MIN_COLUMNS else None
+    per_block = max(1, -(-edges // (_BLOCKS_PER_SM * sms)))
+    blocks = -(-edges // per_block)
+    threads = 32 * _WARPS
+    tensors = [r, by_length, coeffs, out] if op == "eval" else [r, by_length, coeffs, g, out]
     kernel = _kernels(device)[f"radial_table_{op}_{_SUFFIX[r.dtype]}"]
-    kernel.launch((blocks,), (threads,), [*tensors, I64(edges), I32(n), I32(cols), real(n / r_max), real(r_max),
-                                          I32(order)])
+    kernel.launch((blocks,), (threads,), [*tensors, I64(edges), I64(per_block), I32(n), I32(cols), real(n / r_max),
+                                          real(r_max), I32(order)])
 
 
 def _eval_fake(r, coeffs, r_max, order):
-    return r.new_empty(r.shape[0], coeffs.shape[2])
+    return r.new_empty(r.shape[0], coeffs.shape[1])
 
 
 def _eval_grad(ctx, g):
@@ -174,7 +204,7 @@ def radial_table_eval(r: Tensor, coeffs: Tensor, r_max: float, order: int) -> Te
     """The table's order-th derivative in r for every edge: [E, C]."""
     if r.device.type != "cuda" or order > _MAX_ORDER:
         return radial_table_reference(r, coeffs, r_max, order)
-    out = r.new_empty(r.shape[0], coeffs.shape[2])
+    out = r.new_empty(r.shape[0], coeffs.shape[1])
     _launch("eval", r.contiguous(), coeffs.contiguous(), None, out, r_max, order)
     return out
 
@@ -201,7 +231,7 @@ def radial_table_dot(r: Tensor, coeffs: Tensor, g: Tensor, r_max: float, order: 
 
 
 def radial_table(r: Tensor, coeffs: Tensor, r_max: float) -> Tensor:
-    """W(r) [E, C] for lengths r ([E] or [E, 1]) from a table's coefficients [N, 4, C] over [0, r_max] (in r's
+    """W(r) [E, C] for lengths r ([E] or [E, 1]) from a table's coefficients [N, C, 4] over [0, r_max] (in r's
     dtype and device; constants: they get no gradient). Differentiable in r to any order."""
     if not isinstance(r, Tensor) or not isinstance(coeffs, Tensor):
         raise TypeError(f"r and coeffs must be tensors, got {type(r).__name__} and {type(coeffs).__name__}")
@@ -209,8 +239,8 @@ def radial_table(r: Tensor, coeffs: Tensor, r_max: float) -> Tensor:
         r = r.squeeze(1)
     if r.dim() != 1:
         raise ValueError(f"r: expected edge lengths [E] or [E, 1], got shape {list(r.shape)}")
-    if coeffs.dim() != 3 or coeffs.shape[1] != 4 or coeffs.shape[0] < 1:
-        raise ValueError(f"coeffs: expected [N, 4, C] cubic coefficients, got shape {list(coeffs.shape)}")
+    if coeffs.dim() != 3 or coeffs.shape[2] != 4 or coeffs.shape[0] < 1:
+        raise ValueError(f"coeffs: expected [N, C, 4] cubic coefficients, got shape {list(coeffs.shape)}")
     if r.dtype not in _SUFFIX or coeffs.dtype != r.dtype:
         raise ValueError(f"r and coeffs must both be float32 or both float64, got {r.dtype} and {coeffs.dtype}")
     if r.device != coeffs.device:

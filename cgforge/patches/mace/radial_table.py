@@ -54,7 +54,7 @@ class TabulatedRadial(Deferred):
         return radial_table(lengths, self.table_coeffs, self.r_max)
 
     def extra_repr(self) -> str:
-        return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[2]}, r_max={self.r_max}, "
+        return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[1]}, r_max={self.r_max}, "
                 f"error={max(self.value_error, self.slope_error):.1e}")
 
 
