@@ -156,18 +156,21 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
     pad_row = torch.div(j * n, free.clamp(min=1), rounding_mode="floor").clamp(max=n - 1)
     pad_slot = torch.where(j < free, j + kept_end.index_select(0, pad_row), dump)
 
-    def place(real: Tensor, pad: Tensor) -> Tensor:
+    def place(real: Tensor, pad: Tensor | None) -> Tensor:
+        """Kept edges' rows in their slots, padding rows in theirs (None: zeros, which the slots hold already)."""
         out = real.new_zeros((cap + 1, *real.shape[1:]))
         out.index_copy_(0, real_slot, real)
-        out.index_copy_(0, pad_slot, pad)
+        if pad is not None:
+            out.index_copy_(0, pad_slot, pad)
         return out[:cap]
 
-    zeros3 = unit_shifts.new_zeros(cap, 3)
-    pad_rows = pad_vector.to(unit_shifts.dtype).expand(cap, 3).contiguous()
     out_sender = place(sender, pad_row)
     out_receiver = place(receiver, pad_row)
-    out_shifts = place(unit_shifts, zeros3)
-    out_pad = place(unit_shifts.new_zeros(unit_shifts.shape), pad_rows)
+    out_shifts = place(unit_shifts, None)
+    # the padding vector where a slot pads, else zero: a mask, not two scatters of [C, 3] rows (~30 us each on an
+    # H100 at 5184 atoms)
+    is_pad = torch.zeros(cap + 1, dtype=torch.bool, device=device).index_fill_(0, pad_slot, True)[:cap]
+    out_pad = torch.where(is_pad.unsqueeze(1), pad_vector.to(unit_shifts.dtype), unit_shifts.new_zeros(()))
     graph = None
     if with_graph:
         pads_per_row = pads_before[1:] - pads_before[:-1]
