@@ -50,16 +50,14 @@ template <> struct Cubic<double> {
     }
 };
 
-// d^order/dt^order of the cubic at t (the caller multiplies by scale^order).
-template <typename T>
-__device__ __forceinline__ T derivative(const Cubic<T>& c, T t, int order) {
-    switch (order) {
-        case 0: return ((c.c3 * t + c.c2) * t + c.c1) * t + c.c0;
-        case 1: return ((T)3 * c.c3 * t + (T)2 * c.c2) * t + c.c1;
-        case 2: return (T)6 * c.c3 * t + (T)2 * c.c2;
-        case 3: return (T)6 * c.c3;
-        default: return (T)0;
-    }
+// d^ORDER/dt^ORDER of the cubic at t (the caller multiplies by scale^ORDER); a compile-time order, so the column
+// loops below have no branch and unroll.
+template <int ORDER, typename T>
+__device__ __forceinline__ T derivative(const Cubic<T>& c, T t) {
+    if (ORDER == 0) return ((c.c3 * t + c.c2) * t + c.c1) * t + c.c0;
+    if (ORDER == 1) return ((T)3 * c.c3 * t + (T)2 * c.c2) * t + c.c1;
+    if (ORDER == 2) return (T)6 * c.c3 * t + (T)2 * c.c2;
+    return (T)6 * c.c3;
 }
 
 // The interval's coefficients and the position t inside it of length r, clamped into [0, r_max]; `factor`
@@ -81,34 +79,35 @@ __device__ __forceinline__ const T* locate(const T* __restrict__ coeffs, T r, in
 
 // Block b takes positions [b * per_block, (b + 1) * per_block) of `by_length` (edge ids in order of length; null:
 // the edges' own order), one warp per edge, lanes over the columns.
-#define FOR_EACH_EDGE(body)                                                                                    \
+#define FOR_EACH_EDGE(...)                                                                                     \
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;                                                \
     const long long p_end = min((long long)(blockIdx.x + 1) * per_block, edges);                               \
     for (long long p = (long long)blockIdx.x * per_block + (threadIdx.x >> 5); p < p_end; p += warps) {        \
         const long long e = by_length ? by_length[p] : p;                                                      \
         T t, factor;                                                                                           \
-        const T* row = locate(coeffs, r[e], n, cols, scale, r_max, order, t, factor);                          \
-        body                                                                                                   \
+        const T* row = locate(coeffs, r[e], n, cols, scale, r_max, ORDER, t, factor);                          \
+        __VA_ARGS__                                                                                            \
     }
 
-template <typename T>
+template <typename T, int ORDER>
 __device__ void table_eval(const T* __restrict__ r, const long long* __restrict__ by_length,
                            const T* __restrict__ coeffs, T* __restrict__ out, long long edges, long long per_block,
-                           int n, int cols, T scale, T r_max, int order) {
+                           int n, int cols, T scale, T r_max) {
     FOR_EACH_EDGE(
         T* o = out + e * cols;
-        for (int j = lane; j < cols; j += 32) o[j] = factor * derivative(Cubic<T>::load(row + 4 * j), t, order);
+        for (int j = lane; j < cols; j += 32) o[j] = factor * derivative<ORDER>(Cubic<T>::load(row + 4 * j), t);
     )
 }
 
-template <typename T>
+template <typename T, int ORDER>
 __device__ void table_dot(const T* __restrict__ r, const long long* __restrict__ by_length,
                           const T* __restrict__ coeffs, const T* __restrict__ g, T* __restrict__ out, long long edges,
-                          long long per_block, int n, int cols, T scale, T r_max, int order) {
+                          long long per_block, int n, int cols, T scale, T r_max) {
     FOR_EACH_EDGE(
         const T* ge = g + e * cols;
         T sum = (T)0;
-        for (int j = lane; j < cols; j += 32) sum += ge[j] * derivative(Cubic<T>::load(row + 4 * j), t, order);
+#pragma unroll 4  // the loads of four columns in flight at once
+        for (int j = lane; j < cols; j += 32) sum += ge[j] * derivative<ORDER>(Cubic<T>::load(row + 4 * j), t);
         for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
         if (lane == 0) out[e] = factor * sum;
     )
@@ -118,12 +117,22 @@ __device__ void table_dot(const T* __restrict__ r, const long long* __restrict__
 extern "C" __global__ void radial_table_eval_##SUFFIX(const T* r, const long long* by_length, const T* coeffs, \
                                                       T* out, long long edges, long long per_block, int n,     \
                                                       int cols, T scale, T r_max, int order) {                 \
-    table_eval<T>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max, order);                  \
+    switch (order) {  /* orders above 3 never reach a kernel: the op returns zeros */                          \
+        case 0: table_eval<T, 0>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max); break;   \
+        case 1: table_eval<T, 1>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max); break;   \
+        case 2: table_eval<T, 2>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max); break;   \
+        default: table_eval<T, 3>(r, by_length, coeffs, out, edges, per_block, n, cols, scale, r_max);         \
+    }                                                                                                          \
 }                                                                                                              \
 extern "C" __global__ void radial_table_dot_##SUFFIX(const T* r, const long long* by_length, const T* coeffs,  \
                                                      const T* g, T* out, long long edges, long long per_block, \
                                                      int n, int cols, T scale, T r_max, int order) {           \
-    table_dot<T>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max, order);                \
+    switch (order) {                                                                                           \
+        case 0: table_dot<T, 0>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max); break; \
+        case 1: table_dot<T, 1>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max); break; \
+        case 2: table_dot<T, 2>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max); break; \
+        default: table_dot<T, 3>(r, by_length, coeffs, g, out, edges, per_block, n, cols, scale, r_max);       \
+    }                                                                                                          \
 }
 RADIAL_TABLE_KERNELS(float, f32)
 RADIAL_TABLE_KERNELS(double, f64)
