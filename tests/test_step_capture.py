@@ -8,6 +8,7 @@ test_calculator.py checks against MACE's and NequIP's own calculators.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -332,6 +333,28 @@ def test_overflowing_capacity_grows_and_the_step_is_redone(mace_calc):
         _assert_same(_run(step, mace_calc, atoms), _run(mace_calc.step, mace_calc, atoms), len(atoms))
         assert step.capacity >= step.n_edges == mace_calc.step.n_edges
     assert step.neighbours.n_builds == 1
+
+
+def test_repeated_overflows_leave_growing_room(mace_calc):
+    """Each overflow doubles the room the new capacity leaves (1 %, 2 %, 4 %, ... at most MAX_GROW_MARGIN), and
+    the room stays at the next rebuild: a drifting edge count stops costing recaptures."""
+    atoms = _box(seed=8)
+    step = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 2.0), padded=True,
+                                margin=0.01)
+    _run(step, mace_calc, atoms)
+    for room in (0.02, 0.04, 0.08, 0.08):
+        step._capacity = step.n_edges - 1  # the count rose past the capacity
+        _run(step, mace_calc, atoms)
+        assert step.capacity == (math.ceil(step.n_edges * (1 + room) / 64) + 1) * 64, room
+    grown = step.capacity
+    fresh = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 2.0), padded=True,
+                                 margin=0.01)
+    assert [fresh._grown(100_000) for _ in range(4)] == [(math.ceil(100_000 * (1 + m) / 64) + 1) * 64
+                                                          for m in (0.02, 0.04, 0.08, 0.08)]
+    assert fresh._fit(fresh._grown(100_000), 100_000) > fresh._fit(None, 100_000)  # the room is kept
+    step.invalidate()
+    step._load_verlet()  # a rebuild of the same structure keeps the grown capacity
+    assert step.capacity == grown
 
 
 # ---------------------------------------------------------------------------------------------
