@@ -176,6 +176,7 @@ def _mace_calculator(dtype: str, **kw):
 
 
 def _energy_forces(calc, atoms):
+    calc.reset()  # computed now: ASE would hand back the last results for the same structure
     atoms = atoms.copy()
     atoms.calc = calc
     return atoms.get_potential_energy(), atoms.get_forces()
