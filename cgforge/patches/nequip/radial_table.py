@@ -186,9 +186,9 @@ def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
 @contextmanager
 def _streaming_paused(model: torch.nn.Module) -> Iterator[None]:
     """Inside: no block streams (their edge_mlp is theirs to swap); after: the streaming blocks stream again."""
-    chunks = {m.tp_scatter.chunk_edges for m in streaming.streaming_layers(model) if isinstance(m.edge_mlp,
-                                                                                               DeferredRadial)}
-    chunk = max(chunks) if chunks else None  # streaming.set_streaming gives every layer the same size
+    streaming_now = [m for m in streaming.streaming_layers(model) if isinstance(m.edge_mlp, DeferredRadial)]
+    # streaming.set_streaming gives every layer the same size
+    chunk = max(m.tp_scatter.chunk_edges for m in streaming_now) if streaming_now else None
     if chunk is not None:
         streaming.set_streaming(model, None)
     try:
