@@ -26,7 +26,7 @@ per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radia
 cgforge-compiled (captured, the model's forward and backward compiled by torch.compile: ``Calculator(compile=True)``;
 its first call, compilation included, is ``first_call_s``), cgforge-mlp (captured, the radial MLPs run rather
 than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
-tables on for FP32 MACE on CUDA), e3nn, cueq, oeq, hybrid (the peers' calculators with
+tables on for FP32 MACE and NequIP on CUDA), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and

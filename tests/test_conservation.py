@@ -27,14 +27,18 @@ from ase import Atoms, units
 from potentials import Potential, mace_potential, mace_system, nequip_potential, nequip_system
 
 
-def _with_radial_tables(pot: Potential) -> Potential:
+def _with_radial_tables(pot: Potential, tol: float = 1e-10) -> Potential:
     """The same model, patched with every block's weights read from tables of the edge length. The tables are C1:
-    the force Jacobian jumps by O(h^2) at their knots, so the FP64 checks here get fine ones (tol 1e-10)."""
-    from cgforge.patches import mace
+    the force Jacobian jumps by O(h^2) at their knots, so the FP64 checks here get fine ones (tol 1e-10; 1e-9 for
+    NequIP, whose tables of r / r_max reach 2e-10 in the derivative at the fit's 16384 intervals at most)."""
+    if pot.name.startswith("NequIP"):
+        from cgforge.patches import nequip as family
+    else:
+        from cgforge.patches import mace as family
 
     def patch(model: torch.nn.Module) -> torch.nn.Module:
-        model = mace.patch(model)
-        mace.set_radial_table(model, True, tol=1e-10)
+        model = family.patch(model)
+        family.set_radial_table(model, True, tol=tol)
         return model
 
     return dataclasses.replace(pot, patch_fn=patch)
@@ -52,6 +56,7 @@ MODELS = {
                                                     hidden="8x0e+8x1o+8x2e", max_ell=3, correlation=3),
     "nequip-l1-noparity": lambda: nequip_potential(1, parity=False),
     "nequip-l2": lambda: nequip_potential(2),
+    "nequip-l2-tables": lambda: _with_radial_tables(nequip_potential(2), tol=1e-9),
     "nequip-l3": lambda: nequip_potential(3),
 }
 FD_STEP = 1e-3  # Å, fourth-order central stencil: truncation ~h^4, round-off ~1e-16 |E| / h

@@ -176,6 +176,7 @@ def _mace_calculator(dtype: str, **kw):
 
 
 def _energy_forces(calc, atoms):
+    calc.reset()  # computed now: ASE would hand back the last results for the same structure
     atoms = atoms.copy()
     atoms.calc = calc
     return atoms.get_potential_energy(), atoms.get_forces()
@@ -243,8 +244,8 @@ def test_calculator_radial_table_choices(float64) -> None:
         _mace_calculator("float32", radial_table="yes")
     with pytest.raises(ValueError, match="radial_table=True"):
         Calculator("mace", device="cpu", dtype="float64", patch=False, radial_table=True)
-    with pytest.raises(ValueError, match="radial tables"):
-        Calculator("nequip", device="cpu", patch=True, radial_table=True)
+    with pytest.raises(ValueError, match="radial_table=True: .*not patched by cgforge"):
+        Calculator("nequip", device="cpu", patch=False, radial_table=True)
 
 
 @pytest.mark.cuda

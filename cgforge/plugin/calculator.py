@@ -247,12 +247,15 @@ class Calculator(AseCalculator):
     ``RADIAL_TF32_TOL`` (norm of the difference over the norm of the FP32 forces). ``radial_precision_error``
     holds the change and ``radial_precision`` the mode in use (a warning says when it fell back to FP32).
     radial_table: read each layer's tensor-product weights from a table of the edge length instead of running
-    the radial basis and MLP (``cgforge.patches.mace.radial_table``: cubic Hermite tables fitted in FP64 from the
-    model's own MLP when the calculator is made, ~0.5 s, their measured relative error at most 1e-7 in values and
-    derivatives; ``radial_table_errors`` lists (intervals, error) per layer). True: on (an error when the model
-    cannot: MACE's RealAgnostic(Residual)InteractionBlocks with a plain radial embedding, patched); False: off;
-    None (default): on for an FP32 model on CUDA that can, with ``radial_precision="fp32"``. FP64 keeps the MLP
-    (the table's 1e-8-level error is above FP64's). ``self.radial_table`` says what is in use.
+    the radial basis and MLP (``cgforge.patches.mace.radial_table``, ``cgforge.patches.nequip.radial_table``:
+    cubic Hermite tables fitted in FP64 from the model's own embedding and MLP when the calculator is made,
+    ~0.5 s, their measured relative error at most 1e-7 in values and derivatives; ``radial_table_errors`` lists
+    (intervals, error) per layer). True: on (an error when the model cannot: patched MACE models with
+    RealAgnostic(Residual)InteractionBlocks and a plain radial embedding; patched NequIP models whose edge
+    embedding is nequip's Bessel encoding with its polynomial cutoff, read only by the interaction blocks);
+    False: off; None (default): on for a model computing in FP32 (NequIP's FP64 positions notwithstanding) on
+    CUDA that can, with ``radial_precision="fp32"``. FP64 models keep the MLP (the table's 1e-8-level error is
+    above FP64's). ``self.radial_table`` says what is in use.
     streaming: compute the radial MLP inside the convolution chunk by chunk, so no per-edge weight tensor is
     stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
     grows with atoms, not edges x channels. True: on (eager steps: chunk ranges are read on the host, so no CUDA
@@ -384,20 +387,23 @@ class Calculator(AseCalculator):
         if self.device.type != "cuda":
             raise ValueError(f"radial_precision={mode!r} needs a CUDA device (TF32 is a tensor-core format), got "
                              f"{self.device}")
-        if next(self.model.parameters()).dtype != torch.float32:
-            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is "
-                             f"{next(self.model.parameters()).dtype}")
+        if self._model_dtype() != torch.float32:
+            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is {self._model_dtype()}")
         if not radial_layers(self.model):
             raise ValueError(f"radial_precision={mode!r} needs a model patched by cgforge (its radial MLPs are cgforge "
                              "layers); this one has none")
         return mode
 
+    def _model_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its floating-point parameters'), which may differ from ``self.dtype``."""
+        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), self.dtype)
+
     def _radial_table(self, radial_table: bool | None) -> list[tuple[int, float]]:
         """Turn the radial tables on or off as asked (None: see the class doc); their (intervals, error)."""
         if radial_table not in (None, True, False):
             raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
-        if radial_table is None:
-            radial_table = (self.device.type == "cuda" and self.dtype == torch.float32 and self.patched
+        if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
+            radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
         elif radial_table and self.radial_precision_requested != "fp32":
             raise ValueError(f"radial_table=True and radial_precision={self.radial_precision_requested!r}: a table "

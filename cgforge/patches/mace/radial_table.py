@@ -3,10 +3,10 @@
 A MACE interaction block's weights are ``conv_tp_weights(edge_feats)`` with ``edge_feats`` the model's radial
 embedding of the edge lengths (a Bessel basis times a polynomial cutoff): a smooth function of r alone,
 W(r) [weight_numel]. With tables on, each block's ``conv_tp_weights`` is a ``TabulatedRadial`` stand-in
-that evaluates a cubic table of W(r) (``kernels.radial_table``, fitted in FP64 from the block's own MLP and
-the model's embedding, error measured between the knots) and the model's ``radial_embedding`` is
-``LengthsAsEdgeFeatures``, which hands the lengths on as the blocks' edge features: the radial basis, the
-MLP's GEMMs and activations, forward and backward, leave the step.
+(``patches/radial_table.py``, shared with NequIP) that evaluates a cubic table of W(r) (``kernels.radial_table``,
+fitted in FP64 from the block's own MLP and the model's embedding, error measured between the knots) and the
+model's ``radial_embedding`` is ``LengthsAsEdgeFeatures``, which hands the lengths on as the blocks' edge
+features: the radial basis, the MLP's GEMMs and activations, forward and backward, leave the step.
 
 The same conditions as deferring the geometry while streaming (``streaming.geometry_can_stream``): MACE's
 forward hands edge_feats and cutoff to the interaction blocks only, and those blocks use them only as the
@@ -21,16 +21,12 @@ import copy
 import torch
 from torch import Tensor
 
-from ...kernels.radial_table import RadialTable, fit_radial_table, radial_table
 from ..families import is_mace_model
+from ..radial_table import DEFAULT_TOL, TabulatedRadial, original, tabulate
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 
 __all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table"]
-
-# The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
-# resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
-DEFAULT_TOL = 1e-7
 
 
 class LengthsAsEdgeFeatures(Deferred):
@@ -39,27 +35,6 @@ class LengthsAsEdgeFeatures(Deferred):
     def forward(self, lengths: Tensor, node_attrs: Tensor, edge_index: Tensor,
                 atomic_numbers: Tensor) -> tuple[Tensor, None]:
         return lengths, None
-
-
-class TabulatedRadial(Deferred):
-    """Stand-in for a block's ``conv_tp_weights``: W(r) from a table (the original MLP rides along, adopted)."""
-
-    def __init__(self, mlp: torch.nn.Module, table: RadialTable, like: Tensor) -> None:
-        super().__init__(mlp)
-        self.register_buffer("table_coeffs", table.coeffs.to(like.device, like.dtype), persistent=False)
-        self.r_max = table.r_max
-        self.value_error, self.slope_error = table.value_error, table.slope_error
-
-    def forward(self, lengths: Tensor) -> Tensor:
-        return radial_table(lengths, self.table_coeffs, self.r_max)
-
-    def extra_repr(self) -> str:
-        return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[1]}, r_max={self.r_max}, "
-                f"error={max(self.value_error, self.slope_error):.1e}")
-
-
-def _original(module: torch.nn.Module) -> torch.nn.Module:
-    return module.module if isinstance(module, Deferred) else module
 
 
 def _radial_function(embedding: torch.nn.Module, mlp: torch.nn.Module):
@@ -109,15 +84,10 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
     reason = why_not_tabulated(model)
     if reason is not None:
         raise ValueError(f"radial tables: {reason}")
-    embedding = _original(model.radial_embedding)
+    embedding = original(model.radial_embedding)
     like = next(p for p in model.parameters() if p.is_floating_point())
-    tables = []
-    for i, block in enumerate(model.interactions):
-        try:
-            table = fit_radial_table(_radial_function(embedding, block.conv_tp_weights), float(model.r_max), tol=tol)
-        except ValueError as err:
-            raise ValueError(f"radial tables: interactions.{i}: {err}") from err
-        tables.append(TabulatedRadial(block.conv_tp_weights, table, like))
+    tables = [tabulate(block.conv_tp_weights, _radial_function(embedding, block.conv_tp_weights), float(model.r_max),
+                       tol, like, f"interactions.{i}") for i, block in enumerate(model.interactions)]
     for block, table in zip(model.interactions, tables, strict=True):  # all fitted: swap them in together
         block.conv_tp_weights = table
     model.radial_embedding = LengthsAsEdgeFeatures(embedding)

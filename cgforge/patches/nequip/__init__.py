@@ -6,6 +6,9 @@
 - ``verify``: a patched model against the plain one on a small structure;
 - ``load``: ``load_nequip`` (files -> patch -> verify);
 - ``package``: ``save_patched_nequip``, the ``.nequip.zip`` writer;
+- ``streaming``: the edge MLPs inside the convolution, per chunk of edges (``set_streaming``);
+- ``radial_table``: each block's weights read from a table of the edge length (``set_radial_table``);
+- ``modules``: the nequip modules cgforge has read, by class name;
 - ``adapter``: the calculator's ``NequipAdapter`` and the inert-edge check.
 
 Three ways in: the ``enable_cgforge`` model modifier (registered by ``cgforge.patches.nequip_modifier``
@@ -31,6 +34,7 @@ from .files import (
 from .load import load_nequip
 from .package import save_patched_nequip
 from .patch import enable_cgforge, is_patched, patch, unpatch
+from .radial_table import set_radial_table
 from .verify import probe_structure, verify_patch
 
 _check_dtype = check_dtype  # the name cgforge.plugin.calculator used before the split
@@ -39,5 +43,5 @@ __all__ = [
     "CHECKPOINT_SUFFIX", "COMPILED_SUFFIXES", "PACKAGE_SUFFIX", "SOLE_MODEL",
     "CgforgeTensorProductScatter", "CompiledModelError", "UnsupportedModelError", "check_dtype", "enable_cgforge",
     "is_compiled_nequip_file", "is_nequip_file", "is_patched", "load_models", "load_nequip", "patch",
-    "probe_structure", "save_patched_nequip", "unpatch", "verify_patch",
+    "probe_structure", "save_patched_nequip", "set_radial_table", "unpatch", "verify_patch",
 ]

@@ -11,7 +11,8 @@ This module imports no nequip code (packaged models carry their own classes: mat
   (``out * (x < 1)``, x = r / r_max per edge type); each ``InteractionBlock`` weights its convolution with
   ``edge_mlp(edge embedding)``, a bias-free MLP (checked at 0 here); ZBL and Lennard-Jones terms multiply by
   the same cutoff. The energy model is checked module by module against this list; anything else is
-  "not known", and the calculator filters.
+  "not known", and the calculator filters. Radial tables (``radial_table.py``) are looked through: a block's
+  table of x = r / r_max holds its end value edge_mlp(0) = 0 for x >= 1, to the rounding of its last cubic.
 """
 
 from __future__ import annotations
@@ -24,16 +25,12 @@ from torch import Tensor
 
 from ..common import UnknownElementError, check_numbers, unknown_elements, vanishes_at_zero
 from ..graph_cache import CallGraphCache
-from ..streaming import DeferredRadial
+from ..radial_table import original
 from ..torch_internals import forward_pre_hooks
-from . import streaming
+from . import radial_table, streaming
+from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
 
 __all__ = ["NequipAdapter", "energy_model_of", "inert_beyond_cutoff"]
-
-_NODE_MODULES = ("NodeTypeEmbed", "ApplyFactor", "ScalarMLP", "AtomwiseLinear", "PerTypeScaleShift",
-                 "AtomwiseReduce", "AtomwiseOperation", "SphericalHarmonicEdgeAttrs", "EdgeLengthNormalizer")
-_CUTOFF_MODULES = ("BesselEdgeLengthEncoding", "AddRadialCutoffToData", "ZBL", "LennardJones",
-                   "SimpleLennardJones")
 
 
 class NequipAdapter:
@@ -135,12 +132,14 @@ class NequipAdapter:
         return streaming.set_streaming(self.energy_model, chunk)
 
     def why_not_tabulated(self) -> str | None:
-        return "radial tables are built for MACE models so far (NequIP's edge MLPs keep their GEMMs)"
+        return radial_table.why_not_tabulated(self.energy_model)
 
     def set_radial_table(self, on: bool) -> list[tuple[int, float]]:
-        if on:
-            raise ValueError(f"radial tables: {self.why_not_tabulated()}")
-        return []
+        """Tabulate every block's weights as functions of the edge length (``patches.nequip.radial_table``), or
+        stop; the (intervals, measured relative error) of each table in use."""
+        radial_table.set_radial_table(self.energy_model, on)
+        return [(t.table_coeffs.shape[0], max(t.value_error, t.slope_error))
+                for t in radial_table.radial_tables(self.energy_model)]
 
 
 def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,29 +154,24 @@ def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-def _class_name(module: object) -> str:
-    # a TorchScript-compiled module (nequip scripts some) keeps its Python class name as original_name
-    return getattr(module, "original_name", None) or type(module).__name__
-
-
 def inert_beyond_cutoff(energy_model: torch.nn.Module) -> str | None:
     """The same for a NequIP energy model (the SequentialGraphNetwork inside ForceStressOutput)."""
     if type(energy_model).__name__ != "SequentialGraphNetwork":
         return f"energy model {type(energy_model).__name__} is not a nequip SequentialGraphNetwork"
     for name, module in energy_model.named_children():
+        module = original(module)  # the encoding and factor a tabulated model's stand-ins hold
         cls = type(module).__name__
-        if cls in _NODE_MODULES:
+        if cls in NODE_MODULES:
             continue
-        if cls in _CUTOFF_MODULES:
-            if _class_name(getattr(module, "cutoff", None)) != "PolynomialCutoff":
+        if cls in CUTOFF_MODULES:
+            if class_name(getattr(module, "cutoff", None)) != "PolynomialCutoff":
                 return f"{name} ({cls}): its cutoff is not nequip's PolynomialCutoff"
             continue
         if cls == "ConvNetLayer":
             conv = getattr(module, "conv", None)
             if type(conv).__name__ != "InteractionBlock":
                 return f"{name}.conv ({type(conv).__name__}) is not nequip's InteractionBlock"
-            mlp = conv.edge_mlp
-            mlp = mlp.mlp if isinstance(mlp, DeferredRadial) else mlp  # the MLP a streaming layer defers
+            mlp = original(conv.edge_mlp)  # the MLP a streaming or tabulated layer holds (a table clamps to W(x = 1))
             if not vanishes_at_zero(mlp, int(mlp.dims[0])):
                 return f"{name}.conv.edge_mlp is not zero for zero edge features (bias or activation)"
             continue

@@ -22,6 +22,7 @@ from ..stand_in import StandIn
 from ..torch_internals import forward_pre_hooks, remove_forward_pre_hooks
 from .conv import CgforgeTensorProductScatter, scatter_sites
 from .files import SUPPORTED_ROUTE, CompiledModelError
+from .radial_table import set_radial_table
 from .streaming import set_streaming
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Put the original convolutions back (no cgforge objects left). In place; returns ``model``."""
     for root in _roots(model):
         set_streaming(root, None)
+        set_radial_table(root, False)
         stand_in.swap_out(root, (CgforgeTensorProductScatter,))
         species_linear.swap_out(root)
         e3nn_layers.swap_out(root)

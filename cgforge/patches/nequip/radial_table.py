@@ -1,0 +1,234 @@
+"""Radial tables in patched NequIP models: each interaction block's edge MLP as a table of the edge length.
+
+Where nequip 0.19 makes a block's weights (``model/nequip_models.py``, ``nn/embedding/_edge.py``,
+``nn/misc.py``, ``nn/interaction_block.py``), one data-dict key after the other:
+
+- ``EdgeLengthNormalizer`` writes ``norm_length``: x = r / r_max per edge ([E, 1], FP64; r_max of the edge's
+  type pair with ``per_edge_type_cutoff``).
+- ``BesselEdgeLengthEncoding`` reads x and writes ``edge_embedding`` = bessel(x) * cutoff(x) [E, num_bessels]
+  in the model dtype (``PolynomialCutoff``: ``* (x < 1)``) and ``edge_cutoff`` = cutoff(x).
+- ``ApplyFactor`` (NequIPGNNModel's "backwards compatibility" factor 2 pi / r_max^2) scales ``edge_embedding``.
+- each ``InteractionBlock`` reads ``edge_embedding`` once: ``tp_scatter(..., edge_weight=edge_mlp(embedding))``.
+
+No other nequip 0.19 module reads ``edge_embedding`` or ``edge_cutoff`` (``AddRadialCutoffToData`` writes the
+cutoff when it is missing; the pair potentials compute theirs from x). So a block's weights are
+W(x) = edge_mlp(factor * bessel(x) * cutoff(x)), a function of x alone, and W(x) = edge_mlp(0) for x >= 1,
+which is what the table's clamp holds beyond its end.
+
+The table's variable is x on [0, 1], not r: x is what the data dict holds where the embedding is made, and
+with per-edge-type cutoffs the weights are a function of x, not of r. With tables on:
+
+- ``bessel_encode`` is ``NormLengthAsEmbedding``: it writes x itself (in the model dtype) under
+  ``edge_embedding``, and no ``edge_cutoff`` (no module of a model that passes ``why_not_tabulated`` reads it);
+- each ``ApplyFactor`` on the embedding is ``FactorInTable``, which leaves the data alone (the tables hold it);
+- each block's ``edge_mlp`` is a ``TabulatedRadial`` (``patches/radial_table.py``) whose table is fitted in
+  FP64 from copies of the model's own modules run in order: the encoding, the factors before the block, its MLP.
+
+The blocks keep their data flow; nothing reads the lengths another way. The state_dict is unchanged (the
+stand-ins adopt the originals' submodules and buffers; the tables are non-persistent buffers). Streaming
+(``streaming.py``) composes with tables: its ``DeferredRadial`` defers a ``TabulatedRadial`` like an MLP, and
+turning tables on or off while a model streams stops and restarts its streaming at the same chunk size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, original, tabulate
+from ..streaming import Deferred, DeferredRadial
+from . import streaming
+from .conv import CgforgeTensorProductScatter
+from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
+
+__all__ = ["DEFAULT_TOL", "FactorInTable", "NormLengthAsEmbedding", "TabulatedRadial", "radial_tables",
+           "set_radial_table", "why_not_tabulated"]
+
+_EMBEDDING = "edge_embedding"  # nequip 0.19's AtomicDataDict.EDGE_EMBEDDING_KEY: the key InteractionBlock reads
+
+
+class NormLengthAsEmbedding(Deferred):
+    """Stand-in for ``BesselEdgeLengthEncoding`` while the blocks read tables: the edge embedding is x itself."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.field, self.out_field = module.norm_length_field, module.edge_invariant_field
+        self.out_dtype = module._output_dtype  # the model dtype, which the encoding casts to
+
+    def forward(self, data: dict[str, Tensor]) -> dict[str, Tensor]:
+        data[self.out_field] = data[self.field].to(self.out_dtype)
+        return data
+
+
+class FactorInTable(Deferred):
+    """Stand-in for an ``ApplyFactor`` on the edge embedding while the blocks read tables (which hold the factor)."""
+
+    def forward(self, data: dict[str, Tensor]) -> dict[str, Tensor]:
+        return data
+
+
+_Block = tuple[str, torch.nn.Module, list[torch.nn.Module]]  # (where, InteractionBlock, embedding modules before it)
+
+
+def _sequence(model: torch.nn.Module) -> torch.nn.Module | str:
+    """The model's SequentialGraphNetwork (the energy model inside ForceStressOutput), or why there is not one."""
+    found = [m for m in model.modules() if class_name(m) == "SequentialGraphNetwork"]
+    if len(found) != 1:
+        return (f"expected a nequip model with one SequentialGraphNetwork, found {len(found)} in "
+                f"{type(model).__qualname__}")
+    return found[0]
+
+
+def _names_embedding(module: torch.nn.Module) -> bool:
+    """Whether a module is configured to read or write the edge embedding (a field name among its attributes)."""
+    return any(value == _EMBEDDING for value in vars(module).values() if isinstance(value, str))
+
+
+def _check_encoding(name: str, module: torch.nn.Module) -> str | None:
+    for attr in ("norm_length_field", "edge_invariant_field", "_output_dtype", "cutoff"):
+        if not hasattr(module, attr):
+            return f"{name} (BesselEdgeLengthEncoding) has no .{attr}: not nequip 0.19's"
+    if module.edge_invariant_field != _EMBEDDING:
+        return f"{name} writes {module.edge_invariant_field!r}, not the {_EMBEDDING!r} the interaction blocks read"
+    if class_name(module.cutoff) != "PolynomialCutoff":  # zero for x >= 1: the table's clamp is then exact
+        return f"{name}: its cutoff {class_name(module.cutoff)} is not nequip's PolynomialCutoff"
+    return None
+
+
+def _check_block(name: str, layer: torch.nn.Module) -> str | None:
+    conv = getattr(layer, "conv", None)
+    if class_name(conv) != "InteractionBlock":
+        return f"{name}.conv ({class_name(conv)}) is not nequip's InteractionBlock"
+    if not isinstance(conv.tp_scatter, CgforgeTensorProductScatter):
+        return f"{name}.conv is not patched by cgforge (patch the model first)"
+    if not isinstance(getattr(conv, "edge_mlp", None), torch.nn.Module):
+        return f"{name}.conv has no edge_mlp module"
+    return None
+
+
+def _plan(model: torch.nn.Module) -> tuple[torch.nn.Module, list[_Block]] | str:
+    """(the SequentialGraphNetwork, its blocks with the embedding modules each reads through), or why not.
+
+    Walks the network's modules in order: the embedding (one BesselEdgeLengthEncoding), the factors applied to
+    it, the ConvNetLayers' blocks, and modules known not to touch it; anything else is refused."""
+    seq = _sequence(model)
+    if isinstance(seq, str):
+        return seq
+    chain: list[torch.nn.Module] | None = None  # the modules that made the embedding so far
+    blocks: list[_Block] = []
+    for name, child in seq.named_children():
+        child = original(child)  # the modules a tabulated model's stand-ins hold
+        cls = class_name(child)
+        if cls == "BesselEdgeLengthEncoding":
+            if chain is not None:
+                return f"{name}: a second edge embedding (BesselEdgeLengthEncoding)"
+            if (reason := _check_encoding(name, child)) is not None:
+                return reason
+            chain = [child]
+        elif cls == "ApplyFactor" and _names_embedding(child):
+            if chain is None or not (child.in_field == child.out_field == _EMBEDDING):
+                return f"{name} (ApplyFactor) uses the edge embedding other than scaling it in place after it is made"
+            chain.append(child)
+        elif cls == "ConvNetLayer":
+            if (reason := _check_block(name, child)) is not None:
+                return reason
+            if chain is None:
+                return f"{name} reads the edge embedding before a BesselEdgeLengthEncoding makes it"
+            blocks.append((f"{name}.conv", child.conv, list(chain)))
+        elif cls in NODE_MODULES or cls in CUTOFF_MODULES:
+            if _names_embedding(child):
+                return f"{name} ({cls}) reads or writes the edge embedding"
+        else:
+            return f"{name} ({cls}) is not a module cgforge has checked"
+    if not blocks:
+        return "no interaction blocks (ConvNetLayer) found"
+    return seq, blocks
+
+
+def why_not_tabulated(model: torch.nn.Module) -> str | None:
+    """None when ``set_radial_table(model, True)`` can tabulate every block of a patched NequIP model (a
+    GraphModel, or the energy model inside it), else the reason."""
+    plan = _plan(model)
+    return plan if isinstance(plan, str) else None
+
+
+def _weights_of_x(chain: list[torch.nn.Module], mlp: torch.nn.Module) -> Callable[[Tensor], Tensor]:
+    """W(x) of one block in FP64 on the CPU from copies of its modules: the encoding and factors, then its MLP."""
+    steps = [fp64_copy(m) for m in chain]
+    steps[0]._output_dtype = torch.float64  # the encoding casts to the model dtype; keep the fit in FP64
+    field = steps[0].norm_length_field
+    mlp = fp64_copy(mlp)
+
+    def fn(x: Tensor) -> Tensor:
+        data = {field: x.unsqueeze(1)}
+        for step in steps:
+            data = step(data)
+        return mlp(data[_EMBEDDING])
+
+    return fn
+
+
+def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
+    """The tables the blocks of a patched NequIP model read now, streaming or not (empty: none)."""
+    found = []
+    for module in model.modules():
+        mlp = getattr(module, "edge_mlp", None) if class_name(module) == "InteractionBlock" else None
+        while isinstance(mlp, Deferred) and not isinstance(mlp, TabulatedRadial):
+            mlp = mlp.module  # a streaming block's DeferredRadial holds the table
+        if isinstance(mlp, TabulatedRadial):
+            found.append(mlp)
+    return found
+
+
+@contextmanager
+def _streaming_paused(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: no block streams (their edge_mlp is theirs to swap); after: the streaming blocks stream again."""
+    streaming_now = [m for m in streaming.streaming_layers(model) if isinstance(m.edge_mlp, DeferredRadial)]
+    # streaming.set_streaming gives every layer the same size
+    chunk = max(m.tp_scatter.chunk_edges for m in streaming_now) if streaming_now else None
+    if chunk is not None:
+        streaming.set_streaming(model, None)
+    try:
+        yield
+    finally:
+        if chunk is not None:
+            streaming.set_streaming(model, chunk)
+
+
+def _tables_off(model: torch.nn.Module) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (TabulatedRadial, NormLengthAsEmbedding, FactorInTable)):
+                setattr(parent, name, child.module)
+
+
+def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL) -> int:
+    """Tabulate every block's weights as a function of the normalised edge length (``on``), or give the MLPs
+    and the embedding back. ``model``: a patched NequIP GraphModel (or the energy model inside it). Returns the
+    number of tabulated blocks. Raises ValueError naming the reason when the model cannot
+    (``why_not_tabulated``) or a block's weights cannot be tabulated within ``tol``. In place."""
+    if not on:
+        with _streaming_paused(model):
+            _tables_off(model)
+        return 0
+    if radial_tables(model):
+        return len(radial_tables(model))
+    plan = _plan(model)
+    if isinstance(plan, str):
+        raise ValueError(f"radial tables: {plan}")
+    seq, blocks = plan
+    like = torch.empty(0, dtype=blocks[0][2][0]._output_dtype, device=next(seq.parameters()).device)
+    tables = [tabulate(block.edge_mlp, _weights_of_x(chain, block.edge_mlp), 1.0, tol, like, where)
+              for where, block, chain in blocks]
+    embedding = {id(m) for _, _, chain in blocks for m in chain}
+    with _streaming_paused(model):  # all fitted: swap them in together
+        for (_, block, _), table in zip(blocks, tables, strict=True):
+            block.edge_mlp = table
+        for name, child in list(seq.named_children()):
+            if id(child) in embedding:
+                stand_in = NormLengthAsEmbedding if class_name(child) == "BesselEdgeLengthEncoding" else FactorInTable
+                setattr(seq, name, stand_in(child))
+    return len(tables)

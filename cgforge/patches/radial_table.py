@@ -1,0 +1,69 @@
+"""Radial tables, shared by the model families: a layer's radial MLP replaced by a table of one variable.
+
+A layer's tensor-product weights are ``mlp(embedding(r))``, a smooth function of the edge length alone. With
+tables on, the layer's MLP is a ``TabulatedRadial`` stand-in that evaluates a cubic table of that function
+(``kernels.radial_table``, fitted in FP64 from the layer's own modules, error measured between the knots) and
+the family's embedding module hands the length itself on as the layer's input: the radial basis, the MLP's
+GEMMs and activations, forward and backward, leave the step. Which modules, and which variable (MACE: r;
+NequIP: r over the cutoff), is each family's: ``mace/radial_table.py``, ``nequip/radial_table.py``.
+
+The stand-ins are ``streaming.Deferred`` ones: they adopt the originals' submodules under their own names and
+keep the tables in non-persistent buffers, so the state_dict is unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..kernels.radial_table import RadialTable, fit_radial_table, radial_table
+from .streaming import Deferred
+
+__all__ = ["DEFAULT_TOL", "TabulatedRadial", "fp64_copy", "original", "tabulate"]
+
+# The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
+# resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
+DEFAULT_TOL = 1e-7
+
+
+class TabulatedRadial(Deferred):
+    """Stand-in for a layer's radial MLP: W(r) from a table (the original MLP rides along, adopted)."""
+
+    def __init__(self, mlp: torch.nn.Module, table: RadialTable, like: Tensor) -> None:
+        super().__init__(mlp)
+        self.register_buffer("table_coeffs", table.coeffs.to(like.device, like.dtype), persistent=False)
+        self.r_max = table.r_max
+        self.value_error, self.slope_error = table.value_error, table.slope_error
+
+    def forward(self, lengths: Tensor) -> Tensor:
+        return radial_table(lengths, self.table_coeffs, self.r_max)
+
+    def extra_repr(self) -> str:
+        return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[1]}, r_max={self.r_max}, "
+                f"error={max(self.value_error, self.slope_error):.1e}")
+
+
+def original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module behind any stack of stand-ins (a streaming ``DeferredRadial`` over a ``TabulatedRadial``...)."""
+    while isinstance(module, Deferred):
+        module = module.module
+    return module
+
+
+def fp64_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A CPU FP64 copy of the module behind the stand-ins, for a fit (the model is left alone)."""
+    return copy.deepcopy(original(module)).to("cpu", torch.float64)
+
+
+def tabulate(mlp: torch.nn.Module, fn: Callable[[Tensor], Tensor], r_max: float, tol: float, like: Tensor,
+             where: str) -> TabulatedRadial:
+    """The stand-in for ``mlp`` reading a table of ``fn`` over [0, r_max] (``like``'s dtype and device); a
+    ValueError naming ``where`` when the table cannot reach ``tol``."""
+    try:
+        table = fit_radial_table(fn, r_max, tol=tol)
+    except ValueError as err:
+        raise ValueError(f"radial tables: {where}: {err}") from err
+    return TabulatedRadial(original(mlp), table, like)
