@@ -253,8 +253,9 @@ class Calculator(AseCalculator):
     (intervals, error) per layer). True: on (an error when the model cannot: patched MACE models with
     RealAgnostic(Residual)InteractionBlocks and a plain radial embedding; patched NequIP models whose edge
     embedding is nequip's Bessel encoding with its polynomial cutoff, read only by the interaction blocks);
-    False: off; None (default): on for a model computing in FP32 (NequIP's FP64 positions notwithstanding) on
-    CUDA that can, with ``radial_precision="fp32"``. FP64 models keep the MLP (the table's 1e-8-level error is
+    False: off; None (default): on for a MACE model computing in FP32 on CUDA that can, with
+    ``radial_precision="fp32"`` (NequIP: on request, until its tables have been measured on a GPU; they are
+    tested on the CPU against the MLP and for conservation). FP64 models keep the MLP (the table's 1e-8-level error is
     above FP64's). ``self.radial_table`` says what is in use.
     streaming: compute the radial MLP inside the convolution chunk by chunk, so no per-edge weight tensor is
     stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
@@ -404,6 +405,7 @@ class Calculator(AseCalculator):
             raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
         if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
             radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
+                            and self.adapter.kind == "mace"  # NequIP: on request until measured on a GPU
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
         elif radial_table and self.radial_precision_requested != "fp32":
             raise ValueError(f"radial_table=True and radial_precision={self.radial_precision_requested!r}: a table "

@@ -166,7 +166,7 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
-                             "on CUDA when the model allows it")
+                             "MACE models on CUDA when the model allows it")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="compile the model's forward and backward with torch.compile (Inductor) inside the "
                              "captured step; MODE: default or max-autotune-no-cudagraphs (default: off; the first "
