@@ -48,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -335,6 +336,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
         else:
             integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
                           else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
+            invalidated = Counter(calc.step.invalidations)
             engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"))
             sync()
             t = time.perf_counter()
@@ -355,6 +357,8 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
         row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
         if backend in ENGINE_BACKENDS:
             row[f"{ensemble}_stats"] = dict(engine.stats)
+            # why the step's graphs were recaptured during this ensemble's run (each costs a capture)
+            row[f"{ensemble}_invalidations"] = dict(calc.step.invalidations - invalidated)
             row["cuda_graph"] = engine.cuda_graph
             row["capture_error"] = engine.capture_error
             row["compile"] = calc.compile

@@ -346,6 +346,7 @@ def test_repeated_overflows_leave_growing_room(mace_calc):
         step._capacity = step.n_edges - 1  # the count rose past the capacity
         _run(step, mace_calc, atoms)
         assert step.capacity == (math.ceil(step.n_edges * (1 + room) / 64) + 1) * 64, room
+    assert step.invalidations["model edges overflowed"] == 4  # each growth dropped the captured graphs once
     grown = step.capacity
     fresh = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 2.0), padded=True,
                                  margin=0.01)

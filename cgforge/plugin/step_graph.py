@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ class ModelStep:
         self.n_edges = 0  # edges within the cutoff at the last step (all Verlet edges when not filtering)
         self.n_captures = 0
         self.generation = 0  # +1 at every invalidate(): graphs captured over these buffers (the MD engine's) are stale
+        self.invalidations: Counter[str] = Counter()  # invalidate() calls by reason
         self.capture_error: str | None = None
         self._n: int | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -139,16 +141,18 @@ class ModelStep:
     def set_compile(self, mode: str | None) -> None:
         """Compile the model's energy with this Inductor mode from the next step on (None: eager)."""
         self.compiled = None if mode is None else CompiledEnergy(self.adapter.energy, mode)
-        self.invalidate()
+        self.invalidate("compile mode")
 
     @property
     def compile_error(self) -> str | None:
         """Why compilation failed (the step then runs the model eagerly), or None."""
         return None if self.compiled is None else self.compiled.error
 
-    def invalidate(self) -> None:
+    def invalidate(self, reason: str = "asked") -> None:
         """Drop every captured graph. Their memory goes back once no tensor of their pool is alive: the pinned
-        graph (built inside the capture) is let go too; the next step pins a new one."""
+        graph (built inside the capture) is let go too; the next step pins a new one. ``invalidations`` counts
+        the reasons (each costs a recapture: what to look at when a run recaptures often)."""
+        self.invalidations[reason] += 1
         self._graphs.clear()
         self._pool = None
         self.generation += 1
@@ -173,7 +177,7 @@ class ModelStep:
             if not (self.padded and self.filter_edges and count > self._capacity):
                 break
             self._capacity = self._grown(count)  # overflow: the layout was not valid; again, with room
-            self.invalidate()
+            self.invalidate("model edges overflowed")
         self.n_edges = count
         return host[:-1]
 
@@ -202,7 +206,7 @@ class ModelStep:
             if count <= self._capacity:
                 break
             self._capacity = self._grown(count)
-            self.invalidate()
+            self.invalidate("model edges overflowed")
         n = self._n
         at = 1
         parts: dict[str, Tensor | None] = {"forces": None, "virial": None, "energies": None}
@@ -266,7 +270,7 @@ class ModelStep:
         """Room for ``count`` model edges (after a step whose edge count exceeded the capacity)."""
         if self.padded and self.filter_edges and count > self._capacity:
             self._capacity = self._grown(count)
-            self.invalidate()
+            self.invalidate("model edges overflowed")
 
     def compute(self, *, forces: bool, stress: bool = False, per_atom: bool = False) -> StepOutput:
         """One step on the buffers as they are, eagerly (capture-safe when padded: no host reads), for callers
@@ -285,7 +289,7 @@ class ModelStep:
 
     def _ensure_structure(self, n: int, species: Tensor) -> None:
         if n != self._n:
-            self.invalidate()
+            self.invalidate("atom count")
             self._n = n
             self._pos = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
             self._cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
@@ -307,7 +311,7 @@ class ModelStep:
             self._species_source = species
             if not same:
                 self._species.copy_(species)
-                self.invalidate()  # a capture holds the species groups as they were
+                self.invalidate("species groups")  # a capture holds the species groups as they were
                 self._groups = self._species_groups()
 
     def _species_groups(self) -> SpeciesGroups | None:
@@ -344,7 +348,7 @@ class ModelStep:
         if prepared is not None and prepared[0] != capacity:
             prepared = None
         if old is None or old[0].shape[0] != capacity:
-            self.invalidate()
+            self.invalidate("Verlet list capacity")
             kw = {"dtype": torch.int64, "device": self.device}
             old = (torch.zeros(capacity, **kw), torch.zeros(capacity, **kw),
                    torch.zeros(capacity, 3, dtype=self.dtype, device=self.device),
@@ -364,13 +368,13 @@ class ModelStep:
                 if self._layout is not None and self._layout.capacity == layout.capacity:
                     self._layout.copy_(layout)
                 else:
-                    self.invalidate()
+                    self.invalidate("Verlet list capacity")
                     self._layout = layout
             elif self.padded:
                 within = int(self._keep().sum())  # a rebuild syncs anyway
                 capacity = self._fit(self._capacity, within)
                 if capacity != self._capacity:
-                    self.invalidate()
+                    self.invalidate("model edge capacity refit")
                     self._capacity = capacity
 
     def _load_topology(self, capacity: int, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
@@ -383,13 +387,13 @@ class ModelStep:
                         else None)
         if topology is None or self._topology is None:
             if (topology is None) != (self._topology is None):
-                self.invalidate()  # the other layout path from now on
+                self.invalidate("edge topology path")  # the other layout path from now on
             self._topology = topology
             return
         try:
             self._topology.copy_(topology)
         except ValueError:  # another list capacity
-            self.invalidate()
+            self.invalidate("Verlet list capacity")
             self._topology = topology
 
     # --- the step itself (capture-safe: no host reads when padded) ---------------------------------
