@@ -242,6 +242,11 @@ def test_calculator_radial_table_choices(float64) -> None:
     assert not _mace_calculator("float32").radial_table  # auto: CUDA only
     with pytest.raises(TypeError, match="radial_table"):
         _mace_calculator("float32", radial_table="yes")
+    # checked before the model loads: a missing file is not what the error is about
+    with pytest.raises(TypeError, match="radial_table"):
+        Calculator("no-such-model.model", device="cpu", radial_table=1)
+    with pytest.raises(ValueError, match="radial_table=True and radial_precision='tf32'"):
+        Calculator("no-such-model.model", device="cpu", radial_table=True, radial_precision="tf32")
     with pytest.raises(ValueError, match="radial_table=True"):
         Calculator("mace", device="cpu", dtype="float64", patch=False, radial_table=True)
     with pytest.raises(ValueError, match="radial_table=True: .*not patched by cgforge"):

@@ -148,6 +148,15 @@ def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patc
             from err
 
 
+def _check_radial_table(radial_table: object, radial_precision: object) -> None:
+    """The radial_table argument alone, and with radial_precision (what needs the model is checked later)."""
+    if radial_table not in (None, True, False) or isinstance(radial_table, int) and not isinstance(radial_table, bool):
+        raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
+    if radial_table and radial_precision != "fp32":
+        raise ValueError(f"radial_table=True and radial_precision={radial_precision!r}: a table replaces the radial "
+                         "MLP whose products radial_precision sets; choose one")
+
+
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 _OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
                  "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
@@ -315,6 +324,7 @@ class Calculator(AseCalculator):
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
         compile_mode = parse_compile(compile)  # the Inductor mode, or None; checked before the model loads
+        _check_radial_table(radial_table, radial_precision)  # also before the model loads
         super().__init__(**ase_kwargs)
         self.device = resolve_device(device)
         module = load_model(model, self.device, dtype, patch=self._patch(patch, radial_precision, compile_mode))
@@ -401,15 +411,10 @@ class Calculator(AseCalculator):
 
     def _radial_table(self, radial_table: bool | None) -> list[tuple[int, float]]:
         """Turn the radial tables on or off as asked (None: see the class doc); their (intervals, error)."""
-        if radial_table not in (None, True, False):
-            raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
         if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
             radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
                             and self.adapter.kind == "mace"  # NequIP: on request until measured on a GPU
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
-        elif radial_table and self.radial_precision_requested != "fp32":
-            raise ValueError(f"radial_table=True and radial_precision={self.radial_precision_requested!r}: a table "
-                             "replaces the radial MLP whose products radial_precision sets; choose one")
         if radial_table and (reason := self.adapter.why_not_tabulated()) is not None:
             raise ValueError(f"radial_table=True: {reason}")
         return self.adapter.set_radial_table(bool(radial_table))

@@ -16,13 +16,11 @@ tables are non-persistent buffers; the stand-ins adopt the originals' submodules
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor
 
 from ..families import is_mace_model
-from ..radial_table import DEFAULT_TOL, TabulatedRadial, original, tabulate
+from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, original, tabulate
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 
@@ -39,8 +37,8 @@ class LengthsAsEdgeFeatures(Deferred):
 
 def _radial_function(embedding: torch.nn.Module, mlp: torch.nn.Module):
     """W(r) of one block in FP64 on the CPU (copies; the model is left alone): mlp(embedding(r)) [* cutoff]."""
-    embedding = copy.deepcopy(embedding).to("cpu", torch.float64)
-    mlp = copy.deepcopy(getattr(mlp, "original", (mlp,))[0]).to("cpu", torch.float64)  # e3nn's net, not a stand-in
+    embedding = fp64_copy(embedding)
+    mlp = fp64_copy(getattr(original(mlp), "original", (mlp,))[0])  # e3nn's net, not cgforge's stand-in of it
 
     def fn(r: Tensor) -> Tensor:
         feats, cutoff = embedding(r.unsqueeze(1), None, None, None)
@@ -60,7 +58,8 @@ def why_not_tabulated(model: torch.nn.Module) -> str | None:
     if not is_mace_model(model):
         return f"not a MACE model ({type(model).__qualname__})"
     if any(isinstance(b.conv_tp_weights, DeferredRadial) for b in model.interactions):
-        return "the model streams its edges (tables and streaming are not combined yet)"
+        return ("the model streams its edges: turn streaming off first (tables set first stream too; "
+                "Calculator does it in that order)")
     if not streaming.geometry_can_stream(model):
         return ("its blocks or radial embedding are not ones whose weights cgforge reads as a function of r alone "
                 f"({', '.join(streaming.STREAMING_INTERACTIONS)} with a plain RadialEmbeddingBlock, in a patched "
