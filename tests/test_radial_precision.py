@@ -151,6 +151,8 @@ def test_bad_radial_precision_is_a_clear_error() -> None:
         Calculator("mace", device="cpu", warmup=False, radial_precision="bf16")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Calculator("mace", device="cpu", warmup=False, radial_precision="tf32")
+    with pytest.raises(ValueError, match="radial_precision='3xtf32' is for FP32 models; this one is torch.float64"):
+        Calculator("mace", device="cpu", dtype="float64", warmup=False, radial_precision="3xtf32")
     assert MODES == ("fp32", "tf32", "3xtf32")
 
 

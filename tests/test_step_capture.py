@@ -358,6 +358,24 @@ def test_repeated_overflows_leave_growing_room(mace_calc):
     assert step.capacity == grown
 
 
+def test_an_outgrown_verlet_list_grows_with_room(mace_calc):
+    """The Verlet list's buffers keep LIST_ROOM to spare, and a rebuild whose list no longer fits them (an NPT box
+    compressing) sizes them with the growing room: a drifting list is recaptured a few times, not at every rebuild."""
+    atoms = _box(seed=9)
+    step = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 2.0), padded=True,
+                                margin=0.01)
+    _run(step, mace_calc, atoms)
+    pairs = step.neighbours.sender.shape[0]
+    assert step._verlet[0].shape[0] == (math.ceil(pairs * (1 + step_graph.LIST_ROOM) / 64) + 1) * 64
+    for room in (0.04, 0.04, 0.08):  # the model edges' room (2, 4, 8 %), at least LIST_ROOM
+        atoms.set_cell(atoms.cell * 0.95, scale_atoms=True)  # 16 % denser: more pairs than the buffers hold
+        _run(step, mace_calc, atoms)  # the cell changed: a rebuild
+        pairs = step.neighbours.sender.shape[0]
+        assert step._verlet[0].shape[0] == (math.ceil(pairs * (1 + room) / 64) + 1) * 64, room
+    ref = _run(mace_calc.step, mace_calc, atoms)
+    _assert_same(_run(step, mace_calc, atoms), ref, len(atoms))
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA: captured equals eager
 

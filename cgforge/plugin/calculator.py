@@ -333,11 +333,11 @@ class Calculator(AseCalculator):
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
         self.model = module
         self.adapter: ModelAdapter = adapter_for(module, self.device, head=head, type_map=type_map)
+        self.dtype = self.adapter.dtype
         self.radial_precision_requested = self._radial_precision(radial_precision)
         self.radial_precision = "fp32"  # the mode in use: decided on the first structure
         self.radial_precision_error: float | None = None
         set_radial_precision(module, "fp32")
-        self.dtype = self.adapter.dtype
         self.radial_table_errors = self._radial_table(radial_table)
         self.radial_table = bool(self.radial_table_errors)
         self.cutoff = self.adapter.cutoff
@@ -395,11 +395,11 @@ class Calculator(AseCalculator):
             raise ValueError(f"radial_precision: expected one of {', '.join(RADIAL_MODES)}, got {mode!r}")
         if mode == "fp32":
             return mode
+        if self._model_dtype() != torch.float32:
+            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is {self._model_dtype()}")
         if self.device.type != "cuda":
             raise ValueError(f"radial_precision={mode!r} needs a CUDA device (TF32 is a tensor-core format), got "
                              f"{self.device}")
-        if self._model_dtype() != torch.float32:
-            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is {self._model_dtype()}")
         if not radial_layers(self.model):
             raise ValueError(f"radial_precision={mode!r} needs a model patched by cgforge (its radial MLPs are cgforge "
                              "layers); this one has none")

@@ -54,6 +54,14 @@ __all__ = ["ModelStep", "StepOutput", "capture_graph", "capture_or_fall_back"]
 Phase = Callable[[str], AbstractContextManager]
 T = TypeVar("T")
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
+# The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, a recapture ~50 ms
+# (H100: NPT's box breathing outgrew a 1 % list twice in 220 steps of the bundled model).
+LIST_ROOM = 0.04
+
+
+def _with_room(count: int, room: float) -> int:
+    """Buffer slots for ``count`` edges and ``room`` (a fraction) to spare, in whole blocks of 64, one spare."""
+    return int(math.ceil(count * (1 + room) / 64.0) + 1) * 64
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -261,7 +269,7 @@ class ModelStep:
         """(list capacity, topology) that loading ``lists`` needs, made ahead (its sort and host reads can run on
         another stream while the current list is still in use); nothing of the step changes."""
         sender, receiver, shifts = lists
-        capacity = self._fit(None if self._verlet is None else self._verlet[0].shape[0], sender.shape[0])
+        capacity, _ = self._list_capacity(sender.shape[0])
         if not self.use_topology:
             return capacity, None
         return capacity, edge_topology(sender, receiver, shifts, self._n, capacity)
@@ -327,16 +335,35 @@ class ModelStep:
             return needed
         if current is not None and needed <= current <= needed * (1 + 4 * max(self.margin, self._grow_margin)) + 256:
             return current
-        return int(math.ceil(needed * (1 + self.margin) / 64.0) + 1) * 64
+        return _with_room(needed, self.margin)
 
     def _grown(self, count: int) -> int:
         """Model-edge capacity after ``count`` edges overflowed it. Each growth doubles the room it leaves (from
-        ``margin`` up to ``MAX_GROW_MARGIN``), and ``_fit`` keeps that room: a box whose edge count drifts up (a
+        ``margin`` up to ``MAX_GROW_MARGIN``; the Verlet list's buffers share it), and ``_fit`` keeps that room:
+        a box whose edge count drifts up (a
         liquid forming from a grid-built box, a compressing NPT box) stops overflowing after a few growths, each of
         which costs a recapture and, in the engine, a redone block (H100, MACE-MP-medium shape, 5184 atoms: 4
         growths and 14 redone blocks in 220 steps at a fixed 1 %)."""
-        self._grow_margin = min(max(2 * self._grow_margin, self.margin), MAX_GROW_MARGIN)
-        return int(math.ceil(count * (1 + self._grow_margin) / 64.0) + 1) * 64
+        self._grow_margin = self._next_room()
+        return _with_room(count, self._grow_margin)
+
+    def _next_room(self) -> float:
+        return min(max(2 * self._grow_margin, self.margin), MAX_GROW_MARGIN)
+
+    def _list_capacity(self, count: int) -> tuple[int, float]:
+        """(capacity, room after) of the Verlet list's buffers for ``count`` pairs; nothing changes until
+        ``_load_verlet``. The list keeps at least ``LIST_ROOM`` to spare (its padding pairs cost one distance test
+        each), and a list that outgrew its buffers (a compressing NPT box) grows with room as the model edges do."""
+        current = None if self._verlet is None else self._verlet[0].shape[0]
+        if not self.padded:
+            return count, self._grow_margin
+        room = max(self._grow_margin, LIST_ROOM)
+        if current is not None and count <= current <= count * (1 + 4 * room) + 256:
+            return current, self._grow_margin
+        if current is not None and count > current:
+            grown = self._next_room()
+            return _with_room(count, max(grown, LIST_ROOM)), grown
+        return _with_room(count, room), self._grow_margin
 
     def _load_verlet(self, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
         """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering);
@@ -344,7 +371,7 @@ class ModelStep:
         nl = self.neighbours
         count = nl.sender.shape[0]
         old = self._verlet
-        capacity = self._fit(None if old is None else old[0].shape[0], count)
+        capacity, self._grow_margin = self._list_capacity(count)
         if prepared is not None and prepared[0] != capacity:
             prepared = None
         if old is None or old[0].shape[0] != capacity:
