@@ -33,6 +33,8 @@ Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.en
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
 cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
+cgforge-engine-compiled-unfused (tables evaluated into [E, weight_numel] weights before the convolutions rather than
+read inside them: ``patches.mace.radial_table.set_table_fusion(model, False)``),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -69,12 +71,13 @@ MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-ne
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
-            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp")
+            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
-               "cgforge-engine-compiled-mlp")  # whole MD steps
+               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
                    "cgforge-engine-mlp": {"radial_table": False},
-                   "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False}}
+                   "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False},
+                   "cgforge-engine-compiled-unfused": {"compile": True, "table_fusion": False}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
@@ -315,10 +318,17 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     reset_memory()
     if ENGINE_BACKENDS.get(backend, {}).get("compile"):
         torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
+    options = dict(ENGINE_BACKENDS.get(backend, {}))
+    fusion = options.pop("table_fusion", None)
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
-                      **ENGINE_BACKENDS.get(backend, {}))
+                      **options, **({} if fusion is None else {"warmup": False}))
+    if fusion is not None:
+        from cgforge.patches.mace.radial_table import set_table_fusion
+
+        set_table_fusion(calc.model, fusion)
+        calc.warm_up()
     row["setup_s"] = time.perf_counter() - t
     row["radial_table"] = calc.radial_table
     dt, temp, fr = MD["timestep_fs"], MD["temperature_K"], MD["friction_per_fs"]

@@ -200,6 +200,30 @@ def test_mace_with_tables_matches_the_mlp(float64) -> None:
     assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
 
 
+def _fused_and_unfused(device: str, dtype: str, atoms):
+    """Energy and forces of one tabulated calculator with the convolutions reading the tables, then without."""
+    from cgforge.patches.mace.radial_table import radial_tables, set_table_fusion
+
+    calc = _mace_calculator(dtype, device=device, radial_table=True)
+    assert [t.fused for t in radial_tables(calc.model)] == [True, True]  # the default of a patched model
+    fused = _energy_forces(calc, atoms)
+    set_table_fusion(calc.model, False)
+    calc.step.invalidate()
+    assert "fused=False" in repr(calc.model.interactions[0].conv_tp_weights)
+    return fused, _energy_forces(calc, atoms), calc
+
+
+def test_mace_convolutions_read_the_tables(float64) -> None:
+    from cgforge.patches.mace.radial_table import set_table_fusion
+    from cgforge.plugin.water import water_box
+
+    (e0, f0), (e1, f1), calc = _fused_and_unfused("cpu", "float64", water_box(16, seed=3))
+    assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()
+    calc.model.interactions[1].conv_tp.reads_tables = False  # as if the block's convolution were another one
+    with pytest.raises(ValueError, match="interactions.1: its convolution .* cannot read a radial table"):
+        set_table_fusion(calc.model, True)
+
+
 def test_mace_tables_off_and_unpatch_restore_the_model(float64) -> None:
     from cgforge.patches import mace as pm
     from cgforge.patches.mace.radial_table import TabulatedRadial, radial_tables
@@ -265,3 +289,12 @@ def test_cuda_calculator_uses_tables_by_default_in_fp32() -> None:
     e1, f1 = _energy_forces(auto, atoms)
     assert abs(e1 - e0) <= 1e-5 * abs(e0)
     assert np.abs(f1 - f0).max() <= 1e-4 * np.abs(f0).max()
+
+
+@pytest.mark.cuda
+def test_cuda_convolutions_read_the_tables() -> None:
+    """The table read inside the convolution kernels gives the numbers of the table evaluated first (FP64)."""
+    from cgforge.plugin.water import water_box
+
+    (e0, f0), (e1, f1), _ = _fused_and_unfused("cuda", "float64", water_box(64, seed=4))
+    assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()

@@ -22,28 +22,51 @@ from torch import Tensor
 from ..kernels.radial_table import RadialTable, fit_radial_table, radial_table
 from .streaming import Deferred
 
-__all__ = ["DEFAULT_TOL", "TabulatedRadial", "fp64_copy", "original", "tabulate"]
+__all__ = ["DEFAULT_TOL", "TableWeights", "TabulatedRadial", "fp64_copy", "original", "tabulate"]
 
 # The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
 # resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
 DEFAULT_TOL = 1e-7
 
 
+class TableWeights:
+    """A layer's tp_weights as its table at the edge lengths, not evaluated: the family's patched convolution
+    reads the table inside its kernels (``kernels.Convolution.forward_table``), so no [E, weight_numel] tensor
+    is made. Anything else done with it fails loudly rather than computing the weights of every edge."""
+
+    def __init__(self, lengths: Tensor, coeffs: Tensor, r_max: float) -> None:
+        self.lengths, self.coeffs, self.r_max = lengths, coeffs, r_max
+
+    def __getattr__(self, name: str) -> object:
+        raise AttributeError(f"{name!r}: these tp_weights are a radial table read inside cgforge's convolution; "
+                             "this model uses them elsewhere (turn the table fusion off: "
+                             "cgforge.patches.mace.radial_table.set_table_fusion(model, False))")
+
+
 class TabulatedRadial(Deferred):
-    """Stand-in for a layer's radial MLP: W(r) from a table (the original MLP rides along, adopted)."""
+    """Stand-in for a layer's radial MLP: W(r) from a table (the original MLP rides along, adopted).
+
+    ``fused``: return ``TableWeights`` (for a convolution that reads the table itself) rather than W(r)."""
 
     def __init__(self, mlp: torch.nn.Module, table: RadialTable, like: Tensor) -> None:
         super().__init__(mlp)
         self.register_buffer("table_coeffs", table.coeffs.to(like.device, like.dtype), persistent=False)
         self.r_max = table.r_max
         self.value_error, self.slope_error = table.value_error, table.slope_error
+        self.fused = False
 
-    def forward(self, lengths: Tensor) -> Tensor:
+    def forward(self, lengths: Tensor) -> Tensor | TableWeights:
+        if self.fused:
+            return TableWeights(lengths, self.table_coeffs, self.r_max)
+        return self.evaluate(lengths)
+
+    def evaluate(self, lengths: Tensor) -> Tensor:
+        """W(r) [E, weight_numel] (what the convolution reads inside its kernels when ``fused``)."""
         return radial_table(lengths, self.table_coeffs, self.r_max)
 
     def extra_repr(self) -> str:
         return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[1]}, r_max={self.r_max}, "
-                f"error={max(self.value_error, self.slope_error):.1e}")
+                f"error={max(self.value_error, self.slope_error):.1e}, fused={self.fused}")
 
 
 def original(module: torch.nn.Module) -> torch.nn.Module:

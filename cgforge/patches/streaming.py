@@ -106,10 +106,14 @@ def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: 
             slots.append(found)
         where.append(slots)
     radial = weights.radial
+    from .radial_table import TabulatedRadial  # here: that module builds on this one
+
+    # a table streams as values per chunk (the convolution that reads it whole is the unchunked one)
+    weights_of = radial.evaluate if isinstance(radial, TabulatedRadial) else radial
 
     def edge_fn(*rows: Tensor) -> tuple[Tensor, Tensor]:
         values = [part.fn(*(rows[k] for k in slots)) for part, slots in zip(parts, where, strict=True)]
-        w = radial(values[1])
+        w = weights_of(values[1])
         return values[0], (w * values[2] if len(values) > 2 else w)
 
     constants = (radial,) if isinstance(radial, torch.nn.Module) else ()

@@ -11,7 +11,7 @@ from ..core.checks import check_features, check_same, check_weights
 from ..tensor_product import plan as plans
 from ..tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
 from ..tensor_product.module import TensorProduct
-from . import ops
+from . import ops, table_ops
 from .graph import ConvGraph
 
 
@@ -31,10 +31,42 @@ class Convolution(TensorProduct):
             raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
         return ops.conv_forward(x, y, weight, *graph.tensors(), self.key, graph.deterministic)
 
-    def compile_kernels(self, device: torch.device | str, dtype: torch.dtype) -> None:
+    def forward_table(self, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, coeffs: torch.Tensor,
+                      r_max: float, graph: ConvGraph) -> torch.Tensor:
+        """``forward(x, y, radial_table(lengths, coeffs, r_max), graph)`` with the table read inside the kernels:
+        no [E, weight_numel] weights, forward or backward (``table_ops``). lengths [E] or [E, 1]; coeffs
+        [intervals, weight_numel, 4], constants. Differentiable in x, y and the lengths."""
+        if not isinstance(graph, ConvGraph):
+            raise TypeError(f"graph must be a cgforge ConvGraph, got {type(graph).__name__}")
+        in1, in2, numel, shared = self._dims
+        if shared:
+            raise ValueError("forward_table: a radial table gives per-edge weights; this convolution shares them")
+        check_features("x", x, in1, rows=graph.num_nodes)
+        check_features("y", y, in2, rows=graph.num_edges)
+        if lengths.dim() == 2 and lengths.shape[1] == 1:
+            lengths = lengths.squeeze(1)
+        if lengths.shape != (graph.num_edges,):
+            raise ValueError(f"lengths: expected [{graph.num_edges}] or [{graph.num_edges}, 1], got "
+                             f"{list(lengths.shape)}")
+        if coeffs.dim() != 3 or coeffs.shape[1:] != (numel, 4) or coeffs.shape[0] < 1:
+            raise ValueError(f"coeffs: expected [intervals, {numel}, 4] cubic coefficients, got {list(coeffs.shape)}")
+        if coeffs.requires_grad:
+            raise ValueError("coeffs: a table's coefficients are constants here (they require grad)")
+        if not (isinstance(r_max, (int, float)) and r_max > 0):
+            raise ValueError(f"r_max must be a positive number, got {r_max!r}")
+        check_same({"x": x, "y": y, "lengths": lengths, "coeffs": coeffs})
+        if graph.device != x.device:
+            raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
+        return table_ops.conv_table_forward(x, y, lengths, coeffs, *graph.tensors(), float(r_max), self.key,
+                                            graph.deterministic)
+
+    def compile_kernels(self, device: torch.device | str, dtype: torch.dtype, table: bool = False) -> None:
+        """Compile the kernels now (``table``: those of ``forward_table`` too)."""
         device = torch.device(device)
         if device.type != "cuda":
             return
         plan = plans.get(self.key)
         for layout, backward in ((CONV_FORWARD, False), (CONV_FORWARD_SORTED, False), (CONV_BACKWARD, True)):
             plan.kernel(dtype, layout, backward, device)
+            if table:
+                plan.kernel(dtype, layout.with_table(), backward, device)

@@ -26,11 +26,14 @@ from torch import Tensor
 
 from ..core.custom_op import custom_op
 
-__all__ = ["RADIAL_TABLE_SOURCE", "radial_table", "radial_table_dot", "radial_table_eval", "radial_table_reference"]
+__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "radial_table", "radial_table_dot", "radial_table_eval",
+           "radial_table_reference"]
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
-RADIAL_TABLE_SOURCE = r"""
+# The device functions that read a table (also rendered into the convolution kernels that read one: a layer's
+# weights evaluated per edge inside the tensor product, ``convolution.ops.conv_table_forward``).
+CUBIC_SOURCE = r"""
 // The four cubic coefficients of one column of one interval: adjacent in memory ([N, C, 4] layout), one 16-byte
 // load in FP32, two in FP64.
 template <typename T> struct Cubic;
@@ -76,7 +79,9 @@ __device__ __forceinline__ const T* locate(const T* __restrict__ coeffs, T r, in
     if (r != r) factor = r;
     return coeffs + (long long)k * cols * 4;
 }
+"""
 
+RADIAL_TABLE_SOURCE = CUBIC_SOURCE + r"""
 // Block b takes positions [b * per_block, (b + 1) * per_block) of `by_length` (edge ids in order of length; null:
 // the edges' own order), one warp per edge, lanes over the columns.
 #define FOR_EACH_EDGE(...)                                                                                     \

@@ -6,6 +6,7 @@ import hashlib
 
 from ..core.ir import c_group, literal
 from ..core.templates import template
+from ..radial_table.ops import CUBIC_SOURCE
 from .layout import Layout
 from .program import build_program
 from .schedule import Schedule
@@ -35,6 +36,7 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         backward=build_program(schedule, backward=True) if backward else None,
         loop_order=schedule.loop_order,
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
+        table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward,
     )
     return source, name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,8 @@ class Layout:
     xidx: the in1 row of an edge is xidx[eid] (else the row itself).
     gidx: backward only, the grad-out row of an edge is gidx[eid] (else the row itself).
     atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x).
+    table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
+    backward writes grad r instead).
     """
 
     csr: bool = False
@@ -19,9 +21,14 @@ class Layout:
     xidx: bool = False
     gidx: bool = False
     atomic: bool = False
+    table: bool = False
 
     def tag(self) -> str:
-        return "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
+        flags = "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
+        return flags + ("t" if self.table else "")  # names of the kernels without a table as before
+
+    def with_table(self) -> Layout:
+        return replace(self, table=True)
 
 
 TP_LAYOUT = Layout()

@@ -41,6 +41,7 @@ from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
 from ..families import is_mace_model
 from ..graph_cache import CallGraphCache
+from ..radial_table import TableWeights
 from ..stand_in import StandIn, convolution_check
 from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
@@ -72,6 +73,8 @@ class GraphCache(CallGraphCache):
 
 class FusedConvTP(torch.nn.Module, StandIn):
     """MACE's ``conv_tp`` with the conv_fusion call signature, backed by ``cgforge.kernels.Convolution``."""
+
+    reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
 
     def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache) -> None:
         super().__init__()
@@ -109,6 +112,9 @@ class FusedConvTP(torch.nn.Module, StandIn):
         edge_index: torch.Tensor,
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
+        if isinstance(tp_weights, TableWeights):  # the block's radial table, read inside the kernels
+            return self.conv.forward_table(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.lengths,
+                                           tp_weights.coeffs, tp_weights.r_max, graph)
         if isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
             linear = self.fused_linear[0] if self.fused_linear else None
             out = stream(self.conv, node_feats.contiguous(), edge_attrs, tp_weights, graph, self.chunk_edges,

@@ -6,7 +6,9 @@ W(r) [weight_numel]. With tables on, each block's ``conv_tp_weights`` is a ``Tab
 (``patches/radial_table.py``, shared with NequIP) that evaluates a cubic table of W(r) (``kernels.radial_table``,
 fitted in FP64 from the block's own MLP and the model's embedding, error measured between the knots) and the
 model's ``radial_embedding`` is ``LengthsAsEdgeFeatures``, which hands the lengths on as the blocks' edge
-features: the radial basis, the MLP's GEMMs and activations, forward and backward, leave the step.
+features: the radial basis, the MLP's GEMMs and activations, forward and backward, leave the step. Where the
+blocks' convolutions are cgforge's (a patched model), the tables return ``TableWeights`` and the convolution
+evaluates them inside its kernels (``set_table_fusion``): no [E, weight_numel] weights at all.
 
 The same conditions as deferring the geometry while streaming (``streaming.geometry_can_stream``): MACE's
 forward hands edge_feats and cutoff to the interaction blocks only, and those blocks use them only as the
@@ -24,7 +26,8 @@ from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, original, ta
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 
-__all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table"]
+__all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table",
+           "set_table_fusion"]
 
 
 class LengthsAsEdgeFeatures(Deferred):
@@ -90,4 +93,17 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
     for block, table in zip(model.interactions, tables, strict=True):  # all fitted: swap them in together
         block.conv_tp_weights = table
     model.radial_embedding = LengthsAsEdgeFeatures(embedding)
+    set_table_fusion(model, all(getattr(b.conv_tp, "reads_tables", False) for b in model.interactions))
     return len(tables)
+
+
+def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
+    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
+    convolution is cgforge's), or evaluate each table into [E, weight_numel] weights first (for comparisons)."""
+    for i, block in enumerate(model.interactions):
+        if not isinstance(block.conv_tp_weights, TabulatedRadial):
+            continue
+        if on and not getattr(block.conv_tp, "reads_tables", False):
+            raise ValueError(f"interactions.{i}: its convolution ({type(block.conv_tp).__qualname__}) cannot read a "
+                             "radial table (patch the model with cgforge first)")
+        block.conv_tp_weights.fused = bool(on)

@@ -1,0 +1,121 @@
+"""The fused convolution with its weights read from a radial table: out[i] = sum over edges e into i of
+TP(x[sender e], y_e, W(r_e)), W a cubic table of the edge length (``kernels.radial_table``).
+
+The kernels are the convolution's own (the same generated program, ``Layout.table``): each edge finds its
+interval of the table once and evaluates each weight's cubic where the plain kernels read W[e]; the backward
+accumulates dL/dr_e = sum_j dL/dW_j W_j'(r_e) per edge where they write grad W. So no [E, weight_numel] tensor
+is written or read, forward or backward (a layer's table is [intervals, weight_numel, 4], read from L2).
+
+The backward op's derivatives are written with the plain ops (``radial_table_eval``/``_dot``, ``conv_forward``/
+``conv_backward``), each differentiable to any order: second derivatives are for force Jacobians and training,
+MD needs the first. Off CUDA both ops are the composition W = W(r), then the plain convolution, in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.custom_op import custom_op
+from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
+from ..tensor_product import plan as plans
+from ..tensor_product.layout import ATOMIC_BACKWARD, ATOMIC_FORWARD, CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
+from ..tensor_product.ops import has_unweighted_paths, launch, needs_zero_fill, trilinear_double_backward
+from .graph import GraphTensors
+from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
+
+__all__ = ["conv_table_backward", "conv_table_forward"]
+
+
+def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
+    from ..core.runtime import F32, F64, I32
+
+    real = F32 if r.dtype == torch.float32 else F64
+    if coeffs.data_ptr() % 16:  # each weight's four coefficients are read as one 16-byte vector
+        coeffs = coeffs.clone()
+    n = coeffs.shape[0]
+    return [coeffs, r, *([] if grad_r is None else [grad_r]), I32(n), real(n / r_max), real(r_max)]
+
+
+def _fwd_fake(x, y, r, coeffs, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic):
+    return x.new_empty(_output_rows(x, rowptr), plans.get(key).problem.irreps_out.dim)
+
+
+def _fwd_grad(ctx, g):
+    x, y, r, coeffs, *graph = ctx.saved_tensors
+    gx, gy, gr = conv_table_backward(x, y, r, coeffs, g.contiguous(), *graph, *ctx.args)
+    return (gx, gy, gr) + (None,) * 10
+
+
+@custom_op("conv_table_forward", _fwd_fake, _fwd_grad)
+def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor,
+                       sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
+                       rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str,
+                       deterministic: bool) -> torch.Tensor:
+    p = plans.get(key).problem
+    rows = _output_rows(x, rowptr)
+    if x.device.type != "cuda":
+        return _reference_conv(p, x, y, radial_table_reference(r, coeffs, r_max), sender, receiver, rows)
+    GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
+    x, y, r, coeffs = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous()
+    table = _table_args(coeffs, r, r_max, None)
+    shape = (rows, p.irreps_out.dim)
+    if deterministic:
+        out = x.new_zeros(shape) if needs_zero_fill(p, out_side=True) else x.new_empty(shape)
+        layout = CONV_FORWARD if perm.numel() else CONV_FORWARD_SORTED
+        args = [x, y, None, out, rowptr, perm if perm.numel() else None, sender, None, *table]
+        launch(key, False, layout.with_table(), rows, args, x.dtype, x.device)
+    else:
+        out = x.new_zeros(shape)
+        args = [x, y, None, out, None, None, sender, receiver, *table]
+        launch(key, False, ATOMIC_FORWARD.with_table(), sender.shape[0], args, x.dtype, x.device)
+    return out
+
+
+def _bwd_fake(x, y, r, coeffs, g, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic):
+    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(r)
+
+
+def _bwd_grad(ctx, ggx, ggy, ggr):
+    """The derivatives of <ggx, gx> + <ggy, gy> + <ggr, gr>, written with ops that are each differentiable: with
+    W = W(r), (gx, gy, gW) = conv_backward(x, y, W, g) and gr = sum_j gW_j W_j'(r). A cotangent ggr on gr is one
+    of ggr W'(r) on gW, and reaches r directly through W''; the trilinear rule gives the rest, and what reaches W
+    goes on to r through W'."""
+    x, y, r, coeffs, g, *graph = ctx.saved_tensors
+    r_max, key, det = ctx.args
+    w = radial_table_eval(r, coeffs, r_max, 0)
+    ggw = None if ggr is None else ggr.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, 1)
+    dx, dy, dw, dg = trilinear_double_backward(
+        lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
+        lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
+        x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
+    dr = None if dw is None else radial_table_dot(r, coeffs, dw, r_max, 1)
+    if ggr is not None:
+        gw = conv_backward(x, y, w, g, *graph, key, det)[2]
+        direct = ggr * radial_table_dot(r, coeffs, gw, r_max, 2)
+        dr = direct if dr is None else dr + direct
+    return (dx, dy, dr, None, dg) + (None,) * 9
+
+
+@custom_op("conv_table_backward", _bwd_fake, _bwd_grad)
+def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor, g: torch.Tensor,
+                        sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
+                        rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = plans.get(key).problem
+    if x.device.type != "cuda":
+        w = radial_table_reference(r, coeffs, r_max)
+        gx, gy, gw = _reference_conv_backward(p, x, y, w, g, sender, receiver)
+        return gx, gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
+    GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
+    x, y, r, coeffs, g = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous(), g.contiguous()
+    gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
+    gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts
+    table = _table_args(coeffs, r, r_max, gr)
+    if deterministic:
+        args = [x, y, None, g, gx, gy, None, rowptr_t, perm_t, None, receiver, *table]
+        launch(key, True, CONV_BACKWARD.with_table(), x.shape[0], args, x.dtype, x.device)
+    else:
+        args = [x, y, None, g, gx, gy, None, None, None, sender, receiver, *table]
+        launch(key, True, ATOMIC_BACKWARD.with_table(), sender.shape[0], args, x.dtype, x.device)
+    return gx, gy, gr
+

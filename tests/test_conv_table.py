@@ -1,0 +1,137 @@
+"""The convolution reading its weights from a radial table (``Convolution.forward_table``): equal to the
+convolution of the table's values, with gradients in x, y and the edge lengths (and their derivatives), on the
+CPU path, in the generated kernels (NVRTC on the CPU) and (CUDA) on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_cases import PROBLEMS, e3nn_tp, rel
+
+from cgforge.kernels import ConvGraph, Convolution
+from cgforge.kernels.radial_table import radial_table
+
+R_MAX = 5.0
+
+
+def _case(problem: str, n: int, e: int, dtype=torch.float64, device="cpu", seed=0, intervals=64):
+    """A convolution, its graph, inputs (x, y, lengths) that require grad, and a random table."""
+    torch.manual_seed(seed)
+    conv = Convolution.from_e3nn(e3nn_tp(PROBLEMS[problem]))
+    gen = torch.Generator().manual_seed(seed)
+    sender, receiver = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    x = torch.randn(n, conv.irreps_in1.dim, generator=gen, dtype=torch.float64)
+    y = torch.randn(e, conv.irreps_in2.dim, generator=gen, dtype=torch.float64)
+    # lengths inside the table, on its knots, at both ends and (clamped) beyond them
+    lengths = torch.rand(e, generator=gen, dtype=torch.float64) * (R_MAX + 1.0) - 0.5
+    lengths[:4] = torch.tensor([0.0, R_MAX, R_MAX * 17 / intervals, R_MAX * 3 / intervals])[: min(4, e)]
+    coeffs = torch.randn(intervals, conv.weight_numel, 4, generator=gen, dtype=torch.float64)
+    to = {"dtype": dtype, "device": device}
+    graph = ConvGraph(sender.to(device), receiver.to(device), n)
+    return (conv.to(device), graph, *(t.to(**to).requires_grad_() for t in (x, y, lengths)), coeffs.to(**to))
+
+
+def _both(conv, graph, x, y, lengths, coeffs):
+    fused = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+    plain = conv(x, y, radial_table(lengths, coeffs, R_MAX), graph)
+    return fused, plain
+
+
+@pytest.mark.parametrize("problem", ["nequip-water", "diffdock-L1"])  # uvu and uvw paths
+def test_equals_the_convolution_of_the_table_values(problem: str) -> None:
+    conv, graph, x, y, lengths, coeffs = _case(problem, 9, 60)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    assert rel(fused, plain) < 1e-13 and fused.abs().max() > 0
+    g = torch.randn_like(plain)
+    for a, b in zip(torch.autograd.grad(fused, (x, y, lengths), g), torch.autograd.grad(plain, (x, y, lengths), g),
+                    strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def _second_derivatives(fused, plain, inputs, seed=5):
+    """d/d(inputs) of <h, d/d(inputs) of sum(out^2)> for both (the op's double backward and the composition's).
+    The output's cotangent 2 out depends on the inputs, as a model's does: that path must not count twice."""
+    gen = torch.Generator().manual_seed(seed)
+    hs = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t) for t in inputs]
+    results = []
+    for out in (fused, plain):
+        first = torch.autograd.grad(out.square().sum(), inputs, create_graph=True)
+        scalar = sum((h * d).sum() for h, d in zip(hs, first, strict=True))
+        results.append(torch.autograd.grad(scalar, inputs))
+    return results
+
+
+def test_second_derivatives_equal_the_composition() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 6, 30)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    for a, b in zip(*_second_derivatives(fused, plain, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def test_lengths_as_a_column_and_bad_inputs() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
+    torch.testing.assert_close(conv.forward_table(x, y, lengths.unsqueeze(1), coeffs, R_MAX, graph),
+                               conv.forward_table(x, y, lengths, coeffs, R_MAX, graph), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"lengths: expected \[20\] or \[20, 1\], got \[19\]"):
+        conv.forward_table(x, y, lengths[:19], coeffs, R_MAX, graph)
+    with pytest.raises(ValueError, match=rf"coeffs: expected \[intervals, {conv.weight_numel}, 4\]"):
+        conv.forward_table(x, y, lengths, coeffs[:, :-1], R_MAX, graph)
+    with pytest.raises(ValueError, match="constants"):
+        conv.forward_table(x, y, lengths, coeffs.clone().requires_grad_(), R_MAX, graph)
+    with pytest.raises(ValueError, match="r_max must be a positive number"):
+        conv.forward_table(x, y, lengths, coeffs, 0.0, graph)
+    with pytest.raises(TypeError, match="coeffs has dtype torch.float32"):
+        conv.forward_table(x, y, lengths, coeffs.float(), R_MAX, graph)
+    with pytest.raises(TypeError, match="graph must be a cgforge ConvGraph"):
+        conv.forward_table(x, y, lengths, coeffs, R_MAX, None)
+
+
+def test_table_kernels_compile_without_spills() -> None:
+    # MACE's layer shape (some other shapes spill in FP64, with or without a table)
+    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import CONV_BACKWARD, CONV_FORWARD
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    plan = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).key)
+    for dtype in (torch.float32, torch.float64):
+        for layout, backward in ((CONV_FORWARD, False), (CONV_BACKWARD, True)):
+            source, name = plan.source(dtype, layout.with_table(), backward)
+            assert "locate(table, r[eid]" in source and "wrow" not in source and "gwrow" not in source
+            assert ("grad_r[eid] +=" in source) == backward
+            res = compile_cubin(source, arch="sm_90", name="conv_table.cu").resources(name)
+            assert not res.spills, (name, res)
+
+
+# ---------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_equals_the_convolution_of_the_table_values(problem: str, dtype: torch.dtype,
+                                                         deterministic: bool) -> None:
+    conv, graph, x, y, lengths, coeffs = _case(problem, 200, 3000, dtype=dtype, device="cuda", seed=3)
+    if not deterministic:
+        graph = ConvGraph(graph.sender, graph.receiver, graph.num_nodes, deterministic=False)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(fused, plain) < tol
+    g = torch.randn_like(plain)
+    grads = torch.autograd.grad(fused, (x, y, lengths), g)
+    for a, b in zip(grads, torch.autograd.grad(plain, (x, y, lengths), g), strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    if deterministic:  # CSR rows, a fixed order: the same bits every run
+        again = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+        assert torch.equal(again, fused)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, (x, y, lengths), g), grads,
+                                                     strict=True))
+
+
+@pytest.mark.cuda
+def test_cuda_second_derivatives_equal_the_composition() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 50, 400, device="cuda")
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    for a, b in zip(*_second_derivatives(fused, plain, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
