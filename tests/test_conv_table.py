@@ -74,7 +74,7 @@ def test_lengths_as_a_column_and_bad_inputs() -> None:
                                conv.forward_table(x, y, lengths, coeffs, R_MAX, graph), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"lengths: expected \[20\] or \[20, 1\], got \[19\]"):
         conv.forward_table(x, y, lengths[:19], coeffs, R_MAX, graph)
-    with pytest.raises(ValueError, match=rf"coeffs: expected \[intervals, {conv.weight_numel}, 4\]"):
+    with pytest.raises(ValueError, match=rf"coeffs: expected \[N, {conv.weight_numel}, 4\]"):
         conv.forward_table(x, y, lengths, coeffs[:, :-1], R_MAX, graph)
     with pytest.raises(ValueError, match="constants"):
         conv.forward_table(x, y, lengths, coeffs.clone().requires_grad_(), R_MAX, graph)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..core.checks import check_features, check_same, check_weights
+from ..radial_table.ops import check_table
 from ..tensor_product import plan as plans
 from ..tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
 from ..tensor_product.module import TensorProduct
@@ -48,12 +49,7 @@ class Convolution(TensorProduct):
         if lengths.shape != (graph.num_edges,):
             raise ValueError(f"lengths: expected [{graph.num_edges}] or [{graph.num_edges}, 1], got "
                              f"{list(lengths.shape)}")
-        if coeffs.dim() != 3 or coeffs.shape[1:] != (numel, 4) or coeffs.shape[0] < 1:
-            raise ValueError(f"coeffs: expected [intervals, {numel}, 4] cubic coefficients, got {list(coeffs.shape)}")
-        if coeffs.requires_grad:
-            raise ValueError("coeffs: a table's coefficients are constants here (they require grad)")
-        if not (isinstance(r_max, (int, float)) and r_max > 0):
-            raise ValueError(f"r_max must be a positive number, got {r_max!r}")
+        check_table(coeffs, r_max, columns=numel)
         check_same({"x": x, "y": y, "lengths": lengths, "coeffs": coeffs})
         if graph.device != x.device:
             raise ValueError(f"graph is on {graph.device} but x is on {x.device}")

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from ..core.custom_op import custom_op
 
-__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "radial_table", "radial_table_dot", "radial_table_eval",
-           "radial_table_reference"]
+__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "radial_table", "radial_table_dot",
+           "radial_table_eval", "radial_table_reference"]
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
@@ -253,14 +253,21 @@ def radial_table(r: Tensor, coeffs: Tensor, r_max: float) -> Tensor:
         r = r.squeeze(1)
     if r.dim() != 1:
         raise ValueError(f"r: expected edge lengths [E] or [E, 1], got shape {list(r.shape)}")
-    if coeffs.dim() != 3 or coeffs.shape[2] != 4 or coeffs.shape[0] < 1:
-        raise ValueError(f"coeffs: expected [N, C, 4] cubic coefficients, got shape {list(coeffs.shape)}")
+    check_table(coeffs, r_max)
     if r.dtype not in _SUFFIX or coeffs.dtype != r.dtype:
         raise ValueError(f"r and coeffs must both be float32 or both float64, got {r.dtype} and {coeffs.dtype}")
     if r.device != coeffs.device:
         raise ValueError(f"r is on {r.device}, coeffs on {coeffs.device}")
+    return radial_table_eval(r, coeffs, float(r_max), 0)
+
+
+def check_table(coeffs: Tensor, r_max: float, columns: int | None = None) -> None:
+    """A table's coefficients [N, C, 4] (C = ``columns`` when given), constants, over [0, r_max], r_max > 0."""
+    if (coeffs.dim() != 3 or coeffs.shape[2] != 4 or coeffs.shape[0] < 1
+            or (columns is not None and coeffs.shape[1] != columns)):
+        raise ValueError(f"coeffs: expected [N, {'C' if columns is None else columns}, 4] cubic coefficients (N "
+                         f"intervals), got shape {list(coeffs.shape)}")
     if coeffs.requires_grad:
         raise ValueError("coeffs: a table's coefficients are constants here (they require grad)")
     if not (isinstance(r_max, (int, float)) and r_max > 0):
         raise ValueError(f"r_max must be a positive number, got {r_max!r}")
-    return radial_table_eval(r, coeffs, float(r_max), 0)
