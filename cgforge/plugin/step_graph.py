@@ -340,10 +340,9 @@ class ModelStep:
     def _grown(self, count: int) -> int:
         """Model-edge capacity after ``count`` edges overflowed it. Each growth doubles the room it leaves (from
         ``margin`` up to ``MAX_GROW_MARGIN``; the Verlet list's buffers share it), and ``_fit`` keeps that room:
-        a box whose edge count drifts up (a
-        liquid forming from a grid-built box, a compressing NPT box) stops overflowing after a few growths, each of
-        which costs a recapture and, in the engine, a redone block (H100, MACE-MP-medium shape, 5184 atoms: 4
-        growths and 14 redone blocks in 220 steps at a fixed 1 %)."""
+        a box whose edge count drifts up (a liquid forming from a grid-built box, a compressing NPT box) stops
+        overflowing after a few growths, each of which costs a recapture and, in the engine, a redone block (H100,
+        MACE-MP-medium shape, 5184 atoms: 4 growths and 14 redone blocks in 220 steps at a fixed 1 %)."""
         self._grow_margin = self._next_room()
         return _with_room(count, self._grow_margin)
 
