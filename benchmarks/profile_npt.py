@@ -1,7 +1,11 @@
 """Where NPT's extra time per engine step goes (one GPU): the eager kernels of an NVT (Langevin) and an NPT
 (stochastic cell rescaling) step side by side, by kernel name, and ms per step of both captured.
 
-    python benchmarks/profile_npt.py [--molecules 1728] [--skin 2.0]
+    python benchmarks/profile_npt.py [--molecules 1728] [--skin 2.0] [--compile]
+
+--compile: the calculator's model compiled (``Calculator(compile=True)``), which also fuses the engine's
+integrator arithmetic (``Engine(fuse_integrator=None)``); the eager kernel table is then that of the compiled step.
+The captured times include NVT with the CSVR thermostat (NPT's thermostat) to tell thermostat from barostat.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from profile_engine import kernel_table, make  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.engine import Engine  # noqa: E402
-from cgforge.plugin.integrators import Langevin, StochasticCellRescaling  # noqa: E402
+from cgforge.plugin.integrators import CSVR, Langevin, StochasticCellRescaling  # noqa: E402
 
 
 def kernels(calc, atoms, integrator) -> dict[str, tuple[float, int]]:
@@ -26,25 +30,33 @@ def kernels(calc, atoms, integrator) -> dict[str, tuple[float, int]]:
     return {name: (ms, calls) for name, ms, calls in rows}
 
 
-def captured_ms(calc, atoms, integrator, steps: int = 200) -> float:
-    engine = Engine(calc, atoms.copy(), integrator, seed=1, max_temperature_K=float("inf"))
+def captured_ms(calc, atoms, integrator, steps: int = 200, fuse: bool | None = None) -> float:
+    engine = Engine(calc, atoms.copy(), integrator, seed=1, max_temperature_K=float("inf"), fuse_integrator=fuse)
     engine.run(30)
     torch.cuda.synchronize()
-    t = time.perf_counter()
+    captures, t = engine.stats["captures"], time.perf_counter()
     engine.run(steps)
     torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t) / steps
+    ms = 1000 * (time.perf_counter() - t) / steps
+    print(f"  {integrator.name}: {ms:.3f} ms/step captured, {engine.stats['captures'] - captures} captures in the "
+          f"timed steps, fused integrator {engine.fuse_integrator}", flush=True)
+    return ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--skin", type=float, default=2.0)
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     atoms = make("bundled-mace", args.molecules)
     nvt = Langevin(0.5, 300.0, 0.01)
     npt = StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=1000.0)
-    calc = Calculator("mace", device="cuda", dtype="float32", skin=args.skin)
+    calc = Calculator("mace", device="cuda", dtype="float32", skin=args.skin, compile=args.compile)
+    if args.compile:  # the same run with the integrator's arithmetic unfused, for an A/B
+        for integ in (Langevin(0.5, 300.0, 0.01), CSVR(0.5, 300.0), StochasticCellRescaling(0.5, 300.0, 1e-4)):
+            captured_ms(calc, atoms, integ, fuse=False)
+    captured_ms(calc, atoms, CSVR(0.5, 300.0))
     ms = {name: captured_ms(calc, atoms, integ) for name, integ in (("nvt", nvt), ("npt", npt))}
     tables = {name: kernels(calc, atoms, integ) for name, integ in (("nvt", nvt), ("npt", npt))}
     names = set(tables["nvt"]) | set(tables["npt"])

@@ -184,6 +184,22 @@ def test_captured_engine_equals_eager_engine(cuda_calc):
 
 
 @cuda
+@pytest.mark.parametrize("integrator", [lambda: Langevin(1.0, 300.0, 0.02),
+                                        lambda: StochasticCellRescaling(1.0, 300.0, 1e-4, tau_p_fs=100.0)])
+def test_fused_integrator_in_the_captured_step_equals_the_plain_one(cuda_calc, integrator):
+    """The integrator's arithmetic and the step's bookkeeping compiled by Inductor (Triton) inside the engine's CUDA
+    graph: the same trajectory as the plain torch operations, and one capture."""
+    atoms = thermal_water(343, seed=1)
+    plain = _run(cuda_calc, atoms, integrator(), cuda_graph=True, block=8, fuse_integrator=False)
+    fused = _run(cuda_calc, atoms, integrator(), cuda_graph=True, block=8, fuse_integrator=True)
+    assert fused.fuse_integrator and fused.cuda_graph and fused.stats["captures"] >= 1, fused.capture_error
+    for name in ("positions", "momenta", "cell"):
+        diff = (getattr(fused.state, name) - getattr(plain.state, name)).abs().max()
+        assert diff <= 1e-9, (name, float(diff))
+    assert fused.step == plain.step == 40
+
+
+@cuda
 def test_rebuilds_inside_a_run_change_nothing(cuda_calc):
     """A run that rebuilds the list when the device says so (steps discarded and redone inside blocks) equals one
     that rebuilds before every step."""

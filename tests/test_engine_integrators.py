@@ -5,6 +5,7 @@ stop with the step and the value."""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,53 @@ def test_stochastic_cell_rescaling_reaches_the_target_pressure():
 
 
 # ---------------------------------------------------------------------------------------------
+# Fused (compiled) integrator arithmetic
+
+
+FUSED_CASES = {"langevin": lambda: Langevin(4.0, 120.0, 0.02), "csvr": lambda: CSVR(4.0, 120.0, 50.0),
+               "npt": lambda: StochasticCellRescaling(4.0, 120.0, 0.05, tau_p_fs=200.0),
+               "npt-aniso": lambda: StochasticCellRescaling(4.0, 120.0, 0.05, tau_p_fs=200.0, anisotropic=True)}
+
+
+def _fused_and_plain(name: str, backend: str, monkeypatch) -> tuple[Engine, Engine]:
+    from cgforge.plugin import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", backend)
+    torch._dynamo.reset()
+    lj = lennard_jones()
+    atoms = argon_box(seed=3)
+    plain = energy_function_engine(lj, atoms.copy(), FUSED_CASES[name](), seed=9, block=6)
+    fused = energy_function_engine(lj, atoms.copy(), FUSED_CASES[name](), seed=9, block=6, fuse_integrator=True)
+    assert fused.integrator.fused and not plain.integrator.fused
+    for engine in (plain, fused):
+        engine.run(30)
+    return plain, fused
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+def test_fused_integrator_traces_to_the_same_trajectory(name, monkeypatch):
+    """Every scheme's arithmetic goes through torch.compile as one graph (fullgraph: a graph break or a failed
+    trace would fall back to eager with a warning, which is an error here) and gives the unfused trajectory."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plain, fused = _fused_and_plain(name, "aot_eager", monkeypatch)
+    for key in ("positions", "momenta", "cell"):
+        torch.testing.assert_close(getattr(fused.state, key), getattr(plain.state, key), rtol=0, atol=1e-12)
+    for key, value in plain.state.extra.items():
+        torch.testing.assert_close(fused.state.extra[key], value, rtol=0, atol=1e-12)
+    assert float(np.abs(fused.sync_atoms().positions - argon_box(seed=3).positions).max()) > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["langevin", "npt"])
+def test_fused_integrator_with_inductor_on_a_cpu(name, monkeypatch):
+    """Inductor's generated code (C++ on a CPU): the same trajectory to rounding over 30 steps."""
+    plain, fused = _fused_and_plain(name, "inductor", monkeypatch)
+    for key in ("positions", "momenta", "cell"):
+        torch.testing.assert_close(getattr(fused.state, key), getattr(plain.state, key), rtol=0, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
 # Restart, blow-ups, argument checks
 
 
@@ -225,11 +273,16 @@ def test_restart_continues_exactly(integrator, tmp_path):
             assert torch.equal(second.state.extra[name], value)
 
 
-def test_blow_up_stops_with_the_step_and_the_temperature():
+@pytest.mark.parametrize("fused", [False, True])
+def test_blow_up_stops_with_the_step_and_the_temperature(fused, monkeypatch):
+    from cgforge.plugin import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # fused: the step's bookkeeping traced by torch.compile
     lj = lennard_jones()
     atoms = argon_box()
     atoms.positions[1] = atoms.positions[0] + [2.0, 0.0, 0.0]  # deep in the repulsive wall
-    engine = energy_function_engine(lj, atoms, VelocityVerlet(4.0), max_temperature_K=500.0, block=10)
+    engine = energy_function_engine(lj, atoms, VelocityVerlet(4.0), max_temperature_K=500.0, block=10,
+                                    fuse_integrator=fused)
     with pytest.raises(MDBlowUp, match=r"at step \d+: temperature .* above max_temperature_K=500") as info:
         engine.run(50)
     err = info.value
@@ -238,7 +291,11 @@ def test_blow_up_stops_with_the_step_and_the_temperature():
     assert engine.temperature() <= 500
 
 
-def test_blow_up_on_non_finite_energy():
+@pytest.mark.parametrize("fused", [False, True])
+def test_blow_up_on_non_finite_energy(fused, monkeypatch):
+    from cgforge.plugin import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     calls = {"n": 0}
     atoms = oscillators(4)
     tethers = harmonic_tethers(atoms.positions.copy())
@@ -248,7 +305,7 @@ def test_blow_up_on_non_finite_energy():
         e = tethers(positions, cell)
         return e * float("nan") if calls["n"] > 3 else e
 
-    engine = energy_function_engine(energy, atoms, VelocityVerlet(1.0), block=5)
+    engine = energy_function_engine(energy, atoms, VelocityVerlet(1.0), block=5, fuse_integrator=fused)
     with pytest.raises(MDBlowUp, match=r"at step 3: energy nan"):
         engine.run(10)
 

@@ -142,6 +142,27 @@ class CompiledEnergy:
             return self.eager(positions, vectors, species, edge_index, per_atom)
 
 
+def compile_or_eager(fn: Callable) -> Callable:
+    """``fn`` (a pure tensor function: the engine's integrator arithmetic) compiled with ``torch.compile``
+    (``BACKEND``, one graph, static shapes); eager from its first failed compilation on, with a warning."""
+    compiled = torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=False)
+    state = {"failed": False}
+
+    def call(*args):
+        if state["failed"]:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except _COMPILE_ERRORS as err:
+            state["failed"] = True
+            warnings.warn(f"cgforge: torch.compile of {fn.__name__} failed, running it eagerly ({_reason(err)})",
+                          RuntimeWarning, stacklevel=2)
+            return fn(*args)
+
+    call.__name__ = fn.__name__
+    return call
+
+
 def _reason(err: BaseException) -> str:
     """One line: the dynamo error's first line and, when it wraps one (a backend's), the error inside."""
     lines = str(err).strip().splitlines()

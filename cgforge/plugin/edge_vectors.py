@@ -18,7 +18,7 @@ from torch import Tensor
 
 from cgforge.kernels.segment_sum import segment_sum
 
-__all__ = ["edge_differences", "row_sums"]
+__all__ = ["edge_differences", "row_sums", "rows_times"]
 
 
 def row_sums(values: Tensor, rowptr: Tensor) -> Tensor:
@@ -51,3 +51,27 @@ def edge_differences(positions: Tensor, sender: Tensor, receiver: Tensor,
         return positions.index_select(0, receiver) - positions.index_select(0, sender)
     _, _, rowptr, _, rowptr_t, perm_t = graph
     return _EdgeDifferences.apply(positions, sender, receiver, rowptr, perm_t, rowptr_t)
+
+
+class _RowsTimes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: Tensor, matrix: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, matrix)
+        return rows @ matrix
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        rows, matrix = ctx.saved_tensors
+        grad_rows = grad @ matrix.T if ctx.needs_input_grad[0] else None
+        grad_matrix = None
+        if ctx.needs_input_grad[1]:
+            # sum over rows of rows (x) grad as a column reduction; the GEMM rows.T @ grad ([3, E] x [E, 3]) ran on
+            # one thread block (cuBLAS/CUTLASS tile per output, K = E): 63 us of an H100 NPT step at 436k edges
+            grad_matrix = (rows.unsqueeze(2) * grad.unsqueeze(1)).sum(0)
+        return grad_rows, grad_matrix
+
+
+def rows_times(rows: Tensor, matrix: Tensor) -> Tensor:
+    """``rows @ matrix`` ([M, 3] x [3, 3]) whose gradient in ``matrix`` is a column sum of outer products rather
+    than a GEMM with K = M (the strain's gradient, the virial, over every edge). Differentiable twice."""
+    return _RowsTimes.apply(rows, matrix)

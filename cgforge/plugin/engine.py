@@ -55,6 +55,7 @@ import torch
 from ase import Atoms, units
 from torch import Tensor
 
+from .compiled import compile_or_eager
 from .engine_forces import EnergyFunctionForces, ForceResult, ModelForces
 from .engine_rng import NoiseSource
 from .integrators import Integrator, MDState, kinetic_energy
@@ -70,6 +71,42 @@ _BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 # 5184 atoms of the bundled MACE model: a search of ~4-8 ms against ~4.7 ms per step), and few, because the
 # new list is as old as this block when it is installed.
 _HIDE_STEPS = 2
+
+
+def _commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
+                 overflow: Tensor, count: Tensor, slack: Tensor, max_temperature_K: float, report: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """After a step: (bad, step, report). bad: the step ran on a stale list or overflowed buffers, blew up, or an
+    earlier step of the block stopped it (the caller restores the state); step + 1 if not; the block's report
+    (float64 [len(_REPORT)], flags 0/1) updated. Pure: the engine fuses it with ``fuse_integrator``, as the
+    integrators' arithmetic (torch.compile dropped in-place updates of 0-d CPU tensors, torch 2.13)."""
+    rep = dict(zip(_REPORT, report.unbind(0), strict=True))
+    temperature = 0.5 * (momenta.square() / masses).sum() / (1.5 * momenta.shape[0] * units.kB)
+    bad_energy = ~torch.isfinite(energy)
+    bad_forces = ~torch.isfinite(forces).all()
+    hot = ~(temperature <= max_temperature_K)
+    kind = torch.where(bad_energy, 1.0, torch.where(bad_forces, 2.0, torch.where(hot, 3.0, 0.0)))
+    value = torch.where(bad_energy, energy, torch.where(bad_forces, forces.abs().amax(), temperature))
+    invalid = stale | overflow
+    blow = ~invalid & (kind > 0)
+    stopped = rep["stopped"] > 0
+    fresh = ~stopped
+    bad = stopped | invalid | blow
+    new_blow = blow & fresh
+    good = ~bad
+    new = {
+        "committed": rep["committed"] + good.to(report.dtype),
+        "stopped": bad.to(report.dtype),
+        "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
+        "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
+        "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
+        "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
+        "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
+        "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
+        "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
+        "temperature": torch.where(good, temperature, rep["temperature"]),
+    }
+    return bad, step + good.to(step.dtype), torch.stack([new[name] for name in _REPORT])
 
 
 class MDBlowUp(RuntimeError):
@@ -100,12 +137,15 @@ class Engine:
     provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
     target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
     pipelined_rebuild: search the next neighbour list on a side stream while a block runs (None: on CUDA with a
-    calculator; see the module doc).
+    calculator; see the module doc). fuse_integrator: compile the integrator's arithmetic (``Integrator.fuse``) so
+    that its tiny operations become a few kernels of the captured step (None: on CUDA when the calculator's model
+    is compiled, ``Calculator(compile=True)``); sets it on ``integrator``.
     """
 
     def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
                  steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
-                 rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None) -> None:
+                 rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None,
+                 fuse_integrator: bool | None = None) -> None:
         if not isinstance(atoms, Atoms):
             raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
         if len(atoms) == 0:
@@ -132,6 +172,9 @@ class Engine:
         self.device = torch.device(self.provider.device)
         self.cuda_graph = self._want_graph(cuda_graph)
         self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
+        self.fuse_integrator = self._want_fused(fuse_integrator)
+        integrator.fuse(compile_or_eager if self.fuse_integrator else None)
+        self._commit = compile_or_eager(_commit_step) if self.fuse_integrator else _commit_step
         self.capture_error: str | None = None
         n = len(atoms)
         f64 = {"dtype": torch.float64, "device": self.device}
@@ -166,9 +209,10 @@ class Engine:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_generation: int | None = None
         self._pool = None
-        self._report = {name: torch.zeros((), dtype=torch.float64 if name in ("blow_value", "slack", "temperature")
-                                          else torch.bool if name in ("stopped", "stale", "overflow")
-                                          else torch.int64, device=self.device) for name in _REPORT}
+        # the block's report, one float64 per name of _REPORT (flags 0/1, counts exact): one copy to the host
+        self._report_values = torch.zeros(len(_REPORT), dtype=torch.float64, device=self.device)
+        self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in _REPORT],
+                                          dtype=torch.float64, device=self.device)
         pinned = self.device.type == "cuda"
         self._host_report = torch.zeros(len(_REPORT), dtype=torch.float64, pin_memory=pinned)
         self._host_snapshot: Tensor | None = None
@@ -308,6 +352,13 @@ class Engine:
                              f"{self.device}; a calculator with cuda_graph on)")
         return bool(cuda_graph)
 
+    def _want_fused(self, fuse: bool | None) -> bool:
+        if fuse is not None:
+            return bool(fuse)
+        # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
+        calc = getattr(self.provider, "calc", None)
+        return self.device.type == "cuda" and getattr(calc, "compile", None) is not None
+
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
         if pipelined is None:
@@ -351,36 +402,18 @@ class Engine:
     # --- the step (capture-safe: no host reads) ------------------------------------------------------------
 
     def _one_step(self) -> None:
-        s, rep, integrator = self.state, self._report, self.integrator
+        s, integrator = self.state, self.integrator
         saved = self._flat.clone()
         integrator.before_forces(s, self.noise)
         result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
         self._store(result)
         integrator.after_forces(s, self.noise)
-        temperature = kinetic_energy(s) / (1.5 * s.positions.shape[0] * units.kB)
-        bad_energy = ~torch.isfinite(s.energy)
-        bad_forces = ~torch.isfinite(s.forces).all()
-        hot = ~(temperature <= self.max_temperature_K)
-        kind = torch.where(bad_energy, 1, torch.where(bad_forces, 2, torch.where(hot, 3, 0)))
-        value = torch.where(bad_energy, s.energy, torch.where(bad_forces, s.forces.abs().amax(), temperature))
-        invalid = result.stale | result.overflow
-        blow = ~invalid & (kind > 0)
-        fresh = ~rep["stopped"]
-        bad = rep["stopped"] | invalid | blow
+        bad, step, report = self._commit(s.energy, s.forces, s.momenta, s.masses, s.step, result.stale,
+                                         result.overflow, result.count, result.slack, self.max_temperature_K,
+                                         self._report_values)
         self._flat.copy_(torch.where(bad, saved, self._flat))
-        new_blow = blow & fresh
-        rep["blow_kind"].copy_(torch.where(new_blow, kind, rep["blow_kind"]))
-        rep["blow_step"].copy_(torch.where(new_blow, s.step + 1, rep["blow_step"]))
-        rep["blow_value"].copy_(torch.where(new_blow, value, rep["blow_value"]))
-        rep["stale"].logical_or_(result.stale & fresh)
-        rep["overflow"].logical_or_(result.overflow & fresh)
-        rep["count_max"].copy_(torch.maximum(rep["count_max"], torch.where(fresh, result.count, 0)))
-        good = ~bad
-        rep["slack"].copy_(torch.where(good, result.slack, rep["slack"]))
-        rep["temperature"].copy_(torch.where(good, temperature, rep["temperature"]))
-        s.step.add_(good.to(torch.int64))
-        rep["committed"].add_(good.to(torch.int64))
-        rep["stopped"].logical_or_(bad)
+        s.step.copy_(step)
+        self._report_values.copy_(report)
 
     def _steps(self, count: int) -> None:
         for _ in range(count):
@@ -389,8 +422,7 @@ class Engine:
     # --- blocks ------------------------------------------------------------------------------------------
 
     def _run_block(self, size: int, observe: bool) -> int:
-        for name, t in self._report.items():
-            t.fill_(float("nan") if name == "slack" else 0)
+        self._report_values.copy_(self._report_start)
         # Pipelined rebuild: in the list's last block (``_plan_block``) the next list is searched at the block's
         # start state on a side stream while the block runs, and installed after it.
         pending = self.provider.snapshot(self.state.positions, self.state.cell) if self._search_next else None
@@ -475,8 +507,7 @@ class Engine:
         self._last_slack = initial if initial is not None and math.isfinite(initial) else None
 
     def _read_report(self) -> dict[str, float]:
-        packed = torch.stack([t.to(torch.float64) for t in self._report.values()])
-        self._host_report.copy_(packed, non_blocking=True)
+        self._host_report.copy_(self._report_values, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the one sync of the block
         return dict(zip(_REPORT, self._host_report.tolist(), strict=True))
@@ -502,13 +533,12 @@ class Engine:
     def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
         device = self.device
         backup = (self._flat.clone(), self.state.step.clone())
-        report = {k: t.clone() for k, t in self._report.items()}
+        report = self._report_values.clone()
 
         def restore() -> None:
             self._flat.copy_(backup[0])
             self.state.step.copy_(backup[1])
-            for k, t in self._report.items():
-                t.copy_(report[k])
+            self._report_values.copy_(report)
 
         torch.cuda.synchronize(device)
         side = torch.cuda.Stream(device)

@@ -45,7 +45,7 @@ from cgforge.patches.species_linear import SpeciesGroups
 
 from .compiled import CompiledEnergy
 from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
-from .edge_vectors import edge_differences
+from .edge_vectors import edge_differences, rows_times
 from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
@@ -330,11 +330,14 @@ class ModelStep:
         return SpeciesGroups.from_species(self.adapter.species_index(self._species))
 
     def _fit(self, current: int | None, needed: int) -> int:
-        """Capacity for `needed` edges: kept while it fits and is not far too large, else needed + margin."""
+        """Capacity for `needed` edges: kept while it fits and is not far too large; grown with room when outgrown;
+        else needed + margin."""
         if not self.padded:
             return needed
         if current is not None and needed <= current <= needed * (1 + 4 * max(self.margin, self._grow_margin)) + 256:
             return current
+        if current is not None and needed > current:
+            return self._grown(needed)  # outgrown at a rebuild (a compressing NPT box): with room, as an overflow
         return _with_room(needed, self.margin)
 
     def _grown(self, count: int) -> int:
@@ -478,7 +481,7 @@ class ModelStep:
                 # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial.
                 strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
                 deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
-                vectors, positions = vectors @ deform, pos @ deform
+                vectors, positions = rows_times(vectors, deform), rows_times(pos, deform)
             with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
                 for cache in self.caches:
                     grouped.enter_context(cache.use_species(self._groups))
