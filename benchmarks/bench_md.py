@@ -34,7 +34,7 @@ model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + 
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
 cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
 cgforge-engine-compiled-unfused (tables evaluated into [E, weight_numel] weights before the convolutions rather than
-read inside them: ``patches.mace.radial_table.set_table_fusion(model, False)``),
+read inside them: ``patches.<family>.radial_table.set_table_fusion(model, False)``),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -325,9 +325,10 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
                       **options, **({} if fusion is None else {"warmup": False}))
     if fusion is not None:
-        from cgforge.patches.mace.radial_table import set_table_fusion
+        from cgforge.patches import mace, nequip
 
-        set_table_fusion(calc.model, fusion)
+        family = nequip if model_name.startswith("nequip") or model_name == "bundled-nequip" else mace
+        family.radial_table.set_table_fusion(calc.model, fusion)
         calc.warm_up()
     row["setup_s"] = time.perf_counter() - t
     row["radial_table"] = calc.radial_table

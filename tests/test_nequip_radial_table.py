@@ -77,6 +77,33 @@ def test_nequip_tables_with_per_edge_type_cutoffs() -> None:
     _assert_tables_match_the_mlp(model, water_box(24, seed=7))
 
 
+def test_nequip_tables_are_read_inside_the_convolution() -> None:
+    """Patched, the blocks' convolutions read the tables inside their kernels (TableWeights, no [E, weight_numel]
+    weights): the same energy and forces as the tables evaluated first (FP64). Second derivatives of the fused path:
+    tests/test_conservation.py ("nequip-l2-tables": force-Jacobian symmetry, finite differences, NVE drift)."""
+    torch.set_default_dtype(torch.float64)
+    atoms = water_box(16, seed=9)
+    atoms.rattle(0.05, seed=10)
+    calc = _calculator(_model(), radial_table=True)
+    tables = rt.radial_tables(calc.model)
+    assert len(tables) == 2 and all(t.fused for t in tables)
+    fused = calc.model.state_dict()
+    seq = calc.adapter.energy_model
+    seen = []
+    hook = seq.layer0_convnet.conv.tp_scatter.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(type(kwargs["edge_weight"]).__name__), with_kwargs=True)
+    e_fused, f_fused = _energy_forces(calc, atoms)
+    hook.remove()
+    assert seen == ["TableWeights"]
+    rt.set_table_fusion(calc.model, False)
+    assert not any(t.fused for t in tables)
+    calc.step.invalidate()
+    e_plain, f_plain = _energy_forces(calc, atoms)
+    assert abs(e_fused - e_plain) <= 1e-12 * abs(e_plain)
+    assert np.abs(f_fused - f_plain).max() <= 1e-11 * np.abs(f_plain).max()
+    assert calc.model.state_dict().keys() == fused.keys()
+
+
 def test_nequip_tables_off_and_unpatch_restore_the_model() -> None:
     torch.set_default_dtype(torch.float64)
     atoms = water_box(8, seed=6)
@@ -183,7 +210,8 @@ def test_calculator_tables_on_the_bundled_model() -> None:
 def test_cuda_bundled_nequip_tables_match_the_mlp_in_fp32() -> None:
     torch.set_default_dtype(torch.float32)
     atoms = water_box(64, seed=9)
-    auto = Calculator("nequip", device="cuda", patch=True, radial_table=True)
-    mlp = Calculator("nequip", device="cuda", patch=True)  # the default keeps NequIP's MLP (for now)
+    auto = Calculator("nequip", device="cuda", patch=True)  # FP32 on CUDA: tables by default, read in the kernels
+    mlp = Calculator("nequip", device="cuda", patch=True, radial_table=False)
     assert auto.radial_table and not mlp.radial_table
+    assert all(t.fused for t in rt.radial_tables(auto.model))
     _assert_fp32_close(mlp, auto, atoms)

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels.radial_table import RadialTable, fit_radial_table, radial_table
 from .streaming import Deferred
 
-__all__ = ["DEFAULT_TOL", "TableWeights", "TabulatedRadial", "fp64_copy", "original", "tabulate"]
+__all__ = ["DEFAULT_TOL", "TableWeights", "TabulatedRadial", "fp64_copy", "fuse_tables", "original", "tabulate"]
 
 # The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
 # resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
@@ -90,3 +90,16 @@ def tabulate(mlp: torch.nn.Module, fn: Callable[[Tensor], Tensor], r_max: float,
     except ValueError as err:
         raise ValueError(f"radial tables: {where}: {err}") from err
     return TabulatedRadial(original(mlp), table, like)
+
+
+def fuse_tables(layers: list[tuple[str, TabulatedRadial, torch.nn.Module]], on: bool) -> None:
+    """Have each layer's convolution read its table inside the kernels (``on``: the table returns
+    ``TableWeights``), or evaluate the table into [E, weight_numel] weights first. ``layers``: (where, table,
+    convolution); every convolution must read tables (``reads_tables``: cgforge's) before any flag changes."""
+    if on:
+        for where, _, conv in layers:
+            if not getattr(conv, "reads_tables", False):
+                raise ValueError(f"{where}: its convolution ({type(conv).__qualname__}) cannot read a radial table "
+                                 "(patch the model with cgforge first)")
+    for _, table, _ in layers:
+        table.fused = bool(on)

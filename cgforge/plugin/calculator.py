@@ -262,10 +262,9 @@ class Calculator(AseCalculator):
     (intervals, error) per layer). True: on (an error when the model cannot: patched MACE models with
     RealAgnostic(Residual)InteractionBlocks and a plain radial embedding; patched NequIP models whose edge
     embedding is nequip's Bessel encoding with its polynomial cutoff, read only by the interaction blocks);
-    False: off; None (default): on for a MACE model computing in FP32 on CUDA that can, with
-    ``radial_precision="fp32"`` (NequIP: on request, until its tables have been measured on a GPU; they are
-    tested on the CPU against the MLP and for conservation). FP64 models keep the MLP (the table's 1e-8-level error is
-    above FP64's). ``self.radial_table`` says what is in use.
+    False: off; None (default): on for a MACE or NequIP model computing in FP32 on CUDA that can, with
+    ``radial_precision="fp32"``; the blocks' convolutions then read the tables inside their kernels. FP64 models keep
+    the MLP (the table's 1e-8-level error is above FP64's). ``self.radial_table`` says what is in use.
     streaming: compute the radial MLP inside the convolution chunk by chunk, so no per-edge weight tensor is
     stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
     grows with atoms, not edges x channels. True: on (eager steps: chunk ranges are read on the host, so no CUDA
@@ -413,7 +412,6 @@ class Calculator(AseCalculator):
         """Turn the radial tables on or off as asked (None: see the class doc); their (intervals, error)."""
         if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
             radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
-                            and self.adapter.kind == "mace"  # NequIP: on request until measured on a GPU
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
         if radial_table and (reason := self.adapter.why_not_tabulated()) is not None:
             raise ValueError(f"radial_table=True: {reason}")

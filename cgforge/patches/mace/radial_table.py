@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..families import is_mace_model
-from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, original, tabulate
+from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, fuse_tables, original, tabulate
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 
@@ -100,10 +100,5 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
 def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
     """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
     convolution is cgforge's), or evaluate each table into [E, weight_numel] weights first (for comparisons)."""
-    for i, block in enumerate(model.interactions):
-        if not isinstance(block.conv_tp_weights, TabulatedRadial):
-            continue
-        if on and not getattr(block.conv_tp, "reads_tables", False):
-            raise ValueError(f"interactions.{i}: its convolution ({type(block.conv_tp).__qualname__}) cannot read a "
-                             "radial table (patch the model with cgforge first)")
-        block.conv_tp_weights.fused = bool(on)
+    layers = [(f"interactions.{i}", block.conv_tp_weights, block.conv_tp) for i, block in enumerate(model.interactions)]
+    fuse_tables([layer for layer in layers if isinstance(layer[1], TabulatedRadial)], on)

@@ -24,6 +24,7 @@ from cgforge import kernels
 
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
+from ..radial_table import TableWeights
 from ..stand_in import StandIn, convolution_check
 from ..streaming import DeferredWeights, stream
 from ..torch_internals import state_without
@@ -131,6 +132,8 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     comes from the package's own e3nn, which the kernel's problem description must not be mixed with.
     """
 
+    reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
+
     def __init__(self, original: torch.nn.Module, graphs: CallGraphCache) -> None:
         torch.nn.Module.__init__(self)  # not TensorProductScatter.__init__: it would build a second e3nn TP
         self.feature_irreps_in = original.feature_irreps_in
@@ -154,6 +157,9 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_src, edge_dst, x.shape[0])
         dtype = self.model_dtype  # explicit casts as nequip's other accelerations do (AMP)
+        if isinstance(edge_weight, TableWeights):  # the block's radial table of x = r / r_max, read in the kernels
+            return self.conv.forward_table(x.to(dtype).contiguous(), edge_attr.to(dtype).contiguous(),
+                                           edge_weight.lengths, edge_weight.coeffs, edge_weight.r_max, graph)
         if isinstance(edge_weight, DeferredWeights):  # streaming: the edge MLP runs per chunk of edges
             return stream(self.conv, x.to(dtype).contiguous(), edge_attr.to(dtype), edge_weight, graph,
                           self.chunk_edges)

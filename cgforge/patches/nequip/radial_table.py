@@ -24,7 +24,9 @@ with per-edge-type cutoffs the weights are a function of x, not of r. With table
 - each block's ``edge_mlp`` is a ``TabulatedRadial`` (``patches/radial_table.py``) whose table is fitted in
   FP64 from copies of the model's own modules run in order: the encoding, the factors before the block, its MLP.
 
-The blocks keep their data flow; nothing reads the lengths another way. The state_dict is unchanged (the
+The blocks keep their data flow; nothing reads the lengths another way. Where the blocks' convolutions are
+cgforge's, the tables return ``TableWeights`` and ``CgforgeTensorProductScatter`` evaluates them inside its kernels
+(``set_table_fusion``, the default): no [E, weight_numel] weights at all, as for MACE. The state_dict is unchanged (the
 stand-ins adopt the originals' submodules and buffers; the tables are non-persistent buffers). Streaming
 (``streaming.py``) composes with tables: its ``DeferredRadial`` defers a ``TabulatedRadial`` like an MLP, and
 turning tables on or off while a model streams stops and restarts its streaming at the same chunk size.
@@ -38,14 +40,14 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, original, tabulate
+from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, fuse_tables, original, tabulate
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 from .conv import CgforgeTensorProductScatter
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
 
 __all__ = ["DEFAULT_TOL", "FactorInTable", "NormLengthAsEmbedding", "TabulatedRadial", "radial_tables",
-           "set_radial_table", "why_not_tabulated"]
+           "set_radial_table", "set_table_fusion", "why_not_tabulated"]
 
 _EMBEDDING = "edge_embedding"  # nequip 0.19's AtomicDataDict.EDGE_EMBEDDING_KEY: the key InteractionBlock reads
 
@@ -171,16 +173,28 @@ def _weights_of_x(chain: list[torch.nn.Module], mlp: torch.nn.Module) -> Callabl
     return fn
 
 
-def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
-    """The tables the blocks of a patched NequIP model read now, streaming or not (empty: none)."""
+def _tabulated_blocks(model: torch.nn.Module) -> list[tuple[str, TabulatedRadial, torch.nn.Module]]:
+    """(where, table, convolution) of every block that reads a table, streaming or not."""
     found = []
-    for module in model.modules():
+    for where, module in model.named_modules():
         mlp = getattr(module, "edge_mlp", None) if class_name(module) == "InteractionBlock" else None
         while isinstance(mlp, Deferred) and not isinstance(mlp, TabulatedRadial):
             mlp = mlp.module  # a streaming block's DeferredRadial holds the table
         if isinstance(mlp, TabulatedRadial):
-            found.append(mlp)
+            found.append((where, mlp, module.tp_scatter))
     return found
+
+
+def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
+    """The tables the blocks of a patched NequIP model read now, streaming or not (empty: none)."""
+    return [table for _, table, _ in _tabulated_blocks(model)]
+
+
+def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
+    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
+    convolution is cgforge's ``CgforgeTensorProductScatter``), or evaluate each table into [E, weight_numel]
+    weights first (for comparisons). Streaming blocks evaluate their table per chunk either way."""
+    fuse_tables(_tabulated_blocks(model), on)
 
 
 @contextmanager
@@ -231,4 +245,6 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
             if id(child) in embedding:
                 stand_in = NormLengthAsEmbedding if class_name(child) == "BesselEdgeLengthEncoding" else FactorInTable
                 setattr(seq, name, stand_in(child))
+    blocks_now = _tabulated_blocks(model)
+    set_table_fusion(model, all(getattr(conv, "reads_tables", False) for _, _, conv in blocks_now))
     return len(tables)
