@@ -26,7 +26,8 @@ per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radia
 cgforge-compiled (captured, the model's forward and backward compiled by torch.compile: ``Calculator(compile=True)``;
 its first call, compilation included, is ``first_call_s``), cgforge-mlp (captured, the radial MLPs run rather
 than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
-tables on for FP32 MACE and NequIP on CUDA), e3nn, cueq, oeq, hybrid (the peers' calculators with
+tables on for FP32 MACE and NequIP on CUDA), cgforge-stored (captured, ``streaming=False``: never the streaming
+path, which the default turns on when its estimate of the stored path's memory exceeds the free memory), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
@@ -71,7 +72,8 @@ MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-ne
 BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
-            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")
+            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
+            "cgforge-stored")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
                "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
@@ -86,7 +88,8 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
                    "cgforge-streaming": {"streaming": True},
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
-                   "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False}}
+                   "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
+                   "cgforge-stored": {"streaming": False}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)

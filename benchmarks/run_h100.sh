@@ -34,7 +34,9 @@ tests)  # the CUDA suite: SHARDS pytest processes side by side on the one GPU (N
     # PART=i/n (1-based) keeps every n-th test id from the i-th: the suite outgrew one 10-minute call.
     shards=${SHARDS:-4} part=${PART:-1/1}
     ids=$(mktemp -d) logs=$(mktemp -d)
-    python3 -m pytest -m cuda -q --collect-only -p no:cacheprovider tests 2>/dev/null | grep '::' \
+    # SELECT=expr narrows the sharded suite to the tests pytest's -k selects
+    python3 -m pytest -m cuda -q --collect-only -p no:cacheprovider ${SELECT:+-k "$SELECT"} tests 2>/dev/null \
+        | grep '::' \
         | awk -v i="${part%/*}" -v n="${part#*/}" '(NR - i) % n == 0' \
         | awk -v n="$shards" -v dir="$ids" '{ print > (dir "/" (NR - 1) % n) }'
     echo "part $part: $(cat "$ids"/* | wc -l) CUDA tests in $shards shards"

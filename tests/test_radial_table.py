@@ -260,6 +260,22 @@ def test_mace_tables_stream(float64) -> None:
         assert abs(e - e0) <= 1e-10 * abs(e0) and np.abs(f - f0).max() <= 1e-10
 
 
+def test_stored_edge_bytes_follow_the_table_fusion() -> None:
+    """The calculator streams when its estimate of the stored path's peak would not fit: with every block's table
+    read inside the convolution there are no per-edge weights, and the estimate is the measured FUSED_EDGE_ITEMS
+    (not 2.3 x the weights, which sent 50k-500k-atom boxes that fit to the slower streaming path)."""
+    from cgforge.patches.mace.radial_table import set_table_fusion
+    from cgforge.patches.radial_table import FUSED_EDGE_ITEMS
+
+    calc = _mace_calculator("float32", radial_table=True, warmup=False)
+    weights = sum(b.conv_tp.weight_numel for b in calc.model.interactions)
+    assert calc.adapter.stored_edge_bytes() == FUSED_EDGE_ITEMS * 4
+    set_table_fusion(calc.model, False)
+    assert calc.adapter.stored_edge_bytes() == int(2.3 * 4 * weights)
+    mlp = _mace_calculator("float32", radial_table=False, warmup=False)
+    assert mlp.adapter.stored_edge_bytes() == int(2.3 * 4 * weights)
+
+
 def test_calculator_radial_table_choices(float64) -> None:
     from cgforge.plugin.calculator import Calculator
 

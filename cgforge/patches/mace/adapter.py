@@ -31,6 +31,7 @@ from ase.data import chemical_symbols
 from torch import Tensor
 
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
+from ..radial_table import fused_edge_bytes
 from ..streaming import Deferred
 from . import radial_table, streaming
 from .patch import SUPPORTED_INTERACTIONS
@@ -132,9 +133,12 @@ class MaceAdapter:
     def stored_edge_bytes(self) -> int:
         """Peak bytes per edge of a stored-path force call, for choosing streaming: every layer's weight rows
         about 2.3 times (weights, their gradient, the MLP's activations), which with the edge inputs and the
-        neighbour list matches the H100 peaks of the MACE-MP-medium shape (15.6 KB/edge at 5k and 20k atoms)."""
+        neighbour list matches the H100 peaks of the MACE-MP-medium shape (15.6 KB/edge at 5k and 20k atoms); with
+        every block's table read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS``."""
         itemsize = torch.finfo(self.dtype).bits // 8
-        return int(2.3 * itemsize * sum(b.conv_tp.weight_numel for b in streaming.streaming_blocks(self.model)))
+        blocks = streaming.streaming_blocks(self.model)
+        fused = fused_edge_bytes(radial_table.radial_tables(self.model), len(self.model.interactions), itemsize)
+        return fused if fused is not None else int(2.3 * itemsize * sum(b.conv_tp.weight_numel for b in blocks))
 
     def set_streaming(self, budget_bytes: int | None) -> int:
         """Stream the edges of every layer that can, in chunks sized to ``budget_bytes`` (None: stop).

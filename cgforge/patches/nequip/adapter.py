@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..common import UnknownElementError, check_numbers, unknown_elements, vanishes_at_zero
 from ..graph_cache import CallGraphCache
-from ..radial_table import original
+from ..radial_table import fused_edge_bytes, original
 from ..torch_internals import forward_pre_hooks
 from . import radial_table, streaming
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
@@ -118,10 +118,13 @@ class NequipAdapter:
 
     def stored_edge_bytes(self) -> int:
         """Peak bytes per edge of a stored-path force call: every layer's weight rows about 2.3 times (as
-        measured for MACE; NequIP's weights are a smaller part of its per-edge memory)."""
+        measured for MACE; NequIP's weights are a smaller part of its per-edge memory); with every block's table
+        read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS`` (measured for MACE)."""
         itemsize = torch.finfo(self.dtype).bits // 8
-        return int(2.3 * itemsize * sum(m.tp_scatter.conv.weight_numel
-                                        for m in streaming.streaming_layers(self.energy_model)))
+        layers = streaming.streaming_layers(self.energy_model)
+        fused = fused_edge_bytes(radial_table.radial_tables(self.energy_model), len(layers), itemsize)
+        return fused if fused is not None else int(2.3 * itemsize * sum(m.tp_scatter.conv.weight_numel
+                                                                        for m in layers))
 
     def set_streaming(self, budget_bytes: int | None) -> int:
         """Stream every layer that can, chunks sized to ``budget_bytes`` (None: stop); how many stream."""
