@@ -338,6 +338,10 @@ def test_arguments_are_checked():
         Engine(forces, molecule, StochasticCellRescaling(1.0, 300.0))
     with pytest.raises(ValueError, match="cuda_graph=True"):
         Engine(forces, atoms, VelocityVerlet(1.0), cuda_graph=True)
+    with pytest.raises(TypeError, match="fuse_integrator: expected None, True or False, got 'yes'"):
+        Engine(forces, atoms, VelocityVerlet(1.0), fuse_integrator="yes")
+    with pytest.raises(TypeError, match="compile: expected None or a callable"):
+        VelocityVerlet(1.0).fuse("inductor")
     engine = Engine(forces, atoms, VelocityVerlet(1.0))
     with pytest.raises(ValueError, match="restart: 8 atoms"):
         engine.load_state({"positions": np.zeros((8, 3))})

@@ -353,6 +353,8 @@ class Engine:
         return bool(cuda_graph)
 
     def _want_fused(self, fuse: bool | None) -> bool:
+        if fuse not in (None, True, False):
+            raise TypeError(f"fuse_integrator: expected None, True or False, got {fuse!r}")
         if fuse is not None:
             return bool(fuse)
         # with the model compiled, Inductor is known to work here; its compilation is paid at the first step

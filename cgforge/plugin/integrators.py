@@ -146,6 +146,8 @@ class Integrator:
 
     def fuse(self, compile: Callable[[Callable], Callable] | None) -> None:
         """Run the scheme's pure arithmetic through ``compile`` (e.g. ``torch.compile``), or as written (None)."""
+        if compile is not None and not callable(compile):
+            raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
         wrap = compile if compile is not None else (lambda fn: fn)
         self.fused = compile is not None
         self._math = {fn.__name__: wrap(fn) for fn in (_langevin_first, _langevin_second, _csvr_factor,
