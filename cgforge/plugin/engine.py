@@ -58,7 +58,7 @@ from torch import Tensor
 from .compiled import compile_or_eager
 from .engine_forces import EnergyFunctionForces, ForceResult, ModelForces
 from .engine_rng import NoiseSource
-from .integrators import Integrator, MDState, kinetic_energy
+from .integrators import Integrator, MDState, kinetic, kinetic_energy
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
@@ -81,7 +81,7 @@ def _commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor
     (float64 [len(_REPORT)], flags 0/1) updated. Pure: the engine fuses it with ``fuse_integrator``, as the
     integrators' arithmetic (torch.compile dropped in-place updates of 0-d CPU tensors, torch 2.13)."""
     rep = dict(zip(_REPORT, report.unbind(0), strict=True))
-    temperature = 0.5 * (momenta.square() / masses).sum() / (1.5 * momenta.shape[0] * units.kB)
+    temperature = kinetic(momenta, masses) / (1.5 * momenta.shape[0] * units.kB)
     bad_energy = ~torch.isfinite(energy)
     bad_forces = ~torch.isfinite(forces).all()
     hot = ~(temperature <= max_temperature_K)

@@ -38,7 +38,7 @@ from ase import units
 from torch import Tensor
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "make_integrator", "kinetic_energy", "kinetic_tensor", "volume"]
+           "make_integrator", "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -64,13 +64,22 @@ class MDState:
         return out
 
 
+def kinetic(momenta: Tensor, masses: Tensor) -> Tensor:
+    """sum_i p_i^2 / (2 m_i)."""
+    return 0.5 * (momenta.square() / masses).sum()
+
+
 def kinetic_energy(state: MDState) -> Tensor:
-    return 0.5 * (state.momenta.square() / state.masses).sum()
+    return kinetic(state.momenta, state.masses)
+
+
+def _kinetic_tensor(momenta: Tensor, masses: Tensor) -> Tensor:
+    return (momenta / masses).T @ momenta
 
 
 def kinetic_tensor(state: MDState) -> Tensor:
     """sum_i p_i (x) p_i / m_i [3, 3] (twice the kinetic energy tensor)."""
-    return (state.momenta / state.masses).T @ state.momenta
+    return _kinetic_tensor(state.momenta, state.masses)
 
 
 def volume(cell: Tensor) -> Tensor:
@@ -99,21 +108,21 @@ def _langevin_second(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor,
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
                  ) -> tuple[Tensor, Tensor]:
     """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K (see ``CSVR``)."""
-    kinetic = 0.5 * (momenta.square() / masses).sum()
+    kinetic_now = kinetic(momenta, masses)
     r1, rest = draws[0], draws[1:].square().sum()
-    new = (c * kinetic + (1 - c) * kt_per_dof * (r1 * r1 + rest)
-           + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic * kt_per_dof))
-    sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic) + math.sqrt((1 - c) * kt_per_dof) * r1)
-    alpha = torch.where(kinetic > 0, sign * torch.sqrt(new / kinetic.clamp(min=1e-300)), 1.0)
-    return alpha, (alpha * alpha - 1) * kinetic
+    new = (c * kinetic_now + (1 - c) * kt_per_dof * (r1 * r1 + rest)
+           + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic_now * kt_per_dof))
+    sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic_now) + math.sqrt((1 - c) * kt_per_dof) * r1)
+    alpha = torch.where(kinetic_now > 0, sign * torch.sqrt(new / kinetic_now.clamp(min=1e-300)), 1.0)
+    return alpha, (alpha * alpha - 1) * kinetic_now
 
 
 def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor, draws: Tensor, rate: float,
                   kt: float, dt: float, p0: float, anisotropic: bool) -> Tensor:
     """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state (see
     ``StochasticCellRescaling``); ``draws`` [3] standard normals (the isotropic scheme reads the first)."""
-    v = torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
-    pressure = ((momenta / masses).T @ momenta - virial) / v
+    v = volume(cell)
+    pressure = (_kinetic_tensor(momenta, masses) - virial) / v
     if anisotropic:
         drift = (rate / 3) * (torch.diagonal(pressure) - p0) * dt
         return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v)) * draws)

@@ -245,6 +245,5 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
             if id(child) in embedding:
                 stand_in = NormLengthAsEmbedding if class_name(child) == "BesselEdgeLengthEncoding" else FactorInTable
                 setattr(seq, name, stand_in(child))
-    blocks_now = _tabulated_blocks(model)
-    set_table_fusion(model, all(getattr(conv, "reads_tables", False) for _, _, conv in blocks_now))
+    set_table_fusion(model, all(getattr(conv, "reads_tables", False) for _, _, conv in _tabulated_blocks(model)))
     return len(tables)
