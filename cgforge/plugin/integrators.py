@@ -87,6 +87,11 @@ def volume(cell: Tensor) -> Tensor:
     return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
 
 
+def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
+    """The pressure tensor (sum p (x) p / m - W) / V."""
+    return (_kinetic_tensor(momenta, masses) - virial) / volume
+
+
 def _langevin_first(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor, eta: Tensor,
                     c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -122,7 +127,7 @@ def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor,
     """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state (see
     ``StochasticCellRescaling``); ``draws`` [3] standard normals (the isotropic scheme reads the first)."""
     v = volume(cell)
-    pressure = (_kinetic_tensor(momenta, masses) - virial) / v
+    pressure = _pressure(momenta, masses, virial, v)
     if anisotropic:
         drift = (rate / 3) * (torch.diagonal(pressure) - p0) * dt
         return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v)) * draws)
@@ -344,7 +349,7 @@ class StochasticCellRescaling(CSVR):
         self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
 
     def pressure_tensor(self, s: MDState) -> Tensor:
-        return (kinetic_tensor(s) - s.virial) / volume(s.cell)
+        return _pressure(s.momenta, s.masses, s.virial, volume(s.cell))
 
     def before_forces(self, s: MDState, noise) -> None:
         # mu from the state at the step's start (pressure and volume), applied after the thermostat and the drift
