@@ -104,6 +104,44 @@ def test_table_kernels_compile_without_spills() -> None:
             assert not res.spills, (name, res)
 
 
+def _row_map(width: int, seed: int = 7, dtype=torch.float64, device="cpu") -> torch.nn.Linear:
+    """An affine row map narrowing the convolution's rows (a block's next linear), constant parameters."""
+    torch.manual_seed(seed)
+    return torch.nn.Linear(width, max(width // 2, 1)).to(dtype=dtype, device=device).requires_grad_(False)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 9, 50])  # one row, ragged ranges, one range, more than the rows
+def test_rows_in_chunks_equal_the_map_of_the_whole_convolution(chunk_rows: int) -> None:
+    """forward_table_rows: out_fn(forward_table(...)) made chunk_rows receiver rows at a time, values and first
+    and second derivatives; the CPU path reads the sliced CSR rows as the kernels do."""
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60)
+    linear = _row_map(conv.irreps_out.dim)
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, chunk_rows)
+    whole = linear(conv.forward_table(x, y, lengths, coeffs, R_MAX, graph))
+    assert rel(chunked, whole) < 1e-13 and whole.abs().max() > 0
+    g = torch.randn_like(whole)
+    for a, b in zip(torch.autograd.grad(chunked, (x, y, lengths), g, retain_graph=True),
+                    torch.autograd.grad(whole, (x, y, lengths), g, retain_graph=True), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+    for a, b in zip(*_second_derivatives(chunked, whole, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def test_rows_in_chunks_bad_arguments() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
+    linear = _row_map(conv.irreps_out.dim)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_rows"):
+            conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, bad)
+    with pytest.raises(TypeError, match="out_fn"):
+        conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, "linear", 2)
+    atomic = ConvGraph(graph.sender, graph.receiver, graph.num_nodes, deterministic=False)
+    with pytest.raises(ValueError, match="deterministic"):
+        conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, atomic, linear, 2)
+    with pytest.raises(ValueError, match="x"):
+        conv.forward_table_rows(x[:3], y, lengths, coeffs, R_MAX, graph, linear, 2)
+
+
 # ---------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
@@ -135,3 +173,33 @@ def test_cuda_second_derivatives_equal_the_composition() -> None:
     fused, plain = _both(conv, graph, x, y, lengths, coeffs)
     for a, b in zip(*_second_derivatives(fused, plain, (x, y, lengths)), strict=True):
         assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sorted_edges", [False, True])  # kernels reading edge ids through perm, or positions
+def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch.dtype, sorted_edges: bool) -> None:
+    """The kernels on a sliced CSR row pointer (absolute edge positions): each range's rows are the whole
+    graph's, bitwise; gradients and second derivatives as the composition's."""
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=4)
+    if sorted_edges:  # edges already in receiver order: perm is empty
+        order = torch.argsort(graph.receiver.long(), stable=True)
+        x = x.detach().requires_grad_()
+        y, lengths = (t.detach()[order].requires_grad_() for t in (y, lengths))
+        graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
+        assert graph.tensors().perm.numel() == 0
+    linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
+    rows_whole = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, torch.nn.Identity(), 37)
+    assert torch.equal(chunked, rows_whole)  # the same sums in the same order, range by range
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
+    whole = linear(rows_whole)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(chunked, whole) < tol
+    g = torch.randn_like(whole)
+    for a, b in zip(torch.autograd.grad(chunked, (x, y, lengths), g, retain_graph=True),
+                    torch.autograd.grad(whole, (x, y, lengths), g, retain_graph=True), strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    if dtype == torch.float64:
+        for a, b in zip(*_second_derivatives(chunked, whole, (x, y, lengths)), strict=True):
+            assert rel(a, b) < 1e-11 and b.abs().max() > 0

@@ -67,6 +67,34 @@ def test_split_linear_reads_its_input_through_one_backward_node() -> None:
     assert slices(names) == 0 and sum(name.startswith("SplitWithSizesBackward") for name in names) == 1
 
 
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS[:3])  # gradgradcheck: small ones
+def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: str, monkeypatch) -> None:
+    """Frozen weights and a wide input: rows in chunks (here 3 rows each, 11 rows), values and first and second
+    derivatives as the one-pass map; a layer whose weights need a gradient is never chunked."""
+    import cgforge.patches.e3nn_layers as layers
+
+    torch.manual_seed(2)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear)
+    row_bytes = max(o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim) * 8
+    x = _inputs(o3.Irreps(irreps_in).dim, seed=3)
+    want = stand_in(x)  # weights need a gradient: one pass
+    gx_want, gw_want = torch.autograd.grad(want, [x, stand_in.weight], torch.ones_like(want))
+    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 3 * row_bytes)
+    assert stand_in.chunk_rows(x) is None  # still: the weights' gradient needs every row at once
+    stand_in.requires_grad_(False)
+    assert stand_in.chunk_rows(x) == 3
+    got = stand_in(x)
+    assert any("_RowChunkedMap" in name for name in _backward_node_names(got.sum()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (gx_got,) = torch.autograd.grad(got, [x], torch.ones_like(got))
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(stand_in, (x,))
+    torch.autograd.gradgradcheck(stand_in, (x,))
+    assert gw_want.abs().sum() > 0  # the unchunked weight gradient was a real one
+
+
 def test_split_linear_declines_biases_and_external_weights() -> None:
     assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", biases=True)) is None
     assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", internal_weights=False, shared_weights=False)) is None

@@ -350,6 +350,7 @@ class Calculator(AseCalculator):
         self.streaming_requested = streaming
         self.streaming = False
         self._auto_streaming_checked = -1  # the atom count whose memory estimate was last made
+        self._rows_planned = -1  # the atom count row chunks were last chosen for (plan_rows)
         if streaming:
             if cuda_graph:
                 raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
@@ -418,6 +419,7 @@ class Calculator(AseCalculator):
         return self.adapter.set_radial_table(bool(radial_table))
 
     def _start_streaming(self) -> None:
+        self.adapter.set_row_chunks(None)  # streaming maps its rows in chunks itself
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = min(max(free // 20, 64 << 20), 1 << 30)  # a chunk's working set: 5% of free, 64 MiB..1 GiB
@@ -441,6 +443,17 @@ class Calculator(AseCalculator):
         free, _ = torch.cuda.mem_get_info(self.device)
         if edges * self.adapter.stored_edge_bytes() > STREAMING_AUTO_FRACTION * free:
             self._switch_to_streaming()
+
+    def plan_rows(self, n_atoms: int) -> None:
+        """Per system size: the stored path makes its widest per-atom rows (a block's convolution output and the
+        linear after it) in chunks where ``n_atoms`` need it (``adapter.set_row_chunks``), unless streaming or
+        compiled; a captured step is captured again when that changes. The MD engine calls it at its start."""
+        if n_atoms == self._rows_planned:
+            return
+        self._rows_planned = n_atoms
+        plain = self.streaming or self.step.compiled is not None
+        if self.adapter.set_row_chunks(None if plain else n_atoms):
+            self.step.invalidate()
 
     def _switch_to_streaming(self) -> bool:
         """streaming=None: stream from now on (False when no layer can: the stored path it is)."""
@@ -570,6 +583,7 @@ class Calculator(AseCalculator):
         if not np.isfinite(positions).all():
             raise ValueError("atoms: positions contain NaN or inf")
         self._auto_streaming(positions, volume)
+        self.plan_rows(positions.shape[0])
         if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
             self._check_radial_precision(positions, cell, pbc, species)
         try:

@@ -149,6 +149,7 @@ class ModelForces:
         self.pbc = pbc
         self.changes_cell = bool(changes_cell)
         self.species = self.calc.adapter.species(np.asarray(numbers))
+        self.calc.plan_rows(len(numbers))
         self.step.load(positions.to(self.dtype), cell.to(self.dtype), self.species)
         self._false = _false(self.device)
         self.rebuild(positions, cell)

@@ -78,6 +78,10 @@ class ModelAdapter(Protocol):
         """Compute per-edge weights chunk by chunk (chunks sized to ``budget_bytes``), or stop (None); the
         number of layers that stream (0: none can)."""
 
+    def set_row_chunks(self, n_atoms: int | None) -> bool:
+        """Make the stored path's widest per-atom rows in chunks where ``n_atoms`` atoms need it (None: never);
+        True when that changed the model (a captured step must be captured again)."""
+
     def why_not_tabulated(self) -> str | None:
         """None when every layer's weights can be read from tables of the edge length, else the reason."""
 

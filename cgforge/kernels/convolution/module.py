@@ -12,7 +12,7 @@ from ..radial_table.ops import check_table
 from ..tensor_product import plan as plans
 from ..tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
 from ..tensor_product.module import TensorProduct
-from . import ops, table_ops
+from . import ops, table_ops, table_rows
 from .graph import ConvGraph
 
 
@@ -37,6 +37,13 @@ class Convolution(TensorProduct):
         """``forward(x, y, radial_table(lengths, coeffs, r_max), graph)`` with the table read inside the kernels:
         no [E, weight_numel] weights, forward or backward (``table_ops``). lengths [E] or [E, 1]; coeffs
         [intervals, weight_numel, 4], constants. Differentiable in x, y and the lengths."""
+        self._check_table_call(x, y, lengths, coeffs, r_max, graph)
+        lengths = lengths.squeeze(1) if lengths.dim() == 2 else lengths
+        return table_ops.conv_table_forward(x, y, lengths, coeffs, *graph.tensors(), float(r_max), self.key,
+                                            graph.deterministic)
+
+    def _check_table_call(self, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, coeffs: torch.Tensor,
+                          r_max: float, graph: ConvGraph) -> None:
         if not isinstance(graph, ConvGraph):
             raise TypeError(f"graph must be a cgforge ConvGraph, got {type(graph).__name__}")
         in1, in2, numel, shared = self._dims
@@ -53,8 +60,23 @@ class Convolution(TensorProduct):
         check_same({"x": x, "y": y, "lengths": lengths, "coeffs": coeffs})
         if graph.device != x.device:
             raise ValueError(f"graph is on {graph.device} but x is on {x.device}")
-        return table_ops.conv_table_forward(x, y, lengths, coeffs, *graph.tensors(), float(r_max), self.key,
-                                            graph.deterministic)
+
+    def forward_table_rows(self, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, coeffs: torch.Tensor,
+                           r_max: float, graph: ConvGraph, out_fn: table_rows.RowMap, chunk_rows: int) -> torch.Tensor:
+        """``out_fn(forward_table(x, y, lengths, coeffs, r_max, graph))`` made ``chunk_rows`` receiver rows at a
+        time (``table_rows``): the convolution's own output never exists for all rows in the forward. ``out_fn``
+        maps each row alone and is affine (e.g. a linear layer); its parameters are constants. Needs a
+        deterministic graph."""
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        if not callable(out_fn):
+            raise TypeError(f"out_fn must be a callable row map, got {type(out_fn).__name__}")
+        self._check_table_call(x, y, lengths, coeffs, r_max, graph)
+        if not graph.deterministic:
+            raise ValueError("forward_table_rows needs a deterministic ConvGraph (CSR rows)")
+        lengths = lengths.squeeze(1) if lengths.dim() == 2 else lengths
+        return table_rows.conv_table_rows(x, y, lengths, coeffs, tuple(graph.tensors()), float(r_max), self.key,
+                                          self.irreps_out.dim, out_fn, chunk_rows)
 
     def compile_kernels(self, device: torch.device | str, dtype: torch.dtype, table: bool = False) -> None:
         """Compile the kernels now (``table``: those of ``forward_table`` too)."""

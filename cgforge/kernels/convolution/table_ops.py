@@ -36,6 +36,14 @@ def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: tor
     return [coeffs, r, *([] if grad_r is None else [grad_r]), I32(n), real(n / r_max), real(r_max)]
 
 
+def _csr_edges(rowptr: torch.Tensor, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(edge ids, output row of each) of the CSR rows ``rowptr`` (absolute edge positions: a slice of a larger
+    graph's row pointer is a range of its rows), as the deterministic kernels walk them. Host reads: CPU only."""
+    positions = torch.arange(int(rowptr[0]), int(rowptr[-1]), device=rowptr.device)
+    ids = perm.long().index_select(0, positions) if perm.numel() else positions
+    return ids, torch.searchsorted(rowptr, positions, right=True) - 1
+
+
 def _fwd_fake(x, y, r, coeffs, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic):
     return x.new_empty(_output_rows(x, rowptr), plans.get(key).problem.irreps_out.dim)
 
@@ -54,6 +62,10 @@ def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs
     p = plans.get(key).problem
     rows = _output_rows(x, rowptr)
     if x.device.type != "cuda":
+        if rowptr.numel():  # the CSR rows, as the kernels read them: also a range of a larger graph's rows
+            ids, rows_of = _csr_edges(rowptr, perm)
+            w = radial_table_reference(r.index_select(0, ids), coeffs, r_max)
+            return _reference_conv(p, x, y.index_select(0, ids), w, sender.index_select(0, ids), rows_of, rows)
         return _reference_conv(p, x, y, radial_table_reference(r, coeffs, r_max), sender, receiver, rows)
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous()

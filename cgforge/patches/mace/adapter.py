@@ -33,7 +33,7 @@ from torch import Tensor
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
 from ..radial_table import fused_edge_bytes
 from ..streaming import Deferred
-from . import radial_table, streaming
+from . import radial_table, row_chunks, streaming
 from .patch import SUPPORTED_INTERACTIONS
 
 __all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
@@ -147,6 +147,11 @@ class MaceAdapter:
             streaming.set_streaming(self.model, None)
             return 0
         return streaming.set_streaming(self.model, streaming.chunk_edges_for(self.model, budget_bytes, self.dtype))
+
+    def set_row_chunks(self, n_atoms: int | None) -> bool:
+        """The blocks' convolution rows and linear in chunks where ``n_atoms`` need it (``mace.row_chunks``)."""
+        rows = None if n_atoms is None else row_chunks.chunk_rows_for(self.model, n_atoms, self.dtype)
+        return row_chunks.set_row_chunks(self.model, rows)
 
     def why_not_tabulated(self) -> str | None:
         return radial_table.why_not_tabulated(self.model)

@@ -75,6 +75,7 @@ class FusedConvTP(torch.nn.Module, StandIn):
     """MACE's ``conv_tp`` with the conv_fusion call signature, backed by ``cgforge.kernels.Convolution``."""
 
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
+    row_chunk: int | None = None  # a class default too: models pickled before the attribute existed read it
 
     def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache) -> None:
         super().__init__()
@@ -101,6 +102,8 @@ class FusedConvTP(torch.nn.Module, StandIn):
         # While streaming: the block's next linear layer, applied per chunk inside the convolution (a tuple:
         # not a submodule, so the state_dict is unchanged; streaming.set_streaming sets it)
         self.fused_linear: tuple[torch.nn.Module, ...] = ()
+        # Stored path, table read in the kernels, with the linear fused: rows per chunk (row_chunks.set_row_chunks)
+        self.row_chunk: int | None = None
         # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
         self.original = (e3nn_tp,)
 
@@ -112,16 +115,23 @@ class FusedConvTP(torch.nn.Module, StandIn):
         edge_index: torch.Tensor,
     ) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
+        # the block's next linear when this convolution applies it (streaming, row chunks): the result is tagged
+        linear = self.fused_linear[0] if self.fused_linear else None
         if isinstance(tp_weights, TableWeights):  # the block's radial table, read inside the kernels
-            return self.conv.forward_table(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.lengths,
-                                           tp_weights.coeffs, tp_weights.r_max, graph)
-        if isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
-            linear = self.fused_linear[0] if self.fused_linear else None
+            args = (node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.lengths, tp_weights.coeffs,
+                    tp_weights.r_max, graph)
+            if linear is not None and self.row_chunk is not None and graph.deterministic:
+                out = self.conv.forward_table_rows(*args, linear, self.row_chunk)
+            else:
+                out = self.conv.forward_table(*args)
+                out = out if linear is None else linear(out)
+        elif isinstance(tp_weights, DeferredWeights):  # streaming: the radial MLP runs per chunk of edges
             out = stream(self.conv, node_feats.contiguous(), edge_attrs, tp_weights, graph, self.chunk_edges,
                          out_fn=linear)
-            return out if linear is None else mark_linear_applied(out, linear)
-        # The attention block passes a column slice of a wider tensor; the kernels need dense rows.
-        return self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
+        else:  # the attention block passes a column slice of a wider tensor; the kernels need dense rows
+            out = self.conv(node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.contiguous(), graph)
+            out = out if linear is None else linear(out)
+        return out if linear is None else mark_linear_applied(out, linear)
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return convolution_check(self, generator, self.conv, self.original[0])

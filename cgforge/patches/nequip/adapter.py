@@ -134,6 +134,10 @@ class NequipAdapter:
         chunk = streaming.chunk_edges_for(self.energy_model, budget_bytes, self.dtype)
         return streaming.set_streaming(self.energy_model, chunk)
 
+    def set_row_chunks(self, n_atoms: int | None) -> bool:
+        """NequIP's convolution outputs are as narrow as its features: nothing to chunk."""
+        return False
+
     def why_not_tabulated(self) -> str | None:
         return radial_table.why_not_tabulated(self.energy_model)
 
