@@ -27,7 +27,8 @@ cgforge-compiled (captured, the model's forward and backward compiled by torch.c
 its first call, compilation included, is ``first_call_s``), cgforge-mlp (captured, the radial MLPs run rather
 than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
 tables on for FP32 MACE and NequIP on CUDA), cgforge-stored (captured, ``streaming=False``: never the streaming
-path, which the default turns on when its estimate of the stored path's memory exceeds the free memory), e3nn, cueq, oeq, hybrid (the peers' calculators with
+path, which the default turns on when its estimate of the stored path's memory exceeds the free memory),
+cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
@@ -73,7 +74,7 @@ BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cg
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
             "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
-            "cgforge-stored")
+            "cgforge-stored", "cgforge-stored-eager")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
                "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
@@ -89,7 +90,8 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-streaming": {"streaming": True},
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
                    "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
-                   "cgforge-stored": {"streaming": False}}
+                   "cgforge-stored": {"streaming": False},
+                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
