@@ -33,11 +33,11 @@ from .stand_in import StandIn, checked
 from .torch_internals import adopt
 
 # Inputs larger than CHUNKED_ABOVE_BYTES go through SplitLinear in row chunks of CHUNK_BYTES of input (and output)
-# when its weights are frozen: from ~210k MACE-MP-medium atoms ([N, 5120] FP32), where memory, not a few percent
-# of time, decides what fits (H100, 499k atoms: 1.567 s a call whole, 1.659 s in chunks, two runs); smaller
-# ones run as one GEMM per path, as before. MACE's row chunks (patches/mace/row_chunks.py) use the same sizes.
+# when its weights are frozen: from ~52k MACE-MP-medium atoms ([N, 5120] FP32). Memory decides what fits there,
+# a few percent of time does not (H100, 499k atoms: 1.567 s a call whole, 1.659 s in chunks, two runs); smaller
+# inputs run as one GEMM per path, as before. MACE's row chunks (patches/mace/row_chunks.py) use the same sizes.
 CHUNK_BYTES = 256 << 20
-CHUNKED_ABOVE_BYTES = 4 << 30
+CHUNKED_ABOVE_BYTES = 1 << 30
 
 
 class _RowChunkedMap(torch.autograd.Function):
