@@ -376,6 +376,21 @@ def test_an_outgrown_verlet_list_grows_with_room(mace_calc):
     _assert_same(_run(step, mace_calc, atoms), ref, len(atoms))
 
 
+def test_the_verlet_list_lives_in_the_step_buffers(mace_calc):
+    """Once copied into the step's static buffers, the list reads its pairs there (one copy of them: 5.5 GB at a
+    million atoms), and the next rebuild still finds and loads a new list."""
+    atoms = _box(seed=3)
+    step = step_graph.ModelStep(mace_calc.adapter, VerletNeighbourList(mace_calc.cutoff, 1.0), padded=True)
+    for _ in range(2):  # the second: a rebuild (the cell changed)
+        got = _run(step, mace_calc, atoms)
+        nl = step.neighbours
+        for listed, buffer in zip((nl.sender, nl.receiver, nl.shifts), step._verlet[:3], strict=True):
+            assert listed.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert torch.equal(listed, buffer[:listed.shape[0]])
+        _assert_same(got, _run(mace_calc.step, mace_calc, atoms), len(atoms))
+        atoms.set_cell(atoms.cell * 1.01, scale_atoms=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA: captured equals eager
 
