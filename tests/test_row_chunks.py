@@ -104,6 +104,18 @@ def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
     assert all(b.conv_tp.row_chunk is None for b in calc.model.interactions)
 
 
+def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:
+    from cgforge.patches import mace as pm
+
+    _small_chunks(monkeypatch, 5)
+    calc = _calculator()
+    _energy_forces(calc, water_box(8, seed=1))
+    assert _chunked_blocks(calc) == [5, 5] and isinstance(calc.model.spherical_harmonics, RecomputedHarmonics)
+    pm.unpatch(calc.model)
+    left = [type(m).__qualname__ for m in calc.model.modules() if type(m).__module__.startswith("cgforge")]
+    assert left == []
+
+
 def test_the_engine_plans_rows_at_its_start(monkeypatch, fp64_one_thread) -> None:
     from cgforge.plugin.engine import Engine
     from cgforge.plugin.integrators import VelocityVerlet

@@ -47,6 +47,7 @@ from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
 from .radial_table import set_radial_table
+from .row_chunks import set_row_chunks
 from .streaming import DeferredWeights, mark_linear_applied, set_streaming
 from .symmetric_contraction import SymmetricContraction
 
@@ -282,6 +283,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             raise UnsupportedModelError(
                 f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
             )
+    set_row_chunks(model, None)
     set_streaming(model, None)
     set_radial_table(model, False)
     stand_in.swap_out(model, (FusedConvTP, FusedSymmetricContraction))

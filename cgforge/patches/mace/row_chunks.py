@@ -102,7 +102,7 @@ def set_row_chunks(model: torch.nn.Module, chunk_rows: int | None) -> bool:
         changed |= block.conv_tp.row_chunk != chunk_rows
         block.conv_tp.row_chunk = chunk_rows
         _fuse_linear([block], chunk_rows is not None)
-    if blocks and not any(b.conv_tp.chunk_edges is not None for b in blocks):
+    if chunk_rows is None or blocks:
         before = model.spherical_harmonics
         _recompute_harmonics(model, chunk_rows is not None)
         changed |= model.spherical_harmonics is not before
