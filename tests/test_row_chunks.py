@@ -35,6 +35,18 @@ def _small_chunks(monkeypatch, rows: int, itemsize: int = 8) -> None:
     monkeypatch.setattr(row_chunks, "CHUNK_BYTES", rows * widest * itemsize)
 
 
+def _model_energy(calc: Calculator, atoms) -> torch.Tensor:
+    """The patched model's energy of ``atoms`` called directly (outside the calculator's step), differentiable."""
+    from cgforge.plugin.neighbours import neighbour_list
+
+    kw = {"dtype": torch.float64}
+    positions, cell = torch.as_tensor(atoms.get_positions(), **kw), torch.as_tensor(np.array(atoms.cell), **kw)
+    sender, receiver, shifts = neighbour_list(positions, cell, tuple(atoms.pbc), calc.cutoff)
+    vectors = positions[receiver] - positions[sender] + shifts.to(positions.dtype) @ cell
+    species = calc.adapter.species(atoms.numbers)
+    return calc.adapter.energy(positions, vectors, species, calc.adapter.edge_index(sender, receiver), False)[0]
+
+
 def _chunked_blocks(calc: Calculator) -> list[int | None]:
     return [b.conv_tp.row_chunk if isinstance(b.linear, AppliedLinear) else None for b in calc.model.interactions]
 
@@ -102,6 +114,29 @@ def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
     calc.streaming = True
     calc.plan_rows(48)  # the calculator never chunks rows while streaming
     assert all(b.conv_tp.row_chunk is None for b in calc.model.interactions)
+
+
+def test_a_trained_linear_gets_its_gradient_from_whole_rows(monkeypatch) -> None:
+    """Row chunks treat the linear's weights as constants: with weights that need a gradient (training) the block
+    runs whole rows, and the weights get the gradient they would without chunks."""
+    _small_chunks(monkeypatch, 5)
+    atoms = water_box(8, seed=5)
+    grads = []
+    for chunked in (False, True):
+        calc = _calculator()
+        _energy_forces(calc, atoms)  # plans the rows for this size
+        if not chunked:
+            calc.adapter.set_row_chunks(None)
+        assert _chunked_blocks(calc) == ([5, 5] if chunked else [None, None])
+        linear = calc.model.interactions[1].linear
+        linear = linear.module if isinstance(linear, AppliedLinear) else linear
+        linear.weight.requires_grad_(True)
+        with torch.enable_grad():
+            energy = _model_energy(calc, atoms)
+            (g,) = torch.autograd.grad(energy, linear.weight)
+        grads.append(g)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+    assert grads[0].abs().max() > 0
 
 
 def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:

@@ -121,7 +121,9 @@ class FusedConvTP(torch.nn.Module, StandIn):
         if isinstance(tp_weights, TableWeights):  # the block's radial table, read inside the kernels
             args = (node_feats.contiguous(), edge_attrs.contiguous(), tp_weights.lengths, tp_weights.coeffs,
                     tp_weights.r_max, graph)
-            if linear is not None and self.row_chunk is not None and graph.deterministic:
+            if linear is not None and self.row_chunk is not None and graph.deterministic and not (
+                    torch.is_grad_enabled() and any(p.requires_grad for p in linear.parameters())):
+                # (a trained linear's gradient needs its whole input: whole rows then)
                 out = self.conv.forward_table_rows(*args, linear, self.row_chunk)
             else:
                 out = self.conv.forward_table(*args)
