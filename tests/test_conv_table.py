@@ -127,6 +127,17 @@ def test_rows_in_chunks_equal_the_map_of_the_whole_convolution(chunk_rows: int) 
         assert rel(a, b) < 1e-12 and b.abs().max() > 0
 
 
+def test_row_ranges_cover_every_row_once() -> None:
+    from cgforge.kernels.convolution.table_rows import row_ranges
+
+    assert row_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert row_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert row_ranges(3, 50) == [(0, 3)]
+    assert row_ranges(0, 5) == [(0, 0)]  # no rows: one empty range, so the output still gets its width
+    with pytest.raises(ValueError, match="chunk_rows"):
+        row_ranges(5, 0)
+
+
 def test_rows_in_chunks_bad_arguments() -> None:
     conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
     linear = _row_map(conv.irreps_out.dim)
