@@ -30,6 +30,7 @@ import torch
 from . import ops
 from .graph import ConvGraph
 from .module import Convolution
+from .table_rows import row_map_transpose
 
 __all__ = ["MIN_CHUNK_ROWS", "EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
 
@@ -97,18 +98,6 @@ def _row_map_width(out_fn: Callable[[torch.Tensor], torch.Tensor], conv: Convolu
     return out_fn(x.new_zeros(1, conv.irreps_out.dim)).shape[-1]
 
 
-def _row_map_transpose(out_fn: Callable[[torch.Tensor], torch.Tensor], g: torch.Tensor, conv: Convolution,
-                       ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The gradient of the convolution's rows from the gradient of out_fn's rows, range by range. out_fn is
-    affine, so its vector-Jacobian product is the same at every point: taken at zero rows."""
-    gc = g.new_empty(g.shape[0], conv.irreps_out.dim)
-    for r0, r1 in ranges:
-        with torch.enable_grad():
-            z = g.new_zeros(r1 - r0, conv.irreps_out.dim, requires_grad=True)
-            gc[r0:r1] = torch.autograd.grad(out_fn(z), z, g[r0:r1])[0]
-    return gc
-
-
 class _StreamingConv(torch.autograd.Function):
     """out = out_fn(conv(x, y, w)) with (y, w) = edge_fn(*(t[chunk] for t in edge_inputs)) made per chunk of
     edges (out_fn None: the identity)."""
@@ -139,7 +128,10 @@ class _StreamingConv(torch.autograd.Function):
         x, *edge_inputs = ctx.saved_tensors
         conv, graph, chunks = ctx.conv, ctx.graph, ctx.chunks
         t = graph.tensors()
-        g = g.contiguous() if ctx.out_fn is None else _row_map_transpose(ctx.out_fn, g, conv, chunks.forward)
+        if ctx.out_fn is None:
+            g = g.contiguous()
+        else:
+            g = row_map_transpose(ctx.out_fn, g, conv.irreps_out.dim, chunks.forward)
         gx = torch.empty_like(x)
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[7:]) if need]
         grads = [torch.zeros_like(edge_inputs[i]) for i in wanted]

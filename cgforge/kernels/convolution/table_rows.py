@@ -22,7 +22,7 @@ import torch
 
 from .table_ops import conv_table_backward, conv_table_forward
 
-__all__ = ["conv_table_rows", "row_ranges"]
+__all__ = ["conv_table_rows", "row_map_transpose", "row_ranges"]
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -34,8 +34,10 @@ def row_ranges(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + chunk_rows, rows)) for r0 in range(0, max(rows, 1), chunk_rows)]
 
 
-def _transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The gradient of out_fn's input rows from that of its output rows, range by range (differentiable in g)."""
+def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The gradient of an affine row map's ``width``-wide input rows from ``g``, that of its output rows, range by
+    range: its vector-Jacobian product, the same at every point, so taken at zero rows (differentiable in g when
+    grad mode is on: a double backward). Shared with the streaming convolution."""
     keep_graph = torch.is_grad_enabled()  # a double backward: gc stays a function of g
     gc = g.new_empty(g.shape[0], width)
     for r0, r1 in ranges:
@@ -66,7 +68,7 @@ class _TableConvRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         x, y, r, coeffs, *graph = ctx.saved_tensors
-        gc = _transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
+        gc = row_map_transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
         gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True)
         return (gx, gy, gr) + (None,) * 12
 

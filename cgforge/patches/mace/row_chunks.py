@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.convolution.streaming import MIN_CHUNK_ROWS  # fewer rows than a wave of warps idle SMs
 from ..e3nn_layers import CHUNK_BYTES, CHUNKED_ABOVE_BYTES
 from ..radial_table import TabulatedRadial
 from ..streaming import Deferred
 from .streaming import _fuse_linear, streaming_blocks
 
 __all__ = ["RecomputedHarmonics", "chunk_rows_for", "row_chunk_blocks", "set_row_chunks"]
-
-# The convolution kernels run one warp per row: fewer rows than about one wave of resident warps idle SMs.
-MIN_CHUNK_ROWS = 4096
-
 
 class _Recomputed(torch.autograd.Function):
     """``module(vectors)`` keeping only ``vectors`` for the backward, which evaluates the module again (any
