@@ -97,6 +97,7 @@ PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
 NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
+STAGE = {"now": ""}  # what measure() was doing: an out-of-memory row names it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,9 +231,11 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     a.calc = calc
     sync()
     t = time.perf_counter()
+    STAGE["now"] = "the first forces call"
     a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
     sync()
     row["first_call_s"] = time.perf_counter() - t
+    STAGE["now"] = "the NVT steps"
     nvt = time_steps(a, steps, warmup, ("forces", "energy"))
     row["nvt_s"] = float(np.median(nvt))
     row["peak_gb_nvt"] = peak_gb()
@@ -268,7 +271,9 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
         calc.record_timings(False)
         row["breakdown_nvt"] = {k: v / timed for k, v in seconds.items()}
         row["breakdown_nvt"]["other"] = total / timed - sum(row["breakdown_nvt"].values())
+        STAGE["now"] = "a second neighbour list (timing its build)"
         row["nl_build_s"] = nl_build_seconds(calc, a)
+        STAGE["now"] = "the NPT steps (stress)"
         calc.stress_with_forces = True
         reset_memory()
         npt = time_steps(a, steps, warmup, ("forces", "energy"), seed=3)
@@ -589,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
             for model_name in models:
                 for backend in available_backends(args.backends.split(","), model_name):
                     try:
+                        STAGE["now"] = ""
                         if backend in MD_BACKENDS:
                             relaxed = relaxed if relaxed is not None else md_atoms(atoms, dtype)
                             row = measure_md(model_name, backend, dtype, relaxed, files)
@@ -596,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
                             row = measure(model_name, backend, dtype, atoms, files, args.steps, args.warmup)
                     except torch.cuda.OutOfMemoryError:
                         row = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms),
-                               "error": "out of GPU memory"}
+                               "error": f"out of GPU memory in {STAGE['now'] or 'the run'}"}
                     except Exception as err:  # a peer failing must not stop the others
                         row = {"model": model_name, "backend": backend, "dtype": dtype, "atoms": len(atoms),
                                "error": f"{type(err).__name__}: {str(err)[:200]}"}

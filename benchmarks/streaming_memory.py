@@ -1,11 +1,11 @@
 """Where the memory of a streaming MACE step goes: at rest, energy only, energy + forces (one GPU, FP32).
 
-    python benchmarks/streaming_memory.py --systems 20k,100k [--streaming on|off] [--first-call forces] [--cuda-graph]
+    python benchmarks/streaming_memory.py --systems 20k,100k [--streaming on|off] [--calls forces,forces] [--cuda-graph]
 
-Prints GB and bytes per atom / per edge for: the calculator's buffers at rest after a step (neighbour list,
-edge layout, model), the peak of an energy-only call (forward, the first call: it builds the neighbour list)
-and of an energy + forces call, and what is alive at the forces call's peak, by the code that allocated it
-(torch's allocation history, replayed). JSON goes to benchmarks/results/ (or $OUT).
+Prints, for each call in order (the first builds the neighbour list): its peak GB, what is allocated at rest before
+it (neighbour list, edge layout, model, and anything a previous call left behind), and what is alive at its peak,
+by the code that allocated it (torch's allocation history, replayed); bytes per atom / per edge of the largest
+forces call. JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -66,8 +66,12 @@ def peak_allocations(trace: list[dict], top: int = 16) -> tuple[float, list[tupl
     return peak / GB, [first] + sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
 
 
-def probe(atoms, model: torch.nn.Module, streaming: bool, skin: float, phases: tuple[str, ...] = ("energy", "forces"),
+def probe(atoms, model: torch.nn.Module, streaming: bool, skin: float, calls: tuple[str, ...] = ("energy", "forces"),
           cuda_graph: bool = False) -> dict:
+    """Peak GB of each call in ``calls`` (energy or forces; the first builds the neighbour list; the atoms move by
+    1e-3 Å between calls, as an MD step does), what is allocated at rest before each later call, and what is alive at
+    each peak. Keys: ``<i>_<call>_peak_gb``, ``<i>_rest_gb``, ``<i>_<call>_alive_at_peak_gb``; ``forces_peak_gb`` is
+    the largest forces call."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -75,33 +79,31 @@ def probe(atoms, model: torch.nn.Module, streaming: bool, skin: float, phases: t
                       skin=skin)
     a = atoms.copy()
     a.calc = calc
-    torch.cuda.reset_peak_memory_stats()
-    row = {"atoms": len(a)}
+    row = {"atoms": len(a), "calls": list(calls)}
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
-        for phase in phases:
-            call = a.get_potential_energy if phase == "energy" else a.get_forces
-            if phase == "forces" and "energy" in phases:
+        for i, call in enumerate(calls):
+            key = f"{i}_{call}"
+            if i:
                 a.positions += 1e-3
-                row["rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
+                row[f"{i}_rest_gb"] = (torch.cuda.memory_allocated() - base) / GB
             torch.cuda.reset_peak_memory_stats()
             try:
-                call()
+                (a.get_potential_energy if call == "energy" else a.get_forces)()
             except torch.cuda.OutOfMemoryError as error:  # what was alive when it failed
-                row["error"] = f"out of GPU memory in the {phase} call: {str(error).splitlines()[0][:160]}"
+                row["error"] = f"out of GPU memory in call {i} ({call}): {str(error).splitlines()[0][:160]}"
             trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
             torch.cuda.memory._record_memory_history(enabled=None)
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", clear_history=True)
-            row[f"{phase}_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
-            above, sites = peak_allocations(trace)
-            row[f"{phase}_alive_at_peak_gb"] = dict(sites)
+            row[f"{key}_peak_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
+            row[f"{key}_alive_at_peak_gb"] = dict(peak_allocations(trace)[1])
             if "error" in row:
                 return row
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     row.update(edges=calc.n_edges, streaming=calc.streaming)
-    row.setdefault("rest_gb", float("nan"))
-    row["energy_peak_gb"] = row.get("energy_peak_gb", float("nan"))
+    row["forces_peak_gb"] = max((row[f"{i}_forces_peak_gb"] for i, c in enumerate(calls) if c == "forces"),
+                                default=float("nan"))
     row["bytes_per_atom"] = row["forces_peak_gb"] * GB / len(a)
     row["bytes_per_edge"] = row["forces_peak_gb"] * GB / max(calc.n_edges, 1)
     del calc, a
@@ -114,19 +116,21 @@ def main() -> None:
     parser.add_argument("--systems", default="20k,100k")
     parser.add_argument("--streaming", default="on", choices=("on", "off"))
     parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin in Å (bench_md's default)")
-    parser.add_argument("--first-call", default="energy", choices=("energy", "forces"),
-                        help="energy: an energy call (it builds the neighbour list), then a forces call; forces: "
-                             "one forces call that builds the list too, as bench_md and MD begin")
+    parser.add_argument("--calls", default="energy,forces",
+                        help="the calls in order, energy or forces (the first builds the neighbour list); e.g. "
+                             "forces,forces,forces as bench_md and MD run")
     parser.add_argument("--cuda-graph", action="store_true", help="captured, as the default calculator runs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("streaming_memory.py needs a CUDA GPU")
+    calls = tuple(args.calls.split(","))
+    if not calls or any(c not in ("energy", "forces") for c in calls):
+        sys.exit(f"--calls: expected energy and/or forces separated by commas, got {args.calls!r}")
     model = mace_mp_shape(torch.float32, "medium")
     rows = []
     for name in args.systems.split(","):
         try:
-            phases = ("energy", "forces") if args.first_call == "energy" else ("forces",)
-            row = probe(water_box(n_side=WATER[name]), model, args.streaming == "on", args.skin, phases,
+            row = probe(water_box(n_side=WATER[name]), model, args.streaming == "on", args.skin, calls,
                         args.cuda_graph)
         except torch.cuda.OutOfMemoryError as error:
             row = {"system": name, "error": f"out of GPU memory: {str(error).splitlines()[0][:160]}"}
@@ -137,17 +141,15 @@ def main() -> None:
         print(row, flush=True)
     path = write_json("streaming-memory", {"environment": environment(), "rows": rows, "args": vars(args)})
     print(f"JSON: {path}")
-    print(f"{'system':8} {'atoms':>8} {'edges':>10} {'rest GB':>8} {'E GB':>8} {'E+F GB':>8} {'B/atom':>8} {'B/edge':>7}")
     for r in rows:
-        for phase in ("energy", "forces"):
-            for site, gb in r.get(f"{phase}_alive_at_peak_gb", {}).items():
-                print(f"{r['system']:8} alive at the {phase} peak: {gb:7.3f} GB  {site}")
+        for i, call in enumerate(r.get("calls", ())):
+            for site, gb in r.get(f"{i}_{call}_alive_at_peak_gb", {}).items():
+                print(f"{r['system']:8} alive at call {i}'s peak ({call}): {gb:7.3f} GB  {site}")
+    print(f"{'system':8} {'atoms':>8} {'edges':>10}  calls: peak GB (GB at rest before it)")
     for r in rows:
-        if "error" in r:
-            print(f"{r['system']:8} {r['error']}")
-            continue
-        print(f"{r['system']:8} {r['atoms']:8d} {r['edges']:10d} {r['rest_gb']:8.2f} {r['energy_peak_gb']:8.2f} "
-              f"{r['forces_peak_gb']:8.2f} {r['bytes_per_atom']:8.0f} {r['bytes_per_edge']:7.0f}")
+        calls_gb = "  ".join(f"{i} {c} {r[f'{i}_{c}_peak_gb']:.2f}" + (f" ({r[f'{i}_rest_gb']:.2f})" if i else "")
+                             for i, c in enumerate(r.get("calls", ())) if f"{i}_{c}_peak_gb" in r)
+        print(f"{r['system']:8} {r.get('atoms', 0):8d} {r.get('edges', 0):10d}  {calls_gb}  {r.get('error', '')}")
 
 
 if __name__ == "__main__":
