@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,6 +53,7 @@ from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
 from .compiled import check_compile, parse_compile
 from .inputs import ModelAdapter, adapter_for, is_nequip_model
+from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
 from .neighbours import VerletNeighbourList
 from .step_graph import ModelStep
 
@@ -60,7 +61,6 @@ __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device",
 
 BUNDLED = ("mace", "nequip")
 _WARMUP_ATOMS = 8
-STREAMING_AUTO_FRACTION = 0.7  # streaming=None: on when the stored path's estimated peak exceeds this of free memory
 RADIAL_TF32_TOL = 1e-4  # the largest relative change of the forces a TF32 radial-MLP mode may make (issue 10)
 _SHOWN_ATOMS = 8  # atom indices named in a NonFiniteOutputError
 
@@ -245,8 +245,8 @@ class Calculator(AseCalculator):
     for forces and stress in separate calls; costs one small GEMM more in the backward).
     warmup: run the model once at construction so kernels compile now, not in the first MD step.
     cuda_graph: capture the model step in a CUDA graph and replay it (None: on for CUDA when the model's
-    edges beyond the cutoff are known to contribute zero, ``self.inert_edges``; True where that is not known
-    or not on CUDA is an error).
+    edges beyond the cutoff are known to contribute zero, ``self.inert_edges``, except for boxes near a full device,
+    whose steps take seconds: ``memory_plan``; True where that is not known or not on CUDA is an error).
     filter_edges: cut the Verlet list to the cutoff every step, on the device (True), or feed the model the
     whole list, skin included (False: no per-step cut and one edge layout per rebuild, but ~((rc + skin) /
     rc)^3 times the edges). None: True. False needs a model whose edges beyond the cutoff contribute zero.
@@ -269,11 +269,12 @@ class Calculator(AseCalculator):
     stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
     grows with atoms, not edges x channels. True: on (eager steps: chunk ranges are read on the host, so no CUDA
     graph); False: off; None (default): on for a CUDA structure whose stored path would take more than
-    ``STREAMING_AUTO_FRACTION`` of the free device memory (estimated from the edge count), or that ran out of
-    memory on the stored path (the step is then retried streaming); ``self.streaming`` says what is in use.
-    Measured (H100, MACE-MP-medium shape, FP32): streaming costs time (5184 atoms: 63 ms eager vs 27 ms captured)
-    and saves memory (5.2 vs 6.8 GB; 500k atoms in 38 GB and 1.03 M in 75 GB, where the stored path stops near
-    40k).
+    ``STREAMING_AUTO_FRACTION`` of the free device memory (estimated per system size from the exact edge count:
+    ``self.memory_plan``), or that ran out of memory on the stored path (the step is then retried streaming);
+    ``self.streaming`` says what is in use. Near a full device the calculator turns on torch's expandable
+    allocator segments for the process (``memory_plan``; not when ``PYTORCH_CUDA_ALLOC_CONF`` is set:
+    ``self.expandable_segments`` says). Measured (H100, MACE-MP-medium shape, FP32): with the radial tables and
+    row chunks the stored path runs 1.03 M atoms in 73 GB at 3.6 s a step, streaming in 71 GB at 6.5 s.
     compile: False (default), True or an Inductor mode (``"default"``, ``"max-autotune-no-cudagraphs"``): compile the
     model's forward and backward with ``torch.compile`` (``cgforge.plugin.compiled``), fusing the small elementwise
     kernels around cgforge's own; the step is still captured in a CUDA graph (``cuda_graph``). The first step pays the
@@ -349,7 +350,10 @@ class Calculator(AseCalculator):
             raise TypeError(f"streaming: expected None, True or False, got {streaming!r}")
         self.streaming_requested = streaming
         self.streaming = False
-        self._auto_streaming_checked = -1  # the atom count whose memory estimate was last made
+        self._memory_planned = -1  # the atom count whose memory plan was last made (_plan_memory)
+        self.memory_plan: MemoryPlan | None = None
+        self.expandable_segments = False  # turned on by a plan near a full device (or the user's allocator setting)
+        self._graph_off_for_size = False  # plan_memory turned capture off for a box near a full device
         self._rows_planned = -1  # the atom count row chunks were last chosen for (plan_rows)
         if streaming:
             if cuda_graph:
@@ -364,6 +368,7 @@ class Calculator(AseCalculator):
             check_compile(self.device, patched=self.patched, streaming=self.streaming)
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
                               cuda_graph=self._cuda_graph(cuda_graph), compile=self.compile)
+        self._cuda_graph_requested = cuda_graph
         self.timings: _Timings | None = None
         self._species: Tensor | None = None
         self._pbc: tuple[bool, bool, bool] | None = None
@@ -431,18 +436,42 @@ class Calculator(AseCalculator):
                              "patch=True too)")
         self.streaming = True
 
-    def _auto_streaming(self, positions: np.ndarray, volume: float) -> None:
-        """Turn streaming on (for good) when this structure's stored per-edge tensors would not fit comfortably."""
-        if self.streaming or self.streaming_requested is not None or self.device.type != "cuda" or volume <= 0.0:
-            return
-        n = positions.shape[0]
-        if n == self._auto_streaming_checked:  # once per system size: MD steps pay nothing for it
-            return
-        self._auto_streaming_checked = n
-        edges = n * n / volume * 4.19 * self.cutoff ** 3  # uniform density: n x atoms within the cutoff sphere
+    def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True) -> MemoryPlan | None:
+        """Once per system size on CUDA (MD steps pay nothing for it): ``count_edges()`` (it builds the Verlet list
+        and counts the edges the model will see) and a choice from the stored path's estimated peak
+        (``memory_plan``): streaming for good where it would not fit (with ``streaming=None`` at construction and
+        ``streaming`` here), expandable allocator segments where the call comes near a full device. The MD engine
+        calls it at its start (without streaming: its step is captured)."""
+        if self.device.type != "cuda" or n_atoms == self._memory_planned:
+            return self.memory_plan
+        self._memory_planned = n_atoms
         free, _ = torch.cuda.mem_get_info(self.device)
-        if edges * self.adapter.stored_edge_bytes() > STREAMING_AUTO_FRACTION * free:
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's cache
+        edges = count_edges()
+        chunkable = not self.streaming and self.step.compiled is None  # plan_rows' condition
+        plan = plan_memory(edges, self.adapter.stored_edge_bytes(n_atoms if chunkable else None), free)
+        self.memory_plan = plan
+        if plan.expandable and not self.expandable_segments:
+            self.expandable_segments = use_expandable_segments()
+        if streaming and plan.stream and not self.streaming and self.streaming_requested is None:
             self._switch_to_streaming()
+        self._capture_by_size(plan)
+        return plan
+
+    def _capture_by_size(self, plan: MemoryPlan) -> None:
+        """No CUDA graph for a box near a full device (``plan.capture`` False) unless asked for (``cuda_graph=True``):
+        its steps take seconds, so replaying saves little, and the graph's private memory pool is what a 1.03
+        M-atom capture ran out of (H100: 19.6 GiB asked with 22.9 GiB held by the pool) before its eager retry;
+        back on for a smaller box."""
+        if self._cuda_graph_requested is not None or self.streaming:
+            return
+        if not plan.capture and self.step.cuda_graph:
+            self.step.cuda_graph = False
+            self.step.invalidate()
+            self._graph_off_for_size = True
+        elif plan.capture and self._graph_off_for_size:
+            self.step.cuda_graph = True
+            self._graph_off_for_size = False
 
     def plan_rows(self, n_atoms: int) -> None:
         """Per system size: the stored path makes its widest per-atom rows (a block's convolution output and the
@@ -582,7 +611,7 @@ class Calculator(AseCalculator):
         """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure."""
         if not np.isfinite(positions).all():
             raise ValueError("atoms: positions contain NaN or inf")
-        self._auto_streaming(positions, volume)
+        self.plan_memory(positions.shape[0], lambda: self.step.prepare(positions, cell, pbc, species))
         self.plan_rows(positions.shape[0])
         if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
             self._check_radial_precision(positions, cell, pbc, species)

@@ -149,10 +149,20 @@ class ModelForces:
         self.pbc = pbc
         self.changes_cell = bool(changes_cell)
         self.species = self.calc.adapter.species(np.asarray(numbers))
+
+        loaded = []
+
+        def load() -> None:
+            self.step.load(positions.to(self.dtype), cell.to(self.dtype), self.species)
+            self.rebuild(positions, cell)
+            loaded.append(True)
+
+        # the allocator's mode for this size (the engine's step is captured: the plan does not stream it)
+        self.calc.plan_memory(len(numbers), lambda: (load(), self.step.edge_count())[1], streaming=False)
+        if not loaded:  # planned before for this size (or not on CUDA)
+            load()
         self.calc.plan_rows(len(numbers))
-        self.step.load(positions.to(self.dtype), cell.to(self.dtype), self.species)
         self._false = _false(self.device)
-        self.rebuild(positions, cell)
 
     def rebuild(self, positions: Tensor, cell: Tensor) -> None:
         """New Verlet list at these (committed) positions; host syncs."""

@@ -71,8 +71,9 @@ class ModelAdapter(Protocol):
         """None when edges at or beyond the cutoff contribute exactly zero (and zero derivative) to the energy,
         else why that is not known for this model."""
 
-    def stored_edge_bytes(self) -> int:
-        """Bytes per edge the model's stored path keeps per call in its per-edge tensors (0: not known)."""
+    def stored_edge_bytes(self, n_atoms: int | None = None) -> int:
+        """Peak bytes per edge of the model's stored-path force call for ``n_atoms`` atoms (None: any size; 0: not
+        known)."""
 
     def set_streaming(self, budget_bytes: int | None) -> int:
         """Compute per-edge weights chunk by chunk (chunks sized to ``budget_bytes``), or stop (None); the

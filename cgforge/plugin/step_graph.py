@@ -189,6 +189,23 @@ class ModelStep:
         self.n_edges = count
         return host[:-1]
 
+    def prepare(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor
+                ) -> int:
+        """Load a structure and bring its Verlet list up to date, as ``run`` begins (``run`` then finds it fresh);
+        returns the number of edges the model will see (one host sync): what a memory plan needs to know."""
+        self._load_structure(positions, cell, species)
+        self._refresh_list(pbc)
+        return self.edge_count()
+
+    def edge_count(self) -> int:
+        """Edges the model sees at the loaded positions with the loaded Verlet list (one host sync)."""
+        if self._verlet is None:
+            raise RuntimeError("edge_count: no Verlet list loaded yet (run, prepare or rebuild first)")
+        if not self.filter_edges:
+            return int(self.neighbours.sender.shape[0])
+        with torch.no_grad():
+            return int(self._keep().sum())
+
     def _refresh_list(self, pbc: tuple[bool, bool, bool]) -> None:
         """Rebuild the Verlet list when it is stale (one host sync) and load it into the static buffers."""
         with self.phase("neighbour_list"):

@@ -130,15 +130,20 @@ class MaceAdapter:
     def inert_beyond_cutoff(self) -> str | None:
         return inert_beyond_cutoff(self.model)
 
-    def stored_edge_bytes(self) -> int:
+    def stored_edge_bytes(self, n_atoms: int | None = None) -> int:
         """Peak bytes per edge of a stored-path force call, for choosing streaming: every layer's weight rows
         about 2.3 times (weights, their gradient, the MLP's activations), which with the edge inputs and the
         neighbour list matches the H100 peaks of the MACE-MP-medium shape (15.6 KB/edge at 5k and 20k atoms); with
-        every block's table read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS``."""
+        every block's table read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS``, or
+        ``row_chunks.ROW_CHUNKED_EDGE_ITEMS`` where ``n_atoms`` atoms make their rows in chunks."""
         itemsize = torch.finfo(self.dtype).bits // 8
         blocks = streaming.streaming_blocks(self.model)
         fused = fused_edge_bytes(radial_table.radial_tables(self.model), len(self.model.interactions), itemsize)
-        return fused if fused is not None else int(2.3 * itemsize * sum(b.conv_tp.weight_numel for b in blocks))
+        if fused is None:
+            return int(2.3 * itemsize * sum(b.conv_tp.weight_numel for b in blocks))
+        if n_atoms is not None and row_chunks.chunk_rows_for(self.model, n_atoms, self.dtype) is not None:
+            return row_chunks.ROW_CHUNKED_EDGE_ITEMS * itemsize
+        return fused
 
     def set_streaming(self, budget_bytes: int | None) -> int:
         """Stream the edges of every layer that can, in chunks sized to ``budget_bytes`` (None: stop).

@@ -27,7 +27,13 @@ from ..radial_table import TabulatedRadial
 from ..streaming import Deferred
 from .streaming import _fuse_linear, streaming_blocks
 
-__all__ = ["RecomputedHarmonics", "chunk_rows_for", "row_chunk_blocks", "set_row_chunks"]
+__all__ = ["ROW_CHUNKED_EDGE_ITEMS", "RecomputedHarmonics", "chunk_rows_for", "row_chunk_blocks", "set_row_chunks"]
+
+# Peak bytes per edge of a stored-path force call with row chunks on (``radial_table.FUSED_EDGE_ITEMS`` without),
+# in items of the model's dtype: 73.4 GB for 86.7 M edges (847 B) at 1.03 M atoms, MACE-MP-medium shape, FP32
+# water, captured, H100 (2026-11-25). Chunked boxes are the largest, so this is the number that decides whether
+# the stored path fits near a full device.
+ROW_CHUNKED_EDGE_ITEMS = 215
 
 class _Recomputed(torch.autograd.Function):
     """``module(vectors)`` keeping only ``vectors`` for the backward, which evaluates the module again (any
