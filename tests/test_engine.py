@@ -74,6 +74,32 @@ def test_pipelined_rebuild_under_a_changing_cell_equals_synchronous_rebuilds(cal
     assert (plain.state.positions - pipelined.state.positions).abs().max() <= 1e-10
 
 
+@pytest.mark.parametrize("asked", [None, True])
+def test_a_box_near_a_full_device_runs_without_graph_or_side_search_unless_asked(monkeypatch, calc64, asked):
+    """The calculator's memory plan at the engine's start says no CUDA graph (steps of seconds, memory short): the
+    engine's defaults follow it (a side-stream search would hold a second list); what the user asked for stays.
+    On a CPU the plan is faked and the defaults forced on, as they are on CUDA."""
+    from cgforge.plugin.memory_plan import MemoryPlan
+
+    near_full = MemoryPlan(edges=10, estimate_bytes=95, free_bytes=100, stream=False, expandable=True, capture=False)
+
+    def plan(n_atoms, count_edges, streaming=True):
+        count_edges()
+        calc64.memory_plan = near_full
+        return near_full
+
+    monkeypatch.setattr(calc64, "plan_memory", plan)
+    monkeypatch.setattr(calc64, "memory_plan", None)
+    atoms = thermal_water(4)
+    atoms.calc = calc64
+    engine = Engine(calc64, atoms, VelocityVerlet(0.5), block=2, pipelined_rebuild=asked)
+    engine.pipelined_rebuild = True  # the CUDA default
+    engine.run(4)
+    assert engine.provider.near_full_device
+    assert engine.pipelined_rebuild is (asked is True)
+    assert not engine.cuda_graph  # a CPU never captures
+
+
 def test_pipelined_rebuild_needs_a_calculator():
     from cgforge.plugin.engine import energy_function_engine
 

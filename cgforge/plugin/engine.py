@@ -137,9 +137,11 @@ class Engine:
     provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
     target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
     pipelined_rebuild: search the next neighbour list on a side stream while a block runs (None: on CUDA with a
-    calculator; see the module doc). fuse_integrator: compile the integrator's arithmetic (``Integrator.fuse``) so
-    that its tiny operations become a few kernels of the captured step (None: on CUDA when the calculator's model
-    is compiled, ``Calculator(compile=True)``); sets it on ``integrator``.
+    calculator; see the module doc). Left at None, both turn off for a box near a full device (the calculator's
+    memory plan at the start: ``memory_plan.UNCAPTURED_ABOVE_FRACTION``). fuse_integrator: compile the
+    integrator's arithmetic (``Integrator.fuse``) so that its tiny operations become a few kernels of the captured
+    step (None: on CUDA when the calculator's model is compiled, ``Calculator(compile=True)``); sets it on
+    ``integrator``.
     """
 
     def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
@@ -172,6 +174,7 @@ class Engine:
         self.device = torch.device(self.provider.device)
         self.cuda_graph = self._want_graph(cuda_graph)
         self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
+        self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what start's memory plan may turn off
         self.fuse_integrator = self._want_fused(fuse_integrator)
         integrator.fuse(compile_or_eager if self.fuse_integrator else None)
         self._commit = compile_or_eager(_commit_step) if self.fuse_integrator else _commit_step
@@ -377,6 +380,13 @@ class Engine:
             return
         s = self.state
         self.provider.start(s.positions, s.cell, self.pbc, self.atoms.numbers, self.integrator.changes_cell)
+        if getattr(self.provider, "near_full_device", False):
+            # as the calculator: steps of seconds gain nothing from a graph, whose pool (and a second list searched
+            # beside the steps) is memory a box near a full device does not have
+            self.cuda_graph = self.cuda_graph and not self._defaults[0]
+            self.pipelined_rebuild = self.pipelined_rebuild and not self._defaults[1]
+            if not self.cuda_graph:
+                self._graphs.clear()
         self.stats["rebuilds"] += 1
         self._fresh_list = True
         self._slack_per_step = 0.0

@@ -134,6 +134,12 @@ class ModelForces:
         return self.step.generation, self._own_generation
 
     @property
+    def near_full_device(self) -> bool:
+        """True when the calculator's memory plan for this box (made at ``start``) says no CUDA graph."""
+        plan = self.calc.memory_plan
+        return plan is not None and not plan.capture
+
+    @property
     def initial_slack(self) -> float:
         """How far (Å) atoms may move right after a rebuild with the cell fixed (half the skin)."""
         return 0.5 * self.skin
