@@ -258,6 +258,28 @@ def test_auto_runs_ase_on_a_cpu_and_csvr_on_both_paths(calc, tmp_path):
     assert summary.engine == "device" and math.isfinite(summary.temperature_K)
 
 
+@pytest.mark.parametrize("too_large", [False, True])
+def test_auto_takes_ase_dynamics_for_a_box_the_memory_plan_streams(too_large):
+    """On CUDA 'auto' asks the calculator's memory plan for the box first: one that only fits streaming (chunk
+    ranges read on the host each step) runs under ASE's dynamics, the rest on the captured engine. A stand-in
+    calculator says CUDA; the plan's own numbers are tests/test_memory_plan.py's."""
+    from types import SimpleNamespace
+
+    from cgforge.plugin.md_dynamics import choose_engine
+
+    asked = []
+
+    def plan_for(atoms):
+        asked.append(len(atoms))
+        stand_in.streaming = too_large
+
+    stand_in = SimpleNamespace(step=None, adapter=None, neighbours=None, device=torch.device("cuda"), streaming=False,
+                               plan_for=plan_for)
+    box = water_box(4)
+    assert choose_engine("auto", stand_in, box) == ("ase" if too_large else "device") and asked == [len(box)]
+    assert choose_engine("ase", stand_in, box) == "ase" and asked == [len(box)]  # no plan needed
+
+
 def test_ase_csvr_restart_continues_the_saved_generator(tmp_path):
     """ASE's Bussi draws from the numpy generator whose state each frame saves (md_rng)."""
     common = dict(thermostat="csvr", taut_fs=20.0, temperature_K=500, timestep_fs=2.0, seed=4, log=None,
@@ -330,6 +352,7 @@ def test_run_md_takes_the_engine_by_default_on_cuda(tmp_path):
     frames = read(tmp_path / "gpu.traj", ":")
     assert [f.info["md_step"] for f in frames] == [0, 10, 20] and np.isfinite(frames[-1].get_forces()).all()
     assert run_md(water_box(64, seed=1), calc, steps=2, engine="ase", log=None).engine == "ase"
+    assert calc.memory_plan is not None and calc.memory_plan.edges > 0 and not calc.streaming  # planned by run_md
 
 
 @pytest.mark.cuda

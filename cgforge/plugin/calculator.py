@@ -458,6 +458,15 @@ class Calculator(AseCalculator):
         self._capture_by_size(plan)
         return plan
 
+    def plan_for(self, atoms: Atoms) -> MemoryPlan | None:
+        """The memory plan for ``atoms`` as their first call would make it (``plan_memory``; None off CUDA): ``run_md``
+        asks before choosing its integrator path, since a box that must stream runs under ASE's dynamics."""
+        if len(atoms) == 0:
+            raise ValueError("atoms: expected a structure with at least one atom, got an empty Atoms")
+        positions, cell = np.asarray(atoms.positions, dtype=np.float64), np.asarray(atoms.cell, dtype=np.float64)
+        pbc, species = tuple(bool(p) for p in atoms.pbc), self.adapter.species(atoms.numbers)
+        return self.plan_memory(len(atoms), lambda: self.step.prepare(positions, cell, pbc, species))
+
     def _capture_by_size(self, plan: MemoryPlan) -> None:
         """No CUDA graph for a box near a full device (``plan.capture`` False) unless asked for (``cuda_graph=True``):
         its steps take seconds, so replaying saves little, and the graph's private memory pool is what a 1.03

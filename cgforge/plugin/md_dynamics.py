@@ -56,7 +56,8 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
 
 def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
     """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
-    CUDA); 'device' that cannot be served is an error naming why."""
+    CUDA, unless it streams edges, as it does for a box its memory plan finds too large for the stored path);
+    'device' that cannot be served is an error naming why."""
     unfit = engine_unfit(calc, atoms)
     if choice == "device":
         if unfit is not None:
@@ -64,7 +65,11 @@ def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
                              "(--engine ase)")
         return "device"
     if choice == "auto" and unfit is None and getattr(calc.device, "type", None) == "cuda":
-        return "device"
+        plan_for = getattr(calc, "plan_for", None)
+        if callable(plan_for):
+            plan_for(atoms)  # a box the stored path cannot hold turns streaming on for good
+        # streaming reads its chunk ranges on the host each step: ASE's dynamics drive it (the engine captures)
+        return "ase" if getattr(calc, "streaming", False) else "device"
     return "ase"
 
 
