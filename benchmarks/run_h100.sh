@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -87,5 +87,13 @@ engine) # whole MD steps on the 5184-atom box (~5 min): cgforge's engine (NVT, N
     python3 benchmarks/bench_md.py --systems 5k --models bundled-mace,mace-mp-medium --dtypes float32 \
         --backends cgforge-engine,cgforge-ase,fastmace --ensembles nvt,npt --fastmace-ensembles nvt \
         --md-steps "${MD_STEPS:-200}" --md-warmup 20 2>&1 | tee "$OUT/md-engine.log" | tail -12 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine" >&2; exit 2 ;;
+capacity)  # issue 18's large boxes (~8 min, no variable set: the calculator plans its own memory): the default
+        # calculator at 5k, 500k and 1.03M atoms, MACE streaming at 1.03M beside it, NequIP M's default at 1.03M
+    python3 benchmarks/bench_md.py --systems 5k,500k,1m --models mace-mp-medium --dtypes float32 --backends cgforge \
+        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace.log" | tail -4
+    python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge-streaming \
+        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace-streaming-1m.log" | tail -2
+    python3 benchmarks/bench_md.py --systems 1m --models nequip-M --dtypes float32 --backends cgforge \
+        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-nequip-1m.log" | tail -2 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity" >&2; exit 2 ;;
 esac
