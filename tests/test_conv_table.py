@@ -138,6 +138,53 @@ def test_row_ranges_cover_every_row_once() -> None:
         row_ranges(5, 0)
 
 
+def test_transposed_range_lists_each_ranges_edges_in_the_transposed_order() -> None:
+    """Per receiver range, the sender-major CSR of exactly the edges whose receiver is in it, in the whole
+    transposed CSR's order; over the ranges every edge once."""
+    from cgforge.kernels.convolution.table_ops import _csr_edges
+    from cgforge.kernels.convolution.table_rows import row_ranges, transposed_range
+
+    _, graph, *_ = _case("nequip-water", 23, 300, seed=2)
+    t = graph.tensors()
+    order = t.perm_t.long()
+    seen = []
+    for r0, r1 in row_ranges(23, 6):
+        rowptr, perm = transposed_range(t.rowptr_t, t.perm_t, t.receiver, r0, r1)
+        assert rowptr.dtype == torch.int64 and perm.dtype == torch.int32 and rowptr.shape == t.rowptr_t.shape
+        ids, senders = _csr_edges(rowptr, perm)
+        inside = ((t.receiver[order] >= r0) & (t.receiver[order] < r1))
+        assert torch.equal(ids, order[inside])  # the masked transposed order
+        assert torch.equal(senders, t.sender[ids].long())  # each under its sender's row
+        seen.append(ids)
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(300))
+
+
+@pytest.mark.parametrize("range_rows", [1, 5, 9, 50])  # one row each, ragged, one range
+def test_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, range_rows: int) -> None:
+    """A first-order backward with the output gradient made by ranges of receiver rows: the whole backward's
+    gradients (FP64); a backward that keeps its graph (second derivatives) takes the whole path."""
+    from cgforge.kernels.convolution import table_rows
+
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60, seed=6)
+    linear = _row_map(conv.irreps_out.dim)
+    g = torch.randn(9, linear.out_features, dtype=torch.float64)
+    want = torch.autograd.grad(conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4),
+                               (x, y, lengths), g)
+    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", range_rows * conv.irreps_out.dim * 8)
+    calls = []
+    real = table_rows.transposed_range
+    monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3:]) or real(*a))
+    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    got = torch.autograd.grad(out, (x, y, lengths), g)
+    assert calls == table_rows.row_ranges(9, range_rows) if range_rows < 9 else calls == []
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-13 and b.abs().max() > 0
+    calls.clear()
+    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    torch.autograd.grad(out, (x, y, lengths), g, create_graph=True)
+    assert calls == []  # second order: the whole gradient, differentiable
+
+
 def test_rows_in_chunks_bad_arguments() -> None:
     conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
     linear = _row_map(conv.irreps_out.dim)
@@ -214,3 +261,28 @@ def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch
     if dtype == torch.float64:
         for a, b in zip(*_second_derivatives(chunked, whole, (x, y, lengths)), strict=True):
             assert rel(a, b) < 1e-11 and b.abs().max() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, dtype: torch.dtype) -> None:
+    """The backward kernel on each range's transposed CSR (receiver - r0 into the range's gradient rows): the
+    whole backward's gradients; grad y and grad r bitwise (each edge in one range), every run the same bits."""
+    from cgforge.kernels.convolution import table_rows
+
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=8)
+    linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
+    g = torch.randn(200, linear.out_features, dtype=dtype, device="cuda")
+
+    def grads():
+        out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
+        return torch.autograd.grad(out, (x, y, lengths), g)
+
+    want = grads()
+    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", 45 * conv.irreps_out.dim * x.element_size())
+    got, again = grads(), grads()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))

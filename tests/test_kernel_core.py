@@ -89,6 +89,29 @@ def _check_conv_kernels(name: str, shared: bool, loop_order: str) -> None:
         assert rel(a, b) < 1e-12
 
 
+def test_backward_program_on_receiver_ranges_sums_to_the_whole_backward():
+    """The generated backward program walked as ``table_rows.conv_table_backward_by_ranges`` launches it: per
+    receiver range the transposed CSR of that range's edges (ids in an [E + 1] array), receiver - r0 into the
+    range's gradient rows. Grad x summed over the ranges, grad y and grad W written once per edge: the whole
+    backward's."""
+    from cgforge.kernels.convolution.table_rows import row_ranges, transposed_range
+
+    problem, graph, (x, y, w, g), _, grads = _conv_case("nequip-water", False)
+    t = graph.tensors()
+    n = x.shape[0]
+    nodes = build_schedule(problem, itemsize=8, max_chunk=32, rows_are_nodes=True)
+    gx, gy, gw = torch.zeros_like(x), torch.zeros_like(y), torch.zeros_like(w)
+    for r0, r1 in row_ranges(n, 2):
+        rowptr, perm = transposed_range(t.rowptr_t, t.perm_t, t.receiver, r0, r1)
+        shifted = (t.receiver - r0).to(torch.int32)
+        part = run_backward(nodes, x, y, w, g[r0:r1], layouts.CONV_BACKWARD, n, rowptr, perm, None, shifted)
+        gx += part[0]
+        gy += part[1]
+        gw += part[2]
+    for a, b in zip((gx, gy, gw), grads, strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
 @pytest.mark.parametrize("name", SMALL)
 @pytest.mark.parametrize("loop_order", ["segments", "edges"])
 def test_conv_kernel_programs_match_e3nn(name, loop_order):

@@ -71,6 +71,26 @@ def test_row_chunks_give_the_whole_rows_energy_and_forces(monkeypatch, rows: int
     assert e2 == e3 and np.array_equal(f2, f3)
 
 
+def test_backward_by_receiver_ranges_gives_the_same_forces(monkeypatch) -> None:
+    """Row chunks with the first-order backward by ranges of receiver rows (``table_rows.BACKWARD_RANGE_BYTES``):
+    the whole MACE model's forces as with the whole gradient (FP64)."""
+    from cgforge.kernels.convolution import table_rows
+
+    atoms = water_box(16, seed=12)
+    _small_chunks(monkeypatch, 7)
+    e0, f0 = _energy_forces(_calculator(), atoms)
+    calc = _calculator()
+    widths = [b.conv_tp.irreps_out.dim for b in row_chunks.row_chunk_blocks(calc.model)]
+    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", 5 * widths[0] * 8)  # ranges of 5 atoms in block 1
+    calls = []
+    real = table_rows.transposed_range
+    monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3]) or real(*a))
+    e1, f1 = _energy_forces(calc, atoms)
+    want = [r0 for w in widths for r0, _ in table_rows.row_ranges(len(atoms), max(5 * widths[0] // w, 1))]
+    assert sorted(calls) == sorted(want) and len(calls) > 2
+    assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()
+
+
 def test_recomputed_harmonics_equal_e3nns_to_second_order() -> None:
     """The harmonics keep only the vectors for the backward and evaluate again there: values, gradients and
     second derivatives as e3nn's (FP64)."""

@@ -12,6 +12,13 @@ on the host, so the step stays capturable in a CUDA graph, and every row is summ
 The backward forms the convolution's gradient once, out_fn's transpose applied chunk by chunk (the
 vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
 runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
+
+With ``BACKWARD_RANGE_BYTES`` set (off until measured on a GPU), a first-order backward (no graph kept: MD
+forces) forms that gradient one range of receiver rows at a time too: the backward kernel walks, per range, the
+sender-major CSR of just the edges whose receiver lies in the range (``transposed_range``: the whole transposed
+order masked, built on the device, capturable), reading the range's gradient rows through receiver - r0. Each
+edge belongs to one range, so its grad y and grad r are written once; grad x is the sum of the ranges' parts in
+range order (deterministic; rounded differently from the whole graph's single sum).
 """
 
 from __future__ import annotations
@@ -20,9 +27,19 @@ from collections.abc import Callable
 
 import torch
 
-from .table_ops import conv_table_backward, conv_table_forward
+from ..radial_table.ops import radial_table_reference
+from ..tensor_product import plan as plans
+from ..tensor_product.layout import CONV_BACKWARD
+from ..tensor_product.ops import launch, needs_zero_fill
+from .ops import _reference_conv_backward
+from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward
 
-__all__ = ["conv_table_rows", "row_map_transpose", "row_ranges"]
+__all__ = ["BACKWARD_RANGE_BYTES", "conv_table_backward_by_ranges", "conv_table_rows", "row_map_transpose",
+           "row_ranges", "transposed_range"]
+
+# Bytes of convolution-output gradient per range of a first-order backward (None: the whole gradient at once).
+# MACE-MP-medium at 1.03 M atoms forms 21 GB there; off until the CUDA tests and the memory probe have run.
+BACKWARD_RANGE_BYTES: int | None = None
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -32,6 +49,13 @@ def row_ranges(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     return [(r0, min(r0 + chunk_rows, rows)) for r0 in range(0, max(rows, 1), chunk_rows)]
+
+
+def _backward_ranges(rows: int, width: int, itemsize: int) -> list[tuple[int, int]]:
+    """Receiver-row ranges of a first-order backward: ``BACKWARD_RANGE_BYTES`` of gradient each (one range: off)."""
+    if BACKWARD_RANGE_BYTES is None:
+        return [(0, rows)]
+    return row_ranges(rows, max(BACKWARD_RANGE_BYTES // max(width * itemsize, 1), 1))
 
 
 def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -45,6 +69,58 @@ def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[
             z = g.new_zeros(r1 - r0, width, requires_grad=True)
             gc[r0:r1] = torch.autograd.grad(out_fn(z), z, g[r0:r1], create_graph=keep_graph)[0]
     return gc
+
+
+def transposed_range(rowptr_t: torch.Tensor, perm_t: torch.Tensor, receiver: torch.Tensor, r0: int, r1: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sender-major CSR (row pointer int64 [N + 1], edge ids int32 [E + 1]) of the edges whose receiver is in
+    [r0, r1), in the whole transposed CSR's order: what the backward kernel walks for one range of receiver rows.
+    Built on the device without host reads; the ids' last slot collects the other edges and is never read."""
+    edges = receiver.shape[0]
+    ids = perm_t if perm_t.numel() else torch.arange(edges, dtype=torch.int32, device=receiver.device)
+    rec = receiver.index_select(0, ids)
+    inside = (rec >= r0) & (rec < r1)
+    del rec
+    count = torch.cumsum(inside, 0)  # in-range edges up to and including each transposed position
+    rowptr = torch.cat([count.new_zeros(1), count]).index_select(0, rowptr_t)
+    slot = torch.where(inside, count - 1, edges)
+    del count, inside
+    perm = torch.empty(edges + 1, dtype=torch.int32, device=receiver.device)
+    perm.scatter_(0, slot, ids)
+    return rowptr, perm
+
+
+def conv_table_backward_by_ranges(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor,
+                                  grad_rows: Callable[[int, int], torch.Tensor], graph: tuple,
+                                  ranges: list[tuple[int, int]], r_max: float, key: str
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad y, grad r) of the deterministic table convolution, its output gradient made one range of
+    receiver rows at a time by ``grad_rows(r0, r1)``: no gradient of all the output rows at once. First order only
+    (not differentiable: the caller keeps the whole-graph backward when a graph is to be kept)."""
+    sender, receiver, _, _, rowptr_t, perm_t = graph
+    p = plans.get(key).problem
+    x, y, r, coeffs = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous()
+    gx = torch.zeros_like(x)
+    gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # each edge's parts land once, from its receiver's range
+    cuda = x.device.type == "cuda"
+    w = None if cuda else radial_table_reference(r, coeffs, r_max)
+    for r0, r1 in ranges:
+        g = grad_rows(r0, r1).contiguous()
+        rowptr_range, perm_range = transposed_range(rowptr_t, perm_t, receiver, r0, r1)
+        shifted = (receiver - r0).to(torch.int32)  # the range's gradient rows, read at receiver - r0
+        if cuda:
+            part = torch.zeros_like(x) if needs_zero_fill(p, out_side=False) else torch.empty_like(x)
+            args = [x, y, None, g, part, gy, None, rowptr_range, perm_range, None, shifted,
+                    *_table_args(coeffs, r, r_max, gr)]
+            launch(key, True, CONV_BACKWARD.with_table(), x.shape[0], args, x.dtype, x.device)
+        else:  # the same CSR walked in torch: the edges the kernel would visit, and their gradients
+            ids, senders = _csr_edges(rowptr_range, perm_range)
+            part, gy_ids, gw_ids = _reference_conv_backward(p, x, y.index_select(0, ids), w.index_select(0, ids), g,
+                                                            senders, shifted.index_select(0, ids))
+            gy.index_add_(0, ids, gy_ids)
+            gr.index_add_(0, ids, (gw_ids * radial_table_reference(r.index_select(0, ids), coeffs, r_max, 1)).sum(1))
+        gx += part
+    return gx, gy, gr
 
 
 class _TableConvRows(torch.autograd.Function):
@@ -68,8 +144,16 @@ class _TableConvRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         x, y, r, coeffs, *graph = ctx.saved_tensors
-        gc = row_map_transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
-        gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True)
+        ranges = _backward_ranges(g.shape[0], ctx.width, g.element_size())
+        if torch.is_grad_enabled() or len(ranges) < 2:  # a graph kept (double backward), or one range anyway
+            gc = row_map_transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
+            gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True)
+        else:
+            def grad_rows(r0: int, r1: int) -> torch.Tensor:
+                return row_map_transpose(ctx.out_fn, g[r0:r1], ctx.width, [(0, r1 - r0)])
+
+            gx, gy, gr = conv_table_backward_by_ranges(x, y, r, coeffs, grad_rows, tuple(graph), ranges, ctx.r_max,
+                                                       ctx.key)
         return (gx, gy, gr) + (None,) * 12
 
 
