@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -95,5 +95,18 @@ capacity)  # issue 18's large boxes (~8 min, no variable set: the calculator pla
         --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace-streaming-1m.log" | tail -2
     python3 benchmarks/bench_md.py --systems 1m --models nequip-M --dtypes float32 --backends cgforge \
         --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-nequip-1m.log" | tail -2 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity" >&2; exit 2 ;;
+ranges) # the row chunks' backward by receiver ranges (off by default until this has run): its CUDA tests, then the
+        # 1.03M-atom stored call with whole and ranged gradients (memory probe, then step times)
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_conv_table.py tests/test_row_chunks.py -k "ranges or rows" \
+        2>&1 | tee "$OUT/ranges-tests.log" | tail -3
+    for gb in "" 5; do
+        flag=${gb:+--backward-range-gb $gb} tag=${gb:-whole}
+        # shellcheck disable=SC2086  # flag is empty or two words
+        python3 benchmarks/streaming_memory.py --systems 1m --streaming off --calls forces,forces $flag 2>&1 \
+            | tee "$OUT/ranges-memory-$tag.log" | tail -1
+        # shellcheck disable=SC2086
+        python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
+            --steps 3 --warmup 1 --nvt-only $flag 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
+    done ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges" >&2; exit 2 ;;
 esac

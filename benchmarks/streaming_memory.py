@@ -120,7 +120,16 @@ def main() -> None:
                         help="the calls in order, energy or forces (the first builds the neighbour list); e.g. "
                              "forces,forces,forces as bench_md and MD run")
     parser.add_argument("--cuda-graph", action="store_true", help="captured, as the default calculator runs")
+    parser.add_argument("--backward-range-gb", type=float, default=None,
+                        help="row chunks' first-order backward by receiver ranges of this many GB of gradient "
+                             "(kernels.convolution.table_rows.BACKWARD_RANGE_BYTES; default: off, the whole gradient)")
     args = parser.parse_args()
+    if args.backward_range_gb is not None:
+        from cgforge.kernels.convolution import table_rows
+
+        if not args.backward_range_gb > 0:
+            sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
+        table_rows.BACKWARD_RANGE_BYTES = int(args.backward_range_gb * 1e9)
     if not torch.cuda.is_available():
         sys.exit("streaming_memory.py needs a CUDA GPU")
     calls = tuple(args.calls.split(","))
