@@ -269,8 +269,9 @@ class Calculator(AseCalculator):
     stored (``cgforge.kernels.streaming_convolution``; MACE's RealAgnostic(Residual)InteractionBlocks): memory
     grows with atoms, not edges x channels. True: on (eager steps: chunk ranges are read on the host, so no CUDA
     graph); False: off; None (default): on for a CUDA structure whose stored path would take more than
-    ``STREAMING_AUTO_FRACTION`` of the free device memory (estimated per system size from the exact edge count:
-    ``self.memory_plan``), or that ran out of memory on the stored path (the step is then retried streaming);
+    ``memory_plan.STREAMING_AUTO_FRACTION`` of the free device memory (estimated per system size from the exact
+    edge count: ``self.memory_plan``), or that ran out of memory on the stored path (the step is then retried
+    streaming);
     ``self.streaming`` says what is in use. Near a full device the calculator turns on torch's expandable
     allocator segments for the process (``memory_plan``; not when ``PYTORCH_CUDA_ALLOC_CONF`` is set:
     ``self.expandable_segments`` says). Measured (H100, MACE-MP-medium shape, FP32): with the radial tables and
@@ -350,7 +351,7 @@ class Calculator(AseCalculator):
             raise TypeError(f"streaming: expected None, True or False, got {streaming!r}")
         self.streaming_requested = streaming
         self.streaming = False
-        self._memory_planned = -1  # the atom count whose memory plan was last made (_plan_memory)
+        self._memory_planned = -1  # the atom count whose memory plan was last made (plan_memory)
         self.memory_plan: MemoryPlan | None = None
         self.expandable_segments = False  # turned on by a plan near a full device (or the user's allocator setting)
         self._graph_off_for_size = False  # plan_memory turned capture off for a box near a full device
