@@ -271,9 +271,8 @@ class Calculator(AseCalculator):
     graph); False: off; None (default): on for a CUDA structure whose stored path would take more than
     ``memory_plan.STREAMING_AUTO_FRACTION`` of the free device memory (estimated per system size from the exact
     edge count: ``self.memory_plan``), or that ran out of memory on the stored path (the step is then retried
-    streaming);
-    ``self.streaming`` says what is in use. Near a full device the calculator turns on torch's expandable
-    allocator segments for the process (``memory_plan``; not when ``PYTORCH_CUDA_ALLOC_CONF`` is set:
+    streaming); ``self.streaming`` says what is in use. Near a full device the calculator turns on torch's
+    expandable allocator segments for the process (``memory_plan``; not when ``PYTORCH_CUDA_ALLOC_CONF`` is set:
     ``self.expandable_segments`` says). Measured (H100, MACE-MP-medium shape, FP32): with the radial tables and
     row chunks the stored path runs 1.03 M atoms in 73 GB at 3.6 s a step, streaming in 71 GB at 6.5 s.
     compile: False (default), True or an Inductor mode (``"default"``, ``"max-autotune-no-cudagraphs"``): compile the
