@@ -81,7 +81,9 @@ def test_a_box_near_a_full_device_runs_without_graph_or_side_search_unless_asked
     On a CPU the plan is faked and the defaults forced on, as they are on CUDA."""
     from cgforge.plugin.memory_plan import MemoryPlan
 
-    near_full = MemoryPlan(edges=10, estimate_bytes=95, free_bytes=100, stream=False, expandable=True, capture=False)
+    atoms = thermal_water(4)
+    near_full = MemoryPlan(edges=10, estimate_bytes=95, free_bytes=100, stream=False, expandable=True, capture=False,
+                           atoms=len(atoms))
 
     def plan(n_atoms, count_edges, streaming=True):
         count_edges()
@@ -90,14 +92,17 @@ def test_a_box_near_a_full_device_runs_without_graph_or_side_search_unless_asked
 
     monkeypatch.setattr(calc64, "plan_memory", plan)
     monkeypatch.setattr(calc64, "memory_plan", None)
-    atoms = thermal_water(4)
     atoms.calc = calc64
     engine = Engine(calc64, atoms, VelocityVerlet(0.5), block=2, pipelined_rebuild=asked)
     engine.pipelined_rebuild = True  # the CUDA default
     engine.run(4)
-    assert engine.provider.near_full_device
+    assert engine.provider.near_full_device(len(atoms)) and not engine.provider.near_full_device(len(atoms) + 3)
     assert engine.pipelined_rebuild is (asked is True)
     assert not engine.cuda_graph  # a CPU never captures
+    # planned before the engine is built (run_md plans first): the engine says so from its construction on
+    monkeypatch.setattr(Engine, "_want_pipelined", lambda self, p: True if p is None else p)
+    planned = Engine(calc64, atoms, VelocityVerlet(0.5), block=2, pipelined_rebuild=asked)
+    assert planned.pipelined_rebuild is (asked is True)
 
 
 def test_pipelined_rebuild_needs_a_calculator():

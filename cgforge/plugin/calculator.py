@@ -449,7 +449,7 @@ class Calculator(AseCalculator):
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's cache
         edges = count_edges()
         chunkable = not self.streaming and self.step.compiled is None  # plan_rows' condition
-        plan = plan_memory(edges, self.adapter.stored_edge_bytes(n_atoms if chunkable else None), free)
+        plan = plan_memory(edges, self.adapter.stored_edge_bytes(n_atoms if chunkable else None), free, n_atoms)
         self.memory_plan = plan
         if plan.expandable and not self.expandable_segments:
             self.expandable_segments = use_expandable_segments()

@@ -174,7 +174,7 @@ class Engine:
         self.device = torch.device(self.provider.device)
         self.cuda_graph = self._want_graph(cuda_graph)
         self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
-        self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what start's memory plan may turn off
+        self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what the memory plan may turn off
         self.fuse_integrator = self._want_fused(fuse_integrator)
         integrator.fuse(compile_or_eager if self.fuse_integrator else None)
         self._commit = compile_or_eager(_commit_step) if self.fuse_integrator else _commit_step
@@ -226,6 +226,7 @@ class Engine:
         self._search_next = False  # this block searches the next list (pipelined rebuild; set by _plan_block)
         self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
                       "grows": 0, "wall_s": 0.0}
+        self._follow_memory_plan()  # run_md has planned this box already: the header says what will run
 
     # --- public ------------------------------------------------------------------------------------------
 
@@ -375,18 +376,24 @@ class Engine:
                              f"Calculator); {type(self.provider).__name__} has none")
         return pipelined
 
+    def _follow_memory_plan(self) -> None:
+        """As the calculator does for a box near a full device: no CUDA graph and no side-stream search unless
+        asked for (steps of seconds gain nothing from a graph, whose pool, and a second list searched beside the
+        steps, is memory such a box does not have). Before the start when run_md planned already, at it else."""
+        near_full = getattr(self.provider, "near_full_device", None)
+        if not callable(near_full) or not near_full(len(self.atoms)):
+            return
+        self.cuda_graph = self.cuda_graph and not self._defaults[0]
+        self.pipelined_rebuild = self.pipelined_rebuild and not self._defaults[1]
+        if not self.cuda_graph:
+            self._graphs.clear()
+
     def _start(self) -> None:
         if self._started:
             return
         s = self.state
         self.provider.start(s.positions, s.cell, self.pbc, self.atoms.numbers, self.integrator.changes_cell)
-        if getattr(self.provider, "near_full_device", False):
-            # as the calculator: steps of seconds gain nothing from a graph, whose pool (and a second list searched
-            # beside the steps) is memory a box near a full device does not have
-            self.cuda_graph = self.cuda_graph and not self._defaults[0]
-            self.pipelined_rebuild = self.pipelined_rebuild and not self._defaults[1]
-            if not self.cuda_graph:
-                self._graphs.clear()
+        self._follow_memory_plan()
         self.stats["rebuilds"] += 1
         self._fresh_list = True
         self._slack_per_step = 0.0

@@ -133,11 +133,11 @@ class ModelForces:
     def generation(self) -> tuple[int, int]:
         return self.step.generation, self._own_generation
 
-    @property
-    def near_full_device(self) -> bool:
-        """True when the calculator's memory plan for this box (made at ``start``) says no CUDA graph."""
+    def near_full_device(self, n_atoms: int) -> bool:
+        """True when the calculator's memory plan for ``n_atoms`` atoms (``run_md`` makes it before building the
+        engine, ``start`` at the latest) says no CUDA graph."""
         plan = self.calc.memory_plan
-        return plan is not None and not plan.capture
+        return plan is not None and plan.atoms == n_atoms and not plan.capture
 
     @property
     def initial_slack(self) -> float:

@@ -39,7 +39,7 @@ _ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 class MemoryPlan:
     """``estimate_bytes``: the stored path's peak for ``edges`` edges; ``stream``: too large for it;
     ``expandable``: near enough to full that the allocator should grow its segments in place; ``capture``: far
-    enough from full for a CUDA graph's own memory pool."""
+    enough from full for a CUDA graph's own memory pool; ``atoms``: the system size it was made for (0: not said)."""
 
     edges: int
     estimate_bytes: int
@@ -47,18 +47,19 @@ class MemoryPlan:
     stream: bool
     expandable: bool
     capture: bool
+    atoms: int = 0
 
 
-def plan_memory(edges: int, edge_bytes: int, free_bytes: int) -> MemoryPlan:
+def plan_memory(edges: int, edge_bytes: int, free_bytes: int, atoms: int = 0) -> MemoryPlan:
     """The plan for a force call over ``edges`` edges at ``edge_bytes`` peak bytes each (``stored_edge_bytes``;
-    0: not known, never streams) with ``free_bytes`` free on the device."""
-    for name, value in (("edges", edges), ("edge_bytes", edge_bytes), ("free_bytes", free_bytes)):
+    0: not known, never streams) with ``free_bytes`` free on the device, for a system of ``atoms`` atoms."""
+    for name, value in (("edges", edges), ("edge_bytes", edge_bytes), ("free_bytes", free_bytes), ("atoms", atoms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_memory: {name} must be an int >= 0, got {value!r}")
     estimate = edges * edge_bytes
     return MemoryPlan(edges, estimate, free_bytes, stream=estimate > STREAMING_AUTO_FRACTION * free_bytes,
                       expandable=estimate > EXPANDABLE_ABOVE_FRACTION * free_bytes,
-                      capture=estimate <= UNCAPTURED_ABOVE_FRACTION * free_bytes)
+                      capture=estimate <= UNCAPTURED_ABOVE_FRACTION * free_bytes, atoms=atoms)
 
 
 def use_expandable_segments() -> bool:
