@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, peers, write_json  # noqa: E402
+from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
 from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
@@ -563,16 +563,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ensembles", default="nvt,npt", help="whole-MD backends: nvt, npt or both")
     parser.add_argument("--fastmace-ensembles", default=None,
                         help="FastMACE's ensembles (default: --ensembles; each costs a ~1 min setup)")
-    parser.add_argument("--backward-range-gb", type=float, default=None,
-                        help="row chunks' first-order backward by receiver ranges of this many GB of gradient "
-                             "(kernels.convolution.table_rows.BACKWARD_RANGE_BYTES; default: off, the whole gradient)")
+    add_backward_range_flag(parser)
     args = parser.parse_args(argv)
-    if args.backward_range_gb is not None:
-        from cgforge.kernels.convolution import table_rows
-
-        if not args.backward_range_gb > 0:
-            sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
-        table_rows.BACKWARD_RANGE_BYTES = int(args.backward_range_gb * 1e9)
+    apply_backward_range(args)
     MD.update(steps=args.md_steps, warmup=args.md_warmup, ensembles=tuple(args.ensembles.split(",")),
               fastmace_ensembles=tuple((args.fastmace_ensembles or args.ensembles).split(",")))
     for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +89,21 @@ def write_json(name: str, payload: dict) -> Path:
 
 def fmt(v) -> str:
     return f"{v:8.3f}" if isinstance(v, float) else f"{'n/a':>8s}"
+
+
+def add_backward_range_flag(parser) -> None:
+    """``--backward-range-gb``: the row chunks' first-order backward by receiver ranges (off by default)."""
+    parser.add_argument("--backward-range-gb", type=float, default=None,
+                        help="row chunks' first-order backward by receiver ranges of this many GB of gradient "
+                             "(kernels.convolution.table_rows.BACKWARD_RANGE_BYTES; default: off, the whole gradient)")
+
+
+def apply_backward_range(args) -> None:
+    """Set ``table_rows.BACKWARD_RANGE_BYTES`` from ``--backward-range-gb`` (exits naming the flag when bad)."""
+    if args.backward_range_gb is None:
+        return
+    from cgforge.kernels.convolution import table_rows
+
+    if not args.backward_range_gb > 0:
+        sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
+    table_rows.BACKWARD_RANGE_BYTES = int(args.backward_range_gb * 1e9)

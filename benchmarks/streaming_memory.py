@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_md import WATER  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from common import add_backward_range_flag, apply_backward_range, environment, write_json  # noqa: E402
 from shapes import mace_mp_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
@@ -120,21 +120,14 @@ def main() -> None:
                         help="the calls in order, energy or forces (the first builds the neighbour list); e.g. "
                              "forces,forces,forces as bench_md and MD run")
     parser.add_argument("--cuda-graph", action="store_true", help="captured, as the default calculator runs")
-    parser.add_argument("--backward-range-gb", type=float, default=None,
-                        help="row chunks' first-order backward by receiver ranges of this many GB of gradient "
-                             "(kernels.convolution.table_rows.BACKWARD_RANGE_BYTES; default: off, the whole gradient)")
+    add_backward_range_flag(parser)
     args = parser.parse_args()
-    if args.backward_range_gb is not None:
-        from cgforge.kernels.convolution import table_rows
-
-        if not args.backward_range_gb > 0:
-            sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
-        table_rows.BACKWARD_RANGE_BYTES = int(args.backward_range_gb * 1e9)
-    if not torch.cuda.is_available():
-        sys.exit("streaming_memory.py needs a CUDA GPU")
+    apply_backward_range(args)
     calls = tuple(args.calls.split(","))
     if not calls or any(c not in ("energy", "forces") for c in calls):
         sys.exit(f"--calls: expected energy and/or forces separated by commas, got {args.calls!r}")
+    if not torch.cuda.is_available():
+        sys.exit("streaming_memory.py needs a CUDA GPU")
     model = mace_mp_shape(torch.float32, "medium")
     rows = []
     for name in args.systems.split(","):
