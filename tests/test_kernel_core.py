@@ -181,7 +181,7 @@ def test_tuning_values(monkeypatch):
         SCTuning(block=100)
     monkeypatch.setenv("CGFORGE_FORWARD_CHUNK", "32")
     monkeypatch.setenv("CGFORGE_LOOP_ORDER", "edges")
-    assert TPTuning() == TPTuning(None, None, "segments")  # the environment is read by from_env only
+    assert TPTuning() == TPTuning(None, None, "auto")  # the environment is read by from_env only
     assert TPTuning.from_env() == TPTuning(32, None, "edges")
     problem = TPProblem.build(*PROBLEMS["nequip-water"])
     env_plan = plans.get(plans.register(problem))  # no tuning given: the sweep variables, read now
@@ -264,3 +264,21 @@ def test_explain_prints_every_stage(capsys):
     if arch != "none":
         assert "5. ptxas report" in text and "registers" in text
     assert main(["8x0e", "0e", "--mode", "uvw"]) == 2  # uvw needs IRREPS_OUT: a clear error, no traceback
+
+
+def test_auto_loop_order_per_direction():
+    # MACE-MP-medium's second interaction: 128x0e+128x1o x sh(3) -> one 128-channel output per path (5120 wide)
+    from cgforge.kernels.explain import instructions
+
+    problem = TPProblem.build(*instructions("128x0e+128x1o", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o", "uvu"))
+    fp32 = build_schedule(problem, itemsize=4, rows_are_nodes=True)
+    assert fp32.tuning.loop_order == "auto"
+    assert (fp32.loop_order(False), fp32.loop_order(True)) == ("edges", "segments")
+    fp64 = build_schedule(problem, itemsize=8, rows_are_nodes=True)  # 320 words per lane: past the budget
+    assert (fp64.loop_order(False), fp64.loop_order(True)) == ("segments", "segments")
+    per_edge = build_schedule(problem, itemsize=4)  # rows are edges: one edge per row, nothing to reorder
+    assert (per_edge.loop_order(False), per_edge.loop_order(True)) == ("segments", "segments")
+    forced = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(loop_order="segments"))
+    assert forced.loop_order(False) == "segments"
+    source, name = render(fp32, "float", layouts.CONV_FORWARD.with_table(), True, False)
+    assert "edges outermost" in source and name != render(forced, "float", layouts.CONV_FORWARD, True, False)[1]

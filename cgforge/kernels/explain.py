@@ -1,7 +1,7 @@
 """Walk one tensor product through the generator, printing each stage as a value.
 
     python -m cgforge.kernels.explain IRREPS1 IRREPS2 [IRREPS_OUT] [--mode uvu|uvw] [--dtype float32|float64]
-        [--conv] [--loop-order segments|edges] [--arch sm_90] [--lines 30]
+        [--conv] [--loop-order auto|segments|edges] [--arch sm_90] [--lines 30]
 
     python -m cgforge.kernels.explain 32x0e+32x1o 0e+1o 32x0e+32x1o+32x1e
 
@@ -111,7 +111,7 @@ def _ptxas(plan_sources: list[tuple[str, str, str]], arch: str) -> list[str]:
 
 
 def explain(irreps_in1: str, irreps_in2: str, irreps_out: str | None = None, *, mode: str = "uvu",
-            dtype: torch.dtype = torch.float32, conv: bool = False, loop_order: str = "segments",
+            dtype: torch.dtype = torch.float32, conv: bool = False, loop_order: str = "auto",
             arch: str | None = "sm_90", lines: int = 30) -> str:
     """The walkthrough as text (arch None: skip the NVRTC stage)."""
     from .tensor_product.codegen import render
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("uvu", "uvw"), default="uvu")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--conv", action="store_true", help="the deterministic convolution's kernels (rows = nodes)")
-    parser.add_argument("--loop-order", choices=("segments", "edges"), default="segments")
+    parser.add_argument("--loop-order", choices=("auto", "segments", "edges"), default="auto")
     parser.add_argument("--arch", default="sm_90", help="NVRTC target of the register report ('none' to skip)")
     parser.add_argument("--lines", type=int, default=30)
     args = parser.parse_args(argv)

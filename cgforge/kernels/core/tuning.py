@@ -4,7 +4,7 @@ Nothing is read from the environment at import. A module takes ``tuning=...`` ex
 one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
 
 - ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
-  ``CGFORGE_LOOP_ORDER`` (``segments`` or ``edges``);
+  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments`` or ``edges``);
 - ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-LOOP_ORDERS = ("segments", "edges")
+LOOP_ORDERS = ("auto", "segments", "edges")
 PAIRINGS = ("pq", "pd", "qd")
 
 
@@ -33,14 +33,16 @@ class TPTuning:
 
     forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the
     measured defaults of ``schedule.default_chunks``). loop_order: in a row with several edges (the
-    deterministic convolution), ``segments`` walks the edges once per segment (today's default, few
-    live registers), ``edges`` walks them once and runs every segment per edge (every segment's
-    accumulators live across the edge loop).
+    deterministic convolution), ``segments`` walks the edges once per segment (few live registers),
+    ``edges`` walks them once and runs every segment per edge (every segment's accumulators live across
+    the edge loop; operands staged once per edge rather than once per segment); ``auto`` (default) picks
+    per direction (``Schedule.loop_order``): edges for a forward whose accumulators fit the registers,
+    segments for the backward, where edges outermost was measured slower.
     """
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
-    loop_order: str = "segments"
+    loop_order: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -53,7 +55,7 @@ class TPTuning:
     @classmethod
     def from_env(cls) -> TPTuning:
         return cls(_env_int("CGFORGE_FORWARD_CHUNK"), _env_int("CGFORGE_BACKWARD_CHUNK"),
-                   os.environ.get("CGFORGE_LOOP_ORDER") or "segments")
+                   os.environ.get("CGFORGE_LOOP_ORDER") or "auto")
 
     def key(self) -> str:
         return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}"

@@ -14,8 +14,9 @@ from .schedule import Schedule
 
 def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
     launches = f"{schedule.forward_launch}|{schedule.backward_launch}"
-    # the loop order enters the name only when not the default (default kernels keep their names)
-    order = "" if schedule.loop_order == "segments" else f"|{schedule.loop_order}"
+    # the loop orders enter the name only when not segments (such kernels keep their names)
+    orders = (schedule.loop_order(False), schedule.loop_order(True))
+    order = "" if orders == ("segments", "segments") else "|" + "|".join(orders)
     digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}{order}".encode()).hexdigest()[:12]
     return f"cgf_{digest}_{layout.tag()}"
 
@@ -34,7 +35,7 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         gw_op="+=" if p.shared_weights else "=",  # shared weights: per-warp partial sums
         forward=build_program(schedule, backward=False) if forward else None,
         backward=build_program(schedule, backward=True) if backward else None,
-        loop_order=schedule.loop_order,
+        forward_loop_order=schedule.loop_order(False), backward_loop_order=schedule.loop_order(True),
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
         table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward,

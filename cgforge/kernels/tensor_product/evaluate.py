@@ -112,7 +112,7 @@ def _loop(kernel: _Kernel, program: TPProgram, init, edge, finish) -> None:
     """The kernel's loops: rows (vectorised), segments and edge waves in the schedule's loop order."""
     rows, depth = kernel.rows, kernel.rows.depth()
     everyone = torch.arange(rows.count)
-    if program.schedule.loop_order == "segments":
+    if program.schedule.loop_order(program.backward) == "segments":
         for sc in program.segments:
             state = init(sc)
             for k in range(depth):
