@@ -267,7 +267,9 @@ def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, dtype: torch.dtype) -> None:
     """The backward kernel on each range's transposed CSR (receiver - r0 into the range's gradient rows): the
-    whole backward's gradients; grad y and grad r bitwise (each edge in one range), every run the same bits."""
+    whole backward's gradients, every run the same bits. Not bitwise the whole path's: each range's gradient
+    rows come from the row map's transpose on that range, and cuBLAS may round a GEMM of fewer rows otherwise
+    (seen on an H100: grad y within the tolerance, not equal)."""
     from cgforge.kernels.convolution import table_rows
 
     conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=8)
@@ -284,5 +286,4 @@ def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch,
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) < tol and b.abs().max() > 0
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
