@@ -28,8 +28,7 @@ its first call, compilation included, is ``first_call_s``), cgforge-mlp (capture
 than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
 tables on for FP32 MACE and NequIP on CUDA), cgforge-stored (captured, ``streaming=False``: never the streaming
 path, which the default turns on when its estimate of the stored path's memory exceeds the free memory),
-cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own),
-cgforge-sender-rows (captured, the neighbour list's rows ordered by sender rather than by length), e3nn, cueq, oeq, hybrid (the peers' calculators with
+cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
@@ -63,7 +62,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
 from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
 
-from cgforge.plugin import neighbours  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.neighbours import neighbour_list  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
@@ -76,7 +74,7 @@ BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cg
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
             "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
-            "cgforge-stored", "cgforge-stored-eager", "cgforge-sender-rows")
+            "cgforge-stored", "cgforge-stored-eager")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
                "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
@@ -93,9 +91,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
                    "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
                    "cgforge-stored": {"streaming": False},
-                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}, "cgforge-sender-rows": {}}
-ROW_ORDERS = {"cgforge-sender-rows": "sender"}  # the neighbour list's order within a row (else the default)
-DEFAULT_ROW_ORDER = neighbours.ROW_ORDER
+                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
@@ -149,7 +145,6 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
             source = nequip_model(model_name, dtype)
         else:
             source = bundled(model_name.split("-")[1])
-        neighbours.ROW_ORDER = ROW_ORDERS.get(backend, DEFAULT_ROW_ORDER)
         if CGFORGE_OPTIONS[backend].get("compile"):
             torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,

@@ -150,12 +150,9 @@ def test_water_box_graph_and_edge_order():
     assert sender.dtype == receiver.dtype == shifts.dtype == torch.int64
     got = _canonical(sender.numpy(), receiver.numpy(), shifts.numpy())
     assert_same_edges(got, matscipy_edges(atoms, 6.0))
-    # Sorted by receiver (CSR order for the convolution), within a receiver by length (neighbours.ROW_ORDER).
-    assert bool((receiver[1:] >= receiver[:-1]).all())
-    same_row = receiver[1:] == receiver[:-1]
-    levels = (lengths * (2**20 / 6.0)).floor()
-    assert bool((levels[1:] >= levels[:-1])[same_row].all())
-    assert not bool((sender[1:] >= sender[:-1])[same_row].all())  # not also by sender (the check could fail)
+    # Sorted by (receiver, sender): CSR order for the convolution.
+    key = receiver * len(atoms) + sender
+    assert bool((key[1:] >= key[:-1]).all())
     positions, cell = torch.tensor(atoms.positions), torch.tensor(atoms.cell.array)
     expected = positions[receiver] - positions[sender] + shifts.double() @ cell
     torch.testing.assert_close(vectors, expected, rtol=0, atol=1e-12)
@@ -344,20 +341,3 @@ def test_cuda_verlet_check_syncs_once():
     assert not rebuilt
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
-
-
-def test_row_order_by_sender_and_a_bad_order(monkeypatch):
-    import cgforge.plugin.neighbours as neighbours
-
-    atoms = water_box(n_side=4)
-    by_length = ours(atoms, 5.0)
-    monkeypatch.setattr(neighbours, "ROW_ORDER", "sender")
-    sender, receiver, shifts = ours(atoms, 5.0)
-    key = receiver * len(atoms) + sender
-    assert bool((key[1:] >= key[:-1]).all())
-    # the same edges in another order
-    assert_same_edges(_canonical(sender.numpy(), receiver.numpy(), shifts.numpy()),
-                      _canonical(*(t.numpy() for t in by_length)))
-    monkeypatch.setattr(neighbours, "ROW_ORDER", "random")
-    with pytest.raises(ValueError, match="ROW_ORDER"):
-        ours(atoms, 5.0)

@@ -10,11 +10,7 @@ an atom is its own neighbour through periodic images when the cell is small, and
 appears. Shifts refer to the positions as given: atoms may lie outside the cell, also along periodic
 directions, and need not be wrapped by the caller.
 
-Edges come sorted by receiver (the fused convolution consumes receiver-sorted, CSR, edges) and, within a
-receiver, by ``ROW_ORDER``: by length (default) or by sender. Length order is for the kernels that evaluate
-the radial weights from a table of the edge length: a row's edges are walked shortest first, so the warps of an
-SM, all walking rows of similar atoms, read the same few intervals of the table at once (cache hits rather
-than a table row from L2 per edge). The order is fixed by the positions at the build: deterministic.
+Edges come sorted by (receiver, sender): the fused convolution consumes receiver-sorted (CSR) edges.
 """
 
 from __future__ import annotations
@@ -34,11 +30,6 @@ PbcLike = bool | Sequence[bool] | Tensor | np.ndarray
 _CANDIDATES_PER_CHUNK = 1 << 22
 # A cell much thinner than the cutoff needs (2 reach + 1)^3 images; refuse absurd requests clearly.
 _MAX_BIN_OFFSETS = 1 << 20
-# Within a receiver's row: "length" (ascending, quantised to 2^-20 of the cutoff; ties keep the search's order)
-# or "sender" (ascending).
-ROW_ORDERS = ("length", "sender")
-ROW_ORDER = "length"
-_LENGTH_LEVELS = 1 << 20
 
 
 def _as_pbc(pbc: PbcLike) -> tuple[bool, bool, bool]:
@@ -241,27 +232,11 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
     if not receivers:
         return _empty_edges(device)
     sender, receiver, shift = torch.cat(senders), torch.cat(receivers), torch.cat(shifts)
-    _, lengths, within = edges_within(positions, cell, sender, receiver, shift, cutoff)
-    inside = torch.nonzero(within).squeeze(1)
+    inside = torch.nonzero(edges_within(positions, cell, sender, receiver, shift, cutoff)[2]).squeeze(1)
     sender, receiver, shift = (t.index_select(0, inside) for t in (sender, receiver, shift))
-    # Receivers are already ascending (chunks and slots go receiver by receiver); order each row (ROW_ORDER).
-    order = torch.argsort(receiver * _row_key_range(n_atoms) + _row_key(sender, lengths.index_select(0, inside),
-                                                                          cutoff), stable=True)
+    # Receivers are already ascending (chunks and slots go receiver by receiver); order senders within them.
+    order = torch.argsort(receiver * n_atoms + sender, stable=True)
     return tuple(t.index_select(0, order) for t in (sender, receiver, shift))
-
-
-def _row_key_range(n_atoms: int) -> int:
-    if ROW_ORDER not in ROW_ORDERS:
-        raise ValueError(f"neighbours.ROW_ORDER must be one of {ROW_ORDERS}, got {ROW_ORDER!r}")
-    return _LENGTH_LEVELS if ROW_ORDER == "length" else n_atoms
-
-
-def _row_key(sender: Tensor, lengths: Tensor, cutoff: float) -> Tensor:
-    """The order of an edge within its receiver's row: its quantised length, or its sender."""
-    if ROW_ORDER == "sender":
-        return sender
-    levels = (lengths * (_LENGTH_LEVELS / cutoff)).floor().to(torch.int64)
-    return levels.clamp_(0, _LENGTH_LEVELS - 1)
 
 
 def neighbour_list(
@@ -279,11 +254,10 @@ def neighbour_list(
     pbc is three bools (a tuple avoids a device sync; a tensor is accepted). Along non-periodic directions
     the cell is ignored and may be zero.
 
-    Returns (sender, receiver, shifts): int64 [E], int64 [E], int64 [E, 3], sorted by receiver and within a
-    receiver by length (``ROW_ORDER``, see the module doc), such that
-    ``vectors = positions[receiver] - positions[sender] + shifts @ cell``. With ``return_vectors=True``
-    also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with respect to positions and
-    cell. Indices never carry gradients.
+    Returns (sender, receiver, shifts): int64 [E], int64 [E], int64 [E, 3], sorted by (receiver, sender),
+    such that ``vectors = positions[receiver] - positions[sender] + shifts @ cell``. With
+    ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
+    respect to positions and cell. Indices never carry gradients.
 
     Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide; candidates are
     processed in chunks of `candidates_per_chunk`). The build syncs with the device a few times.
