@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -108,5 +108,8 @@ ranges) # the row chunks' backward by receiver ranges (off by default until this
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
             --steps 3 --warmup 1 --nvt-only $flag 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
     done ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges" >&2; exit 2 ;;
+layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
+        # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
+    python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("streaming_memory.py", ["--calls", "energy,force"], "--calls"),
     ("streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
     ("bench_md.py", ["--backward-range-gb", "-2", "--device", "cpu"], "--backward-range-gb"),
+    ("bench_layer.py", ["mace-huge"], "mace-huge"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,

@@ -1,0 +1,121 @@
+"""One interaction layer's radial weights + convolution, per layer, forward and forward+backward (one GPU, FP32).
+
+    python benchmarks/bench_layer.py [problem ...]        (default: mace-medium mace-large)
+
+Issue 18's per-layer comparison on the 5184-atom water box (436,566 edges at 6 Å, real edge lengths):
+
+- ``cgforge-table``: what the default calculator runs, ``Convolution.forward_table``: the radial weights read
+  from a cubic table of the edge length inside the convolution's kernels (no [E, weight_numel] tensor);
+- ``cgforge-mlp``: MACE's radial MLP as torch ops and cuBLAS GEMMs, then cgforge's convolution on stored weights;
+- ``cueq-mlp``: the same MLP, then cuEquivariance's fused convolution (``SegmentedPolynomial``, ``uniform_1d``,
+  gather by sender and scatter by receiver), as MACE runs it with cuEquivariance on.
+
+The MLP is MACE's shape (8 Bessel functions times the polynomial cutoff, 8 -> 64 -> 64 -> 64 -> weight_numel,
+SiLU), random weights; every row differentiates to x, y and the edge lengths (forces flow through all three).
+Prints a table; JSON goes to benchmarks/results/ (or $OUT).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from e3nn import o3
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_conv import edges, water_system  # noqa: E402
+from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
+from common import cuda_time, environment, peers, write_json  # noqa: E402
+from problems import PROBLEMS  # noqa: E402
+
+from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
+from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
+
+
+def edge_lengths(atoms, sender: torch.Tensor, receiver: torch.Tensor) -> torch.Tensor:
+    """|r| of every edge by the minimum image (the water box is cubic and periodic, its cell > 2 x 6 Å)."""
+    pos = torch.tensor(atoms.positions, device="cuda", dtype=torch.float64)
+    cell = torch.tensor(atoms.cell.array, device="cuda", dtype=torch.float64)
+    d = pos[receiver] - pos[sender]
+    frac = d @ torch.linalg.inv(cell)
+    return ((frac - frac.round()) @ cell).norm(dim=1).float()
+
+
+def main() -> None:
+    names = sys.argv[1:] or ["mace-medium", "mace-large"]
+    unknown = [n for n in names if n not in PROBLEMS]
+    if unknown:
+        sys.exit(f"bench_layer: unknown problem(s) {unknown}; known: {sorted(PROBLEMS)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer: needs a CUDA GPU")
+    found = peers()
+    atoms, cutoff = water_system()
+    sender, receiver = edges(atoms, cutoff)
+    n, e = len(atoms), sender.shape[0]
+    lengths = edge_lengths(atoms, sender, receiver)
+    graph = ConvGraph(sender, receiver, n, deterministic=True)
+    print(f"water: {n} nodes, {e} edges, lengths {float(lengths.min()):.2f}..{float(lengths.max()):.2f} Å", flush=True)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for name in names:
+        i1, i2, io, ins = PROBLEMS[name]
+        e3 = o3.TensorProduct(i1, i2, io, ins, shared_weights=False, internal_weights=False)
+        conv = Convolution.from_e3nn(e3).to("cuda")
+        mlp = mlp_of_r(e3.weight_numel, generator)
+        table = fit_radial_table(mlp.double(), R_MAX, tol=1e-7)
+        mlp, coeffs = mlp.float().cuda(), table.coeffs.float().cuda()
+        x = torch.randn(n, i1.dim, device="cuda", requires_grad=True)
+        y = torch.randn(e, i2.dim, device="cuda", requires_grad=True)
+        r = lengths.clone().requires_grad_()
+        row = {"problem": name, "edges": e, "weight_numel": e3.weight_numel, "table_intervals": table.intervals}
+        impls = {"cgforge-table": (lambda: conv.forward_table(x, y, r, coeffs, R_MAX, graph), (x, y, r)),
+                 "cgforge-mlp": (lambda: conv(x, y, mlp(r), graph), (x, y, r))}
+        if "cueq" in found:
+            cue, cuet = found["cueq"]
+            try:
+                poly = (cue.descriptors.channelwise_tensor_product(
+                    cue.Irreps("O3", str(i1)), cue.Irreps("O3", str(i2)), cue.Irreps("O3", str(io)))
+                    .flatten_coefficient_modes().squeeze_modes().polynomial)
+                sp = cuet.SegmentedPolynomial(poly, math_dtype=torch.float32, method="uniform_1d").to("cuda")
+                if poly.inputs[0].size != e3.weight_numel:
+                    raise ValueError(f"cuEquivariance's weights are {poly.inputs[0].size} wide, e3nn's "
+                                     f"{e3.weight_numel}")
+                xc = torch.randn(n, poly.inputs[1].size, device="cuda", requires_grad=True)
+                oc = torch.empty(n, poly.outputs[0].size, device="cuda")
+                impls["cueq-mlp"] = (lambda sp=sp, xc=xc, oc=oc: sp([mlp(r), xc, y], {1: sender}, {0: oc},
+                                                                     {0: receiver})[0], (xc, y, r))
+            except Exception as exc:  # a peer that cannot run is reported, not fatal
+                row["cueq_fail"] = repr(exc)[:200]
+        with torch.no_grad():
+            want = impls["cgforge-mlp"][0]()
+            row["table_vs_mlp"] = float((impls["cgforge-table"][0]() - want).norm() / want.norm())
+        for tag, (fn, leaves) in impls.items():
+            try:
+                g = torch.randn_like(fn())
+                row[f"{tag}_fwd"] = cuda_time(fn, iters=20, warmup=5)
+                row[f"{tag}_fb"] = cuda_time(lambda fn=fn, g=g, leaves=leaves: torch.autograd.grad(fn(), leaves, g),
+                                             iters=20, warmup=5)
+            except torch.OutOfMemoryError:
+                row[f"{tag}_fail"] = "out of memory"
+            except Exception as exc:
+                row[f"{tag}_fail"] = repr(exc)[:200]
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, flush=True)
+    env = environment()
+    path = write_json("layer", {"environment": env, "rows": rows})
+    print(f"\n{env.get('device')}, torch {env['torch']}, commit {env.get('commit')}; JSON: {path}")
+    print("ms per call, FP32, radial weights + convolution; fwd | fwd+bwd (gradients to x, y and the lengths)")
+    tags = ("cgforge-table", "cgforge-mlp", "cueq-mlp")
+    print(f"{'problem':12s} " + " ".join(f"{t:>14s}" for t in tags) + " |" + " ".join(f"{t:>14s}" for t in tags)
+          + "   cueq/table fb")
+    for row in rows:
+        fwd = " ".join(f"{row.get(f'{t}_fwd', float('nan')):14.3f}" for t in tags)
+        fb = " ".join(f"{row.get(f'{t}_fb', float('nan')):14.3f}" for t in tags)
+        ratio = row.get("cueq-mlp_fb", float("nan")) / row.get("cgforge-table_fb", float("nan"))
+        print(f"{row['problem']:12s} {fwd} |{fb}   {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
