@@ -13,7 +13,7 @@ The backward forms the convolution's gradient once, out_fn's transpose applied c
 vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
 runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
 
-With ``BACKWARD_RANGE_BYTES`` set (off until measured on a GPU), a first-order backward (no graph kept: MD
+With ``BACKWARD_RANGE_BYTES`` set (off: measured on an H100 it did not pay, see the constant), a first-order backward (no graph kept: MD
 forces) forms that gradient one range of receiver rows at a time too: the backward kernel walks, per range, the
 sender-major CSR of just the edges whose receiver lies in the range (``transposed_range``: the whole transposed
 order masked, built on the device, capturable), reading the range's gradient rows through receiver - r0. Each
@@ -38,7 +38,9 @@ __all__ = ["BACKWARD_RANGE_BYTES", "conv_table_backward_by_ranges", "conv_table_
            "row_ranges", "transposed_range"]
 
 # Bytes of convolution-output gradient per range of a first-order backward (None: the whole gradient at once).
-# MACE-MP-medium at 1.03 M atoms forms 21 GB there; off until the CUDA tests and the memory probe have run.
+# MACE-MP-medium at 1.03 M atoms forms 21 GB there, but with 5 GB ranges (H100, 2026-11-26, CUDA tests passed) the
+# call's peak rose from 72.8 to 77.1 GB (the peak moved to where the ranges' transposes and other tensors are alive
+# together) and the step went from 3.51 to 3.61 s: off.
 BACKWARD_RANGE_BYTES: int | None = None
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
