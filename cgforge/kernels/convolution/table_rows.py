@@ -14,11 +14,12 @@ vector-Jacobian product of an affine map is its linear part's transpose at any p
 runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
 
 With ``BACKWARD_RANGE_BYTES`` set (off: measured on an H100 it did not pay, see the constant), a first-order
-backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward kernel walks, per range, the
-sender-major CSR of just the edges whose receiver lies in the range (``transposed_range``: the whole transposed
-order masked, built on the device, capturable), reading the range's gradient rows through receiver - r0. Each
-edge belongs to one range, so its grad y and grad r are written once; grad x is the sum of the ranges' parts in
-range order (deterministic; rounded differently from the whole graph's single sum).
+backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward
+kernel walks, per range, the sender-major CSR of just the edges whose receiver lies in the range
+(``transposed_range``: the whole transposed order masked, built on the device, capturable), reading the range's
+gradient rows through receiver - r0. Each edge belongs to one range, so its grad y and grad r are written once;
+grad x is the sum of the ranges' parts in range order (deterministic; rounded differently from the whole graph's
+single sum).
 """
 
 from __future__ import annotations
