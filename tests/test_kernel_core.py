@@ -113,7 +113,7 @@ def test_backward_program_on_receiver_ranges_sums_to_the_whole_backward():
 
 
 @pytest.mark.parametrize("name", SMALL)
-@pytest.mark.parametrize("loop_order", ["segments", "edges"])
+@pytest.mark.parametrize("loop_order", ["segments", "edges", "chunks"])
 def test_conv_kernel_programs_match_e3nn(name, loop_order):
     """Every convolution kernel (deterministic with and without perm, atomic; forward and backward), as
     the program the GPU runs, evaluated on CPU in FP64 against e3nn + scatter."""
@@ -122,7 +122,7 @@ def test_conv_kernel_programs_match_e3nn(name, loop_order):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LARGE)
-@pytest.mark.parametrize("loop_order", ["segments", "edges"])
+@pytest.mark.parametrize("loop_order", ["segments", "edges", "chunks"])
 def test_conv_kernel_programs_match_e3nn_large(name, loop_order):
     _check_conv_kernels(name, False, loop_order)
 

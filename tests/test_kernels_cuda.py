@@ -112,11 +112,13 @@ def test_conv_forward_backward(name, dtype, deterministic, n, e):
 @pytest.mark.parametrize("name", ["mace-medium", "diffdock-L1"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_conv_edges_outer_loop_order(name, dtype, deterministic):
-    """The other loop order (edges outermost, every segment per edge) on the GPU, against e3nn."""
+@pytest.mark.parametrize("order, chunk", [("edges", None), ("chunks", 32)])
+def test_conv_edges_outer_loop_order(name, dtype, deterministic, order, chunk):
+    """The other loop orders (edges outermost: every segment per edge, or the segments of one channel chunk per
+    edge, chunk 32 so that there are several) on the GPU, against e3nn."""
     torch.set_default_dtype(torch.float64)
     tp = e3nn_tp(PROBLEMS[name], device=DEV)
-    conv = Convolution.from_e3nn(tp, tuning=TPTuning(loop_order="edges"))
+    conv = Convolution.from_e3nn(tp, tuning=TPTuning(forward_chunk=chunk, backward_chunk=chunk, loop_order=order))
     n, e = 50, 400
     s, r = _graph(n, e, seed=7)
     graph = ConvGraph(s, r, n, deterministic=deterministic)

@@ -4,7 +4,7 @@ Nothing is read from the environment at import. A module takes ``tuning=...`` ex
 one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
 
 - ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
-  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments`` or ``edges``);
+  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``);
 - ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-LOOP_ORDERS = ("auto", "segments", "edges")
+LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
@@ -35,7 +35,8 @@ class TPTuning:
     measured defaults of ``schedule.default_chunks``). loop_order: in a row with several edges (the
     deterministic convolution), ``segments`` walks the edges once per segment (few live registers),
     ``edges`` walks them once and runs every segment per edge (every segment's accumulators live across
-    the edge loop; operands staged once per edge rather than once per segment); ``auto`` (default) picks
+    the edge loop; operands staged once per edge rather than once per segment), ``chunks`` the same per channel
+    chunk (one edge loop per chunk, fewer live accumulators than ``edges``); ``auto`` (default) picks
     per direction (``Schedule.loop_order``): edges for a forward whose accumulators fit the registers,
     segments for the backward, where edges outermost was measured slower.
     """

@@ -8,7 +8,7 @@ from ..core.ir import c_group, literal
 from ..core.templates import template
 from ..radial_table.ops import CUBIC_SOURCE
 from .layout import Layout
-from .program import build_program
+from .program import build_program, segment_groups
 from .schedule import Schedule
 
 
@@ -38,6 +38,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         forward_loop_order=schedule.loop_order(False), backward_loop_order=schedule.loop_order(True),
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
         table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
-        emit_forward=forward, emit_backward=backward,
+        emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
     )
     return source, name

@@ -17,7 +17,7 @@ import torch
 
 from ..core.ir import run
 from .layout import TP_LAYOUT, Layout
-from .program import SegmentCode, TermCode, TPProgram, build_program
+from .program import SegmentCode, TermCode, TPProgram, build_program, segment_groups
 from .schedule import Schedule
 
 
@@ -112,20 +112,13 @@ def _loop(kernel: _Kernel, program: TPProgram, init, edge, finish) -> None:
     """The kernel's loops: rows (vectorised), segments and edge waves in the schedule's loop order."""
     rows, depth = kernel.rows, kernel.rows.depth()
     everyone = torch.arange(rows.count)
-    if program.schedule.loop_order(program.backward) == "segments":
-        for sc in program.segments:
-            state = init(sc)
-            for k in range(depth):
-                r, eid = rows.wave(k)
-                edge(sc, state, r, eid, True)
-            finish(sc, state, everyone)
-    else:
-        states = [init(sc) for sc in program.segments]
+    for group in segment_groups(program, program.schedule.loop_order(program.backward)):
+        states = [init(sc) for _, sc in group]
         for k in range(depth):
             r, eid = rows.wave(k)
-            for i, sc in enumerate(program.segments):
-                edge(sc, states[i], r, eid, i == 0)
-        for sc, state in zip(program.segments, states):
+            for j, (_, sc) in enumerate(group):
+                edge(sc, states[j], r, eid, j == 0)
+        for (_, sc), state in zip(group, states):
             finish(sc, state, everyone)
 
 

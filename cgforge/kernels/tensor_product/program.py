@@ -58,6 +58,18 @@ class TPProgram:
                 "cg_statements": statements, "cg_multiply_adds": fmas}
 
 
+def segment_groups(program: TPProgram, order: str) -> list[list[tuple[int, SegmentCode]]]:
+    """The segments (with their index) that share one edge loop: all of them (``edges``), those of one channel
+    chunk (``chunks``), or each alone (``segments``)."""
+    if order == "edges":
+        return [list(enumerate(program.segments))]
+    groups: dict = {}
+    for i, sc in enumerate(program.segments):
+        key = (sc.segment.c0, sc.segment.c1) if order == "chunks" else i
+        groups.setdefault(key, []).append((i, sc))
+    return list(groups.values())
+
+
 def gy_slots(seg: Segment) -> tuple[int, ...]:
     """The in2-row indices whose gradient this backward segment touches (register slots)."""
     idx = set()
