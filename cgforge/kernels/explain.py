@@ -1,7 +1,7 @@
 """Walk one tensor product through the generator, printing each stage as a value.
 
     python -m cgforge.kernels.explain IRREPS1 IRREPS2 [IRREPS_OUT] [--mode uvu|uvw] [--dtype float32|float64]
-        [--conv] [--loop-order auto|segments|edges] [--arch sm_90] [--lines 30]
+        [--conv] [--loop-order auto|segments|edges|chunks] [--arch sm_90] [--lines 30]
 
     python -m cgforge.kernels.explain 32x0e+32x1o 0e+1o 32x0e+32x1o+32x1e
 
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("uvu", "uvw"), default="uvu")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--conv", action="store_true", help="the deterministic convolution's kernels (rows = nodes)")
-    parser.add_argument("--loop-order", choices=("auto", "segments", "edges"), default="auto")
+    parser.add_argument("--loop-order", choices=("auto", "segments", "edges", "chunks"), default="auto")
     parser.add_argument("--arch", default="sm_90", help="NVRTC target of the register report ('none' to skip)")
     parser.add_argument("--lines", type=int, default=30)
     args = parser.parse_args(argv)
