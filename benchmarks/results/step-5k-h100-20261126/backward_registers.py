@@ -1,13 +1,21 @@
-import sys, torch, warnings
+"""Each patched model's table backward compiled with NVRTC (sm_90, CPU) without and with __launch_bounds__(128, B):
+registers and spilled bytes (run from the repository root: python benchmarks/results/step-5k-h100-20261126/backward_registers.py)."""
+import sys
+import warnings
+
+import torch
+
 warnings.filterwarnings("ignore")
 sys.path.insert(0, "benchmarks")
 from shapes import mace_mp_shape, nequip_shape
+
 from cgforge import patches
 from cgforge.kernels import Convolution
+from cgforge.kernels.core.compiler import compile_cubin
+from cgforge.kernels.tensor_product import layout as L
 from cgforge.kernels.tensor_product import plan as plans
 from cgforge.kernels.tensor_product.codegen import render
-from cgforge.kernels.tensor_product import layout as L
-from cgforge.kernels.core.compiler import compile_cubin
+
 
 def convs(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Convolution)]
