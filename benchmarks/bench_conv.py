@@ -15,7 +15,7 @@ import torch
 from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
+from common import NP_DTYPE, copy_bandwidth, cuda_time, cueq_channelwise, environment, fmt, peers, write_json  # noqa: E402
 from problems import PROBLEMS  # noqa: E402
 from shapes import dhfr_atoms  # noqa: E402
 
@@ -103,12 +103,8 @@ def main() -> None:
                     except Exception as exc:
                         r["oeq_fail"] = repr(exc)[:200]
                 if "cueq" in found:
-                    cue, cuet = found["cueq"]
                     try:
-                        poly = (cue.descriptors.channelwise_tensor_product(
-                            cue.Irreps("O3", str(i1)), cue.Irreps("O3", str(i2)), cue.Irreps("O3", str(io)))
-                            .flatten_coefficient_modes().squeeze_modes().polynomial)
-                        sp = cuet.SegmentedPolynomial(poly, math_dtype=dtype, method="uniform_1d").to("cuda")
+                        sp, poly = cueq_channelwise(found, i1, i2, io, dtype)
                         wc = torch.randn(e, poly.inputs[0].size, device="cuda", dtype=dtype, requires_grad=True)
                         xc = torch.randn(n, poly.inputs[1].size, device="cuda", dtype=dtype, requires_grad=True)
                         oc = torch.empty(n, poly.outputs[0].size, device="cuda", dtype=dtype)

@@ -26,7 +26,7 @@ from e3nn import o3
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import edges, water_system  # noqa: E402
 from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
-from common import cuda_time, environment, peers, write_json  # noqa: E402
+from common import cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
 from problems import PROBLEMS  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
@@ -72,12 +72,8 @@ def main() -> None:
         impls = {"cgforge-table": (lambda: conv.forward_table(x, y, r, coeffs, R_MAX, graph), (x, y, r)),
                  "cgforge-mlp": (lambda: conv(x, y, mlp(r), graph), (x, y, r))}
         if "cueq" in found:
-            cue, cuet = found["cueq"]
             try:
-                poly = (cue.descriptors.channelwise_tensor_product(
-                    cue.Irreps("O3", str(i1)), cue.Irreps("O3", str(i2)), cue.Irreps("O3", str(io)))
-                    .flatten_coefficient_modes().squeeze_modes().polynomial)
-                sp = cuet.SegmentedPolynomial(poly, math_dtype=torch.float32, method="uniform_1d").to("cuda")
+                sp, poly = cueq_channelwise(found, i1, i2, io, torch.float32)
                 if poly.inputs[0].size != e3.weight_numel:
                     raise ValueError(f"cuEquivariance's weights are {poly.inputs[0].size} wide, e3nn's "
                                      f"{e3.weight_numel}")

@@ -62,6 +62,16 @@ def peers() -> dict:
     return found
 
 
+def cueq_channelwise(found: dict, irreps_in1, irreps_in2, irreps_out, dtype: torch.dtype):
+    """cuEquivariance's fused channelwise convolution of these irreps on CUDA: (its SegmentedPolynomial, the
+    polynomial, for its operand sizes). Call it ``sp([w, x, y], {1: sender}, {0: out}, {0: receiver})``."""
+    cue, cuet = found["cueq"]
+    poly = (cue.descriptors.channelwise_tensor_product(
+        cue.Irreps("O3", str(irreps_in1)), cue.Irreps("O3", str(irreps_in2)), cue.Irreps("O3", str(irreps_out)))
+        .flatten_coefficient_modes().squeeze_modes().polynomial)
+    return cuet.SegmentedPolynomial(poly, math_dtype=dtype, method="uniform_1d").to("cuda"), poly
+
+
 def environment() -> dict:
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version()}
