@@ -61,11 +61,9 @@ class TPProgram:
 def segment_groups(program: TPProgram, order: str) -> list[list[tuple[int, SegmentCode]]]:
     """The segments (with their index) that share one edge loop: all of them (``edges``), those of one channel
     chunk (``chunks``), or each alone (``segments``)."""
-    if order == "edges":
-        return [list(enumerate(program.segments))]
     groups: dict = {}
     for i, sc in enumerate(program.segments):
-        key = (sc.segment.c0, sc.segment.c1) if order == "chunks" else i
+        key = 0 if order == "edges" else (sc.segment.c0, sc.segment.c1) if order == "chunks" else i
         groups.setdefault(key, []).append((i, sc))
     return list(groups.values())
 
