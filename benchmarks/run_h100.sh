@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -111,5 +111,19 @@ ranges) # the row chunks' backward by receiver ranges (off by default until this
 layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
         # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
     python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer" >&2; exit 2 ;;
+bound)  # A/B of the convolution backward's launch bound, none (0) vs the occupancy rule (auto), alternating
+        # ROUNDS times: the 5k step of MACE-MP-medium and NequIP M, then (LAYER=1) bench_layer's per-layer times
+    for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+        for b in 0 auto; do
+            echo "== CGFORGE_BACKWARD_MIN_BLOCKS=$b, round $round"
+            CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M \
+                --dtypes float32 --backends cgforge --steps 20 --warmup 5 2>&1 | tee "$OUT/bound-md-$b-$round.log" \
+                | grep -E "^5k "
+            if [ "${LAYER:-0}" = 1 ]; then
+                CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_layer.py 2>&1 \
+                    | tee "$OUT/bound-layer-$b-$round.log" | tail -3
+            fi
+        done
+    done ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound" >&2; exit 2 ;;
 esac

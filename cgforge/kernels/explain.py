@@ -7,7 +7,8 @@
 
 Stages: 1 the problem (e3nn's instructions and normalisation), 2 the sparse CG counts, 3 the schedule
 (segments, chunks, shared memory, tuning), 4 the program (statements, multiply-adds), 5 the ptxas
-register/spill report (NVRTC on this machine, no GPU needed), 6 the head of the generated kernel.
+register/spill report (NVRTC on this machine, no GPU needed) and the convolution backward's launch bound,
+6 the head of the generated kernel.
 Instructions: ``uvu`` connects every in1 x in2 pair to every allowed output irrep (one output block
 per path, as MACE and NequIP do), ``uvw`` every path into IRREPS_OUT (a fully connected product).
 """
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from e3nn import o3
 
+from .core import compiler, occupancy
 from .core.cg import sparse_cg
 from .core.registry import compile_source, itemsize
 from .core.tuning import TPTuning
@@ -98,8 +100,6 @@ def _program(s: Schedule, scalar: str) -> list[str]:
 
 
 def _ptxas(plan_sources: list[tuple[str, str, str]], arch: str) -> list[str]:
-    from .core import compiler
-
     if not compiler.nvrtc_available():
         return ["  NVRTC not found: install nvidia-cuda-nvrtc-cu12 to see the register report"]
     lines = []
@@ -108,6 +108,24 @@ def _ptxas(plan_sources: list[tuple[str, str, str]], arch: str) -> list[str]:
         lines.append(f"  {label:<9} {function}: {res.registers} registers, spills {res.spill_stores} B stored / "
                      f"{res.spill_loads} B loaded")
     return lines
+
+
+def _launch_bound(s: Schedule, scalar: str, size: int, arch: str) -> str:
+    """The convolution backward's launch bound as the plans choose it (``core.occupancy``)."""
+    from .tensor_product.codegen import render
+
+    def compile_with(min_blocks: int | None):
+        source, name = render(s, scalar, CONV_BACKWARD, forward=False, backward=True, backward_min_blocks=min_blocks)
+        return compile_source(source, f"{name}_backward", arch).resources(f"{name}_backward")
+
+    launch = s.backward_launch
+    bound = occupancy.choose_min_blocks(occupancy.sm_limits(arch), 32 * launch.warps_per_block,
+                                        launch.warps_per_block * launch.smem_per_warp * size, compile_with)
+    if bound is None:
+        return "backward launch bound: none (registers do not limit its blocks per SM, or a bound would not help)"
+    res = compile_with(bound)
+    return (f"backward launch bound: {bound} blocks per SM -> {res.registers} registers, spills "
+            f"{res.spill_stores} B stored / {res.spill_loads} B loaded")
 
 
 def explain(irreps_in1: str, irreps_in2: str, irreps_out: str | None = None, *, mode: str = "uvu",
@@ -131,6 +149,8 @@ def explain(irreps_in1: str, irreps_in2: str, irreps_out: str | None = None, *, 
            "4. program (CG statements per lane-owned channel)", *_program(schedule, scalar)]
     if arch is not None:
         out += [f"5. ptxas report (NVRTC, {arch})", *_ptxas(sources, arch)]
+        if conv and compiler.nvrtc_available():
+            out.append("  " + _launch_bound(schedule, scalar, size, arch))
     source_lines = sources[0][1].splitlines()
     start = next((i for i, line in enumerate(source_lines) if line.startswith('extern "C"')), 0)
     out += [f"6. generated forward kernel ({len(source_lines)} lines), from its signature",

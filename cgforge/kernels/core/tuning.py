@@ -4,7 +4,8 @@ Nothing is read from the environment at import. A module takes ``tuning=...`` ex
 one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
 
 - ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
-  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``);
+  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``), ``CGFORGE_BACKWARD_MIN_BLOCKS``
+  (``auto``, ``0`` for no launch bound, or the blocks per SM to bound to);
 - ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
 """
 
@@ -39,11 +40,15 @@ class TPTuning:
     chunk (one edge loop per chunk, fewer live accumulators than ``edges``); ``auto`` (default) picks
     per direction (``Schedule.loop_order``): edges for a forward whose accumulators fit the registers,
     segments for the backward, where edges outermost was measured slower.
+    backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
+    ``core.occupancy.choose_min_blocks`` pick from the unbounded compile's registers (a bound only where it
+    lowers them and adds a resident block), 0 no bound, a positive int that bound.
     """
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
     loop_order: str = "auto"
+    backward_min_blocks: int | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -52,14 +57,20 @@ class TPTuning:
                 raise ValueError(f"{name} must be None or a positive multiple of 32, got {value!r}")
         if self.loop_order not in LOOP_ORDERS:
             raise ValueError(f"loop_order must be one of {LOOP_ORDERS}, got {self.loop_order!r}")
+        bound = self.backward_min_blocks
+        if bound != "auto" and (not isinstance(bound, int) or isinstance(bound, bool) or not 0 <= bound <= 32):
+            raise ValueError(f"backward_min_blocks must be 'auto' or an int in [0, 32], got {bound!r}")
 
     @classmethod
     def from_env(cls) -> TPTuning:
+        bound = os.environ.get("CGFORGE_BACKWARD_MIN_BLOCKS") or "auto"
         return cls(_env_int("CGFORGE_FORWARD_CHUNK"), _env_int("CGFORGE_BACKWARD_CHUNK"),
-                   os.environ.get("CGFORGE_LOOP_ORDER") or "auto")
+                   os.environ.get("CGFORGE_LOOP_ORDER") or "auto",
+                   bound if bound == "auto" else _env_int("CGFORGE_BACKWARD_MIN_BLOCKS"))
 
     def key(self) -> str:
-        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}"
+        bound = "" if self.backward_min_blocks == "auto" else f"|{self.backward_min_blocks}"  # old keys kept
+        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}"
 
 
 @dataclass(frozen=True)

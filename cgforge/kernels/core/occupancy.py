@@ -1,0 +1,95 @@
+"""How many blocks of a kernel one SM holds, and when a launch bound raises that number.
+
+The convolution kernels are latency bound at low occupancy (Nsight Compute on an H100: 12-30 % occupancy,
+stalls on shared-memory and shuffle results), and their occupancy is set by registers. ``__launch_bounds__(T, B)``
+asks ptxas to fit B blocks of T threads per SM, i.e. to use at most 65536 / (B T) registers. That helps only
+where registers are what limits the blocks and the compiler can drop to the budget without spilling much; where
+the unbounded kernel already uses fewer registers than the budget, ptxas fills the budget instead (measured:
+NequIP M's backward went from 80 to 96 registers under B = 5 and from 2.54 to 3.13 ms). So the rule here
+compiles the kernel once without a bound, and proposes B = (blocks it gets now) + 1 only where registers, not
+shared memory or the warp limit, hold it back; the caller keeps the bounded compile only where it really uses
+fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .compiler import KernelResources
+
+# Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's.
+# MACE-MP-medium's second convolution backward bounded to 5 blocks spills 8 B stored / 24 B loaded and
+# ran 5.30 -> 4.81 ms (H100).
+MAX_BOUND_SPILL_BYTES = 64
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """One streaming multiprocessor's resources (CUDA programming guide, compute capability tables)."""
+
+    registers: int = 65536
+    max_warps: int = 64
+    max_blocks: int = 32
+    shared_memory: int = 228 * 1024  # bytes, of which a block may use at most 227 KB
+    reserved_shared_per_block: int = 1024  # what the driver keeps per resident block (sm_80 and later)
+    register_unit: int = 256  # registers are allocated per warp in units of this many
+
+    def blocks(self, threads: int, registers: int | None, shared_bytes: int) -> int:
+        """Resident blocks of `threads` threads using `registers` a thread (None: do not count registers) and
+        `shared_bytes` of shared memory a block."""
+        warps = -(-threads // 32)
+        limit = min(self.max_blocks, self.max_warps // warps,
+                    self.shared_memory // (shared_bytes + self.reserved_shared_per_block))
+        if registers is not None and registers > 0:
+            per_warp = -(-registers * 32 // self.register_unit) * self.register_unit
+            limit = min(limit, (self.registers // per_warp) // warps)
+        return limit
+
+
+# By cubin architecture; an architecture not listed gets no launch bound (nothing is guessed).
+SM_LIMITS: dict[str, SMLimits] = {
+    "sm_80": SMLimits(shared_memory=164 * 1024),
+    "sm_86": SMLimits(max_warps=48, max_blocks=16, shared_memory=100 * 1024),
+    "sm_89": SMLimits(max_warps=48, max_blocks=24, shared_memory=100 * 1024),
+    "sm_90": SMLimits(),
+}
+
+
+def sm_limits(arch: str) -> SMLimits | None:
+    """The SM of a cubin architecture ('sm_90', 'sm_90a'), or None if unknown."""
+    return SM_LIMITS.get(arch.rstrip("af"))
+
+
+def proposed_min_blocks(sm: SMLimits, threads: int, shared_bytes: int, unbounded: KernelResources) -> int | None:
+    """B for ``__launch_bounds__(threads, B)``: one block more than the unbounded kernel gets, if its
+    registers are what stops the SM from holding it (not shared memory, not the warp limit); else None."""
+    now = sm.blocks(threads, unbounded.registers, shared_bytes)
+    if now >= sm.blocks(threads, None, shared_bytes):
+        return None
+    return now + 1
+
+
+def accepts_bound(sm: SMLimits, threads: int, shared_bytes: int, unbounded: KernelResources,
+                  bounded: KernelResources, min_blocks: int) -> bool:
+    """Keep the bounded compile: fewer registers, `min_blocks` resident, little more spill traffic."""
+    def spilled(r: KernelResources) -> int:
+        return r.spill_stores + r.spill_loads
+
+    return (bounded.registers < unbounded.registers
+            and sm.blocks(threads, bounded.registers, shared_bytes) >= min_blocks
+            and spilled(bounded) <= spilled(unbounded) + MAX_BOUND_SPILL_BYTES)
+
+
+def choose_min_blocks(sm: SMLimits | None, threads: int, shared_bytes: int,
+                      compile_with: Callable[[int | None], KernelResources]) -> int | None:
+    """The launch bound to compile with (None: none): `compile_with(B)` compiles the kernel under
+    ``__launch_bounds__(threads, B)`` (None: without B) and returns its ptxas resources."""
+    if sm is None:
+        return None
+    unbounded = compile_with(None)
+    proposed = proposed_min_blocks(sm, threads, shared_bytes, unbounded)
+    if proposed is None:
+        return None
+    bounded = compile_with(proposed)
+    return proposed if accepts_bound(sm, threads, shared_bytes, unbounded, bounded, proposed) else None
