@@ -39,7 +39,7 @@ def test_rule_on_synthetic_reports():
     assert occupancy.proposed_min_blocks(H100, 128, 60 * 1024, _res(128)) is None
     # registers limit, but the SM already holds 12 blocks (48 of 64 warps): measured slower when bounded
     assert occupancy.proposed_min_blocks(H100, 128, 0, _res(40)) is None
-    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(80)) == 7  # 24 warps
+    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(80)) is None  # 24 warps (37.5 %): measured slower too
     unbounded = _res(80)
     assert occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72), 7)
     assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(96), 7)  # ptxas filled the budget

@@ -7,7 +7,7 @@ where registers are what limits the blocks and the compiler can drop to the budg
 the unbounded kernel already uses fewer registers than the budget, ptxas fills the budget instead (measured:
 NequIP M's backward went from 80 to 96 registers under B = 5 and from 2.54 to 3.13 ms). So the rule here
 compiles the kernel once without a bound, and proposes B = (blocks it gets now) + 1 only where registers, not
-shared memory or the warp limit, hold it back and it holds under half the SM's warps; the caller keeps the
+shared memory or the warp limit, hold it back and it holds under 30 % of the SM's warps; the caller keeps the
 bounded compile only where it really uses fewer registers, reaches B blocks and spills at most
 ``MAX_BOUND_SPILL_BYTES`` more.
 """
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from .compiler import KernelResources
 
 # Only kernels below this fraction of the SM's warps are bounded: above it, more warps hide little more latency,
-# and fewer registers cost instructions. Measured (H100, 5k step): NequIP M's first and last backwards bounded
-# from 12 to 13 and 10 to 11 blocks (75 % and 62 % of the warps before) made its step 9.6 -> 10.8 ms.
-MAX_BOUNDED_OCCUPANCY = 0.5
+# and fewer registers cost instructions. Measured (H100, 5k step): MACE-MP-medium's second backward bounded from
+# 4 to 5 blocks (25 % of the warps before) gained; NequIP M's backwards bounded from 12 to 13, 10 to 11 (75 %,
+# 62 %) and then from 6 to 7 blocks (37.5 %, 80 -> 72 registers) each made its model call 8.4 -> 9.1 ms.
+MAX_BOUNDED_OCCUPANCY = 0.3
 # Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's.
 # MACE-MP-medium's second convolution backward bounded to 5 blocks spills 8 B stored / 24 B loaded and
 # ran 5.30 -> 4.81 ms (H100).
