@@ -95,7 +95,7 @@ def _one_line_error(capsys) -> str:
     (["--device", "tpu"], "--device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     (["--radial-precision", "tf32"], "--radial-precision: tf32 needs a CUDA device"),
     (["--compile", "reduce-overhead"], "--compile: mode 'reduce-overhead' captures CUDA graphs of its own"),
-    (["--compile", "fast"], "--compile: expected one of default, max-autotune-no-cudagraphs, got 'fast'"),
+    (["--compile", "fast"], "--compile: expected one of auto, off, default, max-autotune-no-cudagraphs, got 'fast'"),
 ])
 def test_bad_flags_fail_before_the_model_loads_and_name_the_flag(tmp_path, capsys, no_model, extra, message):
     assert main(_md(tmp_path, *extra)) == EXIT_ERROR
@@ -111,10 +111,68 @@ def test_compile_flag_reaches_the_calculator(tmp_path, capsys, monkeypatch):
         raise ValueError("stopped after the flags (test)")
 
     monkeypatch.setattr(calculator_module, "Calculator", capture)
-    for extra in ([], ["--compile"], ["--compile", "max-autotune-no-cudagraphs"]):
+    for extra in ([], ["--compile"], ["--compile", "max-autotune-no-cudagraphs"], ["--compile", "off"],
+                  ["--compile", "auto"]):
         assert main(_md(tmp_path, *extra)) == EXIT_ERROR
         assert "stopped after the flags (test)" in _one_line_error(capsys)
-    assert seen == [False, "default", "max-autotune-no-cudagraphs"]
+    # auto and off build an eager calculator; auto decides after the model is loaded (auto_compile)
+    assert seen == [False, "default", "max-autotune-no-cudagraphs", False, False]
+
+
+class _StandInCalculator:
+    """What auto_compile reads of a Calculator, on a device named without needing one."""
+
+    def __init__(self, device: str, patched: bool = True, fits: bool = True, error: Exception | None = None):
+        self.device, self.patched, self.fits, self.error = torch.device(device), patched, fits, error
+        self.compile = None
+
+    def compiled_fits(self, atoms) -> bool:
+        return self.fits
+
+    def set_compile(self, mode) -> None:
+        if self.error is not None:
+            raise self.error
+        self.compile = mode
+
+
+def test_compile_auto_rule():
+    from cgforge.plugin.md_cli import COMPILE_AUTO_MIN_STEPS, auto_compile
+
+    atoms = Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
+    long_run = COMPILE_AUTO_MIN_STEPS
+    cpu = _StandInCalculator("cpu")
+    assert auto_compile(cpu, atoms, long_run) is None and cpu.compile is None  # nothing compiled off CUDA
+    short = _StandInCalculator("cuda")
+    assert "off (49,999 steps; auto compiles runs of 50,000 or more" in auto_compile(short, atoms, long_run - 1)
+    assert short.compile is None
+    on = _StandInCalculator("cuda")
+    assert auto_compile(on, atoms, long_run).startswith("torch.compile: on (50,000 steps") and on.compile == "default"
+    full = _StandInCalculator("cuda", fits=False)
+    assert "off (the box leaves too little GPU memory)" in auto_compile(full, atoms, long_run) and full.compile is None
+    unpatched = _StandInCalculator("cuda", patched=False)
+    assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run)
+    no_triton = _StandInCalculator("cuda", error=RuntimeError("compile: Inductor needs Triton"))
+    assert auto_compile(no_triton, atoms, long_run) == "torch.compile: off (compile: Inductor needs Triton)"
+
+
+@pytest.mark.cuda
+def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypatch):
+    """`cgforge md` on a GPU with the auto rule's threshold lowered to this run's length: the model is compiled
+    after loading, the engine fuses its integrator, the run ends well."""
+    from cgforge.plugin import md_cli
+
+    torch.set_default_dtype(torch.float32)
+    torch._dynamo.reset()
+    monkeypatch.setattr(md_cli, "COMPILE_AUTO_MIN_STEPS", 30)
+    args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
+            "-o", str(tmp_path / "out.traj")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "torch.compile: on (30 steps" in out, out
+    assert len(read(tmp_path / "out.traj", ":")) >= 2
+    assert main([*args[:-1], str(tmp_path / "short.traj"), "--steps", "29"]) == 0
+    assert "torch.compile: off (29 steps" in capsys.readouterr().out
+    torch._dynamo.reset()
 
 
 def test_bad_flags_that_need_files(tmp_path, capsys, no_model):

@@ -93,6 +93,26 @@ def test_compile_refuses_what_it_cannot_compile(monkeypatch):
     assert calc.compile == "default" and calc.step.compiled is not None
 
 
+def test_set_compile_after_construction_gives_the_constructed_results(aot_eager):
+    """Calculator.set_compile (what `cgforge md --compile auto` calls) equals compile at construction, checks the
+    same things, and turns off again."""
+    atoms = water_box(2, seed=4)
+    want = random_steps(atoms, Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True,
+                                          warmup=False), 2, seed=5)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
+    assert calc.compile is None and calc.step.compiled is None
+    calc.set_compile(True)
+    assert calc.compile == "default" and calc.step.compiled is not None
+    assert_same(random_steps(atoms, calc, 2, seed=5), want, 1e-10)
+    calc.set_compile(False)
+    assert calc.compile is None and calc.step.compiled is None
+    with pytest.raises(ValueError, match="compile: expected True, False or one of"):
+        calc.set_compile("fastest")
+    unpatched = Calculator("mace", device="cpu", dtype="float64", patch=False, warmup=False)
+    with pytest.raises(ValueError, match="compile: needs a model patched by cgforge"):
+        unpatched.set_compile(True)
+
+
 @pytest.mark.slow
 def test_the_patched_models_compile_as_one_graph():
     """No graph break in cgforge's code or the models' (bundled MACE and NequIP): the whole energy is one graph."""

@@ -482,6 +482,29 @@ class Calculator(AseCalculator):
             self.step.cuda_graph = True
             self._graph_off_for_size = False
 
+    def set_compile(self, compile: bool | str) -> None:
+        """Turn ``compile`` (see the class doc) on or off after construction, from the next step on: what
+        ``cgforge md --compile auto`` does for a long run once it knows the box fits. The same checks as at
+        construction; the memory and row plans are made again (a compiled model's rows are not chunked)."""
+        mode = parse_compile(compile)
+        if mode is not None:
+            check_compile(self.device, patched=self.patched, streaming=self.streaming)
+        if mode == self.compile:
+            return
+        self.compile = mode
+        self.step.set_compile(mode)
+        self._memory_planned = self._rows_planned = -1
+
+    def compiled_fits(self, atoms: Atoms) -> bool:
+        """Whether ``atoms`` leave room for the compiled model on this device: its rows unchunked, its step still
+        captured (``memory_plan``: the estimate below ``UNCAPTURED_ABOVE_FRACTION`` of the free memory). False
+        off CUDA, when streaming, or for a box that needs row chunks to fit comfortably."""
+        plan = self.plan_for(atoms)
+        if plan is None or self.streaming:
+            return False
+        whole_rows = self.adapter.stored_edge_bytes(None)
+        return plan_memory(plan.edges, whole_rows, plan.free_bytes, len(atoms)).capture
+
     def plan_rows(self, n_atoms: int) -> None:
         """Per system size: the stored path makes its widest per-atom rows (a block's convolution output and the
         linear after it) in chunks where ``n_atoms`` need it (``adapter.set_row_chunks``), unless streaming or

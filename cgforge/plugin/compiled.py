@@ -58,8 +58,9 @@ _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
 EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
 
-def parse_compile(value: object, name: str = "compile") -> str | None:
-    """None (no compilation) for False/None, the Inductor mode for True ("default") or a mode name."""
+def parse_compile(value: object, name: str = "compile", others: tuple[str, ...] = ()) -> str | None:
+    """None (no compilation) for False/None, the Inductor mode for True ("default") or a mode name. ``others``:
+    words the caller accepts besides (named in the error)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -72,7 +73,7 @@ def parse_compile(value: object, name: str = "compile") -> str | None:
                          f"capture; use one of {', '.join(MODES)} (the step is captured anyway)")
     if value not in MODES:
         flags = "" if name.startswith("--") else "True, False or "
-        raise ValueError(f"{name}: expected {flags}one of {', '.join(MODES)}, got {value!r}")
+        raise ValueError(f"{name}: expected {flags}one of {', '.join((*others, *MODES))}, got {value!r}")
     return value
 
 
