@@ -7,6 +7,7 @@ slow ones compile with Inductor itself; the CUDA ones check the compiled step in
 
 from __future__ import annotations
 
+import warnings
 from contextlib import ExitStack
 
 import numpy as np
@@ -91,6 +92,20 @@ def test_compile_refuses_what_it_cannot_compile(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # not Inductor: no compiler needed
     calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False)
     assert calc.compile == "default" and calc.step.compiled is not None
+
+
+def test_inductor_tf32_hint_is_not_shown(recwarn):
+    """Inductor's advice to turn TF32 on (first compilation on an H100) is dropped; other warnings pass."""
+    def energy(*args):
+        warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+                      "Consider setting torch.set_float32_matmul_precision('high')", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return torch.zeros(()), None
+
+    fn = compiled.CompiledEnergy(energy, "default")
+    fn._compiled = energy  # the compiled callable's warnings, without compiling anything
+    fn(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1), torch.zeros(2, 1), False)
+    assert [str(w.message) for w in recwarn] == ["something else"]
 
 
 def test_set_compile_after_construction_gives_the_constructed_results(aot_eager):

@@ -55,6 +55,11 @@ BACKEND = "inductor"
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
 
+# Inductor's hint at the first compilation on a TF32-capable GPU. cgforge keeps FP32 products unless the user picks
+# a radial-precision mode (whose force check guards it): the hint, seen at `cgforge md`'s first step, would
+# only invite turning TF32 on for every matmul, so it is not shown.
+_TF32_HINT = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
+
 EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
 
 
@@ -134,7 +139,9 @@ class CompiledEnergy:
                 if t.numel():
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
-            return self._compiled(positions, vectors, species, edge_index, per_atom)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_TF32_HINT)
+                return self._compiled(positions, vectors, species, edge_index, per_atom)
         except _COMPILE_ERRORS as err:
             self._compiled = None
             self.error = _reason(err)
