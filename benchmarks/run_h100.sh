@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -125,5 +125,15 @@ bound)  # A/B of the convolution backward's launch bound, none (0) vs the occupa
             fi
         done
     done ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound" >&2; exit 2 ;;
+large)  # mace-large's backward (12 of its 17.3 ms per layer): bench_layer's cgforge table kernels over backward
+        # chunk x launch bound (NVRTC sm_90: chunk 32 128 registers 32/56 B spilled, bound 5 -> 96 with 40/208 B;
+        # chunk 64 128 registers 4/4 B, 4 blocks by shared memory too); cuEquivariance's row when it is installed
+    for chunk in 32 64; do
+        for b in 0 5; do
+            echo "== CGFORGE_BACKWARD_CHUNK=$chunk CGFORGE_BACKWARD_MIN_BLOCKS=$b"
+            CGFORGE_BACKWARD_CHUNK=$chunk CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_layer.py mace-large \
+                2>&1 | tee "$OUT/large-$chunk-$b.log" | tail -2
+        done
+    done ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large" >&2; exit 2 ;;
 esac
