@@ -116,6 +116,7 @@ def test_set_compile_after_construction_gives_the_constructed_results(aot_eager)
                                           warmup=False), 2, seed=5)
     calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
     assert calc.compile is None and calc.step.compiled is None
+    assert not calc.compiled_fits(atoms)  # no memory plan off CUDA: `cgforge md --compile auto` leaves a CPU run be
     calc.set_compile(True)
     assert calc.compile == "default" and calc.step.compiled is not None
     assert_same(random_steps(atoms, calc, 2, seed=5), want, 1e-10)
