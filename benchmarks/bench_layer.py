@@ -1,6 +1,6 @@
 """One interaction layer's radial weights + convolution, per layer, forward and forward+backward (one GPU, FP32).
 
-    python benchmarks/bench_layer.py [problem ...]        (default: mace-medium mace-large)
+    python benchmarks/bench_layer.py [problem ...] [--tuning SPEC ...]     (default: mace-medium mace-large)
 
 Issue 18's per-layer comparison on the 5184-atom water box (436,566 edges at 6 Ã…, real edge lengths):
 
@@ -12,11 +12,14 @@ Issue 18's per-layer comparison on the 5184-atom water box (436,566 edges at 6 Ã
 
 The MLP is MACE's shape (8 Bessel functions times the polynomial cutoff, 8 -> 64 -> 64 -> 64 -> weight_numel,
 SiLU), random weights; every row differentiates to x, y and the edge lengths (forces flow through all three).
-Prints a table; JSON goes to benchmarks/results/ (or $OUT).
+``--tuning SPEC`` (repeatable) adds ``cgforge-table`` built with that ``TPTuning``, e.g. ``loop_order=chunks,
+forward_chunk=64`` or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one
+process, a second table. Prints the tables; JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -29,7 +32,7 @@ from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
 from common import cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
 from problems import PROBLEMS  # noqa: E402
 
-from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
+from cgforge.kernels import ConvGraph, Convolution, TPTuning  # noqa: E402
 from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
 
 
@@ -42,11 +45,30 @@ def edge_lengths(atoms, sender: torch.Tensor, receiver: torch.Tensor) -> torch.T
     return ((frac - frac.round()) @ cell).norm(dim=1).float()
 
 
+def parse_tuning(spec: str) -> TPTuning:
+    """``name=value,...`` -> TPTuning (ints where the value is one); a bad spec exits naming it."""
+    fields = {}
+    try:
+        for item in filter(None, spec.split(",")):
+            key, value = item.split("=")
+            fields[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        return TPTuning(**fields)
+    except (TypeError, ValueError) as err:
+        sys.exit(f"bench_layer: --tuning {spec!r}: {err} (fields: forward_chunk, backward_chunk, loop_order, "
+                 "backward_min_blocks)")
+
+
 def main() -> None:
-    names = sys.argv[1:] or ["mace-medium", "mace-large"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("problems", nargs="*", default=["mace-medium", "mace-large"])
+    parser.add_argument("--tuning", action="append", default=[], metavar="SPEC",
+                        help="also time cgforge-table with this TPTuning (name=value,...); repeatable")
+    args = parser.parse_args()
+    names = args.problems
     unknown = [n for n in names if n not in PROBLEMS]
     if unknown:
         sys.exit(f"bench_layer: unknown problem(s) {unknown}; known: {sorted(PROBLEMS)}")
+    tunings = {spec: parse_tuning(spec) for spec in args.tuning}
     if not torch.cuda.is_available():
         sys.exit("bench_layer: needs a CUDA GPU")
     found = peers()
@@ -71,6 +93,10 @@ def main() -> None:
         row = {"problem": name, "edges": e, "weight_numel": e3.weight_numel, "table_intervals": table.intervals}
         impls = {"cgforge-table": (lambda: conv.forward_table(x, y, r, coeffs, R_MAX, graph), (x, y, r)),
                  "cgforge-mlp": (lambda: conv(x, y, mlp(r), graph), (x, y, r))}
+        for spec, tuning in tunings.items():
+            tuned = Convolution.from_e3nn(e3, tuning=tuning).to("cuda")
+            impls[f"cgforge-table[{spec}]"] = (lambda c=tuned: c.forward_table(x, y, r, coeffs, R_MAX, graph),
+                                               (x, y, r))
         if "cueq" in found:
             try:
                 sp, poly = cueq_channelwise(found, i1, i2, io, torch.float32)
@@ -111,6 +137,14 @@ def main() -> None:
         fb = " ".join(f"{row.get(f'{t}_fb', float('nan')):14.3f}" for t in tags)
         ratio = row.get("cueq-mlp_fb", float("nan")) / row.get("cgforge-table_fb", float("nan"))
         print(f"{row['problem']:12s} {fwd} |{fb}   {ratio:.2f}x")
+    if tunings:
+        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default")
+        for row in rows:
+            for spec in ("", *tunings):
+                tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
+                fwd, fb = row.get(f"{tag}_fwd", float("nan")), row.get(f"{tag}_fb", float("nan"))
+                print(f"{row['problem']:12s} {spec or 'default':44s} {fwd:8.3f} {fb:8.3f} {fb - fwd:8.3f} "
+                      f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x")
 
 
 if __name__ == "__main__":

@@ -125,15 +125,11 @@ bound)  # A/B of the convolution backward's launch bound, none (0) vs the occupa
             fi
         done
     done ;;
-large)  # mace-large's backward (12 of its 17.3 ms per layer): bench_layer's cgforge table kernels over backward
-        # chunk x launch bound (NVRTC sm_90: chunk 32 128 registers 32/56 B spilled, bound 5 -> 96 with 40/208 B;
-        # chunk 64 128 registers 4/4 B, 4 blocks by shared memory too); cuEquivariance's row when it is installed
-    for chunk in 32 64; do
-        for b in 0 5; do
-            echo "== CGFORGE_BACKWARD_CHUNK=$chunk CGFORGE_BACKWARD_MIN_BLOCKS=$b"
-            CGFORGE_BACKWARD_CHUNK=$chunk CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_layer.py mace-large \
-                2>&1 | tee "$OUT/large-$chunk-$b.log" | tail -2
-        done
-    done ;;
+large)  # per-layer kernel choices in one process (bench_layer --tuning): mace-large's backward (12 of its 17.3 ms;
+        # NVRTC sm_90: chunk 32 128 registers 32/56 B spilled, a bound of 5 -> 96 with 40/208 B) over backward chunk
+        # x launch bound, and NequIP M's forward in chunks (1.35 -> 1.11 ms measured in its 5k model call)
+    python3 benchmarks/bench_layer.py mace-large nequip-presetM --tuning backward_min_blocks=0 \
+        --tuning backward_min_blocks=5 --tuning backward_chunk=64 --tuning backward_chunk=64,backward_min_blocks=5 \
+        --tuning loop_order=chunks,forward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -14 ;;
 *) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large" >&2; exit 2 ;;
 esac
