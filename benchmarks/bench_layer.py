@@ -14,7 +14,9 @@ The MLP is MACE's shape (8 Bessel functions times the polynomial cutoff, 8 -> 64
 SiLU), random weights; every row differentiates to x, y and the edge lengths (forces flow through all three).
 ``--tuning SPEC`` (repeatable) adds ``cgforge-table`` built with that ``TPTuning``, e.g. ``loop_order=chunks,
 forward_chunk=64`` or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one
-process, a second table. Prints the tables; JSON goes to benchmarks/results/ (or $OUT).
+process, a second table. The floor (``layer_floor``) is a lower bound per call: the larger of the bytes every
+kernel must move at the measured copy bandwidth and the CG multiply-adds at the device's FP32 peak. Prints the
+tables; JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -29,11 +31,43 @@ from e3nn import o3
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import edges, water_system  # noqa: E402
 from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
-from common import cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
+from common import copy_bandwidth, cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
 from problems import PROBLEMS  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution, TPTuning  # noqa: E402
 from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
+from cgforge.kernels.tensor_product.problem import TPProblem  # noqa: E402
+from cgforge.kernels.tensor_product.program import build_program  # noqa: E402
+from cgforge.kernels.tensor_product.schedule import build_schedule  # noqa: E402
+
+# FP32 FMA throughput (non-tensor), TFLOP/s, by device name: NVIDIA's data sheets (SXM parts)
+FP32_PEAK_TFLOPS = {"H100": 66.9, "H200": 66.9, "A100": 19.5}
+
+
+def fp32_peak_tflops(device_name: str) -> float:
+    """The data-sheet FP32 peak of a device named like 'NVIDIA H100 80GB HBM3' (nan if not listed)."""
+    return next((v for k, v in FP32_PEAK_TFLOPS.items() if k in device_name), float("nan"))
+
+
+def layer_floor(problem: TPProblem, nodes: int, edges: int, bandwidth: float, tflops: float,
+                itemsize: int = 4) -> dict[str, float]:
+    """Lower bounds (ms) of one table-convolution call, forward and forward + backward. Bytes: node rows read
+    or written once (x, out; backward g, x, grad x), per edge y, the length, three 4-byte indices and (backward)
+    grad y and grad r; the table itself and L2 reuse are free. FLOPs: 2 per CG multiply-add of the generated
+    program (`TPProgram.summary`), nothing for the weights' cubics; both counts are under the truth."""
+    i1, i2, io = problem.irreps_in1.dim, problem.irreps_in2.dim, problem.irreps_out.dim
+    schedule = build_schedule(problem, itemsize=itemsize, rows_are_nodes=True)
+    macs = {b: build_program(schedule, backward=b).summary()["cg_multiply_adds"] for b in (False, True)}
+    per_edge = (i2 + 1) * itemsize + 3 * 4
+    fwd_bytes = nodes * (i1 + io) * itemsize + edges * per_edge + nodes * 8
+    bwd_bytes = nodes * (io + 2 * i1) * itemsize + edges * (per_edge + (i2 + 1) * itemsize) + nodes * 8
+    ms = {}
+    for tag, nbytes, flops in (("fwd", fwd_bytes, 2 * macs[False] * edges),
+                               ("fb", fwd_bytes + bwd_bytes, 2 * (macs[False] + macs[True]) * edges)):
+        ms[f"floor_{tag}_bytes_ms"] = nbytes / bandwidth * 1e3
+        ms[f"floor_{tag}_flops_ms"] = flops / (tflops * 1e12) * 1e3
+        ms[f"floor_{tag}"] = max(ms[f"floor_{tag}_bytes_ms"], ms[f"floor_{tag}_flops_ms"])
+    return ms
 
 
 def edge_lengths(atoms, sender: torch.Tensor, receiver: torch.Tensor) -> torch.Tensor:
@@ -72,6 +106,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_layer: needs a CUDA GPU")
     found = peers()
+    bandwidth, tflops = copy_bandwidth(), fp32_peak_tflops(torch.cuda.get_device_name())
     atoms, cutoff = water_system()
     sender, receiver = edges(atoms, cutoff)
     n, e = len(atoms), sender.shape[0]
@@ -90,7 +125,8 @@ def main() -> None:
         x = torch.randn(n, i1.dim, device="cuda", requires_grad=True)
         y = torch.randn(e, i2.dim, device="cuda", requires_grad=True)
         r = lengths.clone().requires_grad_()
-        row = {"problem": name, "edges": e, "weight_numel": e3.weight_numel, "table_intervals": table.intervals}
+        row = {"problem": name, "edges": e, "weight_numel": e3.weight_numel, "table_intervals": table.intervals,
+               **layer_floor(conv.problem, n, e, bandwidth, tflops)}
         impls = {"cgforge-table": (lambda: conv.forward_table(x, y, r, coeffs, R_MAX, graph), (x, y, r)),
                  "cgforge-mlp": (lambda: conv(x, y, mlp(r), graph), (x, y, r))}
         for spec, tuning in tunings.items():
@@ -129,14 +165,18 @@ def main() -> None:
     path = write_json("layer", {"environment": env, "rows": rows})
     print(f"\n{env.get('device')}, torch {env['torch']}, commit {env.get('commit')}; JSON: {path}")
     print("ms per call, FP32, radial weights + convolution; fwd | fwd+bwd (gradients to x, y and the lengths)")
-    tags = ("cgforge-table", "cgforge-mlp", "cueq-mlp")
+    tags = ("cgforge-table", "cgforge-mlp", "cueq-mlp", "floor")
     print(f"{'problem':12s} " + " ".join(f"{t:>14s}" for t in tags) + " |" + " ".join(f"{t:>14s}" for t in tags)
-          + "   cueq/table fb")
+          + "   cueq/table fb  table/floor fb")
     for row in rows:
         fwd = " ".join(f"{row.get(f'{t}_fwd', float('nan')):14.3f}" for t in tags)
         fb = " ".join(f"{row.get(f'{t}_fb', float('nan')):14.3f}" for t in tags)
         ratio = row.get("cueq-mlp_fb", float("nan")) / row.get("cgforge-table_fb", float("nan"))
-        print(f"{row['problem']:12s} {fwd} |{fb}   {ratio:.2f}x")
+        print(f"{row['problem']:12s} {fwd} |{fb}   {ratio:.2f}x  "
+              f"{row.get('cgforge-table_fb', float('nan')) / row['floor_fb']:6.1f}x")
+    print(f"floor: bytes at {bandwidth / 1e9:.0f} GB/s (a measured copy) or CG multiply-adds at {tflops} TFLOP/s FP32, "
+          "whichever is larger (fwd+bwd bytes | flops ms: "
+          + ", ".join(f"{r['problem']} {r['floor_fb_bytes_ms']:.3f} | {r['floor_fb_flops_ms']:.3f}" for r in rows) + ")")
     if tunings:
         print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default")
         for row in rows:

@@ -26,3 +26,25 @@ def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], na
                          timeout=300)
     assert run.returncode != 0
     assert named in run.stderr, run.stderr[-2000:]
+
+
+def test_layer_floor_counts_bytes_and_multiply_adds() -> None:
+    """bench_layer's floor on a problem small enough to count by hand: 8x0e x 0e -> 8x0e, one uvu path."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from bench_layer import fp32_peak_tflops, layer_floor
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from cgforge.kernels import TPProblem
+
+    problem = TPProblem.build("8x0e", "1x0e", "8x0e", [(0, 0, 0, "uvu", True)])
+    floor = layer_floor(problem, nodes=10, edges=100, bandwidth=1e12, tflops=1.0)
+    # forward: x and out rows (10 x 16 floats), per edge y + length + 3 indices (20 B), rowptr (10 x 8 B)
+    assert floor["floor_fwd_bytes_ms"] == pytest.approx(2720 / 1e12 * 1e3)
+    # 8 channels x 1 CG nonzero an edge forward, 2 FLOPs each; the backward's dx, dy, dw add 24
+    assert floor["floor_fwd_flops_ms"] == pytest.approx(2 * 8 * 100 / 1e12 * 1e3)
+    assert floor["floor_fb_flops_ms"] == pytest.approx(2 * 32 * 100 / 1e12 * 1e3)
+    # backward adds g, x, grad x rows (10 x 24 floats), per edge 20 B + grad y and grad r (8 B), rowptr
+    assert floor["floor_fb_bytes_ms"] == pytest.approx((2720 + 3840) / 1e12 * 1e3)
+    assert floor["floor_fb"] == max(floor["floor_fb_bytes_ms"], floor["floor_fb_flops_ms"])
+    assert fp32_peak_tflops("NVIDIA H100 80GB HBM3") == 66.9 and fp32_peak_tflops("Tesla T4") != 66.9
