@@ -125,11 +125,14 @@ bound)  # A/B of the convolution backward's launch bound, none (0) vs the occupa
             fi
         done
     done ;;
-large)  # per-layer kernel choices in one process (bench_layer --tuning): mace-large's backward (12 of its 17.3 ms;
-        # NVRTC sm_90: chunk 32 128 registers 32/56 B spilled, a bound of 5 -> 96 with 40/208 B) over backward chunk
-        # x launch bound, and NequIP M's forward in chunks (1.35 -> 1.11 ms measured in its 5k model call)
-    python3 benchmarks/bench_layer.py mace-large nequip-presetM --tuning backward_min_blocks=0 \
-        --tuning backward_min_blocks=5 --tuning backward_chunk=64 --tuning backward_chunk=64,backward_min_blocks=5 \
-        --tuning loop_order=chunks,forward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -14 ;;
+large)  # per-layer kernel choices in one process each (bench_layer --tuning; the backward = fwd+bwd - fwd):
+        # mace-large's backward (12 of its 17.3 ms; NVRTC sm_90: segments, chunk 32: 128 registers, 32/56 B spilled,
+        # 4 blocks a SM; chunk 64: 128, 4/4 B; chunks order: 141 / 130 registers, no spill, 3 blocks, but one edge walk
+        # and one grad-y reduction per channel chunk instead of per segment), then NequIP M's forward in chunks
+    python3 benchmarks/bench_layer.py mace-large --tuning backward_min_blocks=5 --tuning backward_chunk=64 \
+        --tuning loop_order=chunks --tuning loop_order=chunks,backward_min_blocks=4 \
+        --tuning loop_order=chunks,backward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -9
+    python3 benchmarks/bench_layer.py nequip-presetM --tuning loop_order=chunks,forward_chunk=64 2>&1 \
+        | tee "$OUT/nequip-chunks.log" | tail -4 ;;
 *) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large" >&2; exit 2 ;;
 esac
