@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -111,28 +111,31 @@ ranges) # the row chunks' backward by receiver ranges (off by default until this
 layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
         # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
     python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
-bound)  # A/B of the convolution backward's launch bound, none (0) vs the occupancy rule (auto), alternating
-        # ROUNDS times: the 5k step of MACE-MP-medium and NequIP M, then (LAYER=1) bench_layer's per-layer times
+envab)  # A/B of one tuning variable on the 5k step, alternating ROUNDS times: AB_VAR (default
+        # CGFORGE_BACKWARD_MIN_BLOCKS) over AB_VALUES (default "0 auto"); MACE-MP-medium and NequIP M; LAYER=1 adds
+        # bench_layer's per-layer times
+    var=${AB_VAR:-CGFORGE_BACKWARD_MIN_BLOCKS}
     for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-        for b in 0 auto; do
-            echo "== CGFORGE_BACKWARD_MIN_BLOCKS=$b, round $round"
-            CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M \
-                --dtypes float32 --backends cgforge --steps 20 --warmup 5 2>&1 | tee "$OUT/bound-md-$b-$round.log" \
+        for value in ${AB_VALUES:-0 auto}; do
+            echo "== $var=$value, round $round"
+            env "$var=$value" python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M \
+                --dtypes float32 --backends cgforge --steps 20 --warmup 5 2>&1 | tee "$OUT/ab-$var-$value-$round.log" \
                 | grep -E "^5k "
             if [ "${LAYER:-0}" = 1 ]; then
-                CGFORGE_BACKWARD_MIN_BLOCKS=$b python3 benchmarks/bench_layer.py 2>&1 \
-                    | tee "$OUT/bound-layer-$b-$round.log" | tail -3
+                env "$var=$value" python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/ab-layer-$var-$value-$round.log" \
+                    | tail -3
             fi
         done
     done ;;
 large)  # per-layer kernel choices in one process each (bench_layer --tuning; the backward = fwd+bwd - fwd):
-        # mace-large's backward (12 of its 17.3 ms; NVRTC sm_90: segments, chunk 32: 128 registers, 32/56 B spilled,
-        # 4 blocks a SM; chunk 64: 128, 4/4 B; chunks order: 141 / 130 registers, no spill, 3 blocks, but one edge walk
-        # and one grad-y reduction per channel chunk instead of per segment), then NequIP M's forward in chunks
+        # mace-large's backward (12 of its 17.3 ms; NVRTC sm_90, table layout: segments chunk 32 128 registers,
+        # 32/56 B spilled, 4 blocks, 192 grad-y warp sums a row-edge; chunks order chunk 32: 128, 16/28 B, 64 sums;
+        # chunk 64: 128, none, 32 sums; edges: 167, 3 blocks, 16 sums), then NequIP M's (forward in chunks too)
     python3 benchmarks/bench_layer.py mace-large --tuning backward_min_blocks=5 --tuning backward_chunk=64 \
-        --tuning loop_order=chunks --tuning loop_order=chunks,backward_min_blocks=4 \
-        --tuning loop_order=chunks,backward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -9
-    python3 benchmarks/bench_layer.py nequip-presetM --tuning loop_order=chunks,forward_chunk=64 2>&1 \
-        | tee "$OUT/nequip-chunks.log" | tail -4 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|bound|large" >&2; exit 2 ;;
+        --tuning backward_loop_order=chunks --tuning backward_loop_order=chunks,backward_chunk=64 \
+        --tuning backward_loop_order=edges 2>&1 | tee "$OUT/large.log" | tail -9
+    python3 benchmarks/bench_layer.py nequip-presetM mace-medium --tuning loop_order=chunks,forward_chunk=64 \
+        --tuning backward_loop_order=chunks --tuning backward_loop_order=chunks,backward_chunk=32 2>&1 \
+        | tee "$OUT/nequip-medium.log" | tail -10 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large" >&2; exit 2 ;;
 esac

@@ -32,7 +32,7 @@ from cgforge.kernels.tensor_product import layout as layouts
 from cgforge.kernels.tensor_product import plan as plans
 from cgforge.kernels.tensor_product.codegen import render
 from cgforge.kernels.tensor_product.evaluate import run_backward, run_forward
-from cgforge.kernels.tensor_product.program import build_program
+from cgforge.kernels.tensor_product.program import build_program, segment_groups
 from cgforge.kernels.tensor_product.schedule import build_schedule
 
 SMALL = ["nequip-water", "tetris-poly"]  # the others: slow (a shared CPU runs ~100k small torch ops per problem)
@@ -158,6 +158,24 @@ def test_loop_order_changes_only_csr_kernels():
     assert b.count("stage(smem + 0, y + eid") == 1  # y staged once per edge, not per segment
 
 
+def test_grad_y_is_reduced_once_per_edge_loop():
+    """The backward's segments that share an edge loop (chunks, edges) share grad y's register slots: the
+    generated kernel reduces an edge's grad y over the warp once per group, not once per segment."""
+    problem = TPProblem.build(*PROBLEMS["nequip-water"])
+    sums = {}
+    for order in ("segments", "chunks", "edges"):
+        schedule = build_schedule(problem, max_chunk=32, tuning=TPTuning(loop_order=order), rows_are_nodes=True)
+        program = build_program(schedule, backward=True)
+        groups = segment_groups(program, order)
+        for group in groups:
+            assert len({sc.gy_slots for _, sc in group}) == 1  # one set of slots per edge loop
+        source, _ = render(schedule, "float", layouts.CONV_BACKWARD, False, True)
+        sums[order] = source.count("warp_sum(gya[")
+        assert sums[order] == sum(len(group[0][1].gy_slots) for group in groups)
+    assert len(build_program(build_schedule(problem, max_chunk=32), backward=True).segments) == 4  # 4 irreps
+    assert sums["edges"] < sums["segments"] and sums["chunks"] <= sums["segments"]
+
+
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")
 @pytest.mark.parametrize("scalar", ["float", "double"])
 def test_edges_loop_order_compiles(scalar):
@@ -183,6 +201,10 @@ def test_tuning_values(monkeypatch):
     monkeypatch.setenv("CGFORGE_LOOP_ORDER", "edges")
     assert TPTuning() == TPTuning(None, None, "auto")  # the environment is read by from_env only
     assert TPTuning.from_env() == TPTuning(32, None, "edges")
+    monkeypatch.setenv("CGFORGE_BACKWARD_LOOP_ORDER", "chunks")
+    assert TPTuning.from_env() == TPTuning(32, None, "edges", backward_loop_order="chunks")
+    assert TPTuning.from_env().key() == "32|None|edges|b:chunks" and TPTuning().key() == "None|None|auto"
+    monkeypatch.delenv("CGFORGE_BACKWARD_LOOP_ORDER")
     problem = TPProblem.build(*PROBLEMS["nequip-water"])
     env_plan = plans.get(plans.register(problem))  # no tuning given: the sweep variables, read now
     assert env_plan.tuning.forward_chunk == 32 and env_plan.schedule(torch.float32).forward_launch.chunk == 32
@@ -280,5 +302,9 @@ def test_auto_loop_order_per_direction():
     assert (per_edge.loop_order(False), per_edge.loop_order(True)) == ("segments", "segments")
     forced = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(loop_order="segments"))
     assert forced.loop_order(False) == "segments"
+    own = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(backward_loop_order="chunks"))
+    assert (own.loop_order(False), own.loop_order(True)) == ("edges", "chunks")  # the forward's auto stays
+    with pytest.raises(ValueError, match="backward_loop_order"):
+        TPTuning(backward_loop_order="rows")
     source, name = render(fp32, "float", layouts.CONV_FORWARD.with_table(), True, False)
     assert "edges outermost" in source and name != render(forced, "float", layouts.CONV_FORWARD, True, False)[1]

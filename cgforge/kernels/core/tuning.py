@@ -4,7 +4,8 @@ Nothing is read from the environment at import. A module takes ``tuning=...`` ex
 one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
 
 - ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
-  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``), ``CGFORGE_BACKWARD_MIN_BLOCKS``
+  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``), ``CGFORGE_BACKWARD_LOOP_ORDER`` (the
+  backward's, if it differs), ``CGFORGE_BACKWARD_MIN_BLOCKS``
   (``auto``, ``0`` for no launch bound, or the blocks per SM to bound to);
 - ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
 """
@@ -39,7 +40,9 @@ class TPTuning:
     the edge loop; operands staged once per edge rather than once per segment), ``chunks`` the same per channel
     chunk (one edge loop per chunk, fewer live accumulators than ``edges``); ``auto`` (default) picks
     per direction (``Schedule.loop_order``): edges for a forward whose accumulators fit the registers,
-    segments for the backward, where edges outermost was measured slower.
+    segments for the backward, where edges outermost was measured slower. backward_loop_order: the backward's
+    own order (None: ``loop_order``'s); in the edges and chunks orders the segments of one edge loop reduce an
+    edge's grad y over the warp once together.
     backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
     ``core.occupancy.choose_min_blocks`` pick from the unbounded compile's registers (a bound only where it
     lowers them and adds a resident block), 0 no bound, a positive int that bound.
@@ -49,6 +52,7 @@ class TPTuning:
     backward_chunk: int | None = None
     loop_order: str = "auto"
     backward_min_blocks: int | str = "auto"
+    backward_loop_order: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -57,6 +61,9 @@ class TPTuning:
                 raise ValueError(f"{name} must be None or a positive multiple of 32, got {value!r}")
         if self.loop_order not in LOOP_ORDERS:
             raise ValueError(f"loop_order must be one of {LOOP_ORDERS}, got {self.loop_order!r}")
+        if self.backward_loop_order not in (None, *LOOP_ORDERS):
+            raise ValueError(f"backward_loop_order must be None or one of {LOOP_ORDERS}, got "
+                             f"{self.backward_loop_order!r}")
         bound = self.backward_min_blocks
         if bound != "auto" and (not isinstance(bound, int) or isinstance(bound, bool) or not 0 <= bound <= 32):
             raise ValueError(f"backward_min_blocks must be 'auto' or an int in [0, 32], got {bound!r}")
@@ -66,11 +73,14 @@ class TPTuning:
         bound = os.environ.get("CGFORGE_BACKWARD_MIN_BLOCKS") or "auto"
         return cls(_env_int("CGFORGE_FORWARD_CHUNK"), _env_int("CGFORGE_BACKWARD_CHUNK"),
                    os.environ.get("CGFORGE_LOOP_ORDER") or "auto",
-                   bound if bound == "auto" else _env_int("CGFORGE_BACKWARD_MIN_BLOCKS"))
+                   bound if bound == "auto" else _env_int("CGFORGE_BACKWARD_MIN_BLOCKS"),
+                   os.environ.get("CGFORGE_BACKWARD_LOOP_ORDER") or None)
 
     def key(self) -> str:
-        bound = "" if self.backward_min_blocks == "auto" else f"|{self.backward_min_blocks}"  # old keys kept
-        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}"
+        # fields added later enter the key only when set, so that older keys stay as they were
+        bound = "" if self.backward_min_blocks == "auto" else f"|{self.backward_min_blocks}"
+        order = "" if self.backward_loop_order is None else f"|b:{self.backward_loop_order}"
+        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}"
 
 
 @dataclass(frozen=True)

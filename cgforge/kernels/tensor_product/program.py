@@ -9,7 +9,8 @@ forward   uvu: acc[j][k] += cg * xv[i] * yw[j']      (yw = y * w, xv the staged 
           uvw: t3[k] += cg * xs[i] * ys[j']          (then acc += w t3 per output channel)
 backward  uvu: { cg = c * gv[k]; dx[i] += cg * yv[j']; dy[j'] += cg * xv[i]; }
           uvw: t3[k] += c * xv[i] * yv[j'], then { cg = c * h[k]; dx[i] += ...; dy[j'] += ...; }
-          grad y: gya[s] += wv * dy[j'] into the segment's register slot s of in2 element y_offset + v d2 + j'
+          grad y: gya[s] += wv * dy[j'] into register slot s of in2 element y_offset + v d2 + j' (slots shared by
+          the segments of one edge loop, reduced over the warp once per edge and group)
 
 The template prints the statements verbatim (`c_group`); `evaluate.py` runs the same statements on CPU.
 """
@@ -58,21 +59,26 @@ class TPProgram:
                 "cg_statements": statements, "cg_multiply_adds": fmas}
 
 
+def _group_key(order: str, index: int, seg: Segment) -> object:
+    """Segments with equal keys share one edge loop: all (``edges``), one channel chunk's (``chunks``), or
+    each alone (``segments``)."""
+    return 0 if order == "edges" else (seg.c0, seg.c1) if order == "chunks" else index
+
+
 def segment_groups(program: TPProgram, order: str) -> list[list[tuple[int, SegmentCode]]]:
-    """The segments (with their index) that share one edge loop: all of them (``edges``), those of one channel
-    chunk (``chunks``), or each alone (``segments``)."""
+    """The segments (with their index) that share one edge loop (``_group_key``)."""
     groups: dict = {}
     for i, sc in enumerate(program.segments):
-        key = 0 if order == "edges" else (sc.segment.c0, sc.segment.c1) if order == "chunks" else i
-        groups.setdefault(key, []).append((i, sc))
+        groups.setdefault(_group_key(order, i, sc.segment), []).append((i, sc))
     return list(groups.values())
 
 
-def gy_slots(seg: Segment) -> tuple[int, ...]:
-    """The in2-row indices whose gradient this backward segment touches (register slots)."""
+def gy_slots(segments: tuple[Segment, ...] | list[Segment]) -> tuple[int, ...]:
+    """The in2-row indices whose gradient these backward segments touch (register slots)."""
     idx = set()
-    for t in seg.terms:
-        idx.update(range(t.y_offset, t.y_offset + t.mul2 * t.d2))
+    for seg in segments:
+        for t in seg.terms:
+            idx.update(range(t.y_offset, t.y_offset + t.mul2 * t.d2))
     return tuple(sorted(idx))
 
 
@@ -108,9 +114,16 @@ def _backward_term(t: Term, slots: tuple[int, ...]) -> TermCode:
 
 
 def build_program(schedule: Schedule, backward: bool) -> TPProgram:
+    """The program of one direction. Backward: the segments that share an edge loop (the schedule's loop order)
+    share grad y's register slots, so the warp reduces an edge's grad y once per group, not once per segment."""
     if not backward:
         segs = tuple(SegmentCode(s, tuple(_forward_term(t) for t in s.terms)) for s in schedule.forward)
-    else:
-        segs = tuple(SegmentCode(s, tuple(_backward_term(t, slots) for t in s.terms), slots)
-                     for s in schedule.backward for slots in (gy_slots(s),))
+        return TPProgram(schedule, backward, segs)
+    order = schedule.loop_order(True)
+    members: dict = {}
+    for i, s in enumerate(schedule.backward):
+        members.setdefault(_group_key(order, i, s), []).append(s)
+    slots = [gy_slots(members[_group_key(order, i, s)]) for i, s in enumerate(schedule.backward)]
+    segs = tuple(SegmentCode(s, tuple(_backward_term(t, sl) for t in s.terms), sl)
+                 for s, sl in zip(schedule.backward, slots))
     return TPProgram(schedule, backward, segs)

@@ -106,13 +106,14 @@ class Schedule:
     itemsize: int = 4
 
     def loop_order(self, backward: bool) -> str:
-        """One direction's loop order: the tuning's, or for ``auto`` edges outermost in a CSR forward whose
-        accumulators take at most ``EDGES_FORWARD_WORDS`` 32-bit registers per lane, else segments.
+        """One direction's loop order: the tuning's (the backward's own if set), or for ``auto`` edges outermost
+        in a CSR forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` 32-bit registers per lane, else
+        segments.
 
         Why (H100, FP32, 5184-atom water, table kernels): edges outermost stages x and y once per edge
         rather than once per output segment, and took MACE-MP-medium's 5120-wide forward from 2.49 to 1.85 ms
         and NequIP M's from 1.84 to 1.34; the backward went the other way (5.17 to 8.15 ms)."""
-        order = self.tuning.loop_order
+        order = (self.tuning.backward_loop_order if backward else None) or self.tuning.loop_order
         if order != "auto":
             return order
         if backward or not self.rows_are_nodes:
