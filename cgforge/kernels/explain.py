@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import torch
 from e3nn import o3
 
-from .core import compiler, occupancy
+from .core import compiler
 from .core.cg import sparse_cg
 from .core.registry import compile_source, itemsize
 from .core.tuning import TPTuning
+from .tensor_product import plan as plans
 from .tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, TP_LAYOUT
 from .tensor_product.problem import TPProblem
 from .tensor_product.program import build_program
@@ -110,20 +111,14 @@ def _ptxas(plan_sources: list[tuple[str, str, str]], arch: str) -> list[str]:
     return lines
 
 
-def _launch_bound(s: Schedule, scalar: str, size: int, arch: str) -> str:
-    """The convolution backward's launch bound as the plans choose it (``core.occupancy``)."""
-    from .tensor_product.codegen import render
-
-    def compile_with(min_blocks: int | None):
-        source, name = render(s, scalar, CONV_BACKWARD, forward=False, backward=True, backward_min_blocks=min_blocks)
-        return compile_source(source, f"{name}_backward", arch).resources(f"{name}_backward")
-
-    launch = s.backward_launch
-    bound = occupancy.choose_min_blocks(occupancy.sm_limits(arch), 32 * launch.warps_per_block,
-                                        launch.warps_per_block * launch.smem_per_warp * size, compile_with)
+def _launch_bound(problem: TPProblem, tuning: TPTuning, dtype: torch.dtype, arch: str) -> str:
+    """The convolution backward's launch bound, as the problem's plan chooses it for a launch."""
+    plan = plans.get(plans.register(problem, tuning))
+    bound = plan.backward_min_blocks(dtype, CONV_BACKWARD, arch)
     if bound is None:
         return "backward launch bound: none (registers do not limit its blocks per SM, or a bound would not help)"
-    res = compile_with(bound)
+    source, function = plan.source(dtype, CONV_BACKWARD, True, bound)
+    res = compile_source(source, function, arch).resources(function)
     return (f"backward launch bound: {bound} blocks per SM -> {res.registers} registers, spills "
             f"{res.spill_stores} B stored / {res.spill_loads} B loaded")
 
@@ -150,7 +145,7 @@ def explain(irreps_in1: str, irreps_in2: str, irreps_out: str | None = None, *, 
     if arch is not None:
         out += [f"5. ptxas report (NVRTC, {arch})", *_ptxas(sources, arch)]
         if conv and compiler.nvrtc_available():
-            out.append("  " + _launch_bound(schedule, scalar, size, arch))
+            out.append("  " + _launch_bound(problem, schedule.tuning, dtype, arch))
     source_lines = sources[0][1].splitlines()
     start = next((i for i, line in enumerate(source_lines) if line.startswith('extern "C"')), 0)
     out += [f"6. generated forward kernel ({len(source_lines)} lines), from its signature",

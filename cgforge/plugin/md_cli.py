@@ -244,9 +244,8 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                          f"{device}")
     if radial != "fp32" and args.dtype == "float64":
         raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
-    compile_mode = getattr(args, "compile", None)
-    if compile_mode not in (None, "auto", "off"):
-        parse_compile(compile_mode, "--compile", others=("auto", "off"))
+    if explicit_compile(args):
+        parse_compile(args.compile, "--compile", others=("auto", "off"))
     model = _model_file(args.model)
     trajectory = (check_new_path(args.trajectory, args.force, what="--trajectory") if args.trajectory is not None
                   else default_trajectory_path(stem))
