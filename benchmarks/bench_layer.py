@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import edges, water_system  # noqa: E402
 from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
 from common import copy_bandwidth, cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
-from problems import PROBLEMS  # noqa: E402
+from problems import MODEL_LAYERS, PROBLEMS  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution, TPTuning  # noqa: E402
 from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
@@ -89,7 +89,7 @@ def parse_tuning(spec: str) -> TPTuning:
         return TPTuning(**fields)
     except (TypeError, ValueError) as err:
         sys.exit(f"bench_layer: --tuning {spec!r}: {err} (fields: forward_chunk, backward_chunk, loop_order, "
-                 "backward_min_blocks)")
+                 "backward_loop_order, backward_min_blocks)")
 
 
 def main() -> None:
@@ -99,9 +99,10 @@ def main() -> None:
                         help="also time cgforge-table with this TPTuning (name=value,...); repeatable")
     args = parser.parse_args()
     names = args.problems
-    unknown = [n for n in names if n not in PROBLEMS]
+    known = PROBLEMS | MODEL_LAYERS
+    unknown = [n for n in names if n not in known]
     if unknown:
-        sys.exit(f"bench_layer: unknown problem(s) {unknown}; known: {sorted(PROBLEMS)}")
+        sys.exit(f"bench_layer: unknown problem(s) {unknown}; known: {sorted(known)}")
     tunings = {spec: parse_tuning(spec) for spec in args.tuning}
     if not torch.cuda.is_available():
         sys.exit("bench_layer: needs a CUDA GPU")
@@ -116,7 +117,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     rows = []
     for name in names:
-        i1, i2, io, ins = PROBLEMS[name]
+        i1, i2, io, ins = known[name]
         e3 = o3.TensorProduct(i1, i2, io, ins, shared_weights=False, internal_weights=False)
         conv = Convolution.from_e3nn(e3).to("cuda")
         mlp = mlp_of_r(e3.weight_numel, generator)

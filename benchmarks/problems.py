@@ -42,3 +42,10 @@ PROBLEMS = {
                                    "10x1o+10x1e+48x0e+48x0o+10x2e+10x2o"),
     "tetris-poly": fully_connected("1x0e+1x1o+1x2e+1x3o", "1x0e+1x1o+1x2e+1x3o", "16x0e+8x1o+4x2e+2x3o"),
 }
+
+# Convolutions of real models as they build them, for the per-layer benchmark (not in the test matrix: the
+# model tests run them): MACE-MP-medium's two interactions, every path into 0e+1o+2e+3o.
+MODEL_LAYERS = {
+    "mace-mp-medium-l1": channelwise("128x0e", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o"),
+    "mace-mp-medium-l2": channelwise("128x0e+128x1o", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o"),
+}

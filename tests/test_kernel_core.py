@@ -295,15 +295,28 @@ def test_auto_loop_order_per_direction():
     problem = TPProblem.build(*instructions("128x0e+128x1o", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o", "uvu"))
     fp32 = build_schedule(problem, itemsize=4, rows_are_nodes=True)
     assert fp32.tuning.loop_order == "auto"
-    assert (fp32.loop_order(False), fp32.loop_order(True)) == ("edges", "segments")
+    # one in1 multiplicity: both directions walk the edges once per 32-channel chunk, every irrep's segment inside
+    assert (fp32.loop_order(False), fp32.loop_order(True)) == ("chunks", "chunks")
+    assert (fp32.forward_launch.chunk, fp32.backward_launch.chunk) == (32, 32)
     fp64 = build_schedule(problem, itemsize=8, rows_are_nodes=True)  # 320 words per lane: past the budget
     assert (fp64.loop_order(False), fp64.loop_order(True)) == ("segments", "segments")
     per_edge = build_schedule(problem, itemsize=4)  # rows are edges: one edge per row, nothing to reorder
     assert (per_edge.loop_order(False), per_edge.loop_order(True)) == ("segments", "segments")
     forced = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(loop_order="segments"))
-    assert forced.loop_order(False) == "segments"
-    own = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(backward_loop_order="chunks"))
-    assert (own.loop_order(False), own.loop_order(True)) == ("edges", "chunks")  # the forward's auto stays
+    assert (forced.loop_order(False), forced.forward_launch.chunk) == ("segments", 128)
+    assert (forced.loop_order(True), forced.backward_launch.chunk) == ("segments", 64)
+    own = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(backward_loop_order="segments"))
+    assert (own.loop_order(False), own.loop_order(True)) == ("chunks", "segments")  # the forward's auto stays
+    assert (own.forward_launch.chunk, own.backward_launch.chunk) == (32, 64)
+    # NequIP-like tapered channels: the forward in chunks, the backward in segments (its chunk of before)
+    tapered = build_schedule(TPProblem.build(*instructions("128x0e+64x1o", "0e+1o", "128x0e+64x1o", "uvu")),
+                             itemsize=4, rows_are_nodes=True)
+    assert (tapered.loop_order(False), tapered.loop_order(True)) == ("chunks", "segments")
+    assert (tapered.forward_launch.chunk, tapered.backward_launch.chunk) == (32, 64)
+    # a single in1 irrep (MACE's first convolution): edges forward, segments backward
+    single = build_schedule(TPProblem.build(*instructions("128x0e", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o",
+                                                          "uvu")), itemsize=4, rows_are_nodes=True)
+    assert (single.loop_order(False), single.loop_order(True)) == ("edges", "segments")
     with pytest.raises(ValueError, match="backward_loop_order"):
         TPTuning(backward_loop_order="rows")
     source, name = render(fp32, "float", layouts.CONV_FORWARD.with_table(), True, False)

@@ -44,7 +44,8 @@ def test_rule_on_synthetic_reports():
     assert occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72), 7)
     assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(96), 7)  # ptxas filled the budget
     assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(80, 4, 4), 7)  # no fewer registers
-    assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72, 40, 40), 7)  # spills too much
+    assert occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72, 40, 76), 7)  # 116 B more: measured faster
+    assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72, 64, 72), 7)  # spills too much
     assert occupancy.accepts_bound(H100, 128, 0, _res(80, 40, 40), _res(72, 40, 40), 7)  # no more than before
 
     compiled = []
@@ -91,7 +92,7 @@ def test_forced_and_disabled_bounds_need_no_compile():
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")
 def test_mace_layer2_backward_gets_a_bound_that_lowers_its_registers():
-    plan = _mace_layer2(TPTuning())
+    plan = _mace_layer2(TPTuning())  # the chunks order, chunk 32: 128 registers, 4 blocks unbounded
     layout = CONV_BACKWARD.with_table()
     bound = plan.backward_min_blocks(torch.float32, layout, "sm_90")
     assert bound is not None

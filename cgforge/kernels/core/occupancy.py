@@ -21,13 +21,15 @@ from .compiler import KernelResources
 
 # Only kernels below this fraction of the SM's warps are bounded: above it, more warps hide little more latency,
 # and fewer registers cost instructions. Measured (H100, 5k step): MACE-MP-medium's second backward bounded from
-# 4 to 5 blocks (25 % of the warps before) gained; NequIP M's backwards bounded from 12 to 13, 10 to 11 (75 %,
-# 62 %) and then from 6 to 7 blocks (37.5 %, 80 -> 72 registers) each made its model call 8.4 -> 9.1 ms.
+# 4 to 5 blocks (25 % of the warps before) gained, in the segments and in the chunks order; NequIP M's
+# backwards bounded from 12 to 13, 10 to 11 (75 %, 62 %) and then from 6 to 7 blocks (37.5 %, 80 -> 72
+# registers) each made its model call 8.4 -> 9.1 ms.
 MAX_BOUNDED_OCCUPANCY = 0.3
 # Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's.
 # MACE-MP-medium's second convolution backward bounded to 5 blocks spills 8 B stored / 24 B loaded and
-# ran 5.30 -> 4.81 ms (H100).
-MAX_BOUND_SPILL_BYTES = 64
+# ran 5.30 -> 4.81 ms (H100, segments order); in the chunks order it spills 36 / 76 B more than unbounded and
+# ran 4.52 -> 3.71 ms, mace-large's 32 / 60 B more and 8.78 -> 7.77 ms (bench_layer).
+MAX_BOUND_SPILL_BYTES = 128
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ class TPTuning:
     ``edges`` walks them once and runs every segment per edge (every segment's accumulators live across
     the edge loop; operands staged once per edge rather than once per segment), ``chunks`` the same per channel
     chunk (one edge loop per chunk, fewer live accumulators than ``edges``); ``auto`` (default) picks
-    per direction (``Schedule.loop_order``): edges for a forward whose accumulators fit the registers,
-    segments for the backward, where edges outermost was measured slower. backward_loop_order: the backward's
+    per direction (``Schedule.loop_order``): chunks of 32 channels where ``schedule.chunks_order`` says so (in1
+    with several irreps; for the backward of one multiplicity), else edges for a forward whose accumulators fit
+    the registers and segments for the backward. backward_loop_order: the backward's
     own order (None: ``loop_order``'s); in the edges and chunks orders the segments of one edge loop reduce an
     edge's grad y over the warp once together.
     backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
