@@ -127,15 +127,13 @@ envab)  # A/B of one tuning variable on the 5k step, alternating ROUNDS times: A
             fi
         done
     done ;;
-large)  # per-layer kernel choices in one process each (bench_layer --tuning; the backward = fwd+bwd - fwd):
-        # mace-large's backward (12 of its 17.3 ms; NVRTC sm_90, table layout: segments chunk 32 128 registers,
-        # 32/56 B spilled, 4 blocks, 192 grad-y warp sums a row-edge; chunks order chunk 32: 128, 16/28 B, 64 sums;
-        # chunk 64: 128, none, 32 sums; edges: 167, 3 blocks, 16 sums), then NequIP M's (forward in chunks too)
-    python3 benchmarks/bench_layer.py mace-large --tuning backward_min_blocks=5 --tuning backward_chunk=64 \
-        --tuning backward_loop_order=chunks --tuning backward_loop_order=chunks,backward_chunk=64 \
-        --tuning backward_loop_order=edges 2>&1 | tee "$OUT/large.log" | tail -9
-    python3 benchmarks/bench_layer.py nequip-presetM mace-medium --tuning loop_order=chunks,forward_chunk=64 \
-        --tuning backward_loop_order=chunks --tuning backward_loop_order=chunks,backward_chunk=32 2>&1 \
-        | tee "$OUT/nequip-medium.log" | tail -10 ;;
+large)  # per-layer kernel choices in one process each (bench_layer --tuning; the backward = fwd+bwd - fwd): the
+        # default (chunks of 32 in both directions, launch bound 5 on the backward) against the orders and bounds
+        # it replaced, on mace-large and MACE-MP-medium's real second convolution, then NequIP M and the bundled MACE
+    python3 benchmarks/bench_layer.py mace-large mace-mp-medium-l2 --tuning backward_min_blocks=0 \
+        --tuning backward_loop_order=segments --tuning loop_order=edges,backward_loop_order=segments \
+        --tuning forward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -11
+    python3 benchmarks/bench_layer.py nequip-presetM mace-water-l2 --tuning backward_loop_order=chunks \
+        --tuning loop_order=edges,backward_loop_order=segments 2>&1 | tee "$OUT/nequip-medium.log" | tail -8 ;;
 *) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large" >&2; exit 2 ;;
 esac
