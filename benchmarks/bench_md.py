@@ -11,7 +11,9 @@ neighbour-list rebuilds) and asks the calculator through ASE. The neighbour-list
 
 Systems: 1k, 5k, 20k, 50k, 100k, 200k, 500k, 1m (water boxes of 7^3 ... 70^3 molecules; --nvt-only for
 capacity runs of the large ones), dhfr (23,558 atoms; file from
-$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
+$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz). A water system name
+with ``-morton`` (``1m-morton``) is the same box with its molecules in Z-curve order (``morton_sorted``): the
+memory-locality experiment of issue 18.
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
 32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
 Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
@@ -104,7 +106,23 @@ STAGE = {"now": ""}  # what measure() was doing: an out-of-memory row names it
 # Systems and models
 
 
+def morton_sorted(atoms, group: int = 3, bits: int = 10):
+    """The same box with its molecules (`group` consecutive atoms: O, H, H) in Morton (Z-curve) order of their
+    first atom's wrapped position: receivers the kernels run side by side then have their senders close in
+    memory (a locality experiment; the calculator keeps the order it is given)."""
+    frac = atoms.cell.scaled_positions(atoms.positions[::group]) % 1.0
+    cells = np.minimum((frac * (1 << bits)).astype(np.int64), (1 << bits) - 1)
+    key = np.zeros(len(cells), dtype=np.int64)
+    for bit in range(bits):
+        for axis in range(3):
+            key |= ((cells[:, axis] >> bit) & 1) << (3 * bit + axis)
+    molecules = np.argsort(key, kind="stable")
+    return atoms[(molecules[:, None] * group + np.arange(group)).ravel()]
+
+
 def system(name: str):
+    if name.endswith("-morton"):
+        return morton_sorted(system(name.removesuffix("-morton")))
     if name in WATER:
         return water_box(n_side=WATER[name])
     if name.isdigit():  # a box of that many molecules (small ones for a CPU smoke run)
