@@ -283,6 +283,10 @@ def test_explain_prints_every_stage(capsys):
         assert stage in text
     assert "l=(1, 1, 1): 6 nonzeros of 27" in text
     assert 'extern "C" __global__' in text
+    assert "segments, loop order segments" in text  # rows are edges: nothing to reorder
+    assert main(["8x0e+8x1o", "0e+1o", "8x0e+8x1o+8x1e", "--conv", "--arch", "none", "--lines", "0"]) == 0
+    conv = capsys.readouterr().out  # one multiplicity, several irreps: the chunks order both ways
+    assert conv.count("loop order chunks") == 2, conv
     if arch != "none":
         assert "5. ptxas report" in text and "registers" in text
     assert main(["8x0e", "0e", "--mode", "uvw"]) == 2  # uvw needs IRREPS_OUT: a clear error, no traceback
