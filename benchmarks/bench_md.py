@@ -120,16 +120,22 @@ def morton_sorted(atoms, group: int = 3, bits: int = 10):
     return atoms[(molecules[:, None] * group + np.arange(group)).ravel()]
 
 
+def check_system(name: str) -> None:
+    """Exit naming `name` unless it is a system this script builds (before any model is made)."""
+    water = name.removesuffix("-morton")
+    if not (water in WATER or water.isdigit() or name == "dhfr"):
+        sys.exit(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count, "
+                 "a water system optionally with -morton")
+
+
 def system(name: str):
-    if name.endswith("-morton"):
-        return morton_sorted(system(name.removesuffix("-morton")))
-    if name in WATER:
-        return water_box(n_side=WATER[name])
-    if name.isdigit():  # a box of that many molecules (small ones for a CPU smoke run)
-        return water_box(int(name))
+    check_system(name)
+    water = name.removesuffix("-morton")
     if name == "dhfr":
         return dhfr_atoms()
-    raise ValueError(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count")
+    # a named box, or that many molecules (small ones for a CPU smoke run)
+    box = water_box(n_side=WATER[water]) if water in WATER else water_box(int(water))
+    return morton_sorted(box) if name.endswith("-morton") else box
 
 
 def nequip_model(shape: str, dtype: str, modifier: str | None = None) -> torch.nn.Module:
@@ -597,6 +603,8 @@ def main(argv: list[str] | None = None) -> None:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_md.py needs a CUDA GPU (or --device cpu for a smoke run)")
     systems = args.systems.split(",")
+    for name in systems:
+        check_system(name)
     models = args.models.split(",")
     for m in models:
         if m not in MODELS:

@@ -17,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
     ("bench_md.py", ["--backward-range-gb", "-2", "--device", "cpu"], "--backward-range-gb"),
     ("bench_layer.py", ["mace-huge"], "mace-huge"),
+    ("bench_md.py", ["--systems", "5k,dhfr-morton", "--device", "cpu"], "dhfr-morton"),  # water boxes only
     ("bench_layer.py", ["--tuning", "loop_order=rows"], "loop_order=rows"),
     ("bench_layer.py", ["--tuning", "backward_min_blocks=99"], "backward_min_blocks"),
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),

@@ -69,6 +69,11 @@ class TPTuning:
         if bound != "auto" and (not isinstance(bound, int) or isinstance(bound, bool) or not 0 <= bound <= 32):
             raise ValueError(f"backward_min_blocks must be 'auto' or an int in [0, 32], got {bound!r}")
 
+    def order(self, backward: bool) -> str:
+        """The loop order set for one direction (the backward's own where set); ``auto`` is resolved by the
+        schedule (``Schedule.loop_order``)."""
+        return (self.backward_loop_order if backward else None) or self.loop_order
+
     @classmethod
     def from_env(cls) -> TPTuning:
         bound = os.environ.get("CGFORGE_BACKWARD_MIN_BLOCKS") or "auto"

@@ -114,7 +114,7 @@ class Schedule:
         rather than once per output segment, and took MACE-MP-medium's 5120-wide forward from 2.49 to 1.85 ms
         and NequIP M's from 1.84 to 1.34; the backward went the other way (5.17 to 8.15 ms). Either direction
         takes ``chunks`` where ``chunks_order`` says so, before this rule."""
-        order = (self.tuning.backward_loop_order if backward else None) or self.tuning.loop_order
+        order = self.tuning.order(backward)
         if order != "auto":
             return order
         if chunks_order(self.problem, self.itemsize, self.rows_are_nodes, backward):
@@ -236,14 +236,21 @@ def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backwa
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
 
 
-def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool) -> tuple[int, int]:
-    """(forward, backward) channel chunks for a kernel whose rows are nodes (CSR) or edges/batch rows."""
+def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> tuple[int, int]:
+    """(forward, backward) channel chunks for a kernel whose rows are nodes (CSR) or edges/batch rows: a
+    direction that ``auto`` runs in the chunks order (``chunks_order``) takes ``CHUNKS_ORDER_CHUNK``."""
     forward = NODE_FORWARD_CHUNK if rows_are_nodes else EDGE_FORWARD_CHUNK
     backward = BACKWARD_CHUNK
     y_dim = problem.irreps_in2.dim
     while backward > WARP and _segments(problem, backward, y_dim, True)[1] * itemsize > BACKWARD_WINDOW_BYTES:
         backward //= 2
-    return forward, backward
+
+    def auto_chunks(direction_backward: bool) -> bool:
+        return (tuning.order(direction_backward) == "auto"
+                and chunks_order(problem, itemsize, rows_are_nodes, direction_backward))
+
+    return (CHUNKS_ORDER_CHUNK if auto_chunks(False) else forward,
+            CHUNKS_ORDER_CHUNK if auto_chunks(True) else backward)
 
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
@@ -256,13 +263,7 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     problem.validate()
     tuning = tuning if tuning is not None else TPTuning()
     y_dim = problem.irreps_in2.dim
-    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes)
-    # where auto's order is chunks, so is its chunk
-    if tuning.loop_order == "auto" and chunks_order(problem, itemsize, rows_are_nodes, False):
-        auto_fwd = CHUNKS_ORDER_CHUNK
-    if (tuning.backward_loop_order or tuning.loop_order) == "auto" and chunks_order(problem, itemsize,
-                                                                                      rows_are_nodes, True):
-        auto_bwd = CHUNKS_ORDER_CHUNK
+    auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes, tuning)
     fwd_max = next(c for c in (max_chunk, tuning.forward_chunk, auto_fwd) if c is not None)
     bwd_max = next(c for c in (max_chunk_backward, max_chunk, tuning.backward_chunk, auto_bwd) if c is not None)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
