@@ -95,6 +95,58 @@ def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: 
     assert gw_want.abs().sum() > 0  # the unchunked weight gradient was a real one
 
 
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
+def test_split_linear_map_into_writes_the_map_and_its_transpose_in_place(irreps_in: str, irreps_out: str) -> None:
+    """map_into (the row paths' frozen first-order pass) equals the map and its vector-Jacobian product, written
+    into columns of a wider NaN-filled tensor: nothing outside them touched, no stale value read (beta 0)."""
+    torch.manual_seed(4)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear).requires_grad_(False)
+    d_in, d_out = o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim
+    x = _inputs(d_in, seed=5).detach()
+    wide = torch.full((11, d_out + 5), float("nan"), dtype=torch.float64)
+    stand_in.map_into(x, wide[:, 2:2 + d_out])
+    torch.testing.assert_close(wide[:, 2:2 + d_out], linear(x), rtol=1e-12, atol=1e-12)
+    assert wide[:, :2].isnan().all() and wide[:, 2 + d_out:].isnan().all()
+    g = _inputs(d_out, seed=6).detach()
+    xg = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(linear(xg), xg, g)
+    got = torch.full((11, d_in), float("nan"), dtype=torch.float64)
+    stand_in.map_into(g, got, transpose=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # new weights (a new version): the cached scaled blocks follow
+        stand_in.weight.mul_(-2.0)
+    stand_in.map_into(x, wide[:, 2:2 + d_out])
+    torch.testing.assert_close(wide[:, 2:2 + d_out], stand_in(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="map_into"):
+        stand_in.map_into(x, torch.empty(11, d_out + 1, dtype=torch.float64))
+
+
+def test_row_map_transpose_of_a_linear_with_map_into_equals_autograds() -> None:
+    """The row paths' backward through a map_into linear (its transpose applied directly) equals the generic
+    vector-Jacobian product at zero rows, range by range; under grad mode (a double backward) it keeps autograd."""
+    from cgforge.kernels.convolution.table_rows import map_rows, row_map_transpose
+
+    torch.manual_seed(7)
+    irreps_in, irreps_out = LINEARS[2]
+    stand_in = SplitLinear.wrap(o3.Linear(irreps_in, irreps_out).double()).requires_grad_(False)
+    d_in, d_out = o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim
+    g = _inputs(d_out, seed=8).detach()
+    ranges = [(0, 4), (4, 9), (9, 11)]
+    want = row_map_transpose(lambda rows: stand_in(rows), g, d_in, ranges)  # no map_into: autograd's
+    torch.testing.assert_close(row_map_transpose(stand_in, g, d_in, ranges), want, rtol=1e-12, atol=1e-12)
+    gg = g.clone().requires_grad_()
+    with torch.enable_grad():
+        kept = row_map_transpose(stand_in, gg, d_in, ranges)
+    assert kept.requires_grad  # a double backward's graph kept
+    x = _inputs(d_in, seed=9).detach()
+    out = None
+    for r0, r1 in ranges:
+        with torch.no_grad():
+            out = map_rows(stand_in, x[r0:r1], out, r0, 11)
+    torch.testing.assert_close(out, stand_in(x), rtol=1e-12, atol=1e-12)
+
+
 def test_split_linear_declines_biases_and_external_weights() -> None:
     assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", biases=True)) is None
     assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", internal_weights=False, shared_weights=False)) is None

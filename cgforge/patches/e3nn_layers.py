@@ -52,7 +52,7 @@ class _RowChunkedMap(torch.autograd.Function):
         width = sum(layer.in_dims if transpose else layer.out_dims)
         out = x.new_empty(x.shape[0], width)
         for start in range(0, x.shape[0], rows):
-            out[start:start + rows] = layer._map(x[start:start + rows], transpose)
+            layer.map_into(x[start:start + rows], out[start:start + rows], transpose)
         return out
 
     @staticmethod
@@ -79,6 +79,7 @@ class SplitLinear(torch.nn.Module, StandIn):
             self.paths.append((ins.i_in, ins.i_out, offset, mul_in, mul_out, float(ins.path_weight)))
             offset += mul_in * mul_out
         self.original = (linear,)  # a tuple: not a submodule, not in the state_dict
+        self._scaled: tuple = ((), [])  # (weight's identity and version, [path weight * block]): map_into's cache
 
     @classmethod
     def supports(cls, linear: torch.nn.Module) -> bool:
@@ -137,6 +138,62 @@ class SplitLinear(torch.nn.Module, StandIn):
         return torch.cat(
             [o if o is not None else x.new_zeros(x.shape[0], d) for o, d in zip(outs, out_dims)], dim=-1
         )
+
+    @property
+    def out_width(self) -> int:
+        """Width of the output rows (``map_into``'s)."""
+        return sum(self.out_dims)
+
+    def _scaled_blocks(self) -> list[torch.Tensor]:
+        """Each path's [mul_in, mul_out] block times its path weight, made once per weight version (map_into
+        runs per chunk of rows: a multiply per path and chunk was thousands of small launches a step)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._scaled[0] != key:
+            with torch.no_grad():
+                blocks = [w.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight
+                          for _, _, offset, mul_in, mul_out, path_weight in self.paths]
+            self._scaled = (key, blocks)
+        return self._scaled[1]
+
+    def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
+        """``out[:] = _map(x, transpose)`` without autograd (a first-order pass over frozen weights), written
+        into ``out`` [rows, width], which may be rows of a wider tensor: each output irrep is made by GEMMs
+        accumulating in place (a scalar irrep straight into ``out``'s columns, a vector irrep in [rows * dim,
+        mul] and moved once into ``out``), with none of ``_map``'s concatenation and per-path temporaries."""
+        in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
+        if x.dim() != 2 or out.dim() != 2 or x.shape[1] != sum(in_dims) or out.shape != (x.shape[0], sum(out_dims)):
+            raise ValueError(f"map_into: x {tuple(x.shape)} and out {tuple(out.shape)} for a map "
+                             f"{sum(in_dims)} -> {sum(out_dims)} wide")
+        rows = x.shape[0]
+        in_starts = [sum(in_dims[:i]) for i in range(len(in_dims))]
+        out_starts = [sum(out_dims[:i]) for i in range(len(out_dims))]
+        partial: dict[int, torch.Tensor] = {}  # vector output irrep -> its [rows * dim, mul] sum so far
+        written: set[int] = set()  # scalar output irreps summed in out's columns so far
+        with torch.no_grad():
+            for (i_in, i_out, _, mul_in, mul_out, _), w in zip(self.paths, self._scaled_blocks(), strict=True):
+                if transpose:
+                    i_in, i_out, mul_in, mul_out, w = i_out, i_in, mul_out, mul_in, w.t()
+                dim = in_dims[i_in] // mul_in
+                xi = x.narrow(1, in_starts[i_in], in_dims[i_in])
+                if dim == 1:  # strided rows on both sides: the GEMM reads x's and writes out's columns in place
+                    target = out.narrow(1, out_starts[i_out], out_dims[i_out])
+                    target.addmm_(xi, w, beta=1 if i_out in written else 0)  # beta 0: out's old values unread
+                    written.add(i_out)
+                    continue
+                xt = xi.reshape(rows, mul_in, dim).transpose(1, 2).reshape(rows * dim, mul_in)
+                if i_out in partial:
+                    partial[i_out].addmm_(xt, w)
+                else:
+                    partial[i_out] = xt @ w
+            for i_out, width in enumerate(out_dims):
+                target = out.narrow(1, out_starts[i_out], width)
+                if i_out in partial:  # [rows * dim, mul] -> out's [rows, mul * dim] columns, one move
+                    mul = partial[i_out].shape[1]
+                    target.view(rows, mul, width // mul).copy_(
+                        partial[i_out].view(rows, width // mul, mul).transpose(1, 2))
+                elif i_out not in written:
+                    target.zero_()
 
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.irreps_out}, {len(self.paths)} paths"

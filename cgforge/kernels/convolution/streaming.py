@@ -30,7 +30,7 @@ import torch
 from . import ops
 from .graph import ConvGraph
 from .module import Convolution
-from .table_rows import row_map_transpose
+from .table_rows import map_rows, row_map_transpose
 
 __all__ = ["MIN_CHUNK_ROWS", "EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
 
@@ -94,10 +94,6 @@ def _edge_rows(edge_fn: EdgeFunction, rows: list[torch.Tensor], conv: Convolutio
     return y.to(dtype).contiguous(), w.to(dtype).contiguous()
 
 
-def _row_map_width(out_fn: Callable[[torch.Tensor], torch.Tensor], conv: Convolution, x: torch.Tensor) -> int:
-    return out_fn(x.new_zeros(1, conv.irreps_out.dim)).shape[-1]
-
-
 class _StreamingConv(torch.autograd.Function):
     """out = out_fn(conv(x, y, w)) with (y, w) = edge_fn(*(t[chunk] for t in edge_inputs)) made per chunk of
     edges (out_fn None: the identity)."""
@@ -106,8 +102,7 @@ class _StreamingConv(torch.autograd.Function):
     def forward(ctx, x, conv, edge_fn, out_fn, graph, chunk_edges, min_rows, *edge_inputs):  # noqa: D102
         t = graph.tensors()
         chunks = _Chunks(graph, chunk_edges, min_rows)
-        width = conv.irreps_out.dim if out_fn is None else _row_map_width(out_fn, conv, x)
-        out = x.new_empty(graph.num_nodes, width)
+        out = x.new_empty(graph.num_nodes, conv.irreps_out.dim) if out_fn is None else None
         empty_ptr, empty_idx = t.rowptr.new_empty(0), t.sender.new_empty(0)
         for r0, r1 in chunks.forward:
             e0, e1 = int(chunks.rowptr[r0]), int(chunks.rowptr[r1])
@@ -117,7 +112,12 @@ class _StreamingConv(torch.autograd.Function):
             receiver = t.receiver.index_select(0, ids) - r0  # the reference path's rows; kernels read rowptr
             rows = ops.conv_forward(x, y, w, t.sender.index_select(0, ids), receiver, rowptr, empty_idx,
                                     empty_ptr, empty_idx, conv.key, True)
-            out[r0:r1] = rows if out_fn is None else out_fn(rows)
+            if out_fn is None:
+                out[r0:r1] = rows
+            else:
+                out = map_rows(out_fn, rows, out, r0, graph.num_nodes)
+        if out is None:  # no rows: out_fn's width from zero rows
+            out = out_fn(x.new_zeros(0, conv.irreps_out.dim))
         ctx.save_for_backward(x, *edge_inputs)
         ctx.conv, ctx.edge_fn, ctx.out_fn, ctx.graph, ctx.chunks = conv, edge_fn, out_fn, graph, chunks
         return out

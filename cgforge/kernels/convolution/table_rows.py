@@ -35,7 +35,7 @@ from ..tensor_product.ops import launch, needs_zero_fill
 from .ops import _reference_conv_backward
 from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward
 
-__all__ = ["BACKWARD_RANGE_BYTES", "conv_table_backward_by_ranges", "conv_table_rows", "row_map_transpose",
+__all__ = ["BACKWARD_RANGE_BYTES", "conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
            "row_ranges", "transposed_range"]
 
 # Bytes of convolution-output gradient per range of a first-order backward (None: the whole gradient at once).
@@ -61,13 +61,36 @@ def _backward_ranges(rows: int, width: int, itemsize: int) -> list[tuple[int, in
     return row_ranges(rows, max(BACKWARD_RANGE_BYTES // max(width * itemsize, 1), 1))
 
 
+def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: int, total: int) -> torch.Tensor:
+    """``out[r0:r0 + len(rows)] = out_fn(rows)``, ``out`` ([total, out width]) made on the first call; returns
+    ``out``. A frozen linear map that writes into rows of a wider tensor (``map_into``, ``out_width``: the
+    patched e3nn Linear) does so in place, without its output's temporaries and the copy into ``out``. Under no
+    grad only (the autograd Functions' forwards and first-order backwards call it)."""
+    into = getattr(out_fn, "map_into", None)
+    if into is not None and not torch.is_grad_enabled():
+        if out is None:
+            out = rows.new_empty(total, out_fn.out_width)
+        into(rows, out[r0:r0 + rows.shape[0]])
+        return out
+    part = out_fn(rows)
+    if out is None:
+        out = part.new_empty(total, part.shape[1])
+    out[r0:r0 + rows.shape[0]] = part
+    return out
+
+
 def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The gradient of an affine row map's ``width``-wide input rows from ``g``, that of its output rows, range by
     range: its vector-Jacobian product, the same at every point, so taken at zero rows (differentiable in g when
-    grad mode is on: a double backward). Shared with the streaming convolution."""
+    grad mode is on: a double backward). A frozen linear map with ``map_into`` applies its transpose directly in a
+    first-order backward (no forward pass over zero rows, no autograd). Shared with the streaming convolution."""
     keep_graph = torch.is_grad_enabled()  # a double backward: gc stays a function of g
     gc = g.new_empty(g.shape[0], width)
+    into = None if keep_graph else getattr(out_fn, "map_into", None)
     for r0, r1 in ranges:
+        if into is not None:
+            into(g[r0:r1], gc[r0:r1], True)
+            continue
         with torch.enable_grad():
             z = g.new_zeros(r1 - r0, width, requires_grad=True)
             gc[r0:r1] = torch.autograd.grad(out_fn(z), z, g[r0:r1], create_graph=keep_graph)[0]
@@ -135,11 +158,8 @@ class _TableConvRows(torch.autograd.Function):
         for r0, r1 in ranges:
             rows = conv_table_forward(x, y, r, coeffs, sender, receiver, rowptr[r0:r1 + 1], perm, rowptr_t, perm_t,
                                       r_max, key, True)
-            part = out_fn(rows)
+            out = map_rows(out_fn, rows, out, r0, rowptr.shape[0] - 1)
             del rows  # the wide rows go before the next range's are made
-            if out is None:
-                out = part.new_empty(rowptr.shape[0] - 1, part.shape[1])
-            out[r0:r1] = part
         ctx.save_for_backward(x, y, r, coeffs, *graph)
         ctx.out_fn, ctx.ranges, ctx.width, ctx.r_max, ctx.key = out_fn, ranges, width, r_max, key
         return out
