@@ -30,7 +30,9 @@ its first call, compilation included, is ``first_call_s``), cgforge-mlp (capture
 than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
 tables on for FP32 MACE and NequIP on CUDA), cgforge-stored (captured, ``streaming=False``: never the streaming
 path, which the default turns on when its estimate of the stored path's memory exceeds the free memory),
-cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own), e3nn, cueq, oeq, hybrid (the peers' calculators with
+cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own),
+cgforge-user-order (the default calculator with the atoms in the order given, never the spatial order
+``plugin.atom_order`` picks for large systems), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
@@ -64,6 +66,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
 from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
 
+from cgforge.plugin import atom_order  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.neighbours import neighbour_list  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
@@ -76,7 +79,7 @@ BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cg
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
             "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
-            "cgforge-stored", "cgforge-stored-eager")
+            "cgforge-stored", "cgforge-stored-eager", "cgforge-user-order")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
                "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
@@ -93,7 +96,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
                    "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
                    "cgforge-stored": {"streaming": False},
-                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}}
+                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}, "cgforge-user-order": {}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
@@ -256,7 +259,13 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     sync()
     t = time.perf_counter()
     STAGE["now"] = "the first forces call"
-    a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
+    threshold = atom_order.ORDER_ABOVE_ATOMS
+    if backend == "cgforge-user-order":  # the order is chosen in the first call
+        atom_order.ORDER_ABOVE_ATOMS = None
+    try:
+        a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
+    finally:
+        atom_order.ORDER_ABOVE_ATOMS = threshold
     sync()
     row["first_call_s"] = time.perf_counter() - t
     STAGE["now"] = "the NVT steps"
@@ -273,6 +282,7 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     else:
         row["edges"] = calc.n_edges
         row["streaming"] = bool(calc.streaming)
+        row["spatial_order"] = calc._order is not None
         row["cuda_graph"] = bool(calc.cuda_graph)
         row["capture_error"] = calc.step.capture_error
         row["model_edge_slots"] = calc.step.capacity
@@ -666,7 +676,7 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
         if "nl_build_s" in r:
             parts += f" | nl_build={1000 * r['nl_build_s']:.1f}"
         if "edges" in r:
-            parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')}"
+            parts += f" | edges={r['edges']} slots={r.get('model_edge_slots')} graph={r.get('cuda_graph')} sorted={r.get('spatial_order')}"
         if "first_call_s" in r:
             parts += f" | first call {r['first_call_s']:.1f} s"
         if r.get("compile_error"):

@@ -51,6 +51,7 @@ from cgforge.patches.common import existing_file
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
+from .atom_order import spatial_order, to_user_order
 from .compiled import check_compile, parse_compile
 from .inputs import ModelAdapter, adapter_for, is_nequip_model
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
@@ -371,6 +372,8 @@ class Calculator(AseCalculator):
         self._cuda_graph_requested = cuda_graph
         self.timings: _Timings | None = None
         self._species: Tensor | None = None
+        self._run_species: Tensor | None = None  # _species in the order the model runs in (atom_order)
+        self._order: np.ndarray | None = None
         self._pbc: tuple[bool, bool, bool] | None = None
         if warmup:
             self.warm_up()
@@ -598,11 +601,15 @@ class Calculator(AseCalculator):
                                               f"available: {self.implemented_properties}")
         if system_changes:
             self.results = {}
-        if self._species is None or "numbers" in system_changes or self._species.shape[0] != len(atoms):
-            self._species = None
-            self._species = self.adapter.species(atoms.numbers)
         if self._pbc is None or "pbc" in system_changes:
             self._pbc = tuple(bool(p) for p in atoms.pbc)
+        if self._species is None or "numbers" in system_changes or self._species.shape[0] != len(atoms):
+            self._species = self._run_species = None
+            self._species = self.adapter.species(atoms.numbers)
+            # a large system runs in a spatial order (atom_order): made once per system, results in the user's
+            self._order = spatial_order(atoms.positions, np.asarray(atoms.cell), self._pbc)
+            self._run_species = self._species if self._order is None else self._species.index_select(
+                0, torch.as_tensor(self._order, device=self._species.device))
         want = set(properties)
         volume = abs(float(atoms.cell.volume))
         # Energy and forces from one run (the backward costs about what the forward does, see the class doc);
@@ -612,8 +619,8 @@ class Calculator(AseCalculator):
         if stress and not volume > 0.0:
             raise PropertyNotImplementedError("stress: the cell has zero volume; give the Atoms a 3-D cell")
         self.results.update(self._evaluate(
-            atoms.positions, np.asarray(atoms.cell), self._pbc, self._species,
-            forces=forces or stress, stress=stress, per_atom="energies" in want, volume=volume,
+            atoms.positions, np.asarray(atoms.cell), self._pbc, self._run_species,
+            forces=forces or stress, stress=stress, per_atom="energies" in want, volume=volume, order=self._order,
         ))
 
     # --- the step ---------------------------------------------------------------------------------
@@ -639,10 +646,13 @@ class Calculator(AseCalculator):
                           f"more than {RADIAL_TF32_TOL:.0e}", RuntimeWarning, stacklevel=4)
 
     def _evaluate(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor,
-                  *, forces: bool, stress: bool, per_atom: bool, volume: float = 0.0) -> dict:
-        """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure."""
+                  *, forces: bool, stress: bool, per_atom: bool, volume: float = 0.0,
+                  order: np.ndarray | None = None) -> dict:
+        """Energy (and forces, stress = sym(dE/d strain) / volume, per-atom energies) of one structure. ``order``:
+        the atoms' order the model runs in (``atom_order``; ``species`` already in it), None: as given."""
         if not np.isfinite(positions).all():
             raise ValueError("atoms: positions contain NaN or inf")
+        user_positions, positions = positions, positions if order is None else positions[order]
         self.plan_memory(positions.shape[0], lambda: self.step.prepare(positions, cell, pbc, species))
         self.plan_rows(positions.shape[0])
         if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
@@ -661,7 +671,9 @@ class Calculator(AseCalculator):
             if str(err).startswith(("atoms:", "species:")):
                 raise
             raise ValueError(f"atoms: {err}") from err
-        n = positions.shape[0]
+        n, positions = positions.shape[0], user_positions
+        if order is not None:
+            host = to_user_order(host, order, forces=forces, stress=stress, per_atom=per_atom)
         if not np.isfinite(host).all():  # host arrays: no device sync of its own
             raise NonFiniteOutputError(self._non_finite_message(host, positions, cell, pbc, forces=forces,
                                                                 stress=stress, per_atom=per_atom))

@@ -1,0 +1,74 @@
+"""A spatial order of a large system's atoms, in which the model runs: results go back in the user's order.
+
+The convolutions gather, for each atom, the feature rows of its neighbours. In a box of a million atoms those
+rows (2-20 KB each) span tens of GB; when atoms that are close in space are also close in memory, the rows a
+block of receivers gathers share cache lines and the L2. A box built molecule by molecule on a grid is ordered
+by planes already; ordering the atoms along a Z (Morton) curve of their positions keeps whole neighbourhoods
+together. Measured on an H100 (MACE-MP-medium shape, FP32 water, 1.03 M atoms, one force call): 3.11 s in the
+grid order, 2.99 s with the molecules in Z-curve order (benchmarks/results/...-20261126).
+
+The order is the model's business only: the calculator permutes positions and species into it, and forces and
+per-atom energies back (energy and stress do not depend on the order). It is made once per system (when the
+species are set: new numbers or a new atom count) from the positions of that call; atoms that diffuse during
+MD keep it, which costs locality, never correctness. Small systems (all rows in the L2 anyway) keep the
+user's order: ``ORDER_ABOVE_ATOMS``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ORDER_ABOVE_ATOMS", "morton_order", "spatial_order", "to_user_order"]
+
+# Systems of more atoms run in Z-curve order (None: never). 5184-atom water's node rows fit the 50 MB L2 of an
+# H100; the gain was measured at 1.03 M atoms (see above).
+ORDER_ABOVE_ATOMS: int | None = 100_000
+BITS = 10  # per axis: 1024 cells a side (a 1 M-atom water box is ~220 Å: ~0.2 Å a cell)
+
+
+def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], bits: int = BITS
+                 ) -> np.ndarray:
+    """The permutation (int64 [n]) that sorts ``positions`` along a Z curve: fractional coordinates (wrapped
+    along periodic axes; scaled to the occupied range along open ones or a cell-less box), ``bits`` per axis,
+    ties in the given order."""
+    positions = np.asarray(positions, dtype=np.float64)
+    cell = np.asarray(cell, dtype=np.float64)
+    if abs(np.linalg.det(cell)) > 1e-12:
+        frac = np.linalg.solve(cell.T, positions.T).T
+    else:
+        frac = positions.copy()
+    for axis in range(3):
+        column = frac[:, axis]
+        if pbc[axis] and abs(np.linalg.det(cell)) > 1e-12:
+            frac[:, axis] = column - np.floor(column)
+        else:
+            low, span = column.min(), np.ptp(column)
+            frac[:, axis] = (column - low) / span if span > 0 else 0.0
+    cells = np.minimum((frac * (1 << bits)).astype(np.int64), (1 << bits) - 1)
+    code = np.zeros(len(positions), dtype=np.int64)
+    for bit in range(bits):
+        for axis in range(3):
+            code |= ((cells[:, axis] >> bit) & 1) << (3 * bit + axis)
+    return np.argsort(code, kind="stable")
+
+
+def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray | None:
+    """The order a system of ``len(positions)`` atoms runs in (None: the user's, below ``ORDER_ABOVE_ATOMS``)."""
+    if ORDER_ABOVE_ATOMS is None or len(positions) <= ORDER_ABOVE_ATOMS:
+        return None
+    return morton_order(positions, cell, pbc)
+
+
+def to_user_order(host: np.ndarray, order: np.ndarray, *, forces: bool, stress: bool, per_atom: bool
+                  ) -> np.ndarray:
+    """The step's host result ([energy, forces 3n if forces or stress, stress 9 if stress, energies n if
+    per_atom]) computed on atoms in ``order``, with its per-atom parts put back in the user's order."""
+    n = len(order)
+    out = host.copy()
+    at = 1
+    if forces or stress:
+        out[at:at + 3 * n].reshape(n, 3)[order] = host[at:at + 3 * n].reshape(n, 3)
+        at += 3 * n + (9 if stress else 0)
+    if per_atom:
+        out[at:at + n][order] = host[at:at + n]
+    return out
