@@ -40,15 +40,31 @@ def kind(name: str) -> str:
             else "other")
 
 
-def call_site() -> str:
-    """The innermost frame in cgforge, mace or e3nn (the op's issuer), 'package/file:line function'."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        parts = Path(frame.filename).parts
+def _innermost(frames: list[tuple[str, int, str]]) -> str | None:
+    for filename, lineno, name in reversed(frames):
+        parts = Path(filename).parts
         for package in ("cgforge", "mace", "e3nn"):
-            if package in parts and not frame.filename.endswith("copy_traffic.py"):
-                where = "/".join(parts[parts.index(package):])
-                return f"{where}:{frame.lineno} {frame.name}"
-    return "(outside cgforge)"
+            if package in parts and not filename.endswith("copy_traffic.py"):
+                return f"{'/'.join(parts[parts.index(package):])}:{lineno} {name}"
+    return None
+
+
+def call_site() -> str:
+    """The innermost frame in cgforge, mace or e3nn that issued the op, 'package/file:line function'; for an
+    op of torch's own backward, '<node> of' the forward line that made the node (anomaly mode records it)."""
+    node = torch._C._current_autograd_node()
+    if node is not None and not type(node).__name__.startswith("BackwardCFunction"):
+        trace = node.metadata.get("traceback_", [])
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack()[:0]]
+        for line in trace:  # formatted stack lines: '  File "x.py", line 12, in f\n    code\n'
+            if line.lstrip().startswith("File "):
+                head = line.strip().split("\n")[0]
+                filename = head.split('"')[1]
+                lineno = int(head.split("line ")[1].split(",")[0])
+                frames.append((filename, lineno, head.rsplit("in ", 1)[-1]))
+        return f"{node.name()} of {_innermost(frames) or '(outside cgforge)'}"
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack()[:-3]]
+    return _innermost(frames) or "(outside cgforge)"
 
 
 class Traffic(TorchDispatchMode):
@@ -66,11 +82,12 @@ class Traffic(TorchDispatchMode):
         written = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
         if name in COPY_OPS and name in ("copy_",) and isinstance(args[0], torch.Tensor):
             written = args[0].numel() * args[0].element_size()
-        if written and not name.startswith(("view", "_reshape_alias", "_unsafe_view", "as_strided", "t", "transpose", "permute",
+        if written and not name.startswith(("view", "_reshape_alias", "_unsafe_view", "new_empty", "empty_like", "as_strided", "t", "transpose", "permute",
                                             "expand", "slice", "select", "split", "narrow", "unsqueeze", "squeeze",
                                             "detach", "alias", "empty")):
             site = call_site()
-            k = "kernel (reference on CPU)" if "reference" in site or "_csr_edges" in site else kind(name)
+            reference = ("reference", "_csr_edges", "_Eager", "kernels/symmetric_contraction")
+            k = "kernel (reference on CPU)" if any(r in site for r in reference) else kind(name)
             self.bytes[k, f"{name} @ {site}"] += written
             self.calls[k, f"{name} @ {site}"] += 1
         return out
@@ -101,7 +118,7 @@ def main() -> None:
         atoms.calc = Calculator(path, device="cpu", dtype="float32", skin=1.0, patch=True, radial_table=True)
         atoms.get_forces()  # plans, warm-up
         atoms.positions += 0.01  # inside the skin: the same graph, a new call
-        with Traffic() as traffic:
+        with Traffic() as traffic, torch.autograd.detect_anomaly(check_nan=False):
             atoms.calc.calculate(atoms, ["energy", "forces"], ["positions"])
     n = len(atoms)
     totals: dict[str, int] = defaultdict(int)

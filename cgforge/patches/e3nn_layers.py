@@ -30,7 +30,7 @@ import torch
 from . import stand_in
 from .radial_precision import radial_matmul
 from .stand_in import StandIn, checked
-from .torch_internals import adopt
+from .torch_internals import adopt, tensor_version
 
 # Inputs larger than CHUNKED_ABOVE_BYTES go through SplitLinear in row chunks of CHUNK_BYTES of input (and output)
 # when its weights are frozen: from ~52k MACE-MP-medium atoms ([N, 5120] FP32). Memory decides what fits there,
@@ -148,7 +148,7 @@ class SplitLinear(torch.nn.Module, StandIn):
         """Each path's [mul_in, mul_out] block times its path weight, made once per weight version (map_into
         runs per chunk of rows: a multiply per path and chunk was thousands of small launches a step)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        key = (w.data_ptr(), tensor_version(w), w.dtype, w.device)
         if self._scaled[0] != key:
             with torch.no_grad():
                 blocks = [w.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight

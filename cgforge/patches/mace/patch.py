@@ -22,7 +22,8 @@ names (same state_dict) and keeps the original for ``unpatch``.
 Every e3nn ``o3.Linear`` and ``FullyConnectedNet`` (the radial MLPs) is swapped for the plain-torch
 stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd. Each
 ``skip_tp`` (a FullyConnectedTensorProduct with the one-hot element) becomes a ``species_linear`` stand-in:
-one linear map per element when cgforge's calculator groups the atoms, e3nn's own code otherwise.
+one linear map per element when cgforge's calculator groups the atoms, e3nn's own code otherwise. Each
+``reshape_irreps`` (the message's [N, mul, sum d] view) becomes ``reshape.GatheredReshape``: one column gather.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..stand_in import StandIn, convolution_check
 from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
 from . import legacy as mace_legacy
+from . import reshape
 from .radial_table import set_radial_table
 from .row_chunks import set_row_chunks
 from .streaming import DeferredWeights, mark_linear_applied, set_streaming
@@ -237,6 +239,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
             block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
     layers = e3nn_layers.swap_in(model)
     layers += species_linear.swap_in(model, "skip_tp", graphs)
+    layers += reshape.swap_in(model)
     if not any(hook is graphs for hook in forward_pre_hooks(model)):
         remove_forward_pre_hooks(model, GraphCache)
         model.register_forward_pre_hook(graphs)
@@ -294,6 +297,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             del block.conv_fusion
     e3nn_layers.swap_out(model)
     species_linear.swap_out(model)
+    reshape.swap_out(model)
     remove_forward_pre_hooks(model, GraphCache)
     return model
 
