@@ -1,0 +1,28 @@
+"""Run a benchmark script with one cgforge stand-in turned off, for an A/B in the same process kind and run:
+
+    python3 benchmarks/without.py reshape benchmarks/bench_md.py --systems 5k ...
+
+``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.GatheredReshape`` declines every module).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+OFF = ("reshape",)
+
+
+def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1] not in OFF:
+        sys.exit(f"usage: without.py {{{','.join(OFF)}}} SCRIPT [ARGS...]")
+    if sys.argv[1] == "reshape":
+        from cgforge.patches.mace.reshape import GatheredReshape
+
+        GatheredReshape.supports = classmethod(lambda cls, module: False)
+    script, sys.argv = sys.argv[2], sys.argv[2:]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
