@@ -2,7 +2,9 @@
 
     python3 benchmarks/without.py reshape benchmarks/bench_md.py --systems 5k ...
 
-``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.GatheredReshape`` declines every module).
+``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
+``single-irrep-backward``: a one-irrep convolution's backward keeps the multi-irrep chunk rule
+(``schedule.SINGLE_IRREP_BACKWARD_CHUNK = None``).
 """
 
 from __future__ import annotations
@@ -10,16 +12,20 @@ from __future__ import annotations
 import runpy
 import sys
 
-OFF = ("reshape",)
+OFF = ("reshape", "single-irrep-backward")
 
 
 def main() -> None:
     if len(sys.argv) < 3 or sys.argv[1] not in OFF:
         sys.exit(f"usage: without.py {{{','.join(OFF)}}} SCRIPT [ARGS...]")
     if sys.argv[1] == "reshape":
-        from cgforge.patches.mace.reshape import GatheredReshape
+        from cgforge.patches.mace.reshape import BlockReshape
 
-        GatheredReshape.supports = classmethod(lambda cls, module: False)
+        BlockReshape.supports = classmethod(lambda cls, module: False)
+    if sys.argv[1] == "single-irrep-backward":
+        from cgforge.kernels.tensor_product import schedule
+
+        schedule.SINGLE_IRREP_BACKWARD_CHUNK = None
     script, sys.argv = sys.argv[2], sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 

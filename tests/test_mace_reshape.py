@@ -1,4 +1,4 @@
-"""MACE's reshape_irreps as one column gather: values and first and second derivatives equal MACE's in FP64, the
+"""MACE's reshape_irreps with a one-write backward: values and first and second derivatives equal MACE's in FP64, the
 state_dict unchanged, swapped in by patch and out by unpatch."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from e3nn import o3
 
 mace_tools = pytest.importorskip("mace.modules.irreps_tools")
 
-from cgforge.patches.mace.reshape import GatheredReshape  # noqa: E402
+from cgforge.patches.mace.reshape import BlockReshape  # noqa: E402
 
 IRREPS = ["8x0e+8x1o+8x2e+8x3o", "4x0e+4x0e+4x1o+4x1e+4x2e", "16x0e", "3x2e+3x0e+3x1o"]
 
 
 @pytest.mark.parametrize("irreps", IRREPS)
-def test_gathered_reshape_equals_maces_to_second_order(irreps: str) -> None:
+def test_block_reshape_equals_maces_to_second_order(irreps: str) -> None:
     original = mace_tools.reshape_irreps(o3.Irreps(irreps))
-    stand_in = GatheredReshape.wrap(original)
+    stand_in = BlockReshape.wrap(original)
     assert stand_in is not None and dict(stand_in.state_dict()) == dict(original.state_dict())
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, o3.Irreps(irreps).dim, generator=g, dtype=torch.float64, requires_grad=True)
@@ -32,8 +32,8 @@ def test_gathered_reshape_equals_maces_to_second_order(irreps: str) -> None:
     torch.autograd.gradgradcheck(stand_in, (x,))
 
 
-def test_gathered_reshape_declines_mixed_multiplicities() -> None:
-    assert GatheredReshape.wrap(mace_tools.reshape_irreps(o3.Irreps("4x0e+2x1o"))) is None
+def test_block_reshape_declines_mixed_multiplicities() -> None:
+    assert BlockReshape.wrap(mace_tools.reshape_irreps(o3.Irreps("4x0e+2x1o"))) is None
 
 
 def test_patch_swaps_reshape_in_and_unpatch_out() -> None:
@@ -50,7 +50,7 @@ def test_patch_swaps_reshape_in_and_unpatch_out() -> None:
     keys = list(model.state_dict())
     pm.patch(model)
     kinds = [type(b.reshape).__name__ for b in model.interactions]
-    assert kinds and all(k == "GatheredReshape" for k in kinds)
+    assert kinds and all(k == "BlockReshape" for k in kinds)
     assert list(model.state_dict()) == keys
     pm.unpatch(model)
     assert all(type(b.reshape).__name__ == "reshape_irreps" for b in model.interactions)

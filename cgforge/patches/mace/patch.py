@@ -23,7 +23,7 @@ Every e3nn ``o3.Linear`` and ``FullyConnectedNet`` (the radial MLPs) is swapped 
 stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd. Each
 ``skip_tp`` (a FullyConnectedTensorProduct with the one-hot element) becomes a ``species_linear`` stand-in:
 one linear map per element when cgforge's calculator groups the atoms, e3nn's own code otherwise. Each
-``reshape_irreps`` (the message's [N, mul, sum d] view) becomes ``reshape.GatheredReshape``: one column gather.
+``reshape_irreps`` (the message's [N, mul, sum d] view) becomes ``reshape.BlockReshape``: a one-write backward.
 """
 
 from __future__ import annotations
