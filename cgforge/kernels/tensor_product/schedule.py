@@ -215,6 +215,12 @@ EDGE_FORWARD_CHUNK = 64
 BACKWARD_CHUNK = 64
 BACKWARD_WINDOW_BYTES = 8 * 1024
 CHUNKS_ORDER_CHUNK = 32
+# One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
+# 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
+# 8 KiB limit, which came from multi-irrep problems (H100, bench_layer, 5184-atom water: 1.815 -> 1.381 ms).
+# None: off. The window may reach SINGLE_IRREP_WINDOW_BYTES.
+SINGLE_IRREP_BACKWARD_CHUNK: int | None = 128
+SINGLE_IRREP_WINDOW_BYTES = 10 * 1024
 
 
 def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backward: bool) -> bool:
@@ -244,6 +250,11 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
     y_dim = problem.irreps_in2.dim
     while backward > WARP and _segments(problem, backward, y_dim, True)[1] * itemsize > BACKWARD_WINDOW_BYTES:
         backward //= 2
+    single = SINGLE_IRREP_BACKWARD_CHUNK
+    if (single is not None and rows_are_nodes and itemsize == 4 and len(problem.irreps_in1) == 1
+            and problem.irreps_in1[0].mul > backward
+            and _segments(problem, single, y_dim, True)[1] * itemsize <= SINGLE_IRREP_WINDOW_BYTES):
+        backward = single
 
     def auto_chunks(direction_backward: bool) -> bool:
         return (tuning.order(direction_backward) == "auto"
