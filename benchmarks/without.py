@@ -5,6 +5,7 @@
 ``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
 ``single-irrep-backward``: a one-irrep convolution's backward keeps the multi-irrep chunk rule
 (``schedule.SINGLE_IRREP_BACKWARD_CHUNK = None``).
+``chunk-passes``: the chunks-order backward in one launch (``schedule.BACKWARD_CHUNK_PASSES = False``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-OFF = ("reshape", "single-irrep-backward")
+OFF = ("reshape", "single-irrep-backward", "chunk-passes")
 
 
 def main() -> None:
@@ -26,6 +27,10 @@ def main() -> None:
         from cgforge.kernels.tensor_product import schedule
 
         schedule.SINGLE_IRREP_BACKWARD_CHUNK = None
+    if sys.argv[1] == "chunk-passes":
+        from cgforge.kernels.tensor_product import schedule
+
+        schedule.BACKWARD_CHUNK_PASSES = False
     script, sys.argv = sys.argv[2], sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 

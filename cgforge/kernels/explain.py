@@ -79,7 +79,9 @@ def _schedule(s: Schedule, size: int) -> list[str]:
         launch = s.launch(direction == "backward")
         lines.append(f"  {direction}: chunk {launch.chunk}, {launch.smem_per_warp} elements "
                      f"({launch.smem_per_warp * size} B) of shared memory per warp, {launch.warps_per_block} warps "
-                     f"per block, {len(segments)} segments, loop order {s.loop_order(direction == 'backward')}")
+                     f"per block, {len(segments)} segments, loop order {s.loop_order(direction == 'backward')}"
+                     + (f", {s.backward_passes()} launches (one per channel chunk)"
+                        if direction == "backward" and s.backward_passes() > 1 else ""))
         for seg in segments:
             loads = ", ".join(f"{ld.source}[{ld.global_offset}:+{ld.count}]->smem {ld.smem_offset}" for ld in seg.loads)
             lines.append(f"    {'in1' if direction == 'backward' else 'out'} irrep {seg.irrep} channels "

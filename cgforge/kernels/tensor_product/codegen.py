@@ -17,6 +17,8 @@ def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
     # the loop orders enter the name only when not segments (such kernels keep their names)
     orders = (schedule.loop_order(False), schedule.loop_order(True))
     order = "" if orders == ("segments", "segments") else "|" + "|".join(orders)
+    passes = schedule.backward_passes()
+    order += f"|passes{passes}" if passes > 1 else ""
     digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}{order}".encode()).hexdigest()[:12]
     return f"cgf_{digest}_{layout.tag()}"
 
@@ -41,5 +43,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
         table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
+        backward_passes=schedule.backward_passes(),
     )
     return source, name

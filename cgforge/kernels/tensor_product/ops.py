@@ -48,18 +48,22 @@ def needs_zero_fill(p, out_side: bool) -> bool:
 def launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dtype: torch.dtype,
            device: torch.device, gw_partial: bool = False) -> int:
     """Launch one generated kernel over `rows` rows; returns the number of warps launched."""
-    from ..core.runtime import I64
+    from ..core.runtime import I32, I64
 
     plan = plans.get(key)
-    launch = plan.schedule(dtype, layout.csr).launch(backward)
+    schedule = plan.schedule(dtype, layout.csr)
+    launch = schedule.launch(backward)
     warps = launch.warps_per_block
     blocks = _grid(rows, warps, device, gw_partial)
     if rows == 0:
         return 0
     handle = plan.kernel(dtype, layout, backward, device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows)],
-                  shared_mem=warps * launch.smem_per_warp * itemsize)
+    # the backward takes its pass (one per channel chunk where the schedule splits it, in order: see schedule)
+    for group_pass in range(schedule.backward_passes()) if backward else [None]:
+        extra = [] if group_pass is None else [I32(group_pass)]
+        handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows), *extra],
+                      shared_mem=warps * launch.smem_per_warp * itemsize)
     return blocks * warps
 
 

@@ -104,6 +104,15 @@ class Schedule:
     tuning: TPTuning = TPTuning()
     rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
     itemsize: int = 4
+    backward_chunk_passes: bool = False  # BACKWARD_CHUNK_PASSES when built: see backward_passes
+
+    def backward_passes(self) -> int:
+        """Launches of the backward kernel: one per channel chunk in the chunks order over CSR rows
+        (``BACKWARD_CHUNK_PASSES`` when this schedule was built), each running one chunk's edge loop for every
+        row; else 1."""
+        if not (self.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
+            return 1
+        return len({(seg.c0, seg.c1) for seg in self.backward})
 
     def loop_order(self, backward: bool) -> str:
         """One direction's loop order: the tuning's (the backward's own if set), or for ``auto`` edges outermost
@@ -215,6 +224,13 @@ EDGE_FORWARD_CHUNK = 64
 BACKWARD_CHUNK = 64
 BACKWARD_WINDOW_BYTES = 8 * 1024
 CHUNKS_ORDER_CHUNK = 32
+# The backward in the chunks order over CSR rows runs as one launch per channel chunk (``Schedule.backward_passes``):
+# each launch walks every row's edges for one chunk, so the grad-out rows its edges gather are one chunk wide
+# (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight share the L2 (at 5184
+# atoms the whole 106 MB gradient does not fit the 50 MB L2; at a million atoms the senders' receivers in flight
+# span tens of MB). Each edge's grad y and grad r get the chunks' parts in the same order as in one launch, and
+# grad x rows are stored per chunk: the results are bitwise those of one launch. False: one launch.
+BACKWARD_CHUNK_PASSES = True
 # One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
 # 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
 # 8 KiB limit, which came from multi-irrep problems (H100, bench_layer, 5184-atom water: 1.815 -> 1.381 ms).
@@ -280,7 +296,7 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
-                    itemsize)
+                    itemsize, BACKWARD_CHUNK_PASSES)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
