@@ -291,27 +291,23 @@ def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch,
 
 @pytest.mark.cuda
 def test_cuda_chunk_passes_give_the_one_launch_gradients_bitwise(monkeypatch) -> None:
-    """mace-medium FP32 (chunks order backward): one launch per channel chunk adds each edge's grad y and grad r
-    in the same order as one launch and stores grad x per chunk: the same bits."""
-    from cgforge.kernels.core.tuning import TPTuning
+    """mace-medium FP32 (chunks order backward): the same kernel launched once per channel chunk (as where the
+    grad-out rows exceed the L2) or once for all chunks gives the same bits: each edge's grad y and grad r get the
+    chunks' parts in the same order, grad x is stored per chunk."""
+    from cgforge.kernels.tensor_product import ops
     from cgforge.kernels.tensor_product import plan as plans
-    from cgforge.kernels.tensor_product import schedule as schedules
 
     conv, graph, x, y, lengths, coeffs = _case("mace-medium", 300, 6000, dtype=torch.float32, device="cuda", seed=9)
     g = torch.randn(300, conv.irreps_out.dim, dtype=torch.float32, device="cuda")
+    schedule = plans.get(conv.key).schedule(torch.float32, True)
+    assert schedule.backward_passes() == 4
 
-    def grads(module):
-        out = module.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-        return out, torch.autograd.grad(out, (x, y, lengths), g)
+    def grads(l2: int):
+        monkeypatch.setattr(ops, "l2_bytes", lambda device: l2)
+        out = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+        return torch.autograd.grad(out, (x, y, lengths), g), ops.backward_launches(schedule, 300, x.device)
 
-    monkeypatch.setattr(schedules, "BACKWARD_CHUNK_PASSES", False)
-    # an explicit chunks order: the same schedule as auto's, another plan (its schedule built with passes off)
-    one = Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"]), tuning=TPTuning(backward_loop_order="chunks"))
-    out_one, want = grads(one.to("cuda"))
-    assert plans.get(one.key).schedule(torch.float32, True).backward_passes() == 1
-    monkeypatch.setattr(schedules, "BACKWARD_CHUNK_PASSES", True)
-    out, got = grads(conv)
-    assert plans.get(conv.key).schedule(torch.float32, True).backward_passes() == 4
-    assert torch.equal(out, out_one)
+    (want, one), (got, passes) = grads(1 << 62), grads(0)
+    assert one == [-1] and passes == [0, 1, 2, 3]
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b) and b.abs().max() > 0

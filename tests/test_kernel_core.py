@@ -328,10 +328,10 @@ def test_auto_loop_order_per_direction():
 
 
 def test_chunks_backward_runs_one_launch_per_channel_chunk(monkeypatch):
-    """MACE-MP-medium's second convolution backward (chunks order, CSR rows, FP32): four launches of 32 channels,
-    each taking its group by the group_pass argument; one launch in FP64, per-edge rows, the segments order or
-    with the passes off (read when the schedule is built). The first convolution's one-irrep backward: one
-    128-channel chunk (window under SINGLE_IRREP_WINDOW_BYTES)."""
+    """MACE-MP-medium's second convolution backward (chunks order, CSR rows, FP32): four 32-channel chunks the
+    kernel can run one launch each (group_pass; -1 all), per chunk where the grad-out rows exceed the L2; one
+    launch in FP64, per-edge rows, the segments order or with the passes off (read when the schedule is built).
+    The first convolution's one-irrep backward: one 128-channel chunk (window under SINGLE_IRREP_WINDOW_BYTES)."""
     from cgforge.kernels.explain import instructions
     from cgforge.kernels.tensor_product import schedule as schedules
 
@@ -339,8 +339,15 @@ def test_chunks_backward_runs_one_launch_per_channel_chunk(monkeypatch):
     fp32 = build_schedule(problem, itemsize=4, rows_are_nodes=True)
     assert fp32.backward_passes() == 4
     source, name = render(fp32, "float", layouts.CONV_BACKWARD.with_table(), False, True)
-    assert "int group_pass)" in source and all(f"if (group_pass == {i})" in source for i in range(4))
+    assert "int group_pass)" in source and all(f"group_pass == {i})" in source for i in range(4))
     assert "group_pass == 4" not in source
+    # launched per chunk only where the grad-out rows exceed the L2: 1000 rows x 5120 x 4 B = 20.5 MB
+    from cgforge.kernels.tensor_product import ops
+
+    monkeypatch.setattr(ops, "l2_bytes", lambda device: 50 << 20)
+    assert ops.backward_launches(fp32, 1000, "cuda") == [-1]
+    assert ops.backward_launches(fp32, 5184, "cuda") == [0, 1, 2, 3]
+    assert ops.backward_launches(build_schedule(problem, itemsize=8, rows_are_nodes=True), 10**6, "cuda") == [-1]
     assert build_schedule(problem, itemsize=8, rows_are_nodes=True).backward_passes() == 1
     assert build_schedule(problem, itemsize=4).backward_passes() == 1
     assert build_schedule(problem, itemsize=4, rows_are_nodes=True,
@@ -349,7 +356,7 @@ def test_chunks_backward_runs_one_launch_per_channel_chunk(monkeypatch):
     one = build_schedule(problem, itemsize=4, rows_are_nodes=True)
     assert one.backward_passes() == 1 and fp32.backward_passes() == 4  # fixed when built
     one_source, one_name = render(one, "float", layouts.CONV_BACKWARD.with_table(), False, True)
-    assert "if (group_pass ==" not in one_source and one_name != name
+    assert "group_pass ==" not in one_source and one_name != name
     single = build_schedule(TPProblem.build(*instructions("128x0e", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o",
                                                           "uvu")), itemsize=4, rows_are_nodes=True)
     assert single.backward_launch.chunk == 128 and single.backward_passes() == 1

@@ -80,7 +80,7 @@ def _schedule(s: Schedule, size: int) -> list[str]:
         lines.append(f"  {direction}: chunk {launch.chunk}, {launch.smem_per_warp} elements "
                      f"({launch.smem_per_warp * size} B) of shared memory per warp, {launch.warps_per_block} warps "
                      f"per block, {len(segments)} segments, loop order {s.loop_order(direction == 'backward')}"
-                     + (f", {s.backward_passes()} launches (one per channel chunk)"
+                     + (f", one launch per chunk ({s.backward_passes()}) where the grad-out rows exceed the L2"
                         if direction == "backward" and s.backward_passes() > 1 else ""))
         for seg in segments:
             loads = ", ".join(f"{ld.source}[{ld.global_offset}:+{ld.count}]->smem {ld.smem_offset}" for ld in seg.loads)

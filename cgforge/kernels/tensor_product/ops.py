@@ -39,6 +39,26 @@ def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool) -> 
     return launch_blocks(rows, warps, 4 * _sm_count(device) if shared_weights else None)
 
 
+_L2_BYTES: dict[torch.device, int] = {}
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache in bytes (50 MiB where torch does not say)."""
+    if device not in _L2_BYTES:
+        _L2_BYTES[device] = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+    return _L2_BYTES[device]
+
+
+def backward_launches(schedule, rows: int, device: torch.device) -> list[int]:
+    """The group_pass argument of each launch of a backward kernel: one per channel chunk (in order) where the
+    schedule allows it and the grad-out rows (``rows`` x out width) exceed the L2, else [-1]: one launch, every
+    chunk (see ``schedule.BACKWARD_CHUNK_PASSES``)."""
+    passes = schedule.backward_passes()
+    if passes > 1 and rows * schedule.problem.irreps_out.dim * schedule.itemsize > l2_bytes(device):
+        return list(range(passes))
+    return [-1]
+
+
 def needs_zero_fill(p, out_side: bool) -> bool:
     irreps = p.irreps_out if out_side else p.irreps_in1
     used = {(i.i_out if out_side else i.i_in1) for i in p.instructions}
@@ -59,8 +79,7 @@ def launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dtyp
         return 0
     handle = plan.kernel(dtype, layout, backward, device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # the backward takes its pass (one per channel chunk where the schedule splits it, in order: see schedule)
-    for group_pass in range(schedule.backward_passes()) if backward else [None]:
+    for group_pass in backward_launches(schedule, rows, device) if backward else [None]:
         extra = [] if group_pass is None else [I32(group_pass)]
         handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows), *extra],
                       shared_mem=warps * launch.smem_per_warp * itemsize)

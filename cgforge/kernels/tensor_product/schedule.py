@@ -107,9 +107,8 @@ class Schedule:
     backward_chunk_passes: bool = False  # BACKWARD_CHUNK_PASSES when built: see backward_passes
 
     def backward_passes(self) -> int:
-        """Launches of the backward kernel: one per channel chunk in the chunks order over CSR rows
-        (``BACKWARD_CHUNK_PASSES`` when this schedule was built), each running one chunk's edge loop for every
-        row; else 1."""
+        """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
+        the chunks order over CSR rows (``BACKWARD_CHUNK_PASSES`` when this schedule was built); else 1."""
         if not (self.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
             return 1
         return len({(seg.c0, seg.c1) for seg in self.backward})
@@ -224,12 +223,15 @@ EDGE_FORWARD_CHUNK = 64
 BACKWARD_CHUNK = 64
 BACKWARD_WINDOW_BYTES = 8 * 1024
 CHUNKS_ORDER_CHUNK = 32
-# The backward in the chunks order over CSR rows runs as one launch per channel chunk (``Schedule.backward_passes``):
-# each launch walks every row's edges for one chunk, so the grad-out rows its edges gather are one chunk wide
-# (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight share the L2 (at 5184
-# atoms the whole 106 MB gradient does not fit the 50 MB L2; at a million atoms the senders' receivers in flight
-# span tens of MB). Each edge's grad y and grad r get the chunks' parts in the same order as in one launch, and
-# grad x rows are stored per chunk: the results are bitwise those of one launch. False: one launch.
+# The backward in the chunks order over CSR rows can run as one launch per channel chunk (``Schedule.backward_passes``,
+# ``ops.backward_launches``): each launch walks every row's edges for one chunk, so the grad-out rows its edges
+# gather are one chunk wide (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight
+# share the L2. The kernel is the same either way (its group_pass argument: -1 every chunk, else that chunk) and
+# each edge's grad y and grad r get the chunks' parts in the same order: the same bits. Taken where the grad-out
+# rows exceed the device's L2 (ops.backward_launches). Measured, H100, FP32 (ms, one launch -> per chunk):
+# MACE-MP-medium's second convolution backward at 5184 atoms (106 MB of grad-out rows) 4.08 -> 3.46 in
+# bench_layer; the 1.03 M-atom force call 2.848 -> 2.569 s; mace-large (80 MB) 7.80 -> 7.65; mace-medium (24 MB,
+# inside the L2) 2.59 -> 2.76, hence the L2 rule. False: always one launch.
 BACKWARD_CHUNK_PASSES = True
 # One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
 # 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
