@@ -69,7 +69,8 @@ def test_generated_kernels_loop_over_rows_with_a_64_bit_grid_stride(layout, back
     problem = TPProblem.build("40x0e+3x1o", "1x0e+1x1o", "40x0e+40x1o", [(0, 0, 0, "uvu", True),
                                                                         (0, 1, 1, "uvu", True)])
     source, _ = render(build_schedule(problem), "float", layout, forward=not backward, backward=backward)
-    assert "long long rows)" in source
+    assert ("long long rows)" in source) != backward  # the backward also takes its chunk pass
+    assert ("long long rows,\n                    int group_pass)" in source) == backward
     assert "for (long long row = (long long)blockIdx.x * WARPS + warp; row < rows; " \
            "row += (long long)gridDim.x * WARPS)" in source
 

@@ -242,6 +242,8 @@ class Calculator(AseCalculator):
     as MACECalculator does): ``get_potential_energy()`` then ``get_forces()`` cost one model run, not two. The
     backward costs about 1.8 forwards on a CPU (MACE above: 30 ms energy only, 84 ms with forces), so False
     suits energy-only work (an energy call then runs without autograd).
+    Systems of more than ``atom_order.ORDER_ABOVE_ATOMS`` atoms (100,000) run in the Z-curve order of their
+    positions (chosen once per system); forces and per-atom energies come back in the order given.
     stress_with_forces: also compute the stress whenever forces are computed (for NPT integrators that ask
     for forces and stress in separate calls; costs one small GEMM more in the backward).
     warmup: run the model once at construction so kernels compile now, not in the first MD step.
