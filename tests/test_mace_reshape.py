@@ -30,6 +30,8 @@ def test_block_reshape_equals_maces_to_second_order(irreps: str) -> None:
     torch.testing.assert_close(gg, gw, rtol=0, atol=0)
     torch.autograd.gradcheck(stand_in, (x,))
     torch.autograd.gradgradcheck(stand_in, (x,))
+    strided = torch.randn(o3.Irreps(irreps).dim, 6, generator=g, dtype=torch.float64).t()  # not contiguous
+    torch.testing.assert_close(stand_in(strided), original(strided), rtol=0, atol=0)
 
 
 def test_block_reshape_declines_mixed_multiplicities() -> None:

@@ -16,7 +16,7 @@ import torch
 from .. import stand_in
 from ..stand_in import StandIn, checked
 
-__all__ = ["ColumnsToIrreps", "BlockReshape", "IrrepsToColumns", "swap_in", "swap_out"]
+__all__ = ["BlockReshape", "ColumnsToIrreps", "IrrepsToColumns", "swap_in", "swap_out"]
 
 
 def _blocks(x: torch.Tensor, mul: int, dims: list[int]) -> list[torch.Tensor]:
@@ -34,7 +34,7 @@ class IrrepsToColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
-        return torch.cat(_blocks(x, mul, dims), dim=-1)
+        return torch.cat(_blocks(x.contiguous(), mul, dims), dim=-1)  # views need unit-stride rows
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205, D102
