@@ -228,10 +228,11 @@ CHUNKS_ORDER_CHUNK = 32
 # gather are one chunk wide (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight
 # share the L2. The kernel is the same either way (its group_pass argument: -1 every chunk, else that chunk) and
 # each edge's grad y and grad r get the chunks' parts in the same order: the same bits. Taken where the grad-out
-# rows exceed the device's L2 (ops.backward_launches). Measured, H100, FP32 (ms, one launch -> per chunk):
-# MACE-MP-medium's second convolution backward at 5184 atoms (106 MB of grad-out rows) 4.08 -> 3.46 in
-# bench_layer; the 1.03 M-atom force call 2.848 -> 2.569 s; mace-large (80 MB) 7.80 -> 7.65; mace-medium (24 MB,
-# inside the L2) 2.59 -> 2.76, hence the L2 rule. False: always one launch.
+# rows exceed the device's L2 (ops.backward_launches). Measured, H100, FP32, one launch -> per chunk in one run:
+# the 1.03 M-atom force call 2.848 -> 2.569 s; in bench_layer at 5184 atoms MACE-MP-medium's second convolution
+# backward (106 MB of grad-out rows) 4.08 -> 3.46 ms, mace-large (80 MB) 7.80 -> 7.65, mace-medium (24 MB, inside
+# the L2) 2.59 -> 2.76, hence the L2 rule. Two later runs on another H100 gave the 5k second convolution ~4.05 ms
+# per chunk: at 5k the gain is not settled, at 1 M it is large. False: always one launch.
 BACKWARD_CHUNK_PASSES = True
 # One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
 # 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
