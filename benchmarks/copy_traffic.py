@@ -55,7 +55,7 @@ def call_site() -> str:
     node = torch._C._current_autograd_node()
     if node is not None and not type(node).__name__.startswith("BackwardCFunction"):
         trace = node.metadata.get("traceback_", [])
-        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack()[:0]]
+        frames = []
         for line in trace:  # formatted stack lines: '  File "x.py", line 12, in f\n    code\n'
             if line.lstrip().startswith("File "):
                 head = line.strip().split("\n")[0]

@@ -17,8 +17,10 @@ OFF = ("reshape", "single-irrep-backward", "chunk-passes")
 
 
 def main() -> None:
-    if len(sys.argv) < 3 or sys.argv[1] not in OFF:
+    if len(sys.argv) < 3:
         sys.exit(f"usage: without.py {{{','.join(OFF)}}} SCRIPT [ARGS...]")
+    if sys.argv[1] not in OFF:
+        sys.exit(f"without.py: unknown change {sys.argv[1]!r} to turn off; choose from {', '.join(OFF)}")
     if sys.argv[1] == "reshape":
         from cgforge.patches.mace.reshape import BlockReshape
 

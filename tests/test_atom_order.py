@@ -45,6 +45,9 @@ def test_spatial_order_only_above_the_threshold(monkeypatch) -> None:
     assert atom_order.spatial_order(*args) is None
     monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", len(atoms) - 1)
     assert atom_order.spatial_order(*args) is not None
+    bad = atoms.positions.copy()
+    bad[3, 1] = np.nan
+    assert atom_order.spatial_order(bad, *args[1:]) is None  # the calculator names the NaN itself
     monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", None)
     assert atom_order.spatial_order(*args) is None
 

@@ -21,6 +21,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("bench_layer.py", ["--tuning", "loop_order=rows"], "loop_order=rows"),
     ("bench_layer.py", ["--tuning", "backward_min_blocks=99"], "backward_min_blocks"),
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),
+    ("without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
+    ("copy_traffic.py", ["--side", "x"], "--side"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,

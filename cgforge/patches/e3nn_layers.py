@@ -63,6 +63,10 @@ class _RowChunkedMap(torch.autograd.Function):
 class SplitLinear(torch.nn.Module, StandIn):
     """``o3.Linear`` with shared internal weights and no biases, its input split once."""
 
+    # (weight's identity and version, [path weight * block]): map_into's cache, replaced (never mutated); a class
+    # default, so models patched and pickled before it existed read it too
+    _scaled: tuple = ((), [])
+
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
         adopt(self, linear)
@@ -79,7 +83,6 @@ class SplitLinear(torch.nn.Module, StandIn):
             self.paths.append((ins.i_in, ins.i_out, offset, mul_in, mul_out, float(ins.path_weight)))
             offset += mul_in * mul_out
         self.original = (linear,)  # a tuple: not a submodule, not in the state_dict
-        self._scaled: tuple = ((), [])  # (weight's identity and version, [path weight * block]): map_into's cache
 
     @classmethod
     def supports(cls, linear: torch.nn.Module) -> bool:

@@ -33,13 +33,11 @@ def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool,
     ties in the given order."""
     positions = np.asarray(positions, dtype=np.float64)
     cell = np.asarray(cell, dtype=np.float64)
-    if abs(np.linalg.det(cell)) > 1e-12:
-        frac = np.linalg.solve(cell.T, positions.T).T
-    else:
-        frac = positions.copy()
+    has_cell = abs(np.linalg.det(cell)) > 1e-12
+    frac = np.linalg.solve(cell.T, positions.T).T if has_cell else positions.copy()
     for axis in range(3):
         column = frac[:, axis]
-        if pbc[axis] and abs(np.linalg.det(cell)) > 1e-12:
+        if pbc[axis] and has_cell:
             frac[:, axis] = column - np.floor(column)
         else:
             low, span = column.min(), np.ptp(column)
@@ -53,8 +51,9 @@ def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool,
 
 
 def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray | None:
-    """The order a system of ``len(positions)`` atoms runs in (None: the user's, below ``ORDER_ABOVE_ATOMS``)."""
-    if ORDER_ABOVE_ATOMS is None or len(positions) <= ORDER_ABOVE_ATOMS:
+    """The order a system of ``len(positions)`` atoms runs in (None: the user's, below ``ORDER_ABOVE_ATOMS``, or
+    for non-finite positions, which the calculator refuses by name right after)."""
+    if ORDER_ABOVE_ATOMS is None or len(positions) <= ORDER_ABOVE_ATOMS or not np.isfinite(positions).all():
         return None
     return morton_order(positions, cell, pbc)
 
