@@ -15,7 +15,7 @@ import torch
 from e3nn import o3
 
 from cgforge.kernels import ConvGraph, Convolution, TensorProduct
-from cgforge.plugin.neighbours import neighbour_list
+from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -20,8 +20,9 @@ import sys
 import time
 
 from cgforge.cli import run_guarded
+from cgforge.cli.md import add_md_arguments, model_banner, prepare_md, relax_structure
 from cgforge.plugin.calculator import Calculator
-from cgforge.plugin.md import add_md_arguments, model_banner, prepare_md, relax_structure, run_md
+from cgforge.plugin.md import run_md
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         out += sources("8x(hidden)->0e+1o corr=3 E=5 tuned", tuned)
         if not args.no_mace:
             from cgforge.patches import load
-            from cgforge.plugin.bundled import model_path
+            from cgforge.plugin.runtime.bundled import model_path
 
             model = load(model_path("mace"), dtype="float64")
             found = [m for m in model.modules() if isinstance(m, SymmetricContraction)]

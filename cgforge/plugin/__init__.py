@@ -1,8 +1,10 @@
-"""The ASE side of cgforge: the calculator, the GPU neighbour list, water boxes and MD.
+"""The ASE side of cgforge, by job: ``runtime/`` (a model's adapter, neighbour list, captured step, memory
+plan), ``calculator.py`` (the ASE calculator over the runtime), ``md/`` (run_md, the engine, integrators,
+trajectories) and ``water.py`` (water boxes).
 
     from cgforge.plugin import Calculator, run_md, water_box
 
-Names are imported on first use, so ``import cgforge.plugin.neighbours`` stays light.
+Names are imported on first use, so ``import cgforge.plugin.runtime.neighbours`` stays light.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from typing import Any
 _EXPORTS = {
     "Calculator": "calculator",
     "NonFiniteOutputError": "calculator",
-    "run_md": "md",
+    "run_md": "md.run",
     "water_box": "water",
-    "Engine": "engine",
-    "MDBlowUp": "engine",
-    "VerletNeighbourList": "neighbours",
-    "neighbour_list": "neighbours",
+    "Engine": "md.engine",
+    "MDBlowUp": "md.engine",
+    "VerletNeighbourList": "runtime.neighbours",
+    "neighbour_list": "runtime.neighbours",
 }
 
 __all__ = list(_EXPORTS)

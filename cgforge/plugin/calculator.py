@@ -51,12 +51,12 @@ from cgforge.patches.common import existing_file
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
-from .atom_order import spatial_order, to_user_order
-from .compiled import check_compile, parse_compile
-from .inputs import ModelAdapter, adapter_for, is_nequip_model
-from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
-from .neighbours import VerletNeighbourList
-from .step_graph import ModelStep
+from .runtime.adapters import ModelAdapter, adapter_for, is_nequip_model
+from .runtime.atom_order import spatial_order, to_user_order
+from .runtime.compiled import check_compile, parse_compile
+from .runtime.memory_plan import MemoryPlan, plan_memory, use_expandable_segments
+from .runtime.neighbours import VerletNeighbourList
+from .runtime.step_graph import ModelStep
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
@@ -85,7 +85,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _bundled_path(name: str) -> Path:
     try:
-        from cgforge.plugin.bundled import model_path
+        from cgforge.plugin.runtime.bundled import model_path
     except ImportError as err:
         raise FileNotFoundError(
             f"model: the bundled {name!r} model is not available in this installation ({err}); "
@@ -279,7 +279,7 @@ class Calculator(AseCalculator):
     ``self.expandable_segments`` says). Measured (H100, MACE-MP-medium shape, FP32): with the radial tables and
     row chunks the stored path runs 1.03 M atoms in 73 GB at 3.6 s a step, streaming in 71 GB at 6.5 s.
     compile: False (default), True or an Inductor mode (``"default"``, ``"max-autotune-no-cudagraphs"``): compile the
-    model's forward and backward with ``torch.compile`` (``cgforge.plugin.compiled``), fusing the small elementwise
+    model's forward and backward with ``torch.compile`` (``runtime.compiled``), fusing the small elementwise
     kernels around cgforge's own; the step is still captured in a CUDA graph (``cuda_graph``). The first step pays the
     compilation (the edge count is symbolic: a run compiles once). Needs a model patched by cgforge and a working
     compiler (Triton on CUDA, a C++ compiler on a CPU): otherwise a clear error here. A compilation that fails at the

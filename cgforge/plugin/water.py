@@ -20,7 +20,7 @@ from ase import Atoms, units
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from torch import Tensor
 
-from cgforge.plugin.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff, edges_within
+from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff, edges_within
 
 __all__ = ["water_box", "QSPCFw", "Q_SPC_FW", "QSPCFwCalculator", "check_water_order", "qspcfw_energy",
            "whole_molecule_shifts"]
@@ -165,7 +165,7 @@ def qspcfw_energy(
 
     positions [N, 3] are ordered (O, H, H) per molecule with each molecule whole (see
     :func:`whole_molecule_shifts`). The edges come from a neighbour list at a cutoff >= ``cutoff``
-    (both directions, as :func:`~cgforge.plugin.neighbours.neighbour_list` returns them); pairs beyond
+    (both directions, as :func:`~cgforge.plugin.runtime.neighbours.neighbour_list` returns them); pairs beyond
     ``cutoff`` and intramolecular pairs (same molecule, zero shift) are dropped here.
 
     DSF's constant self-energy term is left out, so an isolated molecule at its equilibrium geometry has

@@ -7,9 +7,9 @@ returns the energy only and the calculator differentiates it. MACE computes ``ve
 positions[sender] + shifts`` itself; it gets ``positions`` = zeros and ``shifts`` = the calculator's edge
 vectors, so the vectors are exactly ours and the model's gathers of ``positions`` (advanced indexing, whose
 backward is a sort-based accumulation) sit off the gradient path. The protocol it follows is
-``cgforge.plugin.inputs.ModelAdapter``.
+``cgforge.plugin.runtime.adapters.ModelAdapter``.
 
-``inert_beyond_cutoff`` (see ``cgforge.plugin.inputs`` for why the calculator asks), read from the code of
+``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from the code of
 mace-torch 0.3.16:
 
 - MACE: ``PolynomialCutoff`` returns ``envelope * (r < r_max)``: exactly 0 at and beyond r_max, and so is its

@@ -2,10 +2,10 @@
 
 ``NequipAdapter`` builds an AtomicDataDict with ``edge_vectors`` already filled in and gives it to the energy
 model inside the ``ForceStressOutput`` wrapper (whose own displacement/stress machinery is skipped); the
-calculator differentiates the energy. The protocol it follows is ``cgforge.plugin.inputs.ModelAdapter``.
+calculator differentiates the energy. The protocol it follows is ``cgforge.plugin.runtime.adapters.ModelAdapter``.
 This module imports no nequip code (packaged models carry their own classes: matched by name).
 
-``inert_beyond_cutoff`` (see ``cgforge.plugin.inputs`` for why the calculator asks), read from nequip 0.19:
+``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from nequip 0.19:
 
 - NequIP: ``BesselEdgeLengthEncoding`` multiplies the basis by nequip's ``PolynomialCutoff``
   (``out * (x < 1)``, x = r / r_max per edge type); each ``InteractionBlock`` weights its convolution with

@@ -7,7 +7,7 @@ family's knowledge: ``cgforge.patches.mace.adapter.MaceAdapter`` and
 ``cgforge.patches.nequip.adapter.NequipAdapter`` (imported only for a model of that family: nequip is
 optional).
 
-Edge vectors follow ``cgforge.plugin.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
+Edge vectors follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
 
 ``inert_beyond_cutoff()`` says whether edges longer than the cutoff contribute exactly zero, with zero
 derivative, to the model's energy (checked per model, see the adapters). Only then may the calculator feed

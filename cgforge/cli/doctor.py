@@ -105,7 +105,7 @@ def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
 
 
 def _cache_dir_status() -> tuple[str, bool]:
-    from .kernels.compiler import cache_dir
+    from cgforge.kernels.compiler import cache_dir
 
     directory = cache_dir()
     try:
@@ -132,8 +132,8 @@ class _Report:
 
 
 def _check_compile(report: _Report, arch: str):
-    from .kernels.core.compiler import CompileError
-    from .kernels.core.registry import compile_source
+    from cgforge.kernels.core.compiler import CompileError
+    from cgforge.kernels.core.registry import compile_source
 
     start = time.perf_counter()
     try:
@@ -152,7 +152,7 @@ def _check_compile(report: _Report, arch: str):
 
 
 def _check_gpu_run(report: _Report, torch, arch: str) -> None:
-    from .kernels.runtime import I64, load_kernels
+    from cgforge.kernels.runtime import I64, load_kernels
 
     result = _check_compile(report, arch)
     if result is None:
@@ -182,11 +182,11 @@ _TP_INSTRUCTIONS = [(0, 0, 0, "uvu", True), (0, 1, 1, "uvu", True), (1, 1, 0, "u
 
 def _check_generated_tp(report: _Report, torch, gpu: bool) -> None:
     """Render and compile a generated tensor product for sm_80; with a GPU, run it against the CPU reference."""
-    from .kernels import TensorProduct
-    from .kernels.core.compiler import CompileError
-    from .kernels.core.registry import compile_source
-    from .kernels.tensor_product import plan as plans
-    from .kernels.tensor_product.layout import TP_LAYOUT
+    from cgforge.kernels import TensorProduct
+    from cgforge.kernels.core.compiler import CompileError
+    from cgforge.kernels.core.registry import compile_source
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import TP_LAYOUT
 
     tp = TensorProduct(*_TP_IRREPS, _TP_INSTRUCTIONS)
     try:
@@ -243,7 +243,7 @@ def main(out: Callable[[str], None] = print) -> int:
     report.info("nequip", _dist_version("nequip"))
     report.info("ase", _dist_version("ase"))
 
-    from .kernels import compiler
+    from cgforge.kernels import compiler
 
     nvrtc_ok = compiler.nvrtc_available()
     if nvrtc_ok:
@@ -257,7 +257,7 @@ def main(out: Callable[[str], None] = print) -> int:
 
     gpu_arch = None
     if torch is not None and torch.cuda.is_available():
-        from .kernels.runtime import device_arch
+        from cgforge.kernels.runtime import device_arch
 
         gpu_arch = device_arch()
         count = torch.cuda.device_count()

@@ -43,10 +43,10 @@ from torch.profiler import record_function
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
+from .adapters import ModelAdapter
 from .compiled import CompiledEnergy
 from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
 from .edge_vectors import edge_differences, rows_times
-from .inputs import ModelAdapter
 from .neighbours import VerletNeighbourList, edges_within
 
 __all__ = ["ModelStep", "StepOutput", "capture_graph", "capture_or_fall_back"]

@@ -71,8 +71,8 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
 
 
 def cmd_lammps_model(args: argparse.Namespace) -> int:
-    from .lammps import CgforgeMLIAP
-    from .lammps.write import usage_lines, write_lammps_model
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.lammps.write import usage_lines, write_lammps_model
 
     if args.input.lower() not in ("mace", "nequip"):
         _check_paths(args.input, args.output, args.force)
@@ -101,7 +101,7 @@ def _parse_type_map(text: str | None) -> dict[str, str] | None:
 
 
 def cmd_md(args: argparse.Namespace) -> int:
-    from .plugin.md import run_from_args
+    from .md import run_from_args
 
     run_from_args(args)
     return EXIT_OK
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "whose edges beyond the cutoff contribute zero), on (an error where it cannot be), off (eager)")
     p.set_defaults(func=cmd_lammps_model)
 
-    from .plugin.md import add_md_arguments
+    from .md import add_md_arguments
 
     p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model on cgforge's "
                        "kernels (integrator on the GPU with cgforge's device engine): NVT, NVE or NPT, progress lines, "
@@ -201,7 +201,7 @@ def run_guarded(func: Callable[[], int], prog: str) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     except RuntimeError as err:
-        from .plugin.md import MDInstabilityError
+        from cgforge.plugin.md.run import MDInstabilityError
 
         if not isinstance(err, MDInstabilityError):
             raise  # a bug or a device failure: the traceback is what helps

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from ase import Atoms
 
-from .md_plot import record
+from .plot import record
 
 
 class MDInstabilityError(RuntimeError):

@@ -55,9 +55,8 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
-from .md_checks import Guard, MDInstabilityError, Progress, total_energy
-from .md_cli import add_md_arguments, model_banner, prepare_md, relax_structure, run_from_args
-from .md_dynamics import (
+from .checks import Guard, MDInstabilityError, Progress, total_energy
+from .dynamics import (
     AseDynamics,
     ase_dynamics,
     check_engine_options,
@@ -65,7 +64,7 @@ from .md_dynamics import (
     engine_dynamics,
     thermalize,
 )
-from .md_files import (
+from .files import (
     PLOT_SUFFIXES,
     Restart,
     TrajectoryWriter,
@@ -78,12 +77,11 @@ from .md_files import (
     read_restart,
     read_structure,
 )
-from .md_options import check_atoms_for, checked_options
-from .md_plot import check_matplotlib, write_plot
+from .options import check_atoms_for, checked_options
+from .plot import check_matplotlib, write_plot
 
 __all__ = ["run_md", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart", "read_restart",
-           "read_structure", "check_new_path", "default_trajectory_path", "add_md_arguments", "prepare_md",
-           "run_from_args", "relax_structure", "model_banner"]
+           "read_structure", "check_new_path", "default_trajectory_path"]
 
 
 class MDInterrupted(KeyboardInterrupt):

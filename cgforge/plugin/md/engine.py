@@ -1,8 +1,8 @@
 """The MD engine: integrator and model step on the device, the host sees the state only between blocks.
 
     from cgforge.plugin import Calculator
-    from cgforge.plugin.engine import Engine
-    from cgforge.plugin.integrators import Langevin
+    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.integrators import Langevin
 
     calc = Calculator("mace")
     engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
@@ -55,10 +55,10 @@ import torch
 from ase import Atoms, units
 from torch import Tensor
 
-from .compiled import compile_or_eager
-from .engine_forces import EnergyFunctionForces, ForceResult, ModelForces
-from .engine_rng import NoiseSource
+from ..runtime.compiled import compile_or_eager
+from .forces import EnergyFunctionForces, ForceResult, ModelForces
 from .integrators import Integrator, MDState, kinetic, kinetic_energy
+from .noise import NoiseSource
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
@@ -156,7 +156,7 @@ class Engine:
             raise ValueError(f"atoms: the engine does not apply constraints ({atoms.constraints}); remove them or run "
                              "ASE's own dynamics with the calculator")
         if not isinstance(integrator, Integrator):
-            raise TypeError(f"integrator: expected a cgforge.plugin.integrators integrator, got "
+            raise TypeError(f"integrator: expected a cgforge.plugin.md.integrators integrator, got "
                             f"{type(integrator).__name__}")
         self.provider = ModelForces(forces) if hasattr(forces, "step") and hasattr(forces, "adapter") else forces
         if not callable(getattr(self.provider, "compute", None)):

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 from ase import Atoms, units
 
-from .md_checks import engine_blow_up
-from .md_files import Restart, encode_info
+from .checks import engine_blow_up
+from .files import Restart, encode_info
 
 ENGINE_OPTIONS = ("block", "steps_per_graph", "cuda_graph", "rebuild_margin")
 # Steps between the engine's host syncs (one small report each; blocks also end at log and trajectory steps).

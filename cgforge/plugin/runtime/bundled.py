@@ -1,6 +1,6 @@
 """Where the bundled water models live: the embedded default for the water-box demo.
 
-    from cgforge.plugin.bundled import model_path
+    from cgforge.plugin.runtime.bundled import model_path
     model_path("mace")    # .../models/water-mace.model          (a whole pickled MACE model)
     model_path("nequip")  # .../models/water-nequip.nequip.zip   (a nequip-package archive)
 
@@ -15,7 +15,7 @@ from pathlib import Path
 __all__ = ["MODEL_FILES", "MODELS_DIR", "TRAINING_SCRIPT", "model_path", "kinds"]
 
 # cgforge/plugin/bundled.py -> the repository root is two folders above the package.
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[3]
 MODELS_DIR = _REPO / "models"
 TRAINING_SCRIPT = "scripts/train_bundled_models.py"
 MODEL_FILES = {"mace": "water-mace.model", "nequip": "water-nequip.nequip.zip"}

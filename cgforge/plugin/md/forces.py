@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .edge_layout import EdgeTopology
-from .neighbours import neighbour_list
+from ..runtime.edge_layout import EdgeTopology
+from ..runtime.neighbours import neighbour_list
 
 __all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces", "PendingList"]
 

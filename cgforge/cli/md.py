@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from ase import Atoms
 
-from .md_files import (
+from cgforge.plugin.md.files import (
     PLOT_SUFFIXES,
     Restart,
     check_distinct,
@@ -22,7 +22,7 @@ from .md_files import (
     read_structure,
     stream_printer,
 )
-from .md_options import (
+from cgforge.plugin.md.options import (
     DEFAULT_COMPRESSIBILITY_PER_BAR,
     DEFAULT_FRICTION,
     DEFAULT_PRESSURE_BAR,
@@ -41,7 +41,7 @@ from .md_options import (
 )
 
 if TYPE_CHECKING:
-    from .md import MDSummary
+    from cgforge.plugin.md.run import MDSummary
 
 __all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "MDSetup",
            "relax_steps"]
@@ -206,7 +206,7 @@ class MDSetup:
 
 def _model_file(model: str) -> Path | None:
     """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
-    from .calculator import BUNDLED
+    from cgforge.plugin.calculator import BUNDLED
 
     if model.lower() in BUNDLED:
         return None
@@ -219,8 +219,8 @@ def _model_file(model: str) -> Path | None:
 def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     """Every flag checked (errors name the flag), the structure read or built and the output files checked,
     all before any model is loaded."""
-    from .calculator import resolve_device
-    from .compiled import parse_compile
+    from cgforge.plugin.calculator import resolve_device
+    from cgforge.plugin.runtime.compiled import parse_compile
 
     flag = FLAGS.get
     o = checked_options(dict(
@@ -253,7 +253,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     plot_name = getattr(args, "plot", None)
     plot = check_new_path(plot_name, args.force, "--plot", PLOT_SUFFIXES) if plot_name is not None else None
     if plot is not None:
-        from .md_plot import check_matplotlib
+        from cgforge.plugin.md.plot import check_matplotlib
 
         check_matplotlib("--plot")
     restart_path = Path(args.restart) if args.restart is not None else None
@@ -267,7 +267,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     elif structure is not None:
         atoms = read_structure(structure, "--structure")
     else:
-        from .water import water_box
+        from cgforge.plugin.water import water_box
 
         n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
                                                                else CPU_MOLECULES)
@@ -307,8 +307,8 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
 
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     """``cgforge md``: check everything, load the model, relax if asked, run; lines to stdout (and --log)."""
-    from .calculator import Calculator
-    from .md import run_md
+    from cgforge.plugin.calculator import Calculator
+    from cgforge.plugin.md.run import run_md
 
     setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
     log_stream = open(setup.log, "w" if args.force else "x", encoding="utf-8") if setup.log else None  # noqa: SIM115

@@ -1,0 +1,31 @@
+"""Molecular dynamics: :func:`run_md` (the engine on the device, or ASE's dynamics), the engine and its
+integrators, trajectories and restarts, progress and plots.
+
+    from cgforge.plugin.md import run_md, Engine
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "run_md": "run",
+    "MDSummary": "run",
+    "MDInterrupted": "run",
+    "MDInstabilityError": "checks",
+    "Restart": "files",
+    "read_restart": "files",
+    "read_structure": "files",
+    "Engine": "engine",
+    "MDBlowUp": "engine",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    from cgforge._moved import moved_attribute
+    return moved_attribute(__name__, name)

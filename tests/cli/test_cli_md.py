@@ -1,0 +1,339 @@
+"""`cgforge md` under bad input: flags checked before the model loads and named, outputs never the inputs,
+unreadable structures in one line, blow-ups and Ctrl-C with their exit codes, --log, --ensemble npt,
+--restart, --version and `python -m cgforge`. A q-SPC/Fw stand-in replaces the model where the model is not
+under test (tests/test_md.py runs the command with real models)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ase import Atoms
+from ase.io import read
+
+import cgforge
+from cgforge.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNSTABLE, main
+from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.water import QSPCFwCalculator, water_box
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class StandIn(QSPCFwCalculator):
+    """Takes Calculator's arguments and shows the attributes `cgforge md` reads; q-SPC/Fw water underneath."""
+
+    made: list[StandIn] = []
+
+    def __init__(self, model, device=None, dtype=None, *, skin=1.0, radial_precision="fp32", radial_table=None,
+                 stress_with_forces=False) -> None:
+        super().__init__(cutoff=6.0, skin=skin)
+        self.model = torch.nn.Linear(1, 1).to(torch.float32)
+        self.adapter = SimpleNamespace(kind="q-SPC/Fw stand-in")
+        self.device = torch.device(device)
+        self.dtype = torch.float64
+        self.radial_precision_requested = radial_precision
+        self.radial_table_requested = radial_table
+        self.stress_with_forces = stress_with_forces
+        StandIn.made.append(self)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    StandIn.made.clear()
+    monkeypatch.setattr(calculator_module, "Calculator", StandIn)
+    return StandIn
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(calculator_module, "Calculator", refuse)
+
+
+def _md(tmp_path: Path, *extra: str) -> list[str]:
+    return ["md", "--molecules", "4", "--device", "cpu", "--relax", "0", "-o", str(tmp_path / "out.traj"), *extra]
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "-10"], "--temperature: expected a finite number >= 0, got -10.0"),
+    (["--timestep", "0"], "--timestep: expected a finite number > 0, got 0.0"),
+    (["--timestep", "nan"], "--timestep"),
+    (["--steps", "-1"], "--steps: expected an int >= 0, got -1"),
+    (["--traj-interval", "0"], "--traj-interval"),
+    (["--log-interval", "0"], "--log-interval"),
+    (["--seed", "-1"], "--seed"),
+    (["--skin", "-1"], "--skin"),
+    (["--relax", "-1"], "--relax"),
+    (["--ensemble", "nve", "--friction", "0.1"], "--friction: the Langevin friction is for NVT only; this run is NVE"),
+    (["--pressure", "10"], "--pressure: a barostat option, for NPT only; this run is NVT"),
+    (["--ensemble", "npt", "--taup", "0"], "--taup"),
+    (["--ensemble", "npt", "--compressibility", "-1"], "--compressibility"),
+    (["--max-temperature", "100"], "--max-temperature: the blow-up limit 100 K must be above the target temperature"),
+    (["--max-temperature", "-1"], "--max-temperature"),
+    (["--model", "missing.model"], "--model: missing.model not found"),
+    (["--log", "."], "--log: . is a directory"),
+    (["--log", "no/such/dir/md.log"], "--log: directory no/such/dir does not exist"),
+    (["--device", "tpu"], "--device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (["--radial-precision", "tf32"], "--radial-precision: tf32 needs a CUDA device"),
+    (["--compile", "reduce-overhead"], "--compile: mode 'reduce-overhead' captures CUDA graphs of its own"),
+    (["--compile", "fast"], "--compile: expected one of auto, off, default, max-autotune-no-cudagraphs, got 'fast'"),
+])
+def test_bad_flags_fail_before_the_model_loads_and_name_the_flag(tmp_path, capsys, no_model, extra, message):
+    assert main(_md(tmp_path, *extra)) == EXIT_ERROR
+    assert message in _one_line_error(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+def test_compile_flag_reaches_the_calculator(tmp_path, capsys, monkeypatch):
+    seen = []
+
+    def capture(*args, **kwargs):
+        seen.append(kwargs.get("compile", False))
+        raise ValueError("stopped after the flags (test)")
+
+    monkeypatch.setattr(calculator_module, "Calculator", capture)
+    for extra in ([], ["--compile"], ["--compile", "max-autotune-no-cudagraphs"], ["--compile", "off"],
+                  ["--compile", "auto"]):
+        assert main(_md(tmp_path, *extra)) == EXIT_ERROR
+        assert "stopped after the flags (test)" in _one_line_error(capsys)
+    # auto and off build an eager calculator; auto decides after the model is loaded (auto_compile)
+    assert seen == [False, "default", "max-autotune-no-cudagraphs", False, False]
+
+
+class _StandInCalculator:
+    """What auto_compile reads of a Calculator, on a device named without needing one."""
+
+    def __init__(self, device: str, patched: bool = True, fits: bool = True, error: Exception | None = None):
+        self.device, self.patched, self.fits, self.error = torch.device(device), patched, fits, error
+        self.compile = None
+
+    def compiled_fits(self, atoms) -> bool:
+        return self.fits
+
+    def set_compile(self, mode) -> None:
+        if self.error is not None:
+            raise self.error
+        self.compile = mode
+
+
+def test_compile_auto_rule():
+    from cgforge.cli.md import COMPILE_AUTO_MIN_STEPS, auto_compile
+
+    atoms = Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
+    long_run = COMPILE_AUTO_MIN_STEPS
+    cpu = _StandInCalculator("cpu")
+    assert auto_compile(cpu, atoms, long_run) is None and cpu.compile is None  # nothing compiled off CUDA
+    short = _StandInCalculator("cuda")
+    assert "off (49,999 steps; auto compiles runs of 50,000 or more" in auto_compile(short, atoms, long_run - 1)
+    assert short.compile is None
+    on = _StandInCalculator("cuda")
+    assert auto_compile(on, atoms, long_run).startswith("torch.compile: on (50,000 steps") and on.compile == "default"
+    full = _StandInCalculator("cuda", fits=False)
+    assert "off (the box leaves too little GPU memory)" in auto_compile(full, atoms, long_run) and full.compile is None
+    unpatched = _StandInCalculator("cuda", patched=False)
+    assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run)
+    no_triton = _StandInCalculator("cuda", error=RuntimeError("compile: Inductor needs Triton"))
+    assert auto_compile(no_triton, atoms, long_run) == "torch.compile: off (compile: Inductor needs Triton)"
+
+
+@pytest.mark.cuda
+def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypatch):
+    """`cgforge md` on a GPU with the auto rule's threshold lowered to this run's length: the model is compiled
+    after loading, the engine fuses its integrator, the run ends well."""
+    from cgforge.cli import md as md_cli
+
+    torch.set_default_dtype(torch.float32)
+    torch._dynamo.reset()
+    monkeypatch.setattr(md_cli, "COMPILE_AUTO_MIN_STEPS", 30)
+    args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
+            "-o", str(tmp_path / "out.traj")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "torch.compile: on (30 steps" in out, out
+    assert len(read(tmp_path / "out.traj", ":")) >= 2
+    assert main([*args[:-1], str(tmp_path / "short.traj"), "--steps", "29"]) == 0
+    assert "torch.compile: off (29 steps" in capsys.readouterr().out
+    torch._dynamo.reset()
+
+
+def test_bad_flags_that_need_files(tmp_path, capsys, no_model):
+    molecule = tmp_path / "gas.xyz"
+    Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]]).write(molecule)
+    assert main(["md", "--structure", str(molecule), "--ensemble", "npt", "-o", str(tmp_path / "a.traj")]) == 1
+    assert "--ensemble: NPT changes the cell and needs a periodic 3-D cell" in _one_line_error(capsys)
+    assert main(["md", "--molecules", "0", "-o", str(tmp_path / "a.traj")]) == 1
+    assert "--molecules: expected an int >= 1, got 0" in _one_line_error(capsys)
+    assert main(["md", "--molecules", "4", "-o", str(tmp_path / "a.pdb")]) == 1
+    assert "--trajectory: " in _one_line_error(capsys)
+    restart = tmp_path / "r.traj"
+    restart.write_bytes(b"")
+    assert main(["md", "--restart", str(restart), "--relax", "5", "-o", str(tmp_path / "a.traj")]) == 1
+    assert "--relax: a restart continues the saved state" in _one_line_error(capsys)
+    assert main(["md", "--restart", str(molecule), "-o", str(tmp_path / "a.traj")]) == 1
+    assert "--restart: " in (line := _one_line_error(capsys)) and "no MD step counter" in line
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in (["md", "--ensemble", "nvx"], ["md", "--molecules", "4", "--structure", "a.xyz"],
+                 ["md", "--restart", "a.traj", "--molecules", "4"], ["md", "--steps", "ten"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_outputs_never_overwrite_the_inputs_even_with_force(tmp_path, capsys, no_model):
+    structure = tmp_path / "in.xyz"
+    water_box(4).write(structure)
+    model = tmp_path / "my.model"
+    model.write_bytes(b"a model")
+    before = structure.read_bytes()
+    (tmp_path / "sub").mkdir()
+    base = ["md", "--structure", str(structure), "--device", "cpu", "--force"]
+    cases = [
+        (["-o", str(structure)], "--trajectory: " + str(structure) + " is the --structure file"),
+        (["--log", str(structure)], "--log: " + str(structure) + " is the --structure file"),
+        (["-o", str(tmp_path / "a.traj"), "--log", str(tmp_path / "a.traj")], "--trajectory and --log name the same"),
+        (["--model", str(model), "--log", str(model)], "is the --model file"),
+        (["-o", str(tmp_path / "sub" / ".." / "in.xyz")], "is the --structure file"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == EXIT_ERROR
+        assert message in _one_line_error(capsys)
+    assert main(["md", "--restart", str(structure), "-o", str(structure), "--force"]) == EXIT_ERROR
+    assert "is the --restart file" in _one_line_error(capsys)
+    assert structure.read_bytes() == before and model.read_bytes() == b"a model"
+
+
+def test_unreadable_structures_are_one_line_naming_the_file(tmp_path, capsys, no_model):
+    (tmp_path / "empty.xyz").write_bytes(b"")
+    (tmp_path / "words.xyz").write_text("hello world\n")
+    (tmp_path / "notes.txt").write_text("not a structure\n")
+    (tmp_path / "folder").mkdir()
+    cases = [("empty.xyz", "is empty"), ("words.xyz", "not a structure"), ("notes.txt", "not a structure"),
+             (ROOT / "models" / "water-mace.model", "not a structure"),
+             (ROOT / "models" / "water-nequip.nequip.zip", "not a structure"),
+             ("folder", "is a directory"), ("missing.xyz", "not found")]
+    for name, reason in cases:
+        path = tmp_path / name
+        assert main(["md", "--structure", str(path), "--device", "cpu", "-o", str(tmp_path / "o.traj")]) == 1, name
+        line = _one_line_error(capsys)
+        assert f"--structure: {path}" in line and reason in line, line
+    assert not (tmp_path / "o.traj").exists()
+
+
+def test_log_file_restart_and_stand_in_banner(tmp_path, capsys, stand_in):
+    log = tmp_path / "run.log"
+    first = tmp_path / "first.traj"
+    argv = ["md", "--molecules", "4", "--device", "cpu", "--relax", "2", "--steps", "6", "--log-interval", "3",
+            "--traj-interval", "3", "--seed", "5", "--timestep", "0.25"]
+    assert main([*argv, "-o", str(first), "--log", str(log)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert log.read_text().splitlines() == printed  # every line of the run, the model and relaxation lines too
+    assert printed[0].startswith("model mace (q-SPC/Fw stand-in, cutoff 6 Å) on cpu in float32, ready in")
+    assert "kernels compiled" not in printed[0] and printed[1].startswith("relaxed")
+    assert [f.info["md_step"] for f in read(first, ":")] == [0, 3, 6]
+    assert main([*argv, "-o", str(first), "--log", str(log)]) == 1  # both exist: refused without --force
+    assert "exists" in capsys.readouterr().err
+    second = tmp_path / "second.traj"
+    restart = ["md", "--restart", str(first), "--device", "cpu", "--steps", "3", "--traj-interval", "3",
+               "--timestep", "0.25", "-o", str(second)]
+    assert main(restart) == 0
+    out = capsys.readouterr().out
+    assert "from step 6 of" in out and "relaxed" not in out  # no relaxation of a restart
+    assert [f.info["md_step"] for f in read(second, ":")] == [9]
+
+
+@pytest.mark.parametrize("flag, requested", [(None, None), ("auto", None), ("on", True), ("off", False)])
+def test_radial_table_flag_reaches_the_calculator(tmp_path, stand_in, flag, requested):
+    extra = () if flag is None else ("--radial-table", flag)
+    assert main(_md(tmp_path, "--steps", "2", *extra)) == 0
+    assert stand_in.made[-1].radial_table_requested is requested
+
+
+def test_npt_from_the_command_line(tmp_path, capsys, stand_in):
+    out = tmp_path / "npt.traj"
+    assert main(["md", "--molecules", "8", "--device", "cpu", "--relax", "0", "--ensemble", "NPT", "--pressure",
+                 "1000", "--taup", "200", "--steps", "4", "--timestep", "0.25", "-o", str(out)]) == 0
+    assert "NPT at 300 K and 1000 bar" in capsys.readouterr().out
+    assert stand_in.made[-1].stress_with_forces is True  # the barostat's stress comes with the forces
+    frames = read(out, ":")
+    assert frames[-1].info["md_ensemble"] == "npt" and frames[-1].get_volume() != frames[0].get_volume()
+
+
+def test_a_blow_up_exits_3_with_the_step_and_a_readable_trajectory(tmp_path, capsys, stand_in):
+    out = tmp_path / "boom.traj"
+    code = main(["md", "--molecules", "8", "--device", "cpu", "--relax", "0", "--ensemble", "nve", "--timestep", "8",
+                 "--steps", "50", "--traj-interval", "1", "-o", str(out)])
+    assert code == EXIT_UNSTABLE == 3
+    line = _one_line_error(capsys)
+    step = int(re.search(r"unstable at step (\d+): the temperature reached", line).group(1))
+    assert "--max-temperature" in line
+    assert [f.info["md_step"] for f in read(out, ":")] == list(range(step))
+
+
+def test_version_and_python_m_cgforge(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"cgforge {cgforge.__version__}"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == cgforge.__version__
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "cgforge", "--version"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"cgforge {cgforge.__version__}"
+    done = subprocess.run([sys.executable, "-m", "cgforge", "md", "--temperature", "-10"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "cgforge md: error: --temperature: expected a finite number >= 0, got -10.0"
+
+
+_CTRL_C_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{tests!r}, {root!r}]
+    from test_cli_md import StandIn
+    from cgforge.plugin import calculator
+    from cgforge.cli import main
+    calculator.Calculator = StandIn
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_a_complete_trajectory(tmp_path):
+    """A real SIGINT to a running `cgforge md` (the stand-in model): exit 130, a message with the last step,
+    a trajectory that ends with that step and continues with --restart."""
+    out = tmp_path / "long.traj"
+    script = _CTRL_C_SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT))
+    argv = [sys.executable, "-c", script, "md", "--molecules", "8", "--device", "cpu", "--relax", "0", "--steps",
+            "100000", "--log-interval", "1", "--timestep", "0.25", "-o", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # wait until a few steps have run
+        if re.match(r"\s+3\s", line) or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED == 130, stderr
+    step = int(re.search(r"interrupted \(Ctrl-C\) at step (\d+)", stderr).group(1))
+    assert f"ends at step {step} (continue with --restart {out}" in stderr and "Traceback" not in stderr
+    assert read(out, -1).info["md_step"] == step >= 3

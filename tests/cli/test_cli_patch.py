@@ -1,0 +1,178 @@
+"""`cgforge patch` / `cgforge unpatch`: safe file handling, loadable results."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
+
+from cgforge import patches
+from cgforge.cli import main
+from cgforge.patches import mace as pm
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    model = build_model()
+    path = tmp_path_factory.mktemp("cli") / "plain.model"
+    torch.save(model, path)
+    return path, evaluate(model, water_dimer())
+
+
+def test_patch_writes_a_patched_copy_and_leaves_input_alone(model_file, tmp_path: Path) -> None:
+    src, ref = model_file
+    before, mtime = _sha(src), src.stat().st_mtime_ns
+    out = tmp_path / "patched.model"
+    assert main(["patch", str(src), str(out)]) == 0
+    assert _sha(src) == before and src.stat().st_mtime_ns == mtime
+    model = torch.load(out, weights_only=False)
+    assert pm.is_patched(model)
+    assert_same_outputs(evaluate(model, water_dimer()), ref, tol=1e-10)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_patch_refuses_to_overwrite_without_force(model_file, tmp_path: Path, capsys) -> None:
+    src, _ = model_file
+    out = tmp_path / "exists.model"
+    out.write_bytes(b"keep me")
+    assert main(["patch", str(src), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "exists" in err and "--force" in err
+    assert out.read_bytes() == b"keep me"
+    assert main(["patch", str(src), str(out), "--force"]) == 0
+    assert pm.is_patched(torch.load(out, weights_only=False))
+
+
+def test_patch_never_writes_over_its_input(model_file, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "same.model"
+    src.write_bytes(model_file[0].read_bytes())
+    before = _sha(src)
+    assert main(["patch", str(src), str(src), "--force"]) == 1
+    assert "same file" in capsys.readouterr().err
+    assert _sha(src) == before
+
+
+def test_failed_write_leaves_no_output_and_no_temp_file(model_file, tmp_path: Path, monkeypatch) -> None:
+    src, _ = model_file
+    out = tmp_path / "old.model"
+    out.write_bytes(b"previous version")
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    assert main(["patch", str(src), str(out), "--force"]) == 1
+    assert out.read_bytes() == b"previous version"
+    assert sorted(os.listdir(tmp_path)) == ["old.model"]
+
+
+def test_patch_dtype_option(model_file, tmp_path: Path) -> None:
+    out = tmp_path / "f32.model"
+    assert main(["patch", str(model_file[0]), str(out), "--dtype", "float32"]) == 0
+    model = torch.load(out, weights_only=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert_same_outputs(evaluate(model, water_dimer()), model_file[1], tol=1e-5)
+
+
+def test_patch_of_a_patched_file_is_idempotent(model_file, tmp_path: Path) -> None:
+    once, twice = tmp_path / "once.model", tmp_path / "twice.model"
+    assert main(["patch", str(model_file[0]), str(once)]) == 0
+    assert main(["patch", str(once), str(twice)]) == 0
+    model = torch.load(twice, weights_only=False)
+    assert len(model._forward_pre_hooks) == 1
+    assert_same_outputs(evaluate(model, water_dimer()), model_file[1], tol=1e-10)
+
+
+def test_unpatched_file_loads_without_cgforge(model_file, tmp_path: Path) -> None:
+    src, ref = model_file
+    patched, plain = tmp_path / "p.model", tmp_path / "plain-again.model"
+    assert main(["patch", str(src), str(patched)]) == 0
+    assert main(["unpatch", str(patched), str(plain)]) == 0
+    assert not pm.is_patched(torch.load(plain, weights_only=False))
+    # A fresh interpreter in which importing cgforge fails: the file must not need it.
+    script = (
+        "import sys; sys.modules['cgforge'] = None\n"
+        "import torch\n"
+        "from mace.calculators import MACECalculator\n"
+        "from ase import Atoms\n"
+        f"calc = MACECalculator(model_paths={str(plain)!r}, device='cpu', default_dtype='float64')\n"
+        "pos = [[0,0,0],[0.96,0,0],[-0.24,0.93,0],[2.6,0.3,0.1],[3.2,1.0,0.3],[3.1,-0.6,0.2]]\n"
+        "a = Atoms('OHHOHH', positions=pos, cell=[5.0, 5.2, 5.4], pbc=True); a.calc = calc\n"
+        "print(repr(a.get_potential_energy()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    energy = float(result.stdout.strip().splitlines()[-1])
+    assert abs(energy - float(ref["energy"][0])) <= 1e-10 * abs(float(ref["energy"][0]))
+
+
+def test_missing_input_and_bad_arguments(tmp_path: Path, capsys) -> None:
+    assert main(["patch", str(tmp_path / "nope.model"), str(tmp_path / "out.model")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out.model").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", "a.model", "b.model", "--dtype", "float16"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_unpatch_refuses_non_mace_input(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "run.ckpt"
+    src.write_bytes(b"not really")
+    assert main(["unpatch", str(src), str(tmp_path / "out.model")]) == 1
+    assert "not one" in capsys.readouterr().err
+    assert not (tmp_path / "out.model").exists()
+
+
+def test_load_returns_a_patched_model_on_the_requested_device(model_file) -> None:
+    model = patches.load(model_file[0], device="cpu", dtype="float64")
+    assert pm.is_patched(model)
+    assert np.isfinite(evaluate(model, water_dimer())["energy"]).all()
+    with pytest.raises(ValueError, match="device"):
+        patches.load(model_file[0], device="tpu")
+
+
+def test_doctor_reports_and_compiles():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "cgforge.cli", "doctor"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nvrtc" in done.stdout.lower()
+    assert "e3nn" in done.stdout
+    assert "[  ok] generated tensor product (sm_80)" in done.stdout  # the whole generator, CUDA compiled
+
+
+@pytest.mark.parametrize("command", ["patch", "unpatch"])
+def test_mace_output_names_are_checked_before_loading(model_file, tmp_path: Path, capsys, command) -> None:
+    """As for NequIP (OUT must be a .nequip.zip), a MACE OUT must be named like a MACE model file."""
+    src, _ = model_file
+    for name in ("patched.zip", "patched", "patched.nequip.zip", "patched.nequip.pth", "patched.ckpt"):
+        assert main([command, str(src), str(tmp_path / name)]) == 1, name
+        err = capsys.readouterr().err
+        assert f"OUT: {tmp_path / name} must end with .model, .pt, .pth" in err, err
+    assert os.listdir(tmp_path) == []
+    before = _sha(src)
+    assert main([command, str(src), str(src), "--force"]) == 1  # never over IN, even with --force
+    assert "same file" in capsys.readouterr().err and _sha(src) == before

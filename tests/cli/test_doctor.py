@@ -1,0 +1,73 @@
+"""`cgforge doctor` names a CUDA major mismatch between torch, CuPy and NVRTC, with the extra that fixes it
+(versions monkeypatched: this CPU machine has a CPU torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cgforge.cli import doctor
+from cgforge.kernels import compiler
+
+
+@pytest.mark.parametrize("torch_cuda,cupy,nvrtc,expected", [
+    ("12.8", ["cupy-cuda12x"], (12, 9), [(True, "torch CUDA 12.8, cupy-cuda12x, NVRTC 12.9")]),
+    ("13.0", ["cupy-cuda13x"], (13, 0), [(True, "torch CUDA 13.0, cupy-cuda13x, NVRTC 13.0")]),
+    ("13.0", ["cupy-cuda12x"], (13, 0), [(False, "torch is built for CUDA 13.0 but CuPy is cupy-cuda12x (CUDA 12): "
+                                                 "pip uninstall cupy-cuda12x; pip install 'cgforge[cuda13]'")]),
+    ("12.6", ["cupy-cuda12x"], (13, 1), [(False, "torch is built for CUDA 12.6 but NVRTC is 13.1: "
+                                                 "pip uninstall nvidia-cuda-nvrtc; pip install 'cgforge[cuda12]'")]),
+    ("13.0", [], None, [(True, "torch CUDA 13.0, no CuPy, no NVRTC")]),
+    ("11.8", ["cupy-cuda12x"], (12, 9), [(False, "but CuPy is cupy-cuda12x (CUDA 12): pip uninstall cupy-cuda12x; "
+                                                 "no cgforge extra for CUDA 11"), (False, "but NVRTC is 12.9")]),
+    (None, ["cupy-cuda12x"], (12, 9), [(True, "torch is a CPU build")]),
+])
+def test_cuda_version_checks(torch_cuda, cupy, nvrtc, expected):
+    checks = doctor.cuda_version_checks(torch_cuda, cupy, nvrtc)
+    assert [ok for ok, _ in checks] == [ok for ok, _ in expected]
+    for (_, detail), (_, part) in zip(checks, expected):
+        assert part in detail
+
+
+def test_two_cupy_wheels_are_named():
+    checks = doctor.cuda_version_checks("13.0", ["cupy-cuda12x", "cupy-cuda13x"], (13, 0))
+    assert not checks[0][0] and "several CuPy wheels are installed (cupy-cuda12x, cupy-cuda13x)" in checks[0][1]
+    assert not checks[1][0] and "pip uninstall cupy-cuda12x;" in checks[1][1]
+
+
+def test_doctor_reports_a_mismatch_with_the_fix(monkeypatch):
+    """torch for CUDA 13 with the CUDA 12 wheels (what `pip install cgforge[cuda]` used to give): a warning
+    line per component with the fix; the doctor still passes, since a mix runs (the driver is newer)."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(doctor, "_cupy_distributions", lambda: ["cupy-cuda12x"])
+    monkeypatch.setattr(compiler, "nvrtc_available", lambda: True)
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: (12, 9))
+    monkeypatch.setattr(compiler, "nvrtc_library_path", lambda: "/site/nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+    monkeypatch.setattr(doctor, "_cupy_version", lambda: "14.2.0 (cupy-cuda12x)")
+    # the compile checks need no patching to show the mismatch: skip them (they are tested in test_cli_patch)
+    monkeypatch.setattr(doctor, "_check_compile", lambda report, arch: None)
+    monkeypatch.setattr(doctor, "_check_generated_tp", lambda report, torch, gpu: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lines: list[str] = []
+    assert doctor.main(lines.append) == 0
+    text = "\n".join(lines)
+    assert "torch            2" in text and "(CUDA 13.0)" in text
+    assert ("[warn] CUDA versions match: torch is built for CUDA 13.0 but CuPy is cupy-cuda12x (CUDA 12): "
+            "pip uninstall cupy-cuda12x; pip install 'cgforge[cuda13]' (cupy-cuda13x and nvidia-cuda-nvrtc)") in text
+    assert ("[warn] CUDA versions match: torch is built for CUDA 13.0 but NVRTC is 12.9: "
+            "pip uninstall nvidia-cuda-nvrtc-cu12; pip install 'cgforge[cuda13]'") in text
+
+
+def test_doctor_names_the_extra_when_nvrtc_is_missing(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(compiler, "nvrtc_available", lambda: False)
+
+    def missing():
+        raise compiler.NvrtcUnavailableError("libnvrtc not found (tried: nowhere)")
+
+    monkeypatch.setattr(compiler, "nvrtc_version", missing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lines: list[str] = []
+    assert doctor.main(lines.append) == 1
+    assert ("[FAIL] nvrtc found: pip install 'cgforge[cuda12]' (cupy-cuda12x and nvidia-cuda-nvrtc-cu12)"
+            in "\n".join(lines))

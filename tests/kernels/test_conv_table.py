@@ -1,0 +1,313 @@
+"""The convolution reading its weights from a radial table (``Convolution.forward_table``): equal to the
+convolution of the table's values, with gradients in x, y and the edge lengths (and their derivatives), on the
+CPU path, in the generated kernels (NVRTC on the CPU) and (CUDA) on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_cases import PROBLEMS, e3nn_tp, rel
+
+from cgforge.kernels import ConvGraph, Convolution
+from cgforge.kernels.radial_table import radial_table
+
+R_MAX = 5.0
+
+
+def _case(problem: str, n: int, e: int, dtype=torch.float64, device="cpu", seed=0, intervals=64):
+    """A convolution, its graph, inputs (x, y, lengths) that require grad, and a random table."""
+    torch.manual_seed(seed)
+    conv = Convolution.from_e3nn(e3nn_tp(PROBLEMS[problem]))
+    gen = torch.Generator().manual_seed(seed)
+    sender, receiver = torch.randint(0, n, (e,), generator=gen), torch.randint(0, n, (e,), generator=gen)
+    x = torch.randn(n, conv.irreps_in1.dim, generator=gen, dtype=torch.float64)
+    y = torch.randn(e, conv.irreps_in2.dim, generator=gen, dtype=torch.float64)
+    # lengths inside the table, on its knots, at both ends and (clamped) beyond them
+    lengths = torch.rand(e, generator=gen, dtype=torch.float64) * (R_MAX + 1.0) - 0.5
+    lengths[:4] = torch.tensor([0.0, R_MAX, R_MAX * 17 / intervals, R_MAX * 3 / intervals])[: min(4, e)]
+    coeffs = torch.randn(intervals, conv.weight_numel, 4, generator=gen, dtype=torch.float64)
+    to = {"dtype": dtype, "device": device}
+    graph = ConvGraph(sender.to(device), receiver.to(device), n)
+    return (conv.to(device), graph, *(t.to(**to).requires_grad_() for t in (x, y, lengths)), coeffs.to(**to))
+
+
+def _both(conv, graph, x, y, lengths, coeffs):
+    fused = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+    plain = conv(x, y, radial_table(lengths, coeffs, R_MAX), graph)
+    return fused, plain
+
+
+@pytest.mark.parametrize("problem", ["nequip-water", "diffdock-L1"])  # uvu and uvw paths
+def test_equals_the_convolution_of_the_table_values(problem: str) -> None:
+    conv, graph, x, y, lengths, coeffs = _case(problem, 9, 60)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    assert rel(fused, plain) < 1e-13 and fused.abs().max() > 0
+    g = torch.randn_like(plain)
+    for a, b in zip(torch.autograd.grad(fused, (x, y, lengths), g), torch.autograd.grad(plain, (x, y, lengths), g),
+                    strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def _second_derivatives(fused, plain, inputs, seed=5):
+    """d/d(inputs) of <h, d/d(inputs) of sum(out^2)> for both (the op's double backward and the composition's).
+    The output's cotangent 2 out depends on the inputs, as a model's does: that path must not count twice."""
+    gen = torch.Generator().manual_seed(seed)
+    hs = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t) for t in inputs]
+    results = []
+    for out in (fused, plain):
+        first = torch.autograd.grad(out.square().sum(), inputs, create_graph=True)
+        scalar = sum((h * d).sum() for h, d in zip(hs, first, strict=True))
+        results.append(torch.autograd.grad(scalar, inputs))
+    return results
+
+
+def test_second_derivatives_equal_the_composition() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 6, 30)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    for a, b in zip(*_second_derivatives(fused, plain, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def test_lengths_as_a_column_and_bad_inputs() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
+    torch.testing.assert_close(conv.forward_table(x, y, lengths.unsqueeze(1), coeffs, R_MAX, graph),
+                               conv.forward_table(x, y, lengths, coeffs, R_MAX, graph), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"lengths: expected \[20\] or \[20, 1\], got \[19\]"):
+        conv.forward_table(x, y, lengths[:19], coeffs, R_MAX, graph)
+    with pytest.raises(ValueError, match=rf"coeffs: expected \[N, {conv.weight_numel}, 4\]"):
+        conv.forward_table(x, y, lengths, coeffs[:, :-1], R_MAX, graph)
+    with pytest.raises(ValueError, match="constants"):
+        conv.forward_table(x, y, lengths, coeffs.clone().requires_grad_(), R_MAX, graph)
+    with pytest.raises(ValueError, match="r_max must be a positive number"):
+        conv.forward_table(x, y, lengths, coeffs, 0.0, graph)
+    with pytest.raises(TypeError, match="coeffs has dtype torch.float32"):
+        conv.forward_table(x, y, lengths, coeffs.float(), R_MAX, graph)
+    with pytest.raises(TypeError, match="graph must be a cgforge ConvGraph"):
+        conv.forward_table(x, y, lengths, coeffs, R_MAX, None)
+
+
+def test_table_kernels_compile_without_spills() -> None:
+    # MACE's layer shape (some other shapes spill in FP64, with or without a table)
+    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import CONV_BACKWARD, CONV_FORWARD
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    plan = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).key)
+    for dtype in (torch.float32, torch.float64):
+        for layout, backward in ((CONV_FORWARD, False), (CONV_BACKWARD, True)):
+            source, name = plan.source(dtype, layout.with_table(), backward)
+            assert "locate(table, r[eid]" in source and "wrow" not in source and "gwrow" not in source
+            assert ("grad_r[eid] +=" in source) == backward
+            res = compile_cubin(source, arch="sm_90", name="conv_table.cu").resources(name)
+            assert not res.spills, (name, res)
+
+
+def _row_map(width: int, seed: int = 7, dtype=torch.float64, device="cpu") -> torch.nn.Linear:
+    """An affine row map narrowing the convolution's rows (a block's next linear), constant parameters."""
+    torch.manual_seed(seed)
+    return torch.nn.Linear(width, max(width // 2, 1)).to(dtype=dtype, device=device).requires_grad_(False)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 9, 50])  # one row, ragged ranges, one range, more than the rows
+def test_rows_in_chunks_equal_the_map_of_the_whole_convolution(chunk_rows: int) -> None:
+    """forward_table_rows: out_fn(forward_table(...)) made chunk_rows receiver rows at a time, values and first
+    and second derivatives; the CPU path reads the sliced CSR rows as the kernels do."""
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60)
+    linear = _row_map(conv.irreps_out.dim)
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, chunk_rows)
+    whole = linear(conv.forward_table(x, y, lengths, coeffs, R_MAX, graph))
+    assert rel(chunked, whole) < 1e-13 and whole.abs().max() > 0
+    g = torch.randn_like(whole)
+    for a, b in zip(torch.autograd.grad(chunked, (x, y, lengths), g, retain_graph=True),
+                    torch.autograd.grad(whole, (x, y, lengths), g, retain_graph=True), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+    for a, b in zip(*_second_derivatives(chunked, whole, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def test_row_ranges_cover_every_row_once() -> None:
+    from cgforge.kernels.convolution.table_rows import row_ranges
+
+    assert row_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert row_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert row_ranges(3, 50) == [(0, 3)]
+    assert row_ranges(0, 5) == [(0, 0)]  # no rows: one empty range, so the output still gets its width
+    with pytest.raises(ValueError, match="chunk_rows"):
+        row_ranges(5, 0)
+
+
+def test_transposed_range_lists_each_ranges_edges_in_the_transposed_order() -> None:
+    """Per receiver range, the sender-major CSR of exactly the edges whose receiver is in it, in the whole
+    transposed CSR's order; over the ranges every edge once."""
+    from cgforge.kernels.convolution.table_ops import _csr_edges
+    from cgforge.kernels.convolution.table_rows import row_ranges, transposed_range
+
+    _, graph, *_ = _case("nequip-water", 23, 300, seed=2)
+    t = graph.tensors()
+    order = t.perm_t.long()
+    seen = []
+    for r0, r1 in row_ranges(23, 6):
+        rowptr, perm = transposed_range(t.rowptr_t, t.perm_t, t.receiver, r0, r1)
+        assert rowptr.dtype == torch.int64 and perm.dtype == torch.int32 and rowptr.shape == t.rowptr_t.shape
+        ids, senders = _csr_edges(rowptr, perm)
+        inside = ((t.receiver[order] >= r0) & (t.receiver[order] < r1))
+        assert torch.equal(ids, order[inside])  # the masked transposed order
+        assert torch.equal(senders, t.sender[ids].long())  # each under its sender's row
+        seen.append(ids)
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.arange(300))
+
+
+@pytest.mark.parametrize("range_rows", [1, 5, 9, 50])  # one row each, ragged, one range
+def test_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, range_rows: int) -> None:
+    """A first-order backward with the output gradient made by ranges of receiver rows: the whole backward's
+    gradients (FP64); a backward that keeps its graph (second derivatives) takes the whole path."""
+    from cgforge.kernels.convolution import table_rows
+
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60, seed=6)
+    linear = _row_map(conv.irreps_out.dim)
+    g = torch.randn(9, linear.out_features, dtype=torch.float64)
+    want = torch.autograd.grad(conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4),
+                               (x, y, lengths), g)
+    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", range_rows * conv.irreps_out.dim * 8)
+    calls = []
+    real = table_rows.transposed_range
+    monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3:]) or real(*a))
+    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    got = torch.autograd.grad(out, (x, y, lengths), g)
+    assert calls == table_rows.row_ranges(9, range_rows) if range_rows < 9 else calls == []
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-13 and b.abs().max() > 0
+    calls.clear()
+    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    torch.autograd.grad(out, (x, y, lengths), g, create_graph=True)
+    assert calls == []  # second order: the whole gradient, differentiable
+
+
+def test_rows_in_chunks_bad_arguments() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 5, 20)
+    linear = _row_map(conv.irreps_out.dim)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_rows"):
+            conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, bad)
+    with pytest.raises(TypeError, match="out_fn"):
+        conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, "linear", 2)
+    atomic = ConvGraph(graph.sender, graph.receiver, graph.num_nodes, deterministic=False)
+    with pytest.raises(ValueError, match="deterministic"):
+        conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, atomic, linear, 2)
+    with pytest.raises(ValueError, match="x"):
+        conv.forward_table_rows(x[:3], y, lengths, coeffs, R_MAX, graph, linear, 2)
+
+
+# ---------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_equals_the_convolution_of_the_table_values(problem: str, dtype: torch.dtype,
+                                                         deterministic: bool) -> None:
+    conv, graph, x, y, lengths, coeffs = _case(problem, 200, 3000, dtype=dtype, device="cuda", seed=3)
+    if not deterministic:
+        graph = ConvGraph(graph.sender, graph.receiver, graph.num_nodes, deterministic=False)
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(fused, plain) < tol
+    g = torch.randn_like(plain)
+    grads = torch.autograd.grad(fused, (x, y, lengths), g)
+    for a, b in zip(grads, torch.autograd.grad(plain, (x, y, lengths), g), strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    if deterministic:  # CSR rows, a fixed order: the same bits every run
+        again = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+        assert torch.equal(again, fused)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, (x, y, lengths), g), grads,
+                                                     strict=True))
+
+
+@pytest.mark.cuda
+def test_cuda_second_derivatives_equal_the_composition() -> None:
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 50, 400, device="cuda")
+    fused, plain = _both(conv, graph, x, y, lengths, coeffs)
+    for a, b in zip(*_second_derivatives(fused, plain, (x, y, lengths)), strict=True):
+        assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sorted_edges", [False, True])  # kernels reading edge ids through perm, or positions
+def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch.dtype, sorted_edges: bool) -> None:
+    """The kernels on a sliced CSR row pointer (absolute edge positions): each range's rows are the whole
+    graph's, bitwise; gradients and second derivatives as the composition's."""
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=4)
+    if sorted_edges:  # edges already in receiver order: perm is empty
+        order = torch.argsort(graph.receiver.long(), stable=True)
+        x = x.detach().requires_grad_()
+        y, lengths = (t.detach()[order].requires_grad_() for t in (y, lengths))
+        graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
+        assert graph.tensors().perm.numel() == 0
+    linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
+    rows_whole = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, torch.nn.Identity(), 37)
+    assert torch.equal(chunked, rows_whole)  # the same sums in the same order, range by range
+    chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
+    whole = linear(rows_whole)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel(chunked, whole) < tol
+    g = torch.randn_like(whole)
+    for a, b in zip(torch.autograd.grad(chunked, (x, y, lengths), g, retain_graph=True),
+                    torch.autograd.grad(whole, (x, y, lengths), g, retain_graph=True), strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    if dtype == torch.float64:
+        for a, b in zip(*_second_derivatives(chunked, whole, (x, y, lengths)), strict=True):
+            assert rel(a, b) < 1e-11 and b.abs().max() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, dtype: torch.dtype) -> None:
+    """The backward kernel on each range's transposed CSR (receiver - r0 into the range's gradient rows): the
+    whole backward's gradients, every run the same bits. Not bitwise the whole path's: each range's gradient
+    rows come from the row map's transpose on that range, and cuBLAS may round a GEMM of fewer rows otherwise
+    (seen on an H100: grad y within the tolerance, not equal)."""
+    from cgforge.kernels.convolution import table_rows
+
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=8)
+    linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
+    g = torch.randn(200, linear.out_features, dtype=dtype, device="cuda")
+
+    def grads():
+        out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
+        return torch.autograd.grad(out, (x, y, lengths), g)
+
+    want = grads()
+    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", 45 * conv.irreps_out.dim * x.element_size())
+    got, again = grads(), grads()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < tol and b.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+
+
+@pytest.mark.cuda
+def test_cuda_chunk_passes_give_the_one_launch_gradients_bitwise(monkeypatch) -> None:
+    """mace-medium FP32 (chunks order backward): the same kernel launched once per channel chunk (as where the
+    grad-out rows exceed the L2) or once for all chunks gives the same bits: each edge's grad y and grad r get the
+    chunks' parts in the same order, grad x is stored per chunk."""
+    from cgforge.kernels.tensor_product import ops
+    from cgforge.kernels.tensor_product import plan as plans
+
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 300, 6000, dtype=torch.float32, device="cuda", seed=9)
+    g = torch.randn(300, conv.irreps_out.dim, dtype=torch.float32, device="cuda")
+    schedule = plans.get(conv.key).schedule(torch.float32, True)
+    assert schedule.backward_passes() == 4
+
+    def grads(l2: int):
+        monkeypatch.setattr(ops, "l2_bytes", lambda device: l2)
+        out = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
+        return torch.autograd.grad(out, (x, y, lengths), g), ops.backward_launches(schedule, 300, x.device)
+
+    (want, one), (got, passes) = grads(1 << 62), grads(0)
+    assert one == [-1] and passes == [0, 1, 2, 3]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) and b.abs().max() > 0

@@ -1,0 +1,201 @@
+"""The plain-torch stand-ins for e3nn's Linear and FullyConnectedNet against e3nn, in FP64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e3nn import o3
+from e3nn.nn import FullyConnectedNet
+
+from cgforge.patches.e3nn_layers import FoldedMLP, SplitLinear, swap_in, swap_out
+
+LINEARS = [
+    ("8x0e+8x1o+4x2e", "8x0e+8x1o+4x3o"),  # 4x3o has no input: zeros
+    ("16x0e", "4x0e"),  # one input irrep: no split
+    ("3x0e+5x1o+2x1o+3x2e+1x3o", "4x1o+2x0e+3x2e+2x1o"),  # repeated irreps, shuffled order
+    ("128x0e+128x1o+128x1e+128x2e", "128x0e+128x1o+128x2e"),
+]
+
+
+def _inputs(dim: int, batch: int = 11, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, dim, generator=g, dtype=torch.float64, requires_grad=True)
+
+
+def _backward_node_names(output: torch.Tensor) -> list[str]:
+    """The class names of every autograd node in ``output``'s graph."""
+    seen, stack, names = set(), [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(child for child, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
+def test_split_linear_equals_e3nn(irreps_in: str, irreps_out: str) -> None:
+    torch.manual_seed(1)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear)
+    assert stand_in is not None
+    assert list(stand_in.state_dict()) == list(linear.state_dict())
+    x = _inputs(o3.Irreps(irreps_in).dim)
+    want, got = linear(x), stand_in(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(want)
+    gx_want, gw_want = torch.autograd.grad(want, [x, linear.weight], grad)
+    gx_got, gw_got = torch.autograd.grad(got, [x, stand_in.weight], grad)
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw_got, gw_want, rtol=1e-12, atol=1e-12)
+    # Batch dimensions pass through, as e3nn's
+    x3 = x.detach().reshape(1, 11, -1)
+    torch.testing.assert_close(stand_in(x3), linear(x3), rtol=1e-12, atol=1e-12)
+
+
+def test_split_linear_reads_its_input_through_one_backward_node() -> None:
+    """e3nn's narrow-per-irrep makes one full-width gradient per irrep; the stand-in has one split."""
+    linear = o3.Linear("8x0e+8x1o+8x2e+8x3o", "8x0e+8x1o+8x2e+8x3o").double().requires_grad_(False)
+    x = _inputs(o3.Irreps("8x0e+8x1o+8x2e+8x3o").dim)  # only x needs a gradient: every slice is of x
+    def slices(names: list[str]) -> int:
+        return sum(name.startswith(("SliceBackward", "NarrowBackward")) for name in names)
+
+    assert slices(_backward_node_names(linear(x).sum())) >= 4  # the pattern replaced (if e3nn changes: look again)
+    names = _backward_node_names(SplitLinear.wrap(linear)(x).sum())
+    assert slices(names) == 0 and sum(name.startswith("SplitWithSizesBackward") for name in names) == 1
+
+
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS[:3])  # gradgradcheck: small ones
+def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: str, monkeypatch) -> None:
+    """Frozen weights and a wide input: rows in chunks (here 3 rows each, 11 rows), values and first and second
+    derivatives as the one-pass map; a layer whose weights need a gradient is never chunked."""
+    import cgforge.patches.e3nn_layers as layers
+
+    torch.manual_seed(2)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear)
+    row_bytes = max(o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim) * 8
+    x = _inputs(o3.Irreps(irreps_in).dim, seed=3)
+    want = stand_in(x)  # weights need a gradient: one pass
+    gx_want, gw_want = torch.autograd.grad(want, [x, stand_in.weight], torch.ones_like(want))
+    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 3 * row_bytes)
+    assert stand_in.chunk_rows(x) is None  # still: the weights' gradient needs every row at once
+    stand_in.requires_grad_(False)
+    assert stand_in.chunk_rows(x) == 3
+    got = stand_in(x)
+    assert any("_RowChunkedMap" in name for name in _backward_node_names(got.sum()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (gx_got,) = torch.autograd.grad(got, [x], torch.ones_like(got))
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(stand_in, (x,))
+    torch.autograd.gradgradcheck(stand_in, (x,))
+    assert gw_want.abs().sum() > 0  # the unchunked weight gradient was a real one
+
+
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
+def test_split_linear_map_into_writes_the_map_and_its_transpose_in_place(irreps_in: str, irreps_out: str) -> None:
+    """map_into (the row paths' frozen first-order pass) equals the map and its vector-Jacobian product, written
+    into columns of a wider NaN-filled tensor: nothing outside them touched, no stale value read (beta 0)."""
+    torch.manual_seed(4)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear).requires_grad_(False)
+    d_in, d_out = o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim
+    x = _inputs(d_in, seed=5).detach()
+    wide = torch.full((11, d_out + 5), float("nan"), dtype=torch.float64)
+    stand_in.map_into(x, wide[:, 2:2 + d_out])
+    torch.testing.assert_close(wide[:, 2:2 + d_out], linear(x), rtol=1e-12, atol=1e-12)
+    assert wide[:, :2].isnan().all() and wide[:, 2 + d_out:].isnan().all()
+    g = _inputs(d_out, seed=6).detach()
+    xg = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(linear(xg), xg, g)
+    got = torch.full((11, d_in), float("nan"), dtype=torch.float64)
+    stand_in.map_into(g, got, transpose=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # new weights (a new version): the cached scaled blocks follow
+        stand_in.weight.mul_(-2.0)
+    stand_in.map_into(x, wide[:, 2:2 + d_out])
+    torch.testing.assert_close(wide[:, 2:2 + d_out], stand_in(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="map_into"):
+        stand_in.map_into(x, torch.empty(11, d_out + 1, dtype=torch.float64))
+    del stand_in.__dict__["_scaled"]  # as a SplitLinear pickled before the cache existed: the class default
+    stand_in.map_into(x, wide[:, 2:2 + d_out])
+    torch.testing.assert_close(wide[:, 2:2 + d_out], stand_in(x), rtol=1e-12, atol=1e-12)
+
+
+def test_row_map_transpose_of_a_linear_with_map_into_equals_autograds() -> None:
+    """The row paths' backward through a map_into linear (its transpose applied directly) equals the generic
+    vector-Jacobian product at zero rows, range by range; under grad mode (a double backward) it keeps autograd."""
+    from cgforge.kernels.convolution.table_rows import map_rows, row_map_transpose
+
+    torch.manual_seed(7)
+    irreps_in, irreps_out = LINEARS[2]
+    stand_in = SplitLinear.wrap(o3.Linear(irreps_in, irreps_out).double()).requires_grad_(False)
+    d_in, d_out = o3.Irreps(irreps_in).dim, o3.Irreps(irreps_out).dim
+    g = _inputs(d_out, seed=8).detach()
+    ranges = [(0, 4), (4, 9), (9, 11)]
+    want = row_map_transpose(lambda rows: stand_in(rows), g, d_in, ranges)  # no map_into: autograd's
+    torch.testing.assert_close(row_map_transpose(stand_in, g, d_in, ranges), want, rtol=1e-12, atol=1e-12)
+    gg = g.clone().requires_grad_()
+    with torch.enable_grad():
+        kept = row_map_transpose(stand_in, gg, d_in, ranges)
+    assert kept.requires_grad  # a double backward's graph kept
+    x = _inputs(d_in, seed=9).detach()
+    out = None
+    for r0, r1 in ranges:
+        with torch.no_grad():
+            out = map_rows(stand_in, x[r0:r1], out, r0, 11)
+    torch.testing.assert_close(out, stand_in(x), rtol=1e-12, atol=1e-12)
+
+
+def test_split_linear_declines_biases_and_external_weights() -> None:
+    assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", biases=True)) is None
+    assert SplitLinear.wrap(o3.Linear("4x0e", "4x0e", internal_weights=False, shared_weights=False)) is None
+
+
+@pytest.mark.parametrize(
+    "hs, act, kwargs",
+    [
+        ([8, 64, 64, 64, 40], torch.nn.functional.silu, {}),
+        ([5, 16, 7], torch.tanh, {"variance_in": 2, "variance_out": 3}),
+        ([5, 16, 7], torch.nn.functional.silu, {"out_act": True}),
+        ([6, 4], None, {}),
+    ],
+)
+def test_folded_mlp_equals_e3nn(hs: list[int], act, kwargs: dict) -> None:
+    torch.manual_seed(2)
+    net = FullyConnectedNet(hs, act, **kwargs).double()
+    folded = FoldedMLP.wrap(net)
+    assert folded is not None
+    assert list(folded.state_dict()) == list(net.state_dict())
+    x = _inputs(hs[0])
+    want, got = net(x), folded(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # first and second derivatives (training with forces differentiates the input gradient again)
+    weights = [layer.weight for layer in net.children()]
+    (gx_want,) = torch.autograd.grad(want.square().sum(), x, create_graph=True)
+    (gx_got,) = torch.autograd.grad(got.square().sum(), x, create_graph=True)
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(gx_got.sum(), weights), torch.autograd.grad(gx_want.sum(), weights), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_swap_in_and_out_round_trip() -> None:
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        o3.Linear("4x0e+4x1o", "4x0e+4x1o"),
+        torch.nn.ModuleList([FullyConnectedNet([9, 8, 9], torch.nn.functional.silu)]),
+        o3.Linear("4x0e+4x1o", "9x0e", biases=True),  # declined: stays e3nn's
+    ).double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    originals = [model[0], model[1][0], model[2]]
+    assert swap_in(model) == 2
+    assert isinstance(model[0], SplitLinear) and isinstance(model[1][0], FoldedMLP) and model[2] is originals[2]
+    assert list(model.state_dict()) == list(state)
+    model.float()
+    assert swap_out(model) == 2
+    assert [model[0], model[1][0], model[2]] == originals
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())

@@ -1,0 +1,152 @@
+"""The calculator's memory plan (``plugin.memory_plan``): stored path or streaming from the exact edge count, and
+torch's expandable allocator segments near a full device, never over the user's own allocator setting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cgforge.patches.mace import row_chunks
+from cgforge.patches.radial_table import FUSED_EDGE_ITEMS
+from cgforge.plugin import Calculator
+from cgforge.plugin.runtime import memory_plan
+from cgforge.plugin.runtime.memory_plan import (
+    EXPANDABLE_ABOVE_FRACTION,
+    STREAMING_AUTO_FRACTION,
+    UNCAPTURED_ABOVE_FRACTION,
+    plan_memory,
+)
+from cgforge.plugin.water import water_box
+
+GB = 10**9
+
+
+def test_the_plan_streams_only_what_would_not_fit() -> None:
+    free = 84 * GB  # an H100 80GB with a model loaded
+    fits = plan_memory(86_668_110, 860, free)  # the 1.03 M-atom water box with row chunks: 74.5 GB (73.4 measured)
+    assert not fits.stream and fits.expandable and not fits.capture and fits.estimate_bytes == 86_668_110 * 860
+    half = plan_memory(42_040_012, 860, free)  # 499k atoms: 36 GB, expandable, still captured
+    assert not half.stream and half.expandable and half.capture
+    small = plan_memory(436_566, 1120, free)  # 5184 atoms: far from full, nothing changes
+    assert not small.stream and not small.expandable and small.capture
+    edge = int(STREAMING_AUTO_FRACTION * free) // 1000
+    assert not plan_memory(edge, 1000, free).stream and plan_memory(edge + 1, 1000, free).stream
+    near = int(EXPANDABLE_ABOVE_FRACTION * free) // 1000
+    assert not plan_memory(near, 1000, free).expandable and plan_memory(near + 1, 1000, free).expandable
+    full = int(UNCAPTURED_ABOVE_FRACTION * free) // 1000
+    assert plan_memory(full, 1000, free).capture and not plan_memory(full + 1, 1000, free).capture
+    assert not plan_memory(10**9, 0, free).stream  # bytes not known: never streams on a guess
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
+def test_the_plan_names_a_bad_argument(bad) -> None:
+    with pytest.raises(ValueError, match="edges must be an int >= 0"):
+        plan_memory(bad, 100, GB)
+    with pytest.raises(ValueError, match="free_bytes must be an int >= 0"):
+        plan_memory(10, 100, bad)
+
+
+@pytest.mark.parametrize("conf, on", [("expandable_segments:True", True), ("max_split_size_mb:512", False),
+                                      ("garbage_collection_threshold:0.8, expandable_segments: true", True)])
+def test_expandable_segments_leave_the_users_allocator_setting_alone(monkeypatch, conf: str, on: bool) -> None:
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert memory_plan.use_expandable_segments() is on
+    assert calls == [] and memory_plan.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == conf
+
+
+def test_expandable_segments_are_asked_for_when_nothing_is_set(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert memory_plan.use_expandable_segments()
+    assert calls == ["expandable_segments:True"]
+    assert memory_plan.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # children inherit it
+
+
+def test_the_step_counts_the_edges_the_model_sees() -> None:
+    torch.set_default_dtype(torch.float64)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
+    atoms = water_box(16, seed=3)
+    with pytest.raises(RuntimeError, match="no Verlet list loaded"):
+        calc.step.edge_count()
+    species = calc.adapter.species(atoms.numbers)
+    counted = calc.step.prepare(atoms.positions, np.asarray(atoms.cell), (True, True, True), species)
+    builds = calc.neighbours.n_builds
+    atoms.calc = calc
+    atoms.get_forces()
+    assert counted == calc.n_edges > 0
+    assert calc.neighbours.n_builds == builds  # the run found the prepared list fresh
+    assert calc.plan_memory(len(atoms), lambda: pytest.fail("counted on a CPU")) is None  # CUDA only
+
+
+def test_row_chunked_boxes_are_estimated_with_their_own_bytes(monkeypatch) -> None:
+    """The largest boxes make their rows in chunks, which keep less per edge (847 B measured at 1.03 M atoms)
+    than the whole rows (FUSED_EDGE_ITEMS): the estimate that decides streaming follows the size."""
+    calc = Calculator("mace", device="cpu", dtype="float32", patch=True, radial_table=True, warmup=False)
+    widest = max(b.conv_tp.irreps_out.dim for b in row_chunks.row_chunk_blocks(calc.model)) * 4
+    monkeypatch.setattr(row_chunks, "CHUNKED_ABOVE_BYTES", 1000 * widest)
+    assert calc.adapter.stored_edge_bytes() == calc.adapter.stored_edge_bytes(1000) == FUSED_EDGE_ITEMS * 4
+    assert calc.adapter.stored_edge_bytes(1001) == row_chunks.ROW_CHUNKED_EDGE_ITEMS * 4
+    assert row_chunks.ROW_CHUNKED_EDGE_ITEMS < FUSED_EDGE_ITEMS
+
+
+@pytest.mark.cuda
+def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
+    """On the GPU the first call of a size counts its edges (the run then finds the list built), asks for
+    expandable segments when near full, and streams when the stored path would not fit; the MD engine plans at its
+    start without streaming (its step is captured)."""
+    from cgforge.plugin import calculator as calculator_module
+    from cgforge.plugin.md.run import run_md
+
+    torch.set_default_dtype(torch.float64)
+    asked = []
+    monkeypatch.setattr(calculator_module, "use_expandable_segments", lambda: asked.append(True) or True)
+    atoms = water_box(16, seed=3)
+    calc = Calculator("mace", device="cuda", dtype="float32")
+    atoms.calc = calc
+    atoms.get_forces()
+    plan = calc.memory_plan
+    assert plan is not None and plan.edges == calc.n_edges and not plan.stream and not calc.streaming
+    assert not plan.expandable and asked == []
+    monkeypatch.setattr(memory_plan, "STREAMING_AUTO_FRACTION", 1e-9)
+    monkeypatch.setattr(memory_plan, "EXPANDABLE_ABOVE_FRACTION", 1e-9)
+    engine_calc = Calculator("mace", device="cuda", dtype="float32")
+    run_md(water_box(16, seed=3), engine_calc, steps=2, temperature_K=300, engine="device")
+    assert engine_calc.memory_plan.stream and not engine_calc.streaming and asked == [True]
+    smaller = water_box(12, seed=4)
+    smaller.calc = calc
+    smaller.get_forces()
+    assert calc.memory_plan.edges == calc.n_edges and calc.streaming and calc.expandable_segments
+
+
+@pytest.mark.cuda
+def test_cuda_a_box_near_a_full_device_runs_uncaptured_with_the_same_forces(monkeypatch) -> None:
+    from cgforge.plugin import calculator as calculator_module
+
+    torch.set_default_dtype(torch.float64)
+    monkeypatch.setattr(calculator_module, "use_expandable_segments", lambda: True)
+    atoms = water_box(16, seed=5)
+    captured = Calculator("mace", device="cuda", dtype="float32", streaming=False)
+    atoms.calc = captured
+    want = atoms.get_forces()
+    assert captured.cuda_graph
+    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 1e-9)
+    near_full = Calculator("mace", device="cuda", dtype="float32", streaming=False)
+    atoms.calc = near_full
+    got = atoms.get_forces()
+    assert not near_full.memory_plan.capture and not near_full.cuda_graph and not near_full.streaming
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 0.6)
+    smaller = water_box(12, seed=6)
+    smaller.calc = near_full
+    smaller.get_forces()
+    assert near_full.cuda_graph  # back on for a size far from full
+    pinned = Calculator("mace", device="cuda", dtype="float32", streaming=False, cuda_graph=True)
+    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 1e-9)
+    atoms.calc = pinned
+    atoms.get_forces()
+    assert pinned.cuda_graph  # asked for: kept
