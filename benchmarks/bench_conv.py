@@ -16,10 +16,10 @@ from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import NP_DTYPE, copy_bandwidth, cuda_time, cueq_channelwise, environment, fmt, peers, write_json  # noqa: E402
-from problems import PROBLEMS  # noqa: E402
 from shapes import dhfr_atoms  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
+from cgforge.kernels.problem_set import PROBLEMS  # noqa: E402
 
 
 def water_system():
@@ -33,7 +33,7 @@ def dhfr_system():
 
 
 def edges(atoms, cutoff):
-    from cgforge.plugin.neighbours import neighbour_list
+    from cgforge.plugin.runtime.neighbours import neighbour_list
 
     pos = torch.tensor(atoms.positions, device="cuda")
     cell = torch.tensor(np.array(atoms.cell), device="cuda")

@@ -2,7 +2,7 @@
 cgforge's class on each LAMMPS build given (``cgforge``: its kernels, ghost-mode steps captured in a CUDA graph
 when the model runs on CUDA; ``cgforge-eager``: the same, each step run eagerly; ``unpatched``: the same class
 running the model's own e3nn code, captured likewise), MACE's own ML-IAP class where it can run (its failure
-reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.engine``, ``engine``) on the same box and model.
+reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.md.engine``, ``engine``) on the same box and model.
 
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
         [--ranks 1] [--steps 10] [--warmup 3] [--dtype float32]
@@ -137,8 +137,8 @@ def lammps_worker(args: argparse.Namespace) -> None:
 def engine_worker(args: argparse.Namespace) -> None:
     """cgforge's MD engine, NVE (velocity Verlet) on the same box: warm up, time ``--steps`` steps."""
     from cgforge.plugin import Calculator
-    from cgforge.plugin.engine import Engine
-    from cgforge.plugin.integrators import VelocityVerlet
+    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.integrators import VelocityVerlet
     from cgforge.plugin.water import water_box
 
     device = _device(args.device)
@@ -232,7 +232,7 @@ def _file_for(files: dict, cls: str, build: Build) -> tuple[Path | None, str | N
 def _model_source(name: str, dtype: str, folder: Path) -> Path:
     """A checkpoint file for --models NAME: the bundled model, the MACE-MP-medium shape, or a path."""
     if name in ("mace", "nequip"):
-        from cgforge.plugin.bundled import model_path
+        from cgforge.plugin.runtime.bundled import model_path
 
         return Path(model_path(name))
     if name == "mace-mp-medium":

@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import edges, water_system  # noqa: E402
 from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
 from common import copy_bandwidth, cuda_time, cueq_channelwise, environment, peers, write_json  # noqa: E402
-from problems import MODEL_LAYERS, PROBLEMS  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution, TPTuning  # noqa: E402
+from cgforge.kernels.problem_set import MODEL_LAYERS, PROBLEMS  # noqa: E402
 from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
 from cgforge.kernels.tensor_product.problem import TPProblem  # noqa: E402
 from cgforge.kernels.tensor_product.program import build_program  # noqa: E402

@@ -35,7 +35,7 @@ cgforge-user-order (the default calculator with the atoms in the order given, ne
 ``plugin.atom_order`` picks for large systems), e3nn, cueq, oeq, hybrid (the peers' calculators with
 their kernels; cueq/oeq/hybrid
 when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
-Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.engine.Engine``: integrator and
+Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.md.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
 cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
@@ -66,9 +66,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
 from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
 
-from cgforge.plugin import atom_order  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
-from cgforge.plugin.neighbours import neighbour_list  # noqa: E402
+from cgforge.plugin.runtime import atom_order  # noqa: E402
+from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def nequip_model(shape: str, dtype: str, modifier: str | None = None) -> torch.n
 
 
 def bundled(kind: str) -> Path:
-    from cgforge.plugin.bundled import model_path
+    from cgforge.plugin.runtime.bundled import model_path
 
     path = Path(model_path(kind))
     if not path.is_file():
@@ -356,8 +356,8 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from ase import units
     from ase.md.langevin import Langevin as AseLangevin
 
-    from cgforge.plugin.engine import Engine
-    from cgforge.plugin.integrators import Langevin, StochasticCellRescaling
+    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling
 
     reset_memory()
     if ENGINE_BACKENDS.get(backend, {}).get("compile"):

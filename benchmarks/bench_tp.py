@@ -14,9 +14,9 @@ from e3nn import o3
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import NP_DTYPE, copy_bandwidth, cuda_time, environment, fmt, peers, write_json  # noqa: E402
-from problems import PROBLEMS  # noqa: E402
 
 from cgforge.kernels import TensorProduct  # noqa: E402
+from cgforge.kernels.problem_set import PROBLEMS  # noqa: E402
 
 
 def passes(module, x, y, w, g):

@@ -72,15 +72,30 @@ def cueq_channelwise(found: dict, irreps_in1, irreps_in2, irreps_out, dtype: tor
     return cuet.SegmentedPolynomial(poly, math_dtype=dtype, method="uniform_1d").to("cuda"), poly
 
 
+def commit() -> dict:
+    """``{"commit": sha, "dirty": bool | None, "commit_source": ...}``: ``$CGFORGE_COMMIT`` when set (benchmarks/run.py
+    sets it; a copy of the repository whose .git is stale or missing must: its HEAD is not what runs), else git's
+    HEAD and whether ``git status --porcelain`` lists changes."""
+    if os.environ.get("CGFORGE_COMMIT"):
+        dirty = {"1": True, "0": False}.get(os.environ.get("CGFORGE_COMMIT_DIRTY", ""))
+        return {"commit": os.environ["CGFORGE_COMMIT"], "dirty": dirty, "commit_source": "CGFORGE_COMMIT"}
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        status = subprocess.check_output(["git", "status", "--porcelain"], cwd=root, text=True,
+                                         stderr=subprocess.DEVNULL)
+    except Exception:
+        return {"commit": "unknown", "dirty": None, "commit_source": "none (no git, no CGFORGE_COMMIT)"}
+    return {"commit": sha, "dirty": bool(status.strip()), "commit_source": "git HEAD"}
+
+
 def environment() -> dict:
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version()}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
-    try:
-        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        info["commit"] = os.environ.get("CGFORGE_COMMIT", "unknown")
+    info.update(commit())
     for mod in ("e3nn", "cupy", "cuequivariance", "openequivariance"):
         try:
             info[mod] = __import__(mod).__version__

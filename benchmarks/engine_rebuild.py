@@ -24,9 +24,9 @@ from common import environment, write_json  # noqa: E402
 from profile_engine import make  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
-from cgforge.plugin.engine import Engine  # noqa: E402
-from cgforge.plugin.integrators import Langevin  # noqa: E402
-from cgforge.plugin.neighbours import neighbour_list  # noqa: E402
+from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin  # noqa: E402
+from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
 
 
 def sync() -> None:

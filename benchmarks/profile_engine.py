@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, write_json  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
-from cgforge.plugin.engine import Engine  # noqa: E402
-from cgforge.plugin.integrators import Langevin  # noqa: E402
+from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 

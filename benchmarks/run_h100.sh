@@ -2,6 +2,8 @@
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
 #   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large
+# For benchmark numbers to keep, prefer `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit,
+# device, versions); this script stays for the sharded CUDA test suite (`tests`) and the A/B stages.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -80,7 +82,7 @@ models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and N
     python3 benchmarks/bench_nequip.py 12 l1 e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-l1.log" | tail -10 ;;
 stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
     for m in mace nequip; do
-        python3 benchmarks/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
+        python3 benchmarks/investigations/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
     done ;;
 engine) # whole MD steps on the 5184-atom box (~5 min): cgforge's engine (NVT, NPT), our Calculator under ASE's
         # Langevin, FastMACE 1.0 (NVT, its own process, setup ~1 min each, reported apart); one table, printed last
@@ -102,7 +104,7 @@ ranges) # the row chunks' backward by receiver ranges (off by default until this
     for gb in "" 5; do
         flag=${gb:+--backward-range-gb $gb} tag=${gb:-whole}
         # shellcheck disable=SC2086  # flag is empty or two words
-        python3 benchmarks/streaming_memory.py --systems 1m --streaming off --calls forces,forces $flag 2>&1 \
+        python3 benchmarks/investigations/streaming_memory.py --systems 1m --streaming off --calls forces,forces $flag 2>&1 \
             | tee "$OUT/ranges-memory-$tag.log" | tail -1
         # shellcheck disable=SC2086
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \

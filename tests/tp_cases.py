@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from e3nn import o3
 
+from cgforge.kernels.problem_set import PROBLEMS, channelwise, fully_connected  # noqa: F401  (re-exported)
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm of the difference over norm of the reference (0 when both are zero)."""
@@ -44,19 +46,3 @@ def single_path(l1: int, l2: int, l3: int, mul1: int, mul2: int, mode: str, mul_
     # parity of out = p1 * p2 with p1 = (-1)^l1, p2 = +1
     io = o3.Irreps([(io[0].mul, (l3, (-1) ** l1))])
     return i1, i2, io, [(0, 0, 0, mode, True)]
-
-
-def _benchmark_problems():
-    """The benchmark problem set (benchmarks/problems.py: outside the library, shared with the tests)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "problems.py"
-    spec = importlib.util.spec_from_file_location("cgforge_benchmark_problems", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_problems = _benchmark_problems()
-PROBLEMS, channelwise, fully_connected = _problems.PROBLEMS, _problems.channelwise, _problems.fully_connected

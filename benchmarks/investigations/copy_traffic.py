@@ -8,7 +8,7 @@ takes the path a million atoms take. Convolution and symmetric-contraction kerne
 on the CPU: ops issued under ``cgforge/kernels/`` are one kernel on the GPU and are listed apart. Backward ops of
 torch's own autograd nodes are attributed to the line that asked for the gradient.
 
-    python3 benchmarks/copy_traffic.py [--rows-like-1m] [--top 25]
+    python3 benchmarks/investigations/copy_traffic.py [--rows-like-1m] [--top 25]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from shapes import mace_mp_shape  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COPY_OPS = {"cat", "copy_", "clone", "_to_copy", "index_copy_", "index_copy", "slice_scatter", "contiguous",
             "as_strided_scatter", "select_scatter", "stack"}
 FILL_OPS = {"fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "new_full", "ones_like", "ones"}

@@ -1,6 +1,6 @@
 """Where the memory of a streaming MACE step goes: at rest, energy only, energy + forces (one GPU, FP32).
 
-    python benchmarks/streaming_memory.py --systems 20k,100k [--streaming on|off] [--calls forces,forces] [--cuda-graph]
+    python3 benchmarks/investigations/streaming_memory.py --systems 20k,100k [--streaming on|off] [--calls forces,forces] [--cuda-graph]
 
 Prints, for each call in order (the first builds the neighbour list): its peak GB, what is allocated at rest before
 it (neighbour list, edge layout, model, and anything a previous call left behind), and what is alive at its peak,
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_md import WATER  # noqa: E402
 from common import add_backward_range_flag, apply_backward_range, environment, write_json  # noqa: E402
 from shapes import mace_mp_shape  # noqa: E402

@@ -1,6 +1,6 @@
 """Long NVT run of a water model on a water box, then checks that the water is still water.
 
-    python benchmarks/md_stability.py --model mace --molecules 1728 --ps 10
+    python3 benchmarks/investigations/md_stability.py --model mace --molecules 1728 --ps 10
 
 Runs Langevin NVT at 300 K (0.5 fs) with cgforge's Calculator and reports, every --report-ps, the
 temperature and three structural checks on the current frame: the shortest interatomic distance, the
@@ -13,11 +13,15 @@ Prints a table and writes JSON (benchmarks/results/ or $OUT).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
 from ase import Atoms
 from ase.neighborlist import neighbor_list
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from common import environment, write_json
 
 from cgforge.plugin import Calculator, run_md

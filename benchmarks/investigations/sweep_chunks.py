@@ -4,7 +4,7 @@ The forward and backward kernels have their own chunk and shared-memory window, 
 (chunk c for both) gives the forward time at c and the backward time (f+b minus fwd) at c.
 The first chunk is measured again at the end to show drift. Informs schedule.default_chunks.
 
-    python benchmarks/sweep_chunks.py        (CHUNKS=32,64,128 DTYPES=float32 BATCH=50000)
+    python3 benchmarks/investigations/sweep_chunks.py        (CHUNKS=32,64,128 DTYPES=float32 BATCH=50000)
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import sys
 import torch
 from e3nn import o3
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_conv import edges, water_system  # noqa: E402
 from common import cuda_time, environment, write_json  # noqa: E402
-from problems import PROBLEMS  # noqa: E402
 
 from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPTuning  # noqa: E402
+from cgforge.kernels.problem_set import PROBLEMS  # noqa: E402
 
 TP_PROBLEMS = ["mace-large", "mace-medium", "nequip-water", "nequip-benzene", "nequip-presetM", "nequip-lmax2",
                "diffdock-L1", "tetris-poly"]

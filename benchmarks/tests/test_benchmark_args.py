@@ -1,5 +1,8 @@
 """The benchmark scripts name a bad flag and exit non-zero before they need a GPU (the flags this project's GPU
-sessions pass them: a typo must not cost a device call)."""
+sessions pass them: a typo must not cost a device call).
+
+Development tooling, not the product: outside the default suite (pyproject's testpaths is tests/). Run with
+``.venv/bin/python -m pytest benchmarks/tests``."""
 
 from __future__ import annotations
 
@@ -9,20 +12,20 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script, args, named", [
-    ("streaming_memory.py", ["--calls", "energy,force"], "--calls"),
-    ("streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
+    ("investigations/streaming_memory.py", ["--calls", "energy,force"], "--calls"),
+    ("investigations/streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
     ("bench_md.py", ["--backward-range-gb", "-2", "--device", "cpu"], "--backward-range-gb"),
     ("bench_layer.py", ["mace-huge"], "mace-huge"),
     ("bench_md.py", ["--systems", "5k,dhfr-morton", "--device", "cpu"], "dhfr-morton"),  # water boxes only
     ("bench_layer.py", ["--tuning", "loop_order=rows"], "loop_order=rows"),
     ("bench_layer.py", ["--tuning", "backward_min_blocks=99"], "backward_min_blocks"),
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),
-    ("without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
-    ("copy_traffic.py", ["--side", "x"], "--side"),
+    ("investigations/without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
+    ("investigations/copy_traffic.py", ["--side", "x"], "--side"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
@@ -69,3 +72,20 @@ def test_morton_sorted_box_moves_whole_molecules() -> None:
     assert sorted(order) == list(range(len(box))) and order != list(range(len(box)))
     assert all(order[k + 1] == order[k] + 1 and order[k + 2] == order[k] + 2 for k in range(0, len(order), 3))
     assert np.allclose(moved.cell, box.cell) and len(system("216-morton")) == len(box)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["layr"], "'layr'"),  # an unknown suite
+    ([], "SUITE"),
+    (["layer", "md", "--", "mace-large"], "exactly one SUITE"),  # extra arguments for two suites
+    (["capacity", "--", "--systems", "1m"], "exactly one SUITE"),  # nor for a suite of two commands
+    (["layer", "--commit", "HEAD~1"], "--commit"),
+    (["layer", "--name", "a/b"], "--name"),
+    (["layer", "--timeout", "0"], "--timeout"),
+])
+def test_the_driver_names_a_bad_argument(args: list[str], named: str, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), *args, "--results", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert named in run.stderr, run.stderr[-2000:]
+    assert not any(tmp_path.iterdir())

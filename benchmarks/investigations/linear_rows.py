@@ -7,7 +7,7 @@ wider output as the row paths do.
 - ``bmm``: no copies: per row a [mul_out, mul_in] x [mul_in, dim] product straight from the input's columns into
   the output's (one strided batched GEMM per path, the weights broadcast).
 
-    python3 benchmarks/linear_rows.py [--rows 13107] [--repeats 20]
+    python3 benchmarks/investigations/linear_rows.py [--rows 13107] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from shapes import mace_mp_shape  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Where do two identical force calls differ? (GPU diagnostic for bitwise-reproducible forces, issue 16)
 
-    python benchmarks/diagnose_determinism.py nequip [mace ...]
+    python3 benchmarks/investigations/diagnose_determinism.py nequip [mace ...]
 
 For each model: two eager force calls of the same water box, with a forward hook on every module (its output)
 and a full backward hook (its input gradient); prints the first modules whose tensors differ in any bit, the

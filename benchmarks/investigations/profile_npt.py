@@ -1,7 +1,7 @@
 """Where NPT's extra time per engine step goes (one GPU): the eager kernels of an NVT (Langevin) and an NPT
 (stochastic cell rescaling) step side by side, by kernel name, and ms per step of both captured.
 
-    python benchmarks/profile_npt.py [--molecules 1728] [--skin 2.0] [--compile]
+    python3 benchmarks/investigations/profile_npt.py [--molecules 1728] [--skin 2.0] [--compile]
 
 --compile: the calculator's model compiled (``Calculator(compile=True)``), which also fuses the engine's
 integrator arithmetic (``Engine(fuse_integrator=None)``); the eager kernel table is then that of the compiled step.
@@ -17,12 +17,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from profile_engine import kernel_table, make  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
-from cgforge.plugin.engine import Engine  # noqa: E402
-from cgforge.plugin.integrators import CSVR, Langevin, StochasticCellRescaling  # noqa: E402
+from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.integrators import CSVR, Langevin, StochasticCellRescaling  # noqa: E402
 
 
 def kernels(calc, atoms, integrator) -> dict[str, tuple[float, int]]:

@@ -1,6 +1,6 @@
 """The radial-MLP GEMMs of MACE-MP-medium on a 5184-atom water box, with cuBLAS and with cuBLASLt.
 
-    python benchmarks/radial_gemm.py [--edges 436566]
+    python3 benchmarks/investigations/radial_gemm.py [--edges 436566]
 
 Those GEMMs (FP32, no TF32) are ~9 ms of the 5184-atom MD step; torch picks cuBLAS by default. This
 times each shape (forward [E, k] @ [k, n] and the input-gradient [E, n] @ [n, k]) with both libraries and
@@ -10,8 +10,12 @@ prints TFLOP/s, so the choice is measured, not guessed. Prints a table and write
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from common import cuda_time, environment, write_json
 
 # (k, n) of the last radial-MLP layer per interaction and of a hidden layer

@@ -1,6 +1,6 @@
 """Run a benchmark script with one cgforge stand-in turned off, for an A/B in the same process kind and run:
 
-    python3 benchmarks/without.py reshape benchmarks/bench_md.py --systems 5k ...
+    python3 benchmarks/investigations/without.py reshape benchmarks/bench_md.py --systems 5k ...
 
 ``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
 ``single-irrep-backward``: a one-irrep convolution's backward keeps the multi-irrep chunk rule

@@ -1,0 +1,305 @@
+"""Write docs/performance.md from the newest benchmark JSON under benchmarks/results/.
+
+    python benchmarks/report.py [--results benchmarks/results] [--out docs/performance.md] [--check]
+
+Four tables, each from the newest run that holds its numbers, with that run's device, date and commit, and the
+peers timed in the same run: per layer vs cuEquivariance (bench_layer's ``layer-*.json`` with ``cueq-mlp`` rows),
+whole MD steps vs FastMACE (bench_md's ``md-*.json`` with ``fastmace`` and ``cgforge-engine`` rows), the force call
+through ASE vs MACECalculator / NequIPCalculator with cuEquivariance (``md-*.json`` with ``cueq`` rows), and
+capacity (the newest ``cgforge`` force call per model and box), with Symmetrix-XL's published figure beside it.
+
+Which runs count: those of benchmarks/run.py (a ``manifest.json`` beside the JSON, no ``CGFORGE_*`` tuning variable
+in its environment: an A/B is not a current number), whose manifest names the commit. Runs from before the driver
+recorded the device copy's stale HEAD in their JSON; those count only where ``TREES`` below names the tree that
+ran, read by hand from the run folder's README (the default configuration, not an A/B arm). Numbers whose JSON was not kept are read from the run's log into
+``LOG_ROWS`` (each value is checked against the log text when this runs: a value not found there stops it).
+Nothing else is typed in. ``--check`` exits 1 when the page on disk differs from what this would write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+PAGE = ROOT / "docs" / "performance.md"
+
+# Runs made before benchmarks/run.py: the tree each ran, from the run folder's README (its "tree" column or text).
+TREES = {
+    "spatial-order-h100-20261126/layer-20261126-135747.json": ("ce8f013", "README, call 9"),
+    "spatial-order-h100-20261126/md-20261126-134824.json": ("7e63b3b", "README, call 7"),
+    "spatial-order-h100-20261126/md-20261126-134850.json": ("7e63b3b", "README, call 7"),
+    "spatial-order-h100-20261126/md-20261126-135314.json": ("7e63b3b", "README, call 8 (7e63b3b + docs)"),
+    "spatial-order-h100-20261126/md-20261126-135337.json": ("7e63b3b", "README, call 8 (7e63b3b + docs)"),
+    "spatial-order-h100-20261126/md-20261126-135428.json": ("7e63b3b", "README, call 8 (7e63b3b + docs)"),
+    "chunks-order-h100-20261126/layer-20261126-104633.json": ("ef9ef27", "README, call 6"),
+    "chunks-order-h100-20261126/md-20261126-105126.json": ("ef9ef27", "README, call 6"),
+    "chunks-order-h100-20261126/md-20261126-110718.json": ("8a7551c", "README, call 7"),
+    "chunks-order-h100-20261126/md-20261126-111434.json": ("8a7551c", "README, call 7"),
+}
+
+# Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
+LOG_ROWS = {
+    "step-5k-h100-20261126/md-5k-peers.log": {
+        "date": "2026-11-26T05:53:06", "device": "NVIDIA H100 80GB HBM3",
+        "commit": ("3b3549e", "README: 'code 3b3549e' for the calls after the auto loop order"),
+        "rows": [
+            {"model": "mace-mp-medium", "backend": "cgforge", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.01559185649999506, "peak_gb_nvt": 0.725441536},
+            {"model": "mace-mp-medium", "backend": "cueq", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.3682949709999974, "peak_gb_nvt": 6.69578496},
+            {"model": "nequip-M", "backend": "cgforge", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.009687730499990721, "peak_gb_nvt": 0.601491456},
+            {"model": "nequip-M", "backend": "cueq", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.4413925919999997, "peak_gb_nvt": 8.80399616},
+        ],
+    },
+}
+
+# Published by others on their hardware (not run here): /work/shared/anchors.md, "Published anchors of other peers".
+PUBLISHED = [
+    {"peer": "Symmetrix-XL", "model": "MACE-OMAT-0 (energy, forces, stress)", "atoms": 1_370_000,
+     "us_per_atom_step": 6.33, "device": "one A100-80GB", "note": "13.1 M atoms with a fixed workspace"},
+]
+
+MODEL_NAMES = {"mace-mp-medium": "MACE-MP-medium shape", "nequip-M": "NequIP preset M", "bundled-mace": "bundled MACE",
+               "bundled-nequip": "bundled NequIP", "nequip-l1": "NequIP l1"}
+LAYER_NAMES = {"mace-medium": "mace-medium", "mace-large": "mace-large",
+               "mace-mp-medium-l2": "MACE-MP-medium layer 2 (every path)"}
+
+
+@dataclass
+class Run:
+    """One results file: where it is, when and on what it ran, at which commit, and its rows."""
+    path: str  # relative to the results folder
+    date: str
+    device: str
+    commit: str
+    commit_note: str
+    rows: list[dict]
+    versions: dict = field(default_factory=dict)
+
+    def cite(self) -> str:
+        return (f"{self.device}, {self.date[:16].replace('T', ' ')}, commit `{self.commit}` ({self.commit_note}); "
+                f"[`{self.path}`](../benchmarks/results/{self.path})")
+
+
+TUNING_FREE = {"CGFORGE_COMMIT", "CGFORGE_COMMIT_DIRTY"}  # a manifest whose env names other CGFORGE_ variables is an A/B
+
+
+def _commit(results: Path, rel: str) -> tuple[str, str] | None:
+    """(commit, where it was read) of a run this page may quote, None for the others: runs of benchmarks/run.py
+    without tuning variables, and older runs whose tree ``TREES`` names."""
+    manifest = (results / rel).parent / "manifest.json"
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        if set(data.get("env", {})) - TUNING_FREE:
+            return None
+        commit = data.get("commit", {})
+        dirty = commit.get("dirty")
+        state = {True: "dirty working tree", False: "clean", None: "dirty state unknown"}[dirty]
+        return str(commit.get("sha") or "unknown")[:12], f"manifest.json, {commit.get('source')}, {state}"
+    if rel in TREES:
+        sha, note = TREES[rel]
+        return sha, f"run folder's {note}"
+    return None
+
+
+def load_runs(results: Path, prefix: str) -> list[Run]:
+    runs = []
+    for path in sorted(results.rglob(f"{prefix}-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        env = data.get("environment") or data.get("env") or {}
+        rows = data.get("rows")
+        if not isinstance(rows, list) or not env.get("date"):
+            continue
+        rel = path.relative_to(results).as_posix()
+        known = _commit(results, rel)
+        if known is None:
+            continue
+        commit, note = known
+        runs.append(Run(rel, env["date"], env.get("device", "unknown device"), commit, note,
+                        [r for r in rows if isinstance(r, dict)], env))
+    for rel, entry in LOG_ROWS.items():
+        if prefix != "md":
+            continue
+        log = results / rel
+        text = log.read_text() if log.is_file() else ""
+        for row in entry["rows"]:
+            for key in ("nvt_s", "peak_gb_nvt"):
+                if f"'{key}': {row[key]!r}" not in text:
+                    raise SystemExit(f"report.py: LOG_ROWS[{rel!r}]: {key} {row[key]!r} of {row['model']}/"
+                                     f"{row['backend']} is not in {log}")
+        sha, note = entry["commit"]
+        runs.append(Run(rel, entry["date"], entry["device"], sha, f"run folder's {note}; numbers from the log, "
+                        "its JSON was not kept", [dict(r, dtype="float32") for r in entry["rows"]]))
+    return sorted(runs, key=lambda r: r.date)
+
+
+def newest(runs: list[Run], wanted) -> Run | None:
+    hits = [r for r in runs if wanted(r)]
+    return hits[-1] if hits else None
+
+
+def _has(run: Run, **match) -> bool:
+    return any(all(row.get(k) == v for k, v in match.items()) for row in run.rows)
+
+
+def _opening(title: str, run: Run | None, missing: str, intro: str, columns: list[str]) -> list[str]:
+    """A section's title, text, run and table header; only the title and ``missing`` when no run holds it."""
+    out = [f"## {title}", ""]
+    if run is None:
+        return out + [f"No {missing} under benchmarks/results/.", ""]
+    return out + [intro, "", f"Run: {run.cite()}.", "", "| " + " | ".join(columns) + " |",
+                  "|---|" + "---:|" * (len(columns) - 1)]
+
+
+def layer_section(runs: list[Run]) -> list[str]:
+    run = newest(runs, lambda r: any("cueq-mlp_fb" in row and "cgforge-table_fb" in row for row in r.rows))
+    cueq = run.versions.get("cuequivariance", "") if run else ""
+    out = _opening(
+        "Per layer: radial weights + convolution vs cuEquivariance", run, "bench_layer run with cuEquivariance rows",
+        "One interaction layer on the 5184-atom water box (436,566 edges at 6 Å), FP32, forward and forward + "
+        "backward (to x, y and the edge lengths): cgforge's table kernels (the radial weights read from a cubic "
+        "table inside the convolution) against MACE's radial MLP + cuEquivariance "
+        f"{cueq}'s fused convolution (`uniform_1d`), as MACE runs with cuEquivariance on. The floor: the CG "
+        "multiply-adds at the device's FP32 peak, or the bytes at the measured copy bandwidth, whichever is larger.",
+        ["problem", "cgforge fwd", "cgforge fwd+bwd", "MLP + cuEquivariance fwd", "MLP + cuEquivariance fwd+bwd",
+         "cuEquivariance / cgforge (fwd+bwd)", "floor fwd+bwd"])
+    if run is None:
+        return out
+    for row in run.rows:
+        if "cueq-mlp_fb" not in row:
+            continue
+        out.append(f"| {LAYER_NAMES.get(row['problem'], row['problem'])} | {row['cgforge-table_fwd']:.3f} ms "
+                   f"| {row['cgforge-table_fb']:.3f} ms | {row['cueq-mlp_fwd']:.3f} ms | {row['cueq-mlp_fb']:.3f} ms "
+                   f"| **{row['cueq-mlp_fb'] / row['cgforge-table_fb']:.2f}x** | {row['floor_fb']:.3f} ms |")
+    return out + [""]
+
+
+def engine_section(runs: list[Run]) -> list[str]:
+    run = newest(runs, lambda r: _has(r, backend="fastmace") and _has(r, backend="cgforge-engine"))
+    out = _opening(
+        "Whole MD steps vs FastMACE", run, "bench_md run with FastMACE rows",
+        "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after 20) on the 5184-atom water "
+        "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
+        "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
+        "cuEquivariance convolution). Lower is better.",
+        ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE"])
+    if run is None:
+        return out
+    models = dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace")
+    for model in models:
+        cell = {row["backend"]: row.get("nvt_s") for row in run.rows if row.get("model") == model}
+        fast, comp, plain = cell.get("fastmace"), cell.get("cgforge-engine-compiled"), cell.get("cgforge-engine")
+
+        def ms(v):
+            return f"{v * 1e3:.2f} ms" if isinstance(v, float) else "-"
+        ratio = f"{comp / fast:.2f}" if isinstance(comp, float) and isinstance(fast, float) else "-"
+        out.append(f"| {MODEL_NAMES.get(model, model)} | {ms(plain)} | {ms(comp)} | {ms(fast)} | {ratio} |")
+    later = newest(runs, lambda r: r.date > run.date and _has(r, backend="cgforge-engine", system="5k"))
+    if later is not None:
+        rows = [row for row in later.rows if row.get("backend") == "cgforge-engine" and row.get("nvt_s")]
+        text = ", ".join(f"{MODEL_NAMES.get(r['model'], r['model'])} {r['nvt_s'] * 1e3:.2f} ms" for r in rows)
+        out += ["", f"A newer run timed the uncompiled engine alone, with no peer in that run: {text} "
+                f"({later.cite()})."]
+    return out + [""]
+
+
+def force_section(runs: list[Run]) -> list[str]:
+    run = newest(runs, lambda r: _has(r, backend="cueq", dtype="float32", system="5k")
+                 and _has(r, backend="cgforge", dtype="float32", system="5k"))
+    out = _opening(
+        "Force call through ASE vs the models' own calculators with cuEquivariance", run,
+        "bench_md run with cuEquivariance rows",
+        "One energy + forces call through ASE on the 5184-atom water box, FP32 (MACE-MP-medium shape and NequIP "
+        "preset M, random weights): cgforge's `Calculator` (a CUDA-graph replay) against MACECalculator / "
+        "NequIPCalculator with cuEquivariance, in the same run. The peers' time includes their host-side batch "
+        "preparation, which is what an ASE user waits for.",
+        ["model", "cgforge", "peak GB", "peer + cuEquivariance", "peak GB", "peer / cgforge"])
+    if run is None:
+        return out
+    for model in dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "cueq"):
+        cell = {row["backend"]: row for row in run.rows if row.get("model") == model and row.get("system") == "5k"}
+        ours, peer = cell.get("cgforge"), cell.get("cueq")
+        if not ours or not peer or not ours.get("nvt_s") or not peer.get("nvt_s"):
+            continue
+        out.append(f"| {MODEL_NAMES.get(model, model)} | {ours['nvt_s'] * 1e3:.1f} ms | {ours['peak_gb_nvt']:.2f} "
+                   f"| {peer['nvt_s'] * 1e3:.0f} ms | {peer['peak_gb_nvt']:.2f} | {peer['nvt_s'] / ours['nvt_s']:.0f}x |")
+    return out + [""]
+
+
+def capacity_section(runs: list[Run]) -> list[str]:
+    out = ["## Capacity: the largest boxes, one force call", "",
+           "The default calculator (it plans its own memory: stored or streamed edges, row chunks) on water boxes of "
+           "bench_md, one energy + forces call through ASE, FP32; the newest run of each model and size. No peer was run "
+           "at these sizes (the peers' largest runs here are the 5184-atom box above). Symmetrix-XL's figure is its "
+           "authors' own, on their hardware: not comparable run for run, listed for scale.", "",
+           "| model | atoms | edges | s per call | µs per atom and step | peak GB | run |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    best: dict[tuple[str, str], tuple[Run, dict]] = {}
+    for run in runs:
+        for row in run.rows:
+            if (row.get("backend") == "cgforge" and row.get("dtype") == "float32" and isinstance(row.get("nvt_s"), float)
+                    and row.get("system") in ("5k", "500k", "1m") and row.get("model") in ("mace-mp-medium", "nequip-M")
+                    and "cueq" not in {r.get("backend") for r in run.rows}):
+                best[(row["model"], row["system"])] = (run, row)  # runs are in date order: the newest wins
+    order = {"5k": 0, "500k": 1, "1m": 2}
+    for (model, _system), (run, row) in sorted(best.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        edges = f"{row['edges']:,}" if row.get("edges") else "-"
+        out.append(f"| {MODEL_NAMES[model]} | {row['atoms']:,} | {edges} | {row['nvt_s']:.4g} "
+                   f"| {row['nvt_s'] / row['atoms'] * 1e6:.2f} | {row.get('peak_gb_nvt', float('nan')):.1f} "
+                   f"| {run.device}, {run.date[:10]}, `{run.commit}`, [`{run.path}`](../benchmarks/results/{run.path}) |")
+    for p in PUBLISHED:
+        out.append(f"| {p['peer']} (published): {p['model']} | {p['atoms']:,} | - | - | {p['us_per_atom_step']:.2f} "
+                   f"| - | {p['device']}, its authors' figure ({p['note']}) |")
+    return out + [""]
+
+
+def render(results: Path) -> str:
+    layer, md = load_runs(results, "layer"), load_runs(results, "md")
+    lines = ["# Performance", "",
+             "<!-- Generated by `python benchmarks/report.py` from benchmarks/results/: do not edit by hand. -->", "",
+             "Current numbers only, each table from the newest run that holds it, with the run's device, date and "
+             "commit; peers are timed in the same run as cgforge unless a row says *published*. Every run, with the "
+             "question it answered: [benchmarks/results/README.md](../benchmarks/results/README.md). To refresh: "
+             "`python benchmarks/run.py layer engine md capacity` on a GPU, then `python benchmarks/report.py`.", ""]
+    lines += layer_section(layer) + engine_section(md) + force_section(md) + capacity_section(md)
+    lines += ["## Where the numbers come from", "",
+              "- Runs made with `benchmarks/run.py` carry their commit in `manifest.json`. Older runs recorded the "
+              "device copy's stale HEAD in their JSON; for those, the tree that ran is taken from the run folder's "
+              "README (`TREES` in benchmarks/report.py) and the table says so.",
+              "- The force-call table's numbers are read from the run's log (`LOG_ROWS` in benchmarks/report.py): "
+              "that run's JSON was not kept; report.py checks each value against the log text.",
+              "- Symmetrix-XL: published by its authors (`PUBLISHED` in benchmarks/report.py), not run here.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=PAGE)
+    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what would be written")
+    args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        parser.error(f"--results {args.results}: not a folder")
+    text = render(args.results)
+    if args.check:
+        same = args.out.is_file() and args.out.read_text() == text
+        print(f"{args.out}: {'up to date' if same else 'differs from benchmarks/report.py output'}")
+        return 0 if same else 1
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""benchmarks/run.py (the driver) and benchmarks/report.py (docs/performance.md) without a GPU: the run folder, its
+manifest's commit fields (HEAD, dirty, tree, override), the device's name and the report's choice of runs.
+
+Development tooling, not the product: run with ``.venv/bin/python -m pytest benchmarks/tests``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"cgforge_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def driver():
+    return _load("run")
+
+
+def test_device_slug(driver) -> None:
+    assert driver.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert driver.device_slug("NVIDIA H200") == "h200"
+    assert driver.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert driver.device_slug("Tesla T4") == "t4"
+    assert driver.device_slug("cpu (x86_64)") == "cpu"
+
+
+def test_run_folder_takes_the_next_letter(driver, tmp_path: Path) -> None:
+    import datetime
+
+    day = datetime.date(2026, 11, 26)
+    assert driver.run_folder(tmp_path, "layer", "h100", day).name == "layer-h100-20261126"
+    (tmp_path / "layer-h100-20261126").mkdir()
+    assert driver.run_folder(tmp_path, "layer", "h100", day).name == "layer-h100-20261126b"
+
+
+def test_extra_arguments_replace_the_suites(driver) -> None:
+    assert driver.plan(["layer"], ["mace-large"]) == [("layer", ("bench_layer.py", "mace-large"))]
+    assert [s for s, _ in driver.plan(["capacity", "tp"], [])] == ["capacity", "capacity", "tp"]
+    assert all((BENCHMARKS / c[0]).is_file() for suite in driver.SUITES.values() for c in suite.commands)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_commit_reads_head_dirty_and_tree_or_the_override(driver, tmp_path: Path, monkeypatch) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(driver, "ROOT", repo)
+    clean = driver.commit_info(None)
+    assert clean["sha"] == _git(repo, "rev-parse", "HEAD") and clean["source"] == "git"
+    assert clean["dirty"] is False and clean["git"]["tree"] == _git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "a.py").write_text("x = 2\n")
+    dirty = driver.commit_info(None)
+    assert dirty["dirty"] is True and dirty["git"]["tree"] != clean["git"]["tree"]
+    assert _git(repo, "status", "--porcelain") == "M a.py"  # the index was not touched
+    assert _git(repo, "diff", "--cached", "--name-only") == ""
+    stale = driver.commit_info("abc1234")  # a copy whose .git is stale: the override wins, git's view is kept
+    assert stale["sha"] == "abc1234" and stale["source"] == "override" and stale["git"]["dirty"] is True
+    monkeypatch.setattr(driver, "ROOT", tmp_path / "no-git")
+    (tmp_path / "no-git").mkdir()
+    assert driver.commit_info(None)["sha"] is None
+
+
+def test_a_run_writes_its_folder_manifest_log_and_json(tmp_path: Path) -> None:
+    """The whole driver on a stand-in suite (a script that writes JSON to $OUT), as a GPU session would call it."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"import json, os, sys\nfrom pathlib import Path\nsys.path.insert(0, {str(BENCHMARKS)!r})\n"
+                      "from common import commit\nprint('probe', sys.argv[1:])\n"
+                      "Path(os.environ['OUT'], 'probe.json').write_text(json.dumps(commit()))\n")
+    code = (f"import runpy, sys; g = runpy.run_path({str(BENCHMARKS / 'run.py')!r}, run_name='probe'); "
+            f"g['SUITES']['probe'] = g['Suite']('a probe', (({str(script)!r}, 'x'),)); sys.exit(g['main']())")
+    results = tmp_path / "results"
+    run = subprocess.run([sys.executable, "-c", code, "probe", "--results", str(results), "--commit", "1234567",
+                          "--name", "probe"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (folder,) = results.iterdir()
+    assert folder.name.startswith("probe-") and folder.name[-8:].isdigit()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["commit"]["sha"] == "1234567" and manifest["commit"]["source"] == "override"
+    assert set(manifest["versions"]) >= {"torch", "cupy", "e3nn", "mace", "nequip", "cuequivariance"}
+    assert manifest["versions"]["torch"] and manifest["finished"]
+    (entry,) = manifest["runs"]
+    assert entry["rc"] == 0 and entry["files"] == ["probe.json"] and entry["log"] == "probe.log"
+    assert "probe ['x']" in (folder / "probe.log").read_text()
+    assert json.loads((folder / "probe.json").read_text())["commit"] == "1234567"  # the scripts' JSON agrees
+
+
+def _layer_json(folder: Path, date: str, cgforge_fb: float) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    row = {"problem": "mace-medium", "cgforge-table_fwd": 1.0, "cgforge-table_fb": cgforge_fb, "cueq-mlp_fwd": 2.0,
+           "cueq-mlp_fb": 9.0, "floor_fb": 0.4}
+    (folder / f"layer-{date[:10]}.json").write_text(json.dumps(
+        {"environment": {"date": date, "device": "NVIDIA H100 80GB HBM3", "commit": "stale00"}, "rows": [row]}))
+
+
+def test_the_report_quotes_the_newest_vetted_run(tmp_path: Path) -> None:
+    report = _load("report")
+    results = tmp_path / "results"
+    _layer_json(results / "old-h100-20261120", "2026-11-20T10:00:00", 3.0)  # no manifest, not in TREES: skipped
+    _layer_json(results / "layer-h100-20261127", "2026-11-27T10:00:00", 4.5)
+    (results / "layer-h100-20261127" / "manifest.json").write_text(json.dumps(
+        {"commit": {"sha": "abcdef1234567", "source": "git", "dirty": False}, "env": {}}))
+    _layer_json(results / "ab-h100-20261128", "2026-11-28T10:00:00", 1.0)  # an A/B arm: skipped
+    (results / "ab-h100-20261128" / "manifest.json").write_text(json.dumps(
+        {"commit": {"sha": "1111111", "source": "git", "dirty": False}, "env": {"CGFORGE_LOOP_ORDER": "edges"}}))
+    page = "\n".join(report.layer_section(report.load_runs(results, "layer")))
+    assert "commit `abcdef123456` (manifest.json, git, clean)" in page
+    assert "| 4.500 ms |" in page and "**2.00x**" in page and "stale00" not in page and "1111111" not in page
+
+
+def test_a_log_row_that_is_not_in_its_log_stops_the_report(tmp_path: Path, monkeypatch) -> None:
+    report = _load("report")
+    (rel,) = report.LOG_ROWS
+    log = tmp_path / rel
+    log.parent.mkdir(parents=True)
+    log.write_text((BENCHMARKS / "results" / rel).read_text())
+    assert report.load_runs(tmp_path, "md")  # the values of the table are in the real log
+    log.write_text(log.read_text().replace("0.3682949709999974", "0.3"))
+    with pytest.raises(SystemExit, match="0.3682949709999974"):
+        report.load_runs(tmp_path, "md")
+
+
+def test_the_page_is_current() -> None:
+    """docs/performance.md is what benchmarks/report.py writes from benchmarks/results/ (regenerate after a run)."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "report.py"), "--check"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_results_index_lists_every_run_folder() -> None:
+    """benchmarks/results/README.md has one row per run folder (add the row with the run) and no loose files."""
+    import re
+
+    results = BENCHMARKS / "results"
+    listed = re.findall(r"^\| `([^`/]+)/`", (results / "README.md").read_text(), re.M)
+    folders = sorted(p.name for p in results.iterdir() if p.is_dir())
+    assert sorted(listed) == folders
+    assert [p.name for p in results.iterdir() if p.is_file()] == ["README.md"]
