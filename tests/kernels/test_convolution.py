@@ -3,13 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from oracles import e3nn_conv
 from tp_cases import PROBLEMS, e3nn_tp, rel
 
 from cgforge.kernels import ConvGraph, Convolution
-
-
-def e3nn_conv(tp, x, y, w, s, r, n):
-    return torch.zeros(n, tp.irreps_out.dim, dtype=x.dtype).index_add(0, r, tp(x[s], y, w))
 
 
 def leaves(tp, n, e, dtype=torch.float64, seed=0):

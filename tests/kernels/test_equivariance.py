@@ -17,36 +17,13 @@ from ase import Atoms
 from e3nn import o3
 from hypothesis import given
 from hypothesis import strategies as st
+from oracles import random_rotation, rotate, rotated, wigner_d
 from potentials import mace_potential, mace_system, nequip_potential, nequip_system
 from problem_strategies import hypothesis_settings, problems, random_inputs, rel, seed_decorator
 
 from cgforge.kernels import ConvGraph, Convolution
 
 TOL = 1e-10  # FP64; e3nn's D matrices for l = 6 are exact to ~1e-13
-
-
-def random_rotation(seed: int, inversion: bool) -> torch.Tensor:
-    """A Haar-random proper rotation from a seeded generator, times -1 for an improper one."""
-    gen = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(3, 3, generator=gen, dtype=torch.float64))
-    q = q * torch.sign(torch.diagonal(r))
-    if torch.det(q) < 0:
-        q = -q
-    return -q if inversion else q
-
-
-def wigner_d(irreps, rot: torch.Tensor) -> torch.Tensor:
-    """e3nn's D matrix of `irreps` for `rot`, in FP64 (e3nn builds its generators in the default dtype)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        return irreps.D_from_matrix(rot.double().cpu())
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _rotate(t: torch.Tensor, irreps, rot: torch.Tensor) -> torch.Tensor:
-    return t @ wigner_d(irreps, rot).to(dtype=t.dtype, device=t.device).T
 
 
 def test_rotations_are_what_they_claim():
@@ -68,9 +45,9 @@ def _check_tp_equivariance(problem, batch, seed, inversion, device):
     x, y, w = (t.detach() for t in random_inputs(problem, batch, seed, device=device))
     rot = random_rotation(seed, inversion)
     out = ours(x, y, w)
-    turned = ours(_rotate(x, problem.irreps_in1, rot), _rotate(y, problem.irreps_in2, rot), w)
+    turned = ours(rotate(x, problem.irreps_in1, rot), rotate(y, problem.irreps_in2, rot), w)
     assert out.abs().max() > 0
-    err = rel(turned, _rotate(out, problem.irreps_out, rot))
+    err = rel(turned, rotate(out, problem.irreps_out, rot))
     assert err < TOL, f"relative error {err:.3g} (inversion={inversion})"
 
 
@@ -91,9 +68,9 @@ def _check_conv_equivariance(problem, n, e, seed, inversion, deterministic, devi
     _, y, w = (t.detach() for t in random_inputs(problem, e, seed + 1, device=device))
     rot = random_rotation(seed, inversion)
     out = conv(x, y, w, graph)
-    turned = conv(_rotate(x, problem.irreps_in1, rot), _rotate(y, problem.irreps_in2, rot), w, graph)
+    turned = conv(rotate(x, problem.irreps_in1, rot), rotate(y, problem.irreps_in2, rot), w, graph)
     assert out.abs().max() > 0
-    err = rel(turned, _rotate(out, problem.irreps_out, rot))
+    err = rel(turned, rotate(out, problem.irreps_out, rot))
     assert err < TOL, f"relative error {err:.3g} (inversion={inversion})"
 
 
@@ -148,16 +125,6 @@ def patched_models():
     return get
 
 
-def rotated(atoms: Atoms, rot: np.ndarray) -> Atoms:
-    """Positions rotated by `rot`; the cell by its proper part (inverting every lattice vector gives the
-    same lattice, so an inverted crystal keeps a right-handed cell)."""
-    proper = rot * np.sign(np.linalg.det(rot))
-    out = atoms.copy()
-    out.set_cell(np.asarray(atoms.cell) @ proper.T, scale_atoms=False)
-    out.positions = atoms.positions @ rot.T
-    return out
-
-
 def _check_model(pot, atoms: Atoms, seed: int, inversion: bool) -> None:
     rot = random_rotation(seed, inversion).numpy()
     e0, f0, _, s0 = (t.detach().cpu().double().numpy() for t in pot.evaluate(atoms))
@@ -177,12 +144,12 @@ def _system(name: str) -> Atoms:
 
 @pytest.mark.parametrize("inversion", [False, True], ids=["rotation", "rotoinversion"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_patched_model_energy_invariant_forces_and_stress_rotate(patched_models, name, inversion):
+def test_patched_model_energy_invariant_forces_and_stressrotate(patched_models, name, inversion):
     _check_model(patched_models(name, "cpu"), _system(name), seed=11, inversion=inversion)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("inversion", [False, True], ids=["rotation", "rotoinversion"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_patched_model_on_gpu_energy_invariant_forces_and_stress_rotate(patched_models, name, inversion):
+def test_patched_model_on_gpu_energy_invariant_forces_and_stressrotate(patched_models, name, inversion):
     _check_model(patched_models(name, "cuda"), _system(name), seed=11, inversion=inversion)

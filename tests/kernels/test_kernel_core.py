@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from oracles import e3nn_conv
 from tp_cases import PROBLEMS, e3nn_tp, rel
 
 from cgforge.kernels import (
@@ -57,7 +58,7 @@ def _conv_case(name: str, shared: bool):
     g = torch.randn(5, tp.irreps_out.dim, generator=gen, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, y, w)]
     s, r = graph.sender.long(), graph.receiver.long()
-    ref = torch.zeros(5, tp.irreps_out.dim, dtype=torch.float64).index_add(0, r, tp(leaves[0][s], leaves[1], leaves[2]))
+    ref = e3nn_conv(tp, *leaves, s, r, 5)
     grads = torch.autograd.grad(ref, leaves, g)
     return TPProblem.from_e3nn(tp), graph, (x, y, w, g), ref.detach(), grads
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracles import e3nn_conv
 from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel
 
 from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPTuning
@@ -99,7 +100,7 @@ def test_conv_forward_backward(name, dtype, deterministic, n, e):
     x = torch.randn(n, tp.irreps_in1.dim, dtype=torch.float64, device=DEV, requires_grad=True)
     y = torch.randn(e, tp.irreps_in2.dim, dtype=torch.float64, device=DEV, requires_grad=True)
     w = torch.randn(e, tp.weight_numel, dtype=torch.float64, device=DEV, requires_grad=True)
-    ref = torch.zeros(n, tp.irreps_out.dim, dtype=torch.float64, device=DEV).index_add(0, r, tp(x[s], y, w))
+    ref = e3nn_conv(tp, x, y, w, s, r, n)
     g = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (x, y, w), g)
     xs, ys, ws = (t.detach().to(dtype).requires_grad_() for t in (x, y, w))
@@ -125,7 +126,7 @@ def test_conv_edges_outer_loop_order(name, dtype, deterministic, order, chunk):
     x = torch.randn(n, tp.irreps_in1.dim, dtype=torch.float64, device=DEV, requires_grad=True)
     y = torch.randn(e, tp.irreps_in2.dim, dtype=torch.float64, device=DEV, requires_grad=True)
     w = torch.randn(e, tp.weight_numel, dtype=torch.float64, device=DEV, requires_grad=True)
-    ref = torch.zeros(n, tp.irreps_out.dim, dtype=torch.float64, device=DEV).index_add(0, r, tp(x[s], y, w))
+    ref = e3nn_conv(tp, x, y, w, s, r, n)
     g = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (x, y, w), g)
     xs, ys, ws = (t.detach().to(dtype).requires_grad_() for t in (x, y, w))
@@ -157,8 +158,7 @@ def test_conv_deterministic_is_bitwise_reproducible_and_double_backward():
         return torch.autograd.grad(gx.square().sum(), (xd, yd, wd))
 
     tp64 = e3nn_tp(PROBLEMS["mace-medium"], device=DEV)
-    ref = second(lambda a, b, c: torch.zeros(200, tp64.irreps_out.dim, dtype=torch.float64, device=DEV)
-                 .index_add(0, r, tp64(a[s], b, c)))
+    ref = second(lambda a, b, c: e3nn_conv(tp64, a, b, c, s, r, 200))
     got = second(lambda a, b, c: conv(a, b, c, graph))
     for a, b in zip(got, ref):
         assert rel(a, b) < 1e-11
@@ -181,5 +181,5 @@ def test_conv_cuda_graph_capture():
     x.copy_(torch.randn_like(x))
     cg.replay()
     torch.cuda.synchronize()
-    ref = torch.zeros(100, tp.irreps_out.dim, **f32).index_add(0, r, tp(x[s], y, w))
+    ref = e3nn_conv(tp, x, y, w, s, r, 100)
     assert rel(out, ref) < 1e-5

@@ -21,6 +21,7 @@ import torch
 from e3nn import o3
 from hypothesis import given
 from hypothesis import strategies as st
+from oracles import e3nn_conv
 from problem_strategies import (
     MAX_L,
     RandomProblem,
@@ -157,10 +158,6 @@ def graphs(draw, max_nodes: int = 6, max_edges: int = 14):
     return n, torch.tensor(s, dtype=torch.int64), torch.tensor(r, dtype=torch.int64)
 
 
-def _e3nn_conv(tp, x, y, w, s, r, n):
-    return torch.zeros(n, tp.irreps_out.dim, dtype=x.dtype, device=x.device).index_add(0, r, tp(x[s], y, w))
-
-
 def _conv_inputs(problem, n, e, seed, dtype=torch.float64, device="cpu"):
     x, _, _ = random_inputs(problem, n, seed, dtype, device)
     _, y, w = random_inputs(problem, e, seed + 7, dtype, device)
@@ -175,7 +172,7 @@ def test_convolution_cpu_path_matches_e3nn(problem, graph, deterministic, seed):
     tp = problem.e3nn()
     conv = Convolution(*problem.args())
     x, y, w = _conv_inputs(problem, n, s.shape[0], seed)
-    ref = _e3nn_conv(tp, x, y, w, s, r, n)
+    ref = e3nn_conv(tp, x, y, w, s, r, n)
     out = conv(x, y, w, ConvGraph(s, r, n, deterministic=deterministic))
     _assert_close(out, ref, FP64_TOL, "forward")
     g = _grad_out(ref.shape, seed)
@@ -274,7 +271,7 @@ def test_generated_conv_kernels_match_e3nn(problem, graph, deterministic, dtype,
     tp = problem.e3nn(device="cuda")
     conv = Convolution(*problem.args())
     x, y, w = _conv_inputs(problem, n, s.shape[0], seed, device="cuda")
-    ref = _e3nn_conv(tp, x, y, w, s, r, n)
+    ref = e3nn_conv(tp, x, y, w, s, r, n)
     g = _grad_out(ref.shape, seed, device="cuda")
     ref_grads = _grads(ref, (x, y, w), g)
     xs, ys, ws = (t.detach().to(dtype).requires_grad_() for t in (x, y, w))
