@@ -1,4 +1,4 @@
-"""Water-box molecular dynamics with a MACE (or NequIP) model on cgforge's kernels.
+"""Water-box molecular dynamics with a MACE or NequIP model (cgforge's kernels on a GPU, its own code on a CPU).
 
     python examples/water_md.py                       # bundled MACE water model, NVT at 300 K
     python examples/water_md.py --model nequip --ensemble nve --steps 200
@@ -20,9 +20,8 @@ import sys
 import time
 
 from cgforge.cli import run_guarded
-from cgforge.cli.md import add_md_arguments, model_banner, prepare_md, relax_structure
+from cgforge.cli.md import add_md_arguments, model_banner, options_banner, prepare_md, relax_structure
 from cgforge.plugin.calculator import Calculator
-from cgforge.plugin.md import run_md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,28 +29,34 @@ def main(argv: list[str] | None = None) -> int:
     add_md_arguments(parser)
     args = parser.parse_args(argv)
 
-    # 1. Every flag and file checked first; the system: a periodic box of randomly oriented water molecules
-    #    at 1 g/cm^3, a structure file, or the last frame of a trajectory (--restart). No model loaded yet.
+    # 1. Every flag, file and the system checked first (no model loaded yet): a periodic box of randomly
+    #    oriented water molecules at 1 g/cm^3, a structure file, or the last frame of a trajectory (--restart,
+    #    whose saved ensemble and options the run continues). `plan` holds the checked run and the log.
     setup = prepare_md(args, stem="water-md")
-    atoms = setup.atoms
+    plan, atoms = setup.plan, setup.atoms
+    try:
+        # 2. The calculator: loads the model (on CUDA patched with cgforge's kernels, compiled now, not in the
+        #    first step; on a CPU the model's own code), then checked against the structure's elements.
+        start = time.perf_counter()
+        calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+                          stress_with_forces=plan.o["ensemble"] == "npt")  # NPT asks for the stress every step
+        plan.out(f"{len(atoms)} atoms; {model_banner(args.model, calc, time.perf_counter() - start)}")
+        plan.attach(calc)
 
-    # 2. The calculator: loads and patches the model, compiles its kernels now (not in the first step).
-    start = time.perf_counter()
-    calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
-                      stress_with_forces=args.ensemble == "npt")  # NPT asks for the stress every step
-    print(f"{len(atoms)} atoms; {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
+        # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
+        if setup.relax:
+            relax_structure(atoms, calc, setup.relax, out=plan.out)
 
-    # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
-    if setup.relax:
-        relax_structure(atoms, calc, setup.relax)
-
-    # 4. MD: Langevin (or --thermostat csvr) NVT, velocity-Verlet NVE or NPT, progress every --log-interval
-    #    steps; on a GPU cgforge's device engine runs the integrator next to the model (--engine ase: ASE's
-    #    dynamics). The run stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the
-    #    current step; --plot draws the run at the end.
-    summary = run_md(atoms, calc, log=[print, setup.log] if setup.log else print, **setup.run_md_kwargs)
-    print(f"final temperature {summary.temperature_K:.1f} K, energy drift "
-          f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")
+        # 4. MD: Langevin (or --thermostat csvr) NVT, velocity-Verlet NVE or NPT, progress every --log-interval
+        #    steps; on a GPU cgforge's device engine runs the integrator next to the model (--engine ase: ASE's
+        #    dynamics). The run stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the
+        #    current step; --plot draws the run at the end.
+        plan.out(options_banner(calc, plan.engine, plan.o["engine"], args.skin))
+        summary = plan.run(close=False)
+        plan.out(f"final temperature {summary.temperature_K:.1f} K, energy drift "
+                 f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")
+    finally:
+        plan.close()
     return 0
 
 

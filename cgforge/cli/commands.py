@@ -168,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .md import add_md_arguments
 
-    p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model on cgforge's "
-                       "kernels (integrator on the GPU with cgforge's device engine): NVT, NVE or NPT, progress lines, "
-                       "a trajectory, restarts, a plot",
+    p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model (on a GPU: "
+                       "cgforge's kernels, the integrator in cgforge's device engine; on a CPU: the model's own code, "
+                       "the faster path there, with ASE's dynamics): NVT, NVE or NPT, progress lines, a trajectory, "
+                       "restarts that continue the run's saved options, a plot",
                        epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
                               f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
                               f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "

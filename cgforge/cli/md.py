@@ -3,48 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from ase import Atoms
-
-from cgforge.plugin.md.files import (
-    PLOT_SUFFIXES,
-    Restart,
-    check_distinct,
-    check_new_path,
-    default_trajectory_path,
-    read_restart,
-    read_structure,
-    stream_printer,
-)
+# Only the light options module here: `cgforge --help` and `--version` import this file and must not load torch,
+# e3nn, ASE or the patches (the rest is imported where it is used).
 from cgforge.plugin.md.options import (
     DEFAULT_COMPRESSIBILITY_PER_BAR,
     DEFAULT_FRICTION,
     DEFAULT_PRESSURE_BAR,
     DEFAULT_TAUP_FS,
     DEFAULT_TAUT_FS,
+    DEFAULTS,
     ENGINES,
     ENSEMBLES,
     MAX_TEMPERATURE_FACTOR,
     MAX_TEMPERATURE_FLOOR_K,
+    PLOT_SUFFIXES,
     THERMOSTATS,
-    check_atoms_for,
     check_count,
     check_number,
-    checked_options,
-    ensemble_options,
 )
 
 if TYPE_CHECKING:
-    from cgforge.plugin.md.run import MDSummary
+    from ase import Atoms
 
-__all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "MDSetup",
-           "relax_steps"]
+    from cgforge.plugin.md.files import Restart
+    from cgforge.plugin.md.run import MDPlan, MDSummary
+
+__all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "options_banner",
+           "MDSetup", "relax_steps", "size_hint"]
 
 
 def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
@@ -54,6 +46,7 @@ def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
     The generated water box holds rigid, randomly oriented molecules on a grid, far from the model's
     equilibrium: started straight into MD it heats to ~1500 K within 20 fs.
     """
+    import numpy as np
     from ase.optimize import FIRE
 
     atoms.calc = calc
@@ -70,17 +63,49 @@ def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
 
 
 def model_banner(name: str, calc: Any, seconds: float) -> str:
-    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, load time."""
+    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, which code runs it
+    (cgforge's kernels or the model's own), load time."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
     dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
-    compiled = " (kernels compiled)" if calc.device.type == "cuda" else ""
+    compiled = " (kernels compiled)" if calc.device.type == "cuda" and getattr(calc, "patched", False) else ""
+    code = ("cgforge's kernels" if getattr(calc, "patched", False) else
+            "the model's own code" + (" (faster than cgforge's kernels on a CPU)" if calc.device.type == "cpu" else ""))
     mode = getattr(calc, "compile", None)
     inductor = f"; torch.compile ({mode}) at the first step" if mode else ""
     errors = getattr(calc, "radial_table_errors", [])
     table = (f"; radial tables ({max(n for n, _ in errors)} intervals, error {max(e for _, e in errors):.0e})"
              if errors else "")
-    return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, "
+    return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, {code}, "
             f"ready in {seconds:.1f} s{compiled}{table}{inductor}")
+
+
+# The kernel tuning variables (cgforge.kernels.core.tuning): shown when set, since they change the kernels.
+TUNING_VARIABLES = ("CGFORGE_FORWARD_CHUNK", "CGFORGE_BACKWARD_CHUNK", "CGFORGE_LOOP_ORDER",
+                    "CGFORGE_BACKWARD_LOOP_ORDER", "CGFORGE_BACKWARD_MIN_BLOCKS", "CGFORGE_SC_BLOCK",
+                    "CGFORGE_SC_CHUNK", "CGFORGE_SC_PAIRINGS")
+
+
+def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
+    """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
+    radial tables, the memory policy (streaming), the skin and any kernel tuning from the environment."""
+    why = ""
+    if requested == "auto":
+        why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
+              f" (auto: ASE's dynamics {'on a CPU' if calc.device.type != 'cuda' else 'for this box'})"
+    path = "cgforge's device engine" if engine == "device" else "ASE's dynamics"
+    mode = getattr(calc, "compile", None)
+    streaming = getattr(calc, "streaming", False)
+    requested_streaming = getattr(calc, "streaming_requested", None)
+    memory = ("streamed edges" if streaming else "stored edges") + (
+        " (streaming auto)" if requested_streaming is None else "")
+    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}",
+             f"CUDA graph {'on' if getattr(calc, 'cuda_graph', False) else 'off'}",
+             f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
+             f"memory: {memory}", f"skin {skin:g} Å"]
+    tuning = [f"{k}={os.environ[k]}" for k in TUNING_VARIABLES if os.environ.get(k)]
+    if tuning and getattr(calc, "patched", False):
+        parts.append(f"kernel tuning from the environment: {' '.join(tuning)}")
+    return "options: " + ", ".join(parts)
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
@@ -90,6 +115,11 @@ CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
 COMPILE_AUTO_MIN_STEPS = 50_000
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
+# A box this large on a CPU gets a hint first. Measured (2-core CPU, bundled models, one energy + forces call):
+# ~1 ms and ~0.25 MB per atom (60,000 atoms: 14 GB, about a minute a step, minutes on a shared machine).
+CPU_HINT_ATOMS = 20_000
+CPU_SECONDS_PER_ATOM = 1e-3
+CPU_BYTES_PER_ATOM = 0.25e6
 
 # run_md's argument -> the flag that sets it, so that errors name what the user typed.
 FLAGS = {"ensemble": "--ensemble", "temperature_K": "--temperature", "timestep_fs": "--timestep",
@@ -98,7 +128,8 @@ FLAGS = {"ensemble": "--ensemble", "temperature_K": "--temperature", "timestep_f
          "trajectory_interval": "--traj-interval", "log_interval": "--log-interval", "seed": "--seed",
          "force": "--force", "max_temperature_K": "--max-temperature",
          "restart": "--restart", "log": "--log", "engine": "--engine", "thermostat": "--thermostat",
-         "plot": "--plot"}
+         "plot": "--plot", "structure": "--structure", "model": "--model"}
+RESTART_NOTE = "; after --restart: the run's saved value, and another value is refused"
 
 
 def add_md_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,41 +138,47 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
     what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
     what.add_argument("--restart", default=None, metavar="TRAJ",
-                      help="continue a run from the last frame of its trajectory: step counter, velocities and "
-                           "thermostat random state (exact from .traj); --steps more steps, into a new -o file")
+                      help="continue the run of this trajectory from its last frame: step counter, velocities, "
+                           "thermostat random state (exact from .traj) and its options (ensemble, thermostat, "
+                           "temperature, timestep, friction, barostat, seed), with the same model; --steps more "
+                           "steps into a new -o file. A flag that contradicts a saved option is refused (start a new "
+                           "run from the last frame with --structure TRAJ to change them: velocities are kept)")
     parser.add_argument("--model", default="mace",
                         help="'mace' or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip file")
-    parser.add_argument("--ensemble", type=str.lower, choices=ENSEMBLES, default="nvt",
+    parser.add_argument("--ensemble", type=str.lower, choices=ENSEMBLES, default=None,
                         help="nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic "
                              "cell: stochastic cell rescaling with the CSVR thermostat in the device engine, "
-                             "Berendsen's thermostat and barostat in ASE's dynamics)")
+                             f"Berendsen's thermostat and barostat in ASE's dynamics){RESTART_NOTE}")
     parser.add_argument("--engine", type=str.lower, choices=ENGINES, default="auto",
                         help="auto (default): cgforge's device engine (integrator and model on the GPU, the host "
                              "sees the state only at log and trajectory steps) when the model runs on CUDA, ASE's "
                              "dynamics otherwise; device: the engine also on a CPU; ase: ASE's dynamics")
     parser.add_argument("--thermostat", type=str.lower, choices=THERMOSTATS, default=None,
                         help="NVT: langevin (default; --friction) or csvr (Bussi's stochastic velocity rescaling; "
-                             f"--taut, default {DEFAULT_TAUT_FS:g} fs)")
-    parser.add_argument("--temperature", type=float, default=300.0, help="K (default 300)")
-    parser.add_argument("--timestep", type=float, default=0.5, help="fs (default 0.5)")
+                             f"--taut, default {DEFAULT_TAUT_FS:g} fs){RESTART_NOTE}")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"K (default {DEFAULTS['temperature_K']:g}{RESTART_NOTE})")
+    parser.add_argument("--timestep", type=float, default=None,
+                        help=f"fs (default {DEFAULTS['timestep_fs']:g}{RESTART_NOTE})")
     parser.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
     parser.add_argument("--friction", type=float, default=None,
-                        help=f"NVT: Langevin friction in 1/fs (default {DEFAULT_FRICTION:g})")
+                        help=f"NVT: Langevin friction in 1/fs (default {DEFAULT_FRICTION:g}{RESTART_NOTE})")
     parser.add_argument("--pressure", type=float, default=None,
-                        help=f"NPT: pressure in bar (default {DEFAULT_PRESSURE_BAR:g})")
+                        help=f"NPT: pressure in bar (default {DEFAULT_PRESSURE_BAR:g}{RESTART_NOTE})")
     parser.add_argument("--taut", type=float, default=None,
                         help=f"NPT and NVT with --thermostat csvr: temperature coupling time in fs (default "
-                             f"{DEFAULT_TAUT_FS:g})")
+                             f"{DEFAULT_TAUT_FS:g}{RESTART_NOTE})")
     parser.add_argument("--taup", type=float, default=None,
-                        help=f"NPT: pressure coupling time in fs (default {DEFAULT_TAUP_FS:g})")
+                        help=f"NPT: pressure coupling time in fs (default {DEFAULT_TAUP_FS:g}{RESTART_NOTE})")
     parser.add_argument("--compressibility", type=float, default=None,
                         help=f"NPT: isothermal compressibility in 1/bar (default {DEFAULT_COMPRESSIBILITY_PER_BAR:g}, "
-                             "water)")
+                             f"water's{RESTART_NOTE})")
     parser.add_argument("--max-temperature", type=float, default=None,
                         help=f"stop (exit code 3) when the temperature exceeds this, in K (default: "
                              f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x --temperature); 'inf' "
                              "turns it off); non-finite forces or energy always stop the run")
-    parser.add_argument("--seed", type=int, default=0, help="velocities, thermostat noise and box (default 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"velocities, thermostat noise and box (default {DEFAULTS['seed']}{RESTART_NOTE})")
     parser.add_argument("-o", "--trajectory", default=None,
                         help="trajectory file to write, .traj or .xyz (default: a new md-<date>-<time>.traj)")
     parser.add_argument("--traj-interval", type=int, default=10,
@@ -152,7 +189,7 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="at the end (also of a run that blew up or was interrupted) plot temperature, energy, "
                              "pressure and volume (NPT) and ns/day against time from the progress lines into this "
-                             f"new file ({', '.join(PLOT_SUFFIXES)})")
+                             f"new file ({', '.join(PLOT_SUFFIXES)}); a plot that cannot be written is a warning")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
@@ -170,7 +207,7 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
-                             "MACE models on CUDA when the model allows it")
+                             "MACE and NequIP models on CUDA when the model allows it")
     parser.add_argument("--compile", nargs="?", const="default", default="auto", metavar="MODE",
                         help="compile the model's forward and backward with torch.compile (Inductor) inside the "
                              "captured step; MODE: default, max-autotune-no-cudagraphs, off, or auto (the default: "
@@ -192,23 +229,34 @@ def relax_steps(args: argparse.Namespace) -> int:
 
 @dataclass
 class MDSetup:
-    """What ``cgforge md`` checked and prepared before loading the model."""
+    """What ``cgforge md`` checked and prepared before loading the model: the structure, the device, the FIRE
+    steps and the checked run (``plan``: options, output files, the log, the restart)."""
 
     atoms: Atoms
     device: Any
     relax: int
-    trajectory: Path
-    log: Path | None
-    plot: Path | None
-    restart: Restart | None
-    run_md_kwargs: dict[str, Any]
+    plan: MDPlan
+
+    @property
+    def trajectory(self) -> Path | None:
+        return self.plan.trajectory
+
+    @property
+    def log(self) -> Path | None:
+        return self.plan.printer.path
+
+    @property
+    def plot(self) -> Path | None:
+        return self.plan.plot
+
+    @property
+    def restart(self) -> Restart | None:
+        return self.plan.restart
 
 
 def _model_file(model: str) -> Path | None:
     """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
-    from cgforge.plugin.calculator import BUNDLED
-
-    if model.lower() in BUNDLED:
+    if model.lower() in ("mace", "nequip"):  # the bundled models (cgforge.plugin.calculator.BUNDLED)
         return None
     path = Path(model)
     if not path.exists():
@@ -216,20 +264,25 @@ def _model_file(model: str) -> Path | None:
     return path
 
 
+def size_hint(n_atoms: int, device: Any) -> str | None:
+    """A hint before a box far too large for a CPU (its expected cost; a GPU suggested), else None."""
+    if getattr(device, "type", str(device)) != "cpu" or n_atoms <= CPU_HINT_ATOMS:
+        return None
+    seconds, gigabytes = n_atoms * CPU_SECONDS_PER_ATOM, n_atoms * CPU_BYTES_PER_ATOM / 1e9
+    return (f"hint: {n_atoms:,} atoms on a CPU: expect roughly {seconds:.0f} s per step and {gigabytes:.0f} GB of "
+            f"memory (~{CPU_SECONDS_PER_ATOM * 1e3:g} ms and ~{CPU_BYTES_PER_ATOM / 1e6:g} MB per atom with the "
+            "bundled models, more for larger models and on a shared machine); a GPU runs this box in milliseconds "
+            "per step (--device cuda); Ctrl-C stops the run after the current step")
+
+
 def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
-    """Every flag checked (errors name the flag), the structure read or built and the output files checked,
-    all before any model is loaded."""
+    """The flags only ``cgforge md`` has (errors name the flag), the structure read or built, then the run's
+    options, files and structure checked once by :func:`cgforge.plugin.md.run.plan_md`: all before any model
+    is loaded. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
+    from cgforge.plugin.md.run import plan_md
     from cgforge.plugin.runtime.compiled import parse_compile
 
-    flag = FLAGS.get
-    o = checked_options(dict(
-        ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,
-        friction=args.friction, pressure_bar=args.pressure, taut_fs=args.taut, taup_fs=args.taup,
-        compressibility_per_bar=args.compressibility, trajectory_interval=args.traj_interval,
-        log_interval=args.log_interval, seed=args.seed, force=args.force, init_velocities=None,
-        max_temperature_K=args.max_temperature, engine=getattr(args, "engine", "auto"),
-        thermostat=getattr(args, "thermostat", None)), lambda k: flag(k, k))
     relax = relax_steps(args)
     check_number("--skin", args.skin, strict=False)
     if args.molecules is not None:
@@ -247,38 +300,42 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if explicit_compile(args):
         parse_compile(args.compile, "--compile", others=("auto", "off"))
     model = _model_file(args.model)
-    trajectory = (check_new_path(args.trajectory, args.force, what="--trajectory") if args.trajectory is not None
-                  else default_trajectory_path(stem))
-    log = check_new_path(args.log, args.force, what="--log", suffixes=None) if args.log is not None else None
-    plot_name = getattr(args, "plot", None)
-    plot = check_new_path(plot_name, args.force, "--plot", PLOT_SUFFIXES) if plot_name is not None else None
-    if plot is not None:
-        from cgforge.plugin.md.plot import check_matplotlib
-
-        check_matplotlib("--plot")
-    restart_path = Path(args.restart) if args.restart is not None else None
     structure = Path(args.structure) if args.structure is not None else None
-    check_distinct({"--trajectory": trajectory, "--log": log, "--plot": plot},
-                   {"--structure": structure, "--restart": restart_path, "--model": model})
-    restart = None
-    if restart_path is not None:
-        restart = read_restart(restart_path, "--restart")
-        atoms = restart.atoms
-    elif structure is not None:
+    atoms = None
+    if structure is not None:
+        from cgforge.plugin.md.files import read_structure
+
         atoms = read_structure(structure, "--structure")
-    else:
+    elif args.restart is None:
         from cgforge.plugin.water import water_box
 
         n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
                                                                else CPU_MOLECULES)
-        atoms = water_box(n, seed=args.seed)
-    check_atoms_for(o["ensemble"], atoms, lambda k: flag(k, k))
-    kwargs = {k: o[k] for k in ("ensemble", "temperature_K", "timestep_fs", "steps", "trajectory_interval",
-                                "log_interval", "seed", "force", "max_temperature_K", "engine")}
-    kwargs.update(ensemble_options(o))
-    kwargs.update(trajectory=trajectory, restart=restart, plot=plot)
-    return MDSetup(atoms=atoms, device=device, relax=relax, trajectory=trajectory, log=log, plot=plot,
-                   restart=restart, run_md_kwargs=kwargs)
+        seed = check_count("--seed", args.seed, 0) if args.seed is not None else DEFAULTS["seed"]  # the box's too
+        atoms = water_box(n, seed=seed)
+    source = "--structure" if structure is not None else "--molecules"
+    names = {**FLAGS, "atoms": source}
+    plan = plan_md(
+        atoms, names=lambda k: names.get(k, k), inputs={"--structure": structure, "--model": model},
+        calculator_later=True, prog="cgforge md",
+        new_run=f"--structure {args.restart}" if args.restart is not None else None,
+        ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,
+        friction=args.friction, pressure_bar=args.pressure, taut_fs=args.taut, taup_fs=args.taup,
+        compressibility_per_bar=args.compressibility, trajectory_interval=args.traj_interval,
+        log_interval=args.log_interval, seed=args.seed, force=args.force, max_temperature_K=args.max_temperature,
+        engine=getattr(args, "engine", "auto"), thermostat=getattr(args, "thermostat", None),
+        trajectory=args.trajectory if args.trajectory is not None else _default_trajectory(stem), restart=args.restart,
+        log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None))
+    hint = size_hint(len(plan.atoms), device)
+    if hint:
+        plan.out(hint)
+    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan)
+
+
+def _default_trajectory(stem: str) -> Path:
+    from cgforge.plugin.md.files import default_trajectory_path
+
+    return default_trajectory_path(stem)
 
 
 def explicit_compile(args: argparse.Namespace) -> bool:
@@ -306,47 +363,39 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
 
 
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
-    """``cgforge md``: check everything, load the model, relax if asked, run; lines to stdout (and --log)."""
-    from cgforge.plugin.calculator import Calculator
-    from cgforge.plugin.md.run import run_md
+    """``cgforge md``: check everything, load the model, check it against the structure, relax if asked, run;
+    lines to stdout (and --log)."""
+    from cgforge.plugin import calculator as calculator_module
 
     setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
-    log_stream = open(setup.log, "w" if args.force else "x", encoding="utf-8") if setup.log else None  # noqa: SIM115
-    to_log = stream_printer(log_stream) if log_stream else None
-
-    def out(line: str) -> None:
-        print(line, flush=True)
-        if to_log is not None:
-            to_log(line)
-
+    plan, atoms = setup.plan, setup.atoms
     try:
-        atoms = setup.atoms
         t = time.perf_counter()
-        calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
-                          radial_precision=args.radial_precision, stress_with_forces=args.ensemble == "npt",
-                          radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
-                          **({"compile": args.compile} if explicit_compile(args) else {}))
-        out(model_banner(args.model, calc, time.perf_counter() - t))
+        calc = calculator_module.Calculator(
+            args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+            radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
+            radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
+            **({"compile": args.compile} if explicit_compile(args) else {}))
+        plan.model = args.model
+        plan.out(model_banner(args.model, calc, time.perf_counter() - t))
+        plan.attach(calc)  # an element the model lacks, another model than the restart's: before any step
         if calc.radial_precision_requested != "fp32":
-            atoms.calc = calc
             atoms.get_forces()  # the first structure decides (see Calculator)
             mode = calc.radial_precision_requested
             kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
-            out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} relative "
-                f"(tolerance 1e-4)")
+            plan.out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} "
+                     "relative (tolerance 1e-4)")
         if setup.relax:
-            relax_structure(atoms, calc, setup.relax, out=out)
+            relax_structure(atoms, calc, setup.relax, out=plan.out)
         if getattr(args, "compile", None) == "auto":
-            line = auto_compile(calc, atoms, setup.run_md_kwargs["steps"])
+            line = auto_compile(calc, atoms, plan.o["steps"])
             if line:
-                out(line)
-        summary = run_md(atoms, calc, log=out, **setup.run_md_kwargs)
-        summary.log = str(setup.log) if setup.log else None
-        return summary
-    except Exception as err:
-        if to_log is not None:
-            to_log(f"error: {err}")
+                plan.out(line)
+        plan.out(options_banner(calc, plan.engine, plan.o["engine"], args.skin))
+        return plan.run(close=False)
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt):
+            plan.printer.to_file(f"error: {err}")
         raise
     finally:
-        if log_stream is not None:
-            log_stream.close()
+        plan.close()

@@ -249,7 +249,8 @@ def test_log_file_restart_and_stand_in_banner(tmp_path, capsys, stand_in):
     assert main([*argv, "-o", str(first), "--log", str(log)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert log.read_text().splitlines() == printed  # every line of the run, the model and relaxation lines too
-    assert printed[0].startswith("model mace (q-SPC/Fw stand-in, cutoff 6 Å) on cpu in float32, ready in")
+    assert printed[0].startswith("model mace (q-SPC/Fw stand-in, cutoff 6 Å) on cpu in float32, the model's own "
+                                 "code (faster than cgforge's kernels on a CPU), ready in")
     assert "kernels compiled" not in printed[0] and printed[1].startswith("relaxed")
     assert [f.info["md_step"] for f in read(first, ":")] == [0, 3, 6]
     assert main([*argv, "-o", str(first), "--log", str(log)]) == 1  # both exist: refused without --force

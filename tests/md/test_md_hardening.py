@@ -365,8 +365,10 @@ def test_banner_shows_the_parameters_dtype_and_compiles_only_on_cuda():
                            device=torch.device("cpu"))  # NequIP: positions in float64, parameters float32
     line = model_banner("nequip", calc, 1.25)
     assert "in float32," in line and "float64" not in line and "kernels compiled" not in line
-    calc.device = torch.device("cuda", 0)
-    assert model_banner("nequip", calc, 1.25).endswith("ready in 1.2 s (kernels compiled)")
+    assert "the model's own code" in line and "cgforge's kernels," not in line  # a CPU runs the model's code
+    calc.device, calc.patched = torch.device("cuda", 0), True
+    line = model_banner("nequip", calc, 1.25)
+    assert "in float32, cgforge's kernels, ready in" in line and line.endswith("ready in 1.2 s (kernels compiled)")
 
 
 @pytest.mark.slow

@@ -8,18 +8,19 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 from ase import Atoms
 
-from cgforge.patches.common import existing_file
+from .options import PLOT_SUFFIXES, SAVED_OPTIONS
 
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+__all__ = ["PLOT_SUFFIXES", "TRAJ_SUFFIXES", "Restart", "check_new_path", "check_distinct", "read_structure",
+           "read_restart", "TrajectoryWriter", "make_printer", "Printer"]
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Restart:
     etot0: float | None
     rng_state: dict | None  # ASE's dynamics: the numpy generator's state (md_rng)
     engine_state: dict | None = None  # the device engine: seed, integrator, its scalars (md_engine)
+    options: dict[str, Any] = field(default_factory=dict)  # the run's saved options (md_ensemble, ...)
+    epot: float | None = None  # the frame's potential energy: a restart on another model is refused
+    model: str | None = None  # the model that ran it (md_model), for the messages
 
 
 def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "trajectory",
@@ -44,13 +48,28 @@ def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "tr
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{what}: {path} must end with {', '.join(suffixes[:-1])} or {suffixes[-1]}")
     if path.exists() and not force:
         raise FileExistsError(f"{what}: {path} exists; choose a new name or pass --force (force=True) to overwrite")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
-    if suffixes is not None and path.suffix.lower() not in suffixes:
-        raise ValueError(f"{what}: {path} must end with {', '.join(suffixes[:-1])} or {suffixes[-1]}")
+    check_writable(path, what)
     return path
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse, naming ``what`` and ``path``, a file that could not be written: a file is created and removed in
+    its folder (permissions, read-only file systems and root's rights all answer truly), and an existing file
+    must be writable (a log is written in place; trajectories and plots replace theirs)."""
+    probe = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "the file is read-only")
+    except OSError as err:
+        raise PermissionError(f"{what}: cannot write {path}: {err.strerror or err}") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -91,6 +110,8 @@ def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = "."
 def read_structure(path: str | os.PathLike, what: str = "structure", index: int | str = -1) -> Atoms:
     """The structure in ``path`` (any ase.io format; the last frame of a trajectory), or one clear error
     naming ``what`` and the file: missing, a directory, empty, not a structure, no atoms."""
+    from cgforge.patches.common import existing_file
+
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{what}: expected a file name, got {type(path).__name__}")
     path = existing_file(path, what, "a structure file")
@@ -157,11 +178,19 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
     engine = _decode_info(info["md_engine"], "md_engine", "seed", what, path) if "md_engine" in info else None
     etot0 = float(info["md_etot0"]) if "md_etot0" in info else None
     time_fs = float(info.get("md_time_fs", float("nan")))
-    for key in ("md_step", "md_rng", "md_engine", "md_etot0", "md_time_fs", "md_ensemble"):
-        info.pop(key, None)
+    options = {k: info[f"md_{k}"] for k in SAVED_OPTIONS if f"md_{k}" in info}
+    for key, value in options.items():
+        options[key] = (str(value).lower() if key in ("ensemble", "thermostat") else int(value) if key == "seed"
+                        else float(value))
+    results = getattr(atoms.calc, "results", None) or {}
+    epot = info.get("md_epot", results.get("energy"))
+    model = str(info["md_model"]) if "md_model" in info else None
+    for key in list(info):
+        if key.startswith("md_"):
+            info.pop(key)
     atoms.calc = None  # the frame's stored results are not the calculator's
     return Restart(path=path, atoms=atoms, step=step, time_fs=time_fs, etot0=etot0, rng_state=rng,
-                   engine_state=engine)
+                   engine_state=engine, options=options, epot=None if epot is None else float(epot), model=model)
 
 
 def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
@@ -193,8 +222,8 @@ class TrajectoryWriter:
     same folder, which then replaces ``path``. A run that fails before its first frame leaves no file behind
     and an existing file (``force=True``) untouched."""
 
-    def __init__(self, path: Path, atoms: Atoms) -> None:
-        self.path, self.atoms = path, atoms
+    def __init__(self, path: Path, atoms: Atoms, what: str = "trajectory") -> None:
+        self.path, self.atoms, self.what = path, atoms, what
         self.frames = 0
         self.last_step: int | None = None
         self._traj = None
@@ -210,6 +239,8 @@ class TrajectoryWriter:
                 self._write_xyz(self.path)
             else:
                 self._traj.write()
+        except OSError as err:  # the disk filled, the folder went away: name the file the user gave
+            raise OSError(f"{self.what}: cannot write {self.path}: {err.strerror or err}") from None
         finally:
             for key in info:
                 self.atoms.info.pop(key, None)
@@ -244,36 +275,58 @@ class TrajectoryWriter:
             self._tmp.unlink()  # our own half-written first frame, never a user's file
 
 
-def make_printer(log: Any, force: bool) -> tuple[Callable[[str], None], Callable[[], None], Path | None]:
-    """(write a line, close, the log file's path) for ``log``: print, a callable, a stream, a path or None."""
+@dataclass
+class Printer:
+    """Where a run's lines go: ``write`` (all of them), ``to_file`` (only the log file, when there is one),
+    ``close`` and the log file's ``path``."""
+
+    write: Callable[[str], None]
+    close: Callable[[], None]
+    path: Path | None = None
+    to_file: Callable[[str], None] = lambda line: None
+
+
+def make_printer(log: Any, force: bool, what: str = "log") -> Printer:
+    """The :class:`Printer` of ``log`` (print, a callable, a stream, a file name, a list of these, or None); a
+    file name was checked by :func:`check_new_path` and is created here."""
+    printer = _printer(log, force, what)
+    return Printer(*printer) if isinstance(printer, tuple) else printer
+
+
+def _printer(log: Any, force: bool, what: str) -> tuple | Printer:
     if log is None:
         return (lambda line: None), (lambda: None), None
     if log is print:
         return (lambda line: print(line, flush=True)), (lambda: None), None  # the sys.stdout of the moment
     if isinstance(log, str | os.PathLike):
-        path = check_new_path(log, force, what="log", suffixes=None)
-        stream = open(path, "w" if force else "x", encoding="utf-8")  # noqa: SIM115 (closed by run_md)
-        return stream_printer(stream), stream.close, path
+        path = Path(log)
+        try:
+            stream = open(path, "w" if force else "x", encoding="utf-8")  # noqa: SIM115 (closed by run_md)
+        except OSError as err:
+            raise OSError(f"{what}: cannot write {path}: {err.strerror or err}") from None
+        write = stream_printer(stream)
+        return Printer(write, stream.close, path, write)
     if hasattr(log, "write"):
         return stream_printer(log), (lambda: None), None
     if callable(log):
         return log, (lambda: None), None
     if isinstance(log, list | tuple) and log and not any(isinstance(x, list | tuple) for x in log):
         if sum(isinstance(x, str | os.PathLike) for x in log) > 1:
-            raise ValueError("log: at most one file name in the list")
-        parts = [make_printer(x, force) for x in log]
-        path = next((p for _, _, p in parts if p is not None), None)
+            raise ValueError(f"{what}: at most one file name in the list")
+        parts = [make_printer(x, force, what) for x in log]
+        file_part = next((p for p in parts if p.path is not None), None)
 
         def write_all(line: str) -> None:
-            for write, _, _ in parts:
-                write(line)
+            for part in parts:
+                part.write(line)
 
         def close_all() -> None:
-            for _, close, _ in parts:
-                close()
+            for part in parts:
+                part.close()
 
-        return write_all, close_all, path
-    raise TypeError(f"log: expected print, a callable taking a line, a stream, a file name, a list of these or "
+        return Printer(write_all, close_all, file_part.path if file_part else None,
+                       file_part.to_file if file_part else (lambda line: None))
+    raise TypeError(f"{what}: expected print, a callable taking a line, a stream, a file name, a list of these or "
                     f"None, got {type(log).__name__}")
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from ase import Atoms
+if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module's defaults
+    from ase import Atoms
 
 ENSEMBLES = ("nvt", "nve", "npt")
 ENGINES = ("auto", "device", "ase")  # auto: the device engine when the calculator runs on CUDA, else ASE's
@@ -30,11 +30,16 @@ DEFAULT_TAUP_FS = 1000.0
 DEFAULT_FRICTION = 0.01  # 1/fs, Langevin
 
 NPT_OPTIONS = ("pressure_bar", "taut_fs", "taup_fs", "compressibility_per_bar")
+# The options a restart continues (saved in every frame's atoms.info as md_<name>): the physics of the run.
+SAVED_OPTIONS = ("ensemble", "thermostat", "temperature_K", "timestep_fs", "friction", *NPT_OPTIONS, "seed")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: bool = True,
                  allow_inf: bool = False) -> float:
     """A float; > minimum (strict) or >= minimum; finite unless ``allow_inf``."""
+    import numpy as np
+
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
     value = float(value)
@@ -48,6 +53,9 @@ def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: 
 
 
 def check_count(name: str, value: Any, minimum: int) -> int:
+    """An int >= minimum."""
+    import numpy as np
+
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
     if value < minimum:
@@ -56,6 +64,9 @@ def check_count(name: str, value: Any, minimum: int) -> int:
 
 
 def check_flag(name: str, value: Any) -> bool:
+    """True or False (numpy's too)."""
+    import numpy as np
+
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
     return bool(value)
@@ -135,3 +146,72 @@ def check_atoms_for(ensemble: str, atoms: Atoms, name: Callable[[str], str]) -> 
     if ensemble == "npt" and not (atoms.pbc.all() and abs(atoms.cell.volume) > 0):
         raise ValueError(f"{name('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
                          f"has pbc={atoms.pbc.tolist()} and volume {abs(atoms.cell.volume):g} Å^3")
+
+
+DEFAULTS = {"ensemble": "nvt", "temperature_K": 300.0, "timestep_fs": 0.5, "seed": 0}  # where None was given
+
+
+def saved_options(o: dict[str, Any]) -> dict[str, Any]:
+    """What a frame saves of the checked options ``o`` for a restart (``md_<name>`` in ``atoms.info``): the
+    ensemble, the timestep and the options of that ensemble and thermostat (the temperature unless NVE)."""
+    saved = {"ensemble": o["ensemble"], "timestep_fs": o["timestep_fs"], "seed": o["seed"], **ensemble_options(o)}
+    if o["ensemble"] != "nve":
+        saved["temperature_K"] = o["temperature_K"]
+    return saved
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    except (TypeError, ValueError):
+        return True  # not a number: the option's own check names it
+
+
+def with_restart_defaults(given: dict[str, Any], saved: dict[str, Any], source: str, name: Callable[[str], str],
+                          new_run: str) -> dict[str, Any]:
+    """``given`` (None: not given) with a restart's ``saved`` options as the defaults. A restart continues its
+    run: a given value that contradicts a saved one is refused by name. ``source`` names the trajectory,
+    ``new_run`` how to start a new run from its last frame."""
+    o = dict(given)
+    for key, value in saved.items():
+        if key not in o:
+            continue
+        if o[key] is None:
+            o[key] = value
+        elif not _same(o[key], value):
+            shown = value.upper() if key == "ensemble" else value
+            raise ValueError(f"{name(key)}: {source} ran with {name(key).lstrip('-')} {shown!s}, and a restart "
+                             f"continues its run; leave {name(key)} out, or start a new run from its last frame "
+                             f"with other settings ({new_run}: positions and velocities kept)")
+    return o
+
+
+def with_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with ``DEFAULTS`` where it holds None."""
+    return {k: (DEFAULTS[k] if v is None and k in DEFAULTS else v) for k, v in given.items()}
+
+
+def check_structure(atoms: Atoms, what: str) -> None:
+    """What needs no model: finite positions and cell, a periodic cell that spans its periodic directions."""
+    import numpy as np
+
+    positions = atoms.get_positions()
+    bad = ~np.isfinite(positions).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{what}: {int(bad.sum())} of {len(atoms)} atoms have non-finite positions (first: atom "
+                         f"{first}, {atoms.get_chemical_symbols()[first]}, {positions[first].tolist()})")
+    cell = np.asarray(atoms.cell, dtype=float)
+    if not np.isfinite(cell).all():
+        raise ValueError(f"{what}: the cell is not finite: {cell.tolist()}")
+    pbc = np.asarray(atoms.pbc, dtype=bool)
+    if pbc.any():
+        vectors = cell[pbc]
+        lengths = np.linalg.norm(vectors, axis=1)
+        gram = float(np.linalg.det(vectors @ vectors.T))
+        if (lengths <= 1e-6).any() or gram <= 1e-12 * float(np.prod(lengths**2)):
+            raise ValueError(f"{what}: the cell is singular along its periodic directions (pbc={pbc.tolist()}, cell "
+                             f"{np.round(cell, 6).tolist()}): give each periodic direction a cell vector, the "
+                             "vectors independent")

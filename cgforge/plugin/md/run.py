@@ -27,13 +27,21 @@ is always written. Every frame holds energy, forces and momenta (and the stress 
 the random state: ``md_rng`` (ASE's stochastic dynamics: the numpy generator's state) or ``md_engine`` (the
 device engine: its seed, integrator and thermostat scalars; its noise is a hash of (seed, step)). That is
 what a restart needs: from a ``.traj`` file a restarted run repeats the uninterrupted one (extended XYZ stores
-positions to 1e-8 Å, so a restart from it continues closely but not bit for bit).
+positions to 1e-8 Å, so a restart from it continues closely but not bit for bit). Frames also save the run's
+options (``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``,
+``md_pressure_bar``, ``md_taut_fs``, ``md_taup_fs``, ``md_compressibility_per_bar``, ``md_seed``), the potential
+energy (``md_epot``) and the model (``md_model``): a restart continues the run it names. Its saved options are
+the defaults, a value that contradicts one is refused by name, and a model whose energy of the restart frame
+differs from the saved one by more than ``MODEL_MISMATCH_MEV_PER_ATOM`` (another model: the drift would be
+measured from the other model's energy) is refused before any step.
 
 After every step the state is checked (by the engine on the device, every step): non-finite forces or
 energy, or a temperature above ``max_temperature_K`` (default ``max(5000 K, 10 x temperature_K)``), stop the
 run with :class:`MDInstabilityError` naming the step and the value; the trajectory written so far stays
-readable. Ctrl-C stops after the current step (the engine: after the current block of at most 10 steps on a
-CPU, 50 on CUDA), writes that step's frame and raises :class:`MDInterrupted`. ``plot``: a figure of the
+readable. The first Ctrl-C says at once (on stderr) that the run stops after the current step (the engine: after
+the current block of at most 10 steps on a CPU, 50 on CUDA) and that a second Ctrl-C stops it now; the run
+then writes that step's frame and progress line and raises :class:`MDInterrupted`. A second Ctrl-C stops at
+once (never inside a frame being written: the trajectory ends with its last complete frame). ``plot``: a figure of the
 progress lines' values, written at the end also after a blow-up or Ctrl-C (md_plot.py).
 """
 
@@ -44,6 +52,7 @@ import inspect
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +75,7 @@ from .dynamics import (
 )
 from .files import (
     PLOT_SUFFIXES,
+    Printer,
     Restart,
     TrajectoryWriter,
     check_distinct,
@@ -77,11 +87,24 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import check_atoms_for, checked_options
+from .options import (
+    check_atoms_for,
+    check_structure,
+    checked_options,
+    saved_options,
+    with_defaults,
+    with_restart_defaults,
+)
 from .plot import check_matplotlib, write_plot
 
-__all__ = ["run_md", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart", "read_restart",
-           "read_structure", "check_new_path", "default_trajectory_path"]
+__all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
+           "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM"]
+
+# A restart whose model gives the restart frame another potential energy than the saved one, by more than this,
+# runs another model. Precision moves it far less (FP32 vs FP64, cgforge's kernels vs the model's code, CPU vs
+# GPU: < 0.01 meV/atom on the bundled models); two models differ by meV/atom (the bundled MACE and NequIP water
+# models: 3.2 meV/atom on a 24-atom box).
+MODEL_MISMATCH_MEV_PER_ATOM = 0.5
 
 
 class MDInterrupted(KeyboardInterrupt):
@@ -114,26 +137,52 @@ class _StopRequested(Exception):
     """The first Ctrl-C, acted on between steps (the state is that of a completed step)."""
 
 
-@contextmanager
-def _ctrl_c_after_step() -> Iterator[Callable[[], bool]]:
-    """While active, the first Ctrl-C only sets a flag (the run stops after the current step, its files whole);
-    a second one interrupts at once. Only in the main thread and only over Python's default handler."""
-    pressed = [0]
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield lambda: False
-        return
+class _CtrlC:
+    """While ``active``: the first Ctrl-C says at once what happens and sets a flag (the run stops after the
+    current step, its files whole); a second one interrupts at once, except inside ``writing()`` (a frame being
+    written), where it interrupts when the frame is complete. Only in the main thread and only over Python's
+    default handler."""
 
-    def handler(signum: int, frame: Any) -> None:
-        pressed[0] += 1
-        if pressed[0] > 1:
+    def __init__(self, notice: Callable[[], str]) -> None:
+        self.notice = notice
+        self.pressed = 0
+        self._writing = 0
+        self._pending = False
+
+    def __call__(self) -> bool:
+        return self.pressed > 0
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.pressed += 1
+        if self.pressed == 1:
+            print(self.notice(), file=sys.stderr, flush=True)
+        elif self._writing:
+            self._pending = True
+        else:
             raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: pressed[0] > 0
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    @contextmanager
+    def active(self) -> Iterator[_CtrlC]:
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        self._writing += 1
+        try:
+            yield
+        finally:
+            self._writing -= 1
+        if self._pending and not self._writing:
+            self._pending = False
+            raise KeyboardInterrupt
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> None:
@@ -146,27 +195,31 @@ def _unknown_arguments(unknown: dict[str, Any]) -> None:
     raise TypeError(f"run_md: unknown argument {name!r}{hint}")
 
 
-def _check_calculator(atoms: Atoms | None, calculator: Any) -> None:
-    if calculator is not None:
-        if isinstance(calculator, str | os.PathLike):
-            raise TypeError(f"calculator: expected an ASE calculator, got the {type(calculator).__name__} "
-                            f"{str(calculator)!r}; load the model first: Calculator({str(calculator)!r}) from "
-                            "cgforge.plugin")
-        if not callable(getattr(calculator, "get_forces", None)) and not callable(
-                getattr(calculator, "calculate", None)):
-            raise TypeError(f"calculator: expected an ASE calculator (e.g. cgforge.plugin.Calculator('mace')), got "
-                            f"{type(calculator).__name__}")
-    elif atoms is None or atoms.calc is None:
-        raise ValueError("calculator: atoms has no calculator; pass one (e.g. cgforge.plugin.Calculator('mace'))")
+def _check_calculator(calculator: Any) -> None:
+    if isinstance(calculator, str | os.PathLike):
+        raise TypeError(f"calculator: expected an ASE calculator, got the {type(calculator).__name__} "
+                        f"{str(calculator)!r}; load the model first: Calculator({str(calculator)!r}) from "
+                        "cgforge.plugin")
+    if not callable(getattr(calculator, "get_forces", None)) and not callable(getattr(calculator, "calculate", None)):
+        raise TypeError(f"calculator: expected an ASE calculator (e.g. cgforge.plugin.Calculator('mace')), got "
+                        f"{type(calculator).__name__}")
+
+
+def _as_path(value: Any, what: str) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike):
+        raise TypeError(f"{what}: expected a file name, got {type(value).__name__}")
+    return Path(value)
 
 
 def run_md(
     atoms: Atoms | None,
     calculator: Any = None,
     *,
-    ensemble: str = "nvt",
-    temperature_K: float = 300.0,
-    timestep_fs: float = 0.5,
+    ensemble: str | None = None,
+    temperature_K: float | None = None,
+    timestep_fs: float | None = None,
     steps: int = 100,
     friction: float | None = None,
     pressure_bar: float | None = None,
@@ -176,7 +229,7 @@ def run_md(
     trajectory: str | os.PathLike | None = None,
     trajectory_interval: int = 10,
     log_interval: int = 10,
-    seed: int = 0,
+    seed: int | None = None,
     force: bool = False,
     init_velocities: bool | None = None,
     max_temperature_K: float | None = None,
@@ -193,7 +246,8 @@ def run_md(
     (isotropic, the cell keeps its shape; ``pressure_bar`` default 1.01325, ``taut_fs`` 100, ``taup_fs`` 1000,
     ``compressibility_per_bar`` 4.57e-5, water's: stochastic cell rescaling with CSVR in the device engine, which
     samples the NPT ensemble; Berendsen in ASE's dynamics, which reaches the right density and temperature but
-    not the ensemble's fluctuations).
+    not the ensemble's fluctuations). ``ensemble`` defaults to "nvt", ``temperature_K`` to 300, ``timestep_fs``
+    to 0.5 and ``seed`` to 0, except after a restart (below).
 
     ``engine``: "auto" (cgforge's device engine when the calculator is a cgforge Calculator on CUDA, else ASE's
     dynamics), "device" (the engine, also on a CPU; an error for a calculator it cannot run) or "ase".
@@ -205,60 +259,178 @@ def run_md(
     steps and at the last step (an existing file only with ``force=True``). ``log``: print (default), a
     callable taking a line, a stream, a file name (the lines go to that new file instead of stdout), a list of
     these (``[print, "md.log"]``: each line to all) or None. ``plot``: a new .png/.pdf/.svg file, written at
-    the end (also after a blow-up or Ctrl-C) from the values at the progress lines (needs matplotlib).
+    the end (also after a blow-up or Ctrl-C) from the values at the progress lines (needs matplotlib); a plot
+    that fails is a warning line, never the run's error.
 
     ``max_temperature_K``: the run stops with :class:`MDInstabilityError` above it (default
     ``max(5000, 10 * temperature_K)``; ``math.inf`` turns the check off), as it does for non-finite forces or
     energy. ``restart``: a trajectory written by run_md (or a :class:`Restart`): its last frame's positions,
-    momenta, cell, step counter and random state are continued for ``steps`` more steps; ``atoms`` may be None
-    (the frame's structure is used and returned in the summary). Ctrl-C stops after the current step and
-    raises :class:`MDInterrupted` (a KeyboardInterrupt) once the trajectory is closed.
+    momenta, cell, step counter and random state are continued for ``steps`` more steps with the run's saved
+    options (ensemble, thermostat, temperature, timestep, friction, barostat, seed) as the defaults; a value given
+    that contradicts a saved one is a ValueError naming it, and so is a calculator whose energy of the restart
+    frame is not the saved one (another model). ``atoms`` may be None (the frame's structure is used and
+    returned in the summary). Ctrl-C stops after the current step and raises :class:`MDInterrupted` (a
+    KeyboardInterrupt) once the trajectory is closed.
+
+    Every argument, output file and the structure are checked before anything runs (:func:`plan_md`, which
+    ``cgforge md`` calls before it loads the model).
     """
+    options = {k: v for k, v in locals().items() if k not in ("atoms", "calculator", "unknown")}
+    plan = plan_md(atoms, calculator, **options, **unknown)
+    return plan.run()
+
+
+def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str], str] = str,
+            inputs: dict[str, Path | None] | None = None, calculator_later: bool = False,
+            new_run: str | None = None, prog: str = "run_md", **arguments: Any) -> MDPlan:
+    """Check :func:`run_md`'s ``arguments`` (its keywords), its output files and the structure, read the
+    restart and create the log file: the :class:`MDPlan` whose ``run()`` runs them. Nothing is checked twice.
+
+    ``names`` maps an argument to what the user typed (``cgforge md`` passes its flags); ``inputs``: more
+    input files no output may name ({name: path}); ``calculator_later``: the calculator comes with
+    :meth:`MDPlan.attach`; ``new_run``: how to start a new run from a restart's last frame (for the messages);
+    ``prog``: who speaks in the Ctrl-C notice."""
+    unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
     _unknown_arguments(unknown)
+    a = {**_RUN_MD_DEFAULTS, **arguments}
+    restart = a["restart"]
     if atoms is None and restart is None:
-        raise TypeError("atoms: expected an ase.Atoms (None only with restart=...)")
+        raise TypeError(f"{names('atoms')}: expected an ase.Atoms (None only with restart=...)")
     if atoms is not None and not isinstance(atoms, Atoms):
-        raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
+        raise TypeError(f"{names('atoms')}: expected an ase.Atoms, got {type(atoms).__name__}")
     if atoms is not None and len(atoms) == 0:
-        raise ValueError("atoms: expected a structure with at least one atom, got an empty Atoms")
-    o = checked_options(dict(
-        ensemble=ensemble, temperature_K=temperature_K, timestep_fs=timestep_fs, steps=steps, friction=friction,
-        pressure_bar=pressure_bar, taut_fs=taut_fs, taup_fs=taup_fs, compressibility_per_bar=compressibility_per_bar,
-        trajectory_interval=trajectory_interval, log_interval=log_interval, seed=seed, force=force,
-        init_velocities=init_velocities, max_temperature_K=max_temperature_K, engine=engine,
-        thermostat=thermostat), str)
-    options = check_engine_options(engine_options)
-    if restart is not None and o["init_velocities"]:
-        raise ValueError("init_velocities: a restart continues the saved velocities; leave init_velocities out")
+        raise ValueError(f"{names('atoms')}: expected a structure with at least one atom, got an empty Atoms")
     if restart is not None and not isinstance(restart, str | os.PathLike | Restart):
-        raise TypeError(f"restart: expected a trajectory file name or a Restart, got {type(restart).__name__}")
-    _check_calculator(atoms, calculator)
-    path = check_new_path(trajectory, o["force"]) if trajectory is not None else None
-    named = [x for x in (log if isinstance(log, list | tuple) else [log]) if isinstance(x, str | os.PathLike)]
-    log_path = check_new_path(named[0], o["force"], "log", suffixes=None) if named else None
-    plot_path = check_new_path(plot, o["force"], "plot", PLOT_SUFFIXES) if plot is not None else None
-    if plot_path is not None:
-        check_matplotlib("plot")
+        raise TypeError(f"{names('restart')}: expected a trajectory file name or a Restart, got "
+                        f"{type(restart).__name__}")
+    if calculator is not None:
+        _check_calculator(calculator)
+    elif not calculator_later and (atoms is None or atoms.calc is None):
+        raise ValueError("calculator: atoms has no calculator; pass one (e.g. cgforge.plugin.Calculator('mace'))")
+    # outputs: never an input (force or not), then new (or --force), in a folder that takes them
+    named_logs = [x for x in (a["log"] if isinstance(a["log"], list | tuple) else [a["log"]])
+                  if isinstance(x, str | os.PathLike)]
+    outputs = {names("trajectory"): _as_path(a["trajectory"], names("trajectory")),
+               names("log"): Path(named_logs[0]) if named_logs else None,
+               names("plot"): _as_path(a["plot"], names("plot"))}
     restart_path = None if restart is None else restart.path if isinstance(restart, Restart) else Path(restart)
-    check_distinct({"trajectory": path, "log": log_path, "plot": plot_path}, {"restart": restart_path})
-    state = read_restart(restart) if restart is not None else None
+    check_distinct(outputs, {names("restart"): restart_path, **(inputs or {})})
+    if restart is not None and a["init_velocities"]:
+        raise ValueError(f"{names('init_velocities')}: a restart continues the saved velocities; leave "
+                         f"{names('init_velocities')} out")
+    state = read_restart(restart, names("restart")) if restart is not None else None
+    given = {k: a[k] for k in ("ensemble", "temperature_K", "timestep_fs", "steps", "friction", "pressure_bar",
+                               "taut_fs", "taup_fs", "compressibility_per_bar", "trajectory_interval",
+                               "log_interval", "seed", "force", "init_velocities", "max_temperature_K", "engine",
+                               "thermostat")}
+    if state is not None:
+        hint = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
+        given = with_restart_defaults(given, state.options, str(state.path), names, hint)
+    o = checked_options(with_defaults(given), names)
+    engine_options = check_engine_options(a["engine_options"])
+    force = o["force"]
+    path, log_path, plot_path = outputs.values()
+    path = check_new_path(path, force, names("trajectory")) if path is not None else None
+    if log_path is not None:
+        check_new_path(log_path, force, names("log"), suffixes=None)
+    if plot_path is not None:
+        plot_path = check_new_path(plot_path, force, names("plot"), PLOT_SUFFIXES)
+        check_matplotlib(names("plot"))
     if state is not None:
         check_same_system(atoms, state)
-    check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, str)
-    calc = calculator if calculator is not None else atoms.calc
-    which = choose_engine(o["engine"], calc, atoms if atoms is not None else state.atoms)
-    out, close_log, log_path = make_printer(log, o["force"])  # the last check: it creates the log file
+        check_structure(state.atoms, f"{names('restart')}: {state.path}")
+    if atoms is not None:
+        check_structure(atoms, names("atoms"))
+    check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, names)
+    printer = make_printer(a["log"], force, names("log"))  # the last check: it creates the log file
     atoms = continue_from(atoms, state) if state is not None else atoms
+    plan = MDPlan(atoms=atoms, o=o, trajectory=path, printer=printer, plot=plot_path, restart=state,
+                  engine_options=engine_options, names=names, prog=prog, new_run=new_run)
     if calculator is not None:
-        atoms.calc = calculator
-    try:
-        return _run(atoms, o, path, out, state, log_path, which, options, plot_path)
-    finally:
-        close_log()
+        plan.attach(calculator)
+    return plan
 
 
-def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str], None], state: Restart | None,
-         log_path: Path | None, which: str, engine_options: dict[str, Any], plot: Path | None) -> MDSummary:
+_RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
+                    if p.kind == p.KEYWORD_ONLY}
+
+
+@dataclass
+class MDPlan:
+    """A run checked by :func:`plan_md`: the structure (``atoms``, the restart frame's after a restart), the
+    checked options ``o``, the output files, the log's :class:`Printer` (``out``: write a line), the restart.
+    ``attach(calc)`` checks the calculator against the structure; ``run()`` runs and closes the log."""
+
+    atoms: Atoms
+    o: dict[str, Any]
+    trajectory: Path | None
+    printer: Printer
+    plot: Path | None
+    restart: Restart | None
+    engine_options: dict[str, Any]
+    names: Callable[[str], str] = str
+    prog: str = "run_md"
+    new_run: str | None = None
+    model: str | None = None  # the model's name as the user gave it, saved in frames (md_model)
+    engine: str | None = None  # the integrator path chosen by attach: "device" or "ase"
+
+    @property
+    def out(self) -> Callable[[str], None]:
+        return self.printer.write
+
+    def attach(self, calc: Any) -> None:
+        """``calc`` becomes the run's calculator, checked now: an ASE calculator, (a cgforge Calculator) a model
+        that knows every element of the structure, and one the chosen integrator path (``engine``) can run."""
+        _check_calculator(calc)
+        adapter = getattr(calc, "adapter", None)
+        if callable(getattr(adapter, "species", None)):
+            try:
+                adapter.species(self.atoms.numbers)
+            except ValueError as err:  # UnknownElementError: the model has no such element
+                source = self.names("restart") if self.restart is not None else self.names("atoms")
+                raise ValueError(f"{source}: {str(err).removeprefix('atoms: ')}") from None
+        self.engine = choose_engine(self.o["engine"], calc, self.atoms)
+        self.atoms.calc = calc
+
+    def run(self, close: bool = True) -> MDSummary:
+        """Run (see :func:`run_md`); the log file is closed at the end unless ``close`` is False."""
+        try:
+            if self.engine is None or self.atoms.calc is None:
+                if self.atoms.calc is None:
+                    raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
+                self.attach(self.atoms.calc)
+            return _run(self, self.engine)
+        finally:
+            if close:
+                self.close()
+
+    def close(self) -> None:
+        self.printer.close()
+
+
+def _model_name(plan: MDPlan, calc: Any) -> str:
+    kind = getattr(getattr(calc, "adapter", None), "kind", None) or type(calc).__name__
+    return f"{plan.model} ({kind})" if plan.model and plan.model.lower() != kind else str(kind)
+
+
+def _check_restart_model(plan: MDPlan, atoms: Atoms, start: int) -> None:
+    """A restart's calculator must give the restart frame the saved potential energy (the same model)."""
+    state = plan.restart
+    if state is None or state.epot is None:
+        return
+    epot = float(atoms.get_potential_energy())
+    apart = abs(epot - state.epot) / len(atoms) * 1000.0
+    if not apart <= MODEL_MISMATCH_MEV_PER_ATOM:
+        ran = state.model or "another model"
+        hint = plan.new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
+        raise ValueError(f"{plan.names('restart')}: {state.path} was run with {ran}, whose energy of step {start} is "
+                         f"{state.epot:.6f} eV; this model ({_model_name(plan, atoms.calc)}) gives {epot:.6f} eV, "
+                         f"{apart:.3g} meV/atom apart: a restart continues the same model (the energy drift is "
+                         f"measured from its energy). Start a new run from the last frame instead ({hint})")
+
+
+def _run(plan: MDPlan, which: str) -> MDSummary:
+    atoms, o, path, out, state = plan.atoms, plan.o, plan.trajectory, plan.out, plan.restart
     rng = np.random.default_rng(o["seed"])
     if state is not None and state.rng_state is not None:
         rng.bit_generator.state = state.rng_state  # the generator's kind was checked by read_restart
@@ -271,44 +443,57 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
     start = state.step if state is not None else 0
     if which == "device":
         intervals = (o["log_interval"], *((o["trajectory_interval"],) if path is not None else ()))
-        dyn = engine_dynamics(atoms, calc, o, state, engine_options, intervals)
+        dyn = engine_dynamics(atoms, calc, o, state, plan.engine_options, intervals)
+        stop_when = f"after the current block (at most {dyn.engine.block} steps)"
     else:
         dyn = AseDynamics(ase_dynamics(atoms, o, rng))
+        stop_when = "after the current step"
     dyn.nsteps = start
     end = start + o["steps"]
     dt = o["timestep_fs"]
     time0 = state.time_fs if state is not None and math.isfinite(state.time_fs) else start * dt
-    writer = TrajectoryWriter(path, atoms) if path is not None else None
+    writer = TrajectoryWriter(path, atoms, plan.names("trajectory")) if path is not None else None
     guard = Guard(atoms, o["max_temperature_K"])
     ensemble = o["ensemble"]
-    out(f"cgforge md: {len(atoms)} atoms, {ensemble.upper()}"
+    saved = {f"md_{k}": v for k, v in saved_options(o).items()}
+    saved["md_model"] = _model_name(plan, calc)
+    n = len(atoms)
+    out(f"cgforge md: {n} atom{'s' if n != 1 else ''}, {ensemble.upper()}"
+        + (f" ({o['thermostat']})" if ensemble == "nvt" else "")
         + (f" at {o['temperature_K']:g} K" if ensemble != "nve" else "")
         + (f" and {o['pressure_bar']:g} bar" if ensemble == "npt" else "")
         + f", timestep {dt:g} fs, {o['steps']} steps"
-        + (f" from step {start} of {state.path}" if state is not None else "")
+        + (f" from step {start} of {state.path} (its saved options)" if state is not None else "")
         + (f", trajectory {path}" if path else "")
         + f", stop above {o['max_temperature_K']:g} K; {dyn.describe()}")
     progress: Progress | None = None
     wall_start = time.perf_counter()
     step = start
-    completed = False
+    ctrl_c = _CtrlC(lambda: f"{plan.prog}: Ctrl-C: the run stops {stop_when} and writes its frame; press Ctrl-C "
+                            "again to stop now (the trajectory keeps its complete frames)")
 
     def time_fs(s: int) -> float:
         return time0 + (s - start) * dt
 
     def frame(s: int) -> None:
         if writer is not None and writer.last_step != s:
-            info = {"md_step": s, "md_time_fs": time_fs(s), "md_etot0": progress.etot0, "md_ensemble": ensemble,
-                    **dyn.restart_info()}
-            writer.write(s, info)
+            info = {"md_step": s, "md_time_fs": time_fs(s), "md_etot0": progress.etot0,
+                    "md_epot": float(atoms.get_potential_energy()), **saved, **dyn.restart_info()}
+            with ctrl_c.writing():
+                writer.write(s, info)
+
+    def line(s: int) -> None:
+        if progress is not None and (progress.last_step != s or not progress.history):
+            progress(s, time_fs(s), total_energy(atoms))
 
     try:
-        with _ctrl_c_after_step() as interrupted:
-            dyn.interrupted = interrupted  # the engine polls it between blocks
+        with ctrl_c.active():
+            dyn.interrupted = ctrl_c  # the engine polls it between blocks
             for _ in dyn.irun(o["steps"]):
                 step = dyn.nsteps
                 guard.check(step)
                 if progress is None:
+                    _check_restart_model(plan, atoms, start)
                     etot0 = (state.etot0 if state is not None and state.etot0 is not None
                              else total_energy(atoms))
                     progress = Progress(atoms, out, etot0, start, time_fs(start))
@@ -317,47 +502,51 @@ def _run(atoms: Atoms, o: dict[str, Any], path: Path | None, out: Callable[[str]
                                                             and not (state is not None and step == start))):
                     frame(step)
                 if step == start or step == end or step % o["log_interval"] == 0:
-                    progress(step, time_fs(step), total_energy(atoms))
-                if interrupted() and step < end:
+                    line(step)
+                if ctrl_c() and step < end:
                     raise _StopRequested
-        completed = True
     except MDInstabilityError as err:
         out(f"stopped: {err}")
         raise
     except (_StopRequested, KeyboardInterrupt) as err:
-        # A second Ctrl-C may land mid-step: then the atoms are half updated and no frame is written.
+        # A second Ctrl-C may land mid-step: then the atoms are half updated and no frame or line is written.
         try:
             if isinstance(err, _StopRequested):
                 frame(step)  # the state of the last completed step, for a restart
+                line(step)  # the log and the plot end where the trajectory does
+        except KeyboardInterrupt:
+            pass
         finally:
             if writer is not None:
                 writer.close()
-        saved = (f"; trajectory {path} ends at step {writer.last_step} (continue with --restart {path} / "
-                 f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
-        message = f"interrupted (Ctrl-C) at step {step}{saved}"
+        saved_to = (f"; trajectory {path} ends at step {writer.last_step} (continue with --restart {path} / "
+                    f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
+        message = f"interrupted (Ctrl-C) at step {step}{saved_to}"
         out(message)
-        summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, log_path, which)
+        summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
         raise MDInterrupted(message, step, summary) from None
     except Exception as err:
-        out(f"stopped after step {dyn.nsteps}: {type(err).__name__}: {err}")
+        when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
+        out(f"stopped {when}: {type(err).__name__}: {err}")
         raise
     finally:
         if writer is not None:
             writer.close()
         if stress_flag is False:
             calc.stress_with_forces = False
-        plotted = _plot(plot, progress, atoms, o, out, completed)
-    summary = _summary(atoms, o, start, end, wall_start, progress, path, writer, log_path, which)
+        plotted = _plot(plan, progress, atoms)
+    summary = _summary(atoms, o, start, end, wall_start, progress, path, writer, plan.printer.path, which)
     summary.plot = plotted
-    out(f"done: {o['steps']} steps, {summary.simulated_ps:g} ps in {summary.wall_s:.1f} s "
-        f"({summary.ns_per_day:.3f} ns/day)" + (f"; trajectory: {path}" if path else ""))
+    speed = f" ({summary.ns_per_day:.3f} ns/day)" if math.isfinite(summary.ns_per_day) else ""
+    out(f"done: {o['steps']} step{'s' if o['steps'] != 1 else ''}, {summary.simulated_ps:g} ps in "
+        f"{summary.wall_s:.1f} s{speed}" + (f"; trajectory: {path}" if path else ""))
     return summary
 
 
-def _plot(path: Path | None, progress: Progress | None, atoms: Atoms, o: dict[str, Any], out: Callable[[str], None],
-          completed: bool) -> str | None:
-    """The plot of what was recorded; a failure after a failed run is a line (the run's error stays the one
-    raised), after a completed run an error."""
+def _plot(plan: MDPlan, progress: Progress | None, atoms: Atoms) -> str | None:
+    """The plot of what was recorded; a plot that cannot be written is a warning line (the run's result, or
+    its error, stays what it was)."""
+    path, o, out = plan.plot, plan.o, plan.out
     if path is None:
         return None
     history = progress.history if progress is not None else []
@@ -373,9 +562,8 @@ def _plot(path: Path | None, progress: Progress | None, atoms: Atoms, o: dict[st
             return str(path)
         out(f"plot: nothing recorded, {path} not written")
     except Exception as err:
-        if completed:
-            raise
-        out(f"plot: {path} not written ({type(err).__name__}: {err})")
+        reason = (err.strerror or str(err)) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        out(f"warning: {plan.names('plot')}: {path} not written ({reason})")
     return None
 
 
