@@ -72,6 +72,10 @@ class TabulatedRadial(Deferred):
         """W(r) [E, weight_numel] (what the convolution reads inside its kernels when ``fused``)."""
         return radial_table(lengths, self.table_coeffs, self.r_max)
 
+    def chunk_weights(self) -> Callable[[Tensor], Tensor]:
+        """A table streams as values per chunk (the convolution that reads it whole is the unchunked one)."""
+        return self.evaluate
+
     def extra_repr(self) -> str:
         return (f"intervals={self.table_coeffs.shape[0]}, columns={self.table_coeffs.shape[1]}, r_max={self.r_max}, "
                 f"error={max(self.value_error, self.slope_error):.1e}, fused={self.fused}")

@@ -106,10 +106,7 @@ def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: 
             slots.append(found)
         where.append(slots)
     radial = weights.radial
-    from .radial_table import TabulatedRadial  # here: that module builds on this one
-
-    # a table streams as values per chunk (the convolution that reads it whole is the unchunked one)
-    weights_of = radial.evaluate if isinstance(radial, TabulatedRadial) else radial
+    weights_of = radial.chunk_weights() if isinstance(radial, Deferred) else radial
 
     def edge_fn(*rows: Tensor) -> tuple[Tensor, Tensor]:
         values = [part.fn(*(rows[k] for k in slots)) for part, slots in zip(parts, where, strict=True)]
@@ -147,6 +144,10 @@ class Deferred(torch.nn.Module):
             if name == "original":
                 raise
             return getattr(self.original[0], name)
+
+    def chunk_weights(self) -> Callable[[Tensor], Tensor] | torch.nn.Module:
+        """What the streaming convolution calls on a chunk's radial inputs to get its weights: the module itself."""
+        return self
 
 
 class DeferredRadial(Deferred):

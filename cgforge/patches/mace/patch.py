@@ -77,6 +77,8 @@ class GraphCache(CallGraphCache):
 class FusedConvTP(torch.nn.Module, StandIn):
     """MACE's ``conv_tp`` with the conv_fusion call signature, backed by ``cgforge.kernels.Convolution``."""
 
+    streams_edges = True  # mace/streaming.streaming_blocks asks this rather than importing the class
+
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
     row_chunk: int | None = None  # a class default too: models pickled before the attribute existed read it
 

@@ -97,10 +97,9 @@ class AppliedLinear(Deferred):
 
 def streaming_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The interaction blocks of a patched MACE model that can stream."""
-    from .patch import FusedConvTP
-
+    # FusedConvTP says it streams (a class attribute): this module cannot import patch.py, which builds on it
     return [b for b in model.interactions if type(b).__name__ in STREAMING_INTERACTIONS
-            and isinstance(getattr(b, "conv_tp", None), FusedConvTP)]
+            and getattr(getattr(b, "conv_tp", None), "streams_edges", False)]
 
 
 def geometry_can_stream(model: torch.nn.Module) -> bool:
