@@ -1,4 +1,4 @@
-"""The main job for now: a CG tensor product and a fused convolution on a water-box graph, checked
+"""A CG tensor product and a fused convolution on a water-box graph, checked
 against e3nn, on the GPU when there is one (generated CUDA kernels) or the CPU (torch reference).
 
     python examples/tensor_product.py
@@ -6,20 +6,16 @@ against e3nn, on the GPU when there is one (generated CUDA kernels) or the CPU (
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from e3nn import o3
 
 from cgforge.kernels import ConvGraph, Convolution, TensorProduct
+from cgforge.kernels.problem_set import PROBLEMS  # the benchmark problem set
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from problems import PROBLEMS  # noqa: E402  (the benchmark problem set)
 
 
 def main() -> None:
