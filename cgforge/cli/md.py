@@ -97,7 +97,8 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     streaming = getattr(calc, "streaming", False)
     requested_streaming = getattr(calc, "streaming_requested", None)
     memory = ("streamed edges" if streaming else "stored edges") + (
-        " (streaming auto)" if requested_streaming is None else "")
+        " (streaming auto: on when the box would not fit)" if requested_streaming is None
+        and calc.device.type == "cuda" else "")
     parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}",
              f"CUDA graph {'on' if getattr(calc, 'cuda_graph', False) else 'off'}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",

@@ -110,11 +110,13 @@ def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = "."
 def read_structure(path: str | os.PathLike, what: str = "structure", index: int | str = -1) -> Atoms:
     """The structure in ``path`` (any ase.io format; the last frame of a trajectory), or one clear error
     naming ``what`` and the file: missing, a directory, empty, not a structure, no atoms."""
-    from cgforge.patches.common import existing_file
-
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{what}: expected a file name, got {type(path).__name__}")
-    path = existing_file(path, what, "a structure file")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: {path} not found")
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected a structure file")
     if path.stat().st_size == 0:
         raise ValueError(f"{what}: {path} is empty")
     from ase.io import read

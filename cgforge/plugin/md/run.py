@@ -486,8 +486,8 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
         if progress is not None and (progress.last_step != s or not progress.history):
             progress(s, time_fs(s), total_energy(atoms))
 
-    try:
-        with ctrl_c.active():
+    with ctrl_c.active():  # until the end: a second Ctrl-C while the last frame is written waits for it
+        try:
             dyn.interrupted = ctrl_c  # the engine polls it between blocks
             for _ in dyn.irun(o["steps"]):
                 step = dyn.nsteps
@@ -505,36 +505,36 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                     line(step)
                 if ctrl_c() and step < end:
                     raise _StopRequested
-    except MDInstabilityError as err:
-        out(f"stopped: {err}")
-        raise
-    except (_StopRequested, KeyboardInterrupt) as err:
-        # A second Ctrl-C may land mid-step: then the atoms are half updated and no frame or line is written.
-        try:
-            if isinstance(err, _StopRequested):
-                frame(step)  # the state of the last completed step, for a restart
-                line(step)  # the log and the plot end where the trajectory does
-        except KeyboardInterrupt:
-            pass
+        except MDInstabilityError as err:
+            out(f"stopped: {err}")
+            raise
+        except (_StopRequested, KeyboardInterrupt) as err:
+            # A second Ctrl-C may land mid-step: then the atoms are half updated and no frame or line is written.
+            try:
+                if isinstance(err, _StopRequested):
+                    frame(step)  # the state of the last completed step, for a restart
+                    line(step)  # the log and the plot end where the trajectory does
+            except KeyboardInterrupt:
+                pass
+            finally:
+                if writer is not None:
+                    writer.close()
+            saved_to = (f"; trajectory {path} ends at step {writer.last_step} (continue with --restart {path} / "
+                        f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
+            message = f"interrupted (Ctrl-C) at step {step}{saved_to}"
+            out(message)
+            summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
+            raise MDInterrupted(message, step, summary) from None
+        except Exception as err:
+            when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
+            out(f"stopped {when}: {type(err).__name__}: {err}")
+            raise
         finally:
             if writer is not None:
                 writer.close()
-        saved_to = (f"; trajectory {path} ends at step {writer.last_step} (continue with --restart {path} / "
-                    f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
-        message = f"interrupted (Ctrl-C) at step {step}{saved_to}"
-        out(message)
-        summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
-        raise MDInterrupted(message, step, summary) from None
-    except Exception as err:
-        when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
-        out(f"stopped {when}: {type(err).__name__}: {err}")
-        raise
-    finally:
-        if writer is not None:
-            writer.close()
-        if stress_flag is False:
-            calc.stress_with_forces = False
-        plotted = _plot(plan, progress, atoms)
+            if stress_flag is False:
+                calc.stress_with_forces = False
+            plotted = _plot(plan, progress, atoms)
     summary = _summary(atoms, o, start, end, wall_start, progress, path, writer, plan.printer.path, which)
     summary.plot = plotted
     speed = f" ({summary.ns_per_day:.3f} ns/day)" if math.isfinite(summary.ns_per_day) else ""
