@@ -178,11 +178,14 @@ def test_old_mace_pickle_without_buffers_is_upgraded_with_a_warning(tmp_path: Pa
 
 
 def test_current_mace_pickle_loads_without_warning(tmp_path: Path, model_and_ref) -> None:
+    model, ref = model_and_ref
     path = tmp_path / "new.model"
-    torch.save(model_and_ref[0], path)
+    torch.save(model, path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        patches.load(path)
+        loaded = patches.load(path)
+    assert pm.is_patched(loaded)
+    assert_same_outputs(evaluate(loaded, water_dimer()), ref, tol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
