@@ -144,10 +144,15 @@ def test_unpatch_refuses_non_mace_input(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "out.model").exists()
 
 
-def test_load_returns_a_patched_model_on_the_requested_device(model_file) -> None:
-    model = patches.load(model_file[0], device="cpu", dtype="float64")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_load_returns_a_patched_model_on_the_requested_device(model_file, device, dtype) -> None:
+    model = patches.load(model_file[0], device=device, dtype=dtype)  # the file: an FP64 model saved on the CPU
     assert pm.is_patched(model)
-    assert np.isfinite(evaluate(model, water_dimer())["energy"]).all()
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.device.type for t in tensors} == {device}
+    assert {t.dtype for t in tensors if t.is_floating_point()} == {getattr(torch, dtype)}
+    assert np.isfinite(evaluate(model, water_dimer(), device=device)["energy"]).all()
     with pytest.raises(ValueError, match="device"):
         patches.load(model_file[0], device="tpu")
 
