@@ -302,12 +302,8 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
         parse_compile(args.compile, "--compile", others=("auto", "off"))
     model = _model_file(args.model)
     structure = Path(args.structure) if args.structure is not None else None
-    atoms = None
-    if structure is not None:
-        from cgforge.plugin.md.files import read_structure
-
-        atoms = read_structure(structure, "--structure")
-    elif args.restart is None:
+    atoms = None  # a --structure file is read by plan_md, once its outputs are known not to be that file
+    if structure is None and args.restart is None:
         from cgforge.plugin.water import water_box
 
         n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
@@ -317,7 +313,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     source = "--structure" if structure is not None else "--molecules"
     names = {**FLAGS, "atoms": source}
     plan = plan_md(
-        atoms, names=lambda k: names.get(k, k), inputs={"--structure": structure, "--model": model},
+        atoms, names=lambda k: names.get(k, k), inputs={"--model": model}, structure=structure,
         calculator_later=True, prog="cgforge md",
         new_run=f"--structure {args.restart}" if args.restart is not None else None,
         ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,

@@ -143,7 +143,9 @@ def test_engine_restart_repeats_the_uninterrupted_run(calc, tmp_path, ensemble, 
                   engine="device", log=None, **extra)
     run_md(water_box(4, seed=3), calc, steps=6, trajectory=tmp_path / "whole.traj", **common)
     run_md(water_box(4, seed=3), calc, steps=3, trajectory=tmp_path / "half.traj", **common)
-    common["seed"] = 1  # the frame's seed wins, as ASE's saved generator state does
+    with pytest.raises(ValueError, match="seed: .*half.traj ran with seed 7, and a restart continues its run"):
+        run_md(None, calc, restart=tmp_path / "half.traj", steps=3, trajectory=tmp_path / "x.traj",
+               **{**common, "seed": 1})  # the frame's seed is the run's (as ASE's saved generator state is)
     summary = run_md(None, calc, restart=tmp_path / "half.traj", steps=3, trajectory=tmp_path / "rest.traj",
                      **common)
     assert (summary.first_step, summary.last_step, summary.engine) == (3, 6, "device")
@@ -320,8 +322,10 @@ def test_plot_is_a_png_of_the_run_and_never_overwrites_an_input(calc, tmp_path, 
     assert image.ndim == 3 and image.shape[0] > 500 and image.shape[1] > 500  # five panels
     with pytest.raises(FileExistsError, match="plot: .*npt.png exists"):
         run_md(water_box(4), calc, steps=1, plot=plot, log=None)
-    with pytest.raises(ValueError, match=r"plot: .*npt.traj must end with .png, .pdf or .svg"):  # never a trajectory
+    with pytest.raises(ValueError, match=r"plot: .*npt.traj is the restart file"):  # the real reason comes first
         run_md(None, calc, restart=tmp_path / "npt.traj", steps=1, plot=tmp_path / "npt.traj", force=True, log=None)
+    with pytest.raises(ValueError, match=r"plot: .*o.traj must end with .png, .pdf or .svg"):  # never a trajectory
+        run_md(None, calc, restart=tmp_path / "npt.traj", steps=1, plot=tmp_path / "o.traj", log=None)
     with pytest.raises(ValueError, match="log and plot name the same file"):
         run_md(water_box(4), calc, steps=1, plot=tmp_path / "x.png", log=tmp_path / "x.png")
     structure = tmp_path / "in.png.xyz"

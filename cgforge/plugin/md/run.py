@@ -281,20 +281,22 @@ def run_md(
 
 
 def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str], str] = str,
-            inputs: dict[str, Path | None] | None = None, calculator_later: bool = False,
-            new_run: str | None = None, prog: str = "run_md", **arguments: Any) -> MDPlan:
+            inputs: dict[str, Path | None] | None = None, structure: Path | None = None,
+            calculator_later: bool = False, new_run: str | None = None, prog: str = "run_md",
+            **arguments: Any) -> MDPlan:
     """Check :func:`run_md`'s ``arguments`` (its keywords), its output files and the structure, read the
     restart and create the log file: the :class:`MDPlan` whose ``run()`` runs them. Nothing is checked twice.
 
     ``names`` maps an argument to what the user typed (``cgforge md`` passes its flags); ``inputs``: more
-    input files no output may name ({name: path}); ``calculator_later``: the calculator comes with
+    input files no output may name ({name: path}); ``structure``: a structure file to read as ``atoms`` (after
+    the outputs were checked against it); ``calculator_later``: the calculator comes with
     :meth:`MDPlan.attach`; ``new_run``: how to start a new run from a restart's last frame (for the messages);
     ``prog``: who speaks in the Ctrl-C notice."""
     unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
     _unknown_arguments(unknown)
     a = {**_RUN_MD_DEFAULTS, **arguments}
     restart = a["restart"]
-    if atoms is None and restart is None:
+    if atoms is None and restart is None and structure is None:
         raise TypeError(f"{names('atoms')}: expected an ase.Atoms (None only with restart=...)")
     if atoms is not None and not isinstance(atoms, Atoms):
         raise TypeError(f"{names('atoms')}: expected an ase.Atoms, got {type(atoms).__name__}")
@@ -305,7 +307,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str
                         f"{type(restart).__name__}")
     if calculator is not None:
         _check_calculator(calculator)
-    elif not calculator_later and (atoms is None or atoms.calc is None):
+    elif not calculator_later and (atoms is None or atoms.calc is None) and structure is None:
         raise ValueError("calculator: atoms has no calculator; pass one (e.g. cgforge.plugin.Calculator('mace'))")
     # outputs: never an input (force or not), then new (or --force), in a folder that takes them
     named_logs = [x for x in (a["log"] if isinstance(a["log"], list | tuple) else [a["log"]])
@@ -314,7 +316,9 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str
                names("log"): Path(named_logs[0]) if named_logs else None,
                names("plot"): _as_path(a["plot"], names("plot"))}
     restart_path = None if restart is None else restart.path if isinstance(restart, Restart) else Path(restart)
-    check_distinct(outputs, {names("restart"): restart_path, **(inputs or {})})
+    check_distinct(outputs, {names("restart"): restart_path, names("structure"): structure, **(inputs or {})})
+    if structure is not None:
+        atoms = read_structure(structure, names("structure"))
     if restart is not None and a["init_velocities"]:
         raise ValueError(f"{names('init_velocities')}: a restart continues the saved velocities; leave "
                          f"{names('init_velocities')} out")
