@@ -1,8 +1,17 @@
 """Old import paths of modules and names that moved, kept working with a ``DeprecationWarning`` naming the new
-place. One table, one import hook: nothing else in the package keeps an alias.
+place, and the class paths pickled patched models name (``PICKLED_CLASSES``). One table each, one import hook:
+nothing else in the package keeps an alias.
 
 ``import cgforge.plugin.engine`` imports ``cgforge.plugin.md.engine`` and registers it under the old name too,
 so ``from cgforge.plugin.engine import Engine`` and pickles that name the old module both keep working.
+
+``PICKLED_CLASSES`` is a contract with files on users' disks: ``cgforge patch`` output (a MACE ``.model`` is a
+whole-model pickle, a NequIP ``.nequip.zip`` a torch.package with cgforge as an external module) and
+``torch.save`` of a patched model name these classes by module path and name, and load only while each path
+imports to the object of that name. Moving or renaming one of them means keeping the old path: its module in
+``MOVED_MODULES`` (a whole module moved) or the name left in its old module. ``tests/test_pickle_contract.py``
+checks every path, that the pickles cgforge writes name no other cgforge path, and that files written before
+the contract existed (``tests/data/*-c54a3be*``) still load.
 """
 
 from __future__ import annotations
@@ -44,6 +53,58 @@ MOVED_NAMES: dict[tuple[str, str], str] = {
     ("cgforge.plugin.md", name): "cgforge.cli.md"
     for name in ("add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner")
 }
+
+
+# "module.qualname" of every cgforge class (or function) a pickled patched model names, by what puts it there
+PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
+    # a patched MACE model (cgforge.patches.mace.patch), whole-model pickles (`cgforge patch IN.model OUT.model`)
+    "mace": (
+        "cgforge.patches.mace.patch.FusedConvTP",
+        "cgforge.patches.mace.patch.FusedSymmetricContraction",
+        "cgforge.patches.mace.patch.GraphCache",
+        "cgforge.patches.mace.reshape.BlockReshape",
+        "cgforge.patches.mace.symmetric_contraction._Contraction",
+        "cgforge.patches.mace.symmetric_contraction._rebuild_after_load",  # a load_state_dict post-hook
+        "cgforge.patches.e3nn_layers.FoldedMLP",
+        "cgforge.patches.e3nn_layers.SplitLinear",
+        "cgforge.patches.species_linear.SpeciesSelfConnection",
+        "cgforge.kernels.convolution.module.Convolution",
+        "cgforge.kernels.tensor_product.problem.Instruction",
+        "cgforge.kernels.tensor_product.problem.TPProblem",
+        "cgforge.kernels.symmetric_contraction.problem.SCProblem",
+        "cgforge.kernels.core.tuning.TPTuning",  # the tuning a kernel module was built with
+        "cgforge.kernels.core.tuning.SCTuning",
+    ),
+    # a MACE model saved while the runtime streams edges, reads radial tables or makes rows in chunks
+    "mace runtime": (
+        "cgforge.patches.mace.streaming.AppliedLinear",
+        "cgforge.patches.mace.streaming.DeferredRadialEmbedding",
+        "cgforge.patches.mace.streaming.DeferredSphericalHarmonics",
+        "cgforge.patches.mace.radial_table.LengthsAsEdgeFeatures",
+        "cgforge.patches.mace.row_chunks.RecomputedHarmonics",
+        "cgforge.patches.radial_table.TabulatedRadial",
+        "cgforge.patches.streaming.DeferredRadial",
+    ),
+    # a patched NequIP package (`cgforge patch IN.ckpt OUT.nequip.zip`; the modules are its external modules)
+    "nequip": (
+        "cgforge.patches.nequip.conv.CgforgeTensorProductScatter",
+        "cgforge.patches.graph_cache.CallGraphCache",
+        "cgforge.patches.radial_precision.RadialLinear",
+        "cgforge.patches.species_linear.SpeciesSelfConnection",
+    ),
+    # a NequIP package written from a model that streams edges or reads radial tables
+    "nequip runtime": (
+        "cgforge.patches.nequip.radial_table.FactorInTable",
+        "cgforge.patches.nequip.radial_table.NormLengthAsEmbedding",
+        "cgforge.patches.radial_table.TabulatedRadial",
+        "cgforge.patches.streaming.DeferredRadial",
+    ),
+}
+
+
+def pickled_paths() -> frozenset[str]:
+    """Every path of ``PICKLED_CLASSES``, of all families and states."""
+    return frozenset(path for paths in PICKLED_CLASSES.values() for path in paths)
 
 
 def _warn(old: str, new: str) -> None:

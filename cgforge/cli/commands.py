@@ -25,56 +25,41 @@ def _check_paths(src: str, dst: str, force: bool) -> None:
             raise FileExistsError(f"OUT: {dst} exists; pass --force to overwrite it")
 
 
-def _check_mace_output(dst: str) -> None:
-    """A MACE model is written as a pickled module: OUT must be named like one, as NequIP's must be a package."""
-    from cgforge.patches import COMPILED_SUFFIXES as _COMPILED_SUFFIXES
-    from cgforge.patches import MACE_SUFFIXES as _MACE_SUFFIXES
-    from cgforge.patches import NEQUIP_SUFFIXES as _NEQUIP_SUFFIXES
-
-    name = os.path.basename(dst).lower()
-    if not name.endswith(_MACE_SUFFIXES) or name.endswith(_COMPILED_SUFFIXES + _NEQUIP_SUFFIXES):
-        raise ValueError(f"OUT: {dst} must end with {', '.join(_MACE_SUFFIXES)} (cgforge writes MACE models as "
-                         "pickled .model files, which MACE's tools load)")
-
-
 def cmd_patch(args: argparse.Namespace) -> int:
-    from cgforge import patches
+    """``cgforge patch IN OUT``: write a copy of the checkpoint IN that runs cgforge's kernels (a MACE .model,
+    a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is named for IN's family
+    and checked before anything is loaded; ``--device``/``--dtype`` as in ``families.load``."""
+    from cgforge.patches import families
 
     _check_paths(args.input, args.output, args.force)
-    if patches.checkpoint_kind(args.input) == "nequip":
-        from cgforge.patches.nequip import save_patched_nequip
-
-        if args.dtype is not None:
-            raise ValueError("--dtype: a NequIP model keeps the model_dtype it was built with; leave --dtype out")
-        out = save_patched_nequip(args.input, args.output, force=args.force)
-        print(f"cgforge: wrote patched NequIP package to {out}")
-        return EXIT_OK
-    _check_mace_output(args.output)
-    model = patches.load(args.input, device=args.device, dtype=args.dtype)
-    out = patches.save_patched(model, args.output, force=args.force)
-    print(f"cgforge: wrote patched model to {out}")
+    family = families.family_for_file(args.input)
+    family.check_output(args.output, what="OUT")
+    out = family.save(args.input, args.output, force=args.force, device=args.device, dtype=args.dtype)
+    print(f"cgforge: wrote patched {family.title} model to {out}")
     return EXIT_OK
 
 
 def cmd_unpatch(args: argparse.Namespace) -> int:
-    from cgforge import patches
-    from cgforge.patches import mace
+    """``cgforge unpatch IN OUT``: write the checkpoint IN as a plain model that loads without cgforge
+    (``families.Family.save(..., patched=False)``; MACE only). IN is never modified."""
+    from cgforge.patches import families
 
     _check_paths(args.input, args.output, args.force)
-    if patches.checkpoint_kind(args.input) != "mace":
-        raise ValueError(f"IN: {args.input}: unpatch writes MACE .model files; this is not one")
-    _check_mace_output(args.output)
-    model = mace.load_mace(args.input, device="cpu", dtype=None, patched=False)
-    patches.atomic_save(mace.unpatch(model), args.output, force=args.force)
-    print(f"cgforge: wrote plain MACE model to {args.output}")
+    family = families.family_for_file(args.input)
+    family.check_output(args.output, patched=False, what="OUT")
+    family.save(args.input, args.output, force=args.force, patched=False)
+    print(f"cgforge: wrote plain {family.title} model to {args.output}")
     return EXIT_OK
 
 
 def cmd_lammps_model(args: argparse.Namespace) -> int:
+    """``cgforge lammps-model IN OUT``: write the file LAMMPS's ``pair_style mliap unified`` loads, holding the
+    checkpoint IN (or a bundled model: ``cgforge.plugin.runtime.bundled``) with the given options."""
     from cgforge.lammps import CgforgeMLIAP
     from cgforge.lammps.write import usage_lines, write_lammps_model
+    from cgforge.plugin.runtime.bundled import kinds
 
-    if args.input.lower() not in ("mace", "nequip"):
+    if args.input.lower() not in kinds():
         _check_paths(args.input, args.output, args.force)
     elif os.path.exists(args.output) and not args.force:
         raise FileExistsError(f"OUT: {args.output} exists; pass --force to overwrite it")

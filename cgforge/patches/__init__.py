@@ -3,59 +3,36 @@
     model = cgforge.patches.load("mace.model", device="cuda", dtype="float32")   # patched, ready to run
     cgforge.patches.save_patched(model, "mace-cgforge.model")
     plain = cgforge.patches.unpatch(model)                                         # loadable without cgforge
+
+Each function asks the family registry (``families``: one ``Family`` object per model family) which family a
+model or file belongs to. Importing this package imports no family's code and none of cgforge's kernels
+(nequip imports it through its extension entry point, ``nequip_modifier``); ``cgforge.patches.mace`` and
+``cgforge.patches.nequip`` load on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import mace
+from . import families
 from .common import current_umask, verify_checksums
-from .families import is_mace_model, is_nequip_model
-from .mace.legacy import LegacyCheckpointError, describe_file
 
 __all__ = ["load", "patch", "unpatch", "save_patched", "checkpoint_kind", "verify_checksums", "LegacyCheckpointError"]
 
-NEQUIP_SUFFIXES = (".ckpt", ".nequip.zip")
-MACE_SUFFIXES = (".model", ".pt", ".pth")
-COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
-
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
-    """``"mace"`` or ``"nequip"``, from the file name, else from the file's contents."""
-    path = os.fspath(path)
-    name = os.path.basename(path).lower()
-    if name.endswith(COMPILED_SUFFIXES):
-        raise ValueError(
-            f"{path}: a compiled (TorchScript/AOTInductor) model; cgforge patches eager models: "
-            "give the .ckpt or .nequip.zip it was compiled from"
-        )
-    if name.endswith(NEQUIP_SUFFIXES):
-        return "nequip"
-    if name.endswith(MACE_SUFFIXES):
-        return "mace"
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    if _is_torch_pickle_zip(path):
-        return "mace"
-    raise ValueError(
-        f"{path}: cannot tell the checkpoint type (found {describe_file(path)}); expected a MACE "
-        f"{'/'.join(MACE_SUFFIXES)} file or a NequIP {'/'.join(NEQUIP_SUFFIXES)} file"
-    )
+    """``"mace"`` or ``"nequip"``: the name of the family that reads the checkpoint ``path``
+    (``families.family_for_file``: by the file's suffix, else by its contents).
 
-
-def _is_torch_pickle_zip(path: str) -> bool:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return any(n.endswith("/data.pkl") for n in zf.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
+    Raises ValueError for a compiled model or a file no family recognises, FileNotFoundError for a missing file
+    whose suffix no family claims."""
+    return families.family_for_file(path).name
 
 
 def load(
@@ -63,47 +40,33 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
 ) -> torch.nn.Module:
-    """Load a MACE or NequIP checkpoint and return the model patched with cgforge's kernels.
+    """The MACE or NequIP model in the checkpoint ``path``, patched with cgforge's kernels, on ``device``.
 
-    ``dtype`` None keeps the checkpoint's precision; ``"float32"``/``"float64"`` converts.
-    MACE files written by older mace-torch or with e3nn 0.4 inside are upgraded in memory.
+    ``dtype`` None keeps the checkpoint's precision; ``"float32"``/``"float64"`` converts (a NequIP model
+    keeps its ``model_dtype``). MACE files written by older mace-torch or with e3nn 0.4 inside are upgraded
+    in memory. ``families.load`` does the work (it also takes a module, and ``patch=False``).
     """
-    if checkpoint_kind(path) == "nequip":
-        from .nequip import load_nequip  # lazy: nequip is an optional dependency
-
-        return load_nequip(path, device=device, dtype=dtype)
-    return mace.load_mace(path, device=device, dtype=dtype, patched=True)
-
-
-def _family(model: torch.nn.Module) -> Any:
-    if is_mace_model(model):
-        return mace
-    if is_nequip_model(model):
-        from . import nequip  # nequip is optional: imported for its models only
-
-        return nequip
-    raise TypeError(f"model: expected a MACE or NequIP model, got {type(model).__module__}."
-                    f"{type(model).__qualname__}")
+    return families.load(path, device, dtype, patch=True)
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:
-    """Patch a MACE or NequIP model in place (idempotent) and return it."""
-    return _family(model).patch(model)
+    """Patch a MACE or NequIP model in place (idempotent) and return it; TypeError for any other object."""
+    return families.family_of(model).patch(model)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo ``patch`` in place: the model no longer refers to cgforge."""
-    return _family(model).unpatch(model)
+    """Undo ``patch`` in place: the model no longer refers to cgforge; TypeError for a non-MACE/NequIP object."""
+    return families.family_of(model).unpatch(model)
 
 
 def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Patch ``model`` (if not yet) and write it as a whole-model pickle, atomically.
+    """Patch ``model`` (if not yet) and write it, atomically, in its family's format; returns the path.
 
-    Refuses to overwrite an existing ``path`` unless ``force``. The file loads with
-    ``torch.load(path, weights_only=False)`` wherever cgforge is installed, and in MACECalculator.
+    MACE: a whole-model pickle (``path`` ending .model, .pt or .pth) that loads with ``torch.load(path,
+    weights_only=False)`` wherever cgforge is installed, and in MACECalculator. NequIP: a patched package
+    (``path`` ending .nequip.zip). Refuses to overwrite an existing ``path`` unless ``force``.
     """
-    patch(model)
-    return atomic_save(model, path, force=force)
+    return families.family_of(model).save(model, path, force=force)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump: Any = torch.save,
@@ -130,3 +93,14 @@ def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump:
             os.unlink(tmp)
         raise
     return path
+
+
+def __getattr__(name: str) -> Any:
+    """The family packages (``mace``, ``nequip``) and ``LegacyCheckpointError``, imported on first use."""
+    if name in ("mace", "nequip"):
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "LegacyCheckpointError":
+        from .mace.legacy import LegacyCheckpointError
+
+        return LegacyCheckpointError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

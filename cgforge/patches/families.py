@@ -1,33 +1,411 @@
-"""Which model family a model object belongs to, told without importing the family's package.
+"""The model families cgforge patches (MACE, NequIP): one ``Family`` object each, registered here.
 
-``cgforge.patches.nequip`` imports nequip, an optional dependency: the calculator and ``cgforge.patches``
-ask here first and import a family's package only for that family's models.
+    from cgforge.patches import families
+    model = families.load("water.model", device="cuda", dtype="float32")   # a file or a module, patched
+    family = families.family_of(model)                                     # families.MACE
+    family.unpatch(model); family.save(model, "plain.model", patched=False)
+    adapter = family.adapter(model, device, head=None)                     # what the runtime calls
+
+This module is the one place that tells a MACE model or file from a NequIP one: everything else asks
+``family_of`` (a module), ``family_for_file`` (a path) or ``load``. A family recognises its modules and files
+without importing its package: ``cgforge.patches.nequip`` imports nequip (an optional dependency) and both
+packages import cgforge's kernels, so a family's package is imported only when one of its models is loaded,
+patched, saved or run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import sys
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["is_mace_model", "is_nequip_model"]
+from .common import parse_device, parse_dtype
+
+__all__ = ["Family", "MACE", "NEQUIP", "FAMILIES", "COMPILED_SUFFIXES", "family_of", "family_for_file", "load",
+           "is_mace_model", "is_nequip_model", "quiet_mace_import"]
+
+# nequip-compile / TorchScript / AOTInductor outputs: no family reads them (cgforge's kernels are launched
+# from Python, which a compiled model cannot call)
+COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to recognise its modules and files, and its load, patch, unpatch, save, adapter.
+
+    ``name`` is the lower-case key (``"mace"``), ``title`` the name in messages (``"MACE"``), ``package`` the
+    cgforge package holding the family's code (imported on first use), ``suffixes`` the file names the family
+    reads (lower case) and ``writes`` the ones ``save`` writes, ``adapter_options`` the keyword options of
+    ``adapter`` that apply to this family. Subclasses supply the per-family parts (``_MaceFamily``,
+    ``_NequipFamily``).
+    """
+
+    name: str
+    title: str
+    package: str
+    suffixes: tuple[str, ...]
+    writes: tuple[str, ...]
+    adapter_options: tuple[str, ...]
+
+    # -- recognising (never imports the family's package) --------------------------------------
+
+    def owns(self, module: Any) -> bool:
+        """True when ``module`` is a model of this family (the installed classes or a packaged copy)."""
+        raise NotImplementedError
+
+    def owns_name(self, path: str | os.PathLike) -> bool:
+        """True when the file name of ``path`` ends with one of this family's suffixes (and is no compiled
+        model); the file need not exist."""
+        name = os.path.basename(os.fspath(path)).lower()
+        return name.endswith(self.suffixes) and not name.endswith(COMPILED_SUFFIXES)
+
+    def sniffs(self, path: str | os.PathLike) -> bool:
+        """True when the contents of the existing file ``path`` look like this family's (any name)."""
+        raise NotImplementedError
+
+    def owns_file(self, path: str | os.PathLike) -> bool:
+        """True when ``path`` is a file this family reads: by its suffix, else (an existing file) by its contents.
+
+        Files whose suffix no family claims are told apart by content; ``family_for_file`` asks every
+        family's suffixes before any family's content, so a ``.model`` file is MACE's whatever it holds."""
+        if self.owns_name(path):
+            return True
+        name = os.path.basename(os.fspath(path)).lower()
+        if name.endswith(COMPILED_SUFFIXES) or any(f.owns_name(path) for f in FAMILIES if f is not self):
+            return False
+        return os.path.isfile(path) and self.sniffs(path)
+
+    # -- the family's code (imports its package) ------------------------------------------------
+
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        """The model in the checkpoint ``path``, in eval mode on ``device``: patched with cgforge's kernels
+        (``patch``) or as the family's own code builds it. ``dtype`` None keeps the file's precision, else
+        ``"float32"``/``"float64"`` (or a torch dtype); the file's zip checksums are checked first."""
+        raise NotImplementedError
+
+    def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        """An in-memory model of this family made ready as ``load`` makes a file's: upgraded where an older
+        version of the family's code pickled it, in ``dtype`` (None: its own), on ``device``, patched in place
+        when ``patch`` (a model given patched stays patched). Returns ``model``."""
+        raise NotImplementedError
+
+    def patch(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Swap cgforge's kernels into ``model``, in place and idempotent; returns it."""
+        return self._code().patch(model)
+
+    def unpatch(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Undo ``patch`` in place: the model no longer refers to cgforge; returns it."""
+        return self._code().unpatch(model)
+
+    def is_patched(self, model: torch.nn.Module) -> bool:
+        """True when ``model`` runs cgforge's kernels in at least one of its layers."""
+        return bool(self._code().is_patched(model))
+
+    def check_output(self, path: str | os.PathLike, *, patched: bool = True, what: str = "output") -> None:
+        """Raise ValueError unless ``save`` can write a (``patched`` or plain) model of this family to ``path``;
+        ``what`` names the path in the message (e.g. ``"OUT"``). Checks the name only: callers check it before
+        loading anything."""
+        name = os.path.basename(os.fspath(path)).lower()
+        if not name.endswith(self.writes) or name.endswith(COMPILED_SUFFIXES):
+            raise ValueError(f"{what}: {path} must end with {', '.join(self.writes)} ({self._writes_what()})")
+
+    def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
+             patched: bool = True, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None) -> Path:
+        """Write a model of this family to ``path`` (named as ``check_output`` says) and return the path.
+
+        ``source``: a model (patched in place when ``patched``, else unpatched in place) or a checkpoint
+        file (loaded on ``device`` in ``dtype``; never modified). ``patched=False`` writes a file that loads
+        without cgforge. Refuses to overwrite ``path`` unless ``force``; the file appears whole or not at all."""
+        raise NotImplementedError
+
+    def adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
+        """The runtime's adapter of ``model`` (``cgforge.plugin.runtime.adapters.ModelAdapter``) on ``device``.
+
+        ``options``: ``head`` (MACE: the head of a multi-head model) and ``type_map`` (NequIP: {chemical
+        symbol: type name}); an option of the other family, given a value, raises ValueError."""
+        given = {k: v for k, v in options.items() if v is not None}
+        for key in given:
+            if key not in self.adapter_options:
+                owner = next((f.title for f in FAMILIES if key in f.adapter_options), None)
+                if owner is None:
+                    raise TypeError(f"adapter: unknown option {key!r}")
+                raise ValueError(f"{key}: only for {owner} models")
+        return self._adapter(model, device, **{k: options.get(k) for k in self.adapter_options})
+
+    def _adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
+        raise NotImplementedError
+
+    def _code(self) -> Any:
+        import importlib
+
+        return importlib.import_module(self.package)
+
+    def _writes_what(self) -> str:
+        return ""
+
+
+class _MaceFamily(Family):
+    def owns(self, module: Any) -> bool:
+        """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
+        return (
+            isinstance(module, torch.nn.Module)
+            and type(module).__module__.startswith("mace.")
+            and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList)
+        )
+
+    def sniffs(self, path: str | os.PathLike) -> bool:
+        """A torch.save zip (a pickled whole model) that is not a NequIP package."""
+        names = _zip_names(path)
+        return any(n.endswith("/data.pkl") for n in names) and not _is_nequip_package(names)
+
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        """A MACE ``.model`` (a whole pickled model of mace-torch 0.3.x; e3nn 0.4 pickles and older mace-torch
+        attributes are upgraded in memory); see ``Family.load``."""
+        quiet_mace_import()
+        from .mace import load_mace
+
+        return load_mace(path, device=device, dtype=dtype, patched=patch).eval()
+
+    def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        from .mace import patch as patch_model
+        from .mace import upgrade_old_attributes
+
+        upgrade_old_attributes(model)
+        if patch:
+            patch_model(model)
+        dtype = parse_dtype(dtype)
+        if dtype is not None:
+            model.to(dtype=dtype)
+        return model.to(parse_device(device))
+
+    def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
+             patched: bool = True, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None) -> Path:
+        """A whole-model pickle (``torch.save``), which ``torch.load(path, weights_only=False)``, mace-torch's
+        tools and MACECalculator load (a patched one wherever cgforge is installed); see ``Family.save``."""
+        from . import atomic_save
+
+        self.check_output(path, patched=patched)
+        model = load(source, device, dtype, patch=patched) if isinstance(source, (str, os.PathLike)) else source
+        if not self.owns(model):
+            raise TypeError(f"model: expected a MACE model, got {_class_name(model)}")
+        model = self.patch(model) if patched else self.unpatch(model)
+        return atomic_save(model, path, force=force)
+
+    def _adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
+        from .mace.adapter import MaceAdapter
+
+        return MaceAdapter(model, device, options["head"])
+
+    def _writes_what(self) -> str:
+        return "cgforge writes MACE models as pickled .model files, which MACE's tools load"
+
+
+class _NequipFamily(Family):
+    def owns(self, module: Any) -> bool:
+        """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
+        if not isinstance(module, torch.nn.Module) or not getattr(module, "is_graph_model", False):
+            return False
+        try:
+            metadata = module.metadata
+        except AttributeError:
+            return False
+        return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
+
+    def sniffs(self, path: str | os.PathLike) -> bool:
+        """A nequip-package archive (a zip holding ``model/package_metadata.txt``)."""
+        return _is_nequip_package(_zip_names(path))
+
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model; patched ones are checked against the plain
+        model on a small structure). A NequIP model keeps the ``model_dtype`` it was built for: another
+        ``dtype`` raises ValueError. See ``Family.load``."""
+        from .nequip import load_nequip
+
+        return load_nequip(path, device=device, dtype=dtype, patched=patch)
+
+    def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+        from .nequip import check_dtype
+        from .nequip import patch as patch_model
+
+        check_dtype(model, parse_dtype(dtype))
+        model.eval().to(parse_device(device))
+        return patch_model(model) if patch else model
+
+    def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
+             patched: bool = True, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None) -> Path:
+        """A patched nequip-package archive (``.nequip.zip``, every model of a file patched and checked), which
+        ``families.load``, nequip's ``ModelFromPackage`` and nequip's ASE calculator load wherever cgforge is
+        installed. ``device`` and ``dtype`` are not used: a package is written from the CPU, in the model's
+        own ``model_dtype`` (another ``dtype`` raises ValueError). See ``Family.save``."""
+        self.check_output(path, patched=patched)
+        if dtype is not None:
+            raise ValueError("dtype: a NequIP model keeps the model_dtype it was built with; leave dtype "
+                             "(--dtype) out")
+        from .nequip import save_patched_nequip
+
+        return save_patched_nequip(source, path, force=force)
+
+    def check_output(self, path: str | os.PathLike, *, patched: bool = True, what: str = "output") -> None:
+        if not patched:
+            raise ValueError("cgforge writes plain MACE .model files only, and this NequIP model is not one (the "
+                             ".ckpt or .nequip.zip a patched package was made from is the plain file)")
+        super().check_output(path, patched=patched, what=what)
+
+    def _adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
+        from .nequip.adapter import NequipAdapter
+
+        return NequipAdapter(model, device, options["type_map"])
+
+    def _writes_what(self) -> str:
+        return "cgforge writes NequIP models as packages"
+
+
+MACE: Family = _MaceFamily(name="mace", title="MACE", package="cgforge.patches.mace",
+                           suffixes=(".model", ".pt", ".pth"), writes=(".model", ".pt", ".pth"),
+                           adapter_options=("head",))
+NEQUIP: Family = _NequipFamily(name="nequip", title="NequIP", package="cgforge.patches.nequip",
+                               suffixes=(".ckpt", ".nequip.zip"), writes=(".nequip.zip",),
+                               adapter_options=("type_map",))
+FAMILIES: tuple[Family, ...] = (MACE, NEQUIP)
 
 
 def is_mace_model(obj: Any) -> bool:
-    """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
-    return (
-        isinstance(obj, torch.nn.Module)
-        and type(obj).__module__.startswith("mace.")
-        and isinstance(getattr(obj, "interactions", None), torch.nn.ModuleList)
-    )
+    """``MACE.owns(obj)``: the check the MACE package's own functions make of their argument."""
+    return MACE.owns(obj)
 
 
 def is_nequip_model(obj: Any) -> bool:
-    """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
-    if not isinstance(obj, torch.nn.Module) or not getattr(obj, "is_graph_model", False):
-        return False
+    """``NEQUIP.owns(obj)``: the check the NequIP package's own functions make of their argument."""
+    return NEQUIP.owns(obj)
+
+
+def family_of(module: Any) -> Family:
+    """The family of the model ``module``; TypeError naming its class when no family owns it."""
+    for family in FAMILIES:
+        if family.owns(module):
+            return family
+    titles = " or ".join(f.title for f in FAMILIES)
+    raise TypeError(f"model: expected a {titles} model, got {_class_name(module)}")
+
+
+def family_for_file(path: str | os.PathLike) -> Family:
+    """The family that reads the checkpoint ``path``: by its suffix, else by its contents.
+
+    Raises ValueError for a compiled model (no family reads one) and for a file no family recognises (naming
+    what it looks like), FileNotFoundError for a missing file whose suffix no family claims."""
+    path = os.fspath(path)
+    if os.path.basename(path).lower().endswith(COMPILED_SUFFIXES):
+        raise ValueError(
+            f"{path}: a compiled (TorchScript/AOTInductor) model; cgforge patches eager models: "
+            "give the .ckpt or .nequip.zip it was compiled from"
+        )
+    for family in FAMILIES:
+        if family.owns_name(path):
+            return family
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    for family in FAMILIES:
+        if os.path.isfile(path) and family.sniffs(path):
+            return family
+    expected = " or ".join(f"a {f.title} {'/'.join(f.suffixes)} file" for f in FAMILIES)
+    raise ValueError(f"{path}: cannot tell the checkpoint type (found {_describe_file(path)}); expected {expected}")
+
+
+def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device = "cpu",
+         dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+    """A MACE or NequIP model ready to run: from a checkpoint file or an in-memory module of either family.
+
+    ``source``: a checkpoint path (the family from ``family_for_file``; ``Family.load``) or a model
+    (``Family.prepare``: patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device.
+    ``dtype``: None keeps the model's precision, ``"float32"``/``"float64"`` converts (NequIP models keep
+    their ``model_dtype``). ``patch``: cgforge's kernels (True) or the family's own code (False).
+
+    A file that fails to load raises ValueError naming it (also where torch or pickle fail with another
+    error); warnings raised while loading a file (an older mace-torch's attributes upgraded, a layer kept
+    unpatched) are issued as one line naming the file, without a line of cgforge's source.
+    """
+    device, dtype = parse_device(device), parse_dtype(dtype)
+    if isinstance(source, torch.nn.Module):
+        return family_of(source).prepare(source, device, dtype, patch=patch)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"model: expected a checkpoint path or a MACE/NequIP torch module, got "
+                        f"{type(source).__name__}")
+    family = family_for_file(source)
+    with _warnings_naming(os.fspath(source)):
+        try:
+            return family.load(source, device, dtype, patch=patch)
+        except (ValueError, TypeError, OSError):
+            raise
+        except Exception as err:  # a damaged file fails deep inside torch.load / pickle
+            raise ValueError(f"{os.fspath(source)}: could not load it as a {family.title} checkpoint "
+                             f"({type(err).__name__}: {err})") from err
+
+
+def quiet_mace_import() -> None:
+    """Import mace-torch's ``mace.tools.cg`` without the line it prints when cuEquivariance is not installed
+    ("cuequivariance or cuequivariance_torch is not available..."): cgforge never uses cuEquivariance. Other
+    output of the import is printed as usual; nothing happens once mace is imported or when it is missing."""
+    if "mace.tools.cg" in sys.modules:
+        return
+    printed = io.StringIO()
     try:
-        metadata = obj.metadata
-    except AttributeError:
-        return False
-    return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
+        with contextlib.redirect_stdout(printed):
+            import mace.tools.cg  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        rest = [line for line in printed.getvalue().splitlines() if "cuequivariance" not in line]
+        if rest:
+            print("\n".join(rest))
+
+
+@contextlib.contextmanager
+def _warnings_naming(source: str) -> Iterator[None]:
+    """Warnings raised inside are issued again as if raised by ``source`` (a file name) at line 0: one line,
+    ``SOURCE:0: Category: message``, with no line of cgforge's code under it; the usual filters apply."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, filename=source, lineno=0)
+
+
+def _zip_names(path: str | os.PathLike) -> list[str]:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return []
+
+
+def _is_nequip_package(names: list[str]) -> bool:
+    return any(n.endswith("/model/package_metadata.txt") for n in names)
+
+
+def _describe_file(path: str) -> str:
+    from .mace.legacy import describe_file  # the error path only: imports the MACE package
+
+    return describe_file(path)
+
+
+def _class_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -51,7 +51,7 @@ from cgforge.patches.common import existing_file
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
-from .runtime.adapters import ModelAdapter, adapter_for, is_nequip_model
+from .runtime.adapters import ModelAdapter, adapter_for
 from .runtime.atom_order import spatial_order, to_user_order
 from .runtime.compiled import check_compile, parse_compile
 from .runtime.memory_plan import MemoryPlan, plan_memory, use_expandable_segments
@@ -60,7 +60,7 @@ from .runtime.step_graph import ModelStep
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
-BUNDLED = ("mace", "nequip")
+BUNDLED = ("mace", "nequip")  # the bundled water models' names (cgforge.plugin.runtime.bundled.kinds())
 _WARMUP_ATOMS = 8
 RADIAL_TF32_TOL = 1e-4  # the largest relative change of the forces a TF32 radial-MLP mode may make (issue 10)
 _SHOWN_ATOMS = 8  # atom indices named in a NonFiniteOutputError
@@ -84,6 +84,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _bundled_path(name: str) -> Path:
+    """The file of the bundled model ``name`` (one of ``BUNDLED``); FileNotFoundError, saying what to pass
+    instead, where this installation has none."""
     try:
         from cgforge.plugin.runtime.bundled import model_path
     except ImportError as err:
@@ -97,14 +99,16 @@ def _bundled_path(name: str) -> Path:
     return path
 
 
-def load_model(model: str | os.PathLike | torch.nn.Module, device: torch.device,
+def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
-    """A ready MACE or NequIP model on ``device``: bundled name, checkpoint path or module (patched in place)."""
-    from cgforge import patches
-    from cgforge.patches.common import parse_dtype
-    from cgforge.patches.families import is_mace_model
+    """A MACE or NequIP model ready to run on ``device``, patched with cgforge's kernels when ``patch``.
 
-    dtype = parse_dtype(dtype)
+    ``model``: a bundled model's name (``"mace"``, ``"nequip"``: ``BUNDLED``), a checkpoint path (.model,
+    .ckpt, .nequip.zip) or a MACE/NequIP module (made ready in place). ``dtype``: None keeps the model's,
+    ``"float32"``/``"float64"`` converts. The family registry does the work (``cgforge.patches.families.load``);
+    errors name the ``model`` argument."""
+    from cgforge.patches import families
+
     if isinstance(model, str) and model.lower() in BUNDLED:
         model = _bundled_path(model.lower())
     if isinstance(model, str | os.PathLike):
@@ -114,39 +118,17 @@ def load_model(model: str | os.PathLike | torch.nn.Module, device: torch.device,
             f"model: expected 'mace', 'nequip', a checkpoint path or a MACE/NequIP torch module, "
             f"got {type(model).__name__}"
         )
-    if is_mace_model(model):
-        patches.mace.upgrade_old_attributes(model)
-        if patch:
-            patches.patch(model)
-        if dtype is not None:
-            model.to(dtype=dtype)
-        return model.to(device)
-    if is_nequip_model(model):
-        from cgforge.patches import nequip as pn
-
-        pn._check_dtype(model, dtype)
-        model.eval().to(device)
-        return pn.patch(model) if patch else model
-    adapter_for(model, device)  # raises the TypeError naming what was given
-    return model
+    return families.load(model, device, dtype, patch=patch)
 
 
-def _load_file(path: Path, device: torch.device, dtype: torch.dtype | None, patch: bool) -> torch.nn.Module:
-    from cgforge import patches
+def _load_file(path: Path, device: str | torch.device, dtype: str | torch.dtype | None,
+               patch: bool) -> torch.nn.Module:
+    """The model in the checkpoint file ``path`` (``families.load``), after checking it exists (errors name the
+    ``model`` argument)."""
+    from cgforge.patches import families
 
     existing_file(path, "model", "a checkpoint file")
-    kind = patches.checkpoint_kind(path)
-    try:
-        if kind == "nequip":
-            from cgforge.patches import nequip as pn
-
-            return pn.load_nequip(path, device=device, dtype=dtype, patched=patch)
-        return patches.mace.load_mace(path, device=device, dtype=dtype, patched=patch)
-    except (ValueError, TypeError, OSError):
-        raise
-    except Exception as err:  # a corrupt file fails deep inside torch.load / pickle
-        raise ValueError(f"model: could not load {path} as a {kind} checkpoint ({type(err).__name__}: {err})") \
-            from err
+    return families.load(path, device, dtype, patch=patch)
 
 
 def _check_radial_table(radial_table: object, radial_precision: object) -> None:

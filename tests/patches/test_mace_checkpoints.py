@@ -23,7 +23,7 @@ from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
 from cgforge import patches
 from cgforge.cli import main as cli_main
 from cgforge.patches import mace as pm
-from cgforge.patches import mace_legacy
+from cgforge.patches.mace import legacy as mace_legacy
 
 # ---------------------------------------------------------------------------------------------
 # Writing a checkpoint the way e3nn 0.4 pickled its modules
@@ -169,8 +169,13 @@ def test_old_mace_pickle_without_buffers_is_upgraded_with_a_warning(tmp_path: Pa
     del old.heads
     path = tmp_path / "old.model"
     torch.save(old, path)
-    with pytest.warns(UserWarning, match="older mace-torch.*r_max, atomic_numbers, num_interactions, heads"):
+    with pytest.warns(UserWarning, match="older mace-torch.*r_max, atomic_numbers, num_interactions, heads") as caught:
         loaded = patches.load(path)
+    # one line naming the file: no line of cgforge's source under it
+    (warning,) = [w for w in caught if "older mace-torch" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (str(path), 0)
+    shown = warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    assert shown.strip().count("\n") == 0 and shown.startswith(f"{path}:0: UserWarning: MACE model pickled")
     assert isinstance(loaded.r_max, torch.Tensor) and float(loaded.r_max) == r_max
     assert loaded.atomic_numbers.tolist() == numbers
     assert int(loaded.num_interactions) == 2
@@ -317,16 +322,17 @@ def test_missing_file_and_unknown_kind(tmp_path: Path) -> None:
         patches.load(odd.with_suffix(".model"), dtype="float16")
 
 
-def test_nequip_files_are_dispatched_to_the_nequip_adapter(tmp_path: Path, monkeypatch) -> None:
+def test_nequip_files_are_dispatched_to_the_nequip_family(tmp_path: Path, monkeypatch) -> None:
     import types
 
     calls = []
     fake = types.ModuleType("cgforge.patches.nequip")
-    fake.load_nequip = lambda path, device, dtype: calls.append((Path(path).name, device, dtype)) or "model"
+    fake.load_nequip = lambda path, device, dtype, patched: calls.append((Path(path).name, str(device), dtype,
+                                                                         patched)) or "model"
     monkeypatch.setitem(sys.modules, "cgforge.patches.nequip", fake)
     for name in ("run.ckpt", "deployed.nequip.zip"):
         assert patches.load(tmp_path / name, device="cpu", dtype="float32") == "model"
-    assert calls == [("run.ckpt", "cpu", "float32"), ("deployed.nequip.zip", "cpu", "float32")]
+    assert calls == [("run.ckpt", "cpu", torch.float32, True), ("deployed.nequip.zip", "cpu", torch.float32, True)]
 
 
 @pytest.mark.cuda

@@ -6,11 +6,13 @@
 - ``radial_table``: each block's weights read from a table of the edge length (``set_radial_table``).
 - ``adapter``: the calculator's ``MaceAdapter`` and the check that edges beyond the cutoff are inert.
 - ``symmetric_contraction``: ``SymmetricContraction`` (MACE's U tensors and state-dict layout over
-  cgforge's symmetric-contraction kernels; also ``cgforge.kernels.SymmetricContraction``).
+  cgforge's symmetric-contraction kernels; ``cgforge.patches.mace.SymmetricContraction`` is its public name:
+  kernels/ names nothing of the patches).
 
-The names below are this package's public API. They also keep the class paths that patched models saved
-by earlier versions pickled (``cgforge.patches.mace.FusedConvTP`` and the like) loadable. Note that the
-name ``patch`` here is the function; the module is ``cgforge.patches.mace.patch`` in ``sys.modules``.
+The names below are this package's public API; the family registry (``cgforge.patches.families.MACE``)
+calls ``load_mace``, ``upgrade_old_attributes``, ``patch``, ``unpatch`` and ``is_patched``. The class paths
+patched pickles name are listed, and tested, in ``cgforge._moved.PICKLED_CLASSES``. Note that the name
+``patch`` here is the function; the module is ``cgforge.patches.mace.patch`` in ``sys.modules``.
 """
 
 from .patch import (

@@ -21,6 +21,7 @@ import math
 import os
 import pickle
 import types
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -369,15 +370,16 @@ def _verify_against_legacy_code(name: str, old: _LegacyE3nnModule, new: torch.nn
     make_inputs = _PROBES[fname]
     device, dtype = _placement(new)
     try:
-        legacy_fn = torch.jit.load(io.BytesIO(codegen[fname]), map_location=device)
+        with _torchscript_deprecation_quiet():
+            legacy_fn = torch.jit.load(io.BytesIO(codegen[fname]), map_location=device)
     except Exception as err:  # noqa: BLE001 - any failure only skips the extra check
         log.warning("%s: could not load the e3nn 0.4 code to cross-check the rebuild (%s)", name, err)
         return
     gen = torch.Generator().manual_seed(0)
     inputs = tuple(t.to(device, dtype) for t in make_inputs(new, gen))
     try:
-        with _default_dtype(dtype):  # e3nn 0.4's code makes some constants in the default dtype
-            expected = legacy_fn(*inputs)
+        with _default_dtype(dtype), _torchscript_deprecation_quiet():  # e3nn 0.4's code makes some constants
+            expected = legacy_fn(*inputs)                                # in the default dtype
     except Exception as err:  # noqa: BLE001
         log.warning("%s: the e3nn 0.4 code did not run here, cross-check skipped (%s)", name, err)
         return
@@ -390,6 +392,15 @@ def _verify_against_legacy_code(name: str, old: _LegacyE3nnModule, new: torch.nn
             f"{name}: rebuilt {type(new).__name__} differs from the pickled e3nn 0.4 code "
             f"(max abs difference {err:.3g})"
         )
+
+
+@contextlib.contextmanager
+def _torchscript_deprecation_quiet() -> Iterator[None]:
+    """No "torch.jit.load is deprecated" warning (with a line of torch's source under it) per rebuilt module: the
+    e3nn 0.4 code cgforge checks against is TorchScript by nature, and reading it is cgforge's business."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        yield
 
 
 def _tp_inputs(tp: Any, gen: torch.Generator) -> tuple:

@@ -13,9 +13,10 @@
 
 Three ways in: the ``enable_cgforge`` model modifier (registered by ``cgforge.patches.nequip_modifier``
 through nequip's ``nequip.extension`` entry point), ``load_nequip(path)``, and ``save_patched_nequip``.
-The names below are the package's API; they also keep the class path that packages patched by earlier
-versions name (``cgforge.patches.nequip.CgforgeTensorProductScatter``) loadable. The name ``patch`` here
-is the function; the module is ``cgforge.patches.nequip.patch`` in ``sys.modules``.
+The names below are the package's API; the family registry (``cgforge.patches.families.NEQUIP``) calls
+``load_nequip``, ``check_dtype``, ``patch``, ``unpatch``, ``is_patched`` and ``save_patched_nequip``. The class
+paths patched packages name are listed, and tested, in ``cgforge._moved.PICKLED_CLASSES``. The name ``patch``
+here is the function; the module is ``cgforge.patches.nequip.patch`` in ``sys.modules``.
 """
 
 from ..common import UnsupportedModelError
@@ -36,8 +37,6 @@ from .package import save_patched_nequip
 from .patch import enable_cgforge, is_patched, patch, unpatch
 from .radial_table import set_radial_table
 from .verify import probe_structure, verify_patch
-
-_check_dtype = check_dtype  # the name cgforge.plugin.calculator used before the split
 
 __all__ = [
     "CHECKPOINT_SUFFIX", "COMPILED_SUFFIXES", "PACKAGE_SUFFIX", "SOLE_MODEL",

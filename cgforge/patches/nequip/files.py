@@ -73,6 +73,9 @@ def _zip_kind(path: str) -> str | None:
 
 
 def check_input(path: str | os.PathLike) -> Path:
+    """``path`` as a Path when it names a NequIP file ``load_models`` reads (a ``.ckpt`` holding a torch
+    checkpoint or a ``.nequip.zip`` holding a package), else the error saying what it is: TypeError (not a
+    path), CompiledModelError, FileNotFoundError, IsADirectoryError, ValueError (a wrong suffix or contents)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
@@ -135,6 +138,8 @@ def load_models(path: Path) -> torch.nn.ModuleDict:
 
 
 def check_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Raise ValueError unless ``dtype`` is None or the ``model_dtype`` the NequIP ``model`` was built for
+    (a NequIP model cannot be converted to another precision)."""
     model_dtype = getattr(model, "model_dtype", None)
     if dtype is not None and dtype != model_dtype:
         raise ValueError(

@@ -3,9 +3,9 @@
 Each adapter turns (edge vectors, edges, species) into the energy of one model, with no data objects,
 loaders or host round trips. The calculator owns positions, strain, neighbour list, edge vectors and
 autograd; an adapter only knows how its model wants the graph. The adapters live with the rest of their
-family's knowledge: ``cgforge.patches.mace.adapter.MaceAdapter`` and
-``cgforge.patches.nequip.adapter.NequipAdapter`` (imported only for a model of that family: nequip is
-optional).
+family's knowledge (``cgforge.patches.mace.adapter.MaceAdapter``, ``cgforge.patches.nequip.adapter.NequipAdapter``)
+and are made by the family registry, ``cgforge.patches.families`` (a family's package is imported only for
+its models: nequip is optional).
 
 Edge vectors follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
 
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cgforge.patches import families
 from cgforge.patches.common import UnknownElementError
-from cgforge.patches.families import is_mace_model, is_nequip_model
-from cgforge.patches.mace.adapter import MaceAdapter
+from cgforge.patches.families import is_nequip_model  # re-exported; the family of a model: families.family_of
 
 __all__ = ["ModelAdapter", "adapter_for", "is_nequip_model", "UnknownElementError"]
 
@@ -93,16 +93,8 @@ class ModelAdapter(Protocol):
 
 def adapter_for(model: torch.nn.Module, device: torch.device, *, head: str | None = None,
                 type_map: dict[str, str] | None = None) -> ModelAdapter:
-    """The adapter of ``model``'s family (MACE or NequIP); ``head`` is MACE's, ``type_map`` NequIP's."""
-    if is_mace_model(model):
-        if type_map is not None:
-            raise ValueError("type_map: only for NequIP models (MACE maps atomic numbers itself)")
-        return MaceAdapter(model, device, head)
-    if is_nequip_model(model):
-        if head is not None:
-            raise ValueError("head: only for MACE models")
-        from cgforge.patches.nequip.adapter import NequipAdapter  # nequip is optional: import on use
+    """The adapter of ``model`` (a MACE or NequIP model) on ``device``: ``families.family_of(model).adapter``.
 
-        return NequipAdapter(model, device, type_map)
-    cls = type(model)
-    raise TypeError(f"model: expected a MACE or NequIP model, got {cls.__module__}.{cls.__qualname__}")
+    ``head``: MACE's head of a multi-head model; ``type_map``: NequIP's {chemical symbol: type name}. An option
+    of the other family raises ValueError; a model of no family, TypeError naming its class."""
+    return families.family_of(model).adapter(model, device, head=head, type_map=type_map)
