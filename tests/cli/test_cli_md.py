@@ -310,7 +310,7 @@ def test_version_and_python_m_cgforge(capsys):
 
 _CTRL_C_SCRIPT = textwrap.dedent("""
     import sys
-    sys.path[:0] = [{tests!r}, {root!r}]
+    sys.path[:0] = [{tests!r}, {tests!r} + "/cli", {root!r}]
     from test_cli_md import StandIn
     from cgforge.plugin import calculator
     from cgforge.cli import main
@@ -329,12 +329,18 @@ def test_ctrl_c_exits_130_with_a_complete_trajectory(tmp_path):
             "100000", "--log-interval", "1", "--timestep", "0.25", "-o", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     deadline = time.monotonic() + 240
+    seen = []
     for line in proc.stdout:  # wait until a few steps have run
+        seen.append(line)
         if re.match(r"\s+3\s", line) or time.monotonic() > deadline:
             break
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED == 130, stderr
+    assert stderr.startswith("cgforge md: Ctrl-C: the run stops after the current step"), stderr
+    assert "press Ctrl-C again to stop now" in stderr.splitlines()[0]
     step = int(re.search(r"interrupted \(Ctrl-C\) at step (\d+)", stderr).group(1))
     assert f"ends at step {step} (continue with --restart {out}" in stderr and "Traceback" not in stderr
     assert read(out, -1).info["md_step"] == step >= 3
+    last = [line for line in "".join(seen).splitlines() + stdout.splitlines() if re.match(r"\s+\d+\s", line)][-1]
+    assert int(last.split()[0]) == step  # the last progress line is the trajectory's last step

@@ -169,3 +169,33 @@ def test_cuda_1000_steps_of_the_5184_atom_box(tmp_path):
     assert calc.neighbours.n_builds >= 1
     peak = torch.cuda.max_memory_allocated()
     assert peak < 40e9, f"peak GPU memory {peak / 1e9:.1f} GB"
+
+
+def test_cli_md_refuses_a_missing_element_and_another_model_before_any_step(model, model_file, tmp_path, capsys):
+    """issue 41: an element the model lacks is found right after the load (before relaxation and step 0); a
+    restart on another model than the trajectory's is refused before its first step, never with a drift from the
+    other model's energy."""
+    structure = tmp_path / "salty.xyz"
+    atoms = water_box(8, seed=4)
+    atoms.numbers[0] = 11  # Na: the model knows H and O
+    atoms.write(structure)
+    argv = ["md", "--model", str(model_file), "--device", "cpu", "--relax", "3"]
+    assert cli_main([*argv, "--structure", str(structure), "-o", str(tmp_path / "na.traj")]) == 1
+    captured = capsys.readouterr()
+    assert "cgforge md: error: --structure: element(s) Na not known to the model, which knows H, O" in captured.err
+    assert "relaxed" not in captured.out and "step" not in captured.out and not (tmp_path / "na.traj").exists()
+    first = tmp_path / "first.traj"
+    assert cli_main([*argv[:-2], "--molecules", "8", "--relax", "5", "--ensemble", "nve", "--steps", "2",
+                     "-o", str(first)]) == 0
+    other = tmp_path / "other.model"
+    torch.save(build_model(r_max=4.0, seed=1), other)
+    capsys.readouterr()
+    assert cli_main(["md", "--model", str(other), "--device", "cpu", "--restart", str(first), "-o",
+                     str(tmp_path / "b.traj")]) == 1
+    captured = capsys.readouterr()
+    assert f"--restart: {first} was run with {model_file} (mace)" in captured.err
+    assert "a restart continues the same model" in captured.err and "stopped before the first step" in captured.out
+    assert not (tmp_path / "b.traj").exists()
+    assert cli_main(["md", "--model", str(model_file), "--device", "cpu", "--restart", str(first), "--steps", "2",
+                     "-o", str(tmp_path / "c.traj")]) == 0  # the same model continues
+    assert "NVE" in capsys.readouterr().out
