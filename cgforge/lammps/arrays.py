@@ -1,19 +1,26 @@
 """Reading LAMMPS's ML-IAP data object into torch tensors and writing the results back, for both flavours.
 
-Facts used (LAMMPS's ``mliap_unified_couple.pyx`` and its Kokkos twin, 29Aug2024 and later):
+Facts used (LAMMPS's ``mliap_unified_couple.pyx`` and its Kokkos twin ``mliap_unified_couple_kokkos.pyx``,
+29 Aug 2024 and 22 Jul 2025):
 
-- Host flavour (``pair_style mliap unified``): numpy views of LAMMPS memory. ``pair_i`` / ``pair_j`` [npairs]
-  int32 (``pair_i`` is the centre; pairs come grouped by centre, centres in neighbour-list order), ``rij``
-  [npairs, 3] float64 = x[j] - x[i], strictly within the cutoff; ``elems`` [ntotal] int32 element index (the
-  order of ``element_types``; -1 for a NULL type); ``iatoms`` [natomneigh] the atom index of each list entry,
-  of which the first ``nlistatoms`` are local atoms. ``eatoms`` [nlistatoms] and ``energy`` are write-only
-  properties; ``update_pair_forces(fij)`` takes a C-contiguous float64 [npairs, 3] array and adds ``fij`` to
-  f[i], ``-fij`` to f[j], and ``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
-- Kokkos flavour (``-k on -sf kk``): the same names, but arrays are CuPy arrays on the GPU (numpy when
-  Kokkos runs on the host), ``eatoms`` is a read-only property returning the array to write into, and
-  ``update_pair_forces_gpu(fij)`` takes a device array (anything with ``data_ptr()`` or ``.data.ptr``). Device
-  arrays come in through DLPack (zero-copy); Kokkos writes them on its own stream, so the device is
-  synchronised before they are read and before LAMMPS reads the forces.
+- The two couples are Cython modules ``mliap_unified_couple`` (``pair_style mliap unified``) and
+  ``mliap_unified_couple_kokkos`` (``-k on -sf kk``); both name their data class ``MLIAPDataPy``, so the flavour
+  is told by the class's module. Their methods do not tell it: from 22 Jul 2025 on the host class also has
+  ``update_pair_forces_gpu`` and ``forward_exchange`` / ``reverse_exchange``, which only raise
+  NotImplementedError.
+- Host flavour: numpy views of LAMMPS memory. ``pair_i`` / ``pair_j`` [npairs] int32 (``pair_i`` is the
+  centre; pairs come grouped by centre, centres in neighbour-list order), ``rij`` [npairs, 3] float64 =
+  x[j] - x[i], strictly within the cutoff; ``elems`` [ntotal] int32 element index (the order of
+  ``element_types``; -1 for a NULL type); ``iatoms`` [natomneigh] the atom index of each list entry, of which
+  the first ``nlistatoms`` are local atoms. ``eatoms`` [nlistatoms] and ``energy`` are write-only properties;
+  ``update_pair_forces(fij)`` takes a C-contiguous float64 [npairs, 3] array and adds ``fij`` to f[i], ``-fij``
+  to f[j], and ``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
+- Kokkos flavour: the same names, but arrays are CuPy arrays on the GPU (numpy when Kokkos runs on the host),
+  ``eatoms`` is a read-only property returning the [nlistatoms] array to write into, and
+  ``update_pair_forces_gpu(fij)`` takes a device array (anything with ``data_ptr()`` or ``.data.ptr``);
+  ``update_pair_forces`` takes host memory (a Kokkos host build). Device arrays come in through DLPack
+  (zero-copy); Kokkos writes them on its own stream, so the device is synchronised (all streams, Kokkos's
+  included) before torch reads them and before LAMMPS reads the forces.
 """
 
 from __future__ import annotations
@@ -25,13 +32,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["LammpsArrays", "PairData", "is_device_flavour", "lammps_arrays", "read_pairs", "to_tensor",
-           "write_results"]
+__all__ = ["HOST_COUPLE", "KOKKOS_COUPLE", "LammpsArrays", "PairData", "couple_of", "is_device_flavour",
+           "lammps_arrays", "read_pairs", "to_tensor", "write_results"]
+
+HOST_COUPLE = "mliap_unified_couple"
+KOKKOS_COUPLE = "mliap_unified_couple_kokkos"
+
+
+def couple_of(data: Any) -> str:
+    """The LAMMPS couple whose data object ``data`` is: ``HOST_COUPLE`` or ``KOKKOS_COUPLE`` (its class's module)."""
+    module = type(data).__module__.rpartition(".")[2]
+    if module not in (HOST_COUPLE, KOKKOS_COUPLE):
+        raise TypeError(f"LAMMPS data: expected an ML-IAP data object of {HOST_COUPLE} or {KOKKOS_COUPLE}, got "
+                        f"{type(data).__module__}.{type(data).__qualname__}")
+    return module
 
 
 def is_device_flavour(data: Any) -> bool:
-    """True for the Kokkos data object (it has ``update_pair_forces_gpu``), False for the host one."""
-    return callable(getattr(data, "update_pair_forces_gpu", None))
+    """True for the Kokkos couple's data object, False for the host couple's (told by its module, see above)."""
+    return couple_of(data) == KOKKOS_COUPLE
 
 
 def to_tensor(array: Any) -> Tensor:
@@ -46,6 +65,8 @@ def to_tensor(array: Any) -> Tensor:
 
 
 def _sync(*tensors: Tensor) -> None:
+    """Wait for all work on the device of CUDA ``tensors``: every stream, Kokkos's included (LAMMPS fills and
+    reads its arrays on its own stream, which torch's stream does not wait for: nequip PR #605, mace #1294)."""
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
 
@@ -123,12 +144,17 @@ def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> Non
     if eatoms.numel():
         if device:
             target = to_tensor(data.eatoms)  # a read-only property: the array LAMMPS reads, written in place
+            if target.shape != eatoms.shape:  # a longer write would go past LAMMPS's array
+                raise ValueError(f"eatoms: LAMMPS holds {tuple(target.shape)}, the model gave {tuple(eatoms.shape)}")
             target.copy_(eatoms.to(target.device))
+            _sync(target)  # written on torch's stream, read by LAMMPS on its own
         else:
             data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
     data.energy = float(energy)
     if not fij.shape[0]:
         return
+    if tuple(fij.shape) != (int(data.npairs), 3):  # LAMMPS reads npairs x 3 doubles from the pointer it gets
+        raise ValueError(f"fij: expected ({int(data.npairs)}, 3), got {tuple(fij.shape)}")
     if device and (fij.is_cuda or to_tensor(data.rij).is_cuda):
         forces = fij.to(to_tensor(data.rij).device)
         _sync(forces)  # LAMMPS reads the forces on its own stream

@@ -13,6 +13,15 @@ MPI rank):
 LAMMPS classes use in the same way; only ``gout[:nlocal]`` is read here). The first layer needs no exchange:
 its input is the species embedding, known for ghosts too.
 
+On the host (a Kokkos host build: arrays and features in host memory) LAMMPS sends the features through its
+classic communication, whose buffers are sized at each run's setup for the widest per-atom message then
+known: size_border (at least 6: x, tag, type, mask) forward, size_reverse (3: f) in reverse. PairMLIAPKokkos
+sets its message width to ``vec_len`` only inside the exchange, and ``CommBrick::forward_comm(Pair *)`` /
+``reverse_comm(Pair *)`` do not grow the buffers: a wider exchange writes past them (heap corruption, seen as
+``corrupted size vs. prev_size`` after a right energy). So host exchanges go in column blocks of at most
+``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH``; Kokkos's device communication grows its own buffers, so device
+features go whole.
+
 The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
 whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
 dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
@@ -28,26 +37,41 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ExchangeHooks", "exchange_features", "message_layers"]
+__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "exchange_features", "message_layers"]
 
 _NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
+HOST_FORWARD_WIDTH = 6  # LAMMPS's size_border, the least its host forward buffers hold per atom
+HOST_REVERSE_WIDTH = 3  # size_reverse (forces), the least its host reverse buffers hold per atom
+
+
+def _send(call: Any, flat: Tensor, host_width: int) -> Tensor:
+    """``call(src, dst, width)`` (LAMMPS's forward or reverse exchange) over ``flat`` [ntotal, width]: whole on
+    a device, in column blocks of at most ``host_width`` on the host (see the module doc)."""
+    out = torch.empty_like(flat)
+    block = flat.shape[1] if flat.is_cuda else host_width
+    if flat.shape[1] <= block:
+        call(flat, out, flat.shape[1])
+        return out
+    for start in range(0, flat.shape[1], block):
+        part = flat[:, start:start + block].contiguous()
+        got = torch.empty_like(part)
+        call(part, got, part.shape[1])
+        out[:, start:start + block] = got
+    return out
 
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, feats: Tensor, data: Any) -> Tensor:  # noqa: D102
-        flat = feats.reshape(feats.shape[0], -1).contiguous()
-        out = torch.empty_like(flat)
-        data.forward_exchange(flat, out, flat.shape[1])
+        out = _send(data.forward_exchange, feats.reshape(feats.shape[0], -1).contiguous(), HOST_FORWARD_WIDTH)
         ctx.data = data
         ctx.shape = feats.shape
         return out.view(feats.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
-        flat = grad.reshape(grad.shape[0], -1).contiguous()
-        gout = torch.empty_like(flat)
-        ctx.data.reverse_exchange(flat, gout, flat.shape[1])
+        gout = _send(ctx.data.reverse_exchange, grad.reshape(grad.shape[0], -1).contiguous(),
+                     HOST_REVERSE_WIDTH)
         return gout.view(ctx.shape), None
 
 

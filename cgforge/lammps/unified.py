@@ -298,7 +298,8 @@ class CgforgeMLIAP(_mliap_base()):
         write_results(data, eatoms, energy.detach(), fij)
 
     def _choose_mode(self, data: Any, ghost_centres: bool, has_ghosts: bool) -> str:
-        can_exchange = callable(getattr(data, "forward_exchange", None))
+        # the Kokkos couple's exchange; the host couple of 22 Jul 2025 has the methods too, but they only raise
+        can_exchange = is_device_flavour(data) and callable(getattr(data, "forward_exchange", None))
         if self.mode == "exchange":
             if not can_exchange:
                 raise LammpsSetupError("mode='exchange' needs a LAMMPS whose ML-IAP data object has forward_exchange "

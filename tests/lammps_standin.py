@@ -9,9 +9,17 @@ ghosts. The neighbours of each centre come in a shuffled order (LAMMPS's is binn
 
 Flavours: ``"host"`` (numpy arrays, write-only ``eatoms`` and ``energy``, ``update_pair_forces`` taking a
 C-contiguous float64 array) and ``"kokkos"`` (DLPack arrays on ``device``, ``eatoms`` a read-only property
-returning the array to write into, ``update_pair_forces_gpu`` taking a torch tensor). ``exchange=True``
-adds ``forward_exchange`` / ``reverse_exchange`` between the domains (threads meet at a barrier, as ranks
-would in MPI); ``run_domains`` then runs one model object per domain in its own thread.
+returning the array to write into, ``update_pair_forces_gpu`` taking a torch tensor). Their classes carry the
+module names of LAMMPS's couples (``mliap_unified_couple``, ``mliap_unified_couple_kokkos``), by which cgforge
+tells them apart. ``lammps="2025"`` gives the host class what LAMMPS 22 Jul 2025's has on top:
+``update_pair_forces_gpu``, ``forward_exchange`` and ``reverse_exchange`` that only raise NotImplementedError.
+``exchange=True`` adds ``forward_exchange`` / ``reverse_exchange`` between the domains to the Kokkos flavour
+(threads meet at a barrier, as ranks would in MPI); ``run_domains`` then runs one model object per domain in
+its own thread. Each exchange's (direction, width) is logged in ``exchange_log``; on the host an exchange
+wider than LAMMPS's host communication buffers hold per atom (6 forward, 3 reverse) raises, where LAMMPS
+would write past them.
+
+For tests without LAMMPS (tests/test_lammps.py); the real couples are exercised by tests/test_lammps_real.py.
 
 ``combine(domains)`` adds the domains up as LAMMPS does: energy, forces of every atom (ghost copies summed
 into their owners) and the virial ``-sum rij (x) fij`` (LAMMPS's sign: W = -dE/d strain).
@@ -28,7 +36,10 @@ import torch
 from ase import Atoms
 from scipy.spatial import cKDTree
 
-__all__ = ["StandInData", "build_domains", "combine", "run_domains"]
+__all__ = ["HOST_COMM_WIDTH", "StandInData", "build_domains", "combine", "run_domains"]
+
+# per-atom values LAMMPS's host communication buffers hold at least: size_border forward, size_reverse reverse
+HOST_COMM_WIDTH = {"forward": 6, "reverse": 3}
 
 
 class _DLPackArray:
@@ -80,11 +91,16 @@ class StandInData:
         self.pair_force_calls = 0
         self._eatoms_buffer = torch.zeros(nlocal, dtype=torch.float64, device=self._device)
         self._shared = shared
-        self.exchanges = 0  # forward and reverse exchanges done
+        self.exchange_log: list[tuple[str, int]] = []  # ("forward" | "reverse", width) of each exchange call
+
+    @property
+    def exchanges(self) -> int:
+        """Exchange calls made (forward and reverse)."""
+        return len(self.exchange_log)
 
     def _array(self, name: str) -> Any:
         a = self._host[name]
-        if self.flavour == "host":
+        if self.flavour == "host" or self._device.type == "cpu":  # numpy, as both couples give host memory
             return a
         return _DLPackArray(torch.from_numpy(a).to(self._device))
 
@@ -111,6 +127,8 @@ class StandInData:
     def _get_eatoms(self) -> Any:
         if self.flavour == "host":
             raise AttributeError("eatoms is write-only in the host flavour")
+        if self._device.type == "cpu":
+            return self._eatoms_buffer.numpy()  # a view: what is written lands in the buffer
         return _DLPackArray(self._eatoms_buffer)
 
     eatoms = property(_get_eatoms, _set_eatoms)
@@ -136,9 +154,8 @@ class StandInData:
     # --- exchange between domains ---------------------------------------------------------------
 
     def _forward_exchange(self, feats: torch.Tensor, out: torch.Tensor, width: int) -> None:
-        self._check(feats, out, width)
+        self._check(feats, out, width, "forward")
         shared, n = self._shared, self.nlocal
-        self.exchanges += 1
         out[:n] = feats[:n]
         shared.posted[self.domain] = feats[:n].detach().clone()
         shared.barrier.wait()
@@ -149,9 +166,8 @@ class StandInData:
         shared.barrier.wait()  # nobody posts again before everyone has read
 
     def _reverse_exchange(self, grad: torch.Tensor, gout: torch.Tensor, width: int) -> None:
-        self._check(grad, gout, width)
+        self._check(grad, gout, width, "reverse")
         shared, n = self._shared, self.nlocal
-        self.exchanges += 1
         gout.zero_()
         gout[:n] = grad[:n]
         shared.posted[self.domain] = (torch.as_tensor(self.owner[n:]), grad[n:].detach().clone())
@@ -161,14 +177,44 @@ class StandInData:
             gout.index_add_(0, owner[sel, 1].to(gout.device), rows[sel].to(gout.device))
         shared.barrier.wait()
 
-    def _check(self, a: torch.Tensor, b: torch.Tensor, width: int) -> None:
+    def _check(self, a: torch.Tensor, b: torch.Tensor, width: int, direction: str) -> None:
         for t in (a, b):
             if not (isinstance(t, torch.Tensor) and t.is_contiguous() and tuple(t.shape) == (self.ntotal, width)):
                 raise ValueError(f"exchange: expected contiguous [{self.ntotal}, {width}] tensors, got "
                                  f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+        room = HOST_COMM_WIDTH[direction]
+        if a.device.type == "cpu" and width > room:
+            raise ValueError(f"{direction}_exchange: {width} values per atom on the host, where LAMMPS's "
+                             f"communication buffers hold {room}: LAMMPS would write past them")
+        self.exchange_log.append((direction, width))
+
+
+class _HostData(StandInData):
+    __module__ = "mliap_unified_couple"  # LAMMPS's host couple
+
+
+class _HostData2025(_HostData):
+    """The host couple of LAMMPS 22 Jul 2025: Kokkos-only methods that raise."""
+
+    __module__ = _HostData.__module__  # a class body sets its own module: the couple's again
+
+    def update_pair_forces_gpu(self, fij: Any) -> None:
+        raise NotImplementedError("update_pair_forces_gpu() is only available with the KOKKOS unified coupling")
+
+    def forward_exchange(self, copy_from: Any, copy_to: Any, vec_len: int) -> None:
+        raise NotImplementedError("forward_exchange() is only available with the KOKKOS unified coupling")
+
+    def reverse_exchange(self, copy_from: Any, copy_to: Any, vec_len: int) -> None:
+        raise NotImplementedError("reverse_exchange() is only available with the KOKKOS unified coupling")
 
 
 class _KokkosData(StandInData):
+    __module__ = "mliap_unified_couple_kokkos"  # LAMMPS's Kokkos couple
+
+    @property
+    def dev(self) -> int:
+        return int(self._device.type == "cuda")
+
     def update_pair_forces_gpu(self, fij: torch.Tensor) -> None:
         if not (isinstance(fij, torch.Tensor) and fij.dtype == torch.float64 and fij.is_contiguous()):
             raise TypeError("update_pair_forces_gpu: expected a contiguous float64 tensor")
@@ -186,17 +232,24 @@ class _Exchanging:
         self._reverse_exchange(grad, gout, width)
 
 
-def _data_class(flavour: str, exchange: bool) -> type:
-    base = {"host": StandInData, "kokkos": _KokkosData}[flavour]
-    return type(f"{base.__name__}Exchange", (_Exchanging, base), {}) if exchange else base
+def _data_class(flavour: str, exchange: bool, lammps: str) -> type:
+    if flavour == "host":
+        if exchange:
+            raise ValueError("exchange=True: only LAMMPS's Kokkos couple exchanges features (flavour='kokkos')")
+        return _HostData2025 if lammps == "2025" else _HostData
+    if not exchange:
+        return _KokkosData
+    return type("_KokkosDataExchange", (_Exchanging, _KokkosData), {"__module__": _KokkosData.__module__})
 
 
 def build_domains(atoms: Atoms, element_types: Sequence[str], cutoff: float, ghost_cutoff: float, *,
                   n_domains: int = 1, ghost_neighbours: bool = True, exchange: bool = False, flavour: str = "host",
-                  device: str = "cpu", seed: int = 0) -> list[StandInData]:
+                  device: str = "cpu", seed: int = 0, lammps: str = "2024") -> list[StandInData]:
     """The domains' data objects for ``atoms`` (see the module doc)."""
     if flavour not in ("host", "kokkos"):
         raise ValueError(f"flavour: expected 'host' or 'kokkos', got {flavour!r}")
+    if lammps not in ("2024", "2025"):
+        raise ValueError(f"lammps: expected '2024' or '2025', got {lammps!r}")
     cell = np.asarray(atoms.cell)
     lengths = np.diag(cell)
     if not (all(atoms.pbc) and np.allclose(cell, np.diag(lengths)) and (lengths > 0).all()):
@@ -216,7 +269,7 @@ def build_domains(atoms: Atoms, element_types: Sequence[str], cutoff: float, gho
     images = np.stack(np.meshgrid(*[np.arange(-r, r + 1) for r in reach], indexing="ij"), -1).reshape(-1, 3)
     rng = np.random.default_rng(seed)
     shared = _Shared(n_domains) if exchange else None
-    cls = _data_class(flavour, exchange)
+    cls = _data_class(flavour, exchange, lammps)
     domains = []
     for d in range(n_domains):
         lo = np.array([d / n_domains * lengths[0], 0.0, 0.0])
