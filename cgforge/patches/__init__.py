@@ -97,8 +97,9 @@ def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump:
 
 def __getattr__(name: str) -> Any:
     """The family packages (``mace``, ``nequip``) and ``LegacyCheckpointError``, imported on first use."""
-    if name in ("mace", "nequip"):
-        return importlib.import_module(f"{__name__}.{name}")
+    packages = {family.package.rpartition(".")[2]: family.package for family in families.FAMILIES}
+    if name in packages:
+        return importlib.import_module(packages[name])
     if name == "LegacyCheckpointError":
         from .mace.legacy import LegacyCheckpointError
 

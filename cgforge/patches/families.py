@@ -44,9 +44,9 @@ class Family:
 
     ``name`` is the lower-case key (``"mace"``), ``title`` the name in messages (``"MACE"``), ``package`` the
     cgforge package holding the family's code (imported on first use), ``suffixes`` the file names the family
-    reads (lower case) and ``writes`` the ones ``save`` writes, ``adapter_options`` the keyword options of
-    ``adapter`` that apply to this family. Subclasses supply the per-family parts (``_MaceFamily``,
-    ``_NequipFamily``).
+    reads (lower case), ``writes`` the ones ``save`` writes and ``written_as`` what they are (for messages),
+    ``adapter_options`` the keyword options of ``adapter`` that apply to this family. Subclasses supply the
+    per-family parts (``_MaceFamily``, ``_NequipFamily``).
     """
 
     name: str
@@ -54,6 +54,7 @@ class Family:
     package: str
     suffixes: tuple[str, ...]
     writes: tuple[str, ...]
+    written_as: str
     adapter_options: tuple[str, ...]
 
     # -- recognising (never imports the family's package) --------------------------------------
@@ -118,7 +119,8 @@ class Family:
         loading anything."""
         name = os.path.basename(os.fspath(path)).lower()
         if not name.endswith(self.writes) or name.endswith(COMPILED_SUFFIXES):
-            raise ValueError(f"{what}: {path} must end with {', '.join(self.writes)} ({self._writes_what()})")
+            raise ValueError(f"{what}: {path} must end with {', '.join(self.writes)} (cgforge writes {self.title} "
+                             f"models as {self.written_as})")
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu",
@@ -135,13 +137,13 @@ class Family:
 
         ``options``: ``head`` (MACE: the head of a multi-head model) and ``type_map`` (NequIP: {chemical
         symbol: type name}); an option of the other family, given a value, raises ValueError."""
-        given = {k: v for k, v in options.items() if v is not None}
-        for key in given:
-            if key not in self.adapter_options:
-                owner = next((f.title for f in FAMILIES if key in f.adapter_options), None)
-                if owner is None:
-                    raise TypeError(f"adapter: unknown option {key!r}")
-                raise ValueError(f"{key}: only for {owner} models")
+        for key, value in options.items():
+            if value is None or key in self.adapter_options:
+                continue
+            owner = next((f.title for f in FAMILIES if key in f.adapter_options), None)
+            if owner is None:
+                raise TypeError(f"adapter: unknown option {key!r}")
+            raise ValueError(f"{key}: only for {owner} models")
         return self._adapter(model, device, **{k: options.get(k) for k in self.adapter_options})
 
     def _adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
@@ -151,9 +153,6 @@ class Family:
         import importlib
 
         return importlib.import_module(self.package)
-
-    def _writes_what(self) -> str:
-        return ""
 
 
 class _MaceFamily(Family):
@@ -210,9 +209,6 @@ class _MaceFamily(Family):
         from .mace.adapter import MaceAdapter
 
         return MaceAdapter(model, device, options["head"])
-
-    def _writes_what(self) -> str:
-        return "cgforge writes MACE models as pickled .model files, which MACE's tools load"
 
 
 class _NequipFamily(Family):
@@ -274,16 +270,13 @@ class _NequipFamily(Family):
 
         return NequipAdapter(model, device, options["type_map"])
 
-    def _writes_what(self) -> str:
-        return "cgforge writes NequIP models as packages"
-
 
 MACE: Family = _MaceFamily(name="mace", title="MACE", package="cgforge.patches.mace",
                            suffixes=(".model", ".pt", ".pth"), writes=(".model", ".pt", ".pth"),
-                           adapter_options=("head",))
+                           written_as="pickled .model files, which MACE's tools load", adapter_options=("head",))
 NEQUIP: Family = _NequipFamily(name="nequip", title="NequIP", package="cgforge.patches.nequip",
                                suffixes=(".ckpt", ".nequip.zip"), writes=(".nequip.zip",),
-                               adapter_options=("type_map",))
+                               written_as="nequip packages", adapter_options=("type_map",))
 FAMILIES: tuple[Family, ...] = (MACE, NEQUIP)
 
 

@@ -25,9 +25,8 @@ from torch import Tensor
 
 from cgforge.patches import families
 from cgforge.patches.common import UnknownElementError
-from cgforge.patches.families import is_nequip_model  # re-exported; the family of a model: families.family_of
 
-__all__ = ["ModelAdapter", "adapter_for", "is_nequip_model", "UnknownElementError"]
+__all__ = ["ModelAdapter", "adapter_for", "UnknownElementError"]
 
 
 class ModelAdapter(Protocol):
