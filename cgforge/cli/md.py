@@ -313,7 +313,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     source = "--structure" if structure is not None else "--molecules"
     names = {**FLAGS, "atoms": source}
     plan = plan_md(
-        atoms, names=lambda k: names.get(k, k), inputs={"--model": model}, structure=structure,
+        atoms, names=names, inputs={"--model": model}, structure=structure,
         calculator_later=True, prog="cgforge md",
         new_run=f"--structure {args.restart}" if args.restart is not None else None,
         ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,

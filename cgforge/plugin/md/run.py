@@ -55,7 +55,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,20 +280,23 @@ def run_md(
     return plan.run()
 
 
-def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str], str] = str,
+def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, str] | None = None,
             inputs: dict[str, Path | None] | None = None, structure: Path | None = None,
             calculator_later: bool = False, new_run: str | None = None, prog: str = "run_md",
             **arguments: Any) -> MDPlan:
     """Check :func:`run_md`'s ``arguments`` (its keywords), its output files and the structure, read the
     restart and create the log file: the :class:`MDPlan` whose ``run()`` runs them. Nothing is checked twice.
 
-    ``names`` maps an argument to what the user typed (``cgforge md`` passes its flags); ``inputs``: more
+    ``names``: what the user typed for an argument where that is not its name (``cgforge md`` passes its flags,
+    ``atoms`` included: the flag the structure came from); ``inputs``: more
     input files no output may name ({name: path}); ``structure``: a structure file to read as ``atoms`` (after
     the outputs were checked against it); ``calculator_later``: the calculator comes with
     :meth:`MDPlan.attach`; ``new_run``: how to start a new run from a restart's last frame (for the messages);
     ``prog``: who speaks in the Ctrl-C notice."""
     unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
     _unknown_arguments(unknown)
+    # one lookup for every check (a dict's own method: the checks never call back into the caller's code)
+    names = {**{k: k for k in (*_RUN_MD_DEFAULTS, *_OTHER_NAMES)}, **(names or {})}.__getitem__
     a = {**_RUN_MD_DEFAULTS, **arguments}
     restart = a["restart"]
     if atoms is None and restart is None and structure is None:
@@ -357,6 +360,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Callable[[str
 
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
                     if p.kind == p.KEYWORD_ONLY}
+_OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
 
 
 @dataclass
