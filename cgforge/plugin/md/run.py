@@ -343,10 +343,10 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     if plot_path is not None:
         plot_path = check_new_path(plot_path, force, names("plot"), PLOT_SUFFIXES)
         check_matplotlib(names("plot"))
-    if state is not None:
+    if state is not None:  # the frame's positions and cell are the ones that run
         check_same_system(atoms, state)
         check_structure(state.atoms, f"{names('restart')}: {state.path}")
-    if atoms is not None:
+    else:
         check_structure(atoms, names("atoms"))
     check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, names)
     printer = make_printer(a["log"], force, names("log"))  # the last check: it creates the log file
