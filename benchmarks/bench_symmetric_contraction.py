@@ -24,7 +24,7 @@ from e3nn import o3
 sys.path.insert(0, os.path.dirname(__file__))
 from common import RESULTS, copy_bandwidth, cuda_time, environment, write_json  # noqa: E402
 
-from cgforge.kernels import SymmetricContraction  # noqa: E402
+from cgforge.patches.mace import SymmetricContraction  # noqa: E402
 
 HIDDEN = "0e+1o+2e+3o"
 OUTPUTS = {"small": "0e", "medium": "0e+1o", "large": "0e+1o+2e"}

@@ -19,8 +19,9 @@ import sys
 import torch
 from e3nn import o3
 
-from cgforge.kernels import SCTuning, SymmetricContraction
+from cgforge.kernels import SCTuning
 from cgforge.kernels.symmetric_contraction import ops as sc_ops
+from cgforge.patches.mace import SymmetricContraction
 
 HIDDEN = "0e+1o+2e+3o"
 # (channels, hidden, outputs, correlation, species): tests' and benchmarks' problems

@@ -105,7 +105,7 @@ def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
 
 
 def _cache_dir_status() -> tuple[str, bool]:
-    from cgforge.kernels.compiler import cache_dir
+    from cgforge.kernels.core.compiler import cache_dir
 
     directory = cache_dir()
     try:
@@ -115,6 +115,23 @@ def _cache_dir_status() -> tuple[str, bool]:
     except OSError as e:
         return f"{directory} (NOT writable: {e}; kernels will be recompiled in every process)", False
     return f"{directory} (writable)", True
+
+
+def _kernel_options(report: _Report) -> None:
+    """The kernels' effective tuning (the defaults: a model's comes from ``patch(model, tuning=...)``), and any
+    leftover ``CGFORGE_*`` variable no kernel reads any more (the compiler reads the three it names)."""
+    from cgforge.kernels import KernelTuning
+    from cgforge.kernels.core.compiler import ENVIRONMENT
+
+    tuning = KernelTuning()
+    report.info("kernel tuning", "the defaults (a model's: patch(model, tuning=KernelTuning(...)); no environment "
+                                 "variable changes it)")
+    report.info("  TPTuning", tuning.tp.describe())
+    report.info("  SCTuning", tuning.sc.describe())
+    ignored = sorted(name for name in os.environ if name.startswith("CGFORGE_") and name not in ENVIRONMENT)
+    if ignored:
+        report.info("ignored variables", ", ".join(ignored) + " (kernel tuning is passed as values, not read from "
+                                                               "the environment)")
 
 
 class _Report:
@@ -152,7 +169,7 @@ def _check_compile(report: _Report, arch: str):
 
 
 def _check_gpu_run(report: _Report, torch, arch: str) -> None:
-    from cgforge.kernels.runtime import I64, load_kernels
+    from cgforge.kernels.core.runtime import I64, load_kernels
 
     result = _check_compile(report, arch)
     if result is None:
@@ -243,7 +260,7 @@ def main(out: Callable[[str], None] = print) -> int:
     report.info("nequip", _dist_version("nequip"))
     report.info("ase", _dist_version("ase"))
 
-    from cgforge.kernels import compiler
+    from cgforge.kernels.core import compiler
 
     nvrtc_ok = compiler.nvrtc_available()
     if nvrtc_ok:
@@ -257,7 +274,7 @@ def main(out: Callable[[str], None] = print) -> int:
 
     gpu_arch = None
     if torch is not None and torch.cuda.is_available():
-        from cgforge.kernels.runtime import device_arch
+        from cgforge.kernels.core.runtime import device_arch
 
         gpu_arch = device_arch()
         count = torch.cuda.device_count()
@@ -268,6 +285,7 @@ def main(out: Callable[[str], None] = print) -> int:
     if os.environ.get("CGFORGE_CACHE_DISABLE", "") in ("1", "true", "yes"):
         cache_text += ", disabled by CGFORGE_CACHE_DISABLE"
     report.info("kernel cache", cache_text)
+    _kernel_options(report)
 
     out("checks")
     torch_cuda = torch.version.cuda if torch is not None else None

@@ -15,10 +15,10 @@ of row i receives out's gradient of row i): differentiable again, so double back
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
+
+from .core.registry import SourceKernels
 
 __all__ = ["SEGMENT_SUM_SOURCE", "segment_sum", "segment_sum_reference"]
 
@@ -52,6 +52,7 @@ extern "C" __global__ void segment_sum_f64(const double* values, const long long
 """
 
 _KERNEL_NAMES = {torch.float32: "segment_sum_f32", torch.float64: "segment_sum_f64"}
+_KERNELS = SourceKernels(SEGMENT_SUM_SOURCE, list(_KERNEL_NAMES.values()), "segment_sum")
 
 
 def segment_sum_reference(values: Tensor, rowptr: Tensor) -> Tensor:
@@ -68,16 +69,8 @@ def segment_sum_reference(values: Tensor, rowptr: Tensor) -> Tensor:
     return (ends - starts).reshape(width, -1).t().to(values.dtype)
 
 
-@functools.cache
-def _kernels(device_index: int) -> dict:
-    from .runtime import load_source
-
-    with torch.cuda.device(device_index):
-        return load_source(SEGMENT_SUM_SOURCE, list(_KERNEL_NAMES.values()), name="segment_sum.cu")
-
-
 def _launch(values: Tensor, rowptr: Tensor) -> Tensor:
-    from .runtime import I32
+    from .core.runtime import I32
 
     values = values.contiguous()
     rowptr = rowptr.to(torch.int64).contiguous()
@@ -86,8 +79,7 @@ def _launch(values: Tensor, rowptr: Tensor) -> Tensor:
     if rows == 0 or width == 0:
         return out
     threads = 32 * _WARPS_PER_BLOCK
-    kernel = _kernels(values.device.index if values.device.index is not None else torch.cuda.current_device())
-    kernel[_KERNEL_NAMES[values.dtype]].launch(
+    _KERNELS.get(_KERNEL_NAMES[values.dtype], values.device).launch(
         (-(-rows // _WARPS_PER_BLOCK),), (threads,), [values, rowptr, out, I32(rows), I32(width)])
     return out
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cgforge.cli import doctor
-from cgforge.kernels import compiler
+from cgforge.kernels.core import compiler
 
 
 @pytest.mark.parametrize("torch_cuda,cupy,nvrtc,expected", [
@@ -71,3 +71,21 @@ def test_doctor_names_the_extra_when_nvrtc_is_missing(monkeypatch):
     assert doctor.main(lines.append) == 1
     assert ("[FAIL] nvrtc found: pip install 'cgforge[cuda12]' (cupy-cuda12x and nvidia-cuda-nvrtc-cu12)"
             in "\n".join(lines))
+
+
+def test_doctor_prints_the_kernel_tuning_and_names_ignored_variables(monkeypatch):
+    """The kernels' options: the default tuning, every knob; a leftover tuning variable is named as ignored (the
+    three the compiler reads are not)."""
+    monkeypatch.setattr(doctor, "_check_compile", lambda report, arch: None)
+    monkeypatch.setattr(doctor, "_check_generated_tp", lambda report, torch, gpu: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CGFORGE_LOOP_ORDER", "edges")
+    monkeypatch.setenv("CGFORGE_CACHE_DISABLE", "1")
+    lines: list[str] = []
+    doctor.main(lines.append)
+    text = "\n".join(lines)
+    assert "kernel tuning    the defaults" in text
+    assert "TPTuning       forward_chunk=None, backward_chunk=None, loop_order='auto'" in text
+    assert "SCTuning       block=128, chunk=16, pairings=('pq',)" in text
+    ignored = next(line for line in lines if "ignored variables" in line)
+    assert "CGFORGE_LOOP_ORDER" in ignored and "CGFORGE_CACHE_DISABLE" not in ignored

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cgforge.kernels import compiler
-from cgforge.kernels.compiler import KernelCacheWarning, cache_entry_path, cache_key, compile_cubin
+from cgforge.kernels.core import compiler
+from cgforge.kernels.core.compiler import KernelCacheWarning, cache_entry_path, cache_key, compile_cubin
 
 SOURCE = r"""
 extern "C" __global__ void scale(double a, double* y, int n) {

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from cgforge.kernels import compiler
-from cgforge.kernels.compiler import CompileError, compile_cubin, parse_ptxas_report
+from cgforge.kernels.core import compiler
+from cgforge.kernels.core.compiler import CompileError, compile_cubin, parse_ptxas_report
 
 AXPY = r"""
 extern "C" __global__ void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int n) {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tp_cases import PROBLEMS, e3nn_tp, rel
 
-from cgforge.kernels import ConvGraph, Convolution
+from cgforge.kernels import ConvGraph, Convolution, TPTuning
 from cgforge.kernels.radial_table import radial_table
 
 R_MAX = 5.0
@@ -88,7 +88,7 @@ def test_lengths_as_a_column_and_bad_inputs() -> None:
 
 def test_table_kernels_compile_without_spills() -> None:
     # MACE's layer shape (some other shapes spill in FP64, with or without a table)
-    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
     from cgforge.kernels.tensor_product import plan as plans
     from cgforge.kernels.tensor_product.layout import CONV_BACKWARD, CONV_FORWARD
 
@@ -166,21 +166,22 @@ def test_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, rang
     from cgforge.kernels.convolution import table_rows
 
     conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60, seed=6)
+    by_ranges = Convolution(None, None, None, [], problem=conv.problem,
+                            tuning=TPTuning(backward_range_bytes=range_rows * conv.irreps_out.dim * 8))
     linear = _row_map(conv.irreps_out.dim)
     g = torch.randn(9, linear.out_features, dtype=torch.float64)
     want = torch.autograd.grad(conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4),
                                (x, y, lengths), g)
-    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", range_rows * conv.irreps_out.dim * 8)
     calls = []
     real = table_rows.transposed_range
-    monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3:]) or real(*a))
-    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3:]) or real(*a))  # a spy
+    out = by_ranges.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
     got = torch.autograd.grad(out, (x, y, lengths), g)
     assert calls == table_rows.row_ranges(9, range_rows) if range_rows < 9 else calls == []
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) < 1e-13 and b.abs().max() > 0
     calls.clear()
-    out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
+    out = by_ranges.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 4)
     torch.autograd.grad(out, (x, y, lengths), g, create_graph=True)
     assert calls == []  # second order: the whole gradient, differentiable
 
@@ -265,24 +266,23 @@ def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(monkeypatch, dtype: torch.dtype) -> None:
+def test_cuda_backward_by_receiver_ranges_equals_the_whole_backward(dtype: torch.dtype) -> None:
     """The backward kernel on each range's transposed CSR (receiver - r0 into the range's gradient rows): the
     whole backward's gradients, every run the same bits. Not bitwise the whole path's: each range's gradient
     rows come from the row map's transpose on that range, and cuBLAS may round a GEMM of fewer rows otherwise
     (seen on an H100: grad y within the tolerance, not equal)."""
-    from cgforge.kernels.convolution import table_rows
-
     conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=8)
     linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
     g = torch.randn(200, linear.out_features, dtype=dtype, device="cuda")
 
-    def grads():
-        out = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
+    def grads(module: Convolution):
+        out = module.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, linear, 37)
         return torch.autograd.grad(out, (x, y, lengths), g)
 
-    want = grads()
-    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", 45 * conv.irreps_out.dim * x.element_size())
-    got, again = grads(), grads()
+    want = grads(conv)
+    by_ranges = Convolution(None, None, None, [], problem=conv.problem,
+                            tuning=TPTuning(backward_range_bytes=45 * conv.irreps_out.dim * x.element_size()))
+    got, again = grads(by_ranges), grads(by_ranges)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for a, b in zip(got, want, strict=True):
         assert rel(a, b) < tol and b.abs().max() > 0
@@ -294,7 +294,7 @@ def test_cuda_chunk_passes_give_the_one_launch_gradients_bitwise(monkeypatch) ->
     """mace-medium FP32 (chunks order backward): the same kernel launched once per channel chunk (as where the
     grad-out rows exceed the L2) or once for all chunks gives the same bits: each edge's grad y and grad r get the
     chunks' parts in the same order, grad x is stored per chunk."""
-    from cgforge.kernels.tensor_product import ops
+    from cgforge.kernels.tensor_product import launch
     from cgforge.kernels.tensor_product import plan as plans
 
     conv, graph, x, y, lengths, coeffs = _case("mace-medium", 300, 6000, dtype=torch.float32, device="cuda", seed=9)
@@ -303,9 +303,9 @@ def test_cuda_chunk_passes_give_the_one_launch_gradients_bitwise(monkeypatch) ->
     assert schedule.backward_passes() == 4
 
     def grads(l2: int):
-        monkeypatch.setattr(ops, "l2_bytes", lambda device: l2)
+        monkeypatch.setattr(launch, "l2_bytes", lambda device: l2)  # a device fact, not a knob
         out = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-        return torch.autograd.grad(out, (x, y, lengths), g), ops.backward_launches(schedule, 300, x.device)
+        return torch.autograd.grad(out, (x, y, lengths), g), launch.backward_launches(schedule, 300, x.device)
 
     (want, one), (got, passes) = grads(1 << 62), grads(0)
     assert one == [-1] and passes == [0, 1, 2, 3]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPProblem
+from cgforge.kernels import ConvGraph, Convolution, TensorProduct, TPProblem, TPTuning
 from cgforge.kernels.convolution import GraphTensors
+from cgforge.kernels.core import launch
 from cgforge.kernels.core.runtime import KernelHandle
-from cgforge.kernels.tensor_product import ops
 from cgforge.kernels.tensor_product.codegen import render
 from cgforge.kernels.tensor_product.layout import Layout
 from cgforge.kernels.tensor_product.module import MAX_ROW_ELEMENTS, check_row_sizes
@@ -38,25 +38,26 @@ def _grid_stride_rows(rows: int, blocks: int, warps: int) -> list[int]:
                                                      (8, 4, None, 2), (130, 4, 3, 3), (97, 2, 1, 1),
                                                      (64, 1, 1000, 64), (9, 4, 0, 1)])
 def test_launch_blocks_cover_every_row(rows, warps, cap, expected):
-    blocks = ops.launch_blocks(rows, warps, cap)
+    blocks = launch.launch_blocks(rows, warps, cap)
     assert blocks == expected
     assert _grid_stride_rows(rows, blocks, warps) == list(range(rows))
 
 
 @pytest.mark.parametrize("rows", [INT32_LIMIT * 4 - 3, 2**40 + 1, 2**62 + 12345])
 def test_launch_blocks_are_clamped_to_the_grid_limit_exactly(rows):
-    blocks = ops.launch_blocks(rows, 4)
-    assert blocks == ops._MAX_BLOCKS == INT32_LIMIT - 1
+    blocks = launch.launch_blocks(rows, 4)
+    assert blocks == launch.MAX_BLOCKS == INT32_LIMIT - 1
     # integer arithmetic: no float rounding for row counts above 2**53
-    assert ops.launch_blocks(2**60 + 1, 1, cap=2**62) == ops._MAX_BLOCKS
-    assert ops.launch_blocks(rows, 4, cap=528) == 528
+    assert launch.launch_blocks(2**60 + 1, 1, cap=2**62) == launch.MAX_BLOCKS
+    assert launch.launch_blocks(rows, 4, cap=528) == 528
+    assert launch.launch_blocks(rows, 4, max_blocks=3) == 3  # TPTuning.max_blocks
 
 
 def test_launch_blocks_reject_nonsense():
     with pytest.raises(ValueError, match="rows must be >= 0"):
-        ops.launch_blocks(-1, 4)
+        launch.launch_blocks(-1, 4)
     with pytest.raises(ValueError, match="warps_per_block >= 1"):
-        ops.launch_blocks(10, 0)
+        launch.launch_blocks(10, 0)
 
 
 @pytest.mark.parametrize("layout,backward", [
@@ -146,15 +147,14 @@ def _free_gib() -> float:
 
 @cuda
 @pytest.mark.parametrize("shared", [False, True])
-def test_grid_capped_far_below_the_row_count_computes_every_row(monkeypatch, shared):
+def test_grid_capped_far_below_the_row_count_computes_every_row(shared):
     from tp_cases import PROBLEMS, e3nn_tp, random_inputs, rel
 
     tp = e3nn_tp(PROBLEMS["nequip-water"], shared, device="cuda")
-    ours = TensorProduct.from_e3nn(tp)
+    ours = TensorProduct.from_e3nn(tp, tuning=TPTuning(max_blocks=3))  # 12 warps for 1001 rows: ~84 rows a warp
     x, y, w = random_inputs(tp, 1001, device="cuda")
     ref = tp(x, y, w)
     ref_grads = torch.autograd.grad(ref.square().sum(), (x, y, w))
-    monkeypatch.setattr(ops, "_MAX_BLOCKS", 3)  # 12 warps for 1001 rows: each warp runs ~84 rows
     out = ours(x, y, w)
     assert rel(out, ref) < 1e-12
     for a, b in zip(torch.autograd.grad(out.square().sum(), (x, y, w)), ref_grads):

@@ -18,6 +18,7 @@ from tp_cases import PROBLEMS, e3nn_tp, rel
 
 from cgforge.kernels import (
     ConvGraph,
+    KernelTuning,
     SCTuning,
     SharedMemoryError,
     TensorProduct,
@@ -198,20 +199,25 @@ def test_tuning_values(monkeypatch):
         TPTuning(loop_order="rows")
     with pytest.raises(ValueError, match="block"):
         SCTuning(block=100)
+    for bad in ({"single_irrep_backward_chunk": 48}, {"backward_chunk_passes": 1}, {"backward_range_bytes": 0},
+                {"max_blocks": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TPTuning(**bad)
+    with pytest.raises(TypeError, match="KernelTuning takes"):
+        KernelTuning(tp=SCTuning())
+    # old keys kept; later knobs enter the key only when set
+    assert TPTuning(32, None, "edges", backward_loop_order="chunks").key() == "32|None|edges|b:chunks"
+    assert TPTuning().key() == "None|None|auto"
+    assert TPTuning(max_blocks=3, backward_chunk_passes=False).key() == (
+        "None|None|auto|backward_chunk_passes=False|max_blocks=3")
+    # no environment variable changes a kernel: a leftover sweep variable is not read
     monkeypatch.setenv("CGFORGE_FORWARD_CHUNK", "32")
     monkeypatch.setenv("CGFORGE_LOOP_ORDER", "edges")
-    assert TPTuning() == TPTuning(None, None, "auto")  # the environment is read by from_env only
-    assert TPTuning.from_env() == TPTuning(32, None, "edges")
-    monkeypatch.setenv("CGFORGE_BACKWARD_LOOP_ORDER", "chunks")
-    assert TPTuning.from_env() == TPTuning(32, None, "edges", backward_loop_order="chunks")
-    assert TPTuning.from_env().key() == "32|None|edges|b:chunks" and TPTuning().key() == "None|None|auto"
-    monkeypatch.delenv("CGFORGE_BACKWARD_LOOP_ORDER")
+    monkeypatch.setenv("CGFORGE_SC_PAIRINGS", "pq,pd")
     problem = TPProblem.build(*PROBLEMS["nequip-water"])
-    env_plan = plans.get(plans.register(problem))  # no tuning given: the sweep variables, read now
-    assert env_plan.tuning.forward_chunk == 32 and env_plan.schedule(torch.float32).forward_launch.chunk == 32
-    monkeypatch.setenv("CGFORGE_FORWARD_CHUNK", "x")
-    with pytest.raises(ValueError, match="CGFORGE_FORWARD_CHUNK"):
-        TPTuning.from_env()
+    plan = plans.get(plans.register(problem))  # no tuning given: the defaults
+    assert plan.tuning == TPTuning() and plan.schedule(torch.float32).forward_launch.chunk == 64
+    assert not hasattr(TPTuning, "from_env") and not hasattr(SCTuning, "from_env")
     explicit = TensorProduct(*PROBLEMS["nequip-water"], tuning=TPTuning(forward_chunk=64, backward_chunk=32))
     schedule = plans.get(explicit.key).schedule(torch.float32)
     assert (schedule.forward_launch.chunk, schedule.backward_launch.chunk) == (64, 32)
@@ -241,24 +247,23 @@ def test_exception_classes():
         build_schedule(big)
 
 
-@pytest.mark.parametrize("path,name", [("cgforge.kernels.convolution", "Convolution"),
-                                       ("cgforge.kernels.tensor_product", "TensorProduct"),
-                                       ("cgforge.kernels.problem", "Instruction"),
-                                       ("cgforge.kernels.problem", "TPProblem"),
-                                       ("cgforge.kernels.sc_problem", "SCProblem"),
-                                       ("cgforge.kernels.symmetric_contraction", "_Contraction"),
-                                       ("cgforge.kernels.symmetric_contraction", "_rebuild_after_load")])
-def test_paths_named_by_old_pickles_resolve(path, name):
-    """Whole-model pickles written by earlier versions name these (module, attribute) pairs."""
-    assert getattr(importlib.import_module(path), name) is not None
+@pytest.mark.parametrize("path,name", [("cgforge.kernels.convolution.module", "Convolution"),
+                                       ("cgforge.kernels.tensor_product.module", "TensorProduct"),
+                                       ("cgforge.kernels.tensor_product.problem", "Instruction"),
+                                       ("cgforge.kernels.tensor_product.problem", "TPProblem"),
+                                       ("cgforge.kernels.symmetric_contraction.problem", "SCProblem"),
+                                       ("cgforge.kernels.core.tuning", "TPTuning"),
+                                       ("cgforge.kernels.core.tuning", "SCTuning")])
+def test_class_paths_in_patched_model_pickles_resolve(path, name):
+    """Pickles of patched models name these kernels classes (inside the patches' stand-ins)."""
+    assert getattr(importlib.import_module(path), name).__module__ == path
 
 
-def test_old_compiler_path_is_the_same_module():
-    from cgforge.kernels import compiler, runtime
-    from cgforge.kernels.core import compiler as core_compiler
-    from cgforge.kernels.core import runtime as core_runtime
-
-    assert compiler is core_compiler and runtime is core_runtime
+@pytest.mark.parametrize("path", ["cgforge.kernels.problem", "cgforge.kernels.sc_problem", "cgforge.kernels.compiler",
+                                  "cgforge.kernels.runtime"])
+def test_no_pre_release_aliases(path):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(path)
 
 
 def test_import_loads_no_model_package():
@@ -268,10 +273,12 @@ def test_import_loads_no_model_package():
             "or m.startswith(('cgforge.patches', 'cgforge.plugin'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    # the old public name resolves on first use (then the patches layer is imported)
-    code = "from cgforge.kernels import SymmetricContraction as S; print(S.__module__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "cgforge.patches.mace.symmetric_contraction"
+    # nor by name: kernels/ resolves nothing in the patches (MACE's class is cgforge.patches.mace's)
+    import cgforge.kernels
+    import cgforge.kernels.symmetric_contraction as sc
+
+    for module in (cgforge.kernels, sc, sc.module):
+        assert not hasattr(module, "SymmetricContraction") and not hasattr(module, "__getattr__")
 
 
 def test_explain_prints_every_stage(capsys):
@@ -334,7 +341,6 @@ def test_chunks_backward_runs_one_launch_per_channel_chunk(monkeypatch):
     launch in FP64, per-edge rows, the segments order or with the passes off (read when the schedule is built).
     The first convolution's one-irrep backward: one 128-channel chunk (window under SINGLE_IRREP_WINDOW_BYTES)."""
     from cgforge.kernels.explain import instructions
-    from cgforge.kernels.tensor_product import schedule as schedules
 
     problem = TPProblem.build(*instructions("128x0e+128x1o", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o", "uvu"))
     fp32 = build_schedule(problem, itemsize=4, rows_are_nodes=True)
@@ -343,23 +349,22 @@ def test_chunks_backward_runs_one_launch_per_channel_chunk(monkeypatch):
     assert "int group_pass)" in source and all(f"group_pass == {i})" in source for i in range(4))
     assert "group_pass == 4" not in source
     # launched per chunk only where the grad-out rows exceed the L2: 1000 rows x 5120 x 4 B = 20.5 MB
-    from cgforge.kernels.tensor_product import ops
+    from cgforge.kernels.tensor_product import launch
 
-    monkeypatch.setattr(ops, "l2_bytes", lambda device: 50 << 20)
-    assert ops.backward_launches(fp32, 1000, "cuda") == [-1]
-    assert ops.backward_launches(fp32, 5184, "cuda") == [0, 1, 2, 3]
-    assert ops.backward_launches(build_schedule(problem, itemsize=8, rows_are_nodes=True), 10**6, "cuda") == [-1]
+    monkeypatch.setattr(launch, "l2_bytes", lambda device: 50 << 20)  # a device fact, not a knob
+    assert launch.backward_launches(fp32, 1000, "cuda") == [-1]
+    assert launch.backward_launches(fp32, 5184, "cuda") == [0, 1, 2, 3]
+    assert launch.backward_launches(build_schedule(problem, itemsize=8, rows_are_nodes=True), 10**6, "cuda") == [-1]
     assert build_schedule(problem, itemsize=8, rows_are_nodes=True).backward_passes() == 1
     assert build_schedule(problem, itemsize=4).backward_passes() == 1
     assert build_schedule(problem, itemsize=4, rows_are_nodes=True,
                           tuning=TPTuning(backward_loop_order="segments")).backward_passes() == 1
-    monkeypatch.setattr(schedules, "BACKWARD_CHUNK_PASSES", False)
-    one = build_schedule(problem, itemsize=4, rows_are_nodes=True)
-    assert one.backward_passes() == 1 and fp32.backward_passes() == 4  # fixed when built
+    one = build_schedule(problem, itemsize=4, rows_are_nodes=True, tuning=TPTuning(backward_chunk_passes=False))
+    assert one.backward_passes() == 1 and fp32.backward_passes() == 4
     one_source, one_name = render(one, "float", layouts.CONV_BACKWARD.with_table(), False, True)
     assert "group_pass ==" not in one_source and one_name != name
     single = build_schedule(TPProblem.build(*instructions("128x0e", "0e+1o+2e+3o", "128x0e+128x1o+128x2e+128x3o",
                                                           "uvu")), itemsize=4, rows_are_nodes=True)
     assert single.backward_launch.chunk == 128 and single.backward_passes() == 1
-    monkeypatch.setattr(schedules, "SINGLE_IRREP_BACKWARD_CHUNK", None)
-    assert build_schedule(single.problem, itemsize=4, rows_are_nodes=True).backward_launch.chunk == 64
+    off = TPTuning(single_irrep_backward_chunk=None)
+    assert build_schedule(single.problem, itemsize=4, rows_are_nodes=True, tuning=off).backward_launch.chunk == 64

@@ -184,7 +184,7 @@ def test_convolution_cpu_path_matches_e3nn(problem, graph, deterministic, seed):
 # ------------------------------------------------------------------------------------- NVRTC
 
 def _nvrtc_available() -> bool:
-    from cgforge.kernels.compiler import nvrtc_available
+    from cgforge.kernels.core.compiler import nvrtc_available
 
     return nvrtc_available()
 
@@ -198,7 +198,7 @@ def _nvrtc_available() -> bool:
 def test_generated_source_compiles_with_nvrtc(problem, scalar, conv):
     """Random problems render to CUDA that NVRTC accepts, forward and backward, with a ptxas report.
     Compiled for real: no disk cache (random kernels would only litter it), no earlier in-memory hit."""
-    from cgforge.kernels import compiler
+    from cgforge.kernels.core import compiler
     from cgforge.kernels.tensor_product.codegen import render
     from cgforge.kernels.tensor_product.layout import Layout
 

@@ -124,7 +124,7 @@ def test_op_rejects_bad_inputs(float64) -> None:
 
 
 def test_kernels_compile_without_spills() -> None:
-    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
 
     if not nvrtc_available():
         pytest.skip("NVRTC is not installed")
@@ -134,15 +134,21 @@ def test_kernels_compile_without_spills() -> None:
         assert not res.spills and res.stack_frame == 0, (name, res)
 
 
+def test_edge_order_rule() -> None:
+    from cgforge.kernels.radial_table.ops import SORT_MIN_COLUMNS, SORT_MIN_EDGES, sorts_by_length
+
+    assert sorts_by_length(SORT_MIN_EDGES, SORT_MIN_COLUMNS) and not sorts_by_length(SORT_MIN_EDGES - 1, 10**6)
+    assert sorts_by_length(1, 1, 1) and not sorts_by_length(10**9, 10**9, 0)
+    with pytest.raises(ValueError, match="by_length"):
+        sorts_by_length(1, 1, 2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("edges", [1000, 100003])
 @pytest.mark.parametrize("by_length", [False, True])  # the edges taken in their own order, or in order of length
-def test_cuda_kernels_equal_the_torch_path(dtype: torch.dtype, edges: int, by_length: bool, monkeypatch) -> None:
-    from cgforge.kernels.radial_table import ops
-
-    monkeypatch.setattr(ops, "SORT_MIN_COLUMNS", 1 if by_length else 10**9)
-    monkeypatch.setattr(ops, "SORT_MIN_EDGES", 1 if by_length else 10**9)
+def test_cuda_kernels_equal_the_torch_path(dtype: torch.dtype, edges: int, by_length: bool) -> None:
+    sort = int(by_length)  # the ops' by_length argument: 1 always, 0 never (-1, the default: the size rule)
     table = _table()
     coeffs = table.coeffs.to("cuda", dtype)
     gen = torch.Generator().manual_seed(4)
@@ -151,12 +157,13 @@ def test_cuda_kernels_equal_the_torch_path(dtype: torch.dtype, edges: int, by_le
     g = torch.randn(r.shape[0], 3, generator=gen, dtype=torch.float64).to("cuda", dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
     for order in range(4):
-        torch.testing.assert_close(radial_table_eval(r, coeffs, R_MAX, order),
+        torch.testing.assert_close(radial_table_eval(r, coeffs, R_MAX, order, sort),
                                    radial_table_reference(r, coeffs, R_MAX, order), equal_nan=True, **tol)
-        dot = radial_table_dot(r, coeffs, g, R_MAX, order)
+        dot = radial_table_dot(r, coeffs, g, R_MAX, order, sort)
         torch.testing.assert_close(dot, (g * radial_table_reference(r, coeffs, R_MAX, order)).sum(1), equal_nan=True,
                                    **tol)
-        torch.testing.assert_close(dot, radial_table_dot(r, coeffs, g, R_MAX, order), rtol=0, atol=0, equal_nan=True)
+        again = radial_table_dot(r, coeffs, g, R_MAX, order, sort)
+        torch.testing.assert_close(dot, again, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.cuda

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cgforge.kernels import runtime
-from cgforge.kernels.runtime import F32, F64, I32, I64, KernelHandle
+from cgforge.kernels.core import runtime
+from cgforge.kernels.core.runtime import F32, F64, I32, I64, KernelHandle
 
 
 @pytest.mark.parametrize(("arg", "ctype", "value"), [

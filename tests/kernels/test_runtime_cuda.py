@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from cgforge.kernels import compiler, runtime
-from cgforge.kernels.runtime import F32, F64, I32, I64, device_arch, load_kernels, load_source
+from cgforge.kernels.core import compiler, runtime
+from cgforge.kernels.core.registry import load_source
+from cgforge.kernels.core.runtime import F32, F64, I32, I64, device_arch, load_kernels
 
 pytestmark = [
     pytest.mark.cuda,

@@ -36,7 +36,7 @@ def test_bad_shapes_are_named() -> None:
 
 
 def test_kernel_compiles_without_spills() -> None:
-    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
 
     if not nvrtc_available():
         pytest.skip("NVRTC is not installed")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import io
-import pickle
 from functools import cache
 
 import numpy as np
@@ -263,34 +262,19 @@ def test_deepcopy_and_pickle() -> None:
 
 
 
-def test_the_old_public_path_is_the_mace_class() -> None:
+def test_the_public_name_is_the_mace_patches() -> None:
+    """MACE's layout is cgforge.patches.mace.SymmetricContraction; kernels/ names nothing of the patches."""
     import cgforge.kernels
+    import cgforge.kernels.symmetric_contraction as sc
     from cgforge.kernels.symmetric_contraction import SymmetricContractionBase
 
-    assert cgforge.kernels.SymmetricContraction is SymmetricContraction is pm.SymmetricContraction
+    assert SymmetricContraction is pm.SymmetricContraction
+    assert SymmetricContraction.__module__ == "cgforge.patches.mace.symmetric_contraction"
     assert issubclass(SymmetricContraction, SymmetricContractionBase)
     assert issubclass(pm.FusedSymmetricContraction, SymmetricContraction)
-    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
-        cgforge.kernels.NotAName  # noqa: B018
-
-
-@pytest.mark.parametrize("old", [b"cgforge.kernels.symmetric_contraction.module",
-                                 b"cgforge.kernels.symmetric_contraction"])
-def test_pickles_naming_the_kernels_paths_load(old: bytes) -> None:
-    """Whole-model pickles of earlier versions name SymmetricContraction, _Contraction and _rebuild_after_load
-    under cgforge.kernels.symmetric_contraction[.module]; the MACE layout moved to cgforge.patches.mace."""
-    ours = SymmetricContraction.from_mace(mace_sc(4, OUT["medium"], 3, 2))
-    x, species, _ = inputs(ours, 3, torch.float64)
-    ref = ours(x, species)
-    data = pickle.dumps(ours, protocol=2)  # torch.save's protocol: GLOBAL opcodes "module\nname\n"
-    new = b"ccgforge.patches.mace.symmetric_contraction\n"
-    assert data.count(new + b"_Contraction\n") == 1 and new + b"_rebuild_after_load\n" in data
-    loaded = pickle.loads(data.replace(new, b"c" + old + b"\n"))
-    assert type(loaded) is SymmetricContraction and type(loaded.contractions[0]).__name__ == "_Contraction"
-    assert torch.equal(loaded(x, species), ref)
-    state = ours.state_dict()
-    loaded.load_state_dict({k: v * 2 if k.endswith("U_matrix_2") else v for k, v in state.items()})
-    assert loaded.key != ours.key  # the pickled load hook (_rebuild_after_load) ran
+    for module in (cgforge.kernels, sc, sc.module):
+        with pytest.raises(AttributeError):
+            module.SymmetricContraction  # noqa: B018
 
 
 def test_the_kernel_problem_takes_u_tensors_as_values() -> None:

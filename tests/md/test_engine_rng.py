@@ -78,7 +78,7 @@ def test_cuda_draws_equal_cpu_draws():
 
 
 def test_noise_kernel_compiles_without_spills() -> None:
-    from cgforge.kernels.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
 
     if not nvrtc_available():
         pytest.skip("NVRTC is not installed")

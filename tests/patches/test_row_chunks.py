@@ -72,8 +72,9 @@ def test_row_chunks_give_the_whole_rows_energy_and_forces(monkeypatch, rows: int
 
 
 def test_backward_by_receiver_ranges_gives_the_same_forces(monkeypatch) -> None:
-    """Row chunks with the first-order backward by ranges of receiver rows (``table_rows.BACKWARD_RANGE_BYTES``):
+    """Row chunks with the first-order backward by ranges of receiver rows (``TPTuning.backward_range_bytes``):
     the whole MACE model's forces as with the whole gradient (FP64)."""
+    from cgforge.kernels import Convolution, TPTuning
     from cgforge.kernels.convolution import table_rows
 
     atoms = water_box(16, seed=12)
@@ -81,7 +82,9 @@ def test_backward_by_receiver_ranges_gives_the_same_forces(monkeypatch) -> None:
     e0, f0 = _energy_forces(_calculator(), atoms)
     calc = _calculator()
     widths = [b.conv_tp.irreps_out.dim for b in row_chunks.row_chunk_blocks(calc.model)]
-    monkeypatch.setattr(table_rows, "BACKWARD_RANGE_BYTES", 5 * widths[0] * 8)  # ranges of 5 atoms in block 1
+    tuning = TPTuning(backward_range_bytes=5 * widths[0] * 8)  # ranges of 5 atoms in block 1
+    for block in row_chunks.row_chunk_blocks(calc.model):  # the same kernels with that tuning
+        block.conv_tp.conv = Convolution(None, None, None, [], problem=block.conv_tp.conv.problem, tuning=tuning)
     calls = []
     real = table_rows.transposed_range
     monkeypatch.setattr(table_rows, "transposed_range", lambda *a: calls.append(a[3]) or real(*a))

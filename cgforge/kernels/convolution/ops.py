@@ -10,16 +10,10 @@ from __future__ import annotations
 import torch
 
 from ..core.custom_op import custom_op
+from ..core.launch import trilinear_double_backward
 from ..tensor_product import plan as plans
+from ..tensor_product.launch import backward_buffers, finish_gw, has_unweighted_paths, launch, needs_zero_fill
 from ..tensor_product.layout import ATOMIC_BACKWARD, ATOMIC_FORWARD, CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
-from ..tensor_product.ops import (
-    backward_buffers,
-    finish_gw,
-    has_unweighted_paths,
-    launch,
-    needs_zero_fill,
-    trilinear_double_backward,
-)
 from ..tensor_product.reference import reference_tp, reference_tp_backward
 from .graph import GraphTensors
 

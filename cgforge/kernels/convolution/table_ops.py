@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 
 from ..core.custom_op import custom_op
+from ..core.launch import trilinear_double_backward
 from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
 from ..tensor_product import plan as plans
+from ..tensor_product.launch import has_unweighted_paths, launch, needs_zero_fill
 from ..tensor_product.layout import ATOMIC_BACKWARD, ATOMIC_FORWARD, CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
-from ..tensor_product.ops import has_unweighted_paths, launch, needs_zero_fill, trilinear_double_backward
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
 

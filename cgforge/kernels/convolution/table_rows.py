@@ -13,7 +13,8 @@ The backward forms the convolution's gradient once, out_fn's transpose applied c
 vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
 runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
 
-With ``BACKWARD_RANGE_BYTES`` set (off: measured on an H100 it did not pay, see the constant), a first-order
+With the tuning's ``backward_range_bytes`` set (``TPTuning``; off: measured on an H100 it did not pay, see
+``_backward_ranges``), a first-order
 backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward
 kernel walks, per range, the sender-major CSR of just the edges whose receiver lies in the range
 (``transposed_range``: the whole transposed order masked, built on the device, capturable), reading the range's
@@ -30,19 +31,13 @@ import torch
 
 from ..radial_table.ops import radial_table_reference
 from ..tensor_product import plan as plans
+from ..tensor_product.launch import launch, needs_zero_fill
 from ..tensor_product.layout import CONV_BACKWARD
-from ..tensor_product.ops import launch, needs_zero_fill
 from .ops import _reference_conv_backward
 from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward
 
-__all__ = ["BACKWARD_RANGE_BYTES", "conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
+__all__ = ["conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
            "row_ranges", "transposed_range"]
-
-# Bytes of convolution-output gradient per range of a first-order backward (None: the whole gradient at once).
-# MACE-MP-medium at 1.03 M atoms forms 21 GB there, but with 5 GB ranges (H100, 2026-11-26, CUDA tests passed) the
-# call's peak rose from 72.8 to 77.1 GB (the peak moved to where the ranges' transposes and other tensors are alive
-# together) and the step went from 3.51 to 3.61 s: off.
-BACKWARD_RANGE_BYTES: int | None = None
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,11 +49,16 @@ def row_ranges(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + chunk_rows, rows)) for r0 in range(0, max(rows, 1), chunk_rows)]
 
 
-def _backward_ranges(rows: int, width: int, itemsize: int) -> list[tuple[int, int]]:
-    """Receiver-row ranges of a first-order backward: ``BACKWARD_RANGE_BYTES`` of gradient each (one range: off)."""
-    if BACKWARD_RANGE_BYTES is None:
+def _backward_ranges(rows: int, width: int, itemsize: int, range_bytes: int | None) -> list[tuple[int, int]]:
+    """Receiver-row ranges of a first-order backward: ``range_bytes`` of gradient each (None: one range).
+
+    The tuning's ``backward_range_bytes`` (default None): MACE-MP-medium at 1.03 M atoms forms 21 GB of gradient
+    there, but with 5 GB ranges (H100, 2026-11-26, CUDA tests passed) the call's peak rose from 72.8 to 77.1 GB (the
+    peak moved to where the ranges' transposes and other tensors are alive together) and the step went from 3.51 to
+    3.61 s: off."""
+    if range_bytes is None:
         return [(0, rows)]
-    return row_ranges(rows, max(BACKWARD_RANGE_BYTES // max(width * itemsize, 1), 1))
+    return row_ranges(rows, max(range_bytes // max(width * itemsize, 1), 1))
 
 
 def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: int, total: int) -> torch.Tensor:
@@ -167,7 +167,8 @@ class _TableConvRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         x, y, r, coeffs, *graph = ctx.saved_tensors
-        ranges = _backward_ranges(g.shape[0], ctx.width, g.element_size())
+        ranges = _backward_ranges(g.shape[0], ctx.width, g.element_size(),
+                                  plans.get(ctx.key).tuning.backward_range_bytes)
         if torch.is_grad_enabled() or len(ranges) < 2:  # a graph kept (double backward), or one range anyway
             gc = row_map_transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
             gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True)

@@ -1,6 +1,8 @@
 """The kernel core shared by every op: registry and plans, statement IR and its evaluator, CG tables,
-custom-op helper, tuning values, NVRTC compiler + disk cache (`compiler`), launch (`runtime`).
+custom-op helper, tuning values (`tuning`: every knob, passed as values), launch arithmetic (`launch`), NVRTC
+compiler + disk cache (`compiler`), cubin loading and launch (`runtime`).
 
-Each op package (tensor_product, convolution, symmetric_contraction) supplies only
-problem -> schedule -> program; this package turns a program into a launchable kernel.
+The one compile path of every kernel: `registry` -> `compiler` -> `runtime`. tensor_product/ and
+symmetric_contraction/ supply problem -> schedule -> program; convolution/ runs the tensor product's over a
+graph; the fixed sources (segment_sum, radial_table, noise) are `registry.SourceKernels`.
 """

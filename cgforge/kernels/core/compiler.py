@@ -9,6 +9,9 @@ reader sees either nothing or a whole entry; a checksum in the header catches an
 (truncation by a full disk, bit rot). No lock files: concurrent writers of the same key both
 succeed, the last rename wins, and both wrote the same bytes.
 
+The environment, read here only (at each call, not at import) and by nothing else in kernels/: ``ENVIRONMENT``.
+None of the three changes a kernel's source; every tuning knob is a value (``core.tuning``).
+
 Over 450 lines on purpose: the NVRTC binding, the ptxas report and the cache share one key and
 entry format, and reading them in one file is what keeps the crash-safety argument checkable.
 """
@@ -148,6 +151,13 @@ def _site_dirs() -> list[str]:
 def _version_sort_key(path: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(path)))
 
+
+# The only environment variables the kernels read: where the disk cache lives, turning it off, which libnvrtc.
+ENVIRONMENT = {
+    "CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
+    "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
+    "CGFORGE_NVRTC_PATH": "the libnvrtc.so to load first",
+}
 
 _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, not libnvrtc.alt
 

@@ -1,16 +1,20 @@
-"""Problems by key, and compile-and-load of their kernels: one implementation for every op.
+"""Problems by key, and compile-and-load of their kernels: the one path of every kernel in kernels/.
+
+    registry (this module: which source, cached per variant / device) -> compiler (NVRTC, disk cache)
+    -> runtime (load the cubin, launch)
 
 Ops receive a problem by key (a short string), so they stay plain `torch.library` ops that torch.compile
 and CUDA graphs can handle; the key resolves here to the op's plan. A plan caches its compiled kernels
-per variant (direction, layout), dtype and device (`KernelCache`); `compile_source` is the one path from
-CUDA source to a ptxas-checked cubin (used by the plans, `cgforge doctor` and `explain`).
+per variant (direction, layout), dtype and device (`KernelCache`); kernels of one fixed source (segment sum,
+radial table, MD noise) are `SourceKernels`. `compile_source` is the one call from CUDA source to a
+ptxas-checked cubin (used by both, `cgforge doctor` and `explain`); `load_source` compiles and loads in one step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -64,9 +68,27 @@ class Registry(Generic[P]):
             self._plans.clear()
 
 
-def compile_source(source: str, function: str, arch: str) -> compiler.CompileResult:
-    """NVRTC (through the disk cache) for one kernel function; looked up at call time (tests patch it)."""
-    return compiler.compile_cubin(source, arch=arch, name=f"{function}.cu")
+def compile_source(source: str, function: str, arch: str, *, name_expressions: Sequence[str] = (),
+                   options: Sequence[str] = ()) -> compiler.CompileResult:
+    """NVRTC (through the disk cache) for `source`, named `<function>.cu` (a kernel function, or a file's stem
+    when it holds several); `name_expressions`: C++ names to lower (``CompileResult.lowered_names``). Looked up
+    at call time (tests patch it)."""
+    return compiler.compile_cubin(source, arch=arch, options=options, name=f"{function}.cu",
+                                  name_expressions=name_expressions)
+
+
+def load_source(source: str, names: Sequence[str], *, stem: str = "kernel", options: Sequence[str] = (),
+                device: torch.device | int | None = None) -> dict[str, Any]:
+    """Compile `source` for a device's architecture (torch's current one if None; cached) and load kernels
+    `names`: extern "C" names or C++ name expressions such as 'tp_fwd<float, 32>'. Handles keyed by the names as
+    given; they launch on whichever device is current (loading there on first use)."""
+    from . import runtime
+
+    names = list(names)
+    result = compile_source(source, stem, runtime.device_arch(device), name_expressions=names, options=options)
+    lowered = [result.lowered_names.get(n, n) for n in names]
+    handles = runtime.load_kernels(result.cubin, lowered, device=device)
+    return {n: handles[low] for n, low in zip(names, lowered)}
 
 
 class KernelCache:
@@ -85,6 +107,32 @@ class KernelCache:
 
             source, function = render()
             result = compile_source(source, function, runtime.device_arch(device))
-            handle = runtime.load_kernels(result.cubin, [function])[function]
+            handle = runtime.load_kernels(result.cubin, [function], device=device)[function]
             self._handles[key] = handle
         return handle
+
+
+class SourceKernels:
+    """The kernels of one fixed CUDA source (no problem, no variants): compiled on first use per device through
+    `load_source`, named `<stem>.cu`."""
+
+    def __init__(self, source: str, names: Sequence[str], stem: str):
+        self.source = source
+        self.names = tuple(names)
+        self.stem = stem
+        self._handles: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, device: torch.device) -> Any:
+        """The launchable kernel `name` on `device` (a CUDA device; its index, or torch's current one)."""
+        from .runtime import device_index
+
+        index = device_index(device)
+        handles = self._handles.get(index)
+        if handles is None:
+            with self._lock:
+                handles = self._handles.get(index)
+                if handles is None:
+                    handles = load_source(self.source, self.names, stem=self.stem, device=index)
+                    self._handles[index] = handles
+        return handles[name]

@@ -1,4 +1,5 @@
-"""Loading cubins and launching their kernels on torch's current CUDA stream.
+"""Loading cubins and launching their kernels on torch's current CUDA stream: the last step of the one compile
+path (``core.registry`` -> ``core.compiler`` -> here); this module compiles nothing.
 
 CuPy provides the CUDA driver calls (module load, cuLaunchKernel); torch owns the memory and the
 stream. A launch allocates nothing on the GPU, takes no CuPy memory pool and never synchronises,
@@ -23,9 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .compiler import compile_cubin
-
-__all__ = ["F32", "F64", "I32", "I64", "KernelHandle", "device_arch", "load_kernels", "load_source"]
+__all__ = ["F32", "F64", "I32", "I64", "KernelHandle", "device_arch", "device_index", "load_kernels"]
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this, dynamic shared memory needs an explicit opt-in per function
 _MAX_GRID_X = 2**31 - 1
@@ -270,8 +269,18 @@ def _c_value(index: int, arg: Any, device: int) -> ctypes._SimpleCData:
                     f"tensor, None, I32/I64/F32/F64 or a NumPy scalar)")
 
 
-def load_kernels(cubin: bytes, names: Sequence[str]) -> dict[str, KernelHandle]:
-    """Handles for kernels `names` of `cubin`, loaded on torch's current device (others load on first use).
+def device_index(device: torch.device | int | str | None = None) -> int:
+    """The CUDA device index of `device` (torch's current device for None or a bare 'cuda')."""
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def load_kernels(cubin: bytes, names: Sequence[str], device: torch.device | int | None = None
+                 ) -> dict[str, KernelHandle]:
+    """Handles for kernels `names` of `cubin`, loaded on `device` (torch's current one if None; others load on
+    first use).
 
     A module is loaded once per (cubin, device) and kept for the life of the process.
     """
@@ -284,19 +293,7 @@ def load_kernels(cubin: bytes, names: Sequence[str]) -> dict[str, KernelHandle]:
     cubin = bytes(cubin)
     digest = hashlib.sha256(cubin).hexdigest()
     handles = {name: KernelHandle(cubin, digest, name) for name in names}
-    device = torch.cuda.current_device()
+    index = device_index(device)
     for handle in handles.values():
-        handle.prepare(device)
+        handle.prepare(index)
     return handles
-
-
-def load_source(source: str, names: Sequence[str], *, options: Sequence[str] = (),
-                name: str = "kernel.cu") -> dict[str, KernelHandle]:
-    """Compile `source` for the current device (cached) and load kernels `names`.
-
-    `names` may be extern "C" names or C++ name expressions such as 'tp_fwd<float, 32>'; the handles
-    are keyed by the names as given.
-    """
-    result = compile_cubin(source, arch=device_arch(), options=options, name=name, name_expressions=names)
-    lowered = load_kernels(result.cubin, [result.lowered_names[n] for n in names])
-    return {n: lowered[result.lowered_names[n]] for n in names}

@@ -1,32 +1,22 @@
-"""Tuning values: the knobs of a schedule as plain frozen dataclasses, part of the schedule.
+"""Tuning values: every knob of the kernels as plain frozen dataclasses, passed down as values.
 
-Nothing is read from the environment at import. A module takes ``tuning=...`` explicitly; without
-one, ``from_env()`` reads the sweep variables once, when the module's plan is registered:
-
-- ``CGFORGE_FORWARD_CHUNK``, ``CGFORGE_BACKWARD_CHUNK`` (tensor product / convolution channel chunks),
-  ``CGFORGE_LOOP_ORDER`` (``auto``, ``segments``, ``edges`` or ``chunks``), ``CGFORGE_BACKWARD_LOOP_ORDER`` (the
-  backward's, if it differs), ``CGFORGE_BACKWARD_MIN_BLOCKS``
-  (``auto``, ``0`` for no launch bound, or the blocks per SM to bound to);
-- ``CGFORGE_SC_BLOCK``, ``CGFORGE_SC_CHUNK``, ``CGFORGE_SC_PAIRINGS`` (symmetric contraction).
+The one configuration path of the kernels: a module takes ``tuning=`` (``TensorProduct``, ``Convolution``,
+``SymmetricContractionBase`` and the stand-ins the patches build, through ``cgforge.patches.patch(..., tuning=)``);
+without one it runs the defaults, today's measured behaviour. Nothing here reads the environment: no
+environment variable changes a kernel (``core.compiler`` reads the three that say where and whether the compiled
+kernels are cached and which NVRTC library to load, none of which changes a kernel's source).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +37,15 @@ class TPTuning:
     backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
     ``core.occupancy.choose_min_blocks`` pick from the unbounded compile's registers (a bound only where it
     lowers them and adds a resident block), 0 no bound, a positive int that bound.
+    single_irrep_backward_chunk: the backward chunk of an FP32 CSR kernel whose in1 has one irrep (its window may
+    reach ``schedule.SINGLE_IRREP_WINDOW_BYTES``; None: the general rule; see ``schedule.default_chunks``).
+    backward_chunk_passes: a chunks-order CSR backward may run as one launch per channel chunk where the grad-out
+    rows exceed the L2 (False: always one launch; see ``schedule.Schedule.backward_passes``).
+    backward_range_bytes: bytes of convolution-output gradient per range of receiver rows in a first-order
+    backward of ``Convolution.forward_table_rows`` (None: the whole gradient at once; see
+    ``convolution.table_rows``). max_blocks: the most blocks of one launch (None: CUDA's limit); the kernels loop
+    over rows with a grid stride, so a smaller grid runs more rows per warp (tests use it). Neither of the last
+    two changes a kernel's source.
     """
 
     forward_chunk: int | None = None
@@ -54,6 +53,11 @@ class TPTuning:
     loop_order: str = "auto"
     backward_min_blocks: int | str = "auto"
     backward_loop_order: str | None = None
+    # Measured defaults (H100); the reasons are at the rules that read them (tensor_product.schedule, table_rows).
+    single_irrep_backward_chunk: int | None = 128
+    backward_chunk_passes: bool = True
+    backward_range_bytes: int | None = None
+    max_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -68,25 +72,32 @@ class TPTuning:
         bound = self.backward_min_blocks
         if bound != "auto" and (not isinstance(bound, int) or isinstance(bound, bool) or not 0 <= bound <= 32):
             raise ValueError(f"backward_min_blocks must be 'auto' or an int in [0, 32], got {bound!r}")
+        single = self.single_irrep_backward_chunk
+        if single is not None and (not _positive_int(single) or single % 32):
+            raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
+        if not isinstance(self.backward_chunk_passes, bool):
+            raise ValueError(f"backward_chunk_passes must be a bool, got {self.backward_chunk_passes!r}")
+        for name in ("backward_range_bytes", "max_blocks"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
     def order(self, backward: bool) -> str:
         """The loop order set for one direction (the backward's own where set); ``auto`` is resolved by the
         schedule (``Schedule.loop_order``)."""
         return (self.backward_loop_order if backward else None) or self.loop_order
 
-    @classmethod
-    def from_env(cls) -> TPTuning:
-        bound = os.environ.get("CGFORGE_BACKWARD_MIN_BLOCKS") or "auto"
-        return cls(_env_int("CGFORGE_FORWARD_CHUNK"), _env_int("CGFORGE_BACKWARD_CHUNK"),
-                   os.environ.get("CGFORGE_LOOP_ORDER") or "auto",
-                   bound if bound == "auto" else _env_int("CGFORGE_BACKWARD_MIN_BLOCKS"),
-                   os.environ.get("CGFORGE_BACKWARD_LOOP_ORDER") or None)
-
     def key(self) -> str:
         # fields added later enter the key only when set, so that older keys stay as they were
         bound = "" if self.backward_min_blocks == "auto" else f"|{self.backward_min_blocks}"
         order = "" if self.backward_loop_order is None else f"|b:{self.backward_loop_order}"
-        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}"
+        later = "".join(f"|{f.name}={getattr(self, f.name)!r}" for f in fields(self)[5:]
+                        if getattr(self, f.name) != f.default)
+        return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}{later}"
+
+    def describe(self) -> str:
+        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
 
 
 @dataclass(frozen=True)
@@ -111,12 +122,27 @@ class SCTuning:
         if not self.pairings or any(p not in PAIRINGS for p in self.pairings):
             raise ValueError(f"pairings must be a non-empty subset of {PAIRINGS}, got {self.pairings!r}")
 
-    @classmethod
-    def from_env(cls) -> SCTuning:
-        default = cls()
-        pairings = os.environ.get("CGFORGE_SC_PAIRINGS")
-        return cls(_env_int("CGFORGE_SC_BLOCK") or default.block, _env_int("CGFORGE_SC_CHUNK") or default.chunk,
-                   tuple(pairings.split(",")) if pairings else default.pairings)
-
     def key(self) -> str:
         return f"{self.block}|{self.chunk}|{','.join(self.pairings)}"
+
+    def describe(self) -> str:
+        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """The tuning of every kernel of a model: what the patch functions (``cgforge.patches.mace.patch``,
+    ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build."""
+
+    tp: TPTuning = TPTuning()
+    sc: SCTuning = SCTuning()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, TPTuning) or not isinstance(self.sc, SCTuning):
+            raise TypeError(f"KernelTuning takes a TPTuning and an SCTuning, got {type(self.tp).__name__} and "
+                            f"{type(self.sc).__name__}")
+
+    def describe(self) -> str:
+        """Both, one line each (what ``cgforge doctor`` prints)."""
+        return f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})"

@@ -10,7 +10,8 @@ outside, the derivatives are zero there (what the clamp's derivative is), and a 
 
 CUDA: one warp per edge, lanes over the columns; each column's four coefficients are one 16-byte load
 ([N, C, 4] layout), so an edge reads 4x the bytes it writes, from L2 (a table is a few MB). For wide tables
-(``SORT_MIN_COLUMNS``) the kernels visit the edges in order of length (one argsort per call): a block takes
+(``SORT_MIN_COLUMNS``; the ops' ``by_length`` argument: -1 this rule, 0 never, 1 always) the kernels visit the
+edges in order of length (one argsort per call): a block takes
 a run of consecutive lengths, whose edges share an interval or two, and reads their coefficients from L1.
 H100, 436,566 edges (``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges'
 own order (writing [E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms
@@ -19,15 +20,14 @@ does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from ..core.custom_op import custom_op
+from ..core.registry import SourceKernels
 
 __all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "radial_table", "radial_table_dot",
-           "radial_table_eval", "radial_table_reference"]
+           "radial_table_eval", "radial_table_reference", "sorts_by_length"]
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
@@ -173,16 +173,22 @@ def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int =
     return torch.where(r.isnan().unsqueeze(1), r.unsqueeze(1), v)
 
 
-@functools.cache
-def _kernels(device_index: int) -> dict:
-    from ..core.runtime import load_source
-
-    names = [f"radial_table_{op}_{s}" for op in ("eval", "dot") for s in _SUFFIX.values()]
-    with torch.cuda.device(device_index):
-        return load_source(RADIAL_TABLE_SOURCE, names, name="radial_table.cu")
+_KERNELS = SourceKernels(RADIAL_TABLE_SOURCE,
+                         [f"radial_table_{op}_{s}" for op in ("eval", "dot") for s in _SUFFIX.values()], "radial_table")
 
 
-def _launch(op: str, r: Tensor, coeffs: Tensor, g: Tensor | None, out: Tensor, r_max: float, order: int) -> None:
+def sorts_by_length(edges: int, columns: int, by_length: int = -1) -> bool:
+    """Whether the kernels visit the edges in order of length: ``by_length`` 1 always, 0 never, -1 (default) for
+    ``SORT_MIN_EDGES`` edges or more of ``SORT_MIN_COLUMNS`` columns or more (module doc)."""
+    if by_length not in (-1, 0, 1):
+        raise ValueError(f"by_length must be -1 (the size rule), 0 or 1, got {by_length!r}")
+    if by_length >= 0:
+        return bool(by_length)
+    return edges >= SORT_MIN_EDGES and columns >= SORT_MIN_COLUMNS
+
+
+def _launch(op: str, r: Tensor, coeffs: Tensor, g: Tensor | None, out: Tensor, r_max: float, order: int,
+            by_length: int) -> None:
     from ..core.runtime import F32, F64, I32, I64
 
     edges, (n, cols, _) = r.shape[0], coeffs.shape
@@ -193,60 +199,62 @@ def _launch(op: str, r: Tensor, coeffs: Tensor, g: Tensor | None, out: Tensor, r
     real = F32 if r.dtype == torch.float32 else F64
     if coeffs.data_ptr() % 16:  # the kernels read each column's four coefficients as one 16-byte vector
         coeffs = coeffs.clone()
-    by_length = torch.argsort(r) if edges >= SORT_MIN_EDGES and cols >= SORT_MIN_COLUMNS else None
+    order_by_length = torch.argsort(r) if sorts_by_length(edges, cols, by_length) else None
     per_block = max(1, -(-edges // (_BLOCKS_PER_SM * sms)))
     blocks = -(-edges // per_block)
     threads = 32 * _WARPS
-    tensors = [r, by_length, coeffs, out] if op == "eval" else [r, by_length, coeffs, g, out]
-    kernel = _kernels(device)[f"radial_table_{op}_{_SUFFIX[r.dtype]}"]
+    tensors = [r, order_by_length, coeffs, out] if op == "eval" else [r, order_by_length, coeffs, g, out]
+    kernel = _KERNELS.get(f"radial_table_{op}_{_SUFFIX[r.dtype]}", r.device)
     kernel.launch((blocks,), (threads,), [*tensors, I64(edges), I64(per_block), I32(n), I32(cols), real(n / r_max),
                                           real(r_max), I32(order)])
 
 
-def _eval_fake(r, coeffs, r_max, order):
+def _eval_fake(r, coeffs, r_max, order, by_length=-1):
     return r.new_empty(r.shape[0], coeffs.shape[1])
 
 
 def _eval_grad(ctx, g):
     r, coeffs = ctx.saved_tensors
-    r_max, order = ctx.args
-    return radial_table_dot(r, coeffs, g.contiguous(), r_max, order + 1), None, None, None
+    r_max, order, by_length = ctx.args
+    return radial_table_dot(r, coeffs, g.contiguous(), r_max, order + 1, by_length), None, None, None, None
 
 
 @custom_op("radial_table_eval", _eval_fake, _eval_grad)
-def radial_table_eval(r: Tensor, coeffs: Tensor, r_max: float, order: int) -> Tensor:
-    """The table's order-th derivative in r for every edge: [E, C]."""
+def radial_table_eval(r: Tensor, coeffs: Tensor, r_max: float, order: int, by_length: int = -1) -> Tensor:
+    """The table's order-th derivative in r for every edge: [E, C]. ``by_length``: see ``sorts_by_length``."""
     if r.device.type != "cuda" or order > _MAX_ORDER:
         return radial_table_reference(r, coeffs, r_max, order)
     out = r.new_empty(r.shape[0], coeffs.shape[1])
-    _launch("eval", r.contiguous(), coeffs.contiguous(), None, out, r_max, order)
+    _launch("eval", r.contiguous(), coeffs.contiguous(), None, out, r_max, order, by_length)
     return out
 
 
-def _dot_fake(r, coeffs, g, r_max, order):
+def _dot_fake(r, coeffs, g, r_max, order, by_length=-1):
     return r.new_empty(r.shape[0])
 
 
 def _dot_grad(ctx, gs):
     r, coeffs, g = ctx.saved_tensors
-    r_max, order = ctx.args
-    gg = gs.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, order)
-    return gs * radial_table_dot(r, coeffs, g, r_max, order + 1), None, gg, None, None
+    r_max, order, by_length = ctx.args
+    gg = gs.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, order, by_length)
+    return gs * radial_table_dot(r, coeffs, g, r_max, order + 1, by_length), None, gg, None, None, None
 
 
 @custom_op("radial_table_dot", _dot_fake, _dot_grad)
-def radial_table_dot(r: Tensor, coeffs: Tensor, g: Tensor, r_max: float, order: int) -> Tensor:
-    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]."""
+def radial_table_dot(r: Tensor, coeffs: Tensor, g: Tensor, r_max: float, order: int, by_length: int = -1) -> Tensor:
+    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]. ``by_length``: see
+    ``sorts_by_length``."""
     if r.device.type != "cuda" or order > _MAX_ORDER:
         return (g * radial_table_reference(r, coeffs, r_max, order)).sum(1)
     out = r.new_empty(r.shape[0])
-    _launch("dot", r.contiguous(), coeffs.contiguous(), g.contiguous(), out, r_max, order)
+    _launch("dot", r.contiguous(), coeffs.contiguous(), g.contiguous(), out, r_max, order, by_length)
     return out
 
 
-def radial_table(r: Tensor, coeffs: Tensor, r_max: float) -> Tensor:
+def radial_table(r: Tensor, coeffs: Tensor, r_max: float, *, by_length: int = -1) -> Tensor:
     """W(r) [E, C] for lengths r ([E] or [E, 1]) from a table's coefficients [N, C, 4] over [0, r_max] (in r's
-    dtype and device; constants: they get no gradient). Differentiable in r to any order."""
+    dtype and device; constants: they get no gradient). Differentiable in r to any order. ``by_length``: the order
+    the CUDA kernels visit the edges in (``sorts_by_length``; the same numbers either way)."""
     if not isinstance(r, Tensor) or not isinstance(coeffs, Tensor):
         raise TypeError(f"r and coeffs must be tensors, got {type(r).__name__} and {type(coeffs).__name__}")
     if r.dim() == 2 and r.shape[1] == 1:
@@ -258,7 +266,8 @@ def radial_table(r: Tensor, coeffs: Tensor, r_max: float) -> Tensor:
         raise ValueError(f"r and coeffs must both be float32 or both float64, got {r.dtype} and {coeffs.dtype}")
     if r.device != coeffs.device:
         raise ValueError(f"r is on {r.device}, coeffs on {coeffs.device}")
-    return radial_table_eval(r, coeffs, float(r_max), 0)
+    sorts_by_length(0, 0, by_length)  # checks it
+    return radial_table_eval(r, coeffs, float(r_max), 0, by_length)
 
 
 def check_table(coeffs: Tensor, r_max: float, columns: int | None = None) -> None:

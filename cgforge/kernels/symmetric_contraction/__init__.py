@@ -4,14 +4,10 @@ problem.py (SCProblem: irreps, correlation, species count and the U tensors as v
 (basis chains, weight transform) -> program.py (statements) -> codegen.py -> ops.py (plan, custom ops)
 -> module.py (SymmetricContractionBase: a module over weights a subclass lays out). reference.py: the
 definition and a torch interpreter of the schedule. Model knowledge (MACE's U tensors and state-dict
-layout) lives in cgforge/patches/mace/symmetric_contraction.py.
+layout) lives in cgforge/patches/mace/symmetric_contraction.py (``cgforge.patches.mace.SymmetricContraction``).
 """
 
-from .module import MOVED, SymmetricContractionBase, moved_names
+from .module import SymmetricContractionBase
 from .problem import SCProblem
-
-# SymmetricContraction, _Contraction and _rebuild_after_load: pickles of patched models name them at this
-# path; they moved to cgforge.patches.mace.symmetric_contraction and resolve from here on first use.
-__getattr__ = moved_names(__name__, tuple(MOVED))
 
 __all__ = ["SCProblem", "SymmetricContractionBase"]

@@ -3,9 +3,7 @@
 Model-agnostic: the problem (irreps, correlation, species count, U tensors) is a value, and a subclass
 holds the weights in its model's layout and names, supplying them through ``weight_tensors()`` in
 (output, degree) order, each [E, K_{o,nu}, C]. MACE's layout (``contractions.{o}.weights_max`` ...) is
-``cgforge.patches.mace.SymmetricContraction``; that class is also reachable here under its old names
-(``SymmetricContraction``, ``_Contraction``, ``_rebuild_after_load``, imported on first use), because
-whole-model pickles written by earlier versions name this module.
+``cgforge.patches.mace.SymmetricContraction``. ``tuning``: the kernels' knobs (``SCTuning``; None: the defaults).
 
 ``forward(x [N, C, D], species)`` with species a one-hot (or any [N, E] float tensor whose argmax is the
 species) or an integer index [N]; returns [N, sum_o C * (2 l_o + 1)]. The species' weights enter through
@@ -16,10 +14,6 @@ a reduced basis (see schedule). The species is taken as a constant: no gradient 
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from ..core.checks import FLOAT_DTYPES
@@ -27,25 +21,6 @@ from ..core.tuning import SCTuning
 from . import ops as sc_ops
 from .problem import SCProblem
 from .schedule import SCSchedule
-
-# (name, module it lives in now): names whole-model pickles of earlier versions look up in kernels
-MOVED = {name: "cgforge.patches.mace.symmetric_contraction"
-         for name in ("SymmetricContraction", "_Contraction", "_rebuild_after_load")}
-
-
-def moved_names(module: str, names: tuple[str, ...]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` (PEP 562) resolving ``names`` in their new home, imported on first use:
-    so ``import cgforge.kernels`` imports nothing of the patches layer."""
-
-    def __getattr__(name: str) -> Any:
-        if name in names:
-            return getattr(importlib.import_module(MOVED[name]), name)
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-    return __getattr__
-
-
-__getattr__ = moved_names(__name__, tuple(MOVED))
 
 
 class SymmetricContractionBase(torch.nn.Module):

@@ -15,13 +15,13 @@ import threading
 import torch
 
 from ..core.custom_op import custom_op, save_inputs
+from ..core.launch import MAX_BLOCKS
 from ..core.registry import KernelCache, Registry, scalar_name
 from ..core.tuning import SCTuning
 from .problem import SCProblem
 from .reference import interpret_sc, interpret_sc_backward
 from .schedule import SCSchedule, build_sc_schedule
 
-_MAX_BLOCKS = 2**31 - 1
 KERNELS = ("forward", "backward", "backward_w")
 
 
@@ -62,8 +62,8 @@ PLANS: Registry[SCPlan] = Registry("sc", "SymmetricContraction")
 
 
 def register(problem: SCProblem, tuning: SCTuning | None = None) -> str:
-    """The key of (problem, tuning); no tuning: ``SCTuning.from_env()`` (the sweep variables), read now."""
-    tuning = tuning if tuning is not None else SCTuning.from_env()
+    """The key of (problem, tuning); no tuning: the defaults (``SCTuning()``)."""
+    tuning = tuning if tuning is not None else SCTuning()
     default = tuning == SCTuning()
     text = problem.key() if default else f"{problem.key()}|{tuning.key()}"  # default keys as before
     return PLANS.register(text, lambda: SCPlan(problem, tuning))
@@ -74,7 +74,7 @@ def get(key: str) -> SCPlan:
 
 
 def _blocks(threads: int, block: int) -> int:
-    return min(max(1, math.ceil(threads / block)), _MAX_BLOCKS)
+    return min(max(1, math.ceil(threads / block)), MAX_BLOCKS)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

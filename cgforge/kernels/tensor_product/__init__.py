@@ -2,7 +2,8 @@
 
 problem.py (TPProblem: e3nn's conventions) -> schedule.py (segments, chunks, shared memory, tuning)
 -> program.py (the CG statements) -> codegen.py (template + program = CUDA) -> plan.py (compile, cache)
--> ops.py (custom ops) -> module.py (TensorProduct). evaluate.py runs a program on CPU; reference.py is
+-> launch.py (grid, window, launches over any layout: also the convolution's) -> ops.py (custom ops)
+-> module.py (TensorProduct). evaluate.py runs a program on CPU; reference.py is
 the torch reference (the CPU path and the oracle).
 """
 

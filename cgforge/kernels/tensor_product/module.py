@@ -31,7 +31,7 @@ class TensorProduct(torch.nn.Module):
     """out = TP(x, y, weight) with e3nn's layout, weight order and normalisation.
 
     CUDA tensors run the generated kernels, CPU tensors the torch reference. ``tuning``: the kernels'
-    knobs (``TPTuning``: channel chunks, loop order); None: the defaults (or the CGFORGE_* sweep variables).
+    knobs (``TPTuning``: channel chunks, loop order, ...); None: the defaults.
     """
 
     tuning: TPTuning | None = None  # a class default: modules pickled before tuning existed have none

@@ -75,8 +75,8 @@ PLANS: Registry[Plan] = Registry("tp", "TensorProduct/Convolution")
 
 
 def register(problem: TPProblem, tuning: TPTuning | None = None) -> str:
-    """The key of (problem, tuning); no tuning: ``TPTuning.from_env()`` (the sweep variables), read now."""
-    tuning = tuning if tuning is not None else TPTuning.from_env()
+    """The key of (problem, tuning); no tuning: the defaults (``TPTuning()``)."""
+    tuning = tuning if tuning is not None else TPTuning()
     text = problem.key() if tuning == TPTuning() else f"{problem.key()}|{tuning.key()}"  # default keys as before
     return PLANS.register(text, lambda: Plan(problem, tuning))
 

@@ -12,7 +12,7 @@ Per segment, the operands the lanes read repeatedly are staged in shared memory 
 copies (`Load`, each naming its source tensor): the in1 slices (and, backward, the grad-out slices),
 and the whole in2 row. Offsets here are in elements of one warp's shared-memory window.
 
-The tuning value (`core.tuning.TPTuning`: chunks, loop order) is a field of the schedule.
+The tuning value (`core.tuning.TPTuning`: chunks, loop order, the knobs below) is a field of the schedule.
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ class Schedule:
     tuning: TPTuning = TPTuning()
     rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
     itemsize: int = 4
-    backward_chunk_passes: bool = False  # BACKWARD_CHUNK_PASSES when built: see backward_passes
 
     def backward_passes(self) -> int:
         """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
-        the chunks order over CSR rows (``BACKWARD_CHUNK_PASSES`` when this schedule was built); else 1."""
-        if not (self.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
+        the chunks order over CSR rows where the tuning's ``backward_chunk_passes`` allows it (measured: see the
+        comment on the per-chunk launches below); else 1."""
+        if not (self.tuning.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
             return 1
         return len({(seg.c0, seg.c1) for seg in self.backward})
 
@@ -224,21 +224,20 @@ BACKWARD_CHUNK = 64
 BACKWARD_WINDOW_BYTES = 8 * 1024
 CHUNKS_ORDER_CHUNK = 32
 # The backward in the chunks order over CSR rows can run as one launch per channel chunk (``Schedule.backward_passes``,
-# ``ops.backward_launches``): each launch walks every row's edges for one chunk, so the grad-out rows its edges
+# ``launch.backward_launches``): each launch walks every row's edges for one chunk, so the grad-out rows its edges
 # gather are one chunk wide (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight
 # share the L2. The kernel is the same either way (its group_pass argument: -1 every chunk, else that chunk) and
 # each edge's grad y and grad r get the chunks' parts in the same order: the same bits. Taken where the grad-out
-# rows exceed the device's L2 (ops.backward_launches). Measured, H100, FP32, one launch -> per chunk in one run:
+# rows exceed the device's L2 (launch.backward_launches). Measured, H100, FP32, one launch -> per chunk in one run:
 # the 1.03 M-atom force call 2.848 -> 2.569 s; in bench_layer at 5184 atoms MACE-MP-medium's second convolution
 # backward (106 MB of grad-out rows) 4.08 -> 3.46 ms, mace-large (80 MB) 7.80 -> 7.65, mace-medium (24 MB, inside
 # the L2) 2.59 -> 2.76, hence the L2 rule. Two later runs on another H100 gave the 5k second convolution ~4.05 ms
-# per chunk: at 5k the gain is not settled, at 1 M it is large. False: always one launch.
-BACKWARD_CHUNK_PASSES = True
+# per chunk: at 5k the gain is not settled, at 1 M it is large. TPTuning.backward_chunk_passes (default True);
+# False: always one launch.
 # One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
 # 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
 # 8 KiB limit, which came from multi-irrep problems (H100, bench_layer, 5184-atom water: 1.815 -> 1.381 ms).
-# None: off. The window may reach SINGLE_IRREP_WINDOW_BYTES.
-SINGLE_IRREP_BACKWARD_CHUNK: int | None = 128
+# TPTuning.single_irrep_backward_chunk (default 128; None: off). The window may reach SINGLE_IRREP_WINDOW_BYTES.
 SINGLE_IRREP_WINDOW_BYTES = 10 * 1024
 
 
@@ -269,7 +268,7 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
     y_dim = problem.irreps_in2.dim
     while backward > WARP and _segments(problem, backward, y_dim, True)[1] * itemsize > BACKWARD_WINDOW_BYTES:
         backward //= 2
-    single = SINGLE_IRREP_BACKWARD_CHUNK
+    single = tuning.single_irrep_backward_chunk
     if (single is not None and rows_are_nodes and itemsize == 4 and len(problem.irreps_in1) == 1
             and problem.irreps_in1[0].mul > backward
             and _segments(problem, single, y_dim, True)[1] * itemsize <= SINGLE_IRREP_WINDOW_BYTES):
@@ -299,7 +298,7 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
-                    itemsize, BACKWARD_CHUNK_PASSES)
+                    itemsize)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,

@@ -82,9 +82,9 @@ class FusedConvTP(torch.nn.Module, StandIn):
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
     row_chunk: int | None = None  # a class default too: models pickled before the attribute existed read it
 
-    def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache) -> None:
+    def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache, tuning: kernels.TPTuning | None = None) -> None:
         super().__init__()
-        self.conv = kernels.Convolution.from_e3nn(e3nn_tp)
+        self.conv = kernels.Convolution.from_e3nn(e3nn_tp, tuning=tuning)
         if self.conv.weight_numel != e3nn_tp.weight_numel:
             raise UnsupportedModelError(
                 f"cgforge Convolution has weight_numel {self.conv.weight_numel}, the e3nn TensorProduct "
@@ -156,8 +156,8 @@ class FusedSymmetricContraction(SymmetricContraction, StandIn):
     """
 
     @classmethod
-    def wrap(cls, original: torch.nn.Module) -> FusedSymmetricContraction:
-        fused = cls.from_mace(original)
+    def wrap(cls, original: torch.nn.Module, tuning: kernels.SCTuning | None = None) -> FusedSymmetricContraction:
+        fused = cls.from_mace(original, tuning)
         fused.original = (original,)
         return fused
 
@@ -226,15 +226,19 @@ def _check_block(where: str, block: torch.nn.Module) -> None:
 # Patch / unpatch
 
 
-def patch(model: torch.nn.Module) -> torch.nn.Module:
+def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
     """Swap every interaction block's convolution for cgforge's fused one. In place, idempotent.
+
+    ``tuning``: the knobs of the kernels built now (``cgforge.kernels.KernelTuning``: the convolutions' and the
+    symmetric contractions'; None: the defaults). Blocks patched before keep theirs.
 
     Raises ``TypeError`` for an object that is not a MACE model and ``UnsupportedModelError`` (a
     ``ValueError``) naming the first unsupported block; the model is left untouched in both cases.
     """
     blocks = interaction_blocks(model)
     graphs = _graph_cache(model) or GraphCache()
-    fused = stand_in.swap_in(model, _fused_maker(graphs))  # raises before any change: model untouched
+    tuning = tuning if tuning is not None else kernels.KernelTuning()
+    fused = stand_in.swap_in(model, _fused_maker(graphs, tuning))  # raises before any change: model untouched
     for block in blocks:
         if isinstance(block.conv_tp, FusedConvTP):
             block.conv_fusion = _FUSION_TAG
@@ -250,7 +254,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _fused_maker(graphs: GraphCache) -> stand_in.Maker:
+def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.Maker:
     """The walker's maker of the fused convolutions (``interactions.i.conv_tp``) and symmetric contractions
     (``products.i.symmetric_contractions``); raises ``UnsupportedModelError`` for one cgforge cannot build."""
 
@@ -261,7 +265,7 @@ def _fused_maker(graphs: GraphCache) -> stand_in.Maker:
             return None
         if kind == "interactions" and name == "conv_tp" and not isinstance(child, FusedConvTP):
             try:
-                return FusedConvTP(child, graphs)
+                return FusedConvTP(child, graphs, tuning.tp)
             except (ValueError, TypeError, NotImplementedError) as err:
                 raise UnsupportedModelError(f"{where} ({child}): cgforge cannot build this convolution: {err}") from err
         if kind == "products" and name == "symmetric_contractions" and not isinstance(child, FusedSymmetricContraction):
@@ -272,7 +276,7 @@ def _fused_maker(graphs: GraphCache) -> stand_in.Maker:
                     "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
                 )
             try:
-                return FusedSymmetricContraction.wrap(child)
+                return FusedSymmetricContraction.wrap(child, tuning.sc)
             except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
                 raise UnsupportedModelError(f"{where}: cgforge cannot build this contraction: {err}") from err
         return None

@@ -10,8 +10,8 @@ the two freely. The kernels, the weight transform and the checks of x and specie
 ``cgforge.kernels.symmetric_contraction.SymmetricContractionBase``; this module supplies the problem
 (MACE's U tensors, computed here from their definition or read from a MACE module) and the weights.
 
-Also reachable as ``cgforge.kernels.SymmetricContraction`` (its home before the patches layer held the
-model knowledge; whole-model pickles name ``cgforge.kernels.symmetric_contraction[.module]``).
+``cgforge.patches.mace.SymmetricContraction`` is the public name (kernels/ knows no model and names nothing
+here).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class SymmetricContraction(SymmetricContractionBase):
 
     def __init__(self, irreps_in: Any, irreps_out: Any, correlation: int, num_elements: int, *,
                  tuning: SCTuning | None = None, _contractions: list[_Contraction] | None = None):
-        """``tuning``: the kernels' knobs (None: defaults, or the CGFORGE_SC_* sweep variables)."""
+        """``tuning``: the kernels' knobs (``SCTuning``; None: the defaults)."""
         super().__init__()
         self.tuning = tuning
         irreps_in, irreps_out = o3.Irreps(irreps_in), o3.Irreps(irreps_out)
@@ -74,8 +74,9 @@ class SymmetricContraction(SymmetricContractionBase):
         self.register_load_state_dict_post_hook(_rebuild_after_load)
 
     @classmethod
-    def from_mace(cls, module: Any) -> SymmetricContraction:
-        """Wrap a ``mace.modules.SymmetricContraction``, sharing its parameters and buffers (same state_dict)."""
+    def from_mace(cls, module: Any, tuning: SCTuning | None = None) -> SymmetricContraction:
+        """Wrap a ``mace.modules.SymmetricContraction``, sharing its parameters and buffers (same state_dict);
+        ``tuning``: the kernels' knobs (None: the defaults)."""
         contractions = getattr(module, "contractions", None)
         if not isinstance(contractions, torch.nn.ModuleList) or not hasattr(module, "irreps_out"):
             raise TypeError(f"from_mace expects a MACE SymmetricContraction, got {type(module).__name__}")
@@ -97,7 +98,7 @@ class SymmetricContraction(SymmetricContractionBase):
                 raise ValueError(f"contractions.{o}: expected weights_max and U_matrix_1..{corr}")
             adopted.append(_Contraction(params, buffers, weights, corr))
             num_elements = int(c.weights_max.shape[0])
-        return cls(module.irreps_in, module.irreps_out, 0, num_elements, _contractions=adopted)
+        return cls(module.irreps_in, module.irreps_out, 0, num_elements, tuning=tuning, _contractions=adopted)
 
     # ------------------------------------------------------------------ problem and plan
 

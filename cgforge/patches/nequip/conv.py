@@ -134,7 +134,10 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
 
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
 
-    def __init__(self, original: torch.nn.Module, graphs: CallGraphCache) -> None:
+    tuning: kernels.TPTuning | None = None  # a class default: modules pickled before tuning existed have none
+
+    def __init__(self, original: torch.nn.Module, graphs: CallGraphCache,
+                 tuning: kernels.TPTuning | None = None) -> None:
         torch.nn.Module.__init__(self)  # not TensorProductScatter.__init__: it would build a second e3nn TP
         self.feature_irreps_in = original.feature_irreps_in
         self.irreps_edge_attr = original.irreps_edge_attr
@@ -142,7 +145,8 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
         self.instructions = original.instructions
         self.model_dtype = original.model_dtype
         self.tp = original.tp
-        self.conv = _convolution(original.tp)
+        self.tuning = tuning
+        self.conv = _convolution(original.tp, tuning)
         self.graphs = graphs
         self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
         self.original = (original,)
@@ -175,7 +179,7 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.conv = _convolution(self.tp)
+        self.conv = _convolution(self.tp, self.tuning)
 
     def check_placement(self) -> tuple[torch.device, torch.dtype]:
         return super().check_placement()[0], self.model_dtype
@@ -187,8 +191,8 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
         return f"cgforge: {self.tp.irreps_in1} x {self.tp.irreps_in2} -> {self.tp.irreps_out}"
 
 
-def _convolution(tp: torch.nn.Module) -> kernels.Convolution:
-    conv = kernels.Convolution.from_e3nn(tp)
+def _convolution(tp: torch.nn.Module, tuning: kernels.TPTuning | None = None) -> kernels.Convolution:
+    conv = kernels.Convolution.from_e3nn(tp, tuning)
     if conv.weight_numel != tp.weight_numel:
         raise UnsupportedModelError(
             f"cgforge Convolution has weight_numel {conv.weight_numel}, "

@@ -12,6 +12,7 @@ optional TF32 mode). The modifier is registered by ``cgforge.patches.nequip_modi
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .conv import CgforgeTensorProductScatter, scatter_sites
 from .files import SUPPORTED_ROUTE, CompiledModelError
 from .radial_table import set_radial_table
 from .streaming import set_streaming
+
+if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
+    from cgforge.kernels.core.tuning import KernelTuning, TPTuning
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +45,11 @@ def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [model]
 
 
-def patch(model: torch.nn.Module) -> torch.nn.Module:
+def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torch.nn.Module:
     """Swap every NequIP convolution for cgforge's fused one. In place, idempotent; returns ``model``.
+
+    ``tuning``: the knobs of the convolution kernels built now (``cgforge.kernels.KernelTuning``; its ``tp``;
+    None: the defaults). Convolutions patched before keep theirs.
 
     ``model`` is a GraphModel or nequip's ModuleDict of them, from the installed nequip or a package.
     Everything is checked before anything changes: ``UnsupportedModelError`` (a ValueError) names the
@@ -60,7 +67,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         graphs = _graph_cache(root) or CallGraphCache()
         plans.append((root, graphs, {where for where, *_ in sites}))
     for root, graphs, wheres in plans:
-        new = stand_in.swap_in(root, _scatter_maker(graphs, wheres))
+        new = stand_in.swap_in(root, _scatter_maker(graphs, wheres, tuning.tp if tuning is not None else None))
         swapped = species_linear.swap_in(root, "sc", graphs)
         e3nn_layers.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
@@ -70,7 +77,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _scatter_maker(graphs: CallGraphCache, wheres: set[str]) -> stand_in.Maker:
+def _scatter_maker(graphs: CallGraphCache, wheres: set[str], tuning: TPTuning | None = None) -> stand_in.Maker:
     """The walker's maker of ``CgforgeTensorProductScatter`` at the (checked) convolution sites ``wheres``."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
@@ -80,7 +87,7 @@ def _scatter_maker(graphs: CallGraphCache, wheres: set[str]) -> stand_in.Maker:
             child.graphs = graphs  # patched before: the model's cache now
             return None
         try:
-            return CgforgeTensorProductScatter(child, graphs)
+            return CgforgeTensorProductScatter(child, graphs, tuning)
         except (ValueError, TypeError, NotImplementedError) as err:
             raise UnsupportedModelError(f"{where} ({child.tp}): cgforge cannot build this convolution: {err}") from err
 

@@ -10,18 +10,19 @@ per step and stream, three rounds per draw with independent round keys. A produc
 2^63: torch's int64 multiply wraps (two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the
 result is exact; the safe 16-bit split (``_mul32_exact``) is the test's reference, and a CUDA test checks that
 both devices draw the same numbers.
-Uniforms become normals by Box-Muller. Statistics are tested in tests/test_engine_rng.py (moments, a
-Kolmogorov-Smirnov test, independence across steps, streams and seeds).
+Uniforms become normals by Box-Muller. The CUDA kernel (``cgforge.kernels.noise``, compiled through the kernels'
+one compile path) draws the same numbers as ``normal_noise_reference``. Statistics are tested in
+tests/md/test_engine_rng.py (moments, a Kolmogorov-Smirnov test, independence across steps, streams and seeds).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from cgforge.kernels.noise import NORMAL_NOISE_SOURCE, normal_noise_cuda
 
 __all__ = ["normal_noise", "normal_noise_reference", "NoiseSource", "NORMAL_NOISE_SOURCE"]
 
@@ -56,59 +57,13 @@ def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.dev
     return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
 
 
-# The same draws as one CUDA kernel: the torch expression above is ~60 tiny kernels per call, and inside the
-# engine's CUDA graph each costs a few microseconds however little it does (an NPT step draws three times).
-# uint32 arithmetic wraps as the int64 expression's low 32 bits do; one thread makes a Box-Muller pair.
-NORMAL_NOISE_SOURCE = r"""
-__device__ __forceinline__ unsigned int mix32(unsigned int x) {
-    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
-}
-
-extern "C" __global__ void normal_noise_f64(const long long* __restrict__ step, unsigned int stream_key,
-                                            double* __restrict__ out, long long n, long long half) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= half) return;
-    const unsigned long long s = (unsigned long long)step[0];
-    const unsigned int k1 = mix32(stream_key ^ (unsigned int)s ^ ((unsigned int)(s >> 32) * 0x27D4EB2Fu));
-    const unsigned int k2 = mix32(k1 ^ 0x9E3779B9u);
-    const unsigned int k3 = mix32(k2 ^ 0x85EBCA6Bu);
-    const unsigned int bits_r = mix32(mix32(mix32((unsigned int)i ^ k1) ^ k2) ^ k3);
-    const unsigned int bits_a = mix32(mix32(mix32((unsigned int)(half + i) ^ k1) ^ k2) ^ k3);
-    const double scale = 1.0 / 4294967296.0;
-    const double radius = sqrt(-2.0 * log(1.0 - (double)bits_r * scale));
-    const double angle = 6.283185307179586 * ((double)bits_a * scale);
-    out[i] = radius * cos(angle);
-    if (half + i < n) out[half + i] = radius * sin(angle);
-}
-"""
-
-
-@functools.cache
-def _noise_kernel(device_index: int):
-    from cgforge.kernels.core.runtime import load_source
-
-    with torch.cuda.device(device_index):
-        return load_source(NORMAL_NOISE_SOURCE, ["normal_noise_f64"], name="normal_noise.cu")["normal_noise_f64"]
-
-
 def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
     """``n`` standard normal float64 draws for (seed, step, stream); ``step`` an int64 scalar tensor (device-side:
     capture-safe, no host read). On CUDA one kernel, on a CPU the torch expression (the same numbers)."""
     device = torch.device(device)
     if device.type == "cuda" and n > 0 and n < 2**32:
-        return _normal_noise_cuda(seed, step, stream, n, device)
+        return normal_noise_cuda(_stream_key(int(seed), int(stream)), step, n, device)
     return normal_noise_reference(seed, step, stream, n, device)
-
-
-def _normal_noise_cuda(seed: int, step: Tensor, stream: int, n: int, device: torch.device) -> Tensor:
-    half = (n + 1) // 2
-    out = torch.empty(2 * half, dtype=torch.float64, device=device)
-    step = step.to(device=device, dtype=torch.int64).reshape(1).contiguous()
-    kernel = _noise_kernel(device.index if device.index is not None else torch.cuda.current_device())
-    threads = 128
-    kernel.launch((-(-half // threads),), (threads,),
-                  [step, np.uint32(_stream_key(int(seed), int(stream))), out, np.int64(n), np.int64(half)])
-    return out[:n]
 
 
 def normal_noise_reference(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
