@@ -23,6 +23,7 @@ from ase.md.verlet import VelocityVerlet  # noqa: E402
 from global_state import preserved_global_state  # noqa: E402
 from mace.calculators import MACECalculator  # noqa: E402
 from nequip.integrations.ase import NequIPCalculator  # noqa: E402
+from oracles import central_difference, displaced  # noqa: E402
 
 import cgforge.patches  # noqa: E402
 from cgforge.patches import mace as mace_adapter  # noqa: E402
@@ -196,12 +197,7 @@ def _directional_check(calc, atoms, h: float, tolerance: float) -> None:
     directions = [forces, rng.normal(size=forces.shape), rng.normal(size=forces.shape)]
     for direction in directions:
         direction = direction / np.linalg.norm(direction)
-        energies = []
-        for sign in (1, -1):
-            moved = atoms.copy()
-            moved.positions += sign * h * direction
-            energies.append(float(_evaluate(calc, moved)["energy"]))
-        numeric = (energies[0] - energies[1]) / (2 * h)
+        numeric = central_difference(lambda t: float(_evaluate(calc, displaced(atoms, direction, t))["energy"]), h)  # noqa: B023
         analytic = -float((forces * direction).sum())
         assert abs(analytic) > 0.1
         assert abs(numeric - analytic) < tolerance * max(1.0, abs(analytic)), (numeric, analytic)

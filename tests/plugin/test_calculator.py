@@ -12,6 +12,8 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import PropertyNotImplementedError
 from mace_helpers import build_model, rel_err  # noqa: E402
+from oracles import central_difference, displaced, unit
+from oracles import stress_by_finite_differences as stress_by_strain
 
 from cgforge.plugin import Calculator  # noqa: E402
 from cgforge.plugin.runtime.adapters import UnknownElementError  # noqa: E402
@@ -135,31 +137,15 @@ def test_forces_are_minus_the_energy_gradient(mace_calc, name):
     h = 1e-4
     rng = np.random.default_rng(0)
     for atom, axis in zip(rng.choice(len(atoms), 6, replace=False), rng.integers(0, 3, 6)):
-        plus, minus = atoms.copy(), atoms.copy()
-        plus.positions[atom, axis] += h
-        minus.positions[atom, axis] -= h
-        fd = -(_energy(mace_calc, plus) - _energy(mace_calc, minus)) / (2 * h)
+        direction = unit(atoms.positions.shape, atom, axis)
+        fd = -central_difference(lambda t: _energy(mace_calc, displaced(atoms, direction, t)), h)  # noqa: B023
         # FD error here is ~1e-7 of the largest force (h^2 truncation and round-off): 10x margin
         assert abs(fd - forces[atom, axis]) < 1e-6 * np.abs(forces).max(), (atom, axis, fd, forces[atom, axis])
 
 
-def _strained(atoms: Atoms, strain: np.ndarray) -> Atoms:
-    a = atoms.copy()
-    deform = np.eye(3) + strain
-    a.set_cell(np.array(a.cell) @ deform, scale_atoms=False)
-    a.positions = a.positions @ deform
-    return a
-
-
 def stress_by_finite_differences(calc, atoms: Atoms, h: float = 1e-5) -> np.ndarray:
     """sigma_ij = (1/V) dE/d eps_ij for a symmetric strain, in ASE's Voigt order (xx yy zz yz xz xy)."""
-    out = []
-    for i, j in [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]:
-        strain = np.zeros((3, 3))
-        strain[i, j] = strain[j, i] = h / (1 if i == j else 2)
-        de = _energy(calc, _strained(atoms, strain)) - _energy(calc, _strained(atoms, -strain))
-        out.append(de / (2 * h) / atoms.get_volume())
-    return np.array(out)
+    return stress_by_strain(lambda a: _energy(calc, a), atoms, h)
 
 
 @pytest.mark.parametrize("name", ["periodic", "triclinic"])
@@ -431,16 +417,34 @@ def test_cuda_default_device_and_verlet_reuse(mace_model):
     assert rel_err(forces, properties(atoms, fresh, False)["forces"]) < 1e-9
 
 
-@cuda
-def test_cuda_kernels_compile_at_construction(mace_model, monkeypatch):
-    from cgforge.kernels import compiler
-
-    calc = Calculator(copy.deepcopy(mace_model), device="cuda", dtype="float32")
+def forbid_compiling(monkeypatch) -> None:
+    """From now on NVRTC is out of reach: `compiler.compile_cubin` raises, and so does every other name in
+    cgforge's modules bound to it at import (``from .compiler import compile_cubin``, which a patch of the
+    compiler's attribute alone would miss), and the compiler's own NVRTC call."""
+    from cgforge.kernels.core import compiler
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("a kernel was compiled after the calculator was built")
 
-    monkeypatch.setattr(compiler, "compile_cubin", no_compiling)
+    original = compiler.compile_cubin
+    bound = {id(m): m for name, m in list(sys.modules.items())
+             if name.startswith("cgforge") and getattr(m, "compile_cubin", None) is original}
+    for module in bound.values():
+        monkeypatch.setattr(module, "compile_cubin", no_compiling)
+    monkeypatch.setattr(compiler, "_compile_with_nvrtc", no_compiling)
+
+
+@cuda
+def test_cuda_kernels_compile_at_construction(mace_model, monkeypatch):
+    from cgforge.kernels.core import registry, runtime
+
+    calc = Calculator(copy.deepcopy(mace_model), device="cuda", dtype="float32")
+    forbid_compiling(monkeypatch)
+    load_source = getattr(registry, "load_source", None) or runtime.load_source
+    for compile_through in (lambda: load_source("__global__ void k() {}", ["k"]),
+                            lambda: registry.compile_source("__global__ void k() {}", "k", runtime.device_arch())):
+        with pytest.raises(AssertionError, match="compiled after"):  # every path to NVRTC is closed
+            compile_through()
     atoms = water_box(64, seed=9)
     atoms.calc = calc
     atoms.get_forces()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from ase import Atoms
 from mace_helpers import build_model, rel_err  # noqa: E402
+from oracles import stress_by_finite_differences  # noqa: E402
 
 from cgforge import patches  # noqa: E402
 from cgforge.patches import mace as pm  # noqa: E402
@@ -279,14 +280,6 @@ def test_checksums_of_files_that_are_not_zips_are_not_checked(tmp_path):
 # 6. Stress with partial periodicity
 
 
-def strained_energy(calc: Calculator, atoms: Atoms, strain: np.ndarray) -> float:
-    a = atoms.copy()
-    deform = np.eye(3) + strain
-    a.set_cell(np.array(a.cell) @ deform, scale_atoms=False)
-    a.positions = a.positions @ deform
-    return energy(calc, a)
-
-
 def test_slab_stress_is_the_strain_derivative_over_the_cell_volume(model_file):
     from mace.calculators import MACECalculator
 
@@ -296,12 +289,8 @@ def test_slab_stress_is_the_strain_derivative_over_the_cell_volume(model_file):
     a = atoms.copy()
     a.calc = calc
     stress = a.get_stress()
-    h, fd = 1e-5, []
-    for i, j in [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]:
-        strain = np.zeros((3, 3))
-        strain[i, j] = strain[j, i] = h / (1 if i == j else 2)
-        de = strained_energy(calc, atoms, strain) - strained_energy(calc, atoms, -strain)
-        fd.append(de / (2 * h) / atoms.get_volume())  # the volume of atoms.cell, non-periodic vector included
+    # divided by the volume of atoms.cell, non-periodic vector included
+    fd = stress_by_finite_differences(lambda a: energy(calc, a), atoms, h=1e-5)
     assert np.abs(stress).max() > 1e-7
     assert np.abs(stress - np.array(fd)).max() < 1e-5 * np.abs(stress).max(), (stress, fd)
     # MACECalculator divides the same virial by the volume of a cell whose non-periodic vector it enlarges

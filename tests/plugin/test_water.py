@@ -14,6 +14,8 @@ from ase.calculators.calculator import PropertyNotImplementedError
 from ase.md.langevin import Langevin
 from ase.md.verlet import VelocityVerlet
 from ase.optimize import FIRE
+from oracles import central_difference, displaced, random_rotation, unit
+from oracles import stress_by_finite_differences as stress_by_strain
 from scipy.special import erfc
 
 from cgforge.plugin.water import Q_SPC_FW, QSPCFwCalculator, check_water_order, water_box
@@ -203,19 +205,19 @@ def test_split_molecules_are_made_whole():
 # ----------------------------------------------------------------------------------------------- derivatives
 
 
+def _energy(calc, atoms: Atoms) -> float:
+    atoms.calc = calc
+    return atoms.get_potential_energy()
+
+
 def test_forces_are_minus_the_energy_gradient():
     atoms = jiggled_box(seed=3)
     atoms.calc = QSPCFwCalculator()
     forces = atoms.get_forces()
     step = 1e-5
     for atom, axis in [(0, 0), (1, 2), (5, 1), (13, 0), (23, 2)]:
-        energies = []
-        for sign in (1, -1):
-            displaced = atoms.copy()
-            displaced.calc = atoms.calc
-            displaced.positions[atom, axis] += sign * step
-            energies.append(displaced.get_potential_energy())
-        numerical = -(energies[0] - energies[1]) / (2 * step)
+        direction = unit(atoms.positions.shape, atom, axis)
+        numerical = -central_difference(lambda t: _energy(atoms.calc, displaced(atoms, direction, t)), step)  # noqa: B023
         assert abs(forces[atom, axis]) > 1e-3
         assert forces[atom, axis] == pytest.approx(numerical, abs=2e-7, rel=1e-6)
     assert np.abs(forces.sum(0)).max() < 1e-10  # Newton's third law
@@ -229,20 +231,9 @@ def test_stress_is_the_strain_derivative(shear):
         atoms.set_cell(atoms.cell.array @ shear_matrix, scale_atoms=True)
     atoms.calc = QSPCFwCalculator()
     stress = atoms.get_stress()
-    volume = atoms.get_volume()
-    step = 1e-6
-    for voigt, (a, b) in enumerate([(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]):
-        energies = []
-        for sign in (1, -1):
-            strain = np.zeros((3, 3))
-            strain[a, b] += sign * step / 2
-            strain[b, a] += sign * step / 2
-            deformed = atoms.copy()
-            deformed.calc = atoms.calc
-            deformed.set_cell(atoms.cell.array @ (np.eye(3) + strain), scale_atoms=True)
-            energies.append(deformed.get_potential_energy())
-        numerical = (energies[0] - energies[1]) / (2 * step) / volume
-        assert stress[voigt] == pytest.approx(numerical, abs=1e-8, rel=1e-6)
+    numerical = stress_by_strain(lambda a: _energy(atoms.calc, a), atoms, h=1e-6)
+    for voigt in range(6):
+        assert stress[voigt] == pytest.approx(numerical[voigt], abs=1e-8, rel=1e-6)
     assert np.abs(stress).max() > 1e-3
 
 
@@ -267,8 +258,7 @@ def test_invariant_under_translation_rotation_and_permutation():
     assert moved.get_potential_energy() == pytest.approx(energy, rel=1e-11)
     np.testing.assert_allclose(moved.get_forces(), forces, atol=1e-9)
 
-    rotation = np.linalg.qr(np.random.default_rng(7).normal(size=(3, 3)))[0]
-    rotation *= np.linalg.det(rotation)  # proper rotation
+    rotation = random_rotation(7).numpy()  # proper
     rotated = atoms.copy()
     rotated.calc = QSPCFwCalculator()
     rotated.set_cell(atoms.cell.array @ rotation.T, scale_atoms=True)  # rotates positions and cell together
