@@ -37,7 +37,6 @@ The step itself reads nothing back to the host (capture-safe):
 
 from __future__ import annotations
 
-import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -46,19 +45,14 @@ import torch
 from torch import Tensor
 
 from cgforge.patches.species_linear import SpeciesRoom
-from cgforge.plugin.edge_layout import conv_graph, layout_edges, pad_offset_vector
-from cgforge.plugin.step_graph import capture_or_fall_back
+from cgforge.plugin.runtime.capture import capture_or_fall_back, room
+from cgforge.plugin.runtime.edge_layout import conv_graph, layout_edges, pad_offset_vector
 
 from .arrays import LammpsArrays, write_results
 
 __all__ = ["PaddedStep"]
 
-MARGIN = 0.1  # spare capacity given to every buffer when it grows
-
-
-def room(needed: int, margin: float = MARGIN) -> int:
-    """A capacity for ``needed`` entries with the margin, in multiples of 64 (at least 64)."""
-    return int(math.ceil(needed * (1.0 + margin) / 64.0) + 1) * 64
+MARGIN = 0.1  # spare capacity given to every buffer when it grows (``room``)
 
 
 @dataclass

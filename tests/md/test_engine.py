@@ -87,11 +87,11 @@ def test_a_box_near_a_full_device_runs_without_graph_or_side_search_unless_asked
 
     def plan(n_atoms, count_edges, streaming=True):
         count_edges()
-        calc64.memory_plan = near_full
+        calc64.potential.memory_plan = near_full
         return near_full
 
-    monkeypatch.setattr(calc64, "plan_memory", plan)
-    monkeypatch.setattr(calc64, "memory_plan", None)
+    monkeypatch.setattr(calc64.potential, "plan_memory", plan)
+    monkeypatch.setattr(calc64.potential, "memory_plan", None)
     atoms.calc = calc64
     engine = Engine(calc64, atoms, VelocityVerlet(0.5), block=2, pipelined_rebuild=asked)
     engine.pipelined_rebuild = True  # the CUDA default

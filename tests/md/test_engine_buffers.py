@@ -14,7 +14,7 @@ def test_rebuild_keeps_the_reference_buffers_or_changes_the_generation() -> None
     torch.set_default_dtype(torch.float32)
     atoms = water_box(8, seed=0)
     calc = Calculator("mace", device="cpu", dtype="float64", warmup=False)
-    provider = ModelForces(calc)
+    provider = ModelForces(calc.potential)
     positions = torch.as_tensor(atoms.positions, dtype=torch.float64)
     cell = torch.as_tensor(atoms.cell.array, dtype=torch.float64)
     for changes_cell in (False, True):

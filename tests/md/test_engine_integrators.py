@@ -26,7 +26,9 @@ from engine_potentials import (  # noqa: E402
 from cgforge.plugin.md.engine import Engine, MDBlowUp, energy_function_engine  # noqa: E402
 from cgforge.plugin.md.forces import EnergyFunctionForces  # noqa: E402
 from cgforge.plugin.md.integrators import CSVR, Langevin, StochasticCellRescaling, VelocityVerlet  # noqa: E402
+from cgforge.plugin.runtime.options import RuntimeOptions  # noqa: E402
 
+AOT_EAGER = RuntimeOptions(compile_backend="aot_eager")  # dynamo's graphs without code generation
 TOL = 1e-10  # Å and amu Å/(ASE time): the FP64 trajectories agree to rounding
 
 
@@ -200,15 +202,13 @@ FUSED_CASES = {"langevin": lambda: Langevin(4.0, 120.0, 0.02), "csvr": lambda: C
                "npt-aniso": lambda: StochasticCellRescaling(4.0, 120.0, 0.05, tau_p_fs=200.0, anisotropic=True)}
 
 
-def _fused_and_plain(name: str, backend: str, monkeypatch) -> tuple[Engine, Engine]:
-    from cgforge.plugin.runtime import compiled
-
-    monkeypatch.setattr(compiled, "BACKEND", backend)
+def _fused_and_plain(name: str, backend: str) -> tuple[Engine, Engine]:
     torch._dynamo.reset()
     lj = lennard_jones()
     atoms = argon_box(seed=3)
     plain = energy_function_engine(lj, atoms.copy(), FUSED_CASES[name](), seed=9, block=6)
-    fused = energy_function_engine(lj, atoms.copy(), FUSED_CASES[name](), seed=9, block=6, fuse_integrator=True)
+    fused = energy_function_engine(lj, atoms.copy(), FUSED_CASES[name](), seed=9, block=6, fuse_integrator=True,
+                                   options=RuntimeOptions(compile_backend=backend))
     assert fused.integrator.fused and not plain.integrator.fused
     for engine in (plain, fused):
         engine.run(30)
@@ -216,12 +216,12 @@ def _fused_and_plain(name: str, backend: str, monkeypatch) -> tuple[Engine, Engi
 
 
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-def test_fused_integrator_traces_to_the_same_trajectory(name, monkeypatch):
+def test_fused_integrator_traces_to_the_same_trajectory(name):
     """Every scheme's arithmetic goes through torch.compile as one graph (fullgraph: a graph break or a failed
     trace would fall back to eager with a warning, which is an error here) and gives the unfused trajectory."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        plain, fused = _fused_and_plain(name, "aot_eager", monkeypatch)
+        plain, fused = _fused_and_plain(name, "aot_eager")
     for key in ("positions", "momenta", "cell"):
         torch.testing.assert_close(getattr(fused.state, key), getattr(plain.state, key), rtol=0, atol=1e-12)
     for key, value in plain.state.extra.items():
@@ -231,9 +231,9 @@ def test_fused_integrator_traces_to_the_same_trajectory(name, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["langevin", "npt"])
-def test_fused_integrator_with_inductor_on_a_cpu(name, monkeypatch):
+def test_fused_integrator_with_inductor_on_a_cpu(name):
     """Inductor's generated code (C++ on a CPU): the same trajectory to rounding over 30 steps."""
-    plain, fused = _fused_and_plain(name, "inductor", monkeypatch)
+    plain, fused = _fused_and_plain(name, "inductor")
     for key in ("positions", "momenta", "cell"):
         torch.testing.assert_close(getattr(fused.state, key), getattr(plain.state, key), rtol=0, atol=1e-9)
 
@@ -270,15 +270,12 @@ def test_restart_continues_exactly(integrator, tmp_path):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_blow_up_stops_with_the_step_and_the_temperature(fused, monkeypatch):
-    from cgforge.plugin.runtime import compiled
-
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # fused: the step's bookkeeping traced by torch.compile
+def test_blow_up_stops_with_the_step_and_the_temperature(fused):
     lj = lennard_jones()
     atoms = argon_box()
     atoms.positions[1] = atoms.positions[0] + [2.0, 0.0, 0.0]  # deep in the repulsive wall
     engine = energy_function_engine(lj, atoms, VelocityVerlet(4.0), max_temperature_K=500.0, block=10,
-                                    fuse_integrator=fused)
+                                    fuse_integrator=fused, options=AOT_EAGER)  # fused: the bookkeeping traced too
     with pytest.raises(MDBlowUp, match=r"at step \d+: temperature .* above max_temperature_K=500") as info:
         engine.run(50)
     err = info.value
@@ -288,10 +285,7 @@ def test_blow_up_stops_with_the_step_and_the_temperature(fused, monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_blow_up_on_non_finite_energy(fused, monkeypatch):
-    from cgforge.plugin.runtime import compiled
-
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+def test_blow_up_on_non_finite_energy(fused):
     calls = {"n": 0}
     atoms = oscillators(4)
     tethers = harmonic_tethers(atoms.positions.copy())
@@ -301,20 +295,10 @@ def test_blow_up_on_non_finite_energy(fused, monkeypatch):
         e = tethers(positions, cell)
         return e * float("nan") if calls["n"] > 3 else e
 
-    engine = energy_function_engine(energy, atoms, VelocityVerlet(1.0), block=5, fuse_integrator=fused)
+    engine = energy_function_engine(energy, atoms, VelocityVerlet(1.0), block=5, fuse_integrator=fused,
+                                    options=AOT_EAGER)
     with pytest.raises(MDBlowUp, match=r"at step 3: energy nan"):
         engine.run(10)
-
-
-def test_make_integrator_maps_ensemble_names():
-    from cgforge.plugin.md.integrators import make_integrator
-
-    kinds = {"nve": VelocityVerlet, "nvt": Langevin, "nvt-csvr": CSVR, "npt": StochasticCellRescaling}
-    for name, kind in kinds.items():
-        assert type(make_integrator(name, timestep_fs=1.0)) is kind
-    assert make_integrator("NPT-aniso", timestep_fs=1.0, pressure_GPa=2.0).anisotropic
-    with pytest.raises(ValueError, match="ensemble: expected one of"):
-        make_integrator("npe", timestep_fs=1.0)
 
 
 def test_arguments_are_checked():

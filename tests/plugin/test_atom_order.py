@@ -10,6 +10,7 @@ from mace_helpers import build_model, rel_err  # noqa: E402
 
 from cgforge.plugin import Calculator  # noqa: E402
 from cgforge.plugin.runtime import atom_order  # noqa: E402
+from cgforge.plugin.runtime.options import RuntimeOptions  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 
@@ -35,18 +36,16 @@ def test_morton_order_is_a_permutation_that_keeps_neighbours_close() -> None:
     assert _median_step(positions, free) < 0.3 * _median_step(positions, np.arange(len(atoms)))
 
 
-def test_spatial_order_only_above_the_threshold(monkeypatch) -> None:
+def test_spatial_order_only_above_the_threshold() -> None:
     atoms = water_box(n_side=3)
     args = (atoms.positions, np.asarray(atoms.cell), (True, True, True))
-    monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", len(atoms))
-    assert atom_order.spatial_order(*args) is None
-    monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", len(atoms) - 1)
-    assert atom_order.spatial_order(*args) is not None
+    assert atom_order.spatial_order(*args, len(atoms)) is None
+    assert atom_order.spatial_order(*args, len(atoms) - 1) is not None
     bad = atoms.positions.copy()
     bad[3, 1] = np.nan
-    assert atom_order.spatial_order(bad, *args[1:]) is None  # the calculator names the NaN itself
-    monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", None)
-    assert atom_order.spatial_order(*args) is None
+    assert atom_order.spatial_order(bad, *args[1:], 0) is None  # the potential names the NaN itself
+    assert atom_order.spatial_order(*args, None) is None
+    assert RuntimeOptions().order_above_atoms == 100_000
 
 
 def test_to_user_order_puts_per_atom_parts_back() -> None:
@@ -61,7 +60,7 @@ def test_to_user_order_puts_per_atom_parts_back() -> None:
     np.testing.assert_array_equal(only_energies[1:], energies)
 
 
-def test_calculator_results_do_not_depend_on_the_order_it_runs_in(monkeypatch, fp64_one_thread) -> None:
+def test_calculator_results_do_not_depend_on_the_order_it_runs_in(fp64_one_thread) -> None:
     """The bundled-shape MACE in FP64 on a rattled, shuffled periodic box: with every system sorted (threshold 0)
     energy, forces, stress and per-atom energies equal the unsorted run's, in the user's order."""
     model = build_model(r_max=4.0)
@@ -70,16 +69,16 @@ def test_calculator_results_do_not_depend_on_the_order_it_runs_in(monkeypatch, f
     atoms = atoms[np.random.default_rng(4).permutation(len(atoms))]
 
     def results(threshold: int | None) -> tuple[dict, Calculator]:
-        monkeypatch.setattr(atom_order, "ORDER_ABOVE_ATOMS", threshold)
         a = atoms.copy()
-        a.calc = Calculator(copy.deepcopy(model), device="cpu", patch=True)
+        a.calc = Calculator(copy.deepcopy(model), device="cpu", patch=True,
+                            options=RuntimeOptions(order_above_atoms=threshold))
         return {"energy": np.array(a.get_potential_energy()), "forces": a.get_forces(),
                 "stress": a.get_stress(), "energies": a.get_potential_energies()}, a.calc
 
     want, plain = results(None)
     got, ordered = results(0)
-    assert plain._order is None
-    assert ordered._order is not None and not np.array_equal(ordered._order, np.arange(len(atoms)))
+    assert plain.system.order is None
+    assert ordered.system.order is not None and not np.array_equal(ordered.system.order, np.arange(len(atoms)))
     for key, value in want.items():
         assert np.linalg.norm(value) > 0
         assert rel_err(got[key], value) < 1e-10, key

@@ -20,6 +20,7 @@ from cgforge import patches  # noqa: E402
 from cgforge.patches import mace as pm  # noqa: E402
 from cgforge.plugin import Calculator, NonFiniteOutputError  # noqa: E402
 from cgforge.plugin.runtime.bundled import model_path  # noqa: E402
+from cgforge.plugin.runtime.diagnosis import non_finite_message  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 
@@ -117,12 +118,12 @@ def test_non_finite_message_names_outputs_and_first_atoms(model_file):
     host[1 + 3 * 20 + 4] = np.nan  # the stress
     host[-20:][[3, 12, 13, 14, 15, 16, 17, 18, 19]] = np.nan  # per-atom energies
     positions = np.random.default_rng(0).uniform(0, 20, size=(20, 3))
-    message = calc._non_finite_message(host, positions, np.zeros((3, 3)), (False,) * 3, forces=True, stress=True,
-                                       per_atom=True)
+    message = non_finite_message(host, positions, np.zeros((3, 3)), (False,) * 3, calc.model, calc.cutoff,
+                                 patched=calc.patched, forces=True, stress=True, per_atom=True)
     assert message.startswith("model output is not finite for this structure: energy nan, forces on 1 of 20 atoms, "
                               "stress, per-atom energies of 9 of 20 atoms; atoms 3, 11, 12, 13, 14, 15, 16, 17, ...")
-    far = calc._non_finite_message(host[:1], atoms.positions, np.zeros((3, 3)), (False,) * 3, forces=False,
-                                   stress=False, per_atom=False)
+    far = non_finite_message(host[:1], atoms.positions, np.zeros((3, 3)), (False,) * 3, calc.model, calc.cutoff,
+                             patched=calc.patched, forces=False, stress=False, per_atom=False)
     assert "no two atoms closer than the cutoff, 4 Å" in far
 
 

@@ -8,6 +8,7 @@ slow ones compile with Inductor itself; the CUDA ones check the compiled step in
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 import numpy as np
@@ -18,20 +19,23 @@ from torch._dynamo.utils import counters
 from cgforge.plugin import Calculator
 from cgforge.plugin.runtime import compiled
 from cgforge.plugin.runtime.neighbours import VerletNeighbourList
+from cgforge.plugin.runtime.options import RuntimeOptions
 from cgforge.plugin.runtime.step_graph import ModelStep
 from cgforge.plugin.water import water_box
 
 cuda = pytest.mark.cuda
 
 
+AOT_EAGER = RuntimeOptions(compile_backend="aot_eager")
+
+
 @pytest.fixture
-def aot_eager(monkeypatch):
-    """FP64, the aot_eager backend and fresh dynamo caches and counters (restored after)."""
+def aot_eager() -> Iterator[RuntimeOptions]:
+    """FP64, fresh dynamo caches and counters (restored after); the options of the aot_eager backend."""
     torch.set_default_dtype(torch.float64)
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    yield
+    yield AOT_EAGER
     torch._dynamo.reset()
 
 
@@ -90,8 +94,8 @@ def test_compile_refuses_what_it_cannot_compile(monkeypatch):
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     with pytest.raises(RuntimeError, match="compile: Inductor's CPU backend needs a C\\+\\+ compiler"):
         Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False)
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # not Inductor: no compiler needed
-    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False,
+                      options=AOT_EAGER)  # not Inductor: no compiler needed
     assert calc.compile == "default" and calc.step.compiled is not None
 
 
@@ -114,8 +118,8 @@ def test_set_compile_after_construction_gives_the_constructed_results(aot_eager)
     same things, and turns off again."""
     atoms = water_box(2, seed=4)
     want = random_steps(atoms, Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True,
-                                          warmup=False), 2, seed=5)
-    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
+                                          warmup=False, options=aot_eager), 2, seed=5)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False, options=aot_eager)
     assert calc.compile is None and calc.step.compiled is None
     assert not calc.compiled_fits(atoms)  # no memory plan off CUDA: `cgforge md --compile auto` leaves a CPU run be
     calc.set_compile(True)
@@ -186,7 +190,8 @@ def test_compiled_equals_eager_and_compiles_once_for_changing_edge_counts(aot_ea
     """Unpadded (CPU): every structure has another edge count; one graph serves them all."""
     atoms = water_box(8, seed=2)
     eager = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
-    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False,
+                      options=aot_eager)
     want = random_steps(atoms, eager, 4, seed=3)
     got = random_steps(atoms, calc, 4, seed=3)
     assert calc.step.compile_error is None
@@ -201,7 +206,8 @@ def test_padded_step_compiles_once_for_all_capacities(aot_eager):
     atoms = water_box(4, seed=4)
     species = calc.adapter.species(atoms.numbers)
     ref = ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), padded=True)
-    step = ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), padded=True, compile="default")
+    step = ModelStep(calc.adapter, VerletNeighbourList(calc.cutoff, 1.0), padded=True, compile="default",
+                     compile_backend=aot_eager.compile_backend)
     rng = np.random.default_rng(5)
     capacities = []
     for _ in range(4):
@@ -229,7 +235,8 @@ def test_engine_with_rebuilds_does_not_recompile(aot_eager):
     Stationary(atoms)
     runs = {}
     for flag in (False, True):
-        calc = Calculator("mace", device="cpu", dtype="float64", patch=True, skin=0.3, compile=flag, warmup=False)
+        calc = Calculator("mace", device="cpu", dtype="float64", patch=True, skin=0.3, compile=flag, warmup=False,
+                          options=aot_eager)
         a = atoms.copy()
         a.calc = calc
         engine = Engine(calc, a, Langevin(1.0, 600.0, 0.01), seed=7, block=5)
@@ -243,17 +250,17 @@ def test_engine_with_rebuilds_does_not_recompile(aot_eager):
 
 
 @pytest.mark.slow
-def test_a_failing_compilation_warns_and_runs_eagerly(monkeypatch):
+def test_a_failing_compilation_warns_and_runs_eagerly():
     torch.set_default_dtype(torch.float64)
     torch._dynamo.reset()
 
     def broken(gm, example_inputs):
         raise RuntimeError("this backend always fails")
 
-    monkeypatch.setattr(compiled, "BACKEND", broken)
     atoms = water_box(4, seed=8)
     eager = Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False)
-    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False)
+    calc = Calculator("mace", device="cpu", dtype="float64", patch=True, compile=True, warmup=False,
+                      options=RuntimeOptions(compile_backend=broken))
     want = random_steps(atoms, eager, 2, seed=9)
     with pytest.warns(RuntimeWarning, match="torch.compile of the model failed, running it eagerly"):
         got = random_steps(atoms, calc, 2, seed=9)

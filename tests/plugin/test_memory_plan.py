@@ -1,5 +1,5 @@
-"""The calculator's memory plan (``plugin.memory_plan``): stored path or streaming from the exact edge count, and
-torch's expandable allocator segments near a full device, never over the user's own allocator setting."""
+"""The runtime's memory plan (``plugin.runtime.memory_plan``): stored path or streaming from the exact edge count,
+and torch's expandable allocator segments near a full device, never over the user's own allocator setting."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ import torch
 from cgforge.patches.mace import row_chunks
 from cgforge.patches.radial_table import FUSED_EDGE_ITEMS
 from cgforge.plugin import Calculator
-from cgforge.plugin.runtime import memory_plan
-from cgforge.plugin.runtime.memory_plan import (
-    EXPANDABLE_ABOVE_FRACTION,
-    STREAMING_AUTO_FRACTION,
-    UNCAPTURED_ABOVE_FRACTION,
-    plan_memory,
-)
+from cgforge.plugin.runtime import memory_plan, potential
+from cgforge.plugin.runtime.memory_plan import plan_memory
+from cgforge.plugin.runtime.options import RuntimeOptions
 from cgforge.plugin.water import water_box
 
 GB = 10**9
+DEFAULTS = RuntimeOptions()
 
 
 def test_the_plan_streams_only_what_would_not_fit() -> None:
@@ -30,13 +27,28 @@ def test_the_plan_streams_only_what_would_not_fit() -> None:
     assert not half.stream and half.expandable and half.capture
     small = plan_memory(436_566, 1120, free)  # 5184 atoms: far from full, nothing changes
     assert not small.stream and not small.expandable and small.capture
-    edge = int(STREAMING_AUTO_FRACTION * free) // 1000
+    edge = int(DEFAULTS.streaming_auto_fraction * free) // 1000
     assert not plan_memory(edge, 1000, free).stream and plan_memory(edge + 1, 1000, free).stream
-    near = int(EXPANDABLE_ABOVE_FRACTION * free) // 1000
+    near = int(DEFAULTS.expandable_above_fraction * free) // 1000
     assert not plan_memory(near, 1000, free).expandable and plan_memory(near + 1, 1000, free).expandable
-    full = int(UNCAPTURED_ABOVE_FRACTION * free) // 1000
+    full = int(DEFAULTS.uncaptured_above_fraction * free) // 1000
     assert plan_memory(full, 1000, free).capture and not plan_memory(full + 1, 1000, free).capture
     assert not plan_memory(10**9, 0, free).stream  # bytes not known: never streams on a guess
+    tight = RuntimeOptions(streaming_auto_fraction=0.5, expandable_above_fraction=0.1, uncaptured_above_fraction=0.2)
+    assert plan_memory(edge, 1000, free, options=tight).stream
+    assert plan_memory(near, 1000, free, options=tight).expandable
+    assert not plan_memory(full // 2, 1000, free, options=tight).capture
+
+
+@pytest.mark.parametrize(("field", "bad"), [("streaming_auto_fraction", -0.1), ("uncaptured_above_fraction", True),
+                                            ("order_above_atoms", -1), ("order_above_atoms", 1.5),
+                                            ("radial_tf32_tol", float("nan"))])
+def test_runtime_options_name_a_bad_value(field: str, bad) -> None:
+    with pytest.raises(ValueError, match=field):
+        RuntimeOptions(**{field: bad})
+    with pytest.raises(TypeError, match="compile_backend"):
+        RuntimeOptions(compile_backend=3)
+    assert RuntimeOptions(compile_backend=len).as_dict()["compile_backend"] == "len"
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None])
@@ -99,12 +111,11 @@ def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
     """On the GPU the first call of a size counts its edges (the run then finds the list built), asks for
     expandable segments when near full, and streams when the stored path would not fit; the MD engine plans at its
     start without streaming (its step is captured)."""
-    from cgforge.plugin import calculator as calculator_module
     from cgforge.plugin.md.run import run_md
 
     torch.set_default_dtype(torch.float64)
     asked = []
-    monkeypatch.setattr(calculator_module, "use_expandable_segments", lambda: asked.append(True) or True)
+    monkeypatch.setattr(potential, "use_expandable_segments", lambda: asked.append(True) or True)
     atoms = water_box(16, seed=3)
     calc = Calculator("mace", device="cuda", dtype="float32")
     atoms.calc = calc
@@ -112,11 +123,11 @@ def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
     plan = calc.memory_plan
     assert plan is not None and plan.edges == calc.n_edges and not plan.stream and not calc.streaming
     assert not plan.expandable and asked == []
-    monkeypatch.setattr(memory_plan, "STREAMING_AUTO_FRACTION", 1e-9)
-    monkeypatch.setattr(memory_plan, "EXPANDABLE_ABOVE_FRACTION", 1e-9)
-    engine_calc = Calculator("mace", device="cuda", dtype="float32")
+    tiny = RuntimeOptions(streaming_auto_fraction=1e-9, expandable_above_fraction=1e-9)
+    engine_calc = Calculator("mace", device="cuda", dtype="float32", options=tiny)
     run_md(water_box(16, seed=3), engine_calc, steps=2, temperature_K=300, engine="device")
     assert engine_calc.memory_plan.stream and not engine_calc.streaming and asked == [True]
+    calc.potential.options = tiny  # read when the next plan is made
     smaller = water_box(12, seed=4)
     smaller.calc = calc
     smaller.get_forces()
@@ -125,28 +136,25 @@ def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
 
 @pytest.mark.cuda
 def test_cuda_a_box_near_a_full_device_runs_uncaptured_with_the_same_forces(monkeypatch) -> None:
-    from cgforge.plugin import calculator as calculator_module
-
     torch.set_default_dtype(torch.float64)
-    monkeypatch.setattr(calculator_module, "use_expandable_segments", lambda: True)
+    monkeypatch.setattr(potential, "use_expandable_segments", lambda: True)
     atoms = water_box(16, seed=5)
     captured = Calculator("mace", device="cuda", dtype="float32", streaming=False)
     atoms.calc = captured
     want = atoms.get_forces()
     assert captured.cuda_graph
-    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 1e-9)
-    near_full = Calculator("mace", device="cuda", dtype="float32", streaming=False)
+    uncaptured = RuntimeOptions(uncaptured_above_fraction=1e-9)
+    near_full = Calculator("mace", device="cuda", dtype="float32", streaming=False, options=uncaptured)
     atoms.calc = near_full
     got = atoms.get_forces()
     assert not near_full.memory_plan.capture and not near_full.cuda_graph and not near_full.streaming
     np.testing.assert_allclose(got, want, atol=2e-5)
-    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 0.6)
+    near_full.potential.options = RuntimeOptions()  # read when the next plan is made
     smaller = water_box(12, seed=6)
     smaller.calc = near_full
     smaller.get_forces()
     assert near_full.cuda_graph  # back on for a size far from full
-    pinned = Calculator("mace", device="cuda", dtype="float32", streaming=False, cuda_graph=True)
-    monkeypatch.setattr(memory_plan, "UNCAPTURED_ABOVE_FRACTION", 1e-9)
+    pinned = Calculator("mace", device="cuda", dtype="float32", streaming=False, cuda_graph=True, options=uncaptured)
     atoms.calc = pinned
     atoms.get_forces()
     assert pinned.cuda_graph  # asked for: kept

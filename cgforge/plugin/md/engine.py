@@ -8,15 +8,16 @@
     engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
     engine.run(1000, every=10, callback=lambda e: print(e.step, e.atoms.get_temperature()))
 
-State (positions, momenta, forces, energy, virial, cell, integrator scalars, step counter) lives in float64
-tensors on the calculator's device. A *block* of ``block`` steps runs without a host sync: on CUDA as
+The engine evaluates the model through the calculator's runtime (``calc.potential``). State (positions,
+momenta, forces, energy, virial, cell, integrator scalars, step counter) lives in float64 tensors on its
+device. A *block* of ``block`` steps runs without a host sync: on CUDA as
 replays of a CUDA graph that holds ``steps_per_graph`` whole steps (integrator + edge cut + model + backward),
 then one device-to-host copy of a small report (and of the state when an observer is due). ``atoms`` is
 written (positions, momenta, cell; energy, forces, stress as the calculator's results; the engine state in
 ``atoms.info['cgforge_engine']``) every ``every`` steps, before ``callback(engine)``.
 
-Correctness inside a block, checked per step on the device: a step whose positions went beyond the Verlet
-list's reach (``stale``), whose edges overflowed the captured buffers (``overflow``), or that blew up
+Correctness inside a block, checked per step on the device (``commit``): a step whose positions went beyond
+the Verlet list's reach (``stale``), whose edges overflowed the captured buffers (``overflow``), or that blew up
 (non-finite energy or forces, temperature above ``max_temperature_K``) is not committed: the state goes back to
 the step's start, and the block's later steps are computed but not committed either. Between blocks the host
 rebuilds the list or grows the buffers (a new capture) and carries on from the last committed step, or raises
@@ -31,13 +32,9 @@ leaving the GPU idle. The list is installed after the block with that start stat
 reference: it holds every pair within cutoff + skin of those positions, so it stays valid while no atom
 has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
 
-Random numbers are a function of (seed, step) (``engine_rng``): a discarded and redone step draws the same
+Random numbers are a function of (seed, step) (``noise``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
-``load_state``) continues exactly as an uninterrupted run.
-
-Over 450 lines on purpose: the block loop, the commit-or-discard rule and the capture it replays have to be
-read together to see that a discarded step leaves no trace in the state; the integrators, the forces and
-the random numbers live in ``integrators``, ``engine_forces`` and ``engine_rng``.
+``load_state``, read and written by ``state``) continues exactly as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -55,68 +52,21 @@ import torch
 from ase import Atoms, units
 from torch import Tensor
 
+from ..runtime.capture import capture_or_fall_back
 from ..runtime.compiled import compile_or_eager
+from ..runtime.potential import Potential
+from .commit import BLOW_KINDS, REPORT, MDBlowUp, commit_step
 from .forces import EnergyFunctionForces, ForceResult, ModelForces
-from .integrators import Integrator, MDState, kinetic, kinetic_energy
+from .integrators import Integrator, MDState, kinetic_energy
 from .noise import NoiseSource
+from .state import ENGINE_INFO_KEY, read_state, write_atoms
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
-ENGINE_INFO_KEY = "cgforge_engine"
 _FORMAT = 1
-_REPORT = ("committed", "stopped", "stale", "overflow", "blow_kind", "blow_step", "blow_value", "count_max",
-           "slack", "temperature")
-_BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
-# Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (H100,
-# 5184 atoms of the bundled MACE model: a search of ~4-8 ms against ~4.7 ms per step), and few, because the
-# new list is as old as this block when it is installed.
+# Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (a search
+# takes about one to two steps), and few, because the new list is as old as this block when it is installed.
 _HIDE_STEPS = 2
-
-
-def _commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
-                 overflow: Tensor, count: Tensor, slack: Tensor, max_temperature_K: float, report: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """After a step: (bad, step, report). bad: the step ran on a stale list or overflowed buffers, blew up, or an
-    earlier step of the block stopped it (the caller restores the state); step + 1 if not; the block's report
-    (float64 [len(_REPORT)], flags 0/1) updated. Pure: the engine fuses it with ``fuse_integrator``, as the
-    integrators' arithmetic (torch.compile dropped in-place updates of 0-d CPU tensors, torch 2.13)."""
-    rep = dict(zip(_REPORT, report.unbind(0), strict=True))
-    temperature = kinetic(momenta, masses) / (1.5 * momenta.shape[0] * units.kB)
-    bad_energy = ~torch.isfinite(energy)
-    bad_forces = ~torch.isfinite(forces).all()
-    hot = ~(temperature <= max_temperature_K)
-    kind = torch.where(bad_energy, 1.0, torch.where(bad_forces, 2.0, torch.where(hot, 3.0, 0.0)))
-    value = torch.where(bad_energy, energy, torch.where(bad_forces, forces.abs().amax(), temperature))
-    invalid = stale | overflow
-    blow = ~invalid & (kind > 0)
-    stopped = rep["stopped"] > 0
-    fresh = ~stopped
-    bad = stopped | invalid | blow
-    new_blow = blow & fresh
-    good = ~bad
-    new = {
-        "committed": rep["committed"] + good.to(report.dtype),
-        "stopped": bad.to(report.dtype),
-        "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
-        "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
-        "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
-        "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
-        "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
-        "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
-        "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
-        "temperature": torch.where(good, temperature, rep["temperature"]),
-    }
-    return bad, step + good.to(step.dtype), torch.stack([new[name] for name in _REPORT])
-
-
-class MDBlowUp(RuntimeError):
-    """The simulation blew up: ``quantity`` ('energy', 'forces', 'temperature' or 'displacement') took ``value`` at
-    ``step`` (the step that was not committed; the engine's state is the step before)."""
-
-    def __init__(self, step: int, quantity: str, value: float, detail: str = "") -> None:
-        self.step, self.quantity, self.value = int(step), quantity, float(value)
-        super().__init__(f"MD blew up at step {self.step}: {quantity} {value:.6g}{detail}; the engine's state is that "
-                         f"of step {self.step - 1}")
 
 
 def _count(name: str, value: int, minimum: int) -> int:
@@ -128,8 +78,9 @@ def _count(name: str, value: int, minimum: int) -> int:
 class Engine:
     """MD on the device; see the module doc.
 
-    forces: a cgforge ``Calculator`` (its model step, neighbour list and device are used), or a force provider
-    (``engine_forces.EnergyFunctionForces`` or anything with its interface). atoms: the structure (positions,
+    forces: a cgforge ``Calculator`` or the ``Potential`` of one (``calc.potential``: its model step, neighbour
+    list and device are used), or a force provider (``forces.EnergyFunctionForces`` or anything with its
+    interface). atoms: the structure (positions,
     momenta, cell, masses, pbc; no constraints); written back every ``every`` steps and by ``sync_atoms()``.
     integrator: ``integrators.VelocityVerlet``, ``Langevin``, ``CSVR`` or ``StochasticCellRescaling``.
     seed: the noise's seed. block: steps between host syncs. steps_per_graph: steps unrolled in one CUDA graph
@@ -137,11 +88,11 @@ class Engine:
     provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
     target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
     pipelined_rebuild: search the next neighbour list on a side stream while a block runs (None: on CUDA with a
-    calculator; see the module doc). Left at None, both turn off for a box near a full device (the calculator's
-    memory plan at the start: ``memory_plan.UNCAPTURED_ABOVE_FRACTION``). fuse_integrator: compile the
-    integrator's arithmetic (``Integrator.fuse``) so that its tiny operations become a few kernels of the captured
-    step (None: on CUDA when the calculator's model is compiled, ``Calculator(compile=True)``); sets it on
-    ``integrator``.
+    calculator; see the module doc). Left at None, both turn off for a box near a full device (the potential's
+    memory plan at the start: ``RuntimeOptions.uncaptured_above_fraction``). fuse_integrator: compile the
+    integrator's arithmetic (``Integrator.fuse``, with the provider's ``options.compile_backend``) so that its tiny
+    operations become a few kernels of the captured step (None: on CUDA when the calculator's model is compiled,
+    ``Calculator(compile=True)``); sets it on ``integrator``.
     """
 
     def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
@@ -158,7 +109,8 @@ class Engine:
         if not isinstance(integrator, Integrator):
             raise TypeError(f"integrator: expected a cgforge.plugin.md.integrators integrator, got "
                             f"{type(integrator).__name__}")
-        self.provider = ModelForces(forces) if hasattr(forces, "step") and hasattr(forces, "adapter") else forces
+        potential = getattr(forces, "potential", forces)  # a Calculator's runtime, or a Potential itself
+        self.provider = ModelForces(potential) if isinstance(potential, Potential) else forces
         if not callable(getattr(self.provider, "compute", None)):
             raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
         self.atoms = atoms
@@ -176,8 +128,14 @@ class Engine:
         self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
         self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what the memory plan may turn off
         self.fuse_integrator = self._want_fused(fuse_integrator)
-        integrator.fuse(compile_or_eager if self.fuse_integrator else None)
-        self._commit = compile_or_eager(_commit_step) if self.fuse_integrator else _commit_step
+        options = getattr(self.provider, "options", None)
+        backend = "inductor" if options is None else options.compile_backend
+
+        def fused(fn: Callable) -> Callable:
+            return compile_or_eager(fn, backend)
+
+        integrator.fuse(fused if self.fuse_integrator else None)
+        self._commit = fused(commit_step) if self.fuse_integrator else commit_step
         self.capture_error: str | None = None
         n = len(atoms)
         f64 = {"dtype": torch.float64, "device": self.device}
@@ -212,12 +170,12 @@ class Engine:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_generation: int | None = None
         self._pool = None
-        # the block's report, one float64 per name of _REPORT (flags 0/1, counts exact): one copy to the host
-        self._report_values = torch.zeros(len(_REPORT), dtype=torch.float64, device=self.device)
-        self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in _REPORT],
+        # the block's report, one float64 per name of REPORT (flags 0/1, counts exact): one copy to the host
+        self._report_values = torch.zeros(len(REPORT), dtype=torch.float64, device=self.device)
+        self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in REPORT],
                                           dtype=torch.float64, device=self.device)
         pinned = self.device.type == "cuda"
-        self._host_report = torch.zeros(len(_REPORT), dtype=torch.float64, pin_memory=pinned)
+        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned)
         self._host_snapshot: Tensor | None = None
         self._snapshot_step: int | None = None
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
@@ -309,7 +267,7 @@ class Engine:
         """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine (a
         trajectory frame: positions, momenta, cell; forces and energy from its calculator results when present,
         else computed; step and integrator scalars from ``atoms.info['cgforge_engine']``)."""
-        d = self._read_state(source)
+        d = read_state(source, self.integrator.needs_virial)
         n = len(self.atoms)
         if np.asarray(d["positions"]).shape != (n, 3):
             raise ValueError(f"restart: {np.asarray(d['positions']).shape[0]} atoms, the engine has {n}")
@@ -347,8 +305,7 @@ class Engine:
     # --- setup -------------------------------------------------------------------------------------------
 
     def _want_graph(self, cuda_graph: bool | None) -> bool:
-        capturable = self.device.type == "cuda" and (
-            not isinstance(self.provider, ModelForces) or self.provider.step.padded)
+        capturable = self.device.type == "cuda" and getattr(self.provider, "capturable", True)
         if cuda_graph is None:
             return capturable
         if cuda_graph and not capturable:
@@ -362,8 +319,7 @@ class Engine:
         if fuse is not None:
             return bool(fuse)
         # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
-        calc = getattr(self.provider, "calc", None)
-        return self.device.type == "cuda" and getattr(calc, "compile", None) is not None
+        return self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
 
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
@@ -463,7 +419,7 @@ class Engine:
         if observe and committed == size:
             self._snapshot_step = self._step
         if host["blow_kind"]:
-            kind = _BLOW_KINDS[int(host["blow_kind"])]
+            kind = BLOW_KINDS[int(host["blow_kind"])]
             detail = (f" K, above max_temperature_K={self.max_temperature_K:g}" if kind == "temperature"
                       else " (not finite)")
             raise MDBlowUp(int(host["blow_step"]), kind, host["blow_value"], detail)
@@ -529,7 +485,7 @@ class Engine:
         self._host_report.copy_(self._report_values, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the one sync of the block
-        return dict(zip(_REPORT, self._host_report.tolist(), strict=True))
+        return dict(zip(REPORT, self._host_report.tolist(), strict=True))
 
     def _replay(self, size: int) -> None:
         generation = getattr(self.provider, "generation", 0)
@@ -549,8 +505,13 @@ class Engine:
             for _ in range(times):
                 graph.replay()
 
+    def invalidate(self) -> None:
+        """Drop the captured graphs (the next block captures again)."""
+        self._graphs.clear()
+        self._pool = None
+
     def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
-        device = self.device
+        """A graph of ``count`` steps (None when the capture failed: eager from now on); the state is as before."""
         backup = (self._flat.clone(), self.state.step.clone())
         report = self._report_values.clone()
 
@@ -559,32 +520,16 @@ class Engine:
             self.state.step.copy_(backup[1])
             self._report_values.copy_(report)
 
-        torch.cuda.synchronize(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        try:
-            with torch.cuda.stream(side), torch.no_grad():  # warm-up, as torch asks before a capture
-                self._steps(count)
-            torch.cuda.current_stream(device).wait_stream(side)
-            restore()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-                self._steps(count)
-        except Exception as err:  # noqa: BLE001 - a failed capture falls back to eager steps
-            torch.cuda.synchronize(device)
-            restore()
-            self.cuda_graph = False
-            self.capture_error = f"{type(err).__name__}: {err}"
-            warnings.warn(f"cgforge engine: CUDA-graph capture failed, running eagerly ({self.capture_error})",
-                          RuntimeWarning, stacklevel=4)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            entry = capture_or_fall_back(self, lambda: self._steps(count), self._pool, "the engine's steps",
+                                         warmups=1, restore=restore)
+        if entry is None:
             return None
-        torch.cuda.synchronize(device)
-        restore()
-        self._graphs[count] = graph
+        self._graphs[count] = entry[0]
         self.stats["captures"] += 1
-        return graph
+        return entry[0]
 
     # --- host copies ---------------------------------------------------------------------------------------
 
@@ -597,68 +542,16 @@ class Engine:
         self._snapshot_step = self._step
 
     def _write_atoms(self) -> None:
-        n = len(self.atoms)
-        flat = self._host_snapshot.numpy()
-        at = 0
-
-        def take(size: int) -> np.ndarray:
-            nonlocal at
-            at += size
-            return flat[at - size:at].copy()
-
-        positions, momenta, forces = take(3 * n).reshape(n, 3), take(3 * n).reshape(n, 3), take(3 * n).reshape(n, 3)
-        energy, virial, cell = float(take(1)[0]), take(9).reshape(3, 3), take(9).reshape(3, 3)
-        extra = {k: float(take(1)[0]) for k in self.state.extra}
-        atoms = self.atoms
-        atoms.set_cell(cell, scale_atoms=False)
-        atoms.set_positions(positions, apply_constraint=False)
-        atoms.set_momenta(momenta, apply_constraint=False)
-        atoms.info[ENGINE_INFO_KEY] = {"step": self._step, "seed": self.seed, "integrator": self.integrator.name,
-                                       "extra": extra}
-        results = {"energy": energy, "free_energy": energy, "forces": forces}
-        if self.integrator.needs_virial:
-            from ase.stress import full_3x3_to_voigt_6_stress
-
-            results["stress"] = full_3x3_to_voigt_6_stress(virial / abs(np.linalg.det(cell)))
-        calc = atoms.calc
-        if calc is not None and hasattr(calc, "results") and hasattr(calc, "check_state"):
-            calc.atoms = atoms.copy()  # ASE's cache: these results belong to exactly this structure
-            calc.results = results
-        else:
-            from ase.calculators.singlepoint import SinglePointCalculator
-
-            atoms.calc = SinglePointCalculator(atoms, **results)
-
-    def _read_state(self, source) -> dict:
-        if isinstance(source, dict):
-            return source
-        if isinstance(source, Atoms):
-            info = source.info.get(ENGINE_INFO_KEY, {})
-            d = {"positions": source.get_positions(), "momenta": source.get_momenta(),
-                 "cell": np.array(source.cell), "numbers": source.numbers, "step": info.get("step", 0),
-                 "seed": info.get("seed"), "integrator": info.get("integrator"), "extra": info.get("extra", {})}
-            results = getattr(source.calc, "results", {}) if source.calc is not None else {}
-            if "forces" in results and "energy" in results:
-                d["forces"], d["energy"] = results["forces"], results["energy"]
-                if "stress" in results:
-                    from ase.stress import voigt_6_to_full_3x3_stress
-
-                    d["virial"] = voigt_6_to_full_3x3_stress(results["stress"]) * abs(source.get_volume())
-                elif self.integrator.needs_virial:
-                    d["forces"] = None  # no virial stored: compute everything again
-            return d
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"restart: {path} not found")
-        with np.load(path) as z:
-            d = json.loads(str(z["meta"]))
-            d.update({k: z[k] for k in ("numbers", "positions", "momenta", "forces", "virial", "cell")})
-        return d
+        info = {"step": self._step, "seed": self.seed, "integrator": self.integrator.name}
+        write_atoms(self.atoms, self._host_snapshot.numpy(), list(self.state.extra), info,
+                    self.integrator.needs_virial)
 
 
 def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,
                            **kwargs) -> Engine:
     """An engine over a torch energy function ``energy_fn(positions, cell) -> energy`` (float64, CPU unless
-    ``device=`` is given)."""
+    ``device=`` is given; ``options=``: the ``RuntimeOptions`` whose compile backend a fused integrator uses);
+    other keywords are the ``Engine``'s."""
     device = kwargs.pop("device", "cpu")
-    return Engine(EnergyFunctionForces(energy_fn, device=device), atoms, integrator, **kwargs)
+    options = kwargs.pop("options", None)
+    return Engine(EnergyFunctionForces(energy_fn, device=device, options=options), atoms, integrator, **kwargs)

@@ -1,4 +1,5 @@
-"""Force providers for the MD engine: a cgforge Calculator's model step, or any torch energy function.
+"""Force providers for the MD engine: a model runtime's step (``runtime.potential.Potential``), or any torch
+energy function.
 
 A provider evaluates energy, forces (and the virial) of the engine's float64 state inside the engine's step
 (``compute``: no host reads, so it can be captured in a CUDA graph) and says on the device whether the result
@@ -23,6 +24,8 @@ from torch import Tensor
 
 from ..runtime.edge_layout import EdgeTopology
 from ..runtime.neighbours import neighbour_list
+from ..runtime.options import RuntimeOptions
+from ..runtime.potential import Potential
 
 __all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces", "PendingList"]
 
@@ -62,15 +65,19 @@ class EnergyFunctionForces:
     """Forces (and virial) from ``energy_fn(positions [N, 3], cell [3, 3]) -> energy []`` by autograd.
 
     The virial is dE/d strain at zero strain for positions and cell both strained by (I + strain). For test
-    potentials and small custom force fields; no neighbour list (never stale)."""
+    potentials and small custom force fields; no neighbour list (never stale). options: ``RuntimeOptions`` (the
+    engine reads its compile backend)."""
 
     generation = 0
+    capturable = True
 
     def __init__(self, energy_fn: Callable[[Tensor, Tensor], Tensor], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float64) -> None:
+                 dtype: torch.dtype = torch.float64, options: RuntimeOptions | None = None) -> None:
         self.energy_fn = energy_fn
         self.device = torch.device(device)
         self.dtype = dtype
+        self.options = RuntimeOptions() if options is None else options
+        self.compiled = False
 
     def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
               changes_cell: bool) -> None:
@@ -103,24 +110,20 @@ class EnergyFunctionForces:
     def grow(self, count: int) -> None:
         pass
 
-    @property
-    def n_rebuilds(self) -> int:
-        return 0
-
 
 class ModelForces:
-    """The model step of a cgforge ``Calculator`` (``calc.step``: its static buffers, Verlet list and padded edge
+    """The model step of a ``Potential`` (``potential.step``: its static buffers, Verlet list and padded edge
     capacity) as an engine force provider. ``generation`` changes when the step's buffers were reallocated
     (a graph captured over them must be captured again)."""
 
-    def __init__(self, calc) -> None:
-        self.calc = calc
-        self.step = calc.step
-        self.device = calc.device
-        self.dtype = calc.dtype
-        self.cutoff = float(calc.neighbours.cutoff)
-        self.skin = float(calc.neighbours.skin)
-        self.n_rebuilds = 0
+    def __init__(self, potential: Potential) -> None:
+        self.potential = potential
+        self.step = potential.step
+        self.device = potential.device
+        self.dtype = potential.dtype
+        self.options = potential.options
+        self.cutoff = float(potential.neighbours.cutoff)
+        self.skin = float(potential.neighbours.skin)
         # Reference positions (and cell inverse) of the last rebuild: updated in place, since a captured graph
         # reads them at the address it was captured with; a new allocation bumps the generation (recapture).
         self._ref_positions: Tensor | None = None
@@ -133,10 +136,20 @@ class ModelForces:
     def generation(self) -> tuple[int, int]:
         return self.step.generation, self._own_generation
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the step can run inside a CUDA graph (padded edge buffers)."""
+        return self.step.padded
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model is compiled (``torch.compile`` is then known to work here)."""
+        return self.potential.compile is not None
+
     def near_full_device(self, n_atoms: int) -> bool:
-        """True when the calculator's memory plan for ``n_atoms`` atoms (``run_md`` makes it before building the
+        """True when the potential's memory plan for ``n_atoms`` atoms (``run_md`` makes it before building the
         engine, ``start`` at the latest) says no CUDA graph."""
-        plan = self.calc.memory_plan
+        plan = self.potential.memory_plan
         return plan is not None and plan.atoms == n_atoms and not plan.capture
 
     @property
@@ -146,15 +159,15 @@ class ModelForces:
 
     @property
     def foreign_rebuild(self) -> bool:
-        """True when someone else (the calculator's own ``run``) rebuilt the shared Verlet list since our last
+        """True when someone else (the potential's own ``evaluate``) rebuilt the shared Verlet list since our last
         rebuild: our reference positions no longer describe it."""
-        return self.calc.neighbours.n_builds != self._builds
+        return self.potential.neighbours.n_builds != self._builds
 
     def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
               changes_cell: bool) -> None:
         self.pbc = pbc
         self.changes_cell = bool(changes_cell)
-        self.species = self.calc.adapter.species(np.asarray(numbers))
+        self.species = self.potential.species(numbers)
 
         loaded = []
 
@@ -164,10 +177,10 @@ class ModelForces:
             loaded.append(True)
 
         # the allocator's mode for this size (the engine's step is captured: the plan does not stream it)
-        self.calc.plan_memory(len(numbers), lambda: (load(), self.step.edge_count())[1], streaming=False)
+        self.potential.plan_memory(len(numbers), lambda: (load(), self.step.edge_count())[1], streaming=False)
         if not loaded:  # planned before for this size (or not on CUDA)
             load()
-        self.calc.plan_rows(len(numbers))
+        self.potential.plan_rows(len(numbers))
         self._false = _false(self.device)
 
     def rebuild(self, positions: Tensor, cell: Tensor) -> None:
@@ -193,7 +206,7 @@ class ModelForces:
 
     def search(self, pending: PendingList) -> None:
         """Find the Verlet list at the snapshot (host syncs on a side stream when on CUDA)."""
-        cutoff = self.calc.neighbours.list_cutoff
+        cutoff = self.potential.neighbours.list_cutoff
         if self.device.type != "cuda":
             pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
                                            cutoff)
@@ -230,8 +243,7 @@ class ModelForces:
         self._ref_positions = self._keep(self._ref_positions, positions.detach())
         inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
         self._ref_cell_inverse = None if inverse is None else self._keep(self._ref_cell_inverse, inverse)
-        self._builds = self.calc.neighbours.n_builds
-        self.n_rebuilds += 1
+        self._builds = self.potential.neighbours.n_builds
 
     def _keep(self, held: Tensor | None, value: Tensor) -> Tensor:
         """``value`` in ``held``'s storage when it fits (captured graphs keep reading it), else a new tensor."""

@@ -38,7 +38,7 @@ from ase import units
 from torch import Tensor
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "make_integrator", "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
+           "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -366,26 +366,3 @@ class StochasticCellRescaling(CSVR):
     def conserved(self, s: MDState) -> Tensor:
         """E_pot + E_kin + P0 V - heat (the barostat's own work is not tracked: not a conserved quantity)."""
         return super().conserved(s) + self.p0 * volume(s.cell)
-
-
-ENSEMBLES = ("nve", "nvt", "nvt-csvr", "npt", "npt-aniso")
-
-
-def make_integrator(ensemble: str, *, timestep_fs: float, temperature_K: float = 300.0, friction_per_fs: float = 0.01,
-                    tau_fs: float = 100.0, pressure_GPa: float = 1e-4, tau_p_fs: float = 1000.0,
-                    compressibility_per_GPa: float = 0.45) -> Integrator:
-    """The integrator for an ensemble name (the CLI's choices): nve (VelocityVerlet), nvt (ASE's Langevin with
-    ``friction_per_fs``), nvt-csvr (CSVR with ``tau_fs``), npt / npt-aniso (CSVR + stochastic cell rescaling,
-    isotropic / each axis on its own, at ``pressure_GPa``)."""
-    name = str(ensemble).lower()
-    if name == "nve":
-        return VelocityVerlet(timestep_fs)
-    if name == "nvt":
-        return Langevin(timestep_fs, temperature_K, friction_per_fs)
-    if name == "nvt-csvr":
-        return CSVR(timestep_fs, temperature_K, tau_fs)
-    if name in ("npt", "npt-aniso"):
-        return StochasticCellRescaling(timestep_fs, temperature_K, pressure_GPa, tau_fs=tau_fs, tau_p_fs=tau_p_fs,
-                                       compressibility_per_GPa=compressibility_per_GPa,
-                                       anisotropic=name == "npt-aniso")
-    raise ValueError(f"ensemble: expected one of {ENSEMBLES}, got {ensemble!r}")

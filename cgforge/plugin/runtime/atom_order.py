@@ -4,25 +4,21 @@ The convolutions gather, for each atom, the feature rows of its neighbours. In a
 rows (2-20 KB each) span tens of GB; when atoms that are close in space are also close in memory, the rows a
 block of receivers gathers share cache lines and the L2. A box built molecule by molecule on a grid is ordered
 by planes already; ordering the atoms along a Z (Morton) curve of their positions keeps whole neighbourhoods
-together. Measured on an H100 (MACE-MP-medium shape, FP32 water, 1.03 M atoms, one force call): 3.11 s in the
-grid order, 2.99 s with the molecules in Z-curve order (benchmarks/results/...-20261126).
+together.
 
-The order is the model's business only: the calculator permutes positions and species into it, and forces and
+The order is the model's business only: the potential permutes positions and species into it, and forces and
 per-atom energies back (energy and stress do not depend on the order). It is made once per system (when the
 species are set: new numbers or a new atom count) from the positions of that call; atoms that diffuse during
 MD keep it, which costs locality, never correctness. Small systems (all rows in the L2 anyway) keep the
-user's order: ``ORDER_ABOVE_ATOMS``.
+user's order: ``RuntimeOptions.order_above_atoms``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ORDER_ABOVE_ATOMS", "morton_order", "spatial_order", "to_user_order"]
+__all__ = ["morton_order", "spatial_order", "to_user_order"]
 
-# Systems of more atoms run in Z-curve order (None: never). 5184-atom water's node rows fit the 50 MB L2 of an
-# H100; the gain was measured at 1.03 M atoms (see above).
-ORDER_ABOVE_ATOMS: int | None = 100_000
 BITS = 10  # per axis: 1024 cells a side (a 1 M-atom water box is ~220 Å: ~0.2 Å a cell)
 
 
@@ -50,10 +46,12 @@ def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool,
     return np.argsort(code, kind="stable")
 
 
-def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray | None:
-    """The order a system of ``len(positions)`` atoms runs in (None: the user's, below ``ORDER_ABOVE_ATOMS``, or
-    for non-finite positions, which the calculator refuses by name right after)."""
-    if ORDER_ABOVE_ATOMS is None or len(positions) <= ORDER_ABOVE_ATOMS or not np.isfinite(positions).all():
+def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool],
+                  above_atoms: int | None) -> np.ndarray | None:
+    """The order a system of ``len(positions)`` atoms runs in: the Z-curve order for more than ``above_atoms``
+    atoms, else None (the user's order; also for non-finite positions, which the potential refuses by name right
+    after, and always for ``above_atoms=None``)."""
+    if above_atoms is None or len(positions) <= above_atoms or not np.isfinite(positions).all():
         return None
     return morton_order(positions, cell, pbc)
 

@@ -1,4 +1,4 @@
-"""The model's energy compiled by ``torch.compile`` (Inductor) for the calculator's step (``compile=...``).
+"""The model's energy compiled by ``torch.compile`` (Inductor) for the potential's step (``compile=...``).
 
 What is compiled: the adapter's ``energy(positions, vectors, species, edge_index, per_atom)``, the whole patched
 model, as one graph (``fullgraph=True``). The forces stay ``torch.autograd.grad`` outside it: AOTAutograd
@@ -10,11 +10,10 @@ which still captures the whole step (layout, compiled forward and backward) in i
 Inductor modes without Inductor's own CUDA graphs (``MODES``).
 
 Shapes: the step marks the edge dimension dynamic from the first call, padded (a new capacity at an overflow or
-a shrinking rebuild) or not (exact edge counts, every step another): one compilation per model and dtype.
-Specialising to the first capacity and recompiling at the first change cost ~25 s in the middle of an
-MD run (H100, MACE-MP-medium shape, 5184 atoms).
+a shrinking rebuild) or not (exact edge counts, every step another): one compilation per model and dtype, not
+a recompilation in the middle of an MD run at the first capacity change.
 
-Failures: an unsupported configuration is refused when the calculator is made (``check_compile``: a model not
+Failures: an unsupported configuration is refused when the potential is made (``check_compile``: a model not
 patched by cgforge, streaming, a torch without a working compiler for the device). A compilation that fails at
 the first call (a graph break in some model's code under ``fullgraph=True``, an Inductor or Triton error) warns
 and runs that step, and every later one, eagerly; ``CompiledEnergy.error`` keeps the reason.
@@ -42,10 +41,6 @@ __all__ = ["MODES", "CompiledEnergy", "check_compile", "parse_compile"]
 # Inductor's cudagraph trees, which cannot nest inside the step's own capture).
 MODES = ("default", "max-autotune-no-cudagraphs")
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-# The torch.compile backend. Tests set "aot_eager" (dynamo and AOTAutograd without Inductor's code generation:
-# the same graphs, guards and recompilations in seconds rather than a minute of C++ compilation on a CPU).
-BACKEND = "inductor"
 
 # What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
 # recompile limit under fullgraph=True (not one of them). All calculators of a process share the cache of their
@@ -82,8 +77,10 @@ def parse_compile(value: object, name: str = "compile", others: tuple[str, ...] 
     return value
 
 
-def check_compile(device: torch.device, *, patched: bool, streaming: bool) -> None:
-    """Raise (naming the problem) when ``compile`` cannot work for this calculator: checked at construction."""
+def check_compile(device: torch.device, *, patched: bool, streaming: bool, backend: str | Callable = "inductor"
+                  ) -> None:
+    """Raise (naming the problem) when ``compile`` cannot work on ``device`` for a model ``patched`` by cgforge or
+    not, ``streaming`` or not, with the ``torch.compile`` ``backend``: checked when a potential is made."""
     if not patched:
         raise ValueError("compile: needs a model patched by cgforge (patch=True): the compiled graph keeps "
                          "cgforge's kernels as custom ops and serves them the step's pinned edge graph; the "
@@ -94,7 +91,7 @@ def check_compile(device: torch.device, *, patched: bool, streaming: bool) -> No
     if not torch._dynamo.is_dynamo_supported():
         raise RuntimeError(f"compile: torch.compile is not supported with this Python/torch "
                            f"({torch.__version__}); use compile=False")
-    if BACKEND != "inductor":  # tests: no code generation, no compiler needed
+    if backend != "inductor":  # e.g. aot_eager (tests): no code generation, no compiler needed
         return
     if device.type == "cuda":
         from torch.utils._triton import has_triton
@@ -115,15 +112,15 @@ def check_compile(device: torch.device, *, patched: bool, streaming: bool) -> No
 
 
 class CompiledEnergy:
-    """``energy`` (an adapter's) compiled once with ``torch.compile(mode=mode, fullgraph=True)``; eager from the
-    first compilation failure on (with a warning; ``error`` says why)."""
+    """``energy`` (an adapter's) compiled once with ``torch.compile(mode=mode, fullgraph=True)`` by ``backend``;
+    eager from the first compilation failure on (with a warning; ``error`` says why)."""
 
-    def __init__(self, energy: EnergyFn, mode: str) -> None:
+    def __init__(self, energy: EnergyFn, mode: str, backend: str | Callable = "inductor") -> None:
         self.mode = mode
         self.eager = energy
         self.error: str | None = None
-        inductor = BACKEND == "inductor"
-        self._compiled: EnergyFn | None = torch.compile(energy, backend=BACKEND, mode=mode if inductor else None,
+        inductor = backend == "inductor"
+        self._compiled: EnergyFn | None = torch.compile(energy, backend=backend, mode=mode if inductor else None,
                                                         fullgraph=True)
 
     def __call__(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor, per_atom: bool,
@@ -150,10 +147,10 @@ class CompiledEnergy:
             return self.eager(positions, vectors, species, edge_index, per_atom)
 
 
-def compile_or_eager(fn: Callable) -> Callable:
-    """``fn`` (a pure tensor function: the engine's integrator arithmetic) compiled with ``torch.compile``
-    (``BACKEND``, one graph, static shapes); eager from its first failed compilation on, with a warning."""
-    compiled = torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=False)
+def compile_or_eager(fn: Callable, backend: str | Callable = "inductor") -> Callable:
+    """``fn`` (a pure tensor function: the engine's integrator arithmetic) compiled with ``torch.compile`` by
+    ``backend`` (one graph, static shapes); eager from its first failed compilation on, with a warning."""
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     state = {"failed": False}
 
     def call(*args):

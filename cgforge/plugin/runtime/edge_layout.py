@@ -1,6 +1,6 @@
 """Model edges in a fixed-capacity, receiver-sorted layout, built on the device without a host sync.
 
-The calculator's Verlet list holds the pairs within ``cutoff + skin``. The model gets the pairs selected by
+The potential's Verlet list holds the pairs within ``cutoff + skin``. The model gets the pairs selected by
 a mask (within the cutoff now, or all of them), laid out in ``capacity`` slots:
 
 - the selected edges keep their (receiver, sender) order;

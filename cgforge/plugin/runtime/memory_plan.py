@@ -1,16 +1,14 @@
 """How a structure's force call will use the GPU's memory: stored path or streaming, and the allocator's mode.
 
 The stored path (per-edge weights never stored when the radial tables are read in the kernels; row chunks for
-the largest boxes) is ~1.8x faster than streaming at a million atoms (H100, MACE-MP-medium shape: 3.6 vs 6.5 s a
-step) and, since the row chunks, hardly larger (73.4 vs 70.6 GB). So the calculator takes it wherever its peak,
-estimated from the exact edge count, fits ``STREAMING_AUTO_FRACTION`` of the free memory; an estimate that proves
-optimistic costs one call (the out-of-memory retry streams).
+the largest boxes) is faster than streaming and hardly larger, so a potential takes it wherever its peak,
+estimated from the exact edge count, fits ``RuntimeOptions.streaming_auto_fraction`` of the free memory; an
+estimate that proves optimistic costs one call (the out-of-memory retry streams).
 
-Near a full device, torch's caching allocator fails from fragmentation rather than size: at 1.03 M atoms the
-second force call of the stored path asked for 19.6 GiB with 63 of 85 GB allocated and failed, as did streaming
-in bench_md's steps, while both ran with ``expandable_segments`` (segments that grow in place instead of new
-fixed blocks). A call whose estimate exceeds ``EXPANDABLE_ABOVE_FRACTION`` of the free memory turns that mode on
-for the process, unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``): the user's choice wins.
+Near a full device, torch's caching allocator fails from fragmentation rather than size, while the same calls
+run with ``expandable_segments`` (segments that grow in place instead of new fixed blocks). A call whose
+estimate exceeds ``RuntimeOptions.expandable_above_fraction`` of the free memory turns that mode on for the
+process, unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``): the user's choice wins.
 """
 
 from __future__ import annotations
@@ -20,18 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXPANDABLE_ABOVE_FRACTION", "STREAMING_AUTO_FRACTION", "UNCAPTURED_ABOVE_FRACTION", "MemoryPlan",
-           "plan_memory", "use_expandable_segments"]
+from .options import RuntimeOptions
 
-# Stream when the stored path's estimated peak exceeds this of the free memory. The estimate is measured at the
-# sizes that need it (row chunks: 860 B per edge, 847 measured at 1.03 M atoms: 74.5 GB estimated, 73.4 GB
-# measured of the ~84 GB free on an H100 80GB), and the allocator keeps a little of the rest for itself.
-STREAMING_AUTO_FRACTION = 0.92
-EXPANDABLE_ABOVE_FRACTION = 0.4  # from here fragmentation can decide whether a call fits (1M: 0.87 of free)
-# From here no CUDA graph (unless asked for): a graph's private pool is memory the eager step would not hold, and
-# such steps take seconds (H100: 1.03 M atoms, 0.89 of free, ran out of memory capturing; 499k atoms, 0.43 of free:
-# 1.720 s a step captured, 1.732 s eager).
-UNCAPTURED_ABOVE_FRACTION = 0.6
+__all__ = ["MemoryPlan", "plan_memory", "use_expandable_segments"]
+
+_DEFAULTS = RuntimeOptions()
 _ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -50,16 +41,18 @@ class MemoryPlan:
     atoms: int = 0
 
 
-def plan_memory(edges: int, edge_bytes: int, free_bytes: int, atoms: int = 0) -> MemoryPlan:
+def plan_memory(edges: int, edge_bytes: int, free_bytes: int, atoms: int = 0,
+                options: RuntimeOptions = _DEFAULTS) -> MemoryPlan:
     """The plan for a force call over ``edges`` edges at ``edge_bytes`` peak bytes each (``stored_edge_bytes``;
-    0: not known, never streams) with ``free_bytes`` free on the device, for a system of ``atoms`` atoms."""
+    0: not known, never streams) with ``free_bytes`` free on the device, for a system of ``atoms`` atoms, by the
+    fractions of ``options``."""
     for name, value in (("edges", edges), ("edge_bytes", edge_bytes), ("free_bytes", free_bytes), ("atoms", atoms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_memory: {name} must be an int >= 0, got {value!r}")
     estimate = edges * edge_bytes
-    return MemoryPlan(edges, estimate, free_bytes, stream=estimate > STREAMING_AUTO_FRACTION * free_bytes,
-                      expandable=estimate > EXPANDABLE_ABOVE_FRACTION * free_bytes,
-                      capture=estimate <= UNCAPTURED_ABOVE_FRACTION * free_bytes, atoms=atoms)
+    return MemoryPlan(edges, estimate, free_bytes, stream=estimate > options.streaming_auto_fraction * free_bytes,
+                      expandable=estimate > options.expandable_above_fraction * free_bytes,
+                      capture=estimate <= options.uncaptured_above_fraction * free_bytes, atoms=atoms)
 
 
 def use_expandable_segments() -> bool:

@@ -19,21 +19,15 @@ with more room (a new capture). Capacities shrink at a neighbour-list rebuild wh
 
 Padding needs a model whose edges beyond the cutoff contribute exactly zero (``inert_beyond_cutoff``);
 without that the step runs eagerly with exact edge counts (``padded=False``).
-
-Just over 450 lines: the static buffers, their capture and the overflow rule that re-runs a step share one
-set of capacities and read best together; the edge layout and the edge vectors are ``edge_layout``'s and
-``edge_vectors``'s.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -44,24 +38,19 @@ from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .adapters import ModelAdapter
+from .capture import capture_or_fall_back, room
 from .compiled import CompiledEnergy
 from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
 from .edge_vectors import edge_differences, rows_times
 from .neighbours import VerletNeighbourList, edges_within
 
-__all__ = ["ModelStep", "StepOutput", "capture_graph", "capture_or_fall_back"]
+__all__ = ["ModelStep", "StepOutput"]
 
 Phase = Callable[[str], AbstractContextManager]
-T = TypeVar("T")
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
-# The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, a recapture ~50 ms
-# (H100: NPT's box breathing outgrew a 1 % list twice in 220 steps of the bundled model).
+# The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, while a list that
+# outgrows its buffers (an NPT box breathing) costs a recapture.
 LIST_ROOM = 0.04
-
-
-def _with_room(count: int, room: float) -> int:
-    """Buffer slots for ``count`` edges and ``room`` (a fraction) to spare, in whole blocks of 64, one spare."""
-    return int(math.ceil(count * (1 + room) / 64.0) + 1) * 64
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -96,11 +85,12 @@ class ModelStep:
     step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
     compile: None, or the Inductor mode (``compiled.MODES``) the model's energy is compiled with
     (``compiled.CompiledEnergy``; the caller checked that it can work: ``compiled.check_compile``).
+    compile_backend: the ``torch.compile`` backend (``RuntimeOptions.compile_backend``).
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
                  cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, compile_backend: str | Callable = "inductor") -> None:
         self.adapter = adapter
         self.neighbours = neighbours
         self.cutoff = float(adapter.cutoff)
@@ -114,7 +104,8 @@ class ModelStep:
         self.group_species = True
         self.use_topology = True
         self.caches = graph_caches(adapter.model)
-        self.compiled = None if compile is None else CompiledEnergy(adapter.energy, compile)
+        self.compile_backend = compile_backend
+        self.compiled = None if compile is None else CompiledEnergy(adapter.energy, compile, compile_backend)
         self.pad_vector = pad_offset_vector(self.cutoff, self.dtype, self.device)
         self.phase: Phase = _no_phase
         self.n_edges = 0  # edges within the cutoff at the last step (all Verlet edges when not filtering)
@@ -148,7 +139,7 @@ class ModelStep:
 
     def set_compile(self, mode: str | None) -> None:
         """Compile the model's energy with this Inductor mode from the next step on (None: eager)."""
-        self.compiled = None if mode is None else CompiledEnergy(self.adapter.energy, mode)
+        self.compiled = None if mode is None else CompiledEnergy(self.adapter.energy, mode, self.compile_backend)
         self.invalidate("compile mode")
 
     @property
@@ -355,16 +346,15 @@ class ModelStep:
             return current
         if current is not None and needed > current:
             return self._grown(needed)  # outgrown at a rebuild (a compressing NPT box): with room, as an overflow
-        return _with_room(needed, self.margin)
+        return room(needed, self.margin)
 
     def _grown(self, count: int) -> int:
         """Model-edge capacity after ``count`` edges overflowed it. Each growth doubles the room it leaves (from
         ``margin`` up to ``MAX_GROW_MARGIN``; the Verlet list's buffers share it), and ``_fit`` keeps that room:
         a box whose edge count drifts up (a liquid forming from a grid-built box, a compressing NPT box) stops
-        overflowing after a few growths, each of which costs a recapture and, in the engine, a redone block (H100,
-        MACE-MP-medium shape, 5184 atoms: 4 growths and 14 redone blocks in 220 steps at a fixed 1 %)."""
+        overflowing after a few growths, each of which costs a recapture and, in the engine, a redone block."""
         self._grow_margin = self._next_room()
-        return _with_room(count, self._grow_margin)
+        return room(count, self._grow_margin)
 
     def _next_room(self) -> float:
         return min(max(2 * self._grow_margin, self.margin), MAX_GROW_MARGIN)
@@ -376,13 +366,13 @@ class ModelStep:
         current = None if self._verlet is None else self._verlet[0].shape[0]
         if not self.padded:
             return count, self._grow_margin
-        room = max(self._grow_margin, LIST_ROOM)
-        if current is not None and count <= current <= count * (1 + 4 * room) + 256:
+        spare = max(self._grow_margin, LIST_ROOM)
+        if current is not None and count <= current <= count * (1 + 4 * spare) + 256:
             return current, self._grow_margin
         if current is not None and count > current:
             grown = self._next_room()
-            return _with_room(count, max(grown, LIST_ROOM)), grown
-        return _with_room(count, room), self._grow_margin
+            return room(count, max(grown, LIST_ROOM)), grown
+        return room(count, spare), self._grow_margin
 
     def _load_verlet(self, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
         """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering);
@@ -527,8 +517,8 @@ class ModelStep:
         if self.compiled is None:
             return self.adapter.energy(positions, vectors, self._species, edge_index, per_atom)
         # The edge count is symbolic from the first compilation: unpadded it changes every step, padded at every
-        # capacity change (an MD run grows its buffers a few times; a second compilation mid-run cost ~25 s on
-        # the H100 for MACE-MP-medium, more than its 200 steps).
+        # capacity change (an MD run grows its buffers a few times, and a compilation mid-run can cost more than
+        # the run's steps).
         g = layout.graph
         dynamic = () if g is None else (g.sender, g.receiver, g.perm_t)
         return self.compiled(positions, vectors, self._species, edge_index, per_atom, edges_dynamic=dynamic)
@@ -557,37 +547,3 @@ class ModelStep:
             self._graphs[key] = entry
             self.n_captures += 1
         return entry
-
-
-def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object,
-                         what: str) -> tuple[torch.cuda.CUDAGraph, T] | None:
-    """``capture_graph(compute, owner.device, pool)``, or None when that fails: then ``owner`` (a step with
-    ``device``, ``invalidate()``, ``cuda_graph`` and ``capture_error``) runs eagerly from now on, with the reason
-    kept in ``capture_error`` and a warning naming ``what``."""
-    try:
-        return capture_graph(compute, owner.device, pool)
-    except Exception as err:  # noqa: BLE001 - any failure to capture falls back to the eager step
-        torch.cuda.synchronize(owner.device)
-        owner.invalidate()
-        owner.cuda_graph = False
-        owner.capture_error = f"{type(err).__name__}: {err}"
-        warnings.warn(f"cgforge: CUDA-graph capture of {what} failed, running it eagerly ({owner.capture_error})",
-                      RuntimeWarning, stacklevel=4)
-        return None
-
-
-def capture_graph(compute: Callable[[], T], device: torch.device, pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``compute()`` captured in a new CUDA graph (memory from ``pool``), after two warm-up calls on a side stream
-    (cuBLAS workspaces, autograd's device threads), as torch asks. Returns the graph and what the captured call
-    returned (static tensors that every replay rewrites); raises whatever the warm-up or the capture raised."""
-    torch.cuda.synchronize(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            compute()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = compute()
-    return graph, out

@@ -1,0 +1,74 @@
+"""CUDA-graph capture and buffer capacities, shared by the model step, the MD engine and the LAMMPS step.
+
+``capture_graph`` is the one capture routine: warm-up calls on a side stream (cuBLAS workspaces, autograd's
+device threads), as torch asks, then the capture into a given memory pool. ``capture_or_fall_back`` turns a
+failure into eager steps with the reason kept. ``room`` is the one capacity rounding of static buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["capture_graph", "capture_or_fall_back", "room"]
+
+T = TypeVar("T")
+
+
+def room(count: int, margin: float) -> int:
+    """Buffer slots for ``count`` entries with ``margin`` (a fraction) to spare, in whole blocks of 64, plus one
+    spare block (so a capacity is never 0)."""
+    return int(math.ceil(count * (1 + margin) / 64.0) + 1) * 64
+
+
+def capture_graph(compute: Callable[[], T], device: torch.device, pool: object, *, warmups: int = 2,
+                  restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``compute()`` captured in a new CUDA graph whose memory comes from ``pool``.
+
+    warmups: calls of ``compute`` on a side stream before the capture. restore: undoes what ``compute`` changed
+    in its inputs (a state it advances); called after the warm-up and, after a device sync, once the capture
+    ended or failed. Returns the graph and what the captured call returned (static tensors every replay
+    rewrites); raises whatever the warm-up or the capture raised.
+    """
+    torch.cuda.synchronize(device)
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                compute()
+        torch.cuda.current_stream(device).wait_stream(side)
+        if restore is not None:
+            restore()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = compute()
+    finally:
+        if restore is not None:
+            torch.cuda.synchronize(device)
+            restore()
+    return graph, out
+
+
+def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object, what: str, *, warmups: int = 2,
+                         restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    """``capture_graph(compute, owner.device, pool, ...)``, or None when that fails.
+
+    owner: has ``device``, ``invalidate()``, ``cuda_graph`` and ``capture_error``; after a failure it is
+    invalidated and runs eagerly from then on (``cuda_graph`` False), the reason in ``capture_error`` and in a
+    warning naming ``what``.
+    """
+    try:
+        return capture_graph(compute, owner.device, pool, warmups=warmups, restore=restore)
+    except Exception as err:  # noqa: BLE001 - any failure to capture falls back to eager steps
+        torch.cuda.synchronize(owner.device)
+        owner.invalidate()
+        owner.cuda_graph = False
+        owner.capture_error = f"{type(err).__name__}: {err}"
+        warnings.warn(f"cgforge: CUDA-graph capture of {what} failed, running it eagerly ({owner.capture_error})",
+                      RuntimeWarning, stacklevel=4)
+        return None

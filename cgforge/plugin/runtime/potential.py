@@ -1,0 +1,537 @@
+"""The model runtime: a MACE or NequIP model that evaluates structures on the device, built by ``load``.
+
+    from cgforge.plugin.runtime.potential import load
+    potential = load("mace", device="cuda")                  # bundled name, checkpoint path or module
+    system = potential.system(numbers, positions, cell, pbc)  # once per system (species, atom order)
+    out = potential.evaluate(positions, cell, pbc, system, forces=True, stress=True)
+    out.energy, out.forces, out.virial, out.energies
+
+A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``: edge layout, model,
+backward, captured in a CUDA graph on CUDA), the memory and row plans, the atom order, the compile mode and
+the radial setup (precision, tables, streaming). The model is called for its energy only; the potential
+differentiates it:
+
+    E(x, eps) = model(positions (I + eps), cell (I + eps)),  forces = -dE/dx,  virial = sym(dE/d eps)
+
+at eps = 0 (stress = virial / volume). The ASE calculator, the MD engine and LAMMPS evaluate models through
+it; every result is checked on the host for NaN and inf (``NonFiniteOutputError``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cgforge.patches.radial_precision import MODES as RADIAL_MODES
+from cgforge.patches.radial_precision import radial_layers, set_radial_precision
+
+from .adapters import ModelAdapter, adapter_for
+from .atom_order import spatial_order, to_user_order
+from .compiled import check_compile, parse_compile
+from .diagnosis import NonFiniteOutputError, non_finite_message
+from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
+from .neighbours import VerletNeighbourList
+from .options import RuntimeOptions
+from .step_graph import ModelStep
+
+__all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "resolve_device"]
+
+_WARMUP_ATOMS = 8
+Pbc = tuple[bool, bool, bool]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None: cuda when available, else cpu. A cuda device on a machine without one is a clear error."""
+    from cgforge.patches.common import parse_device
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return parse_device(device)
+
+
+def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None) -> bool:
+    """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's
+    kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode or
+    compilation needs its layers."""
+    if patch is not None:
+        if not isinstance(patch, bool):
+            raise TypeError(f"patch: expected None, True or False, got {patch!r}")
+        return patch
+    return device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None
+
+
+def check_radial_table(radial_table: object, radial_precision: object) -> None:
+    """The radial_table argument alone, and with radial_precision (what needs the model is checked later)."""
+    if radial_table not in (None, True, False) or isinstance(radial_table, int) and not isinstance(radial_table, bool):
+        raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
+    if radial_table and radial_precision != "fp32":
+        raise ValueError(f"radial_table=True and radial_precision={radial_precision!r}: a table replaces the radial "
+                         "MLP whose products radial_precision sets; choose one")
+
+
+def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None, *, patch: bool | None = None, radial_precision: str = "fp32",
+         radial_table: bool | None = None, compile: bool | str = False, **kwargs: object) -> Potential:
+    """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models, ``bundled``), a MACE
+    ``.model`` or NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its
+    parameters frozen), loaded by the family registry (``cgforge.patches.families.load``).
+
+    device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``.
+    radial_precision, radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph,
+    filter_edges, streaming, options): as ``Potential`` takes them. Arguments that need no model are checked
+    before it loads.
+    """
+    from cgforge.patches import families
+
+    from . import bundled
+
+    compile_mode = parse_compile(compile)
+    check_radial_table(radial_table, radial_precision)
+    device = resolve_device(device)
+    if isinstance(model, str) and model.lower() in bundled.kinds():
+        model = bundled.model_path(model)
+    module = families.load(model, device, dtype,
+                           patch=default_patch(patch, device, radial_precision, compile_mode))
+    return Potential(module, device, radial_precision=radial_precision, radial_table=radial_table,
+                     compile=compile_mode, **kwargs)
+
+
+@dataclass(frozen=True)
+class System:
+    """What a potential keeps of one system (``Potential.system``): its atomic numbers, the model's species
+    input in the order the model runs in, and that order (None: the order given; ``atom_order``)."""
+
+    numbers: np.ndarray
+    species: Tensor
+    order: np.ndarray | None
+
+    @property
+    def n_atoms(self) -> int:
+        return len(self.numbers)
+
+
+@dataclass
+class Evaluation:
+    """Host results of ``Potential.evaluate`` (float64, in the order the atoms were given): energy (eV), forces
+    [N, 3] (eV/Å), virial [3, 3] = sym(dE/d strain) (eV; stress is virial / volume), per-atom energies [N];
+    each None when not asked for."""
+
+    energy: float
+    forces: np.ndarray | None
+    virial: np.ndarray | None
+    energies: np.ndarray | None
+
+
+class Timings:
+    """Seconds per phase in ``seconds``, device-synchronised (``Potential.record_timings``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _no_phase(name: str) -> AbstractContextManager:
+    return nullcontext()
+
+
+class Potential:
+    """Energy, forces, virial and per-atom energies of structures for one model on one device (module doc).
+
+    model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it
+    runs. skin: Verlet skin in Å (the list holds pairs within cutoff + skin and is rebuilt when an atom moved
+    more than skin/2). head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}.
+    warmup: compile the kernels and run a tiny structure now (``warm_up``). cuda_graph: capture the step in a
+    CUDA graph (None: on CUDA when the model's edges beyond the cutoff contribute zero, ``inert_edges_reason``,
+    except for boxes near a full device; True where that cannot work is an error). filter_edges: cut the
+    Verlet list to the cutoff every step (True, also for None) or feed the model the whole list (False: needs
+    inert edges). radial_precision: ``"fp32"``, ``"tf32"`` or ``"3xtf32"`` for the radial MLPs' products (the
+    TF32 modes need CUDA and an FP32 model patched by cgforge; kept after the first structure only if the
+    forces change by at most ``options.radial_tf32_tol``). radial_table: read the tensor-product weights from
+    tables of the edge length (True; an error when the model cannot), not (False), or None: on for an FP32
+    model patched by cgforge on CUDA that can, with ``radial_precision="fp32"``. streaming: compute the radial
+    MLP chunk by chunk inside the convolution (True; eager steps), never (False), or None: from the first
+    system whose stored path would not fit (``plan_memory``) or that ran out of memory. compile: False, True or
+    an Inductor mode (``compiled.MODES``) for ``torch.compile`` of the model (needs a patched model and a
+    working compiler). options: the ``RuntimeOptions`` (memory fractions, atom order, compile backend, TF32
+    tolerance); ``options`` may be replaced later and is read when the next plan is made.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, skin: float = 1.0, head: str | None = None,
+                 type_map: dict[str, str] | None = None, warmup: bool = True, cuda_graph: bool | None = None,
+                 filter_edges: bool | None = None, radial_precision: str = "fp32", radial_table: bool | None = None,
+                 streaming: bool | None = None, compile: bool | str | None = False,
+                 options: RuntimeOptions | None = None) -> None:
+        if options is None:
+            options = RuntimeOptions()
+        if not isinstance(options, RuntimeOptions):
+            raise TypeError(f"options: expected a RuntimeOptions, got {type(options).__name__}")
+        self.options = options
+        compile_mode = parse_compile(compile)
+        check_radial_table(radial_table, radial_precision)
+        self.device = torch.device(device)
+        self.patched = _is_patched(model)  # a module given already patched stays so
+        for p in model.parameters():
+            p.requires_grad_(False)  # inference: autograd tracks positions and strain only
+        self.model = model
+        self.adapter: ModelAdapter = adapter_for(model, self.device, head=head, type_map=type_map)
+        self.dtype = self.adapter.dtype
+        self.radial_precision_requested = self._radial_precision(radial_precision)
+        self.radial_precision = "fp32"  # the mode in use: decided on the first structure
+        self.radial_precision_error: float | None = None
+        set_radial_precision(model, "fp32")
+        self.radial_table_errors = self._radial_table(radial_table)
+        self.radial_table = bool(self.radial_table_errors)
+        self.cutoff = self.adapter.cutoff
+        self.neighbours = VerletNeighbourList(self.cutoff, skin)
+        # Why edges beyond the cutoff may matter for this model (None: they contribute exactly zero).
+        self.inert_edges_reason = self.adapter.inert_beyond_cutoff()
+        if streaming not in (None, True, False):
+            raise TypeError(f"streaming: expected None, True or False, got {streaming!r}")
+        self.streaming_requested = streaming
+        self.streaming = False
+        self.memory_plan: MemoryPlan | None = None
+        self.expandable_segments = False  # turned on by a plan near a full device (or the user's allocator setting)
+        self._memory_planned = -1  # the atom count whose memory plan was last made (plan_memory)
+        self._graph_off_for_size = False  # plan_memory turned capture off for a box near a full device
+        self._rows_planned = -1  # the atom count row chunks were last chosen for (plan_rows)
+        if streaming:
+            if cuda_graph:
+                raise ValueError("cuda_graph=True and streaming=True: the streaming path reads its chunk ranges on "
+                                 "the host, so its steps run eagerly")
+            self._start_streaming()
+            cuda_graph = False
+        else:
+            self.adapter.set_streaming(None)  # a model given as a module may stream from an earlier potential
+        self.compile = compile_mode
+        if self.compile is not None:
+            check_compile(self.device, patched=self.patched, streaming=self.streaming,
+                          backend=options.compile_backend)
+        self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
+                              cuda_graph=self._cuda_graph(cuda_graph), compile=self.compile,
+                              compile_backend=options.compile_backend)
+        self._cuda_graph_requested = cuda_graph
+        self.timings: Timings | None = None
+        if warmup:
+            self.warm_up()
+
+    # --- what a structure needs -------------------------------------------------------------------------
+
+    def species(self, numbers: np.ndarray) -> Tensor:
+        """The model's species input for atomic ``numbers``, on the device, in the order given (unknown
+        elements raise ``UnknownElementError``)."""
+        return self.adapter.species(np.asarray(numbers))
+
+    def system(self, numbers: np.ndarray, positions: np.ndarray, cell: np.ndarray, pbc: Pbc) -> System:
+        """A system of atoms with these ``numbers``; the atom order the model runs in (``atom_order``) is
+        chosen from these ``positions``, ``cell`` and ``pbc`` and kept for the system's later structures."""
+        numbers = np.array(numbers)
+        species = self.species(numbers)
+        order = spatial_order(np.asarray(positions), np.asarray(cell), pbc, self.options.order_above_atoms)
+        if order is not None:
+            species = species.index_select(0, torch.as_tensor(order, device=species.device))
+        return System(numbers, species, order)
+
+    def evaluate(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, system: System, *, forces: bool = True,
+                 stress: bool = False, per_atom: bool = False) -> Evaluation:
+        """Energy (and forces; the virial if ``stress``, which needs forces; per-atom energies if ``per_atom``)
+        of ``system`` at ``positions`` [N, 3] in Å, with the lattice vectors ``cell`` [3, 3] as rows and
+        periodic along ``pbc``. Raises ValueError naming the atoms for a structure it cannot evaluate, and
+        ``NonFiniteOutputError`` for NaN or inf in the results."""
+        positions = np.asarray(positions)
+        if positions.shape != (system.n_atoms, 3):
+            raise ValueError(f"atoms: positions of shape {positions.shape} for a system of {system.n_atoms} atoms")
+        if not np.isfinite(positions).all():
+            raise ValueError("atoms: positions contain NaN or inf")
+        forces = forces or stress
+        order, species = system.order, system.species
+        user_positions, positions = positions, positions if order is None else positions[order]
+        self.plan_memory(positions.shape[0], lambda: self.step.prepare(positions, cell, pbc, species))
+        self.plan_rows(positions.shape[0])
+        if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
+            self._check_radial_precision(positions, cell, pbc, species)
+        try:
+            try:
+                host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
+            except torch.cuda.OutOfMemoryError:
+                if self.streaming or self.streaming_requested is not None or not self._switch_to_streaming():
+                    raise
+                warnings.warn("cgforge: the stored path ran out of GPU memory for this structure; streaming edges "
+                              "from now on (streaming=True chooses it from the start)", stacklevel=3)
+                torch.cuda.empty_cache()
+                host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
+        except ValueError as err:  # neighbour list: singular cell, cutoff too large for the cell, ...
+            if str(err).startswith(("atoms:", "species:")):
+                raise
+            raise ValueError(f"atoms: {err}") from err
+        n = positions.shape[0]
+        if order is not None:
+            host = to_user_order(host, order, forces=forces, stress=stress, per_atom=per_atom)
+        if not np.isfinite(host).all():  # host arrays: no device sync of its own
+            raise NonFiniteOutputError(non_finite_message(
+                host, user_positions, cell, pbc, self.model, self.cutoff, patched=self.patched, forces=forces,
+                stress=stress, per_atom=per_atom))
+        out = Evaluation(float(host[0]), None, None, None)
+        at = 1
+        if forces:
+            out.forces = host[at:at + 3 * n].reshape(n, 3).copy()
+            at += 3 * n
+            if stress:
+                out.virial = host[at:at + 9].reshape(3, 3)
+                at += 9
+        if per_atom:
+            out.energies = host[at:at + n].copy()
+        return out
+
+    def warm_up(self) -> None:
+        """Compile every cgforge kernel of the model, then run energy, forces and stress of a tiny periodic
+        structure of the model's species (also loads whatever else the first call loads); a model that gives
+        NaN or inf there raises ``NonFiniteOutputError``."""
+        model_dtype = next(self.model.parameters()).dtype
+        for module in self.model.modules():
+            compile_kernels = getattr(module, "compile_kernels", None)
+            if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
+                compile_kernels(self.device, model_dtype)
+        n = _WARMUP_ATOMS
+        spacing = min(1.5, 0.4 * self.cutoff)
+        grid = np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
+        jitter = np.random.default_rng(0).normal(scale=0.05 * spacing, size=(n, 3))
+        positions = grid * spacing + jitter
+        cell = np.eye(3) * (2 * spacing)
+        # A step of its own (eager, its own neighbour list): the potential's buffers stay untouched.
+        step = ModelStep(self.adapter, VerletNeighbourList(self.cutoff, self.neighbours.skin),
+                         filter_edges=self.step.filter_edges)
+        pbc = (True, True, True)
+        host = step.run(positions, cell, pbc, self.adapter.warmup_species(n), forces=True, stress=True, per_atom=True)
+        if not np.isfinite(host).all():  # a broken model file shows here, before any user structure
+            raise NonFiniteOutputError(non_finite_message(
+                host, positions, cell, pbc, self.model, self.cutoff, patched=self.patched, forces=True, stress=True,
+                per_atom=True, what=f"the warm-up structure ({n} atoms about {spacing:.2g} Å apart)"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- memory, rows, compile ----------------------------------------------------------------------------
+
+    def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True
+                    ) -> MemoryPlan | None:
+        """The memory plan for systems of ``n_atoms`` atoms, made once per size on CUDA (None on other devices).
+
+        count_edges: builds the Verlet list and returns the edges the model will see. From the stored path's
+        estimated peak (``memory_plan``): streaming for good where it would not fit (with ``streaming=None`` at
+        construction and ``streaming`` here: the MD engine's captured step passes False), expandable allocator
+        segments near a full device, and no CUDA graph for such a box unless one was asked for."""
+        if self.device.type != "cuda" or n_atoms == self._memory_planned:
+            return self.memory_plan
+        self._memory_planned = n_atoms
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's cache
+        edges = count_edges()
+        chunkable = not self.streaming and self.step.compiled is None  # plan_rows' condition
+        plan = plan_memory(edges, self.adapter.stored_edge_bytes(n_atoms if chunkable else None), free, n_atoms,
+                           self.options)
+        self.memory_plan = plan
+        if plan.expandable and not self.expandable_segments:
+            self.expandable_segments = use_expandable_segments()
+        if streaming and plan.stream and not self.streaming and self.streaming_requested is None:
+            self._switch_to_streaming()
+        self._capture_by_size(plan)
+        return plan
+
+    def plan_for(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, numbers: np.ndarray) -> MemoryPlan | None:
+        """The memory plan for this structure as its first evaluation would make it (``plan_memory``; None off
+        CUDA)."""
+        if len(numbers) == 0:
+            raise ValueError("atoms: expected a structure with at least one atom, got an empty Atoms")
+        positions, cell = np.asarray(positions, dtype=np.float64), np.asarray(cell, dtype=np.float64)
+        species = self.species(numbers)
+        return self.plan_memory(len(numbers), lambda: self.step.prepare(positions, cell, pbc, species))
+
+    def compiled_fits(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, numbers: np.ndarray) -> bool:
+        """Whether this structure leaves room for the compiled model: its rows unchunked, its step still captured
+        (``options.uncaptured_above_fraction``). False off CUDA, when streaming, or for a box that needs row chunks
+        to fit comfortably."""
+        plan = self.plan_for(positions, cell, pbc, numbers)
+        if plan is None or self.streaming:
+            return False
+        whole_rows = self.adapter.stored_edge_bytes(None)
+        return plan_memory(plan.edges, whole_rows, plan.free_bytes, len(numbers), self.options).capture
+
+    def plan_rows(self, n_atoms: int) -> None:
+        """Per system size: make the stored path's widest per-atom rows in chunks where ``n_atoms`` need it
+        (``adapter.set_row_chunks``), unless streaming or compiled; a captured step is captured again when that
+        changes."""
+        if n_atoms == self._rows_planned:
+            return
+        self._rows_planned = n_atoms
+        plain = self.streaming or self.step.compiled is not None
+        if self.adapter.set_row_chunks(None if plain else n_atoms):
+            self.step.invalidate()
+
+    def set_compile(self, compile: bool | str) -> None:
+        """Compile the model (``compile`` as at construction) or stop, from the next step on; the same checks as
+        at construction, and the memory and row plans are made again (a compiled model's rows are not chunked)."""
+        mode = parse_compile(compile)
+        if mode is not None:
+            check_compile(self.device, patched=self.patched, streaming=self.streaming,
+                          backend=self.options.compile_backend)
+        if mode == self.compile:
+            return
+        self.compile = mode
+        self.step.set_compile(mode)
+        self._memory_planned = self._rows_planned = -1
+
+    # --- what the step did ------------------------------------------------------------------------------
+
+    @property
+    def n_edges(self) -> int:
+        """Edges the model saw at the last step within the cutoff (all Verlet edges when not filtering)."""
+        return self.step.n_edges
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether steps run as CUDA-graph replays (False after a failed capture: see ``step.capture_error``)."""
+        return self.step.cuda_graph
+
+    def record_timings(self, enabled: bool = True) -> None:
+        """Start (or stop) a per-phase breakdown in ``timings.seconds`` (syncs the device per phase).
+
+        Phases: neighbour_list (staleness check and rebuilds), then model (a CUDA-graph replay) or edges /
+        forward / backward (the eager step), and copy_out."""
+        self.timings = Timings(self.device) if enabled else None
+        self.step.phase = self.timings.phase if enabled else _no_phase
+
+    # --- setup --------------------------------------------------------------------------------------------
+
+    def _filter_edges(self, filter_edges: bool | None) -> bool:
+        if filter_edges is None:
+            return True  # cutting the list on the device costs far less than the skin's extra edges in the model
+        if not filter_edges and self.inert_edges_reason is not None:
+            raise ValueError(f"filter_edges=False needs a model whose edges beyond the cutoff contribute zero; for "
+                             f"this one that is not known: {self.inert_edges_reason}")
+        return bool(filter_edges)
+
+    def _cuda_graph(self, cuda_graph: bool | None) -> bool:
+        if cuda_graph is None:
+            return self.device.type == "cuda" and self.inert_edges_reason is None
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a CUDA device, got {self.device}")
+        if cuda_graph and self.inert_edges_reason is not None:
+            raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the "
+                             f"cutoff contribute zero; for this one that is not known: {self.inert_edges_reason}")
+        return bool(cuda_graph)
+
+    def _radial_precision(self, mode: str) -> str:
+        if mode not in RADIAL_MODES:
+            raise ValueError(f"radial_precision: expected one of {', '.join(RADIAL_MODES)}, got {mode!r}")
+        if mode == "fp32":
+            return mode
+        if self._model_dtype() != torch.float32:
+            raise ValueError(f"radial_precision={mode!r} is for FP32 models; this one is {self._model_dtype()}")
+        if self.device.type != "cuda":
+            raise ValueError(f"radial_precision={mode!r} needs a CUDA device (TF32 is a tensor-core format), got "
+                             f"{self.device}")
+        if not radial_layers(self.model):
+            raise ValueError(f"radial_precision={mode!r} needs a model patched by cgforge (its radial MLPs are cgforge "
+                             "layers); this one has none")
+        return mode
+
+    def _model_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its floating-point parameters'), which may differ from ``self.dtype``."""
+        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), self.dtype)
+
+    def _radial_table(self, radial_table: bool | None) -> list[tuple[int, float]]:
+        """Turn the radial tables on or off as asked (None: see the class doc); their (intervals, error)."""
+        if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
+            radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
+                            and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
+        if radial_table and (reason := self.adapter.why_not_tabulated()) is not None:
+            raise ValueError(f"radial_table=True: {reason}")
+        return self.adapter.set_radial_table(bool(radial_table))
+
+    def _start_streaming(self) -> None:
+        self.adapter.set_row_chunks(None)  # streaming maps its rows in chunks itself
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = min(max(free // 20, 64 << 20), 1 << 30)  # a chunk's working set: 5% of free, 64 MiB..1 GiB
+        else:
+            budget = 256 << 20
+        if not self.adapter.set_streaming(budget):
+            raise ValueError("streaming=True: this model has no layer that can stream its edges (MACE models "
+                             "patched by cgforge with RealAgnostic(Residual)InteractionBlocks can; on a CPU pass "
+                             "patch=True too)")
+        self.streaming = True
+
+    def _switch_to_streaming(self) -> bool:
+        """streaming=None: stream from now on (False when no layer can: the stored path it is)."""
+        try:
+            self._start_streaming()
+        except ValueError:
+            return False
+        self.step.cuda_graph = False
+        if self.step.compiled is not None:  # the streaming convolution reads chunk ranges on the host
+            self.step.set_compile(None)
+        self.step.invalidate()
+        return True
+
+    def _capture_by_size(self, plan: MemoryPlan) -> None:
+        """No CUDA graph for a box near a full device (``plan.capture`` False) unless one was asked for: its
+        steps take seconds, so replaying saves little, and the graph's private memory pool is what such a box
+        lacks; back on for a smaller box."""
+        if self._cuda_graph_requested is not None or self.streaming:
+            return
+        if not plan.capture and self.step.cuda_graph:
+            self.step.cuda_graph = False
+            self.step.invalidate()
+            self._graph_off_for_size = True
+        elif plan.capture and self._graph_off_for_size:
+            self.step.cuda_graph = True
+            self._graph_off_for_size = False
+
+    def _check_radial_precision(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor) -> None:
+        """Forces of this structure in FP32 and in the mode asked for; the mode stays only within tolerance."""
+        mode = self.radial_precision_requested
+        tolerance = self.options.radial_tf32_tol
+        forces = {}
+        for m in ("fp32", mode):
+            set_radial_precision(self.model, m)
+            self.step.invalidate()  # a captured step holds the GEMM kernels it was captured with
+            host = self.step.run(positions, cell, pbc, species, forces=True, stress=False, per_atom=False)
+            forces[m] = host[1:1 + 3 * positions.shape[0]]
+        reference = float(np.linalg.norm(forces["fp32"]))
+        error = float(np.linalg.norm(forces[mode] - forces["fp32"])) / max(reference, np.finfo(float).tiny)
+        self.radial_precision_error = error
+        self.radial_precision = mode if error <= tolerance else "fp32"
+        if self.radial_precision != mode:
+            set_radial_precision(self.model, "fp32")
+            self.step.invalidate()
+            warnings.warn(f"cgforge: radial MLPs kept in FP32: {mode} changed the forces by {error:.2e} (relative), "
+                          f"more than {tolerance:.0e}", RuntimeWarning, stacklevel=4)
+
+
+def _is_patched(model: torch.nn.Module) -> bool:
+    from cgforge.patches import mace as pm
+
+    if pm.is_mace_model(model):
+        return pm.is_patched(model)
+    from cgforge.patches import nequip as pn
+
+    return pn.is_patched(model)
