@@ -12,7 +12,7 @@ from cgforge.plugin.md.engine import Engine
 from cgforge.plugin.md.integrators import VelocityVerlet
 from cgforge.plugin.runtime.capture import room
 from cgforge.plugin.runtime.options import RuntimeOptions
-from cgforge.plugin.runtime.potential import load
+from cgforge.plugin.runtime.potential import load, load_module
 from cgforge.plugin.water import water_box
 
 
@@ -57,6 +57,15 @@ def test_the_engine_runs_on_a_potential(potential) -> None:
     engine = Engine(potential, atoms, VelocityVerlet(0.5), block=2)
     engine.run(2)
     assert engine.step == 2 and np.isfinite(engine.sync_atoms().positions).all()
+
+
+def test_load_names_what_it_cannot_load(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="model: .*missing.model not found"):
+        load(tmp_path / "missing.model", device="cpu")
+    with pytest.raises(TypeError, match="model: expected a checkpoint path or a MACE/NequIP torch module, got int"):
+        load_module(42, "cpu")
+    with pytest.raises(ValueError, match="radial_table=True and radial_precision='tf32'"):
+        load("mace", device="cpu", radial_table=True, radial_precision="tf32")  # before the model loads
 
 
 def test_one_capacity_rounding() -> None:

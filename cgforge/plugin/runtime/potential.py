@@ -42,7 +42,7 @@ from .neighbours import VerletNeighbourList
 from .options import RuntimeOptions
 from .step_graph import ModelStep
 
-__all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "resolve_device"]
+__all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
 _WARMUP_ATOMS = 8
 Pbc = tuple[bool, bool, bool]
@@ -89,19 +89,29 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
     filter_edges, streaming, options): as ``Potential`` takes them. Arguments that need no model are checked
     before it loads.
     """
-    from cgforge.patches import families
-
-    from . import bundled
-
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
     device = resolve_device(device)
-    if isinstance(model, str) and model.lower() in bundled.kinds():
-        model = bundled.model_path(model)
-    module = families.load(model, device, dtype,
-                           patch=default_patch(patch, device, radial_precision, compile_mode))
+    module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode))
     return Potential(module, device, radial_precision=radial_precision, radial_table=radial_table,
                      compile=compile_mode, **kwargs)
+
+
+def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
+                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+    """The MACE or NequIP module of ``model`` (a bundled model's name, a checkpoint path or a module, made ready in
+    place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``: what
+    a step that is not a ``Potential`` (LAMMPS's) runs. A missing file raises FileNotFoundError."""
+    from cgforge.patches import families
+    from cgforge.patches.common import existing_file
+
+    from . import bundled
+
+    if isinstance(model, str) and model.lower() in bundled.kinds():
+        model = bundled.model_path(model)
+    if isinstance(model, str | os.PathLike):
+        existing_file(model, "model", "a checkpoint file")
+    return families.load(model, device, dtype, patch=patch)
 
 
 @dataclass(frozen=True)
