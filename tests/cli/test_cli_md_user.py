@@ -292,3 +292,18 @@ def test_every_option_and_output_path_is_checked_once(tmp_path, stand_in, monkey
                  "--plot", str(outputs[2])]) == 0
     assert sorted(map(str, calls["check_new_path"])) == sorted(map(str, outputs))
     assert len(calls["checked_options"]) == 1
+
+
+def test_a_new_run_from_a_restart_frame_keeps_velocities_and_drops_the_old_records(tmp_path, capsys, stand_in):
+    """What the refusal suggests: --structure TRAJ starts a new run from the last frame (velocities kept) with
+    other options, and its frames carry none of the old run's records (its random state)."""
+    first = tmp_path / "nvt.traj"
+    assert main([*_box(tmp_path), "--steps", "2", "-o", str(first)]) == 0
+    assert "md_rng" in read(first).info
+    second = tmp_path / "nve.traj"
+    assert main(["md", "--structure", str(first), "--device", "cpu", "--ensemble", "nve", "--steps", "2", "-o",
+                 str(second)]) == 0
+    frames = read(second, ":")
+    assert np.allclose(frames[0].get_momenta(), read(first).get_momenta())
+    assert frames[0].info["md_step"] == 0 and frames[0].info["md_ensemble"] == "nve"
+    assert not any("md_rng" in f.info for f in frames)

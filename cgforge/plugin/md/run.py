@@ -348,6 +348,8 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         check_structure(state.atoms, f"{names('restart')}: {state.path}")
     else:
         check_structure(atoms, names("atoms"))
+        for key in [k for k in atoms.info if k.startswith("md_")]:  # a run's own records (a frame read as a
+            del atoms.info[key]  # structure): a new run writes its own, never another run's random state
     check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, names)
     printer = make_printer(a["log"], force, names("log"))  # the last check: it creates the log file
     atoms = continue_from(atoms, state) if state is not None else atoms
