@@ -14,7 +14,8 @@
 #
 # Sources (git-ignored; GPL-2.0 LAMMPS and Apache-2.0 Kokkos, never commit them):
 #   CGFORGE_LAMMPS_TARBALL  default .device/lammps/lammps-29Aug2024u3-src.tar.gz (LAMMPS stable 29Aug2024 u3,
-#                           a copy without lib/, so Kokkos comes from the next one)
+#                           a copy without lib/, so Kokkos comes from the next one); lammps-22Jul2025u2-src.tar.gz
+#                           brings its own lib/kokkos (4.6.2, which handles CUDA 13 itself: no edits, no next one)
 #   CGFORGE_KOKKOS_TARBALL  default .device/lammps/kokkos-4.3.01.tar.gz (the Kokkos release that LAMMPS
 #                           29Aug2024 bundles, 2.4 MB; a tarball with a top folder kokkos/). Not needed for --plain.
 #   Put them in place with:  mkdir -p .device/lammps && cp ../shared/lammps/*.tar.gz .device/lammps/
@@ -106,7 +107,7 @@ if [ ! -f "$src/.extracted" ]; then
   fi
   touch "$src/.extracted"
 fi
-if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready-source" ]; then
+if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready" ]; then
   if [ ! -f "$src/lib/kokkos/CMakeLists.txt" ]; then
     [ -f "$kokkos_tarball" ] || fail "CGFORGE_KOKKOS_TARBALL: $kokkos_tarball not found (the LAMMPS tarball has no lib/kokkos; see the header of $0)"
     log "extracting $(basename "$kokkos_tarball") into lib/kokkos"
@@ -116,9 +117,6 @@ if [ "$mode" != plain ] && [ ! -f "$src/lib/kokkos/.ready-source" ]; then
     [ -n "$found" ] && [ -d "$(dirname "$found")/core/src" ] || fail "$kokkos_tarball holds no Kokkos source (core/src)"
     mv "$(dirname "$found")" "$src/lib/kokkos" && rm -rf "$src/lib/.kokkos-tmp"
   fi
-  touch "$src/lib/kokkos/.ready-source"
-fi
-if [ "$mode" = kokkos ] && [ ! -f "$src/lib/kokkos/.ready" ]; then
   # Kokkos 4.3.01 + CUDA 13: the runtime's cudaMemAdvise and cudaMemPrefetchAsync take a cudaMemLocation now
   # (the int-device forms are gone) and cudaGraphAddDependencies edge data; the wrappers pick the form by
   # CUDART_VERSION, so older CUDA is unchanged.
@@ -132,6 +130,10 @@ if 'default_arch="sm_70"' in text:
     open(path, "w").write(text.replace('default_arch="sm_70"', 'default_arch="sm_90"  # CGFORGE_CUDA13', 1))
 path = kokkos + "/core/src/Cuda/Kokkos_Cuda_Instance.hpp"
 text = open(path).read()
+if "CUDART_VERSION >= 13000" in text and "CGFORGE_CUDA13" not in text:
+    # a Kokkos that handles CUDA 13 itself (4.6.2, bundled with LAMMPS 22 Jul 2025): nothing to edit
+    print("lammps_gpu: this Kokkos handles CUDA >= 13 itself: no edits")
+    sys.exit(0)
 edits = [
     ("    return cudaMemAdvise(devPtr, count, advice, device);\n",
      "#if CUDART_VERSION >= 13000  // CGFORGE_CUDA13: the location form\n"

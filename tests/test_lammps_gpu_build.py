@@ -113,6 +113,26 @@ def test_kokkos_sources_are_adapted_and_trimmed_once(tmp_path):
     assert again == header
 
 
+def test_a_kokkos_that_handles_cuda13_is_not_edited(tmp_path):
+    """LAMMPS 22 Jul 2025 brings lib/kokkos 4.6.2, whose wrappers pick the CUDA 13 forms themselves: left as is."""
+    old = "    return cudaMemAdvise(devPtr, count, advice, device);\n"
+    new = "    return cudaMemAdvise(devPtr, count, advice, loc);\n"
+    native = KOKKOS_INSTANCE.replace(old, "#if CUDART_VERSION >= 13000\n" + new + "#else\n" + old + "#endif\n")
+    lammps = _tarball(tmp_path / "lammps.tar.gz", {
+        "cmake/CMakeLists.txt": 'cmake_minimum_required(VERSION 3.16)\nproject(fake NONE)\nmessage(FATAL_ERROR "x")\n',
+        "cmake/Modules/Packages/KOKKOS.cmake": "", "src/KOKKOS/kokkos.cpp": "", "src/lammps.cpp": "",
+        "lib/kokkos/CMakeLists.txt": "", "lib/kokkos/core/src/Cuda/Kokkos_Cuda_Instance.hpp": native,
+        "lib/kokkos/bin/nvcc_wrapper": 'default_arch="sm_80"\n',
+    }, top="lammps")
+    dest = tmp_path / "dest"
+    run = _run(["--kokkos-host", str(dest)], {"CGFORGE_LAMMPS_TARBALL": str(lammps),
+                                               "CGFORGE_KOKKOS_TARBALL": str(tmp_path / "none.tar.gz")})
+    assert "handles CUDA >= 13 itself" in run.stdout and _last(run).startswith("FAILED:"), run.stdout
+    kokkos = dest / "src" / "lib" / "kokkos"
+    assert (kokkos / "core" / "src" / "Cuda" / "Kokkos_Cuda_Instance.hpp").read_text() == native
+    assert (kokkos / "bin" / "nvcc_wrapper").read_text() == 'default_arch="sm_80"\n'
+
+
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("bench_lammps", ROOT / "benchmarks" / "bench_lammps.py")
