@@ -140,12 +140,12 @@ def test_unwritable_outputs_fail_before_the_model_loads_naming_flag_and_path(tmp
 
 
 def test_a_plot_that_fails_after_a_good_run_is_a_warning_with_the_summary(tmp_path, capsys, stand_in, monkeypatch):
-    from cgforge.plugin.md import run as run_module
+    from cgforge.plugin.md import plot as plot_module
 
     def fail(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(run_module, "write_plot", fail)
+    monkeypatch.setattr(plot_module, "write_plot", fail)
     plot = tmp_path / "x.png"
     assert main([*_box(tmp_path), "--steps", "2", "-o", str(tmp_path / "a.traj"), "--plot", str(plot)]) == EXIT_OK
     captured = capsys.readouterr()

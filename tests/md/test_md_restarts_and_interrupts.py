@@ -16,7 +16,7 @@ from ase.calculators.emt import EMT
 from ase.calculators.lj import LennardJones
 from ase.io import read
 
-from cgforge.plugin.md import run as run_module
+from cgforge.plugin.md import plot as plot_module
 from cgforge.plugin.md.files import TrajectoryWriter
 from cgforge.plugin.md.run import MODEL_MISMATCH_MEV_PER_ATOM, MDInterrupted, plan_md, run_md
 
@@ -161,7 +161,7 @@ def test_a_plot_that_fails_after_a_good_run_is_a_warning(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(run_module, "write_plot", fail)
+    monkeypatch.setattr(plot_module, "write_plot", fail)
     lines: list[str] = []
     summary = run_md(_copper(), EMT(), steps=2, plot=tmp_path / "a.png", log=lines.append)
     assert summary.plot is None and summary.steps == 2

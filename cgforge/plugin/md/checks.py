@@ -1,11 +1,17 @@
-"""What an MD run reports and checks: the progress lines (and the values the plot needs) and the blow-up
-guard, with the one error both integrator paths raise."""
+"""What an MD run reports and checks: the progress lines (and the values the plot needs), the blow-up guard,
+with the one error both integrator paths raise, and Ctrl-C (``CtrlC``: stop after the step, a second one now)."""
 
 from __future__ import annotations
 
 import math
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -104,3 +110,86 @@ class Guard:
 
     def _stop(self, step: int, quantity: str, value: float, what: str) -> None:
         raise instability(step, quantity, value, what)
+
+
+class CtrlC:
+    """While ``active``: the first Ctrl-C says at once what happens and sets a flag (the run stops after the
+    current step, its files whole); a second one interrupts at once, except inside ``writing()`` (a frame being
+    written), where it interrupts when the frame is complete. Only in the main thread and only over Python's
+    default handler."""
+
+    def __init__(self, notice: Callable[[], str]) -> None:
+        self.notice = notice
+        self.pressed = 0
+        self._writing = 0
+        self._pending = False
+
+    def __call__(self) -> bool:
+        return self.pressed > 0
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.pressed += 1
+        if self.pressed == 1:
+            print(self.notice(), file=sys.stderr, flush=True)
+        elif self._writing:
+            self._pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def active(self) -> Iterator[CtrlC]:
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        self._writing += 1
+        try:
+            yield
+        finally:
+            self._writing -= 1
+        if self._pending and not self._writing:
+            self._pending = False
+            raise KeyboardInterrupt
+
+
+@dataclass
+class MDSummary:
+    steps: int  # steps run by this call
+    simulated_ps: float
+    wall_s: float
+    ns_per_day: float
+    temperature_K: float
+    energy_drift_meV_per_atom: float
+    trajectory: str | None
+    n_atoms: int
+    first_step: int = 0  # the step counter at the start (> 0 after a restart)
+    last_step: int = 0
+    log: str | None = None
+    atoms: Atoms | None = field(default=None, repr=False)
+    engine: str = "ase"  # the integrator path that ran: "device" (cgforge's engine) or "ase"
+    plot: str | None = None
+
+
+def summarize(atoms: Atoms, o: dict[str, Any], start: int, last: int, wall_start: float, progress: Progress | None,
+              path: Path | None, writer: Any, log_path: Path | None, which: str) -> MDSummary:
+    """The :class:`MDSummary` of a run from ``start`` to ``last`` (``writer``: its TrajectoryWriter or None)."""
+    wall = time.perf_counter() - wall_start
+    steps = last - start
+    simulated_ps = steps * o["timestep_fs"] / 1000.0
+    return MDSummary(
+        steps=steps, simulated_ps=simulated_ps, wall_s=wall,
+        ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
+        temperature_K=float(atoms.get_temperature()),
+        energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
+        trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
+        n_atoms=len(atoms), first_step=start, last_step=last, log=str(log_path) if log_path else None, atoms=atoms,
+        engine=which,
+    )

@@ -20,7 +20,8 @@ from .options import PLOT_SUFFIXES, SAVED_OPTIONS
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
 __all__ = ["PLOT_SUFFIXES", "TRAJ_SUFFIXES", "Restart", "check_new_path", "check_distinct", "read_structure",
-           "read_restart", "TrajectoryWriter", "make_printer", "Printer"]
+           "read_restart", "TrajectoryWriter", "make_printer", "Printer", "check_restart_model", "model_name",
+           "MODEL_MISMATCH_MEV_PER_ATOM"]
 
 
 @dataclass
@@ -201,6 +202,34 @@ def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
         raise ValueError(f"restart: {restart.path} holds {frame.get_chemical_formula()} ({len(frame)} atoms), "
                          f"atoms is {atoms.get_chemical_formula()} ({len(atoms)} atoms); pass atoms=None to "
                          "continue the saved structure")
+
+
+# A restart whose calculator gives the restart frame another potential energy than the saved one, by more than this,
+# runs another model (the energy drift would be measured from the other model's energy). Precision moves it far
+# less (a small MACE model run in float64 and continued in float32: < 1e-4 meV/atom); two models differ by
+# meV/atom (the bundled MACE and NequIP water models: 3.2 meV/atom on a 24-atom box).
+MODEL_MISMATCH_MEV_PER_ATOM = 0.5
+
+
+def model_name(model: str | None, calc: Any) -> str:
+    """How frames name the model that ran them (``md_model``): the name the user gave and the model's family, or
+    the calculator's class."""
+    kind = getattr(getattr(calc, "adapter", None), "kind", None) or type(calc).__name__
+    return f"{model} ({kind})" if model and model.lower() != kind else str(kind)
+
+
+def check_restart_model(restart: Restart, atoms: Atoms, model: str, what: str, new_run: str) -> None:
+    """A restart's calculator must give the restart frame (``atoms``, its forces computed) the saved potential
+    energy: the same model. ``what`` names the restart, ``new_run`` how to start a new run from the frame."""
+    if restart.epot is None:
+        return
+    epot = float(atoms.get_potential_energy())
+    apart = abs(epot - restart.epot) / len(atoms) * 1000.0
+    if not apart <= MODEL_MISMATCH_MEV_PER_ATOM:
+        raise ValueError(f"{what}: {restart.path} was run with {restart.model or 'another model'}, whose energy of "
+                         f"step {restart.step} is {restart.epot:.6f} eV; this model ({model}) gives {epot:.6f} eV, "
+                         f"{apart:.3g} meV/atom apart: a restart continues the same model (the energy drift is "
+                         f"measured from its energy). Start a new run from the last frame instead ({new_run})")
 
 
 def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_matplotlib", "write_plot"]
+__all__ = ["check_matplotlib", "write_plot", "plot_run"]
 
 
 def check_matplotlib(what: str = "plot") -> None:
@@ -92,3 +92,25 @@ def record(atoms: Any, step: int, time_fs: float, etot: float, ns_per_day: float
     return {"step": float(step), "time_ps": time_fs / 1000.0, "temperature_K": float(atoms.get_temperature()),
             "etot_eV": etot, "epot_eV": epot, "ns_per_day": ns_per_day, "volume_A3": volume,
             "pressure_bar": pressure}
+
+
+def plot_run(path: Path, history: list[dict[str, float]], n_atoms: int, o: dict[str, Any], out: Any,
+             what: str = "plot") -> str | None:
+    """The plot of a run's recorded ``history`` (``o``: its checked options) to ``path``, said on ``out``; a plot
+    that cannot be written is a warning line naming ``what`` (the run's result, or its error, stays what it was).
+    The path written, or None."""
+    ensemble = o["ensemble"]
+    targets = {"temperature_K": o["temperature_K"]} if ensemble != "nve" else {}
+    if ensemble == "npt":
+        targets["pressure_bar"] = o["pressure_bar"]
+    title = (f"{n_atoms} atoms, {ensemble.upper()}" + (f" {o['temperature_K']:g} K" if ensemble != "nve" else "")
+             + (f" {o['pressure_bar']:g} bar" if ensemble == "npt" else "") + f", {o['timestep_fs']:g} fs")
+    try:
+        if write_plot(path, history, title, ensemble == "npt", targets):
+            out(f"plot: {path}")
+            return str(path)
+        out(f"plot: nothing recorded, {path} not written")
+    except Exception as err:
+        reason = (err.strerror or str(err)) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        out(f"warning: {what}: {path} not written ({reason})")
+    return None

@@ -1,5 +1,5 @@
 """Molecular dynamics: NVT (Langevin or CSVR), NVE (velocity Verlet) or NPT, with progress lines, a
-trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end.
+trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end (:func:`run_md`).
 
     from cgforge.plugin import Calculator, run_md, water_box
     atoms = water_box(1728)
@@ -8,41 +8,22 @@ trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end.
                      trajectory="water.traj", log="water.log", plot="water.png")
     run_md(None, Calculator("mace"), restart="water.traj", steps=1000, trajectory="water-2.traj")
 
-Two integrator paths (``engine``; md_dynamics.py has the table of integrators): cgforge's device engine
-(``engine.py``: integrator and model step on the calculator's device, captured as a CUDA graph on a GPU; the
-host sees the state only at log and trajectory steps), the default (``engine="auto"``) when the calculator is
-a cgforge Calculator on CUDA, and ASE's dynamics (any ASE calculator; one host round trip per step), the
-default otherwise. ``engine="device"`` runs the engine also on a CPU, ``engine="ase"`` ASE's dynamics on a GPU.
-Both paths write the same frames and lines and keep every guarantee below.
+:func:`plan_md` checks every argument, output file and the structure once (``cgforge md`` calls it before it
+loads the model); :meth:`MDPlan.run` runs. Two integrator paths (``dynamics.py`` has the table): cgforge's
+device engine (``engine.py``: integrator and model step on the calculator's device, a CUDA graph on a GPU; the
+host sees the state only at log and trajectory steps), the default for a cgforge Calculator on CUDA, and ASE's
+dynamics (any ASE calculator), the default otherwise. Both write the same frames and lines.
 
-Progress lines give the step, simulated time, speed (ns/day of wall time since the previous line),
-temperature and the drift of the total energy (kinetic + potential) since step 0 in meV/atom (a
-conservation check in NVE; in NVT and NPT the thermostat exchanges energy, so it only shows the trend).
-
-Trajectories are ASE ``.traj`` files, or extended XYZ for ``.xyz``/``.extxyz`` names, always written to a
-new file: an existing one is replaced only with ``force=True``, and only once the first frame is complete
-(the first frame goes to a hidden temporary file in the same folder, renamed over the name). The last step
-is always written. Every frame holds energy, forces and momenta (and the stress in NPT), and its
-``atoms.info`` holds ``md_step``, ``md_time_fs``, ``md_etot0`` (the total energy at step 0, for the drift) and
-the random state: ``md_rng`` (ASE's stochastic dynamics: the numpy generator's state) or ``md_engine`` (the
-device engine: its seed, integrator and thermostat scalars; its noise is a hash of (seed, step)). That is
-what a restart needs: from a ``.traj`` file a restarted run repeats the uninterrupted one (extended XYZ stores
-positions to 1e-8 Å, so a restart from it continues closely but not bit for bit). Frames also save the run's
-options (``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``,
-``md_pressure_bar``, ``md_taut_fs``, ``md_taup_fs``, ``md_compressibility_per_bar``, ``md_seed``), the potential
-energy (``md_epot``) and the model (``md_model``): a restart continues the run it names. Its saved options are
-the defaults, a value that contradicts one is refused by name, and a model whose energy of the restart frame
-differs from the saved one by more than ``MODEL_MISMATCH_MEV_PER_ATOM`` (another model: the drift would be
-measured from the other model's energy) is refused before any step.
-
-After every step the state is checked (by the engine on the device, every step): non-finite forces or
-energy, or a temperature above ``max_temperature_K`` (default ``max(5000 K, 10 x temperature_K)``), stop the
-run with :class:`MDInstabilityError` naming the step and the value; the trajectory written so far stays
-readable. The first Ctrl-C says at once (on stderr) that the run stops after the current step (the engine: after
-the current block of at most 10 steps on a CPU, 50 on CUDA) and that a second Ctrl-C stops it now; the run
-then writes that step's frame and progress line and raises :class:`MDInterrupted`. A second Ctrl-C stops at
-once (never inside a frame being written: the trajectory ends with its last complete frame). ``plot``: a figure of the
-progress lines' values, written at the end also after a blow-up or Ctrl-C (md_plot.py).
+Progress lines: step, simulated time, ns/day since the previous line, temperature, the drift of the total
+energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
+XYZ) are new files, created at their first frame (a hidden temporary file renamed over the name). Each frame's
+``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
+(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's options
+(``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``, ``md_pressure_bar``,
+``md_taut_fs``, ``md_taup_fs``, ``md_compressibility_per_bar``, ``md_seed``), the potential energy (``md_epot``) and
+the model (``md_model``). From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ:
+closely); a value that contradicts a saved option, or a model that gives the frame another energy
+(``MODEL_MISMATCH_MEV_PER_ATOM``), is refused before any step.
 """
 
 from __future__ import annotations
@@ -51,20 +32,16 @@ import difflib
 import inspect
 import math
 import os
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 from ase import Atoms
 
-from .checks import Guard, MDInstabilityError, Progress, total_energy
+from .checks import CtrlC, Guard, MDInstabilityError, MDSummary, Progress, summarize, total_energy
 from .dynamics import (
     AseDynamics,
     ase_dynamics,
@@ -74,16 +51,19 @@ from .dynamics import (
     thermalize,
 )
 from .files import (
+    MODEL_MISMATCH_MEV_PER_ATOM,
     PLOT_SUFFIXES,
     Printer,
     Restart,
     TrajectoryWriter,
     check_distinct,
     check_new_path,
+    check_restart_model,
     check_same_system,
     continue_from,
     default_trajectory_path,
     make_printer,
+    model_name,
     read_restart,
     read_structure,
 )
@@ -95,17 +75,10 @@ from .options import (
     with_defaults,
     with_restart_defaults,
 )
-from .plot import check_matplotlib, write_plot
+from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
            "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM"]
-
-# A restart whose model gives the restart frame another potential energy than the saved one, by more than this,
-# runs another model. Precision moves it far less (FP32 vs FP64, cgforge's kernels vs the model's code, CPU vs
-# GPU: < 0.01 meV/atom on the bundled models); two models differ by meV/atom (the bundled MACE and NequIP water
-# models: 3.2 meV/atom on a 24-atom box).
-MODEL_MISMATCH_MEV_PER_ATOM = 0.5
-
 
 class MDInterrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`run_md`: the run stopped cleanly after ``step``; ``summary`` describes it."""
@@ -115,74 +88,8 @@ class MDInterrupted(KeyboardInterrupt):
         self.step, self.summary = step, summary
 
 
-@dataclass
-class MDSummary:
-    steps: int  # steps run by this call
-    simulated_ps: float
-    wall_s: float
-    ns_per_day: float
-    temperature_K: float
-    energy_drift_meV_per_atom: float
-    trajectory: str | None
-    n_atoms: int
-    first_step: int = 0  # the step counter at the start (> 0 after a restart)
-    last_step: int = 0
-    log: str | None = None
-    atoms: Atoms | None = field(default=None, repr=False)
-    engine: str = "ase"  # the integrator path that ran: "device" (cgforge's engine) or "ase"
-    plot: str | None = None
-
-
 class _StopRequested(Exception):
     """The first Ctrl-C, acted on between steps (the state is that of a completed step)."""
-
-
-class _CtrlC:
-    """While ``active``: the first Ctrl-C says at once what happens and sets a flag (the run stops after the
-    current step, its files whole); a second one interrupts at once, except inside ``writing()`` (a frame being
-    written), where it interrupts when the frame is complete. Only in the main thread and only over Python's
-    default handler."""
-
-    def __init__(self, notice: Callable[[], str]) -> None:
-        self.notice = notice
-        self.pressed = 0
-        self._writing = 0
-        self._pending = False
-
-    def __call__(self) -> bool:
-        return self.pressed > 0
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.pressed += 1
-        if self.pressed == 1:
-            print(self.notice(), file=sys.stderr, flush=True)
-        elif self._writing:
-            self._pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def active(self) -> Iterator[_CtrlC]:
-        if (threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-            yield self
-            return
-        previous = signal.signal(signal.SIGINT, self._handler)
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        self._writing += 1
-        try:
-            yield
-        finally:
-            self._writing -= 1
-        if self._pending and not self._writing:
-            self._pending = False
-            raise KeyboardInterrupt
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> None:
@@ -331,8 +238,8 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
                                "log_interval", "seed", "force", "init_velocities", "max_temperature_K", "engine",
                                "thermostat")}
     if state is not None:
-        hint = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
-        given = with_restart_defaults(given, state.options, str(state.path), names, hint)
+        new_run = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
+        given = with_restart_defaults(given, state.options, str(state.path), names, new_run)
     o = checked_options(with_defaults(given), names)
     engine_options = check_engine_options(a["engine_options"])
     force = o["force"]
@@ -418,27 +325,6 @@ class MDPlan:
         self.printer.close()
 
 
-def _model_name(plan: MDPlan, calc: Any) -> str:
-    kind = getattr(getattr(calc, "adapter", None), "kind", None) or type(calc).__name__
-    return f"{plan.model} ({kind})" if plan.model and plan.model.lower() != kind else str(kind)
-
-
-def _check_restart_model(plan: MDPlan, atoms: Atoms, start: int) -> None:
-    """A restart's calculator must give the restart frame the saved potential energy (the same model)."""
-    state = plan.restart
-    if state is None or state.epot is None:
-        return
-    epot = float(atoms.get_potential_energy())
-    apart = abs(epot - state.epot) / len(atoms) * 1000.0
-    if not apart <= MODEL_MISMATCH_MEV_PER_ATOM:
-        ran = state.model or "another model"
-        hint = plan.new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
-        raise ValueError(f"{plan.names('restart')}: {state.path} was run with {ran}, whose energy of step {start} is "
-                         f"{state.epot:.6f} eV; this model ({_model_name(plan, atoms.calc)}) gives {epot:.6f} eV, "
-                         f"{apart:.3g} meV/atom apart: a restart continues the same model (the energy drift is "
-                         f"measured from its energy). Start a new run from the last frame instead ({hint})")
-
-
 def _run(plan: MDPlan, which: str) -> MDSummary:
     atoms, o, path, out, state = plan.atoms, plan.o, plan.trajectory, plan.out, plan.restart
     rng = np.random.default_rng(o["seed"])
@@ -466,7 +352,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
     guard = Guard(atoms, o["max_temperature_K"])
     ensemble = o["ensemble"]
     saved = {f"md_{k}": v for k, v in saved_options(o).items()}
-    saved["md_model"] = _model_name(plan, calc)
+    saved["md_model"] = model = model_name(plan.model, calc)
     n = len(atoms)
     out(f"cgforge md: {n} atom{'s' if n != 1 else ''}, {ensemble.upper()}"
         + (f" ({o['thermostat']})" if ensemble == "nvt" else "")
@@ -479,7 +365,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
     progress: Progress | None = None
     wall_start = time.perf_counter()
     step = start
-    ctrl_c = _CtrlC(lambda: f"{plan.prog}: Ctrl-C: the run stops {stop_when} and writes its frame; press Ctrl-C "
+    ctrl_c = CtrlC(lambda: f"{plan.prog}: Ctrl-C: the run stops {stop_when} and writes its frame; press Ctrl-C "
                             "again to stop now (the trajectory keeps its complete frames)")
 
     def time_fs(s: int) -> float:
@@ -503,7 +389,8 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                 step = dyn.nsteps
                 guard.check(step)
                 if progress is None:
-                    _check_restart_model(plan, atoms, start)
+                    if state is not None:
+                        check_restart_model(state, atoms, model, plan.names("restart"), plan.new_run)
                     etot0 = (state.etot0 if state is not None and state.etot0 is not None
                              else total_energy(atoms))
                     progress = Progress(atoms, out, etot0, start, time_fs(start))
@@ -533,7 +420,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                         f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
             message = f"interrupted (Ctrl-C) at step {step}{saved_to}"
             out(message)
-            summary = _summary(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
+            summary = summarize(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
             raise MDInterrupted(message, step, summary) from None
         except Exception as err:
             when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
@@ -544,50 +431,11 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                 writer.close()
             if stress_flag is False:
                 calc.stress_with_forces = False
-            plotted = _plot(plan, progress, atoms)
-    summary = _summary(atoms, o, start, end, wall_start, progress, path, writer, plan.printer.path, which)
+            plotted = (plot_run(plan.plot, progress.history if progress is not None else [], len(atoms), o, out,
+                            plan.names("plot")) if plan.plot is not None else None)
+    summary = summarize(atoms, o, start, end, wall_start, progress, path, writer, plan.printer.path, which)
     summary.plot = plotted
     speed = f" ({summary.ns_per_day:.3f} ns/day)" if math.isfinite(summary.ns_per_day) else ""
     out(f"done: {o['steps']} step{'s' if o['steps'] != 1 else ''}, {summary.simulated_ps:g} ps in "
         f"{summary.wall_s:.1f} s{speed}" + (f"; trajectory: {path}" if path else ""))
     return summary
-
-
-def _plot(plan: MDPlan, progress: Progress | None, atoms: Atoms) -> str | None:
-    """The plot of what was recorded; a plot that cannot be written is a warning line (the run's result, or
-    its error, stays what it was)."""
-    path, o, out = plan.plot, plan.o, plan.out
-    if path is None:
-        return None
-    history = progress.history if progress is not None else []
-    ensemble = o["ensemble"]
-    targets = {"temperature_K": o["temperature_K"]} if ensemble != "nve" else {}
-    if ensemble == "npt":
-        targets["pressure_bar"] = o["pressure_bar"]
-    title = (f"{len(atoms)} atoms, {ensemble.upper()}" + (f" {o['temperature_K']:g} K" if ensemble != "nve" else "")
-             + (f" {o['pressure_bar']:g} bar" if ensemble == "npt" else "") + f", {o['timestep_fs']:g} fs")
-    try:
-        if write_plot(path, history, title, ensemble == "npt", targets):
-            out(f"plot: {path}")
-            return str(path)
-        out(f"plot: nothing recorded, {path} not written")
-    except Exception as err:
-        reason = (err.strerror or str(err)) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
-        out(f"warning: {plan.names('plot')}: {path} not written ({reason})")
-    return None
-
-
-def _summary(atoms: Atoms, o: dict[str, Any], start: int, last: int, wall_start: float, progress: Progress | None,
-             path: Path | None, writer: TrajectoryWriter | None, log_path: Path | None, which: str) -> MDSummary:
-    wall = time.perf_counter() - wall_start
-    steps = last - start
-    simulated_ps = steps * o["timestep_fs"] / 1000.0
-    return MDSummary(
-        steps=steps, simulated_ps=simulated_ps, wall_s=wall,
-        ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
-        temperature_K=float(atoms.get_temperature()),
-        energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
-        trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
-        n_atoms=len(atoms), first_step=start, last_step=last, log=str(log_path) if log_path else None, atoms=atoms,
-        engine=which,
-    )
