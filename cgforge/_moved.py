@@ -91,6 +91,7 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.patches.graph_cache.CallGraphCache",
         "cgforge.patches.radial_precision.RadialLinear",
         "cgforge.patches.species_linear.SpeciesSelfConnection",
+        "cgforge.patches.e3nn_layers.SplitLinear",  # packages from a .ckpt (the installed e3nn's Linear swapped)
     ),
     # a NequIP package written from a model that streams edges or reads radial tables
     "nequip runtime": (

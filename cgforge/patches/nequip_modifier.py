@@ -7,8 +7,10 @@ NequIP model: it is attached here to nequip's ``TensorProductScatter``, the conv
 Configs (``modifiers: [{modifier: enable_cgforge}]``), ``nequip.model.modify`` and ``nequip-compile
 --modifiers`` then find it by name.
 
-This module runs inside ``import nequip``, so it imports only the two nequip modules it needs; the
-patching code (and cgforge's kernels) load when the modifier is first applied.
+This module runs inside ``import nequip``, so it imports only the two nequip modules it needs and (as its
+parent package) ``cgforge.patches``, whose import loads neither a family's code nor cgforge's kernels; the
+patching code and the kernels load when the modifier is first applied to a model
+(``tests/patches/test_families.py`` checks what ``import nequip`` loads).
 """
 
 from __future__ import annotations

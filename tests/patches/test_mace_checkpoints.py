@@ -123,6 +123,14 @@ def test_e3nn04_file_loads_patches_and_matches(legacy_file: Path, model_and_ref)
     assert type(torch.load(buf, weights_only=False).interactions[0].conv_tp) is o3.TensorProduct
 
 
+def test_e3nn04_file_loads_without_warnings(legacy_file: Path) -> None:
+    # reading e3nn 0.4's stored TorchScript is cgforge's business: no "torch.jit.load is deprecated" per module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patches.load(legacy_file)
+    assert not [str(w.message) for w in caught if "torch.jit" in str(w.message)]
+
+
 def test_e3nn04_modules_are_rebuilt_as_installed_e3nn_classes(legacy_file: Path, model_and_ref) -> None:
     model = pm.load_mace(legacy_file, patched=False)
     kinds = {type(m) for m in model.modules()}

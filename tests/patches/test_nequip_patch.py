@@ -727,6 +727,13 @@ def test_cli_patch_writes_nequip_package(files: dict, models: Models, tmp_path: 
     out = tmp_path / "cli.nequip.zip"
     assert main(["patch", str(src), str(out)]) == 0
     assert sha256(src) == before
+    # the cgforge class paths the package names are the contract's (cgforge._moved.PICKLED_CLASSES)
+    from test_pickle_contract import cgforge_globals, package_externs
+
+    from cgforge._moved import PICKLED_CLASSES
+
+    assert cgforge_globals(out) <= set(PICKLED_CLASSES["nequip"])
+    assert package_externs(out) <= {path.rpartition(".")[0] for path in PICKLED_CLASSES["nequip"]}
     loaded = load_saved_model(str(out), compile_mode="eager").eval()
     assert len(cgforge_convs(loaded)) == NUM_LAYERS
     data = cu_structure()
