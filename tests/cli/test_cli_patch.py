@@ -181,3 +181,12 @@ def test_mace_output_names_are_checked_before_loading(model_file, tmp_path: Path
     before = _sha(src)
     assert main([command, str(src), str(src), "--force"]) == 1  # never over IN, even with --force
     assert "same file" in capsys.readouterr().err and _sha(src) == before
+
+
+def test_patch_and_unpatch_name_the_family_they_wrote(model_file, tmp_path: Path, capsys) -> None:
+    src, _ = model_file
+    assert main(["patch", str(src), str(tmp_path / "p.model")]) == 0
+    assert f"wrote patched MACE model to {tmp_path / 'p.model'}" in capsys.readouterr().out
+    assert main(["unpatch", str(tmp_path / "p.model"), str(tmp_path / "u.model")]) == 0
+    assert f"wrote plain MACE model to {tmp_path / 'u.model'}" in capsys.readouterr().out
+    assert not pm.is_patched(torch.load(tmp_path / "u.model", weights_only=False))
