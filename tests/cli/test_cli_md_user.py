@@ -227,6 +227,7 @@ def test_help_and_banner_say_which_code_runs_and_the_effective_options(tmp_path,
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["md", "--help"]])
+@pytest.mark.smoke
 def test_version_and_help_load_no_torch(argv):
     code = ("import sys\nfrom cgforge.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'e3nn', 'ase', 'cgforge.patches', 'cgforge.kernels') if m in sys.modules]\n"

@@ -125,6 +125,7 @@ def test_unpatched_file_loads_without_cgforge(model_file, tmp_path: Path) -> Non
     assert abs(energy - float(ref["energy"][0])) <= 1e-10 * abs(float(ref["energy"][0]))
 
 
+@pytest.mark.smoke
 def test_missing_input_and_bad_arguments(tmp_path: Path, capsys) -> None:
     assert main(["patch", str(tmp_path / "nope.model"), str(tmp_path / "out.model")]) == 1
     assert "does not exist" in capsys.readouterr().err

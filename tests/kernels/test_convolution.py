@@ -29,6 +29,7 @@ def random_graph(n, e):
 # The CPU op sums with index_add whatever the graph's mode (the mode picks CUDA kernels): one run per graph,
 # and the mode's CPU-visible effect, the CSR arrays the CUDA kernels read, is tested on its own below.
 @pytest.mark.parametrize("n,e,index_dtype", GRAPHS)
+@pytest.mark.smoke
 def test_random_graph_matches_e3nn(n, e, index_dtype):
     tp = e3nn_tp(PROBLEMS["nequip-water"])
     conv = Convolution.from_e3nn(tp)

@@ -26,6 +26,7 @@ from cgforge.kernels import ConvGraph, Convolution
 TOL = 1e-10  # FP64; e3nn's D matrices for l = 6 are exact to ~1e-13
 
 
+@pytest.mark.smoke
 def test_rotations_are_what_they_claim():
     for seed in range(3):
         for inversion in (False, True):

@@ -19,6 +19,7 @@ def _loop_sums(values: torch.Tensor, rowptr: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.smoke
 def test_reference_equals_loop_sums_with_empty_rows_and_spare_elements(dtype: torch.dtype) -> None:
     rowptr = _rows(0, 50, 9)
     values = torch.randn(int(rowptr[-1]) + 7, 3, dtype=dtype, generator=torch.Generator().manual_seed(1))

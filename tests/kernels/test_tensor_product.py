@@ -14,6 +14,7 @@ SMALL = ["nequip-water", "nequip-lmax1-parity", "diffdock-L1", "tetris-poly"]
 
 
 @pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.smoke
 def test_problem_matches_e3nn_normalisation(name):
     tp = e3nn_tp(PROBLEMS[name])
     assert TPProblem.from_e3nn(tp) == TPProblem.build(*PROBLEMS[name])

@@ -45,6 +45,7 @@ def _assert_same_state(engine: Engine, atoms) -> None:
 # Equal to ASE
 
 
+@pytest.mark.smoke
 def test_nve_equals_ase_velocity_verlet():
     lj = lennard_jones()
     atoms = argon_box()
@@ -59,6 +60,7 @@ def test_nve_equals_ase_velocity_verlet():
     assert float(np.abs(ref.positions - atoms.positions).max()) > 0.5, "the atoms moved: a real comparison"
 
 
+@pytest.mark.smoke
 def test_langevin_equals_ase_langevin_with_the_same_random_numbers():
     lj = lennard_jones()
     atoms = argon_box(seed=1)

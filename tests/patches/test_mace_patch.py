@@ -94,6 +94,7 @@ def test_patch_is_in_place_and_idempotent() -> None:
     assert len({id(f.graphs) for f in fused}) == 1, "one graph cache shared by all blocks"
 
 
+@pytest.mark.smoke
 def test_state_dict_is_unchanged_and_loads_both_ways() -> None:
     plain = build_model()
     patched = _patched_copy(plain)
@@ -116,6 +117,7 @@ def _scrambled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.smoke
 def test_unpatch_restores_a_plain_mace_model() -> None:
     plain = build_model()
     ref = evaluate(plain, water_dimer())

@@ -95,6 +95,7 @@ def mace_calc(mace_model) -> Calculator:
 
 
 @pytest.mark.parametrize("name", list(STRUCTURES))
+@pytest.mark.smoke
 def test_mace_matches_mace_calculator(mace_model, mace_calc, name):
     from mace.calculators import MACECalculator
 
