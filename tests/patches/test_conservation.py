@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms, units
+from oracles import central_difference, displaced, projected_jacobian
 from potentials import Potential, mace_potential, mace_system, nequip_potential, nequip_system
 
 
@@ -91,12 +92,6 @@ def _system(name: str) -> Atoms:
     return mace_system() if name.startswith("mace") else nequip_system()
 
 
-def _displaced(atoms: Atoms, direction: np.ndarray, h: float) -> Atoms:
-    out = atoms.copy()
-    out.positions = atoms.positions + h * direction
-    return out
-
-
 def _directions(atoms: Atoms, seed: int, n_random: int = 3, n_axes: int = 3) -> list[np.ndarray]:
     """Unit random directions over all coordinates, and single coordinates (atom, axis)."""
     rng = np.random.default_rng(seed)
@@ -111,8 +106,7 @@ def _directions(atoms: Atoms, seed: int, n_random: int = 3, n_axes: int = 3) -> 
 
 def _stencil(f, atoms: Atoms, d: np.ndarray, h: float = FD_STEP):
     """Fourth-order central difference of f(atoms displaced by t d) at t = 0."""
-    return (-f(_displaced(atoms, d, 2 * h)) + 8 * f(_displaced(atoms, d, h)) - 8 * f(_displaced(atoms, d, -h))
-            + f(_displaced(atoms, d, -2 * h))) / (12 * h)
+    return central_difference(lambda t: f(displaced(atoms, d, t)), h, order=4)
 
 
 def check_forces_match_finite_differences(pot: Potential, atoms: Atoms) -> None:
@@ -131,9 +125,8 @@ def check_force_jacobian(pot: Potential, atoms: Atoms, n_vectors: int = 4) -> No
     _, forces, positions, _ = pot.evaluate(atoms, graph=True)
     rng = np.random.default_rng(5)
     vs = torch.tensor(rng.normal(size=(n_vectors, *forces.shape)), dtype=forces.dtype, device=forces.device)
-    # grad of F . v with respect to x is J^T v
-    jt_v = torch.stack([torch.autograd.grad((forces * v).sum(), positions, retain_graph=True)[0] for v in vs])
-    m = torch.einsum("jad,kad->jk", vs, jt_v).cpu()
+    m, jt_v = projected_jacobian(forces, positions, vs)  # grad of F . v with respect to x is J^T v
+    m = m.cpu()
     asym = (m - m.T).norm() / m.norm()
     assert m.norm() > 0
     assert asym < SYMMETRY_TOL, f"{pot.name}: force Jacobian asymmetry {asym:.3g}"
