@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import families
-from .common import current_umask, verify_checksums
+from cgforge.atomic import atomic_save
 
-__all__ = ["load", "patch", "unpatch", "save_patched", "checkpoint_kind", "verify_checksums", "LegacyCheckpointError"]
+from . import families
+from .common import verify_checksums
+
+__all__ = ["load", "patch", "unpatch", "save_patched", "atomic_save", "checkpoint_kind", "verify_checksums",
+           "LegacyCheckpointError"]
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
@@ -67,32 +69,6 @@ def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool
     (``path`` ending .nequip.zip). Refuses to overwrite an existing ``path`` unless ``force``.
     """
     return families.family_of(model).save(model, path, force=force)
-
-
-def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump: Any = torch.save,
-                what: str = "output") -> Path:
-    """``dump(obj, file)`` (default ``torch.save``) to a temporary file beside ``path``, then rename it into
-    place; ``what`` names the path in errors (e.g. a command-line argument)."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
-    if path.exists() and not force:
-        raise FileExistsError(f"{what}: {path} exists; use force=True (--force) to overwrite it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def __getattr__(name: str) -> Any:

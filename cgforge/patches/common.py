@@ -17,7 +17,7 @@ from ase.data import chemical_symbols
 
 __all__ = ["UnsupportedModelError", "UnknownElementError", "parse_device", "parse_dtype", "check_numbers",
            "unknown_elements",
-           "vanishes_at_zero", "current_umask",
+           "vanishes_at_zero",
            "verify_checksums"]
 
 
@@ -90,13 +90,6 @@ def existing_file(path: str | os.PathLike, what: str, expected: str) -> Path:
     if path.is_dir():
         raise IsADirectoryError(f"{what}: {path} is a directory, expected {expected}")
     return path
-
-
-def current_umask() -> int:
-    """The process's umask (read by setting and restoring it): files written atomically get the usual mode."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def verify_checksums(path: str | os.PathLike) -> None:

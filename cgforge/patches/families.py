@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .common import parse_device, parse_dtype
+from .recognise import is_mace_model, is_nequip_model
 
 __all__ = ["Family", "MACE", "NEQUIP", "FAMILIES", "COMPILED_SUFFIXES", "family_of", "family_for_file", "load",
            "is_mace_model", "is_nequip_model", "quiet_mace_import"]
@@ -158,11 +159,7 @@ class Family:
 class _MaceFamily(Family):
     def owns(self, module: Any) -> bool:
         """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
-        return (
-            isinstance(module, torch.nn.Module)
-            and type(module).__module__.startswith("mace.")
-            and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList)
-        )
+        return is_mace_model(module)
 
     def sniffs(self, path: str | os.PathLike) -> bool:
         """A torch.save zip (a pickled whole model) that is not a NequIP package."""
@@ -196,7 +193,7 @@ class _MaceFamily(Family):
              dtype: str | torch.dtype | None = None) -> Path:
         """A whole-model pickle (``torch.save``), which ``torch.load(path, weights_only=False)``, mace-torch's
         tools and MACECalculator load (a patched one wherever cgforge is installed); see ``Family.save``."""
-        from . import atomic_save
+        from cgforge.atomic import atomic_save
 
         self.check_output(path, patched=patched)
         model = load(source, device, dtype, patch=patched) if isinstance(source, (str, os.PathLike)) else source
@@ -214,13 +211,7 @@ class _MaceFamily(Family):
 class _NequipFamily(Family):
     def owns(self, module: Any) -> bool:
         """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
-        if not isinstance(module, torch.nn.Module) or not getattr(module, "is_graph_model", False):
-            return False
-        try:
-            metadata = module.metadata
-        except AttributeError:
-            return False
-        return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
+        return is_nequip_model(module)
 
     def sniffs(self, path: str | os.PathLike) -> bool:
         """A nequip-package archive (a zip holding ``model/package_metadata.txt``)."""
@@ -278,16 +269,6 @@ NEQUIP: Family = _NequipFamily(name="nequip", title="NequIP", package="cgforge.p
                                suffixes=(".ckpt", ".nequip.zip"), writes=(".nequip.zip",),
                                written_as="nequip packages", adapter_options=("type_map",))
 FAMILIES: tuple[Family, ...] = (MACE, NEQUIP)
-
-
-def is_mace_model(obj: Any) -> bool:
-    """``MACE.owns(obj)``: the check the MACE package's own functions make of their argument."""
-    return MACE.owns(obj)
-
-
-def is_nequip_model(obj: Any) -> bool:
-    """``NEQUIP.owns(obj)``: the check the NequIP package's own functions make of their argument."""
-    return NEQUIP.owns(obj)
 
 
 def family_of(module: Any) -> Family:

@@ -162,7 +162,7 @@ def test_other_fused_backend_is_refused() -> None:
 
 
 def test_convolution_the_kernels_cannot_build_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(tp):
+    def refuse(tp, **options):
         raise ValueError("connection mode 'uuu' not supported")
 
     monkeypatch.setattr(kernels.Convolution, "from_e3nn", staticmethod(refuse))

@@ -28,12 +28,13 @@ import os
 import re
 import struct
 import sys
-import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from cgforge.atomic import atomic_write
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -586,26 +587,13 @@ def _read_entry(key: str, options: tuple[str, ...]) -> CompileResult | None:
 def _write_entry(result: CompileResult) -> None:
     path = cache_entry_path(result.cache_key)
     directory = path.parent
-    tmp: str | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{result.cache_key[:16]}.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(_encode_entry(result))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        atomic_write(path, lambda f: f.write(_encode_entry(result)))
     except OSError as e:
         _warn_once(directory, f"cgforge kernel cache directory {directory} is not writable ({e}); "
                               "compiled kernels are kept in memory only for this process")
         return
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
     _remove_stale_temp_files(directory)
 
 

@@ -40,9 +40,9 @@ from cgforge import kernels
 
 from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
-from ..families import is_mace_model
 from ..graph_cache import CallGraphCache
 from ..radial_table import TableWeights
+from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
 from ..streaming import stream
 from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..families import is_mace_model
 from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, fuse_tables, original, tabulate
+from ..recognise import is_mace_model
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
 

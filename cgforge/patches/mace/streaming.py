@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..families import is_mace_model
+from ..recognise import is_mace_model
 from ..streaming import Deferred, DeferredRadial, DeferredWeights, EdgeRows, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..common import UnsupportedModelError, current_umask
+from cgforge.atomic import atomic_path
+
+from ..common import UnsupportedModelError
 from .files import PACKAGE_SUFFIX, SOLE_MODEL, check_input, load_models
 from .patch import patch
 from .verify import model_metadata, probe_structure, verify_patch
@@ -225,11 +226,10 @@ def _write_package(out: Path, contents: _PackageContents) -> None:
     internal = {m for m in _INTERNAL_MODULES if not (m == "cgforge" or m.startswith("cgforge."))}
     external = set(_EXTERNAL_MODULES) | {"cgforge"}
     devices = {name: _device_of(m) for name, m in contents.models.items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
     try:
         importers = contents.importers + (torch.package.importer.sys_importer,)
         with (
+            atomic_path(out) as tmp,
             _package_warnings_suppressed(loading=False),
             torch.package.PackageExporter(tmp, importer=importers) as exp,
         ):
@@ -247,12 +247,6 @@ def _write_package(out: Path, contents: _PackageContents) -> None:
                 "model", "package_metadata.txt", yaml.dump(contents.metadata, default_flow_style=False)
             )
             exp.save_pickle("model", "eager_model.pkl", contents.models.to("cpu"), dependencies=True)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     finally:
         for name, device in devices.items():
             contents.models[name].to(device)

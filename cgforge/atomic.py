@@ -1,0 +1,84 @@
+"""Writing a file all at once: the one atomic writer of the package.
+
+Every file cgforge writes (patched models, LAMMPS model files, NequIP packages, kernel cache entries, plots,
+engine states) is written under a unique temporary name beside its destination, flushed to disk, given the
+mode a plain ``open`` would give it, and renamed into place; on any error the temporary file is removed, so
+a reader sees the old file or the whole new one, never half of one, and no user file is touched on failure.
+
+    atomic_write("out.bin", lambda f: f.write(data))
+    with atomic_path("run.png") as tmp:
+        figure.savefig(tmp, format="png")      # writers that want a file name
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_path", "atomic_write", "atomic_save", "check_new_file", "current_umask"]
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
+    """A unique temporary path beside ``path`` to write to; when the block ends without an error it is synced
+    to disk and renamed to ``path``, otherwise removed. ``suffix`` ends the temporary name (writers such as
+    ``numpy.savez`` append their own extension to a name without it)."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the usual mode
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()  # our own half-written file, never a user's
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
+    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path`` (see the module)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+    return Path(path)
+
+
+def check_new_file(path: str | os.PathLike, *, force: bool = False, what: str = "output") -> Path:
+    """``path`` as an output file name: not a directory, in a directory that exists, and not an existing file
+    unless ``force``; ``what`` names the path in errors (e.g. a command-line argument)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
+    if path.exists() and not force:
+        raise FileExistsError(f"{what}: {path} exists; use force=True (--force) to overwrite it")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
+    return path
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, *, force: bool = False, dump: Callable[[Any, IO[bytes]], Any]
+                | None = None, what: str = "output") -> Path:
+    """``dump(obj, file)`` (default ``torch.save``) written atomically to a new file ``path`` (``force``:
+    replace an existing one); ``what`` names the path in errors."""
+    if dump is None:
+        import torch
+
+        dump = torch.save
+    path = check_new_file(path, force=force, what=what)
+    return atomic_write(path, lambda f: dump(obj, f))
