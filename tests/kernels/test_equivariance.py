@@ -145,12 +145,13 @@ def _system(name: str) -> Atoms:
 
 @pytest.mark.parametrize("inversion", [False, True], ids=["rotation", "rotoinversion"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_patched_model_energy_invariant_forces_and_stressrotate(patched_models, name, inversion):
+@pytest.mark.slow
+def test_patched_model_energy_invariant_forces_and_stress_rotate(patched_models, name, inversion):
     _check_model(patched_models(name, "cpu"), _system(name), seed=11, inversion=inversion)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("inversion", [False, True], ids=["rotation", "rotoinversion"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_patched_model_on_gpu_energy_invariant_forces_and_stressrotate(patched_models, name, inversion):
+def test_patched_model_on_gpu_energy_invariant_forces_and_stress_rotate(patched_models, name, inversion):
     _check_model(patched_models(name, "cuda"), _system(name), seed=11, inversion=inversion)

@@ -266,6 +266,7 @@ def test_no_pre_release_aliases(path):
         importlib.import_module(path)
 
 
+@pytest.mark.slow
 def test_import_loads_no_model_package():
     """kernels/ knows no model: importing it loads no model package, no ASE and nothing of the layers above."""
     code = ("import sys, cgforge.kernels; "

@@ -133,6 +133,7 @@ def test_every_cg_triple_up_to_l6_matches_e3nn():
 @seed_decorator()
 @hypothesis_settings(40)
 @given(problem=problems(max_mul=40, max_paths=3), batch=st.integers(1, 3), seed=seeds)
+@pytest.mark.slow
 def test_cpu_path_double_backward_matches_e3nn(problem, batch, seed):
     """The second derivatives (forces in a training loss, force Jacobians) go through the double-backward
     formulas of ops.py: a loss of all three first derivatives, differentiated again."""
@@ -167,6 +168,7 @@ def _conv_inputs(problem, n, e, seed, dtype=torch.float64, device="cpu"):
 @seed_decorator()
 @hypothesis_settings(60)
 @given(problem=problems(max_mul=70, max_paths=3), graph=graphs(), deterministic=st.booleans(), seed=seeds)
+@pytest.mark.slow
 def test_convolution_cpu_path_matches_e3nn(problem, graph, deterministic, seed):
     n, s, r = graph
     tp = problem.e3nn()

@@ -189,6 +189,7 @@ def _energy_forces(calc, atoms):
     return atoms.get_potential_energy(), atoms.get_forces()
 
 
+@pytest.mark.slow
 def test_mace_with_tables_matches_the_mlp(float64) -> None:
     from cgforge.plugin.water import water_box
 
@@ -220,6 +221,7 @@ def _fused_and_unfused(device: str, dtype: str, atoms):
     return fused, _energy_forces(calc, atoms), calc
 
 
+@pytest.mark.slow
 def test_mace_convolutions_read_the_tables(float64) -> None:
     from cgforge.patches.mace.radial_table import set_table_fusion
     from cgforge.plugin.water import water_box
@@ -231,6 +233,7 @@ def test_mace_convolutions_read_the_tables(float64) -> None:
         set_table_fusion(calc.model, True)
 
 
+@pytest.mark.slow
 def test_mace_tables_off_and_unpatch_restore_the_model(float64) -> None:
     from cgforge.patches import mace as pm
     from cgforge.patches.mace.radial_table import TabulatedRadial, radial_tables
@@ -249,6 +252,7 @@ def test_mace_tables_off_and_unpatch_restore_the_model(float64) -> None:
     assert not any(isinstance(m, TabulatedRadial) for m in calc.model.modules())
 
 
+@pytest.mark.slow
 def test_mace_tables_stream(float64) -> None:
     """Streaming edges over a tabulated model (and back) gives the tabulated model's numbers."""
     from cgforge.plugin.water import water_box

@@ -225,6 +225,7 @@ def test_from_mace_shares_the_tensors() -> None:
     assert rel(after, before) > 1e-3
 
 
+@pytest.mark.slow
 def test_standalone_u_matrices_are_maces() -> None:
     from mace.tools.cg import U_matrix_real
 
@@ -328,6 +329,7 @@ def test_bad_inputs_are_clear_errors() -> None:
 # ----------------------------------------------------------------------------- schedule, program, source
 
 @pytest.mark.parametrize("size", ["small", "medium", "large"])
+@pytest.mark.slow
 def test_schedule_interpreter_and_program_match_the_definition(size: str) -> None:
     """Reduced basis + transform (interpreter) and the generated statements (NumPy) vs dense U."""
     ref_module = mace_sc(6, OUT[size], 3, 4)
@@ -390,6 +392,7 @@ def test_generated_source_compiles_with_nvrtc(scalar: str) -> None:
 
 # ----------------------------------------------------------------------------- MACE models
 
+@pytest.mark.slow
 def test_patched_mace_model_swaps_products_and_matches_fp64() -> None:
     model = build_model(hidden=MP_SHAPES["medium"].replace("128", "16"), max_ell=3, correlation=3)
     ref = evaluate(model, water_dimer())

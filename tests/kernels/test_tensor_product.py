@@ -87,6 +87,7 @@ def test_single_path_sweep(l1, l2, l3, mode, mul1, mul2):
 
 
 @pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.slow
 def test_schedule_interpreter(name):
     """The schedule, executed segment by segment as the kernel does, equals e3nn."""
     tp = e3nn_tp(PROBLEMS[name], shared=name == "tetris-poly")

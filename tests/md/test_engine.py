@@ -36,6 +36,7 @@ def calc64() -> Calculator:
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.slow
 def test_engine_equals_ase_velocity_verlet_with_the_bundled_model(calc64, pipelined):
     """24 atoms, FP64, a 0.25 Å skin so that the list goes stale inside blocks: the engine discards those steps,
     rebuilds and redoes them; the trajectory is ASE's to rounding. Pipelined: the next list is searched at a
@@ -56,6 +57,7 @@ def test_engine_equals_ase_velocity_verlet_with_the_bundled_model(calc64, pipeli
     assert (engine.stats["overlapped_rebuilds"] >= 2) == pipelined, engine.stats
 
 
+@pytest.mark.slow
 def test_pipelined_rebuild_under_a_changing_cell_equals_synchronous_rebuilds(calc64):
     """NPT (the cell moves between the snapshot a list is searched for and its installation): the same
     trajectory as rebuilding synchronously."""

@@ -92,6 +92,7 @@ def _series(engine: Engine, steps: int, every: int, *names: str) -> dict[str, np
     return {k: np.array(v) for k, v in out.items()}
 
 
+@pytest.mark.slow
 def test_langevin_samples_the_canonical_distribution():
     """64 tethered oscillators (3N = 192 quadratic kinetic and potential terms): <T> = T0, var(T) = 2 T0^2 / 3N,
     <U> = 3N kT / 2 (ASE's scheme has an O(dt^2) bias, small at omega dt <= 0.1)."""

@@ -34,6 +34,7 @@ def model_file(model, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_nve_conserves_energy(model, tmp_path):
     stiff = copy.deepcopy(model)
     stiff.scale_shift.scale *= 1000  # water-like forces (max ~0.6 eV/Å) instead of a random model's ~1e-3
@@ -79,6 +80,7 @@ def test_run_md_refuses_to_overwrite_and_bad_arguments(model, tmp_path):
             run_md(atoms, calc, log=None, **kwargs)
 
 
+@pytest.mark.slow
 def test_cli_md_runs_and_refuses_to_overwrite(model_file, tmp_path, capsys):
     out = tmp_path / "cli.traj"
     argv = ["md", "--model", str(model_file), "--molecules", "8", "--steps", "4", "--traj-interval", "2",

@@ -142,6 +142,7 @@ def test_model_path_missing_file_says_how_to_make_it(tmp_path, monkeypatch):
 # Patched == unpatched
 
 
+@pytest.mark.slow
 def test_mace_patched_matches_unpatched_in_float64(box):
     """Converted to float64 both ways, patched and plain agree far below float32 precision.
 
@@ -160,6 +161,7 @@ def test_mace_patched_matches_unpatched_in_float64(box):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_patched_matches_unpatched_in_float32(kind, box, calculators):
     plain, patched = calculators[kind]
     adapter = mace_adapter if kind == "mace" else nequip_adapter
@@ -176,6 +178,7 @@ def test_patched_matches_unpatched_in_float32(kind, box, calculators):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_close_to_qspcfw_on_a_fresh_box(kind, box, reference, calculators):
     got = _evaluate(calculators[kind][1], box)
     energy_error = abs(float(got["energy"]) - reference["energy"]) / len(box) * 1000  # meV/atom
@@ -204,11 +207,13 @@ def _directional_check(calc, atoms, h: float, tolerance: float) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_forces_are_minus_the_energy_gradient(kind, box, calculators):
     """As shipped (float32): the energy carries ~2e-6 eV of rounding, i.e. ~1e-4 eV/Å of noise at h = 0.01 Å."""
     _directional_check(calculators[kind][1], box, h=1e-2, tolerance=1e-3)
 
 
+@pytest.mark.slow
 def test_mace_float64_forces_are_minus_the_energy_gradient(box):
     """Converted to float64 the check is tight: rounding ~1e-13 eV, truncation ~h^2 = 1e-8."""
     calc = MACECalculator(models=cgforge.patches.load(model_path("mace"), dtype="float64"), device="cpu",
@@ -217,6 +222,7 @@ def test_mace_float64_forces_are_minus_the_energy_gradient(box):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_nve_conserves_energy(kind, box, calculators):
     """40 velocity-Verlet steps of 0.5 fs (20 fs, two O-H stretch periods) from 300 K velocities.
 

@@ -52,6 +52,7 @@ def _chunked_blocks(calc: Calculator) -> list[int | None]:
 
 
 @pytest.mark.parametrize("rows", [7, 1000])  # ragged ranges; one range holding every row
+@pytest.mark.slow
 def test_row_chunks_give_the_whole_rows_energy_and_forces(monkeypatch, rows: int) -> None:
     atoms = water_box(16, seed=11)
     e0, f0 = _energy_forces(_calculator(), atoms)
@@ -71,6 +72,7 @@ def test_row_chunks_give_the_whole_rows_energy_and_forces(monkeypatch, rows: int
     assert e2 == e3 and np.array_equal(f2, f3)
 
 
+@pytest.mark.slow
 def test_backward_by_receiver_ranges_gives_the_same_forces(monkeypatch) -> None:
     """Row chunks with the first-order backward by ranges of receiver rows (``TPTuning.backward_range_bytes``):
     the whole MACE model's forces as with the whole gradient (FP64)."""
