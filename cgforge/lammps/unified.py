@@ -319,7 +319,7 @@ class CgforgeMLIAP(_mliap_base()):
 
 def _model_path(model: str | os.PathLike) -> Path:
     if isinstance(model, str) and model.lower() in ("mace", "nequip"):
-        from cgforge.plugin.bundled import model_path
+        from cgforge.plugin.runtime.bundled import model_path
 
         return Path(model_path(model.lower()))
     if not isinstance(model, str | os.PathLike):
@@ -331,7 +331,7 @@ def _model_path(model: str | os.PathLike) -> Path:
 
 def _adapter(model: torch.nn.Module, device: torch.device, head: str | None,
              type_map: dict[str, str] | None) -> Any:
-    from cgforge.plugin.inputs import adapter_for
+    from cgforge.plugin.runtime.adapters import adapter_for
 
     return adapter_for(model, device, head=head, type_map=type_map)
 
