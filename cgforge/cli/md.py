@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,15 +78,9 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
             f"ready in {seconds:.1f} s{compiled}{table}{inductor}")
 
 
-# The kernel tuning variables (cgforge.kernels.core.tuning): shown when set, since they change the kernels.
-TUNING_VARIABLES = ("CGFORGE_FORWARD_CHUNK", "CGFORGE_BACKWARD_CHUNK", "CGFORGE_LOOP_ORDER",
-                    "CGFORGE_BACKWARD_LOOP_ORDER", "CGFORGE_BACKWARD_MIN_BLOCKS", "CGFORGE_SC_BLOCK",
-                    "CGFORGE_SC_CHUNK", "CGFORGE_SC_PAIRINGS")
-
-
 def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
-    radial tables, the memory policy (streaming), the skin and any kernel tuning from the environment."""
+    radial tables, the memory policy (streaming), the skin and the kernel tuning when it is not the default."""
     why = ""
     if requested == "auto":
         why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
@@ -103,9 +96,9 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
              f"CUDA graph {'on' if getattr(calc, 'cuda_graph', False) else 'off'}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
              f"memory: {memory}", f"skin {skin:g} Å"]
-    tuning = [f"{k}={os.environ[k]}" for k in TUNING_VARIABLES if os.environ.get(k)]
-    if tuning and getattr(calc, "patched", False):
-        parts.append(f"kernel tuning from the environment: {' '.join(tuning)}")
+    tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel
+    if tuning is not None and tuning != type(tuning)() and getattr(calc, "patched", False):
+        parts.append("kernel tuning: " + tuning.describe().replace("\n", ", "))
     return "options: " + ", ".join(parts)
 
 
