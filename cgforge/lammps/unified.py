@@ -103,7 +103,7 @@ class CgforgeMLIAP(_mliap_base()):
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
                  mode: str = "auto", cuda_graph: bool | None = None, _padded: bool = False) -> None:
         from cgforge.patches.common import UnsupportedModelError
-        from cgforge.plugin.calculator import load_model
+        from cgforge.plugin.runtime.potential import load_module as load_model
 
         super().__init__()
         if mode not in MODES:
@@ -182,7 +182,7 @@ class CgforgeMLIAP(_mliap_base()):
     # --- the lazy set-up in the LAMMPS process -----------------------------------------------------
 
     def _device_for(self, data: Any) -> torch.device:
-        from cgforge.plugin.calculator import resolve_device
+        from cgforge.plugin.runtime.potential import resolve_device
 
         if self.device not in (None, "auto"):
             return resolve_device(self.device)
@@ -204,7 +204,7 @@ class CgforgeMLIAP(_mliap_base()):
     def setup(self, device: torch.device | str) -> None:
         """Load (and patch) the model on ``device`` now."""
         from cgforge.patches.graph_cache import graph_caches
-        from cgforge.plugin.calculator import load_model
+        from cgforge.plugin.runtime.potential import load_module as load_model
 
         device = torch.device(device)
         patch = device.type == "cuda" if self.patch is None else self.patch
