@@ -12,7 +12,7 @@ stress from the virial and the cell's volume) and ASE's keyword spellings to the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -245,10 +245,6 @@ class Calculator(AseCalculator):
     def record_timings(self, enabled: bool = True) -> None:
         """``Potential.record_timings``: a per-phase breakdown in ``timings.seconds``."""
         self.potential.record_timings(enabled)
-
-    def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True) -> MemoryPlan | None:
-        """``Potential.plan_memory``."""
-        return self.potential.plan_memory(n_atoms, count_edges, streaming)
 
     def plan_rows(self, n_atoms: int) -> None:
         """``Potential.plan_rows``."""

@@ -19,6 +19,7 @@ from cgforge.patches.radial_precision import (
     tf32_round,
 )
 from cgforge.plugin import Calculator
+from cgforge.plugin.runtime.potential import Potential
 from cgforge.plugin.water import water_box
 
 
@@ -102,7 +103,7 @@ def test_patched_models_expose_their_radial_layers(nequip_state) -> None:
 
 def _calculator(model: str, mode: str, monkeypatch) -> Calculator:
     # the CUDA requirement bypassed: on CPU the TF32 product is the emulation
-    monkeypatch.setattr(Calculator, "_radial_precision", lambda self, m: m)
+    monkeypatch.setattr(Potential, "_radial_precision", lambda self, m: m)
     return Calculator(model, device="cpu", patch=True, warmup=False, radial_precision=mode)
 
 

@@ -92,7 +92,7 @@ def test_the_step_counts_the_edges_the_model_sees() -> None:
     atoms.get_forces()
     assert counted == calc.n_edges > 0
     assert calc.neighbours.n_builds == builds  # the run found the prepared list fresh
-    assert calc.plan_memory(len(atoms), lambda: pytest.fail("counted on a CPU")) is None  # CUDA only
+    assert calc.potential.plan_memory(len(atoms), lambda: pytest.fail("counted on a CPU")) is None  # CUDA only
 
 
 def test_row_chunked_boxes_are_estimated_with_their_own_bytes(monkeypatch) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from cgforge.plugin import Calculator
 from cgforge.plugin.md.engine import Engine
+from cgforge.plugin.md.forces import ModelForces
 from cgforge.plugin.md.integrators import VelocityVerlet
 from cgforge.plugin.runtime.capture import room
 from cgforge.plugin.runtime.options import RuntimeOptions
@@ -57,6 +58,8 @@ def test_the_engine_runs_on_a_potential(potential) -> None:
     engine = Engine(potential, atoms, VelocityVerlet(0.5), block=2)
     engine.run(2)
     assert engine.step == 2 and np.isfinite(engine.sync_atoms().positions).all()
+    provider = ModelForces(potential)
+    assert Engine(provider, atoms, VelocityVerlet(0.5)).provider is provider  # a provider is taken as it is
 
 
 def test_load_names_what_it_cannot_load(tmp_path) -> None:

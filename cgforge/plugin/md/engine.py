@@ -95,7 +95,7 @@ class Engine:
     ``Calculator(compile=True)``); sets it on ``integrator``.
     """
 
-    def __init__(self, forces, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
+    def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
                  steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
                  rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None,
                  fuse_integrator: bool | None = None) -> None:
@@ -109,8 +109,9 @@ class Engine:
         if not isinstance(integrator, Integrator):
             raise TypeError(f"integrator: expected a cgforge.plugin.md.integrators integrator, got "
                             f"{type(integrator).__name__}")
-        potential = getattr(forces, "potential", forces)  # a Calculator's runtime, or a Potential itself
-        self.provider = ModelForces(potential) if isinstance(potential, Potential) else forces
+        potential = forces if isinstance(forces, Potential) else getattr(forces, "potential", None)  # a Calculator's
+        provider = callable(getattr(forces, "compute", None))  # a provider (ModelForces has a potential too)
+        self.provider = ModelForces(potential) if isinstance(potential, Potential) and not provider else forces
         if not callable(getattr(self.provider, "compute", None)):
             raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
         self.atoms = atoms
