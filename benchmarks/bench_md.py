@@ -67,8 +67,8 @@ from common import add_backward_range_flag, apply_backward_range, environment, p
 from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
-from cgforge.plugin.runtime import atom_order  # noqa: E402
 from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
+from cgforge.plugin.runtime.options import RuntimeOptions  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,8 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
                    "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
                    "cgforge-stored": {"streaming": False},
-                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False}, "cgforge-user-order": {}}
+                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False},
+                   "cgforge-user-order": {"options": RuntimeOptions(order_above_atoms=None)}}
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
@@ -259,13 +260,7 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     sync()
     t = time.perf_counter()
     STAGE["now"] = "the first forces call"
-    threshold = atom_order.ORDER_ABOVE_ATOMS
-    if backend == "cgforge-user-order":  # the order is chosen in the first call
-        atom_order.ORDER_ABOVE_ATOMS = None
-    try:
-        a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
-    finally:
-        atom_order.ORDER_ABOVE_ATOMS = threshold
+    a.calc.get_property("forces", a)  # the first call: CUDA-graph capture, and torch.compile when asked for
     sync()
     row["first_call_s"] = time.perf_counter() - t
     STAGE["now"] = "the NVT steps"
@@ -282,7 +277,7 @@ def measure(model_name: str, backend: str, dtype: str, atoms, files: dict, steps
     else:
         row["edges"] = calc.n_edges
         row["streaming"] = bool(calc.streaming)
-        row["spatial_order"] = calc._order is not None
+        row["spatial_order"] = calc.system is not None and calc.system.order is not None
         row["cuda_graph"] = bool(calc.cuda_graph)
         row["capture_error"] = calc.step.capture_error
         row["model_edge_slots"] = calc.step.capacity

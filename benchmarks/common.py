@@ -124,11 +124,13 @@ def add_backward_range_flag(parser) -> None:
 
 
 def apply_backward_range(args) -> None:
-    """Set ``table_rows.BACKWARD_RANGE_BYTES`` from ``--backward-range-gb`` (exits naming the flag when bad)."""
+    """Check ``--backward-range-gb``; a set value exits naming the flag: the ranges are kernel tuning now
+    (``TPTuning.backward_range_bytes``, a value passed to ``patch(model, tuning=...)``), which the Calculator
+    these scripts build does not take, and a module constant that changes nothing must not look like an A/B."""
     if args.backward_range_gb is None:
         return
-    from cgforge.kernels.convolution import table_rows
-
     if not args.backward_range_gb > 0:
         sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
-    table_rows.BACKWARD_RANGE_BYTES = int(args.backward_range_gb * 1e9)
+    sys.exit("--backward-range-gb: not available: the receiver-range backward is TPTuning(backward_range_bytes=...) "
+             "passed to cgforge.patches.mace.patch(model, tuning=KernelTuning(tp=...)); the Calculator takes no "
+             "kernel tuning yet")

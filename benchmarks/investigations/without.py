@@ -3,9 +3,8 @@
     python3 benchmarks/investigations/without.py reshape benchmarks/bench_md.py --systems 5k ...
 
 ``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
-``single-irrep-backward``: a one-irrep convolution's backward keeps the multi-irrep chunk rule
-(``schedule.SINGLE_IRREP_BACKWARD_CHUNK = None``).
-``chunk-passes``: the chunks-order backward in one launch (``schedule.BACKWARD_CHUNK_PASSES = False``).
+Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
+``backward_chunk_passes``, ...) passed to the kernels; ``bench_layer.py --tuning`` measures them side by side.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-OFF = ("reshape", "single-irrep-backward", "chunk-passes")
+OFF = ("reshape",)
 
 
 def main() -> None:
@@ -25,14 +24,6 @@ def main() -> None:
         from cgforge.patches.mace.reshape import BlockReshape
 
         BlockReshape.supports = classmethod(lambda cls, module: False)
-    if sys.argv[1] == "single-irrep-backward":
-        from cgforge.kernels.tensor_product import schedule
-
-        schedule.SINGLE_IRREP_BACKWARD_CHUNK = None
-    if sys.argv[1] == "chunk-passes":
-        from cgforge.kernels.tensor_product import schedule
-
-        schedule.BACKWARD_CHUNK_PASSES = False
     script, sys.argv = sys.argv[2], sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 
