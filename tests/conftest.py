@@ -1,9 +1,15 @@
+import signal
+
 import pytest
 import torch
 
+# The Ctrl-C tests need Python's own SIGINT handler: a process started in the background of a shell without job
+# control inherits SIGINT ignored, and then neither run_md nor a `cgforge md` subprocess would see a Ctrl-C.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Every test starts from the same torch default dtype, e3nn flags, TF32 settings and seeds (global_state.py
 # says how module fixtures such as nequip_state still take effect inside their module).
-from global_state import _module_global_state, _test_global_state, state_fixture  # noqa: F401
+from global_state import _module_global_state, _test_global_state, state_fixture  # noqa: E402, F401
 
 
 def pytest_collection_modifyitems(config, items):
