@@ -52,6 +52,8 @@ import torch
 from ase import Atoms, units
 from torch import Tensor
 
+from cgforge.atomic import atomic_path
+
 from ..runtime.capture import capture_or_fall_back
 from ..runtime.compiled import compile_or_eager
 from ..runtime.potential import Potential
@@ -258,10 +260,9 @@ class Engine:
             raise ValueError(f"path: expected a .npz file name, got {path}")
         d = self.state_dict()
         meta = {k: d[k] for k in ("format", "step", "seed", "integrator", "params", "energy", "extra")}
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, meta=np.array(json.dumps(meta)), **{k: d[k] for k in ("numbers", "positions", "momenta",
-                                                                             "forces", "virial", "cell")})
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez(tmp, meta=np.array(json.dumps(meta)), **{k: d[k] for k in ("numbers", "positions", "momenta",
+                                                                                 "forces", "virial", "cell")})
         return path
 
     def load_state(self, source: dict | str | os.PathLike | Atoms) -> None:

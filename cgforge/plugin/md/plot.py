@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cgforge.atomic import atomic_path
 
 __all__ = ["check_matplotlib", "write_plot", "plot_run"]
 
@@ -64,13 +64,8 @@ def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: boo
             ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("time [ps]")
     fig.suptitle(title, fontsize="medium")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp{path.suffix}")
-    try:
+    with atomic_path(path, suffix=path.suffix) as tmp:
         fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".").lower())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()  # our own half-written file, never a user's
     return True
 
 
