@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cgforge.atomic import atomic_path
+from cgforge.atomic import atomic_path, check_new_file
 
 from ..common import UnsupportedModelError
 from .files import PACKAGE_SUFFIX, SOLE_MODEL, check_input, load_models
@@ -67,13 +67,7 @@ def _check_output(out_path: str | os.PathLike, force: bool) -> Path:
         raise ValueError(
             f"output: {out} must end with {PACKAGE_SUFFIX} (cgforge writes NequIP models as packages)"
         )
-    if out.is_dir():
-        raise IsADirectoryError(f"output: {out} is a directory, expected a file name")
-    if out.exists() and not force:
-        raise FileExistsError(f"output: {out} exists; use force=True (--force) to overwrite it")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"output: directory {out.parent} does not exist")
-    return out
+    return check_new_file(out, force=force, what="output")
 
 
 class _PackageContents:
