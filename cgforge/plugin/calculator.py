@@ -154,7 +154,10 @@ class Calculator(AseCalculator):
     forces and stress in separate calls).
     warmup, cuda_graph, filter_edges, radial_precision, radial_table, streaming, compile, options: the runtime's
     (``runtime.potential.Potential``: kernel warm-up, CUDA-graph capture, edge filtering, radial-MLP precision,
-    radial tables, streaming, ``torch.compile``, ``RuntimeOptions``). Systems larger than
+    radial tables, streaming, ``torch.compile``, ``RuntimeOptions``). workspace: ``"whole"`` evaluates the system
+    as one graph, ``"tiled"`` in tiles with a fixed working set (``runtime.tiled``: memory grows with the atoms
+    only, for systems past a few million atoms), ``"auto"`` (the default) in tiles where one graph would not
+    fit the GPU. Systems larger than
     ``options.order_above_atoms`` run in a spatial order; results always come back in the order given.
     MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
     and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
@@ -192,6 +195,7 @@ class Calculator(AseCalculator):
         streaming: bool | None = None,
         compile: bool | str = False,
         options: RuntimeOptions | None = None,
+        workspace: str = "auto",
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
@@ -203,7 +207,7 @@ class Calculator(AseCalculator):
         self.potential = Potential(
             module, device, skin=skin, head=head, type_map=type_map, warmup=warmup, cuda_graph=cuda_graph,
             filter_edges=filter_edges, radial_precision=radial_precision, radial_table=radial_table,
-            streaming=streaming, compile=compile_mode, options=options)
+            streaming=streaming, compile=compile_mode, options=options, workspace=workspace)
         self.forces_with_energy = bool(forces_with_energy)
         self.stress_with_forces = bool(stress_with_forces)
         self._system: System | None = None

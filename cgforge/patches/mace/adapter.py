@@ -53,6 +53,7 @@ class MaceAdapter:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.cutoff = float(model.r_max)
+        self.hops = len(model.interactions)  # an atom's energy depends on the atoms within hops x cutoff
         elements = [int(z) for z in model.atomic_numbers.tolist()]
         self.elements = elements
         self.n_species = len(elements)

@@ -49,6 +49,7 @@ class NequipAdapter:
         # the edge geometry): do the same, so FP32 models see the same edge lengths.
         self.dtype = torch.float64
         self.energy_model = energy_model_of(model)
+        self.hops = message_hops(self.energy_model)
         table = np.full(119, -1, dtype=np.int64)
         for symbol, type_name in self._symbol_to_type(type_map).items():
             table[_SYMBOL_TO_Z[symbol]] = self.type_names.index(type_name)
@@ -148,6 +149,12 @@ class NequipAdapter:
         radial_table.set_radial_table(self.energy_model, on)
         return [(t.table_coeffs.shape[0], max(t.value_error, t.slope_error))
                 for t in radial_table.radial_tables(self.energy_model)]
+
+
+def message_hops(energy_model: torch.nn.Module) -> int:
+    """Message-passing layers of a NequIP energy model (its ``ConvNetLayer`` children): an atom's energy depends on
+    the atoms within this many cutoffs. At least 1 (a pair term alone reaches one cutoff)."""
+    return max(1, sum(class_name(original(m)).endswith("ConvNetLayer") for m in energy_model.children()))
 
 
 def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -36,6 +36,7 @@ class ModelAdapter(Protocol):
     dtype: torch.dtype  # dtype of positions, cell and edge vectors fed to the model
     device: torch.device
     n_species: int
+    hops: int  # message-passing layers: an atom's energy depends only on atoms within hops x cutoff (``tiled``)
 
     def species(self, numbers: np.ndarray) -> Tensor:
         """The per-atom species input of the model, on the device, from atomic numbers (unknown ones raise).

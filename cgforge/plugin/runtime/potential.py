@@ -41,6 +41,7 @@ from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
 from .neighbours import VerletNeighbourList
 from .options import RuntimeOptions
 from .step_graph import ModelStep
+from .tiled import Workspace, check_workspace
 
 __all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
@@ -183,20 +184,23 @@ class Potential:
     system whose stored path would not fit (``plan_memory``) or that ran out of memory. compile: False, True or
     an Inductor mode (``compiled.MODES``) for ``torch.compile`` of the model (needs a patched model and a
     working compiler). options: the ``RuntimeOptions`` (memory fractions, atom order, compile backend, TF32
-    tolerance); ``options`` may be replaced later and is read when the next plan is made.
+    tolerance, tiles); ``options`` may be replaced later and is read when the next plan is made. workspace:
+    ``"whole"`` (one graph: the Verlet list and the captured step), ``"tiled"`` (``runtime.tiled``: a fixed
+    working set, no array over all edges) or ``"auto"``: tiles on CUDA where one graph would not fit.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, skin: float = 1.0, head: str | None = None,
                  type_map: dict[str, str] | None = None, warmup: bool = True, cuda_graph: bool | None = None,
                  filter_edges: bool | None = None, radial_precision: str = "fp32", radial_table: bool | None = None,
                  streaming: bool | None = None, compile: bool | str | None = False,
-                 options: RuntimeOptions | None = None) -> None:
+                 options: RuntimeOptions | None = None, workspace: str = "auto") -> None:
         if options is None:
             options = RuntimeOptions()
         if not isinstance(options, RuntimeOptions):
             raise TypeError(f"options: expected a RuntimeOptions, got {type(options).__name__}")
         self.options = options
         compile_mode = parse_compile(compile)
+        check_workspace(workspace)
         check_radial_table(radial_table, radial_precision)
         self.device = torch.device(device)
         self.patched = _is_patched(model)  # a module given already patched stays so
@@ -204,6 +208,7 @@ class Potential:
             p.requires_grad_(False)  # inference: autograd tracks positions and strain only
         self.model = model
         self.adapter: ModelAdapter = adapter_for(model, self.device, head=head, type_map=type_map)
+        self.workspace = Workspace(workspace, self.adapter, lambda: self.options)
         self.dtype = self.adapter.dtype
         self.radial_precision_requested = self._radial_precision(radial_precision)
         self.radial_precision = "fp32"  # the mode in use: decided on the first structure
@@ -275,24 +280,12 @@ class Potential:
         forces = forces or stress
         order, species = system.order, system.species
         user_positions, positions = positions, positions if order is None else positions[order]
-        self.plan_memory(positions.shape[0], lambda: self.step.prepare(positions, cell, pbc, species))
-        self.plan_rows(positions.shape[0])
-        if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
-            self._check_radial_precision(positions, cell, pbc, species)
-        try:
-            try:
-                host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
-            except torch.cuda.OutOfMemoryError:
-                if self.streaming or self.streaming_requested is not None or not self._switch_to_streaming():
-                    raise
-                warnings.warn("cgforge: the stored path ran out of GPU memory for this structure; streaming edges "
-                              "from now on (streaming=True chooses it from the start)", stacklevel=3)
-                torch.cuda.empty_cache()
-                host = self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
-        except ValueError as err:  # neighbour list: singular cell, cutoff too large for the cell, ...
-            if str(err).startswith(("atoms:", "species:")):
-                raise
-            raise ValueError(f"atoms: {err}") from err
+        with _errors_name_atoms():
+            self.workspace.tiled_last = self.workspace.uses_tiles(positions, cell, pbc)
+            if self.workspace.tiled_last:
+                host = self._evaluate_tiled(positions, cell, pbc, species, forces, stress, per_atom)
+            else:
+                host = self._evaluate_whole(positions, cell, pbc, species, forces, stress, per_atom)
         n = positions.shape[0]
         if order is not None:
             host = to_user_order(host, order, forces=forces, stress=stress, per_atom=per_atom)
@@ -311,6 +304,29 @@ class Potential:
         if per_atom:
             out.energies = host[at:at + n].copy()
         return out
+
+    def _evaluate_whole(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
+                        stress: bool, per_atom: bool) -> np.ndarray:
+        """The whole system as one graph (the Verlet list and the captured step), in the model's atom order."""
+        self.plan_memory(positions.shape[0], lambda: self.step.prepare(positions, cell, pbc, species))
+        self.plan_rows(positions.shape[0])
+        if self.radial_precision_requested != "fp32" and self.radial_precision_error is None:
+            self._check_radial_precision(positions, cell, pbc, species)
+        try:
+            return self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
+        except torch.cuda.OutOfMemoryError:
+            if self.streaming or self.streaming_requested is not None or not self._switch_to_streaming():
+                raise
+            warnings.warn("cgforge: the stored path ran out of GPU memory for this structure; streaming edges "
+                          "from now on (streaming=True chooses it from the start)", stacklevel=4)
+            torch.cuda.empty_cache()
+            return self.step.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
+
+    def _evaluate_tiled(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
+                        stress: bool, per_atom: bool) -> np.ndarray:
+        """The system in tiles with a fixed working set (``runtime.tiled``), in the model's atom order."""
+        self.plan_rows(positions.shape[0])  # chunked rows as for the whole system: the tiles' budget counts on them
+        return self.workspace.run(positions, cell, pbc, species, forces=forces, stress=stress, per_atom=per_atom)
 
     def warm_up(self) -> None:
         """Compile every cgforge kernel of the model, then run energy, forces and stress of a tiny periodic
@@ -413,8 +429,9 @@ class Potential:
 
     @property
     def n_edges(self) -> int:
-        """Edges the model saw at the last step within the cutoff (all Verlet edges when not filtering)."""
-        return self.step.n_edges
+        """Edges the model saw at the last step within the cutoff (all Verlet edges when not filtering; in tiles, the
+        tiles' edges, halo receivers counted again)."""
+        return self.workspace.n_edges if self.workspace.tiled_last else self.step.n_edges
 
     @property
     def cuda_graph(self) -> bool:
@@ -535,6 +552,18 @@ class Potential:
             self.step.invalidate()
             warnings.warn(f"cgforge: radial MLPs kept in FP32: {mode} changed the forces by {error:.2e} (relative), "
                           f"more than {tolerance:.0e}", RuntimeWarning, stacklevel=4)
+
+
+@contextmanager
+def _errors_name_atoms() -> Iterator[None]:
+    """A ValueError from the evaluation (neighbour list: singular cell, cutoff too large for the cell, ...) names
+    the atoms as the cause."""
+    try:
+        yield
+    except ValueError as err:
+        if str(err).startswith(("atoms:", "species:")):
+            raise
+        raise ValueError(f"atoms: {err}") from err
 
 
 def _is_patched(model: torch.nn.Module) -> bool:

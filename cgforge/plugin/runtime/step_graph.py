@@ -44,7 +44,7 @@ from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, la
 from .edge_vectors import edge_differences, rows_times
 from .neighbours import VerletNeighbourList, edges_within
 
-__all__ = ["ModelStep", "StepOutput"]
+__all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
 
 Phase = Callable[[str], AbstractContextManager]
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
@@ -71,6 +71,65 @@ class StepOutput:
     virial: Tensor | None
     energies: Tensor | None
     count: Tensor
+
+
+
+EnergyFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
+
+
+def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, num_nodes: int, pos: Tensor,
+                      cell: Tensor, energy_fn: EnergyFn, key: tuple[bool, bool, bool], phase: Phase = _no_phase, *,
+                      groups: SpeciesGroups | None = None, serve_pinned: bool = False,
+                      weights: Tensor | None = None) -> StepOutput:
+    """The energy of one laid-out graph and its derivatives (capture-safe: no host reads).
+
+    ``energy_fn(positions, vectors, edge_index, per_atom)`` is the model's energy (the adapter's, or compiled);
+    ``key`` = (forces, stress, per_atom). vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding
+    offset), strained by (I + strain) for the stress; forces = -dE/dpos through CSR row sums
+    (``edge_vectors``), virial = sym(dE/d strain). ``weights`` [N]: differentiate sum_i weights_i e_i of the
+    per-atom energies instead of the total (a tile's own atoms among its halo: ``runtime.tiled``); ``energy``
+    is then that weighted sum."""
+    grad, stress, per_atom = key
+    with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
+        edge_index = adapter.edge_index(layout.sender, layout.receiver)
+        if caches:
+            graph = conv_graph(layout, num_nodes)
+            src, dst = edge_index[adapter.sender_row], edge_index[1 - adapter.sender_row]
+            for cache in caches:
+                cache.pin(src, dst, graph)
+    with torch.set_grad_enabled(grad):
+        pos = pos.detach().requires_grad_(grad)
+        with record_function("cgforge.edge_vectors"):  # the forces come back through CSR row sums
+            vectors = (edge_differences(pos, layout.sender, layout.receiver, layout.graph)
+                       + layout.unit_shifts @ cell + layout.pad_offset)
+        strain = None
+        positions = pos
+        if stress:
+            # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial.
+            strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
+            deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
+            vectors, positions = rows_times(vectors, deform), rows_times(pos, deform)
+        with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
+            for cache in caches:
+                grouped.enter_context(cache.use_species(groups))
+                if serve_pinned:
+                    grouped.enter_context(cache.serve_pinned())
+            energy, energies = energy_fn(positions, vectors, edge_index, per_atom or weights is not None)
+            if weights is not None:
+                energy = (energies.reshape(-1) * weights).sum()
+        out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
+                         count=layout.count.reshape(()).to(torch.int64))
+        if grad:
+            with phase("backward"), record_function("cgforge.backward"):
+                inputs = [pos] if strain is None else [pos, strain]
+                grads = torch.autograd.grad(energy, inputs, allow_unused=True)
+            out.forces = -(grads[0] if grads[0] is not None else torch.zeros_like(pos))
+            if strain is not None:
+                virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
+                out.virial = 0.5 * (virial + virial.T)
+        if per_atom:
+            out.energies = energies.detach().reshape(-1)
+    return out
 
 
 class ModelStep:
@@ -470,47 +529,15 @@ class ModelStep:
             return self._compute_step(key, phase)
 
     def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
-        grad, stress, per_atom = key
-        adapter = self.adapter
         with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
             layout = self._step_layout()
-            edge_index = adapter.edge_index(layout.sender, layout.receiver)
-            if self.caches:
-                graph = conv_graph(layout, self._n)
-                src, dst = edge_index[adapter.sender_row], edge_index[1 - adapter.sender_row]
-                for cache in self.caches:
-                    cache.pin(src, dst, graph)
-        with torch.set_grad_enabled(grad):
-            pos = self._pos.detach().requires_grad_(grad)
-            with record_function("cgforge.edge_vectors"):  # the forces come back through CSR row sums
-                vectors = (edge_differences(pos, layout.sender, layout.receiver, layout.graph)
-                           + layout.unit_shifts @ self._cell + layout.pad_offset)
-            strain = None
-            positions = pos
-            if stress:
-                # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial.
-                strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
-                deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
-                vectors, positions = rows_times(vectors, deform), rows_times(pos, deform)
-            with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
-                for cache in self.caches:
-                    grouped.enter_context(cache.use_species(self._groups))
-                    if self.compiled is not None:
-                        grouped.enter_context(cache.serve_pinned())
-                energy, energies = self._energy(positions, vectors, edge_index, layout, per_atom)
-            out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
-                             count=layout.count.reshape(()).to(torch.int64))
-            if grad:
-                with phase("backward"), record_function("cgforge.backward"):
-                    inputs = [pos] if strain is None else [pos, strain]
-                    grads = torch.autograd.grad(energy, inputs, allow_unused=True)
-                out.forces = -(grads[0] if grads[0] is not None else torch.zeros_like(pos))
-                if strain is not None:
-                    virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
-                    out.virial = 0.5 * (virial + virial.T)
-            if per_atom:
-                out.energies = energies.detach().reshape(-1)
-        return out
+
+        def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+            return self._energy(positions, vectors, edge_index, layout, per_atom)
+
+        return graph_derivatives(self.adapter, self.caches, layout, self._n, self._pos, self._cell, energy, key,
+                                 phase, groups=self._groups, serve_pinned=self.compiled is not None)
 
     def _energy(self, positions: Tensor, vectors: Tensor, edge_index: Tensor, layout: EdgeLayout,
                 per_atom: bool) -> tuple[Tensor, Tensor | None]:

@@ -1,0 +1,411 @@
+"""Fixed-workspace force evaluation: the system in tiles, each evaluated with its halo.
+
+In a model of ``hops`` message-passing layers an atom's energy depends only on the atoms within ``hops``
+cutoffs. The system is cut into a grid of tiles in lattice coordinates; a tile is evaluated as a cluster
+without a cell: the atoms it owns and every periodic image of an atom within ``hops x cutoff`` of it (its
+halo). Only the owned atoms' energies are differentiated, so
+
+    E = sum over tiles of sum over owned atoms of e_i
+
+is the energy of the whole system, and its forces and virial are the sums of the tiles' derivatives (the
+decomposition LAMMPS's ghost atoms make across MPI ranks). No array over the system's edges exists: each tile
+searches its own neighbours, uses them and drops them.
+
+Edges are kept where they matter: the owned atoms' energies need the last layer's features on those atoms,
+which need the layer before on their neighbours, and so on: the edges whose receiver lies within ``hops - 1``
+graph steps of an owned atom. The atoms those edges send from close the cluster.
+
+Memory: positions, species and forces of the whole system (about 60 bytes an atom) and one tile's working set,
+which ``plan_grid`` keeps within a budget: the workspace is fixed. Work: the halo's receivers are evaluated
+again by the tiles beside it, a factor (1 + 2 (hops - 1) cutoff / tile width) per direction.
+
+Deterministic: tiles run in a fixed order, the neighbour search sorts its output, the layout's transpose is a
+stable sort, and the forces of an atom met in several tiles (or as several images) are added in a fixed order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cgforge.kernels.segment_sum import segment_sum
+from cgforge.patches.graph_cache import graph_caches
+from cgforge.patches.species_linear import SpeciesGroups
+
+from .adapters import ModelAdapter
+from .edge_layout import layout_edges, pad_offset_vector
+from .neighbours import _as_pbc, _binning_basis, neighbour_list
+from .options import RuntimeOptions
+from .step_graph import graph_derivatives
+
+__all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "check_workspace", "plan_grid",
+           "tiles_needed"]
+
+Pbc = tuple[bool, bool, bool]
+_HALO_MARGIN = 1e-6  # relative: the halo is a hair wider than hops x cutoff (rounding of the search's lengths)
+_SMALLEST_TILE = 64  # owned atoms: a budget that needs smaller tiles cannot be met (the halo would dominate)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The system in lattice coordinates: ``fractional`` [N, 3] (``positions = fractional @ basis``; wrapped into
+    [0, 1) along periodic directions by the integer ``image`` [N, 3] of each atom: wrapped = positions + image @
+    cell), the coordinates' lower bound ``low`` [3] and extent ``span`` [3], and ``per_angstrom`` [3]: how much a
+    coordinate changes per Å at most (the inverse spacing of its lattice planes). Along a non-periodic direction
+    the basis row is a unit vector (``neighbours._binning_basis``), so its coordinate is a distance in Å."""
+
+    fractional: Tensor
+    image: Tensor
+    basis: np.ndarray
+    low: np.ndarray
+    span: np.ndarray
+    per_angstrom: np.ndarray
+    pbc: Pbc
+
+    @classmethod
+    def of(cls, positions: Tensor, cell: np.ndarray, pbc: Pbc) -> Frame:
+        """The frame of float64 ``positions`` [N, 3] (on their device) in ``cell`` (rows) with ``pbc``."""
+        basis = _binning_basis(np.asarray(cell, dtype=np.float64), pbc)
+        inverse = np.linalg.inv(basis)
+        frac = positions @ torch.as_tensor(inverse, dtype=positions.dtype, device=positions.device)
+        periodic = torch.tensor(pbc, device=positions.device)
+        shift = torch.where(periodic, torch.floor(frac), torch.zeros_like(frac))
+        frac = frac - shift
+        low = np.zeros(3)
+        span = np.ones(3)
+        if not all(pbc):
+            lo, hi = frac.min(0).values.cpu().numpy(), frac.max(0).values.cpu().numpy()
+            for d in range(3):
+                if not pbc[d]:
+                    low[d], span[d] = lo[d], max(hi[d] - lo[d], 1e-9)
+        return cls(frac, -shift.to(torch.int64), basis, low, span, np.linalg.norm(inverse, axis=0), pbc)
+
+    def thickness(self) -> np.ndarray:
+        """The system's extent in Å across each direction's lattice planes."""
+        return self.span / self.per_angstrom
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """``counts`` tiles along each lattice direction; ``halo`` in Å (hops x cutoff, and a hair)."""
+
+    counts: tuple[int, int, int]
+    halo: float
+
+    @property
+    def n_tiles(self) -> int:
+        return math.prod(self.counts)
+
+
+def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atoms: int | None = None,
+              budget_bytes: int | None = None, edge_bytes: int = 0) -> TileGrid:
+    """The coarsest grid whose tiles own at most ``tile_atoms`` atoms (None: no such bound) and whose estimated
+    working set, ``edge_bytes`` per edge of a tile's cluster, fits ``budget_bytes`` (None: no such bound).
+
+    The estimate assumes a uniform density: a tile's edges are its receivers (its own atoms and those within
+    ``hops - 1`` cutoffs, periodic images included) times the neighbours within a cutoff. Tiles are split along
+    the direction where they are thickest. Raises MemoryError when the budget needs tiles of fewer than
+    ``_SMALLEST_TILE`` atoms."""
+    if hops < 1:
+        raise ValueError(f"hops must be >= 1, got {hops}")
+    if tile_atoms is not None and (isinstance(tile_atoms, bool) or not isinstance(tile_atoms, int) or tile_atoms < 1):
+        raise ValueError(f"tile_atoms: expected None or an int >= 1, got {tile_atoms!r}")
+    thickness = frame.thickness()
+    neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1)
+    reach = (hops - 1) * cutoff  # Å beyond a tile whose receivers the tile evaluates
+
+    def cost(counts: list[int]) -> tuple[float, float]:
+        owned = n_atoms / math.prod(counts)
+        grow = 1.0
+        for d in range(3):
+            if frame.pbc[d] or counts[d] > 1:
+                grow *= 1.0 + 2.0 * reach * counts[d] / thickness[d]
+        return owned, owned * grow * neighbours * edge_bytes
+
+    counts = [1, 1, 1]
+    while True:
+        owned, bytes_ = cost(counts)
+        if (tile_atoms is None or owned <= tile_atoms) and (budget_bytes is None or bytes_ <= budget_bytes):
+            break
+        if owned < _SMALLEST_TILE and (tile_atoms is None or owned <= tile_atoms):
+            raise MemoryError(f"tiles: {bytes_ / 1e9:.2f} GB for a tile of {owned:.0f} atoms exceeds the budget of "
+                              f"{(budget_bytes or 0) / 1e9:.2f} GB; the halo alone does not fit")
+        widest = int(np.argmax(thickness / np.asarray(counts)))
+        counts[widest] += 1
+    return TileGrid((counts[0], counts[1], counts[2]), hops * cutoff * (1.0 + _HALO_MARGIN) + 1e-9)
+
+
+@dataclass
+class Cluster:
+    """One tile as the model sees it: its atoms' ``index`` into the system [M], their positions [M, 3] (model
+    dtype, relative to the tile's centre), ``owned`` [M] bool, and edges (receiver-sorted) in cluster indices."""
+
+    index: Tensor
+    positions: Tensor
+    owned: Tensor
+    sender: Tensor
+    receiver: Tensor
+
+
+class TiledEvaluation:
+    """Energy, forces, virial and per-atom energies of a system, tile by tile (module doc), with ``adapter``'s
+    model. ``group_species``: per-species self-connections in a patched model (as ``ModelStep``)."""
+
+    def __init__(self, adapter: ModelAdapter, *, group_species: bool = True) -> None:
+        self.adapter = adapter
+        self.hops = int(adapter.hops)
+        self.cutoff = float(adapter.cutoff)
+        self.caches = graph_caches(adapter.model)
+        self.group_species = group_species
+        self.pad_vector = pad_offset_vector(self.cutoff, adapter.dtype, adapter.device)
+        self.n_edges = 0  # edges evaluated at the last call, over all tiles (halo receivers counted again)
+        self.n_tiles = 0
+        self.largest_cluster = 0  # atoms of the largest cluster at the last call
+
+    def run(self, positions: Tensor, cell: np.ndarray, pbc: Pbc, species: Tensor, grid: TileGrid | None = None, *,
+            frame: Frame | None = None, forces: bool = True, stress: bool = False, per_atom: bool = False
+            ) -> np.ndarray:
+        """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom] as
+        float64 on the host, the layout of ``ModelStep.run``. positions: float64 [N, 3] on the model's device;
+        species: the adapter's species input of the N atoms; ``grid``: ``plan_grid`` of ``frame``."""
+        pbc = _as_pbc(pbc)
+        n = positions.shape[0]
+        frame = Frame.of(positions, cell, pbc) if frame is None else frame
+        if grid is None:
+            grid = plan_grid(frame, n, self.hops, self.cutoff, tile_atoms=100_000)
+        forces = forces or stress
+        device, dtype = positions.device, self.adapter.dtype
+        cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
+        species_index = self.adapter.species_index(species)
+        wrapped = positions + frame.image.to(positions.dtype) @ cell_t
+        owner = self._owner(frame, grid)
+        energy = torch.zeros((), dtype=torch.float64, device=device)
+        total_forces = torch.zeros(n, 3, dtype=torch.float64, device=device) if forces else None
+        virial = torch.zeros(3, 3, dtype=torch.float64, device=device) if stress else None
+        energies = torch.zeros(n, dtype=torch.float64, device=device) if per_atom else None
+        self.n_edges, self.n_tiles, self.largest_cluster = 0, grid.n_tiles, 0
+        zero_cell = torch.zeros(3, 3, dtype=dtype, device=device)
+        key = (forces, stress, per_atom)
+        try:
+            for tile in itertools.product(*(range(c) for c in grid.counts)):
+                cluster = self._cluster(frame, grid, tile, owner, wrapped, cell_t, dtype)
+                if cluster is None:
+                    continue
+                out = self._evaluate(cluster, species_index, zero_cell, key)
+                own = cluster.owned
+                atom_energies = out.energies.to(torch.float64)
+                energy += atom_energies[own].sum()
+                if forces:
+                    add_rows(total_forces, cluster.index, out.forces.to(torch.float64))
+                if stress:
+                    virial += out.virial.to(torch.float64)
+                if per_atom:
+                    energies.index_copy_(0, cluster.index[own], atom_energies[own])
+                self.n_edges += int(cluster.sender.shape[0])
+                self.largest_cluster = max(self.largest_cluster, int(cluster.index.shape[0]))
+        finally:
+            for cache in self.caches:
+                cache.unpin()
+        parts = [energy.reshape(1)] + [t.reshape(-1) for t in (total_forces, virial, energies) if t is not None]
+        return torch.cat(parts).cpu().numpy()
+
+    # --- one tile ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _owner(frame: Frame, grid: TileGrid) -> Tensor:
+        """[N, 3] int64: the tile of each atom along each direction."""
+        counts = torch.tensor(grid.counts, device=frame.fractional.device)
+        low = torch.as_tensor(frame.low, device=frame.fractional.device)
+        span = torch.as_tensor(frame.span, device=frame.fractional.device)
+        cell_of = torch.floor((frame.fractional - low) / span * counts).to(torch.int64)
+        return torch.minimum(cell_of.clamp(min=0), counts - 1)
+
+    def _cluster(self, frame: Frame, grid: TileGrid, tile: tuple[int, int, int], owner: Tensor, wrapped: Tensor,
+                 cell: Tensor, dtype: torch.dtype) -> Cluster | None:
+        """The atoms of ``tile`` and its halo (periodic images included), their edges pruned to the receivers the
+        owned atoms' energies need; None for a tile that owns no atom."""
+        device = wrapped.device
+        frac = frame.fractional
+        halo = grid.halo * frame.per_angstrom  # in each direction's coordinate
+        per_direction = []
+        for d in range(3):
+            width = frame.span[d] / grid.counts[d]
+            lo = frame.low[d] + tile[d] * width - halo[d]
+            hi = frame.low[d] + (tile[d] + 1) * width + halo[d]
+            images = range(math.floor(lo), math.floor(hi) + 1) if frame.pbc[d] else (0,)
+            per_direction.append([(k, (frac[:, d] + k >= lo) & (frac[:, d] + k <= hi)) for k in images])
+        centre = np.array([frame.low[d] + (tile[d] + 0.5) * frame.span[d] / grid.counts[d] for d in range(3)])
+        centre = torch.as_tensor(centre @ frame.basis, device=device)
+        tile_t = torch.tensor(tile, device=device)
+        mine = (owner == tile_t).all(1)
+        index, shifts, owned = [], [], []
+        for combo in itertools.product(*per_direction):
+            inside = combo[0][1] & combo[1][1] & combo[2][1]
+            picked = torch.nonzero(inside).reshape(-1)
+            if picked.numel() == 0:
+                continue
+            k = torch.tensor([c[0] for c in combo], dtype=torch.float64, device=device)
+            index.append(picked)
+            shifts.append((k @ cell).expand(picked.shape[0], 3))
+            owned.append(mine.index_select(0, picked) if all(c[0] == 0 for c in combo)
+                         else torch.zeros(picked.shape[0], dtype=torch.bool, device=device))
+        if not index:
+            return None
+        index_t, owned_t = torch.cat(index), torch.cat(owned)
+        if not bool(owned_t.any()):
+            return None
+        positions = (wrapped.index_select(0, index_t) + torch.cat(shifts) - centre).to(dtype)
+        sender, receiver, _ = neighbour_list(positions, torch.zeros(3, 3, dtype=dtype, device=device),
+                                             (False, False, False), self.cutoff)
+        # Receivers within hops - 1 graph steps of an owned atom; the atoms they hear from.
+        needed = owned_t.clone()
+        for _ in range(self.hops - 1):
+            needed[sender[needed.index_select(0, receiver)]] = True
+        keep = needed.index_select(0, receiver)
+        sender, receiver = sender[keep], receiver[keep]
+        used = needed.clone()
+        used[sender] = True
+        renumber = torch.cumsum(used.to(torch.int64), 0) - 1
+        nodes = torch.nonzero(used).reshape(-1)
+        return Cluster(index_t.index_select(0, nodes), positions.index_select(0, nodes),
+                       owned_t.index_select(0, nodes), renumber.index_select(0, sender),
+                       renumber.index_select(0, receiver))
+
+    def _evaluate(self, cluster: Cluster, species_index: Tensor, zero_cell: Tensor, key: tuple[bool, bool, bool]):
+        """The cluster's energy weighted to its owned atoms, and its derivatives (``graph_derivatives``)."""
+        adapter = self.adapter
+        m, count = cluster.index.shape[0], cluster.sender.shape[0]
+        kind = species_index.index_select(0, cluster.index)
+        species = adapter.species_from_index(kind)
+        with torch.no_grad():
+            keep = torch.ones(count, dtype=torch.bool, device=zero_cell.device)
+            layout = layout_edges(keep, cluster.sender, cluster.receiver, zero_cell.new_zeros(count, 3), m, count,
+                                  self.pad_vector, with_graph=bool(self.caches))
+        groups = SpeciesGroups.from_species(kind) if self.caches and self.group_species else None
+
+        def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+            return adapter.energy(positions, vectors, species, edge_index, per_atom)
+
+        weights = cluster.owned.to(cluster.positions.dtype)
+        return graph_derivatives(adapter, self.caches, layout, m, cluster.positions, zero_cell, energy,
+                                 (key[0], key[1], True), groups=groups, weights=weights)
+
+
+def add_rows(total: Tensor, index: Tensor, rows: Tensor) -> None:
+    """total[index[k]] += rows[k] for every k, in an order fixed for every run: a stable sort of ``index`` and
+    segment sums over its runs (``index_add_`` would add repeated indices with atomics, in any order)."""
+    order = torch.argsort(index, stable=True)
+    ordered = index.index_select(0, order)
+    unique, counts = torch.unique_consecutive(ordered, return_counts=True)
+    rowptr = torch.zeros(unique.shape[0] + 1, dtype=torch.int64, device=index.device)
+    rowptr[1:] = torch.cumsum(counts, 0)
+    total.index_add_(0, unique, segment_sum(rows.index_select(0, order), rowptr))
+
+
+WORKSPACES = ("auto", "whole", "tiled")
+_CPU_TILE_ATOMS = 100_000
+
+
+def check_workspace(workspace: object) -> str:
+    """``workspace`` checked: one of ``WORKSPACES``."""
+    if workspace not in WORKSPACES:
+        raise ValueError(f"workspace: expected one of {', '.join(map(repr, WORKSPACES))}, got {workspace!r}")
+    return str(workspace)
+
+
+class Workspace:
+    """How a ``Potential`` evaluates a system: whole (one graph: the Verlet list, the captured step) or in tiles
+    with a fixed working set (``TiledEvaluation``).
+
+    ``mode``: ``"whole"``, ``"tiled"``, or ``"auto"``: tiles on CUDA where the whole graph's estimated peak
+    (``adapter.stored_edge_bytes`` per edge, edges from the density) exceeds ``options.streaming_auto_fraction``
+    of the free memory, decided once per atom count before any neighbour list is built (a list over a system
+    that does not fit would itself not fit). Tiles get ``options.tile_memory_fraction`` of the free memory
+    (``options.tile_atoms`` caps them); a tile that runs out of memory halves the budget and starts again."""
+
+    def __init__(self, mode: str, adapter: ModelAdapter, options_of: Callable[[], RuntimeOptions]) -> None:
+        self.mode = check_workspace(mode)
+        self.adapter = adapter
+        self._options_of = options_of  # the potential's options, read when a decision is made
+        self.evaluation: TiledEvaluation | None = None
+        self.grid: TileGrid | None = None  # the grid of the last tiled call
+        self.budget_bytes: int | None = None
+        self._decided: tuple[int, bool] | None = None  # (atom count, tiles)
+        self.tiled_last = False  # whether the potential's last call ran in tiles
+
+    def uses_tiles(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc) -> bool:
+        """Whether a system of these positions runs in tiles (decided once per atom count)."""
+        n = positions.shape[0]
+        if self.mode != "auto":
+            return self.mode == "tiled"
+        if self._decided is not None and self._decided[0] == n:
+            return self._decided[1]
+        tiles = False
+        device = self.adapter.device
+        if device.type == "cuda":
+            frame = Frame.of(torch.as_tensor(positions, dtype=torch.float64), cell, _as_pbc(pbc))
+            tiles = tiles_needed(frame, n, self.adapter.cutoff, self.adapter.stored_edge_bytes(n), _free_bytes(device),
+                                 self._options_of().streaming_auto_fraction)
+        self._decided = (n, tiles)
+        return tiles
+
+    def run(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, *, forces: bool,
+            stress: bool, per_atom: bool) -> np.ndarray:
+        """``TiledEvaluation.run`` of host ``positions`` [N, 3] (the layout of ``ModelStep.run``)."""
+        if self.evaluation is None:
+            self.evaluation = TiledEvaluation(self.adapter)
+        device = self.adapter.device
+        pos = torch.as_tensor(np.asarray(positions, dtype=np.float64), device=device)
+        pbc = _as_pbc(pbc)
+        frame = Frame.of(pos, cell, pbc)
+        options = self._options_of()
+        while True:
+            tile_atoms = options.tile_atoms
+            budget = None
+            if device.type == "cuda":
+                if self.budget_bytes is None:
+                    self.budget_bytes = int(options.tile_memory_fraction * _free_bytes(device))
+                budget = self.budget_bytes
+            elif tile_atoms is None:
+                tile_atoms = _CPU_TILE_ATOMS
+            self.grid = plan_grid(frame, pos.shape[0], self.evaluation.hops, self.evaluation.cutoff,
+                                  tile_atoms=tile_atoms, budget_bytes=budget,
+                                  edge_bytes=self.adapter.stored_edge_bytes(pos.shape[0]) if budget else 0)
+            try:
+                return self.evaluation.run(pos, cell, pbc, species, self.grid, frame=frame, forces=forces,
+                                           stress=stress, per_atom=per_atom)
+            except torch.cuda.OutOfMemoryError:
+                if budget is None or budget < (64 << 20):
+                    raise
+                self.budget_bytes = budget // 2
+                torch.cuda.empty_cache()
+
+    @property
+    def n_edges(self) -> int:
+        return 0 if self.evaluation is None else self.evaluation.n_edges
+
+
+def tiles_needed(frame: Frame, n_atoms: int, cutoff: float, edge_bytes: int, free_bytes: int, fraction: float
+                 ) -> bool:
+    """Whether the whole graph's estimated peak (``edge_bytes`` per edge, edges from the density) exceeds
+    ``fraction`` of ``free_bytes``."""
+    return _edges_estimate(frame, n_atoms, cutoff) * edge_bytes > fraction * free_bytes
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free device memory, counting what torch's caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def _edges_estimate(frame: Frame, n_atoms: int, cutoff: float) -> int:
+    """Edges of a uniform system of this size and extent: n_atoms x its density x the cutoff sphere."""
+    volume = abs(float(np.linalg.det(frame.basis))) * float(np.prod(frame.span))
+    return int(n_atoms * n_atoms / max(volume, 1e-30) * 4.0 / 3.0 * math.pi * cutoff**3)
