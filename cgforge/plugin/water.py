@@ -87,7 +87,9 @@ def water_box(
         sites = sites[np.sort(rng.choice(len(sites), n_molecules, replace=False))]
     centres = sites * (edge / n_side) + _GRID_ORIGIN
     positions = np.einsum("mij,aj->mai", rotation, molecule) + centres[:, None, :]
-    return Atoms("OH2" * n_molecules, positions=positions.reshape(-1, 3), cell=[edge] * 3, pbc=True)
+    # numbers, not the formula "OH2" * n: ase parses a formula string in time that grows faster than its length
+    return Atoms(numbers=np.tile([8, 1, 1], n_molecules), positions=positions.reshape(-1, 3), cell=[edge] * 3,
+                 pbc=True)
 
 
 @dataclass(frozen=True)
