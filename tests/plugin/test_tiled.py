@@ -15,8 +15,17 @@ import torch
 from potentials import mace_potential, nequip_potential
 
 from cgforge.plugin.runtime import potential as runtime
+from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.runtime.options import RuntimeOptions
-from cgforge.plugin.runtime.tiled import Frame, TiledEvaluation, Workspace, check_workspace, plan_grid, tiles_needed
+from cgforge.plugin.runtime.tiled import (
+    Frame,
+    TiledEvaluation,
+    Workspace,
+    check_workspace,
+    plan_grid,
+    sampled_edges_per_atom,
+    tiles_needed,
+)
 from cgforge.plugin.water import water_box
 
 PBCS = [(True, True, True), (True, False, True), (False, False, False)]
@@ -162,12 +171,24 @@ def test_plan_grid_meets_its_bounds():
 
 
 def test_auto_picks_tiles_only_where_the_whole_graph_would_not_fit():
-    cell = np.eye(3) * 40.0
-    positions = torch.as_tensor(np.random.default_rng(1).uniform(0, 40, (6400, 3)))
-    frame = Frame.of(positions, cell, (True, True, True))
-    # ~0.1 atoms per Å^3 and a 5 Å cutoff: ~52 edges an atom, 333k edges
-    assert not tiles_needed(frame, 6400, 5.0, edge_bytes=1000, free_bytes=10**9, fraction=0.9)
-    assert tiles_needed(frame, 6400, 5.0, edge_bytes=1000, free_bytes=10**8, fraction=0.9)
+    assert not tiles_needed(6400, 52.0, edge_bytes=1000, free_bytes=10**9, fraction=0.9)
+    assert tiles_needed(6400, 52.0, edge_bytes=1000, free_bytes=10**8, fraction=0.9)
+
+
+@pytest.mark.parametrize("pbc", PBCS, ids=["periodic", "slab", "cluster"])
+def test_sampled_edges_per_atom_counts_the_systems_own_neighbours(pbc):
+    atoms = _water(pbc, n_side=8)  # 1536 atoms
+    cutoff = 4.0
+    positions = torch.as_tensor(atoms.positions)
+    frame = Frame.of(positions, atoms.cell.array, pbc)
+    cell = torch.as_tensor(atoms.cell.array)
+    wrapped = positions + frame.image.to(positions.dtype) @ cell
+    sampled = sampled_edges_per_atom(frame, wrapped, cell, cutoff, torch.float64, sample_atoms=300)
+    exact = neighbour_list(positions, cell, pbc, cutoff)[0].shape[0] / len(atoms)
+    if all(pbc):
+        assert abs(sampled - exact) < 0.15 * exact  # one tile of a uniform liquid: its mean, within sampling noise
+    else:
+        assert 0.7 * exact < sampled < 1.6 * exact  # the fullest tile of a slab or cluster: its inside, denser
 
 
 def test_workspace_values_are_checked(mace_model):

@@ -45,7 +45,7 @@ class RuntimeOptions:
     compile_backend: str | Callable[..., Any] = "inductor"
     radial_tf32_tol: float = 1e-4
     tile_atoms: int | None = None
-    tile_memory_fraction: float = 0.6
+    tile_memory_fraction: float = 0.7
 
     def __post_init__(self) -> None:
         for name in ("streaming_auto_fraction", "expandable_above_fraction", "uncaptured_above_fraction",

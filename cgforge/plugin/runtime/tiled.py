@@ -45,7 +45,7 @@ from .options import RuntimeOptions
 from .step_graph import graph_derivatives
 
 __all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "check_workspace", "plan_grid",
-           "tiles_needed"]
+           "sampled_edges_per_atom", "tiles_needed"]
 
 Pbc = tuple[bool, bool, bool]
 _HALO_MARGIN = 1e-6  # relative: the halo is a hair wider than hops x cutoff (rounding of the search's lengths)
@@ -104,20 +104,21 @@ class TileGrid:
 
 
 def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atoms: int | None = None,
-              budget_bytes: int | None = None, edge_bytes: int = 0) -> TileGrid:
+              budget_bytes: int | None = None, edge_bytes: int = 0, edges_per_atom: float | None = None) -> TileGrid:
     """The coarsest grid whose tiles own at most ``tile_atoms`` atoms (None: no such bound) and whose estimated
     working set, ``edge_bytes`` per edge of a tile's cluster, fits ``budget_bytes`` (None: no such bound).
 
     The estimate assumes a uniform density: a tile's edges are its receivers (its own atoms and those within
-    ``hops - 1`` cutoffs, periodic images included) times the neighbours within a cutoff. Tiles are split along
-    the direction where they are thickest. Raises MemoryError when the budget needs tiles of fewer than
-    ``_SMALLEST_TILE`` atoms."""
+    ``hops - 1`` cutoffs, periodic images included) times ``edges_per_atom`` (``sampled_edges_per_atom``;
+    None: the density times the cutoff sphere, an overestimate for matter, whose atoms exclude each other).
+    Tiles are split along the direction where they are thickest. Raises MemoryError when the budget needs tiles
+    of fewer than ``_SMALLEST_TILE`` atoms."""
     if hops < 1:
         raise ValueError(f"hops must be >= 1, got {hops}")
     if tile_atoms is not None and (isinstance(tile_atoms, bool) or not isinstance(tile_atoms, int) or tile_atoms < 1):
         raise ValueError(f"tile_atoms: expected None or an int >= 1, got {tile_atoms!r}")
     thickness = frame.thickness()
-    neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1)
+    neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1) if edges_per_atom is None else edges_per_atom
     reach = (hops - 1) * cutoff  # Å beyond a tile whose receivers the tile evaluates
 
     def cost(counts: list[int]) -> tuple[float, float]:
@@ -184,7 +185,7 @@ class TiledEvaluation:
         cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
         species_index = self.adapter.species_index(species)
         wrapped = positions + frame.image.to(positions.dtype) @ cell_t
-        owner = self._owner(frame, grid)
+        owner = owner_of(frame, grid)
         energy = torch.zeros((), dtype=torch.float64, device=device)
         total_forces = torch.zeros(n, 3, dtype=torch.float64, device=device) if forces else None
         virial = torch.zeros(3, 3, dtype=torch.float64, device=device) if stress else None
@@ -194,7 +195,7 @@ class TiledEvaluation:
         key = (forces, stress, per_atom)
         try:
             for tile in itertools.product(*(range(c) for c in grid.counts)):
-                cluster = self._cluster(frame, grid, tile, owner, wrapped, cell_t, dtype)
+                cluster = cluster_of(frame, grid, tile, owner, wrapped, cell_t, dtype, self.cutoff, self.hops)
                 if cluster is None:
                     continue
                 out = self._evaluate(cluster, species_index, zero_cell, key)
@@ -217,65 +218,6 @@ class TiledEvaluation:
 
     # --- one tile ---------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _owner(frame: Frame, grid: TileGrid) -> Tensor:
-        """[N, 3] int64: the tile of each atom along each direction."""
-        counts = torch.tensor(grid.counts, device=frame.fractional.device)
-        low = torch.as_tensor(frame.low, device=frame.fractional.device)
-        span = torch.as_tensor(frame.span, device=frame.fractional.device)
-        cell_of = torch.floor((frame.fractional - low) / span * counts).to(torch.int64)
-        return torch.minimum(cell_of.clamp(min=0), counts - 1)
-
-    def _cluster(self, frame: Frame, grid: TileGrid, tile: tuple[int, int, int], owner: Tensor, wrapped: Tensor,
-                 cell: Tensor, dtype: torch.dtype) -> Cluster | None:
-        """The atoms of ``tile`` and its halo (periodic images included), their edges pruned to the receivers the
-        owned atoms' energies need; None for a tile that owns no atom."""
-        device = wrapped.device
-        frac = frame.fractional
-        halo = grid.halo * frame.per_angstrom  # in each direction's coordinate
-        per_direction = []
-        for d in range(3):
-            width = frame.span[d] / grid.counts[d]
-            lo = frame.low[d] + tile[d] * width - halo[d]
-            hi = frame.low[d] + (tile[d] + 1) * width + halo[d]
-            images = range(math.floor(lo), math.floor(hi) + 1) if frame.pbc[d] else (0,)
-            per_direction.append([(k, (frac[:, d] + k >= lo) & (frac[:, d] + k <= hi)) for k in images])
-        centre = np.array([frame.low[d] + (tile[d] + 0.5) * frame.span[d] / grid.counts[d] for d in range(3)])
-        centre = torch.as_tensor(centre @ frame.basis, device=device)
-        tile_t = torch.tensor(tile, device=device)
-        mine = (owner == tile_t).all(1)
-        index, shifts, owned = [], [], []
-        for combo in itertools.product(*per_direction):
-            inside = combo[0][1] & combo[1][1] & combo[2][1]
-            picked = torch.nonzero(inside).reshape(-1)
-            if picked.numel() == 0:
-                continue
-            k = torch.tensor([c[0] for c in combo], dtype=torch.float64, device=device)
-            index.append(picked)
-            shifts.append((k @ cell).expand(picked.shape[0], 3))
-            owned.append(mine.index_select(0, picked) if all(c[0] == 0 for c in combo)
-                         else torch.zeros(picked.shape[0], dtype=torch.bool, device=device))
-        if not index:
-            return None
-        index_t, owned_t = torch.cat(index), torch.cat(owned)
-        if not bool(owned_t.any()):
-            return None
-        positions = (wrapped.index_select(0, index_t) + torch.cat(shifts) - centre).to(dtype)
-        sender, receiver, _ = neighbour_list(positions, torch.zeros(3, 3, dtype=dtype, device=device),
-                                             (False, False, False), self.cutoff)
-        # Receivers within hops - 1 graph steps of an owned atom; the atoms they hear from.
-        needed = owned_t.clone()
-        for _ in range(self.hops - 1):
-            needed[sender[needed.index_select(0, receiver)]] = True
-        keep = needed.index_select(0, receiver)
-        sender, receiver = sender[keep], receiver[keep]
-        used = needed.clone()
-        used[sender] = True
-        renumber = torch.cumsum(used.to(torch.int64), 0) - 1
-        nodes = torch.nonzero(used).reshape(-1)
-        return Cluster(index_t.index_select(0, nodes), positions.index_select(0, nodes),
-                       owned_t.index_select(0, nodes), renumber.index_select(0, sender),
-                       renumber.index_select(0, receiver))
 
     def _evaluate(self, cluster: Cluster, species_index: Tensor, zero_cell: Tensor, key: tuple[bool, bool, bool]):
         """The cluster's energy weighted to its owned atoms, and its derivatives (``graph_derivatives``)."""
@@ -296,6 +238,86 @@ class TiledEvaluation:
         weights = cluster.owned.to(cluster.positions.dtype)
         return graph_derivatives(adapter, self.caches, layout, m, cluster.positions, zero_cell, energy,
                                  (key[0], key[1], True), groups=groups, weights=weights)
+
+
+def owner_of(frame: Frame, grid: TileGrid) -> Tensor:
+    """[N, 3] int64: the tile of each atom along each direction."""
+    counts = torch.tensor(grid.counts, device=frame.fractional.device)
+    low = torch.as_tensor(frame.low, device=frame.fractional.device)
+    span = torch.as_tensor(frame.span, device=frame.fractional.device)
+    cell_of = torch.floor((frame.fractional - low) / span * counts).to(torch.int64)
+    return torch.minimum(cell_of.clamp(min=0), counts - 1)
+
+
+def cluster_of(frame: Frame, grid: TileGrid, tile: tuple[int, int, int], owner: Tensor, wrapped: Tensor,
+               cell: Tensor, dtype: torch.dtype, cutoff: float, hops: int) -> Cluster | None:
+    """The atoms of ``tile`` and its halo (``grid.halo``, periodic images included) as a cluster in ``dtype``, their
+    edges within ``cutoff`` pruned to the receivers within ``hops - 1`` graph steps of an owned atom (what the owned
+    atoms' energies need); None for a tile that owns no atom. ``owner``: ``owner_of(frame, grid)``; ``wrapped``:
+the positions wrapped by ``frame.image``, float64."""
+    device = wrapped.device
+    frac = frame.fractional
+    halo = grid.halo * frame.per_angstrom  # in each direction's coordinate
+    per_direction = []
+    for d in range(3):
+        width = frame.span[d] / grid.counts[d]
+        lo = frame.low[d] + tile[d] * width - halo[d]
+        hi = frame.low[d] + (tile[d] + 1) * width + halo[d]
+        images = range(math.floor(lo), math.floor(hi) + 1) if frame.pbc[d] else (0,)
+        per_direction.append([(k, (frac[:, d] + k >= lo) & (frac[:, d] + k <= hi)) for k in images])
+    centre = np.array([frame.low[d] + (tile[d] + 0.5) * frame.span[d] / grid.counts[d] for d in range(3)])
+    centre = torch.as_tensor(centre @ frame.basis, device=device)
+    tile_t = torch.tensor(tile, device=device)
+    mine = (owner == tile_t).all(1)
+    index, shifts, owned = [], [], []
+    for combo in itertools.product(*per_direction):
+        inside = combo[0][1] & combo[1][1] & combo[2][1]
+        picked = torch.nonzero(inside).reshape(-1)
+        if picked.numel() == 0:
+            continue
+        k = torch.tensor([c[0] for c in combo], dtype=torch.float64, device=device)
+        index.append(picked)
+        shifts.append((k @ cell).expand(picked.shape[0], 3))
+        owned.append(mine.index_select(0, picked) if all(c[0] == 0 for c in combo)
+                     else torch.zeros(picked.shape[0], dtype=torch.bool, device=device))
+    if not index:
+        return None
+    index_t, owned_t = torch.cat(index), torch.cat(owned)
+    if not bool(owned_t.any()):
+        return None
+    positions = (wrapped.index_select(0, index_t) + torch.cat(shifts) - centre).to(dtype)
+    sender, receiver, _ = neighbour_list(positions, torch.zeros(3, 3, dtype=dtype, device=device),
+                                         (False, False, False), cutoff)
+    # Receivers within hops - 1 graph steps of an owned atom; the atoms they hear from.
+    needed = owned_t.clone()
+    for _ in range(hops - 1):
+        needed[sender[needed.index_select(0, receiver)]] = True
+    keep = needed.index_select(0, receiver)
+    sender, receiver = sender[keep], receiver[keep]
+    used = needed.clone()
+    used[sender] = True
+    renumber = torch.cumsum(used.to(torch.int64), 0) - 1
+    nodes = torch.nonzero(used).reshape(-1)
+    return Cluster(index_t.index_select(0, nodes), positions.index_select(0, nodes),
+                   owned_t.index_select(0, nodes), renumber.index_select(0, sender),
+                   renumber.index_select(0, receiver))
+
+
+def sampled_edges_per_atom(frame: Frame, wrapped: Tensor, cell: Tensor, cutoff: float, dtype: torch.dtype,
+                           sample_atoms: int = 20_000) -> float:
+    """Edges within ``cutoff`` per atom, counted on the most populated tile of a grid of about ``sample_atoms``
+    atoms a tile: the system's own structure (a uniform system's mean) at the cost of one small search."""
+    n = wrapped.shape[0]
+    grid = plan_grid(frame, n, 1, cutoff, tile_atoms=min(sample_atoms, n))
+    grid = TileGrid(grid.counts, cutoff * (1.0 + _HALO_MARGIN) + 1e-9)
+    owner = owner_of(frame, grid)
+    counts = torch.tensor(grid.counts, device=owner.device)
+    flat = (owner[:, 0] * counts[1] + owner[:, 1]) * counts[2] + owner[:, 2]
+    fullest = int(torch.bincount(flat).argmax())
+    tile = (fullest // (grid.counts[1] * grid.counts[2]), (fullest // grid.counts[2]) % grid.counts[1],
+            fullest % grid.counts[2])
+    cluster = cluster_of(frame, grid, tile, owner, wrapped, cell, dtype, cutoff, 1)
+    return float(cluster.sender.shape[0]) / max(int(cluster.owned.sum()), 1)
 
 
 def add_rows(total: Tensor, index: Tensor, rows: Tensor) -> None:
@@ -325,10 +347,11 @@ class Workspace:
     with a fixed working set (``TiledEvaluation``).
 
     ``mode``: ``"whole"``, ``"tiled"``, or ``"auto"``: tiles on CUDA where the whole graph's estimated peak
-    (``adapter.stored_edge_bytes`` per edge, edges from the density) exceeds ``options.streaming_auto_fraction``
-    of the free memory, decided once per atom count before any neighbour list is built (a list over a system
-    that does not fit would itself not fit). Tiles get ``options.tile_memory_fraction`` of the free memory
-    (``options.tile_atoms`` caps them); a tile that runs out of memory halves the budget and starts again."""
+    (``adapter.stored_edge_bytes`` per edge, edges per atom counted on a sample tile) exceeds
+    ``options.streaming_auto_fraction`` of the free memory, decided once per atom count before any neighbour list
+    is built (a list over a system that does not fit would itself not fit). Tiles get
+    ``options.tile_memory_fraction`` of the free memory (``options.tile_atoms`` caps them); a tile that runs out
+    of memory halves the budget and starts again."""
 
     def __init__(self, mode: str, adapter: ModelAdapter, options_of: Callable[[], RuntimeOptions]) -> None:
         self.mode = check_workspace(mode)
@@ -339,6 +362,7 @@ class Workspace:
         self.budget_bytes: int | None = None
         self._decided: tuple[int, bool] | None = None  # (atom count, tiles)
         self.tiled_last = False  # whether the potential's last call ran in tiles
+        self.edges_per_atom: float | None = None  # sampled when auto decides (``sampled_edges_per_atom``)
 
     def uses_tiles(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc) -> bool:
         """Whether a system of these positions runs in tiles (decided once per atom count)."""
@@ -350,11 +374,19 @@ class Workspace:
         tiles = False
         device = self.adapter.device
         if device.type == "cuda":
-            frame = Frame.of(torch.as_tensor(positions, dtype=torch.float64), cell, _as_pbc(pbc))
-            tiles = tiles_needed(frame, n, self.adapter.cutoff, self.adapter.stored_edge_bytes(n), _free_bytes(device),
+            self.edges_per_atom = self._sample(positions, cell, pbc)
+            tiles = tiles_needed(n, self.edges_per_atom, self.adapter.stored_edge_bytes(n), _free_bytes(device),
                                  self._options_of().streaming_auto_fraction)
         self._decided = (n, tiles)
         return tiles
+
+    def _sample(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc) -> float:
+        device = self.adapter.device
+        pos = torch.as_tensor(np.asarray(positions, dtype=np.float64), device=device)
+        frame = Frame.of(pos, cell, _as_pbc(pbc))
+        cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
+        wrapped = pos + frame.image.to(pos.dtype) @ cell_t
+        return sampled_edges_per_atom(frame, wrapped, cell_t, self.adapter.cutoff, self.adapter.dtype)
 
     def run(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, *, forces: bool,
             stress: bool, per_atom: bool) -> np.ndarray:
@@ -370,6 +402,9 @@ class Workspace:
             tile_atoms = options.tile_atoms
             budget = None
             if device.type == "cuda":
+                if self._decided is None or self._decided[0] != pos.shape[0]:  # tiles asked for: not sampled yet
+                    self.edges_per_atom = self._sample(positions, cell, pbc)
+                    self._decided = (pos.shape[0], True)
                 if self.budget_bytes is None:
                     self.budget_bytes = int(options.tile_memory_fraction * _free_bytes(device))
                 budget = self.budget_bytes
@@ -377,7 +412,8 @@ class Workspace:
                 tile_atoms = _CPU_TILE_ATOMS
             self.grid = plan_grid(frame, pos.shape[0], self.evaluation.hops, self.evaluation.cutoff,
                                   tile_atoms=tile_atoms, budget_bytes=budget,
-                                  edge_bytes=self.adapter.stored_edge_bytes(pos.shape[0]) if budget else 0)
+                                  edge_bytes=self.adapter.stored_edge_bytes(pos.shape[0]) if budget else 0,
+                                  edges_per_atom=self.edges_per_atom)
             try:
                 return self.evaluation.run(pos, cell, pbc, species, self.grid, frame=frame, forces=forces,
                                            stress=stress, per_atom=per_atom)
@@ -392,11 +428,9 @@ class Workspace:
         return 0 if self.evaluation is None else self.evaluation.n_edges
 
 
-def tiles_needed(frame: Frame, n_atoms: int, cutoff: float, edge_bytes: int, free_bytes: int, fraction: float
-                 ) -> bool:
-    """Whether the whole graph's estimated peak (``edge_bytes`` per edge, edges from the density) exceeds
-    ``fraction`` of ``free_bytes``."""
-    return _edges_estimate(frame, n_atoms, cutoff) * edge_bytes > fraction * free_bytes
+def tiles_needed(n_atoms: int, edges_per_atom: float, edge_bytes: int, free_bytes: int, fraction: float) -> bool:
+    """Whether the whole graph's estimated peak, ``edge_bytes`` per edge, exceeds ``fraction`` of ``free_bytes``."""
+    return n_atoms * edges_per_atom * edge_bytes > fraction * free_bytes
 
 
 def _free_bytes(device: torch.device) -> int:
