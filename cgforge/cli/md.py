@@ -207,6 +207,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                              "captured step; MODE: default, max-autotune-no-cudagraphs, off, or auto (the default: "
                              f"on for runs of at least {COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves "
                              "room, i.e. where the ~20 s the first step pays is paid back; printed)")
+    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
+                        help='the kernels\' tuning (cgforge.kernels.KernelTuning): a JSON object {"tp": {...}, '
+                             '"sc": {...}} of TPTuning and SCTuning fields, the rest at their measured defaults; '
+                             "the model then runs cgforge's kernels also on a CPU (printed on the options line)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite the trajectory, log and plot files if they exist (never the input files)")
 
@@ -230,6 +234,7 @@ class MDSetup:
     device: Any
     relax: int
     plan: MDPlan
+    tuning: Any = None  # the KernelTuning of --kernel-tuning, or None
 
     @property
     def trajectory(self) -> Path | None:
@@ -256,6 +261,29 @@ def _model_file(model: str) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(f"--model: {model} not found (expected 'mace', 'nequip' or a checkpoint file)")
     return path
+
+
+def read_kernel_tuning(path: str | None) -> Any:
+    """The ``KernelTuning`` of ``--kernel-tuning FILE.json`` (None without the flag): ValueError naming the flag,
+    the file and the key for a missing or unreadable file, bad JSON, an unknown key or a value a field refuses
+    (``KernelTuning.from_dict``)."""
+    if path is None:
+        return None
+    import json
+
+    from cgforge.kernels.core.tuning import KernelTuning
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--kernel-tuning: {path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--kernel-tuning: {path}: not a readable JSON file ({err})") from None
+    try:
+        return KernelTuning.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"--kernel-tuning: {path}: {err}") from None
 
 
 def size_hint(n_atoms: int, device: Any) -> str | None:
@@ -293,6 +321,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
         raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
     if explicit_compile(args):
         parse_compile(args.compile, "--compile", others=("auto", "off"))
+    tuning = read_kernel_tuning(getattr(args, "kernel_tuning", None))
     model = _model_file(args.model)
     structure = Path(args.structure) if args.structure is not None else None
     atoms = None  # a --structure file is read by plan_md, once its outputs are known not to be that file
@@ -319,7 +348,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     hint = size_hint(len(plan.atoms), device)
     if hint:
         plan.out(hint)
-    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan)
+    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan, tuning=tuning)
 
 
 def _default_trajectory(stem: str) -> Path:
@@ -365,7 +394,8 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
             args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
             radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
             radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
-            **({"compile": args.compile} if explicit_compile(args) else {}))
+            **({"compile": args.compile} if explicit_compile(args) else {}),
+            **({"tuning": setup.tuning} if setup.tuning is not None else {}))
         plan.model = args.model
         plan.out(model_banner(args.model, calc, time.perf_counter() - t))
         plan.attach(calc)  # an element the model lacks, another model than the restart's: before any step

@@ -24,15 +24,18 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .common import parse_device, parse_dtype
 from .recognise import is_mace_model, is_nequip_model
 
+if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
+    from cgforge.kernels.core.tuning import KernelTuning
+
 __all__ = ["Family", "MACE", "NEQUIP", "FAMILIES", "COMPILED_SUFFIXES", "family_of", "family_for_file", "load",
-           "is_mace_model", "is_nequip_model", "quiet_mace_import"]
+           "check_tuning", "is_mace_model", "is_nequip_model", "quiet_mace_import"]
 
 # nequip-compile / TorchScript / AOTInductor outputs: no family reads them (cgforge's kernels are launched
 # from Python, which a compiled model cannot call)
@@ -89,17 +92,22 @@ class Family:
     # -- the family's code (imports its package) ------------------------------------------------
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+             dtype: str | torch.dtype | None = None, *, patch: bool = True,
+             tuning: KernelTuning | None = None) -> torch.nn.Module:
         """The model in the checkpoint ``path``, in eval mode on ``device``: patched with cgforge's kernels
         (``patch``) or as the family's own code builds it. ``dtype`` None keeps the file's precision, else
-        ``"float32"``/``"float64"`` (or a torch dtype); the file's zip checksums are checked first."""
+        ``"float32"``/``"float64"`` (or a torch dtype); the file's zip checksums are checked first.
+        ``tuning``: the ``cgforge.kernels.KernelTuning`` of the kernels built (None: the defaults; a file saved
+        patched is patched again with it); what applies depends on the family (NequIP: ``tuning.tp`` only)."""
         raise NotImplementedError
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+                dtype: str | torch.dtype | None = None, *, patch: bool = True,
+                tuning: KernelTuning | None = None) -> torch.nn.Module:
         """An in-memory model of this family made ready as ``load`` makes a file's: upgraded where an older
         version of the family's code pickled it, in ``dtype`` (None: its own), on ``device``, patched in place
-        when ``patch`` (a model given patched stays patched). Returns ``model``."""
+        with ``tuning`` when ``patch`` (a model given patched stays patched, its kernels as they were built:
+        ``load`` refuses a tuning other than the defaults for one). Returns ``model``."""
         raise NotImplementedError
 
     def patch(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -167,22 +175,25 @@ class _MaceFamily(Family):
         return any(n.endswith("/data.pkl") for n in names) and not _is_nequip_package(names)
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+             dtype: str | torch.dtype | None = None, *, patch: bool = True,
+             tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A MACE ``.model`` (a whole pickled model of mace-torch 0.3.x; e3nn 0.4 pickles and older mace-torch
-        attributes are upgraded in memory); see ``Family.load``."""
+        attributes are upgraded in memory); ``tuning``: the convolutions' (``tp``) and the symmetric
+        contractions' (``sc``). See ``Family.load``."""
         quiet_mace_import()
         from .mace import load_mace
 
-        return load_mace(path, device=device, dtype=dtype, patched=patch).eval()
+        return load_mace(path, device=device, dtype=dtype, patched=patch, tuning=tuning).eval()
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+                dtype: str | torch.dtype | None = None, *, patch: bool = True,
+                tuning: KernelTuning | None = None) -> torch.nn.Module:
         from .mace import patch as patch_model
         from .mace import upgrade_old_attributes
 
         upgrade_old_attributes(model)
         if patch:
-            patch_model(model)
+            patch_model(model, tuning=tuning)
         dtype = parse_dtype(dtype)
         if dtype is not None:
             model.to(dtype=dtype)
@@ -218,22 +229,25 @@ class _NequipFamily(Family):
         return _is_nequip_package(_zip_names(path))
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+             dtype: str | torch.dtype | None = None, *, patch: bool = True,
+             tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model; patched ones are checked against the plain
         model on a small structure). A NequIP model keeps the ``model_dtype`` it was built for: another
-        ``dtype`` raises ValueError. See ``Family.load``."""
+        ``dtype`` raises ValueError. ``tuning``: its ``tp`` tunes the convolutions; ``sc`` does not apply (a
+        NequIP model has no symmetric contraction). See ``Family.load``."""
         from .nequip import load_nequip
 
-        return load_nequip(path, device=device, dtype=dtype, patched=patch)
+        return load_nequip(path, device=device, dtype=dtype, patched=patch, tuning=tuning)
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+                dtype: str | torch.dtype | None = None, *, patch: bool = True,
+                tuning: KernelTuning | None = None) -> torch.nn.Module:
         from .nequip import check_dtype
         from .nequip import patch as patch_model
 
         check_dtype(model, parse_dtype(dtype))
         model.eval().to(parse_device(device))
-        return patch_model(model) if patch else model
+        return patch_model(model, tuning=tuning) if patch else model
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu",
@@ -304,33 +318,59 @@ def family_for_file(path: str | os.PathLike) -> Family:
 
 
 def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device = "cpu",
-         dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+         dtype: str | torch.dtype | None = None, *, patch: bool = True,
+         tuning: KernelTuning | None = None) -> torch.nn.Module:
     """A MACE or NequIP model ready to run: from a checkpoint file or an in-memory module of either family.
 
     ``source``: a checkpoint path (the family from ``family_for_file``; ``Family.load``) or a model
     (``Family.prepare``: patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device.
     ``dtype``: None keeps the model's precision, ``"float32"``/``"float64"`` converts (NequIP models keep
     their ``model_dtype``). ``patch``: cgforge's kernels (True) or the family's own code (False).
+    ``tuning``: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults;
+    ``check_tuning`` says what is refused: a tuning with ``patch=False``, and one other than the defaults for
+    a module given already patched, whose kernels keep the tuning they were built with).
 
     A file that fails to load raises ValueError naming it (also where torch or pickle fail with another
     error); warnings raised while loading a file (an older mace-torch's attributes upgraded, a layer kept
     unpatched) are issued as one line naming the file, without a line of cgforge's source.
     """
+    check_tuning(tuning, patch)
     device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(source, torch.nn.Module):
-        return family_of(source).prepare(source, device, dtype, patch=patch)
+        family = family_of(source)
+        if tuning is not None and tuning != type(tuning)() and family.is_patched(source):
+            raise ValueError("tuning: the module was patched already (its kernels carry the tuning they were built "
+                             "with); unpatch it first (families.family_of(model).unpatch(model)) or leave tuning out")
+        return family.prepare(source, device, dtype, patch=patch, tuning=tuning)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"model: expected a checkpoint path or a MACE/NequIP torch module, got "
                         f"{type(source).__name__}")
     family = family_for_file(source)
     with _warnings_naming(os.fspath(source)):
         try:
-            return family.load(source, device, dtype, patch=patch)
+            return family.load(source, device, dtype, patch=patch, tuning=tuning)
         except (ValueError, TypeError, OSError):
             raise
         except Exception as err:  # a damaged file fails deep inside torch.load / pickle
             raise ValueError(f"{os.fspath(source)}: could not load it as a {family.title} checkpoint "
                              f"({type(err).__name__}: {err})") from err
+
+
+def check_tuning(tuning: object, patch: bool | None = True) -> None:
+    """The ``tuning`` argument of ``load`` and of the runtime above it: None or a
+    ``cgforge.kernels.KernelTuning`` (TypeError naming the type given), and not with ``patch=False`` (ValueError:
+    without cgforge's kernels there is nothing to tune). ``patch`` None (decided later) is not checked."""
+    if tuning is None:
+        return
+    from cgforge.kernels.core.tuning import KernelTuning, SCTuning, TPTuning
+
+    if not isinstance(tuning, KernelTuning):
+        hint = (f" (wrap it: KernelTuning({'tp' if isinstance(tuning, TPTuning) else 'sc'}=...))"
+                if isinstance(tuning, TPTuning | SCTuning) else "")
+        raise TypeError(f"tuning: expected a cgforge.kernels.KernelTuning or None, got {type(tuning).__name__}{hint}")
+    if patch is False:
+        raise ValueError("tuning and patch=False: a kernel tuning is for cgforge's kernels, which patch=False does "
+                         "not use; leave one out")
 
 
 def quiet_mace_import() -> None:

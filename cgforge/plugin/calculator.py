@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,12 +24,16 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from cgforge.patches.common import existing_file
+from cgforge.patches.families import check_tuning
 
 from .runtime.compiled import parse_compile
 from .runtime.diagnosis import NonFiniteOutputError
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
 from .runtime.potential import Potential, System, check_radial_table, default_patch, resolve_device
+
+if TYPE_CHECKING:
+    from cgforge.kernels.core.tuning import KernelTuning
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
@@ -52,8 +57,10 @@ def _bundled_path(name: str) -> Path:
 
 
 def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
-               dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
-    """A MACE or NequIP model ready to run on ``device``, patched with cgforge's kernels when ``patch``.
+               dtype: str | torch.dtype | None = None, *, patch: bool = True,
+               tuning: KernelTuning | None = None) -> torch.nn.Module:
+    """A MACE or NequIP model ready to run on ``device``, patched with cgforge's kernels when ``patch`` (built
+    with ``tuning``, a ``cgforge.kernels.KernelTuning``; None: the defaults).
 
     ``model``: a bundled model's name (``"mace"``, ``"nequip"``: ``BUNDLED``), a checkpoint path (.model,
     .ckpt, .nequip.zip) or a MACE/NequIP module (made ready in place). ``dtype``: None keeps the model's,
@@ -61,32 +68,33 @@ def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.d
     errors name the ``model`` argument."""
     from cgforge.patches import families
 
+    check_tuning(tuning, patch)  # before any file is looked at
     if isinstance(model, str) and model.lower() in BUNDLED:
         model = _bundled_path(model.lower())
     if isinstance(model, str | os.PathLike):
-        return _load_file(Path(model), device, dtype, patch)
+        return _load_file(Path(model), device, dtype, patch, tuning)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model: expected 'mace', 'nequip', a checkpoint path or a MACE/NequIP torch module, "
             f"got {type(model).__name__}"
         )
-    return families.load(model, device, dtype, patch=patch)
+    return families.load(model, device, dtype, patch=patch, tuning=tuning)
 
 
 def _load_file(path: Path, device: str | torch.device, dtype: str | torch.dtype | None,
-               patch: bool) -> torch.nn.Module:
+               patch: bool, tuning: KernelTuning | None = None) -> torch.nn.Module:
     """The model in the checkpoint file ``path`` (``families.load``), after checking it exists (errors name the
     ``model`` argument)."""
     from cgforge.patches import families
 
     existing_file(path, "model", "a checkpoint file")
-    return families.load(path, device, dtype, patch=patch)
+    return families.load(path, device, dtype, patch=patch, tuning=tuning)
 
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 _OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
                  "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
-                 "radial_table", "streaming", "compile", "options")
+                 "radial_table", "streaming", "compile", "options", "tuning")
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
@@ -147,6 +155,9 @@ class Calculator(AseCalculator):
     for types that are not chemical symbols.
     patch: True runs cgforge's kernels, False the model's own (e3nn) code; None: cgforge's kernels on CUDA and
     the model's own code on a CPU, where it is faster (``patched`` says which is in use).
+    tuning: a ``cgforge.kernels.KernelTuning``, the knobs of the kernels the patch builds (None: the measured
+    defaults; NequIP models use its ``tp`` only); given, the model is patched also on a CPU, and ``patch=False``
+    or a module given already patched with another tuning is refused (``calc.tuning`` says what was given).
     forces_with_energy: an energy call on a new structure computes the forces in the same run (as
     MACECalculator does), so ``get_potential_energy()`` then ``get_forces()`` cost one model run; False runs
     energy-only calls without autograd.
@@ -196,18 +207,22 @@ class Calculator(AseCalculator):
         compile: bool | str = False,
         options: RuntimeOptions | None = None,
         workspace: str = "auto",
+        tuning: KernelTuning | None = None,
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
         compile_mode = parse_compile(compile)  # checked before the model loads
         check_radial_table(radial_table, radial_precision)
+        check_tuning(tuning, patch)
         super().__init__(**ase_kwargs)
         device = resolve_device(device)
-        module = load_model(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode))
+        module = load_model(model, device, dtype, tuning=tuning,
+                            patch=default_patch(patch, device, radial_precision, compile_mode, tuning))
         self.potential = Potential(
             module, device, skin=skin, head=head, type_map=type_map, warmup=warmup, cuda_graph=cuda_graph,
             filter_edges=filter_edges, radial_precision=radial_precision, radial_table=radial_table,
             streaming=streaming, compile=compile_mode, options=options, workspace=workspace)
+        self.tuning = tuning  # the KernelTuning given (None: the defaults); cgforge md's options line prints it
         self.forces_with_energy = bool(forces_with_energy)
         self.stress_with_forces = bool(stress_with_forces)
         self._system: System | None = None

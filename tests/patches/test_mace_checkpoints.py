@@ -335,12 +335,13 @@ def test_nequip_files_are_dispatched_to_the_nequip_family(tmp_path: Path, monkey
 
     calls = []
     fake = types.ModuleType("cgforge.patches.nequip")
-    fake.load_nequip = lambda path, device, dtype, patched: calls.append((Path(path).name, str(device), dtype,
-                                                                         patched)) or "model"
+    fake.load_nequip = lambda path, device, dtype, patched, tuning: calls.append(
+        (Path(path).name, str(device), dtype, patched, tuning)) or "model"
     monkeypatch.setitem(sys.modules, "cgforge.patches.nequip", fake)
     for name in ("run.ckpt", "deployed.nequip.zip"):
         assert patches.load(tmp_path / name, device="cpu", dtype="float32") == "model"
-    assert calls == [("run.ckpt", "cpu", torch.float32, True), ("deployed.nequip.zip", "cpu", torch.float32, True)]
+    assert calls == [("run.ckpt", "cpu", torch.float32, True, None),
+                     ("deployed.nequip.zip", "cpu", torch.float32, True, None)]
 
 
 @pytest.mark.cuda

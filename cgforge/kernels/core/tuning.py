@@ -146,3 +146,46 @@ class KernelTuning:
     def describe(self) -> str:
         """Both, one line each (what ``cgforge doctor`` prints)."""
         return f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})"
+
+    @classmethod
+    def from_dict(cls, data: object) -> KernelTuning:
+        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...}}``, each
+        part optional and holding any of the fields of ``TPTuning`` / ``SCTuning`` (the rest keep their
+        defaults); a list where a tuple is expected (``pairings``) is taken as one. Each field is checked as the
+        dataclass checks it. Raises ValueError naming the key (``"tp.loop_order: ..."``, ``"sc: unknown key
+        'blocks'..."``) for an unknown key, a part that is not a dict or a value the field refuses."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object with the keys 'tp' and/or 'sc', got {type(data).__name__}")
+        parts = {"tp": TPTuning, "sc": SCTuning}
+        unknown = sorted(map(str, set(data) - set(parts)))
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning) and 'sc' "
+                             "(SCTuning)")
+        values = {}
+        for name, part in parts.items():
+            given = data.get(name, {})
+            if not isinstance(given, dict):
+                raise ValueError(f"{name}: expected an object of {part.__name__}'s fields, got "
+                                 f"{type(given).__name__}")
+            known = [f.name for f in fields(part)]
+            unknown = sorted(map(str, set(given) - set(known)))
+            if unknown:
+                raise ValueError(f"{name}.{unknown[0]}: unknown key; {part.__name__} has {', '.join(known)}")
+            for key, value in given.items():
+                if isinstance(value, bool) and key not in _BOOL_FIELDS:  # True is an int to isinstance
+                    raise ValueError(f"{name}.{key}: expected {_expected(part, key)}, got {value!r}")
+            try:
+                values[name] = part(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+            except (TypeError, ValueError) as err:
+                key = next((k for k in known if str(err).startswith(k + " ")), None)
+                where = f"{name}.{key}" if key is not None else name
+                raise ValueError(f"{where}: {err}") from None
+        return cls(**values)
+
+
+_BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls) if f.type in ("bool", bool))
+
+
+def _expected(part: type, key: str) -> str:
+    """The declared type of the field ``key`` of ``part``, for a message."""
+    return str(next(f.type for f in fields(part) if f.name == key))

@@ -382,10 +382,13 @@ def load_mace(
     dtype: str | torch.dtype | None = None,
     *,
     patched: bool = True,
+    tuning: kernels.KernelTuning | None = None,
 ) -> torch.nn.Module:
     """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside).
 
-    Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's).
+    Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's). ``tuning``: the
+    kernels' (``patch``); a file saved patched is unpatched and patched again with it, so that its kernels are
+    the ones asked for (None: a file saved patched keeps the kernels it was saved with).
     """
     device = parse_device(device)
     dtype = parse_dtype(dtype)
@@ -399,7 +402,9 @@ def load_mace(
         )
     upgrade_old_attributes(model)
     if patched:
-        patch(model)
+        if tuning is not None and is_patched(model):
+            unpatch(model)
+        patch(model, tuning=tuning)
     if dtype is not None:
         model.to(dtype=dtype)
     return model.to(device=device)

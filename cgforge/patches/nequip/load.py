@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from ..common import parse_device, parse_dtype, verify_checksums
 from .files import SOLE_MODEL, check_dtype, check_input, load_models
 from .patch import patch, unpatch
 from .verify import verify_patch
+
+if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
+    from cgforge.kernels.core.tuning import KernelTuning
 
 
 def load_nequip(
@@ -20,15 +24,17 @@ def load_nequip(
     model_name: str = SOLE_MODEL,
     verify: bool = True,
     patched: bool = True,
+    tuning: KernelTuning | None = None,
 ) -> torch.nn.Module:
     """Load a NequIP ``.ckpt`` or ``.nequip.zip`` and return its model patched, in eval mode, on ``device``.
 
     ``dtype`` None keeps the model's precision; a NequIP model is built for one ``model_dtype``, so asking
     for another raises ``ValueError``. ``model_name`` picks a model of a multi-model file. ``verify``
     compares patched and unpatched energies and forces on a small structure. ``patched=False`` returns the
-    model as nequip builds it. The file's zip checksums are checked first (a damaged file raises
-    ``ValueError``). Like nequip's own loaders, this initialises nequip's global state (float64 default
-    dtype, TF32 off).
+    model as nequip builds it. ``tuning``: the convolutions' kernels are built with its ``tp`` (a file saved
+    patched is patched again; None: the defaults; ``sc`` does not apply to NequIP). The file's zip checksums
+    are checked first (a damaged file raises ``ValueError``). Like nequip's own loaders, this initialises
+    nequip's global state (float64 default dtype, TF32 off).
     """
     p = check_input(path)
     verify_checksums(p)  # nequip's loaders would not notice a damaged weight tensor
@@ -46,7 +52,9 @@ def load_nequip(
     if not patched:
         return unpatch(model)  # a file written patched (enable_cgforge modifier) holds cgforge layers
     if verify:
-        verify_patch(model)
+        verify_patch(model, tuning=tuning)
     else:
-        patch(model)
+        if tuning is not None:
+            unpatch(model)  # a file written patched: its convolutions built again with the tuning
+        patch(model, tuning=tuning)
     return model

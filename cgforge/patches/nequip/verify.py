@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..common import UnsupportedModelError
 from .patch import is_patched, patch, unpatch
+
+if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
+    from cgforge.kernels.core.tuning import KernelTuning
 
 # Relative error (norm of difference / norm of reference) allowed between patched and unpatched outputs.
 _VERIFY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -65,11 +69,11 @@ def _relative_error(new: torch.Tensor, ref: torch.Tensor) -> float:
     return float((new.double() - ref.double()).norm()) / scale
 
 
-def verify_patch(model: torch.nn.Module) -> float:
+def verify_patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> float:
     """Compare ``model`` patched and unpatched on ``probe_structure``; raise if they disagree.
 
-    Works on a patched or plain model (GraphModel) and leaves it patched. Returns the largest relative
-    error (energy or forces).
+    Works on a patched or plain model (GraphModel) and leaves it patched, with ``tuning`` (``patch``'s). Returns
+    the largest relative error (energy or forces).
     """
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     data = probe_structure(model, device)
@@ -82,7 +86,7 @@ def verify_patch(model: torch.nn.Module) -> float:
             f"could not run the model on a small test structure to verify the patch ({type(err).__name__}: "
             f"{err}); pass verify=False to skip the check"
         ) from err
-    patch(model)
+    patch(model, tuning=tuning)
     new = _energy_forces(model, data)
     rtol = _VERIFY_RTOL[model.model_dtype]
     errors = [_relative_error(a, b) for a, b in zip(new, ref)]

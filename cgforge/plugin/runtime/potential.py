@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ from .options import RuntimeOptions
 from .step_graph import ModelStep
 from .tiled import Workspace, check_workspace
 
+if TYPE_CHECKING:
+    from cgforge.kernels.core.tuning import KernelTuning
+
 __all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
 _WARMUP_ATOMS = 8
@@ -58,15 +62,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return parse_device(device)
 
 
-def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None) -> bool:
+def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None,
+                  tuning: object = None) -> bool:
     """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's
-    kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode or
-    compilation needs its layers."""
+    kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode,
+    compilation or a kernel ``tuning`` needs its layers."""
     if patch is not None:
         if not isinstance(patch, bool):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
         return patch
-    return device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None
+    return device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None or tuning is not None
 
 
 def check_radial_table(radial_table: object, radial_precision: object) -> None:
@@ -80,39 +85,48 @@ def check_radial_table(radial_table: object, radial_precision: object) -> None:
 
 def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, *, patch: bool | None = None, radial_precision: str = "fp32",
-         radial_table: bool | None = None, compile: bool | str = False, **kwargs: object) -> Potential:
+         radial_table: bool | None = None, compile: bool | str = False, tuning: KernelTuning | None = None,
+         **kwargs: object) -> Potential:
     """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models, ``bundled``), a MACE
     ``.model`` or NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its
     parameters frozen), loaded by the family registry (``cgforge.patches.families.load``).
 
     device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``.
-    radial_precision, radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph,
-    filter_edges, streaming, options): as ``Potential`` takes them. Arguments that need no model are checked
-    before it loads.
+    tuning: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults; given, the
+    model is patched unless ``patch=False``, which it contradicts: ``families.check_tuning``). radial_precision,
+    radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph, filter_edges, streaming,
+    options): as ``Potential`` takes them. Arguments that need no model are checked before it loads.
     """
+    from cgforge.patches.families import check_tuning
+
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
+    check_tuning(tuning, patch)
     device = resolve_device(device)
-    module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode))
+    module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode,
+                                                                   tuning), tuning=tuning)
     return Potential(module, device, radial_precision=radial_precision, radial_table=radial_table,
                      compile=compile_mode, **kwargs)
 
 
 def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
-                dtype: str | torch.dtype | None = None, *, patch: bool = True) -> torch.nn.Module:
+                dtype: str | torch.dtype | None = None, *, patch: bool = True,
+                tuning: KernelTuning | None = None) -> torch.nn.Module:
     """The MACE or NequIP module of ``model`` (a bundled model's name, a checkpoint path or a module, made ready in
-    place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``: what
-    a step that is not a ``Potential`` (LAMMPS's) runs. A missing file raises FileNotFoundError."""
+    place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``, built
+    with ``tuning`` (``families.load``): what a step that is not a ``Potential`` (LAMMPS's) runs. A missing file
+    raises FileNotFoundError."""
     from cgforge.patches import families
     from cgforge.patches.common import existing_file
 
     from . import bundled
 
+    families.check_tuning(tuning, patch)  # before any file is looked at
     if isinstance(model, str) and model.lower() in bundled.kinds():
         model = bundled.model_path(model)
     if isinstance(model, str | os.PathLike):
         existing_file(model, "model", "a checkpoint file")
-    return families.load(model, device, dtype, patch=patch)
+    return families.load(model, device, dtype, patch=patch, tuning=tuning)
 
 
 @dataclass(frozen=True)
