@@ -80,7 +80,7 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
 
 def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
-    radial tables, the memory policy (streaming), the skin and the kernel tuning when it is not the default."""
+    radial tables, the memory policy (tiles, streaming), the skin and the kernel tuning when it is not the default."""
     why = ""
     if requested == "auto":
         why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
@@ -92,6 +92,9 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     memory = ("streamed edges" if streaming else "stored edges") + (
         " (streaming auto: on when the box would not fit)" if requested_streaming is None
         and calc.device.type == "cuda" else "")
+    workspace = getattr(getattr(calc, "potential", None), "workspace", None)
+    if workspace is not None and workspace.tiles_chosen:
+        memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
     parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}",
              f"CUDA graph {'on' if getattr(calc, 'cuda_graph', False) else 'off'}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
@@ -211,6 +214,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help='the kernels\' tuning (cgforge.kernels.KernelTuning): a JSON object {"tp": {...}, '
                              '"sc": {...}} of TPTuning and SCTuning fields, the rest at their measured defaults; '
                              "the model then runs cgforge's kernels also on a CPU (printed on the options line)")
+    parser.add_argument("--workspace", choices=("auto", "whole", "tiled"), default="auto",
+                        help="evaluate the system as one graph (whole), in tiles with a fixed working set (tiled: "
+                             "memory grows with the atoms only; ASE's integrator drives it), or auto: tiles where one "
+                             "graph would not fit the GPU (default)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite the trajectory, log and plot files if they exist (never the input files)")
 
@@ -394,6 +401,7 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
             args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
             radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
             radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
+            **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
             **({"compile": args.compile} if explicit_compile(args) else {}),
             **({"tuning": setup.tuning} if setup.tuning is not None else {}))
         plan.model = args.model

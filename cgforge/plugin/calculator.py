@@ -273,6 +273,10 @@ class Calculator(AseCalculator):
         """Compile the model (``compile`` as at construction) or stop, from the next step on."""
         self.potential.set_compile(compile)
 
+    def uses_tiles(self, atoms: Atoms) -> bool:
+        """Whether this calculator evaluates ``atoms`` in tiles (``workspace``; decided once per atom count)."""
+        return self.potential.workspace.uses_tiles(atoms.positions, np.asarray(atoms.cell), _pbc(atoms))
+
     def plan_for(self, atoms: Atoms) -> MemoryPlan | None:
         """The memory plan for ``atoms`` as their first call would make it (None off CUDA)."""
         return self.potential.plan_for(atoms.positions, np.asarray(atoms.cell), _pbc(atoms), atoms.numbers)

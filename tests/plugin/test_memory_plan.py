@@ -109,15 +109,15 @@ def test_row_chunked_boxes_are_estimated_with_their_own_bytes(monkeypatch) -> No
 @pytest.mark.cuda
 def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
     """On the GPU the first call of a size counts its edges (the run then finds the list built), asks for
-    expandable segments when near full, and streams when the stored path would not fit; the MD engine plans at its
-    start without streaming (its step is captured)."""
+    expandable segments when near full, and with workspace="whole" streams when the stored path would not fit (auto
+    runs such a system in tiles); the MD engine plans at its start without streaming (its step is captured)."""
     from cgforge.plugin.md.run import run_md
 
     torch.set_default_dtype(torch.float64)
     asked = []
     monkeypatch.setattr(potential, "use_expandable_segments", lambda: asked.append(True) or True)
     atoms = water_box(16, seed=3)
-    calc = Calculator("mace", device="cuda", dtype="float32")
+    calc = Calculator("mace", device="cuda", dtype="float32", workspace="whole")  # the whole graph's own plan
     atoms.calc = calc
     atoms.get_forces()
     plan = calc.memory_plan
@@ -132,6 +132,13 @@ def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
     smaller.calc = calc
     smaller.get_forces()
     assert calc.memory_plan.edges == calc.n_edges and calc.streaming and calc.expandable_segments
+    # workspace="auto" (the default): a system whose whole graph would not fit runs in tiles, no list over it made
+    auto = Calculator("mace", device="cuda", dtype="float32", options=tiny)
+    tiled = water_box(12, seed=4)
+    tiled.calc = auto
+    forces = tiled.get_forces()
+    assert auto.potential.workspace.tiles_chosen and auto.memory_plan is None and not auto.streaming
+    np.testing.assert_allclose(forces, smaller.get_forces(), rtol=0, atol=1e-3)
 
 
 @pytest.mark.cuda

@@ -56,9 +56,15 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
 
 def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
     """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
-    CUDA, unless it streams edges, as it does for a box its memory plan finds too large for the stored path);
+    CUDA, unless the system runs in tiles (``workspace``) or streams edges (a box its memory plan finds too large
+    for the stored path with ``workspace="whole"``): ASE's dynamics then drive the calculator);
     'device' that cannot be served is an error naming why."""
     unfit = engine_unfit(calc, atoms)
+    uses_tiles = getattr(calc, "uses_tiles", None)
+    tiles = callable(uses_tiles) and uses_tiles(atoms)
+    if unfit is None and tiles:
+        unfit = ("the calculator evaluates this system in tiles (workspace), and the device engine captures one graph "
+                 "of the whole system")
     if choice == "device":
         if unfit is not None:
             raise ValueError(f"engine: 'device' (--engine device) cannot run this: {unfit}; use engine='ase' "

@@ -427,6 +427,11 @@ class Workspace:
     def n_edges(self) -> int:
         return 0 if self.evaluation is None else self.evaluation.n_edges
 
+    @property
+    def tiles_chosen(self) -> bool:
+        """Whether the last system decided runs in tiles (``mode="tiled"``, or auto's decision)."""
+        return self.mode == "tiled" or (self._decided is not None and self._decided[1])
+
 
 def tiles_needed(n_atoms: int, edges_per_atom: float, edge_bytes: int, free_bytes: int, fraction: float) -> bool:
     """Whether the whole graph's estimated peak, ``edge_bytes`` per edge, exceeds ``fraction`` of ``free_bytes``."""
