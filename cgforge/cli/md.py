@@ -93,10 +93,11 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
         " (streaming auto: on when the box would not fit)" if requested_streaming is None
         and calc.device.type == "cuda" else "")
     workspace = getattr(getattr(calc, "potential", None), "workspace", None)
-    if workspace is not None and workspace.tiles_chosen:
+    tiles = workspace is not None and workspace.tiles_chosen
+    if tiles:
         memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
-    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}",
-             f"CUDA graph {'on' if getattr(calc, 'cuda_graph', False) else 'off'}",
+    graph = "off (tiles run eagerly)" if tiles else "on" if getattr(calc, "cuda_graph", False) else "off"
+    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}", f"CUDA graph {graph}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
              f"memory: {memory}", f"skin {skin:g} Å"]
     tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel

@@ -124,7 +124,7 @@ def test_cuda_the_calculator_and_the_engine_plan_each_size(monkeypatch) -> None:
     assert plan is not None and plan.edges == calc.n_edges and not plan.stream and not calc.streaming
     assert not plan.expandable and asked == []
     tiny = RuntimeOptions(streaming_auto_fraction=1e-9, expandable_above_fraction=1e-9)
-    engine_calc = Calculator("mace", device="cuda", dtype="float32", options=tiny)
+    engine_calc = Calculator("mace", device="cuda", dtype="float32", options=tiny, workspace="whole")
     run_md(water_box(16, seed=3), engine_calc, steps=2, temperature_K=300, engine="device")
     assert engine_calc.memory_plan.stream and not engine_calc.streaming and asked == [True]
     calc.potential.options = tiny  # read when the next plan is made
