@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds (once, cached in .lammps/) the CPU LAMMPS builds the real-LAMMPS tests run (tests/test_lammps_real.py):
+# Builds (once, cached in .lammps/) the CPU LAMMPS builds the real-LAMMPS tests run (tests/lammps/test_lammps_real.py):
 #
 #   .lammps/                   29 Aug 2024 Update 3: ML-IAP + ML-SNAP + PYTHON + MPI (the source's build.sh;
 #                              ghost-neighbour mode only, host couple)

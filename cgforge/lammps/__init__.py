@@ -9,7 +9,7 @@
     pair_style mliap unified water-mace.mliap.pkl 0     # 0: exchange mode (Kokkos ML-IAP, LAMMPS 22 Jul 2025+;
     comm_modify cutoff 6.0                              #    `-k on ... -sf kk`): one cutoff + skin of ghosts
 
-Tests without LAMMPS use a stand-in of its data object: ``tests/lammps_standin.py`` (not part of the package).
+Tests without LAMMPS use a stand-in of its data object: ``tests/lammps/lammps_standin.py`` (not part of the package).
 """
 
 from .unified import MODES, CgforgeMLIAP, LammpsSetupError

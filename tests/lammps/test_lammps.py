@@ -1,6 +1,6 @@
 """cgforge.lammps against a stand-in of LAMMPS's ML-IAP data object (built from ASE), and the CLI.
 
-The stand-in (``tests/lammps_standin.py``) gives each domain its local atoms, ghosts and pairs as LAMMPS
+The stand-in (``tests/lammps/lammps_standin.py``) gives each domain its local atoms, ghosts and pairs as LAMMPS
 does, adds the pair forces and the virial up as ``update_pair_forces`` does, and exchanges node features
 between domains. Energy, per-atom energies, forces and virial must equal ``cgforge.plugin.Calculator`` on
 the periodic structure to 1e-10 (FP64), in both modes, on one domain and split into two.

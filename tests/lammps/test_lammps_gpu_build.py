@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "lammps_gpu.sh"
 
 # the three Kokkos 4.3.01 lines CUDA 13 breaks, as they stand there

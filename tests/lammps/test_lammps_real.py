@@ -27,7 +27,7 @@ import torch
 from ase import units
 from ase.md.verlet import VelocityVerlet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, DT_PS, EVERY = 10, 0.0005, 5
 TOL = 1e-10
 
@@ -103,14 +103,15 @@ def calc():
 
 def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path,
                 kokkos: str | None = None, mode: str = "ghost", steps: int = STEPS) -> dict:
-    """tests/lammps_nve.py on ``ranks`` MPI ranks; kokkos: None (host couple), "host" or "gpu" (Kokkos couple)."""
+    """lammps_nve.py (next to this file) on ``ranks`` MPI ranks; kokkos: None (host couple), "host" or "gpu"
+    (Kokkos couple)."""
     from cgforge.lammps import CgforgeMLIAP
 
     with open(model, "rb") as f:
         obj = pickle.load(f)
     assert isinstance(obj, CgforgeMLIAP)
     ghosts = obj.ghost_cutoff if mode == "ghost" else obj.cutoff  # exchange mode: one cutoff of ghosts
-    cmd = [sys.executable, str(ROOT / "tests" / "lammps_nve.py"), str(model), str(data), str(out),
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "lammps_nve.py"), str(model), str(data), str(out),
            "--steps", str(steps), "--dt", str(DT_PS), "--every", str(min(EVERY, steps)),
            "--ghost-cutoff", str(ghosts + 1.0), "--ghost-neighbours", "1" if mode == "ghost" else "0"]
     cmd += ["--kokkos", kokkos] if kokkos else []

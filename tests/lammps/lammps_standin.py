@@ -19,7 +19,8 @@ its own thread. Each exchange's (direction, width) is logged in ``exchange_log``
 wider than LAMMPS's host communication buffers hold per atom (6 forward, 3 reverse) raises, where LAMMPS
 would write past them.
 
-For tests without LAMMPS (tests/test_lammps.py); the real couples are exercised by tests/test_lammps_real.py.
+For tests without LAMMPS (tests/lammps/test_lammps.py); the real couples are exercised by
+tests/lammps/test_lammps_real.py.
 
 ``combine(domains)`` adds the domains up as LAMMPS does: energy, forces of every atom (ghost copies summed
 into their owners) and the virial ``-sum rij (x) fij`` (LAMMPS's sign: W = -dE/d strain).

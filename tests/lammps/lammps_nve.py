@@ -1,9 +1,9 @@
-"""NVE steps in LAMMPS with a ``cgforge lammps-model`` file (run under mpirun by tests/test_lammps_real.py).
+"""NVE steps in LAMMPS with a ``cgforge lammps-model`` file (run under mpirun by test_lammps_real.py, beside it).
 
-    mpirun -np 2 python tests/lammps_nve.py MODEL.pkl DATA.lmp OUT.json --steps 10 --ghost-cutoff 11
-    python tests/lammps_nve.py ... --kokkos gpu     # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
-    mpirun -np 2 python tests/lammps_nve.py ... --kokkos host --ghost-neighbours 0 --ghost-cutoff 6
-                                                    # a Kokkos host build, exchange mode (one cutoff of ghosts)
+    mpirun -np 2 python tests/lammps/lammps_nve.py MODEL.pkl DATA.lmp OUT.json --steps 10 --ghost-cutoff 11
+    python tests/lammps/lammps_nve.py ... --kokkos gpu   # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
+    mpirun -np 2 python tests/lammps/lammps_nve.py ... --kokkos host --ghost-neighbours 0 --ghost-cutoff 6
+                                                           # a Kokkos host build, exchange mode (one cutoff of ghosts)
 
 Reads a LAMMPS data file (types in ``--elements`` order, velocities included), runs ``fix nve`` with
 ``pair_style mliap unified MODEL G`` (G = 1: ghost-neighbour mode, 0: exchange mode, which needs the Kokkos
