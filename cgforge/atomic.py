@@ -12,6 +12,7 @@ a reader sees the old file or the whole new one, never half of one, and no user 
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -35,7 +36,10 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     to disk and renamed to ``path``, otherwise removed. ``suffix`` ends the temporary name (writers such as
     ``numpy.savez`` append their own extension to a name without it)."""
     path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    except OSError as err:  # the error would name the temporary file, which the caller never asked for
+        raise _unwritable(err, path) from err
     os.close(fd)
     tmp = Path(name)
     try:
@@ -59,16 +63,30 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
     return Path(path)
 
 
+def _unwritable(err: OSError, path: Path, what: str | None = None) -> OSError:
+    """``err`` (of its class and errno) with a message naming ``path`` and its directory."""
+    reason = err.strerror or str(err)
+    new = type(err)(f"{what + ': ' if what else ''}cannot write {path}: directory {path.parent} is not writable "
+                    f"({reason})")
+    new.errno = err.errno
+    return new
+
+
 def check_new_file(path: str | os.PathLike, *, force: bool = False, what: str = "output") -> Path:
-    """``path`` as an output file name: not a directory, in a directory that exists, and not an existing file
-    unless ``force``; ``what`` names the path in errors (e.g. a command-line argument)."""
+    """``path`` as an output file name: not a directory, in a directory that exists and this process may
+    create files in, and not an existing file unless ``force``; ``what`` names the path in errors (e.g. a
+    command-line argument)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{what}: {path} is a directory, expected a file name")
     if path.exists() and not force:
         raise FileExistsError(f"{what}: {path} exists; use force=True (--force) to overwrite it")
-    if not path.parent.is_dir():
+    if not path.parent.exists():
         raise FileNotFoundError(f"{what}: directory {path.parent} does not exist")
+    if not path.parent.is_dir():
+        raise NotADirectoryError(f"{what}: cannot write {path}: {path.parent} is a file, not a directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # read-only mount or no permission: before any work
+        raise _unwritable(PermissionError(errno.EACCES, "read-only or no write permission"), path, what)
     return path
 
 

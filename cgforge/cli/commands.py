@@ -14,15 +14,19 @@ EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temp
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
 
 
-def _check_paths(src: str, dst: str, force: bool) -> None:
-    """Refuse before any work: IN must exist, OUT must not be IN, OUT needs --force to be replaced."""
-    if not os.path.exists(src):
+def _check_paths(src: str | None, dst: str, force: bool) -> None:
+    """Refuse before any work: IN must exist (src None: a bundled model), OUT must not be IN, OUT needs --force
+    to be replaced, and OUT's directory must exist and be writable (``cgforge.atomic.check_new_file``)."""
+    from cgforge.atomic import check_new_file
+
+    if src is not None and not os.path.exists(src):
         raise FileNotFoundError(f"IN: {src} does not exist")
     if os.path.exists(dst):
-        if os.path.samefile(src, dst):
+        if src is not None and os.path.samefile(src, dst):
             raise ValueError(f"OUT is the same file as IN ({dst}); cgforge never writes over its input")
         if not force:
             raise FileExistsError(f"OUT: {dst} exists; pass --force to overwrite it")
+    check_new_file(dst, force=True, what="OUT")
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
@@ -59,10 +63,7 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
     from cgforge.lammps.write import usage_lines, write_lammps_model
     from cgforge.plugin.runtime.bundled import kinds
 
-    if args.input.lower() not in kinds():
-        _check_paths(args.input, args.output, args.force)
-    elif os.path.exists(args.output) and not args.force:
-        raise FileExistsError(f"OUT: {args.output} exists; pass --force to overwrite it")
+    _check_paths(None if args.input.lower() in kinds() else args.input, args.output, args.force)
     patch = {"auto": None, "on": True, "off": False}[args.patch]
     type_map = _parse_type_map(args.type_map)
     cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]

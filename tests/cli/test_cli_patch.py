@@ -191,3 +191,73 @@ def test_patch_and_unpatch_name_the_family_they_wrote(model_file, tmp_path: Path
     assert main(["unpatch", str(tmp_path / "p.model"), str(tmp_path / "u.model")]) == 0
     assert f"wrote plain MACE model to {tmp_path / 'u.model'}" in capsys.readouterr().out
     assert not pm.is_patched(torch.load(tmp_path / "u.model", weights_only=False))
+
+
+def _deny_writes_to(monkeypatch, directory: Path) -> None:
+    """``directory`` as a read-only mount or a user without write permission sees it (root writes anyway)."""
+    import cgforge.atomic
+
+    real = os.access
+    monkeypatch.setattr(cgforge.atomic.os, "access", lambda p, mode, *a, **k: False if Path(p) == directory
+                        and mode & os.W_OK else real(p, mode, *a, **k))
+
+
+def _no_model_loads(monkeypatch) -> None:
+    import cgforge.lammps
+    from cgforge.patches import families
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before OUT's directory was checked")
+
+    monkeypatch.setattr(families, "load", refuse)
+    monkeypatch.setattr(cgforge.lammps, "CgforgeMLIAP", refuse)
+
+
+@pytest.mark.parametrize("command", ["patch", "unpatch", "lammps-model"])
+def test_unwritable_out_directory_is_named_before_any_work(model_file, tmp_path: Path, capsys, monkeypatch,
+                                                           command) -> None:
+    src = str(model_file[0]) if command != "lammps-model" else "mace"  # lammps-model: the bundled model too
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked / ("out.pkl" if command == "lammps-model" else "out.model")
+    _deny_writes_to(monkeypatch, locked)
+    _no_model_loads(monkeypatch)
+    assert main([command, src, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"OUT: cannot write {out}: directory {locked} is not writable" in err, err
+    assert os.listdir(locked) == []
+
+
+def test_unwritable_out_directory_at_write_time_names_out_not_the_temporary_file(model_file, tmp_path: Path,
+                                                                                 capsys, monkeypatch) -> None:
+    """The directory turns read-only after the checks (or os.access says yes and the write is refused)."""
+    import tempfile
+
+    src, _ = model_file
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked / "out.model"
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == locked:
+            raise OSError(30, "Read-only file system", str(locked / ".out.model.abc123.tmp"))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    assert main(["patch", str(src), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {out}: directory {locked} is not writable (Read-only file system)" in err, err
+    assert ".tmp" not in err
+    assert os.listdir(locked) == []
+
+
+def test_out_inside_a_file_is_refused_before_loading(model_file, tmp_path: Path, capsys, monkeypatch) -> None:
+    src, _ = model_file
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    out = tmp_path / "notes.txt" / "out.model"
+    _no_model_loads(monkeypatch)
+    assert main(["patch", str(src), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"OUT: cannot write {out}: {tmp_path / 'notes.txt'} is a file, not a directory" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
