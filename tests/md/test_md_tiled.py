@@ -14,11 +14,11 @@ from cgforge.plugin.water import water_box
 
 
 def _run(workspace: str, tmp_path, fp64_one_thread) -> np.ndarray:
-    atoms = water_box(24, seed=5)
-    calc = Calculator("mace", "cpu", "float64", workspace=workspace, options=RuntimeOptions(tile_atoms=25))
+    atoms = water_box(16, seed=5)
+    calc = Calculator("mace", "cpu", "float64", workspace=workspace, options=RuntimeOptions(tile_atoms=16))
     out = tmp_path / f"{workspace}.traj"
-    run_md(atoms, calc, ensemble="nve", timestep_fs=0.5, steps=6, trajectory=str(out), trajectory_interval=3,
-           log_interval=3, seed=1)
+    run_md(atoms, calc, ensemble="nve", timestep_fs=0.5, steps=4, trajectory=str(out), trajectory_interval=2,
+           log_interval=2, seed=1)
     if workspace == "tiled":
         assert calc.potential.workspace.tiled_last and calc.potential.workspace.grid.n_tiles > 1
     return np.stack([frame.positions for frame in read(out, ":")])

@@ -9,11 +9,13 @@ models, fresh random weights.
 from __future__ import annotations
 
 import ase.build
+import mace_helpers
 import numpy as np
 import pytest
 import torch
 from potentials import mace_potential, nequip_potential
 
+from cgforge.patches.mace.patch import SUPPORTED_INTERACTIONS
 from cgforge.plugin.runtime import potential as runtime
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.runtime.options import RuntimeOptions
@@ -101,7 +103,19 @@ def test_mace_tiles_equal_whole(mace_model, fp64_one_thread, patch, pbc):
         _assert_same(host, ref, len(atoms))
 
 
-@pytest.mark.parametrize("pbc", PBCS[:2], ids=["periodic", "slab"])
+@pytest.mark.parametrize("interaction", SUPPORTED_INTERACTIONS)
+def test_every_supported_mace_block_in_three_layers(fp64_one_thread, interaction):
+    """hops = 3 layers: the halo and the pruning reach three cutoffs; each block kind MACE's patch supports."""
+    model = mace_helpers.build_model(interaction=interaction, num_interactions=3)
+    pot = runtime.load(model, "cpu", patch=False, warmup=False)
+    assert pot.adapter.hops == 3
+    atoms = _water((True, True, True))
+    host, tiles = _tiled(pot, atoms, 20)
+    assert tiles.n_tiles > 1
+    _assert_same(host, _whole(pot, atoms), len(atoms), tol=1e-11)
+
+
+@pytest.mark.parametrize("pbc", PBCS, ids=["periodic", "slab", "cluster"])
 def test_nequip_tiles_equal_whole(nequip_model, fp64_one_thread, pbc):
     pot = runtime.load(nequip_model, "cpu", patch=True, warmup=False)
     assert pot.adapter.hops == 2
