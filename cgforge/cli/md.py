@@ -379,6 +379,9 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
     if steps < COMPILE_AUTO_MIN_STEPS:
         return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {COMPILE_AUTO_MIN_STEPS:,} or more, "
                 "--compile forces it)")
+    uses_tiles = getattr(calc, "uses_tiles", None)
+    if callable(uses_tiles) and uses_tiles(atoms):  # asked before compiled_fits, which builds the whole Verlet list
+        return "torch.compile: off (the system runs in tiles, eagerly)"
     if not calc.patched or not calc.compiled_fits(atoms):
         why = "the model is not patched by cgforge" if not calc.patched else "the box leaves too little GPU memory"
         return f"torch.compile: off ({why})"

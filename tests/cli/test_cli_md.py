@@ -122,12 +122,18 @@ def test_compile_flag_reaches_the_calculator(tmp_path, capsys, monkeypatch):
 class _StandInCalculator:
     """What auto_compile reads of a Calculator, on a device named without needing one."""
 
-    def __init__(self, device: str, patched: bool = True, fits: bool = True, error: Exception | None = None):
-        self.device, self.patched, self.fits, self.error = torch.device(device), patched, fits, error
+    def __init__(self, device: str, patched: bool = True, fits: bool = True, error: Exception | None = None,
+                 tiles: bool = False):
+        self.device, self.patched, self.fits, self.error, self.tiles = torch.device(device), patched, fits, error, tiles
         self.compile = None
 
     def compiled_fits(self, atoms) -> bool:
+        if self.tiles:
+            raise AssertionError("compiled_fits builds the whole Verlet list: not for a system in tiles")
         return self.fits
+
+    def uses_tiles(self, atoms) -> bool:
+        return self.tiles
 
     def set_compile(self, mode) -> None:
         if self.error is not None:
@@ -151,6 +157,8 @@ def test_compile_auto_rule():
     assert "off (the box leaves too little GPU memory)" in auto_compile(full, atoms, long_run) and full.compile is None
     unpatched = _StandInCalculator("cuda", patched=False)
     assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run)
+    tiled = _StandInCalculator("cuda", tiles=True)
+    assert "off (the system runs in tiles" in auto_compile(tiled, atoms, long_run) and tiled.compile is None
     no_triton = _StandInCalculator("cuda", error=RuntimeError("compile: Inductor needs Triton"))
     assert auto_compile(no_triton, atoms, long_run) == "torch.compile: off (compile: Inductor needs Triton)"
 
