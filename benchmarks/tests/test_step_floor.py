@@ -1,0 +1,135 @@
+"""benchmarks/step_floor.py: the floor of one force step, stage by stage, counted on the CPU (bundled water models,
+small boxes). Run with ``.venv/bin/python -m pytest benchmarks/tests``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS))
+import step_floor  # noqa: E402
+from bench_layer import layer_floor  # noqa: E402
+from bench_symmetric_contraction import floors as sc_floors  # noqa: E402
+
+sys.path.remove(str(BENCHMARKS))
+
+BANDWIDTH, TFLOPS = 3.35e12, 66.9
+
+
+@cache
+def model(name: str) -> torch.nn.Module:
+    return step_floor.load_model(name)
+
+
+def convolutions(net: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in net.modules() if isinstance(getattr(m, "conv", None), step_floor.Convolution)]
+
+
+@pytest.mark.parametrize("name", ["bundled-mace", "bundled-nequip"])
+def test_small_box_floor_is_positive_and_the_sum_of_its_rows(name: str) -> None:
+    result = step_floor.step_floor(name, 192, BANDWIDTH, TFLOPS, model=model(name))
+    rows = result["rows"]
+    assert result["nodes"] == 192 and result["edges"] > 192
+    assert result["total_floor_ms"] > 0
+    assert result["total_floor_ms"] == pytest.approx(sum(r["floor_ms"] for r in rows), rel=1e-12)
+    assert result["total_bytes"] == pytest.approx(sum(r["fwd_bytes"] + r["bwd_bytes"] for r in rows), rel=1e-12)
+    assert result["total_flops"] == pytest.approx(sum(r["fwd_flops"] + r["bwd_flops"] for r in rows), rel=1e-12)
+    for r in rows:  # each row's floor is the larger of its two bounds, and says which
+        by_bytes = (r["fwd_bytes"] + r["bwd_bytes"]) / BANDWIDTH * 1e3
+        by_flops = (r["fwd_flops"] + r["bwd_flops"]) / (TFLOPS * 1e12) * 1e3
+        assert r["floor_ms"] == pytest.approx(max(by_bytes, by_flops), rel=1e-12)
+        assert r["bound"] == ("flops" if by_flops > by_bytes else "bytes")
+    stages = {r["stage"] for r in rows}
+    assert {"edge geometry", "spherical harmonics", "convolution", "node-wise linears", "readout"} <= stages
+    assert ("symmetric contraction" in stages) == (name == "bundled-mace")
+
+
+@pytest.mark.parametrize("name", ["bundled-mace", "bundled-nequip"])
+def test_convolution_rows_are_layer_floor_once_per_layer(name: str) -> None:
+    net = model(name)
+    result = step_floor.step_floor(name, 192, BANDWIDTH, TFLOPS, model=net)
+    rows = [r for r in result["rows"] if r["stage"] == "convolution"]
+    convs = convolutions(net)
+    assert len(rows) == len(convs) >= 2 and [r["layer"] for r in rows] == [str(i) for i in range(len(convs))]
+    for row, conv in zip(rows, convs, strict=True):
+        want = layer_floor(conv.conv.problem, result["nodes"], result["edges"], BANDWIDTH, TFLOPS)
+        assert row["kernels"] == 2
+        assert row["floor_ms"] == pytest.approx(want["floor_fb"], rel=1e-9)
+        assert (row["fwd_bytes"] + row["bwd_bytes"]) / BANDWIDTH * 1e3 == pytest.approx(want["floor_fb_bytes_ms"])
+        assert row["fwd_flops"] / (TFLOPS * 1e12) * 1e3 == pytest.approx(want["floor_fwd_flops_ms"])
+    # with tables on, the radial weights add no kernel and no byte: the length is in layer_floor's per-edge bytes
+    radial = [r for r in result["rows"] if r["stage"].startswith("radial")]
+    assert len(radial) == len(convs) and all(r["kernels"] == 0 and r["floor_ms"] == 0 for r in radial)
+
+
+def test_symmetric_contraction_rows_are_bench_symmetric_contraction_floors() -> None:
+    net = model("bundled-mace")
+    result = step_floor.step_floor("bundled-mace", 192, BANDWIDTH, TFLOPS, model=net)
+    rows = [r for r in result["rows"] if r["stage"] == "symmetric contraction"]
+    assert len(rows) == len(net.products)
+    for row, product in zip(rows, net.products, strict=True):
+        want = sc_floors(product.symmetric_contractions, result["nodes"], torch.float32, BANDWIDTH)
+        assert (row["fwd_bytes"] + row["bwd_bytes"]) / BANDWIDTH * 1e3 == pytest.approx(want["floor_fb"])
+        assert row["fwd_flops"] / 1e9 == pytest.approx(want["gflop_fwd"])
+        assert row["bwd_flops"] > row["fwd_flops"]  # grad x: both factors of every product
+
+
+def test_doubling_the_box_roughly_doubles_the_floor() -> None:
+    small = step_floor.step_floor("bundled-mace", 288, BANDWIDTH, TFLOPS, model=model("bundled-mace"))
+    large = step_floor.step_floor("bundled-mace", 576, BANDWIDTH, TFLOPS, model=model("bundled-mace"))
+    assert large["nodes"] == 2 * small["nodes"]
+    assert 1.8 < large["edges"] / small["edges"] < 2.2
+    assert 1.8 < large["total_floor_ms"] / small["total_floor_ms"] < 2.2
+
+
+def test_the_radial_mlp_costs_more_than_the_table_and_is_counted_per_layer() -> None:
+    table = step_floor.step_floor("bundled-nequip", 192, BANDWIDTH, TFLOPS, model=model("bundled-nequip"))
+    mlp = step_floor.step_floor("bundled-nequip", 192, BANDWIDTH, TFLOPS, "mlp", model=model("bundled-nequip"))
+    radial = [r for r in mlp["rows"] if r["stage"] == "radial weights (MLP)"]
+    # the bundled NequIP's edge MLPs are 8 -> 32 -> 32 -> 64: 3 GEMMs a layer, forward and backward
+    assert [r["kernels"] for r in radial] == [6, 6]
+    edges = mlp["edges"]
+    assert radial[0]["fwd_flops"] == 2 * edges * (8 * 32 + 32 * 32 + 32 * 64)
+    assert mlp["total_floor_ms"] > table["total_floor_ms"]
+    assert any(r["stage"] == "radial basis" for r in mlp["rows"])
+
+
+def test_first_layer_stages_on_the_embedding_have_no_backward() -> None:
+    rows = step_floor.stages(model("bundled-nequip"), nodes=100, edges=1000)
+    by = {(r.stage, r.layer): r for r in rows}
+    # layer 0: linear_1 on the embedding (forward only) and linear_2 (both); layer 1: both, both
+    assert by["node-wise linears", "0"].kernels == 3 and by["node-wise linears", "1"].kernels == 4
+    assert by["node embedding", "-"].bwd_bytes == 0
+
+
+def test_linear_macs_pair_equal_irreps() -> None:
+    from e3nn import o3
+
+    assert step_floor.linear_macs(o3.Irreps("2x0e+3x1o"), o3.Irreps("4x0e+1x1o+5x2e")) == 2 * 4 + 3 * 1 * 3
+
+
+def test_main_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = step_floor.main(["--model", "bundled-mace", "--atoms", "96", "--bandwidth-gbs", "1000"])
+    out = capsys.readouterr().out
+    assert "1000 GB/s" in out and "symmetric contraction" in out and f"{result['total_floor_ms']:9.4f}" in out
+    (path,) = tmp_path.glob("step-floor-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["total_floor_ms"] == pytest.approx(result["total_floor_ms"]) and saved["bandwidth_gbs"] == 1000
+
+
+@pytest.mark.parametrize("args, named", [(["--model", "mace-huge"], "mace-huge"), (["--atoms", "0"], "--atoms")])
+def test_a_bad_flag_exits_non_zero_naming_it(args: list[str], named: str) -> None:
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "step_floor.py"), *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0
+    assert named in run.stderr, run.stderr[-2000:]
+    if named == "mace-huge":
+        assert all(choice in run.stderr for choice in step_floor.MODELS)
