@@ -41,6 +41,12 @@ TREES = {
     "chunks-order-h100-20261126/md-20261126-105126.json": ("ef9ef27", "README, call 6"),
     "chunks-order-h100-20261126/md-20261126-110718.json": ("8a7551c", "README, call 7"),
     "chunks-order-h100-20261126/md-20261126-111434.json": ("8a7551c", "README, call 7"),
+    "capacity-h100-20261126/capacity-20261126-222734.json": ("d5bbc04", "README, call 1"),
+    "capacity-h100-20261126/capacity-20261126-222803.json": ("d5bbc04", "README, call 1"),
+    "capacity-h100-20261126/capacity-20261126-223604.json": ("adb0069", "README, call 2"),
+    "capacity-h100-20261126/capacity-20261126-223807.json": ("adb0069", "README, call 2"),
+    "capacity-h100-20261126/capacity-20261126-223905.json": ("adb0069", "README, call 2"),
+    "capacity-h100-20261126/capacity-20261126-224201.json": ("adb0069", "README, call 3"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -264,6 +270,31 @@ def capacity_section(runs: list[Run]) -> list[str]:
     return out + [""]
 
 
+def ladder_section(runs: list[Run]) -> list[str]:
+    """bench_capacity's rows: cgforge (one graph or tiles) and Symmetrix-XL on the same boxes, the newest per row."""
+    out = ["## Capacity ladder: to ten million atoms and beyond", "",
+           "One energy + forces call through an ASE calculator (the second of its process), FP32 water, each size a "
+           "process of its own (`benchmarks/bench_capacity.py`). cgforge's `workspace=\"auto\"` evaluates one graph "
+           "where it fits and tiles with a fixed working set past that; Symmetrix-XL 0.1.1 ran the same model file "
+           "and boxes in the same machine session (its peak: the driver's memory in use after the call).", "",
+           "| code | model | atoms | ran | s per call | µs per atom and step | peak GB | bytes per atom | run |",
+           "|---|---|---:|---|---:|---:|---:|---:|---|"]
+    best: dict[tuple, tuple[Run, dict]] = {}
+    for run in runs:
+        for row in run.rows:
+            if isinstance(row.get("seconds"), float) and "error" not in row:
+                key = (row.get("backend"), row.get("model"), row.get("atoms"), row.get("workspace") or row.get("profile"))
+                best[key] = (run, row)  # runs are in date order: the newest wins
+    for (backend, model, atoms, _), (run, row) in sorted(best.items(), key=lambda kv: (
+            kv[0][1], kv[0][0] != "cgforge", kv[0][2], str(kv[0][3]))):
+        ran = row.get("ran")
+        how = f"{ran} (workspace {row['workspace']})" if "workspace" in row else f"{ran} profile"
+        out.append(f"| {backend} | {MODEL_NAMES.get(model, model)} | {atoms:,} | {how} | {row['seconds']:.4g} "
+                   f"| {row['us_per_atom']:.2f} | {row['peak_bytes'] / 1e9:.1f} | {row['bytes_per_atom']:,.0f} "
+                   f"| {run.device}, {run.date[:10]}, `{run.commit}`, [`{run.path}`](../benchmarks/results/{run.path}) |")
+    return out + [""]
+
+
 def render(results: Path) -> str:
     layer, md = load_runs(results, "layer"), load_runs(results, "md")
     lines = ["# Performance", "",
@@ -271,8 +302,9 @@ def render(results: Path) -> str:
              "Current numbers only, each table from the newest run that holds it, with the run's device, date and "
              "commit; peers are timed in the same run as cgforge unless a row says *published*. Every run, with the "
              "question it answered: [benchmarks/results/README.md](../benchmarks/results/README.md). To refresh: "
-             "`python benchmarks/run.py layer engine md capacity` on a GPU, then `python benchmarks/report.py`.", ""]
+             "`python benchmarks/run.py layer engine md capacity ladder` on a GPU, then `python benchmarks/report.py`.", ""]
     lines += layer_section(layer) + engine_section(md) + force_section(md) + capacity_section(md)
+    lines += ladder_section(load_runs(results, "capacity"))
     lines += ["## Where the numbers come from", "",
               "- Runs made with `benchmarks/run.py` carry their commit in `manifest.json`. Older runs recorded the "
               "device copy's stale HEAD in their JSON; for those, the tree that ran is taken from the run folder's "
