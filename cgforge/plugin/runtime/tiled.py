@@ -42,7 +42,7 @@ from .adapters import ModelAdapter
 from .edge_layout import layout_edges, pad_offset_vector
 from .neighbours import _as_pbc, _binning_basis, neighbour_list
 from .options import RuntimeOptions
-from .step_graph import graph_derivatives
+from .step_graph import StepOutput, graph_derivatives
 
 __all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "check_workspace", "plan_grid",
            "sampled_edges_per_atom", "tiles_needed"]
@@ -50,6 +50,7 @@ __all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "c
 Pbc = tuple[bool, bool, bool]
 _HALO_MARGIN = 1e-6  # relative: the halo is a hair wider than hops x cutoff (rounding of the search's lengths)
 _SMALLEST_TILE = 64  # owned atoms: a budget that needs smaller tiles cannot be met (the halo would dominate)
+_CPU_TILE_ATOMS = 100_000  # owned atoms a tile takes where no memory budget applies (off CUDA)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class TiledEvaluation:
         n = positions.shape[0]
         frame = Frame.of(positions, cell, pbc) if frame is None else frame
         if grid is None:
-            grid = plan_grid(frame, n, self.hops, self.cutoff, tile_atoms=100_000)
+            grid = plan_grid(frame, n, self.hops, self.cutoff, tile_atoms=_CPU_TILE_ATOMS)
         forces = forces or stress
         device, dtype = positions.device, self.adapter.dtype
         cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
@@ -216,10 +217,8 @@ class TiledEvaluation:
         parts = [energy.reshape(1)] + [t.reshape(-1) for t in (total_forces, virial, energies) if t is not None]
         return torch.cat(parts).cpu().numpy()
 
-    # --- one tile ---------------------------------------------------------------------------------------
-
-
-    def _evaluate(self, cluster: Cluster, species_index: Tensor, zero_cell: Tensor, key: tuple[bool, bool, bool]):
+    def _evaluate(self, cluster: Cluster, species_index: Tensor, zero_cell: Tensor, key: tuple[bool, bool, bool]
+                  ) -> StepOutput:
         """The cluster's energy weighted to its owned atoms, and its derivatives (``graph_derivatives``)."""
         adapter = self.adapter
         m, count = cluster.index.shape[0], cluster.sender.shape[0]
@@ -332,7 +331,6 @@ def add_rows(total: Tensor, index: Tensor, rows: Tensor) -> None:
 
 
 WORKSPACES = ("auto", "whole", "tiled")
-_CPU_TILE_ATOMS = 100_000
 
 
 def check_workspace(workspace: object) -> str:
