@@ -31,6 +31,7 @@ from .runtime.diagnosis import NonFiniteOutputError
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
 from .runtime.potential import Potential, System, check_radial_table, default_patch, resolve_device
+from .runtime.tiled import check_workspace
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
@@ -214,6 +215,7 @@ class Calculator(AseCalculator):
         compile_mode = parse_compile(compile)  # checked before the model loads
         check_radial_table(radial_table, radial_precision)
         check_tuning(tuning, patch)
+        check_workspace(workspace)
         super().__init__(**ase_kwargs)
         device = resolve_device(device)
         module = load_model(model, device, dtype, tuning=tuning,

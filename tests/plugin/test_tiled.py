@@ -16,6 +16,7 @@ import torch
 from potentials import mace_potential, nequip_potential
 
 from cgforge.patches.mace.patch import SUPPORTED_INTERACTIONS
+from cgforge.plugin import Calculator
 from cgforge.plugin.runtime import potential as runtime
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.runtime.options import RuntimeOptions
@@ -205,12 +206,16 @@ def test_sampled_edges_per_atom_counts_the_systems_own_neighbours(pbc):
         assert 0.7 * exact < sampled < 1.6 * exact  # the fullest tile of a slab or cluster: its inside, denser
 
 
-def test_workspace_values_are_checked(mace_model):
+def test_workspace_values_are_checked(mace_model, tmp_path):
     assert check_workspace("tiled") == "tiled"
     with pytest.raises(ValueError, match="workspace: expected one of"):
         check_workspace("fixed-ish")
     with pytest.raises(ValueError, match="workspace"):
         runtime.load(mace_model, "cpu", patch=False, warmup=False, workspace="huge")
+    # checked before any model loads: a missing file would otherwise be the error
+    for make in (runtime.load, Calculator):
+        with pytest.raises(ValueError, match="workspace: expected one of"):
+            make(str(tmp_path / "missing.model"), "cpu", workspace="huge")
     pot = runtime.load(mace_model, "cpu", patch=False, warmup=False)
     assert isinstance(pot.workspace, Workspace) and pot.workspace.mode == "auto"
     atoms = _water((True, True, True))

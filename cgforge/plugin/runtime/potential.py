@@ -95,12 +95,13 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
     tuning: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults; given, the
     model is patched unless ``patch=False``, which it contradicts: ``families.check_tuning``). radial_precision,
     radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph, filter_edges, streaming,
-    options): as ``Potential`` takes them. Arguments that need no model are checked before it loads.
+    options, workspace): as ``Potential`` takes them. Arguments that need no model are checked before it loads.
     """
     from cgforge.patches.families import check_tuning
 
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
+    check_workspace(kwargs.get("workspace", "auto"))
     check_tuning(tuning, patch)
     device = resolve_device(device)
     module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode,
