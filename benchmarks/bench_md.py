@@ -45,6 +45,10 @@ cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMA
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
+Beside each FP32 row of a water system and a model ``step_floor.py`` knows (not nequip-l1), the table prints
+that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the H100
+SXM's bandwidth and FP32 peak, counted on the CPU once per model and atom count) and ``floor_fraction`` = floor_ms
+/ the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
 The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
 
@@ -104,6 +108,10 @@ NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capa
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
 NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
 STAGE = {"now": ""}  # what measure() was doing: an out-of-memory row names it
+# bench_md's model -> step_floor.py's (the same shapes; nequip-l1 has no floor there)
+FLOOR_MODELS = {"mace-mp-medium": "mace-mp-medium", "bundled-mace": "bundled-mace", "bundled-nequip": "bundled-nequip",
+                "nequip-M": "nequip-M"}
+_FLOORS: dict[tuple[str, int], float | None] = {}  # (model, atoms) -> floor ms: each counted once per run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,6 +559,58 @@ def mace_peer_breakdown(calc, atoms) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# The step's floor (issue 38)
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def floor_settings() -> dict | None:
+    """What the floors assume: step_floor.py's H100 SXM defaults; None (and a note) when it cannot be imported."""
+    try:  # imported here: a broken step_floor.py costs the floors, never the run
+        import step_floor
+
+        return {"bandwidth_gbs": step_floor.H100_SXM_GBS, "tflops": step_floor.FP32_PEAK_TFLOPS["H100"],
+                "radial": "table", "dtype": "float32", "system": "water_box(n_molecules=atoms // 3)"}
+    except Exception as err:
+        print(f"no step floors: {_one_line(err)}", flush=True)
+        return None
+
+
+def step_floor_ms(model_name: str, atoms: int, settings: dict) -> float | None:
+    """The floor (ms) of `model_name`'s step on a water box of `atoms` atoms, counted once per run (the edge count of
+    a 1 M-atom box takes ~100 s on the CPU); None for a model step_floor.py does not know or whose count raised."""
+    key = (model_name, atoms)
+    if key not in _FLOORS:
+        _FLOORS[key] = None
+        name = FLOOR_MODELS.get(model_name)
+        if name is not None:
+            try:
+                import step_floor
+
+                result = step_floor.step_floor(name, atoms, settings["bandwidth_gbs"] * 1e9, settings["tflops"],
+                                               radial=settings["radial"])
+                _FLOORS[key] = float(result["total_floor_ms"])
+            except Exception as err:  # the floor is a comment on the measurement: it must not stop the run
+                print(f"no step floor for {model_name} at {atoms} atoms: {_one_line(err)}", flush=True)
+    return _FLOORS[key]
+
+
+def add_floor(row: dict, system_name: str, settings: dict | None) -> None:
+    """Put ``floor_ms`` and ``floor_fraction`` (floor / measured NVT step) in a measured FP32 row of a water box."""
+    # the floor is FP32 and counts a water box's edges (DHFR's differ); settings None: --no-floor or no step_floor
+    if settings is None or row.get("dtype") != "float32" or "error" in row or system_name == "dhfr":
+        return
+    ms = step_floor_ms(row["model"], row["atoms"], settings)
+    if ms is None:
+        return
+    measured = row.get("nvt_s")  # the force step (or the whole MD step): both do at least the floor's work
+    row["floor_ms"] = ms
+    row["floor_fraction"] = ms / (1000.0 * measured) if isinstance(measured, float) and measured > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Main
 
 
@@ -592,6 +652,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ensembles", default="nvt,npt", help="whole-MD backends: nvt, npt or both")
     parser.add_argument("--fastmace-ensembles", default=None,
                         help="FastMACE's ensembles (default: --ensembles; each costs a ~1 min setup)")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="no step floor (step_floor.py, counted on the CPU) beside the FP32 rows")
     add_backward_range_flag(parser)
     args = parser.parse_args(argv)
     apply_backward_range(args)
@@ -614,6 +676,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in models:
         if m not in MODELS:
             sys.exit(f"--models: unknown {m!r}; choose from {MODELS}")
+    floors = None if args.no_floor else floor_settings()
     tmp = Path(tempfile.mkdtemp())
     files = {}
     rows = []
@@ -642,20 +705,25 @@ def main(argv: list[str] | None = None) -> None:
                     gc.collect()
                     reset_memory()
                     row["system"] = sysname
+                    add_floor(row, sysname, floors)
                     rows.append(row)
                     print(row, flush=True)
     env = environment()
-    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args)})
-    print_table(rows, env, path)
+    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args), "floor": floors})
+    print_table(rows, env, path, floors)
 
 
-def print_table(rows: list[dict], env: dict, path: Path) -> None:
+def print_table(rows: list[dict], env: dict, path: Path, floors: dict | None = None) -> None:
     print(f"\n{env.get('device', '?')}, torch {env['torch']}, {env['date']}; JSON: {path}")
     print("seconds per MD step (median); NVT = energy+forces, NPT = +stress; breakdown of cgforge's NVT step in ms")
     print(f"backends {', '.join(MD_BACKENDS)}: whole MD steps (integrator included), {MD['timestep_fs']} fs, "
           f"mean over {MD['steps']} steps; the others: one force call through ASE")
+    if floors is not None:
+        print(f"floor: step_floor.py's lower bound of the energy + forces step (FP32, radial {floors['radial']}, "
+              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s and {floors['tflops']} TFLOP/s (H100 SXM), ms; "
+              "reached = floor / NVT s")
     head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
-            f"{'peak GB':>8s}  breakdown")
+            f"{'peak GB':>8s} {'floor ms':>9s} {'reached':>7s}  breakdown")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -664,8 +732,8 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
             print(f"{prefix} {r['error']}")
             continue
         if r.get("md"):
-            print(f"{prefix} {_cell(r.get('nvt_s'))} {_cell(r.get('npt_s'))} {r.get('peak_gb', float('nan')):8.2f}  "
-                  + md_details(r))
+            print(f"{prefix} {_cell(r.get('nvt_s'))} {_cell(r.get('npt_s'))} {r.get('peak_gb', float('nan')):8.2f} "
+                  f"{floor_cells(r)}  " + md_details(r))
             continue
         parts = " ".join(f"{k}={1000 * v:.1f}" for k, v in r.get("breakdown_nvt", {}).items())
         if "nl_build_s" in r:
@@ -679,11 +747,18 @@ def print_table(rows: list[dict], env: dict, path: Path) -> None:
         if r.get("radial_precision_error") is not None:
             parts += f" | radial {r['radial_precision']} (forces changed {r['radial_precision_error']:.1e})"
         peak = r.get("peak_gb", r.get("peak_gb_nvt"))  # --nvt-only rows: no NPT step
-        print(f"{prefix} {_cell(r['nvt_s'])} {_cell(r.get('npt_s'))} {peak:8.2f}  {parts}")
+        print(f"{prefix} {_cell(r['nvt_s'])} {_cell(r.get('npt_s'))} {peak:8.2f} {floor_cells(r)}  {parts}")
 
 
 def _cell(value) -> str:
     return f"{value:8.4f}" if isinstance(value, float) else f"{'-':>8s}"
+
+
+def floor_cells(r: dict) -> str:
+    """The floor (ms) and the fraction of it reached, '-' where the row has none."""
+    ms, fraction = r.get("floor_ms"), r.get("floor_fraction")
+    return (f"{ms:9.4f}" if isinstance(ms, float) else f"{'-':>9s}") + " " + (
+        f"{fraction:7.1%}" if isinstance(fraction, float) else f"{'-':>7s}")
 
 
 def md_details(r: dict) -> str:
