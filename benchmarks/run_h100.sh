@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps
 # For benchmark numbers to keep, prefer `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit,
 # device, versions); this script stays for the sharded CUDA test suite (`tests`) and the A/B stages.
 set -uo pipefail
@@ -137,5 +137,21 @@ large)  # per-layer kernel choices in one process each (bench_layer --tuning; th
         --tuning forward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -11
     python3 benchmarks/bench_layer.py nequip-presetM mace-water-l2 --tuning backward_loop_order=chunks \
         --tuning loop_order=edges,backward_loop_order=segments 2>&1 | tee "$OUT/nequip-medium.log" | tail -8 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large" >&2; exit 2 ;;
+lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and .device/lammps with the 22 Jul 2025
+        # tarball): build LAMMPS (Kokkos CUDA, ~220 s on 32 cores; LMP=DEST, reused when built), its CUDA tests (one
+        # and two GPUs), then bench_lammps in exchange mode on 1 and 2 GPUs with MACE's class and the engine.
+        # Open MPI refuses root and binds ranks to one core unless told; the machine's has no CUDA support, so
+        # LAMMPS runs with gpu/aware off (the build keeps ML-IAP's pair communication on its host-staged device path).
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
+    export CGFORGE_LAMMPS_KOKKOS_DIR=${LMP:-/tmp/lmp-kk}
+    CGFORGE_LAMMPS_JOBS=$(nproc) CGFORGE_LAMMPS_TARBALL=$PWD/.device/lammps/lammps-22Jul2025u2-src.tar.gz \
+        bash scripts/lammps_gpu.sh "$CGFORGE_LAMMPS_KOKKOS_DIR" > "$OUT/lammps-build.log" 2>&1
+    tail -1 "$OUT/lammps-build.log"
+    grep -q '^BUILT' "$OUT/lammps-build.log" || exit 1  # NOT FINISHED: run the stage again on this machine
+    timeout -s INT -k 15 "${TEST_LIMIT:-240}" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
+        tests/lammps/test_lammps_real.py > "$OUT/lammps-tests.log" 2>&1; tail -3 "$OUT/lammps-tests.log"
+    python3 benchmarks/bench_lammps.py --lammps "$CGFORGE_LAMMPS_KOKKOS_DIR" --models ${MODELS:-mace mace-mp-medium} \
+        --sizes ${SIZES:-1728} --classes cgforge mace-own engine --modes exchange ghost --ranks 1 2 --steps 20 \
+        --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps" >&2; exit 2 ;;
 esac
