@@ -67,8 +67,9 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
     patch = {"auto": None, "on": True, "off": False}[args.patch]
     type_map = _parse_type_map(args.type_map)
     cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
+    radial_table = {"auto": None, "on": True, "off": False}[args.radial_table]
     obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
-                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph)
+                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph, radial_table=radial_table)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
     for line in usage_lines(obj, out.name):
@@ -150,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="ghost-mode steps padded and captured in a CUDA graph: auto (default: on CUDA, for a model "
                    "whose edges beyond the cutoff contribute zero), on (an error where it cannot be), off (eager)")
+    p.add_argument("--radial-table", choices=("auto", "on", "off"), default="off",
+                   help="radial weights from a table of the edge length: off (default: the radial MLP), on, auto "
+                   "(as the Calculator: on CUDA for a patched FP32 model that can)")
     p.set_defaults(func=cmd_lammps_model)
 
     from .md import add_md_arguments

@@ -95,13 +95,17 @@ class CgforgeMLIAP(_mliap_base()):
     on CUDA when the model's edges beyond the cutoff are known to contribute zero; True insists (an error on a
     CPU, in exchange mode, which calls LAMMPS back inside the model, or for such a model); False: eager calls.
     ``capture_error`` says why a capture failed (the calls then run eagerly); ``last_path`` which path the last
-    call took ("captured", "padded": the same step without capture, or "eager"). _padded: internal, True runs
-    ghost-mode calls on the padded step even where they are not captured (CPU tests).
+    call took ("captured", "padded": the same step without capture, or "eager"). radial_table: each layer's radial
+    weights read from a cubic table of the edge length (as the Calculator does for FP32 on CUDA): no per-pair
+    radial MLP, its activations or weights; False (default: the MLP), True (an error for a model whose weights
+    cannot be tabulated), None (the Calculator's rule: on CUDA for a patched FP32 model that can). _padded:
+    internal, True runs ghost-mode calls on the padded step even where they are not captured (CPU tests).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
-                 mode: str = "auto", cuda_graph: bool | None = None, _padded: bool = False) -> None:
+                 mode: str = "auto", cuda_graph: bool | None = None, radial_table: bool | None = False,
+                 _padded: bool = False) -> None:
         from cgforge.patches.common import UnsupportedModelError
         from cgforge.plugin.runtime.potential import load_module as load_model
 
@@ -112,6 +116,8 @@ class CgforgeMLIAP(_mliap_base()):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
         if not (cuda_graph is None or isinstance(cuda_graph, bool)):
             raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
+        if not (radial_table is None or isinstance(radial_table, bool)):
+            raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
         if cuda_graph and mode == "exchange":
             raise ValueError("cuda_graph=True and mode='exchange': exchange mode calls LAMMPS back inside the model "
                              "(forward_exchange), which a captured step cannot; use ghost mode (`pair_style mliap "
@@ -128,6 +134,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.type_map = dict(type_map) if type_map is not None else None
         self.mode = mode
         self.cuda_graph = cuda_graph
+        self.radial_table = radial_table
         self._padded = bool(_padded)
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
         # file fails here and not inside LAMMPS.
@@ -136,6 +143,8 @@ class CgforgeMLIAP(_mliap_base()):
         except UnsupportedModelError as err:
             raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
         adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
+        if radial_table and (reason := adapter.why_not_tabulated()) is not None:
+            raise ValueError(f"radial_table=True: {reason}")
         self.inert_edges_reason = adapter.inert_beyond_cutoff()  # None: padding edges change nothing
         if cuda_graph and self.inert_edges_reason is not None:
             raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the cutoff "
@@ -158,7 +167,8 @@ class CgforgeMLIAP(_mliap_base()):
 
     def __setstate__(self, state: dict) -> None:
         # Files written before an option existed load with its default.
-        self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None})
+        self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None,
+                              "radial_table": False})
         self.__dict__.update(state)
         self.interface = None
         self._clear_runtime()
@@ -218,11 +228,13 @@ class CgforgeMLIAP(_mliap_base()):
         for p in model.parameters():
             p.requires_grad_(False)  # autograd tracks the pair vectors only
         model_dtype = next(model.parameters()).dtype
+        self._adapter = _adapter(model, device, self.head, self.type_map)
+        if self._tables_on(device, model_dtype, patch):
+            self._adapter.set_radial_table(True)  # before the kernels compile: the tables change the convolutions
         for module in model.modules():  # compile every kernel now, not in the middle of a step (or exchange)
             compile_kernels = getattr(module, "compile_kernels", None)
             if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
                 compile_kernels(device, model_dtype)
-        self._adapter = _adapter(model, device, self.head, self.type_map)
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
         self._caches = graph_caches(model)
@@ -230,6 +242,13 @@ class CgforgeMLIAP(_mliap_base()):
         capture = self._capture_on(device)
         if capture or self._padded:
             self._step = PaddedStep(self._adapter, self._caches, cuda_graph=capture)
+
+    def _tables_on(self, device: torch.device, model_dtype: torch.dtype, patched: bool) -> bool:
+        """Whether the radial weights come from tables (``radial_table`` resolved for this device and model)."""
+        if self.radial_table is None:
+            return (device.type == "cuda" and model_dtype == torch.float32 and patched
+                    and self._adapter.why_not_tabulated() is None)
+        return self.radial_table
 
     def _capture_on(self, device: torch.device) -> bool:
         """Whether ghost-mode calls are captured on ``device`` (``cuda_graph`` resolved)."""

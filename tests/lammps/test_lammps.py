@@ -460,3 +460,48 @@ def test_cuda_captured_step(kind, flavour, request):
     atoms = structure(seed=15)
     got, _ = run(captured, atoms, mode="ghost", n_domains=2, path="captured", **kw)
     assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+def test_radial_tables_match_the_calculator_with_tables(kind, request):
+    """radial_table=True (CPU, cgforge's kernels): the Calculator with its radial tables, to 1e-10, in exchange mode
+    on two domains and ghost mode on one; and not the radial MLP's numbers (the tables are in use)."""
+    path = request.getfixturevalue(f"{kind}_file")
+    atoms = structure()
+
+    def calculator(tables: bool) -> dict:
+        a = atoms.copy()
+        a.calc = Calculator(path, device="cpu", patch=True, radial_table=tables)
+        return {"energy": a.get_potential_energy(), "energies": a.get_potential_energies(), "forces": a.get_forces(),
+                "virial": -a.get_stress(voigt=False) * a.get_volume()}
+
+    with_tables, with_mlp = calculator(True), calculator(False)
+    for mode, n_domains in (("exchange", 2), ("ghost", 1)):
+        got, _ = run(CgforgeMLIAP(path, patch=True, radial_table=True), atoms, mode=mode, n_domains=n_domains)
+        assert_matches(got, with_tables)
+        forces_off = np.linalg.norm(got["forces"] - with_mlp["forces"]) / np.linalg.norm(with_mlp["forces"])
+        assert 1e-12 < forces_off < 1e-5, forces_off
+
+
+def test_radial_table_option(mace_file, tmp_path, capsys):
+    with pytest.raises(TypeError, match="radial_table"):
+        CgforgeMLIAP(mace_file, radial_table="on")
+    obj = CgforgeMLIAP(mace_file, patch=True, radial_table=None)
+    assert pickle.loads(pickle.dumps(obj)).radial_table is None
+    # None follows the Calculator: tables on CUDA for a patched FP32 model that can have them (the rule alone,
+    # asked without a GPU; the adapter is the CPU one setup makes)
+    obj.setup("cpu")
+    cuda = torch.device("cuda")
+    assert obj._tables_on(cuda, torch.float32, True)
+    assert not obj._tables_on(cuda, torch.float64, True)
+    assert not obj._tables_on(cuda, torch.float32, False)
+    assert not obj._tables_on(torch.device("cpu"), torch.float32, True)
+    old = obj.__getstate__()
+    del old["radial_table"]  # a file written before the option: the radial MLP, as then
+    restored = CgforgeMLIAP.__new__(CgforgeMLIAP)
+    restored.__setstate__(old)
+    assert restored.radial_table is False
+    out = tmp_path / "tables.mliap.pkl"
+    assert cli_main(["lammps-model", mace_file, str(out), "--radial-table", "on"]) == 0
+    with open(out, "rb") as f:
+        assert pickle.load(f).radial_table is True
