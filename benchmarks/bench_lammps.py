@@ -343,6 +343,10 @@ def main() -> None:
         return
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup: at least 1 (the first run sets LAMMPS up)")
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget: seconds for the whole run, more than 0, got {args.budget:g}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout: seconds per case, more than 0, got {args.timeout:g}")
     run(args)
 
 

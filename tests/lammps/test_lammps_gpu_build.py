@@ -233,3 +233,12 @@ def test_bench_case_results_timeouts_and_late_failures(bench):
     assert failed["error"] == "exit 1: ValueError: no model"
     hung = bench._run_case([sys.executable, "-c", "import time; time.sleep(60)"], env, 1)
     assert hung["error"].startswith("timed out after 1 s")
+
+
+@pytest.mark.parametrize("flag, value", [("--budget", "-9"), ("--budget", "0"), ("--timeout", "0")])
+def test_bench_refuses_a_spent_budget(flag, value):
+    """A budget or timeout of no seconds is refused by name before anything is built (a run once got a negative
+    budget from a shell's arithmetic and skipped every row)."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lammps.py"), flag, value],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and flag in run.stderr and "more than 0" in run.stderr, run.stderr
