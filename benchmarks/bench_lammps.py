@@ -1,13 +1,14 @@
 """LAMMPS ``pair_style mliap unified`` speed: ms/step and ns/day of NVE water boxes, in one run and one table:
-cgforge's class on each LAMMPS build given (``cgforge``: its kernels, ghost-mode steps captured in a CUDA graph
-when the model runs on CUDA; ``cgforge-eager``: the same, each step run eagerly; ``cgforge-tables``: the same
-with the radial weights read from tables (``radial_table=True``); ``unpatched``: the same class
+cgforge's class on each LAMMPS build given (``cgforge``: its defaults, i.e. its kernels, the radial weights read
+from tables for FP32 on CUDA, ghost-mode and one-rank exchange-mode steps captured in a CUDA graph when the model
+runs on CUDA; ``cgforge-eager``: the same, each step run eagerly; ``cgforge-mlp``: the same with the radial MLP
+(``radial_table=False``); ``unpatched``: the same class
 running the model's own e3nn code, captured likewise), MACE's own ML-IAP class where it can run (its failure
 reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.md.engine``, ``engine``) on the same box and model.
 
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
         [--ranks 1 2] [--modes ghost exchange] [--steps 10] [--warmup 3] [--dtype float32]
-        [--classes cgforge cgforge-eager cgforge-tables unpatched mace-own engine]
+        [--classes cgforge cgforge-eager cgforge-mlp unpatched mace-own engine]
         [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540]
 
 Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DT_PS = 0.0005
 SKIN = 1.0
 SPECORDER = ["H", "O"]  # LAMMPS atom types 1, 2 of the water data files
-CLASSES = ("cgforge", "cgforge-eager", "cgforge-tables", "unpatched", "mace-own", "engine")
+CLASSES = ("cgforge", "cgforge-eager", "cgforge-mlp", "unpatched", "mace-own", "engine")
 MODES = {"ghost": 1, "exchange": 0}  # pair_style mliap unified FILE <ghost neighbours>
 
 
@@ -233,16 +234,16 @@ def _mace_peer(source: Path, dtype: str, folder: Path) -> tuple[Path | None, str
 def _object_files(host, classes: list[str], folder: Path, stem: str) -> dict:
     """The LAMMPS model files of cgforge's class, by (class, array flavour): the model on --device for host arrays,
     on the arrays' device under Kokkos; 'cgforge-eager' runs each step eagerly (no CUDA graph); 'unpatched' is the
-    same class running the model's own (e3nn) code; 'cgforge-tables' reads the radial weights from tables."""
+    same class running the model's own (e3nn) code; 'cgforge-mlp' computes the radial weights with the MLP."""
     from cgforge.lammps.write import write_lammps_model
 
     files = {}
-    for cls in [c for c in classes if c in ("cgforge", "cgforge-eager", "cgforge-tables", "unpatched")]:
+    for cls in [c for c in classes if c in ("cgforge", "cgforge-eager", "cgforge-mlp", "unpatched")]:
         for flavour in ("host", "kokkos"):
             obj = copy.copy(host)
             obj.patch = False if cls == "unpatched" else None
             obj.cuda_graph = False if cls == "cgforge-eager" else None
-            obj.radial_table = cls == "cgforge-tables"
+            obj.radial_table = False if cls == "cgforge-mlp" else None
             obj.device = host.device if flavour == "host" else None
             files[cls, flavour] = write_lammps_model(obj, folder / f"{cls}-{flavour}-{stem}.mliap.pkl")
     return files

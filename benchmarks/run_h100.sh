@@ -151,7 +151,7 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
     timeout -s INT -k 15 "${TEST_LIMIT:-240}" python3 -m pytest -m cuda -q -rfE -p no:cacheprovider \
         tests/lammps/test_lammps_real.py > "$OUT/lammps-tests.log" 2>&1; tail -3 "$OUT/lammps-tests.log"
     python3 benchmarks/bench_lammps.py --lammps "$CGFORGE_LAMMPS_KOKKOS_DIR" --models ${MODELS:-mace mace-mp-medium} \
-        --sizes ${SIZES:-1728} --classes cgforge cgforge-tables mace-own engine --modes exchange ghost \
+        --sizes ${SIZES:-1728} --classes cgforge cgforge-mlp mace-own engine --modes exchange ghost \
         --ranks 1 2 --steps 20 \
         --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
 *) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps" >&2; exit 2 ;;

@@ -149,11 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange), "
                    "ghost or exchange")
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="ghost-mode steps padded and captured in a CUDA graph: auto (default: on CUDA, for a model "
-                   "whose edges beyond the cutoff contribute zero), on (an error where it cannot be), off (eager)")
-    p.add_argument("--radial-table", choices=("auto", "on", "off"), default="off",
-                   help="radial weights from a table of the edge length: off (default: the radial MLP), on, auto "
-                   "(as the Calculator: on CUDA for a patched FP32 model that can)")
+                   help="ghost-mode steps, and exchange-mode steps of one MPI rank, padded and captured in a CUDA "
+                   "graph: auto (default: on CUDA, for a model whose edges beyond the cutoff contribute zero), on (an "
+                   "error where it cannot be), off (eager)")
+    p.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
+                   help="radial weights from a table of the edge length: auto (default, as the Calculator: on CUDA "
+                   "for a patched FP32 model that can), on, off (the radial MLP)")
     p.set_defaults(func=cmd_lammps_model)
 
     from .md import add_md_arguments

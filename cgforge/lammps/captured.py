@@ -1,7 +1,9 @@
 """The padded LAMMPS step: each call's pair list on static buffers, laid out without a sort, captured on CUDA.
 
-``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode. On the host: LAMMPS's counts
-(npairs, ntotal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
+``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain
+whose ghosts are all images of its own local atoms (``run(..., owners=...)``, from ``exchange.ghost_owners``):
+each pair's neighbour is then its owner and the nodes are the local atoms alone. On the host: LAMMPS's counts
+(npairs, ntotal or nlocal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
 a margin; a growth drops the captured graph, the next call captures again); its arrays are copied into the
 buffers (device copies; host-to-device from numpy); the counts reach the device as three fills; the step runs
 (a CUDA-graph replay, or eagerly, e.g. on a CPU); one small device-to-host copy brings back the energy and two
@@ -12,7 +14,8 @@ The step itself reads nothing back to the host (capture-safe):
 1. Edges: slot p < npairs holds pair p, the edge pair_j -> pair_i with vector -rij;
    ``edge_layout.layout_edges`` keeps their order and fills the other slots with padding self-edges longer
    than the cutoff (exactly zero contribution: the model must be ``inert_beyond_cutoff``), spread over the
-   nodes. Nodes are the ntotal atoms and padding nodes up to the node capacity (species 0, no real edge);
+   nodes. Nodes are the ntotal atoms (with ``owners``: the nlocal local atoms) and padding nodes up to the node
+   capacity (species 0, no real edge);
    listed entries past nlistatoms are masked out of the energy.
 2. The convolution graph, with no sort for the forward: LAMMPS lists the pairs grouped by centre in
    ascending centre order (its ilist is 0..inum-1, then the ghosts in order), so the layout is already in
@@ -66,7 +69,7 @@ class _Buffers:
     listed: Tensor  # int64 [L]
     positions: Tensor  # zeros [N, 3] (the adapters take positions for their shape)
     npairs: Tensor  # int64 0-d
-    ntotal: Tensor
+    nodes: Tensor  # ntotal, or nlocal with owners
     nlist: Tensor
 
     @property
@@ -132,12 +135,14 @@ class PaddedStep:
 
     # --- the call ------------------------------------------------------------------------------------
 
-    def run(self, data: Any, arrays: LammpsArrays) -> bool:
-        """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; ghost-neighbour mode, at least
-        one listed atom). False when LAMMPS's pairs were not in ascending centre order: nothing was written, the
-        caller runs the call another way."""
-        self._fit(arrays)
-        self._load(arrays)
+    def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None) -> bool:
+        """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; at least one listed atom):
+        ghost-neighbour mode, or with ``owners`` ([ntotal] int64 on the device: the local atom each atom is, or is an
+        image of) exchange mode on one domain. False when LAMMPS's pairs were not in ascending centre order: nothing
+        was written, the caller runs the call another way."""
+        nodes = arrays.ntotal if owners is None else arrays.nlocal
+        self._fit(arrays, nodes)
+        self._load(arrays, nodes, owners)
         while True:
             out = self._execute()
             status = out.status.cpu()  # one sync: the energy and the checks
@@ -156,9 +161,9 @@ class PaddedStep:
     def _grown(self, count: int, current: int) -> int:
         return current if count <= current else room(count, self.margin)
 
-    def _fit(self, a: LammpsArrays) -> None:
+    def _fit(self, a: LammpsArrays, nodes: int) -> None:
         """New buffers when a count exceeds its capacity (and species rooms at the first call)."""
-        wanted = (a.npairs, max(a.ntotal, 1), a.nlist)
+        wanted = (a.npairs, max(nodes, 1), a.nlist)
         if self._buf is not None:
             if all(n <= c for n, c in zip(wanted, self._buf.capacities)):
                 return
@@ -172,22 +177,27 @@ class PaddedStep:
                              torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw))
         if self.caches and self.group_species and self._room is None:
             # the first call: rooms from its counts (one host read, outside any step)
-            counts = torch.bincount(a.elems[:a.ntotal].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
+            counts = torch.bincount(a.elems[:nodes].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
             self._room = SpeciesRoom([room(int(c), self.margin) if c else 0 for c in counts.tolist()], dev)
+        # the widest rows in chunks where this many nodes need it (as the calculator plans them), before a capture
+        self.adapter.set_row_chunks(n)
         self.invalidate()
 
-    def _load(self, a: LammpsArrays) -> None:
+    def _load(self, a: LammpsArrays, nodes: int, owners: Tensor | None) -> None:
         """LAMMPS's arrays into the buffers (entries past the counts keep earlier values: in range, unused)."""
         b = self._buf
         b.pair_i[:a.npairs].copy_(a.pair_i[:a.npairs])
-        b.pair_j[:a.npairs].copy_(a.pair_j[:a.npairs])
+        if owners is None:
+            b.pair_j[:a.npairs].copy_(a.pair_j[:a.npairs])
+        else:  # a ghost neighbour is its owner, a local atom
+            b.pair_j[:a.npairs].copy_(owners.index_select(0, a.pair_j[:a.npairs].to(owners.device, torch.int64)))
         b.vectors[:a.npairs].copy_(a.rij[:a.npairs])
         b.vectors[:a.npairs].neg_()  # pos[receiver] - pos[sender], receiver = pair_i
-        b.elems[:a.ntotal].copy_(a.elems[:a.ntotal])
-        b.elems[a.ntotal:].zero_()  # padding nodes: species 0
+        b.elems[:nodes].copy_(a.elems[:nodes])
+        b.elems[nodes:].zero_()  # padding nodes: species 0
         b.listed[:a.nlist].copy_(a.iatoms[:a.nlist])
         b.npairs.fill_(a.npairs)
-        b.ntotal.fill_(a.ntotal)
+        b.nodes.fill_(nodes)
         b.nlist.fill_(a.nlist)
 
     def _execute(self) -> _Outputs:
@@ -225,7 +235,7 @@ class PaddedStep:
             species = adapter.species_from_index(elems)
             groups, counts = None, torch.zeros(0, dtype=torch.int64, device=self.device)
             if self._room is not None:
-                groups, counts = self._room.groups(elems, b.ntotal)
+                groups, counts = self._room.groups(elems, b.nodes)
         with torch.enable_grad(), ExitStack() as stack:
             if groups is not None:
                 for cache in self.caches:

@@ -22,6 +22,12 @@ sets its message width to ``vec_len`` only inside the exchange, and ``CommBrick:
 ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH``; Kokkos's device communication grows its own buffers, so device
 features go whole.
 
+One domain (one MPI rank) needs no exchange inside the model: every ghost is a periodic image of one of its own
+local atoms. ``ghost_owners`` finds each ghost's owner with one forward exchange of the local atoms' indices
+(tagged by a random number of this call, so ghosts owned by another rank are told apart); where every ghost has
+a local owner, the caller rewires each pair's ghost neighbour to its owner and runs the model on the local atoms
+alone, a periodic graph like the calculator's, which needs no call back into LAMMPS and so can be captured.
+
 The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
 whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
 dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
@@ -30,6 +36,7 @@ act only while ``ExchangeHooks.active`` holds a data object.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "exchange_features", "message_layers"]
+__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "exchange_features", "ghost_owners",
+           "message_layers"]
 
 _NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
 HOST_FORWARD_WIDTH = 6  # LAMMPS's size_border, the least its host forward buffers hold per atom
@@ -82,6 +90,30 @@ def exchange_features(feats: Tensor, data: Any, nlocal: int) -> Tensor:
         raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than nlocal={nlocal}")
     padded = torch.cat([feats[:nlocal], feats.new_zeros((ghosts, *feats.shape[1:]))])
     return _Exchange.apply(padded, data)
+
+
+def ghost_owners(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Tensor | None:
+    """The owner of every atom of this domain ([ntotal] int64 on ``device``: ``i`` for a local atom, the local atom a
+    ghost is an image of) when every ghost has a local owner (one MPI rank), else None (some ghost belongs to
+    another rank).
+
+    One forward exchange of three float64 columns: two random 52-bit tags of this call and the atom index (all
+    exact in float64); a ghost whose tags came back as this call's is an image of the local atom whose index came
+    with them. Another rank's tags match with probability 2**-104."""
+    if ntotal == nlocal:
+        return torch.arange(ntotal, device=device)
+    tags = [float(secrets.randbits(52)) for _ in range(2)]
+    cols = torch.zeros(ntotal, 3, dtype=torch.float64, device=device)
+    cols[:nlocal, 0], cols[:nlocal, 1] = tags
+    cols[:nlocal, 2] = torch.arange(nlocal, dtype=torch.float64, device=device)
+    got = _send(data.forward_exchange, cols, HOST_FORWARD_WIDTH)
+    if got.is_cuda:
+        torch.cuda.synchronize(got.device)  # LAMMPS wrote it on its own stream
+    owner = got[:, 2].to(torch.int64)
+    ours = (got[:, 0] == tags[0]) & (got[:, 1] == tags[1]) & (owner >= 0) & (owner < nlocal)
+    if not bool(ours.all()):
+        return None
+    return owner
 
 
 def message_layers(model: torch.nn.Module, kind: str) -> list[torch.nn.Module]:

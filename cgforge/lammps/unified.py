@@ -21,14 +21,22 @@ Two modes (``mode="auto"`` picks per call):
   Works with any ML-IAP build.
 - exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
-  ghosts' node features are sent from their owners before every layer but the first (``exchange``).
+  ghosts' node features are sent from their owners before every layer but the first (``exchange``). On one
+  MPI rank (as the launcher says: ``ranks.launcher_ranks``) every ghost is an image of a local atom: one
+  exchange of atom indices per call finds the owners (``exchange.ghost_owners``), each pair's ghost neighbour
+  becomes its owner and the model runs on the local atoms alone, with no exchange inside it.
 
-Ghost-mode calls on CUDA run the padded step (``captured``): LAMMPS's arrays copied into static buffers with
-room to spare, the edges laid out for the fused convolution without a sort (pairs come in ascending centre
-order: a device flag checks it and a call that breaks it runs, with every later one, on the eager step above),
-species grouped in fixed rooms, and the whole step (layout, model, autograd, energy sum) captured in a CUDA
-graph and replayed (``cuda_graph``). Exchange-mode calls and CPU calls stay eager: the exchange calls LAMMPS
-back inside the model, and a CPU has no graphs to replay.
+Ghost-mode calls on CUDA, and exchange-mode calls of one rank, run the padded step (``captured``): LAMMPS's
+arrays copied into static buffers with room to spare, the edges laid out for the fused convolution without a
+sort (pairs come in ascending centre order: a device flag checks it and a call that breaks it runs, with every
+later one, on the eager step above), species grouped in fixed rooms, and the whole step (layout, model,
+autograd, energy sum) captured in a CUDA graph and replayed (``cuda_graph``). Exchange-mode calls of several
+ranks and CPU calls stay eager: their exchanges call LAMMPS back inside the model, and a CPU has no graphs to
+replay.
+
+Memory: as the calculator plans it, the widest per-atom rows of a large domain are made in chunks
+(``adapter.set_row_chunks``), and with the radial tables (``radial_table``, on by default where the calculator
+uses them) no per-pair radial MLP, activations or weights are kept.
 
 The object pickles small: the model file's bytes and the options. The model is loaded, patched (cgforge's
 kernels: by default on CUDA, as the Calculator does) and compiled lazily, in the LAMMPS process, at the
@@ -48,12 +56,14 @@ import torch
 
 from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
 from .captured import PaddedStep
-from .exchange import ExchangeHooks, message_layers
+from .exchange import ExchangeHooks, ghost_owners, message_layers
+from .ranks import launcher_ranks
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
-_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off")
+_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off",
+              "ranks")
 
 
 class LammpsSetupError(RuntimeError):
@@ -91,20 +101,21 @@ class CgforgeMLIAP(_mliap_base()):
     patch: cgforge's kernels (True), the model's own code (False), None: on CUDA only (as the Calculator).
     head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements
     (``pair_coeff * * O H``); mode: "auto", "ghost" or "exchange" (see the module doc).
-    cuda_graph: run ghost-mode calls as the padded step captured in a CUDA graph (``captured``): None (default)
-    on CUDA when the model's edges beyond the cutoff are known to contribute zero; True insists (an error on a
-    CPU, in exchange mode, which calls LAMMPS back inside the model, or for such a model); False: eager calls.
+    cuda_graph: run ghost-mode calls, and exchange-mode calls of one MPI rank, as the padded step captured in a
+    CUDA graph (``captured``): None (default) on CUDA when the model's edges beyond the cutoff are known to
+    contribute zero; True insists (an error on a CPU, for such a model, or in exchange mode on several ranks,
+    whose exchanges call LAMMPS back inside the model); False: eager calls.
     ``capture_error`` says why a capture failed (the calls then run eagerly); ``last_path`` which path the last
     call took ("captured", "padded": the same step without capture, or "eager"). radial_table: each layer's radial
     weights read from a cubic table of the edge length (as the Calculator does for FP32 on CUDA): no per-pair
-    radial MLP, its activations or weights; False (default: the MLP), True (an error for a model whose weights
-    cannot be tabulated), None (the Calculator's rule: on CUDA for a patched FP32 model that can). _padded:
-    internal, True runs ghost-mode calls on the padded step even where they are not captured (CPU tests).
+    radial MLP, its activations or weights; None (default: the Calculator's rule, on CUDA for a patched FP32 model
+    that can), True (an error for a model whose weights cannot be tabulated), False (the MLP). _padded: internal,
+    True runs the calls the padded step takes even where they are not captured (CPU tests).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
-                 mode: str = "auto", cuda_graph: bool | None = None, radial_table: bool | None = False,
+                 mode: str = "auto", cuda_graph: bool | None = None, radial_table: bool | None = None,
                  _padded: bool = False) -> None:
         from cgforge.patches.common import UnsupportedModelError
         from cgforge.plugin.runtime.potential import load_module as load_model
@@ -118,10 +129,6 @@ class CgforgeMLIAP(_mliap_base()):
             raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
         if not (radial_table is None or isinstance(radial_table, bool)):
             raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
-        if cuda_graph and mode == "exchange":
-            raise ValueError("cuda_graph=True and mode='exchange': exchange mode calls LAMMPS back inside the model "
-                             "(forward_exchange), which a captured step cannot; use ghost mode (`pair_style mliap "
-                             "unified FILE 1`) or cuda_graph=None")
         if cuda_graph and device is not None and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got device={device!r}")
         path = _model_path(model)
@@ -158,6 +165,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.nparams = 1
         self.last_mode: str | None = None
         self.last_path: str | None = None
+        self.owner_exchanges = 0  # exchanges that found the ghosts' owners (one-rank exchange mode)
         self._clear_runtime()
 
     # --- pickling: options and bytes only ----------------------------------------------------------
@@ -168,7 +176,7 @@ class CgforgeMLIAP(_mliap_base()):
     def __setstate__(self, state: dict) -> None:
         # Files written before an option existed load with its default.
         self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None,
-                              "radial_table": False})
+                              "radial_table": False, "owner_exchanges": 0})
         self.__dict__.update(state)
         self.interface = None
         self._clear_runtime()
@@ -177,12 +185,18 @@ class CgforgeMLIAP(_mliap_base()):
         self._model = self._adapter = self._device = self._hooks = self._tmp = None
         self._caches: list = []
         self._step: PaddedStep | None = None
+        self.ranks = 0  # MPI ranks of the run (``launcher_ranks``, read at setup; 0: not set up)
         self.padded_off: str | None = None  # why ghost-mode calls left the padded step for good (None: they did not)
 
     @property
     def capture_error(self) -> str | None:
         """Why the CUDA-graph capture failed (calls then run the padded step eagerly), or None."""
         return None if self._step is None else self._step.capture_error
+
+    @property
+    def exchanges(self) -> int:
+        """Exchanges through LAMMPS so far: of node features inside the model, and of the ghosts' owners."""
+        return (self._hooks.calls if self._hooks is not None else 0) + self.owner_exchanges
 
     @property
     def ghost_cutoff(self) -> float:
@@ -237,6 +251,7 @@ class CgforgeMLIAP(_mliap_base()):
             self._adapter.set_radial_table(True)
         self._model, self._device = model, device
         self._hooks = ExchangeHooks(model, self.kind)
+        self.ranks = launcher_ranks()
         self._caches = graph_caches(model)
         self.inert_edges_reason = self._adapter.inert_beyond_cutoff()  # of the model as loaded here
         capture = self._capture_on(device)
@@ -253,7 +268,7 @@ class CgforgeMLIAP(_mliap_base()):
     def _capture_on(self, device: torch.device) -> bool:
         """Whether ghost-mode calls are captured on ``device`` (``cuda_graph`` resolved)."""
         if self.cuda_graph is None:
-            return device.type == "cuda" and self.mode != "exchange" and self.inert_edges_reason is None
+            return device.type == "cuda" and self.inert_edges_reason is None
         if self.cuda_graph and device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {device} (LAMMPS's arrays are on "
                              "the host: pass device='cuda', or cuda_graph=None)")
@@ -273,13 +288,24 @@ class CgforgeMLIAP(_mliap_base()):
         arrays = lammps_arrays(data)
         mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
-        if mode == "exchange" and self.cuda_graph:
-            raise LammpsSetupError("cuda_graph=True, but LAMMPS runs this model in exchange mode, which calls LAMMPS "
-                                   "back inside the model (forward_exchange): a captured step cannot. Use "
-                                   "`pair_style mliap unified FILE 1` (ghost mode) or cuda_graph=None")
-        step = self._step
-        if step is not None and self.padded_off is None and mode == "ghost" and arrays.nlist:
-            if step.run(data, arrays):
+        step = self._step if self.padded_off is None and arrays.nlist else None
+        owners = None
+        if mode == "exchange":
+            if step is not None and self.ranks == 1:
+                self.owner_exchanges += 1
+                owners = ghost_owners(data, arrays.nlocal, arrays.ntotal, self._device)
+            if owners is None:  # features are exchanged inside the model: an eager call
+                if self.cuda_graph:
+                    raise LammpsSetupError(
+                        "cuda_graph=True, but this exchange-mode call cannot be captured: "
+                        + (f"the launcher runs {self.ranks} MPI ranks, whose exchanges call LAMMPS back inside the "
+                           "model (forward_exchange)" if self.ranks != 1 else
+                           "some ghost atoms belong to another MPI rank" if step is not None else
+                           self.padded_off or "this domain lists no atoms")
+                        + ". Use one rank, ghost mode (`pair_style mliap unified FILE 1`) or cuda_graph=None")
+                step = None
+        if step is not None:
+            if step.run(data, arrays, owners):
                 self.last_path = "captured" if step.cuda_graph else "padded"
                 return
             step.invalidate()  # its graph and buffers' memory back: not used again
@@ -293,6 +319,8 @@ class CgforgeMLIAP(_mliap_base()):
     def _eager(self, data: Any, arrays: LammpsArrays, mode: str) -> None:
         """One call with a graph and species groups of its own, autograd run eagerly."""
         adapter = self._adapter
+        if adapter.set_row_chunks(arrays.ntotal) and self._step is not None:
+            self._step.invalidate()  # its capture had other chunks
         pairs = read_pairs(arrays, self._device, adapter.dtype)
         if pairs.listed.numel() == 0:  # a domain without atoms: nothing to count
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))

@@ -280,8 +280,14 @@ def test_cli_writes_a_loadable_file(mace_file, tmp_path, capsys):
         assert pickle.load(f).cuda_graph is False
     capsys.readouterr()
     bad = tmp_path / "bad.pkl"
-    assert cli_main(["lammps-model", mace_file, str(bad), "--cuda-graph", "on", "--mode", "exchange"]) == 1
-    assert "cuda_graph=True and mode='exchange'" in capsys.readouterr().err and not bad.exists()
+    assert cli_main(["lammps-model", mace_file, str(bad), "--cuda-graph", "on", "--device", "cpu"]) == 1
+    assert "cuda_graph=True needs the model on a CUDA device" in capsys.readouterr().err and not bad.exists()
+    # exchange mode is captured on one rank: the combination is written (several ranks fail at the call, by name)
+    exchange = tmp_path / "exchange.pkl"
+    assert cli_main(["lammps-model", mace_file, str(exchange), "--cuda-graph", "on", "--mode", "exchange"]) == 0
+    with open(exchange, "rb") as f:
+        written = pickle.load(f)
+    assert written.cuda_graph is True and written.mode == "exchange"
 
 
 def test_cli_rejects_unsupported_models(tmp_path, capsys):
@@ -405,8 +411,6 @@ def test_cuda_graph_option(mace_file):
         CgforgeMLIAP(mace_file, cuda_graph="on")
     with pytest.raises(TypeError, match="cuda_graph"):
         CgforgeMLIAP(mace_file, cuda_graph=1)
-    with pytest.raises(ValueError, match="cuda_graph=True and mode='exchange'"):
-        CgforgeMLIAP(mace_file, cuda_graph=True, mode="exchange")
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
         CgforgeMLIAP(mace_file, cuda_graph=True, device="cpu")
     obj = CgforgeMLIAP(mace_file, patch=False, cuda_graph=True)  # the device is known at the first call
@@ -486,6 +490,7 @@ def test_radial_tables_match_the_calculator_with_tables(kind, request):
 def test_radial_table_option(mace_file, tmp_path, capsys):
     with pytest.raises(TypeError, match="radial_table"):
         CgforgeMLIAP(mace_file, radial_table="on")
+    assert CgforgeMLIAP(mace_file).radial_table is None  # the default follows the Calculator
     obj = CgforgeMLIAP(mace_file, patch=True, radial_table=None)
     assert pickle.loads(pickle.dumps(obj)).radial_table is None
     # None follows the Calculator: tables on CUDA for a patched FP32 model that can have them (the rule alone,
@@ -505,3 +510,90 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(out), "--radial-table", "on"]) == 0
     with open(out, "rb") as f:
         assert pickle.load(f).radial_table is True
+    default = tmp_path / "default.mliap.pkl"
+    assert cli_main(["lammps-model", mace_file, str(default)]) == 0
+    with open(default, "rb") as f:
+        assert pickle.load(f).radial_table is None
+
+
+# --- exchange mode on one rank: the ghosts' owners, no exchange inside the model -------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+def test_one_rank_exchange_runs_on_the_owners(kind, request):
+    """Exchange mode on one domain (one rank): one exchange finds every ghost's owner, the padded step runs the
+    model on the local atoms with each ghost neighbour rewired to its owner, and no feature is exchanged inside the
+    model: the Calculator's numbers and the eager exchange path's (cgforge's kernels, FP64, 1e-10). Two domains
+    have ghosts of the other rank: they find that and exchange features as before."""
+    path = request.getfixturevalue(f"{kind}_file")
+    atoms = structure(seed=21)
+    ref = reference(path, atoms, patch=True)
+    obj = CgforgeMLIAP(path, patch=True, _padded=True)
+    (data,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
+                            flavour="kokkos")
+    assert data.ntotal > data.nlocal == len(atoms)
+    run_domains([obj], [data])
+    assert obj.last_mode == "exchange" and obj.last_path == "padded" and obj.ranks == 1
+    assert obj.owner_exchanges == 1 and obj._hooks.calls == 0 and obj.exchanges == 1
+    assert [w for _, w in data.exchange_log] == [3]  # the owners' exchange only
+    assert obj._step.capacities[1] < data.ntotal  # nodes: the local atoms (and room), not the ghosts
+    got = combine([data], len(atoms))  # ghost forces summed into their owners, as LAMMPS's reverse comm does
+    assert_matches(got, ref)
+    eager, _ = run(CgforgeMLIAP(path, patch=True), atoms, mode="exchange", n_domains=1, path="eager")
+    assert_matches(got, eager)
+    split, domains = run(CgforgeMLIAP(path, patch=True, _padded=True), atoms, mode="exchange", n_domains=2,
+                         path="eager")
+    assert_matches(split, ref)
+    assert all(len(d.exchange_log) > 1 for d in domains)  # the owners' exchange, then the features
+
+
+def test_several_ranks_never_take_the_one_rank_shortcut(mace_file):
+    """With the launcher's rank count above one, no rank looks for owners (the shortcut is all ranks' or none's):
+    the eager exchange path, and cuda_graph=True fails by name."""
+    atoms = structure(seed=22)
+    obj = CgforgeMLIAP(mace_file, patch=True, _padded=True)
+    (data,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
+                            flavour="kokkos")
+    obj.prepare(data)
+    obj.ranks = 2
+    run_domains([obj], [data])
+    assert obj.last_path == "eager" and obj.owner_exchanges == 0 and obj._hooks.calls > 0
+    assert_matches(combine([data], len(atoms)), reference(mace_file, atoms, patch=True))
+
+
+def test_launcher_ranks():
+    from cgforge.lammps.ranks import launcher_ranks
+
+    assert launcher_ranks({}) == 1
+    assert launcher_ranks({"OMPI_COMM_WORLD_SIZE": "1"}) == 1
+    assert launcher_ranks({"OMPI_COMM_WORLD_SIZE": "4"}) == 4
+    assert launcher_ranks({"PMI_SIZE": "2", "SLURM_NTASKS": "8"}) == 8
+    assert launcher_ranks({"PMI_SIZE": "two", "MV2_COMM_WORLD_SIZE": "0"}) == 1  # not a rank count: skipped
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["mace", "nequip"])
+def test_cuda_one_rank_exchange_is_captured(kind, request):
+    """Exchange mode on one GPU domain (Kokkos device arrays): captured, equal to the eager exchange path (FP64,
+    1e-9), replayed on a second call; cuda_graph=True with several ranks fails by name."""
+    path = request.getfixturevalue(f"{kind}_file")
+    atoms = structure(seed=23)
+    kw = {"ghost_neighbours": False, "exchange": True, "flavour": "kokkos", "device": "cuda"}
+    captured = CgforgeMLIAP(path, patch=True, device="cuda")
+    eager = CgforgeMLIAP(path, patch=True, device="cuda", cuda_graph=False)
+    for _ in range(2):
+        (a,) = build_domains(atoms, captured.element_types, captured.cutoff, captured.cutoff, **kw)
+        (b,) = build_domains(atoms, eager.element_types, eager.cutoff, eager.cutoff, **kw)
+        run_domains([captured], [a])
+        run_domains([eager], [b])
+        got, want = combine([a], len(atoms)), combine([b], len(atoms))
+        assert captured.last_path == "captured" and captured.capture_error is None and eager.last_path == "eager"
+        assert_matches(got, want, tol=1e-9)
+    assert captured._step.n_captures == 1
+    assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)
+    insist = CgforgeMLIAP(path, patch=True, device="cuda", cuda_graph=True)
+    (c,) = build_domains(atoms, insist.element_types, insist.cutoff, insist.cutoff, **kw)
+    insist.prepare(c)
+    insist.ranks = 2
+    with pytest.raises(LammpsSetupError, match="2 MPI ranks"):
+        insist.compute_forces(c)

@@ -1,0 +1,30 @@
+"""How many MPI ranks run this LAMMPS process's job, as its launcher says.
+
+Exchange mode on one rank needs no exchange inside the model (``exchange.ghost_owners``), but that shortcut must
+be taken by every rank or none: the exchanges are collective, and a rank that skipped them would leave its
+neighbours waiting. ML-IAP's data object does not say how many ranks there are, so the number comes from the
+variables MPI launchers set in every rank's environment (Open MPI's mpirun, MPICH/Intel MPI's Hydra and Slurm's
+srun with PMI, MVAPICH). A process none of them started is a singleton: one rank. Slurm's ``SLURM_NTASKS`` counts
+the allocation's tasks even for a process started without srun: that errs to the safe side (the shortcut off).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["SIZE_VARIABLES", "launcher_ranks"]
+
+SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def launcher_ranks(environ: Mapping[str, str] | None = None) -> int:
+    """The largest rank count the launcher variables in ``environ`` (default: this process's) give, 1 when none is
+    set; a variable that is not a positive integer is skipped."""
+    environ = os.environ if environ is None else environ
+    sizes = []
+    for name in SIZE_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            sizes.append(int(value))
+    return max(sizes, default=1)
