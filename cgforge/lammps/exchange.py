@@ -5,7 +5,7 @@ atoms only. A layer's messages are then right for local atoms and wrong (missing
 before every layer but the first the ghosts' node features are replaced by their owners' (on this or another
 MPI rank):
 
-    feats = [feats[:nlocal], zeros for the ghosts]      # only the local rows are meaningful
+    feats = [feats[:nlocal], zeros for the ghosts]      # only the local rows are read
     data.forward_exchange(feats, out, width)            # out[:nlocal] = feats[:nlocal], out[ghost] = owner's
     backward: data.reverse_exchange(grad, gout, width)  # gout[local] = grad[local] + grads of its ghost copies
 
@@ -22,11 +22,13 @@ sets its message width to ``vec_len`` only inside the exchange, and ``CommBrick:
 ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH``; Kokkos's device communication grows its own buffers, so device
 features go whole.
 
-One domain (one MPI rank) needs no exchange inside the model: every ghost is a periodic image of one of its own
-local atoms. ``ghost_owners`` finds each ghost's owner with one forward exchange of the local atoms' indices
-(tagged by a random number of this call, so ghosts owned by another rank are told apart); where every ghost has
-a local owner, the caller rewires each pair's ghost neighbour to its owner and runs the model on the local atoms
-alone, a periodic graph like the calculator's, which needs no call back into LAMMPS and so can be captured.
+Many ghosts are periodic images of the domain's own local atoms (on one MPI rank, all of them). ``ghost_map``
+finds each ghost's owner with one forward exchange of the local atoms' indices (tagged by random numbers of the
+call, so ghosts of another rank are told apart), and the caller rewires each pair's neighbour to its owner where
+that is local: the model's nodes are the local atoms and the other ranks' ghosts only (``GhostMap``), and only
+those ghosts' features are exchanged. On one rank no exchange is left inside the model: a periodic graph like the
+calculator's, which needs no call back into LAMMPS and so can be captured. Float32 features go forward packed two
+to a float64 word (LAMMPS's buffers are doubles): half the bytes.
 
 The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
 whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
@@ -39,12 +41,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "exchange_features", "ghost_owners",
+__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "exchange_features", "ghost_map",
            "message_layers"]
 
 _NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
@@ -68,40 +71,85 @@ def _send(call: Any, flat: Tensor, host_width: int) -> Tensor:
     return out
 
 
+def _send_forward(data: Any, flat: Tensor) -> Tensor:
+    """LAMMPS's forward exchange of ``flat`` [ntotal, width]. Its buffers hold doubles, so a float32 array goes as
+    float64 words that each carry two float32 values (a copy moves them bit for bit; half the bytes of widening each
+    value). The reverse exchange adds its values up and cannot be packed so."""
+    if flat.dtype != torch.float32:
+        return _send(data.forward_exchange, flat, HOST_FORWARD_WIDTH)
+    width = flat.shape[1]
+    if width % 2:
+        flat = torch.cat([flat, flat.new_zeros(flat.shape[0], 1)], dim=1)
+    out = _send(data.forward_exchange, flat.contiguous().view(torch.float64), HOST_FORWARD_WIDTH)
+    return out.view(torch.float32)[:, :width]
+
+
 class _Exchange(torch.autograd.Function):
+    """Node features [nodes, ...] (local atoms, then the ghosts of other ranks, then padding) in, the same with the
+    other ranks' ghosts' rows from their owners out; the backward sends their gradients back to the owners."""
+
     @staticmethod
-    def forward(ctx: Any, feats: Tensor, data: Any) -> Tensor:  # noqa: D102
-        out = _send(data.forward_exchange, feats.reshape(feats.shape[0], -1).contiguous(), HOST_FORWARD_WIDTH)
-        ctx.data = data
-        ctx.shape = feats.shape
+    def forward(ctx: Any, feats: Tensor, data: Any, ghosts: GhostMap) -> Tensor:  # noqa: D102
+        flat = feats.reshape(feats.shape[0], -1)
+        full = flat.new_zeros(ghosts.ntotal, flat.shape[1])  # LAMMPS's rows: only the local ones are read
+        full[:ghosts.nlocal] = flat[:ghosts.nlocal]
+        got = _send_forward(data, full)
+        out = torch.zeros_like(flat)
+        out[:ghosts.nlocal] = flat[:ghosts.nlocal]
+        out[ghosts.nlocal:ghosts.nodes] = got.index_select(0, ghosts.remote)
+        ctx.data, ctx.ghosts, ctx.shape = data, ghosts, feats.shape
         return out.view(feats.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
-        gout = _send(ctx.data.reverse_exchange, grad.reshape(grad.shape[0], -1).contiguous(),
-                     HOST_REVERSE_WIDTH)
-        return gout.view(ctx.shape), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        g = ctx.ghosts
+        flat = grad.reshape(grad.shape[0], -1)
+        full = flat.new_zeros(g.ntotal, flat.shape[1])
+        full[:g.nlocal] = flat[:g.nlocal]
+        full.index_copy_(0, g.remote, flat[g.nlocal:g.nodes].contiguous())
+        got = _send(ctx.data.reverse_exchange, full, HOST_REVERSE_WIDTH)  # owners: their own + their ghosts'
+        out = torch.zeros_like(flat)
+        out[:g.nlocal] = got[:g.nlocal]
+        return out.view(ctx.shape), None, None
 
 
-def exchange_features(feats: Tensor, data: Any, nlocal: int) -> Tensor:
-    """``feats`` [ntotal, ...] with the ghost rows replaced by their owners' rows (differentiable)."""
-    ghosts = feats.shape[0] - nlocal
-    if ghosts < 0:
-        raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than nlocal={nlocal}")
-    padded = torch.cat([feats[:nlocal], feats.new_zeros((ghosts, *feats.shape[1:]))])
-    return _Exchange.apply(padded, data)
+def exchange_features(feats: Tensor, data: Any, ghosts: GhostMap) -> Tensor:
+    """``feats`` [nodes or more, ...] (``ghosts.nodes`` rows: local atoms, then the ghosts of other ranks) with the
+    other ranks' ghosts' rows replaced by their owners' rows (differentiable); rows past ``ghosts.nodes`` zero."""
+    if feats.shape[0] < ghosts.nodes:
+        raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than the {ghosts.nodes} nodes")
+    return _Exchange.apply(feats, data, ghosts)
 
 
-def ghost_owners(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Tensor | None:
-    """The owner of every atom of this domain ([ntotal] int64 on ``device``: ``i`` for a local atom, the local atom a
-    ghost is an image of) when every ghost has a local owner (one MPI rank), else None (some ghost belongs to
-    another rank).
+@dataclass(frozen=True)
+class GhostMap:
+    """Where a domain's ``ntotal`` atoms (LAMMPS's rows: ``nlocal`` local atoms, then ghosts) are among the model's
+    nodes: a local atom is itself, a ghost that is an image of a local atom is that atom, and each ghost of another
+    rank (the rows ``remote``, in node order) is a node of its own after the local atoms.
 
-    One forward exchange of three float64 columns: two random 52-bit tags of this call and the atom index (all
-    exact in float64); a ghost whose tags came back as this call's is an image of the local atom whose index came
-    with them. Another rank's tags match with probability 2**-104."""
-    if ntotal == nlocal:
-        return torch.arange(ntotal, device=device)
+    node_of: [ntotal] int64 node of each atom; remote: [nremote] int64 the rows of the other ranks' ghosts."""
+
+    nlocal: int
+    ntotal: int
+    node_of: Tensor
+    remote: Tensor
+
+    @property
+    def nodes(self) -> int:
+        """Local atoms plus the ghosts of other ranks."""
+        return self.nlocal + int(self.remote.shape[0])
+
+    @property
+    def one_domain(self) -> bool:
+        """Every ghost is an image of a local atom: no exchange is needed inside the model."""
+        return int(self.remote.shape[0]) == 0
+
+
+def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
+    """The ``GhostMap`` of this call's atoms, from one forward exchange of three float64 columns: two random 52-bit
+    tags of this call and the atom index (all exact in float64); a ghost whose tags came back as this call's is an
+    image of the local atom whose index came with them (another rank's tags match with probability 2**-104). A
+    collective call: every rank of an exchange-mode run makes it."""
     tags = [float(secrets.randbits(52)) for _ in range(2)]
     cols = torch.zeros(ntotal, 3, dtype=torch.float64, device=device)
     cols[:nlocal, 0], cols[:nlocal, 1] = tags
@@ -111,9 +159,10 @@ def ghost_owners(data: Any, nlocal: int, ntotal: int, device: torch.device) -> T
         torch.cuda.synchronize(got.device)  # LAMMPS wrote it on its own stream
     owner = got[:, 2].to(torch.int64)
     ours = (got[:, 0] == tags[0]) & (got[:, 1] == tags[1]) & (owner >= 0) & (owner < nlocal)
-    if not bool(ours.all()):
-        return None
-    return owner
+    remote = (~ours).nonzero().flatten()  # one host read
+    node_of = torch.where(ours, owner, 0)
+    node_of[remote] = nlocal + torch.arange(remote.shape[0], device=device)
+    return GhostMap(nlocal, ntotal, node_of, remote)
 
 
 def message_layers(model: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
@@ -134,7 +183,7 @@ class ExchangeHooks:
         self.kind = kind
         self.layers = message_layers(model, kind)
         self._data: Any = None
-        self._nlocal = 0
+        self._ghosts: GhostMap | None = None
         self.calls = 0  # exchanges done (a test checks that they happen)
         self._handles = []
         for layer in self.layers[1:]:
@@ -144,9 +193,9 @@ class ExchangeHooks:
                 self._handles.append(layer.register_forward_pre_hook(self._nequip_hook))
 
     @contextmanager
-    def active(self, data: Any, nlocal: int) -> Iterator[None]:
-        """Within the block, the hooked layers exchange ghost features through ``data``."""
-        self._data, self._nlocal = data, int(nlocal)
+    def active(self, data: Any, ghosts: GhostMap) -> Iterator[None]:
+        """Within the block, the hooked layers exchange the other ranks' ghosts' features through ``data``."""
+        self._data, self._ghosts = data, ghosts
         try:
             yield
         finally:
@@ -159,7 +208,7 @@ class ExchangeHooks:
             raise RuntimeError(f"exchange: {type(module).__name__} was called without a node_feats keyword; this "
                                "MACE version calls its interaction blocks differently from mace-torch 0.3.16")
         self.calls += 1
-        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._nlocal))
+        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._ghosts))
         return args, kwargs
 
     def _nequip_hook(self, module: torch.nn.Module, args: tuple) -> None:
@@ -167,7 +216,7 @@ class ExchangeHooks:
             return None
         data = args[0]
         self.calls += 1
-        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._nlocal)
+        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._ghosts)
         return None
 
     def remove(self) -> None:

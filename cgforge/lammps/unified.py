@@ -21,10 +21,11 @@ Two modes (``mode="auto"`` picks per call):
   Works with any ML-IAP build.
 - exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
-  ghosts' node features are sent from their owners before every layer but the first (``exchange``). On one
-  MPI rank (as the launcher says: ``ranks.launcher_ranks``) every ghost is an image of a local atom: one
-  exchange of atom indices per call finds the owners (``exchange.ghost_owners``), each pair's ghost neighbour
-  becomes its owner and the model runs on the local atoms alone, with no exchange inside it.
+  ghosts' node features are sent from their owners before every layer but the first (``exchange``). One
+  exchange of atom indices per call finds the ghosts that are images of local atoms (``exchange.ghost_map``):
+  pairs to them are rewired to the local atom, and the model's nodes are the local atoms and the other ranks'
+  ghosts alone. On one MPI rank (as the launcher says: ``ranks.launcher_ranks``) that is every ghost, and no
+  exchange is left inside the model.
 
 Ghost-mode calls on CUDA, and exchange-mode calls of one rank, run the padded step (``captured``): LAMMPS's
 arrays copied into static buffers with room to spare, the edges laid out for the fused convolution without a
@@ -56,7 +57,7 @@ import torch
 
 from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
 from .captured import PaddedStep
-from .exchange import ExchangeHooks, ghost_owners, message_layers
+from .exchange import ExchangeHooks, GhostMap, ghost_map, message_layers
 from .ranks import launcher_ranks
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
@@ -289,23 +290,22 @@ class CgforgeMLIAP(_mliap_base()):
         mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
         step = self._step if self.padded_off is None and arrays.nlist else None
-        owners = None
+        ghosts = None
         if mode == "exchange":
-            if step is not None and self.ranks == 1:
-                self.owner_exchanges += 1
-                owners = ghost_owners(data, arrays.nlocal, arrays.ntotal, self._device)
-            if owners is None:  # features are exchanged inside the model: an eager call
+            self.owner_exchanges += 1  # every rank, every call: it is collective
+            ghosts = ghost_map(data, arrays.nlocal, arrays.ntotal, self._device)
+            alone = ghosts.one_domain and self.ranks == 1  # no exchange inside the model on any rank
+            if not alone:
                 if self.cuda_graph:
                     raise LammpsSetupError(
                         "cuda_graph=True, but this exchange-mode call cannot be captured: "
                         + (f"the launcher runs {self.ranks} MPI ranks, whose exchanges call LAMMPS back inside the "
                            "model (forward_exchange)" if self.ranks != 1 else
-                           "some ghost atoms belong to another MPI rank" if step is not None else
-                           self.padded_off or "this domain lists no atoms")
+                           "some ghost atoms belong to another MPI rank")
                         + ". Use one rank, ghost mode (`pair_style mliap unified FILE 1`) or cuda_graph=None")
                 step = None
         if step is not None:
-            if step.run(data, arrays, owners):
+            if step.run(data, arrays, None if ghosts is None else ghosts.node_of):
                 self.last_path = "captured" if step.cuda_graph else "padded"
                 return
             step.invalidate()  # its graph and buffers' memory back: not used again
@@ -314,30 +314,35 @@ class CgforgeMLIAP(_mliap_base()):
             warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step", RuntimeWarning,
                           stacklevel=2)
         self.last_path = "eager"
-        self._eager(data, arrays, mode)
+        self._eager(data, arrays, ghosts)
 
-    def _eager(self, data: Any, arrays: LammpsArrays, mode: str) -> None:
-        """One call with a graph and species groups of its own, autograd run eagerly."""
+    def _eager(self, data: Any, arrays: LammpsArrays, ghosts: GhostMap | None) -> None:
+        """One call with a graph and species groups of its own, autograd run eagerly; ``ghosts``: exchange mode's
+        map of atoms to nodes (None: ghost mode, every atom a node)."""
         adapter = self._adapter
-        if adapter.set_row_chunks(arrays.ntotal) and self._step is not None:
-            self._step.invalidate()  # its capture had other chunks
         pairs = read_pairs(arrays, self._device, adapter.dtype)
-        if pairs.listed.numel() == 0:  # a domain without atoms: nothing to count
+        if pairs.listed.numel() == 0 and (ghosts is None or self.ranks == 1):  # nothing to count, no exchange owed
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
             return
-        species = adapter.species_from_index(pairs.elems)
+        neighbour, elems = pairs.neighbour, pairs.elems
+        if ghosts is not None:  # images of local atoms are those atoms; the other ranks' ghosts follow the local ones
+            neighbour = ghosts.node_of.index_select(0, neighbour)
+            elems = torch.cat([elems[:ghosts.nlocal], elems.index_select(0, ghosts.remote)])
+        if adapter.set_row_chunks(elems.shape[0]) and self._step is not None:
+            self._step.invalidate()  # its capture had other chunks
+        species = adapter.species_from_index(elems)
         vectors = (-pairs.rij).detach().requires_grad_(True)  # pos[receiver] - pos[sender], receiver = pair_i
-        edge_index = adapter.edge_index(pairs.neighbour, pairs.centre)
-        positions = torch.zeros(pairs.ntotal, 3, dtype=adapter.dtype, device=self._device)  # unused: shape only
+        edge_index = adapter.edge_index(neighbour, pairs.centre)
+        positions = torch.zeros(elems.shape[0], 3, dtype=adapter.dtype, device=self._device)  # unused: shape only
         with torch.enable_grad(), ExitStack() as stack:
             if self._caches:
                 from cgforge.patches.species_linear import SpeciesGroups
 
-                groups = SpeciesGroups.from_species(pairs.elems)
+                groups = SpeciesGroups.from_species(elems)
                 for cache in self._caches:
                     stack.enter_context(cache.use_species(groups))
-            if mode == "exchange":
-                stack.enter_context(self._hooks.active(data, pairs.nlocal))
+            if ghosts is not None and not (ghosts.one_domain and self.ranks == 1):
+                stack.enter_context(self._hooks.active(data, ghosts))
             _, node_energy = adapter.energy(positions, vectors, species, edge_index, True)
             if node_energy is None:
                 raise ValueError("model: it returns no per-atom energies, which LAMMPS needs (eatoms)")
@@ -345,7 +350,7 @@ class CgforgeMLIAP(_mliap_base()):
             energy = eatoms.sum()
             grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0] if vectors.shape[0] else None
         fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
-        write_results(data, eatoms, energy.detach(), fij)
+        write_results(data, eatoms.detach(), energy.detach(), fij)
 
     def _choose_mode(self, data: Any, ghost_centres: bool, has_ghosts: bool) -> str:
         # the Kokkos couple's exchange; the host couple of 22 Jul 2025 has the methods too, but they only raise

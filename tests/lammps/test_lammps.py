@@ -109,14 +109,19 @@ def test_matches_calculator(kind, mode, n_domains, request):
     atoms = structure()
     got, domains = run(obj, atoms, mode=mode, n_domains=n_domains)
     assert_matches(got, reference(path, atoms, patch=False))
-    # exchange mode sends the features before the second layer forward and their gradients back, on every domain,
-    # on the host in blocks that LAMMPS's host buffers hold (the stand-in raises on a wider one)
+    # exchange mode finds the ghosts' owners (one forward exchange of 3 columns), then, on two domains, sends the
+    # features before the second layer forward and their gradients back, on every domain, on the host in blocks that
+    # LAMMPS's host buffers hold (the stand-in raises on a wider one); one domain needs no feature exchange
     for d in domains:
         sent = {way: [w for w2, w in d.exchange_log if w2 == way] for way in HOST_COMM_WIDTH}
         if mode == "ghost":
             assert not d.exchange_log
             continue
-        assert sum(sent["forward"]) == sum(sent["reverse"]) > HOST_COMM_WIDTH["forward"], sent
+        assert sent["forward"][0] == 3, sent
+        if n_domains == 1:
+            assert sent == {"forward": [3], "reverse": []}, sent
+            continue
+        assert sum(sent["forward"]) - 3 == sum(sent["reverse"]) > HOST_COMM_WIDTH["forward"], sent
         assert all(max(sent[way]) <= HOST_COMM_WIDTH[way] for way in sent)
     if n_domains == 2:
         assert all(d.nlocal < len(atoms) for d in domains)
@@ -194,7 +199,7 @@ def test_host_exchange_in_blocks(mace_file, monkeypatch):
     obj = CgforgeMLIAP(mace_file, patch=False)
     monkeypatch.setattr(exchange, "HOST_FORWARD_WIDTH", 10**6)
     with pytest.raises(ValueError, match="write past"):
-        run(obj, atoms, mode="exchange", n_domains=1)
+        run(obj, atoms, mode="exchange", n_domains=2)  # one domain exchanges no features
 
 
 @pytest.mark.cuda
@@ -210,15 +215,16 @@ def test_cuda_kokkos_flavour(mace_file):
 
 
 def test_exchange_is_what_makes_it_right(mace_file):
-    """Without the feature exchange the ghosts' second-layer input is wrong: the energy changes."""
+    """Without the feature exchange the other domain's ghosts' second-layer input is wrong: the energy changes."""
     atoms = structure()
     obj = CgforgeMLIAP(mace_file, patch=False)
-    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
-                            flavour="kokkos")
-    model = copy.deepcopy(obj)
-    model.prepare(domains[0])
-    model._hooks.remove()
-    model.compute_forces(domains[0])
+    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, n_domains=2, ghost_neighbours=False,
+                            exchange=True, flavour="kokkos")
+    models = [copy.deepcopy(obj) for _ in domains]
+    for model, data in zip(models, domains):
+        model.prepare(data)
+        model._hooks.remove()
+    run_domains(models, domains)
     got, ref = combine(domains, len(atoms)), reference(mace_file, atoms, patch=False)
     err = np.linalg.norm(got["forces"] - ref["forces"]) / np.linalg.norm(ref["forces"])
     assert err > 1e-5 and abs(got["energy"] - ref["energy"]) > 10 * TOL * abs(ref["energy"]), err
@@ -548,8 +554,8 @@ def test_one_rank_exchange_runs_on_the_owners(kind, request):
 
 
 def test_several_ranks_never_take_the_one_rank_shortcut(mace_file):
-    """With the launcher's rank count above one, no rank looks for owners (the shortcut is all ranks' or none's):
-    the eager exchange path, and cuda_graph=True fails by name."""
+    """With the launcher's rank count above one, a domain whose ghosts all have local owners still exchanges inside
+    the model (the shortcut is all ranks' or none's): the eager exchange path."""
     atoms = structure(seed=22)
     obj = CgforgeMLIAP(mace_file, patch=True, _padded=True)
     (data,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
@@ -557,7 +563,7 @@ def test_several_ranks_never_take_the_one_rank_shortcut(mace_file):
     obj.prepare(data)
     obj.ranks = 2
     run_domains([obj], [data])
-    assert obj.last_path == "eager" and obj.owner_exchanges == 0 and obj._hooks.calls > 0
+    assert obj.last_path == "eager" and obj.owner_exchanges == 1 and obj._hooks.calls > 0
     assert_matches(combine([data], len(atoms)), reference(mace_file, atoms, patch=True))
 
 
@@ -597,3 +603,61 @@ def test_cuda_one_rank_exchange_is_captured(kind, request):
     insist.ranks = 2
     with pytest.raises(LammpsSetupError, match="2 MPI ranks"):
         insist.compute_forces(c)
+
+
+def test_two_domains_exchange_only_the_other_ranks_ghosts():
+    """Two domains: ghosts that are periodic images of the domain's own atoms are rewired to them, so the model's
+    nodes are the local atoms and the other domain's ghosts only, and only those are exchanged; float32 features go
+    forward packed two to a float64 word. The Calculator's numbers (FP32 model: 5e-6)."""
+    from cgforge.lammps import exchange
+
+    torch.set_default_dtype(torch.float32)
+    from mace_helpers import build_model
+
+    model = build_model(r_max=R_MAX).float()
+    atoms = structure(seed=24)
+    seen = []
+    real = exchange.ghost_map
+
+    def spy(*args, **kw):
+        ghosts = real(*args, **kw)
+        seen.append(ghosts)
+        return ghosts
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/fp32.model"
+        torch.save(model, path)
+        obj = CgforgeMLIAP(path, patch=False)
+        from unittest import mock
+
+        with mock.patch("cgforge.lammps.unified.ghost_map", spy):
+            got, domains = run(obj, atoms, mode="exchange", n_domains=2, path="eager")
+        ref = reference(path, atoms, patch=False)
+    assert_matches(got, ref, tol=5e-6)  # float32 rounding (summation order); the packing itself is exact (below)
+    for d, ghosts in zip(domains, seen):
+        assert 0 < ghosts.remote.shape[0] < d.ntotal - d.nlocal  # some ghosts are own images, some the other's
+        assert ghosts.nodes < d.ntotal and int(ghosts.node_of.max()) == ghosts.nodes - 1
+        forward = [w for way, w in d.exchange_log if way == "forward"][1:]  # after the owners' exchange
+        reverse = [w for way, w in d.exchange_log if way == "reverse"]
+        assert sum(reverse) == 2 * sum(forward) - (sum(reverse) % 2)  # float32 pairs in float64 words (odd: padded)
+
+
+@pytest.mark.parametrize("width", [5, 8])
+def test_float32_forward_packing_is_bit_exact(width):
+    """Float32 features packed two to a float64 word come back bit for bit through a copying exchange, NaNs,
+    infinities, denormals and signed zeros included (odd widths padded), in host blocks as on a Kokkos host build."""
+    from cgforge.lammps.exchange import _send_forward
+
+    class Copying:
+        def forward_exchange(self, src, dst, width):
+            assert src.dtype == torch.float64 and width <= 6
+            dst.copy_(src)
+
+    bits = torch.randint(-2**31, 2**31 - 1, (40, width), dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0x7FC00001, 0x7F800001, 0xFF800000, 0x00000001, 0x80000000], dtype=torch.int64)
+    bits[:5, 0] = special.to(torch.int32)
+    feats = bits.view(torch.float32)
+    got = _send_forward(Copying(), feats)
+    assert got.shape == feats.shape and torch.equal(got.contiguous().view(torch.int32), bits)
