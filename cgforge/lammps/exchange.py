@@ -22,13 +22,16 @@ sets its message width to ``vec_len`` only inside the exchange, and ``CommBrick:
 ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH``; Kokkos's device communication grows its own buffers, so device
 features go whole.
 
-Many ghosts are periodic images of the domain's own local atoms (on one MPI rank, all of them). ``ghost_map``
-finds each ghost's owner with one forward exchange of the local atoms' indices (tagged by random numbers of the
-call, so ghosts of another rank are told apart), and the caller rewires each pair's neighbour to its owner where
-that is local: the model's nodes are the local atoms and the other ranks' ghosts only (``GhostMap``), and only
-those ghosts' features are exchanged. On one rank no exchange is left inside the model: a periodic graph like the
-calculator's, which needs no call back into LAMMPS and so can be captured. Float32 features go forward packed two
-to a float64 word (LAMMPS's buffers are doubles): half the bytes.
+On one MPI rank every ghost is a periodic image of a local atom. ``ghost_map`` finds each ghost's owner with one
+forward exchange of the local atoms' indices (tagged by random numbers of the call, so ghosts of another rank are
+told apart), and the caller rewires each pair's neighbour to its owner where that is local: the model's nodes are
+the local atoms and the other ranks' ghosts only (``GhostMap``), and only those ghosts' features are exchanged; on
+one rank none, so no exchange is left inside the model: a periodic graph like the calculator's, which needs no
+call back into LAMMPS and so can be captured. Several ranks keep every ghost a node (``GhostMap.every_ghost``):
+with MPI that is not GPU-aware every LAMMPS exchange costs about the same whatever its width (Kokkos copies its
+whole staging buffer to the host and back), so the owner exchange cost more than the ghosts' node work it saved
+(two H100s, 1 M atoms: 359 against 315 ms a step). Float32 features go forward packed two to a float64 word
+(LAMMPS's buffers are doubles): half the bytes where the MPI moves only the message.
 
 The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
 whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
@@ -138,6 +141,11 @@ class GhostMap:
     def nodes(self) -> int:
         """Local atoms plus the ghosts of other ranks."""
         return self.nlocal + int(self.remote.shape[0])
+
+    @classmethod
+    def every_ghost(cls, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
+        """Every atom a node of its own, every ghost exchanged (no owner exchange made)."""
+        return cls(nlocal, ntotal, torch.arange(ntotal, device=device), torch.arange(nlocal, ntotal, device=device))
 
     @property
     def one_domain(self) -> bool:

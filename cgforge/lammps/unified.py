@@ -21,11 +21,10 @@ Two modes (``mode="auto"`` picks per call):
   Works with any ML-IAP build.
 - exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
-  ghosts' node features are sent from their owners before every layer but the first (``exchange``). One
-  exchange of atom indices per call finds the ghosts that are images of local atoms (``exchange.ghost_map``):
-  pairs to them are rewired to the local atom, and the model's nodes are the local atoms and the other ranks'
-  ghosts alone. On one MPI rank (as the launcher says: ``ranks.launcher_ranks``) that is every ghost, and no
-  exchange is left inside the model.
+  ghosts' node features are sent from their owners before every layer but the first (``exchange``). On one MPI
+  rank (as the launcher says: ``ranks.launcher_ranks``) one exchange of atom indices per call finds each ghost's
+  owner, a local atom (``exchange.ghost_map``): pairs to ghosts are rewired to their owners, the model's nodes are
+  the local atoms alone, and no exchange is left inside the model.
 
 Ghost-mode calls on CUDA, and exchange-mode calls of one rank, run the padded step (``captured``): LAMMPS's
 arrays copied into static buffers with room to spare, the edges laid out for the fused convolution without a
@@ -292,8 +291,11 @@ class CgforgeMLIAP(_mliap_base()):
         step = self._step if self.padded_off is None and arrays.nlist else None
         ghosts = None
         if mode == "exchange":
-            self.owner_exchanges += 1  # every rank, every call: it is collective
-            ghosts = ghost_map(data, arrays.nlocal, arrays.ntotal, self._device)
+            if self.ranks == 1:
+                self.owner_exchanges += 1
+                ghosts = ghost_map(data, arrays.nlocal, arrays.ntotal, self._device)
+            else:  # every rank alike: no owner exchange (``exchange``'s module doc says why)
+                ghosts = GhostMap.every_ghost(arrays.nlocal, arrays.ntotal, self._device)
             alone = ghosts.one_domain and self.ranks == 1  # no exchange inside the model on any rank
             if not alone:
                 if self.cuda_graph:
