@@ -108,7 +108,7 @@ def _models() -> list[dict]:
 
     from cgforge.lammps import CgforgeMLIAP
 
-    return [{"mode": o.last_mode, "path": o.last_path, "exchanges": o.exchanges,
+    return [{"mode": o.last_mode, "path": o.last_path, "exchanges": o.exchanges, "ranks": o.ranks,
              "cutoff": o.cutoff, "rcutfac": o.rcutfac}
             for o in gc.get_objects() if isinstance(o, CgforgeMLIAP)]
 

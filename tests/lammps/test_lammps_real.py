@@ -132,6 +132,7 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     path = "captured" if kokkos == "gpu" and (mode == "ghost" or ranks == 1) else "eager"
     assert len(models) == 1 and models[0]["mode"] == mode and models[0]["path"] == path, models
     assert (models[0]["exchanges"] > 0) == (mode == "exchange"), models
+    assert models[0]["ranks"] == ranks, models  # the launcher's rank count, as cgforge read it
     assert models[0]["rcutfac"] == 0.5 * models[0]["cutoff"] == 0.5 * obj.cutoff
     return result
 
