@@ -263,6 +263,10 @@ class CgforgeMLIAP(_mliap_base()):
         if self.radial_table is None:
             return (device.type == "cuda" and model_dtype == torch.float32 and patched
                     and self._adapter.why_not_tabulated() is None)
+        if self.radial_table and not patched:
+            raise LammpsSetupError(f"radial_table=True reads the tables inside cgforge's kernels, which this model "
+                                   f"does not run on {device} (patch={self.patch}: cgforge's kernels on CUDA only); "
+                                   "pass patch=True (`cgforge lammps-model --patch on`) or radial_table=None")
         return self.radial_table
 
     def _capture_on(self, device: torch.device) -> bool:

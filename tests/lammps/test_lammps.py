@@ -516,6 +516,10 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(out), "--radial-table", "on"]) == 0
     with open(out, "rb") as f:
         assert pickle.load(f).radial_table is True
+    # True on a device where the model runs unpatched (patch=None: kernels on CUDA only) is refused by name
+    unpatched = CgforgeMLIAP(mace_file, radial_table=True)
+    with pytest.raises(LammpsSetupError, match="patch=True"):
+        unpatched.setup("cpu")
     default = tmp_path / "default.mliap.pkl"
     assert cli_main(["lammps-model", mace_file, str(default)]) == 0
     with open(default, "rb") as f:

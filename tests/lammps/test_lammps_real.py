@@ -206,6 +206,28 @@ def test_exchange_mode_on_gpus_matches_ase_and_calculator(water, model_file, ran
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nequip_exchange_mode_on_gpus_matches_calculator(water, ranks, tmp_path):
+    """The bundled NequIP model (FP32; radial tables on, the default on CUDA) in exchange mode on one GPU (captured,
+    on the ghosts' owners) and on two: the Calculator with tables (cgforge's kernels on the CPU) within float32
+    rounding, as the CPU test on two ranks."""
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin import Calculator
+
+    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
+    if isinstance(found, str):
+        pytest.skip(found)
+    if ranks == 2:
+        _two_gpus()
+    env, mpirun = found
+    model = write_lammps_model(CgforgeMLIAP("nequip"), tmp_path / "water-nequip.mliap.pkl")
+    result = _run_lammps(env, mpirun, ranks, model, water[1], tmp_path / "out.json", kokkos="gpu", mode="exchange")
+    calc = Calculator("nequip", device="cpu", patch=True, radial_table=True)
+    _check_against_calculator(result, water[0], calc, tol=5e-6, virial_tol=5e-6, trajectory=False)
+
+
+@pytest.mark.cuda
 def test_two_gpus_follow_one_gpu_for_100_nve_steps(tmp_path):
     """100 NVE steps of a 1,536-atom water box (bundled MACE, FP32, exchange mode) on two GPUs give the one-GPU run's
     energies, forces and trajectory within FP32 rounding (the ranks only change the order of sums)."""
