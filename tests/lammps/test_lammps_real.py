@@ -186,6 +186,17 @@ def _two_gpus() -> None:
         pytest.skip(f"needs two GPUs, found {torch.cuda.device_count()}")
 
 
+def _kokkos_cuda_lammps(gpus: int) -> tuple[dict, str | None]:
+    """(env, mpirun) of the Kokkos CUDA build named by CGFORGE_LAMMPS_KOKKOS_DIR; the test is skipped without one or
+    with fewer than ``gpus`` GPUs."""
+    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
+    if isinstance(found, str):
+        pytest.skip(found)
+    if gpus == 2:
+        _two_gpus()
+    return found
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_exchange_mode_on_gpus_matches_ase_and_calculator(water, model_file, ranks, tmp_path):
@@ -194,12 +205,7 @@ def test_exchange_mode_on_gpus_matches_ase_and_calculator(water, model_file, ran
     on the CPU, as in the ghost-mode test below) and ASE's trajectory."""
     from cgforge.plugin import Calculator
 
-    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
-    if isinstance(found, str):
-        pytest.skip(found)
-    if ranks == 2:
-        _two_gpus()
-    env, mpirun = found
+    env, mpirun = _kokkos_cuda_lammps(gpus=ranks)
     result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json", kokkos="gpu",
                          mode="exchange")
     _check_against_calculator(result, water[0], Calculator("mace", device="cpu", dtype="float64", patch=True))
@@ -215,12 +221,7 @@ def test_nequip_exchange_mode_on_gpus_matches_calculator(water, ranks, tmp_path)
     from cgforge.lammps.write import write_lammps_model
     from cgforge.plugin import Calculator
 
-    found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)
-    if isinstance(found, str):
-        pytest.skip(found)
-    if ranks == 2:
-        _two_gpus()
-    env, mpirun = found
+    env, mpirun = _kokkos_cuda_lammps(gpus=ranks)
     model = write_lammps_model(CgforgeMLIAP("nequip"), tmp_path / "water-nequip.mliap.pkl")
     result = _run_lammps(env, mpirun, ranks, model, water[1], tmp_path / "out.json", kokkos="gpu", mode="exchange")
     calc = Calculator("nequip", device="cpu", patch=True, radial_table=True)
