@@ -1,7 +1,7 @@
 """The padded LAMMPS step: each call's pair list on static buffers, laid out without a sort, captured on CUDA.
 
 ``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain
-whose ghosts are all images of its own local atoms (``run(..., owners=...)``, from ``exchange.ghost_owners``):
+whose ghosts are all images of its own local atoms (``run(..., owners=...)``, from ``exchange.ghost_map``):
 each pair's neighbour is then its owner and the nodes are the local atoms alone. On the host: LAMMPS's counts
 (npairs, ntotal or nlocal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
 a margin; a growth drops the captured graph, the next call captures again); its arrays are copied into the

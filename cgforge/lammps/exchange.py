@@ -30,7 +30,7 @@ one rank none, so no exchange is left inside the model: a periodic graph like th
 call back into LAMMPS and so can be captured. Several ranks keep every ghost a node (``GhostMap.every_ghost``):
 with MPI that is not GPU-aware every LAMMPS exchange costs about the same whatever its width (Kokkos copies its
 whole staging buffer to the host and back), so the owner exchange cost more than the ghosts' node work it saved
-(two H100s, 1 M atoms: 359 against 315 ms a step). Float32 features go forward packed two to a float64 word
+(docs/lammps.md, section 6). Float32 features go forward packed two to a float64 word
 (LAMMPS's buffers are doubles): half the bytes where the MPI moves only the message.
 
 The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
@@ -99,7 +99,7 @@ class _Exchange(torch.autograd.Function):
         got = _send_forward(data, full)
         out = torch.zeros_like(flat)
         out[:ghosts.nlocal] = flat[:ghosts.nlocal]
-        out[ghosts.nlocal:ghosts.nodes] = got.index_select(0, ghosts.remote)
+        out[ghosts.nlocal:ghosts.nodes] = got[ghosts.nlocal:] if ghosts.identity else got.index_select(0, ghosts.remote)
         ctx.data, ctx.ghosts, ctx.shape = data, ghosts, feats.shape
         return out.view(feats.shape)
 
@@ -109,7 +109,10 @@ class _Exchange(torch.autograd.Function):
         flat = grad.reshape(grad.shape[0], -1)
         full = flat.new_zeros(g.ntotal, flat.shape[1])
         full[:g.nlocal] = flat[:g.nlocal]
-        full.index_copy_(0, g.remote, flat[g.nlocal:g.nodes].contiguous())
+        if g.identity:
+            full[g.nlocal:] = flat[g.nlocal:g.nodes]
+        else:
+            full.index_copy_(0, g.remote, flat[g.nlocal:g.nodes].contiguous())
         got = _send(ctx.data.reverse_exchange, full, HOST_REVERSE_WIDTH)  # owners: their own + their ghosts'
         out = torch.zeros_like(flat)
         out[:g.nlocal] = got[:g.nlocal]
@@ -130,12 +133,14 @@ class GhostMap:
     nodes: a local atom is itself, a ghost that is an image of a local atom is that atom, and each ghost of another
     rank (the rows ``remote``, in node order) is a node of its own after the local atoms.
 
-    node_of: [ntotal] int64 node of each atom; remote: [nremote] int64 the rows of the other ranks' ghosts."""
+    node_of: [ntotal] int64 node of each atom; remote: [nremote] int64 the rows of the other ranks' ghosts;
+    identity: every atom is its own node (``every_ghost``), so callers skip the rewiring."""
 
     nlocal: int
     ntotal: int
     node_of: Tensor
     remote: Tensor
+    identity: bool = False
 
     @property
     def nodes(self) -> int:
@@ -145,7 +150,8 @@ class GhostMap:
     @classmethod
     def every_ghost(cls, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
         """Every atom a node of its own, every ghost exchanged (no owner exchange made)."""
-        return cls(nlocal, ntotal, torch.arange(ntotal, device=device), torch.arange(nlocal, ntotal, device=device))
+        return cls(nlocal, ntotal, torch.arange(ntotal, device=device), torch.arange(nlocal, ntotal, device=device),
+                   identity=True)
 
     @property
     def one_domain(self) -> bool:

@@ -1,6 +1,6 @@
 """How many MPI ranks run this LAMMPS process's job, as its launcher says.
 
-Exchange mode on one rank needs no exchange inside the model (``exchange.ghost_owners``), but that shortcut must
+Exchange mode on one rank needs no exchange inside the model (``exchange.ghost_map``), but that shortcut must
 be taken by every rank or none: the exchanges are collective, and a rank that skipped them would leave its
 neighbours waiting. ML-IAP's data object does not say how many ranks there are, so the number comes from the
 variables MPI launchers set in every rank's environment (Open MPI's mpirun, MPICH/Intel MPI's Hydra and Slurm's

@@ -150,6 +150,11 @@ class CgforgeMLIAP(_mliap_base()):
         except UnsupportedModelError as err:
             raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
         adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
+        if radial_table and (patch is False or (patch is None and device is not None
+                                                and not str(device).startswith("cuda"))):
+            raise ValueError(f"radial_table=True reads the tables inside cgforge's kernels, which this model will not "
+                             f"run (patch={patch}, device={device!r}): pass patch=True (`--patch on`) or "
+                             "radial_table=None")
         if radial_table and (reason := adapter.why_not_tabulated()) is not None:
             raise ValueError(f"radial_table=True: {reason}")
         self.inert_edges_reason = adapter.inert_beyond_cutoff()  # None: padding edges change nothing
@@ -300,8 +305,7 @@ class CgforgeMLIAP(_mliap_base()):
                 ghosts = ghost_map(data, arrays.nlocal, arrays.ntotal, self._device)
             else:  # every rank alike: no owner exchange (``exchange``'s module doc says why)
                 ghosts = GhostMap.every_ghost(arrays.nlocal, arrays.ntotal, self._device)
-            alone = ghosts.one_domain and self.ranks == 1  # no exchange inside the model on any rank
-            if not alone:
+            if self._exchanges_inside(ghosts):
                 if self.cuda_graph:
                     raise LammpsSetupError(
                         "cuda_graph=True, but this exchange-mode call cannot be captured: "
@@ -331,7 +335,7 @@ class CgforgeMLIAP(_mliap_base()):
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
             return
         neighbour, elems = pairs.neighbour, pairs.elems
-        if ghosts is not None:  # images of local atoms are those atoms; the other ranks' ghosts follow the local ones
+        if ghosts is not None and not ghosts.identity:  # images of local atoms are those atoms, then others' ghosts
             neighbour = ghosts.node_of.index_select(0, neighbour)
             elems = torch.cat([elems[:ghosts.nlocal], elems.index_select(0, ghosts.remote)])
         if adapter.set_row_chunks(elems.shape[0]) and self._step is not None:
@@ -347,7 +351,7 @@ class CgforgeMLIAP(_mliap_base()):
                 groups = SpeciesGroups.from_species(elems)
                 for cache in self._caches:
                     stack.enter_context(cache.use_species(groups))
-            if ghosts is not None and not (ghosts.one_domain and self.ranks == 1):
+            if ghosts is not None and self._exchanges_inside(ghosts):
                 stack.enter_context(self._hooks.active(data, ghosts))
             _, node_energy = adapter.energy(positions, vectors, species, edge_index, True)
             if node_energy is None:
@@ -357,6 +361,11 @@ class CgforgeMLIAP(_mliap_base()):
             grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0] if vectors.shape[0] else None
         fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
         write_results(data, eatoms.detach(), energy.detach(), fij)
+
+    def _exchanges_inside(self, ghosts: GhostMap) -> bool:
+        """Whether an exchange-mode call sends features inside the model: on several ranks always (every rank alike),
+        on one only if some ghost had no local owner (the stand-in's domains in one process)."""
+        return self.ranks != 1 or not ghosts.one_domain
 
     def _choose_mode(self, data: Any, ghost_centres: bool, has_ghosts: bool) -> str:
         # the Kokkos couple's exchange; the host couple of 22 Jul 2025 has the methods too, but they only raise

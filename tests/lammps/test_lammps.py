@@ -516,7 +516,14 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(out), "--radial-table", "on"]) == 0
     with open(out, "rb") as f:
         assert pickle.load(f).radial_table is True
-    # True on a device where the model runs unpatched (patch=None: kernels on CUDA only) is refused by name
+    # True where the model will not run cgforge's kernels is refused: at once when the options say so (the CLI
+    # before writing), else at setup on the device LAMMPS gives (patch=None: kernels on CUDA only)
+    for kw in ({"patch": False}, {"device": "cpu"}):
+        with pytest.raises(ValueError, match="patch=True"):
+            CgforgeMLIAP(mace_file, radial_table=True, **kw)
+    refused = tmp_path / "refused.pkl"
+    assert cli_main(["lammps-model", mace_file, str(refused), "--radial-table", "on", "--patch", "off"]) == 1
+    assert "radial_table=True" in capsys.readouterr().err and not refused.exists()
     unpatched = CgforgeMLIAP(mace_file, radial_table=True)
     with pytest.raises(LammpsSetupError, match="patch=True"):
         unpatched.setup("cpu")
