@@ -121,6 +121,18 @@ class Build:
         return [found, "-np", str(ranks)]
 
 
+def mpi_facts() -> dict:
+    """The mpirun on PATH and whether its Open MPI was built with CUDA support (``gpu/aware on`` needs it: LAMMPS
+    turns it off by itself where Open MPI says no), from ``ompi_info``; None where there is no Open MPI."""
+    facts: dict = {"mpirun": shutil.which("mpirun"), "cuda_support": None}
+    info = shutil.which("ompi_info")
+    if info:
+        run = subprocess.run([info, "--parsable", "--all"], capture_output=True, text=True, timeout=60)
+        found = re.search(r"(?:mpi|opal)_built_with_cuda_support:value:(\w+)", run.stdout)
+        facts["cuda_support"] = found.group(1) == "true" if found else None
+    return facts
+
+
 # --- workers (each case's own process) --------------------------------------------------------------------
 
 def lammps_worker(args: argparse.Namespace) -> None:
@@ -367,7 +379,7 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="bench-lammps-"))
     rows: list[dict] = []
     payload = {"environment": environment(), "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
-               "modes": args.modes, "gpu_aware": args.gpu_aware, "device": device,
+               "modes": args.modes, "gpu_aware": args.gpu_aware, "mpi": mpi_facts(), "device": device,
                "builds": {str(b.path): b.kind for b in builds}, "rows": rows}
     out = write_json("lammps", payload)
 

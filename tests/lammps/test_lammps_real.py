@@ -115,7 +115,8 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
            "--steps", str(steps), "--dt", str(DT_PS), "--every", str(min(EVERY, steps)),
            "--ghost-cutoff", str(ghosts + 1.0), "--ghost-neighbours", "1" if mode == "ghost" else "0"]
     cmd += ["--kokkos", kokkos] if kokkos else []
-    cmd += ["--gpus", str(ranks)] if kokkos == "gpu" else []  # one GPU per rank
+    if kokkos == "gpu":  # one GPU per rank; MPI reads device memory only where the machine's MPI can
+        cmd += ["--gpus", str(ranks), "--gpu-aware", os.environ.get("CGFORGE_LAMMPS_GPU_AWARE", "off")]
     if ranks > 1:
         if mpirun is None:
             pytest.skip("no mpirun next to the LAMMPS build or on PATH")
