@@ -94,7 +94,7 @@ class SpeciesRoom:
         index = torch.where(node < num_valid, species.long(), k)  # padding nodes: past every species
         counts = torch.zeros(k + 1, dtype=torch.int64, device=device).index_add_(0, index, torch.ones_like(index))
         member = index[:, None] == self._species[None, :]  # [N, groups]: at most one per row
-        rank = torch.cumsum(member.to(torch.int64), 0) - 1  # place among the nodes of its species so far
+        rank = _running_counts(member) - 1  # place among the nodes of its species so far
         placed = (member & (rank < self._sizes)).any(1)
         slot = ((self._starts + rank) * member).sum(1)
         dump = torch.full((), self.total, dtype=torch.int64, device=device)  # writes that must not land
@@ -103,6 +103,18 @@ class SpeciesRoom:
         order = order[:self.total]
         inverse = torch.where(placed, slot, torch.zeros_like(slot))  # others read slot 0: finite, never summed
         return SpeciesGroups(order, inverse, self.sizes, order.index_select(0, self._starts), n), counts[:k]
+
+
+def _running_counts(member: torch.Tensor) -> torch.Tensor:
+    """``torch.cumsum(member, 0)`` of a bool [N, G] as int64, with one scan of the G*N entries laid out group by
+    group: torch scans a dim-0 cumsum of a few columns with one thread per column (1.03 M nodes, two species: 116 ms
+    on an H100), a flat cumsum with all of the GPU."""
+    n, g = member.shape
+    if n == 0 or g == 0:
+        return torch.zeros(n, g, dtype=torch.int64, device=member.device)
+    running = torch.cumsum(member.t().reshape(-1).to(torch.int64), 0).view(g, n)  # counts earlier groups' too
+    before = torch.cat([running.new_zeros(1), running[:-1, -1]])  # the earlier groups' totals
+    return (running - before[:, None]).t()
 
 
 class SpeciesSelfConnection(torch.nn.Module, StandIn):

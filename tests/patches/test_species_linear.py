@@ -8,7 +8,14 @@ import torch
 from e3nn import o3
 
 from cgforge.patches.graph_cache import CallGraphCache
-from cgforge.patches.species_linear import SpeciesGroups, SpeciesRoom, SpeciesSelfConnection, swap_in, swap_out
+from cgforge.patches.species_linear import (
+    SpeciesGroups,
+    SpeciesRoom,
+    SpeciesSelfConnection,
+    _running_counts,
+    swap_in,
+    swap_out,
+)
 
 # (irreps of x, irreps of the attributes, irreps out): MACE-MP skip_tp shapes (scaled down), NequIP's sc
 SHAPES = [
@@ -78,6 +85,15 @@ def test_species_room_groups_equal_exact_groups() -> None:
     assert not SpeciesRoom([2, 4, 0, 6], "cpu").fits(counts.tolist())  # 3 of species 0 in a room of 2
     with pytest.raises(ValueError, match="capacities"):
         SpeciesRoom([0, 0], "cpu")
+
+
+@pytest.mark.parametrize("nodes,groups", [(0, 2), (6, 0), (1, 1), (1000, 2), (300, 89)])
+def test_running_counts_are_a_column_cumsum(nodes: int, groups: int) -> None:
+    """The flat scan that places nodes in their species' rooms counts as ``cumsum(member, 0)`` does."""
+    torch.manual_seed(nodes + groups)
+    index = torch.randint(0, groups + 1, (nodes,))  # ``groups``: a node of no group (padding)
+    member = index[:, None] == torch.arange(groups)[None, :]
+    assert torch.equal(_running_counts(member), torch.cumsum(member.to(torch.int64), 0))
 
 
 def test_without_groups_it_is_e3nn_exactly() -> None:
