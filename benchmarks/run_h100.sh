@@ -141,8 +141,16 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
         # tarball, or .device/lmpkk): build LAMMPS (Kokkos CUDA, ~220 s on 32 cores; LMP=DEST, reused when built), its CUDA tests (one
         # and two GPUs), then bench_lammps in exchange mode on 1 and 2 GPUs with MACE's class and the engine.
         # Open MPI refuses root and binds ranks to one core unless told; the machine's has no CUDA support, so
-        # LAMMPS runs with gpu/aware off (the build keeps ML-IAP's pair communication on its host-staged device path).
+        # LAMMPS runs with gpu/aware off (the build keeps ML-IAP's pair communication on its host-staged device path),
+        # unless a CUDA-aware Open MPI is carried (.device/ompi/ompi-cuda.tar.xz from scripts/openmpi_cuda.sh, built
+        # for /tmp/ompi-cuda): then it goes first on the paths and LAMMPS runs with gpu/aware on.
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
+    export CGFORGE_LAMMPS_GPU_AWARE=off
+    if [ -f .device/ompi/ompi-cuda.tar.xz ]; then
+        tar -xJf .device/ompi/ompi-cuda.tar.xz -C /tmp
+        export PATH=/tmp/ompi-cuda/bin:$PATH LD_LIBRARY_PATH=/tmp/ompi-cuda/lib:${LD_LIBRARY_PATH:-}
+        export CGFORGE_LAMMPS_GPU_AWARE=on
+    fi
     export CGFORGE_LAMMPS_KOKKOS_DIR=${LMP:-/tmp/lmp-kk}
     # a build packed by an earlier call (tar.xz in parts: .device/lmpkk/lmpkk.part*, 7 MB; carry .device/lmpkk
     # instead of .device/lammps) is unpacked instead of built again: DEST must be /tmp/lmp-kk, where it was built
@@ -164,7 +172,7 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
     tail -3 "$OUT/lammps-tests.log"
     python3 benchmarks/bench_lammps.py --lammps "$CGFORGE_LAMMPS_KOKKOS_DIR" --models ${MODELS:-mace mace-mp-medium} \
         --sizes ${SIZES:-1728} --classes cgforge cgforge-mlp mace-own engine --modes exchange ghost \
-        --ranks 1 2 --steps 20 \
+        --ranks 1 2 --steps 20 --gpu-aware "$CGFORGE_LAMMPS_GPU_AWARE" \
         --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
 *) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps" >&2; exit 2 ;;
 esac
