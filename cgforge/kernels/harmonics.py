@@ -1,0 +1,273 @@
+"""Spherical harmonics of edge vectors in one CUDA kernel, forward and backward: e3nn's values, written once.
+
+    Y[e, c] = P_c(u_e),    u_e = v_e / max(|v_e|, 1e-12)     (``torch.nn.functional.normalize``'s rule)
+
+P_c is the homogeneous polynomial of degree l(c) that an e3nn ``SphericalHarmonics`` module (``normalize=True``)
+evaluates for its output column c, in its own convention and normalization. The coefficients are read off the
+module (``HarmonicsPolynomials.of``): a homogeneous polynomial of one degree is fixed by its values on the unit
+sphere, so a least-squares fit in FP64 on points of the sphere recovers it exactly, and the fit is then checked
+against the module on vectors of all lengths. The kernel has them as constants.
+
+Why a kernel: e3nn computes every column as a tensor of its own and ``torch.stack``s them into [E, D], a copy with
+strided writes; at 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms on an H100, twice a step
+(the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
+(benchmarks/results/lammps-2gpu-h100-20261127c/). Here one thread owns an edge: it reads 3 values and writes D
+(the backward: reads 3 + D, writes 3).
+
+Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|
+(dL/du / 1e-12 where |v| <= 1e-12, as normalize's clamp gives). A second derivative goes through
+``harmonics_reference`` (torch, differentiable), as does every call off CUDA or in another dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .core.registry import SourceKernels
+
+__all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source"]
+
+NORM_EPS = 1e-12  # torch.nn.functional.normalize's default, which e3nn's SphericalHarmonics uses
+_THREADS = 128
+_FIT_POINTS = 512
+
+
+def _monomials(degree: int) -> list[tuple[int, int, int]]:
+    """Exponents (a, b, c) of x^a y^b z^c with a + b + c = degree."""
+    return [(a, b, degree - a - b) for a in range(degree, -1, -1) for b in range(degree - a, -1, -1)]
+
+
+@dataclass(frozen=True)
+class HarmonicsPolynomials:
+    """The output columns of a ``SphericalHarmonics`` module as polynomials of the unit vector.
+
+    monomials: every (a, b, c) used, by degree; coefficients: one row per monomial, one value per column (column c's
+    polynomial in the monomials of its degree, zero elsewhere); degrees: l of each column. Plain numbers, so the
+    value hashes and compares (the kernels are cached by it)."""
+
+    monomials: tuple[tuple[int, int, int], ...]
+    coefficients: tuple[tuple[float, ...], ...]
+    degrees: tuple[int, ...]
+
+    @property
+    def dim(self) -> int:
+        return len(self.degrees)
+
+    @property
+    def lmax(self) -> int:
+        return max(self.degrees, default=0)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> HarmonicsPolynomials:
+        """The polynomials of an e3nn ``SphericalHarmonics`` module with ``normalize=True`` (any e3nn version,
+        normalization and set of l); ValueError where the module is not such a module."""
+        irreps = getattr(module, "irreps_out", None)
+        if irreps is None or not getattr(module, "normalize", False):
+            raise ValueError(f"harmonics: expected an e3nn SphericalHarmonics module with normalize=True, got "
+                             f"{type(module).__name__}")
+        degrees = tuple(ir.l for mul, ir in irreps for _ in range(mul) for _ in range(ir.dim))
+        module = copy.deepcopy(module).to(torch.float64)  # a copy: the caller's module keeps its dtype
+        cached = _fit(module, degrees)
+        check = torch.randn(_FIT_POINTS, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        check *= torch.logspace(-3, 2, _FIT_POINTS, dtype=torch.float64)[:, None]  # all lengths
+        with torch.no_grad():
+            want = module(check)
+        got = harmonics_reference(check, cached)
+        err = float((got - want).abs().max())
+        if err > 1e-10 * max(1.0, float(want.abs().max())):
+            raise ValueError(f"harmonics: {type(module).__name__} is not a polynomial of the unit vector in each "
+                             f"column (off by {err:.2e} after the fit): keep e3nn's module")
+        return cached
+
+
+def _fit(module: torch.nn.Module, degrees: tuple[int, ...]) -> HarmonicsPolynomials:
+    """Least squares of each column on the monomials of its degree, on points of the unit sphere (FP64)."""
+    points = torch.randn(_FIT_POINTS, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    points = points / points.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        values = module(points)
+    if values.shape != (_FIT_POINTS, len(degrees)):
+        raise ValueError(f"harmonics: the module gave shape {tuple(values.shape)} for {_FIT_POINTS} vectors, "
+                         f"expected ({_FIT_POINTS}, {len(degrees)})")
+    monomials = [m for degree in sorted(set(degrees)) for m in _monomials(degree)]
+    coefficients = torch.zeros(len(monomials), len(degrees), dtype=torch.float64)
+    for degree in sorted(set(degrees)):
+        rows = [i for i, m in enumerate(monomials) if sum(m) == degree]
+        columns = [c for c, d in enumerate(degrees) if d == degree]
+        basis = _evaluate_monomials(points, [monomials[i] for i in rows])
+        solution = torch.linalg.lstsq(basis, values[:, columns]).solution
+        solution[solution.abs() < 1e-13] = 0.0  # exact zeros read better in the source and cost nothing
+        coefficients[torch.tensor(rows)[:, None], torch.tensor(columns)[None, :]] = solution
+    # 14 digits: the same value from run to run (the last bits of a fit may move), far below FP64 checks
+    rows = tuple(tuple(float(f"{x:.14g}") for x in row) for row in coefficients.tolist())
+    return HarmonicsPolynomials(tuple(monomials), rows, degrees)
+
+
+def _evaluate_monomials(u: Tensor, monomials: list[tuple[int, int, int]] | tuple) -> Tensor:
+    """[N, M] values of the monomials at the rows of u [N, 3], from products only (differentiable everywhere)."""
+    top = max((max(m) for m in monomials), default=0)
+    powers = [torch.ones_like(u)]
+    for _ in range(top):
+        powers.append(powers[-1] * u)
+    table = torch.stack(powers, dim=2)  # [N, 3, top + 1]: table[:, k, p] = u_k ** p
+    exps = torch.tensor(monomials, dtype=torch.int64, device=u.device).reshape(-1, 3)
+    return table[:, 0, exps[:, 0]] * table[:, 1, exps[:, 1]] * table[:, 2, exps[:, 2]]
+
+
+def harmonics_reference(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
+    """[E, D] harmonics of vectors [E, 3] in torch (any device and dtype; differentiable to any order)."""
+    norm = vectors.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    u = vectors / norm
+    return _evaluate_monomials(u, polys.monomials) @ torch.tensor(polys.coefficients, dtype=u.dtype, device=u.device)
+
+
+# --- the CUDA source ----------------------------------------------------------------------------------------------
+
+def _name(m: tuple[int, int, int]) -> str:
+    return f"m{m[0]}{m[1]}{m[2]}"
+
+
+def _monomial_lines(lmax: int) -> list[str]:
+    """``const T mabc = ...;`` for every monomial of degree <= lmax, each one product from the one below it."""
+    lines = ["const T m000 = (T)1;"]
+    for degree in range(1, lmax + 1):
+        for a, b, c in _monomials(degree):
+            below, factor = ((a - 1, b, c), "x") if a else ((a, b - 1, c), "y") if b else ((a, b, c - 1), "z")
+            lines.append(f"const T {_name((a, b, c))} = {_name(below)} * {factor};")
+    return lines
+
+
+def _literal(value: float) -> str:
+    return f"(T){value!r}"
+
+
+def _sum(terms: list[str]) -> str:
+    return " + ".join(terms) if terms else "(T)0"
+
+
+@functools.lru_cache(maxsize=16)
+def harmonics_source(polys: HarmonicsPolynomials) -> str:
+    """The CUDA source: ``harmonics_fwd_f32/f64(v, out, n)`` and ``harmonics_bwd_f32/f64(v, grad, grad_v, n)``,
+    one thread per edge, for these polynomials."""
+    coefficients = polys.coefficients
+    values, partials = [], {axis: [] for axis in range(3)}
+    for c in range(polys.dim):
+        terms = [(coefficients[i][c], m) for i, m in enumerate(polys.monomials) if coefficients[i][c] != 0.0]
+        values.append(f"out[{c}] = {_sum([f'{_literal(k)} * {_name(m)}' for k, m in terms])};")
+        for axis in range(3):  # d/du_axis: a * x^(a-1) ...
+            d_terms = []
+            for k, m in terms:
+                if m[axis]:
+                    lower = tuple(e - (j == axis) for j, e in enumerate(m))
+                    d_terms.append(f"{_literal(k * m[axis])} * {_name(lower)}")
+            if d_terms:
+                partials[axis].append(f"g[{c}] * ({_sum(d_terms)})")
+    indent = "\n        "
+    monomials = indent.join(_monomial_lines(max(polys.lmax - 1, 0)))
+    monomials_top = indent.join(_monomial_lines(polys.lmax))
+    gu = indent.join(f"const T gu{'xyz'[axis]} = {_sum(partials[axis])};" for axis in range(3))
+    return f"""
+template <typename T>
+__device__ __forceinline__ T unit(const T* __restrict__ v, long long e, T& x, T& y, T& z) {{
+    const T vx = v[3 * e], vy = v[3 * e + 1], vz = v[3 * e + 2];
+    const T norm = sqrt(vx * vx + vy * vy + vz * vz);
+    const T inv = (T)1 / (norm > (T){NORM_EPS!r} ? norm : (T){NORM_EPS!r});
+    x = vx * inv; y = vy * inv; z = vz * inv;
+    return norm;
+}}
+
+template <typename T>
+__device__ void harmonics_fwd(const T* __restrict__ v, T* __restrict__ y_out, long long n) {{
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    T x, y, z;
+    unit(v, e, x, y, z);
+    {monomials_top}
+    T* out = y_out + e * {polys.dim};
+    {indent.join(values)}
+}}
+
+template <typename T>
+__device__ void harmonics_bwd(const T* __restrict__ v, const T* __restrict__ grad, T* __restrict__ grad_v,
+                              long long n) {{
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    T x, y, z;
+    const T norm = unit(v, e, x, y, z);
+    {monomials}
+    const T* g = grad + e * {polys.dim};
+    {gu}
+    const T inv = (T)1 / (norm > (T){NORM_EPS!r} ? norm : (T){NORM_EPS!r});
+    const T along = norm > (T){NORM_EPS!r} ? x * gux + y * guy + z * guz : (T)0;  // the clamp is linear
+    grad_v[3 * e] = (gux - x * along) * inv;
+    grad_v[3 * e + 1] = (guy - y * along) * inv;
+    grad_v[3 * e + 2] = (guz - z * along) * inv;
+}}
+
+extern "C" __global__ void harmonics_fwd_f32(const float* v, float* out, long long n) {{
+    harmonics_fwd<float>(v, out, n);
+}}
+extern "C" __global__ void harmonics_fwd_f64(const double* v, double* out, long long n) {{
+    harmonics_fwd<double>(v, out, n);
+}}
+extern "C" __global__ void harmonics_bwd_f32(const float* v, const float* g, float* gv, long long n) {{
+    harmonics_bwd<float>(v, g, gv, n);
+}}
+extern "C" __global__ void harmonics_bwd_f64(const double* v, const double* g, double* gv, long long n) {{
+    harmonics_bwd<double>(v, g, gv, n);
+}}
+"""
+
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_NAMES = [f"harmonics_{d}_{s}" for d in ("fwd", "bwd") for s in _SUFFIX.values()]
+
+
+@functools.lru_cache(maxsize=16)
+def _kernels(source: str) -> SourceKernels:
+    return SourceKernels(source, _NAMES, "harmonics")
+
+
+class _Harmonics(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, vectors: Tensor, polys: HarmonicsPolynomials, source: str) -> Tensor:  # noqa: ANN001
+        ctx.polys, ctx.source = polys, source
+        ctx.save_for_backward(vectors)
+        out = vectors.new_empty(vectors.shape[0], polys.dim)
+        _launch(source, "fwd", vectors, [vectors, out])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        (vectors,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a second derivative will be taken, through torch
+            with torch.enable_grad():
+                (gv,) = torch.autograd.grad(harmonics_reference(vectors, ctx.polys), vectors, grad, create_graph=True)
+            return gv, None, None
+        gv = torch.empty_like(vectors)
+        _launch(ctx.source, "bwd", vectors, [vectors, grad.contiguous(), gv])
+        return gv, None, None
+
+
+def _launch(source: str, direction: str, vectors: Tensor, args: list) -> None:
+    import numpy as np
+
+    n = vectors.shape[0]
+    if n:
+        _kernels(source).get(f"harmonics_{direction}_{_SUFFIX[vectors.dtype]}", vectors.device).launch(
+            (-(-n // _THREADS),), (_THREADS,), args + [np.int64(n)])
+
+
+def harmonics(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
+    """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernel on CUDA for FP32 and FP64, else
+    ``harmonics_reference``. Differentiable (a second derivative through the reference)."""
+    if vectors.dim() != 2 or vectors.shape[1] != 3:
+        raise ValueError(f"vectors: expected an [E, 3] tensor, got shape {tuple(vectors.shape)}")
+    if vectors.device.type != "cuda" or vectors.dtype not in _SUFFIX:
+        return harmonics_reference(vectors, polys)
+    return _Harmonics.apply(vectors.contiguous(), polys, harmonics_source(polys))
