@@ -132,3 +132,21 @@ def projected_jacobian(forces: torch.Tensor, positions: torch.Tensor, vectors: t
     jt_v = torch.stack([torch.autograd.grad((forces * v).sum(), positions, retain_graph=True)[0] for v in vectors])
     m = torch.einsum("jad,kad->jk", vectors, jt_v)
     return m, jt_v
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def replayed(fn: Callable[[], torch.Tensor], refill: torch.Tensor) -> torch.Tensor:
+    """``fn()`` captured in a CUDA graph (after one call outside it, which compiles and loads), ``refill`` then
+    given new standard-normal values in place, and the graph replayed: the captured output, which must now be
+    ``fn``'s for the new values."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    refill.copy_(torch.randn_like(refill))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
