@@ -48,18 +48,16 @@ def main(argv: list[str] | None = None) -> None:
             for name, fn in (("e3nn", module), ("cgforge", lambda x: harmonics(x, polys))):
                 x = v.clone().requires_grad_()
 
-                def both() -> None:
+                def both(fn=fn, x=x, grad=grad) -> None:  # noqa: ANN001
                     torch.autograd.grad(fn(x), x, grad)
 
                 with torch.no_grad():
-                    fwd = cuda_time(lambda: fn(v))
+                    fwd = cuda_time(lambda fn=fn, v=v: fn(v))
                 row = {"lmax": lmax, "edges": edges, "impl": name, "dtype": args.dtype, "fwd_ms": fwd,
                        "fwd_bwd_ms": cuda_time(both), "floor_fwd_ms": floor_fwd, "floor_fwd_bwd_ms": floor_both}
                 rows.append(row)
                 print(f"lmax {lmax} edges {edges:>10,} {name:>8}: fwd {row['fwd_ms']:8.3f} ms, fwd+bwd "
                       f"{row['fwd_bwd_ms']:8.3f} ms", flush=True)
-            del v, grad
-            torch.cuda.empty_cache()
     out = write_json("harmonics", {"environment": environment(), "bandwidth_GBs": bandwidth / 1e9, "rows": rows})
     print(f"\n{'lmax':>4} {'edges':>11} {'impl':>8} {'fwd ms':>9} {'floor':>7} {'fwd+bwd ms':>11} {'floor':>7}")
     for r in rows:
