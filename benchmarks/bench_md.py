@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -105,6 +106,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
 SKIN = 1.0
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
+TUNING = None  # --kernel-tuning FILE.json: the cgforge backends' KernelTuning (None: the defaults)
 NEQUIP_TYPES = ["H", "C", "N", "O", "S"]  # DHFR's elements; water uses two of them
 NEQUIP_SHAPES = {"nequip-l1": "l1", "nequip-M": "M"}
 STAGE = {"now": ""}  # what measure() was doing: an out-of-memory row names it
@@ -184,7 +186,7 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
         if CGFORGE_OPTIONS[backend].get("compile"):
             torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
-                          stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend])
+                          stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend], **_tuning())
         if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
             calc.step.group_species = False
             calc.warm_up()
@@ -370,7 +372,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
-                      **options, **({} if fusion is None else {"warmup": False}))
+                      **options, **({} if fusion is None else {"warmup": False}), **_tuning())
     if fusion is not None:
         from cgforge.patches import mace, nequip
 
@@ -634,6 +636,11 @@ def available_backends(requested: list[str], model_name: str) -> list[str]:
     return out
 
 
+def _tuning() -> dict:
+    """The Calculator's ``tuning=`` where --kernel-tuning gave one."""
+    return {} if TUNING is None else {"tuning": TUNING}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default="1k,5k,20k,50k,dhfr")
@@ -654,6 +661,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="FastMACE's ensembles (default: --ensembles; each costs a ~1 min setup)")
     parser.add_argument("--no-floor", action="store_true",
                         help="no step floor (step_floor.py, counted on the CPU) beside the FP32 rows")
+    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
+                        help="the cgforge backends' kernel tuning, as `cgforge md --kernel-tuning` reads it "
+                             "(e.g. {\"harmonics\": true}); default: the defaults")
     add_backward_range_flag(parser)
     args = parser.parse_args(argv)
     apply_backward_range(args)
@@ -662,8 +672,15 @@ def main(argv: list[str] | None = None) -> None:
     for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):
         if ensemble not in ("nvt", "npt"):
             sys.exit(f"--ensembles: expected nvt and/or npt, got {ensemble!r}")
-    global DEVICE, SKIN, PROFILE, NVT_ONLY
+    global DEVICE, SKIN, PROFILE, NVT_ONLY, TUNING
     NVT_ONLY = args.nvt_only
+    if args.kernel_tuning is not None:
+        from cgforge.kernels import KernelTuning
+
+        try:
+            TUNING = KernelTuning.from_dict(json.loads(Path(args.kernel_tuning).read_text()))
+        except (OSError, ValueError) as err:
+            sys.exit(f"--kernel-tuning: {args.kernel_tuning}: {err}")
     DEVICE = args.device
     SKIN = args.skin
     PROFILE = args.profile
@@ -709,7 +726,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(row)
                     print(row, flush=True)
     env = environment()
-    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args), "floor": floors})
+    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args), "floor": floors,
+                             "kernel_tuning": None if TUNING is None else TUNING.describe()})
     print_table(rows, env, path, floors)
 
 

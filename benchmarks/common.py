@@ -131,6 +131,5 @@ def apply_backward_range(args) -> None:
         return
     if not args.backward_range_gb > 0:
         sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
-    sys.exit("--backward-range-gb: not available: the receiver-range backward is TPTuning(backward_range_bytes=...) "
-             "passed to cgforge.patches.mace.patch(model, tuning=KernelTuning(tp=...)); the Calculator takes no "
-             "kernel tuning yet")
+    sys.exit("--backward-range-gb: not available: the receiver-range backward is TPTuning(backward_range_bytes=...), "
+             "kernel tuning: give it as bench_md.py's --kernel-tuning FILE.json, {\"tp\": {\"backward_range_bytes\": N}}")

@@ -47,8 +47,8 @@ def calls(monkeypatch) -> list[dict]:
 
 
 @pytest.mark.parametrize("content, message", [
-    ({"tp": {"loop_order": "edges"}, "pc": {}}, "unknown key 'pc'; a kernel tuning has the keys 'tp' (TPTuning) "
-                                               "and 'sc' (SCTuning)"),
+    ({"tp": {"loop_order": "edges"}, "pc": {}}, "unknown key 'pc'; a kernel tuning has the keys 'tp' (TPTuning), "
+                                               "'sc' (SCTuning) and 'harmonics' (a bool)"),
     ({"tp": {"loop_ordr": "edges"}}, "tp.loop_ordr: unknown key; TPTuning has forward_chunk, backward_chunk, "
                                      "loop_order,"),
     ({"sc": {"blocks": 64}}, "sc.blocks: unknown key; SCTuning has block, chunk, pairings"),
@@ -61,7 +61,7 @@ def calls(monkeypatch) -> list[dict]:
     ({"sc": {"pairings": ["pq", "xy"]}}, "sc.pairings: pairings must be a non-empty subset of ('pq', 'pd', 'qd')"),
     ({"tp": {"backward_chunk_passes": 1}}, "tp.backward_chunk_passes: backward_chunk_passes must be a bool, got 1"),
     ({"tp": ["edges"]}, "tp: expected an object of TPTuning's fields, got list"),
-    ([1, 2], "expected an object with the keys 'tp' and/or 'sc', got list"),
+    ([1, 2], "expected an object with the keys 'tp', 'sc' and/or 'harmonics', got list"),
 ])
 def test_bad_tuning_files_fail_before_the_model_loads_naming_the_key(tmp_path, capsys, calls, content, message):
     path = _tuning_file(tmp_path, content)

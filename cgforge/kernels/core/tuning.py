@@ -133,35 +133,46 @@ class SCTuning:
 @dataclass(frozen=True)
 class KernelTuning:
     """The tuning of every kernel of a model: what the patch functions (``cgforge.patches.mace.patch``,
-    ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build."""
+    ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build.
+
+    harmonics: MACE's edge spherical harmonics by cgforge's kernel (``kernels.harmonics``) in place of e3nn's
+    module (False, the default, until the kernel is measured on a GPU: written 2026-11-27, checked on the CPU)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
+    harmonics: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, TPTuning) or not isinstance(self.sc, SCTuning):
             raise TypeError(f"KernelTuning takes a TPTuning and an SCTuning, got {type(self.tp).__name__} and "
                             f"{type(self.sc).__name__}")
+        if not isinstance(self.harmonics, bool):
+            raise ValueError(f"harmonics must be a bool, got {self.harmonics!r}")
 
     def describe(self) -> str:
-        """Both, one line each (what ``cgforge doctor`` prints)."""
-        return f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})"
+        """Each part, one line each (what ``cgforge doctor`` prints)."""
+        return f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})\nharmonics={self.harmonics!r}"
 
     @classmethod
     def from_dict(cls, data: object) -> KernelTuning:
-        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...}}``, each
-        part optional and holding any of the fields of ``TPTuning`` / ``SCTuning`` (the rest keep their
-        defaults); a list where a tuple is expected (``pairings``) is taken as one. Each field is checked as the
-        dataclass checks it. Raises ValueError naming the key (``"tp.loop_order: ..."``, ``"sc: unknown key
-        'blocks'..."``) for an unknown key, a part that is not a dict or a value the field refuses."""
+        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...},
+        "harmonics": false}``, each key optional; tp and sc hold any of the fields of ``TPTuning`` / ``SCTuning``
+        (the rest keep their defaults); a list where a tuple is expected (``pairings``) is taken as one. Each field
+        is checked as the dataclass checks it. Raises ValueError naming the key (``"tp.loop_order: ..."``, ``"sc:
+        unknown key 'blocks'..."``) for an unknown key, a part that is not a dict or a value the field refuses."""
         if not isinstance(data, dict):
-            raise ValueError(f"expected an object with the keys 'tp' and/or 'sc', got {type(data).__name__}")
+            raise ValueError(f"expected an object with the keys 'tp', 'sc' and/or 'harmonics', got "
+                             f"{type(data).__name__}")
         parts = {"tp": TPTuning, "sc": SCTuning}
-        unknown = sorted(map(str, set(data) - set(parts)))
+        unknown = sorted(map(str, set(data) - set(parts) - {"harmonics"}))
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning) and 'sc' "
-                             "(SCTuning)")
+            raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning), 'sc' "
+                             "(SCTuning) and 'harmonics' (a bool)")
         values = {}
+        if "harmonics" in data:
+            if not isinstance(data["harmonics"], bool):
+                raise ValueError(f"harmonics: expected a bool, got {data['harmonics']!r}")
+            values["harmonics"] = data["harmonics"]
         for name, part in parts.items():
             given = data.get(name, {})
             if not isinstance(given, dict):

@@ -41,6 +41,7 @@ from cgforge import kernels
 from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
 from ..graph_cache import CallGraphCache
+from ..harmonics import KernelHarmonics
 from ..radial_table import TableWeights
 from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
@@ -255,10 +256,16 @@ def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None)
 
 
 def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.Maker:
-    """The walker's maker of the fused convolutions (``interactions.i.conv_tp``) and symmetric contractions
-    (``products.i.symmetric_contractions``); raises ``UnsupportedModelError`` for one cgforge cannot build."""
+    """The walker's maker of the fused convolutions (``interactions.i.conv_tp``), symmetric contractions
+    (``products.i.symmetric_contractions``) and, with ``tuning.harmonics``, the edge harmonics
+    (``spherical_harmonics``); raises ``UnsupportedModelError`` for one cgforge cannot build."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
+        if where == "spherical_harmonics" and tuning.harmonics and type(child) is o3.SphericalHarmonics:
+            try:
+                return KernelHarmonics(child)
+            except ValueError as err:
+                raise UnsupportedModelError(f"{where}: cgforge's harmonics kernel cannot stand in: {err}") from err
         parent, _, name = where.rpartition(".")
         kind, _, index = parent.partition(".")
         if not index.isdigit():  # only the direct children of interactions[i] and products[i]
@@ -297,7 +304,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     set_row_chunks(model, None)
     set_streaming(model, None)
     set_radial_table(model, False)
-    stand_in.swap_out(model, (FusedConvTP, FusedSymmetricContraction))
+    stand_in.swap_out(model, (FusedConvTP, FusedSymmetricContraction, KernelHarmonics))
     for block in blocks:
         if getattr(block, "conv_fusion", None) == _FUSION_TAG:
             del block.conv_fusion

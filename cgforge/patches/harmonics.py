@@ -1,0 +1,40 @@
+"""``KernelHarmonics``: the stand-in for an e3nn ``SphericalHarmonics`` module (``normalize=True``) that computes it
+with cgforge's kernel (``cgforge.kernels.harmonics``: one thread per edge, no stack of components; torch's reference
+off CUDA). The polynomials are read off the module when the stand-in is made; the module has no tensors, so the
+state_dict does not change. MACE's patch makes one for ``model.spherical_harmonics`` when
+``KernelTuning.harmonics`` is set.
+"""
+
+from __future__ import annotations
+
+import torch
+from e3nn import o3
+
+from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics
+
+from .stand_in import StandIn
+
+__all__ = ["KernelHarmonics"]
+
+
+class KernelHarmonics(torch.nn.Module, StandIn):
+    """e3nn's ``SphericalHarmonics(irreps, normalize=True, normalization=...)`` by cgforge's kernel: [..., 3] edge
+    vectors in, [..., D] harmonics out (D = ``irreps_out.dim``), the same values and derivatives."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.polys = HarmonicsPolynomials.of(module)  # ValueError for a module that is not such a one
+        self.irreps_in = getattr(module, "irreps_in", o3.Irreps("1x1o"))
+        self.irreps_out = module.irreps_out
+        self.original = (module,)  # a tuple: not a submodule, not in the state_dict
+
+    def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        flat = harmonics(vectors.reshape(-1, 3), self.polys)
+        return flat.reshape(*vectors.shape[:-1], self.polys.dim)
+
+    def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        vectors = self.random(generator, 7, 3)
+        return self(vectors), self.original[0](vectors)
+
+    def extra_repr(self) -> str:
+        return f"{self.irreps_out}, by cgforge's kernel"

@@ -1,0 +1,72 @@
+"""MACE's edge harmonics by cgforge's kernel (``KernelTuning(harmonics=True)``): e3nn's energies, forces, stress and
+second derivatives in FP64 (the CPU runs the kernel's torch reference; the CUDA kernel's own tests are in
+tests/kernels/test_harmonics.py), and a patch that goes back out cleanly."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from e3nn import o3
+from mace_helpers import assert_same_outputs, batch_for, build_model, evaluate, water_dimer
+
+from cgforge.kernels import KernelTuning
+from cgforge.patches import mace as pm
+from cgforge.patches.common import UnsupportedModelError
+from cgforge.patches.harmonics import KernelHarmonics
+
+HARMONICS = KernelTuning(harmonics=True)
+
+
+def test_patched_with_the_kernel_harmonics_gives_e3nns_outputs_fp64() -> None:
+    model = build_model(hidden="8x0e+8x1o+8x2e", max_ell=3)
+    ref = evaluate(model, water_dimer())
+    patched = pm.patch(copy.deepcopy(model), tuning=HARMONICS)
+    assert isinstance(patched.spherical_harmonics, KernelHarmonics)
+    assert patched.spherical_harmonics.irreps_out == model.spherical_harmonics.irreps_out
+    assert list(patched.state_dict()) == list(model.state_dict())
+    assert_same_outputs(evaluate(patched, water_dimer()), ref, tol=1e-10)
+    assert type(pm.patch(copy.deepcopy(model)).spherical_harmonics) is o3.SphericalHarmonics  # off by default
+
+
+def test_second_derivatives_follow_e3nn() -> None:
+    """Forces made with create_graph (training=True), then the gradient of sum(F^2): through the harmonics' second
+    derivative."""
+    model = build_model(hidden="8x0e+8x1o", max_ell=2)
+    results = []
+    for m in (model, pm.patch(copy.deepcopy(model), tuning=HARMONICS)):
+        batch = batch_for(m, water_dimer())
+        forces = m(batch, training=True)["forces"]
+        (grad,) = torch.autograd.grad(forces.square().sum(), batch["positions"])
+        results.append((forces.detach(), grad))
+    for ours, theirs in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-10)
+
+
+def test_unpatch_gives_e3nns_module_back() -> None:
+    model = pm.unpatch(pm.patch(build_model(), tuning=HARMONICS))
+    assert type(model.spherical_harmonics) is o3.SphericalHarmonics
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert b"cgforge" not in buf.getvalue()
+
+
+def test_harmonics_it_cannot_compute_are_refused_by_name() -> None:
+    model = build_model()
+    model.spherical_harmonics = o3.SphericalHarmonics(model.spherical_harmonics.irreps_out, normalize=False,
+                                                      normalization="component")
+    with pytest.raises(UnsupportedModelError, match="spherical_harmonics"):
+        pm.patch(model, tuning=HARMONICS)
+    assert type(model.spherical_harmonics) is o3.SphericalHarmonics  # nothing changed
+
+
+def test_the_tuning_reads_and_names_the_switch() -> None:
+    assert KernelTuning.from_dict({"harmonics": True}) == HARMONICS
+    assert KernelTuning.from_dict({}) == KernelTuning() and not KernelTuning().harmonics
+    assert "harmonics=True" in HARMONICS.describe()
+    with pytest.raises(ValueError, match="harmonics"):
+        KernelTuning.from_dict({"harmonics": 1})
+    with pytest.raises(ValueError, match="harmonics"):
+        KernelTuning(harmonics="yes")
