@@ -15,7 +15,8 @@ strided writes; at 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack 
 (the backward: reads 3 + D, writes 3).
 
 Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|
-(dL/du / 1e-12 where |v| <= 1e-12, as normalize's clamp gives). A second derivative goes through
+(dL/du / 1e-12 where |v| <= 1e-12, as normalize's clamp gives). Both are torch custom ops (``harmonics_eval``,
+``harmonics_vjp``) keyed by the polynomials' registered key; the second derivative goes through
 ``harmonics_reference`` (torch, differentiable), as does every call off CUDA or in another dtype.
 """
 
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .core.custom_op import custom_op
 from .core.registry import SourceKernels
 
 __all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source"]
@@ -124,6 +127,32 @@ def harmonics_reference(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
     norm = vectors.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     u = vectors / norm
     return _evaluate_monomials(u, polys.monomials) @ torch.tensor(polys.coefficients, dtype=u.dtype, device=u.device)
+
+
+def _vjp_reference(vectors: Tensor, grad: Tensor, polys: HarmonicsPolynomials) -> Tensor:
+    """dL/dvectors [E, 3] from dL/dY [E, D] by the kernel's formula (module doc) in torch, with no autograd inside:
+    the vjp op's body off CUDA, which torch's compile tracing can enter."""
+    norm = vectors.norm(dim=-1, keepdim=True)
+    clamped = norm.clamp_min(NORM_EPS)
+    u = vectors / clamped
+    table = torch.tensor(polys.coefficients, dtype=u.dtype, device=u.device)  # [M, D]
+    index = {m: i for i, m in enumerate(polys.monomials)}
+    lower = sorted({tuple(e - (j == axis) for j, e in enumerate(m)) for m in polys.monomials for axis in range(3)
+                    if m[axis]})
+    if not lower:  # only l = 0: constant harmonics
+        return torch.zeros_like(vectors)
+    values = _evaluate_monomials(u, lower)  # [E, M']
+    columns = []
+    for axis in range(3):  # d/du_axis of every column: a * x^(a-1) ..., as a [M', D] table
+        d = torch.zeros(len(lower), table.shape[1], dtype=u.dtype, device=u.device)
+        for row, m in enumerate(lower):
+            upper = tuple(e + (j == axis) for j, e in enumerate(m))
+            if upper in index:
+                d[row] = table[index[upper]] * upper[axis]
+        columns.append(((values @ d) * grad).sum(1))
+    gu = torch.stack(columns, dim=1)
+    along = torch.where(norm > NORM_EPS, (u * gu).sum(1, keepdim=True), torch.zeros_like(norm))
+    return (gu - u * along) / clamped
 
 
 # --- the CUDA source ----------------------------------------------------------------------------------------------
@@ -226,6 +255,7 @@ extern "C" __global__ void harmonics_bwd_f64(const double* v, const double* g, d
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _NAMES = [f"harmonics_{d}_{s}" for d in ("fwd", "bwd") for s in _SUFFIX.values()]
+_REGISTERED: dict[str, HarmonicsPolynomials] = {}  # the ops' ``key`` -> its polynomials (ops take plain values)
 
 
 @functools.lru_cache(maxsize=16)
@@ -233,41 +263,76 @@ def _kernels(source: str) -> SourceKernels:
     return SourceKernels(source, _NAMES, "harmonics")
 
 
-class _Harmonics(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, vectors: Tensor, polys: HarmonicsPolynomials, source: str) -> Tensor:  # noqa: ANN001
-        ctx.polys, ctx.source = polys, source
-        ctx.save_for_backward(vectors)
-        out = vectors.new_empty(vectors.shape[0], polys.dim)
-        _launch(source, "fwd", vectors, [vectors, out])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
-        (vectors,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: a second derivative will be taken, through torch
-            with torch.enable_grad():
-                (gv,) = torch.autograd.grad(harmonics_reference(vectors, ctx.polys), vectors, grad, create_graph=True)
-            return gv, None, None
-        gv = torch.empty_like(vectors)
-        _launch(ctx.source, "bwd", vectors, [vectors, grad.contiguous(), gv])
-        return gv, None, None
+@functools.lru_cache(maxsize=64)
+def _key(polys: HarmonicsPolynomials) -> str:
+    key = hashlib.sha1(repr(polys).encode()).hexdigest()[:20]
+    _REGISTERED[key] = polys
+    return key
 
 
-def _launch(source: str, direction: str, vectors: Tensor, args: list) -> None:
-    import numpy as np
+def _launch(polys: HarmonicsPolynomials, direction: str, vectors: Tensor, args: list) -> None:
+    from .core.runtime import I64
 
     n = vectors.shape[0]
     if n:
-        _kernels(source).get(f"harmonics_{direction}_{_SUFFIX[vectors.dtype]}", vectors.device).launch(
-            (-(-n // _THREADS),), (_THREADS,), args + [np.int64(n)])
+        _kernels(harmonics_source(polys)).get(f"harmonics_{direction}_{_SUFFIX[vectors.dtype]}", vectors.device).launch(
+            (-(-n // _THREADS),), (_THREADS,), args + [I64(n)])
+
+
+def _eval_fake(vectors, key):  # noqa: ANN001, ANN202
+    return vectors.new_empty(vectors.shape[0], _REGISTERED[key].dim)
+
+
+def _eval_grad(ctx, grad):  # noqa: ANN001, ANN202
+    (vectors,) = ctx.saved_tensors
+    (key,) = ctx.args
+    return harmonics_vjp(vectors, grad.contiguous(), key), None
+
+
+@custom_op("harmonics_eval", _eval_fake, _eval_grad)
+def harmonics_eval(vectors: Tensor, key: str) -> Tensor:
+    """[E, D] harmonics of contiguous [E, 3] vectors (FP32 or FP64) for the registered ``key``: the kernel on CUDA,
+    the torch reference elsewhere (so the CPU tests run the ops themselves)."""
+    if vectors.device.type != "cuda":
+        return harmonics_reference(vectors, _REGISTERED[key])
+    out = vectors.new_empty(vectors.shape[0], _REGISTERED[key].dim)
+    _launch(_REGISTERED[key], "fwd", vectors, [vectors, out])
+    return out
+
+
+def _vjp_fake(vectors, grad, key):  # noqa: ANN001, ANN202
+    return torch.empty_like(vectors)
+
+
+def _vjp_grad(ctx, upstream):  # noqa: ANN001, ANN202
+    """The vector-Jacobian product's own derivatives (a second derivative of the harmonics), through the torch
+    reference: in the vectors and in the incoming gradient."""
+    vectors, grad = ctx.saved_tensors
+    (key,) = ctx.args
+    with torch.enable_grad():
+        v = vectors.detach().requires_grad_(True)
+        g = grad.detach().requires_grad_(True)
+        (gv,) = torch.autograd.grad(harmonics_reference(v, _REGISTERED[key]), v, g, create_graph=True)
+        d_vectors, d_grad = torch.autograd.grad(gv, (v, g), upstream)
+    return d_vectors, d_grad, None
+
+
+@custom_op("harmonics_vjp", _vjp_fake, _vjp_grad)
+def harmonics_vjp(vectors: Tensor, grad: Tensor, key: str) -> Tensor:
+    """dL/dvectors [E, 3] from dL/dY [E, D] (contiguous, the vectors' dtype) for the registered ``key``: the kernel on
+    CUDA, the same formula in torch elsewhere."""
+    if vectors.device.type != "cuda":
+        return _vjp_reference(vectors, grad, _REGISTERED[key])
+    out = torch.empty_like(vectors)
+    _launch(_REGISTERED[key], "bwd", vectors, [vectors, grad, out])
+    return out
 
 
 def harmonics(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
-    """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernel on CUDA for FP32 and FP64, else
-    ``harmonics_reference``. Differentiable (a second derivative through the reference)."""
+    """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernels on CUDA for FP32 and FP64 (torch custom ops:
+    opaque to torch.compile), else ``harmonics_reference``. Differentiable twice."""
     if vectors.dim() != 2 or vectors.shape[1] != 3:
         raise ValueError(f"vectors: expected an [E, 3] tensor, got shape {tuple(vectors.shape)}")
     if vectors.device.type != "cuda" or vectors.dtype not in _SUFFIX:
         return harmonics_reference(vectors, polys)
-    return _Harmonics.apply(vectors.contiguous(), polys, harmonics_source(polys))
+    return harmonics_eval(vectors.contiguous(), _key(polys))

@@ -15,7 +15,15 @@ import torch
 from e3nn import o3
 from oracles import replayed
 
-from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics, harmonics_reference, harmonics_source
+from cgforge.kernels.harmonics import (
+    HarmonicsPolynomials,
+    _key,
+    harmonics,
+    harmonics_eval,
+    harmonics_reference,
+    harmonics_source,
+    harmonics_vjp,
+)
 
 CASES = [("0e+1o", "component"), (str(o3.Irreps.spherical_harmonics(2)), "component"),
          (str(o3.Irreps.spherical_harmonics(3)), "norm"), ("1x0e+1x2e", "integral"), ("2e+3o", "component"),
@@ -44,6 +52,34 @@ def test_reference_equals_e3nn_with_two_derivatives(irreps: str, normalization: 
     grads = []
     for fn in (lambda x: harmonics_reference(x, polys), module):
         x = v[1:].clone().requires_grad_()
+        (g,) = torch.autograd.grad((fn(x) * w).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), x)
+        grads.append((g.detach(), gg))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10 * float(theirs.abs().max()))
+
+
+def test_the_custom_ops_pass_torchs_checks_and_differentiate_twice_on_the_cpu() -> None:
+    """The ops the CUDA path calls (``harmonics_eval``, ``harmonics_vjp``; the reference inside them off CUDA):
+    torch.library's checks (schema, fake tensors, autograd registration; the forward's also under compile's
+    tracing), the vjp's formula (the kernel's, in torch) and two derivatives through the ops equal e3nn's, so their
+    autograd formulas are the ones a GPU run uses."""
+    module = _module(str(o3.Irreps.spherical_harmonics(3)), "component")
+    polys = HarmonicsPolynomials.of(module)
+    key = _key(polys)
+    v = _vectors(64, seed=9)[1:]
+    torch.library.opcheck(harmonics_eval, (v.clone().requires_grad_(), key))
+    g = torch.randn(63, polys.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    # the vjp's own backward (second derivatives) runs torch's autograd on the reference: eager only
+    torch.library.opcheck(harmonics_vjp, (v.clone().requires_grad_(), g.clone().requires_grad_(), key),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    x = v.clone().requires_grad_()
+    (want,) = torch.autograd.grad(module(x), x, g)
+    torch.testing.assert_close(harmonics_vjp(v, g, key), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+    w = torch.randn(63, polys.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    grads = []
+    for fn in (lambda x: harmonics_eval(x, key), module):
+        x = v.clone().requires_grad_()
         (g,) = torch.autograd.grad((fn(x) * w).sum(), x, create_graph=True)
         (gg,) = torch.autograd.grad(g.square().sum(), x)
         grads.append((g.detach(), gg))
