@@ -14,7 +14,14 @@ from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics
 
 from .stand_in import StandIn
 
-__all__ = ["KernelHarmonics"]
+__all__ = ["KernelHarmonics", "is_e3nn_harmonics"]
+
+
+def is_e3nn_harmonics(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is e3nn's ``SphericalHarmonics``, from the installed e3nn or one inside a torch package
+    (nequip's packaged models carry their own copy of e3nn, a class of another identity)."""
+    cls = type(module)
+    return cls.__name__ == "SphericalHarmonics" and cls.__module__.split(">.")[-1].startswith("e3nn.")
 
 
 class KernelHarmonics(torch.nn.Module, StandIn):

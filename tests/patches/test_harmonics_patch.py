@@ -70,3 +70,23 @@ def test_the_tuning_reads_and_names_the_switch() -> None:
         KernelTuning.from_dict({"harmonics": 1})
     with pytest.raises(ValueError, match="harmonics"):
         KernelTuning(harmonics="yes")
+
+
+def test_the_bundled_nequip_model_takes_the_kernel_harmonics_too() -> None:
+    """nequip's packaged model carries its own copy of e3nn: its SphericalHarmonics (``spharm.sh``) is found by name
+    and stood in for; energies and forces unchanged (FP64 on the CPU: the reference inside)."""
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.water import water_box
+
+    atoms = water_box(8, seed=0)
+    results = []
+    for tuning in (KernelTuning(), HARMONICS):
+        calc = Calculator("nequip", device="cpu", tuning=tuning)
+        stand_ins = sum(isinstance(m, KernelHarmonics) for m in calc.potential.model.modules())
+        assert stand_ins == (1 if tuning.harmonics else 0)
+        a = atoms.copy()
+        a.calc = calc
+        results.append((a.get_potential_energy(), a.get_forces()))
+    (e_off, f_off), (e_on, f_on) = results
+    assert abs(e_on - e_off) <= 1e-10 * abs(e_off)
+    assert abs(f_on - f_off).max() <= 1e-10 * abs(f_off).max()

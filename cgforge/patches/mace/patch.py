@@ -41,7 +41,7 @@ from cgforge import kernels
 from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
 from ..graph_cache import CallGraphCache
-from ..harmonics import KernelHarmonics
+from ..harmonics import KernelHarmonics, is_e3nn_harmonics
 from ..radial_table import TableWeights
 from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
@@ -261,7 +261,7 @@ def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.M
     (``spherical_harmonics``); raises ``UnsupportedModelError`` for one cgforge cannot build."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
-        if where == "spherical_harmonics" and tuning.harmonics and type(child) is o3.SphericalHarmonics:
+        if where == "spherical_harmonics" and tuning.harmonics and is_e3nn_harmonics(child):
             try:
                 return KernelHarmonics(child)
             except ValueError as err:

@@ -19,6 +19,7 @@ import torch
 from .. import e3nn_layers, radial_precision, species_linear, stand_in
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
+from ..harmonics import KernelHarmonics, is_e3nn_harmonics
 from ..stand_in import StandIn
 from ..torch_internals import forward_pre_hooks, remove_forward_pre_hooks
 from .conv import CgforgeTensorProductScatter, scatter_sites
@@ -48,8 +49,9 @@ def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
 def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torch.nn.Module:
     """Swap every NequIP convolution for cgforge's fused one. In place, idempotent; returns ``model``.
 
-    ``tuning``: the knobs of the convolution kernels built now (``cgforge.kernels.KernelTuning``; its ``tp``;
-    None: the defaults). Convolutions patched before keep theirs.
+    ``tuning``: the knobs of the convolution kernels built now (``cgforge.kernels.KernelTuning``; its ``tp``, and
+    ``harmonics``: the edge harmonics by cgforge's kernel; None: the defaults). Convolutions patched before keep
+    theirs.
 
     ``model`` is a GraphModel or nequip's ModuleDict of them, from the installed nequip or a package.
     Everything is checked before anything changes: ``UnsupportedModelError`` (a ValueError) names the
@@ -68,6 +70,8 @@ def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torc
         plans.append((root, graphs, {where for where, *_ in sites}))
     for root, graphs, wheres in plans:
         new = stand_in.swap_in(root, _scatter_maker(graphs, wheres, tuning.tp if tuning is not None else None))
+        if tuning is not None and tuning.harmonics:
+            stand_in.swap_in(root, _harmonics_maker)
         swapped = species_linear.swap_in(root, "sc", graphs)
         e3nn_layers.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
@@ -94,12 +98,22 @@ def _scatter_maker(graphs: CallGraphCache, wheres: set[str], tuning: TPTuning | 
     return make
 
 
+def _harmonics_maker(where: str, child: torch.nn.Module) -> StandIn | None:
+    """``KernelHarmonics`` for the e3nn ``SphericalHarmonics`` of nequip's ``SphericalHarmonicEdgeAttrs`` (``.sh``)."""
+    if (where != "sh" and not where.endswith(".sh")) or not is_e3nn_harmonics(child):
+        return None
+    try:
+        return KernelHarmonics(child)
+    except ValueError as err:
+        raise UnsupportedModelError(f"{where}: cgforge's harmonics kernel cannot stand in: {err}") from err
+
+
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Put the original convolutions back (no cgforge objects left). In place; returns ``model``."""
     for root in _roots(model):
         set_streaming(root, None)
         set_radial_table(root, False)
-        stand_in.swap_out(root, (CgforgeTensorProductScatter,))
+        stand_in.swap_out(root, (CgforgeTensorProductScatter, KernelHarmonics))
         species_linear.swap_out(root)
         e3nn_layers.swap_out(root)
         radial_precision.swap_out(root)
