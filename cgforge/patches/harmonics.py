@@ -1,8 +1,8 @@
 """``KernelHarmonics``: the stand-in for an e3nn ``SphericalHarmonics`` module (``normalize=True``) that computes it
 with cgforge's kernel (``cgforge.kernels.harmonics``: one thread per edge, no stack of components; torch's reference
 off CUDA). The polynomials are read off the module when the stand-in is made; the module has no tensors, so the
-state_dict does not change. MACE's patch makes one for ``model.spherical_harmonics`` when
-``KernelTuning.harmonics`` is set.
+state_dict does not change. With ``KernelTuning.harmonics`` set, MACE's patch makes one for
+``model.spherical_harmonics`` and NequIP's for each ``SphericalHarmonicEdgeAttrs.sh``.
 """
 
 from __future__ import annotations

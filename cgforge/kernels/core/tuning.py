@@ -135,8 +135,9 @@ class KernelTuning:
     """The tuning of every kernel of a model: what the patch functions (``cgforge.patches.mace.patch``,
     ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build.
 
-    harmonics: MACE's edge spherical harmonics by cgforge's kernel (``kernels.harmonics``) in place of e3nn's
-    module (False, the default, until the kernel is measured on a GPU: written 2026-11-27, checked on the CPU)."""
+    harmonics: the edge spherical harmonics (MACE's ``model.spherical_harmonics``, NequIP's
+    ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (False,
+    the default, until the kernel is measured on a GPU: written 2026-11-27, checked on the CPU)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
