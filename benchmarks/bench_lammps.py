@@ -184,7 +184,8 @@ def lammps_worker(args: argparse.Namespace) -> None:
 @contextmanager
 def _profiled(folder: str | None, name: str) -> Iterator[None]:
     """With a folder: the block under torch's profiler (CUPTI sees every kernel of the process, LAMMPS's Kokkos
-    kernels and the CUDA graph's included); the 30 largest by GPU time to FOLDER/profile-NAME.txt."""
+    kernels and the CUDA graph's included); the 30 largest by GPU time, then by host (self CPU) time, to
+    FOLDER/profile-NAME.txt."""
     if folder is None:
         yield
         return
@@ -196,9 +197,10 @@ def _profiled(folder: str | None, name: str) -> Iterator[None]:
         yield
         if cuda:
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30,
-                                      max_name_column_width=70)
-    (Path(folder) / f"profile-{name}.txt").write_text(table)
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=30, max_name_column_width=70)
+              for key in (["device_time_total"] if cuda else []) + ["self_cpu_time_total"]]  # GPU, then host time
+    (Path(folder) / f"profile-{name}.txt").write_text("\n\n".join(tables))
 
 
 def engine_worker(args: argparse.Namespace) -> None:
