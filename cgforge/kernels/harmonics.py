@@ -286,7 +286,7 @@ def _eval_fake(vectors, key):  # noqa: ANN001, ANN202
 def _eval_grad(ctx, grad):  # noqa: ANN001, ANN202
     (vectors,) = ctx.saved_tensors
     (key,) = ctx.args
-    return harmonics_vjp(vectors, grad.contiguous(), key), None
+    return harmonics_vjp(vectors, grad.to(vectors.dtype).contiguous(), key), None  # the kernel reads one dtype
 
 
 @custom_op("harmonics_eval", _eval_fake, _eval_grad)
