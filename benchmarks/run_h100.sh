@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|layer|envab|large|lammps
 # For benchmark numbers to keep, prefer `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit,
 # device, versions); this script stays for the sharded CUDA test suite (`tests`) and the A/B stages.
 set -uo pipefail
@@ -110,6 +110,20 @@ ranges) # the row chunks' backward by receiver ranges (off by default until this
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
             --steps 3 --warmup 1 --nvt-only $flag 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
     done ;;
+harmonics)  # the harmonics kernel (KernelTuning.harmonics, off by default until this has run): its CUDA tests, the
+        # kernel against e3nn's module (bench_harmonics), then the engine's 5k step and the 1M-atom call with and
+        # without it (bench_md --kernel-tuning), one run
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_harmonics.py tests/patches/test_harmonics_patch.py \
+        2>&1 | tee "$OUT/harmonics-tests.log" | tail -3
+    python3 benchmarks/bench_harmonics.py 2>&1 | tee "$OUT/harmonics-kernel.log" | tail -8
+    echo '{"harmonics": true}' > "$OUT/harmonics-on.json"
+    for tuning in "" "$OUT/harmonics-on.json"; do
+        tag=${tuning:+on} tag=${tag:-off}
+        python3 benchmarks/bench_md.py --systems 5k --models bundled-mace,mace-mp-medium --dtypes float32 \
+            --backends cgforge-engine ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-md-$tag.log" | tail -3
+        python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
+            --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-1m-$tag.log" | tail -1
+    done ;;
 layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
         # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
     python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
@@ -174,5 +188,5 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
         --sizes ${SIZES:-1728} --classes cgforge cgforge-mlp mace-own engine --modes exchange ghost \
         --ranks 1 2 --steps 20 --gpu-aware "$CGFORGE_LAMMPS_GPU_AWARE" \
         --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|layer|envab|large|lammps" >&2; exit 2 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|layer|envab|large|lammps" >&2; exit 2 ;;
 esac
