@@ -126,7 +126,30 @@ def harmonics_reference(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
     """[E, D] harmonics of vectors [E, 3] in torch (any device and dtype; differentiable to any order)."""
     norm = vectors.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     u = vectors / norm
-    return _evaluate_monomials(u, polys.monomials) @ torch.tensor(polys.coefficients, dtype=u.dtype, device=u.device)
+    return _evaluate_monomials(u, polys.monomials) @ _table(polys.coefficients, u.dtype, u.device)
+
+
+def _table(rows: tuple[tuple[float, ...], ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``rows`` as a tensor, made per call: a cached one could be a fake tensor left by compile's tracing."""
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _derivatives(polys: HarmonicsPolynomials) -> tuple[tuple[tuple[int, int, int], ...], tuple]:
+    """The monomials one degree below ``polys``' and, per axis, the [M', D] table of d/du_axis of every column in
+    them (a * x^(a-1) ...), as plain numbers."""
+    index = {m: i for i, m in enumerate(polys.monomials)}
+    lower = tuple(sorted({tuple(e - (j == axis) for j, e in enumerate(m)) for m in polys.monomials
+                          for axis in range(3) if m[axis]}))
+    tables = []
+    for axis in range(3):
+        rows = []
+        for m in lower:
+            upper = tuple(e + (j == axis) for j, e in enumerate(m))
+            row = polys.coefficients[index[upper]] if upper in index else (0.0,) * polys.dim
+            rows.append(tuple(c * upper[axis] for c in row))
+        tables.append(tuple(rows))
+    return lower, tuple(tables)
 
 
 def _vjp_reference(vectors: Tensor, grad: Tensor, polys: HarmonicsPolynomials) -> Tensor:
@@ -135,21 +158,11 @@ def _vjp_reference(vectors: Tensor, grad: Tensor, polys: HarmonicsPolynomials) -
     norm = vectors.norm(dim=-1, keepdim=True)
     clamped = norm.clamp_min(NORM_EPS)
     u = vectors / clamped
-    table = torch.tensor(polys.coefficients, dtype=u.dtype, device=u.device)  # [M, D]
-    index = {m: i for i, m in enumerate(polys.monomials)}
-    lower = sorted({tuple(e - (j == axis) for j, e in enumerate(m)) for m in polys.monomials for axis in range(3)
-                    if m[axis]})
+    lower, tables = _derivatives(polys)
     if not lower:  # only l = 0: constant harmonics
         return torch.zeros_like(vectors)
     values = _evaluate_monomials(u, lower)  # [E, M']
-    columns = []
-    for axis in range(3):  # d/du_axis of every column: a * x^(a-1) ..., as a [M', D] table
-        d = torch.zeros(len(lower), table.shape[1], dtype=u.dtype, device=u.device)
-        for row, m in enumerate(lower):
-            upper = tuple(e + (j == axis) for j, e in enumerate(m))
-            if upper in index:
-                d[row] = table[index[upper]] * upper[axis]
-        columns.append(((values @ d) * grad).sum(1))
+    columns = [((values @ _table(d, u.dtype, u.device)) * grad).sum(1) for d in tables]  # dL/du per axis
     gu = torch.stack(columns, dim=1)
     along = torch.where(norm > NORM_EPS, (u * gu).sum(1, keepdim=True), torch.zeros_like(norm))
     return (gu - u * along) / clamped

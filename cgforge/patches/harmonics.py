@@ -12,6 +12,7 @@ from e3nn import o3
 
 from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics
 
+from .recognise import plain_module_name
 from .stand_in import StandIn
 
 __all__ = ["KernelHarmonics", "is_e3nn_harmonics"]
@@ -21,7 +22,7 @@ def is_e3nn_harmonics(module: torch.nn.Module) -> bool:
     """Whether ``module`` is e3nn's ``SphericalHarmonics``, from the installed e3nn or one inside a torch package
     (nequip's packaged models carry their own copy of e3nn, a class of another identity)."""
     cls = type(module)
-    return cls.__name__ == "SphericalHarmonics" and cls.__module__.split(">.")[-1].startswith("e3nn.")
+    return cls.__name__ == "SphericalHarmonics" and plain_module_name(cls.__module__).startswith("e3nn.")
 
 
 class KernelHarmonics(torch.nn.Module, StandIn):

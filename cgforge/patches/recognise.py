@@ -6,11 +6,20 @@ they live apart from both so that neither imports the other.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
-__all__ = ["is_mace_model", "is_nequip_model"]
+__all__ = ["is_mace_model", "is_nequip_model", "plain_module_name"]
+
+_PACKAGE_PREFIX = re.compile(r"^<torch_package_\d+>\.")
+
+
+def plain_module_name(name: str) -> str:
+    """``<torch_package_3>.nequip.nn.x`` -> ``nequip.nn.x``: where a class from a torch package came from (nequip's
+    packaged models carry their own nequip and e3nn, classes of another identity than the installed ones)."""
+    return _PACKAGE_PREFIX.sub("", name)
 
 
 def is_mace_model(module: Any) -> bool:

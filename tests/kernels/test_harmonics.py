@@ -42,6 +42,21 @@ def _vectors(n: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Ten
     return v.to(dtype)
 
 
+def _derivatives(fn, v: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """At ``v``: the gradient of sum(fn(v) * w) without and with create_graph (the first is the op's own backward,
+    the second goes through the graph a second derivative needs), and the gradient of the squared second."""
+    x = v.clone().requires_grad_()
+    (first,) = torch.autograd.grad((fn(x) * w).sum(), x)
+    (g,) = torch.autograd.grad((fn(x) * w).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.square().sum(), x)
+    return first, g.detach(), gg
+
+
+def _assert_same_derivatives(ours: tuple, theirs: tuple, tol: float) -> None:
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
 @pytest.mark.parametrize("irreps,normalization", CASES)
 def test_reference_equals_e3nn_with_two_derivatives(irreps: str, normalization: str) -> None:
     module = _module(irreps, normalization)
@@ -49,14 +64,8 @@ def test_reference_equals_e3nn_with_two_derivatives(irreps: str, normalization: 
     v = _vectors(300, seed=2)
     torch.testing.assert_close(harmonics(v, polys), module(v), rtol=1e-12, atol=1e-12)
     w = torch.randn(299, polys.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    grads = []
-    for fn in (lambda x: harmonics_reference(x, polys), module):
-        x = v[1:].clone().requires_grad_()
-        (g,) = torch.autograd.grad((fn(x) * w).sum(), x, create_graph=True)
-        (gg,) = torch.autograd.grad(g.square().sum(), x)
-        grads.append((g.detach(), gg))
-    for ours, theirs in zip(*grads):
-        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10 * float(theirs.abs().max()))
+    _assert_same_derivatives(_derivatives(lambda x: harmonics_reference(x, polys), v[1:], w),
+                             _derivatives(module, v[1:], w), 1e-10)
 
 
 def test_the_custom_ops_pass_torchs_checks_and_differentiate_twice_on_the_cpu() -> None:
@@ -77,14 +86,7 @@ def test_the_custom_ops_pass_torchs_checks_and_differentiate_twice_on_the_cpu() 
     (want,) = torch.autograd.grad(module(x), x, g)
     torch.testing.assert_close(harmonics_vjp(v, g, key), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
     w = torch.randn(63, polys.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
-    grads = []
-    for fn in (lambda x: harmonics_eval(x, key), module):
-        x = v.clone().requires_grad_()
-        (g,) = torch.autograd.grad((fn(x) * w).sum(), x, create_graph=True)
-        (gg,) = torch.autograd.grad(g.square().sum(), x)
-        grads.append((g.detach(), gg))
-    for ours, theirs in zip(*grads):
-        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10 * float(theirs.abs().max()))
+    _assert_same_derivatives(_derivatives(lambda x: harmonics_eval(x, key), v, w), _derivatives(module, v, w), 1e-10)
 
 
 def test_the_polynomials_are_read_without_touching_the_module() -> None:
@@ -195,15 +197,8 @@ def test_cuda_kernel_equals_the_reference_with_two_derivatives(dtype: torch.dtyp
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(harmonics(v, polys), harmonics_reference(v, polys), rtol=tol, atol=tol)
     w = torch.randn(v.shape[0] - 1, polys.dim, dtype=dtype, device="cuda")
-    grads = []
-    for fn in (harmonics, harmonics_reference):
-        x = v[1:].clone().requires_grad_()
-        (g,) = torch.autograd.grad((fn(x, polys) * w).sum(), x, create_graph=True)
-        (first,) = torch.autograd.grad((fn(x, polys) * w).sum(), x)  # the kernel's own backward
-        (gg,) = torch.autograd.grad(g.square().sum(), x)
-        grads.append((first, g.detach(), gg))
-    for ours, theirs in zip(*grads):
-        torch.testing.assert_close(ours, theirs, rtol=tol * 10, atol=tol * 10 * float(theirs.abs().max()))
+    _assert_same_derivatives(_derivatives(lambda x: harmonics(x, polys), v[1:], w),
+                             _derivatives(lambda x: harmonics_reference(x, polys), v[1:], w), tol * 10)
 
 
 @pytest.mark.cuda

@@ -16,7 +16,6 @@ misses: modules are matched by qualified class name and structure instead.
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch
 
@@ -25,6 +24,7 @@ from cgforge import kernels
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
 from ..radial_table import TableWeights
+from ..recognise import plain_module_name
 from ..stand_in import StandIn, convolution_check
 from ..streaming import DeferredWeights, stream
 from ..torch_internals import state_without
@@ -40,20 +40,14 @@ _SCATTER_MODULE = "nequip.nn._tp_scatter_base"
 _SCATTER_CLASS = "TensorProductScatter"
 _SCATTER_ARGS = ("self", "x", "edge_attr", "edge_weight", "edge_dst", "edge_src")
 _E3NN_TP_MODULE = "e3nn.o3._tensor_product._tensor_product"
-_PACKAGE_PREFIX = re.compile(r"^<torch_package_\d+>\.")
 
 
 # ---------------------------------------------------------------------------------------------
 # Recognising NequIP's convolution (installed or packaged class)
 
 
-def _plain_module_name(name: str) -> str:
-    """``<torch_package_3>.nequip.nn.x`` -> ``nequip.nn.x``: where a packaged class came from."""
-    return _PACKAGE_PREFIX.sub("", name)
-
-
 def _is_scatter_class(cls: type) -> bool:
-    return cls.__name__ == _SCATTER_CLASS and _plain_module_name(cls.__module__) == _SCATTER_MODULE
+    return cls.__name__ == _SCATTER_CLASS and plain_module_name(cls.__module__) == _SCATTER_MODULE
 
 
 def _is_plain_scatter(module: torch.nn.Module) -> bool:
@@ -87,7 +81,7 @@ def _check_scatter(where: str, module: torch.nn.Module) -> None:
             )
     tp = module.tp
     tp_cls = type(tp)
-    if tp_cls.__name__ != "TensorProduct" or _plain_module_name(tp_cls.__module__) != _E3NN_TP_MODULE:
+    if tp_cls.__name__ != "TensorProduct" or plain_module_name(tp_cls.__module__) != _E3NN_TP_MODULE:
         raise UnsupportedModelError(
             f"{where}.tp: expected an e3nn TensorProduct, got {tp_cls.__module__}.{tp_cls.__qualname__}"
         )
