@@ -74,6 +74,8 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.kernels.symmetric_contraction.problem.SCProblem",
         "cgforge.kernels.core.tuning.TPTuning",  # the tuning a kernel module was built with
         "cgforge.kernels.core.tuning.SCTuning",
+        "cgforge.patches.harmonics.KernelHarmonics",  # the edge harmonics (KernelTuning.harmonics, on by default)
+        "cgforge.kernels.harmonics.HarmonicsPolynomials",
     ),
     # a MACE model saved while the runtime streams edges, reads radial tables or makes rows in chunks
     "mace runtime": (
@@ -92,6 +94,8 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.patches.radial_precision.RadialLinear",
         "cgforge.patches.species_linear.SpeciesSelfConnection",
         "cgforge.patches.e3nn_layers.SplitLinear",  # packages from a .ckpt (the installed e3nn's Linear swapped)
+        "cgforge.patches.harmonics.KernelHarmonics",
+        "cgforge.kernels.harmonics.HarmonicsPolynomials",
     ),
     # a NequIP package written from a model that streams edges or reads radial tables
     "nequip runtime": (

@@ -33,7 +33,7 @@ from torch import Tensor
 from .core.custom_op import custom_op
 from .core.registry import SourceKernels
 
-__all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source"]
+__all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source", "register"]
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's default, which e3nn's SphericalHarmonics uses
 _THREADS = 128
@@ -113,7 +113,7 @@ def _fit(module: torch.nn.Module, degrees: tuple[int, ...]) -> HarmonicsPolynomi
 
 def _evaluate_monomials(u: Tensor, monomials: list[tuple[int, int, int]] | tuple) -> Tensor:
     """[N, M] values of the monomials at the rows of u [N, 3], from products only (differentiable everywhere)."""
-    top = max((max(m) for m in monomials), default=0)
+    top = max([0] + [e for m in monomials for e in m])  # plain builtins: torch.compile traces this
     powers = [torch.ones_like(u)]
     for _ in range(top):
         powers.append(powers[-1] * u)
@@ -277,7 +277,9 @@ def _kernels(source: str) -> SourceKernels:
 
 
 @functools.lru_cache(maxsize=64)
-def _key(polys: HarmonicsPolynomials) -> str:
+def register(polys: HarmonicsPolynomials) -> str:
+    """The key by which the custom ops know ``polys`` (registered in this process; ops take plain values). Call it
+    outside torch.compile'd code (Dynamo does not trace a cached function): modules keep the key they registered."""
     key = hashlib.sha1(repr(polys).encode()).hexdigest()[:20]
     _REGISTERED[key] = polys
     return key
@@ -341,11 +343,12 @@ def harmonics_vjp(vectors: Tensor, grad: Tensor, key: str) -> Tensor:
     return out
 
 
-def harmonics(vectors: Tensor, polys: HarmonicsPolynomials) -> Tensor:
+def harmonics(vectors: Tensor, polys: HarmonicsPolynomials, key: str | None = None) -> Tensor:
     """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernels on CUDA for FP32 and FP64 (torch custom ops:
-    opaque to torch.compile), else ``harmonics_reference``. Differentiable twice."""
+    opaque to torch.compile), else ``harmonics_reference``. Differentiable twice. key: ``register(polys)``, made
+    beforehand by callers that torch.compile traces (None: registered here)."""
     if vectors.dim() != 2 or vectors.shape[1] != 3:
         raise ValueError(f"vectors: expected an [E, 3] tensor, got shape {tuple(vectors.shape)}")
     if vectors.device.type != "cuda" or vectors.dtype not in _SUFFIX:
         return harmonics_reference(vectors, polys)
-    return harmonics_eval(vectors.contiguous(), _key(polys))
+    return harmonics_eval(vectors.contiguous(), register(polys) if key is None else key)

@@ -137,27 +137,31 @@ def read_pairs(a: LammpsArrays, device: torch.device, dtype: torch.dtype) -> Pai
 def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> None:
     """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
 
-    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element)."""
+    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element). Device arrays:
+    one synchronisation, after the per-atom energies are copied and before the forces are handed over (LAMMPS reads
+    both on its own stream); results already in float64 on LAMMPS's device (the padded step's) are not copied."""
     fij = fij.detach().to(torch.float64).contiguous()
     eatoms = eatoms.detach().to(torch.float64)
     device = is_device_flavour(data)
+    lammps_device = None  # where LAMMPS's device arrays are (None: not looked up yet)
     if eatoms.numel():
         if device:
             target = to_tensor(data.eatoms)  # a read-only property: the array LAMMPS reads, written in place
             if target.shape != eatoms.shape:  # a longer write would go past LAMMPS's array
                 raise ValueError(f"eatoms: LAMMPS holds {tuple(target.shape)}, the model gave {tuple(eatoms.shape)}")
             target.copy_(eatoms.to(target.device))
-            _sync(target)  # written on torch's stream, read by LAMMPS on its own
+            lammps_device = target.device
         else:
             data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
     data.energy = float(energy)
-    if not fij.shape[0]:
-        return
-    if tuple(fij.shape) != (int(data.npairs), 3):  # LAMMPS reads npairs x 3 doubles from the pointer it gets
+    if fij.shape[0] and tuple(fij.shape) != (int(data.npairs), 3):  # LAMMPS reads npairs x 3 doubles from the pointer
         raise ValueError(f"fij: expected ({int(data.npairs)}, 3), got {tuple(fij.shape)}")
-    if device and (fij.is_cuda or to_tensor(data.rij).is_cuda):
-        forces = fij.to(to_tensor(data.rij).device)
-        _sync(forces)  # LAMMPS reads the forces on its own stream
-        data.update_pair_forces_gpu(forces)
-    else:
+    if device and fij.shape[0] and lammps_device is None:
+        lammps_device = to_tensor(data.rij).device
+    if device and lammps_device is not None and lammps_device.type == "cuda":
+        forces = fij.to(lammps_device)
+        _sync(forces)  # torch's stream done (the per-atom energies' copy included) before LAMMPS reads on its own
+        if fij.shape[0]:
+            data.update_pair_forces_gpu(forces)
+    elif fij.shape[0]:
         data.update_pair_forces(np.ascontiguousarray(fij.cpu().numpy()))

@@ -6,8 +6,9 @@ each pair's neighbour is then its owner and the nodes are the local atoms alone.
 (npairs, ntotal or nlocal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
 a margin; a growth drops the captured graph, the next call captures again); its arrays are copied into the
 buffers (device copies; host-to-device from numpy); the counts reach the device as three fills; the step runs
-(a CUDA-graph replay, or eagerly, e.g. on a CPU); one small device-to-host copy brings back the energy and two
-checks, and the per-atom energies and pair forces go to LAMMPS as ``arrays.write_results`` writes them.
+(a CUDA-graph replay, or eagerly, e.g. on a CPU); one small device-to-host copy brings back the energy and the
+checks (the pairs' order, the species' rooms, and the owners' check ``owners.GhostMapCache`` left on the device),
+and the per-atom energies and pair forces go to LAMMPS as ``arrays.write_results`` writes them.
 
 The step itself reads nothing back to the host (capture-safe):
 
@@ -53,9 +54,11 @@ from cgforge.plugin.runtime.edge_layout import conv_graph, layout_edges, pad_off
 
 from .arrays import LammpsArrays, write_results
 
-__all__ = ["PaddedStep"]
+__all__ = ["PaddedStep", "STALE", "UNSORTED"]
 
 MARGIN = 0.1  # spare capacity given to every buffer when it grows (``room``)
+UNSORTED = "LAMMPS's pairs are not in ascending centre order"  # ``PaddedStep.run``'s reasons for writing nothing
+STALE = "the ghosts' owners given are stale"
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Buffers:
     npairs: Tensor  # int64 0-d
     nodes: Tensor  # ntotal, or nlocal with owners
     nlist: Tensor
+    moved: Tensor  # bool 0-d: the owners given were stale (``owners.GhostMapCache``), the results are not written
 
     @property
     def capacities(self) -> tuple[int, int, int]:
@@ -79,9 +83,9 @@ class _Buffers:
 
 @dataclass
 class _Outputs:
-    fij: Tensor  # [P, 3] model dtype: dE/drij (rows past npairs: anything)
-    eatoms: Tensor  # [L] (entries past nlistatoms: zero)
-    status: Tensor  # float64 [2 + n_species]: energy, receivers-not-ascending flag, species counts
+    fij: Tensor  # [P, 3] float64: dE/drij (rows past npairs: anything)
+    eatoms: Tensor  # [L] float64 (entries past nlistatoms: zero)
+    status: Tensor  # float64 [3 + n_species]: energy, receivers-not-ascending flag, stale-owners flag, species counts
 
 
 class PaddedStep:
@@ -135,20 +139,25 @@ class PaddedStep:
 
     # --- the call ------------------------------------------------------------------------------------
 
-    def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None) -> bool:
+    def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None,
+            moved: Tensor | None = None) -> str | None:
         """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; at least one listed atom):
         ghost-neighbour mode, or with ``owners`` ([ntotal] int64 on the device: the local atom each atom is, or is an
-        image of) exchange mode on one domain. False when LAMMPS's pairs were not in ascending centre order: nothing
-        was written, the caller runs the call another way."""
+        image of) exchange mode on one domain; ``moved``: a 0-d bool device tensor, True when ``owners`` are stale
+        (``owners.GhostMapCache``), read with the energy. None when the results were written; else nothing was
+        written and the reason says what the caller does: ``UNSORTED`` (LAMMPS's pairs were not in ascending centre
+        order: run the call another way) or ``STALE`` (run it again with owners found afresh)."""
         nodes = arrays.ntotal if owners is None else arrays.nlocal
         self._fit(arrays, nodes)
-        self._load(arrays, nodes, owners)
+        self._load(arrays, nodes, owners, moved)
         while True:
             out = self._execute()
             status = out.status.cpu()  # one sync: the energy and the checks
+            if status[2] != 0:
+                return STALE
             if status[1] != 0:
-                return False
-            counts = [int(c) for c in status[2:].tolist()]
+                return UNSORTED
+            counts = [int(c) for c in status[3:].tolist()]
             if self._room is None or self._room.fits(counts):
                 break
             # some species overflowed its room: again, with more
@@ -156,7 +165,7 @@ class PaddedStep:
             self.n_growths += 1
             self.invalidate()
         write_results(data, out.eatoms[:arrays.nlist], status[0], out.fij[:arrays.npairs])
-        return True
+        return None
 
     def _grown(self, count: int, current: int) -> int:
         return current if count <= current else room(count, self.margin)
@@ -174,7 +183,8 @@ class PaddedStep:
         kw = {"dtype": torch.int64, "device": dev}
         self._buf = _Buffers(torch.zeros(p, **kw), torch.zeros(p, **kw), torch.zeros(p, 3, dtype=dt, device=dev),
                              torch.zeros(n, **kw), torch.zeros(listed, **kw), torch.zeros(n, 3, dtype=dt, device=dev),
-                             torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw))
+                             torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw),
+                             torch.zeros((), dtype=torch.bool, device=dev))
         if self.caches and self.group_species and self._room is None:
             # the first call: rooms from its counts (one host read, outside any step)
             counts = torch.bincount(a.elems[:nodes].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
@@ -183,7 +193,7 @@ class PaddedStep:
         self.adapter.set_row_chunks(n)
         self.invalidate()
 
-    def _load(self, a: LammpsArrays, nodes: int, owners: Tensor | None) -> None:
+    def _load(self, a: LammpsArrays, nodes: int, owners: Tensor | None, moved: Tensor | None) -> None:
         """LAMMPS's arrays into the buffers (entries past the counts keep earlier values: in range, unused)."""
         b = self._buf
         b.pair_i[:a.npairs].copy_(a.pair_i[:a.npairs])
@@ -199,6 +209,10 @@ class PaddedStep:
         b.npairs.fill_(a.npairs)
         b.nodes.fill_(nodes)
         b.nlist.fill_(a.nlist)
+        if moved is None:
+            b.moved.fill_(False)
+        else:
+            b.moved.copy_(moved)  # on the device: no read here
 
     def _execute(self) -> _Outputs:
         if not self.cuda_graph:
@@ -252,5 +266,6 @@ class PaddedStep:
             grad = torch.zeros_like(vectors)
         fij = -grad.index_select(0, layout.slot.clamp(max=p - 1))  # dE/drij = -dE/dvector, from slots to pairs
         status = torch.cat([energy.detach().reshape(1).to(torch.float64), unsorted.to(torch.float64),
-                            counts.to(torch.float64)])
-        return _Outputs(fij.detach(), eatoms.detach(), status)
+                            b.moved.reshape(1).to(torch.float64), counts.to(torch.float64)])
+        # float64, as LAMMPS takes them: no conversion on the host side of the call
+        return _Outputs(fij.detach().to(torch.float64), eatoms.detach().to(torch.float64), status)

@@ -22,9 +22,10 @@ Two modes (``mode="auto"`` picks per call):
 - exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
   ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
   ghosts' node features are sent from their owners before every layer but the first (``exchange``). On one MPI
-  rank (as the launcher says: ``ranks.launcher_ranks``) one exchange of atom indices per call finds each ghost's
-  owner, a local atom (``exchange.ghost_map``): pairs to ghosts are rewired to their owners, the model's nodes are
-  the local atoms alone, and no exchange is left inside the model.
+  rank (as the launcher says: ``ranks.launcher_ranks``) one exchange of atom indices finds each ghost's owner, a
+  local atom (``exchange.ghost_map``; kept for the next calls while LAMMPS's ghosts stand, checked on the device by
+  their positions: ``owners``): pairs to ghosts are rewired to their owners, the model's nodes are the local atoms
+  alone, and no exchange is left inside the model.
 
 Ghost-mode calls on CUDA, and exchange-mode calls of one rank, run the padded step (``captured``): LAMMPS's
 arrays copied into static buffers with room to spare, the edges laid out for the fused convolution without a
@@ -55,15 +56,16 @@ from typing import Any
 import torch
 
 from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
-from .captured import PaddedStep
-from .exchange import ExchangeHooks, GhostMap, ghost_map, message_layers
+from .captured import STALE, UNSORTED, PaddedStep
+from .exchange import ExchangeHooks, GhostMap, message_layers
+from .owners import GhostMapCache
 from .ranks import launcher_ranks
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
 _TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off",
-              "ranks")
+              "ranks", "_owners")
 
 
 class LammpsSetupError(RuntimeError):
@@ -170,7 +172,6 @@ class CgforgeMLIAP(_mliap_base()):
         self.nparams = 1
         self.last_mode: str | None = None
         self.last_path: str | None = None
-        self.owner_exchanges = 0  # exchanges that found the ghosts' owners (one-rank exchange mode)
         self._clear_runtime()
 
     # --- pickling: options and bytes only ----------------------------------------------------------
@@ -181,8 +182,9 @@ class CgforgeMLIAP(_mliap_base()):
     def __setstate__(self, state: dict) -> None:
         # Files written before an option existed load with its default.
         self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None,
-                              "radial_table": False, "owner_exchanges": 0})
+                              "radial_table": False})
         self.__dict__.update(state)
+        self.__dict__.pop("owner_exchanges", None)  # a counter of files written before ``owners``: now the cache's
         self.interface = None
         self._clear_runtime()
 
@@ -190,6 +192,7 @@ class CgforgeMLIAP(_mliap_base()):
         self._model = self._adapter = self._device = self._hooks = self._tmp = None
         self._caches: list = []
         self._step: PaddedStep | None = None
+        self._owners = GhostMapCache()  # one-rank exchange mode's ghost owners, kept across calls
         self.ranks = 0  # MPI ranks of the run (``launcher_ranks``, read at setup; 0: not set up)
         self.padded_off: str | None = None  # why ghost-mode calls left the padded step for good (None: they did not)
 
@@ -197,6 +200,11 @@ class CgforgeMLIAP(_mliap_base()):
     def capture_error(self) -> str | None:
         """Why the CUDA-graph capture failed (calls then run the padded step eagerly), or None."""
         return None if self._step is None else self._step.capture_error
+
+    @property
+    def owner_exchanges(self) -> int:
+        """Exchanges that found the ghosts' owners (one-rank exchange mode; kept maps are reused without one)."""
+        return self._owners.exchanges
 
     @property
     def exchanges(self) -> int:
@@ -298,11 +306,10 @@ class CgforgeMLIAP(_mliap_base()):
         mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
         step = self._step if self.padded_off is None and arrays.nlist else None
-        ghosts = None
+        ghosts, moved = None, None
         if mode == "exchange":
-            if self.ranks == 1:
-                self.owner_exchanges += 1
-                ghosts = ghost_map(data, arrays.nlocal, arrays.ntotal, self._device)
+            if self.ranks == 1:  # the owners: kept from an earlier call (``moved`` checks them) or found now
+                ghosts, moved = self._owners.lookup(data, arrays.nlocal, arrays.ntotal, self._device)
             else:  # every rank alike: no owner exchange (``exchange``'s module doc says why)
                 ghosts = GhostMap.every_ghost(arrays.nlocal, arrays.ntotal, self._device)
             if self._exchanges_inside(ghosts):
@@ -315,14 +322,21 @@ class CgforgeMLIAP(_mliap_base()):
                         + ". Use one rank, ghost mode (`pair_style mliap unified FILE 1`) or cuda_graph=None")
                 step = None
         if step is not None:
-            if step.run(data, arrays, None if ghosts is None else ghosts.node_of):
+            outcome = step.run(data, arrays, None if ghosts is None else ghosts.node_of, moved)
+            if outcome == STALE:  # LAMMPS rebuilt its ghosts since the kept owners were found: find them, again
+                ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
+                outcome = step.run(data, arrays, ghosts.node_of) if ghosts.one_domain else STALE
+            if outcome is None:
                 self.last_path = "captured" if step.cuda_graph else "padded"
                 return
-            step.invalidate()  # its graph and buffers' memory back: not used again
-            self.padded_off = ("LAMMPS's pairs are not in ascending centre order, which the padded step needs (it "
-                               "lays them out without a sort)")
-            warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step", RuntimeWarning,
-                          stacklevel=2)
+            if outcome == UNSORTED:
+                step.invalidate()  # its graph and buffers' memory back: not used again
+                self.padded_off = ("LAMMPS's pairs are not in ascending centre order, which the padded step needs "
+                                   "(it lays them out without a sort)")
+                warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step",
+                              RuntimeWarning, stacklevel=2)
+        elif moved is not None and bool(moved):  # eager calls check the kept owners now (one read)
+            ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
         self.last_path = "eager"
         self._eager(data, arrays, ghosts)
 

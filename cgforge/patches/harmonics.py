@@ -1,21 +1,26 @@
 """``KernelHarmonics``: the stand-in for an e3nn ``SphericalHarmonics`` module (``normalize=True``) that computes it
 with cgforge's kernel (``cgforge.kernels.harmonics``: one thread per edge, no stack of components; torch's reference
 off CUDA). The polynomials are read off the module when the stand-in is made; the module has no tensors, so the
-state_dict does not change. With ``KernelTuning.harmonics`` set, MACE's patch makes one for
-``model.spherical_harmonics`` and NequIP's for each ``SphericalHarmonicEdgeAttrs.sh``.
+state_dict does not change. With ``KernelTuning.harmonics`` set (the default), MACE's patch makes one for
+``model.spherical_harmonics`` and NequIP's for each ``SphericalHarmonicEdgeAttrs.sh`` (``stand_in_for``), and leaves
+e3nn's module where the kernel cannot compute it (``normalize=False``): its values are right, only slower.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from e3nn import o3
 
-from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics
+from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics, register
 
 from .recognise import plain_module_name
 from .stand_in import StandIn
 
-__all__ = ["KernelHarmonics", "is_e3nn_harmonics"]
+__all__ = ["KernelHarmonics", "is_e3nn_harmonics", "stand_in_for"]
+
+log = logging.getLogger(__name__)
 
 
 def is_e3nn_harmonics(module: torch.nn.Module) -> bool:
@@ -32,12 +37,17 @@ class KernelHarmonics(torch.nn.Module, StandIn):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.polys = HarmonicsPolynomials.of(module)  # ValueError for a module that is not such a one
+        self.key = register(self.polys)  # the ops' name for them, made here: torch.compile traces forward
         self.irreps_in = getattr(module, "irreps_in", o3.Irreps("1x1o"))
         self.irreps_out = module.irreps_out
         self.original = (module,)  # a tuple: not a submodule, not in the state_dict
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.key = register(self.polys)  # a loaded model: registered in this process
+
     def forward(self, vectors: torch.Tensor) -> torch.Tensor:
-        flat = harmonics(vectors.reshape(-1, 3), self.polys)
+        flat = harmonics(vectors.reshape(-1, 3), self.polys, self.key)
         return flat.reshape(*vectors.shape[:-1], self.polys.dim)
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,3 +56,13 @@ class KernelHarmonics(torch.nn.Module, StandIn):
 
     def extra_repr(self) -> str:
         return f"{self.irreps_out}, by cgforge's kernel"
+
+
+def stand_in_for(where: str, module: torch.nn.Module) -> KernelHarmonics | None:
+    """The kernel's stand-in for the e3nn harmonics ``module`` at ``where``, or None (e3nn's module stays: the
+    reason is logged) where the kernel cannot compute it."""
+    try:
+        return KernelHarmonics(module)
+    except ValueError as err:
+        log.info("cgforge: %s keeps e3nn's spherical harmonics: %s", where, err)
+        return None

@@ -17,12 +17,12 @@ from oracles import replayed
 
 from cgforge.kernels.harmonics import (
     HarmonicsPolynomials,
-    _key,
     harmonics,
     harmonics_eval,
     harmonics_reference,
     harmonics_source,
     harmonics_vjp,
+    register,
 )
 
 CASES = [("0e+1o", "component"), (str(o3.Irreps.spherical_harmonics(2)), "component"),
@@ -75,7 +75,7 @@ def test_the_custom_ops_pass_torchs_checks_and_differentiate_twice_on_the_cpu() 
     autograd formulas are the ones a GPU run uses."""
     module = _module(str(o3.Irreps.spherical_harmonics(3)), "component")
     polys = HarmonicsPolynomials.of(module)
-    key = _key(polys)
+    key = register(polys)
     v = _vectors(64, seed=9)[1:]
     torch.library.opcheck(harmonics_eval, (v.clone().requires_grad_(), key))
     g = torch.randn(63, polys.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(11))

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ghost-cutoff", type=float, required=True)
     parser.add_argument("--ghost-neighbours", type=int, default=1)
     parser.add_argument("--every", type=int, default=1, help="record every N steps (0: only the last)")
+    parser.add_argument("--sort-every", type=int, default=0,
+                        help="LAMMPS sorts (renumbers) its atoms every N steps, at a re-neighbouring (0: never)")
+    parser.add_argument("--neighbour-check", choices=["yes", "no"], default="yes",
+                        help="no: LAMMPS re-neighbours (rebuilds its ghosts) every step")
     parser.add_argument("--kokkos", choices=["gpu", "host"], default=None,
                         help="run the Kokkos couple: gpu (device arrays) or host (a Kokkos host build)")
     parser.add_argument("--gpus", type=int, default=1, help="with --kokkos gpu: GPUs per node (one MPI rank each)")
@@ -63,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     lmp.commands_string(f"""
         units metal
         atom_style atomic
-        atom_modify map array sort 0 0.0
+        atom_modify map array sort {args.sort_every} 0.0
         boundary p p p
         read_data {args.data}
         pair_style mliap unified {args.model} {args.ghost_neighbours}
         pair_coeff * * {args.elements}
         comm_modify cutoff {args.ghost_cutoff}
         neighbor 1.0 bin
-        neigh_modify every 1 delay 0 check yes
+        neigh_modify every 1 delay 0 check {args.neighbour_check}
         compute pe_atom all pe/atom
         compute pe_sum all reduce sum c_pe_atom
         compute wvir all pressure NULL virial
@@ -109,7 +113,8 @@ def _models() -> list[dict]:
     from cgforge.lammps import CgforgeMLIAP
 
     return [{"mode": o.last_mode, "path": o.last_path, "exchanges": o.exchanges, "ranks": o.ranks,
-             "cutoff": o.cutoff, "rcutfac": o.rcutfac}
+             "cutoff": o.cutoff, "rcutfac": o.rcutfac, "owner_exchanges": o.owner_exchanges,
+             "owner_reuses": o._owners.reuses, "owner_refreshes": o._owners.refreshes}
             for o in gc.get_objects() if isinstance(o, CgforgeMLIAP)]
 
 

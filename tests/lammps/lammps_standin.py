@@ -9,7 +9,8 @@ ghosts. The neighbours of each centre come in a shuffled order (LAMMPS's is binn
 
 Flavours: ``"host"`` (numpy arrays, write-only ``eatoms`` and ``energy``, ``update_pair_forces`` taking a
 C-contiguous float64 array) and ``"kokkos"`` (DLPack arrays on ``device``, ``eatoms`` a read-only property
-returning the array to write into, ``update_pair_forces_gpu`` taking a torch tensor). Their classes carry the
+returning the array to write into, ``update_pair_forces_gpu`` taking a torch tensor, ``x`` the atoms' positions as
+LAMMPS 22 Jul 2025's couple has them; ``with_x=False`` gives None there). Their classes carry the
 module names of LAMMPS's couples (``mliap_unified_couple``, ``mliap_unified_couple_kokkos``), by which cgforge
 tells them apart. ``lammps="2025"`` gives the host class what LAMMPS 22 Jul 2025's has on top:
 ``update_pair_forces_gpu``, ``forward_exchange`` and ``reverse_exchange`` that only raise NotImplementedError.
@@ -70,7 +71,7 @@ class StandInData:
 
     def __init__(self, *, domain: int, positions: np.ndarray, gid: np.ndarray, owner: np.ndarray, nlocal: int,
                  elems: np.ndarray, pairs: tuple[np.ndarray, np.ndarray], ghost_neighbours: bool,
-                 flavour: str, device: str, shared: _Shared | None) -> None:
+                 flavour: str, device: str, shared: _Shared | None, with_x: bool = True) -> None:
         i, j = pairs
         self.domain, self.gid, self.owner, self.flavour = domain, gid, owner, flavour
         self.nlocal = nlocal
@@ -83,7 +84,9 @@ class StandInData:
         rij = positions[j] - positions[i]
         host = {"pair_i": i.astype(np.int32), "jatoms": j.astype(np.int32), "rij": np.ascontiguousarray(rij),
                 "elems": elems.astype(np.int32), "iatoms": np.arange(self.natomneigh, dtype=np.int32),
-                "numneighs": np.bincount(i, minlength=self.natomneigh).astype(np.int32)}
+                "numneighs": np.bincount(i, minlength=self.natomneigh).astype(np.int32),
+                "x": np.ascontiguousarray(positions, dtype=np.float64)}
+        self.with_x = with_x
         self._host = host
         self.f = np.zeros((self.ntotal, 3))
         self.virial = np.zeros((3, 3))
@@ -213,6 +216,11 @@ class _KokkosData(StandInData):
     __module__ = "mliap_unified_couple_kokkos"  # LAMMPS's Kokkos couple
 
     @property
+    def x(self) -> Any:
+        """The atoms' positions [ntotal, 3] (22 Jul 2025's couple); None (a NULL array) with ``with_x=False``."""
+        return self._array("x") if self.with_x else None
+
+    @property
     def dev(self) -> int:
         return int(self._device.type == "cuda")
 
@@ -245,7 +253,8 @@ def _data_class(flavour: str, exchange: bool, lammps: str) -> type:
 
 def build_domains(atoms: Atoms, element_types: Sequence[str], cutoff: float, ghost_cutoff: float, *,
                   n_domains: int = 1, ghost_neighbours: bool = True, exchange: bool = False, flavour: str = "host",
-                  device: str = "cpu", seed: int = 0, lammps: str = "2024") -> list[StandInData]:
+                  device: str = "cpu", seed: int = 0, lammps: str = "2024",
+                  with_x: bool = True) -> list[StandInData]:
     """The domains' data objects for ``atoms`` (see the module doc)."""
     if flavour not in ("host", "kokkos"):
         raise ValueError(f"flavour: expected 'host' or 'kokkos', got {flavour!r}")
@@ -291,7 +300,7 @@ def build_domains(atoms: Atoms, element_types: Sequence[str], cutoff: float, gho
         i, j = _pairs(positions, cutoff, nlocal if not ghost_neighbours else len(gid), rng)
         domains.append(cls(domain=d, positions=positions, gid=gid, owner=owner, nlocal=nlocal,
                            elems=species[gid], pairs=(i, j), ghost_neighbours=ghost_neighbours, flavour=flavour,
-                           device=device, shared=shared))
+                           device=device, shared=shared, with_x=with_x))
     return domains
 
 

@@ -564,6 +564,80 @@ def test_one_rank_exchange_runs_on_the_owners(kind, request):
     assert all(len(d.exchange_log) > 1 for d in domains)  # the owners' exchange, then the features
 
 
+def _one_domain(obj: CgforgeMLIAP, atoms: Atoms, **kw) -> StandInData:
+    (data,) = build_domains(atoms, obj.element_types, obj.cutoff, obj.cutoff, ghost_neighbours=False, exchange=True,
+                            flavour="kokkos", **kw)
+    return data
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_one_rank_owners_are_kept_while_the_ghosts_stand(mace_file, padded):
+    """The owners found by one exchange serve the next calls while every ghost is still its owner's image (moved
+    atoms, the same ghost list: no exchange); a rebuilt ghost list with the same counts (the atoms renumbered, as
+    LAMMPS's sorting does) fails the positions' check and is found again (padded step: after the step ran, from its
+    flag; eager: before). Every call equals the Calculator (FP64, 1e-10)."""
+    atoms = structure(seed=25)
+    obj = CgforgeMLIAP(mace_file, patch=True, _padded=padded, cuda_graph=None if padded else False)
+    path = "padded" if padded else "eager"
+
+    def call(structure: Atoms, expect_exchanges: int, expect_reuses: int) -> StandInData:
+        data = _one_domain(obj, structure)
+        run_domains([obj], [data])
+        assert obj.last_path == path and obj._hooks.calls == 0
+        assert (obj.owner_exchanges, obj._owners.reuses) == (expect_exchanges, expect_reuses)
+        assert_matches(combine([data], len(structure)), reference(mace_file, structure, patch=True))
+        return data
+
+    first = call(atoms, 1, 0)
+    again = call(atoms, 1, 1)
+    assert again.exchange_log == [] and first.exchange_log == [("forward", 3)]
+    moved = atoms.copy()
+    moved.positions += np.random.default_rng(1).normal(0, 0.003, moved.positions.shape)
+    assert _one_domain(obj, moved).ntotal == first.ntotal  # the same ghosts, moved with their owners
+    call(moved, 1, 2)
+    renumbered = atoms[np.random.default_rng(2).permutation(len(atoms))]
+    assert _one_domain(obj, renumbered).ntotal == first.ntotal
+    call(renumbered, 2, 3)  # the kept map was checked (a reuse), found stale, and found again
+    if padded:
+        assert obj._step.n_captures == 0 and obj.padded_off is None
+
+
+def test_one_rank_owners_without_positions_are_found_every_call(mace_file):
+    """A couple with no positions (``x``) to check a kept map by: one owners' exchange per call."""
+    atoms = structure(seed=26)
+    obj = CgforgeMLIAP(mace_file, patch=True, _padded=True)
+    for calls in (1, 2):
+        data = _one_domain(obj, atoms, with_x=False)
+        run_domains([obj], [data])
+        assert obj.owner_exchanges == calls and obj._owners.reuses == 0 and data.exchange_log == [("forward", 3)]
+    assert_matches(combine([data], len(atoms)), reference(mace_file, atoms, patch=True))
+
+
+def test_owner_check_flags_any_displacement_and_nan():
+    """``GhostMapCache``'s check: a ghost off its owner's image by more than the tolerance, or at NaN, is moved."""
+    from cgforge.lammps.owners import TOLERANCE, GhostMapCache
+
+    class Data:  # one local atom, two ghosts that are its images
+        x = torch.tensor([[1.0, 2.0, 3.0], [11.0, 2.0, 3.0], [1.0, -8.0, 3.0]])
+
+        def forward_exchange(self, src, dst, width):
+            dst.copy_(src[[0] * src.shape[0]])  # every atom an image of the local one
+
+    data, cache = Data(), GhostMapCache()
+    ghosts, moved = cache.lookup(data, 1, 3, torch.device("cpu"))
+    assert moved is None and ghosts.node_of.tolist() == [0, 0, 0] and cache.exchanges == 1
+    for shift, expect in ((0.0, False), (0.5 * TOLERANCE, False), (2 * TOLERANCE, True), (float("nan"), True)):
+        data.x = Data.x.clone()
+        data.x[0] += 0.25  # the owner moves, its ghosts with it ...
+        data.x[1:] += 0.25
+        data.x[2, 1] += shift  # ... but one of them by `shift` more
+        kept, moved = cache.lookup(data, 1, 3, torch.device("cpu"))
+        assert kept is ghosts and bool(moved) is expect, shift
+    data.x = torch.cat([Data.x, Data.x[:1] + 10.0])  # one more ghost: the counts changed, found again
+    ghosts, moved = cache.lookup(data, 1, 4, torch.device("cpu"))
+    assert moved is None and cache.exchanges == 2 and ghosts.node_of.tolist() == [0, 0, 0, 0]
+
+
 def test_several_ranks_never_take_the_one_rank_shortcut(mace_file):
     """With the launcher's rank count above one, no rank looks for owners (the shortcut is all ranks' or none's):
     every ghost a node, the eager exchange path."""
@@ -607,7 +681,15 @@ def test_cuda_one_rank_exchange_is_captured(kind, request):
         assert captured.last_path == "captured" and captured.capture_error is None and eager.last_path == "eager"
         assert_matches(got, want, tol=1e-9)
     assert captured._step.n_captures == 1
+    assert (captured.owner_exchanges, captured._owners.reuses) == (1, 1)  # the second call kept the owners
     assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)
+    # the atoms renumbered (the same counts): the kept owners fail the check inside the captured step, which is
+    # replayed again on owners found afresh
+    renumbered = atoms[np.random.default_rng(3).permutation(len(atoms))]
+    (r,) = build_domains(renumbered, captured.element_types, captured.cutoff, captured.cutoff, **kw)
+    run_domains([captured], [r])
+    assert captured.last_path == "captured" and captured._owners.refreshes == 1 and captured._step.n_captures == 1
+    assert_matches(combine([r], len(atoms)), reference(path, renumbered, patch=True), tol=1e-9)
     insist = CgforgeMLIAP(path, patch=True, device="cuda", cuda_graph=True)
     (c,) = build_domains(atoms, insist.element_types, insist.cutoff, insist.cutoff, **kw)
     insist.prepare(c)
@@ -644,7 +726,7 @@ def test_two_domains_exchange_only_the_other_ranks_ghosts():
         obj = CgforgeMLIAP(path, patch=False)
         from unittest import mock
 
-        with mock.patch("cgforge.lammps.unified.ghost_map", spy):
+        with mock.patch("cgforge.lammps.owners.ghost_map", spy):
             got, domains = run(obj, atoms, mode="exchange", n_domains=2, path="eager")
         ref = reference(path, atoms, patch=False)
     assert_matches(got, ref, tol=5e-6)  # float32 rounding (summation order); the packing itself is exact (below)

@@ -114,6 +114,8 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "lammps_nve.py"), str(model), str(data), str(out),
            "--steps", str(steps), "--dt", str(DT_PS), "--every", str(min(EVERY, steps)),
            "--ghost-cutoff", str(ghosts + 1.0), "--ghost-neighbours", "1" if mode == "ghost" else "0"]
+    if mode == "exchange":  # ghosts rebuilt every step and atoms renumbered every 3: the owners kept on one rank
+        cmd += ["--neighbour-check", "no", "--sort-every", "3"]  # must be checked and found again (``owners``)
     cmd += ["--kokkos", kokkos] if kokkos else []
     if kokkos == "gpu":  # one GPU per rank; MPI reads device memory only where the machine's MPI can
         cmd += ["--gpus", str(ranks), "--gpu-aware", os.environ.get("CGFORGE_LAMMPS_GPU_AWARE", "off")]
@@ -134,6 +136,8 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     assert len(models) == 1 and models[0]["mode"] == mode and models[0]["path"] == path, models
     assert (models[0]["exchanges"] > 0) == (mode == "exchange"), models
     assert models[0]["ranks"] == ranks, models  # the launcher's rank count, as cgforge read it
+    if mode == "exchange" and ranks == 1 and steps >= 3:  # owners kept between LAMMPS's renumberings, found again
+        assert models[0]["owner_reuses"] > 0 and models[0]["owner_refreshes"] > 0, models
     assert models[0]["rcutfac"] == 0.5 * models[0]["cutoff"] == 0.5 * obj.cutoff
     return result
 

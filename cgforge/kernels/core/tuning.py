@@ -136,12 +136,13 @@ class KernelTuning:
     ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build.
 
     harmonics: the edge spherical harmonics (MACE's ``model.spherical_harmonics``, NequIP's
-    ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (False,
-    the default, until the kernel is measured on a GPU: written 2026-11-27, checked on the CPU)."""
+    ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
+    the default since it was measured on an H100, 2026-11-27: the 1.03 M-atom call 524 -> 399 ms, the 5,184-atom
+    engine step 2.81 -> 2.61 ms; False keeps e3nn's module)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
-    harmonics: bool = False
+    harmonics: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, TPTuning) or not isinstance(self.sc, SCTuning):

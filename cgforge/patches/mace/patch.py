@@ -42,6 +42,7 @@ from .. import e3nn_layers, species_linear, stand_in
 from ..common import UnsupportedModelError, parse_device, parse_dtype, verify_checksums
 from ..graph_cache import CallGraphCache
 from ..harmonics import KernelHarmonics, is_e3nn_harmonics
+from ..harmonics import stand_in_for as harmonics_stand_in
 from ..radial_table import TableWeights
 from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
@@ -262,10 +263,7 @@ def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.M
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if where == "spherical_harmonics" and tuning.harmonics and is_e3nn_harmonics(child):
-            try:
-                return KernelHarmonics(child)
-            except ValueError as err:
-                raise UnsupportedModelError(f"{where}: cgforge's harmonics kernel cannot stand in: {err}") from err
+            return harmonics_stand_in(where, child)
         parent, _, name = where.rpartition(".")
         kind, _, index = parent.partition(".")
         if not index.isdigit():  # only the direct children of interactions[i] and products[i]

@@ -20,6 +20,7 @@ from .. import e3nn_layers, radial_precision, species_linear, stand_in
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
 from ..harmonics import KernelHarmonics, is_e3nn_harmonics
+from ..harmonics import stand_in_for as harmonics_stand_in
 from ..stand_in import StandIn
 from ..torch_internals import forward_pre_hooks, remove_forward_pre_hooks
 from .conv import CgforgeTensorProductScatter, scatter_sites
@@ -102,10 +103,7 @@ def _harmonics_maker(where: str, child: torch.nn.Module) -> StandIn | None:
     """``KernelHarmonics`` for the e3nn ``SphericalHarmonics`` of nequip's ``SphericalHarmonicEdgeAttrs`` (``.sh``)."""
     if (where != "sh" and not where.endswith(".sh")) or not is_e3nn_harmonics(child):
         return None
-    try:
-        return KernelHarmonics(child)
-    except ValueError as err:
-        raise UnsupportedModelError(f"{where}: cgforge's harmonics kernel cannot stand in: {err}") from err
+    return harmonics_stand_in(where, child)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
