@@ -97,18 +97,16 @@ capacity)  # issue 18's large boxes (~8 min, no variable set: the calculator pla
         --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace-streaming-1m.log" | tail -2
     python3 benchmarks/bench_md.py --systems 1m --models nequip-M --dtypes float32 --backends cgforge \
         --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-nequip-1m.log" | tail -2 ;;
-ranges) # the row chunks' backward by receiver ranges (off by default until this has run): its CUDA tests, then the
-        # 1.03M-atom stored call with whole and ranged gradients (memory probe, then step times)
-    python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_conv_table.py tests/test_row_chunks.py -k "ranges or rows" \
-        2>&1 | tee "$OUT/ranges-tests.log" | tail -3
-    for gb in "" 5; do
-        flag=${gb:+--backward-range-gb $gb} tag=${gb:-whole}
-        # shellcheck disable=SC2086  # flag is empty or two words
-        python3 benchmarks/investigations/streaming_memory.py --systems 1m --streaming off --calls forces,forces $flag 2>&1 \
-            | tee "$OUT/ranges-memory-$tag.log" | tail -1
-        # shellcheck disable=SC2086
+ranges) # the row chunks' backward by receiver ranges (TPTuning.backward_range_bytes, off by default: it did not pay
+        # on an H100): its CUDA tests, then the 1.03M-atom stored call with the whole gradient and with 5 GB ranges
+        # (bench_md --kernel-tuning), one run
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_conv_table.py tests/patches/test_row_chunks.py \
+        -k "ranges or rows" 2>&1 | tee "$OUT/ranges-tests.log" | tail -3
+    echo '{"tp": {"backward_range_bytes": 5000000000}}' > "$OUT/ranges-5gb.json"
+    for tuning in "" "$OUT/ranges-5gb.json"; do
+        tag=${tuning:+5gb} tag=${tag:-whole}
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
-            --steps 3 --warmup 1 --nvt-only $flag 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
+            --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
     done ;;
 harmonics)  # the harmonics kernel (KernelTuning.harmonics, off by default until this has run): its CUDA tests, the
         # kernel against e3nn's module (bench_harmonics), then the engine's 5k step and the 1M-atom call with and
