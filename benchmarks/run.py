@@ -88,6 +88,10 @@ SUITES: dict[str, Suite] = {
     "radial-table": Suite("radial tables vs the radial MLP they replace, per weight width",
                           (("bench_radial_table.py",),)),
     "engine-profile": Suite("the MD engine's step: settings sweep, then its kernels", (("profile_engine.py",),)),
+    "harmonics": Suite("the spherical-harmonics kernel vs e3nn's module (5k to 1 M-atom edge counts)",
+                       (("bench_harmonics.py",),)),
+    "compile": Suite("torch.compile of a water model's step: a first and a second process sharing one cache",
+                     (("bench_compile.py",),)),
 }
 
 VERSIONS = {  # manifest key: distribution names, first found wins (nothing is imported: importing

@@ -136,7 +136,8 @@ def test_set_compile_after_construction_gives_the_constructed_results(aot_eager)
 
 @pytest.mark.slow
 def test_the_patched_models_compile_as_one_graph():
-    """No graph break in cgforge's code or the models' (bundled MACE and NequIP): the whole energy is one graph."""
+    """No graph break in cgforge's code or the models' (bundled MACE and NequIP): the whole energy is one graph, and one
+    AOTAutograd can cache across processes."""
     torch.set_default_dtype(torch.float64)
     atoms = water_box(4, seed=1)
     for kind, dtype in (("mace", "float64"), ("nequip", None)):
@@ -161,6 +162,9 @@ def test_the_patched_models_compile_as_one_graph():
             explained = torch._dynamo.explain(energy)(positions.detach(), vectors.detach().requires_grad_(True),
                                                       species, edge_index, False)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (kind, explained.break_reasons)
+        # no torch.autograd.Function in the graph: with one, AOTAutograd does not cache the compiled graph on disk, so
+        # every process would trace it again
+        assert "autograd_function_apply" not in explained.graphs[0].code, kind
 
 
 def test_a_compiled_model_gets_a_pinned_graph_only_from_its_caller():

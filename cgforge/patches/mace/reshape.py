@@ -87,6 +87,9 @@ class BlockReshape(torch.nn.Module, StandIn):
         return self(x), self.original[0](x)
 
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # Inductor fuses the plain ops' backward itself, and an autograd.Function
+            # in the graph keeps AOTAutograd from caching it across processes
+            return torch.cat(_blocks(tensor.contiguous(), self.muls[0], self.dims), dim=-1)
         return IrrepsToColumns.apply(tensor, self.muls[0], self.dims)
 
     def extra_repr(self) -> str:
