@@ -16,6 +16,11 @@ each other's images, so a rebuilt ghost list that still passes maps every ghost 
 with its energy, and a call whose flag is set is run again on a map found afresh (``refresh``). The positions come
 from the data object's ``x`` (the Kokkos couple of LAMMPS 22 Jul 2025 has it); without them, or when the atom counts
 changed, every call exchanges, as before.
+
+A box that changes (``fix npt``, ``fix deform``, ``box/relax``) changes every shift at every step, so a kept map would
+fail the check at every call and each call would run twice. A refresh that finds the very map it replaced says so
+(the owners were right, only the shifts moved): from then on this cache keeps nothing (``box_changes``) and every
+call exchanges, as before.
 """
 
 from __future__ import annotations
@@ -49,13 +54,15 @@ class GhostMapCache:
     """One rank's ``GhostMap``, kept across calls while it stays right (see the module doc).
 
     ``exchanges`` counts the maps found by an exchange (``ghost_map``), ``reuses`` the calls given a kept map,
-    ``refreshes`` the kept maps found stale (and found again)."""
+    ``refreshes`` the kept maps found stale (and found again); ``box_changes``: a refresh found the map it replaced,
+    so the box moves and nothing is kept."""
 
     def __init__(self, tolerance: float = TOLERANCE) -> None:
         self.tolerance = float(tolerance)
         self.exchanges = 0
         self.reuses = 0
         self.refreshes = 0
+        self.box_changes = False
         self._map: GhostMap | None = None
         self._shift: Tensor | None = None
 
@@ -75,7 +82,12 @@ class GhostMapCache:
     def refresh(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
         """A map found by an exchange now, for a kept one found stale (kept for later calls where it can be)."""
         self.refreshes += 1
-        return self._found(data, nlocal, ntotal, device, positions(data, ntotal, device))
+        stale = self._map
+        ghosts = self._found(data, nlocal, ntotal, device, positions(data, ntotal, device))
+        if stale is not None and torch.equal(stale.node_of, ghosts.node_of):  # the same owners, other shifts
+            self.box_changes = True
+            self.clear()
+        return ghosts
 
     def clear(self) -> None:
         """Keep no map: the next call exchanges."""
@@ -84,7 +96,8 @@ class GhostMapCache:
     def _found(self, data: Any, nlocal: int, ntotal: int, device: torch.device, x: Tensor | None) -> GhostMap:
         ghosts = ghost_map(data, nlocal, ntotal, device)
         self.exchanges += 1
-        if x is None or not ghosts.one_domain:  # no positions to check it by, or ghosts of other ranks: not kept
+        if x is None or not ghosts.one_domain or self.box_changes:  # nothing to check it by, ghosts of other ranks,
+            # or a box that moves: not kept
             self.clear()
         else:
             self._map, self._shift = ghosts, x - x.index_select(0, ghosts.node_of)

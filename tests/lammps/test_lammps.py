@@ -602,6 +602,24 @@ def test_one_rank_owners_are_kept_while_the_ghosts_stand(mace_file, padded):
         assert obj._step.n_captures == 0 and obj.padded_off is None
 
 
+def test_a_changing_box_stops_keeping_the_owners(mace_file):
+    """A box that changes at every step (NPT) moves every shift: the kept owners fail the check once, the refresh
+    finds the same owners, and from then on every call exchanges (no call runs twice). The Calculator's numbers."""
+    atoms = structure(seed=27)
+    obj = CgforgeMLIAP(mace_file, patch=True, _padded=True)
+    counts = []
+    for scale in (1.0, 1.002, 1.004, 1.006):
+        box = atoms.copy()
+        box.set_cell(atoms.cell * scale, scale_atoms=True)
+        data = _one_domain(obj, box)
+        run_domains([obj], [data])
+        assert obj.last_path == "padded"
+        assert_matches(combine([data], len(box)), reference(mace_file, box, patch=True))
+        counts.append((obj.owner_exchanges, obj._owners.reuses, obj._owners.refreshes, obj._owners.box_changes))
+    assert _one_domain(obj, atoms).ntotal == data.ntotal  # the same ghosts throughout, only the box moved
+    assert counts == [(1, 0, 0, False), (2, 1, 1, True), (3, 1, 1, True), (4, 1, 1, True)], counts
+
+
 def test_one_rank_owners_without_positions_are_found_every_call(mace_file):
     """A couple with no positions (``x``) to check a kept map by: one owners' exchange per call."""
     atoms = structure(seed=26)
