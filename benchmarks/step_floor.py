@@ -170,7 +170,7 @@ def _walk(module: torch.nn.Module, path: str = "", parent: torch.nn.Module | Non
         kind = "symmetric contraction"
     elif name in ("conv_tp_weights", "edge_mlp"):
         kind = "radial"
-    elif cls == "SphericalHarmonics":
+    elif cls in ("SphericalHarmonics", "KernelHarmonics"):  # e3nn's module, or cgforge's kernel standing in for it
         kind = "spherical harmonics"
     elif isinstance(module, torch.nn.Embedding):
         kind = "embedding"
