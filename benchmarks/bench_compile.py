@@ -74,13 +74,9 @@ def _model_file(name: str, dtype: str, folder: Path) -> str:
     if name in ("bundled-mace", "bundled-nequip"):
         return name.removeprefix("bundled-")
     if name == "mace-mp-medium":
-        import torch
-        from shapes import mace_mp_shape
+        from shapes import mace_mp_file
 
-        path = folder / f"mace-mp-medium-{dtype}.model"
-        if not path.exists():
-            torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), path)
-        return str(path)
+        return str(mace_mp_file(folder, dtype))
     raise SystemExit(f"--models: {name!r} is not one of {', '.join(MODELS)}")
 
 

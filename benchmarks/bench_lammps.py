@@ -352,12 +352,9 @@ def _model_source(name: str, dtype: str, folder: Path) -> Path:
 
         return Path(model_path(name))
     if name == "mace-mp-medium":
-        import torch
-        from shapes import mace_mp_shape
+        from shapes import mace_mp_file
 
-        path = folder / f"mace-mp-medium-{dtype}.model"
-        torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), path)
-        return path
+        return mace_mp_file(folder, dtype)
     path = Path(name)
     if not path.is_file():
         raise FileNotFoundError(f"--models: {name} is neither 'mace', 'nequip', 'mace-mp-medium' nor a file")

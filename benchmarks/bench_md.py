@@ -69,7 +69,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
-from shapes import dhfr_atoms, mace_mp_shape, nequip_shape  # noqa: E402
+from shapes import dhfr_atoms, mace_mp_file, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
@@ -699,8 +699,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         if "mace-mp-medium" in models:
-            files["mace-mp-medium", dtype] = tmp / f"mace-mp-medium-{dtype}.model"
-            torch.save(mace_mp_shape(getattr(torch, dtype), "medium"), files["mace-mp-medium", dtype])
+            files["mace-mp-medium", dtype] = mace_mp_file(tmp, dtype)
         for sysname in systems:
             atoms = system(sysname)
             relaxed = None

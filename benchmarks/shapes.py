@@ -44,6 +44,14 @@ def mace_mp_shape(dtype: torch.dtype, shape: str = "medium") -> torch.nn.Module:
         torch.set_default_dtype(previous)
 
 
+def mace_mp_file(folder: Path, dtype: str = "float32", shape: str = "medium") -> Path:
+    """``mace_mp_shape`` saved as a checkpoint in ``folder`` (written once: later calls get the same file)."""
+    path = Path(folder) / f"mace-mp-{shape}-{dtype}.model"
+    if not path.exists():
+        torch.save(mace_mp_shape(getattr(torch, dtype), shape), path)
+    return path
+
+
 def nequip_shape(shape: str, dtype: str = "float32", type_names: tuple[str, ...] = ("H", "O")) -> torch.nn.Module:
     """A NequIP GNN of one of NEQUIP_SHAPES, r_max 5."""
     from nequip.model import NequIPGNNModel

@@ -26,6 +26,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),
     ("investigations/without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
     ("investigations/copy_traffic.py", ["--side", "x"], "--side"),
+    ("bench_compile.py", ["--models", "bundled-mace,mace-huge"], "mace-huge"),
+    ("bench_compile.py", ["--processes", "0"], "--processes"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,

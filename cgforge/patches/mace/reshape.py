@@ -28,13 +28,18 @@ def _blocks(x: torch.Tensor, mul: int, dims: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def _to_columns(x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:
+    """MACE's reshape as plain ops: [N, sum mul * d] -> [N, mul, sum d]."""
+    return torch.cat(_blocks(x.contiguous(), mul, dims), dim=-1)  # views need unit-stride rows
+
+
 class IrrepsToColumns(torch.autograd.Function):
     """x [N, sum mul * d] (mul_ir) -> [N, mul, sum d]: the irreps' [N, mul, d] blocks side by side."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
-        return torch.cat(_blocks(x.contiguous(), mul, dims), dim=-1)  # views need unit-stride rows
+        return _to_columns(x, mul, dims)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205, D102
@@ -89,7 +94,7 @@ class BlockReshape(torch.nn.Module, StandIn):
     def forward(self, tensor: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # Inductor fuses the plain ops' backward itself, and an autograd.Function
             # in the graph keeps AOTAutograd from caching it across processes
-            return torch.cat(_blocks(tensor.contiguous(), self.muls[0], self.dims), dim=-1)
+            return _to_columns(tensor, self.muls[0], self.dims)
         return IrrepsToColumns.apply(tensor, self.muls[0], self.dims)
 
     def extra_repr(self) -> str:
