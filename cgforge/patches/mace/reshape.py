@@ -7,6 +7,8 @@ call (``benchmarks/copy_traffic.py``). Here the forward is MACE's concatenation 
 irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
 ``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
 permuted columns was tried first: 13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26).
+Under torch.compile the reshape is MACE's plain ops (``_to_columns``): Inductor fuses their backward itself, and an
+autograd.Function in the graph would keep AOTAutograd from caching the compiled graph across processes.
 """
 
 from __future__ import annotations
