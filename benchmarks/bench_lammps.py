@@ -371,7 +371,7 @@ def _run_case(cmd: list[str], env: dict, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        return {"error": f"timed out after {timeout:.0f} s: {_why(output or '')}", "wall_s": timeout}
+        return {"error": f"timed out after {timeout:.0f} s{_error_in(output or '')}", "wall_s": timeout}
     wall = time.perf_counter() - start
     lines = [ln for ln in output.splitlines() if ln.startswith("RESULT ")]
     if not lines:
@@ -384,12 +384,24 @@ def _run_case(cmd: list[str], env: dict, timeout: float) -> dict:
     return {**json.loads(lines[-1][len("RESULT "):]), **peak, "wall_s": wall, **tail}
 
 
+def _errors(output: str) -> list[str]:
+    """The Python exceptions and LAMMPS ERROR lines in a run's output, in that order of preference."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception")) and "ERROR" not in ln]
+    return errors or [ln for ln in lines if ln.startswith("ERROR")]
+
+
 def _why(output: str) -> str:
     """The Python exception behind a failed run (LAMMPS's own last line says only 'compute_forces failure')."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.split(":")[0].endswith(("Error", "Exception")) and "ERROR" not in ln]
-    lammps_errors = [ln for ln in lines if ln.startswith("ERROR")]
-    return ((errors or lammps_errors or lines or ["no output"])[-1])[:300]
+    return ((_errors(output) or lines or ["no output"])[-1])[:300]
+
+
+def _error_in(output: str) -> str:
+    """': ERROR' for a timed-out run that printed one; else nothing (its last line is often a harmless warning,
+    which would read as the cause)."""
+    errors = _errors(output)
+    return f": {errors[-1][:300]}" if errors else ""
 
 
 def main() -> None:
@@ -470,7 +482,11 @@ def run(args: argparse.Namespace) -> None:
             add({**row, "error": f"skipped: --budget {args.budget:g} s spent"})
             return
         env = {**env, "OMP_NUM_THREADS": str(args.threads)}
-        add({**row, **_run_case(cmd, env, min(args.timeout, left()))})
+        limit = min(args.timeout, left())
+        result = _run_case(cmd, env, limit)
+        if "timed out" in result.get("error", "") and limit < args.timeout:  # the whole run's budget capped it
+            result["error"] += f" (all that --budget {args.budget:g} s had left)"
+        add({**row, **result})
 
     for name in args.models:
         source = _model_source(name, args.dtype, folder)

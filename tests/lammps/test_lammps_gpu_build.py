@@ -232,7 +232,13 @@ def test_bench_case_results_timeouts_and_late_failures(bench):
     failed = bench._run_case([sys.executable, "-c", "raise ValueError('no model')"], env, 60)
     assert failed["error"] == "exit 1: ValueError: no model"
     hung = bench._run_case([sys.executable, "-c", "import time; time.sleep(60)"], env, 1)
-    assert hung["error"].startswith("timed out after 1 s")
+    assert hung["error"] == "timed out after 1 s"
+    # a warning printed before the hang is not given as its cause; an exception is
+    warned = "import sys, time; print('UserWarning-ish: falling back to JIT', flush=True); time.sleep(60)"
+    assert bench._run_case([sys.executable, "-c", warned], env, 1)["error"] == "timed out after 1 s"
+    raised = "import time; print('ValueError: bad box', flush=True); time.sleep(60)"
+    assert bench._run_case([sys.executable, "-c", raised], env, 1)["error"] == ("timed out after 1 s: "
+                                                                              "ValueError: bad box")
 
 
 @pytest.mark.parametrize("flag, value", [("--budget", "-9"), ("--budget", "0"), ("--timeout", "0")])
