@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     from common import environment, write_json
 
     rows = []
+    payload = {"environment": environment(), "args": vars(args), "rows": rows}
+    path = None
     for name in models:
         cache = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix=f"cgforge-compile-{name}-"))
         cache.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             row.update(process=process, wall_s=time.perf_counter() - start, cache=str(cache))
             rows.append(row)
             print(_line(row), flush=True)
-    path = write_json("compile", {"environment": environment(), "args": vars(args), "rows": rows})
+            path = write_json("compile", payload, path)
+    path = write_json("compile", payload, path)
     print(f"\n{'model':<16}{'process':>8}{'setup s':>9}{'first call s':>14}{'later s':>9}  caches (hit/miss/bypass)")
     for row in rows:
         print(_line(row))

@@ -697,6 +697,10 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp())
     files = {}
     rows = []
+    env = environment()
+    payload = {"environment": env, "rows": rows, "args": vars(args), "floor": floors,
+               "kernel_tuning": None if TUNING is None else TUNING.describe()}
+    path = None
     for dtype in args.dtypes.split(","):
         if "mace-mp-medium" in models:
             files["mace-mp-medium", dtype] = mace_mp_file(tmp, dtype)
@@ -724,9 +728,8 @@ def main(argv: list[str] | None = None) -> None:
                     add_floor(row, sysname, floors)
                     rows.append(row)
                     print(row, flush=True)
-    env = environment()
-    path = write_json("md", {"environment": env, "rows": rows, "args": vars(args), "floor": floors,
-                             "kernel_tuning": None if TUNING is None else TUNING.describe()})
+                    path = write_json("md", payload, path)
+    path = write_json("md", payload, path)
     print_table(rows, env, path, floors)
 
 

@@ -101,6 +101,9 @@ def test_a_raising_floor_leaves_the_row_without_one(fake: FakeFloor, capsys: pyt
     assert note == "no step floor for mace-mp-medium at 5184 atoms: ValueError: no convolutions found"
 
 
+WRITES: list[tuple[Path | None, int]] = []  # run_main's JSON writes: (the path passed, rows then)
+
+
 def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *flags: str) -> tuple[dict, str]:
     """bench_md.main on a 24-atom box with measure() and the JSON writer replaced: (payload, stdout)."""
     for name in ("DEVICE", "SKIN", "PROFILE", "NVT_ONLY"):  # main sets them: restored after the test
@@ -109,7 +112,14 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *fl
     monkeypatch.setattr(bench_md, "_PEERS", {})
     monkeypatch.setattr(bench_md, "environment", lambda: {"torch": "t", "date": "d", "device": "cpu"})
     payloads = []
-    monkeypatch.setattr(bench_md, "write_json", lambda name, payload: payloads.append(payload) or Path("md.json"))
+
+    def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
+        payloads.append(payload)
+        WRITES.append((path, len(payload["rows"])))
+        return Path("md.json")
+
+    WRITES.clear()
+    monkeypatch.setattr(bench_md, "write_json", write_json)
 
     def measure(model_name, backend, dtype, atoms, files, steps, warmup) -> dict:
         return {**row(model_name, len(atoms), dtype, 0.004, backend), "npt_s": 0.005, "peak_gb": 0.1}
@@ -147,3 +157,12 @@ def test_real_floor_of_a_small_box(monkeypatch: pytest.MonkeyPatch) -> None:
     r = row("bundled-nequip", 30, nvt_s=0.001)
     bench_md.add_floor(r, "10", bench_md.floor_settings())
     assert 0 < r["floor_ms"] < 1 and r["floor_fraction"] == pytest.approx(r["floor_ms"])
+
+
+def test_the_json_is_rewritten_after_every_row(fake: FakeFloor, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """A run cut short (a device call's timeout) keeps the rows it measured: one file, written after each row."""
+    payload, _ = run_main(monkeypatch, capsys, "--no-floor")
+    rows = len(payload["rows"])
+    assert rows == 8 and WRITES[0] == (None, 1)
+    assert WRITES[1:] == [(Path("md.json"), n) for n in range(2, rows + 1)] + [(Path("md.json"), rows)]
