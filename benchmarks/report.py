@@ -47,6 +47,8 @@ TREES = {
     "capacity-h100-20261126/capacity-20261126-223807.json": ("adb0069", "README, call 2"),
     "capacity-h100-20261126/capacity-20261126-223905.json": ("adb0069", "README, call 2"),
     "capacity-h100-20261126/capacity-20261126-224201.json": ("adb0069", "README, call 3"),
+    "engine-harmonics-h100-20261127f/md-20261127-150838.json": ("561a864", "README, call 1"),
+    "engine-harmonics-h100-20261127f/md-20261127-151141.json": ("561a864", "README, call 2"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -63,6 +65,22 @@ LOG_ROWS = {
              "nvt_s": 0.009687730499990721, "peak_gb_nvt": 0.601491456},
             {"model": "nequip-M", "backend": "cueq", "system": "5k", "atoms": 5184,
              "nvt_s": 0.4413925919999997, "peak_gb_nvt": 8.80399616},
+        ],
+    },
+    "engine-harmonics-h100-20261127f/log-call1.txt": {
+        "date": "2026-11-27T15:04:00", "device": "NVIDIA H100 80GB HBM3",
+        "commit": ("561a864", "README, call 1"),
+        "rows": [
+            {"model": "bundled-mace", "backend": "cgforge-engine", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.003068540705000089, "peak_gb": 0.516522496},
+            {"model": "bundled-mace", "backend": "cgforge-engine-compiled", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.0027221230899999683, "peak_gb": 0.580863488},
+            {"model": "bundled-mace", "backend": "fastmace", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.004137646295000082, "peak_gb": 0.266268672},
+            {"model": "mace-mp-medium", "backend": "cgforge-engine", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.013043072689999918, "peak_gb": 1.17800448},
+            {"model": "mace-mp-medium", "backend": "cgforge-engine-compiled", "system": "5k", "atoms": 5184,
+             "nvt_s": 0.011830090045000076, "peak_gb": 1.395656704},
         ],
     },
 }
@@ -140,8 +158,8 @@ def load_runs(results: Path, prefix: str) -> list[Run]:
         log = results / rel
         text = log.read_text() if log.is_file() else ""
         for row in entry["rows"]:
-            for key in ("nvt_s", "peak_gb_nvt"):
-                if f"'{key}': {row[key]!r}" not in text:
+            for key in ("nvt_s", "peak_gb_nvt", "peak_gb"):
+                if key in row and f"'{key}': {row[key]!r}" not in text:
                     raise SystemExit(f"report.py: LOG_ROWS[{rel!r}]: {key} {row[key]!r} of {row['model']}/"
                                      f"{row['backend']} is not in {log}")
         sha, note = entry["commit"]
@@ -192,26 +210,41 @@ def layer_section(runs: list[Run]) -> list[str]:
 
 
 def engine_section(runs: list[Run]) -> list[str]:
-    run = newest(runs, lambda r: _has(r, backend="fastmace") and _has(r, backend="cgforge-engine"))
+    """Per model, the newest run that timed the engine and FastMACE side by side (runs differ by model when a
+    newer run held only some of the models)."""
+    picked: dict[str, Run] = {}
+    for run in runs:  # oldest first: a newer run replaces an older one, model by model
+        for model in dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace"):
+            if _has(run, model=model, backend="cgforge-engine"):
+                picked[model] = run
+    chosen = sorted({run.path: run for run in picked.values()}.values(), key=lambda r: r.date)
     out = _opening(
-        "Whole MD steps vs FastMACE", run, "bench_md run with FastMACE rows",
+        "Whole MD steps vs FastMACE", chosen[-1] if chosen else None, "bench_md run with FastMACE rows",
         "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after 20) on the 5184-atom water "
         "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
         "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
-        "cuEquivariance convolution). Lower is better.",
-        ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE"])
-    if run is None:
+        "cuEquivariance convolution), each row from one run. Lower is better.",
+        ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE", "engine / FastMACE",
+         "run"])
+    if not chosen:
         return out
-    models = dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace")
-    for model in models:
+    run_line = out.index(f"Run: {chosen[-1].cite()}.")
+    out[run_line:run_line + 1] = [f"Run {k + 1}: {run.cite()}." + ("" if k == len(chosen) - 1 else "  ")
+                                  for k, run in enumerate(chosen)]
+
+    def ms(v: object) -> str:
+        return f"{v * 1e3:.2f} ms" if isinstance(v, float) else "-"
+
+    def ratio(a: object, b: object) -> str:
+        return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "-"
+
+    for model, run in picked.items():
         cell = {row["backend"]: row.get("nvt_s") for row in run.rows if row.get("model") == model}
         fast, comp, plain = cell.get("fastmace"), cell.get("cgforge-engine-compiled"), cell.get("cgforge-engine")
-
-        def ms(v):
-            return f"{v * 1e3:.2f} ms" if isinstance(v, float) else "-"
-        ratio = f"{comp / fast:.2f}" if isinstance(comp, float) and isinstance(fast, float) else "-"
-        out.append(f"| {MODEL_NAMES.get(model, model)} | {ms(plain)} | {ms(comp)} | {ms(fast)} | {ratio} |")
-    later = newest(runs, lambda r: r.date > run.date and _has(r, backend="cgforge-engine", system="5k"))
+        out.append(f"| {MODEL_NAMES.get(model, model)} | {ms(plain)} | {ms(comp)} | {ms(fast)} | {ratio(comp, fast)} "
+                   f"| {ratio(plain, fast)} | {[r.path for r in chosen].index(run.path) + 1} |")
+    last = max(run.date for run in chosen)
+    later = newest(runs, lambda r: r.date > last and _has(r, backend="cgforge-engine", system="5k"))
     if later is not None:
         rows = [row for row in later.rows if row.get("backend") == "cgforge-engine" and row.get("nvt_s")]
         text = ", ".join(f"{MODEL_NAMES.get(r['model'], r['model'])} {r['nvt_s'] * 1e3:.2f} ms" for r in rows)
