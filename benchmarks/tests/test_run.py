@@ -126,16 +126,45 @@ def test_the_report_quotes_the_newest_vetted_run(tmp_path: Path) -> None:
     assert "| 4.500 ms |" in page and "**2.00x**" in page and "stale00" not in page and "1111111" not in page
 
 
-def test_a_log_row_that_is_not_in_its_log_stops_the_report(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("rel", list(_load("report").LOG_ROWS))
+def test_a_log_row_that_is_not_in_its_log_stops_the_report(tmp_path: Path, rel: str) -> None:
     report = _load("report")
-    (rel,) = report.LOG_ROWS
-    log = tmp_path / rel
-    log.parent.mkdir(parents=True)
-    log.write_text((BENCHMARKS / "results" / rel).read_text())
-    assert report.load_runs(tmp_path, "md")  # the values of the table are in the real log
-    log.write_text(log.read_text().replace("0.3682949709999974", "0.3"))
-    with pytest.raises(SystemExit, match="0.3682949709999974"):
+    for other in report.LOG_ROWS:  # every entry's log, as in the repository
+        log = tmp_path / other
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text((BENCHMARKS / "results" / other).read_text())
+    assert report.load_runs(tmp_path, "md")  # the values of the table are in the real logs
+    value = repr(report.LOG_ROWS[rel]["rows"][-1]["nvt_s"])
+    (tmp_path / rel).write_text((tmp_path / rel).read_text().replace(value, "0.3"))
+    with pytest.raises(SystemExit, match=value):
         report.load_runs(tmp_path, "md")
+
+
+def _md_json(folder: Path, date: str, rows: list[tuple[str, str, float]]) -> None:
+    """A vetted bench_md run (manifest.json, commit abc1234) of (model, backend, NVT seconds) rows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({"commit": {"sha": "abc1234", "source": "git", "dirty": False},
+                                                      "env": {}}))
+    (folder / f"md-{date[:10]}.json").write_text(json.dumps(
+        {"environment": {"date": date, "device": "NVIDIA H100 80GB HBM3"},
+         "rows": [{"model": m, "backend": b, "system": "5k", "nvt_s": t} for m, b, t in rows]}))
+
+
+def test_the_engine_table_takes_each_model_from_its_newest_run_with_fastmace(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer run that timed one model beside FastMACE replaces that model's row only."""
+    report = _load("report")
+    monkeypatch.setattr(report, "LOG_ROWS", {})  # only this folder's runs
+    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+                                                      ("bundled-mace", "fastmace", 0.004),
+                                                      ("mace-mp-medium", "cgforge-engine", 0.015),
+                                                      ("mace-mp-medium", "fastmace", 0.020)])
+    _md_json(tmp_path / "b", "2026-11-21T10:00:00", [("mace-mp-medium", "cgforge-engine", 0.010),
+                                                      ("mace-mp-medium", "fastmace", 0.025)])
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "| bundled MACE | 3.00 ms | - | 4.00 ms | - | 0.75 | 1 |" in page
+    assert "| MACE-MP-medium shape | 10.00 ms | - | 25.00 ms | - | 0.40 | 2 |" in page
+    assert "Run 1: " in page and "a/md-2026-11-20.json" in page and "Run 2: " in page
 
 
 def test_the_page_is_current() -> None:
