@@ -28,6 +28,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/copy_traffic.py", ["--side", "x"], "--side"),
     ("bench_compile.py", ["--models", "bundled-mace,mace-huge"], "mace-huge"),
     ("bench_compile.py", ["--processes", "0"], "--processes"),
+    ("investigations/kernel_sources.py", ["--steps", "0"], "--steps"),
+    ("investigations/kernel_sources.py", ["--model", "mace-huge"], "mace-huge"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
@@ -91,3 +93,17 @@ def test_the_driver_names_a_bad_argument(args: list[str], named: str, tmp_path: 
     assert run.returncode == 2
     assert named in run.stderr, run.stderr[-2000:]
     assert not any(tmp_path.iterdir())
+
+
+def test_kernel_sources_charges_ops_to_the_model_line_that_called_them() -> None:
+    """The innermost frame of the step's own code is the line; torch's frames and the script's are skipped."""
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        import kernel_sources
+    finally:
+        sys.path.pop(0)
+    stack = ["/usr/lib/python3/site-packages/torch/nn/functional.py(10): linear",
+             "/x/site-packages/mace/modules/blocks.py(371): forward",
+             "/x/site-packages/cgforge/patches/mace/patch.py(75): get"]
+    assert kernel_sources.source_line(stack) == "mace/modules/blocks.py(371): forward"
+    assert kernel_sources.source_line(stack[:1]).startswith("(no model frame")

@@ -1,0 +1,105 @@
+"""Which lines of the model code launch the eager engine step's kernels (issue 38: ~800 kernels a step, most small).
+
+    python3 benchmarks/investigations/kernel_sources.py [--model bundled-mace|mace-mp-medium|bundled-nequip|FILE]
+                                                        [--molecules 1728] [--steps 5] [--top 40]
+
+Runs cgforge's MD engine eagerly (no CUDA graph; NVT Langevin, FP32, 0.5 fs) on a water box, profiles ``--steps``
+steps with the CPU and CUDA activities and Python stacks, and charges each torch op's own device time and call
+count to the innermost frame of the step's code that called it (cgforge, mace, e3nn or nequip; torch's own frames
+skipped). Prints the lines by device ms per step, then the totals: the ops a step runs and their device time, which
+is what fusing or removing a line would save. On a machine without CUDA the device times are zero and the counts
+are the CPU path's (a check that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from shapes import mace_mp_file  # noqa: E402
+
+from cgforge.plugin.calculator import Calculator  # noqa: E402
+from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin  # noqa: E402
+from cgforge.plugin.water import water_box  # noqa: E402
+
+OWN_CODE = ("cgforge/", "mace/", "e3nn/", "nequip/")
+STACK_FRAMES = 24  # frames kept per op: enough to reach the model code from inside torch.nn's call machinery
+
+
+def source_line(stack: list[str]) -> str:
+    """The innermost frame of the step's own code in a profiler stack (innermost first), shortened."""
+    for frame in stack:
+        if any(part in frame for part in OWN_CODE) and "/torch/" not in frame:
+            for root in ("site-packages/", str(Path(__file__).resolve().parents[2]) + "/"):
+                frame = frame.split(root)[-1]
+            return frame
+    return "(no model frame: torch or the profiler)"
+
+
+def step_sources(prof: torch.profiler.profile, steps: int) -> tuple[list[tuple[str, float, float]], float, float]:
+    """[(line, device ms per step, op calls per step)] slowest first, and the totals (ms, calls) per step."""
+    ms: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages(group_by_stack_n=STACK_FRAMES):
+        device_us = getattr(evt, "self_device_time_total", 0.0)
+        if device_us <= 0 and torch.cuda.is_available():
+            continue  # no kernel of its own (a view, a wrapper op)
+        line = source_line(list(evt.stack or []))
+        ms[line] += device_us / 1e3 / steps
+        calls[line] += evt.count / steps
+    rows = sorted(((line, ms[line], calls[line]) for line in ms), key=lambda r: (-r[1], -r[2]))
+    return rows, sum(ms.values()), sum(calls.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bundled-mace",
+                        help="bundled-mace, bundled-nequip, mace-mp-medium (the shape, random weights) or a file")
+    parser.add_argument("--molecules", type=int, default=1728)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.molecules < 1 or args.top < 1:
+        parser.error(f"--steps, --molecules and --top must be >= 1, got {args.steps}, {args.molecules}, {args.top}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model in ("bundled-mace", "bundled-nequip"):
+        model = args.model.split("-")[1]
+    elif args.model == "mace-mp-medium":
+        model = str(mace_mp_file(Path(os.environ.get("TMPDIR", "/tmp")), "float32"))
+    elif Path(args.model).is_file():
+        model = args.model
+    else:
+        parser.error(f"--model: {args.model!r} is neither bundled-mace, bundled-nequip, mace-mp-medium nor a file")
+    atoms = water_box(args.molecules, seed=0)
+    calc = Calculator(model, device=device, dtype="float32", patch=True)
+    engine = Engine(calc, atoms, Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"),
+                    cuda_graph=False)
+    engine.run(3)  # kernels compiled, buffers grown
+    if device == "cuda":
+        torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device == "cuda" else [])
+    config = torch._C._profiler._ExperimentalConfig(verbose=True)  # the Python frames of every op, not only the first
+    with torch.profiler.profile(activities=activities, with_stack=True, experimental_config=config) as prof:
+        engine.run(args.steps)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    rows, total_ms, total_calls = step_sources(prof, args.steps)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{args.model}, {len(atoms)} atoms, eager engine step (NVT Langevin, FP32) on {name}: ops with their own "
+          f"device time, charged to the model code's line that called them, per step")
+    print(f"{'device ms':>10} {'ops':>6}  line")
+    for line, ms, calls in rows[:args.top]:
+        print(f"{ms:10.3f} {calls:6.1f}  {line}")
+    print(f"{total_ms:10.3f} {total_calls:6.1f}  all ({len(rows)} lines)")
+
+
+if __name__ == "__main__":
+    main()
