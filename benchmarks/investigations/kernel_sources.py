@@ -6,9 +6,13 @@
 Runs cgforge's MD engine eagerly (no CUDA graph; NVT Langevin, FP32, 0.5 fs) on a water box, profiles ``--steps``
 steps with the CPU and CUDA activities and Python stacks, and charges each torch op's own device time and call
 count to the innermost frame of the step's code that called it (cgforge, mace, e3nn or nequip; torch's own frames
-skipped). Prints the lines by device ms per step, then the totals: the ops a step runs and their device time, which
-is what fusing or removing a line would save. On a machine without CUDA the device times are zero and the counts
-are the CPU path's (a check that the script runs).
+skipped). Prints the lines by device ms per step (with each line's costliest ops), then the totals.
+
+Read with care: ops that autograd runs in the backward carry the stack of the line that asked for the gradient
+(``torch.autograd.grad``), and the eager step is not the captured one (steps within ``--steps`` may rebuild the
+neighbour list; the first H100 run, 2026-11-27, charged 13 ms a step to MACE's ``prepare_graph``, more than the
+whole captured step: what runs there eagerly is the next question). On a machine without CUDA the device times are
+zero and the counts are the CPU path's (a check that the script runs).
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ def source_line(stack: list[str]) -> str:
     return "(no model frame: torch or the profiler)"
 
 
-def step_sources(prof: torch.profiler.profile, steps: int) -> tuple[list[tuple[str, float, float]], float, float]:
-    """[(line, device ms per step, op calls per step)] slowest first, and the totals (ms, calls) per step."""
+def step_sources(prof: torch.profiler.profile, steps: int
+                 ) -> tuple[list[tuple[str, float, float, str]], float, float]:
+    """[(line, device ms per step, op calls per step, its costliest ops)] slowest first, and the totals (ms, calls)
+    per step."""
     ms: dict[str, float] = defaultdict(float)
     calls: dict[str, float] = defaultdict(float)
+    ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for evt in prof.key_averages(group_by_stack_n=STACK_FRAMES):
         device_us = getattr(evt, "self_device_time_total", 0.0)
         if device_us <= 0 and torch.cuda.is_available():
@@ -54,7 +61,12 @@ def step_sources(prof: torch.profiler.profile, steps: int) -> tuple[list[tuple[s
         line = source_line(list(evt.stack or []))
         ms[line] += device_us / 1e3 / steps
         calls[line] += evt.count / steps
-    rows = sorted(((line, ms[line], calls[line]) for line in ms), key=lambda r: (-r[1], -r[2]))
+        ops[line][evt.key] += device_us / 1e3 / steps
+    rows = []
+    for line in ms:
+        top = sorted(ops[line].items(), key=lambda kv: -kv[1])[:3]
+        rows.append((line, ms[line], calls[line], ", ".join(f"{name} {t:.3f}" for name, t in top)))
+    rows.sort(key=lambda r: (-r[1], -r[2]))
     return rows, sum(ms.values()), sum(calls.values())
 
 
@@ -96,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}, {len(atoms)} atoms, eager engine step (NVT Langevin, FP32) on {name}: ops with their own "
           f"device time, charged to the model code's line that called them, per step")
     print(f"{'device ms':>10} {'ops':>6}  line")
-    for line, ms, calls in rows[:args.top]:
-        print(f"{ms:10.3f} {calls:6.1f}  {line}")
+    for line, ms, calls, top in rows[:args.top]:
+        print(f"{ms:10.3f} {calls:6.1f}  {line}   [{top}]")
     print(f"{total_ms:10.3f} {total_calls:6.1f}  all ({len(rows)} lines)")
 
 
