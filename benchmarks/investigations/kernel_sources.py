@@ -8,11 +8,12 @@ steps with the CPU and CUDA activities and Python stacks, and charges each torch
 count to the innermost frame of the step's code that called it (cgforge, mace, e3nn or nequip; torch's own frames
 skipped). Prints the lines by device ms per step (with each line's costliest ops), then the totals.
 
-Read with care: ops that autograd runs in the backward carry the stack of the line that asked for the gradient
-(``torch.autograd.grad``), and the eager step is not the captured one (steps within ``--steps`` may rebuild the
-neighbour list; the first H100 run, 2026-11-27, charged 13 ms a step to MACE's ``prepare_graph``, more than the
-whole captured step: what runs there eagerly is the next question). On a machine without CUDA the device times are
-zero and the counts are the CPU path's (a check that the script runs).
+Read with care: a frame names the function and the line it starts on (the profiler's Python tracer), not the
+calling line; ops that autograd runs in the backward (on its own thread for CUDA) get a stack that need not be the
+code that caused them (the first H100 run, 2026-11-27, charged 13 ms a step, more than the whole captured step, to
+8 ops "in" MACE's ``prepare_graph``); and the eager step is not the captured one (``--steps`` may include a
+neighbour-list rebuild). Trust the forward's counts; check the rest against the kernel names. On a machine without
+CUDA the device times are zero and the counts are the CPU path's (a check that the script runs).
 """
 
 from __future__ import annotations
