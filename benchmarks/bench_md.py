@@ -40,7 +40,9 @@ model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + 
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
 cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
 cgforge-engine-compiled-unfused (tables evaluated into [E, weight_numel] weights before the convolutions rather than
-read inside them: ``patches.<family>.radial_table.set_table_fusion(model, False)``),
+read inside them: ``patches.<family>.radial_table.set_table_fusion(model, False)``), cgforge-engine-fused (the model
+not compiled, the integrator's and the commit rule's arithmetic compiled: ``Engine(fuse_integrator=True)``; its
+compilation is in ``<ensemble>_first_step_s``),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -84,13 +86,15 @@ BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cg
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
             "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
+            "cgforge-engine-fused",
             "cgforge-stored", "cgforge-stored-eager", "cgforge-user-order")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
-               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused")  # whole MD steps
+               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused", "cgforge-engine-fused")  # MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
                    "cgforge-engine-mlp": {"radial_table": False},
                    "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False},
-                   "cgforge-engine-compiled-unfused": {"compile": True, "table_fusion": False}}
+                   "cgforge-engine-compiled-unfused": {"compile": True, "table_fusion": False},
+                   "cgforge-engine-fused": {"fuse_integrator": True}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
@@ -365,10 +369,11 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling
 
     reset_memory()
-    if ENGINE_BACKENDS.get(backend, {}).get("compile"):
-        torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
     options = dict(ENGINE_BACKENDS.get(backend, {}))
     fusion = options.pop("table_fusion", None)
+    fuse_integrator = options.pop("fuse_integrator", None)  # the Engine's, not the Calculator's
+    if options.get("compile") or fuse_integrator:
+        torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
                       dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
@@ -397,7 +402,8 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
                           else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
             invalidated = Counter(calc.step.invalidations)
-            engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"))
+            engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"),
+                            fuse_integrator=fuse_integrator)
             sync()
             t = time.perf_counter()
             engine.run(1)  # the first step: CUDA-graph capture, and torch.compile when asked for (apart)
@@ -423,6 +429,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             row["capture_error"] = engine.capture_error
             row["compile"] = calc.compile
             row["compile_error"] = calc.step.compile_error
+            row["fuse_integrator"] = engine.fuse_integrator
             del engine
         gc.collect()
     del calc
