@@ -42,7 +42,8 @@ cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial
 cgforge-engine-compiled-unfused (tables evaluated into [E, weight_numel] weights before the convolutions rather than
 read inside them: ``patches.<family>.radial_table.set_table_fusion(model, False)``), cgforge-engine-fused (the model
 not compiled, the integrator's and the commit rule's arithmetic compiled: ``Engine(fuse_integrator=True)``; its
-compilation is in ``<ensemble>_first_step_s``),
+compilation is in ``<ensemble>_first_step_s``), cgforge-engine-verlet (the model fed the whole Verlet list, cutoff +
+skin, with no per-step cut to the cutoff: ``Calculator(filter_edges=False)``),
 cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
@@ -86,15 +87,17 @@ BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cg
             "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
             "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
             "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
-            "cgforge-engine-fused",
+            "cgforge-engine-fused", "cgforge-engine-verlet",
             "cgforge-stored", "cgforge-stored-eager", "cgforge-user-order")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
-               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused", "cgforge-engine-fused")  # MD steps
+               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused", "cgforge-engine-fused",
+               "cgforge-engine-verlet")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
                    "cgforge-engine-mlp": {"radial_table": False},
                    "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False},
                    "cgforge-engine-compiled-unfused": {"compile": True, "table_fusion": False},
-                   "cgforge-engine-fused": {"fuse_integrator": True}}
+                   "cgforge-engine-fused": {"fuse_integrator": True},
+                   "cgforge-engine-verlet": {"filter_edges": False}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},

@@ -112,7 +112,7 @@ def test_kernel_sources_charges_ops_to_the_model_line_that_called_them() -> None
 
 def test_bench_md_engine_backends_are_md_backends_with_known_options() -> None:
     """Each engine backend is timed as whole MD steps and sets only options measure_md hands on (the Calculator's
-    compile and radial_table, the table fusion, the Engine's fuse_integrator)."""
+    compile, radial_table and filter_edges, the table fusion, the Engine's fuse_integrator)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_md
@@ -120,7 +120,7 @@ def test_bench_md_engine_backends_are_md_backends_with_known_options() -> None:
         sys.path.pop(0)
     assert set(bench_md.ENGINE_BACKENDS) <= set(bench_md.MD_BACKENDS) <= set(bench_md.BACKENDS)
     options = {key for opts in bench_md.ENGINE_BACKENDS.values() for key in opts}
-    assert options <= {"compile", "radial_table", "table_fusion", "fuse_integrator"}
+    assert options <= {"compile", "radial_table", "table_fusion", "fuse_integrator", "filter_edges"}
     assert bench_md.ENGINE_BACKENDS["cgforge-engine-fused"] == {"fuse_integrator": True}
 
 
