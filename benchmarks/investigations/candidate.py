@@ -8,6 +8,9 @@ frozen (one chunk of all rows: GEMMs writing the output's columns in place, no c
 folded once), where today only inputs above ``CHUNKED_ABOVE_BYTES`` do. ``linear_rows.py`` measured map_into at
 0.41-1.05 ms against ``_map``'s 0.59-1.46 ms on 13,107 rows of MACE-MP-medium's block linears (H100, 2026-11-26);
 the eager engine step runs 186-234 of ``_map``'s ops (``kernel_sources.py``, 2026-11-27).
+
+``commit-kernels``: the engine's commit rule as two CUDA kernels (``commit.commit_step_kernels``) where it runs the
+torch expression (~130 tiny kernels a step in the captured graph; a step not fused by ``fuse_integrator``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-CANDIDATES = ("linear-map-into",)
+CANDIDATES = ("linear-map-into", "commit-kernels")
 
 
 def turn_on(name: str) -> None:
@@ -37,6 +40,18 @@ def turn_on(name: str) -> None:
             return max(x.shape[0], 1)
 
         SplitLinear.chunk_rows = all_rows_when_frozen
+    if name == "commit-kernels":
+        from cgforge.plugin.md import engine
+        from cgforge.plugin.md.commit import commit_step, commit_step_kernels
+
+        init = engine.Engine.__init__
+
+        def with_commit_kernels(self: engine.Engine, *args: object, **kwargs: object) -> None:
+            init(self, *args, **kwargs)
+            if self._commit is commit_step and self.device.type == "cuda":
+                self._commit = commit_step_kernels
+
+        engine.Engine.__init__ = with_commit_kernels
 
 
 def main() -> None:
