@@ -9,8 +9,8 @@ folded once), where today only inputs above ``CHUNKED_ABOVE_BYTES`` do. ``linear
 0.41-1.05 ms against ``_map``'s 0.59-1.46 ms on 13,107 rows of MACE-MP-medium's block linears (H100, 2026-11-26);
 the eager engine step runs 186-234 of ``_map``'s ops (``kernel_sources.py``, 2026-11-27).
 
-``commit-kernels``: the engine's commit rule as two CUDA kernels (``commit.commit_step_kernels``) where it runs the
-torch expression (~130 tiny kernels a step in the captured graph; a step not fused by ``fuse_integrator``).
+The commit rule as two CUDA kernels (``commit-kernels``, measured 2026-11-27 with no gain: results/
+suite-ab-h100-20261127g) was removed after its A/B; it lives in git at 475f65b.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-CANDIDATES = ("linear-map-into", "commit-kernels")
+CANDIDATES = ("linear-map-into",)
 
 
 def turn_on(name: str) -> None:
@@ -40,18 +40,6 @@ def turn_on(name: str) -> None:
             return max(x.shape[0], 1)
 
         SplitLinear.chunk_rows = all_rows_when_frozen
-    if name == "commit-kernels":
-        from cgforge.plugin.md import engine
-        from cgforge.plugin.md.commit import commit_step, commit_step_kernels
-
-        init = engine.Engine.__init__
-
-        def with_commit_kernels(self: engine.Engine, *args: object, **kwargs: object) -> None:
-            init(self, *args, **kwargs)
-            if self._commit is commit_step and self.device.type == "cuda":
-                self._commit = commit_step_kernels
-
-        engine.Engine.__init__ = with_commit_kernels
 
 
 def main() -> None:

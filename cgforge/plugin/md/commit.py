@@ -12,11 +12,12 @@ import torch
 from ase import units
 from torch import Tensor
 
-from cgforge.kernels.commit import REPORT, commit_step_cuda
-
 from .integrators import kinetic
 
-__all__ = ["BLOW_KINDS", "REPORT", "MDBlowUp", "commit_step", "commit_step_kernels"]
+__all__ = ["BLOW_KINDS", "REPORT", "MDBlowUp", "commit_step"]
+
+REPORT = ("committed", "stopped", "stale", "overflow", "blow_kind", "blow_step", "blow_value", "count_max",
+          "slack", "temperature")
 BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 
 
@@ -54,15 +55,6 @@ def commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor,
         "temperature": torch.where(good, temperature, rep["temperature"]),
     }
     return bad, step + good.to(step.dtype), torch.stack([new[name] for name in REPORT])
-
-
-def commit_step_kernels(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
-                        overflow: Tensor, count: Tensor, slack: Tensor, max_temperature_K: float, report: Tensor
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """``commit_step`` on CUDA tensors as two kernels (``cgforge.kernels.commit``) instead of ~130 tiny ones; the
-    same results, the temperature summed in another order (its last bits may differ)."""
-    return commit_step_cuda(energy, forces, momenta, masses, step, stale, overflow, count, slack, max_temperature_K,
-                            report, 1.0 / (1.5 * momenta.shape[0] * units.kB))
 
 
 class MDBlowUp(RuntimeError):
