@@ -108,8 +108,8 @@ def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
     """``payload`` to ``$OUT/NAME-DATE-TIME.json`` (or, given, ``path`` again: a run rewrites its file after each row,
     so one cut short by a timeout keeps the rows it measured)."""
     if path is None:
-        RESULTS.mkdir(parents=True, exist_ok=True)
         out_dir = Path(os.environ.get("OUT", RESULTS))
+        out_dir.mkdir(parents=True, exist_ok=True)  # a fresh $OUT folder too
         path = out_dir / f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path

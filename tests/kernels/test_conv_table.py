@@ -104,6 +104,90 @@ def test_table_kernels_compile_without_spills() -> None:
             assert not res.spills, (name, res)
 
 
+def _receiver_backward(conv: Convolution) -> Convolution:
+    """``conv`` with the receiver-order backward for every width of grad-out row (where x needs no gradient)."""
+    return Convolution(None, None, None, [], problem=conv.problem, tuning=TPTuning(receiver_backward_min_row_bytes=1))
+
+
+def test_an_input_without_gradient_gets_none_and_the_same_other_gradients() -> None:
+    """x that needs no gradient (MD's first layer: the species embedding): the backward forms no grad x and gives
+    the same grad y and grad lengths, first and second order, as when x needs one."""
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 9, 60, seed=11)
+    conv = _receiver_backward(conv)
+    frozen = x.detach()
+    g = torch.randn(9, conv.irreps_out.dim, dtype=torch.float64)
+    for call in (lambda a: conv.forward_table(a, y, lengths, coeffs, R_MAX, graph),
+                 lambda a: conv.forward_table_rows(a, y, lengths, coeffs, R_MAX, graph, torch.nn.Identity(), 4)):
+        want = torch.autograd.grad(call(x), (y, lengths), g, create_graph=True)
+        got = torch.autograd.grad(call(frozen), (y, lengths), g, create_graph=True)
+        for a, b in zip(got, want, strict=True):
+            assert rel(a, b) < 1e-13 and b.abs().max() > 0
+        second = [torch.autograd.grad(sum(d.square().sum() for d in ds), (y, lengths)) for ds in (got, want)]
+        for a, b in zip(*second, strict=True):
+            assert rel(a, b) < 1e-12 and b.abs().max() > 0
+
+
+def test_the_tuning_chooses_the_backward_for_an_input_without_gradient(monkeypatch) -> None:
+    """The backward op is asked for no grad x where x needs none and the grad-out rows are at least
+    receiver_backward_min_row_bytes wide; else (None, narrower rows, an x that needs a gradient) for it."""
+    from cgforge.kernels.convolution import table_ops
+
+    asked = []
+    real = table_ops.conv_table_backward
+    monkeypatch.setattr(table_ops, "conv_table_backward", lambda *a: asked.append(a[-1]) or real(*a))  # a spy
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 6, 30, seed=14)
+    width = conv.irreps_out.dim * 8
+
+    def tuned(least):
+        return Convolution(None, None, None, [], problem=conv.problem,
+                           tuning=TPTuning(receiver_backward_min_row_bytes=least))
+
+    cases = ((tuned(width), x.detach(), False), (tuned(width), x, True), (tuned(width + 8), x.detach(), True),
+             (tuned(None), x.detach(), True), (conv, x.detach(), width < TPTuning().receiver_backward_min_row_bytes))
+    for module, inp, want in cases:
+        out = module.forward_table(inp, y, lengths, coeffs, R_MAX, graph)
+        torch.autograd.grad(out, (y, lengths), torch.ones_like(out))
+        assert asked.pop() is want
+
+
+def test_the_backward_op_without_grad_x_returns_an_empty_grad_x() -> None:
+    from cgforge.kernels.convolution.table_ops import conv_table_backward
+
+    conv, graph, x, y, lengths, coeffs = _case("nequip-water", 7, 40, seed=12)
+    g = torch.randn(7, conv.irreps_out.dim, dtype=torch.float64)
+    args = (x.detach(), y.detach(), lengths.detach(), coeffs, g, *graph.tensors(), R_MAX, conv.key, True)
+    gx, gy, gr = conv_table_backward(*args, False)
+    full = conv_table_backward(*args)
+    assert gx.shape == (0,) and full[0].shape == x.shape
+    assert torch.equal(gy, full[1]) and torch.equal(gr, full[2])
+
+
+def test_the_backward_without_grad_x_walks_the_receivers_and_stores_no_grad_x() -> None:
+    """Its source (NVRTC on the CPU): x through xidx, the grad-out row of the row itself (in the segments order
+    staged once per row, not per edge), no grad x written; no spills in MACE's layer shape."""
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import CONV_BACKWARD, CONV_BACKWARD_NO_GX, CONV_BACKWARD_NO_GX_SORTED
+
+    plan = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).key)
+    for dtype in (torch.float32, torch.float64):
+        full, _ = plan.source(dtype, CONV_BACKWARD.with_table(), True)
+        assert "gx + row * IN1_DIM" in full and "gidx[eid]" in full
+        for layout in (CONV_BACKWARD_NO_GX, CONV_BACKWARD_NO_GX_SORTED):
+            source, name = plan.source(dtype, layout.with_table(), True)
+            assert name.endswith("tn_backward") and name != plan.source(dtype, CONV_BACKWARD.with_table(), True)[1]
+            assert "gx + " not in source and "gidx[eid]" not in source and "xidx[eid]" in source
+            assert "const long long gr = row;" in source and "grad_r[eid] +=" in source
+            assert ("perm[k]" in source) == layout.perm
+            once = plan.schedule(dtype, True).loop_order(True) == "segments"
+            assert ("g + gr * OUT_DIM" in source) != once and ("g + row * OUT_DIM" in source) == once
+            if once:  # before the edge loop
+                assert source.index("g + row * OUT_DIM") < source.index("for (long long k = e_begin")
+            if nvrtc_available():
+                res = compile_cubin(source, arch="sm_90", name="conv_table_no_gx.cu").resources(name)
+                assert not res.spills, (name, res)
+
+
 def _row_map(width: int, seed: int = 7, dtype=torch.float64, device="cpu") -> torch.nn.Linear:
     """An affine row map narrowing the convolution's rows (a block's next linear), constant parameters."""
     torch.manual_seed(seed)
@@ -224,6 +308,40 @@ def test_cuda_equals_the_convolution_of_the_table_values(problem: str, dtype: to
         assert torch.equal(again, fused)
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, (x, y, lengths), g), grads,
                                                      strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sorted_edges", [False, True])
+def test_cuda_backward_without_grad_x_equals_the_whole_backward(problem: str, dtype: torch.dtype,
+                                                                sorted_edges: bool) -> None:
+    """x needing no gradient: the receiver-order kernel's grad y and grad lengths equal those of the backward that
+    forms grad x too and the composition's; every run the same bits; through forward_table_rows as well."""
+    conv, graph, x, y, lengths, coeffs = _case(problem, 300, 6000, dtype=dtype, device="cuda", seed=13)
+    conv = _receiver_backward(conv).to("cuda")
+    if sorted_edges:  # edges already in receiver order: perm is empty
+        order = torch.argsort(graph.receiver.long(), stable=True)
+        y, lengths = (t.detach()[order].requires_grad_() for t in (y, lengths))
+        graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
+        assert graph.tensors().perm.numel() == 0
+    frozen = x.detach()
+    g = torch.randn(300, conv.irreps_out.dim, dtype=dtype, device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+
+    def grads(a, rows=False):
+        out = (conv.forward_table_rows(a, y, lengths, coeffs, R_MAX, graph, torch.nn.Identity(), 37) if rows
+               else conv.forward_table(a, y, lengths, coeffs, R_MAX, graph))
+        return torch.autograd.grad(out, (y, lengths), g)
+
+    want = grads(x)
+    plain = torch.autograd.grad(conv(frozen, y, radial_table(lengths, coeffs, R_MAX), graph), (y, lengths), g)
+    got = grads(frozen)
+    for a, b, c in zip(got, want, plain, strict=True):
+        assert rel(a, b) < tol and rel(a, c) < tol and b.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads(frozen), got, strict=True))
+    for a, b in zip(grads(frozen, rows=True), got, strict=True):
+        assert rel(a, b) < tol
 
 
 @pytest.mark.cuda

@@ -208,3 +208,32 @@ def test_cuda_row_chunks_in_the_captured_step(monkeypatch, dtype: str) -> None:
     assert abs(e1 - e0) <= tol * abs(e0) and np.abs(f1 - f0).max() <= tol * np.abs(f0).max()
     e2, f2 = _energy_forces(calc, atoms)
     assert e2 == e1 and np.array_equal(f2, f1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), [("float64", 1e-10), ("float32", 1e-5)])
+def test_cuda_receiver_backward_gives_the_sender_backwards_forces(monkeypatch, dtype: str, tol: float) -> None:
+    """The bundled MACE in a calculator (parameters frozen, so the first layer's x, the species embedding, needs no
+    gradient): its first convolution's backward over the receivers (no grad x; taken for rows of any width with
+    the tuning at 1 byte: the bundled model's rows, 1.2 / 2.3 KB, are below the default) gives the energy and
+    forces of the sender-order backward (tuning None), and is the one that ran."""
+    from cgforge.kernels import KernelTuning, TPTuning
+    from cgforge.kernels.convolution import table_ops
+
+    asked = []
+    real = table_ops.conv_table_backward
+    monkeypatch.setattr(table_ops, "conv_table_backward", lambda *a: asked.append(a[-1]) or real(*a))  # a spy
+    atoms = water_box(64, seed=13)
+
+    def run(min_row_bytes):
+        tuning = KernelTuning(tp=TPTuning(receiver_backward_min_row_bytes=min_row_bytes))
+        calc = _calculator(device="cuda", dtype=dtype, tuning=tuning, cuda_graph=False)
+        asked.clear()
+        result = _energy_forces(calc, atoms)
+        return result, list(asked)
+
+    (e0, f0), sender = run(None)
+    (e1, f1), receiver = run(1)
+    assert sender and all(sender) and False in receiver  # grad x asked for by every call / not by the first layer
+    assert abs(e1 - e0) <= tol * abs(e0)
+    assert np.abs(f1 - f0).max() <= tol * np.abs(f0).max() and np.abs(f0).max() > 0

@@ -20,11 +20,19 @@ from ..core.launch import trilinear_double_backward
 from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
 from ..tensor_product import plan as plans
 from ..tensor_product.launch import has_unweighted_paths, launch, needs_zero_fill
-from ..tensor_product.layout import ATOMIC_BACKWARD, ATOMIC_FORWARD, CONV_BACKWARD, CONV_FORWARD, CONV_FORWARD_SORTED
+from ..tensor_product.layout import (
+    ATOMIC_BACKWARD,
+    ATOMIC_FORWARD,
+    CONV_BACKWARD,
+    CONV_BACKWARD_NO_GX,
+    CONV_BACKWARD_NO_GX_SORTED,
+    CONV_FORWARD,
+    CONV_FORWARD_SORTED,
+)
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
 
-__all__ = ["conv_table_backward", "conv_table_forward"]
+__all__ = ["conv_table_backward", "conv_table_forward", "needs_grad_x"]
 
 
 def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
@@ -45,14 +53,25 @@ def _csr_edges(rowptr: torch.Tensor, perm: torch.Tensor) -> tuple[torch.Tensor, 
     return ids, torch.searchsorted(rowptr, positions, right=True) - 1
 
 
+def needs_grad_x(ctx, key: str, dtype: torch.dtype) -> bool:
+    """Whether a backward forms grad x: where x needs one (MD's first layer, x the species embedding, needs none),
+    or where the plan's tuning keeps the sender-order backward for grad-out rows this narrow
+    (``TPTuning.receiver_backward_min_row_bytes``)."""
+    plan = plans.get(key)
+    least = plan.tuning.receiver_backward_min_row_bytes
+    row_bytes = plan.problem.irreps_out.dim * torch.empty((), dtype=dtype).element_size()
+    return bool(ctx.needs_input_grad[0]) or least is None or row_bytes < least
+
+
 def _fwd_fake(x, y, r, coeffs, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic):
     return x.new_empty(_output_rows(x, rowptr), plans.get(key).problem.irreps_out.dim)
 
 
 def _fwd_grad(ctx, g):
     x, y, r, coeffs, *graph = ctx.saved_tensors
-    gx, gy, gr = conv_table_backward(x, y, r, coeffs, g.contiguous(), *graph, *ctx.args)
-    return (gx, gy, gr) + (None,) * 10
+    grad_x = needs_grad_x(ctx, ctx.args[1], x.dtype)
+    gx, gy, gr = conv_table_backward(x, y, r, coeffs, g.contiguous(), *graph, *ctx.args, grad_x)
+    return (gx if grad_x else None, gy, gr) + (None,) * 10
 
 
 @custom_op("conv_table_forward", _fwd_fake, _fwd_grad)
@@ -84,8 +103,9 @@ def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs
     return out
 
 
-def _bwd_fake(x, y, r, coeffs, g, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic):
-    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(r)
+def _bwd_fake(x, y, r, coeffs, g, sender, receiver, rowptr, perm, rowptr_t, perm_t, r_max, key, deterministic,
+              grad_x=True):
+    return torch.empty_like(x) if grad_x else x.new_empty(0), torch.empty_like(y), torch.empty_like(r)
 
 
 def _bwd_grad(ctx, ggx, ggy, ggr):
@@ -94,7 +114,8 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     of ggr W'(r) on gW, and reaches r directly through W''; the trilinear rule gives the rest, and what reaches W
     goes on to r through W'."""
     x, y, r, coeffs, g, *graph = ctx.saved_tensors
-    r_max, key, det = ctx.args
+    r_max, key, det, grad_x = ctx.args
+    ggx = ggx if grad_x else None  # no grad x was formed: nothing flows back through it
     w = radial_table_eval(r, coeffs, r_max, 0)
     ggw = None if ggr is None else ggr.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, 1)
     dx, dy, dw, dg = trilinear_double_backward(
@@ -106,21 +127,31 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
         gw = conv_backward(x, y, w, g, *graph, key, det)[2]
         direct = ggr * radial_table_dot(r, coeffs, gw, r_max, 2)
         dr = direct if dr is None else dr + direct
-    return (dx, dy, dr, None, dg) + (None,) * 9
+    return (dx, dy, dr, None, dg) + (None,) * 10
 
 
 @custom_op("conv_table_backward", _bwd_fake, _bwd_grad)
 def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor, g: torch.Tensor,
                         sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
-                        rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool,
+                        grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: no
+    grad x is formed (an empty tensor in its place) and a deterministic graph's kernel walks the forward's rows,
+    reading each grad-out row once rather than once per edge."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)
         gx, gy, gw = _reference_conv_backward(p, x, y, w, g, sender, receiver)
-        return gx, gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
+        return gx if grad_x else x.new_empty(0), gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs, g = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous(), g.contiguous()
+    if deterministic and not grad_x:
+        gy, gr = torch.zeros_like(y), torch.zeros_like(r)
+        layout = CONV_BACKWARD_NO_GX if perm.numel() else CONV_BACKWARD_NO_GX_SORTED
+        args = [x, y, None, g, None, gy, None, rowptr, perm if perm.numel() else None, sender, None,
+                *_table_args(coeffs, r, r_max, gr)]
+        launch(key, True, layout.with_table(), rowptr.shape[0] - 1, args, x.dtype, x.device)
+        return x.new_empty(0), gy, gr
     gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts
     table = _table_args(coeffs, r, r_max, gr)
@@ -130,5 +161,5 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
     else:
         args = [x, y, None, g, gx, gy, None, None, None, sender, receiver, *table]
         launch(key, True, ATOMIC_BACKWARD.with_table(), sender.shape[0], args, x.dtype, x.device)
-    return gx, gy, gr
+    return gx if grad_x else x.new_empty(0), gy, gr
 

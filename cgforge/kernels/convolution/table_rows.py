@@ -34,7 +34,7 @@ from ..tensor_product import plan as plans
 from ..tensor_product.launch import launch, needs_zero_fill
 from ..tensor_product.layout import CONV_BACKWARD
 from .ops import _reference_conv_backward
-from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward
+from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward, needs_grad_x
 
 __all__ = ["conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
            "row_ranges", "transposed_range"]
@@ -171,7 +171,9 @@ class _TableConvRows(torch.autograd.Function):
                                   plans.get(ctx.key).tuning.backward_range_bytes)
         if torch.is_grad_enabled() or len(ranges) < 2:  # a graph kept (double backward), or one range anyway
             gc = row_map_transpose(ctx.out_fn, g, ctx.width, ctx.ranges)
-            gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True)
+            grad_x = needs_grad_x(ctx, ctx.key, x.dtype)  # none: the kernel walks the receivers, forms no grad x
+            gx, gy, gr = conv_table_backward(x, y, r, coeffs, gc, *graph, ctx.r_max, ctx.key, True, grad_x)
+            gx = gx if grad_x else None
         else:
             def grad_rows(r0: int, r1: int) -> torch.Tensor:
                 return row_map_transpose(ctx.out_fn, g[r0:r1], ctx.width, [(0, r1 - r0)])

@@ -14,6 +14,9 @@ class Layout:
     atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x).
     table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
     backward writes grad r instead).
+    grad_x: backward only; False: no grad x is formed or written (an in1 that needs no gradient, e.g. a first
+    layer's species embedding in MD). Then the backward may walk the forward's rows (receivers, x read through
+    xidx, the grad-out row once per row) instead of gathering a grad-out row per edge.
     """
 
     csr: bool = False
@@ -22,10 +25,12 @@ class Layout:
     gidx: bool = False
     atomic: bool = False
     table: bool = False
+    grad_x: bool = True
 
     def tag(self) -> str:
         flags = "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
-        return flags + ("t" if self.table else "")  # names of the kernels without a table as before
+        # names of the kernels without a table (or with grad x) as before
+        return flags + ("t" if self.table else "") + ("" if self.grad_x else "n")
 
     def with_table(self) -> Layout:
         return replace(self, table=True)
@@ -36,5 +41,8 @@ TP_LAYOUT = Layout()
 CONV_FORWARD = Layout(csr=True, perm=True, xidx=True)
 CONV_FORWARD_SORTED = Layout(csr=True, perm=False, xidx=True)  # edges already sorted by receiver
 CONV_BACKWARD = Layout(csr=True, perm=True, gidx=True)
+# A backward with no grad x over the forward's rows: grad y and grad W (r) are per edge, any row order serves.
+CONV_BACKWARD_NO_GX = Layout(csr=True, perm=True, xidx=True, grad_x=False)
+CONV_BACKWARD_NO_GX_SORTED = Layout(csr=True, perm=False, xidx=True, grad_x=False)
 ATOMIC_FORWARD = Layout(xidx=True, atomic=True)
 ATOMIC_BACKWARD = Layout(xidx=True, gidx=True, atomic=True)
