@@ -22,6 +22,7 @@ tables; JSON goes to benchmarks/results/ (or $OUT).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -80,16 +81,18 @@ def edge_lengths(atoms, sender: torch.Tensor, receiver: torch.Tensor) -> torch.T
 
 
 def parse_tuning(spec: str) -> TPTuning:
-    """``name=value,...`` -> TPTuning (ints where the value is one); a bad spec exits naming it."""
+    """``name=value,...`` -> TPTuning (ints where the value is one, true/false/none as such); a bad spec exits
+    naming it."""
+    words = {"true": True, "false": False, "none": None}
     fields = {}
     try:
         for item in filter(None, spec.split(",")):
-            key, value = item.split("=")
-            fields[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+            key, value = (part.strip() for part in item.split("="))
+            fields[key] = int(value) if value.lstrip("-").isdigit() else words.get(value.lower(), value)
         return TPTuning(**fields)
     except (TypeError, ValueError) as err:
-        sys.exit(f"bench_layer: --tuning {spec!r}: {err} (fields: forward_chunk, backward_chunk, loop_order, "
-                 "backward_loop_order, backward_min_blocks)")
+        names = ", ".join(f.name for f in dataclasses.fields(TPTuning))
+        sys.exit(f"bench_layer: --tuning {spec!r}: {err} (fields: {names})")
 
 
 def main() -> None:

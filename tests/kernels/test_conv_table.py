@@ -162,6 +162,25 @@ def test_the_backward_op_without_grad_x_returns_an_empty_grad_x() -> None:
     assert torch.equal(gy, full[1]) and torch.equal(gr, full[2])
 
 
+def test_the_receiver_backward_with_grad_x_adds_it_by_atomics_per_edge() -> None:
+    """TPTuning.receiver_backward_atomic's kernel (NVRTC on the CPU): the forward's rows, grad x added to the
+    sender's row (xr) inside the edge loop, no grad-out row gathered; compiles without spills."""
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import CONV_BACKWARD_RECEIVERS
+
+    tuning = TPTuning(receiver_backward_atomic=True, backward_loop_order="segments")
+    plan = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"]), tuning=tuning).key)
+    for dtype in (torch.float32, torch.float64):
+        source, name = plan.source(dtype, CONV_BACKWARD_RECEIVERS.with_table(), True)
+        loop = source.index("for (long long k = e_begin")
+        assert "gidx[eid]" not in source and "xidx[eid]" in source and "g + gr * OUT_DIM" not in source
+        assert loop < source.index("atomicAdd(gxrow") and source.index("g + row * OUT_DIM") < loop
+        if nvrtc_available():
+            res = compile_cubin(source, arch="sm_90", name="conv_table_receivers.cu").resources(name)
+            assert not res.spills, (name, res)
+
+
 def test_the_backward_without_grad_x_walks_the_receivers_and_stores_no_grad_x() -> None:
     """Its source (NVRTC on the CPU): x through xidx, the grad-out row of the row itself (in the segments order
     staged once per row, not per edge), no grad x written; no spills in MACE's layer shape."""
@@ -342,6 +361,30 @@ def test_cuda_backward_without_grad_x_equals_the_whole_backward(problem: str, dt
     assert all(torch.equal(a, b) for a, b in zip(grads(frozen), got, strict=True))
     for a, b in zip(grads(frozen, rows=True), got, strict=True):
         assert rel(a, b) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("order", ["auto", "segments"])
+def test_cuda_receiver_backward_with_atomic_grad_x_equals_the_whole_backward(problem: str, dtype: torch.dtype,
+                                                                             order: str) -> None:
+    """TPTuning.receiver_backward_atomic: x needing a gradient, the backward over the receivers adds grad x by
+    atomics; grad x, grad y and grad lengths equal the sender-order backward's (to rounding: the atomics' order
+    varies), with edge ids through perm and without."""
+    conv, graph, x, y, lengths, coeffs = _case(problem, 300, 6000, dtype=dtype, device="cuda", seed=15)
+    tuning = TPTuning(receiver_backward_atomic=True, backward_loop_order=None if order == "auto" else order)
+    atomic = Convolution(None, None, None, [], problem=conv.problem, tuning=tuning).to("cuda")
+    g = torch.randn(300, conv.irreps_out.dim, dtype=dtype, device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    order_by_receiver = torch.argsort(graph.receiver.long(), stable=True)
+    for edges in (slice(None), order_by_receiver):  # perm, then edges already in receiver order (no perm)
+        yy, ll = (t.detach()[edges].requires_grad_() for t in (y, lengths))
+        gr = ConvGraph(graph.sender[edges], graph.receiver[edges], graph.num_nodes)
+        want = torch.autograd.grad(conv.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
+        got = torch.autograd.grad(atomic.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
+        for a, b in zip(got, want, strict=True):
+            assert rel(a, b) < tol and b.abs().max() > 0
 
 
 @pytest.mark.cuda

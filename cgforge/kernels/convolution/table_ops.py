@@ -26,6 +26,8 @@ from ..tensor_product.layout import (
     CONV_BACKWARD,
     CONV_BACKWARD_NO_GX,
     CONV_BACKWARD_NO_GX_SORTED,
+    CONV_BACKWARD_RECEIVERS,
+    CONV_BACKWARD_RECEIVERS_SORTED,
     CONV_FORWARD,
     CONV_FORWARD_SORTED,
 )
@@ -130,6 +132,23 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     return (dx, dy, dr, None, dg) + (None,) * 10
 
 
+def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, r_max: float, key: str, grad_x: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward over the forward's rows (receivers): x read through the sender index, the row's grad-out
+    block staged once; grad x not formed, or (``TPTuning.receiver_backward_atomic``) added by atomics."""
+    gx = torch.zeros_like(x) if grad_x else None
+    gy, gr = torch.zeros_like(y), torch.zeros_like(r)
+    sorted_edges = not perm.numel()
+    if grad_x:
+        layout = CONV_BACKWARD_RECEIVERS_SORTED if sorted_edges else CONV_BACKWARD_RECEIVERS
+    else:
+        layout = CONV_BACKWARD_NO_GX_SORTED if sorted_edges else CONV_BACKWARD_NO_GX
+    args = [x, y, None, g, gx, gy, None, rowptr, None if sorted_edges else perm, sender, None,
+            *_table_args(coeffs, r, r_max, gr)]
+    launch(key, True, layout.with_table(), rowptr.shape[0] - 1, args, x.dtype, x.device)
+    return gx if grad_x else x.new_empty(0), gy, gr
+
+
 @custom_op("conv_table_backward", _bwd_fake, _bwd_grad)
 def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor, g: torch.Tensor,
                         sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
@@ -137,7 +156,8 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
                         grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: no
     grad x is formed (an empty tensor in its place) and a deterministic graph's kernel walks the forward's rows,
-    reading each grad-out row once rather than once per edge."""
+    reading each grad-out row once rather than once per edge (with ``TPTuning.receiver_backward_atomic`` also
+    where grad x is formed: added by atomics)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)
@@ -145,13 +165,8 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
         return gx if grad_x else x.new_empty(0), gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs, g = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous(), g.contiguous()
-    if deterministic and not grad_x:
-        gy, gr = torch.zeros_like(y), torch.zeros_like(r)
-        layout = CONV_BACKWARD_NO_GX if perm.numel() else CONV_BACKWARD_NO_GX_SORTED
-        args = [x, y, None, g, None, gy, None, rowptr, perm if perm.numel() else None, sender, None,
-                *_table_args(coeffs, r, r_max, gr)]
-        launch(key, True, layout.with_table(), rowptr.shape[0] - 1, args, x.dtype, x.device)
-        return x.new_empty(0), gy, gr
+    if deterministic and (not grad_x or plans.get(key).tuning.receiver_backward_atomic):
+        return _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, r_max, key, grad_x)
     gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts
     table = _table_args(coeffs, r, r_max, gr)

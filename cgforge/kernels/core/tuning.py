@@ -52,6 +52,9 @@ class TPTuning:
     backward, its grad x formed and dropped). Measured on an H100, 2026-11-27 (5,184-atom engine step): an 8 KB
     row (MACE-MP-medium's first layer, FP32) 13.15 -> 11.94-12.38 ms; 1.2 KB rows no gain (bundled MACE 2.90 ->
     2.93-3.17 ms) or a loss (NequIP M 9.01 -> 9.14-9.41): 4 KB, between them.
+    receiver_backward_atomic: the table backward walks the receivers also where x needs a gradient, each edge
+    adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
+    second layer: 20 KB an edge), grad x's bits vary from run to run (default False; not measured yet).
     """
 
     forward_chunk: int | None = None
@@ -65,6 +68,7 @@ class TPTuning:
     backward_range_bytes: int | None = None
     max_blocks: int | None = None
     receiver_backward_min_row_bytes: int | None = 4096
+    receiver_backward_atomic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -82,8 +86,9 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        if not isinstance(self.backward_chunk_passes, bool):
-            raise ValueError(f"backward_chunk_passes must be a bool, got {self.backward_chunk_passes!r}")
+        for name in ("backward_chunk_passes", "receiver_backward_atomic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):

@@ -54,8 +54,8 @@ def launch(key: str, backward: bool, layout: Layout, rows: int, args: list, dtyp
         return 0
     handle = plan.kernel(dtype, layout, backward, device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # passes keep gathered grad-out rows in the L2; a backward without grad x reads each row's own once
-    passes = (backward_launches(schedule, rows, device) if layout.grad_x else [-1]) if backward else [None]
+    # passes keep gathered grad-out rows in the L2; a backward over the receivers reads each row's own once
+    passes = (backward_launches(schedule, rows, device) if layout.gidx else [-1]) if backward else [None]
     for group_pass in passes:
         extra = [] if group_pass is None else [I32(group_pass)]
         handle.launch((blocks, 1, 1), (32 * warps, 1, 1), [*args, I64(rows), *extra],

@@ -11,7 +11,8 @@ class Layout:
     perm: edge position -> edge id (y, W and grad-y rows are read at the edge id).
     xidx: the in1 row of an edge is xidx[eid] (else the row itself).
     gidx: backward only, the grad-out row of an edge is gidx[eid] (else the row itself).
-    atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x).
+    atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x); with csr, a
+    row's edges each add their part of grad x.
     table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
     backward writes grad r instead).
     grad_x: backward only; False: no grad x is formed or written (an in1 that needs no gradient, e.g. a first
@@ -44,5 +45,8 @@ CONV_BACKWARD = Layout(csr=True, perm=True, gidx=True)
 # A backward with no grad x over the forward's rows: grad y and grad W (r) are per edge, any row order serves.
 CONV_BACKWARD_NO_GX = Layout(csr=True, perm=True, xidx=True, grad_x=False)
 CONV_BACKWARD_NO_GX_SORTED = Layout(csr=True, perm=False, xidx=True, grad_x=False)
+# The same walk with grad x added to the senders' rows by atomics (opt-in: its bits vary from run to run).
+CONV_BACKWARD_RECEIVERS = Layout(csr=True, perm=True, xidx=True, atomic=True)
+CONV_BACKWARD_RECEIVERS_SORTED = Layout(csr=True, perm=False, xidx=True, atomic=True)
 ATOMIC_FORWARD = Layout(xidx=True, atomic=True)
 ATOMIC_BACKWARD = Layout(xidx=True, gidx=True, atomic=True)
