@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|layer|envab|large|lammps
+#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|atomic|layer|envab|large|lammps
 # For benchmark numbers to keep, prefer `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit,
 # device, versions); this script stays for the sharded CUDA test suite (`tests`) and the A/B stages.
 set -uo pipefail
@@ -122,6 +122,20 @@ harmonics)  # the harmonics kernel (KernelTuning.harmonics, off by default until
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
             --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-1m-$tag.log" | tail -1
     done ;;
+atomic) # the table backward over the receivers with grad x by atomics (TPTuning.receiver_backward_atomic, off: not
+        # yet measured): its CUDA tests, bench_layer on MACE-MP-medium's second-layer shape (default beside the
+        # candidate in the segments order, where the row's grad-out block is staged once, and in the chunks order),
+        # then the 5k engine step of MACE-MP-medium: default / candidate (segments) / default, one run
+    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_conv_table.py -k "atomic or receiver or grad_x" \
+        2>&1 | tee "$OUT/atomic-tests.log" | tail -3
+    python3 benchmarks/bench_layer.py mace-medium --tuning "receiver_backward_atomic=true,backward_loop_order=segments" \
+        --tuning "receiver_backward_atomic=true" 2>&1 | tee "$OUT/atomic-layer.log" | tail -12
+    echo '{"tp": {"receiver_backward_atomic": true, "backward_loop_order": "segments"}}' > "$OUT/atomic-on.json"
+    for tuning in "" "$OUT/atomic-on.json" ""; do
+        tag=${tuning:+on} tag=${tag:-off}
+        python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium --dtypes float32 --ensembles nvt \
+            --backends cgforge-engine ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee -a "$OUT/atomic-md-$tag.log" | tail -1
+    done ;;
 layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
         # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
     python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
@@ -186,5 +200,5 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
         --sizes ${SIZES:-1728} --classes cgforge cgforge-mlp mace-own engine --modes exchange ghost \
         --ranks 1 2 --steps 20 --gpu-aware "$CGFORGE_LAMMPS_GPU_AWARE" \
         --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|layer|envab|large|lammps" >&2; exit 2 ;;
+*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|atomic|layer|envab|large|lammps" >&2; exit 2 ;;
 esac
