@@ -60,6 +60,11 @@ def calls(monkeypatch) -> list[dict]:
     ({"sc": {"chunk": True}}, "sc.chunk: expected int, got True"),
     ({"sc": {"pairings": ["pq", "xy"]}}, "sc.pairings: pairings must be a non-empty subset of ('pq', 'pd', 'qd')"),
     ({"tp": {"backward_chunk_passes": 1}}, "tp.backward_chunk_passes: backward_chunk_passes must be a bool, got 1"),
+    ({"tp": {"receiver_backward_min_row_bytes": 0}}, "tp.receiver_backward_min_row_bytes: "
+                                                      "receiver_backward_min_row_bytes must be None or a positive int, "
+                                                      "got 0"),
+    ({"tp": {"receiver_backward_atomic": "yes"}}, "tp.receiver_backward_atomic: receiver_backward_atomic must be a "
+                                                  "bool, got 'yes'"),
     ({"tp": ["edges"]}, "tp: expected an object of TPTuning's fields, got list"),
     ([1, 2], "expected an object with the keys 'tp', 'sc' and/or 'harmonics', got list"),
 ])

@@ -306,6 +306,15 @@ def test_rows_in_chunks_bad_arguments() -> None:
 
 # ---------------------------------------------------------------- CUDA
 
+def _sorted_by_receiver(graph: ConvGraph, y: torch.Tensor, lengths: torch.Tensor):
+    """The same graph with its edges in receiver order (its perm empty), and y and the lengths in that order."""
+    order = torch.argsort(graph.receiver.long(), stable=True)
+    sorted_graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
+    assert sorted_graph.tensors().perm.numel() == 0
+    return sorted_graph, *(t.detach()[order].requires_grad_() for t in (y, lengths))
+
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -340,10 +349,7 @@ def test_cuda_backward_without_grad_x_equals_the_whole_backward(problem: str, dt
     conv, graph, x, y, lengths, coeffs = _case(problem, 300, 6000, dtype=dtype, device="cuda", seed=13)
     conv = _receiver_backward(conv).to("cuda")
     if sorted_edges:  # edges already in receiver order: perm is empty
-        order = torch.argsort(graph.receiver.long(), stable=True)
-        y, lengths = (t.detach()[order].requires_grad_() for t in (y, lengths))
-        graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
-        assert graph.tensors().perm.numel() == 0
+        graph, y, lengths = _sorted_by_receiver(graph, y, lengths)
     frozen = x.detach()
     g = torch.randn(300, conv.irreps_out.dim, dtype=dtype, device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 1e-12
@@ -377,10 +383,8 @@ def test_cuda_receiver_backward_with_atomic_grad_x_equals_the_whole_backward(pro
     atomic = Convolution(None, None, None, [], problem=conv.problem, tuning=tuning).to("cuda")
     g = torch.randn(300, conv.irreps_out.dim, dtype=dtype, device="cuda")
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    order_by_receiver = torch.argsort(graph.receiver.long(), stable=True)
-    for edges in (slice(None), order_by_receiver):  # perm, then edges already in receiver order (no perm)
-        yy, ll = (t.detach()[edges].requires_grad_() for t in (y, lengths))
-        gr = ConvGraph(graph.sender[edges], graph.receiver[edges], graph.num_nodes)
+    # perm, then edges already in receiver order (no perm)
+    for gr, yy, ll in ((graph, y, lengths), _sorted_by_receiver(graph, y, lengths)):
         want = torch.autograd.grad(conv.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
         got = torch.autograd.grad(atomic.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
         for a, b in zip(got, want, strict=True):
@@ -403,11 +407,8 @@ def test_cuda_rows_in_chunks_equal_the_map_of_the_whole_convolution(dtype: torch
     graph's, bitwise; gradients and second derivatives as the composition's."""
     conv, graph, x, y, lengths, coeffs = _case("mace-medium", 200, 3000, dtype=dtype, device="cuda", seed=4)
     if sorted_edges:  # edges already in receiver order: perm is empty
-        order = torch.argsort(graph.receiver.long(), stable=True)
         x = x.detach().requires_grad_()
-        y, lengths = (t.detach()[order].requires_grad_() for t in (y, lengths))
-        graph = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
-        assert graph.tensors().perm.numel() == 0
+        graph, y, lengths = _sorted_by_receiver(graph, y, lengths)
     linear = _row_map(conv.irreps_out.dim, dtype=dtype, device="cuda")
     rows_whole = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
     chunked = conv.forward_table_rows(x, y, lengths, coeffs, R_MAX, graph, torch.nn.Identity(), 37)

@@ -17,6 +17,7 @@ import torch
 
 from ..core.custom_op import custom_op
 from ..core.launch import trilinear_double_backward
+from ..core.registry import itemsize
 from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
 from ..tensor_product import plan as plans
 from ..tensor_product.launch import has_unweighted_paths, launch, needs_zero_fill
@@ -61,7 +62,7 @@ def needs_grad_x(ctx, key: str, dtype: torch.dtype) -> bool:
     (``TPTuning.receiver_backward_min_row_bytes``)."""
     plan = plans.get(key)
     least = plan.tuning.receiver_backward_min_row_bytes
-    row_bytes = plan.problem.irreps_out.dim * torch.empty((), dtype=dtype).element_size()
+    row_bytes = plan.problem.irreps_out.dim * itemsize(dtype)
     return bool(ctx.needs_input_grad[0]) or least is None or row_bytes < least
 
 
