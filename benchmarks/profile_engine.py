@@ -1,14 +1,17 @@
 """Where the MD engine's step goes (one GPU): ms per step over engine settings, then the kernels of one step.
 
-    python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip] [--molecules 1728] [--steps 200]
-                                        [--compile [MODE]]
+    python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip|mace-mp-medium|nequip-M] [--molecules 1728]
+                                        [--steps 200] [--no-sweep] [--compile [MODE]]
 
-Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, bundled model, 0.5 fs), then profiles the
-fastest setting eagerly (kernels by name, count per step) so the integrator's small kernels show apart
-from the model's. With ``--compile`` the same again with ``Calculator(compile=MODE)`` (torch.compile of the
-model's forward and backward; MODE default or max-autotune-no-cudagraphs), so kernel counts and ms per step
-show before and after; the first step of each (capture, and compilation) is timed apart. Prints a table; JSON
-goes to benchmarks/results/ (or $OUT).
+Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, 0.5 fs; ``--no-sweep``: the engine's defaults only),
+then profiles the engine's default setting twice: eagerly (kernels by name, count per step, so the integrator's
+small kernels show apart from the model's) and as the CUDA graphs it replays (the kernels' own times in the
+captured step: what the step's wall time is made of, apart from the gaps between kernels). Kernels are grouped
+by bench_md's categories. The box is bench_md's (relaxed by 50 FIRE steps of the bundled MACE). With
+``--compile`` the same again with ``Calculator(compile=MODE)`` (torch.compile of the model's forward and
+backward; MODE default or max-autotune-no-cudagraphs), so kernel counts and ms per step show before and after;
+the first step of each (capture, and compilation) is timed apart. Prints a table; JSON goes to
+benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -16,32 +19,41 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
+from shapes import mace_mp_file  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
+MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
 
-def make(model: str, molecules: int, device: str = "cuda"):
-    from ase.optimize import FIRE
 
-    atoms = water_box(molecules)
-    atoms.calc = Calculator(model.split("-")[1], device=device, dtype="float32")
-    FIRE(atoms, logfile=None).run(steps=50)  # as bench_md's MD boxes: the grid box is far from equilibrium
-    atoms.calc = None
-    rng = np.random.default_rng(0)
-    masses = atoms.get_masses()[:, None]
-    atoms.set_momenta(rng.normal(size=(len(atoms), 3)) * np.sqrt(masses * 300 * 8.617e-5))
-    return atoms
+def make(molecules: int):
+    """bench_md's MD box: ``molecules`` waters relaxed by the bundled MACE, momenta at 300 K."""
+    return bench_md.md_atoms(water_box(molecules), "float32")
+
+
+def calculator(model: str, folder: str, compile_mode: str | None) -> Calculator:
+    """The FP32 Calculator of one of ``MODELS`` (NequIP's presets are built in FP32)."""
+    if model == "mace-mp-medium":
+        source = mace_mp_file(Path(folder), "float32")
+    elif model == "nequip-M":
+        source = bench_md.nequip_model(model, "float32")
+    else:
+        source = model.split("-")[1]
+    return Calculator(source, device="cuda", dtype=None if model == "nequip-M" else "float32",
+                      compile=compile_mode or False)
 
 
 def first_step_s(calc, atoms) -> float:
@@ -67,13 +79,14 @@ def ms_per_step(calc, atoms, steps: int, **engine_kw) -> float:
     return 1000 * (time.perf_counter() - t) / steps
 
 
-def kernel_table(calc, atoms, steps: int = 10, integrator=None) -> tuple[list[tuple[str, float, int]], int]:
-    """(name, ms per step, calls per step) of every kernel of eager engine steps, slowest first, and kernels per
-    step; ``integrator`` default NVT Langevin."""
+def kernel_table(calc, atoms, steps: int = 10, integrator=None, cuda_graph: bool = False
+                 ) -> tuple[list[tuple[str, float, int]], int]:
+    """(name, ms per step, calls per step) of every kernel of engine steps, slowest first, and kernels per step;
+    eager steps, or with ``cuda_graph`` the captured graphs' replays; ``integrator`` default NVT Langevin."""
     a = atoms.copy()
     integrator = integrator if integrator is not None else Langevin(0.5, 300.0, 0.01)
-    engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"), cuda_graph=False)
-    engine.run(5)
+    engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"), cuda_graph=cuda_graph)
+    engine.run(20 if cuda_graph else 5)  # captured graphs before the profile
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,31 +105,41 @@ def kernel_table(calc, atoms, steps: int = 10, integrator=None) -> tuple[list[tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="bundled-mace", choices=("bundled-mace", "bundled-nequip"))
+    parser.add_argument("--model", default="bundled-mace", choices=MODELS)
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--no-sweep", action="store_true", help="the engine's default setting only")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also measure Calculator(compile=MODE) (default mode when MODE is left out)")
     args = parser.parse_args()
-    atoms = make(args.model, args.molecules)
+    atoms = make(args.molecules)
+    folder = tempfile.mkdtemp()
     variants = [None] + ([args.compile] if args.compile else [])
     results = []
     for mode in variants:
         print(f"\n# compile={mode}", flush=True)
         t = time.perf_counter()
-        calc = Calculator(args.model.split("-")[1], device="cuda", dtype="float32", compile=mode or False)
+        calc = calculator(args.model, folder, mode)
         setup = time.perf_counter() - t
         first = first_step_s(calc, atoms)
         sweep = []
-        for spg, block in ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50)):
-            ms = ms_per_step(calc, atoms, args.steps, steps_per_graph=spg, block=block)
-            sweep.append({"steps_per_graph": spg, "block": block, "ms_per_step": ms})
+        settings = [{}] if args.no_sweep else [{"steps_per_graph": spg, "block": block} for spg, block in
+                                               ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50))]
+        for setting in settings:
+            ms = ms_per_step(calc, atoms, args.steps, **setting)
+            sweep.append(setting | {"ms_per_step": ms})
             print(sweep[-1], flush=True)
-        kernels, per_step = kernel_table(calc, atoms)
-        results.append({"compile": mode, "compile_error": calc.step.compile_error, "setup_s": setup,
-                        "first_step_s": first, "sweep": sweep, "kernels_per_step": per_step,
-                        "kernel_ms": sum(r[1] for r in kernels),
-                        "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]})
+        result = {"compile": mode, "compile_error": calc.step.compile_error, "setup_s": setup,
+                  "first_step_s": first, "sweep": sweep}
+        for label, graph in (("eager", False), ("captured", True)):
+            kernels, per_step = kernel_table(calc, atoms, cuda_graph=graph)
+            categories: dict[str, float] = defaultdict(float)
+            for name, ms, _ in kernels:
+                categories[bench_md.kernel_category(name)] += ms
+            result[label] = {"kernels_per_step": per_step, "kernel_ms": sum(r[1] for r in kernels),
+                             "categories": dict(categories),
+                             "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]}
+        results.append(result)
         del calc
     path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "results": results})
     print(f"\n{args.model}, {len(atoms)} atoms, NVT Langevin FP32; JSON: {path}")
@@ -124,12 +147,16 @@ def main() -> None:
         print(f"\ncompile={res['compile']}: calculator {res['setup_s']:.1f} s, first engine step {res['first_step_s']:.1f} s"
               f" (capture{', torch.compile' if res['compile'] else ''})"
               + (f"; compile failed: {res['compile_error']}" if res["compile_error"] else ""))
-        print(f"eager step: {res['kernels_per_step']} kernels, {res['kernel_ms']:.3f} ms of kernel time")
-        for k in res["kernels"][:25]:
-            print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name'][:110]}")
+        for label in ("eager", "captured"):
+            part = res[label]
+            print(f"{label} step: {part['kernels_per_step']} kernels, {part['kernel_ms']:.3f} ms of kernel time; "
+                  + ", ".join(f"{c} {ms:.3f}" for c, ms in sorted(part["categories"].items(), key=lambda kv: -kv[1])))
+            for k in part["kernels"][:25]:
+                print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name'][:110]}")
         print("steps_per_graph block  ms/step")
         for r in res["sweep"]:
-            print(f"{r['steps_per_graph']:15d} {r['block']:5d} {r['ms_per_step']:8.3f}")
+            print(f"{str(r.get('steps_per_graph', 'default')):>15s} {str(r.get('block', 'default')):>7s} "
+                  f"{r['ms_per_step']:8.3f}")
 
 
 if __name__ == "__main__":

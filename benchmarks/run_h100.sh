@@ -122,8 +122,8 @@ harmonics)  # the harmonics kernel (KernelTuning.harmonics, off by default until
         python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
             --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-1m-$tag.log" | tail -1
     done ;;
-atomic) # the table backward over the receivers with grad x by atomics (TPTuning.receiver_backward_atomic, off: not
-        # yet measured): its CUDA tests, bench_layer on MACE-MP-medium's second-layer shape (default beside the
+atomic) # the table backward over the receivers with grad x by atomics (TPTuning.receiver_backward_atomic, off: forces
+        # not bitwise reproducible; results/atomic-ab-h100-20261127i): its CUDA tests, bench_layer on MACE-MP-medium's second-layer shape (default beside the
         # candidate in the segments order, where the row's grad-out block is staged once, and in the chunks order),
         # then the 5k engine step of MACE-MP-medium: default / candidate (segments) / default, one run
     python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_conv_table.py -k "atomic or receiver or grad_x" \

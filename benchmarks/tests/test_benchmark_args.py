@@ -31,6 +31,12 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/kernel_sources.py", ["--steps", "0"], "--steps"),
     ("investigations/kernel_sources.py", ["--model", "mace-huge"], "mace-huge"),
     ("investigations/candidate.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
+    ("investigations/tuning_ab.py", ["--models", "mace-huge", "--tuning", "a={}"], "mace-huge"),
+    ("investigations/tuning_ab.py", ["--tuning", 'a={"tp": {"loop_order": "rows"}}'], "loop_order"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={"], "--tuning a"),
+    ("investigations/tuning_ab.py", ["--tuning", "{}"], "NAME=JSON"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--tuning", "a={}"], "same NAME"),
+    ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,

@@ -1,0 +1,125 @@
+"""Kernel tunings side by side in one process: the 5,184-atom engine step of each model under each tuning, the
+tunings' runs interleaved round by round so that drift of the machine (clocks, other tenants) falls on all alike.
+
+    python3 benchmarks/investigations/tuning_ab.py --models bundled-mace,mace-mp-medium,nequip-M \\
+        --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
+
+Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format);
+the first is the reference. Per model: one Calculator per tuning (FP32, skin 1 A), the box relaxed once by
+bench_md's ``md_atoms``, then per round and tuning a fresh Engine (NVT Langevin, 0.5 fs, 300 K) that runs
+``--warmup`` steps and is timed over ``--steps``. Prints ms per step of every round, the median per tuning and its
+ratio to the reference; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_md  # noqa: E402
+from common import environment, write_json  # noqa: E402
+from shapes import mace_mp_file  # noqa: E402
+
+from cgforge.kernels import KernelTuning  # noqa: E402
+from cgforge.plugin.calculator import Calculator  # noqa: E402
+from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin  # noqa: E402
+from cgforge.plugin.water import water_box  # noqa: E402
+
+MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
+
+
+def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
+    """``NAME=JSON`` -> (NAME, KernelTuning); ``NAME={}`` is the defaults."""
+    name, sep, text = spec.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--tuning wants NAME=JSON, got {spec!r}")
+    try:
+        return name, KernelTuning.from_dict(json.loads(text))
+    except ValueError as error:  # json.JSONDecodeError is one
+        raise SystemExit(f"--tuning {name}: {error}") from None
+
+
+def model_source(name: str, folder: Path):
+    if name == "mace-mp-medium":
+        return mace_mp_file(folder, "float32")
+    if name.startswith("nequip-") and name != "bundled-nequip":
+        return bench_md.nequip_model(name, "float32")
+    return bench_md.bundled(name.split("-")[1])
+
+
+def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> float:
+    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
+    engine.run(warmup)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.run(steps)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="mace-mp-medium")
+    parser.add_argument("--tuning", action="append", required=True, metavar="NAME=JSON")
+    parser.add_argument("--molecules", type=int, default=1728)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        sys.exit(f"tuning_ab.py: unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    tunings = [parse_tuning(spec) for spec in args.tuning]
+    if len({name for name, _ in tunings}) < len(tunings):
+        sys.exit("tuning_ab.py: two --tuning values have the same NAME")
+    if not torch.cuda.is_available():
+        sys.exit("tuning_ab.py needs a CUDA GPU")
+    atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
+    results: list[dict] = []
+    path = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            calcs = {}
+            for name, tuning in tunings:
+                t = time.perf_counter()  # a module is patched in place: each tuning gets its own
+                calcs[name] = Calculator(model_source(model, Path(tmp)), device="cuda", dtype=None if model.startswith("nequip-") else
+                                         "float32", skin=1.0, tuning=tuning)
+                print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
+            times: dict[str, list[float]] = {name: [] for name, _ in tunings}
+            for r in range(args.rounds):
+                for name, _ in tunings:
+                    times[name].append(ms_per_step(calcs[name], atoms, args.warmup, args.steps))
+                print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
+                      flush=True)
+            reference = float(np.median(times[tunings[0][0]]))
+            for name, tuning in tunings:
+                median = float(np.median(times[name]))
+                results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
+                                "tuning": dataclasses.asdict(tuning), "ms_per_step": times[name], "median_ms": median,
+                                "vs_reference": median / reference})
+            del calcs
+            torch.cuda.empty_cache()
+            path = write_json("tuning-ab", {"environment": environment(), "args": vars(args), "results": results},
+                              path)
+    print(f"\n{len(atoms)} atoms, NVT Langevin FP32, {args.steps} steps after {args.warmup}, "
+          f"{args.rounds} interleaved rounds; JSON: {path}")
+    print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s}  rounds")
+    for row in results:
+        print(f"{row['model']:16s} {row['tuning_name']:12s} {row['median_ms']:10.3f} {row['vs_reference']:8.3f}x  "
+              + " ".join(f"{v:.3f}" for v in row["ms_per_step"]))
+
+
+if __name__ == "__main__":
+    main()
