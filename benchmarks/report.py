@@ -49,6 +49,9 @@ TREES = {
     "capacity-h100-20261126/capacity-20261126-224201.json": ("adb0069", "README, call 3"),
     "engine-harmonics-h100-20261127f/md-20261127-150838.json": ("561a864", "README, call 1"),
     "engine-harmonics-h100-20261127f/md-20261127-151141.json": ("561a864", "README, call 2"),
+    "engine-table-h100-20261127k/md-20261127-215958.json": ("486771f", "README, call B"),
+    "engine-table-h100-20261127k/md-20261127-220442.json": ("486771f", "README, call C"),
+    "engine-table-h100-20261127k/md-20261127-220543.json": ("486771f", "README, call C"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -209,28 +212,48 @@ def layer_section(runs: list[Run]) -> list[str]:
     return out + [""]
 
 
+def _companion(runs: list[Run], run: Run, model: str, backend: str) -> Run | None:
+    """The newest run beside ``run`` (same folder, device and commit: another call on the same machine) that timed
+    ``model`` with ``backend``, where ``run`` itself did not."""
+    if _has(run, model=model, backend=backend):
+        return run
+    return newest(runs, lambda r: Path(r.path).parent == Path(run.path).parent and r.device == run.device
+                  and r.commit == run.commit and _has(r, model=model, backend=backend))
+
+
 def engine_section(runs: list[Run]) -> list[str]:
     """Per model, the newest run that timed the engine and FastMACE side by side (runs differ by model when a
-    newer run held only some of the models)."""
+    newer run held only some of the models); the compiled engine from that run or one beside it (same folder,
+    device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run."""
     picked: dict[str, Run] = {}
     for run in runs:  # oldest first: a newer run replaces an older one, model by model
         for model in dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace"):
             if _has(run, model=model, backend="cgforge-engine"):
                 picked[model] = run
-    chosen = sorted({run.path: run for run in picked.values()}.values(), key=lambda r: r.date)
+    newest_pick = max(picked.values(), key=lambda r: r.date) if picked else None
+    for model in ("nequip-M",):  # no FastMACE peer: the engine beside the newest FastMACE run
+        beside = newest_pick and _companion(runs, newest_pick, model, "cgforge-engine")
+        if beside is not None:
+            picked[model] = beside
+    compiled = {model: _companion(runs, run, model, "cgforge-engine-compiled") for model, run in picked.items()}
+    cited = [r for r in list(picked.values()) + list(compiled.values()) if r is not None]
+    chosen = sorted({run.path: run for run in cited}.values(), key=lambda r: r.date)
     out = _opening(
         "Whole MD steps vs FastMACE", chosen[-1] if chosen else None, "bench_md run with FastMACE rows",
         "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after 20) on the 5184-atom water "
         "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
         "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
-        "cuEquivariance convolution), each row from one run. Lower is better.",
+        "cuEquivariance convolution; MACE models only), FastMACE timed in the same run as the engine, the compiled "
+        "engine in that run or in a call beside it on the same machine. The floor is `benchmarks/step_floor.py`'s "
+        "lower bound of the energy + forces call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s). Lower is better.",
         ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE", "engine / FastMACE",
-         "run"])
+         "floor", "runs (engine, compiled)"])
     if not chosen:
         return out
     run_line = out.index(f"Run: {chosen[-1].cite()}.")
     out[run_line:run_line + 1] = [f"Run {k + 1}: {run.cite()}." + ("" if k == len(chosen) - 1 else "  ")
                                   for k, run in enumerate(chosen)]
+    number = {run.path: k + 1 for k, run in enumerate(chosen)}
 
     def ms(v: object) -> str:
         return f"{v * 1e3:.2f} ms" if isinstance(v, float) else "-"
@@ -238,11 +261,18 @@ def engine_section(runs: list[Run]) -> list[str]:
     def ratio(a: object, b: object) -> str:
         return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "-"
 
+    def nvt(run: Run | None, model: str, backend: str, key: str = "nvt_s") -> object:
+        return next((row.get(key) for row in run.rows if row.get("model") == model
+                     and row.get("backend") == backend), None) if run is not None else None
+
     for model, run in picked.items():
-        cell = {row["backend"]: row.get("nvt_s") for row in run.rows if row.get("model") == model}
-        fast, comp, plain = cell.get("fastmace"), cell.get("cgforge-engine-compiled"), cell.get("cgforge-engine")
+        plain, fast = nvt(run, model, "cgforge-engine"), nvt(run, model, "fastmace")
+        comp = nvt(compiled[model], model, "cgforge-engine-compiled")
+        floor = nvt(run, model, "cgforge-engine", "floor_ms")
+        runs_cell = f"{number[run.path]}, {number[compiled[model].path]}" if compiled[model] else f"{number[run.path]}"
         out.append(f"| {MODEL_NAMES.get(model, model)} | {ms(plain)} | {ms(comp)} | {ms(fast)} | {ratio(comp, fast)} "
-                   f"| {ratio(plain, fast)} | {[r.path for r in chosen].index(run.path) + 1} |")
+                   f"| {ratio(plain, fast)} | {f'{floor:.3f} ms' if isinstance(floor, float) else '-'} "
+                   f"| {runs_cell} |")
     last = max(run.date for run in chosen)
     later = newest(runs, lambda r: r.date > last and _has(r, backend="cgforge-engine", system="5k"))
     if later is not None:

@@ -162,9 +162,25 @@ def test_the_engine_table_takes_each_model_from_its_newest_run_with_fastmace(tmp
     _md_json(tmp_path / "b", "2026-11-21T10:00:00", [("mace-mp-medium", "cgforge-engine", 0.010),
                                                       ("mace-mp-medium", "fastmace", 0.025)])
     page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
-    assert "| bundled MACE | 3.00 ms | - | 4.00 ms | - | 0.75 | 1 |" in page
-    assert "| MACE-MP-medium shape | 10.00 ms | - | 25.00 ms | - | 0.40 | 2 |" in page
+    assert "| bundled MACE | 3.00 ms | - | 4.00 ms | - | 0.75 | - | 1 |" in page
+    assert "| MACE-MP-medium shape | 10.00 ms | - | 25.00 ms | - | 0.40 | - | 2 |" in page
     assert "Run 1: " in page and "a/md-2026-11-20.json" in page and "Run 2: " in page
+
+
+def test_the_engine_table_takes_compiled_and_nequip_rows_from_a_call_beside_the_fastmace_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled rows and NequIP M come from the FastMACE run's folder (same device and commit), not from elsewhere."""
+    report = _load("report")
+    monkeypatch.setattr(report, "LOG_ROWS", {})
+    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+                                                      ("bundled-mace", "fastmace", 0.004)])
+    _md_json(tmp_path / "a", "2026-11-21T10:05:00", [("bundled-mace", "cgforge-engine-compiled", 0.002),
+                                                      ("nequip-M", "cgforge-engine", 0.009)])
+    _md_json(tmp_path / "b", "2026-11-19T10:00:00", [("nequip-M", "cgforge-engine-compiled", 0.001)])  # elsewhere
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "| bundled MACE | 3.00 ms | 2.00 ms | 4.00 ms | 0.50 | 0.75 | - | 1, 2 |" in page
+    assert "| NequIP preset M | 9.00 ms | - | - | - | - | - | 2 |" in page
+    assert "b/md-2026-11-19.json" not in page
 
 
 def test_the_page_is_current() -> None:
