@@ -52,6 +52,9 @@ TREES = {
     "engine-table-h100-20261127k/md-20261127-215958.json": ("486771f", "README, call B"),
     "engine-table-h100-20261127k/md-20261127-220442.json": ("486771f", "README, call C"),
     "engine-table-h100-20261127k/md-20261127-220543.json": ("486771f", "README, call C"),
+    "engine-profile-h100-20261127j/engine-profile-20261127-215327.json": ("b3b3486", "README (+ the script)"),
+    "engine-profile-h100-20261127j/engine-profile-20261127-215415.json": ("b3b3486", "README (+ the script)"),
+    "engine-profile-h100-20261127j/engine-profile-20261127-215451.json": ("b3b3486", "README (+ the script)"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -358,6 +361,49 @@ def ladder_section(runs: list[Run]) -> list[str]:
     return out + [""]
 
 
+PROFILE_CATEGORIES = ("convolution (cgforge)", "copy/cat", "elementwise", "GEMM", "index/scatter/gather",
+                      "symmetric contraction (cgforge)")
+
+
+def profile_section(results: Path) -> list[str]:
+    """Per model, the newest vetted ``profile_engine.py`` run that profiled the captured step: its kernel time by
+    category beside the step's wall time (the uncompiled engine)."""
+    picked: dict[str, tuple[str, dict, dict, str, str]] = {}
+    for path in sorted(results.rglob("engine-profile-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rel = path.relative_to(results).as_posix()
+        known = _commit(results, rel)
+        plain = next((r for r in data.get("results", []) if isinstance(r, dict) and r.get("compile") is None
+                      and "captured" in r), None)
+        env, model = data.get("environment", {}), data.get("args", {}).get("model")
+        if known is None or plain is None or not model or not env.get("date"):
+            continue
+        if model not in picked or env["date"] > picked[model][1]["date"]:
+            picked[model] = (rel, env, plain, *known)
+    out = ["## Where the engine's step goes", ""]
+    if not picked:
+        return out + ["No profile_engine.py run with a captured-step profile under benchmarks/results/.", ""]
+    out += ["The uncompiled engine's 5184-atom NVT step (FP32, the engine's defaults) as the CUDA graphs it replays, "
+            "profiled by `benchmarks/profile_engine.py`: each kernel's own time per step (10 steps, a neighbour-list "
+            "rebuild's kernels amortised), by category; the step's wall time beside it (the rest is the gaps "
+            "between kernels).", "",
+            "| model | step | kernels a step | kernel time | " + " | ".join(PROFILE_CATEGORIES) + " | other | run |",
+            "|---|" + "---:|" * (len(PROFILE_CATEGORIES) + 5)]
+    for model, (rel, env, plain, sha, note) in sorted(picked.items()):
+        part = plain["captured"]
+        cats = part.get("categories", {})
+        other = part["kernel_ms"] - sum(cats.get(c, 0.0) for c in PROFILE_CATEGORIES)
+        step = plain["sweep"][0]["ms_per_step"] if plain.get("sweep") else float("nan")
+        out.append(f"| {MODEL_NAMES.get(model, model)} | {step:.2f} ms | {part['kernels_per_step']} "
+                   f"| {part['kernel_ms']:.2f} ms | " + " | ".join(f"{cats.get(c, 0.0):.2f}" for c in PROFILE_CATEGORIES)
+                   + f" | {other:.2f} | {env.get('device', 'unknown device')}, {env['date'][:16].replace('T', ' ')}, "
+                   f"commit `{sha}` ({note}); [`{rel}`](../benchmarks/results/{rel}) |")
+    return out + [""]
+
+
 def render(results: Path) -> str:
     layer, md = load_runs(results, "layer"), load_runs(results, "md")
     lines = ["# Performance", "",
@@ -367,7 +413,7 @@ def render(results: Path) -> str:
              "question it answered: [benchmarks/results/README.md](../benchmarks/results/README.md). To refresh: "
              "`python benchmarks/run.py layer engine md capacity ladder` on a GPU, then `python benchmarks/report.py`.", ""]
     lines += layer_section(layer) + engine_section(md) + force_section(md) + capacity_section(md)
-    lines += ladder_section(load_runs(results, "capacity"))
+    lines += ladder_section(load_runs(results, "capacity")) + profile_section(results)
     lines += ["## Where the numbers come from", "",
               "- Runs made with `benchmarks/run.py` carry their commit in `manifest.json`. Older runs recorded the "
               "device copy's stale HEAD in their JSON; for those, the tree that ran is taken from the run folder's "

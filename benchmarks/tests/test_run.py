@@ -199,3 +199,27 @@ def test_the_results_index_lists_every_run_folder() -> None:
     folders = sorted(p.name for p in results.iterdir() if p.is_dir())
     assert sorted(listed) == folders
     assert [p.name for p in results.iterdir() if p.is_file()] == ["README.md"]
+
+
+def test_the_profile_table_takes_each_models_newest_vetted_captured_profile(tmp_path: Path) -> None:
+    """profile_engine.py runs with a captured-step profile count; older ones (eager only) and unvetted ones do not."""
+    report = _load("report")
+
+    def profile_json(folder: Path, date: str, kernel_ms: float, captured: bool, vetted: bool = True) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if vetted:
+            (folder / "manifest.json").write_text(json.dumps(
+                {"commit": {"sha": "abc1234", "source": "git", "dirty": False}, "env": {}}))
+        part = {"kernels_per_step": 500, "kernel_ms": kernel_ms, "categories": {"convolution (cgforge)": 1.0}}
+        result = {"compile": None, "sweep": [{"ms_per_step": 3.0}], "eager": part} | ({"captured": part} if captured
+                                                                                      else {})
+        (folder / f"engine-profile-{date[:10]}.json").write_text(json.dumps(
+            {"environment": {"date": date, "device": "NVIDIA H100 80GB HBM3"}, "args": {"model": "bundled-mace"},
+             "results": [result]}))
+
+    profile_json(tmp_path / "a", "2026-11-20T10:00:00", 2.5, captured=True)
+    profile_json(tmp_path / "b", "2026-11-21T10:00:00", 2.0, captured=False)  # eager only: skipped
+    profile_json(tmp_path / "c", "2026-11-22T10:00:00", 1.5, captured=True, vetted=False)  # no commit: skipped
+    page = "\n".join(report.profile_section(tmp_path))
+    assert "| bundled MACE | 3.00 ms | 500 | 2.50 ms | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 1.50 |" in page
+    assert "a/engine-profile-2026-11-20.json" in page and "b/" not in page and "c/" not in page

@@ -107,9 +107,11 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
-# --compile auto: the shortest run compiled. Measured (H100, 5184-atom water, NVT, 0.5 fs): the compiled engine
-# saves 0.73 ms a step on the bundled MACE model (3.06 -> 2.33 ms) for 19 s of compilation, 1.87 ms on the
-# MACE-MP-medium shape (16.13 -> 14.26) for 17 s: paid back after 26,000 and 9,000 steps; at 50,000 both gain.
+# --compile auto: the shortest run compiled. Measured (H100, 5184-atom water, 0.5 fs, 486771f, 2026-11-27): the
+# compiled engine saves 1.57 ms a NVT step on the MACE-MP-medium shape (12.38 -> 10.81 ms) for 14.6 s of
+# compilation, 1.77 ms on NequIP M (9.34 -> 7.57) for 25.5 s: paid back after ~9,300 and ~14,400 steps; on the
+# bundled MACE 0.06 ms NVT, 0.81 ms NPT (3.46 -> 2.65) for 22.9 s. A second process reads the first's caches
+# (~5 s). Kept at 50,000: the larger models gain from there, the bundled MACE's NVT loses ~20 s of a ~130 s run.
 COMPILE_AUTO_MIN_STEPS = 50_000
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
