@@ -3,11 +3,10 @@ the other way round: a landed change turned off):
 
     python3 benchmarks/investigations/candidate.py linear-map-into benchmarks/bench_md.py --systems 5k ...
 
-``linear-map-into``: ``patches.e3nn_layers.SplitLinear`` maps every input through ``map_into`` when its weights are
-frozen (one chunk of all rows: GEMMs writing the output's columns in place, no concatenation, the path weights
-folded once), where today only inputs above ``CHUNKED_ABOVE_BYTES`` do. ``linear_rows.py`` measured map_into at
-0.41-1.05 ms against ``_map``'s 0.59-1.46 ms on 13,107 rows of MACE-MP-medium's block linears (H100, 2026-11-26);
-the eager engine step runs 186-234 of ``_map``'s ops (``kernel_sources.py``, 2026-11-27).
+``linear-map-into-all``: ``patches.e3nn_layers.SplitLinear`` maps every frozen input through ``map_into``
+(``MAP_INTO_ABOVE_BYTES`` 0), where the landed rule (2026-11-27) does so from 32 MB of input on. Measured with every
+input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
+8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (its inputs are 6-17 MB), hence the size rule.
 
 The commit rule as two CUDA kernels (``commit-kernels``, measured 2026-11-27 with no gain: results/
 suite-ab-h100-20261127g) was removed after its A/B; it lives in git at 475f65b.
@@ -17,29 +16,25 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into",)
+CANDIDATES = ("linear-map-into-all",)
 
 
-def turn_on(name: str) -> None:
-    """Turn candidate ``name`` on in this process (before the script builds its models)."""
+def turn_on(name: str) -> Callable[[], None]:
+    """Turn candidate ``name`` on in this process (before the script builds its models); returns what turns it
+    off again (``tuning_ab.py`` interleaves a candidate with the code as it is)."""
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
-    if name == "linear-map-into":
-        import torch
+    import cgforge.patches.e3nn_layers as layers
 
-        from cgforge.patches.e3nn_layers import SplitLinear
+    least = layers.MAP_INTO_ABOVE_BYTES
+    layers.MAP_INTO_ABOVE_BYTES = 0
 
-        chunk_rows = SplitLinear.chunk_rows
+    def turn_off() -> None:
+        layers.MAP_INTO_ABOVE_BYTES = least
 
-        def all_rows_when_frozen(self: SplitLinear, x: torch.Tensor) -> int | None:
-            rows = chunk_rows(self, x)
-            if rows is not None or (self.weight.requires_grad and torch.is_grad_enabled()) \
-                    or torch.compiler.is_compiling():
-                return rows
-            return max(x.shape[0], 1)
-
-        SplitLinear.chunk_rows = all_rows_when_frozen
+    return turn_off
 
 
 def main() -> None:

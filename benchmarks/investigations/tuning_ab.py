@@ -3,9 +3,12 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
 
     python3 benchmarks/investigations/tuning_ab.py --models bundled-mace,mace-mp-medium,nequip-M \\
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
+        [--candidate all=linear-map-into-all] [--candidate before=without:linear-map-into]
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format);
-the first is the reference. Per model: one Calculator per tuning (FP32, skin 1 A), the box relaxed once by
+each ``--candidate NAME=CHANGE`` runs the default tuning with a change of ``candidate.py`` turned on (or, written
+``without:CHANGE``, a landed change of ``without.py`` turned off) while its calculator is built and its engines run
+(each engine captures its own CUDA graphs); the first ``--tuning`` is the reference. Per model: one Calculator per tuning (FP32, skin 1 A), the box relaxed once by
 bench_md's ``md_atoms``, then per round and tuning a fresh Engine (NVT Langevin, 0.5 fs, 300 K) that runs
 ``--warmup`` steps and is timed over ``--steps``. Prints ms per step of every round, the median per tuning and its
 ratio to the reference; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
@@ -14,12 +17,14 @@ ratio to the reference; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
 from shapes import mace_mp_file  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # investigations/
+import candidate as candidates  # noqa: E402
+import without  # noqa: E402
+
+CHANGES = list(candidates.CANDIDATES) + [f"without:{name}" for name in without.OFF]
 
 from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
@@ -58,6 +69,19 @@ def model_source(name: str, folder: Path):
     return bench_md.bundled(name.split("-")[1])
 
 
+@contextlib.contextmanager
+def candidate_on(change: str | None) -> Iterator[None]:
+    """``candidate.py``'s change ``change`` on inside the block (None: nothing changed)."""
+    if not change:
+        yield
+        return
+    undo = without.turn_off(change[len("without:"):]) if change.startswith("without:") else candidates.turn_on(change)
+    try:
+        yield
+    finally:
+        undo()
+
+
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> float:
     engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
     engine.run(warmup)
@@ -72,6 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mace-mp-medium")
     parser.add_argument("--tuning", action="append", required=True, metavar="NAME=JSON")
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=CANDIDATE",
+                        help=f"a variant with a change: {', '.join(CHANGES)}")
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
@@ -82,6 +108,13 @@ def main() -> None:
     if unknown:
         sys.exit(f"tuning_ab.py: unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     tunings = [parse_tuning(spec) for spec in args.tuning]
+    changes: dict[str, str] = {}  # variant name -> the candidate it turns on
+    for spec in args.candidate:
+        name, sep, change = spec.partition("=")
+        if not sep or not name or change not in CHANGES:
+            sys.exit(f"--candidate wants NAME=CHANGE with CHANGE one of {', '.join(CHANGES)}, got {spec!r}")
+        changes[name] = change
+        tunings.append((name, KernelTuning()))
     if len({name for name, _ in tunings}) < len(tunings):
         sys.exit("tuning_ab.py: two --tuning values have the same NAME")
     if not torch.cuda.is_available():
@@ -94,19 +127,23 @@ def main() -> None:
             calcs = {}
             for name, tuning in tunings:
                 t = time.perf_counter()  # a module is patched in place: each tuning gets its own
-                calcs[name] = Calculator(model_source(model, Path(tmp)), device="cuda", dtype=None if model.startswith("nequip-") else
-                                         "float32", skin=1.0, tuning=tuning)
+                with candidate_on(changes.get(name)):
+                    calcs[name] = Calculator(model_source(model, Path(tmp)), device="cuda",
+                                             dtype=None if model.startswith("nequip-") else "float32", skin=1.0,
+                                             tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
             for r in range(args.rounds):
                 for name, _ in tunings:
-                    times[name].append(ms_per_step(calcs[name], atoms, args.warmup, args.steps))
+                    with candidate_on(changes.get(name)):
+                        times[name].append(ms_per_step(calcs[name], atoms, args.warmup, args.steps))
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
                       flush=True)
             reference = float(np.median(times[tunings[0][0]]))
             for name, tuning in tunings:
                 median = float(np.median(times[name]))
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
+                                "candidate": changes.get(name),
                                 "tuning": dataclasses.asdict(tuning), "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference})
             del calcs

@@ -3,6 +3,8 @@
     python3 benchmarks/investigations/without.py reshape benchmarks/bench_md.py --systems 5k ...
 
 ``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
+``linear-map-into``: ``SplitLinear`` maps frozen inputs through ``map_into`` only above ``CHUNKED_ABOVE_BYTES``, as
+before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
 Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
 ``backward_chunk_passes``, ...) passed to the kernels; ``bench_layer.py --tuning`` measures them side by side.
 """
@@ -11,19 +13,39 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Callable
 
-OFF = ("reshape",)
+OFF = ("reshape", "linear-map-into")
+
+
+def turn_off(name: str) -> Callable[[], None]:
+    """Turn the landed change ``name`` off in this process (before the script builds its models); returns what
+    turns it on again (``tuning_ab.py`` interleaves the two)."""
+    if name not in OFF:
+        raise SystemExit(f"without.py: unknown change {name!r} to turn off; choose from {', '.join(OFF)}")
+    if name == "reshape":
+        from cgforge.patches.mace.reshape import BlockReshape
+
+        supports = BlockReshape.__dict__["supports"]
+        BlockReshape.supports = classmethod(lambda cls, module: False)
+
+        def undo() -> None:
+            BlockReshape.supports = supports
+    else:
+        import cgforge.patches.e3nn_layers as layers
+
+        least = layers.MAP_INTO_ABOVE_BYTES
+        layers.MAP_INTO_ABOVE_BYTES = layers.CHUNKED_ABOVE_BYTES + 1
+
+        def undo() -> None:
+            layers.MAP_INTO_ABOVE_BYTES = least
+    return undo
 
 
 def main() -> None:
     if len(sys.argv) < 3:
         sys.exit(f"usage: without.py {{{','.join(OFF)}}} SCRIPT [ARGS...]")
-    if sys.argv[1] not in OFF:
-        sys.exit(f"without.py: unknown change {sys.argv[1]!r} to turn off; choose from {', '.join(OFF)}")
-    if sys.argv[1] == "reshape":
-        from cgforge.patches.mace.reshape import BlockReshape
-
-        BlockReshape.supports = classmethod(lambda cls, module: False)
+    turn_off(sys.argv[1])
     script, sys.argv = sys.argv[2], sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 

@@ -31,12 +31,15 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/kernel_sources.py", ["--steps", "0"], "--steps"),
     ("investigations/kernel_sources.py", ["--model", "mace-huge"], "mace-huge"),
     ("investigations/candidate.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
+    ("investigations/without.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
     ("investigations/tuning_ab.py", ["--models", "mace-huge", "--tuning", "a={}"], "mace-huge"),
     ("investigations/tuning_ab.py", ["--tuning", 'a={"tp": {"loop_order": "rows"}}'], "loop_order"),
     ("investigations/tuning_ab.py", ["--tuning", "a={"], "--tuning a"),
     ("investigations/tuning_ab.py", ["--tuning", "{}"], "NAME=JSON"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--tuning", "a={}"], "same NAME"),
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "b=linear-huge"], "linear-huge"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "a=without:linear-map-into"], "same NAME"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
@@ -130,32 +133,39 @@ def test_bench_md_engine_backends_are_md_backends_with_known_options() -> None:
     assert bench_md.ENGINE_BACKENDS["cgforge-engine-fused"] == {"fuse_integrator": True}
 
 
-def test_candidate_linear_map_into_takes_every_frozen_input_in_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """candidate.py's linear-map-into: a frozen SplitLinear maps any input through map_into (the same values and
-    input gradient), one whose weights need a gradient keeps the one-pass map; an unknown name is refused."""
+def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:
+    """candidate.py's linear-map-into-all takes every frozen input through map_into, without.py's linear-map-into
+    none below CHUNKED_ABOVE_BYTES; each returns its undo, which restores the rule; unknown names are refused."""
     import torch
     from e3nn import o3
 
+    import cgforge.patches.e3nn_layers as layers
     from cgforge.patches.e3nn_layers import SplitLinear
 
     sys.path.insert(0, str(BENCHMARKS / "investigations"))
     try:
         import candidate
+        import without
     finally:
         sys.path.pop(0)
-    monkeypatch.setattr(SplitLinear, "chunk_rows", SplitLinear.chunk_rows)  # restored after the test
     with pytest.raises(SystemExit, match="'linear-huge'"):
         candidate.turn_on("linear-huge")
+    with pytest.raises(SystemExit, match="'linear-huge'"):
+        without.turn_off("linear-huge")
+    rule = layers.MAP_INTO_ABOVE_BYTES
     torch.manual_seed(0)
-    layer = SplitLinear.wrap(o3.Linear("4x0e+4x1o+4x2e", "4x0e+4x1o+4x2e").double())
+    layer = SplitLinear.wrap(o3.Linear("4x0e+4x1o+4x2e", "4x0e+4x1o+4x2e").double()).requires_grad_(False)
     x = torch.randn(9, layer.irreps_in.dim, dtype=torch.float64, requires_grad=True)
-    want = layer(x)
-    (gx_want,) = torch.autograd.grad(want, [x], torch.ones_like(want))
-    candidate.turn_on("linear-map-into")
-    assert layer.chunk_rows(x) is None  # the weights need a gradient: the one-pass map
-    layer.requires_grad_(False)
-    assert layer.chunk_rows(x) == 9
-    got = layer(x)
-    (gx_got,) = torch.autograd.grad(got, [x], torch.ones_like(got))
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    assert layer.chunk_rows(x) is None  # 9 small rows: below the rule's size
+    undo = candidate.turn_on("linear-map-into-all")
+    try:
+        assert layer.chunk_rows(x) == 9
+    finally:
+        undo()
+    assert layers.MAP_INTO_ABOVE_BYTES == rule
+    undo = without.turn_off("linear-map-into")
+    try:
+        assert layers.MAP_INTO_ABOVE_BYTES > layers.CHUNKED_ABOVE_BYTES
+    finally:
+        undo()
+    assert layers.MAP_INTO_ABOVE_BYTES == rule

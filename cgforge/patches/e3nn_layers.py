@@ -38,6 +38,13 @@ from .torch_internals import adopt, tensor_version
 # inputs run as one GEMM per path, as before. MACE's row chunks (patches/mace/row_chunks.py) use the same sizes.
 CHUNK_BYTES = 256 << 20
 CHUNKED_ABOVE_BYTES = 1 << 30
+# Frozen inputs of MAP_INTO_ABOVE_BYTES or more (up to CHUNKED_ABOVE_BYTES) go through map_into as one chunk of
+# all rows: the path weights folded once, no concatenation, fewer and larger copies than _map and its autograd
+# graph. Measured on an H100 (5,184-atom engine step, four interleaved rounds, 2026-11-27): every frozen input so,
+# MACE-MP-medium 11.43 -> 11.01 ms, NequIP M 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (inputs of 6-17 MB) in
+# one run and 3.27 -> 3.22 in another; this rule, MACE-MP-medium 11.31 -> 11.11 (its 42-106 MB inputs), the
+# others within their rounds' spread (benchmarks/results/map-into-h100-20261127l).
+MAP_INTO_ABOVE_BYTES = 32 << 20
 
 
 class _RowChunkedMap(torch.autograd.Function):
@@ -112,14 +119,16 @@ class SplitLinear(torch.nn.Module, StandIn):
         return out.reshape(*batch_shape, out.shape[-1])
 
     def chunk_rows(self, x: torch.Tensor) -> int | None:
-        """Rows per chunk for ``x`` [rows, dim] (None: all at once): chunked only when the input is wider than
-        ``CHUNKED_ABOVE_BYTES``, the weights are frozen (their gradient would need every row) and not under
-        torch.compile (Inductor plans the memory of the traced ops itself)."""
+        """Rows per ``map_into`` chunk for ``x`` [rows, dim] (None: ``_map``, all rows at once, with autograd):
+        only where the weights are frozen (their gradient would need every row) and not under torch.compile
+        (Inductor plans the memory of the traced ops itself); all rows in one chunk from ``MAP_INTO_ABOVE_BYTES``,
+        chunks of ``CHUNK_BYTES`` above ``CHUNKED_ABOVE_BYTES``."""
         row_bytes = max(sum(self.in_dims), sum(self.out_dims)) * x.element_size()
-        if (x.shape[0] * row_bytes <= CHUNKED_ABOVE_BYTES or (self.weight.requires_grad and torch.is_grad_enabled())
+        total = x.shape[0] * row_bytes
+        if (total < MAP_INTO_ABOVE_BYTES or (self.weight.requires_grad and torch.is_grad_enabled())
                 or torch.compiler.is_compiling()):
             return None
-        return max(CHUNK_BYTES // row_bytes, 1)
+        return max(x.shape[0], 1) if total <= CHUNKED_ABOVE_BYTES else max(CHUNK_BYTES // row_bytes, 1)
 
     def _map(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         """The map of ``x`` [rows, dim in] (or, ``transpose``, its transpose: [rows, dim out] -> [rows, dim in])."""

@@ -80,6 +80,7 @@ def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: 
     x = _inputs(o3.Irreps(irreps_in).dim, seed=3)
     want = stand_in(x)  # weights need a gradient: one pass
     gx_want, gw_want = torch.autograd.grad(want, [x, stand_in.weight], torch.ones_like(want))
+    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", 0)
     monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
     monkeypatch.setattr(layers, "CHUNK_BYTES", 3 * row_bytes)
     assert stand_in.chunk_rows(x) is None  # still: the weights' gradient needs every row at once
@@ -93,6 +94,32 @@ def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: 
     torch.autograd.gradcheck(stand_in, (x,))
     torch.autograd.gradgradcheck(stand_in, (x,))
     assert gw_want.abs().sum() > 0  # the unchunked weight gradient was a real one
+
+
+def test_split_linear_takes_map_into_for_frozen_inputs_from_a_size_on(monkeypatch) -> None:
+    """The rule by input bytes: below MAP_INTO_ABOVE_BYTES the autograd map, from it one map_into chunk of all
+    rows (values and gradient as the map), above CHUNKED_ABOVE_BYTES chunks; weights that need a gradient, never."""
+    import cgforge.patches.e3nn_layers as layers
+
+    torch.manual_seed(4)
+    stand_in = SplitLinear.wrap(o3.Linear("4x0e+4x1o", "4x0e+4x1o+4x2e").double())
+    x = _inputs(o3.Irreps("4x0e+4x1o").dim, seed=5)  # 11 rows
+    total = x.shape[0] * o3.Irreps("4x0e+4x1o+4x2e").dim * 8
+    want = stand_in(x)
+    (gx_want,) = torch.autograd.grad(want, [x], torch.ones_like(want))
+    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", total)
+    assert stand_in.chunk_rows(x) is None  # the weights need a gradient
+    stand_in.requires_grad_(False)
+    assert stand_in.chunk_rows(x) == x.shape[0]  # from the size on: one chunk of every row
+    assert stand_in.chunk_rows(x[:-1]) is None  # below it: the map
+    got = stand_in(x)
+    assert any("_RowChunkedMap" in name for name in _backward_node_names(got.sum()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (gx_got,) = torch.autograd.grad(got, [x], torch.ones_like(got))
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", total - 1)
+    monkeypatch.setattr(layers, "CHUNK_BYTES", total // 2)
+    assert stand_in.chunk_rows(x) == x.shape[0] // 2  # above CHUNKED_ABOVE_BYTES: chunks
 
 
 @pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
