@@ -21,20 +21,25 @@ from collections.abc import Callable
 CANDIDATES = ("linear-map-into-all",)
 
 
+def set_map_into_above(least: Callable[[int], int]) -> Callable[[], None]:
+    """``patches.e3nn_layers.MAP_INTO_ABOVE_BYTES`` set to ``least(CHUNKED_ABOVE_BYTES)``; returns the undo."""
+    import cgforge.patches.e3nn_layers as layers
+
+    before = layers.MAP_INTO_ABOVE_BYTES
+    layers.MAP_INTO_ABOVE_BYTES = least(layers.CHUNKED_ABOVE_BYTES)
+
+    def undo() -> None:
+        layers.MAP_INTO_ABOVE_BYTES = before
+
+    return undo
+
+
 def turn_on(name: str) -> Callable[[], None]:
     """Turn candidate ``name`` on in this process (before the script builds its models); returns what turns it
     off again (``tuning_ab.py`` interleaves a candidate with the code as it is)."""
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
-    import cgforge.patches.e3nn_layers as layers
-
-    least = layers.MAP_INTO_ABOVE_BYTES
-    layers.MAP_INTO_ABOVE_BYTES = 0
-
-    def turn_off() -> None:
-        layers.MAP_INTO_ABOVE_BYTES = least
-
-    return turn_off
+    return set_map_into_above(lambda chunked: 0)
 
 
 def main() -> None:

@@ -11,9 +11,12 @@ Kernel choices are not turned off here: they are ``TPTuning`` values (``single_i
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
 OFF = ("reshape", "linear-map-into")
 
@@ -31,14 +34,10 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             BlockReshape.supports = supports
-    else:
-        import cgforge.patches.e3nn_layers as layers
+    else:  # the size rule out of reach: map_into only where rows are chunked
+        from candidate import set_map_into_above
 
-        least = layers.MAP_INTO_ABOVE_BYTES
-        layers.MAP_INTO_ABOVE_BYTES = layers.CHUNKED_ABOVE_BYTES + 1
-
-        def undo() -> None:
-            layers.MAP_INTO_ABOVE_BYTES = least
+        undo = set_map_into_above(lambda chunked: chunked + 1)
     return undo
 
 
