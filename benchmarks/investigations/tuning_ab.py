@@ -8,9 +8,9 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format);
 each ``--candidate NAME=CHANGE`` runs the default tuning with a change of ``candidate.py`` turned on (or, written
 ``without:CHANGE``, a landed change of ``without.py`` turned off) while its calculator is built and its engines run
-(each engine captures its own CUDA graphs); the first ``--tuning`` is the reference. Per model: one Calculator per tuning (FP32, skin 1 A), the box relaxed once by
-bench_md's ``md_atoms``, then per round and tuning a fresh Engine (NVT Langevin, 0.5 fs, 300 K) that runs
-``--warmup`` steps and is timed over ``--steps``. Prints ms per step of every round, the median per tuning and its
+(each engine captures its own CUDA graphs); the first ``--tuning`` is the reference. Per model: one Calculator
+per variant (FP32, skin 1 A), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
+Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``. Prints ms per step of every round, the median per tuning and its
 ratio to the reference; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 """
 
@@ -39,8 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # investigations
 import candidate as candidates  # noqa: E402
 import without  # noqa: E402
 
-CHANGES = list(candidates.CANDIDATES) + [f"without:{name}" for name in without.OFF]
-
 from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
@@ -48,6 +46,7 @@ from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
+CHANGES = list(candidates.CANDIDATES) + [f"without:{name}" for name in without.OFF]
 
 
 def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
