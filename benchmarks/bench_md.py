@@ -348,6 +348,14 @@ def md_atoms(atoms, dtype: str):
     return a
 
 
+def fp32_source(model_name: str, folder: Path):
+    """What a Calculator loads for one of MODELS in FP32, outside a bench_md run (tuning_ab.py, profile_engine.py):
+    the MACE-MP-medium shape written into ``folder``, a NequIP preset built in FP32, or a bundled model's path."""
+    if model_name == "mace-mp-medium":
+        return mace_mp_file(folder, "float32")
+    return _md_source(model_name, "float32", {})
+
+
 def _md_source(model_name: str, dtype: str, files: dict):
     if model_name == "mace-mp-medium":
         return files["mace-mp-medium", dtype]

@@ -29,7 +29,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
-from shapes import mace_mp_file  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
@@ -46,14 +45,8 @@ def make(molecules: int):
 
 def calculator(model: str, folder: str, compile_mode: str | None) -> Calculator:
     """The FP32 Calculator of one of ``MODELS`` (NequIP's presets are built in FP32)."""
-    if model == "mace-mp-medium":
-        source = mace_mp_file(Path(folder), "float32")
-    elif model == "nequip-M":
-        source = bench_md.nequip_model(model, "float32")
-    else:
-        source = model.split("-")[1]
-    return Calculator(source, device="cuda", dtype=None if model == "nequip-M" else "float32",
-                      compile=compile_mode or False)
+    return Calculator(bench_md.fp32_source(model, Path(folder)), device="cuda",
+                      dtype=None if model == "nequip-M" else "float32", compile=compile_mode or False)
 
 
 def first_step_s(calc, atoms) -> float:

@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
-from shapes import mace_mp_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # investigations/
 import candidate as candidates  # noqa: E402
@@ -58,14 +57,6 @@ def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
         return name, KernelTuning.from_dict(json.loads(text))
     except ValueError as error:  # json.JSONDecodeError is one
         raise SystemExit(f"--tuning {name}: {error}") from None
-
-
-def model_source(name: str, folder: Path):
-    if name == "mace-mp-medium":
-        return mace_mp_file(folder, "float32")
-    if name.startswith("nequip-") and name != "bundled-nequip":
-        return bench_md.nequip_model(name, "float32")
-    return bench_md.bundled(name.split("-")[1])
 
 
 @contextlib.contextmanager
@@ -127,7 +118,7 @@ def main() -> None:
             for name, tuning in tunings:
                 t = time.perf_counter()  # a module is patched in place: each tuning gets its own
                 with candidate_on(changes.get(name)):
-                    calcs[name] = Calculator(model_source(model, Path(tmp)), device="cuda",
+                    calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
                                              dtype=None if model.startswith("nequip-") else "float32", skin=1.0,
                                              tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)

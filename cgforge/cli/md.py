@@ -107,11 +107,9 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
-# --compile auto: the shortest run compiled. Measured (H100, 5184-atom water, 0.5 fs, 486771f, 2026-11-27): the
-# compiled engine saves 1.57 ms a NVT step on the MACE-MP-medium shape (12.38 -> 10.81 ms) for 14.6 s of
-# compilation, 1.77 ms on NequIP M (9.34 -> 7.57) for 25.5 s: paid back after ~9,300 and ~14,400 steps; on the
-# bundled MACE 0.06 ms NVT, 0.81 ms NPT (3.46 -> 2.65) for 22.9 s. A second process reads the first's caches
-# (~5 s). Kept at 50,000: the larger models gain from there, the bundled MACE's NVT loses ~20 s of a ~130 s run.
+# --compile auto: the shortest run compiled. The compiled engine's saving per step pays back its first-process
+# compilation (15-26 s) after ~9,000-15,000 steps on the larger models, not within 50,000 on the bundled MACE's NVT
+# (benchmarks/results/engine-table-h100-20261127k; the CHANGELOG, 2026-11-27).
 COMPILE_AUTO_MIN_STEPS = 50_000
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box

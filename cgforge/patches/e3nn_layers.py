@@ -39,11 +39,9 @@ from .torch_internals import adopt, tensor_version
 CHUNK_BYTES = 256 << 20
 CHUNKED_ABOVE_BYTES = 1 << 30
 # Frozen inputs of MAP_INTO_ABOVE_BYTES or more (up to CHUNKED_ABOVE_BYTES) go through map_into as one chunk of
-# all rows: the path weights folded once, no concatenation, fewer and larger copies than _map and its autograd
-# graph. Measured on an H100 (5,184-atom engine step, four interleaved rounds, 2026-11-27): every frozen input so,
-# MACE-MP-medium 11.43 -> 11.01 ms, NequIP M 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (inputs of 6-17 MB) in
-# one run and 3.27 -> 3.22 in another; this rule, MACE-MP-medium 11.31 -> 11.11 (its 42-106 MB inputs), the
-# others within their rounds' spread (benchmarks/results/map-into-h100-20261127l).
+# all rows: the path weights folded once, no concatenation, fewer copies than _map and its autograd graph. It paid
+# on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones
+# (benchmarks/results/map-into-h100-20261127l).
 MAP_INTO_ABOVE_BYTES = 32 << 20
 
 

@@ -55,8 +55,7 @@ class TPTuning:
     receiver_backward_atomic: the table backward walks the receivers also where x needs a gradient, each edge
     adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
     second layer: 20 KB an edge), grad x's bits vary from run to run. Default False: the forces stay bitwise
-    reproducible. Measured on an H100, 2026-11-27 (5,184-atom engine step, three interleaved rounds):
-    MACE-MP-medium 11.29 -> 10.50 ms, NequIP M 8.41 -> 8.26, the bundled MACE no difference beyond the rounds'.
+    reproducible (what it gains: benchmarks/results/atomic-ab-h100-20261127i, docs/calculator.md).
     """
 
     forward_chunk: int | None = None
