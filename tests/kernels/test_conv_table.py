@@ -98,7 +98,7 @@ def test_table_kernels_compile_without_spills() -> None:
     for dtype in (torch.float32, torch.float64):
         for layout, backward in ((CONV_FORWARD, False), (CONV_BACKWARD, True)):
             source, name = plan.source(dtype, layout.with_table(), backward)
-            assert "locate(table, r_e" in source and "wrow" not in source and "gwrow" not in source
+            assert "locate(table, r[eid]" in source and "wrow" not in source and "gwrow" not in source
             assert ("grad_r[eid] +=" in source) == backward
             res = compile_cubin(source, arch="sm_90", name="conv_table.cu").resources(name)
             assert not res.spills, (name, res)
@@ -179,40 +179,6 @@ def test_the_receiver_backward_with_grad_x_adds_it_by_atomics_per_edge() -> None
         if nvrtc_available():
             res = compile_cubin(source, arch="sm_90", name="conv_table_receivers.cu").resources(name)
             assert not res.spills, (name, res)
-
-
-def test_prefetch_next_edge_kernels_compile_and_prefetch_only_in_csr_rows() -> None:
-    """TPTuning.prefetch_next_edge (NVRTC on the CPU): the CSR kernels (forward, backward, receiver backward; with a
-    table and with weight rows) ask for the next edge's table columns and operand lines and read the edge refs ahead;
-    the edge-row (atomic) kernels have no next edge and are the default's; every kernel compiles."""
-    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
-    from cgforge.kernels.tensor_product import plan as plans
-    from cgforge.kernels.tensor_product.layout import (
-        ATOMIC_FORWARD,
-        CONV_BACKWARD,
-        CONV_BACKWARD_NO_GX_SORTED,
-        CONV_BACKWARD_RECEIVERS,
-        CONV_FORWARD_SORTED,
-    )
-
-    problem = Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).problem
-    default = plans.get(Convolution(None, None, None, [], problem=problem).key)
-    plan = plans.get(Convolution(None, None, None, [], problem=problem,
-                                 tuning=TPTuning(prefetch_next_edge=True)).key)
-    cases = [(CONV_FORWARD_SORTED, False), (CONV_BACKWARD, True), (CONV_BACKWARD_NO_GX_SORTED, True),
-             (CONV_BACKWARD_RECEIVERS, True)]
-    for dtype in (torch.float32, torch.float64):
-        for layout, backward in [(lay, b) for base, b in cases for lay in (base, base.with_table())]:
-            source, name = plan.source(dtype, layout, backward)
-            assert "prefetch_l1(nrow" in source if layout.table else "nrow" not in source
-            assert "edge_ref(k + 2)" in source and "prefetch_lines(y + next_.eid" in source
-            assert ("prefetch_lines(g + next_.gr" in source) == layout.gidx
-            assert ("prefetch_lines(x + next_.xr" in source) == layout.xidx
-            assert source != default.source(dtype, layout, backward)[0]
-            if nvrtc_available():
-                compile_cubin(source, arch="sm_90", name="conv_prefetch.cu").resources(name)
-        atomic = plan.source(dtype, ATOMIC_FORWARD, False)
-        assert "prefetch" not in atomic[0] and atomic == default.source(dtype, ATOMIC_FORWARD, False)
 
 
 def test_the_backward_without_grad_x_walks_the_receivers_and_stores_no_grad_x() -> None:
@@ -423,30 +389,6 @@ def test_cuda_receiver_backward_with_atomic_grad_x_equals_the_whole_backward(pro
         got = torch.autograd.grad(atomic.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
         for a, b in zip(got, want, strict=True):
             assert rel(a, b) < tol and b.abs().max() > 0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_prefetch_next_edge_gives_the_same_bits(problem: str, dtype: torch.dtype) -> None:
-    """TPTuning.prefetch_next_edge changes which lines are asked for early, not the arithmetic: the table
-    convolution's output and its gradients in x, y and the lengths, and the weight-row convolution's and its
-    gradients in x, y and W, are the default's bits; nodes with many edges, with one (299) and with none (298)."""
-    conv, _, x, y, lengths, coeffs = _case(problem, 300, 6001, dtype=dtype, device="cuda", seed=17)
-    gen = torch.Generator().manual_seed(17)
-    ends = torch.randint(0, 298, (2, 6001), generator=gen)
-    ends[:, -1] = 299
-    graph = ConvGraph(ends[0].cuda(), ends[1].cuda(), 300)
-    prefetch = Convolution(None, None, None, [], problem=conv.problem,
-                           tuning=TPTuning(prefetch_next_edge=True)).to("cuda")
-    g = torch.randn(300, conv.irreps_out.dim, dtype=dtype, device="cuda")
-    weights = radial_table(lengths, coeffs, R_MAX).detach().requires_grad_()
-    for run, inputs in ((lambda c: c.forward_table(x, y, lengths, coeffs, R_MAX, graph), (x, y, lengths)),
-                        (lambda c: c(x, y, weights, graph), (x, y, weights))):
-        want, got = run(conv), run(prefetch)
-        assert torch.equal(got, want) and want[299].abs().max() > 0 and not want[298].any()
-        for a, b in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g), strict=True):
-            assert torch.equal(a, b) and b.abs().max() > 0
 
 
 @pytest.mark.cuda

@@ -56,10 +56,6 @@ class TPTuning:
     adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
     second layer: 20 KB an edge), grad x's bits vary from run to run. Default False: the forces stay bitwise
     reproducible (what it gains: benchmarks/results/atomic-ab-h100-20261127i, docs/calculator.md).
-    prefetch_next_edge: inside a CSR row's edge loop, each lane asks for the next edge's operands while it computes
-    this one (``prefetch.global.L1``: the table coefficients of its own channels, the x and grad-out slices the
-    next edge stages), so that their L2 latency overlaps the arithmetic. The same arithmetic in the same order: the
-    same bits either way. Default False until measured.
     """
 
     forward_chunk: int | None = None
@@ -74,7 +70,6 @@ class TPTuning:
     max_blocks: int | None = None
     receiver_backward_min_row_bytes: int | None = 4096
     receiver_backward_atomic: bool = False
-    prefetch_next_edge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -92,7 +87,7 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic", "prefetch_next_edge"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):

@@ -19,15 +19,8 @@ def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
     order = "" if orders == ("segments", "segments") else "|" + "|".join(orders)
     passes = schedule.backward_passes()
     order += f"|passes{passes}" if passes > 1 else ""
-    order += "|prefetch" if prefetches(schedule, layout) else ""
     digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}{order}".encode()).hexdigest()[:12]
     return f"cgf_{digest}_{layout.tag()}"
-
-
-def prefetches(schedule: Schedule, layout: Layout) -> bool:
-    """Whether the kernel asks for the next edge's operands while it computes one (``TPTuning.prefetch_next_edge``):
-    only CSR rows have a next edge."""
-    return schedule.tuning.prefetch_next_edge and layout.csr
 
 
 def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backward: bool,
@@ -50,6 +43,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
         grad_x=layout.grad_x, table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
-        backward_passes=schedule.backward_passes(), prefetch=prefetches(schedule, layout),
+        backward_passes=schedule.backward_passes(),
     )
     return source, name
