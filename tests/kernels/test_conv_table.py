@@ -181,6 +181,74 @@ def test_the_receiver_backward_with_grad_x_adds_it_by_atomics_per_edge() -> None
             assert not res.spills, (name, res)
 
 
+def _fixed_point_conv(conv: Convolution) -> Convolution:
+    return Convolution(None, None, None, [], problem=conv.problem,
+                       tuning=TPTuning(receiver_backward_fixed_point=True))
+
+
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L1"])  # uvu and uvw paths
+def test_the_fixed_point_bound_holds_for_every_edge(problem: str) -> None:
+    """fixed_point.grad_x_bound: one edge's grad x (each edge its own sender row, the CPU reference) times the
+    most edges of one sender is within the bound, which is not looser than a few hundred times what occurs."""
+    from cgforge.kernels.convolution import fixed_point
+    from cgforge.kernels.convolution.table_ops import conv_table_backward
+    from cgforge.kernels.tensor_product.launch import has_unweighted_paths
+
+    conv, graph, x, y, lengths, coeffs = _case(problem, 40, 600, seed=21)
+    conv = _fixed_point_conv(conv)
+    g = torch.randn(40, conv.irreps_out.dim, dtype=torch.float64)
+    e = lengths.shape[0]
+    alone = ConvGraph(torch.arange(e), graph.receiver, e)  # edge k is sender k's only edge
+    gx = conv_table_backward(torch.randn(e, conv.irreps_in1.dim, dtype=torch.float64), y.detach(), lengths.detach(),
+                             coeffs, g, *alone.tensors(), R_MAX, conv.key, True)[0]
+    t = graph.tensors()
+    bound = fixed_point.grad_x_bound(conv.key, coeffs, y, g, lengths, t.rowptr_t, has_unweighted_paths(conv.key))
+    degree = int((t.rowptr_t[1:] - t.rowptr_t[:-1]).max())
+    assert gx.abs().max() * degree <= bound and bound < 300 * gx.abs().max() * degree
+
+
+def test_the_fixed_point_scale_keeps_every_sum_inside_int64() -> None:
+    """fixed_point.scale_for: a power of two with bound * scale in [2^61, 2^62) (a tiny bound: within the dtype's
+    range); a bound that is not finite gives scale 1 and a grad x of NaN."""
+    from cgforge.kernels.convolution import fixed_point
+
+    for dtype in (torch.float32, torch.float64):
+        for b in (0.0, 1e-30, 3.7, 2.0 ** 20, 1e20):
+            bound = torch.tensor(b, dtype=torch.float64)
+            scale = fixed_point.scale_for(bound, dtype)
+            assert scale.dtype == dtype and float(torch.frexp(scale.double())[0]) == 0.5  # a power of two
+            assert b * float(scale) < 2.0 ** 62 and (b * float(scale) >= 2.0 ** 61 or b < 1e-20)
+        for b in (float("nan"), float("inf")):
+            bound = torch.tensor(b, dtype=torch.float64)
+            assert float(fixed_point.scale_for(bound, dtype)) == 1.0
+            sums = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+            assert fixed_point.from_fixed(sums, torch.tensor(1.0), bound, dtype).isnan().all()
+    sums = torch.tensor([[-(2 ** 61), 3], [2 ** 40 + 1, 0]])
+    back = fixed_point.from_fixed(sums, torch.tensor(2.0 ** 40, dtype=torch.float64), torch.tensor(1.0),
+                                  torch.float64)
+    assert back.tolist() == [[-(2.0 ** 21), 3 / 2 ** 40], [1 + 2.0 ** -40, 0.0]]
+
+
+def test_the_fixed_point_backward_kernel_adds_integers() -> None:
+    """TPTuning.receiver_backward_fixed_point's kernel (NVRTC on the CPU): grad x an int64 buffer, each edge's part
+    rounded at the scale read from the device and added by integer atomics; compiles without spills."""
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+    from cgforge.kernels.tensor_product import plan as plans
+    from cgforge.kernels.tensor_product.layout import (
+        CONV_BACKWARD_RECEIVERS_FIXED,
+        CONV_BACKWARD_RECEIVERS_FIXED_SORTED,
+    )
+
+    plan = plans.get(_fixed_point_conv(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"]))).key)
+    for layout in (CONV_BACKWARD_RECEIVERS_FIXED, CONV_BACKWARD_RECEIVERS_FIXED_SORTED):
+        source, name = plan.source(torch.float32, layout.with_table(), True)
+        assert "unsigned long long* __restrict__ gx" in source and "const scalar_t* __restrict__ gx_scale" in source
+        assert "atomicAdd(gxrow + i, to_fixed(" in source and name.endswith("_backward") and "tf_backward" in name
+        if nvrtc_available():
+            res = compile_cubin(source, arch="sm_90", name="conv_table_fixed.cu").resources(name)
+            assert not res.spills, (name, res)
+
+
 def test_the_backward_without_grad_x_walks_the_receivers_and_stores_no_grad_x() -> None:
     """Its source (NVRTC on the CPU): x through xidx, the grad-out row of the row itself (in the segments order
     staged once per row, not per edge), no grad x written; no spills in MACE's layer shape."""
@@ -389,6 +457,46 @@ def test_cuda_receiver_backward_with_atomic_grad_x_equals_the_whole_backward(pro
         got = torch.autograd.grad(atomic.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
         for a, b in zip(got, want, strict=True):
             assert rel(a, b) < tol and b.abs().max() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
+def test_cuda_fixed_point_backward_equals_the_sender_order_one_with_the_same_bits_in_any_edge_order(
+        problem: str) -> None:
+    """TPTuning.receiver_backward_fixed_point (FP32): grad x, grad y and grad lengths equal the sender-order
+    backward's to FP32 rounding; run again, and with the edges given in another order (so that the atomics add in
+    another order), grad x has the same bits, and grad y and grad lengths per edge too."""
+    conv, graph, x, y, lengths, coeffs = _case(problem, 300, 6000, dtype=torch.float32, device="cuda", seed=23)
+    fixed = _fixed_point_conv(conv).to("cuda")
+    g = torch.randn(300, conv.irreps_out.dim, device="cuda")
+
+    def grads(c, gr, yy, ll):
+        return torch.autograd.grad(c.forward_table(x, yy, ll, coeffs, R_MAX, gr), (x, yy, ll), g)
+
+    want = grads(conv, graph, y, lengths)
+    got = grads(fixed, graph, y, lengths)
+    for a, b in zip(got, want, strict=True):
+        assert rel(a, b) < 1e-5 and b.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads(fixed, graph, y, lengths), got, strict=True))
+    order = torch.randperm(lengths.shape[0], generator=torch.Generator().manual_seed(4)).cuda()
+    shuffled = ConvGraph(graph.sender[order], graph.receiver[order], graph.num_nodes)
+    yy, ll = (t.detach()[order].requires_grad_() for t in (y, lengths))
+    gx, gy, gl = grads(fixed, shuffled, yy, ll)
+    assert torch.equal(gx, got[0]) and torch.equal(gy, got[1][order]) and torch.equal(gl, got[2][order])
+
+
+@pytest.mark.cuda
+def test_cuda_fixed_point_backward_of_a_nan_length_is_nan() -> None:
+    """A NaN length: its edge's weights are NaN, so grad x is NaN (the fixed-point sums cannot carry a NaN: the
+    bound is NaN and grad x is NaN throughout), never a finite number."""
+    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 50, 400, dtype=torch.float32, device="cuda", seed=25)
+    fixed = _fixed_point_conv(conv).to("cuda")
+    bad = lengths.detach().clone()
+    bad[7] = float("nan")
+    bad.requires_grad_()
+    out = fixed.forward_table(x, y, bad, coeffs, R_MAX, graph)
+    gx = torch.autograd.grad(out, x, torch.ones_like(out))[0]
+    assert gx.isnan().all()
 
 
 @pytest.mark.cuda

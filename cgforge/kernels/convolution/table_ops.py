@@ -28,10 +28,13 @@ from ..tensor_product.layout import (
     CONV_BACKWARD_NO_GX,
     CONV_BACKWARD_NO_GX_SORTED,
     CONV_BACKWARD_RECEIVERS,
+    CONV_BACKWARD_RECEIVERS_FIXED,
+    CONV_BACKWARD_RECEIVERS_FIXED_SORTED,
     CONV_BACKWARD_RECEIVERS_SORTED,
     CONV_FORWARD,
     CONV_FORWARD_SORTED,
 )
+from . import fixed_point
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
 
@@ -133,20 +136,38 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     return (dx, dy, dr, None, dg) + (None,) * 10
 
 
-def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, r_max: float, key: str, grad_x: bool
+def fixed_point_grad_x(key: str, dtype: torch.dtype) -> bool:
+    """Whether a receiver-order backward adds grad x in fixed point (``TPTuning.receiver_backward_fixed_point``,
+    FP32), rather than in floating point (``receiver_backward_atomic``)."""
+    return plans.get(key).tuning.receiver_backward_fixed_point and dtype == torch.float32
+
+
+def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max: float, key: str, grad_x: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward over the forward's rows (receivers): x read through the sender index, the row's grad-out
-    block staged once; grad x not formed, or (``TPTuning.receiver_backward_atomic``) added by atomics."""
-    gx = torch.zeros_like(x) if grad_x else None
+    block staged once; grad x not formed, or added by atomics: in fixed point (``fixed_point``, the same bits every
+    run) or in floating point (``TPTuning.receiver_backward_atomic``)."""
+    fixed = grad_x and fixed_point_grad_x(key, x.dtype)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)
     sorted_edges = not perm.numel()
-    if grad_x:
+    extra = []
+    if fixed:
+        gx = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+        bound = fixed_point.grad_x_bound(key, coeffs, y, g, r, rowptr_t, has_unweighted_paths(key))
+        scale = fixed_point.scale_for(bound, x.dtype)
+        extra = [scale]
+        layout = CONV_BACKWARD_RECEIVERS_FIXED_SORTED if sorted_edges else CONV_BACKWARD_RECEIVERS_FIXED
+    elif grad_x:
+        gx = torch.zeros_like(x)
         layout = CONV_BACKWARD_RECEIVERS_SORTED if sorted_edges else CONV_BACKWARD_RECEIVERS
     else:
+        gx = None
         layout = CONV_BACKWARD_NO_GX_SORTED if sorted_edges else CONV_BACKWARD_NO_GX
     args = [x, y, None, g, gx, gy, None, rowptr, None if sorted_edges else perm, sender, None,
-            *_table_args(coeffs, r, r_max, gr)]
+            *_table_args(coeffs, r, r_max, gr), *extra]
     launch(key, True, layout.with_table(), rowptr.shape[0] - 1, args, x.dtype, x.device)
+    if fixed:
+        gx = fixed_point.from_fixed(gx, scale, bound, x.dtype)
     return gx if grad_x else x.new_empty(0), gy, gr
 
 
@@ -157,8 +178,8 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
                         grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: no
     grad x is formed (an empty tensor in its place) and a deterministic graph's kernel walks the forward's rows,
-    reading each grad-out row once rather than once per edge (with ``TPTuning.receiver_backward_atomic`` also
-    where grad x is formed: added by atomics)."""
+    reading each grad-out row once rather than once per edge (with ``TPTuning.receiver_backward_fixed_point`` or
+    ``receiver_backward_atomic`` also where grad x is formed: added by atomics)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)
@@ -166,8 +187,9 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
         return gx if grad_x else x.new_empty(0), gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs, g = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous(), g.contiguous()
-    if deterministic and (not grad_x or plans.get(key).tuning.receiver_backward_atomic):
-        return _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, r_max, key, grad_x)
+    tuning = plans.get(key).tuning
+    if deterministic and (not grad_x or tuning.receiver_backward_atomic or fixed_point_grad_x(key, x.dtype)):
+        return _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max, key, grad_x)
     gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts
     table = _table_args(coeffs, r, r_max, gr)

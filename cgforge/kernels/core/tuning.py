@@ -56,6 +56,10 @@ class TPTuning:
     adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
     second layer: 20 KB an edge), grad x's bits vary from run to run. Default False: the forces stay bitwise
     reproducible (what it gains: benchmarks/results/atomic-ab-h100-20261127i, docs/calculator.md).
+    receiver_backward_fixed_point: the same receiver walk where x needs a gradient, each edge's part of grad x added
+    by 64-bit integer atomics in fixed point (``convolution.fixed_point``: the scale a power of two from a bound on
+    every sum, computed on the device per call), converted back once: integer sums do not depend on the order, so
+    grad x has the same bits every run; FP32 (in FP64 the sender-order backward keeps FP64's resolution).
     """
 
     forward_chunk: int | None = None
@@ -70,6 +74,7 @@ class TPTuning:
     max_blocks: int | None = None
     receiver_backward_min_row_bytes: int | None = 4096
     receiver_backward_atomic: bool = False
+    receiver_backward_fixed_point: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -87,7 +92,7 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic", "receiver_backward_fixed_point"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):

@@ -41,7 +41,7 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         backward=build_program(schedule, backward=True) if backward else None,
         forward_loop_order=schedule.loop_order(False), backward_loop_order=schedule.loop_order(True),
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
-        grad_x=layout.grad_x, table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
+        grad_x=layout.grad_x, fixed=layout.fixed, table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
         backward_passes=schedule.backward_passes(),
     )

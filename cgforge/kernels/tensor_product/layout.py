@@ -15,6 +15,8 @@ class Layout:
     row's edges each add their part of grad x.
     table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
     backward writes grad r instead).
+    fixed: backward only, with atomic and csr: grad x is added as 64-bit fixed point (an int64 buffer, the scale a
+    device scalar the kernel reads): integer sums, so its bits do not depend on the order of the atomics.
     grad_x: backward only; False: no grad x is formed or written (an in1 that needs no gradient, e.g. a first
     layer's species embedding in MD). Then the backward may walk the forward's rows (receivers, x read through
     xidx, the grad-out row once per row) instead of gathering a grad-out row per edge.
@@ -27,11 +29,12 @@ class Layout:
     atomic: bool = False
     table: bool = False
     grad_x: bool = True
+    fixed: bool = False
 
     def tag(self) -> str:
         flags = "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
-        # names of the kernels without a table (or with grad x) as before
-        return flags + ("t" if self.table else "") + ("" if self.grad_x else "n")
+        # names of the kernels without a table (or with grad x, or without fixed point) as before
+        return flags + ("t" if self.table else "") + ("" if self.grad_x else "n") + ("f" if self.fixed else "")
 
     def with_table(self) -> Layout:
         return replace(self, table=True)
@@ -48,5 +51,8 @@ CONV_BACKWARD_NO_GX_SORTED = Layout(csr=True, perm=False, xidx=True, grad_x=Fals
 # The same walk with grad x added to the senders' rows by atomics (opt-in: its bits vary from run to run).
 CONV_BACKWARD_RECEIVERS = Layout(csr=True, perm=True, xidx=True, atomic=True)
 CONV_BACKWARD_RECEIVERS_SORTED = Layout(csr=True, perm=False, xidx=True, atomic=True)
+# ... with grad x in fixed point: the same bits every run (TPTuning.receiver_backward_fixed_point)
+CONV_BACKWARD_RECEIVERS_FIXED = replace(CONV_BACKWARD_RECEIVERS, fixed=True)
+CONV_BACKWARD_RECEIVERS_FIXED_SORTED = replace(CONV_BACKWARD_RECEIVERS_SORTED, fixed=True)
 ATOMIC_FORWARD = Layout(xidx=True, atomic=True)
 ATOMIC_BACKWARD = Layout(xidx=True, gidx=True, atomic=True)

@@ -1,0 +1,85 @@
+"""Grad x of the receiver-order table convolution backward in 64-bit fixed point: atomics with deterministic sums.
+
+The receiver walk (``TPTuning.receiver_backward_fixed_point``) adds each edge's part of grad x to its sender's row
+with atomics. In floating point the order of those additions varies from run to run and so do the last bits. In
+fixed point, v -> round(v s) with s a power of two, the atomics add integers: exact and associative, so every sum
+has the same bits in any order. Converted back once (sum / s), a sum differs from the exact one by at most
+(edges from its sender) / (2 s).
+
+The scale is s = 2^(62 - e) where B < 2^e bounds the magnitude of every partial sum, so none leaves int64:
+
+    B = K * max|W| * max|y| * max|g| * (the most edges one sender has),
+
+K bounding one edge's grad x element per unit of the three operands: over the instructions reading an in1
+irrep, the sum of |path weight| * mul2 (* mul_out for uvw) * the largest sum of |CG[m1, :, :]|, the largest over
+the in1 irreps; max|W| is bounded by the largest sum of |cubic coefficients| of the table (|t| <= 1), and is 1 at
+least where a path has no weight. A sum then differs from the exact one by less than B 2^-62 per edge, far below
+FP32's resolution of the values that B bounds. Everything but K is computed on the device per call, without a
+host read (a captured CUDA graph recomputes it on each replay). A NaN or infinite operand (or NaN length) makes
+the bound non-finite, and the whole of grad x NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from ..core.cg import sparse_cg
+from ..tensor_product import plan as plans
+
+__all__ = ["from_fixed", "grad_x_bound", "path_bound", "scale_for"]
+
+_TOP_BIT = 62  # |sum| * scale < 2^62: int64's range with room to spare
+
+
+@cache
+def path_bound(key: str) -> float:
+    """K: the largest |grad x| element one edge can give per unit of max|W|, max|y| and max|g| (module doc)."""
+    p = plans.get(key).problem
+    per_irrep: dict[int, float] = defaultdict(float)
+    for ins in p.instructions:
+        l1, l2, l3 = (p.irreps_in1[ins.i_in1].ir.l, p.irreps_in2[ins.i_in2].ir.l, p.irreps_out[ins.i_out].ir.l)
+        row_sums: dict[int, float] = defaultdict(float)
+        for m1, _, _, value in sparse_cg(l1, l2, l3):
+            row_sums[m1] += abs(value)
+        fan_in = p.irreps_in2[ins.i_in2].mul * (p.irreps_out[ins.i_out].mul if ins.mode == "uvw" else 1)
+        per_irrep[ins.i_in1] += abs(ins.path_weight) * fan_in * max(row_sums.values(), default=0.0)
+    return max(per_irrep.values(), default=0.0)
+
+
+def grad_x_bound(key: str, coeffs: Tensor, y: Tensor, g: Tensor, r: Tensor, rowptr_t: Tensor,
+                 unweighted_paths: bool) -> Tensor:
+    """B (a 0-d FP64 tensor on the operands' device): a bound on |every partial sum| of grad x; NaN where an operand
+    is not finite. ``rowptr_t``: the senders' CSR row pointers (the most edges one sender has)."""
+    f64 = torch.float64
+    w_max = coeffs.detach().abs().sum(-1).amax().to(f64) if coeffs.numel() else torch.zeros((), dtype=f64,
+                                                                                               device=y.device)
+    if unweighted_paths:
+        w_max = w_max.clamp(min=1.0)
+    y_max = y.detach().abs().amax().to(f64) if y.numel() else w_max.new_zeros(())
+    g_max = g.detach().abs().amax().to(f64) if g.numel() else w_max.new_zeros(())
+    degree = (rowptr_t[1:] - rowptr_t[:-1]).amax().to(f64) if rowptr_t.numel() > 1 else w_max.new_zeros(())
+    bound = w_max * y_max * g_max * degree * path_bound(key)
+    # a NaN length gives NaN weights in the kernel, whatever the table's values
+    return torch.where(torch.isnan(r).any() | ~torch.isfinite(bound), torch.full_like(bound, float("nan")), bound)
+
+
+def scale_for(bound: Tensor, dtype: torch.dtype) -> Tensor:
+    """s = 2^(62 - e), bound < 2^e (``frexp``), in ``dtype`` (the kernel's); 1 for a bound that is not finite (the
+    sums are then discarded: ``from_fixed``). Kept within the dtype's range for tiny bounds."""
+    _, exponent = torch.frexp(torch.where(torch.isfinite(bound), bound, torch.zeros_like(bound)))
+    top = math.frexp(torch.finfo(dtype).max)[1] - 2  # the largest power of two the dtype holds, and one less
+    power = (_TOP_BIT - exponent).clamp(max=top).to(torch.float64)
+    return torch.where(torch.isfinite(bound), torch.exp2(power), torch.ones_like(bound)).to(dtype)
+
+
+def from_fixed(sums: Tensor, scale: Tensor, bound: Tensor, dtype: torch.dtype) -> Tensor:
+    """The int64 sums back in ``dtype`` (sum / scale, exact in FP64 up to its rounding); all NaN where the bound is
+    not finite."""
+    values = sums.to(torch.float64).div_(scale.to(torch.float64))
+    values = torch.where(torch.isfinite(bound), values, torch.full_like(values, float("nan")))
+    return values.to(dtype)
