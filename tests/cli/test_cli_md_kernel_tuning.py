@@ -65,6 +65,9 @@ def calls(monkeypatch) -> list[dict]:
                                                       "got 0"),
     ({"tp": {"receiver_backward_atomic": "yes"}}, "tp.receiver_backward_atomic: receiver_backward_atomic must be a "
                                                   "bool, got 'yes'"),
+    ({"tp": {"receiver_backward_fixed_point": "yes"}}, "tp.receiver_backward_fixed_point: "
+                                                       "receiver_backward_fixed_point must be 'auto', True or False, "
+                                                       "got 'yes'"),
     ({"tp": ["edges"]}, "tp: expected an object of TPTuning's fields, got list"),
     ([1, 2], "expected an object with the keys 'tp', 'sc' and/or 'harmonics', got list"),
 ])

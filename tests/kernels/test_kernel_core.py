@@ -200,7 +200,7 @@ def test_tuning_values(monkeypatch):
     with pytest.raises(ValueError, match="block"):
         SCTuning(block=100)
     for bad in ({"single_irrep_backward_chunk": 48}, {"backward_chunk_passes": 1}, {"backward_range_bytes": 0},
-                {"max_blocks": True}):
+                {"max_blocks": True}, {"receiver_backward_fixed_point": 1}, {"receiver_backward_fixed_point": "on"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TPTuning(**bad)
     with pytest.raises(TypeError, match="KernelTuning takes"):
@@ -208,6 +208,7 @@ def test_tuning_values(monkeypatch):
     # old keys kept; later knobs enter the key only when set
     assert TPTuning(32, None, "edges", backward_loop_order="chunks").key() == "32|None|edges|b:chunks"
     assert TPTuning().key() == "None|None|auto"
+    assert TPTuning(receiver_backward_fixed_point=False).key() == "None|None|auto|receiver_backward_fixed_point=False"
     assert TPTuning(max_blocks=3, backward_chunk_passes=False).key() == (
         "None|None|auto|backward_chunk_passes=False|max_blocks=3")
     # no environment variable changes a kernel: a leftover sweep variable is not read

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core.custom_op import custom_op
-from ..core.launch import trilinear_double_backward
+from ..core.launch import l2_bytes, trilinear_double_backward
 from ..core.registry import itemsize
 from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
 from ..tensor_product import plan as plans
@@ -136,10 +136,25 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     return (dx, dy, dr, None, dg) + (None,) * 10
 
 
-def fixed_point_grad_x(key: str, dtype: torch.dtype) -> bool:
-    """Whether a receiver-order backward adds grad x in fixed point (``TPTuning.receiver_backward_fixed_point``,
-    FP32), rather than in floating point (``receiver_backward_atomic``)."""
-    return plans.get(key).tuning.receiver_backward_fixed_point and dtype == torch.float32
+# The most bytes of int64 sums (8 B per element of grad x) the ``auto`` rule of the fixed-point backward takes: they
+# live beside grad x while the backward runs. MACE-MP-medium's second layer: ~260k atoms. Above it the sender-order
+# backward is kept, so that what fits on one GPU does not shrink (a choice: not measured at that size).
+FIXED_POINT_MAX_BYTES = 1 << 30
+
+
+def fixed_point_grad_x(key: str, x: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the backward adds grad x in fixed point over the receivers (``TPTuning.receiver_backward_fixed_point``:
+    FP32 only; ``auto``: where the grad-out rows ``g`` exceed the device's L2, so that the sender-order backward
+    would gather them from beyond it once per edge, and the int64 sums of ``x``'s shape take at most
+    ``FIXED_POINT_MAX_BYTES``). Measured on an H100, 5,184-atom engine step (benchmarks/results/
+    fixed-point-ab-h100-20261128d): MACE-MP-medium's second layer (106 MB of grad-out) 11.21 -> 10.53 ms; NequIP M's
+    layers (49 MB) 8.50 -> 9.20, the bundled MACE's 3.10 -> 3.31, hence the L2 rule."""
+    setting = plans.get(key).tuning.receiver_backward_fixed_point
+    if x.dtype != torch.float32 or setting is False:
+        return False
+    if setting is True:
+        return True
+    return g.numel() * g.element_size() > l2_bytes(g.device) and x.numel() * 8 <= FIXED_POINT_MAX_BYTES
 
 
 def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max: float, key: str, grad_x: bool
@@ -147,7 +162,7 @@ def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max
     """The backward over the forward's rows (receivers): x read through the sender index, the row's grad-out
     block staged once; grad x not formed, or added by atomics: in fixed point (``fixed_point``, the same bits every
     run) or in floating point (``TPTuning.receiver_backward_atomic``)."""
-    fixed = grad_x and fixed_point_grad_x(key, x.dtype)
+    fixed = grad_x and fixed_point_grad_x(key, x, g)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)
     sorted_edges = not perm.numel()
     extra = []
@@ -188,7 +203,7 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs, g = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous(), g.contiguous()
     tuning = plans.get(key).tuning
-    if deterministic and (not grad_x or tuning.receiver_backward_atomic or fixed_point_grad_x(key, x.dtype)):
+    if deterministic and (not grad_x or tuning.receiver_backward_atomic or fixed_point_grad_x(key, x, g)):
         return _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max, key, grad_x)
     gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts

@@ -59,7 +59,9 @@ class TPTuning:
     receiver_backward_fixed_point: the same receiver walk where x needs a gradient, each edge's part of grad x added
     by 64-bit integer atomics in fixed point (``convolution.fixed_point``: the scale a power of two from a bound on
     every sum, computed on the device per call), converted back once: integer sums do not depend on the order, so
-    grad x has the same bits every run; FP32 (in FP64 the sender-order backward keeps FP64's resolution).
+    grad x has the same bits every run. FP32 only (in FP64 the sender-order backward keeps FP64's resolution).
+    ``auto`` (default): where the grad-out rows exceed the device's L2 and the int64 sums stay within
+    ``table_ops.FIXED_POINT_MAX_BYTES`` (``table_ops.fixed_point_grad_x``); True: always; False: never.
     """
 
     forward_chunk: int | None = None
@@ -74,7 +76,7 @@ class TPTuning:
     max_blocks: int | None = None
     receiver_backward_min_row_bytes: int | None = 4096
     receiver_backward_atomic: bool = False
-    receiver_backward_fixed_point: bool = False
+    receiver_backward_fixed_point: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -92,9 +94,13 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic", "receiver_backward_fixed_point"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.receiver_backward_fixed_point not in (True, False, "auto") or isinstance(
+                self.receiver_backward_fixed_point, int) and not isinstance(self.receiver_backward_fixed_point, bool):
+            raise ValueError(f"receiver_backward_fixed_point must be 'auto', True or False, got "
+                             f"{self.receiver_backward_fixed_point!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
@@ -214,7 +220,8 @@ class KernelTuning:
         return cls(**values)
 
 
-_BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls) if f.type in ("bool", bool))
+_BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls)
+                         if f.type in ("bool", bool) or "bool |" in str(f.type))
 
 
 def _expected(part: type, key: str) -> str:
