@@ -231,25 +231,23 @@ def test_the_fixed_point_scale_keeps_every_sum_inside_int64() -> None:
 
 def test_the_fixed_point_rule_takes_fp32_grad_out_rows_beyond_the_l2_within_the_sums_budget(monkeypatch) -> None:
     """table_ops.fixed_point_grad_x: ``auto`` where g exceeds the device's L2 (a device fact, set here) and the int64
-    sums of x fit FIXED_POINT_MAX_BYTES; never in FP64; True and False as set."""
+    sums of x fit TPTuning.fixed_point_max_bytes; never in FP64; True and False as set."""
     from cgforge.kernels.convolution import table_ops
 
     problem = Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).problem
 
-    def rule(setting, x, g):
-        key = Convolution(None, None, None, [], problem=problem,
-                          tuning=TPTuning(receiver_backward_fixed_point=setting)).key
+    def rule(setting, x, g, max_bytes=1 << 30):
+        tuning = TPTuning(receiver_backward_fixed_point=setting, fixed_point_max_bytes=max_bytes)
+        key = Convolution(None, None, None, [], problem=problem, tuning=tuning).key
         return table_ops.fixed_point_grad_x(key, x, g)
 
     x, g = torch.zeros(10, 64), torch.zeros(10, 400)  # 16,000 bytes of grad-out, 5,120 of int64 sums
     monkeypatch.setattr(table_ops, "l2_bytes", lambda device: 15_999)
     assert rule("auto", x, g) and rule(True, x, g) and not rule(False, x, g)
     assert not rule("auto", x.double(), g.double()) and not rule(True, x.double(), g.double())
-    monkeypatch.setattr(table_ops, "FIXED_POINT_MAX_BYTES", 5_119)
-    assert not rule("auto", x, g) and rule(True, x, g)
-    monkeypatch.setattr(table_ops, "FIXED_POINT_MAX_BYTES", 5_120)
+    assert not rule("auto", x, g, 5_119) and rule(True, x, g, 5_119) and rule("auto", x, g, 5_120)
     monkeypatch.setattr(table_ops, "l2_bytes", lambda device: 16_000)
-    assert not rule("auto", x, g)
+    assert not rule("auto", x, g, 5_120)
 
 
 def test_the_fixed_point_backward_kernel_adds_integers() -> None:

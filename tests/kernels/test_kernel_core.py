@@ -200,7 +200,8 @@ def test_tuning_values(monkeypatch):
     with pytest.raises(ValueError, match="block"):
         SCTuning(block=100)
     for bad in ({"single_irrep_backward_chunk": 48}, {"backward_chunk_passes": 1}, {"backward_range_bytes": 0},
-                {"max_blocks": True}, {"receiver_backward_fixed_point": 1}, {"receiver_backward_fixed_point": "on"}):
+                {"max_blocks": True}, {"receiver_backward_fixed_point": 1}, {"receiver_backward_fixed_point": "on"},
+                {"fixed_point_max_bytes": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TPTuning(**bad)
     with pytest.raises(TypeError, match="KernelTuning takes"):

@@ -136,25 +136,20 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     return (dx, dy, dr, None, dg) + (None,) * 10
 
 
-# The most bytes of int64 sums (8 B per element of grad x) the ``auto`` rule of the fixed-point backward takes: they
-# live beside grad x while the backward runs. MACE-MP-medium's second layer: ~260k atoms. Above it the sender-order
-# backward is kept, so that what fits on one GPU does not shrink (a choice: not measured at that size).
-FIXED_POINT_MAX_BYTES = 1 << 30
-
-
 def fixed_point_grad_x(key: str, x: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether the backward adds grad x in fixed point over the receivers (``TPTuning.receiver_backward_fixed_point``:
     FP32 only; ``auto``: where the grad-out rows ``g`` exceed the device's L2, so that the sender-order backward
     would gather them from beyond it once per edge, and the int64 sums of ``x``'s shape take at most
-    ``FIXED_POINT_MAX_BYTES``). Measured on an H100, 5,184-atom engine step (benchmarks/results/
+    ``TPTuning.fixed_point_max_bytes``). Measured on an H100, 5,184-atom engine step (benchmarks/results/
     fixed-point-ab-h100-20261128d): MACE-MP-medium's second layer (106 MB of grad-out) 11.21 -> 10.53 ms; NequIP M's
     layers (49 MB) 8.50 -> 9.20, the bundled MACE's 3.10 -> 3.31, hence the L2 rule."""
-    setting = plans.get(key).tuning.receiver_backward_fixed_point
+    tuning = plans.get(key).tuning
+    setting = tuning.receiver_backward_fixed_point
     if x.dtype != torch.float32 or setting is False:
         return False
     if setting is True:
         return True
-    return g.numel() * g.element_size() > l2_bytes(g.device) and x.numel() * 8 <= FIXED_POINT_MAX_BYTES
+    return g.numel() * g.element_size() > l2_bytes(g.device) and x.numel() * 8 <= tuning.fixed_point_max_bytes
 
 
 def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max: float, key: str, grad_x: bool

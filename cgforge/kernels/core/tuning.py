@@ -60,8 +60,11 @@ class TPTuning:
     by 64-bit integer atomics in fixed point (``convolution.fixed_point``: the scale a power of two from a bound on
     every sum, computed on the device per call), converted back once: integer sums do not depend on the order, so
     grad x has the same bits every run. FP32 only (in FP64 the sender-order backward keeps FP64's resolution).
-    ``auto`` (default): where the grad-out rows exceed the device's L2 and the int64 sums stay within
-    ``table_ops.FIXED_POINT_MAX_BYTES`` (``table_ops.fixed_point_grad_x``); True: always; False: never.
+    ``auto`` (default): where the grad-out rows exceed the device's L2 and the int64 sums take at most
+    ``fixed_point_max_bytes`` (``table_ops.fixed_point_grad_x``); True: always; False: never.
+    fixed_point_max_bytes: the most bytes of int64 sums (8 B per element of grad x, alive beside it during the
+    backward) that ``auto`` takes: 1 GiB, MACE-MP-medium's second layer at ~260k atoms; above it the sender-order
+    backward is kept, so that what fits on one GPU does not shrink (a choice, not measured at that size).
     """
 
     forward_chunk: int | None = None
@@ -77,6 +80,7 @@ class TPTuning:
     receiver_backward_min_row_bytes: int | None = 4096
     receiver_backward_atomic: bool = False
     receiver_backward_fixed_point: bool | str = "auto"
+    fixed_point_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -97,10 +101,12 @@ class TPTuning:
         for name in ("backward_chunk_passes", "receiver_backward_atomic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.receiver_backward_fixed_point not in (True, False, "auto") or isinstance(
-                self.receiver_backward_fixed_point, int) and not isinstance(self.receiver_backward_fixed_point, bool):
+        fixed = self.receiver_backward_fixed_point
+        if not (isinstance(fixed, bool) or fixed == "auto"):
             raise ValueError(f"receiver_backward_fixed_point must be 'auto', True or False, got "
                              f"{self.receiver_backward_fixed_point!r}")
+        if not _positive_int(self.fixed_point_max_bytes):
+            raise ValueError(f"fixed_point_max_bytes must be a positive int, got {self.fixed_point_max_bytes!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
