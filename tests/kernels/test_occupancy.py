@@ -33,13 +33,19 @@ def test_blocks_per_sm():
 
 
 def test_rule_on_synthetic_reports():
-    # registers hold the blocks back (4 of the 7 shared memory allows): one more is proposed
-    assert occupancy.proposed_min_blocks(H100, 128, MACE_L2_SMEM, _res(128)) == 5
+    # registers hold the blocks back (4 of the 7 shared memory allows): 5 blocks (20 warps) reach 30 %
+    assert occupancy.proposed_min_blocks(H100, 128, MACE_L2_SMEM, _res(128)) == (5,)
+    # 3 blocks now (168 registers): 5 first, then 4
+    assert occupancy.proposed_min_blocks(H100, 128, MACE_L2_SMEM, _res(168)) == (5, 4)
+    # 8-warp blocks, 2 now: 3 blocks (24 warps) reach 30 %
+    assert occupancy.proposed_min_blocks(H100, 256, 0, _res(120)) == (3,)
     # shared memory, not registers, is the limit: nothing to gain
-    assert occupancy.proposed_min_blocks(H100, 128, 60 * 1024, _res(128)) is None
+    assert occupancy.proposed_min_blocks(H100, 128, 60 * 1024, _res(128)) == ()
+    # shared memory allows 4, registers 3: only 4
+    assert occupancy.proposed_min_blocks(H100, 128, 50 * 1024, _res(168)) == (4,)
     # registers limit, but the SM already holds 12 blocks (48 of 64 warps): measured slower when bounded
-    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(40)) is None
-    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(80)) is None  # 24 warps (37.5 %): measured slower too
+    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(40)) == ()
+    assert occupancy.proposed_min_blocks(H100, 128, 0, _res(80)) == ()  # 24 warps (37.5 %): measured slower too
     unbounded = _res(80)
     assert occupancy.accepts_bound(H100, 128, 0, unbounded, _res(72), 7)
     assert not occupancy.accepts_bound(H100, 128, 0, unbounded, _res(96), 7)  # ptxas filled the budget
@@ -55,6 +61,13 @@ def test_rule_on_synthetic_reports():
         return _res(128) if min_blocks is None else _res(96, 8, 24)
 
     assert occupancy.choose_min_blocks(H100, 128, MACE_L2_SMEM, fake_compile) == 5 and compiled == [None, 5]
+    compiled.clear()
+
+    def spills_at_five(min_blocks):  # 168 unbounded; 5 blocks spill too much, 4 do not: 4 is kept
+        compiled.append(min_blocks)
+        return {None: _res(168), 5: _res(96, 100, 200), 4: _res(128)}[min_blocks]
+
+    assert occupancy.choose_min_blocks(H100, 128, MACE_L2_SMEM, spills_at_five) == 4 and compiled == [None, 5, 4]
     compiled.clear()
     assert occupancy.choose_min_blocks(None, 128, MACE_L2_SMEM, fake_compile) is None and compiled == []
 

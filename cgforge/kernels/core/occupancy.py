@@ -6,14 +6,15 @@ asks ptxas to fit B blocks of T threads per SM, i.e. to use at most 65536 / (B T
 where registers are what limits the blocks and the compiler can drop to the budget without spilling much; where
 the unbounded kernel already uses fewer registers than the budget, ptxas fills the budget instead (measured:
 NequIP M's backward went from 80 to 96 registers under B = 5 and from 2.54 to 3.13 ms). So the rule here
-compiles the kernel once without a bound, and proposes B = (blocks it gets now) + 1 only where registers, not
-shared memory or the warp limit, hold it back and it holds under 30 % of the SM's warps; the caller keeps the
-bounded compile only where it really uses fewer registers, reaches B blocks and spills at most
-``MAX_BOUND_SPILL_BYTES`` more.
+compiles the kernel once without a bound, and proposes a bound only where registers, not shared memory or the warp
+limit, hold it back and it holds under 30 % of the SM's warps: B = the fewest blocks that reach 30 %, then fewer
+down to one more than now where that compile is not kept; the caller keeps a bounded compile
+only where it really uses fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,15 +70,19 @@ def sm_limits(arch: str) -> SMLimits | None:
     return SM_LIMITS.get(arch.rstrip("af"))
 
 
-def proposed_min_blocks(sm: SMLimits, threads: int, shared_bytes: int, unbounded: KernelResources) -> int | None:
-    """B for ``__launch_bounds__(threads, B)``: one block more than the unbounded kernel gets, if its
-    registers are what stops the SM from holding it (not shared memory, not the warp limit) and it holds
-    less than ``MAX_BOUNDED_OCCUPANCY`` of the SM's warps; else None."""
+def proposed_min_blocks(sm: SMLimits, threads: int, shared_bytes: int, unbounded: KernelResources) -> tuple[int, ...]:
+    """The Bs to try for ``__launch_bounds__(threads, B)``, best first: where the unbounded kernel's registers are
+    what stops the SM from holding more of its blocks (not shared memory, not the warp limit) and it holds less
+    than ``MAX_BOUNDED_OCCUPANCY`` of the SM's warps, from the fewest blocks that reach that fraction down to one
+    more than it gets now; else none. (ptxas does not fit a budget monotonically: MACE-MP-medium's second
+    backward with the reduce-scatter of grad y, 168 registers unbounded, spills 32 B at B = 4 and none at 5.)"""
     now = sm.blocks(threads, unbounded.registers, shared_bytes)
-    low = now * -(-threads // 32) < MAX_BOUNDED_OCCUPANCY * sm.max_warps
-    if not low or now >= sm.blocks(threads, None, shared_bytes):
-        return None
-    return now + 1
+    warps = -(-threads // 32)
+    most = sm.blocks(threads, None, shared_bytes)
+    if now * warps >= MAX_BOUNDED_OCCUPANCY * sm.max_warps or now >= most:
+        return ()
+    target = min(most, math.ceil(MAX_BOUNDED_OCCUPANCY * sm.max_warps / warps))
+    return tuple(range(target, now, -1))
 
 
 def accepts_bound(sm: SMLimits, threads: int, shared_bytes: int, unbounded: KernelResources,
@@ -94,12 +99,12 @@ def accepts_bound(sm: SMLimits, threads: int, shared_bytes: int, unbounded: Kern
 def choose_min_blocks(sm: SMLimits | None, threads: int, shared_bytes: int,
                       compile_with: Callable[[int | None], KernelResources]) -> int | None:
     """The launch bound to compile with (None: none): `compile_with(B)` compiles the kernel under
-    ``__launch_bounds__(threads, B)`` (None: without B) and returns its ptxas resources."""
+    ``__launch_bounds__(threads, B)`` (None: without B) and returns its ptxas resources; the first proposed B
+    whose compile ``accepts_bound`` keeps."""
     if sm is None:
         return None
     unbounded = compile_with(None)
-    proposed = proposed_min_blocks(sm, threads, shared_bytes, unbounded)
-    if proposed is None:
-        return None
-    bounded = compile_with(proposed)
-    return proposed if accepts_bound(sm, threads, shared_bytes, unbounded, bounded, proposed) else None
+    for proposed in proposed_min_blocks(sm, threads, shared_bytes, unbounded):
+        if accepts_bound(sm, threads, shared_bytes, unbounded, compile_with(proposed), proposed):
+            return proposed
+    return None

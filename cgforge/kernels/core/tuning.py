@@ -81,6 +81,7 @@ class TPTuning:
     receiver_backward_atomic: bool = False
     receiver_backward_fixed_point: bool | str = "auto"
     fixed_point_max_bytes: int = 1 << 30
+    grad_y_reduce_scatter: bool = True
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -98,7 +99,7 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         fixed = self.receiver_backward_fixed_point
