@@ -15,7 +15,10 @@ to 14.44 ms on MACE-MP-medium, 8.37 to 9.75 on NequIP M, 2.65 to 2.83 on the bun
 (``SplitLinear``'s vector irreps as one ``torch.bmm`` of the broadcast block against every row's [mul, 2l+1]
 block, no transposing copies) 13.98, 9.52 and 2.79 ms. ``table-tol-1e-6`` (the radial tables fitted to 1e-6: half
 the intervals and bytes) answered whether their footprint costs time: 2-6 % (results/table-tol-ab-h100-20261128b;
-its code at 82930d7), not enough to give up an error below FP32's resolution.
+its code at 82930d7), not enough to give up an error below FP32's resolution. ``y-in-registers`` (an edge's in2
+row read into registers once per staging, not from shared memory per term; its patch in
+results/y-registers-ab-h200-20261128) raised the forward's registers and made MACE-MP-medium's step 9.12 -> 9.60
+ms, NequIP M 7.89 -> 7.96 (H200, 2026-11-28).
 
 The commit rule as two CUDA kernels (``commit-kernels``, measured 2026-11-27 with no gain: results/
 suite-ab-h100-20261127g) was removed after its A/B; it lives in git at 475f65b.
