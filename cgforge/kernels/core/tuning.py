@@ -36,7 +36,7 @@ class TPTuning:
     edge's grad y over the warp once together.
     backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
     ``core.occupancy.choose_min_blocks`` pick from the unbounded compile's registers (a bound only where it
-    lowers them and adds a resident block), 0 no bound, a positive int that bound.
+    lowers them and adds resident blocks), 0 no bound, a positive int that bound.
     single_irrep_backward_chunk: the backward chunk of an FP32 CSR kernel whose in1 has one irrep (its window may
     reach ``schedule.SINGLE_IRREP_WINDOW_BYTES``; None: the general rule; see ``schedule.default_chunks``).
     backward_chunk_passes: a chunks-order CSR backward may run as one launch per channel chunk where the grad-out
