@@ -40,6 +40,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "b=linear-huge"], "linear-huge"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "a=without:linear-map-into"], "same NAME"),
+    ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
+    ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
@@ -169,3 +171,26 @@ def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:
     finally:
         undo()
     assert layers.MAP_INTO_ABOVE_BYTES == rule
+
+
+def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
+    """ptx_mix.py on the bundled MACE's layer (NVRTC on the CPU): the reduce-scatter's backward has fewer shuffles
+    than one butterfly per partial, the forward none."""
+    from cgforge.kernels.core.compiler import nvrtc_available
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC library not installed")
+
+    def shuffles(tuning: str) -> dict[str, int]:
+        run = subprocess.run([sys.executable, str(BENCHMARKS / "investigations/ptx_mix.py"), "--layers",
+                              "mace-water-l2", "--tuning", tuning], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        header = next(line.split() for line in run.stdout.splitlines() if line.startswith("layer"))
+        counts = len(header) - 2  # after "layer" and "kernel"; read from the right: the kernel labels hold spaces
+        column = header.index("shfl") - len(header)
+        return {" ".join(line.split()[1:-counts]): int(line.split()[column])
+                for line in run.stdout.splitlines() if line.startswith("mace-water-l2")}
+
+    scatter, butterfly = shuffles("{}"), shuffles('{"grad_y_reduce_scatter": false}')
+    assert scatter["forward"] == butterfly["forward"] == 0
+    assert 0 < scatter["bwd senders"] < butterfly["bwd senders"]
