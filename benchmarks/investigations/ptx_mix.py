@@ -5,8 +5,9 @@ The 2026-11-26 Nsight Compute counters put the convolutions' stalls on shared-me
 pipe). This prints, per model layer and kernel variant, the static counts of the PTX instructions that feed that
 pipe (``ld.shared``, ``st.shared``, ``shfl``) beside global loads, atomics and FP32 arithmetic. Static counts of
 the whole kernel: the edge loop's body dominates them (a chunk-pass backward holds every pass's loop, so its count
-is the sum over its launches). PTX is before ptxas (registers, spills and scheduling are not in it: `explain.py`
-prints those); shifts of 10 % or more between two variants are what this can see.
+is the sum over its launches; code with a fallback path counts both paths, of which one runs). PTX is before
+ptxas (registers, spills and scheduling are not in it: `explain.py` prints those); shifts of 10 % or more between
+two variants are what this can see.
 
     python3 benchmarks/investigations/ptx_mix.py [--layers mace-mp-medium-l2,nequip-presetM]
         [--tuning '{"grad_y_reduce_scatter": false}']
