@@ -66,3 +66,10 @@ def test_the_backward_prints_the_reduction_and_the_tuning_turns_it_off() -> None
     names = {render(build_schedule(problem, itemsize=4, tuning=TPTuning(grad_y_reduce_scatter=s),
                                    rows_are_nodes=True), "float", CONV_BACKWARD, False, True)[1] for s in (True, False)}
     assert len(names) == 2  # the two kernels are told apart by name (profiles)
+
+
+def test_the_knob_is_a_validated_bool() -> None:
+    assert TPTuning().grad_y_reduce_scatter is True
+    assert "grad_y_reduce_scatter=False" in TPTuning(grad_y_reduce_scatter=False).key()
+    with pytest.raises(ValueError, match="grad_y_reduce_scatter"):
+        TPTuning(grad_y_reduce_scatter="yes")
