@@ -94,6 +94,8 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.patches.radial_precision.RadialLinear",
         "cgforge.patches.species_linear.SpeciesSelfConnection",
         "cgforge.patches.e3nn_layers.SplitLinear",  # packages from a .ckpt (the installed e3nn's Linear swapped)
+        "cgforge.patches.gate.FusedGate",  # e3nn's Gate (the nonlinearity) by the gate kernels
+        "cgforge.kernels.gate.GateTable",
         "cgforge.patches.harmonics.KernelHarmonics",
         "cgforge.kernels.harmonics.HarmonicsPolynomials",
     ),

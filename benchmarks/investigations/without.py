@@ -5,6 +5,9 @@
 ``reshape``: MACE's reshape_irreps stays MACE's (``patches.mace.reshape.BlockReshape`` declines every module).
 ``linear-map-into``: ``SplitLinear`` maps frozen inputs through ``map_into`` only above ``CHUNKED_ABOVE_BYTES``, as
 before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
+``gate``: e3nn's ``Gate`` stays e3nn's (``patches.gate.swap_in`` replaces none), as before 2026-11-28.
+``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
+before 2026-11-28 (the blocks of frozen weights are not reused).
 Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
 ``backward_chunk_passes``, ...) passed to the kernels; ``bench_layer.py --tuning`` measures them side by side.
 """
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -34,6 +37,22 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             BlockReshape.supports = supports
+    elif name == "gate":
+        from cgforge.patches import gate
+
+        swap_in = gate.swap_in
+        gate.swap_in = lambda model: 0
+
+        def undo() -> None:
+            gate.swap_in = swap_in
+    elif name == "linear-scaled":
+        from cgforge.patches.e3nn_layers import SplitLinear
+
+        blocks = SplitLinear._path_blocks
+        SplitLinear._path_blocks = lambda self: [None] * len(self.paths)  # None: _map multiplies in the call
+
+        def undo() -> None:
+            SplitLinear._path_blocks = blocks
     else:  # the size rule out of reach: map_into only where rows are chunked
         from candidate import set_map_into_above
 

@@ -133,8 +133,10 @@ class SplitLinear(torch.nn.Module, StandIn):
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         pieces = x.split(in_dims, dim=-1) if len(in_dims) > 1 else (x,)
         outs: list[torch.Tensor | None] = [None] * len(out_dims)
-        for i_in, i_out, offset, mul_in, mul_out, path_weight in self.paths:
-            w = self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight
+        for (i_in, i_out, offset, mul_in, mul_out, path_weight), block in zip(self.paths, self._path_blocks(),
+                                                                              strict=True):
+            w = block if block is not None else (
+                self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight)
             if transpose:
                 i_in, i_out, mul_in, mul_out, w = i_out, i_in, mul_out, mul_in, w.t()
             xi = pieces[i_in].reshape(x.shape[0], mul_in, -1)
@@ -165,6 +167,13 @@ class SplitLinear(torch.nn.Module, StandIn):
                           for _, _, offset, mul_in, mul_out, path_weight in self.paths]
             self._scaled = (key, blocks)
         return self._scaled[1]
+
+    def _path_blocks(self) -> list[torch.Tensor | None]:
+        """``_scaled_blocks`` where the weights are frozen (a multiply per path and call was a kernel each in every
+        MD step), else None per path: ``_map`` scales the blocks in the call, where autograd sees it."""
+        if (self.weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return [None] * len(self.paths)
+        return self._scaled_blocks()
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
         """``out[:] = _map(x, transpose)`` without autograd (a first-order pass over frozen weights), written

@@ -1,8 +1,9 @@
 """One protocol for every module cgforge swaps into a model, one walker, one self-check policy.
 
 The stand-ins: ``SplitLinear`` and ``FoldedMLP`` (e3nn_layers), ``RadialLinear`` (radial_precision),
-``SpeciesSelfConnection`` (species_linear), ``KernelHarmonics`` (harmonics), ``FusedConvTP`` and
-``FusedSymmetricContraction`` (mace) and ``CgforgeTensorProductScatter`` (nequip). Each is a ``StandIn``:
+``SpeciesSelfConnection`` (species_linear), ``KernelHarmonics`` (harmonics), ``FusedGate`` (gate),
+``FusedConvTP`` and ``FusedSymmetricContraction`` (mace) and ``CgforgeTensorProductScatter`` (nequip). Each is a
+``StandIn``:
 
 - it holds the original's tensors (and, where it adopts them, its submodules: the same objects) under the
   original's names, so its state_dict is the original's own (``torch_internals.adopt``);

@@ -67,6 +67,38 @@ def test_split_linear_reads_its_input_through_one_backward_node() -> None:
     assert slices(names) == 0 and sum(name.startswith("SplitWithSizesBackward") for name in names) == 1
 
 
+def test_split_linear_scales_frozen_weights_once_not_per_call() -> None:
+    """Frozen weights: the path blocks times their path weights are made once per weight version (each multiply
+    was a kernel in every MD step); a weight changed in place is seen; trainable weights keep the multiply."""
+    import torch.utils._python_dispatch as dispatch
+
+    class Multiplies(dispatch.TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            Multiplies.count += func is torch.ops.aten.mul.Tensor
+            return func(*args, **(kwargs or {}))
+
+    irreps = "4x0e+4x1o+4x2e"
+    linear = o3.Linear(irreps, irreps).double()
+    stand_in = SplitLinear.wrap(linear)
+    x = _inputs(o3.Irreps(irreps).dim).detach()
+    stand_in.requires_grad_(False)
+    stand_in(x)  # makes the blocks
+    with Multiplies():
+        got = stand_in(x)
+    assert Multiplies.count == 0
+    torch.testing.assert_close(got, linear(x), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        stand_in.weight.mul_(2.0)  # in place: a new version
+    torch.testing.assert_close(stand_in(x), 2 * got, rtol=1e-12, atol=1e-12)
+    stand_in.requires_grad_(True)
+    Multiplies.count = 0
+    with Multiplies():
+        stand_in(x)
+    assert Multiplies.count == 3  # one per path
+
+
 @pytest.mark.parametrize("irreps_in, irreps_out", LINEARS[:3])  # gradgradcheck: small ones
 def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: str, monkeypatch) -> None:
     """Frozen weights and a wide input: rows in chunks (here 3 rows each, 11 rows), values and first and second

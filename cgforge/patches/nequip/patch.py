@@ -4,9 +4,10 @@ Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter``; al
 share one ``ConvGraph`` per call. Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type
 embedding) becomes a ``species_linear`` stand-in: one linear map per atom type in cgforge's calculator,
 e3nn's code otherwise; e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less
-autograd traffic), and the radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an
-optional TF32 mode). The modifier is registered by ``cgforge.patches.nequip_modifier`` through nequip's
-``nequip.extension`` entry point, for nequip configs and tools.
+autograd traffic), each e3nn ``Gate`` (the nonlinearity) ``gate.FusedGate`` (one kernel forward, one backward),
+and the radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an optional TF32 mode).
+The modifier is registered by ``cgforge.patches.nequip_modifier`` through nequip's ``nequip.extension`` entry
+point, for nequip configs and tools.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import e3nn_layers, radial_precision, species_linear, stand_in
+from .. import e3nn_layers, gate, radial_precision, species_linear, stand_in
 from ..common import UnsupportedModelError
 from ..graph_cache import CallGraphCache
 from ..harmonics import KernelHarmonics, is_e3nn_harmonics
@@ -75,6 +76,7 @@ def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torc
             stand_in.swap_in(root, _harmonics_maker)
         swapped = species_linear.swap_in(root, "sc", graphs)
         e3nn_layers.swap_in(root)
+        gate.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
         _install_hook(root, graphs)
         if new:
@@ -114,6 +116,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         stand_in.swap_out(root, (CgforgeTensorProductScatter, KernelHarmonics))
         species_linear.swap_out(root)
         e3nn_layers.swap_out(root)
+        gate.swap_out(root)
         radial_precision.swap_out(root)
         remove_forward_pre_hooks(root, CallGraphCache)
     return model
