@@ -7,6 +7,8 @@ the other way round: a landed change turned off):
 (``MAP_INTO_ABOVE_BYTES`` 0), where the landed rule (2026-11-27) does so from 32 MB of input on. Measured with every
 input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (its inputs are 6-17 MB), hence the size rule.
+``linear-kernel-all``: every frozen map takes the irreps_linear kernel (``KERNEL_MAX_MACS_PER_ROW`` 2**20), where the
+landed rule (2026-11-28) keeps maps of more than 65,536 multiply-adds a row as GEMMs.
 
 Measured with no gain and removed (their code lives in git at 7e81869; results/prefetch-bmm-ab-h100-20261128a):
 ``TPTuning.prefetch_next_edge`` (each CSR kernel read the next edge's ids ahead and asked its table columns, y, x
@@ -30,7 +32,20 @@ import runpy
 import sys
 from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into-all",)
+CANDIDATES = ("linear-map-into-all", "linear-kernel-all")
+
+
+def set_kernel_max_macs(macs: int) -> Callable[[], None]:
+    """``patches.e3nn_layers.KERNEL_MAX_MACS_PER_ROW`` set to ``macs``; returns the undo."""
+    import cgforge.patches.e3nn_layers as layers
+
+    before = layers.KERNEL_MAX_MACS_PER_ROW
+    layers.KERNEL_MAX_MACS_PER_ROW = macs
+
+    def undo() -> None:
+        layers.KERNEL_MAX_MACS_PER_ROW = before
+
+    return undo
 
 
 def set_map_into_above(least: Callable[[int], int]) -> Callable[[], None]:
@@ -51,6 +66,8 @@ def turn_on(name: str) -> Callable[[], None]:
     off again (``tuning_ab.py`` interleaves a candidate with the code as it is)."""
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
+    if name == "linear-kernel-all":
+        return set_kernel_max_macs(1 << 20)
     return set_map_into_above(lambda chunked: 0)
 
 

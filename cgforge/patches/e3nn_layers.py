@@ -6,7 +6,8 @@ names, so the state_dict is unchanged), and keep the original for ``restore``.
 - ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and
   autograd turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per
   extra irrep. After MACE's convolution (10 irreps, [5184, 5120]) that is ~1.4 ms of an H100 step. One
-  ``split`` has a single backward (a ``cat``).
+  ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to
+  ``KERNEL_MAX_MACS_PER_ROW`` run as cgforge's ``irreps_linear`` kernel instead: one launch forward, one backward.
 - ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet`` (MACE's radial MLP): e3nn scales every hidden
   activation twice (the normalising constant of ``normalize2mom`` and ``sqrt(var_out)``), each a full pass
   over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 
+from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
+
 from . import stand_in
 from .radial_precision import radial_matmul
 from .stand_in import StandIn, checked
@@ -43,6 +46,10 @@ CHUNKED_ABOVE_BYTES = 1 << 30
 # on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones
 # (benchmarks/results/map-into-h100-20261127l).
 MAP_INTO_ABOVE_BYTES = 32 << 20
+# Frozen maps of at most KERNEL_MAX_MACS_PER_ROW multiply-adds a row run on CUDA as cgforge's irreps_linear kernel
+# (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); larger ones (MACE-MP-medium's
+# convolution outputs, 262k and 655k) stay GEMMs, where cuBLAS's tiling outweighs the copies.
+KERNEL_MAX_MACS_PER_ROW = 1 << 16
 
 
 class _RowChunkedMap(torch.autograd.Function):
@@ -71,6 +78,8 @@ class SplitLinear(torch.nn.Module, StandIn):
     # (weight's identity and version, [path weight * block]): map_into's cache, replaced (never mutated); a class
     # default, so models patched and pickled before it existed read it too
     _scaled: tuple = ((), [])
+    # (key, (IrrepsMap, forward launch, backward launch)): the irreps_linear kernel's plan, replaced per weight version
+    _kernel_plan: tuple = ((), None)
 
     def __init__(self, linear: torch.nn.Module) -> None:
         super().__init__()
@@ -112,9 +121,49 @@ class SplitLinear(torch.nn.Module, StandIn):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch_shape = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
-        rows = self.chunk_rows(x)
-        out = self._map(x) if rows is None else _RowChunkedMap.apply(x, self, False, rows)
+        plan = self.kernel_plan(x)
+        if plan is not None:
+            m, forward, backward = plan
+            out = apply_map(x, m, [forward._replace(count=x.shape[0])], [backward._replace(count=x.shape[0])])
+        else:
+            rows = self.chunk_rows(x)
+            out = self._map(x) if rows is None else _RowChunkedMap.apply(x, self, False, rows)
         return out.reshape(*batch_shape, out.shape[-1])
+
+    def __getstate__(self) -> dict:
+        """The module's state without the kernel's plan (remade on first use: pickles name no more classes)."""
+        state = dict(super().__getstate__())
+        state.pop("_kernel_plan", None)
+        return state
+
+    def irreps_map(self) -> IrrepsMap:
+        """The map's shape for the irreps_linear kernel (its blocks: ``_scaled_blocks`` end to end)."""
+        return IrrepsMap.of(self.irreps_in, self.irreps_out, self.paths)
+
+    def kernel_plan(self, x: torch.Tensor) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
+        """The irreps_linear kernel's map and launches (rows to be set) for ``x`` [rows, dim], or None where the
+        map runs as GEMMs: off CUDA, trainable weights, under torch.compile, maps above
+        ``KERNEL_MAX_MACS_PER_ROW``, dtypes or widths the kernel does not take."""
+        if (x.device.type != "cuda" or (self.weight.requires_grad and torch.is_grad_enabled())
+                or torch.compiler.is_compiling()):
+            return None
+        w = self.weight
+        key = (w.data_ptr(), tensor_version(w), w.dtype, x.dtype, x.device)
+        if self._kernel_plan[0] != key:
+            self._kernel_plan = (key, self.build_kernel_plan(x.dtype, x.device))
+        return self._kernel_plan[1]
+
+    def build_kernel_plan(self, dtype: torch.dtype, device: torch.device
+                          ) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
+        """``kernel_plan``'s value for the current weights, made on any device (tests check it on the CPU)."""
+        m = self.irreps_map()
+        if m.macs_per_row > KERNEL_MAX_MACS_PER_ROW or tile_rows(m, dtype) is None:
+            return None
+        with torch.no_grad():
+            blocks = torch.cat([b.reshape(-1) for b in self._scaled_blocks()]).to(device=device, dtype=dtype)
+        t = m.transpose()
+        return (m, LinearLaunch(m.arrays(device), blocks, None, 0),
+                LinearLaunch(t.arrays(device), transpose_blocks(m, blocks), None, 0))
 
     def chunk_rows(self, x: torch.Tensor) -> int | None:
         """Rows per ``map_into`` chunk for ``x`` [rows, dim] (None: ``_map``, all rows at once, with autograd):

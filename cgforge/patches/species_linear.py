@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from e3nn import o3
 
-from . import stand_in
+from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
+
+from . import e3nn_layers, stand_in
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, give_back
 
@@ -41,6 +43,7 @@ class SpeciesGroups:
     counts: tuple[int, ...]
     representatives: torch.Tensor
     num_nodes: int
+    padded: bool = False  # SpeciesRoom's: slots past a species' count repeat node 0 (gather their outputs, never)
 
     @classmethod
     def from_species(cls, species: torch.Tensor) -> SpeciesGroups:
@@ -102,7 +105,8 @@ class SpeciesRoom:
         order.index_copy_(0, torch.where(placed, slot, dump), node)
         order = order[:self.total]
         inverse = torch.where(placed, slot, torch.zeros_like(slot))  # others read slot 0: finite, never summed
-        return SpeciesGroups(order, inverse, self.sizes, order.index_select(0, self._starts), n), counts[:k]
+        groups = SpeciesGroups(order, inverse, self.sizes, order.index_select(0, self._starts), n, padded=True)
+        return groups, counts[:k]
 
 
 def _running_counts(member: torch.Tensor) -> torch.Tensor:
@@ -189,6 +193,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
 
     def _per_species(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups) -> torch.Tensor:
         mats = self.species_matrices(attrs.index_select(0, groups.representatives))
+        launches = self._kernel_launches(x, attrs, groups, mats)
+        if launches is not None:
+            return apply_map(x, self.irreps_map(), *launches)
         grouped = x.index_select(0, groups.order).split(list(groups.counts))
         outs = []
         for k, xk in enumerate(grouped):
@@ -206,6 +213,46 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
             outs.append(torch.cat([b if b is not None else xk.new_zeros(xk.shape[0], d)
                                    for b, d in zip(blocks, self.out_dims)], dim=1))
         return torch.cat(outs).index_select(0, groups.inverse)
+
+    def __getstate__(self) -> dict:
+        """The module's state without the kernel's device tables (remade on first use: pickles name no more)."""
+        state = dict(super().__getstate__())
+        state.pop("_kernel_arrays", None)
+        return state
+
+    def irreps_map(self) -> IrrepsMap:
+        """The per-species map's shape for the irreps_linear kernel (a species' blocks: its ``species_matrices``)."""
+        return IrrepsMap.of(self.irreps_in1, self.irreps_out, self.paths)
+
+    def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups,
+                         mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
+        """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
+        run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
+        (``e3nn_layers.KERNEL_MAX_MACS_PER_ROW``), dtypes or widths the kernel does not take."""
+        if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not mats
+                or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
+            return None
+        return self.species_launches(x.dtype, x.device, groups, mats)
+
+    def species_launches(self, dtype: torch.dtype, device: torch.device, groups: SpeciesGroups,
+                         mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
+        """``_kernel_launches``'s value, made on any device (tests check it on the CPU)."""
+        m = self.irreps_map()
+        if m.macs_per_row > e3nn_layers.KERNEL_MAX_MACS_PER_ROW or tile_rows(m, dtype) is None:
+            return None
+        cached = getattr(self, "_kernel_arrays", None)
+        if cached is None or cached[0] != device:
+            cached = self._kernel_arrays = (device, m.arrays(device), m.transpose().arrays(device))
+        _, arrays, arrays_t = cached
+        blocks = torch.cat([mat.reshape(mat.shape[0], -1) for mat in mats], dim=1).to(dtype)  # [species, numel]
+        blocks_t = transpose_blocks(m, blocks)
+        forward, backward, start = [], [], 0
+        for k, count in enumerate(groups.counts):
+            rows = groups.order[start:start + count]
+            forward.append(LinearLaunch(arrays, blocks[k], rows, count))
+            backward.append(LinearLaunch(arrays_t, blocks_t[k], rows, count))
+            start += count
+        return forward, backward
 
     # --- the self-check ---------------------------------------------------------------------------------
 

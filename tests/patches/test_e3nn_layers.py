@@ -67,6 +67,38 @@ def test_split_linear_reads_its_input_through_one_backward_node() -> None:
     assert slices(names) == 0 and sum(name.startswith("SplitWithSizesBackward") for name in names) == 1
 
 
+@pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
+def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, irreps_out: str, monkeypatch) -> None:
+    """The irreps_linear kernel's plan of a frozen SplitLinear, checked on the CPU by running its launches as
+    map_reference: the forward is e3nn's Linear, the backward launch autograd's grad x."""
+    import cgforge.patches.e3nn_layers as layers
+    from cgforge.kernels.irreps_linear import map_reference
+
+    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 1 << 30)  # every map of LINEARS
+    torch.manual_seed(2)
+    linear = o3.Linear(irreps_in, irreps_out).double()
+    stand_in = SplitLinear.wrap(linear).requires_grad_(False)
+    m, forward, backward = stand_in.build_kernel_plan(torch.float64, torch.device("cpu"))
+    assert forward.row_index is None and backward.row_index is None
+    x = _inputs(o3.Irreps(irreps_in).dim).detach().requires_grad_()
+    want = linear(x)
+    torch.testing.assert_close(map_reference(x.detach(), m, forward.blocks), want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(want)
+    (gx_want,) = torch.autograd.grad(want, x, grad)
+    torch.testing.assert_close(map_reference(grad, m.transpose(), backward.blocks), gx_want, rtol=1e-12, atol=1e-12)
+    assert stand_in.kernel_plan(x) is None  # off CUDA: the GEMMs
+
+
+def test_split_linear_keeps_gemms_for_large_maps(monkeypatch) -> None:
+    import cgforge.patches.e3nn_layers as layers
+
+    stand_in = SplitLinear.wrap(o3.Linear("8x0e+8x1o", "8x0e+8x1o"))  # 8*8 + 8*8*3 = 256 multiply-adds a row
+    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 255)
+    assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is None
+    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 256)
+    assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is not None
+
+
 def test_split_linear_scales_frozen_weights_once_not_per_call() -> None:
     """Frozen weights: the path blocks times their path weights are made once per weight version (each multiply
     was a kernel in every MD step); a weight changed in place is seen; trainable weights keep the multiply."""
@@ -258,3 +290,26 @@ def test_swap_in_and_out_round_trip() -> None:
     assert swap_out(model) == 2
     assert [model[0], model[1][0], model[2]] == originals
     assert all(t.dtype == torch.float32 for t in model.state_dict().values() if t.is_floating_point())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_frozen_split_linear_runs_the_kernel_equal_to_e3nn(dtype: torch.dtype) -> None:
+    """On CUDA a frozen SplitLinear takes the irreps_linear kernel: e3nn's numbers, grad x and second derivative
+    (the backward of the backward is the map again)."""
+    torch.manual_seed(5)
+    irreps_in, irreps_out = LINEARS[2]
+    linear = o3.Linear(irreps_in, irreps_out).to(device="cuda", dtype=dtype).requires_grad_(False)
+    stand_in = SplitLinear.wrap(linear)
+    x = _inputs(o3.Irreps(irreps_in).dim, batch=300).detach().to(device="cuda", dtype=dtype).requires_grad_()
+    assert stand_in.kernel_plan(x) is not None
+    weights = torch.randn(300, o3.Irreps(irreps_out).dim, device="cuda", dtype=dtype)
+    results = []
+    for module in (stand_in, linear):
+        out = module(x)
+        (grad,) = torch.autograd.grad((out * weights).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad((grad * grad).sum(), x)
+        results.append((out.detach(), grad.detach(), second))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

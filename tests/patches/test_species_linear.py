@@ -57,6 +57,41 @@ def test_per_species_path_equals_e3nn(irreps_x: str, irreps_a: str, irreps_out: 
     torch.testing.assert_close(gw_got, gw_want, rtol=1e-12, atol=1e-12)
 
 
+def run_launches(x: torch.Tensor, m, launches) -> torch.Tensor:  # noqa: ANN001
+    """What the irreps_linear kernel writes for ``launches`` (map_reference per launch over its rows); NaN where
+    no launch writes."""
+    from cgforge.kernels.irreps_linear import map_reference
+
+    out = torch.full((x.shape[0], m.out_width), float("nan"), dtype=x.dtype)
+    for launch in launches:
+        rows = launch.row_index if launch.row_index is not None else torch.arange(launch.count)
+        assert rows.numel() == launch.count
+        out[rows] = map_reference(x[rows], m, launch.blocks)
+    return out
+
+
+@pytest.mark.parametrize("irreps_x, irreps_a, irreps_out", SHAPES)
+def test_kernel_launches_per_species_are_the_map_and_its_transpose(irreps_x: str, irreps_a: str,
+                                                                     irreps_out: str) -> None:
+    """The kernel's plan (one launch per species over its rows, each way), checked on the CPU by running each
+    launch as map_reference: the forward is e3nn's product, the backward launches give autograd's grad x."""
+    torch.manual_seed(4)
+    tp = o3.FullyConnectedTensorProduct(irreps_x, irreps_a, irreps_out).double()
+    stand_in = SpeciesSelfConnection.wrap(tp, CallGraphCache())
+    species = torch.tensor([3, 0, 3, 1, 1, 0, 3, 3, 0, 5, 1])
+    groups, x, attrs = _groups_and_inputs(tp, species)
+    mats = stand_in.species_matrices(attrs.index_select(0, groups.representatives))
+    forward, backward = stand_in.species_launches(torch.float64, torch.device("cpu"), groups, mats)
+    m = stand_in.irreps_map()
+    want = tp(x, attrs)
+    torch.testing.assert_close(run_launches(x.detach(), m, forward), want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(want)
+    (gx_want,) = torch.autograd.grad(want, x, grad)
+    torch.testing.assert_close(run_launches(grad, m.transpose(), backward), gx_want, rtol=1e-12, atol=1e-12)
+    padded = SpeciesGroups(groups.order, groups.inverse, groups.counts, groups.representatives, 11, padded=True)
+    assert stand_in._kernel_launches(x.cuda() if torch.cuda.is_available() else x, attrs, padded, mats) is None
+
+
 def test_species_room_groups_equal_exact_groups() -> None:
     """Fixed room per species (the captured LAMMPS step): the valid nodes' outputs and gradients equal the exact
     groups'; padding nodes past num_valid and unused room change nothing; counts say when a room overflowed."""
@@ -228,3 +263,26 @@ def test_cuda_captured_step_follows_a_species_change(model: str) -> None:
     fresh.calc = Calculator(model, device="cuda")
     assert abs(fresh.get_potential_energy() - energy) < 1e-5 * abs(energy)
     assert np.abs(fresh.get_forces() - forces).max() < 1e-4 * np.abs(forces).max()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("irreps_x, irreps_a, irreps_out", SHAPES)
+def test_cuda_frozen_per_species_path_runs_the_kernel_equal_to_e3nn(irreps_x: str, irreps_a: str,
+                                                                    irreps_out: str) -> None:
+    torch.manual_seed(6)
+    tp = o3.FullyConnectedTensorProduct(irreps_x, irreps_a, irreps_out).double().cuda().requires_grad_(False)
+    graphs = CallGraphCache()
+    stand_in = SpeciesSelfConnection.wrap(tp, graphs)
+    species = torch.randint(0, 4, (500,), generator=torch.Generator().manual_seed(7)).cuda()
+    groups, x, attrs = _groups_and_inputs(tp, species)
+    mats = stand_in.species_matrices(attrs.index_select(0, groups.representatives))
+    assert stand_in._kernel_launches(x, attrs, groups, mats) is not None
+    results = []
+    for run in (lambda v: stand_in(v, attrs), lambda v: tp(v, attrs)):
+        with graphs.use_species(groups):
+            out = run(x)
+        (grad,) = torch.autograd.grad((out * out).sum(), x, create_graph=True)
+        (second,) = torch.autograd.grad(grad.sum(), x)
+        results.append((out.detach(), grad.detach(), second))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
