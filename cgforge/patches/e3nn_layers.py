@@ -47,9 +47,10 @@ CHUNKED_ABOVE_BYTES = 1 << 30
 # (benchmarks/results/map-into-h100-20261127l).
 MAP_INTO_ABOVE_BYTES = 32 << 20
 # Frozen maps of at most KERNEL_MAX_MACS_PER_ROW multiply-adds a row run on CUDA as cgforge's irreps_linear kernel
-# (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); larger ones (MACE-MP-medium's
-# convolution outputs, 262k and 655k) stay GEMMs, where cuBLAS's tiling outweighs the copies.
-KERNEL_MAX_MACS_PER_ROW = 1 << 16
+# (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); larger ones stay GEMMs, where
+# cuBLAS's tiling outweighs the launches saved: with every map up to 65,536 (H200, 5,184-atom engine step) the
+# bundled MACE (maps <= 21,504) went 2.34 -> 2.25 ms but NequIP M (33,792 and 46,080) 7.15 -> 7.46.
+KERNEL_MAX_MACS_PER_ROW = 1 << 15
 
 
 class _RowChunkedMap(torch.autograd.Function):

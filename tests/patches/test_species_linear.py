@@ -273,8 +273,10 @@ def test_cuda_frozen_per_species_path_runs_the_kernel_equal_to_e3nn(irreps_x: st
     tp = o3.FullyConnectedTensorProduct(irreps_x, irreps_a, irreps_out).double().cuda().requires_grad_(False)
     graphs = CallGraphCache()
     stand_in = SpeciesSelfConnection.wrap(tp, graphs)
-    species = torch.randint(0, 4, (500,), generator=torch.Generator().manual_seed(7)).cuda()
-    groups, x, attrs = _groups_and_inputs(tp, species)
+    species = torch.randint(0, 4, (500,), generator=torch.Generator().manual_seed(7))
+    _, x, attrs = _groups_and_inputs(tp, species)
+    groups = SpeciesGroups.from_species(species.cuda())
+    x, attrs = x.detach().cuda().requires_grad_(), attrs.cuda()
     mats = stand_in.species_matrices(attrs.index_select(0, groups.representatives))
     assert stand_in._kernel_launches(x, attrs, groups, mats) is not None
     results = []
