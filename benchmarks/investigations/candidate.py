@@ -8,7 +8,8 @@ the other way round: a landed change turned off):
 input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (its inputs are 6-17 MB), hence the size rule.
 ``linear-kernel-all``: every frozen map takes the irreps_linear kernel (``KERNEL_MAX_MACS_PER_ROW`` 2**20), where the
-landed rule (2026-11-28) keeps maps of more than 32,768 multiply-adds a row as GEMMs.
+landed rule (2026-11-28) keeps maps of more than 32,768 multiply-adds a row as GEMMs; ``linear-kernel-small``: only
+maps of at most 4,096 (the launch-bound ones) take the kernel.
 
 Measured with no gain and removed (their code lives in git at 7e81869; results/prefetch-bmm-ab-h100-20261128a):
 ``TPTuning.prefetch_next_edge`` (each CSR kernel read the next edge's ids ahead and asked its table columns, y, x
@@ -32,7 +33,7 @@ import runpy
 import sys
 from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into-all", "linear-kernel-all")
+CANDIDATES = ("linear-map-into-all", "linear-kernel-all", "linear-kernel-small")
 
 
 def set_kernel_max_macs(macs: int) -> Callable[[], None]:
@@ -68,6 +69,8 @@ def turn_on(name: str) -> Callable[[], None]:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
     if name == "linear-kernel-all":
         return set_kernel_max_macs(1 << 20)
+    if name == "linear-kernel-small":
+        return set_kernel_max_macs(1 << 12)
     return set_map_into_above(lambda chunked: 0)
 
 
