@@ -7,9 +7,11 @@ the other way round: a landed change turned off):
 (``MAP_INTO_ABOVE_BYTES`` 0), where the landed rule (2026-11-27) does so from 32 MB of input on. Measured with every
 input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (its inputs are 6-17 MB), hence the size rule.
-``linear-kernel-all``: every frozen map takes the irreps_linear kernel (``KERNEL_MAX_MACS_PER_ROW`` 2**20), where the
-landed rule (2026-11-28) keeps maps of more than 32,768 multiply-adds a row as GEMMs; ``linear-kernel-small``: only
-maps of at most 4,096 (the launch-bound ones) take the kernel.
+``linear-kernel-all``: every frozen map takes the irreps_linear kernel (``KERNEL_MAX_CHANNELS`` 2**20), where the
+landed rule (2026-11-28) keeps maps with blocks of more than 32 channels as GEMMs. Measured and not kept: maps of at
+most 4,096 multiply-adds a row on the kernel (H200: MACE-MP-medium 9.08 ms, bundled MACE 2.81, NequIP M 7.21, where
+all GEMMs gave 9.03, 2.84, 7.18 and maps up to 32,768 on the kernel 9.24, 2.68, 7.32;
+results/irreps-linear-ab-h200-20261128).
 
 Measured with no gain and removed (their code lives in git at 7e81869; results/prefetch-bmm-ab-h100-20261128a):
 ``TPTuning.prefetch_next_edge`` (each CSR kernel read the next edge's ids ahead and asked its table columns, y, x
@@ -33,18 +35,18 @@ import runpy
 import sys
 from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into-all", "linear-kernel-all", "linear-kernel-small")
+CANDIDATES = ("linear-map-into-all", "linear-kernel-all")
 
 
-def set_kernel_max_macs(macs: int) -> Callable[[], None]:
-    """``patches.e3nn_layers.KERNEL_MAX_MACS_PER_ROW`` set to ``macs``; returns the undo."""
+def set_kernel_max_channels(channels: int) -> Callable[[], None]:
+    """``patches.e3nn_layers.KERNEL_MAX_CHANNELS`` set to ``channels``; returns the undo."""
     import cgforge.patches.e3nn_layers as layers
 
-    before = layers.KERNEL_MAX_MACS_PER_ROW
-    layers.KERNEL_MAX_MACS_PER_ROW = macs
+    before = layers.KERNEL_MAX_CHANNELS
+    layers.KERNEL_MAX_CHANNELS = channels
 
     def undo() -> None:
-        layers.KERNEL_MAX_MACS_PER_ROW = before
+        layers.KERNEL_MAX_CHANNELS = before
 
     return undo
 
@@ -68,9 +70,7 @@ def turn_on(name: str) -> Callable[[], None]:
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
     if name == "linear-kernel-all":
-        return set_kernel_max_macs(1 << 20)
-    if name == "linear-kernel-small":
-        return set_kernel_max_macs(1 << 12)
+        return set_kernel_max_channels(1 << 20)
     return set_map_into_above(lambda chunked: 0)
 
 

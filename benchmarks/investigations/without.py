@@ -6,7 +6,7 @@
 ``linear-map-into``: ``SplitLinear`` maps frozen inputs through ``map_into`` only above ``CHUNKED_ABOVE_BYTES``, as
 before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
 ``gate``: e3nn's ``Gate`` stays e3nn's (``patches.gate.swap_in`` replaces none), as before 2026-11-28.
-``linear-kernel``: every linear map runs as GEMMs (``e3nn_layers.KERNEL_MAX_MACS_PER_ROW`` -1: no map takes the
+``linear-kernel``: every linear map runs as GEMMs (``e3nn_layers.KERNEL_MAX_CHANNELS`` -1: no map takes the
 irreps_linear kernel), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
@@ -48,9 +48,9 @@ def turn_off(name: str) -> Callable[[], None]:
         def undo() -> None:
             gate.swap_in = swap_in
     elif name == "linear-kernel":
-        from candidate import set_kernel_max_macs
+        from candidate import set_kernel_max_channels
 
-        undo = set_kernel_max_macs(-1)
+        undo = set_kernel_max_channels(-1)
     elif name == "linear-scaled":
         from cgforge.patches.e3nn_layers import SplitLinear
 

@@ -155,6 +155,11 @@ class IrrepsMap:
         return sum(u * w for u, w in self.block_shapes())
 
     @property
+    def widest_block(self) -> int:
+        """The most channels of any block (mul_in or mul_out), 0 for a map without paths."""
+        return max((max(u, w) for u, w in self.block_shapes()), default=0)
+
+    @property
     def macs_per_row(self) -> int:
         """Multiply-adds per row of x."""
         return sum(u * w * self.irreps_in[i][1] for (u, w), (i, _) in zip(self.block_shapes(), self.paths))

@@ -7,7 +7,7 @@ names, so the state_dict is unchanged), and keep the original for ``restore``.
   autograd turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per
   extra irrep. After MACE's convolution (10 irreps, [5184, 5120]) that is ~1.4 ms of an H100 step. One
   ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to
-  ``KERNEL_MAX_MACS_PER_ROW`` run as cgforge's ``irreps_linear`` kernel instead: one launch forward, one backward.
+  ``KERNEL_MAX_CHANNELS`` channels a block run as cgforge's ``irreps_linear`` kernel: one launch each way.
 - ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet`` (MACE's radial MLP): e3nn scales every hidden
   activation twice (the normalising constant of ``normalize2mom`` and ``sqrt(var_out)``), each a full pass
   over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
@@ -46,11 +46,13 @@ CHUNKED_ABOVE_BYTES = 1 << 30
 # on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones
 # (benchmarks/results/map-into-h100-20261127l).
 MAP_INTO_ABOVE_BYTES = 32 << 20
-# Frozen maps of at most KERNEL_MAX_MACS_PER_ROW multiply-adds a row run on CUDA as cgforge's irreps_linear kernel
-# (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); larger ones stay GEMMs, where
-# cuBLAS's tiling outweighs the launches saved: with every map up to 65,536 (H200, 5,184-atom engine step) the
-# bundled MACE (maps <= 21,504) went 2.34 -> 2.25 ms but NequIP M (33,792 and 46,080) 7.15 -> 7.46.
-KERNEL_MAX_MACS_PER_ROW = 1 << 15
+# Frozen maps whose blocks have at most KERNEL_MAX_CHANNELS channels (in and out) run on CUDA as cgforge's
+# irreps_linear kernel (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); wider ones
+# stay GEMMs, where cuBLAS's tiling outweighs the launches saved. From the A/B (H200, 5,184-atom engine step, maps
+# up to 32,768 multiply-adds a row on the kernel, against all GEMMs): the bundled MACE (32 channels) 2.84 -> 2.68 ms,
+# MACE-MP-medium (128) 9.03 -> 9.24, NequIP M (128/64/32 in one map) 7.18 -> 7.32 (benchmarks/results/
+# irreps-linear-ab-h200-20261128).
+KERNEL_MAX_CHANNELS = 32
 
 
 class _RowChunkedMap(torch.autograd.Function):
@@ -144,7 +146,7 @@ class SplitLinear(torch.nn.Module, StandIn):
     def kernel_plan(self, x: torch.Tensor) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """The irreps_linear kernel's map and launches (rows to be set) for ``x`` [rows, dim], or None where the
         map runs as GEMMs: off CUDA, trainable weights, under torch.compile, maps above
-        ``KERNEL_MAX_MACS_PER_ROW``, dtypes or widths the kernel does not take."""
+        ``KERNEL_MAX_CHANNELS``, dtypes or widths the kernel does not take."""
         if (x.device.type != "cuda" or (self.weight.requires_grad and torch.is_grad_enabled())
                 or torch.compiler.is_compiling()):
             return None
@@ -158,7 +160,7 @@ class SplitLinear(torch.nn.Module, StandIn):
                           ) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """``kernel_plan``'s value for the current weights, made on any device (tests check it on the CPU)."""
         m = self.irreps_map()
-        if m.macs_per_row > KERNEL_MAX_MACS_PER_ROW or tile_rows(m, dtype) is None:
+        if m.widest_block > KERNEL_MAX_CHANNELS or tile_rows(m, dtype) is None:
             return None
         with torch.no_grad():
             blocks = torch.cat([b.reshape(-1) for b in self._scaled_blocks()]).to(device=device, dtype=dtype)

@@ -228,7 +228,7 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
         run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
-        (``e3nn_layers.KERNEL_MAX_MACS_PER_ROW``), dtypes or widths the kernel does not take."""
+        (``e3nn_layers.KERNEL_MAX_CHANNELS``), dtypes or widths the kernel does not take."""
         if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not mats
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
@@ -238,7 +238,7 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """``_kernel_launches``'s value, made on any device (tests check it on the CPU)."""
         m = self.irreps_map()
-        if m.macs_per_row > e3nn_layers.KERNEL_MAX_MACS_PER_ROW or tile_rows(m, dtype) is None:
+        if m.widest_block > e3nn_layers.KERNEL_MAX_CHANNELS or tile_rows(m, dtype) is None:
             return None
         cached = getattr(self, "_kernel_arrays", None)
         if cached is None or cached[0] != device:

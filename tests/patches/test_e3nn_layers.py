@@ -74,7 +74,7 @@ def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, i
     import cgforge.patches.e3nn_layers as layers
     from cgforge.kernels.irreps_linear import map_reference
 
-    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 1 << 30)  # every map of LINEARS
+    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 1 << 30)  # every map of LINEARS
     torch.manual_seed(2)
     linear = o3.Linear(irreps_in, irreps_out).double()
     stand_in = SplitLinear.wrap(linear).requires_grad_(False)
@@ -92,10 +92,10 @@ def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, i
 def test_split_linear_keeps_gemms_for_large_maps(monkeypatch) -> None:
     import cgforge.patches.e3nn_layers as layers
 
-    stand_in = SplitLinear.wrap(o3.Linear("8x0e+8x1o", "8x0e+8x1o"))  # 8*8 + 8*8*3 = 256 multiply-adds a row
-    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 255)
+    stand_in = SplitLinear.wrap(o3.Linear("8x0e+12x1o", "8x0e+4x1o"))  # blocks 8 x 8 and 12 x 4
+    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 11)
     assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is None
-    monkeypatch.setattr(layers, "KERNEL_MAX_MACS_PER_ROW", 256)
+    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 12)
     assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is not None
 
 
