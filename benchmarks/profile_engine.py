@@ -1,7 +1,7 @@
 """Where the MD engine's step goes (one GPU): ms per step over engine settings, then the kernels of one step.
 
     python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip|mace-mp-medium|nequip-M] [--molecules 1728]
-                                        [--steps 200] [--no-sweep] [--compile [MODE]] [--sites]
+                                        [--steps 200] [--no-sweep] [--compile [MODE]]
 
 Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, 0.5 fs; ``--no-sweep``: the engine's defaults only),
 then profiles the engine's default setting twice: eagerly (kernels by name, count per step, so the integrator's
@@ -10,9 +10,7 @@ captured step: what the step's wall time is made of, apart from the gaps between
 by bench_md's categories. The box is bench_md's (relaxed by 50 FIRE steps of the bundled MACE). With
 ``--compile`` the same again with ``Calculator(compile=MODE)`` (torch.compile of the model's forward and
 backward; MODE default or max-autotune-no-cudagraphs), so kernel counts and ms per step show before and after;
-the first step of each (capture, and compilation) is timed apart. ``--sites``: the eager step's kernel time by the
-source line that launches it (``kernel_sites``: cgforge, MACE, NequIP or e3nn; a backward kernel by its forward
-op's line). Prints a table; JSON goes to
+the first step of each (capture, and compilation) is timed apart. Prints a table; JSON goes to
 benchmarks/results/ (or $OUT).
 """
 
@@ -98,88 +96,12 @@ def kernel_table(calc, atoms, steps: int = 10, integrator=None, cuda_graph: bool
     return rows, sum(count.values()) // steps
 
 
-_SITE_PACKAGES = ("cgforge/", "mace/", "nequip/", "e3nn/")
-_BACKWARD = "autograd::engine::evaluate_function: "
-
-
-def _frame(name: str) -> str | None:
-    """``file:line function`` of a profiler Python-frame event inside cgforge, MACE, NequIP or e3nn, else None."""
-    path, _, rest = name.partition("(")
-    if not rest or "): " not in rest or not any(p in path for p in _SITE_PACKAGES):
-        return None
-    line, _, function = rest.partition("): ")
-    short = next(path[path.index(p):] for p in _SITE_PACKAGES if p in path)
-    return f"{short}:{line} {function}"
-
-
-def _site(event, forward_sites: dict[int, str]) -> str:  # noqa: ANN001 - a torch.profiler FunctionEvent
-    """Where a kernel-launching event comes from: the innermost model or cgforge frame above it, or for the
-    backward, ``bwd`` and its forward op's frame (autograd's node shares the forward op's sequence number)."""
-    op, node = event.name, event
-    while node is not None:
-        if node.name.startswith(_BACKWARD):
-            return f"bwd {forward_sites.get(node.sequence_nr, node.name[len(_BACKWARD):])}"
-        frame = _frame(node.name)
-        if frame is not None:
-            return frame
-        if node.name.startswith("aten::") or node.name.startswith("cgforge::"):
-            op = node.name
-        node = node.cpu_parent
-    return f"({op})"
-
-
-def kernel_sites(calc, atoms, steps: int = 3) -> list[tuple[str, float, int]]:  # noqa: ANN001
-    """(site, ms per step, kernels per step) of eager engine steps, the sites that launch the most time first:
-    each kernel charged to the innermost cgforge, MACE, NequIP or e3nn source line above its launch (``_site``).
-    Off CUDA, each op's own CPU time instead (to try the attribution without a GPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available() and calc.potential.device.type == "cuda"
-    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"),
-                    cuda_graph=False)
-    engine.run(3)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_stack=True) as prof:
-        engine.run(steps)
-        if cuda:
-            torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CPU"]
-    forward_sites: dict[int, str] = {}
-    for e in events:
-        if e.sequence_nr >= 0 and e.name.startswith("aten::") and not _in_backward(e):
-            forward_sites.setdefault(e.sequence_nr, _site(e, {}))
-    time: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for e in events:
-        if cuda:
-            for kernel in e.kernels:
-                site = _site(e, forward_sites)
-                time[site] += kernel.duration / 1000 / steps
-                count[site] += 1
-        elif e.name.startswith("aten::") and e.self_cpu_time_total > 0 and not e.cpu_children:
-            site = _site(e, forward_sites)
-            time[site] += e.self_cpu_time_total / 1000 / steps
-            count[site] += 1
-    return sorted(((s, time[s], count[s] // steps) for s in time), key=lambda r: -r[1])
-
-
-def _in_backward(event) -> bool:  # noqa: ANN001
-    node = event.cpu_parent
-    while node is not None:
-        if node.name.startswith(_BACKWARD):
-            return True
-        node = node.cpu_parent
-    return False
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bundled-mace", choices=MODELS)
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-sweep", action="store_true", help="the engine's default setting only")
-    parser.add_argument("--sites", action="store_true",
-                        help="also charge the eager step's kernels to the source lines that launch them")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also measure Calculator(compile=MODE) (default mode when MODE is left out)")
     args = parser.parse_args()
@@ -210,8 +132,6 @@ def main() -> None:
             result[label] = {"kernels_per_step": per_step, "kernel_ms": sum(r[1] for r in kernels),
                              "categories": dict(categories),
                              "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]}
-        if args.sites:
-            result["sites"] = [{"site": site, "ms": ms, "kernels": n} for site, ms, n in kernel_sites(calc, atoms)]
         results.append(result)
         del calc
     path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "results": results})
@@ -226,10 +146,6 @@ def main() -> None:
                   + ", ".join(f"{c} {ms:.3f}" for c, ms in sorted(part["categories"].items(), key=lambda kv: -kv[1])))
             for k in part["kernels"][:25]:
                 print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name'][:110]}")
-        if "sites" in res:
-            print("eager step by launching source line (ms, kernels per step):")
-            for row in res["sites"][:45]:
-                print(f"  {row['ms']:8.3f} ms {row['kernels']:4d}x  {row['site'][:110]}")
         print("steps_per_graph block  ms/step")
         for r in res["sweep"]:
             print(f"{str(r.get('steps_per_graph', 'default')):>15s} {str(r.get('block', 'default')):>7s} "

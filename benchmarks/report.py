@@ -58,6 +58,9 @@ TREES = {
     "engine-profile-h100-20261127j/engine-profile-20261127-215327.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215415.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215451.json": ("b3b3486", "README (+ the script)"),
+    "engine-profile-h200-20261128/engine-profile-20261128-085659.json": ("b6bb794", "README"),
+    "engine-profile-h200-20261128/engine-profile-20261128-085728.json": ("b6bb794", "README"),
+    "engine-profile-h200-20261128/engine-profile-20261128-085749.json": ("b6bb794", "README"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
