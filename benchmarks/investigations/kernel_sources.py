@@ -8,12 +8,12 @@ steps with the CPU and CUDA activities and Python stacks, and charges each torch
 count to the innermost frame of the step's code that called it (cgforge, mace, e3nn or nequip; torch's own frames
 skipped). Prints the lines by device ms per step (with each line's costliest ops), then the totals.
 
-Read with care: a frame names the function and the line it starts on (the profiler's Python tracer), not the
-calling line; ops that autograd runs in the backward (on its own thread for CUDA) get a stack that need not be the
-code that caused them (the first H100 run, 2026-11-27, charged 13 ms a step, more than the whole captured step, to
-8 ops "in" MACE's ``prepare_graph``); and the eager step is not the captured one (``--steps`` may include a
-neighbour-list rebuild). Trust the forward's counts; check the rest against the kernel names. On a machine without
-CUDA the device times are zero and the counts are the CPU path's (a check that the script runs).
+An op that autograd runs in the backward is charged to ``bwd`` and the line of the forward op whose node it
+evaluates (the node shares the forward op's sequence number): the backward's own stack need not be the code that
+caused it (the first H100 run, 2026-11-27, charged 13 ms a step, more than the whole captured step, to 8 ops "in"
+MACE's ``prepare_graph``). Read with care: a frame names the function and the line it starts on (the profiler's
+Python tracer), not the calling line; and the eager step is not the captured one (``--steps`` may include a
+neighbour-list rebuild). On a machine without CUDA the device times are zero and the counts are the CPU path's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 OWN_CODE = ("cgforge/", "mace/", "e3nn/", "nequip/")
-STACK_FRAMES = 24  # frames kept per op: enough to reach the model code from inside torch.nn's call machinery
 
 
 def source_line(stack: list[str]) -> str:
@@ -48,21 +47,51 @@ def source_line(stack: list[str]) -> str:
     return "(no model frame: torch or the profiler)"
 
 
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _backward_node(evt):  # noqa: ANN001, ANN202 - torch.profiler FunctionEvents
+    """The autograd node evaluation ``evt`` runs under, or None for a forward op."""
+    node = evt.cpu_parent
+    while node is not None and not node.name.startswith(BACKWARD_NODE):
+        node = node.cpu_parent
+    return node
+
+
+def event_lines(events: list) -> list[tuple[object, str]]:
+    """(op event, its line) for every ``aten::``/``cgforge::`` op of a profile with stacks: a forward op's line is
+    ``source_line`` of its stack; a backward op's is ``bwd`` and the line of the forward op whose autograd node it
+    runs under (the node's sequence number is the forward op's)."""
+    ops = [e for e in events if e.name.startswith(("aten::", "cgforge::"))]
+    forward: dict[int, str] = {}
+    backward = {id(e): _backward_node(e) for e in ops}
+    for e in ops:
+        if backward[id(e)] is None and e.sequence_nr >= 0 and e.stack:
+            forward.setdefault(e.sequence_nr, source_line(list(e.stack)))
+    lines = []
+    for e in ops:
+        node = backward[id(e)]
+        if node is None:
+            lines.append((e, source_line(list(e.stack or []))))
+        else:
+            lines.append((e, "bwd " + forward.get(node.sequence_nr, f"({node.name[len(BACKWARD_NODE):]})")))
+    return lines
+
+
 def step_sources(prof: torch.profiler.profile, steps: int
                  ) -> tuple[list[tuple[str, float, float, str]], float, float]:
     """[(line, device ms per step, op calls per step, its costliest ops)] slowest first, and the totals (ms, calls)
-    per step."""
+    per step (``event_lines``: backward ops by their forward op's line)."""
     ms: dict[str, float] = defaultdict(float)
     calls: dict[str, float] = defaultdict(float)
     ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for evt in prof.key_averages(group_by_stack_n=STACK_FRAMES):
+    for evt, line in event_lines(list(prof.events())):
         device_us = getattr(evt, "self_device_time_total", 0.0)
         if device_us <= 0 and torch.cuda.is_available():
             continue  # no kernel of its own (a view, a wrapper op)
-        line = source_line(list(evt.stack or []))
         ms[line] += device_us / 1e3 / steps
-        calls[line] += evt.count / steps
-        ops[line][evt.key] += device_us / 1e3 / steps
+        calls[line] += 1 / steps
+        ops[line][evt.name] += device_us / 1e3 / steps
     rows = []
     for line in ms:
         top = sorted(ops[line].items(), key=lambda kv: -kv[1])[:3]

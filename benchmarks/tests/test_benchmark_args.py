@@ -121,6 +121,33 @@ def test_kernel_sources_charges_ops_to_the_model_line_that_called_them() -> None
     assert kernel_sources.source_line(stack[:1]).startswith("(no model frame")
 
 
+def test_kernel_sources_charges_backward_ops_to_their_forward_line() -> None:
+    """The ops autograd runs for a cgforge function's backward are charged to ``bwd`` and that function's line (the
+    node's sequence number is its forward op's), not to the frame that called ``torch.autograd.grad``."""
+    import torch
+
+    from cgforge.kernels.irreps_linear import IrrepsMap, map_reference
+
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        import kernel_sources
+    finally:
+        sys.path.pop(0)
+    m = IrrepsMap(((4, 1), (3, 3)), ((2, 1), (5, 3)), ((0, 0), (1, 1)))
+    x = torch.randn(6, m.in_width, requires_grad=True)
+    blocks = torch.randn(m.numel)
+    config = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True,
+                                experimental_config=config) as prof:
+        out = map_reference(x, m, blocks)
+        torch.autograd.grad(out.square().sum(), x)
+    lines = [line for _, line in kernel_sources.event_lines(list(prof.events()))]
+    forward = [line for line in lines if line.startswith("cgforge/kernels/irreps_linear.py")]
+    backward = [line for line in lines if line.startswith("bwd cgforge/kernels/irreps_linear.py")]
+    assert forward and backward, sorted(set(lines))
+    assert not any("test_benchmark_args" in line for line in lines if line.startswith("bwd"))
+
+
 def test_bench_md_engine_backends_are_md_backends_with_known_options() -> None:
     """Each engine backend is timed as whole MD steps and sets only options measure_md hands on (the Calculator's
     compile, radial_table and filter_edges, the table fusion, the Engine's fuse_integrator)."""
