@@ -200,11 +200,11 @@ class GateArrays(NamedTuple):
 
 
 def _activation(code: Tensor, v: Tensor, slope: bool) -> Tensor:
-    """f(v) (or f'(v)) with each column's activation ``code`` [width] (torch ops, any order of derivatives)."""
+    """f(v) (or f'(v)) with each column's activation ``code`` [width] (torch ops, any order of derivatives). Every
+    activation is evaluated and selected per column: no value of ``code`` is read on the host, so torch.compile
+    traces it as one graph."""
     out = torch.ones_like(v) if slope else v
-    for c in torch.unique(code).tolist():
-        if c == 0:
-            continue
+    for c in range(1, len(ACTIVATIONS)):
         if c == 1:
             s = torch.sigmoid(v)
             value = s * (1 + v * (1 - s)) if slope else v * s
