@@ -8,6 +8,9 @@ before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
 ``gate``: e3nn's ``Gate`` stays e3nn's (``patches.gate.swap_in`` replaces none), as before 2026-11-28.
 ``linear-kernel``: every linear map runs as GEMMs (``e3nn_layers.KERNEL_MAX_CHANNELS`` -1: no map takes the
 irreps_linear kernel), as before 2026-11-28.
+``md-step``: the engine's Langevin halves and commit check run as torch operations (``kernels.md_step`` unused:
+the engine's ``commit_step`` is the torch expression, ``integrators._on_step_kernels`` says no), as before
+2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
 Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
@@ -23,7 +26,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "linear-kernel")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "linear-kernel", "md-step")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -51,6 +54,16 @@ def turn_off(name: str) -> Callable[[], None]:
         from candidate import set_kernel_max_channels
 
         undo = set_kernel_max_channels(-1)
+    elif name == "md-step":
+        from cgforge.plugin.md import commit, engine, integrators
+
+        on_kernels = integrators._on_step_kernels
+        engine.commit_step = commit.commit_step_reference  # Engine.__init__ reads it
+        integrators._on_step_kernels = lambda *tensors: False
+
+        def undo() -> None:
+            engine.commit_step = commit.commit_step
+            integrators._on_step_kernels = on_kernels
     elif name == "linear-scaled":
         from cgforge.patches.e3nn_layers import SplitLinear
 

@@ -200,6 +200,29 @@ def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:
     assert layers.MAP_INTO_ABOVE_BYTES == rule
 
 
+def test_without_md_step_turns_the_step_kernels_off_and_back() -> None:
+    """without.py's md-step makes a new Engine take the torch commit check and the integrators say no to the
+    kernels; its undo restores both."""
+    import torch
+
+    from cgforge.plugin.md import commit, engine, integrators
+
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        import without
+    finally:
+        sys.path.pop(0)
+    assert engine.commit_step is commit.commit_step
+    undo = without.turn_off("md-step")
+    try:
+        assert engine.commit_step is commit.commit_step_reference
+        assert not integrators._on_step_kernels(torch.zeros(3, dtype=torch.float64))
+    finally:
+        undo()
+    assert engine.commit_step is commit.commit_step
+    assert integrators._on_step_kernels.__name__ == "_on_step_kernels"
+
+
 def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     """ptx_mix.py on the bundled MACE's layer (NVRTC on the CPU): the reduce-scatter's backward has fewer shuffles
     than one butterfly per partial, the forward none."""

@@ -94,3 +94,16 @@ def call(function, args: Sequence[object]) -> None:  # noqa: ANN001
     converted = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_longlong(a) if isinstance(a, int)
                  else pointer(a) for a in args]
     function(*converted)
+
+
+def assert_compiles_without_spills(source: str, filename: str, names: Sequence[str]) -> None:
+    """NVRTC (no GPU needed) compiles a fixed CUDA source for sm_90 with no spills and no stack frame in any of the
+    kernels ``names`` (skips where NVRTC is missing)."""
+    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
+
+    if not nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    result = compile_cubin(source, arch="sm_90", name=filename)
+    for name in names:
+        res = result.resources(name)
+        assert not res.spills and res.stack_frame == 0, (name, res)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from e3nn.nn import Gate
-from host_cuda import build, call
+from host_cuda import assert_compiles_without_spills, build, call
 
 from cgforge.kernels.gate import GATE_SOURCE, GateTable, gate, gate_backward_reference, gate_reference
 from cgforge.patches.gate import FusedGate, gate_table, swap_in, swap_out
@@ -92,15 +92,8 @@ def test_bad_tables_and_inputs_are_named() -> None:
 
 
 def test_kernels_compile_without_spills() -> None:
-    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
-
-    if not nvrtc_available():
-        pytest.skip("NVRTC is not installed")
-    result = compile_cubin(GATE_SOURCE, arch="sm_90", name="gate.cu")
-    for direction in ("forward", "backward"):
-        for suffix in ("f32", "f64"):
-            res = result.resources(f"gate_{direction}_{suffix}")
-            assert not res.spills and res.stack_frame == 0, res
+    names = [f"gate_{direction}_{suffix}" for direction in ("forward", "backward") for suffix in ("f32", "f64")]
+    assert_compiles_without_spills(GATE_SOURCE, "gate.cu", names)
 
 
 _DRIVER = """

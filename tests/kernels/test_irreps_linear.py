@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from e3nn import o3
-from host_cuda import build, call
+from host_cuda import assert_compiles_without_spills, build, call
 
 from cgforge.kernels.irreps_linear import (
     IRREPS_LINEAR_SOURCE,
@@ -73,14 +73,8 @@ def test_bad_maps_are_named() -> None:
 
 
 def test_kernels_compile_without_spills() -> None:
-    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
-
-    if not nvrtc_available():
-        pytest.skip("NVRTC is not installed")
-    result = compile_cubin(IRREPS_LINEAR_SOURCE, arch="sm_90", name="irreps_linear.cu")
-    for name in ("irreps_linear_f32_r8", "irreps_linear_f32_r4", "irreps_linear_f64_r8", "irreps_linear_f64_r2"):
-        res = result.resources(name)
-        assert not res.spills and res.stack_frame == 0, res
+    names = ("irreps_linear_f32_r8", "irreps_linear_f32_r4", "irreps_linear_f64_r8", "irreps_linear_f64_r2")
+    assert_compiles_without_spills(IRREPS_LINEAR_SOURCE, "irreps_linear.cu", names)
 
 
 _DRIVER = """

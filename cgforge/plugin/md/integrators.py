@@ -24,7 +24,8 @@ module-level ``_*`` functions below). ``Integrator.fuse(compile)`` swaps them fo
 passes ``torch.compile`` when the calculator's model is compiled): in a captured CUDA graph every tiny torch
 operation is a node of a few microseconds however little it does, and an NPT step's thermostat and barostat
 scalars were ~80 of them (H100, bundled MACE, 5184 atoms). Unfused (the default, and on a CPU) they run as
-written, operation for operation.
+written, operation for operation, except Langevin's two halves on CUDA: one kernel each
+(``cgforge.kernels.md_step``, the same arithmetic) where the torch expressions are ~25 kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from ase import units
 from torch import Tensor
+
+from cgforge.kernels.md_step import langevin_first_cuda, langevin_second_cuda
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
            "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
@@ -110,6 +113,29 @@ def _langevin_second(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor,
     return (v + (c1 * forces / masses - c2 * v + rnd_vel)) * masses
 
 
+def _on_step_kernels(*tensors: Tensor) -> bool:
+    """Whether ``cgforge.kernels.md_step`` takes the arithmetic: contiguous float64 CUDA arrays, no tracing."""
+    return not torch.compiler.is_compiling() and all(
+        t.is_cuda and t.dtype == torch.float64 and t.is_contiguous() for t in tensors)
+
+
+def _langevin_first_eager(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor,
+                          eta: Tensor, c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_langevin_first``, one kernel on CUDA."""
+    if _on_step_kernels(positions, momenta, forces, masses, xi, eta, c3, c4, c5):
+        return langevin_first_cuda(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
+    return _langevin_first(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
+
+
+def _langevin_second_eager(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float
+                           ) -> Tensor:
+    """``_langevin_second``, one kernel on CUDA."""
+    if _on_step_kernels(v, forces, masses, rnd_vel):
+        return langevin_second_cuda(v, forces, masses, rnd_vel, c1, c2)
+    return _langevin_second(v, forces, masses, rnd_vel, c1, c2)
+
+
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
                  ) -> tuple[Tensor, Tensor]:
     """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K (see ``CSVR``)."""
@@ -162,10 +188,13 @@ class Integrator:
         """Run the scheme's pure arithmetic through ``compile`` (e.g. ``torch.compile``), or as written (None)."""
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
-        wrap = compile if compile is not None else (lambda fn: fn)
         self.fused = compile is not None
-        self._math = {fn.__name__: wrap(fn) for fn in (_langevin_first, _langevin_second, _csvr_factor,
-                                                        _cell_scaling)}
+        if compile is None:
+            self._math = {fn.__name__: fn for fn in (_csvr_factor, _cell_scaling)}
+            self._math.update(_langevin_first=_langevin_first_eager, _langevin_second=_langevin_second_eager)
+        else:
+            self._math = {fn.__name__: compile(fn) for fn in (_langevin_first, _langevin_second, _csvr_factor,
+                                                               _cell_scaling)}
 
     def params(self) -> dict[str, float | int | bool | str | None]:
         """The physical settings, for a restart's record (and a check that a restart continues the same run)."""
