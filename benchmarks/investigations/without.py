@@ -11,6 +11,8 @@ irreps_linear kernel), as before 2026-11-28.
 ``md-step``: the engine's Langevin halves and commit check run as torch operations (``kernels.md_step`` unused:
 the engine's ``commit_step`` is the torch expression, ``integrators._on_step_kernels`` says no), as before
 2026-11-28.
+``edge-layout``: a step's edges are cut and laid out by torch operations (``edges_within`` and ``layout_edges``;
+``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
 Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
@@ -26,7 +28,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "linear-kernel", "md-step")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "linear-kernel", "md-step", "edge-layout")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -64,6 +66,14 @@ def turn_off(name: str) -> Callable[[], None]:
         def undo() -> None:
             engine.commit_step = commit.commit_step
             integrators._on_step_kernels = on_kernels
+    elif name == "edge-layout":
+        from cgforge.plugin.runtime import edge_layout
+
+        on_kernels = edge_layout._on_layout_kernels
+        edge_layout._on_layout_kernels = lambda positions, topology: False
+
+        def undo() -> None:
+            edge_layout._on_layout_kernels = on_kernels
     elif name == "linear-scaled":
         from cgforge.patches.e3nn_layers import SplitLinear
 

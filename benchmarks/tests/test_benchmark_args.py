@@ -223,6 +223,24 @@ def test_without_md_step_turns_the_step_kernels_off_and_back() -> None:
     assert integrators._on_step_kernels.__name__ == "_on_step_kernels"
 
 
+def test_without_edge_layout_turns_the_layout_kernels_off_and_back() -> None:
+    from cgforge.plugin.runtime import edge_layout
+
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        import without
+    finally:
+        sys.path.pop(0)
+    on_kernels = edge_layout._on_layout_kernels
+    undo = without.turn_off("edge-layout")
+    try:
+        assert edge_layout._on_layout_kernels is not on_kernels
+        assert not edge_layout._on_layout_kernels(None, None)
+    finally:
+        undo()
+    assert edge_layout._on_layout_kernels is on_kernels
+
+
 def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     """ptx_mix.py on the bundled MACE's layer (NVRTC on the CPU): the reduce-scatter's backward has fewer shuffles
     than one butterfly per partial, the forward none."""

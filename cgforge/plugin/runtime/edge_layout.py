@@ -23,6 +23,10 @@ With an ``EdgeTopology`` of the list (built once per neighbour-list rebuild: its
 of every edge) a step needs no sort and no atomics: kept edges per row come from the row pointers, and since
 the kept set is symmetric (an edge is kept with its reverse) every node sends as many edges as it receives,
 so the transpose's row pointers are the layout's own and its permutation is "the slot of my reverse edge".
+
+``layout_within`` cuts a step's edges from the list and lays them out: on CUDA with a topology in three kernels
+(``cgforge.kernels.edge_layout``: the mask, a prefix sum, every slot), where ``edges_within`` and ``layout_edges``
+are ~70 torch kernels; elsewhere those two (the reference).
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ from torch import Tensor
 
 from cgforge.kernels import ConvGraph
 from cgforge.kernels.convolution import GraphTensors
+from cgforge.kernels.edge_layout import padded_layout_cuda
 
-__all__ = ["EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "layout_edges", "pad_offset_vector"]
+from .neighbours import edges_within
+
+__all__ = ["EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "layout_edges", "layout_within",
+           "pad_offset_vector"]
 
 
 @dataclass
@@ -191,6 +199,32 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
         graph = GraphTensors(out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, real_slot)
+
+
+def _on_layout_kernels(positions: Tensor, topology: EdgeTopology | None) -> bool:
+    """Whether ``layout_within`` takes the kernels: a topology, FP32/FP64 positions on CUDA."""
+    return topology is not None and positions.is_cuda and positions.dtype in (torch.float32, torch.float64)
+
+
+def layout_within(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor,
+                  valid: Tensor, cutoff: float, num_nodes: int, capacity: int, pad_vector: Tensor, with_graph: bool,
+                  topology: EdgeTopology | None) -> EdgeLayout:
+    """The valid list entries within ``cutoff`` at these positions, laid out as ``layout_edges`` does (``keep``
+    = ``edges_within``'s mask and ``valid``): one layout of ``capacity`` slots, nothing read back to the host. On
+    CUDA with a ``topology`` the kernels of ``cgforge.kernels.edge_layout`` (an edge at the cutoff to rounding
+    may fall the other way than in the torch expression; its contribution is zero there)."""
+    if _on_layout_kernels(positions, topology):
+        dtype = positions.dtype
+        out = padded_layout_cuda(positions.contiguous(), cell.to(dtype).contiguous(), sender, receiver,
+                                 unit_shifts.to(dtype), valid, topology.rowptr, topology.reverse, cutoff,
+                                 capacity, pad_vector.to(dtype), with_graph)
+        out_sender, out_receiver, out_shifts, out_pad, count, slot, sender32, receiver32, rowptr, perm_t = out
+        graph = (GraphTensors(sender32, receiver32, rowptr, torch.zeros(0, dtype=torch.int32, device=rowptr.device),
+                              rowptr, perm_t) if with_graph else None)
+        return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
+    _, _, inside = edges_within(positions, cell, sender, receiver, unit_shifts, cutoff)
+    return layout_edges(inside & valid, sender, receiver, unit_shifts, num_nodes, capacity, pad_vector, with_graph,
+                        topology)
 
 
 def conv_graph(layout: EdgeLayout, num_nodes: int) -> ConvGraph:

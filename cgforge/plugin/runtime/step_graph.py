@@ -40,7 +40,15 @@ from cgforge.patches.species_linear import SpeciesGroups
 from .adapters import ModelAdapter
 from .capture import capture_or_fall_back, room
 from .compiled import CompiledEnergy
-from .edge_layout import EdgeLayout, EdgeTopology, conv_graph, edge_topology, layout_edges, pad_offset_vector
+from .edge_layout import (
+    EdgeLayout,
+    EdgeTopology,
+    conv_graph,
+    edge_topology,
+    layout_edges,
+    layout_within,
+    pad_offset_vector,
+)
 from .edge_vectors import edge_differences, rows_times
 from .neighbours import VerletNeighbourList, edges_within
 
@@ -504,15 +512,15 @@ class ModelStep:
     def _step_layout(self) -> EdgeLayout:
         if not self.filter_edges:
             return self._layout
-        sender, receiver, shifts, _ = self._verlet
-        keep = self._keep()
+        sender, receiver, shifts, valid = self._verlet
         if self.padded:
-            capacity = self._capacity
-        else:  # eager: exact, one sync; counted as layout_edges keeps them (with their reverses)
-            if self._topology is not None:
-                keep = keep & keep.index_select(0, self._topology.reverse)
-            capacity = int(keep.sum())
-        return layout_edges(keep, sender, receiver, shifts, self._n, capacity, self.pad_vector,
+            return layout_within(self._pos, self._cell, sender, receiver, shifts, valid, self.cutoff, self._n,
+                                 self._capacity, self.pad_vector, bool(self.caches), self._topology)
+        # eager: exact, one sync; counted as layout_edges keeps them (with their reverses)
+        keep = self._keep()
+        if self._topology is not None:
+            keep = keep & keep.index_select(0, self._topology.reverse)
+        return layout_edges(keep, sender, receiver, shifts, self._n, int(keep.sum()), self.pad_vector,
                             with_graph=bool(self.caches), topology=self._topology)
 
     def _compute(self, key: tuple[bool, bool, bool], phase: Phase) -> Tensor:
