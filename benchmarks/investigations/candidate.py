@@ -7,11 +7,11 @@ the other way round: a landed change turned off):
 (``MAP_INTO_ABOVE_BYTES`` 0), where the landed rule (2026-11-27) does so from 32 MB of input on. Measured with every
 input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
 8.52 -> 8.46, the bundled MACE 2.98 -> 3.16 (its inputs are 6-17 MB), hence the size rule.
-``linear-kernel-all``: every frozen map takes the irreps_linear kernel (``KERNEL_MAX_CHANNELS`` 2**20), where the
-landed rule (2026-11-28) keeps maps with blocks of more than 32 channels as GEMMs. Measured and not kept: maps of at
-most 4,096 multiply-adds a row on the kernel (H200: MACE-MP-medium 9.08 ms, bundled MACE 2.81, NequIP M 7.21, where
-all GEMMs gave 9.03, 2.84, 7.18 and maps up to 32,768 on the kernel 9.24, 2.68, 7.32;
-results/irreps-linear-ab-h200-20261128).
+Which linear maps take the irreps_linear kernel is a tuning value, not a candidate: ``tuning_ab.py --tuning
+gemms='{"linear_kernel_max_channels": 0}' --tuning all='{"linear_kernel_max_channels": 1048576}'``
+(``KernelTuning.linear_kernel_max_channels``; 32 landed 2026-11-28). Measured and not kept: maps of at most 4,096
+multiply-adds a row on the kernel (H200: MACE-MP-medium 9.08 ms, bundled MACE 2.81, NequIP M 7.21, where all GEMMs
+gave 9.03, 2.84, 7.18 and maps up to 32,768 on the kernel 9.24, 2.68, 7.32; results/irreps-linear-ab-h200-20261128).
 
 Measured with no gain and removed (their code lives in git at 7e81869; results/prefetch-bmm-ab-h100-20261128a):
 ``TPTuning.prefetch_next_edge`` (each CSR kernel read the next edge's ids ahead and asked its table columns, y, x
@@ -25,8 +25,10 @@ row read into registers once per staging, not from shared memory per term; its p
 results/y-registers-ab-h200-20261128) raised the forward's registers and made MACE-MP-medium's step 9.12 -> 9.60
 ms, NequIP M 7.89 -> 7.96 (H200, 2026-11-28).
 
-The commit rule as two CUDA kernels (``commit-kernels``, measured 2026-11-27 with no gain: results/
-suite-ab-h100-20261127g) was removed after its A/B; it lives in git at 475f65b.
+The commit rule as two CUDA kernels (``commit-kernels``, measured 2026-11-27 with no gain in runs of their own:
+results/suite-ab-h100-20261127g) was removed after that A/B (git 475f65b). Rewritten with the Langevin halves
+(``kernels/md_step.py``) and measured interleaved with the torch expressions in one process (``without.py md-step``,
+results/step-glue-ab-h200-20261128): 0.04-0.14 ms a step in every model and both calls, landed 2026-11-28.
 """
 
 from __future__ import annotations
@@ -35,20 +37,7 @@ import runpy
 import sys
 from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into-all", "linear-kernel-all")
-
-
-def set_kernel_max_channels(channels: int) -> Callable[[], None]:
-    """``patches.e3nn_layers.KERNEL_MAX_CHANNELS`` set to ``channels``; returns the undo."""
-    import cgforge.patches.e3nn_layers as layers
-
-    before = layers.KERNEL_MAX_CHANNELS
-    layers.KERNEL_MAX_CHANNELS = channels
-
-    def undo() -> None:
-        layers.KERNEL_MAX_CHANNELS = before
-
-    return undo
+CANDIDATES = ("linear-map-into-all",)
 
 
 def set_map_into_above(least: Callable[[int], int]) -> Callable[[], None]:
@@ -69,8 +58,6 @@ def turn_on(name: str) -> Callable[[], None]:
     off again (``tuning_ab.py`` interleaves a candidate with the code as it is)."""
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
-    if name == "linear-kernel-all":
-        return set_kernel_max_channels(1 << 20)
     return set_map_into_above(lambda chunked: 0)
 
 

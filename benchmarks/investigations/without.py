@@ -6,8 +6,6 @@
 ``linear-map-into``: ``SplitLinear`` maps frozen inputs through ``map_into`` only above ``CHUNKED_ABOVE_BYTES``, as
 before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
 ``gate``: e3nn's ``Gate`` stays e3nn's (``patches.gate.swap_in`` replaces none), as before 2026-11-28.
-``linear-kernel``: every linear map runs as GEMMs (``e3nn_layers.KERNEL_MAX_CHANNELS`` -1: no map takes the
-irreps_linear kernel), as before 2026-11-28.
 ``md-step``: the engine's Langevin halves and commit check run as torch operations (``kernels.md_step`` unused:
 the engine's ``commit_step`` is the torch expression, ``integrators._on_step_kernels`` says no), as before
 2026-11-28.
@@ -15,7 +13,8 @@ the engine's ``commit_step`` is the torch expression, ``integrators._on_step_ker
 ``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
-Kernel choices are not turned off here: they are ``TPTuning`` values (``single_irrep_backward_chunk``,
+Kernel choices are not turned off here: they are ``KernelTuning`` values (``linear_kernel_max_channels`` 0: every
+linear map on GEMMs, as before 2026-11-28), ``TPTuning`` values (``single_irrep_backward_chunk``,
 ``backward_chunk_passes``, ...) passed to the kernels; ``bench_layer.py --tuning`` measures them side by side.
 """
 
@@ -28,7 +27,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "linear-kernel", "md-step", "edge-layout")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -52,10 +51,6 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             gate.swap_in = swap_in
-    elif name == "linear-kernel":
-        from candidate import set_kernel_max_channels
-
-        undo = set_kernel_max_channels(-1)
     elif name == "md-step":
         from cgforge.plugin.md import commit, engine, integrators
 

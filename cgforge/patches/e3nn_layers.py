@@ -6,8 +6,9 @@ names, so the state_dict is unchanged), and keep the original for ``restore``.
 - ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and
   autograd turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per
   extra irrep. After MACE's convolution (10 irreps, [5184, 5120]) that is ~1.4 ms of an H100 step. One
-  ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to
-  ``KERNEL_MAX_CHANNELS`` channels a block run as cgforge's ``irreps_linear`` kernel: one launch each way.
+  ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to ``kernel_max_channels``
+  channels a block (``KernelTuning.linear_kernel_max_channels``) run as cgforge's ``irreps_linear`` kernel: one
+  launch each way.
 - ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet`` (MACE's radial MLP): e3nn scales every hidden
   activation twice (the normalising constant of ``normalize2mom`` and ``sqrt(var_out)``), each a full pass
   over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cgforge.kernels import KernelTuning
 from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
 
 from . import stand_in
@@ -46,13 +48,9 @@ CHUNKED_ABOVE_BYTES = 1 << 30
 # on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones
 # (benchmarks/results/map-into-h100-20261127l).
 MAP_INTO_ABOVE_BYTES = 32 << 20
-# Frozen maps whose blocks have at most KERNEL_MAX_CHANNELS channels (in and out) run on CUDA as cgforge's
-# irreps_linear kernel (one launch each way: no transposing copies, no concatenation, no per-path GEMMs); wider ones
-# stay GEMMs, where cuBLAS's tiling outweighs the launches saved. From the A/B (H200, 5,184-atom engine step, maps
-# up to 32,768 multiply-adds a row on the kernel, against all GEMMs): the bundled MACE (32 channels) 2.84 -> 2.68 ms,
-# MACE-MP-medium (128) 9.03 -> 9.24, NequIP M (128/64/32 in one map) 7.18 -> 7.32 (benchmarks/results/
-# irreps-linear-ab-h200-20261128).
-KERNEL_MAX_CHANNELS = 32
+# Frozen maps whose weight blocks have at most ``kernel_max_channels`` channels (in and out) run on CUDA as cgforge's
+# irreps_linear kernel; the rule and its measurements: ``KernelTuning.linear_kernel_max_channels``.
+DEFAULT_KERNEL_MAX_CHANNELS = KernelTuning().linear_kernel_max_channels
 
 
 class _RowChunkedMap(torch.autograd.Function):
@@ -84,9 +82,12 @@ class SplitLinear(torch.nn.Module, StandIn):
     # (key, (IrrepsMap, forward launch, backward launch)): the irreps_linear kernel's plan, replaced per weight version
     _kernel_plan: tuple = ((), None)
 
-    def __init__(self, linear: torch.nn.Module) -> None:
+    kernel_max_channels = DEFAULT_KERNEL_MAX_CHANNELS  # the class's: modules pickled before it was an attribute
+
+    def __init__(self, linear: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> None:
         super().__init__()
         adopt(self, linear)
+        self.kernel_max_channels = int(kernel_max_channels)
         self.irreps_in, self.irreps_out = linear.irreps_in, linear.irreps_out
         self.in_dims = [mul_ir.dim for mul_ir in self.irreps_in]
         self.out_dims = [mul_ir.dim for mul_ir in self.irreps_out]
@@ -114,8 +115,9 @@ class SplitLinear(torch.nn.Module, StandIn):
         )
 
     @classmethod
-    def wrap(cls, linear: torch.nn.Module, where: str = "") -> SplitLinear | None:
-        return checked(cls(linear), where) if cls.supports(linear) else None
+    def wrap(cls, linear: torch.nn.Module, where: str = "",
+             kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> SplitLinear | None:
+        return checked(cls(linear, kernel_max_channels), where) if cls.supports(linear) else None
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.random(generator, 7, sum(self.in_dims))
@@ -146,7 +148,7 @@ class SplitLinear(torch.nn.Module, StandIn):
     def kernel_plan(self, x: torch.Tensor) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """The irreps_linear kernel's map and launches (rows to be set) for ``x`` [rows, dim], or None where the
         map runs as GEMMs: off CUDA, trainable weights, under torch.compile, maps above
-        ``KERNEL_MAX_CHANNELS``, dtypes or widths the kernel does not take."""
+        ``kernel_max_channels``, dtypes or widths the kernel does not take."""
         if (x.device.type != "cuda" or (self.weight.requires_grad and torch.is_grad_enabled())
                 or torch.compiler.is_compiling()):
             return None
@@ -160,7 +162,7 @@ class SplitLinear(torch.nn.Module, StandIn):
                           ) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """``kernel_plan``'s value for the current weights, made on any device (tests check it on the CPU)."""
         m = self.irreps_map()
-        if m.widest_block > KERNEL_MAX_CHANNELS or tile_rows(m, dtype) is None:
+        if m.widest_block > self.kernel_max_channels or tile_rows(m, dtype) is None:
             return None
         with torch.no_grad():
             blocks = torch.cat([b.reshape(-1) for b in self._scaled_blocks()]).to(device=device, dtype=dtype)
@@ -325,8 +327,9 @@ class FoldedMLP(torch.nn.Module, StandIn):
         return f"hs={self.hs}, activation scales folded"
 
 
-def swap_in(model: torch.nn.Module) -> int:
+def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> int:
     """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its stand-in. In place.
+    ``kernel_max_channels``: the linears' rule for the irreps_linear kernel (``KernelTuning``'s).
 
     Returns how many were replaced; a layer whose stand-in is unsupported or differs stays as it is.
     """
@@ -335,7 +338,7 @@ def swap_in(model: torch.nn.Module) -> int:
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if isinstance(child, o3.Linear) and SplitLinear.supports(child):
-            return SplitLinear(child)
+            return SplitLinear(child, kernel_max_channels)
         if isinstance(child, FullyConnectedNet) and FoldedMLP.supports(child):
             return FoldedMLP(child)
         return None

@@ -129,9 +129,13 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
     the state_dict is unchanged; the original rides along (not as a submodule) for ``restore``.
     """
 
-    def __init__(self, tp: torch.nn.Module, graphs: object) -> None:
+    kernel_max_channels = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS  # the class's: modules pickled before it was set
+
+    def __init__(self, tp: torch.nn.Module, graphs: object,
+                 kernel_max_channels: int = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS) -> None:
         super().__init__()
         adopt(self, tp, children=True)
+        self.kernel_max_channels = int(kernel_max_channels)
         self.irreps_in1, self.irreps_in2, self.irreps_out = (
             o3.Irreps(tp.irreps_in1), o3.Irreps(tp.irreps_in2), o3.Irreps(tp.irreps_out))
         self.in1_dims = [mul_ir.dim for mul_ir in self.irreps_in1]
@@ -228,7 +232,8 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
         run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
-        (``e3nn_layers.KERNEL_MAX_CHANNELS``), dtypes or widths the kernel does not take."""
+        (``kernel_max_channels``: ``KernelTuning.linear_kernel_max_channels``), dtypes or widths the kernel does not
+        take."""
         if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not mats
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
@@ -238,7 +243,7 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """``_kernel_launches``'s value, made on any device (tests check it on the CPU)."""
         m = self.irreps_map()
-        if m.widest_block > e3nn_layers.KERNEL_MAX_CHANNELS or tile_rows(m, dtype) is None:
+        if m.widest_block > self.kernel_max_channels or tile_rows(m, dtype) is None:
             return None
         cached = getattr(self, "_kernel_arrays", None)
         if cached is None or cached[0] != device:
@@ -267,9 +272,11 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         return f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, per species when grouped"
 
 
-def swap_in(model: torch.nn.Module, attribute: str, graphs: object) -> int:
+def swap_in(model: torch.nn.Module, attribute: str, graphs: object,
+            kernel_max_channels: int = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS) -> int:
     """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its stand-in, when
-    supported and checked (``stand_in.checked``). In place; returns how many were replaced."""
+    supported and checked (``stand_in.checked``). In place; returns how many were replaced. ``kernel_max_channels``:
+    the rule for the irreps_linear kernel (``KernelTuning.linear_kernel_max_channels``)."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if where.rpartition(".")[2] != attribute:
@@ -277,7 +284,9 @@ def swap_in(model: torch.nn.Module, attribute: str, graphs: object) -> int:
         if isinstance(child, SpeciesSelfConnection):
             child.graphs = graphs  # patched before: the model's cache now
             return None
-        return SpeciesSelfConnection(child, graphs) if SpeciesSelfConnection.supports(child) else None
+        if not SpeciesSelfConnection.supports(child):
+            return None
+        return SpeciesSelfConnection(child, graphs, kernel_max_channels)
 
     return len(stand_in.swap_in(model, make))
 

@@ -48,7 +48,10 @@ def calls(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize("content, message", [
     ({"tp": {"loop_order": "edges"}, "pc": {}}, "unknown key 'pc'; a kernel tuning has the keys 'tp' (TPTuning), "
-                                               "'sc' (SCTuning) and 'harmonics' (a bool)"),
+                                               "'sc' (SCTuning), 'harmonics' (a bool) and "
+                                               "'linear_kernel_max_channels' (an int >= 0)"),
+    ({"linear_kernel_max_channels": -1}, "linear_kernel_max_channels: expected an int >= 0, got -1"),
+    ({"linear_kernel_max_channels": True}, "linear_kernel_max_channels: expected an int >= 0, got True"),
     ({"tp": {"loop_ordr": "edges"}}, "tp.loop_ordr: unknown key; TPTuning has forward_chunk, backward_chunk, "
                                      "loop_order,"),
     ({"sc": {"blocks": 64}}, "sc.blocks: unknown key; SCTuning has block, chunk, pairings"),
@@ -69,7 +72,8 @@ def calls(monkeypatch) -> list[dict]:
                                                        "receiver_backward_fixed_point must be 'auto', True or False, "
                                                        "got 'yes'"),
     ({"tp": ["edges"]}, "tp: expected an object of TPTuning's fields, got list"),
-    ([1, 2], "expected an object with the keys 'tp', 'sc' and/or 'harmonics', got list"),
+    ([1, 2], "expected an object with the keys 'tp', 'sc', 'harmonics' and/or 'linear_kernel_max_channels', got "
+             "list"),
 ])
 def test_bad_tuning_files_fail_before_the_model_loads_naming_the_key(tmp_path, capsys, calls, content, message):
     path = _tuning_file(tmp_path, content)
@@ -117,6 +121,9 @@ def test_from_dict_reads_every_field_and_leaves_the_rest_at_their_defaults():
                          sc=SCTuning(block=256, chunk=4, pairings=("pq", "qd")))
     data = json.loads(json.dumps({"tp": every.tp.__dict__, "sc": every.sc.__dict__}))  # what a file holds
     assert KernelTuning.from_dict(data) == every
+    gemms = KernelTuning.from_dict({"harmonics": False, "linear_kernel_max_channels": 0})
+    assert gemms == KernelTuning(harmonics=False, linear_kernel_max_channels=0)
+    assert "linear_kernel_max_channels=0" in gemms.describe()
 
 
 def _calc(tuning, patched=True):

@@ -68,16 +68,14 @@ def test_split_linear_reads_its_input_through_one_backward_node() -> None:
 
 
 @pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
-def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, irreps_out: str, monkeypatch) -> None:
+def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, irreps_out: str) -> None:
     """The irreps_linear kernel's plan of a frozen SplitLinear, checked on the CPU by running its launches as
     map_reference: the forward is e3nn's Linear, the backward launch autograd's grad x."""
-    import cgforge.patches.e3nn_layers as layers
     from cgforge.kernels.irreps_linear import map_reference
 
-    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 1 << 30)  # every map of LINEARS
     torch.manual_seed(2)
     linear = o3.Linear(irreps_in, irreps_out).double()
-    stand_in = SplitLinear.wrap(linear).requires_grad_(False)
+    stand_in = SplitLinear.wrap(linear, kernel_max_channels=1 << 30).requires_grad_(False)  # every map of LINEARS
     m, forward, backward = stand_in.build_kernel_plan(torch.float64, torch.device("cpu"))
     assert forward.row_index is None and backward.row_index is None
     x = _inputs(o3.Irreps(irreps_in).dim).detach().requires_grad_()
@@ -89,14 +87,19 @@ def test_split_linear_kernel_plan_is_the_map_and_its_transpose(irreps_in: str, i
     assert stand_in.kernel_plan(x) is None  # off CUDA: the GEMMs
 
 
-def test_split_linear_keeps_gemms_for_large_maps(monkeypatch) -> None:
-    import cgforge.patches.e3nn_layers as layers
+def test_split_linear_keeps_gemms_for_large_maps() -> None:
+    """The tuning's rule, passed down by value: blocks 8 x 8 and 12 x 4 take the kernel from 12 channels on; the
+    default rule (KernelTuning's) is the modules' default, and patching a model passes the tuning's to its linears."""
+    from cgforge.kernels import KernelTuning
+    from cgforge.patches import e3nn_layers
 
-    stand_in = SplitLinear.wrap(o3.Linear("8x0e+12x1o", "8x0e+4x1o"))  # blocks 8 x 8 and 12 x 4
-    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 11)
-    assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is None
-    monkeypatch.setattr(layers, "KERNEL_MAX_CHANNELS", 12)
-    assert stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is not None
+    linear = o3.Linear("8x0e+12x1o", "8x0e+4x1o")
+    for channels, plan in ((11, False), (12, True), (0, False)):
+        stand_in = SplitLinear.wrap(linear, kernel_max_channels=channels)
+        assert (stand_in.build_kernel_plan(torch.float32, torch.device("cpu")) is not None) == plan
+    assert SplitLinear.wrap(linear).kernel_max_channels == KernelTuning().linear_kernel_max_channels == 32
+    model = torch.nn.Sequential(o3.Linear("8x0e+12x1o", "8x0e+4x1o"))
+    assert e3nn_layers.swap_in(model, kernel_max_channels=7) == 1 and model[0].kernel_max_channels == 7
 
 
 def test_split_linear_scales_frozen_weights_once_not_per_call() -> None:

@@ -169,11 +169,19 @@ class KernelTuning:
     harmonics: the edge spherical harmonics (MACE's ``model.spherical_harmonics``, NequIP's
     ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
     the default since it was measured on an H100, 2026-11-27: the 1.03 M-atom call 524 -> 399 ms, the 5,184-atom
-    engine step 2.81 -> 2.61 ms; False keeps e3nn's module)."""
+    engine step 2.81 -> 2.61 ms; False keeps e3nn's module).
+
+    linear_kernel_max_channels: frozen equivariant linear maps (e3nn ``o3.Linear`` stand-ins, per-species
+    self-connections) whose weight blocks have at most this many channels in and out run on CUDA as cgforge's
+    ``irreps_linear`` kernel (one launch each way); wider ones stay GEMMs, where cuBLAS's tiling outweighs the
+    launches saved (0: every map on GEMMs). 32 from the A/B on an H200, 2026-11-28 (5,184-atom engine step,
+    against all GEMMs): the bundled MACE (32 channels) 2.35 -> 2.20 ms; maps of 64-128 channels on the kernel cost
+    MACE-MP-medium and NequIP M 1-4 % (``benchmarks/results/irreps-linear-ab-h200-20261128``)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
     harmonics: bool = True
+    linear_kernel_max_channels: int = 32
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, TPTuning) or not isinstance(self.sc, SCTuning):
@@ -181,31 +189,41 @@ class KernelTuning:
                             f"{type(self.sc).__name__}")
         if not isinstance(self.harmonics, bool):
             raise ValueError(f"harmonics must be a bool, got {self.harmonics!r}")
+        channels = self.linear_kernel_max_channels
+        if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
+            raise ValueError(f"linear_kernel_max_channels must be an int >= 0, got {channels!r}")
 
     def describe(self) -> str:
         """Each part, one line each (what ``cgforge doctor`` prints)."""
-        return f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})\nharmonics={self.harmonics!r}"
+        return (f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})\nharmonics={self.harmonics!r}\n"
+                f"linear_kernel_max_channels={self.linear_kernel_max_channels!r}")
 
     @classmethod
     def from_dict(cls, data: object) -> KernelTuning:
         """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...},
-        "harmonics": false}``, each key optional; tp and sc hold any of the fields of ``TPTuning`` / ``SCTuning``
-        (the rest keep their defaults); a list where a tuple is expected (``pairings``) is taken as one. Each field
-        is checked as the dataclass checks it. Raises ValueError naming the key (``"tp.loop_order: ..."``, ``"sc:
-        unknown key 'blocks'..."``) for an unknown key, a part that is not a dict or a value the field refuses."""
+        "harmonics": false, "linear_kernel_max_channels": 32}``, each key optional; tp and sc hold any of the
+        fields of ``TPTuning`` / ``SCTuning`` (the rest keep their defaults); a list where a tuple is expected
+        (``pairings``) is taken as one. Each field is checked as the dataclass checks it. Raises ValueError naming
+        the key (``"tp.loop_order: ..."``, ``"sc: unknown key 'blocks'..."``) for an unknown key, a part that is not
+        a dict or a value the field refuses."""
         if not isinstance(data, dict):
-            raise ValueError(f"expected an object with the keys 'tp', 'sc' and/or 'harmonics', got "
-                             f"{type(data).__name__}")
+            raise ValueError(f"expected an object with the keys 'tp', 'sc', 'harmonics' and/or "
+                             f"'linear_kernel_max_channels', got {type(data).__name__}")
         parts = {"tp": TPTuning, "sc": SCTuning}
-        unknown = sorted(map(str, set(data) - set(parts) - {"harmonics"}))
+        unknown = sorted(map(str, set(data) - set(parts) - {"harmonics", "linear_kernel_max_channels"}))
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning), 'sc' "
-                             "(SCTuning) and 'harmonics' (a bool)")
+                             "(SCTuning), 'harmonics' (a bool) and 'linear_kernel_max_channels' (an int >= 0)")
         values = {}
         if "harmonics" in data:
             if not isinstance(data["harmonics"], bool):
                 raise ValueError(f"harmonics: expected a bool, got {data['harmonics']!r}")
             values["harmonics"] = data["harmonics"]
+        if "linear_kernel_max_channels" in data:
+            channels = data["linear_kernel_max_channels"]
+            if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
+                raise ValueError(f"linear_kernel_max_channels: expected an int >= 0, got {channels!r}")
+            values["linear_kernel_max_channels"] = channels
         for name, part in parts.items():
             given = data.get(name, {})
             if not isinstance(given, dict):

@@ -245,8 +245,8 @@ def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None)
         if isinstance(block.conv_tp, FusedConvTP):
             block.conv_fusion = _FUSION_TAG
             block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
-    layers = e3nn_layers.swap_in(model)
-    layers += species_linear.swap_in(model, "skip_tp", graphs)
+    layers = e3nn_layers.swap_in(model, tuning.linear_kernel_max_channels)
+    layers += species_linear.swap_in(model, "skip_tp", graphs, tuning.linear_kernel_max_channels)
     layers += reshape.swap_in(model)
     if not any(hook is graphs for hook in forward_pre_hooks(model)):
         remove_forward_pre_hooks(model, GraphCache)
