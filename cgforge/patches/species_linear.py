@@ -17,7 +17,7 @@ for its own calls (``CallGraphCache.species``); every other call takes e3nn's ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from e3nn import o3
@@ -26,7 +26,7 @@ from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, ti
 
 from . import e3nn_layers, stand_in
 from .stand_in import StandIn, checked
-from .torch_internals import adopt, give_back
+from .torch_internals import adopt, give_back, tensor_version
 
 __all__ = ["SpeciesGroups", "SpeciesRoom", "SpeciesSelfConnection", "swap_in", "swap_out"]
 
@@ -44,6 +44,10 @@ class SpeciesGroups:
     representatives: torch.Tensor
     num_nodes: int
     padded: bool = False  # SpeciesRoom's: slots past a species' count repeat node 0 (gather their outputs, never)
+    # The self-connections' kernel launches for these groups (their blocks are a function of the weights and the
+    # species), made by an eager call and reused by later ones and by a capture: they live as long as the groups,
+    # and a capture is invalidated when the species groups change.
+    launch_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_species(cls, species: torch.Tensor) -> SpeciesGroups:
@@ -196,10 +200,10 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         return mats
 
     def _per_species(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups) -> torch.Tensor:
-        mats = self.species_matrices(attrs.index_select(0, groups.representatives))
-        launches = self._kernel_launches(x, attrs, groups, mats)
+        launches = self._kernel_launches(x, attrs, groups)
         if launches is not None:
             return apply_map(x, self.irreps_map(), *launches)
+        mats = self.species_matrices(attrs.index_select(0, groups.representatives))
         grouped = x.index_select(0, groups.order).split(list(groups.counts))
         outs = []
         for k, xk in enumerate(grouped):
@@ -228,16 +232,28 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         """The per-species map's shape for the irreps_linear kernel (a species' blocks: its ``species_matrices``)."""
         return IrrepsMap.of(self.irreps_in1, self.irreps_out, self.paths)
 
-    def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups,
-                         mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
+    def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups
+                         ) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
         run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
         (``kernel_max_channels``: ``KernelTuning.linear_kernel_max_channels``), dtypes or widths the kernel does not
-        take."""
-        if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not mats
+        take. Kept in ``groups.launch_cache`` per weight and attribute version (not while a CUDA graph is being
+        captured, whose kernels do not run then)."""
+        if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not self.paths
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
-        return self.species_launches(x.dtype, x.device, groups, mats)
+        m = self.irreps_map()
+        if m.widest_block > self.kernel_max_channels or tile_rows(m, x.dtype) is None:
+            return None
+        w = self.weight
+        key = (id(self), w.data_ptr(), tensor_version(w), attrs.data_ptr(), tensor_version(attrs), x.dtype, x.device)
+        launches = groups.launch_cache.get(key)
+        if launches is None:
+            mats = self.species_matrices(attrs.index_select(0, groups.representatives))
+            launches = self.species_launches(x.dtype, x.device, groups, mats)
+            if not torch.cuda.is_current_stream_capturing():
+                groups.launch_cache[key] = launches
+        return launches
 
     def species_launches(self, dtype: torch.dtype, device: torch.device, groups: SpeciesGroups,
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:

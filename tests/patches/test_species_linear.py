@@ -89,7 +89,7 @@ def test_kernel_launches_per_species_are_the_map_and_its_transpose(irreps_x: str
     (gx_want,) = torch.autograd.grad(want, x, grad)
     torch.testing.assert_close(run_launches(grad, m.transpose(), backward), gx_want, rtol=1e-12, atol=1e-12)
     padded = SpeciesGroups(groups.order, groups.inverse, groups.counts, groups.representatives, 11, padded=True)
-    assert stand_in._kernel_launches(x.cuda() if torch.cuda.is_available() else x, attrs, padded, mats) is None
+    assert stand_in._kernel_launches(x.cuda() if torch.cuda.is_available() else x, attrs, padded) is None
 
 
 def test_species_room_groups_equal_exact_groups() -> None:
@@ -277,8 +277,10 @@ def test_cuda_frozen_per_species_path_runs_the_kernel_equal_to_e3nn(irreps_x: st
     _, x, attrs = _groups_and_inputs(tp, species)
     groups = SpeciesGroups.from_species(species.cuda())
     x, attrs = x.detach().cuda().requires_grad_(), attrs.cuda()
-    mats = stand_in.species_matrices(attrs.index_select(0, groups.representatives))
-    assert stand_in._kernel_launches(x, attrs, groups, mats) is not None
+    launches = stand_in._kernel_launches(x, attrs, groups)
+    assert launches is not None and stand_in._kernel_launches(x, attrs, groups) is launches  # kept per groups
+    attrs.mul_(1.0)  # an in-place change of the attributes: made again
+    assert stand_in._kernel_launches(x, attrs, groups) is not launches
     results = []
     for run in (lambda v: stand_in(v, attrs), lambda v: tp(v, attrs)):
         with graphs.use_species(groups):
