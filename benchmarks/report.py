@@ -55,6 +55,8 @@ TREES = {
     "engine-table-h200-20261128/md-20261128-054525.json": ("917cc02", "README, call A"),
     "engine-table-h200-20261128/md-20261128-054617.json": ("917cc02", "README, call B"),
     "engine-table-h200-20261128/md-20261128-055032.json": ("917cc02", "README, call C"),
+    "engine-table-h200-20261128b/md-20261128-124743.json": ("d3e5d6a", "README, call A"),
+    "engine-table-h200-20261128b/md-20261128-124823.json": ("d3e5d6a", "README, call B"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215327.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215415.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215451.json": ("b3b3486", "README (+ the script)"),

@@ -12,6 +12,9 @@ gemms='{"linear_kernel_max_channels": 0}' --tuning all='{"linear_kernel_max_chan
 (``KernelTuning.linear_kernel_max_channels``; 32 landed 2026-11-28). Measured and not kept: maps of at most 4,096
 multiply-adds a row on the kernel (H200: MACE-MP-medium 9.08 ms, bundled MACE 2.81, NequIP M 7.21, where all GEMMs
 gave 9.03, 2.84, 7.18 and maps up to 32,768 on the kernel 9.24, 2.68, 7.32; results/irreps-linear-ab-h200-20261128).
+The kernel with 4 output channels a thread (branch ``candidate/linear-tiles``, its patch in
+results/linear-tiles-ab-h200-20261128) on every map: MACE-MP-medium 10.92 ms, NequIP M 8.17, where GEMMs gave 8.53
+and 6.80 (H200, 2026-11-28); not kept.
 
 Measured with no gain and removed (their code lives in git at 7e81869; results/prefetch-bmm-ab-h100-20261128a):
 ``TPTuning.prefetch_next_edge`` (each CSR kernel read the next edge's ids ahead and asked its table columns, y, x
