@@ -80,7 +80,7 @@ def test_modes_differentiate_to_second_order(mode: str, emulate_tf32) -> None:
 
 def test_patched_models_expose_their_radial_layers(nequip_state) -> None:
     from mace_helpers import build_model
-    from test_calculator import nequip_model
+    from nequip_helpers import nequip_model
 
     from cgforge.patches import mace as mace_patch
     from cgforge.patches import nequip as nequip_patch

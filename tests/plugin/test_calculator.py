@@ -12,6 +12,7 @@ import torch
 from ase import Atoms
 from ase.calculators.calculator import PropertyNotImplementedError
 from mace_helpers import build_model, rel_err  # noqa: E402
+from nequip_helpers import nequip_model
 from oracles import central_difference, displaced, unit
 from oracles import stress_by_finite_differences as stress_by_strain
 
@@ -328,16 +329,6 @@ def test_missing_bundled_model_fails_only_when_asked(monkeypatch, mace_model):
 
 # ---------------------------------------------------------------------------------------------
 # NequIP
-
-
-def nequip_model(dtype: str = "float64", l_max: int = 2) -> torch.nn.Module:
-    from nequip.model import NequIPGNNModel
-
-    return NequIPGNNModel(
-        seed=1, model_dtype=dtype, type_names=["H", "O"], r_max=3.0, avg_num_neighbors=10.0,
-        per_type_energy_shifts={"H": -1.0, "O": -2.0}, per_type_energy_scales={"H": 1.0, "O": 1.5},
-        num_layers=2, l_max=l_max, parity=True, num_features=4, radial_mlp_depth=1, radial_mlp_width=8,
-    ).eval()
 
 
 def nequip_reference(model: torch.nn.Module):

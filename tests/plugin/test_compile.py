@@ -301,7 +301,7 @@ def test_inductor_compiled_mace_equals_eager():
 @pytest.mark.slow
 def test_inductor_compiled_nequip_equals_eager(nequip_state):
     """A small FP64 NequIP (the bundled one is FP32 only: Inductor's reordered FP32 sums differ by ~1e-6)."""
-    from test_calculator import nequip_model
+    from nequip_helpers import nequip_model
 
     torch.set_default_dtype(torch.float64)
     inductor_matches_eager(lambda: nequip_model("float64"), None)
