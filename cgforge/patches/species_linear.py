@@ -45,8 +45,8 @@ class SpeciesGroups:
     num_nodes: int
     padded: bool = False  # SpeciesRoom's: slots past a species' count repeat node 0 (gather their outputs, never)
     # The self-connections' kernel launches for these groups (their blocks are a function of the weights and the
-    # species), made by an eager call and reused by later ones and by a capture: they live as long as the groups,
-    # and a capture is invalidated when the species groups change.
+    # species), one entry per module, made by an eager call and reused by later ones and by a capture: they live
+    # as long as the groups, and a capture is invalidated when the species groups change.
     launch_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -246,13 +246,14 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         if m.widest_block > self.kernel_max_channels or tile_rows(m, x.dtype) is None:
             return None
         w = self.weight
-        key = (id(self), w.data_ptr(), tensor_version(w), attrs.data_ptr(), tensor_version(attrs), x.dtype, x.device)
-        launches = groups.launch_cache.get(key)
-        if launches is None:
-            mats = self.species_matrices(attrs.index_select(0, groups.representatives))
-            launches = self.species_launches(x.dtype, x.device, groups, mats)
-            if not torch.cuda.is_current_stream_capturing():
-                groups.launch_cache[key] = launches
+        key = (w.data_ptr(), tensor_version(w), attrs.data_ptr(), tensor_version(attrs), x.dtype, x.device)
+        cached = groups.launch_cache.get(id(self))  # one entry a module: the cache cannot grow call by call
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        mats = self.species_matrices(attrs.index_select(0, groups.representatives))
+        launches = self.species_launches(x.dtype, x.device, groups, mats)
+        if not torch.cuda.is_current_stream_capturing():
+            groups.launch_cache[id(self)] = (key, launches)
         return launches
 
     def species_launches(self, dtype: torch.dtype, device: torch.device, groups: SpeciesGroups,
