@@ -83,6 +83,13 @@ def _check_conv_kernels(name: str, shared: bool, loop_order: str) -> None:
     res = run_backward(nodes, x, y, w, g, layouts.CONV_BACKWARD, n, t.rowptr_t, t.perm_t, None, t.receiver)
     for a, b in zip(res, grads):
         assert rel(a, b) < 1e-12
+    for row_grad_once in (True, False):  # the walks over the receivers: grad-out block once per loop, or per edge
+        receivers = build_schedule(problem, itemsize=8, max_chunk=32, rows_are_nodes=True,
+                                   tuning=TPTuning(loop_order=loop_order, row_grad_once=row_grad_once))
+        for layout in (layouts.CONV_BACKWARD_NO_GX, layouts.CONV_BACKWARD_RECEIVERS):
+            gx, gy, gw = run_backward(receivers, x, y, w, g, layout, n, t.rowptr, t.perm, t.sender)
+            assert rel(gy, grads[1]) < 1e-12 and rel(gw, grads[2]) < 1e-12, (layout, row_grad_once)
+            assert not layout.grad_x or rel(gx, grads[0]) < 1e-12, (layout, row_grad_once)
     edges = build_schedule(problem, itemsize=8, max_chunk=32, tuning=TPTuning(loop_order=loop_order))
     out = run_forward(edges, x, y, w, layouts.ATOMIC_FORWARD, e, None, None, t.sender, t.receiver, out_rows=n)
     assert rel(out, ref) < 1e-12
@@ -176,6 +183,32 @@ def test_grad_y_is_reduced_once_per_edge_loop():
         assert sums[order] == sum(len(grad_y_groups(group[0][1].gy_slots, table=False)) for group in groups)
     assert len(build_program(build_schedule(problem, max_chunk=32), backward=True).segments) == 4  # 4 irreps
     assert sums["edges"] < sums["segments"] and sums["chunks"] <= sums["segments"]
+
+
+@pytest.mark.parametrize("order", ["chunks", "edges"])
+def test_a_walk_over_the_receivers_stages_the_row_grad_once_per_edge_loop(order: str) -> None:
+    """TPTuning.row_grad_once: in the orders where segments share an edge loop, their backward windows lie side by
+    side, so the receiver walks stage the row's grad-out block before the loop and only x (and y) per edge; the
+    sender walk still gathers a grad-out row per edge. False: overlapping windows, the block staged per edge."""
+    problem = TPProblem.build(*PROBLEMS["nequip-water"])
+    for once in (True, False):
+        schedule = build_schedule(problem, max_chunk=32, rows_are_nodes=True,
+                                  tuning=TPTuning(loop_order=order, row_grad_once=once))
+        assert schedule.row_grad_once(layouts.CONV_BACKWARD_NO_GX) == once
+        assert not schedule.row_grad_once(layouts.CONV_BACKWARD)
+        for group in segment_groups(build_program(schedule, backward=True), order):
+            spans = sorted((ld.smem_offset, ld.smem_offset + ld.count) for _, sc in group for ld in sc.segment.loads
+                           if ld.source == "g")
+            disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            assert disjoint or not once
+        assert len(segment_groups(build_program(schedule, backward=True), order)[0]) > 1
+        for layout in (layouts.CONV_BACKWARD_NO_GX, layouts.CONV_BACKWARD_RECEIVERS):
+            source, _ = render(schedule, "float", layout, False, True)
+            loop = source.index("for (long long k = e_begin")
+            assert ("g + row * OUT_DIM" in source) == once and ("g + gr * OUT_DIM" in source) != once
+            assert not once or source.rindex("g + row * OUT_DIM") < loop
+        sender, _ = render(schedule, "float", layouts.CONV_BACKWARD, False, True)
+        assert "g + gr * OUT_DIM" in sender and "g + row * OUT_DIM" not in sender
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")

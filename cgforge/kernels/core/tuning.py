@@ -65,6 +65,10 @@ class TPTuning:
     fixed_point_max_bytes: the most bytes of int64 sums (8 B per element of grad x, alive beside it during the
     backward) that ``auto`` takes: 1 GiB, MACE-MP-medium's second layer at ~260k atoms; above it the sender-order
     backward is kept, so that what fits on one GPU does not shrink (a choice, not measured at that size).
+    row_grad_once: a CSR backward that walks the forward's rows (each row its own grad-out row: the receiver
+    walks above) in the chunks or edges order stages the row's grad-out block once per edge loop, not once per
+    edge: the loop's segments get shared-memory windows side by side (``schedule.Schedule.row_grad_once``).
+    False: windows overlap and the block is staged per edge (the segments order stages it once either way).
     """
 
     forward_chunk: int | None = None
@@ -82,6 +86,7 @@ class TPTuning:
     receiver_backward_fixed_point: bool | str = "auto"
     fixed_point_max_bytes: int = 1 << 30
     grad_y_reduce_scatter: bool = True
+    row_grad_once: bool = True
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -99,7 +104,7 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter", "row_grad_once"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         fixed = self.receiver_backward_fixed_point

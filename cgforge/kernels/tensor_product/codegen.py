@@ -83,6 +83,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         grad_x=layout.grad_x, fixed=layout.fixed, table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
         grad_y_groups=lambda slots, table: grad_y_groups(slots, table, schedule.tuning.grad_y_reduce_scatter),
-        backward_passes=schedule.backward_passes(),
+        backward_passes=schedule.backward_passes(), row_grad_once=backward and schedule.row_grad_once(layout),
     )
     return source, name

@@ -77,17 +77,28 @@ class _Kernel:
     def weights(self, eid: torch.Tensor) -> torch.Tensor:
         return self.w.reshape(1, -1).expand(eid.shape[0], -1) if self.p.shared_weights else self.w[eid]
 
-    def stage(self, rows, eid, sc: SegmentCode, with_y: bool, g: torch.Tensor | None = None) -> torch.Tensor:
-        """The window of the wave's rows after this segment's staging (written back to self.smem)."""
+    def stage(self, rows, eid, sc: SegmentCode, with_y: bool, g: torch.Tensor | None = None,
+              sources: tuple[str, ...] = ("x", "g")) -> torch.Tensor:
+        """The window of the wave's rows after this segment's staging of ``sources`` (written back to self.smem)."""
         sm = self.smem[rows]
         if with_y:
             sm[:, self.s.y_smem:self.s.y_smem + self.p.irreps_in2.dim] = self.y[eid]
         xr = _index(rows, self.rows.xidx, eid)
         for ld in sc.segment.loads:
+            if ld.source not in sources:
+                continue
             src = self.x[xr] if ld.source == "x" else g[_index(rows, self.rows.gidx, eid)]
             sm[:, ld.smem_offset:ld.smem_offset + ld.count] = src[:, ld.global_offset:ld.global_offset + ld.count]
         self.smem[rows] = sm
         return sm
+
+    def stage_row_grad(self, sc: SegmentCode, g: torch.Tensor) -> None:
+        """Every row's own grad-out block of this segment, staged once before its edge loop (the template's
+        ``stage_row_grad``; ``Schedule.row_grad_once``)."""
+        for ld in sc.segment.loads:
+            if ld.source == "g":
+                self.smem[:, ld.smem_offset:ld.smem_offset + ld.count] = \
+                    g[:self.rows.count, ld.global_offset:ld.global_offset + ld.count]
 
     def read(self, sm: torch.Tensor, start: torch.Tensor | int, count: int) -> torch.Tensor:
         """sm[row, start + m] for m < count; start per channel [n] or a scalar -> [R, (n,) count]."""
@@ -108,11 +119,15 @@ class _Kernel:
             dst[dst_rows, lo:lo + n] = block
 
 
-def _loop(kernel: _Kernel, program: TPProgram, init, edge, finish) -> None:
-    """The kernel's loops: rows (vectorised), segments and edge waves in the schedule's loop order."""
+def _loop(kernel: _Kernel, program: TPProgram, init, edge, finish, before=None) -> None:
+    """The kernel's loops: rows (vectorised), segments and edge waves in the schedule's loop order; ``before``
+    runs per segment ahead of its loop's edge waves."""
     rows, depth = kernel.rows, kernel.rows.depth()
     everyone = torch.arange(rows.count)
     for group in segment_groups(program, program.schedule.loop_order(program.backward)):
+        if before is not None:
+            for _, sc in group:
+                before(sc)
         states = [init(sc) for _, sc in group]
         for k in range(depth):
             r, eid = rows.wave(k)
@@ -242,9 +257,11 @@ def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tenso
     def init(sc):
         return [x.new_zeros(count, sc.segment.c1 - sc.segment.c0, sc.segment.dim)]
 
+    row_grad_once = program.schedule.row_grad_once(layout)
+
     def edge(sc, state, r, eid, with_y):
         seg = sc.segment
-        sm = kernel.stage(r, eid, sc, with_y, grad)
+        sm = kernel.stage(r, eid, sc, with_y, grad, ("x",) if row_grad_once else ("x", "g"))
         c = torch.arange(seg.c0, seg.c1)
         xv = kernel.read(sm, seg.x_smem + (c - seg.c0) * seg.dim, seg.dim)
         gxa = state[0][r]
@@ -268,5 +285,6 @@ def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tenso
         if not layout.atomic:
             kernel.store(everyone, kernel.smem[everyone], state[0], sc, gx, everyone, atomic=False)
 
-    _loop(kernel, program, init, edge, finish)
+    _loop(kernel, program, init, edge, finish,
+          (lambda sc: kernel.stage_row_grad(sc, grad)) if row_grad_once else None)
     return gx, gy, (gw[0] if p.shared_weights else gw)

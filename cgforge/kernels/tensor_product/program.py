@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.ir import Group, Statement
-from .schedule import Schedule, Segment, Term
+from .schedule import Schedule, Segment, Term, loop_group
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,11 @@ class TPProgram:
                 "cg_statements": statements, "cg_multiply_adds": fmas}
 
 
-def _group_key(order: str, index: int, seg: Segment) -> object:
-    """Segments with equal keys share one edge loop: all (``edges``), one channel chunk's (``chunks``), or
-    each alone (``segments``)."""
-    return 0 if order == "edges" else (seg.c0, seg.c1) if order == "chunks" else index
-
-
 def segment_groups(program: TPProgram, order: str) -> list[list[tuple[int, SegmentCode]]]:
-    """The segments (with their index) that share one edge loop (``_group_key``)."""
+    """The segments (with their index) that share one edge loop (``schedule.loop_group``)."""
     groups: dict = {}
     for i, sc in enumerate(program.segments):
-        groups.setdefault(_group_key(order, i, sc.segment), []).append((i, sc))
+        groups.setdefault(loop_group(order, i, sc.segment.c0, sc.segment.c1), []).append((i, sc))
     return list(groups.values())
 
 
@@ -122,8 +116,8 @@ def build_program(schedule: Schedule, backward: bool) -> TPProgram:
     order = schedule.loop_order(True)
     members: dict = {}
     for i, s in enumerate(schedule.backward):
-        members.setdefault(_group_key(order, i, s), []).append(s)
-    slots = [gy_slots(members[_group_key(order, i, s)]) for i, s in enumerate(schedule.backward)]
+        members.setdefault(loop_group(order, i, s.c0, s.c1), []).append(s)
+    slots = [gy_slots(members[loop_group(order, i, s.c0, s.c1)]) for i, s in enumerate(schedule.backward)]
     segs = tuple(SegmentCode(s, tuple(_backward_term(t, sl) for t in s.terms), sl)
                  for s, sl in zip(schedule.backward, slots))
     return TPProgram(schedule, backward, segs)

@@ -105,6 +105,15 @@ class Schedule:
     rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
     itemsize: int = 4
 
+    def row_grad_once(self, layout) -> bool:
+        """Whether the backward kernel of ``layout`` stages each row's grad-out block once per edge loop, before
+        it, rather than once per edge: where a row is its own grad-out row (CSR without ``gidx``: the walks over
+        the forward's rows) and no other segment of the loop writes that block's window (the segments order: one
+        segment per loop; chunks and edges: windows side by side, ``stacked_windows``)."""
+        return (layout.csr and not layout.gidx
+                and (self.loop_order(True) == "segments" or stacked_windows(self.problem, self.itemsize,
+                                                                           self.rows_are_nodes, self.tuning)))
+
     def backward_passes(self) -> int:
         """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
         the chunks order over CSR rows where the tuning's ``backward_chunk_passes`` allows it (measured: see the
@@ -122,12 +131,14 @@ class Schedule:
         rather than once per output segment, and took MACE-MP-medium's 5120-wide forward from 2.49 to 1.85 ms
         and NequIP M's from 1.84 to 1.34; the backward went the other way (5.17 to 8.15 ms). Either direction
         takes ``chunks`` where ``chunks_order`` says so, before this rule."""
-        order = self.tuning.order(backward)
+        if backward:
+            return backward_order(self.problem, self.itemsize, self.rows_are_nodes, self.tuning)
+        order = self.tuning.order(False)
         if order != "auto":
             return order
-        if chunks_order(self.problem, self.itemsize, self.rows_are_nodes, backward):
+        if chunks_order(self.problem, self.itemsize, self.rows_are_nodes, False):
             return "chunks"
-        if backward or not self.rows_are_nodes:
+        if not self.rows_are_nodes:
             return "segments"
         words = sum(s.lane_iters * s.dim for s in self.forward) * max(self.itemsize // 4, 1)
         return "edges" if words <= EDGES_FORWARD_WORDS else "segments"
@@ -193,15 +204,30 @@ def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base:
     return seg, cursor + (c1 - c0) * dim
 
 
-def _segments(problem: TPProblem, chunk: int, base: int, backward: bool) -> tuple[list[Segment], int]:
+def loop_group(order: str, index: int, c0: int, c1: int) -> object:
+    """The edge loop of segment ``index`` (channels [c0, c1)): segments with equal keys share one, all of them
+    (``edges``), one channel chunk's (``chunks``), or each its own (``segments``)."""
+    return 0 if order == "edges" else (c0, c1) if order == "chunks" else index
+
+
+def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
+              stacked_order: str | None = None) -> tuple[list[Segment], int]:
+    """The segments of one direction and the end of the largest window. ``stacked_order``: the segments that
+    share an edge loop in that order get windows side by side (each from the end of the previous one), else
+    every window starts at ``base``."""
     irreps = problem.irreps_in1 if backward else problem.irreps_out
     used = {(ins.i_in1 if backward else ins.i_out) for ins in problem.instructions}
     segments, peak = [], base
+    ends: dict[object, int] = {}  # loop group -> end of its windows so far (stacked)
     for i, (mul, _) in enumerate(irreps):
         if i not in used:
             continue  # never written: the op zero-fills these (forward) or they get no gradient
         for c0 in range(0, mul, chunk):
-            seg, end = _segment(problem, backward, i, c0, min(mul, c0 + chunk), base)
+            c1 = min(mul, c0 + chunk)
+            group = None if stacked_order is None else loop_group(stacked_order, len(segments), c0, c1)
+            seg, end = _segment(problem, backward, i, c0, c1, ends.get(group, base))
+            if group is not None:
+                ends[group] = end
             segments.append(seg)
             peak = max(peak, end)
     return segments, peak
@@ -260,6 +286,29 @@ def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backwa
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
 
 
+def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> str:
+    """The backward's loop order: the tuning's, or for ``auto`` chunks where ``chunks_order`` says so, else
+    segments (``Schedule.loop_order``)."""
+    order = tuning.order(True)
+    if order != "auto":
+        return order
+    return "chunks" if chunks_order(problem, itemsize, rows_are_nodes, True) else "segments"
+
+
+def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> bool:
+    """Whether the backward segments that share an edge loop get shared-memory windows side by side, so that a
+    walk over the forward's rows can stage each row's grad-out block once per loop (``TPTuning.row_grad_once``;
+    CSR rows in the chunks or edges order). The sender walk runs the same schedule: its windows are larger, its
+    arithmetic the same.
+
+    Why: in MACE-MP-medium's second convolution (chunks order, two segments a chunk) the receiver walks staged the
+    row's 2,048-element grad-out block of a chunk once per edge, ~45 % of what they stage; Nsight Compute (H200,
+    2026-11-28, the backward without grad x: 2.33 ms) put 38 % of the warps' stall samples on those shared-memory
+    stores waiting for their global loads."""
+    return (tuning.row_grad_once and rows_are_nodes
+            and backward_order(problem, itemsize, rows_are_nodes, tuning) in ("chunks", "edges"))
+
+
 def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> tuple[int, int]:
     """(forward, backward) channel chunks for a kernel whose rows are nodes (CSR) or edges/batch rows: a
     direction that ``auto`` runs in the chunks order (``chunks_order``) takes ``CHUNKS_ORDER_CHUNK``."""
@@ -295,18 +344,21 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes, tuning)
     fwd_max = next(c for c in (max_chunk, tuning.forward_chunk, auto_fwd) if c is not None)
     bwd_max = next(c for c in (max_chunk_backward, max_chunk, tuning.backward_chunk, auto_bwd) if c is not None)
+    stacked = (backward_order(problem, itemsize, rows_are_nodes, tuning)
+               if stacked_windows(problem, itemsize, rows_are_nodes, tuning) else None)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
-    backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
+    backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block,
+                              stacked)
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
                     itemsize)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
-         warps_per_block: int) -> tuple[list[Segment], Launch]:
+         warps_per_block: int, stacked_order: str | None = None) -> tuple[list[Segment], Launch]:
     if chunk < WARP or chunk % WARP:
         raise ValueError(f"max_chunk must be a positive multiple of {WARP}, got {chunk}")
     while True:
-        segments, peak = _segments(problem, chunk, y_dim, backward)
+        segments, peak = _segments(problem, chunk, y_dim, backward, stacked_order)
         per_warp = max(peak, y_dim)
         for wpb in (warps_per_block, 2, 1):
             if per_warp * itemsize * wpb <= smem_bytes_per_block:
