@@ -57,6 +57,7 @@ TREES = {
     "engine-table-h200-20261128/md-20261128-055032.json": ("917cc02", "README, call C"),
     "engine-table-h200-20261128b/md-20261128-124743.json": ("d3e5d6a", "README, call A"),
     "engine-table-h200-20261128b/md-20261128-124823.json": ("d3e5d6a", "README, call B"),
+    "row-grad-once-h200-20261128/md-20261128-162311.json": ("22a634d", "README, call 5"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215327.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215415.json": ("b3b3486", "README (+ the script)"),
     "engine-profile-h100-20261127j/engine-profile-20261127-215451.json": ("b3b3486", "README (+ the script)"),
@@ -235,7 +236,8 @@ def _companion(runs: list[Run], run: Run, model: str, backend: str) -> Run | Non
 def engine_section(runs: list[Run]) -> list[str]:
     """Per model, the newest run that timed the engine and FastMACE side by side (runs differ by model when a
     newer run held only some of the models); the compiled engine from that run or one beside it (same folder,
-    device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run."""
+    device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run, else
+    from the newest run that timed them with the engine on the 5k box (a row of its own run, cited as such)."""
     picked: dict[str, Run] = {}
     for run in runs:  # oldest first: a newer run replaces an older one, model by model
         for model in dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace"):
@@ -244,6 +246,8 @@ def engine_section(runs: list[Run]) -> list[str]:
     newest_pick = max(picked.values(), key=lambda r: r.date) if picked else None
     for model in ("nequip-M",):  # no FastMACE peer: the engine beside the newest FastMACE run
         beside = newest_pick and _companion(runs, newest_pick, model, "cgforge-engine")
+        if beside is None and newest_pick is not None:
+            beside = newest(runs, lambda r, m=model: _has(r, model=m, backend="cgforge-engine", system="5k"))
         if beside is not None:
             picked[model] = beside
     compiled = {model: _companion(runs, run, model, "cgforge-engine-compiled") for model, run in picked.items()}

@@ -42,6 +42,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "a=without:linear-map-into"], "same NAME"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
+    ("investigations/conv_layers.py", ["--problem", "mace-huge"], "mace-huge"),
+    ("investigations/conv_layers.py", ["--tuning", "a=loop_order=rows"], "loop_order=rows"),
+    ("investigations/conv_layers.py", ["--tuning", "row_grad_once"], "NAME=SPEC"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
