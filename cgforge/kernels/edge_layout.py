@@ -22,13 +22,15 @@ and the layout were ~70 kernels a step (0.28 ms of the bundled MACE's 2.3 ms on 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from .core.registry import SourceKernels
 
-__all__ = ["EDGE_LAYOUT_SOURCE", "padded_layout_cuda"]
+__all__ = ["EDGE_LAYOUT_SOURCE", "PaddedLayout", "padded_layout_cuda"]
 
 EDGE_LAYOUT_SOURCE = r"""
 // keep[e] = 1 where pair e is valid and shorter than the cutoff. The vector is (pos[r] - pos[s]) + S @ cell in a
@@ -148,14 +150,27 @@ def _grid(items: int) -> tuple[int]:
     return (max(1, -(-items // _THREADS)),)
 
 
+class PaddedLayout(NamedTuple):
+    """``padded_layout_cuda``'s outputs, C slots over V list pairs and N atoms; the last four None without a graph."""
+
+    sender: Tensor  # int64 [C]
+    receiver: Tensor  # int64 [C]
+    shifts: Tensor  # [C, 3], the positions' dtype
+    padding: Tensor  # [C, 3]: the padding slots' offsets (zero elsewhere)
+    count: Tensor  # int64 []: slots in use
+    slot: Tensor  # int64 [V]: the slot of each kept pair, C where not kept
+    sender32: Tensor | None  # int32 [C]
+    receiver32: Tensor | None  # int32 [C]
+    rowptr: Tensor | None  # int64 [N + 1]: the receivers' rows
+    perm_t: Tensor | None  # int32 [C]: the slot of each slot's reverse pair (the transposed order)
+
+
 def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, valid: Tensor,
                        rowptr: Tensor, reverse: Tensor, cutoff: float, capacity: int, pad_vector: Tensor,
-                       with_graph: bool) -> tuple[Tensor, ...]:
-    """The layout of the module doc on a CUDA device: (sender int64 [C], receiver int64 [C], shifts [C, 3],
-    padding offsets [C, 3], count int64 [], slot of each pair int64 [V] (C where not kept), and with_graph
-    (sender int32, receiver int32, rowptr int64 [N + 1], perm_t int32 [C]) else four Nones). pos, cell, shifts,
-    pad_vector: one float dtype; sender, receiver, rowptr, reverse: int64; valid: bool. Reads nothing back to the
-    host: capture-safe."""
+                       with_graph: bool) -> PaddedLayout:
+    """The layout of the module doc on a CUDA device (``PaddedLayout``; its graph tensors only ``with_graph``).
+    pos, cell, shifts, pad_vector: one float dtype; sender, receiver, rowptr, reverse: int64; valid: bool. Reads
+    nothing back to the host: capture-safe."""
     dtype, device = pos.dtype, pos.device
     suffix = _SUFFIX.get(dtype)
     if suffix is None or not pos.is_cuda:
@@ -191,7 +206,7 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
         _grid(max(pairs, cap, n + 1)), (_THREADS,),
         [keep, rank, sender, receiver, shifts, rowptr, reverse, pad_vector, np.int64(pairs), np.int64(n),
          np.int64(cap), np.int32(bool(with_graph)), out_sender, out_receiver, out_shifts, out_pad, slot, *graph])
-    return (out_sender, out_receiver, out_shifts, out_pad, count, slot, *graph)
+    return PaddedLayout(out_sender, out_receiver, out_shifts, out_pad, count, slot, *graph)
 
 
 def _scalar(value: float, dtype: torch.dtype) -> np.floating:

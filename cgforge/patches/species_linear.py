@@ -232,6 +232,12 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         """The per-species map's shape for the irreps_linear kernel (a species' blocks: its ``species_matrices``)."""
         return IrrepsMap.of(self.irreps_in1, self.irreps_out, self.paths)
 
+    def takes_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether the map's blocks are narrow enough for the irreps_linear kernel (``kernel_max_channels``) and the
+        kernel takes this dtype and width."""
+        m = self.irreps_map()
+        return m.widest_block <= self.kernel_max_channels and tile_rows(m, dtype) is not None
+
     def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups
                          ) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
@@ -242,9 +248,8 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
         if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not self.paths
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
-        m = self.irreps_map()
-        if m.widest_block > self.kernel_max_channels or tile_rows(m, x.dtype) is None:
-            return None
+        if not self.takes_kernel(x.dtype):
+            return None  # before the species matrices are made
         w = self.weight
         key = (w.data_ptr(), tensor_version(w), attrs.data_ptr(), tensor_version(attrs), x.dtype, x.device)
         cached = groups.launch_cache.get(id(self))  # one entry a module: the cache cannot grow call by call
@@ -259,9 +264,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
     def species_launches(self, dtype: torch.dtype, device: torch.device, groups: SpeciesGroups,
                          mats: list[torch.Tensor]) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
         """``_kernel_launches``'s value, made on any device (tests check it on the CPU)."""
-        m = self.irreps_map()
-        if m.widest_block > self.kernel_max_channels or tile_rows(m, dtype) is None:
+        if not self.takes_kernel(dtype):
             return None
+        m = self.irreps_map()
         cached = getattr(self, "_kernel_arrays", None)
         if cached is None or cached[0] != device:
             cached = self._kernel_arrays = (device, m.arrays(device), m.transpose().arrays(device))

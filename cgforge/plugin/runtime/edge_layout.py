@@ -218,10 +218,10 @@ def layout_within(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Ten
         out = padded_layout_cuda(positions.contiguous(), cell.to(dtype).contiguous(), sender, receiver,
                                  unit_shifts.to(dtype), valid, topology.rowptr, topology.reverse, cutoff,
                                  capacity, pad_vector.to(dtype), with_graph)
-        out_sender, out_receiver, out_shifts, out_pad, count, slot, sender32, receiver32, rowptr, perm_t = out
-        graph = (GraphTensors(sender32, receiver32, rowptr, torch.zeros(0, dtype=torch.int32, device=rowptr.device),
-                              rowptr, perm_t) if with_graph else None)
-        return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
+        graph = (GraphTensors(out.sender32, out.receiver32, out.rowptr,
+                              torch.zeros(0, dtype=torch.int32, device=out.rowptr.device), out.rowptr, out.perm_t)
+                 if with_graph else None)
+        return EdgeLayout(out.sender, out.receiver, out.shifts, out.padding, out.count, graph, out.slot)
     _, _, inside = edges_within(positions, cell, sender, receiver, unit_shifts, cutoff)
     return layout_edges(inside & valid, sender, receiver, unit_shifts, num_nodes, capacity, pad_vector, with_graph,
                         topology)
