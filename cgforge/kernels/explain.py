@@ -30,7 +30,7 @@ from .tensor_product import plan as plans
 from .tensor_product.layout import CONV_BACKWARD, CONV_FORWARD, TP_LAYOUT
 from .tensor_product.problem import TPProblem
 from .tensor_product.program import build_program
-from .tensor_product.schedule import Schedule, build_schedule, stacked_windows
+from .tensor_product.schedule import Schedule, build_schedule
 
 
 def instructions(irreps_in1: str, irreps_in2: str, irreps_out: str | None, mode: str) -> tuple:
@@ -75,7 +75,7 @@ def _cg(p: TPProblem) -> list[str]:
 def _schedule(s: Schedule, size: int) -> list[str]:
     lines = [f"  tuning {s.tuning}, rows are {'nodes (CSR)' if s.rows_are_nodes else 'edges / batch rows'}",
              f"  in2 row staged at smem offset {s.y_smem}"]
-    if stacked_windows(s.problem, s.itemsize, s.rows_are_nodes, s.tuning):
+    if s.stacked_backward:
         lines.append("  backward windows of one edge loop side by side: the receiver walks stage a row's grad-out "
                      "block once per loop (row_grad_once)")
     for direction, segments in (("forward", s.forward), ("backward", s.backward)):

@@ -211,6 +211,20 @@ def test_a_walk_over_the_receivers_stages_the_row_grad_once_per_edge_loop(order:
         assert "g + gr * OUT_DIM" in sender and "g + row * OUT_DIM" not in sender
 
 
+def test_stacked_windows_stay_within_their_cap() -> None:
+    """Windows side by side only where the stacked window stays within STACKED_WINDOW_BYTES: mace-medium's
+    (two in1 irreps) is, mace-large's (three, 128 channels each) would not be and keeps overlapping windows."""
+    from cgforge.kernels.tensor_product.schedule import STACKED_WINDOW_BYTES
+
+    for name, stacked in (("mace-medium", True), ("mace-large", False)):
+        schedule = build_schedule(TPProblem.build(*PROBLEMS[name]), rows_are_nodes=True)
+        assert schedule.loop_order(True) == "chunks" and schedule.stacked_backward == stacked, name
+        assert schedule.row_grad_once(layouts.CONV_BACKWARD_NO_GX) == stacked
+        assert not stacked or schedule.backward_launch.smem_per_warp * 4 <= STACKED_WINDOW_BYTES
+        assert stacked or build_schedule(TPProblem.build(*PROBLEMS[name]), rows_are_nodes=True, tuning=TPTuning(
+            row_grad_once=False)).backward_launch == schedule.backward_launch  # as before the change
+
+
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")
 @pytest.mark.parametrize("scalar", ["float", "double"])
 def test_edges_loop_order_compiles(scalar):

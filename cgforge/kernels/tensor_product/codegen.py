@@ -22,6 +22,7 @@ def kernel_name(schedule: Schedule, scalar: str, layout: Layout) -> str:
     passes = schedule.backward_passes()
     order += f"|passes{passes}" if passes > 1 else ""
     order += "" if schedule.tuning.grad_y_reduce_scatter else "|gy-butterfly"
+    order += "|stacked" if schedule.stacked_backward else ""  # the receiver walks stage differently (row_grad_once)
     digest = hashlib.sha1(f"{schedule.problem.key()}|{launches}|{scalar}{order}".encode()).hexdigest()[:12]
     return f"cgf_{digest}_{layout.tag()}"
 

@@ -104,15 +104,14 @@ class Schedule:
     tuning: TPTuning = TPTuning()
     rows_are_nodes: bool = False  # rows are CSR nodes (deterministic convolution), else edges / batch rows
     itemsize: int = 4
+    stacked_backward: bool = False  # the backward windows of one edge loop lie side by side (``stacked_windows``)
 
     def row_grad_once(self, layout) -> bool:
         """Whether the backward kernel of ``layout`` stages each row's grad-out block once per edge loop, before
         it, rather than once per edge: where a row is its own grad-out row (CSR without ``gidx``: the walks over
         the forward's rows) and no other segment of the loop writes that block's window (the segments order: one
         segment per loop; chunks and edges: windows side by side, ``stacked_windows``)."""
-        return (layout.csr and not layout.gidx
-                and (self.loop_order(True) == "segments" or stacked_windows(self.problem, self.itemsize,
-                                                                           self.rows_are_nodes, self.tuning)))
+        return layout.csr and not layout.gidx and (self.loop_order(True) == "segments" or self.stacked_backward)
 
     def backward_passes(self) -> int:
         """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
@@ -286,6 +285,13 @@ def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backwa
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
 
 
+# The largest stacked backward window per warp that build_schedule takes: the measured cases are under it
+# (MACE-MP-medium's second layer 6.2 KB, the bundled MACE's 3.7 KB); mace-large's (11.5 KB, three in1 irreps)
+# would cut the blocks per SM by shared memory and was not measured, so it keeps the overlapping windows. The
+# same 8 KiB as BACKWARD_WINDOW_BYTES, where wider windows were measured to lose.
+STACKED_WINDOW_BYTES = 8 * 1024
+
+
 def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> str:
     """The backward's loop order: the tuning's, or for ``auto`` chunks where ``chunks_order`` says so, else
     segments (``Schedule.loop_order``)."""
@@ -296,10 +302,11 @@ def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
 
 
 def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> bool:
-    """Whether the backward segments that share an edge loop get shared-memory windows side by side, so that a
+    """Whether the backward segments that share an edge loop may get shared-memory windows side by side, so that a
     walk over the forward's rows can stage each row's grad-out block once per loop (``TPTuning.row_grad_once``;
-    CSR rows in the chunks or edges order). The sender walk runs the same schedule: its windows are larger, its
-    arithmetic the same.
+    CSR rows in the chunks or edges order). ``build_schedule`` takes them where the stacked window stays within
+    ``STACKED_WINDOW_BYTES`` (``Schedule.stacked_backward``). The sender walk runs the same schedule: its windows
+    are larger, its arithmetic the same.
 
     Why: in MACE-MP-medium's second convolution (chunks order, two segments a chunk) the receiver walks staged the
     row's 2,048-element grad-out block of a chunk once per edge, ~45 % of what they stage; Nsight Compute (H200,
@@ -344,13 +351,17 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     auto_fwd, auto_bwd = default_chunks(problem, itemsize, rows_are_nodes, tuning)
     fwd_max = next(c for c in (max_chunk, tuning.forward_chunk, auto_fwd) if c is not None)
     bwd_max = next(c for c in (max_chunk_backward, max_chunk, tuning.backward_chunk, auto_bwd) if c is not None)
-    stacked = (backward_order(problem, itemsize, rows_are_nodes, tuning)
-               if stacked_windows(problem, itemsize, rows_are_nodes, tuning) else None)
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
-    backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block,
-                              stacked)
+    backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
+    stacked = False
+    if stacked_windows(problem, itemsize, rows_are_nodes, tuning):
+        order = backward_order(problem, itemsize, rows_are_nodes, tuning)
+        side_by_side = _fit(problem, b_launch.chunk, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block,
+                            order)
+        if side_by_side[1].smem_per_warp * itemsize <= STACKED_WINDOW_BYTES:
+            (backward, b_launch), stacked = side_by_side, True
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
-                    itemsize)
+                    itemsize, stacked)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
