@@ -212,17 +212,22 @@ def test_a_walk_over_the_receivers_stages_the_row_grad_once_per_edge_loop(order:
 
 
 def test_stacked_windows_stay_within_their_cap() -> None:
-    """Windows side by side only where the stacked window stays within STACKED_WINDOW_BYTES: mace-medium's
-    (two in1 irreps) is, mace-large's (three, 128 channels each) would not be and keeps overlapping windows."""
-    from cgforge.kernels.tensor_product.schedule import STACKED_WINDOW_BYTES
-
+    """Windows side by side only where the stacked window stays within TPTuning.stacked_window_bytes: by default
+    mace-medium's (two in1 irreps) does, mace-large's (three, 128 channels each) would not and keeps overlapping
+    windows; a larger cap takes it."""
+    cap = TPTuning().stacked_window_bytes
     for name, stacked in (("mace-medium", True), ("mace-large", False)):
-        schedule = build_schedule(TPProblem.build(*PROBLEMS[name]), rows_are_nodes=True)
+        problem = TPProblem.build(*PROBLEMS[name])
+        schedule = build_schedule(problem, rows_are_nodes=True)
         assert schedule.loop_order(True) == "chunks" and schedule.stacked_backward == stacked, name
         assert schedule.row_grad_once(layouts.CONV_BACKWARD_NO_GX) == stacked
-        assert not stacked or schedule.backward_launch.smem_per_warp * 4 <= STACKED_WINDOW_BYTES
-        assert stacked or build_schedule(TPProblem.build(*PROBLEMS[name]), rows_are_nodes=True, tuning=TPTuning(
-            row_grad_once=False)).backward_launch == schedule.backward_launch  # as before the change
+        assert not stacked or schedule.backward_launch.smem_per_warp * 4 <= cap
+        old = build_schedule(problem, rows_are_nodes=True, tuning=TPTuning(row_grad_once=False))
+        assert stacked or old.backward_launch == schedule.backward_launch  # as before the change
+        wide = build_schedule(problem, rows_are_nodes=True, tuning=TPTuning(stacked_window_bytes=64 * 1024))
+        assert wide.stacked_backward and wide.backward_launch.smem_per_warp > old.backward_launch.smem_per_warp
+    with pytest.raises(ValueError, match="stacked_window_bytes"):
+        TPTuning(stacked_window_bytes=0)
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="NVRTC library not installed")

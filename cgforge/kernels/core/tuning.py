@@ -69,6 +69,8 @@ class TPTuning:
     walks above) in the chunks or edges order stages the row's grad-out block once per edge loop, not once per
     edge: the loop's segments get shared-memory windows side by side (``schedule.Schedule.row_grad_once``).
     False: windows overlap and the block is staged per edge (the segments order stages it once either way).
+    stacked_window_bytes: the largest side-by-side backward window per warp that ``row_grad_once`` takes; a
+    schedule whose stacked window would be wider keeps the overlapping windows (see ``schedule.build_schedule``).
     """
 
     forward_chunk: int | None = None
@@ -87,6 +89,7 @@ class TPTuning:
     fixed_point_max_bytes: int = 1 << 30
     grad_y_reduce_scatter: bool = True
     row_grad_once: bool = True
+    stacked_window_bytes: int = 8 * 1024
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -111,6 +114,8 @@ class TPTuning:
         if not (isinstance(fixed, bool) or fixed == "auto"):
             raise ValueError(f"receiver_backward_fixed_point must be 'auto', True or False, got "
                              f"{self.receiver_backward_fixed_point!r}")
+        if not _positive_int(self.stacked_window_bytes):
+            raise ValueError(f"stacked_window_bytes must be a positive int, got {self.stacked_window_bytes!r}")
         if not _positive_int(self.fixed_point_max_bytes):
             raise ValueError(f"fixed_point_max_bytes must be a positive int, got {self.fixed_point_max_bytes!r}")
         for name in ("backward_range_bytes", "max_blocks", "receiver_backward_min_row_bytes"):

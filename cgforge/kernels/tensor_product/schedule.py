@@ -285,13 +285,6 @@ def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backwa
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
 
 
-# The largest stacked backward window per warp that build_schedule takes: the measured cases are under it
-# (MACE-MP-medium's second layer 6.2 KB, the bundled MACE's 3.7 KB); mace-large's (11.5 KB, three in1 irreps)
-# would cut the blocks per SM by shared memory and was not measured, so it keeps the overlapping windows. The
-# same 8 KiB as BACKWARD_WINDOW_BYTES, where wider windows were measured to lose.
-STACKED_WINDOW_BYTES = 8 * 1024
-
-
 def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> str:
     """The backward's loop order: the tuning's, or for ``auto`` chunks where ``chunks_order`` says so, else
     segments (``Schedule.loop_order``)."""
@@ -305,11 +298,14 @@ def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tun
     """Whether the backward segments that share an edge loop may get shared-memory windows side by side, so that a
     walk over the forward's rows can stage each row's grad-out block once per loop (``TPTuning.row_grad_once``;
     CSR rows in the chunks or edges order). ``build_schedule`` takes them where the stacked window stays within
-    ``STACKED_WINDOW_BYTES`` (``Schedule.stacked_backward``). The sender walk runs the same schedule: its windows
-    are larger, its arithmetic the same.
+    ``TPTuning.stacked_window_bytes`` (``Schedule.stacked_backward``). Its default, 8 KiB as
+    ``BACKWARD_WINDOW_BYTES`` (where wider windows were measured to lose), holds the measured cases
+    (MACE-MP-medium's second layer 6.2 KB, the bundled MACE's 3.7 KB); mace-large's (11.5 KB, three in1 irreps)
+    would cut the blocks per SM by shared memory and was not measured, so it keeps the overlapping windows. The
+    sender walk runs the same schedule: its windows are larger, its arithmetic the same.
 
     Why: in MACE-MP-medium's second convolution (chunks order, two segments a chunk) the receiver walks staged the
-    row's 2,048-element grad-out block of a chunk once per edge, ~45 % of what they stage; Nsight Compute (H200,
+    row's 1,280-element grad-out block of a chunk once per edge, ~90 % of what they staged; Nsight Compute (H200,
     2026-11-28, the backward without grad x: 2.33 ms) put 38 % of the warps' stall samples on those shared-memory
     stores waiting for their global loads."""
     return (tuning.row_grad_once and rows_are_nodes
@@ -358,7 +354,7 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
         order = backward_order(problem, itemsize, rows_are_nodes, tuning)
         side_by_side = _fit(problem, b_launch.chunk, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block,
                             order)
-        if side_by_side[1].smem_per_warp * itemsize <= STACKED_WINDOW_BYTES:
+        if side_by_side[1].smem_per_warp * itemsize <= tuning.stacked_window_bytes:
             (backward, b_launch), stacked = side_by_side, True
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
                     itemsize, stacked)
