@@ -350,12 +350,14 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
     forward, f_launch = _fit(problem, fwd_max, y_dim, False, itemsize, smem_bytes_per_block, warps_per_block)
     backward, b_launch = _fit(problem, bwd_max, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block)
     stacked = False
-    if stacked_windows(problem, itemsize, rows_are_nodes, tuning):
+    if stacked_windows(problem, itemsize, rows_are_nodes, tuning):  # same chunk and warps, wider windows
         order = backward_order(problem, itemsize, rows_are_nodes, tuning)
-        side_by_side = _fit(problem, b_launch.chunk, y_dim, True, itemsize, smem_bytes_per_block, warps_per_block,
-                            order)
-        if side_by_side[1].smem_per_warp * itemsize <= tuning.stacked_window_bytes:
-            (backward, b_launch), stacked = side_by_side, True
+        segments, peak = _segments(problem, b_launch.chunk, y_dim, True, order)
+        window = max(peak, y_dim)
+        if (window * itemsize <= tuning.stacked_window_bytes
+                and window * itemsize * b_launch.warps_per_block <= smem_bytes_per_block):
+            backward, b_launch = segments, Launch(b_launch.chunk, window, b_launch.warps_per_block)
+            stacked = True
     return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
                     itemsize, stacked)
 
