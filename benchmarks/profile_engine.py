@@ -131,7 +131,7 @@ def main() -> None:
                 categories[bench_md.kernel_category(name)] += ms
             result[label] = {"kernels_per_step": per_step, "kernel_ms": sum(r[1] for r in kernels),
                              "categories": dict(categories),
-                             "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:40]]}
+                             "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels]}
         results.append(result)
         del calc
     path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "results": results})

@@ -213,15 +213,16 @@ def test_a_walk_over_the_receivers_stages_the_row_grad_once_per_edge_loop(order:
 
 def test_stacked_windows_stay_within_their_cap() -> None:
     """Windows side by side only where the stacked window stays within TPTuning.stacked_window_bytes: by default
-    mace-medium's (two in1 irreps) does, mace-large's (three, 128 channels each) would not and keeps overlapping
-    windows; a larger cap takes it."""
+    mace-medium's (two in1 irreps, 4.4 KB) and mace-large's (three, 128 channels each, 11.5 KB) do; under an 8 KiB
+    cap mace-large's keeps the overlapping windows of the old staging, and a larger cap takes it again."""
     cap = TPTuning().stacked_window_bytes
-    for name, stacked in (("mace-medium", True), ("mace-large", False)):
+    for name, tuning, stacked in (("mace-medium", TPTuning(), True), ("mace-large", TPTuning(), True),
+                                  ("mace-large", TPTuning(stacked_window_bytes=8 * 1024), False)):
         problem = TPProblem.build(*PROBLEMS[name])
-        schedule = build_schedule(problem, rows_are_nodes=True)
+        schedule = build_schedule(problem, rows_are_nodes=True, tuning=tuning)
         assert schedule.loop_order(True) == "chunks" and schedule.stacked_backward == stacked, name
         assert schedule.row_grad_once(layouts.CONV_BACKWARD_NO_GX) == stacked
-        assert not stacked or schedule.backward_launch.smem_per_warp * 4 <= cap
+        assert not stacked or schedule.backward_launch.smem_per_warp * 4 <= tuning.stacked_window_bytes <= cap
         old = build_schedule(problem, rows_are_nodes=True, tuning=TPTuning(row_grad_once=False))
         assert stacked or old.backward_launch == schedule.backward_launch  # as before the change
         wide = build_schedule(problem, rows_are_nodes=True, tuning=TPTuning(stacked_window_bytes=64 * 1024))

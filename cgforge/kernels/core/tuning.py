@@ -89,7 +89,7 @@ class TPTuning:
     fixed_point_max_bytes: int = 1 << 30
     grad_y_reduce_scatter: bool = True
     row_grad_once: bool = True
-    stacked_window_bytes: int = 8 * 1024
+    stacked_window_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
