@@ -7,8 +7,10 @@ mul_out] block per path (its path weight folded in). cuBLAS wants the channel in
 rows), so a GEMM per path moves each l > 0 block twice ([n, u, i] -> [n * i, u] and back) and concatenates the
 outputs: ~4 kernels per path forward and as many backward, each short next to its launch on MD-sized inputs.
 Here one kernel writes whole output rows: a block stages ``R`` rows of x in shared memory, channel-major with the
-R rows side by side (so one vector load gives a value of all R rows), and a thread owns an output column (q, w,
-i), accumulating its R rows over q's paths and their channels u: each B entry is read once per R rows.
+R rows side by side (so one vector load gives a value of all R rows), and the map's blocks where they fit; a warp
+takes an output component (q, i) and 32 channels w of it, each lane accumulating its channel's R rows over q's
+paths and their channels u: each B entry is read once per R rows, and a warp's lanes read one x value (a
+broadcast) and consecutive B entries.
 
 Rows can be a subset in any order (``row_index``): the per-species self-connection runs one launch per species
 over that species' rows, each with its own B. The backward (grad x) is the same kernel on the transposed map
@@ -28,8 +30,8 @@ from torch import Tensor
 
 from .core.registry import SourceKernels
 
-__all__ = ["IRREPS_LINEAR_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "apply_map", "map_reference",
-           "tile_rows", "transpose_blocks"]
+__all__ = ["IRREPS_LINEAR_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "apply_map", "launch_shape",
+           "map_reference", "tile_rows", "transpose_blocks"]
 
 IRREPS_LINEAR_SOURCE = r"""
 // The R staged values of one column: R consecutive scalars, 16-byte aligned (R a multiple of 4 floats, 2 doubles)
@@ -49,56 +51,76 @@ template <int R> __device__ __forceinline__ void load_column(const double* p, Co
     }
 }
 
-// out[row, :] for the R rows of this block's tile (rows row_index[first .. first + R) or first .. first + R).
+// out[row, :] for the rows of the tiles this block takes (R rows a tile: rows row_index[first .. first + R) or
+// first .. first + R). A warp computes one task at a time, a task being (output irrep q, component i, first
+// channel w0) of task_info [T, 3]: lane w0 + lane accumulates its output channel w over the tile's R rows.
 // irrep_info [Q, 3] per output irrep: first column, mul_out, 2l + 1; path_ptr [Q + 1] its paths' range in
 // path_info [P, 3]: first input column, mul_in, offset of B_p in blocks.
+// Why this mapping: all lanes of a warp read the same staged x values (a broadcast) and consecutive words of B_p
+// (one wavefront); a thread per output column (w, i) made the lanes read 2l + 1 different x columns and a word of
+// B per lane from L1, which the large shared-memory carveout leaves small: Nsight Compute (H200, 2026-11-28) put
+// 70 % of the bundled MACE's linear launches' stall cycles on those B loads, at 30 % occupancy.
 template <typename T, int R>
 __device__ void irreps_linear(const T* __restrict__ x, T* __restrict__ out, const T* __restrict__ blocks,
-                              const long long* __restrict__ row_index, const int* __restrict__ col_irrep,
+                              const long long* __restrict__ row_index, const int* __restrict__ task_info, int tasks,
                               const int* __restrict__ irrep_info, const int* __restrict__ path_ptr,
-                              const int* __restrict__ path_info, long long rows, int in_width, int out_width) {
+                              const int* __restrict__ path_info, long long rows, int in_width, int out_width,
+                              int numel, int stage_blocks) {
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     T* staged = reinterpret_cast<T*>(smem_bytes);  // [in_width][R]: column k of tile row r at k * R + r
-    const long long first = (long long)blockIdx.x * R;
-    const int count = (int)min((long long)R, rows - first);
-    for (int e = threadIdx.x; e < R * in_width; e += blockDim.x) {
-        const int r = e / in_width, k = e - r * in_width;
-        T value = T(0);
-        if (r < count) value = x[(row_index ? row_index[first + r] : first + r) * in_width + k];
-        staged[k * R + r] = value;
+    const T* b_all = blocks;
+    if (stage_blocks) {  // [numel] after the rows: read once per block, not once per tile
+        T* staged_blocks = staged + (long long)in_width * R;
+        for (int e = threadIdx.x; e < numel; e += blockDim.x) staged_blocks[e] = blocks[e];
+        b_all = staged_blocks;
     }
-    __syncthreads();
-    for (int c = threadIdx.x; c < out_width; c += blockDim.x) {
-        const int q = col_irrep[c];
-        const int start = irrep_info[3 * q], mul_out = irrep_info[3 * q + 1], d = irrep_info[3 * q + 2];
-        const int w = (c - start) / d, i = (c - start) - w * d;
-        T acc[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = T(0);
-        for (int p = path_ptr[q]; p < path_ptr[q + 1]; ++p) {
-            const int mul_in = path_info[3 * p + 1];
-            const T* b = blocks + path_info[3 * p + 2] + w;
-            const T* column = staged + (long long)(path_info[3 * p] + i) * R;
-            for (int u = 0; u < mul_in; ++u) {
-                const T m = b[u * mul_out];
-                Column<T, R> xs;
-                load_column<R>(column + (long long)u * d * R, xs);
-                #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] += xs.v[r] * m;
-            }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const long long tiles = (rows + R - 1) / R;
+    for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const long long first = tile * R;
+        const int count = (int)min((long long)R, rows - first);
+        __syncthreads();  // the previous tile's columns are read (and the blocks staged)
+        for (int e = threadIdx.x; e < R * in_width; e += blockDim.x) {
+            const int k = e / R, r = e - k * R;  // consecutive threads write consecutive words
+            T value = T(0);
+            if (r < count) value = x[(row_index ? row_index[first + r] : first + r) * in_width + k];
+            staged[e] = value;
         }
-        #pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (r < count) out[(row_index ? row_index[first + r] : first + r) * out_width + c] = acc[r];
+        __syncthreads();
+        for (int t = warp; t < tasks; t += warps) {
+            const int q = task_info[3 * t], i = task_info[3 * t + 1], w = task_info[3 * t + 2] + lane;
+            const int start = irrep_info[3 * q], mul_out = irrep_info[3 * q + 1], d = irrep_info[3 * q + 2];
+            if (w >= mul_out) continue;
+            T acc[R];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = T(0);
+            for (int p = path_ptr[q]; p < path_ptr[q + 1]; ++p) {
+                const int mul_in = path_info[3 * p + 1];
+                const T* b = b_all + path_info[3 * p + 2] + w;
+                const T* column = staged + (long long)(path_info[3 * p] + i) * R;
+                #pragma unroll 4
+                for (int u = 0; u < mul_in; ++u) {
+                    const T m = b[u * mul_out];
+                    Column<T, R> xs;
+                    load_column<R>(column + (long long)u * d * R, xs);
+                    #pragma unroll
+                    for (int r = 0; r < R; ++r) acc[r] += xs.v[r] * m;
+                }
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r < count)
+                    out[(row_index ? row_index[first + r] : first + r) * out_width + start + w * d + i] = acc[r];
+        }
     }
 }
 
 #define CG_IRREPS_LINEAR(T, SUFFIX, R)                                                                           \
 extern "C" __global__ void irreps_linear_##SUFFIX##_r##R(const T* x, T* out, const T* blocks,                   \
-        const long long* row_index, const int* col_irrep, const int* irrep_info, const int* path_ptr,           \
-        const int* path_info, long long rows, int in_width, int out_width) {                                    \
-    irreps_linear<T, R>(x, out, blocks, row_index, col_irrep, irrep_info, path_ptr, path_info, rows, in_width, \
-                        out_width);                                                                              \
+        const long long* row_index, const int* task_info, int tasks, const int* irrep_info, const int* path_ptr, \
+        const int* path_info, long long rows, int in_width, int out_width, int numel, int stage_blocks) {       \
+    irreps_linear<T, R>(x, out, blocks, row_index, task_info, tasks, irrep_info, path_ptr, path_info, rows,     \
+                        in_width, out_width, numel, stage_blocks);                                               \
 }
 CG_IRREPS_LINEAR(float, f32, 8)
 CG_IRREPS_LINEAR(float, f32, 4)
@@ -110,9 +132,14 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _TILES = {torch.float32: (8, 4), torch.float64: (8, 2)}  # rows per block, largest first
 _KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
                          [f"irreps_linear_{_SUFFIX[t]}_r{r}" for t, rs in _TILES.items() for r in rs], "irreps_linear")
-_THREADS = 128
+WARP = 32
+MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
 # The staged rows a block may hold: 96 KiB leaves two blocks an SM on every GPU cgforge runs on.
 MAX_STAGED_BYTES = 96 << 10
+# The blocks are staged beside the rows where the two stay within this (the maps of <= 32 channels that take the
+# kernel: 4 KiB a path in FP32); larger ones are read from global memory.
+MAX_STAGED_BLOCK_BYTES = 48 << 10
+WARPS_PER_SM = 40  # the grid: about this many warps an SM, each block looping over row tiles beyond it
 
 
 @dataclass(frozen=True)
@@ -168,6 +195,10 @@ class IrrepsMap:
         """The transposed map (out -> in), its blocks ``transpose_blocks`` of this map's, in the same path order."""
         return IrrepsMap(self.irreps_out, self.irreps_in, tuple((o, i) for i, o in self.paths))
 
+    def tasks(self) -> list[tuple[int, int, int]]:
+        """The kernel's warp tasks: (output irrep q, component i, first channel w0), 32 channels a task."""
+        return [(q, i, w0) for q, (m, d) in enumerate(self.irreps_out) for i in range(d) for w0 in range(0, m, WARP)]
+
     def arrays(self, device: torch.device | str = "cpu") -> MapArrays:
         """The int32 tables the kernel reads (``MapArrays``)."""
         def starts(irreps: tuple[tuple[int, int], ...]) -> list[int]:
@@ -182,7 +213,7 @@ class IrrepsMap:
         for u, w in self.block_shapes():
             offsets.append(at)
             at += u * w
-        col_irrep = [q for q, (m, d) in enumerate(self.irreps_out) for _ in range(m * d)]
+        task_info = [v for task in self.tasks() for v in task]
         irrep_info = [v for q, (m, d) in enumerate(self.irreps_out) for v in (out_start[q], m, d)]
         path_ptr, path_info = [0], []
         for q in range(len(self.irreps_out)):
@@ -194,14 +225,14 @@ class IrrepsMap:
         def ints(values: list[int]) -> Tensor:
             return torch.tensor(values or [0], dtype=torch.int32, device=device)
 
-        return MapArrays(ints(col_irrep), ints(irrep_info), ints(path_ptr), ints(path_info))
+        return MapArrays(ints(task_info), ints(irrep_info), ints(path_ptr), ints(path_info))
 
 
 class MapArrays(NamedTuple):
-    """``IrrepsMap.arrays``: the output irrep of each output column, (first column, mul, 2l + 1) per output
-    irrep, the range of its paths, and (first input column, mul_in, block offset) per path."""
+    """``IrrepsMap.arrays``: the warp tasks (q, i, w0) (``IrrepsMap.tasks``), (first column, mul, 2l + 1) per
+    output irrep, the range of its paths, and (first input column, mul_in, block offset) per path."""
 
-    col_irrep: Tensor
+    task_info: Tensor
     irrep_info: Tensor
     path_ptr: Tensor
     path_info: Tensor
@@ -249,18 +280,39 @@ class LinearLaunch(NamedTuple):
     count: int
 
 
+def launch_shape(m: IrrepsMap, rows: int, dtype: torch.dtype, sms: int) -> tuple[int, int, int, bool]:
+    """(blocks, warps a block, shared bytes, blocks staged) of one launch over ``rows`` rows on ``sms`` SMs: the
+    warps take the map's tasks in the fewest passes of at most ``MAX_WARPS``, evenly; the grid holds at most
+    about ``WARPS_PER_SM`` warps an SM, its blocks looping over the same number of row tiles each; the blocks are
+    staged where they fit."""
+    tile = tile_rows(m, dtype)
+    if tile is None:
+        raise ValueError(f"irreps_linear: {m.in_width} columns in {dtype} do not fit a block's shared memory")
+    tasks = max(1, len(m.tasks()))
+    warps = -(-tasks // -(-tasks // MAX_WARPS))
+    size = torch.empty((), dtype=dtype).element_size()
+    rows_bytes = tile * m.in_width * size
+    stage = m.numel * size <= MAX_STAGED_BLOCK_BYTES
+    tiles, cap = max(1, -(-rows // tile)), sms * max(1, WARPS_PER_SM // warps)
+    blocks = -(-tiles // -(-tiles // cap))  # each block the same number of tiles: no last round of a few
+    return blocks, warps, rows_bytes + (m.numel * size if stage else 0), stage
+
+
 def _launch(x: Tensor, out: Tensor, m: IrrepsMap, launch: LinearLaunch) -> None:
+    from .core.launch import sm_count
     from .core.runtime import I32, I64
 
     if launch.count == 0:
         return
     tile = tile_rows(m, x.dtype)
+    blocks, warps, smem, stage = launch_shape(m, launch.count, x.dtype, sm_count(x.device))
     a = launch.arrays
     _KERNELS.get(f"irreps_linear_{_SUFFIX[x.dtype]}_r{tile}", x.device).launch(
-        (-(-launch.count // tile),), (_THREADS,),
-        [x, out, launch.blocks, launch.row_index, a.col_irrep, a.irrep_info, a.path_ptr, a.path_info,
-         I64(launch.count), I32(m.in_width), I32(m.out_width)],
-        shared_mem=tile * m.in_width * x.element_size())
+        (blocks,), (warps * WARP,),
+        [x, out, launch.blocks, launch.row_index, a.task_info, I32(a.task_info.numel() // 3), a.irrep_info,
+         a.path_ptr, a.path_info, I64(launch.count), I32(m.in_width), I32(m.out_width), I32(m.numel),
+         I32(int(stage))],
+        shared_mem=smem)
 
 
 class _Map(torch.autograd.Function):

@@ -15,15 +15,19 @@ from host_cuda import assert_compiles_without_spills, build, call
 
 from cgforge.kernels.irreps_linear import (
     IRREPS_LINEAR_SOURCE,
+    MAX_STAGED_BLOCK_BYTES,
+    WARPS_PER_SM,
     IrrepsMap,
     LinearLaunch,
     apply_map,
+    launch_shape,
     map_reference,
     tile_rows,
     transpose_blocks,
 )
 
-LINEARS = [("8x0e+4x1o+2x2e", "6x0e+3x1o+2x2e+1x3o"), ("5x0e+3x1o+3x1e+2x0e", "4x0e+2x1o"), ("3x1o", "7x1o")]
+LINEARS = [("8x0e+4x1o+2x2e", "6x0e+3x1o+2x2e+1x3o"), ("5x0e+3x1o+3x1e+2x0e", "4x0e+2x1o"), ("3x1o", "7x1o"),
+           ("40x0e+33x1o", "35x0e+2x1o+70x1o")]  # more than one warp task per component (channels w0 = 32, 64)
 
 
 def e3nn_map(irreps_in: str, irreps_out: str, seed: int = 0) -> tuple[o3.Linear, IrrepsMap, torch.Tensor]:
@@ -77,38 +81,42 @@ def test_kernels_compile_without_spills() -> None:
     assert_compiles_without_spills(IRREPS_LINEAR_SOURCE, "irreps_linear.cu", names)
 
 
+# One block of one warp: its loop over the row tiles covers every tile, the warp takes every task (the host runs
+# a block's warps one after another, so a block of several would split the staging between runs).
 _DRIVER = """
-extern "C" void run(const S* x, S* out, const S* blocks, const long long* row_index, const int* col_irrep,
-                    const int* irrep_info, const int* path_ptr, const int* path_info, long long rows, int in_width,
-                    int out_width) {
-    for (long long b = 0; b * TILE < rows; ++b) {
-        blockIdx.x = b;
-        run_warps(1, [&] { irreps_linear_SUFFIX_rTILE(x, out, blocks, row_index, col_irrep, irrep_info, path_ptr,
-                                                      path_info, rows, in_width, out_width); });
-    }
+extern "C" void run(const S* x, S* out, const S* blocks, const long long* row_index, const int* task_info,
+                    int tasks, const int* irrep_info, const int* path_ptr, const int* path_info, long long rows,
+                    int in_width, int out_width, int numel, int stage_blocks) {
+    blockIdx.x = 0;
+    gridDim.x = 1;
+    run_warps(1, [&] { irreps_linear_SUFFIX_rTILE(x, out, blocks, row_index, task_info, tasks, irrep_info, path_ptr,
+                                                  path_info, rows, in_width, out_width, numel, stage_blocks); });
 }
 """
 
 
 @pytest.mark.parametrize("dtype, tile", [(torch.float64, 8), (torch.float32, 4)])
-def test_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tile: int, tmp_path) -> None:
+@pytest.mark.parametrize("irreps", [LINEARS[0], LINEARS[3]], ids=["small", "wide"])
+def test_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tile: int, irreps, tmp_path) -> None:
     scalar, suffix = ("double", "f64") if dtype == torch.float64 else ("float", "f32")
     driver = f"typedef {scalar} S;\n" + _DRIVER.replace("SUFFIX", suffix).replace("TILE", str(tile))
     library = build("#define __syncthreads() __syncwarp()\n" + IRREPS_LINEAR_SOURCE, driver, tmp_path,
                     f"irreps_linear_{suffix}")
-    _, m, blocks = e3nn_map(*LINEARS[0])
+    _, m, blocks = e3nn_map(*irreps)
     rows = 19  # not a multiple of the tile
     x = random_rows(rows, m.in_width, seed=3, dtype=dtype)
     b = blocks.to(dtype)
     a = [t.numpy() for t in m.arrays()]
     tol = 1e-13 if dtype == torch.float64 else 1e-5
-    # all rows in order, then 11 of them in a shuffled order (the rows of one species): the others untouched
+    # all rows in order, then 11 of them in a shuffled order (the rows of one species): the others untouched;
+    # the blocks read from global memory and staged in shared memory
     subset = torch.randperm(rows, generator=torch.Generator().manual_seed(4))[:11]
-    for index in (None, subset):
+    for index, stage in ((None, 0), (subset, 0), (None, 1), (subset, 1)):
         out = np.full((rows, m.out_width), 7.0, dtype=x.numpy().dtype)
         count = rows if index is None else index.numel()
-        call(library.run, [x.numpy(), out, b.numpy(), None if index is None else index.numpy(), *a, count,
-                           ctypes.c_int(m.in_width), ctypes.c_int(m.out_width)])
+        call(library.run, [x.numpy(), out, b.numpy(), None if index is None else index.numpy(), a[0],
+                           ctypes.c_int(len(m.tasks())), *a[1:], count, ctypes.c_int(m.in_width),
+                           ctypes.c_int(m.out_width), ctypes.c_int(m.numel), ctypes.c_int(stage)])
         want = map_reference(x, m, b)
         got = torch.from_numpy(out)
         if index is None:
@@ -118,6 +126,27 @@ def test_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tile: i
             others = torch.ones(rows, dtype=torch.bool)
             others[index] = False
             assert bool((got[others] == 7.0).all())
+
+
+def test_launch_shape_spreads_the_tasks_and_stages_blocks_that_fit() -> None:
+    """The warps take a map's tasks in the fewest passes of at most MAX_WARPS, evenly; the grid stops at about
+    WARPS_PER_SM warps an SM; the blocks are staged beside the rows where they fit MAX_STAGED_BLOCK_BYTES."""
+    m = IrrepsMap(((32, 1), (32, 3), (32, 5)), ((32, 1), (32, 3), (32, 5)), ((0, 0), (1, 1), (2, 2)))
+    assert len(m.tasks()) == 9
+    blocks, warps, smem, stage = launch_shape(m, 5184, torch.float32, sms=132)
+    # 648 tiles, at most 132 * 4 blocks of 9 warps: two tiles a block
+    assert (blocks, warps, stage) == (324, 9, True) and smem == 8 * 288 * 4 + 3 * 32 * 32 * 4
+    dims = (1, 1, 3, 3, 3, 5, 5)  # the bundled MACE's second linear, transposed: 21 tasks
+    wide = IrrepsMap(((32, 1), (32, 3), (32, 5)), tuple((32, d) for d in dims),
+                     ((0, 0), (0, 1), (1, 2), (1, 3), (1, 4), (2, 5), (2, 6)))
+    assert len(wide.tasks()) == 21
+    assert launch_shape(wide, 10, torch.float32, sms=132)[:2] == (2, 11)  # two passes of 11 warps, not 16 + 5
+    cap = 4 * (WARPS_PER_SM // 9)
+    assert launch_shape(m, 8 * cap * 1000, torch.float32, sms=4)[0] == cap
+    assert launch_shape(m, 8 * cap + 8, torch.float32, sms=4)[0] == cap // 2 + 1
+    big = IrrepsMap(((32, 1),) * 13, ((32, 1),), tuple((i, 0) for i in range(13)))  # 52 KiB of blocks
+    _, _, smem, stage = launch_shape(big, 100, torch.float32, sms=132)
+    assert not stage and smem == 8 * big.in_width * 4 and big.numel * 4 > MAX_STAGED_BLOCK_BYTES
 
 
 @pytest.mark.cuda
