@@ -60,6 +60,8 @@ template <int R> __device__ __forceinline__ void load_column(const double* p, Co
 // (one wavefront); a thread per output column (w, i) made the lanes read 2l + 1 different x columns and a word of
 // B per lane from L1, which the large shared-memory carveout leaves small: Nsight Compute (H200, 2026-11-28) put
 // 70 % of the bundled MACE's linear launches' stall cycles on those B loads, at 30 % occupancy.
+#define STAGE_BATCH 8  // loads a thread issues before it stores them to shared memory
+
 template <typename T, int R>
 __device__ void irreps_linear(const T* __restrict__ x, T* __restrict__ out, const T* __restrict__ blocks,
                               const long long* __restrict__ row_index, const int* __restrict__ task_info, int tasks,
@@ -67,24 +69,46 @@ __device__ void irreps_linear(const T* __restrict__ x, T* __restrict__ out, cons
                               const int* __restrict__ path_info, long long rows, int in_width, int out_width,
                               int numel, int stage_blocks) {
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* staged = reinterpret_cast<T*>(smem_bytes);  // [in_width][R]: column k of tile row r at k * R + r
+    long long* tile_row = reinterpret_cast<long long*>(smem_bytes);  // [R]: the tile's rows of x and out, or -1
+    T* staged = reinterpret_cast<T*>(tile_row + R);  // [in_width][R]: column k of tile row r at k * R + r
     const T* b_all = blocks;
     if (stage_blocks) {  // [numel] after the rows: read once per block, not once per tile
         T* staged_blocks = staged + (long long)in_width * R;
-        for (int e = threadIdx.x; e < numel; e += blockDim.x) staged_blocks[e] = blocks[e];
+        for (int e0 = threadIdx.x; e0 < numel; e0 += STAGE_BATCH * blockDim.x) {
+            T v[STAGE_BATCH];  // the batch's loads issued together, then stored: one latency, not STAGE_BATCH
+            #pragma unroll
+            for (int j = 0; j < STAGE_BATCH; ++j) {
+                const int e = e0 + j * blockDim.x;
+                v[j] = e < numel ? blocks[e] : T(0);
+            }
+            #pragma unroll
+            for (int j = 0; j < STAGE_BATCH; ++j)
+                if (e0 + j * blockDim.x < numel) staged_blocks[e0 + j * blockDim.x] = v[j];
+        }
         b_all = staged_blocks;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    // blockDim.x is a multiple of R: a thread stages one row r of every tile, columns k0, k0 + k_step, ...
+    const int r_own = threadIdx.x % R, k0 = threadIdx.x / R, k_step = blockDim.x / R;
     const long long tiles = (rows + R - 1) / R;
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const long long first = tile * R;
-        const int count = (int)min((long long)R, rows - first);
-        __syncthreads();  // the previous tile's columns are read (and the blocks staged)
-        for (int e = threadIdx.x; e < R * in_width; e += blockDim.x) {
-            const int k = e / R, r = e - k * R;  // consecutive threads write consecutive words
-            T value = T(0);
-            if (r < count) value = x[(row_index ? row_index[first + r] : first + r) * in_width + k];
-            staged[e] = value;
+        __syncthreads();  // the previous tile's columns and rows are read (and the blocks staged)
+        if (threadIdx.x < R)
+            tile_row[threadIdx.x] = first + threadIdx.x >= rows ? -1
+                                    : row_index ? row_index[first + threadIdx.x] : first + threadIdx.x;
+        __syncthreads();
+        const long long row = tile_row[r_own];
+        for (int k = k0; k < in_width; k += STAGE_BATCH * k_step) {
+            T v[STAGE_BATCH];
+            #pragma unroll
+            for (int j = 0; j < STAGE_BATCH; ++j) {
+                const int kj = k + j * k_step;
+                v[j] = row >= 0 && kj < in_width ? x[row * in_width + kj] : T(0);
+            }
+            #pragma unroll
+            for (int j = 0; j < STAGE_BATCH; ++j)
+                if (k + j * k_step < in_width) staged[(k + j * k_step) * R + r_own] = v[j];
         }
         __syncthreads();
         for (int t = warp; t < tasks; t += warps) {
@@ -109,8 +133,7 @@ __device__ void irreps_linear(const T* __restrict__ x, T* __restrict__ out, cons
             }
             #pragma unroll
             for (int r = 0; r < R; ++r)
-                if (r < count)
-                    out[(row_index ? row_index[first + r] : first + r) * out_width + start + w * d + i] = acc[r];
+                if (tile_row[r] >= 0) out[tile_row[r] * out_width + start + w * d + i] = acc[r];
         }
     }
 }
@@ -134,6 +157,7 @@ _KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
                          [f"irreps_linear_{_SUFFIX[t]}_r{r}" for t, rs in _TILES.items() for r in rs], "irreps_linear")
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
+MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited ~20 us on it)
 # The staged rows a block may hold: 96 KiB leaves two blocks an SM on every GPU cgforge runs on.
 MAX_STAGED_BYTES = 96 << 10
 # The blocks are staged beside the rows where the two stay within this (the maps of <= 32 channels that take the
@@ -282,16 +306,16 @@ class LinearLaunch(NamedTuple):
 
 def launch_shape(m: IrrepsMap, rows: int, dtype: torch.dtype, sms: int) -> tuple[int, int, int, bool]:
     """(blocks, warps a block, shared bytes, blocks staged) of one launch over ``rows`` rows on ``sms`` SMs: the
-    warps take the map's tasks in the fewest passes of at most ``MAX_WARPS``, evenly; the grid holds at most
-    about ``WARPS_PER_SM`` warps an SM, its blocks looping over the same number of row tiles each; the blocks are
-    staged where they fit."""
+    warps (at least ``MIN_WARPS``) take the map's tasks in the fewest passes of at most ``MAX_WARPS``, evenly;
+    the grid holds at most about ``WARPS_PER_SM`` warps an SM, its blocks looping over the same number of row
+    tiles each; the blocks are staged where they fit."""
     tile = tile_rows(m, dtype)
     if tile is None:
         raise ValueError(f"irreps_linear: {m.in_width} columns in {dtype} do not fit a block's shared memory")
     tasks = max(1, len(m.tasks()))
-    warps = -(-tasks // -(-tasks // MAX_WARPS))
+    warps = max(MIN_WARPS, -(-tasks // -(-tasks // MAX_WARPS)))
     size = torch.empty((), dtype=dtype).element_size()
-    rows_bytes = tile * m.in_width * size
+    rows_bytes = tile * 8 + tile * m.in_width * size  # the tile's row indices, then its rows
     stage = m.numel * size <= MAX_STAGED_BLOCK_BYTES
     tiles, cap = max(1, -(-rows // tile)), sms * max(1, WARPS_PER_SM // warps)
     blocks = -(-tiles // -(-tiles // cap))  # each block the same number of tiles: no last round of a few
