@@ -40,13 +40,14 @@ def _build_model(
     seed: int = 0,
     radial_mlp: list[int] | None = None,
     dtype: torch.dtype = torch.float64,
+    scale_shift: bool = True,
 ) -> torch.nn.Module:
-    """A ScaleShiftMACE for H and O with random weights, built in ``dtype``."""
+    """A ScaleShiftMACE (``scale_shift`` False: a MACE) for H and O with random weights, built in ``dtype``."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(seed)
-        model = modules.ScaleShiftMACE(
+        model = (modules.ScaleShiftMACE if scale_shift else modules.MACE)(
             r_max=r_max,
             num_bessel=6,
             num_polynomial_cutoff=5,
@@ -63,8 +64,7 @@ def _build_model(
             correlation=correlation,
             gate=torch.nn.functional.silu,
             radial_MLP=radial_mlp or [16, 16],
-            atomic_inter_scale=1.3,
-            atomic_inter_shift=0.1,
+            **({"atomic_inter_scale": 1.3, "atomic_inter_shift": 0.1} if scale_shift else {}),
         )
     finally:
         torch.set_default_dtype(previous)

@@ -11,6 +11,8 @@ the engine's ``commit_step`` is the torch expression, ``integrators._on_step_ker
 2026-11-28.
 ``edge-layout``: a step's edges are cut and laid out by torch operations (``edges_within`` and ``layout_edges``;
 ``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
+``lean-forward``: the MACE adapter calls MACE's own forward (``patches.mace.lean_forward.why_not_lean`` declines
+every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
 Kernel choices are not turned off here: they are ``KernelTuning`` values (``linear_kernel_max_channels`` 0: every
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -69,6 +71,14 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             edge_layout._on_layout_kernels = on_kernels
+    elif name == "lean-forward":
+        from cgforge.patches.mace import lean_forward
+
+        why_not = lean_forward.why_not_lean
+        lean_forward.why_not_lean = lambda model: "turned off by without.py"
+
+        def undo() -> None:
+            lean_forward.why_not_lean = why_not
     elif name == "linear-scaled":
         from cgforge.patches.e3nn_layers import SplitLinear
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..common import check_numbers, unknown_elements, vanishes_at_zero
 from ..radial_table import fused_edge_bytes
 from ..streaming import Deferred
-from . import radial_table, row_chunks, streaming
+from . import lean_forward, radial_table, row_chunks, streaming
 from .patch import SUPPORTED_INTERACTIONS
 
 __all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
@@ -63,6 +63,9 @@ class MaceAdapter:
         heads = list(getattr(model, "heads", None) or ["Default"])
         self.head = choose_head(heads, head)
         self._head_index = torch.tensor([heads.index(self.head)], device=device)
+        self._head_index_int = heads.index(self.head)
+        # MACE's forward for one structure and head, where the model is one it handles (``lean_forward``)
+        self.lean = lean_forward.why_not_lean(model) is None
         self._per_size: dict[int, tuple[Tensor, Tensor]] = {}
 
     def species(self, numbers: np.ndarray) -> Tensor:
@@ -106,6 +109,10 @@ class MaceAdapter:
 
     def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
                per_atom: bool) -> tuple[Tensor, Tensor | None]:
+        if self.lean:  # the total as a plain sum of the per-atom energies (below)
+            node_energy = lean_forward.node_energies(self.model, species, vectors, edge_index,
+                                                     self._head_index_int, self._head_index.expand(len(species)))
+            return node_energy.sum(), node_energy if per_atom else None
         batch, ptr, zeros, cell = self._per_structure(positions.shape[0])
         # MACE sets requires_grad on data["positions"] and gathers it per edge; zeros (a leaf that no
         # gradient is asked of) keep that gather off the backward. vectors = 0 - 0 + shifts, exactly.

@@ -1,0 +1,65 @@
+"""MACE's per-atom energies of one structure under one head, without ``MACE.forward``'s batch handling.
+
+``MACE.forward`` and ``ScaleShiftMACE.forward`` (mace-torch 0.3.16) take a batch of graphs with a head per graph:
+they gather positions per edge, pick each atom's energy column by advanced indexing ``[arange(N), node_heads]``
+(whose backward is a sort and an accumulating ``index_put_``: ~14 kernels for each readout and the atomic
+energies), scale by ``scale[node_heads]`` and sum per graph with atomics. The calculator holds one structure, one
+head and its own edge vectors, so ``node_energies`` runs the same modules on them, with the head's column taken
+as a slice: the same operations on the same values, and per-atom energies equal bit for bit to what MACE's forward
+returns (``tests/patches/test_mace_lean_forward.py``). ``why_not_lean`` names what a model has that it does not
+handle; the adapter then calls MACE's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["node_energies", "why_not_lean"]
+
+_MODELS = ("MACE", "ScaleShiftMACE")
+
+
+def why_not_lean(model: torch.nn.Module) -> str | None:
+    """None if ``node_energies`` computes this model's per-atom energies, else what it does not handle."""
+    cls = type(model)
+    if cls.__module__ != "mace.modules.models" or cls.__name__ not in _MODELS:
+        return f"model class {cls.__name__} is not one of mace's {', '.join(_MODELS)}"
+    for attr in ("joint_embedding", "embedding_readout"):
+        if hasattr(model, attr):
+            return f"the model has a {attr}"
+    if cls.__name__ == "ScaleShiftMACE" and type(model.scale_shift).__name__ != "ScaleShiftBlock":
+        return f"scale_shift is a {type(model.scale_shift).__name__}, not mace's ScaleShiftBlock"
+    return None
+
+
+def node_energies(model: torch.nn.Module, node_attrs: Tensor, vectors: Tensor, edge_index: Tensor, head: int,
+                  node_heads: Tensor) -> Tensor:
+    """Per-atom energies [N] of ``model`` (a MACE or ScaleShiftMACE that ``why_not_lean`` accepts) for one
+    structure: ``node_attrs`` [N, species] one-hot, ``vectors`` [E, 3] receiver - sender with shifts,
+    ``edge_index`` [2, E] (sender, receiver), under head number ``head`` (``node_heads`` [N], that number for
+    every atom, as MACE's blocks take it). MACE's dtype: float64 for a ScaleShiftMACE, the model's for a MACE."""
+    lengths = torch.linalg.norm(vectors, dim=-1, keepdim=True)  # as mace.modules.utils.get_edge_vectors_and_lengths
+    node_e0 = model.atomic_energies_fn(node_attrs)[:, head]
+    node_feats = model.node_embedding(node_attrs)
+    edge_attrs = model.spherical_harmonics(vectors)
+    edge_feats, cutoff = model.radial_embedding(lengths, node_attrs, edge_index, model.atomic_numbers)
+    if hasattr(model, "pair_repulsion"):
+        pair_node_energy = model.pair_repulsion_fn(lengths, node_attrs, edge_index, model.atomic_numbers)
+    else:
+        pair_node_energy = torch.zeros_like(node_e0)
+    node_feats_list = []
+    for i, (interaction, product) in enumerate(zip(model.interactions, model.products)):
+        node_feats, sc = interaction(node_attrs=node_attrs, node_feats=node_feats, edge_attrs=edge_attrs,
+                                     edge_feats=edge_feats, edge_index=edge_index, cutoff=cutoff,
+                                     first_layer=(i == 0), lammps_class=None, lammps_natoms=(0, 0))
+        node_feats = product(node_feats=node_feats, sc=sc, node_attrs=node_attrs)
+        node_feats_list.append(node_feats)
+    readout_es = [readout(node_feats_list[-1 if len(model.readouts) == 1 else i], node_heads)[:, head]
+                  for i, readout in enumerate(model.readouts)]
+    if type(model).__name__ == "MACE":  # MACE.forward's sum, term for term
+        return torch.sum(torch.stack([node_e0, pair_node_energy, *readout_es], dim=-1), dim=-1)
+    node_inter_es = torch.sum(torch.stack([pair_node_energy, *readout_es], dim=0), dim=0)
+    scale, shift = (torch.atleast_1d(t)[head] for t in (model.scale_shift.scale, model.scale_shift.shift))
+    node_inter_es = scale * node_inter_es + shift
+    return node_e0.double() + node_inter_es.double()
