@@ -48,8 +48,12 @@ def test_lean_forward_equals_mace_forward_bit_for_bit(name: str, patched: bool) 
     assert torch.equal(lean[0], full[0]) and torch.equal(lean[1], full[1])
 
 
-def test_models_it_does_not_handle_are_named_and_keep_mace_forward() -> None:
+def test_models_it_does_not_handle_are_named_and_keep_mace_forward(monkeypatch) -> None:
     model = build_model()
+    monkeypatch.setattr(lean_forward, "mace_version", lambda: "0.3.10")
+    assert lean_forward.why_not_lean(model) == ("mace-torch 0.3.10 is not a version whose forward cgforge has read "
+                                                "(0.3.16)")
+    monkeypatch.undo()
     model.joint_embedding = torch.nn.Identity()
     assert lean_forward.why_not_lean(model) == "the model has a joint_embedding"
     assert not MaceAdapter(model, torch.device("cpu")).lean

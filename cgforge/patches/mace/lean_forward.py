@@ -12,12 +12,23 @@ handle; the adapter then calls MACE's forward.
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import torch
 from torch import Tensor
 
 __all__ = ["node_energies", "why_not_lean"]
 
 _MODELS = ("MACE", "ScaleShiftMACE")
+READ_VERSIONS = ("0.3.16",)  # the mace-torch versions whose forward ``node_energies`` repeats
+
+
+def mace_version() -> str | None:
+    """The installed mace-torch's version, None where its metadata is missing."""
+    try:
+        return metadata.version("mace-torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def why_not_lean(model: torch.nn.Module) -> str | None:
@@ -25,6 +36,9 @@ def why_not_lean(model: torch.nn.Module) -> str | None:
     cls = type(model)
     if cls.__module__ != "mace.modules.models" or cls.__name__ not in _MODELS:
         return f"model class {cls.__name__} is not one of mace's {', '.join(_MODELS)}"
+    version = mace_version()
+    if version not in READ_VERSIONS:
+        return f"mace-torch {version} is not a version whose forward cgforge has read ({', '.join(READ_VERSIONS)})"
     for attr in ("joint_embedding", "embedding_readout"):
         if hasattr(model, attr):
             return f"the model has a {attr}"
