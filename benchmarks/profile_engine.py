@@ -146,6 +146,11 @@ def main() -> None:
                   + ", ".join(f"{c} {ms:.3f}" for c, ms in sorted(part["categories"].items(), key=lambda kv: -kv[1])))
             for k in part["kernels"][:25]:
                 print(f"  {k['ms']:8.3f} ms {k['calls']:4d}x  {k['name'][:110]}")
+        default = next((r["ms_per_step"] for r in res["sweep"] if "steps_per_graph" not in r), None)
+        if default is not None:  # what the captured step spends between its kernels (launch gaps, tails)
+            gaps = default - res["captured"]["kernel_ms"]
+            print(f"captured step {default:.3f} ms = {res['captured']['kernel_ms']:.3f} ms of kernels + {gaps:.3f} ms "
+                  f"between them ({1000 * gaps / max(res['captured']['kernels_per_step'], 1):.2f} us a kernel)")
         print("steps_per_graph block  ms/step")
         for r in res["sweep"]:
             print(f"{str(r.get('steps_per_graph', 'default')):>15s} {str(r.get('block', 'default')):>7s} "
