@@ -158,11 +158,10 @@ _KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
 MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited ~20 us on it)
-# The staged rows a block may hold: 96 KiB leaves two blocks an SM on every GPU cgforge runs on.
+# What a block may stage: 96 KiB leaves two blocks an SM on every GPU cgforge runs on. The rows first; the weight
+# blocks beside them where the two fit (the maps that take the kernel, <= 32 channels: 4 KiB a path in FP32), else
+# the blocks are read from global memory.
 MAX_STAGED_BYTES = 96 << 10
-# The blocks are staged beside the rows where the two stay within this (the maps of <= 32 channels that take the
-# kernel: 4 KiB a path in FP32); larger ones are read from global memory.
-MAX_STAGED_BLOCK_BYTES = 48 << 10
 WARPS_PER_SM = 40  # the grid: about this many warps an SM, each block looping over row tiles beyond it
 
 
@@ -316,7 +315,7 @@ def launch_shape(m: IrrepsMap, rows: int, dtype: torch.dtype, sms: int) -> tuple
     warps = max(MIN_WARPS, -(-tasks // -(-tasks // MAX_WARPS)))
     size = torch.empty((), dtype=dtype).element_size()
     rows_bytes = tile * 8 + tile * m.in_width * size  # the tile's row indices, then its rows
-    stage = m.numel * size <= MAX_STAGED_BLOCK_BYTES
+    stage = rows_bytes + m.numel * size <= MAX_STAGED_BYTES
     tiles, cap = max(1, -(-rows // tile)), sms * max(1, WARPS_PER_SM // warps)
     blocks = -(-tiles // -(-tiles // cap))  # each block the same number of tiles: no last round of a few
     return blocks, warps, rows_bytes + (m.numel * size if stage else 0), stage
