@@ -21,6 +21,7 @@ elsewhere and as the oracle.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -289,8 +290,8 @@ def map_reference(x: Tensor, m: IrrepsMap, blocks: Tensor) -> Tensor:
 def tile_rows(m: IrrepsMap, dtype: torch.dtype) -> int | None:
     """Rows a block stages for ``m`` in ``dtype`` (the largest tile whose rows fit ``MAX_STAGED_BYTES``), None if
     the kernel does not take this dtype or even the smallest tile's rows do not fit."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * size <= MAX_STAGED_BYTES), None)
+    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * dtype.itemsize <= MAX_STAGED_BYTES),
+                None)
 
 
 class LinearLaunch(NamedTuple):
@@ -303,22 +304,30 @@ class LinearLaunch(NamedTuple):
     count: int
 
 
-def launch_shape(m: IrrepsMap, rows: int, dtype: torch.dtype, sms: int) -> tuple[int, int, int, bool]:
-    """(blocks, warps a block, shared bytes, blocks staged) of one launch over ``rows`` rows on ``sms`` SMs: the
-    warps (at least ``MIN_WARPS``) take the map's tasks in the fewest passes of at most ``MAX_WARPS``, evenly;
-    the grid holds at most about ``WARPS_PER_SM`` warps an SM, its blocks looping over the same number of row
-    tiles each; the blocks are staged where they fit."""
+@functools.lru_cache(maxsize=256)  # a few maps a model
+def _block_shape(m: IrrepsMap, dtype: torch.dtype) -> tuple[int, int, int, bool]:
+    """(rows a tile, warps a block, shared bytes, blocks staged) of ``m`` in ``dtype``: what ``launch_shape``
+    does not take from the row count, made once per map (every force call launches the same maps)."""
     tile = tile_rows(m, dtype)
     if tile is None:
         raise ValueError(f"irreps_linear: {m.in_width} columns in {dtype} do not fit a block's shared memory")
     tasks = max(1, len(m.tasks()))
     warps = max(MIN_WARPS, -(-tasks // -(-tasks // MAX_WARPS)))
-    size = torch.empty((), dtype=dtype).element_size()
-    rows_bytes = tile * 8 + tile * m.in_width * size  # the tile's row indices, then its rows
-    stage = rows_bytes + m.numel * size <= MAX_STAGED_BYTES
+    rows_bytes = tile * 8 + tile * m.in_width * dtype.itemsize  # the tile's row indices, then its rows
+    blocks_bytes = m.numel * dtype.itemsize
+    stage = rows_bytes + blocks_bytes <= MAX_STAGED_BYTES
+    return tile, warps, rows_bytes + (blocks_bytes if stage else 0), stage
+
+
+def launch_shape(m: IrrepsMap, rows: int, dtype: torch.dtype, sms: int) -> tuple[int, int, int, bool]:
+    """(blocks, warps a block, shared bytes, blocks staged) of one launch over ``rows`` rows on ``sms`` SMs: the
+    warps (at least ``MIN_WARPS``) take the map's tasks in the fewest passes of at most ``MAX_WARPS``, evenly;
+    the grid holds at most about ``WARPS_PER_SM`` warps an SM, its blocks looping over the same number of row
+    tiles each; the blocks are staged where they fit."""
+    tile, warps, smem, stage = _block_shape(m, dtype)
     tiles, cap = max(1, -(-rows // tile)), sms * max(1, WARPS_PER_SM // warps)
     blocks = -(-tiles // -(-tiles // cap))  # each block the same number of tiles: no last round of a few
-    return blocks, warps, rows_bytes + (m.numel * size if stage else 0), stage
+    return blocks, warps, smem, stage
 
 
 def _launch(x: Tensor, out: Tensor, m: IrrepsMap, launch: LinearLaunch) -> None:
@@ -327,7 +336,7 @@ def _launch(x: Tensor, out: Tensor, m: IrrepsMap, launch: LinearLaunch) -> None:
 
     if launch.count == 0:
         return
-    tile = tile_rows(m, x.dtype)
+    tile = _block_shape(m, x.dtype)[0]
     blocks, warps, smem, stage = launch_shape(m, launch.count, x.dtype, sm_count(x.device))
     a = launch.arrays
     _KERNELS.get(f"irreps_linear_{_SUFFIX[x.dtype]}_r{tile}", x.device).launch(

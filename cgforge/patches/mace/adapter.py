@@ -62,8 +62,8 @@ class MaceAdapter:
         self._table = table
         heads = list(getattr(model, "heads", None) or ["Default"])
         self.head = choose_head(heads, head)
-        self._head_index = torch.tensor([heads.index(self.head)], device=device)
         self._head_index_int = heads.index(self.head)
+        self._head_index = torch.tensor([self._head_index_int], device=device)
         # MACE's forward for one structure and head, where the model is one it handles (``lean_forward``)
         self.lean = lean_forward.why_not_lean(model) is None
         self._per_size: dict[int, tuple[Tensor, Tensor]] = {}
