@@ -22,7 +22,8 @@
 #   and, from a clone of github.com/kokkos/kokkos (the `fetch` tool brings one to /work/.mirror/kokkos+kokkos/repo):
 #     git --git-dir=KOKKOS/.git archive --format=tar --prefix=kokkos/ 4.3.01 | gzip > .device/lammps/kokkos-4.3.01.tar.gz
 # Other settings: CGFORGE_LAMMPS_PYTHON (python3), CGFORGE_LAMMPS_JOBS (16), CGFORGE_LAMMPS_BUDGET (seconds this
-# call may spend, 540: the compile step stops cleanly before that so the next call resumes it).
+# call may spend, 540: the compile step stops cleanly before that so the next call resumes it), CGFORGE_LAMMPS_OPT
+# (the compiler's optimisation flag, default CMake Release's -O3; the CPU test build takes -O1: a shorter build).
 # MPI: LAMMPS's serial stubs (one rank; no MPI library needed) unless `mpicxx` is on PATH.
 # CUDA >= 13 (the GPU machine has 13.0) changed cudaMemAdvise/cudaMemPrefetchAsync to take a cudaMemLocation;
 # and cudaGraphAddDependencies to take edge data; Kokkos 4.3.01 predates that, so its three wrappers are edited
@@ -48,6 +49,7 @@ tarball=${CGFORGE_LAMMPS_TARBALL:-$root/.device/lammps/lammps-29Aug2024u3-src.ta
 kokkos_tarball=${CGFORGE_KOKKOS_TARBALL:-$root/.device/lammps/kokkos-4.3.01.tar.gz}
 jobs=${CGFORGE_LAMMPS_JOBS:-16}
 budget=${CGFORGE_LAMMPS_BUDGET:-540}
+opt=${CGFORGE_LAMMPS_OPT:-}
 py=$(command -v "${CGFORGE_LAMMPS_PYTHON:-python3}") || fail "CGFORGE_LAMMPS_PYTHON: ${CGFORGE_LAMMPS_PYTHON:-python3} not found"
 src=$dest/src          # the LAMMPS tree (cmake/, src/, python/, lib/kokkos)
 build=$dest/src/build  # bench_lammps.py and tests find liblammps.so here and the module in $dest/src/python
@@ -258,6 +260,9 @@ if [ ! -f "$dest/.configured" ]; then
         -D Python_EXECUTABLE="$py" -D Cythonize_EXECUTABLE="$cythonize"
         -D BUILD_OMP=OFF -D BUILD_TOOLS=OFF -D BUILD_LAMMPS_GUI=OFF -D ENABLE_TESTING=OFF
         -D WITH_JPEG=OFF -D WITH_PNG=OFF -D WITH_FFMPEG=OFF -D WITH_GZIP=OFF -D WITH_CURL=OFF)
+  if [ -n "$opt" ]; then
+    opts+=(-D CMAKE_CXX_FLAGS_RELEASE="$opt -DNDEBUG" -D CMAKE_C_FLAGS_RELEASE="$opt -DNDEBUG"); log "optimisation: $opt"
+  fi
   if command -v mpicxx > /dev/null; then
     opts+=(-D BUILD_MPI=ON); log "MPI: $(command -v mpicxx)"
   else
