@@ -71,7 +71,8 @@ build_2025() {
   ln -sfn ../tools "$dest25/tools"  # the tests take mpirun from BUILD/tools/bin: the same MPICH as the build
   # the budget: lammps_gpu.sh stops a build at it (made for cut-off GPU calls); here there is no cut-off
   if ! PATH="$dest/tools/bin:$PATH" CGFORGE_LAMMPS_TARBALL="$tarball" CGFORGE_LAMMPS_PYTHON="$py" \
-      CGFORGE_LAMMPS_JOBS="$jobs" CGFORGE_LAMMPS_OPT=-O1 CGFORGE_LAMMPS_BUDGET=5400 CGFORGE_CYTHONIZE="$dest/tools/bin/cythonize" \
+      CGFORGE_LAMMPS_JOBS="$jobs" CGFORGE_LAMMPS_OPT=-O1 CGFORGE_LAMMPS_BUDGET=5400 \
+      CGFORGE_CYTHONIZE="$dest/tools/bin/cythonize" \
       bash "$root/scripts/lammps_gpu.sh" --kokkos-host "$dest25" > "$log" 2>&1; then
     echo "lammps: the 22Jul2025 Kokkos build failed (see $log, last lines below); its tests will skip"
     tail -n 20 "$log"
