@@ -64,6 +64,11 @@ TREES = {
     "engine-profile-h200-20261128/engine-profile-20261128-085659.json": ("b6bb794", "README"),
     "engine-profile-h200-20261128/engine-profile-20261128-085728.json": ("b6bb794", "README"),
     "engine-profile-h200-20261128/engine-profile-20261128-085749.json": ("b6bb794", "README"),
+    "issue38-table-h200-20261129/md-20261129-042451.json": ("1e9ba35", "README, call 3"),
+    "issue38-table-h200-20261129/md-20261129-042958.json": ("1e9ba35", "README, call 4"),
+    "issue38-table-h200-20261129/md-20261129-043105.json": ("1e9ba35", "README, call 4"),
+    "issue38-table-h200-20261129/engine-profile-20261129-043243.json": ("1e9ba35", "README, call 5"),
+    "issue38-table-h200-20261129/layer-20261129-043836.json": ("1e9ba35", "README, call 6"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -289,9 +294,13 @@ def engine_section(runs: list[Run]) -> list[str]:
                    f"| {ratio(plain, fast)} | {f'{floor:.3f} ms' if isinstance(floor, float) else '-'} "
                    f"| {runs_cell} |")
     last = max(run.date for run in chosen)
-    later = newest(runs, lambda r: r.date > last and _has(r, backend="cgforge-engine", system="5k"))
+    def engine_nvt(run: Run) -> list[dict]:
+        return [row for row in run.rows
+                if row.get("backend") == "cgforge-engine" and row.get("system") == "5k" and row.get("nvt_s")]
+
+    later = newest(runs, lambda r: r.date > last and bool(engine_nvt(r)))  # an NPT-only run has no NVT step to cite
     if later is not None:
-        rows = [row for row in later.rows if row.get("backend") == "cgforge-engine" and row.get("nvt_s")]
+        rows = engine_nvt(later)
         text = ", ".join(f"{MODEL_NAMES.get(r['model'], r['model'])} {r['nvt_s'] * 1e3:.2f} ms" for r in rows)
         out += ["", f"A newer run timed the uncompiled engine alone, with no peer in that run: {text} "
                 f"({later.cite()})."]

@@ -183,6 +183,27 @@ def test_the_engine_table_takes_compiled_and_nequip_rows_from_a_call_beside_the_
     assert "b/md-2026-11-19.json" not in page
 
 
+def test_the_engine_table_cites_a_newer_engine_run_only_for_its_nvt_steps(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer run of the engine alone is cited with its NVT steps; one that timed NPT only has none to cite."""
+    report = _load("report")
+    monkeypatch.setattr(report, "LOG_ROWS", {})
+    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+                                                      ("bundled-mace", "fastmace", 0.004)])
+    folder = tmp_path / "npt"
+    _md_json(folder, "2026-11-21T10:00:00", [("bundled-mace", "cgforge-engine", 0.0)])
+    (run,) = folder.glob("md-*.json")
+    data = json.loads(run.read_text())
+    data["rows"] = [{"model": "bundled-mace", "backend": "cgforge-engine", "system": "5k", "nvt_s": None,
+                     "npt_s": 0.0026}]
+    run.write_text(json.dumps(data))
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "A newer run" not in page
+    _md_json(tmp_path / "nvt", "2026-11-22T10:00:00", [("bundled-mace", "cgforge-engine", 0.0025)])
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "A newer run timed the uncompiled engine alone, with no peer in that run: bundled MACE 2.50 ms (" in page
+
+
 def test_the_page_is_current() -> None:
     """docs/performance.md is what benchmarks/report.py writes from benchmarks/results/ (regenerate after a run)."""
     run = subprocess.run([sys.executable, str(BENCHMARKS / "report.py"), "--check"], capture_output=True, text=True,
