@@ -45,6 +45,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/conv_layers.py", ["--problem", "mace-huge"], "mace-huge"),
     ("investigations/conv_layers.py", ["--tuning", "a=loop_order=rows"], "loop_order=rows"),
     ("investigations/conv_layers.py", ["--tuning", "row_grad_once"], "NAME=SPEC"),
+    ("investigations/rebuild_cost.py", ["--models", "mace-huge"], "mace-huge"),
+    ("investigations/rebuild_cost.py", ["--hide", "2,x"], "--hide"),
+    ("investigations/rebuild_cost.py", ["--hide", "0"], "--hide"),
 ])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
