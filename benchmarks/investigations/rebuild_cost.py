@@ -20,9 +20,10 @@ round, each a fresh Engine timed over ``--steps`` after ``--warmup``:
 Host timers (wall clock, no sync added) around the engine's parts: ``search`` (the host's waits for the side
 stream), the report read after a block (the host's wait for the block's steps), ``install``, a serial
 ``rebuild``. Printed per variant: ms per step (median over rounds), rebuilds and blocks (last round), and per
-pipelined rebuild the search's host ms against the wait for its block after it: a search that outlasts its
-block's steps leaves the GPU idle for the difference. ``--device cpu`` smoke-tests the script (a small box, one
-round): its times say nothing about a GPU. JSON goes to benchmarks/results/ (or $OUT).
+pipelined rebuild the search's host ms against the wait for its block after it (a search that outlasts its
+block's steps leaves the GPU idle for the difference), and the search alone with nothing else on the device
+(``idle search``). ``--device cpu`` smoke-tests the script (a small box, one round): its times say nothing about a
+GPU. JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -124,13 +125,29 @@ def run_variant(calc: Calculator, atoms, variant: dict, warmup: int, steps: int,
         engine.run(steps)
         sync(device)
         wall = time.perf_counter() - t
+        idle = idle_search_ms(engine, device) if variant["pipelined"] else None
     stats = {k: engine.stats[k] - before[k] for k in ("steps", "blocks", "discarded", "rebuilds",
                                                         "overlapped_rebuilds")}
     searches = np.array(timers.pairs) if timers.pairs else np.zeros((0, 2))
     return {"ms_per_step": 1000 * wall / steps, "stats": stats,
             "host_ms": {k: 1000 * v for k, v in timers.total.items()}, "calls": dict(timers.count),
+            "idle_search_ms": idle,
             "search_ms_median": float(np.median(searches[:, 0]) * 1000) if len(searches) else None,
             "wait_after_search_ms_median": float(np.median(searches[:, 1]) * 1000) if len(searches) else None}
+
+
+def idle_search_ms(engine: Engine, device: str, repeats: int = 5) -> float:
+    """Median ms of the provider's search at the engine's current state with nothing else on the device (the
+    search's own cost, host waits included, against its cost beside a block); the list found is not installed."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        pending = engine.provider.snapshot(engine.state.positions, engine.state.cell)
+        engine.provider.search(pending)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 1000 * float(np.median(times))
 
 
 def variants(hides: list[int], device: str) -> dict[str, dict]:
@@ -189,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(atoms)} atoms, NVT Langevin FP32, skin 1 A, on {args.device}; JSON: {path}")
     print("per pipelined rebuild: the search's host ms, then the host's wait for its block (medians, last round)")
     print(f"{'model':15s} {'variant':18s} {'ms/step':>8s} {'rebuilds':>8s} {'blocks':>6s} {'search':>7s} "
-          f"{'wait':>6s}")
+          f"{'wait':>6s} {'idle search':>11s}")
     for row in results:
         last = row["rounds"][-1]
 
@@ -198,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"{row['model']:15s} {row['variant']:18s} {row['median_ms']:8.3f} {last['stats']['rebuilds']:8d} "
               f"{last['stats']['blocks']:6d} {cell(last['search_ms_median'])} "
-              f"{cell(last['wait_after_search_ms_median'])[1:]}")
+              f"{cell(last['wait_after_search_ms_median'])[1:]} {cell(last['idle_search_ms']):>11s}")
 
 
 if __name__ == "__main__":
