@@ -11,6 +11,8 @@ the engine's ``commit_step`` is the torch expression, ``integrators._on_step_ker
 2026-11-28.
 ``edge-layout``: a step's edges are cut and laid out by torch operations (``edges_within`` and ``layout_edges``;
 ``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
+``cell-search``: the neighbour search's candidate loop runs as torch operations on the GPU (``kernels.cell_search``
+unused: ``runtime.neighbours._on_search_kernels`` says no), as before 2026-11-29.
 ``lean-forward``: the MACE adapter calls MACE's own forward (``patches.mace.lean_forward.why_not_lean`` declines
 every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
@@ -29,7 +31,8 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
-OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward")
+OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward",
+       "cell-search")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -71,6 +74,14 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             edge_layout._on_layout_kernels = on_kernels
+    elif name == "cell-search":
+        from cgforge.plugin.runtime import neighbours
+
+        on_kernels = neighbours._on_search_kernels
+        neighbours._on_search_kernels = lambda positions: False
+
+        def undo() -> None:
+            neighbours._on_search_kernels = on_kernels
     elif name == "lean-forward":
         from cgforge.patches.mace import lean_forward
 

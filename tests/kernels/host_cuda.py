@@ -1,8 +1,8 @@
 """Generated warp-level CUDA run on the CPU as C++ (g++): each warp's 32 lanes are host threads that meet at a
-barrier wherever CUDA's lanes synchronise (``__syncwarp``, ``__shfl_xor_sync``), so the kernels' shared-memory
-staging and warp reductions run as written. The warps of one block run one after another (a grid of one block:
-the kernels' grid-stride loops then cover every row); ``atomicAdd`` takes a lock. For tests of what a kernel
-computes, not of its speed; only the CUDA constructs the generated kernels use are defined."""
+barrier wherever CUDA's lanes synchronise (``__syncwarp``, ``__shfl_xor_sync``, ``__ballot_sync``), so the kernels'
+shared-memory staging and warp reductions run as written. The warps of one block run one after another (a grid of
+one block: the kernels' grid-stride loops then cover every row); ``atomicAdd`` takes a lock. For tests of what a
+kernel computes, not of its speed; only the CUDA constructs the generated kernels use are defined."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
     warp_barrier->arrive_and_wait();
     return other;
 }
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    const int lane = threadIdx.x & 31;
+    shuffle_slots[lane] = predicate ? 1.0 : 0.0;
+    warp_barrier->arrive_and_wait();
+    unsigned bits = 0;
+    for (int l = 0; l < 32; ++l) bits |= (shuffle_slots[l] != 0.0 ? 1u : 0u) << l;
+    warp_barrier->arrive_and_wait();
+    return bits;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 template <typename T> inline T atomicAdd(T* p, T v) {
     std::lock_guard<std::mutex> hold(atomic_lock);
     const T old = *p;

@@ -1,4 +1,5 @@
-"""Neighbour lists in pure torch: one cell-list (binning) search that runs unchanged on CPU and CUDA.
+"""Neighbour lists: one cell-list (binning) search in torch, whose candidate loop is two CUDA kernels on a GPU
+(``cgforge.kernels.cell_search``, the same list) and torch operations on the CPU.
 
 Conventions are those of matscipy's ``neighbour_list("ijS", atoms, cutoff)``:
 an edge is (sender i, receiver j, integer image vector S) with
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from cgforge.kernels.cell_search import cell_pairs_cuda
 
 __all__ = ["neighbour_list", "edges_within", "VerletNeighbourList"]
 
@@ -109,11 +113,47 @@ def _empty_edges(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.int64, device=device)
 
 
+class _Bins(NamedTuple):
+    """Atoms binned for the search (``_bin_atoms``): what the candidate loop, torch or CUDA, reads."""
+
+    wrapped: Tensor  # [N, 3] the positions wrapped into the cell (periodic directions), positions' dtype
+    wrap: Tensor  # int64 [N, 3]: the images that wrapped them
+    coord: Tensor  # int64 [N, 3]: each atom's bin coordinates
+    bin_of_atom: Tensor  # int64 [N]
+    atoms_by_bin: Tensor  # int64 [N]: the atoms in bin order (stable)
+    atoms_in_bin: Tensor  # int64 [B]
+    first_in_bin: Tensor  # int64 [B]
+    bins: tuple[int, int, int]
+    reach: tuple[int, int, int]  # bins each side a neighbour can be in
+    search_cutoff: float  # the cutoff with room for rounding (the exact cut comes after the loop)
+
+
 def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float,
-            candidates_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+            candidates_per_chunk: int, kernel: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """The search of ``neighbour_list``; on CUDA its candidate loop is ``cell_pairs_cuda`` unless not ``kernel``
+    (then the torch loop, the CPU's)."""
+    if positions.shape[0] == 0:
+        return _empty_edges(positions.device)
+    binned = _bin_atoms(positions, cell, pbc, cutoff)
+    if kernel and _on_search_kernels(positions):
+        sender, receiver, shift = cell_pairs_cuda(binned.wrapped, binned.atoms_by_bin, binned.coord,
+                                                  binned.first_in_bin, binned.atoms_in_bin, cell.contiguous(),
+                                                  binned.wrap, binned.bins, binned.reach, pbc, binned.search_cutoff)
+    else:
+        sender, receiver, shift = _candidate_pairs(binned, cell, pbc, candidates_per_chunk)
+    # The exact cut, as edges_within() computes it from the positions as given, so that both always agree.
+    inside = torch.nonzero(edges_within(positions, cell, sender, receiver, shift, cutoff)[2]).squeeze(1)
+    return tuple(t.index_select(0, inside) for t in (sender, receiver, shift))
+
+
+def _on_search_kernels(positions: Tensor) -> bool:
+    """Whether the candidate loop runs as ``cell_pairs_cuda`` (``benchmarks/investigations/without.py`` says no)."""
+    return positions.is_cuda
+
+
+def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float) -> _Bins:
+    """Bins at least ``cutoff`` wide over the cell (periodic directions) or the atoms' extent (others)."""
     n_atoms, device, dtype = positions.shape[0], positions.device, positions.dtype
-    if n_atoms == 0:
-        return _empty_edges(device)
     if not bool(torch.isfinite(positions).all()):
         raise ValueError("positions contain NaN or inf")
     cell_host = cell.to("cpu", torch.float64).numpy()
@@ -155,11 +195,29 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
     atoms_in_bin = torch.bincount(bin_of_atom, minlength=math.prod(bins))
     first_in_bin = torch.cumsum(atoms_in_bin, 0) - atoms_in_bin
 
+    wrapped = positions.detach() + wrap.to(dtype) @ cell
+    scale = float(torch.maximum(positions.abs().max(), wrapped.abs().max()))
+    search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * scale
+    return _Bins(wrapped, wrap.long(), coord, bin_of_atom, atoms_by_bin, atoms_in_bin, first_in_bin,
+                 (bins[0], bins[1], bins[2]), (reach[0], reach[1], reach[2]), search_cutoff)
+
+
+def _candidate_pairs(binned: _Bins, cell: Tensor, pbc: tuple[bool, bool, bool], candidates_per_chunk: int
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate loop in torch (CPU, or CUDA on request): the pairs closer than the search cutoff on the
+    wrapped coordinates, sorted by (receiver, sender); ``cell_pairs_cuda``'s module doc defines them."""
+    wrapped, wrap_int, bins, reach, search_cutoff = (binned.wrapped, binned.wrap, binned.bins, binned.reach,
+                                                     binned.search_cutoff)
+    atoms_by_bin, atoms_in_bin, first_in_bin = binned.atoms_by_bin, binned.atoms_in_bin, binned.first_in_bin
+    n_atoms, device, dtype = wrapped.shape[0], wrapped.device, wrapped.dtype
+    bins_t = torch.tensor(bins, device=device)
+    periodic = torch.tensor(pbc, device=device)
+    n_offsets = math.prod(2 * r + 1 for r in reach)
     # Tables over occupied bins x bin offsets: which bin (and periodic image of it) each offset lands in.
     occupied = torch.nonzero(atoms_in_bin).squeeze(1)
     row_of_bin = torch.full_like(atoms_in_bin, -1)
     row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
-    row_of_atom = row_of_bin[bin_of_atom]
+    row_of_atom = row_of_bin[binned.bin_of_atom]
     occupied_coord = torch.stack(
         [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
     )
@@ -186,14 +244,8 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
     bounds = sorted({0, n_atoms, *cuts.tolist()})
     ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
 
-    wrapped = positions.detach() + wrap.to(dtype) @ cell
     # Coordinates as three 1-D rows (structure of arrays): 1-D index_select is the fastest gather on CPU.
     sender_rows = wrapped.index_select(0, atoms_by_bin).T.contiguous()  # senders are read bin by bin
-    wrap_int = wrap.long()
-    # The search runs on wrapped coordinates with a slightly larger cutoff; the survivors are then cut
-    # exactly as edges_within() computes them from the positions as given, so that both always agree.
-    scale = float(torch.maximum(positions.abs().max(), wrapped.abs().max()))
-    search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * scale
     offset_ids = torch.arange(n_offsets, device=device)
     senders, receivers, shifts = [], [], []
     start_total = 0
@@ -232,8 +284,6 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
     if not receivers:
         return _empty_edges(device)
     sender, receiver, shift = torch.cat(senders), torch.cat(receivers), torch.cat(shifts)
-    inside = torch.nonzero(edges_within(positions, cell, sender, receiver, shift, cutoff)[2]).squeeze(1)
-    sender, receiver, shift = (t.index_select(0, inside) for t in (sender, receiver, shift))
     # Receivers are already ascending (chunks and slots go receiver by receiver); order senders within them.
     order = torch.argsort(receiver * n_atoms + sender, stable=True)
     return tuple(t.index_select(0, order) for t in (sender, receiver, shift))
