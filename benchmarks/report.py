@@ -69,6 +69,7 @@ TREES = {
     "issue38-table-h200-20261129/md-20261129-043105.json": ("1e9ba35", "README, call 4"),
     "issue38-table-h200-20261129/engine-profile-20261129-043243.json": ("1e9ba35", "README, call 5"),
     "issue38-table-h200-20261129/layer-20261129-043836.json": ("1e9ba35", "README, call 6"),
+    "cell-search-h200-20261129/md-20261129-084841.json": ("9457cff", "README, call 9"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
