@@ -309,8 +309,10 @@ def neighbour_list(
     ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
     respect to positions and cell. Indices never carry gradients.
 
-    Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide; candidates are
-    processed in chunks of `candidates_per_chunk`). The build syncs with the device a few times.
+    Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide). On CUDA the candidates
+    are examined by two kernels of ``cgforge.kernels.cell_search`` (they need cgforge's GPU extra: CuPy and
+    NVRTC), elsewhere in chunks of `candidates_per_chunk`; the same list either way. The build syncs with the
+    device a few times.
     """
     _check_positions_and_cell(positions, cell)
     pbc = _as_pbc(pbc)
