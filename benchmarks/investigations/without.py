@@ -13,6 +13,8 @@ the engine's ``commit_step`` is the torch expression, ``integrators._on_step_ker
 ``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
 ``cell-search``: the neighbour search's candidate loop runs as torch operations on the GPU (``kernels.cell_search``
 unused: ``runtime.neighbours._on_search_kernels`` says no), as before 2026-11-29.
+``pair-reverse``: a rebuild's edge topology finds the reverse pairs by a sort of int64 keys (``kernels.pair_reverse``
+unused: ``runtime.edge_layout._on_reverse_kernel`` says no), as before (branch next/pair-reverse).
 ``lean-forward``: the MACE adapter calls MACE's own forward (``patches.mace.lean_forward.why_not_lean`` declines
 every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
@@ -32,7 +34,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
 OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward",
-       "cell-search")
+       "cell-search", "pair-reverse")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -82,6 +84,14 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             neighbours._on_search_kernels = on_kernels
+    elif name == "pair-reverse":
+        from cgforge.plugin.runtime import edge_layout
+
+        on_kernel = edge_layout._on_reverse_kernel
+        edge_layout._on_reverse_kernel = lambda sender: False
+
+        def undo() -> None:
+            edge_layout._on_reverse_kernel = on_kernel
     elif name == "lean-forward":
         from cgforge.patches.mace import lean_forward
 

@@ -39,6 +39,7 @@ from torch import Tensor
 from cgforge.kernels import ConvGraph
 from cgforge.kernels.convolution import GraphTensors
 from cgforge.kernels.edge_layout import padded_layout_cuda
+from cgforge.kernels.pair_reverse import pair_reverse_cuda
 
 from .neighbours import edges_within
 
@@ -91,14 +92,20 @@ class EdgeTopology:
 def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: int,
                   capacity: int | None = None) -> EdgeTopology | None:
     """The topology of a (receiver, sender)-sorted list of ``V`` edges with integer image shifts [V, 3], padded
-    to ``capacity`` entries; None when an edge has no reverse in the list. One sort and host reads: for a
-    neighbour-list rebuild, not for a step."""
+    to ``capacity`` entries; None when an edge has no reverse in the list. On CUDA one kernel and a host read
+    (``pair_reverse_cuda``), elsewhere a sort and host reads: for a neighbour-list rebuild, not for a step."""
     n, count = int(num_nodes), int(sender.shape[0])
     capacity = count if capacity is None else int(capacity)
     device = sender.device
     reverse = torch.arange(capacity, device=device)
     rowptr = torch.searchsorted(receiver, torch.arange(n + 1, device=device))
-    if count:
+    if count and _on_reverse_kernel(sender):
+        found, missing = pair_reverse_cuda(sender.contiguous(), receiver.contiguous(),
+                                           shifts.to(torch.int64).contiguous(), rowptr)
+        if bool(missing[0]):
+            return None
+        reverse[:count] = found
+    elif count:
         reach = int(shifts.abs().max())
         side = 2 * reach + 1
         if n * n * side**3 >= 2**62:  # the keys below would overflow
@@ -199,6 +206,12 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
         graph = GraphTensors(out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, real_slot)
+
+
+def _on_reverse_kernel(sender: Tensor) -> bool:
+    """Whether ``edge_topology`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA; ``without.py``
+    says no)."""
+    return sender.is_cuda
 
 
 def _on_layout_kernels(positions: Tensor, topology: EdgeTopology | None) -> bool:
