@@ -70,6 +70,11 @@ TREES = {
     "issue38-table-h200-20261129/engine-profile-20261129-043243.json": ("1e9ba35", "README, call 5"),
     "issue38-table-h200-20261129/layer-20261129-043836.json": ("1e9ba35", "README, call 6"),
     "cell-search-h200-20261129/md-20261129-084841.json": ("9457cff", "README, call 9"),
+    "issue38-h200-20261129b/md-20261129-122020.json": ("c59c1dd", "README, call 5"),
+    "issue38-h200-20261129b/md-20261129-122455.json": ("c59c1dd", "README, call 6"),
+    "issue38-h200-20261129b/md-20261129-122559.json": ("c59c1dd", "README, call 6"),
+    "issue38-h200-20261129b/engine-profile-20261129-122627.json": ("c59c1dd", "README, call 6"),
+    "issue38-h200-20261129b/engine-profile-20261129-122659.json": ("c59c1dd", "README, call 6"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
