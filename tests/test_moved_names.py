@@ -28,6 +28,7 @@ def test_old_name_of_a_package_is_the_new_one_with_a_warning(package: str, name:
     assert value is getattr(importlib.import_module(new), name)
 
 
+@pytest.mark.slow
 def test_public_names_import_without_a_warning() -> None:
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
             "from cgforge.plugin import Calculator, run_md, water_box, Engine, MDBlowUp, neighbour_list\n"

@@ -86,6 +86,7 @@ def mace_model() -> tuple[torch.nn.Module, dict]:
     return model, evaluate(model, water_dimer())
 
 
+@pytest.mark.slow
 def test_a_patched_mace_model_saved_and_loaded_back(mace_model, tmp_path: Path) -> None:
     model, ref = mace_model
     out = families.MACE.save(model, tmp_path / "patched.model")
@@ -131,6 +132,7 @@ def test_a_patched_nequip_package_names_only_listed_paths(tmp_path: Path) -> Non
 # (c) files written before the contract existed
 
 
+@pytest.mark.slow
 def test_old_patched_mace_file_names_only_listed_paths_and_loads() -> None:
     assert cgforge_globals(OLD_MACE) <= set(PICKLED_CLASSES["mace"])
     with warnings.catch_warnings():

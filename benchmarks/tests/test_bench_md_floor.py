@@ -130,6 +130,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *fl
     return payloads[0], capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_main_prints_and_stores_the_floor(fake: FakeFloor, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture) -> None:
     payload, out = run_main(monkeypatch, capsys)
@@ -143,6 +144,7 @@ def test_main_prints_and_stores_the_floor(fake: FakeFloor, monkeypatch: pytest.M
     assert len(table) == 8 and sum("2.0000   50.0%" in line for line in table) == 2
 
 
+@pytest.mark.slow
 def test_no_floor_flag_skips_it(fake: FakeFloor, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture) -> None:
     payload, out = run_main(monkeypatch, capsys, "--no-floor")
@@ -159,6 +161,7 @@ def test_real_floor_of_a_small_box(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 0 < r["floor_ms"] < 1 and r["floor_fraction"] == pytest.approx(r["floor_ms"])
 
 
+@pytest.mark.slow
 def test_the_json_is_rewritten_after_every_row(fake: FakeFloor, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture) -> None:
     """A run cut short (a device call's timeout) keeps the rows it measured: one file, written after each row."""

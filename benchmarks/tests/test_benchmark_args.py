@@ -15,7 +15,11 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script, args, named", [
+# Most of these scripts import torch and cgforge before they parse their flags (4-8 s a run on 2 cores): slow; the
+# quick ones (under 1.5 s: no torch import) stay in the fast tier.
+QUICK = {"investigations/without.py", "bench_compile.py", "investigations/candidate.py"}
+
+BAD_FLAGS = [
     ("investigations/streaming_memory.py", ["--calls", "energy,force"], "--calls"),
     ("investigations/streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
     ("bench_md.py", ["--backward-range-gb", "-2", "--device", "cpu"], "--backward-range-gb"),
@@ -48,7 +52,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
     ("investigations/rebuild_cost.py", ["--models", "mace-huge"], "mace-huge"),
     ("investigations/rebuild_cost.py", ["--hide", "2,x"], "--hide"),
     ("investigations/rebuild_cost.py", ["--hide", "0"], "--hide"),
-])
+]
+
+
+@pytest.mark.parametrize("script, args, named",
+                         [c if c[0] in QUICK else pytest.param(*c, marks=pytest.mark.slow) for c in BAD_FLAGS])
 def test_a_bad_flag_is_named_and_exits_non_zero(script: str, args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
                          timeout=300)
@@ -247,6 +255,7 @@ def test_without_edge_layout_turns_the_layout_kernels_off_and_back() -> None:
     assert edge_layout._on_layout_kernels is on_kernels
 
 
+@pytest.mark.slow
 def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     """ptx_mix.py on the bundled MACE's layer (NVRTC on the CPU): the reduce-scatter's backward has fewer shuffles
     than one butterfly per partial, the forward none."""

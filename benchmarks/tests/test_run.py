@@ -79,6 +79,7 @@ def test_commit_reads_head_dirty_and_tree_or_the_override(driver, tmp_path: Path
     assert driver.commit_info(None)["sha"] is None
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_folder_manifest_log_and_json(tmp_path: Path) -> None:
     """The whole driver on a stand-in suite (a script that writes JSON to $OUT), as a GPU session would call it."""
     script = tmp_path / "probe.py"

@@ -125,6 +125,7 @@ def test_main_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys) ->
     assert saved["total_floor_ms"] == pytest.approx(result["total_floor_ms"]) and saved["bandwidth_gbs"] == 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, named", [(["--model", "mace-huge"], "mace-huge"), (["--atoms", "0"], "--atoms")])
 def test_a_bad_flag_exits_non_zero_naming_it(args: list[str], named: str) -> None:
     run = subprocess.run([sys.executable, str(BENCHMARKS / "step_floor.py"), *args], capture_output=True, text=True,

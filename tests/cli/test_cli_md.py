@@ -300,6 +300,7 @@ def test_a_blow_up_exits_3_with_the_step_and_a_readable_trajectory(tmp_path, cap
     assert [f.info["md_step"] for f in read(out, ":")] == list(range(step))
 
 
+@pytest.mark.slow
 def test_version_and_python_m_cgforge(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])

@@ -102,6 +102,7 @@ def test_patch_of_a_patched_file_is_idempotent(model_file, tmp_path: Path) -> No
     assert_same_outputs(evaluate(model, water_dimer()), model_file[1], tol=1e-10)
 
 
+@pytest.mark.slow
 def test_unpatched_file_loads_without_cgforge(model_file, tmp_path: Path) -> None:
     src, ref = model_file
     patched, plain = tmp_path / "p.model", tmp_path / "plain-again.model"
@@ -158,6 +159,7 @@ def test_load_returns_a_patched_model_on_the_requested_device(model_file, device
         patches.load(model_file[0], device="tpu")
 
 
+@pytest.mark.slow
 def test_doctor_reports_and_compiles():
     import subprocess
     import sys

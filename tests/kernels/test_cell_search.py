@@ -98,7 +98,8 @@ def _host_pairs(library, suffix: str, binned, cell: torch.Tensor, pbc) -> tuple[
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [  # the 200-atom box: 3-7 s a dtype on 2 cores
+    pytest.param(c, marks=pytest.mark.slow) if c == "periodic" else c for c in CASES])
 def test_cuda_source_run_as_cpp_equals_the_torch_loop(libraries, case, dtype) -> None:
     atoms, cutoff = CASES[case]
     library, suffix = libraries[dtype]

@@ -107,6 +107,7 @@ def test_water_box_graph_fp64_fp32_and_double_backward():
         assert rel(a, b) < 1e-11
 
 
+@pytest.mark.slow
 def test_gradgradcheck_small():
     from tp_cases import channelwise
 

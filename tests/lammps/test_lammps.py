@@ -9,6 +9,7 @@ the periodic structure to 1e-10 (FP64), in both modes, on one domain and split i
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 import warnings
 
@@ -99,9 +100,10 @@ def assert_matches(got: dict, ref: dict, tol: float = TOL) -> None:
         assert err < tol, f"{key}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["mace", "nequip"])
-@pytest.mark.parametrize("mode", ["ghost", "exchange"])
-@pytest.mark.parametrize("n_domains", [1, 2])
+@pytest.mark.parametrize("n_domains, mode, kind", [  # the fast tier: both modes, kinds and domain counts, 4 of 8
+    pytest.param(*case, marks=pytest.mark.slow)
+    if case in {(1, "ghost", "nequip"), (2, "ghost", "nequip"), (2, "exchange", "nequip"), (1, "ghost", "mace")}
+    else case for case in itertools.product([1, 2], ["ghost", "exchange"], ["mace", "nequip"])])
 def test_matches_calculator(kind, mode, n_domains, request):
     path = request.getfixturevalue(f"{kind}_file")
     obj = CgforgeMLIAP(path, patch=False)
@@ -137,7 +139,7 @@ def test_patched_kernels_exchange_two_domains(kind, request):
     assert_matches(got, reference(path, atoms, patch=True))
 
 
-@pytest.mark.parametrize("mode", ["ghost", "exchange"])
+@pytest.mark.parametrize("mode", ["ghost", pytest.param("exchange", marks=pytest.mark.slow)])
 def test_kokkos_couple_on_the_host(mace_file, mode):
     """The Kokkos couple of a host build: numpy arrays, eatoms written in place into the array it returns,
     forces through update_pair_forces."""
@@ -147,7 +149,7 @@ def test_kokkos_couple_on_the_host(mace_file, mode):
     assert_matches(got, reference(mace_file, atoms, patch=False))
 
 
-@pytest.mark.parametrize("lammps", ["2024", "2025"])
+@pytest.mark.parametrize("lammps", ["2024", pytest.param("2025", marks=pytest.mark.slow)])
 def test_host_couple_of_both_versions(mace_file, lammps):
     """LAMMPS 22 Jul 2025's host couple has update_pair_forces_gpu and forward_exchange too (they raise): it is
     still the host couple (write-only eatoms, update_pair_forces), in ghost mode and never in exchange mode."""
@@ -260,6 +262,7 @@ def test_pickle_holds_bytes_and_options_only(mace_file):
     assert again.ndescriptors == 1 and again.nparams == 1
 
 
+@pytest.mark.slow
 def test_cli_writes_a_loadable_file(mace_file, tmp_path, capsys):
     out = tmp_path / "tiny.mliap.pkl"
     assert cli_main(["lammps-model", mace_file, str(out), "--patch", "off"]) == 0
@@ -332,8 +335,9 @@ def per_domain(obj: CgforgeMLIAP, data: StandInData) -> dict:
             "virial": data.virial.copy()}
 
 
-@pytest.mark.parametrize("kind", ["mace", "nequip"])
-@pytest.mark.parametrize("n_domains", [1, 2])
+@pytest.mark.parametrize("n_domains, kind", [  # the fast tier: one domain, MACE
+    case if case == (1, "mace") else pytest.param(*case, marks=pytest.mark.slow)
+    for case in itertools.product([1, 2], ["mace", "nequip"])])
 def test_padded_step_matches(kind, n_domains, request):
     """Padded buffers, a pinned graph without a sort, species in fixed rooms: equal to the eager path and the
     Calculator (cgforge's kernels on all three), on one domain and two."""
@@ -348,6 +352,7 @@ def test_padded_step_matches(kind, n_domains, request):
     assert_matches(eager, ref)
 
 
+@pytest.mark.slow
 def test_padded_step_grows_and_shrinks(mace_file):
     """One object over calls whose pair, atom and species counts grow and shrink: buffers grow (a new capture
     on CUDA), stale entries past the counts change nothing, every call equals the eager path's."""
@@ -387,6 +392,7 @@ def relabel_ghosts(data: StandInData, seed: int) -> None:
     data.gid, data.owner = gid, owner
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file, device):
     """Grouped but not ascending: the device flag sends the call (and later ones) to the eager path, once warned
@@ -412,6 +418,7 @@ def test_padded_step_falls_back_when_centres_do_not_ascend(mace_file, device):
     assert_matches(combine([data], len(atoms)), ref)
 
 
+@pytest.mark.slow
 def test_cuda_graph_option(mace_file):
     with pytest.raises(TypeError, match="cuda_graph"):
         CgforgeMLIAP(mace_file, cuda_graph="on")
@@ -472,6 +479,7 @@ def test_cuda_captured_step(kind, flavour, request):
     assert_matches(got, reference(path, atoms, patch=True), tol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mace", "nequip"])
 def test_radial_tables_match_the_calculator_with_tables(kind, request):
     """radial_table=True (CPU, cgforge's kernels): the Calculator with its radial tables, to 1e-10, in exchange mode
@@ -493,6 +501,7 @@ def test_radial_tables_match_the_calculator_with_tables(kind, request):
         assert 1e-12 < forces_off < 1e-5, forces_off
 
 
+@pytest.mark.slow
 def test_radial_table_option(mace_file, tmp_path, capsys):
     with pytest.raises(TypeError, match="radial_table"):
         CgforgeMLIAP(mace_file, radial_table="on")
@@ -536,6 +545,7 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
 # --- exchange mode on one rank: the ghosts' owners, no exchange inside the model -------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mace", "nequip"])
 def test_one_rank_exchange_runs_on_the_owners(kind, request):
     """Exchange mode on one domain (one rank): one exchange finds every ghost's owner, the padded step runs the
@@ -570,6 +580,7 @@ def _one_domain(obj: CgforgeMLIAP, atoms: Atoms, **kw) -> StandInData:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [True, False])
 def test_one_rank_owners_are_kept_while_the_ghosts_stand(mace_file, padded):
     """The owners found by one exchange serve the next calls while every ghost is still its owner's image (moved
@@ -602,6 +613,7 @@ def test_one_rank_owners_are_kept_while_the_ghosts_stand(mace_file, padded):
         assert obj._step.n_captures == 0 and obj.padded_off is None
 
 
+@pytest.mark.slow
 def test_a_changing_box_stops_keeping_the_owners(mace_file):
     """A box that changes at every step (NPT) moves every shift: the kept owners fail the check once, the refresh
     finds the same owners, and from then on every call exchanges (no call runs twice). The Calculator's numbers."""
@@ -716,6 +728,7 @@ def test_cuda_one_rank_exchange_is_captured(kind, request):
         insist.compute_forces(c)
 
 
+@pytest.mark.slow
 def test_two_domains_exchange_only_the_other_ranks_ghosts():
     """Two domains of one process (the launcher's one rank, as the stand-in's threads are): ghosts that are periodic
     images of the domain's own atoms are rewired to them, so the model's nodes are the local atoms and the other

@@ -218,7 +218,8 @@ def _fused_and_plain(name: str, backend: str) -> tuple[Engine, Engine]:
     return plain, fused
 
 
-@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "npt-aniso" else n
+                                  for n in sorted(FUSED_CASES)])
 def test_fused_integrator_traces_to_the_same_trajectory(name):
     """Every scheme's arithmetic goes through torch.compile as one graph (fullgraph: a graph break or a failed
     trace would fall back to eager with a warning, which is an error here) and gives the unfused trajectory."""

@@ -173,6 +173,7 @@ def test_cuda_1000_steps_of_the_5184_atom_box(tmp_path):
     assert peak < 40e9, f"peak GPU memory {peak / 1e9:.1f} GB"
 
 
+@pytest.mark.slow
 def test_cli_md_refuses_a_missing_element_and_another_model_before_any_step(model, model_file, tmp_path, capsys):
     """issue 41: an element the model lacks is found right after the load (before relaxation and step 0); a
     restart on another model than the trajectory's is refused before its first step, never with a drift from the

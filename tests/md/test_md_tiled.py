@@ -4,6 +4,7 @@ the trajectory equals the whole graph's; ``cgforge md --workspace tiled`` says s
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from ase.io import read
 
 from cgforge.cli import main
@@ -24,6 +25,7 @@ def _run(workspace: str, tmp_path, fp64_one_thread) -> np.ndarray:
     return np.stack([frame.positions for frame in read(out, ":")])
 
 
+@pytest.mark.slow
 def test_nve_in_tiles_follows_the_whole_graphs_trajectory(tmp_path, fp64_one_thread):
     whole = _run("whole", tmp_path, fp64_one_thread)
     tiled = _run("tiled", tmp_path, fp64_one_thread)

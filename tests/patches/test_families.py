@@ -84,6 +84,7 @@ def test_output_names_are_checked_per_family() -> None:
 # Loading, saving, the adapter
 
 
+@pytest.mark.slow
 def test_load_a_module_and_a_file(tmp_path: Path) -> None:
     torch.set_default_dtype(torch.float64)
     model = build_model()
@@ -134,6 +135,7 @@ def test_importing_patches_loads_no_family_code_and_no_kernels() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_import_nequip_loads_no_kernels_until_a_model_is_patched() -> None:
     pytest.importorskip("nequip")
     done = _run("import sys, nequip\n"
@@ -144,6 +146,7 @@ def test_import_nequip_loads_no_kernels_until_a_model_is_patched() -> None:
                                   "'cgforge.patches.nequip_modifier', 'cgforge.patches.recognise']"
 
 
+@pytest.mark.slow
 def test_loading_a_mace_model_does_not_print_the_cuequivariance_notice() -> None:
     pytest.importorskip("mace")
     done = _run("from cgforge.patches import families\n"

@@ -19,6 +19,7 @@ from cgforge.patches.harmonics import KernelHarmonics
 HARMONICS = KernelTuning(harmonics=True)
 
 
+@pytest.mark.slow
 def test_patched_with_the_kernel_harmonics_gives_e3nns_outputs_fp64() -> None:
     model = build_model(hidden="8x0e+8x1o+8x2e", max_ell=3)
     ref = evaluate(model, water_dimer())

@@ -109,6 +109,7 @@ def test_e3nn04_file_fails_with_plain_torch_load(legacy_file: Path) -> None:
         torch.load(legacy_file, weights_only=False)
 
 
+@pytest.mark.slow
 def test_e3nn04_file_loads_patches_and_matches(legacy_file: Path, model_and_ref) -> None:
     _, ref = model_and_ref
     setstate_before = CodeGenMixin.__setstate__
@@ -149,6 +150,7 @@ def test_e3nn04_rebuild_is_checked_against_the_stored_code(tmp_path: Path, model
         patches.load(path)
 
 
+@pytest.mark.slow
 def test_e3nn04_float32_file(tmp_path: Path) -> None:
     model = build_model(dtype=torch.float32)
     ref = evaluate(model, water_dimer())
@@ -256,6 +258,7 @@ def test_trainer_checkpoint_patched_by_cli_matches(trained_model: Path, tmp_path
     assert_same_outputs(evaluate(patched, atoms), evaluate(plain, atoms), tol=1e-10)
 
 
+@pytest.mark.slow
 def test_patched_file_runs_in_mace_calculator(trained_model: Path, tmp_path: Path) -> None:
     from mace.calculators import MACECalculator
 

@@ -21,7 +21,9 @@ def _patched_copy(model: torch.nn.Module) -> torch.nn.Module:
     return pm.patch(copy.deepcopy(model))
 
 
-@pytest.mark.parametrize("interaction", pm.SUPPORTED_INTERACTIONS)
+@pytest.mark.parametrize("interaction", [  # 3-5 s a block on 2 cores: the fast tier runs the plain one
+    block if block == "RealAgnosticInteractionBlock" else pytest.param(block, marks=pytest.mark.slow)
+    for block in pm.SUPPORTED_INTERACTIONS])
 def test_every_interaction_block_matches_e3nn_fp64(interaction: str) -> None:
     model = build_model(interaction=interaction, hidden="8x0e+8x1o+8x2e", max_ell=2)
     ref = evaluate(model, water_dimer())
@@ -172,6 +174,7 @@ def test_convolution_the_kernels_cannot_build_is_a_clear_error(monkeypatch: pyte
     assert not pm.is_patched(model)
 
 
+@pytest.mark.slow
 def test_deepcopy_and_pickle_of_a_patched_model_run() -> None:
     plain = build_model()
     ref = evaluate(plain, water_dimer())
@@ -242,6 +245,7 @@ def _exact_constants(model: torch.nn.Module) -> int:
     return changed
 
 
+@pytest.mark.slow
 def test_fp64_difference_from_the_bundled_model_is_its_fp32_constants() -> None:
     """The bundled MACE model was built in float32: its e3nn TensorProducts carry Clebsch-Gordan values and its
     symmetric contractions U tensors rounded to float32, and cast to float64 they stay rounded. cgforge's

@@ -192,6 +192,7 @@ def _assert_fp32_close(mlp: Calculator, tabulated: Calculator, atoms) -> None:
     assert np.abs(f1 - f0).max() <= 1e-4 * np.abs(f0).max()
 
 
+@pytest.mark.slow
 def test_calculator_tables_on_the_bundled_model() -> None:
     """The bundled FP32 model (a package: its own class copies) with tables equals it without, to FP32 precision;
     on a CPU tables are on only when asked for."""

@@ -107,6 +107,7 @@ def _calculator(model: str, mode: str, monkeypatch) -> Calculator:
     return Calculator(model, device="cpu", patch=True, warmup=False, radial_precision=mode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mace", "nequip"])
 def test_the_calculator_measures_the_mode_before_keeping_it(model: str, emulate_tf32, monkeypatch) -> None:
     atoms = water_box(27, seed=0)

@@ -127,6 +127,7 @@ def test_row_chunks_are_chosen_from_the_widest_rows(monkeypatch) -> None:
     assert row_chunks.chunk_rows_for(mlp.model, 10 ** 9, torch.float32) is None  # only blocks reading tables
 
 
+@pytest.mark.slow
 def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
     calc = _calculator(warmup=False)
     with pytest.raises(ValueError, match="chunk_rows"):
@@ -141,6 +142,7 @@ def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
     assert all(b.conv_tp.row_chunk is None for b in calc.model.interactions)
 
 
+@pytest.mark.slow
 def test_a_trained_linear_gets_its_gradient_from_whole_rows(monkeypatch) -> None:
     """Row chunks treat the linear's weights as constants: with weights that need a gradient (training) the block
     runs whole rows, and the weights get the gradient they would without chunks."""
@@ -164,6 +166,7 @@ def test_a_trained_linear_gets_its_gradient_from_whole_rows(monkeypatch) -> None
     assert grads[0].abs().max() > 0
 
 
+@pytest.mark.slow
 def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:
     from cgforge.patches import mace as pm
 
@@ -176,6 +179,7 @@ def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:
     assert left == []
 
 
+@pytest.mark.slow
 def test_the_engine_plans_rows_at_its_start(monkeypatch, fp64_one_thread) -> None:
     from cgforge.plugin.md.engine import Engine
     from cgforge.plugin.md.integrators import VelocityVerlet

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 from mace_helpers import build_model, rel_err  # noqa: E402
 
 from cgforge.plugin import Calculator  # noqa: E402
@@ -60,6 +61,7 @@ def test_to_user_order_puts_per_atom_parts_back() -> None:
     np.testing.assert_array_equal(only_energies[1:], energies)
 
 
+@pytest.mark.slow
 def test_calculator_results_do_not_depend_on_the_order_it_runs_in(fp64_one_thread) -> None:
     """The bundled-shape MACE in FP64 on a rattled, shuffled periodic box: with every system sorted (threshold 0)
     energy, forces, stress and per-atom energies equal the unsorted run's, in the user's order."""

@@ -108,6 +108,7 @@ def test_mace_matches_mace_calculator(mace_model, mace_calc, name):
     assert_close(got, ref, MACE_TOL)
 
 
+@pytest.mark.slow
 def test_mace_model_file_and_dtype(mace_model, tmp_path):
     path = tmp_path / "water.model"
     torch.save(copy.deepcopy(mace_model), path)
@@ -212,6 +213,7 @@ def test_stress_with_forces_for_npt_integrators(mace_model, mace_calc):
     assert np.isfinite(cluster.get_forces()).all() and "stress" not in calc.results
 
 
+@pytest.mark.slow
 def test_verlet_reuse_is_exact_and_rebuilds_only_past_half_the_skin(mace_model):
     skin = 0.4
     calc = Calculator(copy.deepcopy(mace_model), device="cpu", patch=True, skin=skin)
@@ -236,6 +238,7 @@ def test_verlet_reuse_is_exact_and_rebuilds_only_past_half_the_skin(mace_model):
     assert 2 <= builds < 20, builds
 
 
+@pytest.mark.slow
 def test_changing_atoms_and_species(mace_model, mace_calc):
     structures = [periodic_box(), molecule(), water_box(27, seed=8)]
     hydrogen_only = periodic_box()
@@ -341,7 +344,7 @@ def nequip_reference(model: torch.nn.Module):
         NeighborListTransform(r_max=3.0)])
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", pytest.param("float32", marks=pytest.mark.slow)])
 def test_nequip_matches_nequip_calculator(nequip_state, dtype):
     model = nequip_model(dtype)
     ref_calc = nequip_reference(model)
@@ -353,6 +356,7 @@ def test_nequip_matches_nequip_calculator(nequip_state, dtype):
         assert_close(properties(atoms, ours, with_stress), properties(atoms, ref_calc, with_stress), tol)
 
 
+@pytest.mark.slow
 def test_nequip_package_file_forces_and_stress(nequip_state, tmp_path):
     from cgforge.patches.nequip import save_patched_nequip
 

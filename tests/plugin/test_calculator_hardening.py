@@ -236,6 +236,7 @@ def flip_bytes_in_largest_member(path: Path) -> str:
     return info.filename
 
 
+@pytest.mark.slow
 def test_damaged_mace_model_file_is_refused(tmp_path):
     intact, damaged = tmp_path / "water.model", tmp_path / "damaged.model"
     shutil.copyfile(model_path("mace"), intact)

@@ -80,6 +80,7 @@ def test_compile_option_values():
         Calculator("no/such/file.model", device="cpu", compile="max-autotune")
 
 
+@pytest.mark.slow
 def test_compile_refuses_what_it_cannot_compile(monkeypatch):
     torch.set_default_dtype(torch.float64)
     with pytest.raises(ValueError, match=r"compile: needs a model patched by cgforge \(patch=True\)"):
@@ -113,6 +114,7 @@ def test_inductor_tf32_hint_is_not_shown(recwarn):
     assert [str(w.message) for w in recwarn] == ["something else"]
 
 
+@pytest.mark.slow
 def test_set_compile_after_construction_gives_the_constructed_results(aot_eager):
     """Calculator.set_compile (what `cgforge md --compile auto` calls) equals compile at construction, checks the
     same things, and turns off again."""

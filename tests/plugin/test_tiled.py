@@ -104,6 +104,7 @@ def test_mace_tiles_equal_whole(mace_model, fp64_one_thread, patch, pbc):
         _assert_same(host, ref, len(atoms))
 
 
+@pytest.mark.slow  # 6-16 s a block on 2 cores
 @pytest.mark.parametrize("interaction", SUPPORTED_INTERACTIONS)
 def test_every_supported_mace_block_in_three_layers(fp64_one_thread, interaction):
     """hops = 3 layers: the halo and the pruning reach three cutoffs; each block kind MACE's patch supports."""
@@ -135,6 +136,7 @@ def test_result_does_not_depend_on_the_grid(mace_model, fp64_one_thread):
         np.testing.assert_allclose(host, results[0], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_tiled_forces_are_minus_the_energy_gradient(mace_model, fp64_one_thread):
     pot = runtime.load(mace_model, "cpu", patch=False, warmup=False)
     atoms = _water((True, True, True))

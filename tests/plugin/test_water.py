@@ -314,6 +314,7 @@ def equilibrated():
     return atoms, {key: np.asarray(values[len(values) // 2:]) for key, values in samples.items()}
 
 
+@pytest.mark.slow
 def test_langevin_gives_sane_water(equilibrated):
     atoms, samples = equilibrated
     oh, angle = samples["oh"].ravel(), samples["angle"].ravel()
@@ -328,6 +329,7 @@ def test_langevin_gives_sane_water(equilibrated):
     assert oxygen_distances.min() > 2.3  # no collapse of molecules into each other
 
 
+@pytest.mark.slow
 def test_nve_conserves_energy(equilibrated):
     atoms = equilibrated[0].copy()
     atoms.calc = QSPCFwCalculator()
