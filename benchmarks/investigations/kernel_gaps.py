@@ -1,6 +1,7 @@
 """Where the engine's captured step idles: the gaps between its kernels, by the pair of kernels around each gap.
 
     python3 benchmarks/investigations/kernel_gaps.py [--model bundled-mace] [--steps 20] [--top 20] [--carveout PCT]
+                                                     [--trace FILE.json]
 
 profile_engine.py reports a captured step as kernel time plus "time between kernels" (0.77 ms of the bundled
 MACE's 2.09 ms on an H200, 2.9 us a kernel; NequIP M 0.8 us a kernel). This profiles ``--steps`` captured engine
@@ -11,7 +12,8 @@ with the most idle time. ``--carveout PCT``: every cgforge kernel asks for PCT %
 memory (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``) as it loads: does a change of the SMs' L1/shared
 split between kernels show as gaps? Then (unprofiled, ``--steps`` x 10 steps) the host's time in each phase of the
 engine's blocks (its methods and the force provider's, and ``CUDAGraph.replay``), wrapped in timers: what the host
-does while the device waits at a block's start. Needs a CUDA GPU.
+does while the device waits at a block's start. ``--trace``: the profile as a Chrome trace too (host ops and
+device activity on one time line: which host call a gap waits for). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--carveout", type=int, default=None, metavar="PCT")
+    parser.add_argument("--trace", default=None, metavar="FILE", help="also write the profile as a Chrome trace")
     args = parser.parse_args()
     if args.carveout is not None:
         prefer_carveout(args.carveout)
@@ -112,9 +115,12 @@ def main() -> None:
         torch.cuda.synchronize()
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.trace else [])
+        with profile(activities=activities, with_stack=bool(args.trace)) as prof:
             engine.run(args.steps)
             torch.cuda.synchronize()
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         phases = host_phases(engine, 10 * args.steps)
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
