@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
 __all__ = ["CELL_SEARCH_SOURCE", "cell_pairs_cuda"]
@@ -140,7 +141,7 @@ def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_
     head = [sorted_pos, atoms_by_bin.contiguous(), coord.contiguous(), first_in_bin.contiguous(),
             atoms_in_bin.contiguous(), cell.contiguous(), wrap.contiguous(), *(np.int64(b) for b in bins),
             *(np.int32(r) for r in reach), *(np.int32(bool(p)) for p in pbc), cutoff2, np.int64(n)]
-    grid = (max(1, -(-n * 32 // _THREADS)),)
+    grid = (thread_blocks(n * 32, _THREADS),)
     counts = torch.empty(n, dtype=torch.int64, device=device)
     kernel.launch(grid, (_THREADS,), [*head, None, counts, None, None])
     ends = torch.cumsum(counts, 0)

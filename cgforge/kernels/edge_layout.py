@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
 __all__ = ["EDGE_LAYOUT_SOURCE", "PaddedLayout", "padded_layout_cuda"]
@@ -147,7 +148,7 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _grid(items: int) -> tuple[int]:
-    return (max(1, -(-items // _THREADS)),)
+    return (thread_blocks(items, _THREADS),)
 
 
 class PaddedLayout(NamedTuple):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
 __all__ = ["COMMIT_REPORT", "MD_STEP_SOURCE", "commit_check_cuda", "commit_plan", "langevin_first_cuda",
@@ -176,7 +177,7 @@ def _state_arrays(name: str, *arrays: Tensor) -> None:
 
 
 def _grid(n3: int) -> tuple[int]:
-    return (max(1, -(-n3 // _THREADS)),)
+    return (thread_blocks(n3, _THREADS),)
 
 
 def langevin_first_cuda(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor,

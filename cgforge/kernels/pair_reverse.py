@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
 __all__ = ["PAIR_REVERSE_SOURCE", "pair_reverse_cuda"]
@@ -67,6 +68,6 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
     missing = torch.zeros(1, dtype=torch.int32, device=device)
     if pairs:
         _KERNELS.get("pair_reverse", device).launch(
-            (max(1, -(-pairs // _THREADS)),), (_THREADS,),
+            (thread_blocks(pairs, _THREADS),), (_THREADS,),
             [sender, receiver, shifts, rowptr, np.int64(pairs), reverse, missing])
     return reverse, missing

@@ -43,6 +43,13 @@ def test_launch_blocks_cover_every_row(rows, warps, cap, expected):
     assert _grid_stride_rows(rows, blocks, warps) == list(range(rows))
 
 
+@pytest.mark.parametrize("items, threads", [(0, 256), (1, 256), (256, 256), (257, 256), (2**40 + 1, 128)])
+def test_thread_blocks_give_a_thread_to_every_item(items, threads):
+    blocks = launch.thread_blocks(items, threads)
+    assert blocks >= 1 and blocks * threads >= items  # every item has a thread
+    assert items == 0 or (blocks - 1) * threads < items  # and no block is left without one
+
+
 @pytest.mark.parametrize("rows", [INT32_LIMIT * 4 - 3, 2**40 + 1, 2**62 + 12345])
 def test_launch_blocks_are_clamped_to_the_grid_limit_exactly(rows):
     blocks = launch.launch_blocks(rows, 4)

@@ -13,7 +13,7 @@ import torch
 
 MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
 
-__all__ = ["MAX_BLOCKS", "l2_bytes", "launch_blocks", "sm_count", "trilinear_double_backward"]
+__all__ = ["MAX_BLOCKS", "l2_bytes", "launch_blocks", "sm_count", "thread_blocks", "trilinear_double_backward"]
 
 
 def sm_count(device: torch.device) -> int:
@@ -40,6 +40,12 @@ def launch_blocks(rows: int, warps_per_block: int, cap: int | None = None, max_b
     if cap is not None:
         blocks = min(blocks, max(1, cap))
     return min(blocks, MAX_BLOCKS if max_blocks is None else max(1, min(max_blocks, MAX_BLOCKS)))
+
+
+def thread_blocks(items: int, threads: int) -> int:
+    """Blocks of ``threads`` threads for a kernel with one thread per item (no grid-stride loop): ceil(items /
+    threads), at least 1 (a launch of no block is an error; the kernel's bound check idles the extra threads)."""
+    return max(1, -(-items // threads))
 
 
 def trilinear_double_backward(fwd: Callable, bwd: Callable, x, y, w, g, ggx, ggy, ggw, unweighted: bool = False):
