@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds (once, cached in .lammps/) the CPU LAMMPS builds the real-LAMMPS tests run (tests/lammps/test_lammps_real.py):
+# Builds (once, cached outside the clone) the CPU LAMMPS builds the real-LAMMPS tests run (tests/lammps/test_lammps_real.py):
 #
 #   .lammps/                   29 Aug 2024 Update 3: ML-IAP + ML-SNAP + PYTHON + MPI (the source's build.sh;
 #                              ghost-neighbour mode only, host couple)
@@ -9,6 +9,9 @@
 #
 # The sources: $CGFORGE_LAMMPS_SRC (a folder holding build.sh and the tarballs), else ../shared/lammps next to the
 # repository. A missing source or a failed build says so and goes on (the tests then skip with the reason).
+# Where: a fresh clone links .lammps to $CGFORGE_LAMMPS_CACHE/KEY (default ~/.cache/cgforge/lammps/KEY), KEY a hash of
+# the sources, the build scripts and the Python and NumPy versions, so later clones (CI) reuse a build made with
+# the same inputs instead of building again; a .lammps that is a real folder (an older checkout) is used in place.
 # Usage: bash scripts/lammps.sh [PYTHON] [--only 2024|2025]
 # Time on 2 cores, once: ~5 min (2024) + ~10 min (2025 with Kokkos at -O1; its unused Kokkos styles are left out).
 set -euo pipefail
@@ -25,9 +28,28 @@ done
 # (no NumPy: "Could NOT find Python (missing: ... NumPy)", seen in a fresh-clone CI run)
 py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")
 src=${CGFORGE_LAMMPS_SRC:-$root/../shared/lammps}
-dest=$root/.lammps
-dest25=$dest/kokkos-22Jul2025
 jobs=$(nproc)
+
+cache_key() {  # what a build depends on: sources (name and size), build scripts, Python and NumPy versions
+  {
+    stat -c '%n %s' "$src"/build.sh "$src"/*.tar.gz 2>/dev/null || true
+    cat "$src/build.sh" "$root/scripts/lammps.sh" "$root/scripts/lammps_gpu.sh" 2>/dev/null || true
+    "$py" -c 'import sys, numpy; print(sys.version.split()[0], numpy.__version__)'
+  } | sha1sum | cut -c1-16
+}
+
+dest=$root/.lammps
+if [ ! -d "$dest" ] || [ -L "$dest" ]; then
+  cache=${CGFORGE_LAMMPS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cgforge/lammps}/$(cache_key)
+  mkdir -p "$cache"
+  ln -sfn "$cache" "$dest"
+  echo "lammps: builds cached in $cache (.lammps links there)"
+  # one build at a time per cache folder: a second clone's CI waits for the first instead of building beside it
+  exec 9>"$cache/.lock"
+  flock 9
+fi
+dest=$(cd "$dest" && pwd -P)  # the real folder: the builds record absolute paths
+dest25=$dest/kokkos-22Jul2025
 
 tools() {  # the build tools both builds use (MPICH's mpicxx/mpirun, Cython, CMake, Ninja) in .lammps/tools
   if [ ! -x "$dest/tools/bin/mpicxx" ] || [ ! -x "$dest/tools/bin/ninja" ]; then
