@@ -56,7 +56,7 @@ def prefer_carveout(percent: int) -> None:
     runtime.KernelHandle._function = function
 
 
-HOST_PHASES = {"engine": ("_run_block", "_read_report", "_plan_block", "_replay", "_install", "_rebuild",
+HOST_PHASES = {"engine": ("_queue_block", "_finish", "_read_report", "_plan_block", "_replay", "_install", "_rebuild",
                           "_take_snapshot"),
                "provider": ("snapshot", "search", "install")}
 
@@ -150,7 +150,7 @@ def main() -> None:
     if gaps:
         q = [gaps[int(f * (len(gaps) - 1))] for f in (0.1, 0.5, 0.9, 0.99)]
         print(f"gap quantiles (us): 10% {q[0]:.2f}, 50% {q[1]:.2f}, 90% {q[2]:.2f}, 99% {q[3]:.2f}")
-    print(f"host time per step over {10 * n} steps (the engine's phases nest: _run_block holds the others)")
+    print(f"host time per step over {10 * n} steps (the engine's phases nest: _queue_block and _finish hold the others)")
     for name, ms, count in phases:
         print(f"  {name:28} {ms:8.3f} ms/step  {count:6d} calls")
 
