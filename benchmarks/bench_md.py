@@ -53,8 +53,8 @@ device's idle time per step (no kernel or copy running on any stream; ``common.d
 measure) and the kernels per step (``<ensemble>_device`` in the JSON).
 Beside each FP32 row of a water system and a model ``step_floor.py`` knows (not nequip-l1), the table prints
 that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the H100
-SXM's bandwidth and FP32 peak, counted on the CPU once per model and atom count) and ``floor_fraction`` = floor_ms
-/ the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
+SXM's DRAM bandwidth, L2 bandwidth (step_floor.py's estimate) and FP32 peak, counted on the CPU once per model and
+atom count) and ``floor_fraction`` = floor_ms / the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
 The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
 
@@ -619,7 +619,8 @@ def floor_settings() -> dict | None:
         import step_floor
 
         return {"bandwidth_gbs": step_floor.H100_SXM_GBS, "tflops": step_floor.FP32_PEAK_TFLOPS["H100"],
-                "radial": "table", "dtype": "float32", "system": "water_box(n_molecules=atoms // 3)"}
+                "l2_gbs": step_floor.KNOWN_RATES["h100"].l2_gbs, "radial": "table", "dtype": "float32",
+                "system": "water_box(n_molecules=atoms // 3)"}
     except Exception as err:
         print(f"no step floors: {_one_line(err)}", flush=True)
         return None
@@ -637,7 +638,7 @@ def step_floor_ms(model_name: str, atoms: int, settings: dict) -> float | None:
                 import step_floor
 
                 result = step_floor.step_floor(name, atoms, settings["bandwidth_gbs"] * 1e9, settings["tflops"],
-                                               radial=settings["radial"])
+                                               radial=settings["radial"], l2_bandwidth=settings["l2_gbs"] * 1e9)
                 _FLOORS[key] = float(result["total_floor_ms"])
             except Exception as err:  # the floor is a comment on the measurement: it must not stop the run
                 print(f"no step floor for {model_name} at {atoms} atoms: {_one_line(err)}", flush=True)
@@ -785,7 +786,8 @@ def print_table(rows: list[dict], env: dict, path: Path, floors: dict | None = N
           f"mean over {MD['steps']} steps; the others: one force call through ASE")
     if floors is not None:
         print(f"floor: step_floor.py's lower bound of the energy + forces step (FP32, radial {floors['radial']}, "
-              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s and {floors['tflops']} TFLOP/s (H100 SXM), ms; "
+              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s, L2 {floors['l2_gbs']:.0f} GB/s and {floors['tflops']} "
+              "TFLOP/s (H100 SXM), ms; "
               "reached = floor / NVT s")
     head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
             f"{'peak GB':>8s} {'floor ms':>9s} {'reached':>7s}  breakdown")
