@@ -33,13 +33,11 @@ reference: it holds every pair within cutoff + skin of those positions, so it st
 has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
 
 Overlapped blocks (``overlap_blocks``, on by default on CUDA): the next block is queued before the last one's
-report is read, so the host reads a report (and plans) while the device runs the next block instead of leaving it
-idle. The next block is planned one report late: its slack is what the last report said less the steps still in
-flight. A block whose report is not clean (a discarded step, an overflow, a blow-up) takes the block queued after
-it back (the state is restored to the reported block's end, one device copy) before the host acts on the report
-as it would have without overlap; a block that observes (``every``), searches the next list, or is followed by a
-rebuild is waited for before anything else is queued. The committed steps are the same steps from the same states:
-a step's result does not depend on which valid list it used or on how steps are grouped into blocks.
+report is read (the host reads and plans while the device runs), planned one report late (its slack is the last
+report's less the steps in flight). A report that is not clean (a discarded step, an overflow, a blow-up) takes the
+block queued after it back (the state restored, one device copy) before the host acts on it as without overlap; a
+block that observes, searches the next list or precedes a rebuild is waited for. The committed steps are the same
+steps from the same states: a step does not depend on which valid list it used or on how steps form blocks.
 
 Random numbers are a function of (seed, step) (``noise``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
@@ -83,8 +81,7 @@ _HIDE_STEPS = 2
 
 @dataclass
 class _Queued:
-    """A block queued on the device whose report the host has not read: its length, whether it observes, the list
-    searched at its start (pipelined rebuild), the pinned report it copies into and the event after that copy."""
+    """A queued block: its length, whether it observes, its pipelined search, its host report and the event after it."""
 
     size: int
     observe: bool
@@ -186,6 +183,8 @@ class Engine:
             for k, v in extra.items():
                 self.state.extra[k].copy_(v)
         self.noise = NoiseSource(self.seed, self.state.step)
+        # overlapped: the state (and step) at the start of the last block queued, which taking it back restores
+        self._rollback = torch.empty(self._flat.numel() + 1, **f64) if self.overlap_blocks else None
         reference = integrator.temperature_K if integrator.temperature_K is not None else atoms.get_temperature()
         self.max_temperature_K = (max(2000.0, 5.0 * float(reference)) if max_temperature_K is None
                                   else float(max_temperature_K))
@@ -204,7 +203,6 @@ class Engine:
         pinned = self.device.type == "cuda"
         # two: the report of the block in flight is copied while the host reads the one before
         self._host_reports = [torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
-        self._rollback: Tensor | None = None  # the state at the start of the last block queued (overlap)
         self._ahead = 0  # steps queued whose report is unread (planned as committed)
         self._host_snapshot: Tensor | None = None
         self._snapshot_step: int | None = None
@@ -369,11 +367,9 @@ class Engine:
         return self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
 
     def _want_overlap(self, overlap: bool | None) -> bool:
-        if overlap is None:
-            return self.device.type == "cuda"  # on a CPU nothing overlaps (the same logic runs when asked)
-        if not isinstance(overlap, bool):
+        if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap_blocks: expected None, True or False, got {overlap!r}")
-        return overlap
+        return self.device.type == "cuda" if overlap is None else overlap  # on a CPU nothing overlaps
 
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
@@ -452,9 +448,7 @@ class Engine:
 
     def _queue_block(self, size: int, observe: bool) -> _Queued:
         """Queue a block's steps and the copies of its report (and of the state when it observes)."""
-        if self.overlap_blocks:  # what taking it back restores (the block before it may fail)
-            if self._rollback is None:
-                self._rollback = torch.empty(self._flat.numel() + 1, dtype=torch.float64, device=self.device)
+        if self._rollback is not None:  # the block before this one may fail: then this one is taken back
             self._rollback[:-1].copy_(self._flat)
             self._rollback[-1].copy_(self.state.step)
         self._report_values.copy_(self._report_start)
@@ -471,9 +465,8 @@ class Engine:
             self._snapshot_step = None  # known when the report says the block committed
         report = self._host_reports[self.stats["blocks"] % 2]
         report.copy_(self._report_values, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
             done.record()
         self.stats["blocks"] += 1
         self._ahead += size
@@ -481,8 +474,7 @@ class Engine:
 
     def _finish(self, queued: _Queued, then: _Queued | None, callback: Callable[[Engine], None] | None
                 ) -> _Queued | None:
-        """Act on ``queued``'s report (``then``: the block queued after it, still running); observe; returns None
-        (a waited-for block), or, overlapped, ``then`` unless it was taken back (then None)."""
+        """Act on ``queued``'s report and observe; returns ``then`` (queued after it) unless taken back, or None."""
         committed = self._after_block(queued, then)
         self._stuck = 0 if committed else self._stuck + 1
         if self._stuck > 3:
@@ -543,8 +535,8 @@ class Engine:
     def _plan_block(self, size: int) -> int:
         """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
         the fastest use of slack seen); a rebuild first when not one step is left. Pipelined, the list's last
-        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched. With a
-        block in flight (``_ahead`` steps) its steps count as used; 0: wait for it first (a rebuild is due)."""
+        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched. Steps in
+        flight (``_ahead``) count as used; 0: wait for them first (a rebuild is due)."""
         self._search_next = False
         foreign = getattr(self.provider, "foreign_rebuild", False)
         if foreign and self._ahead:
