@@ -147,16 +147,18 @@ def _water(molecules: int, temperature_K: float, seed: int):
     return atoms
 
 
-@pytest.fixture(scope="module")
-def cuda_calc() -> Calculator:
+@pytest.fixture
+def cuda_calc():
+    """A fresh FP32 calculator per run: the step's buffers and their growth history start alike."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    return Calculator("mace", device="cuda", dtype="float32")
+    return lambda: Calculator("mace", device="cuda", dtype="float32")
 
 
-def _pair(calc, atoms, integrator, steps, every=0, shrink_at=None, **kw) -> tuple[Engine, Engine, list]:
+def _pair(make_calc, atoms, integrator, steps, every=0, shrink_at=None, **kw) -> tuple[Engine, Engine, list]:
     runs, seen = [], []
     for overlap in (False, True):
+        calc = make_calc()
         a = atoms.copy()
         a.calc = calc
         engine = Engine(calc, a, integrator(), seed=7, max_temperature_K=float("inf"), overlap_blocks=overlap, **kw)
@@ -190,4 +192,5 @@ def test_cuda_overlapped_blocks_with_callbacks_stale_lists_and_an_overflow(cuda_
                                     shrink_at=5, rebuild_margin=0.0, block=6)
     assert_same_callbacks(*seen)
     assert overlapped.stats["grows"] >= 1 and overlapped.stats["discarded"] >= 1, overlapped.stats
+    assert overlapped.stats["overlapped_blocks"] >= 1, overlapped.stats
     assert_same_run(plain, overlapped)
