@@ -445,9 +445,9 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
         row[f"{ensemble}_ns_per_day"] = _ns_per_day(row[f"{ensemble}_s"])
         row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
         if backend in ENGINE_BACKENDS:
+            row[f"{ensemble}_stats"] = dict(engine.stats)  # before the profiled steps, as before them
             if DEVICE == "cuda":
                 row[f"{ensemble}_device"] = device_use(engine, DEVICE_STEPS)
-            row[f"{ensemble}_stats"] = dict(engine.stats)
             # why the step's graphs were recaptured during this ensemble's run (each costs a capture)
             row[f"{ensemble}_invalidations"] = dict(calc.step.invalidations - invalidated)
             row["cuda_graph"] = engine.cuda_graph
