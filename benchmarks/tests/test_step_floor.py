@@ -124,6 +124,10 @@ def test_rates_from_a_devices_properties_and_the_table() -> None:
         step_floor.rates_from_properties("H100", (9, 0), 132, 1_980_000, None, None).tflops, rel=1e-3)
     with pytest.raises(ValueError, match="hbm_gbs, l2_gbs, tflops"):
         step_floor.rates_from_properties("Some GPU", (7, 5), 40, None, None, None)
+    assert step_floor.rates_named(" H200,h100 ") == (step_floor.KNOWN_RATES["h200"], step_floor.KNOWN_RATES["h100"])
+    assert step_floor.rates_named("") == ()
+    with pytest.raises(ValueError, match="--beside 'b200': unknown; choices: h100, h200, device"):
+        step_floor.rates_named("h100,b200")
 
 
 def test_symmetric_contraction_rows_are_bench_symmetric_contraction_floors() -> None:
