@@ -48,10 +48,13 @@ cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMA
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
 set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
+After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
+device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``, kernel_gaps.py's
+measure) and the kernels per step (``<ensemble>_device`` in the JSON).
 Beside each FP32 row of a water system and a model ``step_floor.py`` knows (not nequip-l1), the table prints
 that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the H100
-SXM's bandwidth and FP32 peak, counted on the CPU once per model and atom count) and ``floor_fraction`` = floor_ms
-/ the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
+SXM's DRAM bandwidth, L2 bandwidth (step_floor.py's estimate) and FP32 peak, counted on the CPU once per model and
+atom count) and ``floor_fraction`` = floor_ms / the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
 The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
 
@@ -71,7 +74,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import add_backward_range_flag, apply_backward_range, environment, peers, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_backward_range_flag,
+    apply_backward_range,
+    device_spans,
+    device_timeline,
+    environment,
+    peers,
+    write_json,
+)
 from shapes import dhfr_atoms, mace_mp_file, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
@@ -111,6 +122,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgfor
                    "cgforge-stored-eager": {"streaming": False, "cuda_graph": False},
                    "cgforge-user-order": {"options": RuntimeOptions(order_above_atoms=None)}}
 SKIN = 1.0
+DEVICE_STEPS = 40  # engine steps profiled after the timed ones, for the device's idle time and kernels per step
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
 TUNING = None  # --kernel-tuning FILE.json: the cgforge backends' KernelTuning (None: the defaults)
@@ -433,7 +445,9 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
         row[f"{ensemble}_ns_per_day"] = _ns_per_day(row[f"{ensemble}_s"])
         row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
         if backend in ENGINE_BACKENDS:
-            row[f"{ensemble}_stats"] = dict(engine.stats)
+            row[f"{ensemble}_stats"] = dict(engine.stats)  # before the profiled steps, as before them
+            if DEVICE == "cuda":
+                row[f"{ensemble}_device"] = device_use(engine, DEVICE_STEPS)
             # why the step's graphs were recaptured during this ensemble's run (each costs a capture)
             row[f"{ensemble}_invalidations"] = dict(calc.step.invalidations - invalidated)
             row["cuda_graph"] = engine.cuda_graph
@@ -447,6 +461,19 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     gc.collect()
     reset_memory()
     return row
+
+
+def device_use(engine, steps: int) -> dict:
+    """The device's idle time and kernels per step over ``steps`` more engine steps, profiled (torch.profiler's
+    CUDA activity; ``common.device_timeline``): idle = no kernel or copy running between the first and the last."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.run(steps)
+        sync()
+    line = device_timeline(device_spans(prof), steps)
+    return {k: line[k] for k in ("wall_ms", "busy_ms", "idle_ms", "kernels", "activities")}
 
 
 def fastmace_md(model_name: str, dtype: str, atoms, files: dict) -> dict:
@@ -592,7 +619,8 @@ def floor_settings() -> dict | None:
         import step_floor
 
         return {"bandwidth_gbs": step_floor.H100_SXM_GBS, "tflops": step_floor.FP32_PEAK_TFLOPS["H100"],
-                "radial": "table", "dtype": "float32", "system": "water_box(n_molecules=atoms // 3)"}
+                "l2_gbs": step_floor.KNOWN_RATES["h100"].l2_gbs, "radial": "table", "dtype": "float32",
+                "system": "water_box(n_molecules=atoms // 3)"}
     except Exception as err:
         print(f"no step floors: {_one_line(err)}", flush=True)
         return None
@@ -610,7 +638,7 @@ def step_floor_ms(model_name: str, atoms: int, settings: dict) -> float | None:
                 import step_floor
 
                 result = step_floor.step_floor(name, atoms, settings["bandwidth_gbs"] * 1e9, settings["tflops"],
-                                               radial=settings["radial"])
+                                               radial=settings["radial"], l2_bandwidth=settings["l2_gbs"] * 1e9)
                 _FLOORS[key] = float(result["total_floor_ms"])
             except Exception as err:  # the floor is a comment on the measurement: it must not stop the run
                 print(f"no step floor for {model_name} at {atoms} atoms: {_one_line(err)}", flush=True)
@@ -758,7 +786,8 @@ def print_table(rows: list[dict], env: dict, path: Path, floors: dict | None = N
           f"mean over {MD['steps']} steps; the others: one force call through ASE")
     if floors is not None:
         print(f"floor: step_floor.py's lower bound of the energy + forces step (FP32, radial {floors['radial']}, "
-              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s and {floors['tflops']} TFLOP/s (H100 SXM), ms; "
+              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s, L2 {floors['l2_gbs']:.0f} GB/s and {floors['tflops']} "
+              "TFLOP/s (H100 SXM), ms; "
               "reached = floor / NVT s")
     head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
             f"{'peak GB':>8s} {'floor ms':>9s} {'reached':>7s}  breakdown")
@@ -806,7 +835,11 @@ def md_details(r: dict) -> str:
             text = f"{ensemble.upper()} {1000 * r[f'{ensemble}_s']:.2f} ms/step {r[f'{ensemble}_ns_per_day']:.2f} ns/day"
             stats = r.get(f"{ensemble}_stats")
             if stats:
-                text += f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures {stats['captures']})"
+                text += (f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures "
+                         f"{stats['captures']}, overlapped blocks {stats.get('overlapped_blocks', '-')})")
+            use = r.get(f"{ensemble}_device")
+            if use:
+                text += f" device idle {use['idle_ms']:.3f} ms/step, {use['kernels']:.0f} kernels/step"
             if f"{ensemble}_setup_s" in r:
                 text += f" setup {r[f'{ensemble}_setup_s']:.0f} s"
             if f"{ensemble}_first_step_s" in r:

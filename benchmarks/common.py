@@ -136,3 +136,34 @@ def apply_backward_range(args) -> None:
         sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
     sys.exit("--backward-range-gb: not available: the receiver-range backward is TPTuning(backward_range_bytes=...), "
              "kernel tuning: give it as bench_md.py's --kernel-tuning FILE.json, {\"tp\": {\"backward_range_bytes\": N}}")
+
+
+def device_spans(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device activity (kernels, copies) of a torch.profiler run, by start."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+
+
+def device_timeline(spans: list[tuple[float, float, str]], steps: int) -> dict:
+    """What the device did over ``steps`` steps of ``spans`` (``device_spans``): ms per step of wall (first start
+    to last end), busy (any activity on any stream) and idle time (no activity), activities and kernels (not
+    Memcpy/Memset) per step, the idle intervals (us) and their total by the (before, after) pair of activities
+    around each."""
+    idle_by: dict[tuple[str, str], float] = {}
+    gaps_by: dict[tuple[str, str], int] = {}
+    busy, gaps = 0.0, []
+    if spans:
+        end, last = spans[0][0], spans[0][2]
+        for start, stop, name in spans:
+            if start > end:
+                idle_by[(last, name)] = idle_by.get((last, name), 0.0) + start - end
+                gaps_by[(last, name)] = gaps_by.get((last, name), 0) + 1
+                gaps.append(start - end)
+            if stop > end:
+                busy += stop - max(start, end)
+                end, last = stop, name
+    wall = spans[-1][1] - spans[0][0] if spans else 0.0
+    kernels = sum(1 for s in spans if not s[2].startswith(("Memcpy", "Memset")))
+    return {"wall_ms": wall / steps / 1e3, "busy_ms": busy / steps / 1e3, "idle_ms": (wall - busy) / steps / 1e3,
+            "activities": len(spans) / steps, "kernels": kernels / steps, "gaps_us": sorted(gaps),
+            "idle_by_pair_us": idle_by, "gaps_by_pair": gaps_by}

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import profile_engine  # noqa: E402
+from common import device_spans, device_timeline  # noqa: E402
 
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.integrators import Langevin  # noqa: E402
@@ -56,7 +57,7 @@ def prefer_carveout(percent: int) -> None:
     runtime.KernelHandle._function = function
 
 
-HOST_PHASES = {"engine": ("_run_block", "_read_report", "_plan_block", "_replay", "_install", "_rebuild",
+HOST_PHASES = {"engine": ("_queue_block", "_finish", "_read_report", "_plan_block", "_replay", "_install", "_rebuild",
                           "_take_snapshot"),
                "provider": ("snapshot", "search", "install")}
 
@@ -122,35 +123,23 @@ def main() -> None:
         if args.trace:
             prof.export_chrome_trace(args.trace)
         phases = host_phases(engine, 10 * args.steps)
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    spans = device_spans(prof)
     if not spans:
         sys.exit("kernel_gaps: the profile holds no device activity")
-    idle: dict[tuple[str, str], float] = defaultdict(float)
-    count: dict[tuple[str, str], int] = defaultdict(int)
-    busy, gaps = 0.0, []
-    end, last = spans[0][0], spans[0][2]
-    for start, stop, name in spans:
-        if start > end:
-            idle[(last, name)] += start - end
-            count[(last, name)] += 1
-            gaps.append(start - end)
-        if stop > end:
-            busy += stop - max(start, end)
-            end, last = stop, name
-    wall = spans[-1][1] - spans[0][0]
     n = args.steps
-    print(f"{args.model}: {n} captured steps, {len(spans) / n:.0f} device activities a step; per step: wall "
-          f"{wall / n / 1e3:.3f} ms, busy {busy / n / 1e3:.3f} ms, idle {(wall - busy) / n / 1e3:.3f} ms")
+    line = device_timeline(spans, n)
+    idle, count, gaps = line["idle_by_pair_us"], line["gaps_by_pair"], line["gaps_us"]
+    print(f"{args.model}: {n} captured steps, {line['activities']:.0f} device activities a step "
+          f"({line['kernels']:.0f} kernels); per step: wall {line['wall_ms']:.3f} ms, busy {line['busy_ms']:.3f} ms, "
+          f"idle {line['idle_ms']:.3f} ms")
     print(f"{'idle us/step':>12} {'gaps/step':>9} {'us/gap':>7}  before -> after")
     for pair, total in sorted(idle.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{total / n:12.1f} {count[pair] / n:9.1f} {total / count[pair]:7.2f}  "
               f"{short(pair[0])}\n{'':32}-> {short(pair[1])}")
-    gaps.sort()
     if gaps:
         q = [gaps[int(f * (len(gaps) - 1))] for f in (0.1, 0.5, 0.9, 0.99)]
         print(f"gap quantiles (us): 10% {q[0]:.2f}, 50% {q[1]:.2f}, 90% {q[2]:.2f}, 99% {q[3]:.2f}")
-    print(f"host time per step over {10 * n} steps (the engine's phases nest: _run_block holds the others)")
+    print(f"host time per step over {10 * n} steps (the engine's phases nest: _queue_block and _finish hold the others)")
     for name, ms, count in phases:
         print(f"  {name:28} {ms:8.3f} ms/step  {count:6d} calls")
 

@@ -10,8 +10,10 @@ each ``--candidate NAME=CHANGE`` runs the default tuning with a change of ``cand
 ``without:CHANGE``, a landed change of ``without.py`` turned off) while its calculator is built and its engines run
 (each engine captures its own CUDA graphs); the first ``--tuning`` is the reference. Per model: one Calculator
 per variant (FP32, skin 1 A), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
-Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``. Prints ms per step of every round, the median per tuning and its
-ratio to the reference; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
+Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
+profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
+the median per tuning, its ratio to the reference and the median idle time and kernels; JSON goes to
+benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -72,14 +74,15 @@ def candidate_on(change: str | None) -> Iterator[None]:
         undo()
 
 
-def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> float:
+def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> tuple[float, dict]:
+    """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
     engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
     engine.run(warmup)
     torch.cuda.synchronize()
     t = time.perf_counter()
     engine.run(steps)
     torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - t) / steps
+    return 1000 * (time.perf_counter() - t) / steps, bench_md.device_use(engine, 40)
 
 
 def main() -> None:
@@ -123,10 +126,13 @@ def main() -> None:
                                              tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
+            device: dict[str, list[dict]] = {name: [] for name, _ in tunings}
             for r in range(args.rounds):
                 for name, _ in tunings:
                     with candidate_on(changes.get(name)):
-                        times[name].append(ms_per_step(calcs[name], atoms, args.warmup, args.steps))
+                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
+                    times[name].append(ms)
+                    device[name].append(use)
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
                       flush=True)
             reference = float(np.median(times[tunings[0][0]]))
@@ -135,16 +141,20 @@ def main() -> None:
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
                                 "candidate": changes.get(name),
                                 "tuning": dataclasses.asdict(tuning), "ms_per_step": times[name], "median_ms": median,
-                                "vs_reference": median / reference})
+                                "vs_reference": median / reference, "device": device[name],
+                                "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),
+                                "median_kernels": float(np.median([u["kernels"] for u in device[name]]))})
             del calcs
             torch.cuda.empty_cache()
             path = write_json("tuning-ab", {"environment": environment(), "args": vars(args), "results": results},
                               path)
     print(f"\n{len(atoms)} atoms, NVT Langevin FP32, {args.steps} steps after {args.warmup}, "
           f"{args.rounds} interleaved rounds; JSON: {path}")
-    print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s}  rounds")
+    print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s} {'idle ms':>8s} {'kernels':>8s}  rounds "
+          "(idle: the device's, per step, over 40 profiled steps after each round's timed ones)")
     for row in results:
-        print(f"{row['model']:16s} {row['tuning_name']:12s} {row['median_ms']:10.3f} {row['vs_reference']:8.3f}x  "
+        print(f"{row['model']:16s} {row['tuning_name']:12s} {row['median_ms']:10.3f} {row['vs_reference']:8.3f}x "
+              f"{row['median_idle_ms']:8.3f} {row['median_kernels']:8.0f}  "
               + " ".join(f"{v:.3f}" for v in row["ms_per_step"]))
 
 

@@ -24,8 +24,8 @@ class FakeFloor:
         self.ms, self.error, self.calls = ms, error, []
 
     def __call__(self, name: str, atoms: int, bandwidth: float, tflops: float, radial: str = "table",
-                 model=None) -> dict:
-        self.calls.append((name, atoms, bandwidth, tflops, radial))
+                 model=None, l2_bandwidth: float = float("inf")) -> dict:
+        self.calls.append((name, atoms, bandwidth, tflops, radial, l2_bandwidth))
         if self.error is not None:
             raise self.error
         return {"total_floor_ms": self.ms}
@@ -60,7 +60,7 @@ def test_a_floor_is_counted_once_per_model_and_atoms(fake: FakeFloor) -> None:
         bench_md.add_floor(r, name, settings)
     assert [c[:2] for c in fake.calls] == [("mace-mp-medium", 5184), ("mace-mp-medium", 1029)]
     # step_floor's H100 SXM defaults, in B/s and TFLOP/s, radial tables
-    assert fake.calls[0][2:] == (3350e9, 66.9, "table")
+    assert fake.calls[0][2:] == (3350e9, 66.9, "table", step_floor.KNOWN_RATES["h100"].l2_gbs * 1e9)
     assert settings["bandwidth_gbs"] == 3350.0 and settings["tflops"] == 66.9
     assert all(r["floor_ms"] == 2.0 for r in rows)
 

@@ -277,3 +277,42 @@ def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     scatter, butterfly = shuffles("{}"), shuffles('{"grad_y_reduce_scatter": false}')
     assert scatter["forward"] == butterfly["forward"] == 0
     assert 0 < scatter["bwd senders"] < butterfly["bwd senders"]
+
+
+def test_without_overlap_blocks_turns_the_engines_default_off_and_back() -> None:
+    """without.py's overlap-blocks: an engine built with the default waits for each report; asked for, it overlaps;
+    the undo restores the default (on CUDA, off on a CPU: asked for here so that the change shows)."""
+    import torch
+
+    from cgforge.plugin.md.engine import Engine
+
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        import without
+    finally:
+        sys.path.pop(0)
+    engine = Engine.__new__(Engine)
+    engine.device = torch.device("cuda")  # the default asks for the device only
+    assert engine._want_overlap(None) is True
+    undo = without.turn_off("overlap-blocks")
+    try:
+        assert engine._want_overlap(None) is False and engine._want_overlap(True) is True
+    finally:
+        undo()
+    assert engine._want_overlap(None) is True
+
+
+def test_device_timeline_counts_idle_time_and_kernels_per_step() -> None:
+    """Two steps: kernels a [0, 10) and b [5, 20) overlap on two streams, a copy [30, 32), kernel c [40, 50):
+    busy 10 + 10 + 2 + 10 = 32 us of 50, idle 18 us (gaps of 10 and 8); 3 kernels and 4 activities."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from common import device_timeline
+    finally:
+        sys.path.pop(0)
+    spans = [(0.0, 10.0, "a"), (5.0, 20.0, "b"), (30.0, 32.0, "Memcpy DtoH"), (40.0, 50.0, "c")]
+    line = device_timeline(spans, steps=2)
+    assert line["wall_ms"] == pytest.approx(0.025) and line["busy_ms"] == pytest.approx(0.016)
+    assert line["idle_ms"] == pytest.approx(0.009) and line["kernels"] == 1.5 and line["activities"] == 2
+    assert line["gaps_us"] == [8.0, 10.0]
+    assert line["idle_by_pair_us"] == {("b", "Memcpy DtoH"): 10.0, ("Memcpy DtoH", "c"): 8.0}

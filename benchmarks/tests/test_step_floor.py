@@ -69,6 +69,67 @@ def test_convolution_rows_are_layer_floor_once_per_layer(name: str) -> None:
     assert len(radial) == len(convs) and all(r["kernels"] == 0 and r["floor_ms"] == 0 for r in radial)
 
 
+def test_the_l2_term_counts_the_table_cubics_of_every_weight_per_edge() -> None:
+    """With tables on, each convolution row reads 4 FP32 coefficients per weight per edge from L2, forward and
+    backward, beyond its DRAM bytes; other rows' L2 bytes are their DRAM bytes. A row's floor is the largest of
+    its three terms, and the L2 term only raises the total."""
+    net = model("bundled-mace")
+    l2 = 5e12
+    plain = step_floor.step_floor("bundled-mace", 192, BANDWIDTH, TFLOPS, model=net)
+    result = step_floor.step_floor("bundled-mace", 192, BANDWIDTH, TFLOPS, model=net, l2_bandwidth=l2)
+    edges = result["edges"]
+    convs = iter(convolutions(net))
+    for r in result["rows"]:
+        dram = r["fwd_bytes"] + r["bwd_bytes"]
+        extra = 2 * edges * next(convs).conv.weight_numel * 4 * 4 if r["stage"] == "convolution" else 0
+        assert r["l2_bytes"] == dram + extra and r["l2_reread"] == extra
+        terms = {"bytes": dram / BANDWIDTH * 1e3, "l2": r["l2_bytes"] / l2 * 1e3,
+                 "flops": (r["fwd_flops"] + r["bwd_flops"]) / (TFLOPS * 1e12) * 1e3}
+        assert r["floor_ms"] == pytest.approx(max(terms.values()), rel=1e-12)
+        assert terms[r["bound"]] == max(terms.values())
+    assert any(r["bound"] == "l2" for r in result["rows"] if r["stage"] == "convolution")
+    assert result["total_floor_ms"] > plain["total_floor_ms"]
+    assert result["total_l2_bytes"] == pytest.approx(sum(r["l2_bytes"] for r in result["rows"]), rel=1e-12)
+    # the MLP path has no table: no re-reads
+    mlp = step_floor.step_floor("bundled-mace", 192, BANDWIDTH, TFLOPS, "mlp", model=net, l2_bandwidth=l2)
+    assert all(r["l2_reread"] == 0 for r in mlp["rows"])
+
+
+def test_rates_beside_are_each_rate_sets_floor() -> None:
+    """``beside``: per rate set, the rows' floors at its three rates; the H200's faster DRAM never raises a row."""
+    net = model("bundled-nequip")
+    h100, h200 = step_floor.KNOWN_RATES["h100"], step_floor.KNOWN_RATES["h200"]
+    result = step_floor.step_floor("bundled-nequip", 192, h100.hbm_gbs * 1e9, h100.tflops, model=net,
+                                   l2_bandwidth=h100.l2_gbs * 1e9, beside=(h100, h200))
+    same, faster = result["beside"]["H100 SXM"], result["beside"]["H200 SXM"]
+    assert same["total_floor_ms"] == pytest.approx(result["total_floor_ms"], rel=1e-12)
+    assert same["row_floor_ms"] == pytest.approx([r["floor_ms"] for r in result["rows"]], rel=1e-12)
+    assert all(b <= a for a, b in zip(same["row_floor_ms"], faster["row_floor_ms"], strict=True))
+    assert faster["total_floor_ms"] < same["total_floor_ms"]
+    assert faster["rates"]["hbm_gbs"] == 4800.0 and dict(faster["rates"]["sources"])["hbm_gbs"]
+
+
+def test_rates_from_a_devices_properties_and_the_table() -> None:
+    """What a device reports sets its rates (Hopper: 128 FP32 lanes an SM; DRAM double data rate); what it does not
+    comes from the table by name; an unknown device with nothing reported is refused naming what is missing."""
+    rates = step_floor.rates_from_properties("NVIDIA H200", (9, 0), 132, 1_980_000, 3_200_000, 6144)
+    assert rates.tflops == pytest.approx(132 * 128 * 2 * 1.98e9 / 1e12)
+    assert rates.hbm_gbs == pytest.approx(2 * 3.2e9 * 6144 / 8 / 1e9)
+    assert rates.l2_gbs == pytest.approx(5120 / 108 * 132 * 1.98)
+    assert "the device" in dict(rates.sources)["tflops"]
+    table = step_floor.rates_from_properties("NVIDIA H200", (9, 0), 132, None, None, None)
+    assert (table.hbm_gbs, table.l2_gbs, table.tflops) == (4800.0, step_floor.KNOWN_RATES["h200"].l2_gbs,
+                                                           step_floor.KNOWN_RATES["h200"].tflops)
+    assert step_floor.KNOWN_RATES["h100"].tflops == pytest.approx(
+        step_floor.rates_from_properties("H100", (9, 0), 132, 1_980_000, None, None).tflops, rel=1e-3)
+    with pytest.raises(ValueError, match="hbm_gbs, l2_gbs, tflops"):
+        step_floor.rates_from_properties("Some GPU", (7, 5), 40, None, None, None)
+    assert step_floor.rates_named(" H200,h100 ") == (step_floor.KNOWN_RATES["h200"], step_floor.KNOWN_RATES["h100"])
+    assert step_floor.rates_named("") == ()
+    with pytest.raises(ValueError, match="--beside 'b200': unknown; choices: h100, h200, device"):
+        step_floor.rates_named("h100,b200")
+
+
 def test_symmetric_contraction_rows_are_bench_symmetric_contraction_floors() -> None:
     net = model("bundled-mace")
     result = step_floor.step_floor("bundled-mace", 192, BANDWIDTH, TFLOPS, model=net)
@@ -117,9 +178,10 @@ def test_linear_macs_pair_equal_irreps() -> None:
 
 def test_main_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = step_floor.main(["--model", "bundled-mace", "--atoms", "96", "--bandwidth-gbs", "1000"])
+    result = step_floor.main(["--model", "bundled-mace", "--atoms", "96", "--bandwidth-gbs", "1000",
+                              "--beside", "h100,h200"])
     out = capsys.readouterr().out
-    assert "1000 GB/s" in out and "symmetric contraction" in out and f"{result['total_floor_ms']:9.4f}" in out
+    assert "1000 GB/s" in out and "L2 MB" in out and "H200 SXM" in out and "symmetric contraction" in out and f"{result['total_floor_ms']:9.4f}" in out
     (path,) = tmp_path.glob("step-floor-*.json")
     saved = json.loads(path.read_text())
     assert saved["total_floor_ms"] == pytest.approx(result["total_floor_ms"]) and saved["bandwidth_gbs"] == 1000
