@@ -2,9 +2,8 @@
 
 Prints versions, the NVRTC library, the GPU and the kernel cache directory, and which model families (MACE,
 NequIP) this environment can load and why not (the package, the e3nn it runs with, its own requirements); then
-compiles a small
-kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it on a
-tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
+compiles a small kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it
+on a tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
 rendered and compiled for sm_80, and with a GPU run forward and backward against the CPU reference.
 Returns 0 when every check passed.
 """
