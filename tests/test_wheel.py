@@ -107,8 +107,11 @@ def test_the_installed_package_runs_from_outside_the_repository(installed) -> No
     )
     lines = _run([sys.executable, "-c", script], work, env).stdout.splitlines()
     assert Path(lines[0]).is_relative_to(target), lines[0]  # the wheel's copy, not the checkout's
+    energies = []
     for line, name in zip(lines[1:3], ("mace", "nequip")):
         kind, energy, force = line.split()
         assert kind == name and math.isfinite(float(energy)) and 0 < float(force) < 50, line
+        energies.append(float(energy))
+    assert abs(energies[0] - energies[1]) < 0.02, energies  # eV/atom: both imitate q-SPC/Fw to a few meV/atom
     assert lines[3] == "patched True"
     assert sorted(p.name for p in work.iterdir()) == sorted([trajectory.name, "patched.model", "water.mliap.pkl"])
