@@ -347,17 +347,17 @@ def _file_for(files: dict, cls: str, build: Build) -> tuple[Path | None, str | N
 
 def _model_source(name: str, dtype: str, folder: Path) -> Path:
     """A checkpoint file for --models NAME: the bundled model, the MACE-MP-medium shape, or a path."""
-    if name in ("mace", "nequip"):
-        from cgforge.plugin.runtime.bundled import model_path
+    from cgforge.plugin.runtime.bundled import LISTED, NAMES, model_path
 
-        return Path(model_path(name))
+    if name in NAMES:
+        return model_path(name)
     if name == "mace-mp-medium":
         from shapes import mace_mp_file
 
         return mace_mp_file(folder, dtype)
     path = Path(name)
     if not path.is_file():
-        raise FileNotFoundError(f"--models: {name} is neither 'mace', 'nequip', 'mace-mp-medium' nor a file")
+        raise FileNotFoundError(f"--models: {name} is neither {LISTED}, 'mace-mp-medium' nor a file")
     return path
 
 

@@ -15,7 +15,7 @@ $CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.ti
 with ``-morton`` (``1m-morton``) is the same box with its molecules in Z-curve order (``morton_sorted``): the
 memory-locality experiment of issue 18.
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
-32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
+32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (cgforge/models/).
 Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
 cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
 Verlet list fed to the model: no per-step cut, skin edges included), cgforge-e3nn-sc (captured, the

@@ -1,4 +1,4 @@
-"""Make the bundled water models: models/water-mace.model and models/water-nequip.nequip.zip.
+"""Make the bundled water models: cgforge/models/water-mace.model and cgforge/models/water-nequip.nequip.zip.
 
 The labels come from the project's own flexible classical water model, q-SPC/Fw with damped-shifted-force
 Coulomb (cgforge/plugin/water.py), so the whole pipeline runs offline on a laptop CPU:
@@ -10,11 +10,11 @@ Stages (intermediate files under --workdir, default build/bundled-models/, git-i
   data      Langevin MD of periodic water boxes with q-SPC/Fw (several densities, temperatures and strained
             cells; frames from the first step on, so the hot start from a grid is covered), plus copies
             with random displacements. Energy, forces and stress of every frame -> train/valid/test.xyz.
-  mace      mace_run_train on it -> models/water-mace.model (whole pickled ScaleShiftMACE, float32).
-  nequip    nequip-train + nequip-package -> models/water-nequip.nequip.zip (model_dtype float32).
+  mace      mace_run_train on it -> cgforge/models/water-mace.model (whole pickled ScaleShiftMACE, float32).
+  nequip    nequip-train + nequip-package -> cgforge/models/water-nequip.nequip.zip (model_dtype float32).
   evaluate  test-set errors of both models through MACE's and NequIP's own ASE calculators, and a short
             NVT stability run with each and with q-SPC/Fw itself -> <workdir>/metrics.json (quoted in
-            models/README.md).
+            cgforge/models/README.md).
 
 Every random choice has a fixed seed. Training is deterministic for a given machine and thread count.
 """
@@ -33,10 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
+from cgforge.plugin.runtime.bundled import MODEL_FILES, NAMES
+
 REPO = Path(__file__).resolve().parents[1]
-MODELS = REPO / "models"
-MACE_MODEL = MODELS / "water-mace.model"
-NEQUIP_MODEL = MODELS / "water-nequip.nequip.zip"
+MODELS = REPO / "cgforge" / "models"  # the checkout's package folder (an installed cgforge's may not be writable)
+MACE_MODEL = MODELS / MODEL_FILES["mace"]
+NEQUIP_MODEL = MODELS / MODEL_FILES["nequip"]
 STAGES = ("data", "mace", "nequip", "evaluate")
 
 # Shared by both models: 5 Å is past the first two O-O shells' onset (2.8 Å, 4.5 Å); two message
@@ -482,8 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nequip-epochs", type=int, default=NEQUIP_EPOCHS)
     parser.add_argument("--md-steps", type=int, default=2000, help="NVT steps of the stability check (0: none)")
     parser.add_argument("--md-molecules", type=int, default=64)
-    parser.add_argument("--kinds", nargs="+", choices=("mace", "nequip", "qspcfw"),
-                        default=["mace", "nequip", "qspcfw"], help="what the evaluate stage checks")
+    parser.add_argument("--kinds", nargs="+", choices=(*NAMES, "qspcfw"),
+                        default=[*NAMES, "qspcfw"], help="what the evaluate stage checks")
     parser.add_argument("--nice", type=int, default=10, help="niceness increment, so the machine stays usable")
     args = parser.parse_args(argv)
     if args.nice:

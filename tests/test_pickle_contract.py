@@ -18,11 +18,12 @@ from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
 
 from cgforge._moved import PICKLED_CLASSES, pickled_paths
 from cgforge.patches import families
+from cgforge.plugin.runtime import bundled
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_MACE = DATA / "water-mace-patched-c54a3be.model"
 OLD_NEQUIP = DATA / "water-nequip-patched-c54a3be.nequip.zip"
-BUNDLED = Path(__file__).resolve().parents[1] / "models"
+BUNDLED = bundled.MODELS_DIR
 
 
 def pickled_globals(data: bytes) -> set[str]:

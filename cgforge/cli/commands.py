@@ -34,11 +34,13 @@ def cmd_patch(args: argparse.Namespace) -> int:
     a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is named for IN's family
     and checked before anything is loaded; ``--device``/``--dtype`` as in ``families.load``."""
     from cgforge.patches import families
+    from cgforge.plugin.runtime.bundled import NAMES, model_path
 
-    _check_paths(args.input, args.output, args.force)
-    family = families.family_for_file(args.input)
+    source = str(model_path(args.input)) if args.input.lower() in NAMES else args.input  # a bundled model's file
+    _check_paths(source, args.output, args.force)
+    family = families.family_for_file(source)
     family.check_output(args.output, what="OUT")
-    out = family.save(args.input, args.output, force=args.force, device=args.device, dtype=args.dtype)
+    out = family.save(source, args.output, force=args.force, device=args.device, dtype=args.dtype)
     print(f"cgforge: wrote patched {family.title} model to {out}")
     return EXIT_OK
 
@@ -61,9 +63,9 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
     checkpoint IN (or a bundled model: ``cgforge.plugin.runtime.bundled``) with the given options."""
     from cgforge.lammps import CgforgeMLIAP
     from cgforge.lammps.write import usage_lines, write_lammps_model
-    from cgforge.plugin.runtime.bundled import kinds
+    from cgforge.plugin.runtime.bundled import NAMES
 
-    _check_paths(None if args.input.lower() in kinds() else args.input, args.output, args.force)
+    _check_paths(None if args.input.lower() in NAMES else args.input, args.output, args.force)
     patch = {"auto": None, "on": True, "off": False}[args.patch]
     type_map = _parse_type_map(args.type_map)
     cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
@@ -108,6 +110,7 @@ def _add_io(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from cgforge import __version__
+    from cgforge.plugin.runtime.bundled import LISTED
 
     parser = argparse.ArgumentParser(
         prog="cgforge", description="Fast equivariant kernels for MACE and NequIP.",
@@ -118,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("patch", help="write a copy of a checkpoint that uses cgforge's kernels "
-                       "(MACE .model -> .model; NequIP .ckpt/.nequip.zip -> .nequip.zip)")
+                       f"(MACE .model -> .model; NequIP .ckpt/.nequip.zip -> .nequip.zip; {LISTED}: the "
+                       "bundled water models)")
     _add_io(p)
     p.add_argument("--device", default="cpu", help="device to load and save on: cpu (default), cuda, cuda:N")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,
@@ -131,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lammps-model", help="write the file LAMMPS's `pair_style mliap unified` loads (a MACE or "
                        "NequIP model inside; patched and compiled in the LAMMPS process)")
-    p.add_argument("input", metavar="IN", help="checkpoint (.model, .ckpt, .nequip.zip) or 'mace'/'nequip' (the "
+    p.add_argument("input", metavar="IN", help=f"checkpoint (.model, .ckpt, .nequip.zip) or {LISTED} (the "
                    "bundled water models); never modified")
     p.add_argument("output", metavar="OUT", help="file to write: .pkl (pickle; recommended) or .pt (torch.save; "
                    "needs TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 in LAMMPS with torch >= 2.6)")

@@ -1,8 +1,9 @@
 """`cgforge doctor`: what cgforge finds on this machine, and a compile (with a GPU, a launch) proving it.
 
-Prints versions, the NVRTC library, the GPU and the kernel cache directory, then compiles a small
-kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it on a
-tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
+Prints versions, the NVRTC library, the GPU and the kernel cache directory, and which model families (MACE,
+NequIP) this environment can load and why not (the package, the e3nn it runs with, its own requirements); then
+compiles a small kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it
+on a tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
 rendered and compiled for sm_80, and with a GPU run forward and backward against the CPU reference.
 Returns 0 when every check passed.
 """
@@ -102,6 +103,62 @@ def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
         nvrtc_text = f"NVRTC {nvrtc[0]}.{nvrtc[1]}" if nvrtc else "no NVRTC"
         checks.append((True, f"torch CUDA {torch_cuda}, {cupy}, {nvrtc_text}"))
     return checks
+
+
+# The model families' packages (pyproject.toml's extras): the tested version and the e3nn each runs with. mace-torch
+# 0.3.16 pins e3nn==0.4.4 in its metadata but runs with e3nn 0.4.4 to 0.6 (hence `pip install --no-deps`);
+# nequip 0.19 needs e3nn >= 0.6.
+FAMILIES = {"MACE": ("mace-torch", "0.3.16", (0, 4, 4)), "NequIP": ("nequip", "0.19.1", (0, 6))}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(0, 6, 0) for '0.6.0' or '0.6.0.dev1+local'."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def _requirements(dist: str) -> list[str]:
+    """Names of the distributions ``dist`` always requires (its metadata, extras and marked ones left out)."""
+    try:
+        requires = importlib.metadata.requires(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return [re.match(r"[A-Za-z0-9._-]+", r).group() for r in requires if ";" not in r]
+
+
+def family_checks(version: Callable[[str], str] = _dist_version,
+                  requirements: Callable[[str], list[str]] = _requirements) -> list[tuple[str, bool, str]]:
+    """(family, can load, why) for each model family: its package installed, the e3nn it runs with installed,
+    and the package's own requirements installed (mace-torch goes in with --no-deps). ``version(dist)`` is the
+    installed version or ``"not installed"``; ``requirements(dist)`` the names ``dist`` requires."""
+    e3nn = version("e3nn")
+    lines = []
+    for family, (dist, tested, e3nn_min) in FAMILIES.items():
+        have = version(dist)
+        extra = "--no-deps mace-torch==0.3.16 after its dependencies" if dist == "mace-torch" else f"{dist}=={tested}"
+        if have == "not installed":
+            lines.append((family, False, f"cannot load: {dist} is not installed (pip install {extra}; the "
+                                         "README's install section)"))
+            continue
+        if e3nn == "not installed" or _release(e3nn) < e3nn_min:
+            floor = ".".join(map(str, e3nn_min))
+            lines.append((family, False, f"cannot load: {dist} {have} needs e3nn >= {floor}, this environment has "
+                                         f"e3nn {e3nn} (pip install 'e3nn>={floor},<0.7': cgforge and mace-torch "
+                                         "run with e3nn 0.6)"))
+            continue
+        missing = [name for name in requirements(dist)
+                   if name.lower() != "e3nn" and version(name) == "not installed"]
+        if missing:
+            lines.append((family, False, f"cannot load: {dist} {have} needs {', '.join(missing)}, not installed "
+                                         f"(pip install {' '.join(missing)})"))
+            continue
+        why = f"{dist} {have}, e3nn {e3nn}"
+        if dist == "mace-torch" and _release(e3nn) != (0, 4, 4):
+            why += " (mace-torch pins e3nn==0.4.4; cgforge runs MACE with either)"
+        if have != tested:
+            why += f"; cgforge is tested with {dist} {tested}"
+        lines.append((family, True, why))
+    return lines
 
 
 def _cache_dir_status() -> tuple[str, bool]:
@@ -295,6 +352,8 @@ def main(out: Callable[[str], None] = print) -> int:
                                           compiler.nvrtc_version() if nvrtc_ok else None):
         report.check("CUDA versions match", ok, detail, fatal=False)
     report.check("kernel cache writable", cache_ok, str(Path(compiler.cache_dir())), fatal=False)
+    for family, ok, why in family_checks():  # an environment may hold one family only: a warning, not a failure
+        report.check(f"{family} models", ok, why, fatal=False)
     if nvrtc_ok:
         _check_compile(report, "sm_80")
         if gpu_arch is not None:

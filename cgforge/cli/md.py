@@ -27,6 +27,7 @@ from cgforge.plugin.md.options import (
     check_count,
     check_number,
 )
+from cgforge.plugin.runtime.bundled import LISTED, NAMES
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -142,7 +143,7 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                            "steps into a new -o file. A flag that contradicts a saved option is refused (start a new "
                            "run from the last frame with --structure TRAJ to change them: velocities are kept)")
     parser.add_argument("--model", default="mace",
-                        help="'mace' or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip file")
+                        help=f"{LISTED} (bundled water models), or a .model/.ckpt/.nequip.zip file")
     parser.add_argument("--ensemble", type=str.lower, choices=ENSEMBLES, default=None,
                         help="nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic "
                              "cell: stochastic cell rescaling with the CSVR thermostat in the device engine, "
@@ -263,11 +264,11 @@ class MDSetup:
 
 def _model_file(model: str) -> Path | None:
     """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
-    if model.lower() in ("mace", "nequip"):  # the bundled models (cgforge.plugin.calculator.BUNDLED)
+    if model.lower() in NAMES:
         return None
     path = Path(model)
     if not path.exists():
-        raise FileNotFoundError(f"--model: {model} not found (expected 'mace', 'nequip' or a checkpoint file)")
+        raise FileNotFoundError(f"--model: {model} not found (expected {LISTED} or a checkpoint file)")
     return path
 
 

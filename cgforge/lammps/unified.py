@@ -402,12 +402,12 @@ class CgforgeMLIAP(_mliap_base()):
 
 
 def _model_path(model: str | os.PathLike) -> Path:
-    if isinstance(model, str) and model.lower() in ("mace", "nequip"):
-        from cgforge.plugin.runtime.bundled import model_path
+    from cgforge.plugin.runtime.bundled import LISTED, NAMES, model_path
 
-        return Path(model_path(model.lower()))
+    if isinstance(model, str) and model.lower() in NAMES:
+        return model_path(model)
     if not isinstance(model, str | os.PathLike):
-        raise TypeError(f"model: expected 'mace', 'nequip' or a checkpoint path, got {type(model).__name__}")
+        raise TypeError(f"model: expected {LISTED} or a checkpoint path, got {type(model).__name__}")
     from cgforge.patches.common import existing_file
 
     return existing_file(model, "model", "a checkpoint file")

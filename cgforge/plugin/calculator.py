@@ -26,6 +26,8 @@ from ase.stress import full_3x3_to_voigt_6_stress
 from cgforge.patches.common import existing_file
 from cgforge.patches.families import check_tuning
 
+from .runtime.bundled import LISTED, model_path
+from .runtime.bundled import NAMES as BUNDLED
 from .runtime.compiled import parse_compile
 from .runtime.diagnosis import NonFiniteOutputError
 from .runtime.memory_plan import MemoryPlan
@@ -37,25 +39,6 @@ if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
-
-BUNDLED = ("mace", "nequip")  # the bundled water models' names (cgforge.plugin.runtime.bundled.kinds())
-
-
-def _bundled_path(name: str) -> Path:
-    """The file of the bundled model ``name`` (one of ``BUNDLED``); FileNotFoundError, saying what to pass
-    instead, where this installation has none."""
-    try:
-        from cgforge.plugin.runtime.bundled import model_path
-    except ImportError as err:
-        raise FileNotFoundError(
-            f"model: the bundled {name!r} model is not available in this installation ({err}); "
-            "pass a checkpoint path (.model, .ckpt, .nequip.zip) instead"
-        ) from err
-    path = Path(model_path(name))
-    if not path.is_file():
-        raise FileNotFoundError(f"model: the bundled {name!r} model file {path} is missing")
-    return path
-
 
 def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
                dtype: str | torch.dtype | None = None, *, patch: bool = True,
@@ -71,12 +54,12 @@ def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.d
 
     check_tuning(tuning, patch)  # before any file is looked at
     if isinstance(model, str) and model.lower() in BUNDLED:
-        model = _bundled_path(model.lower())
+        model = model_path(model)
     if isinstance(model, str | os.PathLike):
         return _load_file(Path(model), device, dtype, patch, tuning)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"model: expected 'mace', 'nequip', a checkpoint path or a MACE/NequIP torch module, "
+            f"model: expected {LISTED} (a bundled model), a checkpoint path or a MACE/NequIP torch module, "
             f"got {type(model).__name__}"
         )
     return families.load(model, device, dtype, patch=patch, tuning=tuning)
@@ -128,7 +111,8 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
                         f"{', '.join(_OUR_KEYWORDS)} (MACECalculator's model_paths= and default_dtype= mean model= "
                         f"and dtype=) and ase's {', '.join(_ASE_KEYWORDS)}")
     if model is None:
-        raise TypeError("Calculator: missing model: 'mace', 'nequip', a checkpoint path or a MACE/NequIP module")
+        raise TypeError(f"Calculator: missing model: {LISTED} (a bundled model), a checkpoint path or a MACE/NequIP "
+                        "module")
     return model, dtype, kwargs
 
 

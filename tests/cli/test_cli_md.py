@@ -23,6 +23,7 @@ from ase.io import read
 import cgforge
 from cgforge.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNSTABLE, main
 from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.runtime.bundled import model_path
 from cgforge.plugin.water import QSPCFwCalculator, water_box
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,8 +239,7 @@ def test_unreadable_structures_are_one_line_naming_the_file(tmp_path, capsys, no
     (tmp_path / "notes.txt").write_text("not a structure\n")
     (tmp_path / "folder").mkdir()
     cases = [("empty.xyz", "is empty"), ("words.xyz", "not a structure"), ("notes.txt", "not a structure"),
-             (ROOT / "models" / "water-mace.model", "not a structure"),
-             (ROOT / "models" / "water-nequip.nequip.zip", "not a structure"),
+             (model_path("mace"), "not a structure"), (model_path("nequip"), "not a structure"),
              ("folder", "is a directory"), ("missing.xyz", "not found")]
     for name, reason in cases:
         path = tmp_path / name

@@ -263,3 +263,18 @@ def test_out_inside_a_file_is_refused_before_loading(model_file, tmp_path: Path,
     err = capsys.readouterr().err
     assert f"OUT: cannot write {out}: {tmp_path / 'notes.txt'} is a file, not a directory" in err, err
     assert (tmp_path / "notes.txt").read_text() == "a file, not a directory"
+
+
+def test_patch_takes_the_bundled_names(tmp_path: Path, capsys) -> None:
+    """`cgforge patch mace OUT` reads the bundled MACE file (as `cgforge md` and `lammps-model` take the names):
+    OUT is checked against that file's family before loading, and the bundled file itself is never OUT."""
+    from cgforge.plugin.runtime.bundled import model_path
+
+    assert main(["patch", "MACE", str(tmp_path / "out.nequip.zip")]) == 1
+    assert f"OUT: {tmp_path / 'out.nequip.zip'} must end with .model" in capsys.readouterr().err
+    assert main(["patch", "nequip", str(tmp_path / "out.model")]) == 1
+    assert ".nequip.zip" in capsys.readouterr().err
+    before = _sha(model_path("mace"))
+    assert main(["patch", "mace", str(model_path("mace")), "--force"]) == 1
+    assert "same file" in capsys.readouterr().err and _sha(model_path("mace")) == before
+    assert os.listdir(tmp_path) == []

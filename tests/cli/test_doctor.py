@@ -89,3 +89,57 @@ def test_doctor_prints_the_kernel_tuning_and_names_ignored_variables(monkeypatch
     assert "SCTuning       block=128, chunk=16, pairings=('pq',)" in text
     ignored = next(line for line in lines if "ignored variables" in line)
     assert "CGFORGE_LOOP_ORDER" in ignored and "CGFORGE_CACHE_DISABLE" not in ignored
+
+
+def _environment(**versions: str):
+    """A version lookup of a made-up environment: the given versions, 'not installed' for anything else."""
+    return lambda dist: versions.get(dist, "not installed")
+
+
+ALL_DEPENDENCIES = {"torch": "2.13.0", "numpy": "2.1", "torch-ema": "0.3"}
+
+
+@pytest.mark.parametrize("environment, mace, nequip", [
+    # both (the dev environment: mace-torch --no-deps next to e3nn 0.6)
+    ({"e3nn": "0.6.0", "mace-torch": "0.3.16", "nequip": "0.19.1"},
+     (True, "mace-torch 0.3.16, e3nn 0.6.0 (mace-torch pins e3nn==0.4.4; cgforge runs MACE with either)"),
+     (True, "nequip 0.19.1, e3nn 0.6.0")),
+    # MACE only, with its pin: nequip is refused for the e3nn, with the fix
+    ({"e3nn": "0.4.4", "mace-torch": "0.3.16", "nequip": "0.19.1"},
+     (True, "mace-torch 0.3.16, e3nn 0.4.4"),
+     (False, "cannot load: nequip 0.19.1 needs e3nn >= 0.6, this environment has e3nn 0.4.4 (pip install "
+             "'e3nn>=0.6,<0.7'")),
+    # NequIP only
+    ({"e3nn": "0.6.0", "nequip": "0.19.1"},
+     (False, "cannot load: mace-torch is not installed (pip install --no-deps mace-torch==0.3.16 after its "
+             "dependencies"),
+     (True, "nequip 0.19.1, e3nn 0.6.0")),
+    # an untested version loads, and says so
+    ({"e3nn": "0.6.1.dev0", "mace-torch": "0.3.14", "nequip": "0.20.0"},
+     (True, "mace-torch 0.3.14, e3nn 0.6.1.dev0 (mace-torch pins e3nn==0.4.4; cgforge runs MACE with either); "
+            "cgforge is tested with mace-torch 0.3.16"),
+     (True, "nequip 0.20.0, e3nn 0.6.1.dev0; cgforge is tested with nequip 0.19.1")),
+])
+def test_family_checks_say_which_families_load_and_why_not(environment, mace, nequip):
+    lines = doctor.family_checks(_environment(**environment, **ALL_DEPENDENCIES), lambda dist: ["torch", "e3nn"])
+    assert [family for family, _, _ in lines] == ["MACE", "NequIP"]
+    for (_, ok, why), (expected_ok, expected_why) in zip(lines, (mace, nequip)):
+        assert ok == expected_ok and why.startswith(expected_why), why
+
+
+def test_family_checks_name_a_missing_dependency_and_doctor_prints_a_line_per_family(monkeypatch):
+    """mace-torch goes in with --no-deps: a dependency it needs and lacks is named (e3nn is judged by version)."""
+    environment = _environment(**{"e3nn": "0.6.0", "mace-torch": "0.3.16", "nequip": "0.19.1", "torch": "2.13"})
+    requirements = {"mace-torch": ["torch", "e3nn", "torch-ema", "prettytable"], "nequip": ["torch", "e3nn"]}
+    lines = doctor.family_checks(environment, requirements.__getitem__)
+    assert lines[0] == ("MACE", False, "cannot load: mace-torch 0.3.16 needs torch-ema, prettytable, not installed "
+                                       "(pip install torch-ema prettytable)")
+    assert lines[1][:2] == ("NequIP", True)
+    monkeypatch.setattr(doctor, "family_checks", lambda: lines)
+    monkeypatch.setattr(doctor, "_check_compile", lambda report, arch: None)
+    monkeypatch.setattr(doctor, "_check_generated_tp", lambda report, torch, gpu: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    printed: list[str] = []
+    doctor.main(printed.append)
+    assert "  [warn] MACE models: cannot load: mace-torch 0.3.16 needs torch-ema" in "\n".join(printed)
+    assert sum(line.startswith("  [  ok] NequIP models: nequip 0.19.1") for line in printed) == 1

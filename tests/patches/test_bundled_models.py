@@ -1,8 +1,8 @@
-"""The bundled water models (models/): found by ``model_path``, load patched through cgforge, agree with the
-unpatched models and with q-SPC/Fw, have conservative forces and conserve energy in a short NVE run.
+"""The bundled water models (cgforge/models/): found by ``model_path``, load patched through cgforge, agree
+with the unpatched models and with q-SPC/Fw, have conservative forces and conserve energy in a short NVE run.
 
 One fresh box (32 molecules, a seed no training trajectory used, 150 fs of q-SPC/Fw Langevin MD from the
-grid start) serves every test. Accuracy bounds come from the held-out test-set errors in models/README.md.
+grid start) serves every test. Accuracy bounds come from the held-out test-set errors in cgforge/models/README.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from cgforge.plugin.water import QSPCFwCalculator, water_box  # noqa: E402
 
 KINDS = ("mace", "nequip")
 
-# Held-out test-set RMSEs against q-SPC/Fw (models/README.md, "Metrics"): energy meV/atom, forces meV/Å.
+# Held-out test-set RMSEs against q-SPC/Fw (cgforge/models/README.md, "Metrics"): energy meV/atom, forces meV/Å.
 # A single fresh box may sit in the tail of the test distribution: allow 3x the RMSE.
 TEST_RMSE = {"mace": {"energy": 3.6, "forces": 58.9}, "nequip": {"energy": 1.9, "forces": 70.1}}
 ACCURACY_FACTOR = 3.0
@@ -125,7 +125,7 @@ def test_model_path_finds_both_files():
 
 @pytest.mark.parametrize("kind", ["allegro", "", "MACE-MP", None, 3])
 def test_model_path_rejects_unknown_kind(kind):
-    with pytest.raises(ValueError, match="kind.*'mace', 'nequip'"):
+    with pytest.raises(ValueError, match="kind.*'mace' or 'nequip'"):
         model_path(kind)
 
 
@@ -134,7 +134,7 @@ def test_model_path_missing_file_says_how_to_make_it(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         model_path("nequip")
     message = str(err.value)
-    assert "scripts/train_bundled_models.py" in message and "checkout" in message
+    assert "scripts/train_bundled_models.py" in message and "reinstall cgforge" in message
     assert str(tmp_path / "water-nequip.nequip.zip") in message
 
 

@@ -16,9 +16,10 @@ from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
 
 from cgforge.patches import families
 from cgforge.patches.families import MACE, NEQUIP
+from cgforge.plugin.runtime.bundled import model_path
 
 ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_MACE = ROOT / "models" / "water-mace.model"
+BUNDLED_MACE = model_path("mace")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -1,43 +1,48 @@
-"""Where the bundled water models live: the embedded default for the water-box demo.
+"""The bundled water models: their names and files, the embedded default for the water-box demo.
 
-    from cgforge.plugin.runtime.bundled import model_path
-    model_path("mace")    # .../models/water-mace.model          (a whole pickled MACE model)
-    model_path("nequip")  # .../models/water-nequip.nequip.zip   (a nequip-package archive)
+    from cgforge.plugin.runtime.bundled import NAMES, model_path
+    NAMES                 # ("mace", "nequip"): the names every front end accepts for a bundled model
+    model_path("mace")    # .../cgforge/models/water-mace.model          (a whole pickled MACE model)
+    model_path("nequip")  # .../cgforge/models/water-nequip.nequip.zip   (a nequip-package archive)
 
 Both are small models trained by ``scripts/train_bundled_models.py`` on q-SPC/Fw water (see
-models/README.md). They live in the repository's ``models/`` folder, next to the ``cgforge`` package.
+cgforge/models/README.md). They ship inside the package (package data, in a wheel too) and are found through
+``importlib.resources``; this module is the one place that names them.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
-__all__ = ["MODEL_FILES", "MODELS_DIR", "TRAINING_SCRIPT", "model_path", "kinds"]
+__all__ = ["MODEL_FILES", "MODELS_DIR", "NAMES", "TRAINING_SCRIPT", "model_path", "kinds", "LISTED"]
 
-# cgforge/plugin/bundled.py -> the repository root is two folders above the package.
-_REPO = Path(__file__).resolve().parents[3]
-MODELS_DIR = _REPO / "models"
-TRAINING_SCRIPT = "scripts/train_bundled_models.py"
 MODEL_FILES = {"mace": "water-mace.model", "nequip": "water-nequip.nequip.zip"}
+NAMES: tuple[str, ...] = tuple(MODEL_FILES)
+LISTED = " or ".join(map(repr, NAMES))  # "'mace' or 'nequip'", for messages and help texts
+# An installed package (wheel or editable) is a folder on disk, so the resource is a real path that torch and
+# nequip can open by name.
+MODELS_DIR = Path(str(resources.files("cgforge").joinpath("models")))
+TRAINING_SCRIPT = "scripts/train_bundled_models.py"
 
 
 def kinds() -> tuple[str, ...]:
-    """The model kinds :func:`model_path` knows: ``("mace", "nequip")``."""
-    return tuple(MODEL_FILES)
+    """The bundled models' names, :data:`NAMES`: ``("mace", "nequip")``."""
+    return NAMES
 
 
 def model_path(kind: str) -> Path:
-    """Path of the bundled water model of ``kind`` (``"mace"`` or ``"nequip"``); the file must exist.
+    """Path of the bundled water model of ``kind`` (one of :data:`NAMES`, any case); the file must exist.
 
     Raises ValueError for an unknown kind and FileNotFoundError, saying how to make it, for a missing file.
     """
     if not isinstance(kind, str) or kind.lower() not in MODEL_FILES:
-        raise ValueError(f"kind: expected one of {', '.join(map(repr, MODEL_FILES))}, got {kind!r}")
+        raise ValueError(f"kind: expected {LISTED}, got {kind!r}")
     path = MODELS_DIR / MODEL_FILES[kind.lower()]
     if not path.is_file():
         raise FileNotFoundError(
-            f"bundled {kind.lower()} model not found at {path}. The models/ folder ships with the cgforge "
-            f"repository checkout (a pip-installed wheel does not contain it): use a git checkout, or "
-            f"recreate the models with `python {TRAINING_SCRIPT}` from the repository root"
+            f"bundled {kind.lower()} model not found at {path}: the models ship inside the cgforge package "
+            f"(cgforge/models/); reinstall cgforge, or recreate them with `python {TRAINING_SCRIPT}` from the "
+            f"repository root"
         )
     return path

@@ -123,7 +123,7 @@ def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.
     from . import bundled
 
     families.check_tuning(tuning, patch)  # before any file is looked at
-    if isinstance(model, str) and model.lower() in bundled.kinds():
+    if isinstance(model, str) and model.lower() in bundled.NAMES:
         model = bundled.model_path(model)
     if isinstance(model, str | os.PathLike):
         existing_file(model, "model", "a checkpoint file")
