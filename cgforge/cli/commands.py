@@ -12,6 +12,7 @@ EXIT_ERROR = 1  # bad input, unreadable or unwritable file, model that fails to 
 EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
 EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temperature above the limit)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
+EXIT_TERMINATED = 143  # SIGTERM, what batch schedulers send before they kill a job (128 + SIGTERM)
 
 
 def _check_paths(src: str | None, dst: str, force: bool) -> None:
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cgforge", description="Fast equivariant kernels for MACE and NequIP.",
         epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input or file), {EXIT_USAGE} usage, "
-               f"{EXIT_UNSTABLE} MD blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C)",
+               f"{EXIT_UNSTABLE} MD blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C), {EXIT_TERMINATED} terminated "
+               "(SIGTERM)",
     )
     parser.add_argument("--version", action="version", version=f"cgforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -166,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
                               f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
                               f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
-                              "trajectory ends with the last completed step; continue with --restart)")
+                              "trajectory ends with the last completed step; continue with --restart), "
+                              f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
     add_md_arguments(p)
     p.set_defaults(func=cmd_md)
 
@@ -182,13 +185,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_guarded(func: Callable[[], int], prog: str) -> int:
-    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback."""
+    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback.
+    SIGTERM unwinds like Ctrl-C (a run in progress stops after its step and writes its frame) and exits 143."""
+    import signal
+
+    from cgforge.plugin.md.checks import sigterm_as_interrupt
+
     try:
-        return func()
+        with sigterm_as_interrupt():
+            return func()
     except KeyboardInterrupt as err:
-        detail = str(err) if str(err) else "interrupted (Ctrl-C)"
+        terminated = getattr(err, "signum", signal.SIGINT) == signal.SIGTERM
+        detail = str(err) if str(err) else "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
         print(f"{prog}: {detail}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except (ValueError, TypeError, OSError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_ERROR
