@@ -30,16 +30,26 @@ def _check_paths(src: str | None, dst: str, force: bool) -> None:
     check_new_file(dst, force=True, what="OUT")
 
 
+def _checkpoint(name: str) -> str:
+    """IN of ``patch``/``unpatch``: a bundled model's name ('mace', 'nequip', as ``cgforge md`` and
+    ``lammps-model`` take them) as its file, else the file name given."""
+    from cgforge.plugin.runtime.bundled import kinds, model_path
+
+    return str(model_path(name.lower())) if name.lower() in kinds() else name
+
+
 def cmd_patch(args: argparse.Namespace) -> int:
-    """``cgforge patch IN OUT``: write a copy of the checkpoint IN that runs cgforge's kernels (a MACE .model,
-    a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is named for IN's family
-    and checked before anything is loaded; ``--device``/``--dtype`` as in ``families.load``."""
+    """``cgforge patch IN OUT``: write a copy of the checkpoint IN (or a bundled model) that runs cgforge's
+    kernels (a MACE .model, a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is
+    named for IN's family and checked before anything is loaded; ``--device``/``--dtype`` as in
+    ``families.load``."""
     from cgforge.patches import families
 
-    _check_paths(args.input, args.output, args.force)
-    family = families.family_for_file(args.input)
+    source = _checkpoint(args.input)
+    _check_paths(source, args.output, args.force)
+    family = families.family_for_file(source)
     family.check_output(args.output, what="OUT")
-    out = family.save(args.input, args.output, force=args.force, device=args.device, dtype=args.dtype)
+    out = family.save(source, args.output, force=args.force, device=args.device, dtype=args.dtype)
     print(f"cgforge: wrote patched {family.title} model to {out}")
     return EXIT_OK
 
@@ -49,10 +59,11 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
     (``families.Family.save(..., patched=False)``; MACE only). IN is never modified."""
     from cgforge.patches import families
 
-    _check_paths(args.input, args.output, args.force)
-    family = families.family_for_file(args.input)
+    source = _checkpoint(args.input)
+    _check_paths(source, args.output, args.force)
+    family = families.family_for_file(source)
     family.check_output(args.output, patched=False, what="OUT")
-    family.save(args.input, args.output, force=args.force, patched=False)
+    family.save(source, args.output, force=args.force, patched=False)
     print(f"cgforge: wrote plain {family.title} model to {args.output}")
     return EXIT_OK
 
@@ -102,7 +113,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_io(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", metavar="IN", help="checkpoint to read (never modified)")
+    parser.add_argument("input", metavar="IN", help="checkpoint to read (never modified), or 'mace'/'nequip' (the "
+                        "bundled water models)")
     parser.add_argument("output", metavar="OUT", help="file to write")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
