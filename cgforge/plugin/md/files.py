@@ -1,5 +1,6 @@
-"""Files of an MD run: output names that never overwrite inputs, structures and restarts read with one clear
-error, trajectories written crash-safely, the log's line printers."""
+"""Files of an MD run: output names that never overwrite inputs, reserved when chosen so that concurrent runs
+never share one, structures and restarts read with one clear error (a trajectory with a cut-off end from its last
+whole frame), trajectories written crash-safely, the log's line printers."""
 
 from __future__ import annotations
 
