@@ -16,7 +16,8 @@ dynamics (any ASE calculator), the default otherwise. Both write the same frames
 
 Progress lines: step, simulated time, ns/day since the previous line, temperature, the drift of the total
 energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
-XYZ) are new files, created at their first frame (a hidden temporary file renamed over the name). Each frame's
+XYZ) are new files, reserved (created empty) when the run is planned and filled at the first frame (a hidden
+temporary file renamed over the reservation): concurrent runs never share one. Each frame's
 ``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
 (``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's options
 (``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``, ``md_pressure_bar``,
@@ -180,8 +181,8 @@ def run_md(
     options (ensemble, thermostat, temperature, timestep, friction, barostat, seed) as the defaults; a value given
     that contradicts a saved one is a ValueError naming it, and so is a calculator whose energy of the restart
     frame is not the saved one (another model). ``atoms`` may be None (the frame's structure is used and
-    returned in the summary). Ctrl-C stops after the current step and raises :class:`MDInterrupted` (a
-    KeyboardInterrupt) once the trajectory is closed.
+    returned in the summary). Ctrl-C, and SIGTERM over its default handler, stop after the current step and
+    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed.
 
     Every argument, output file and the structure are checked before anything runs (:func:`plan_md`, which
     ``cgforge md`` calls before it loads the model).
