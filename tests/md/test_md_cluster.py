@@ -130,3 +130,10 @@ def test_a_trajectory_with_no_whole_frame_keeps_the_reader_error(tmp_path):
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ValueError, match="not a structure file ase.io can read"):
         run_md(None, EMT(), restart=path, steps=2, trajectory=tmp_path / "b.traj", log=None)
+
+
+def test_a_cut_off_trajectory_read_as_a_structure_names_its_last_whole_frame(tmp_path):
+    path = _run_and_cut(tmp_path, "a.traj", 40)
+    with pytest.raises(ValueError, match=r"structure: .*a\.traj: its last frame is cut off .*frame 3 of 4 is the "
+                                         r"last whole one, which a restart \(--restart"):
+        plan_md(None, EMT(), steps=2, log=None, structure=path)

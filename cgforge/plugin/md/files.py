@@ -194,6 +194,11 @@ def read_structure(path: str | os.PathLike, what: str = "structure", index: int 
     try:
         atoms = read(path, index=index)
     except Exception as err:  # ase.io raises a different type per format; all mean "not a structure"
+        whole = last_whole_frame(path) if index == -1 else None
+        if whole is not None:  # a trajectory whose end was cut off: say which frame is whole
+            raise ValueError(f"{what}: {path}: its last frame is cut off (a killed run or a full disk); frame "
+                             f"{whole[1] + 1} of {whole[2]} is the last whole one, which a restart (--restart, "
+                             "restart=) continues from") from None
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ValueError(f"{what}: {path}: not a structure file ase.io can read (e.g. .xyz, .extxyz, .traj, "
                          f"POSCAR, .cif): {type(err).__name__}: {reason}") from None
