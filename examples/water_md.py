@@ -10,7 +10,7 @@
 GPU when present (a 1728-molecule, 5184-atom box), else CPU (a 32-molecule box that runs in seconds).
 Prints progress (step, ps, ns/day, temperature, energy drift) and writes a trajectory to a new file.
 ``cgforge md`` takes the same arguments and returns the same exit codes (0 done, 1 error, 2 usage,
-3 the run blew up, 130 Ctrl-C).
+3 the run blew up, 130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ EXIT_ERROR = 1  # bad input, unreadable or unwritable file, model that fails to 
 EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
 EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temperature above the limit)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
+EXIT_TERMINATED = 143  # SIGTERM, what batch schedulers send before they kill a job (128 + SIGTERM)
 
 
 def _check_paths(src: str | None, dst: str, force: bool) -> None:
@@ -29,14 +30,22 @@ def _check_paths(src: str | None, dst: str, force: bool) -> None:
     check_new_file(dst, force=True, what="OUT")
 
 
-def cmd_patch(args: argparse.Namespace) -> int:
-    """``cgforge patch IN OUT``: write a copy of the checkpoint IN that runs cgforge's kernels (a MACE .model,
-    a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is named for IN's family
-    and checked before anything is loaded; ``--device``/``--dtype`` as in ``families.load``."""
-    from cgforge.patches import families
+def _checkpoint(name: str) -> str:
+    """IN of ``patch``/``unpatch``: a bundled model's name ('mace', 'nequip', as ``cgforge md`` and
+    ``lammps-model`` take them) as its file, else the file name given."""
     from cgforge.plugin.runtime.bundled import NAMES, model_path
 
-    source = str(model_path(args.input)) if args.input.lower() in NAMES else args.input  # a bundled model's file
+    return str(model_path(name.lower())) if name.lower() in NAMES else name
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    """``cgforge patch IN OUT``: write a copy of the checkpoint IN (or a bundled model) that runs cgforge's
+    kernels (a MACE .model, a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is
+    named for IN's family and checked before anything is loaded; ``--device``/``--dtype`` as in
+    ``families.load``."""
+    from cgforge.patches import families
+
+    source = _checkpoint(args.input)
     _check_paths(source, args.output, args.force)
     family = families.family_for_file(source)
     family.check_output(args.output, what="OUT")
@@ -50,10 +59,11 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
     (``families.Family.save(..., patched=False)``; MACE only). IN is never modified."""
     from cgforge.patches import families
 
-    _check_paths(args.input, args.output, args.force)
-    family = families.family_for_file(args.input)
+    source = _checkpoint(args.input)
+    _check_paths(source, args.output, args.force)
+    family = families.family_for_file(source)
     family.check_output(args.output, patched=False, what="OUT")
-    family.save(args.input, args.output, force=args.force, patched=False)
+    family.save(source, args.output, force=args.force, patched=False)
     print(f"cgforge: wrote plain {family.title} model to {args.output}")
     return EXIT_OK
 
@@ -103,7 +113,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_io(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", metavar="IN", help="checkpoint to read (never modified)")
+    parser.add_argument("input", metavar="IN", help="checkpoint to read (never modified), or 'mace'/'nequip' (the "
+                        "bundled water models)")
     parser.add_argument("output", metavar="OUT", help="file to write")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
@@ -115,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cgforge", description="Fast equivariant kernels for MACE and NequIP.",
         epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input or file), {EXIT_USAGE} usage, "
-               f"{EXIT_UNSTABLE} MD blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C)",
+               f"{EXIT_UNSTABLE} MD blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C), {EXIT_TERMINATED} terminated "
+               "(SIGTERM)",
     )
     parser.add_argument("--version", action="version", version=f"cgforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -170,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
                               f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
                               f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
-                              "trajectory ends with the last completed step; continue with --restart)")
+                              "trajectory ends with the last completed step; continue with --restart), "
+                              f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
     add_md_arguments(p)
     p.set_defaults(func=cmd_md)
 
@@ -186,13 +199,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_guarded(func: Callable[[], int], prog: str) -> int:
-    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback."""
+    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback.
+    SIGTERM unwinds like Ctrl-C (a run in progress stops after its step and writes its frame) and exits 143."""
+    import signal
+
+    from cgforge.plugin.md.checks import sigterm_as_interrupt
+
     try:
-        return func()
+        with sigterm_as_interrupt():
+            return func()
     except KeyboardInterrupt as err:
-        detail = str(err) if str(err) else "interrupted (Ctrl-C)"
+        terminated = getattr(err, "signum", signal.SIGINT) == signal.SIGTERM
+        detail = str(err) if str(err) else "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
         print(f"{prog}: {detail}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except (ValueError, TypeError, OSError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_ERROR

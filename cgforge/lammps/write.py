@@ -36,17 +36,27 @@ def write_lammps_model(obj: CgforgeMLIAP, path: str | os.PathLike, *, force: boo
 
 
 def usage_lines(obj: CgforgeMLIAP, path: str | os.PathLike, skin: float = 1.0) -> list[str]:
-    """The LAMMPS input lines for ``obj`` written at ``path`` (ghost-neighbour mode, and exchange mode)."""
+    """The LAMMPS input lines for ``obj`` written at ``path``: those of its mode as the active lines (``auto``:
+    ghost-neighbour mode, which any ML-IAP build runs, with exchange mode's lines as comments)."""
     elements = " ".join(obj.element_types)
-    lines = [
-        f"# {obj.kind} model, {obj.layers} message-passing layers, cutoff {obj.cutoff:g} A; elements {elements}",
+    ghost = [
         "# ghost-neighbour mode (any LAMMPS with ML-IAP + PYTHON): a ghost shell of layers x cutoff + skin",
         f"pair_style mliap unified {path} 1",
-        f"pair_coeff * * {elements}   # LAMMPS atom types 1, 2, ... in this element order (or your own)",
         f"comm_modify cutoff {obj.ghost_cutoff + skin:g}   # {obj.layers} x {obj.cutoff:g} + skin {skin:g}",
-        "# exchange mode (Kokkos ML-IAP with forward_exchange, LAMMPS 22 Jul 2025+): one cutoff of ghosts",
-        f"# pair_style mliap unified {path} 0",
     ]
+    exchange = [
+        "# exchange mode (Kokkos ML-IAP with forward_exchange, LAMMPS 22 Jul 2025+; run with -k on ... -sf kk): "
+        "one cutoff of ghosts",
+        f"pair_style mliap unified {path} 0",
+        f"comm_modify cutoff {obj.cutoff + skin:g}   # cutoff {obj.cutoff:g} + skin {skin:g}",
+    ]
+    active, other = (exchange, ghost) if obj.mode == "exchange" else (ghost, exchange)
+    lines = [f"# {obj.kind} model, {obj.layers} message-passing layers, cutoff {obj.cutoff:g} A; elements {elements}",
+             *active[:2],
+             f"pair_coeff * * {elements}   # LAMMPS atom types 1, 2, ... in this element order (or your own)",
+             active[2]]
+    if obj.mode == "auto":  # the file runs either way: the other mode's lines as comments
+        lines += [other[0], *(f"# {line}" for line in other[1:])]
     if str(path).lower().endswith(TORCH_SUFFIXES):
         lines.append("# a .pt file: run LAMMPS with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch >= 2.6 loads weights "
                      "only); a .pkl name avoids that")

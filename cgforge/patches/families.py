@@ -20,7 +20,6 @@ import io
 import os
 import sys
 import warnings
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .common import parse_device, parse_dtype
-from .recognise import is_mace_model, is_nequip_model
+from .recognise import is_mace_model, is_nequip_model, is_nequip_package, other_file_message, zip_names
 
 if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
     from cgforge.kernels.core.tuning import KernelTuning
@@ -171,8 +170,8 @@ class _MaceFamily(Family):
 
     def sniffs(self, path: str | os.PathLike) -> bool:
         """A torch.save zip (a pickled whole model) that is not a NequIP package."""
-        names = _zip_names(path)
-        return any(n.endswith("/data.pkl") for n in names) and not _is_nequip_package(names)
+        names = zip_names(path)
+        return any(n.endswith("/data.pkl") for n in names) and not is_nequip_package(names)
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None, *, patch: bool = True,
@@ -226,7 +225,7 @@ class _NequipFamily(Family):
 
     def sniffs(self, path: str | os.PathLike) -> bool:
         """A nequip-package archive (a zip holding ``model/package_metadata.txt``)."""
-        return _is_nequip_package(_zip_names(path))
+        return is_nequip_package(zip_names(path))
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None, *, patch: bool = True,
@@ -314,7 +313,8 @@ def family_for_file(path: str | os.PathLike) -> Family:
         if os.path.isfile(path) and family.sniffs(path):
             return family
     expected = " or ".join(f"a {f.title} {'/'.join(f.suffixes)} file" for f in FAMILIES)
-    raise ValueError(f"{path}: cannot tell the checkpoint type (found {_describe_file(path)}); expected {expected}")
+    raise ValueError(other_file_message(path, f"a checkpoint ({expected})")
+                     or f"{path}: cannot tell the checkpoint type (found {_describe_file(path)}); expected {expected}")
 
 
 def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device = "cpu",
@@ -400,18 +400,6 @@ def _warnings_naming(source: str) -> Iterator[None]:
         yield
     for w in caught:
         warnings.warn_explicit(w.message, w.category, filename=source, lineno=0)
-
-
-def _zip_names(path: str | os.PathLike) -> list[str]:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return zf.namelist()
-    except (zipfile.BadZipFile, OSError):
-        return []
-
-
-def _is_nequip_package(names: list[str]) -> bool:
-    return any(n.endswith("/model/package_metadata.txt") for n in names)
 
 
 def _describe_file(path: str) -> str:

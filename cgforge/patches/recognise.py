@@ -1,4 +1,5 @@
-"""Which family a model module belongs to, told from the object alone (no family package is imported).
+"""Which family a model module belongs to, told from the object alone (no family package is imported), and
+what a file given as a checkpoint holds instead when it is none (``other_file_kind``).
 
 The registry (``families.py``) builds on these, and the family packages check their arguments with them;
 they live apart from both so that neither imports the other.
@@ -6,12 +7,19 @@ they live apart from both so that neither imports the other.
 
 from __future__ import annotations
 
+import os
 import re
+import zipfile
 from typing import Any
 
 import torch
 
-__all__ = ["is_mace_model", "is_nequip_model", "plain_module_name"]
+__all__ = ["is_mace_model", "is_nequip_model", "plain_module_name", "zip_names", "is_nequip_package",
+           "other_file_kind", "other_file_message", "NEQUIP_PACKAGE", "MLIAP_FILE"]
+
+NEQUIP_PACKAGE = "a NequIP package"
+MLIAP_FILE = "a LAMMPS ML-IAP file written by cgforge lammps-model"
+_MLIAP_CLASS = (b"cgforge.lammps.unified", b"CgforgeMLIAP")  # in the first bytes of its pickle
 
 _PACKAGE_PREFIX = re.compile(r"^<torch_package_\d+>\.")
 
@@ -40,3 +48,53 @@ def is_nequip_model(module: Any) -> bool:
     except AttributeError:
         return False
     return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
+
+
+def zip_names(path: str | os.PathLike) -> list[str]:
+    """The member names of the zip archive ``path`` ([] for anything else, also a pickle that holds a zip's
+    bytes, such as an ML-IAP file: zipfile finds an archive's directory anywhere, so the first bytes decide)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return []
+        with zipfile.ZipFile(path) as zf:
+            return zf.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return []
+
+
+def is_nequip_package(names: list[str]) -> bool:
+    """Whether a zip holding ``names`` is a nequip-package archive (``model/package_metadata.txt``)."""
+    return any(n.endswith("/model/package_metadata.txt") for n in names)
+
+
+def other_file_kind(path: str | os.PathLike) -> str | None:
+    """:data:`NEQUIP_PACKAGE` or :data:`MLIAP_FILE` (a pickle, or a torch.save zip, of ``CgforgeMLIAP``) when
+    the file ``path`` is one of these, else None; only its first bytes (or its zip directory) are read."""
+    names = zip_names(path)
+    if is_nequip_package(names):
+        return NEQUIP_PACKAGE
+    pickles = [n for n in names if n.endswith("/data.pkl")]
+    try:
+        if pickles:  # a torch.save zip
+            with zipfile.ZipFile(path) as zf, zf.open(pickles[0]) as f:
+                head = f.read(512)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(512)
+            if names or not head.startswith(b"\x80"):  # a pickle of protocol 2 or later starts with PROTO
+                return None
+    except (zipfile.BadZipFile, OSError, KeyError):
+        return None
+    return MLIAP_FILE if all(part in head for part in _MLIAP_CLASS) else None
+
+
+_HINTS = {NEQUIP_PACKAGE: "name it NAME.nequip.zip (cgforge reads a .model/.pt file as MACE's) or give a MACE .model",
+          MLIAP_FILE: "it is what LAMMPS's `pair_style mliap unified` loads; give the checkpoint it was written from"}
+
+
+def other_file_message(path: str | os.PathLike, expected: str) -> str | None:
+    """The error for a file given as ``expected`` (e.g. "a MACE checkpoint") that :func:`other_file_kind`
+    recognises as something else, saying what it is and what to give instead; None for any other file."""
+    kind = other_file_kind(path)
+    return None if kind is None else f"{os.fspath(path)}: this is {kind}, not {expected}; {_HINTS[kind]}"

@@ -21,7 +21,7 @@ from ase import Atoms
 from ase.io import read
 
 import cgforge
-from cgforge.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNSTABLE, main
+from cgforge.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_UNSTABLE, main
 from cgforge.plugin import calculator as calculator_module
 from cgforge.plugin.runtime.bundled import model_path
 from cgforge.plugin.water import QSPCFwCalculator, water_box
@@ -328,24 +328,31 @@ _CTRL_C_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_ctrl_c_exits_130_with_a_complete_trajectory(tmp_path):
-    """A real SIGINT to a running `cgforge md` (the stand-in model): exit 130, a message with the last step,
-    a trajectory that ends with that step and continues with --restart."""
-    out = tmp_path / "long.traj"
+def _signal_a_run(tmp_path: Path, signum: int, after_step: int, *extra: str) -> tuple[int, list[str], str, str]:
+    """`cgforge md` (the stand-in model) sent ``signum`` once its progress line of ``after_step`` is out: its
+    exit code, the lines read before, the rest of stdout, stderr."""
     script = _CTRL_C_SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT))
     argv = [sys.executable, "-c", script, "md", "--molecules", "8", "--device", "cpu", "--relax", "0", "--steps",
-            "100000", "--log-interval", "1", "--timestep", "0.25", "-o", str(out)]
+            "100000", "--log-interval", "1", "--timestep", "0.25", *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     deadline = time.monotonic() + 240
     seen = []
     for line in proc.stdout:  # wait until a few steps have run
         seen.append(line)
-        if re.match(r"\s+3\s", line) or time.monotonic() > deadline:
+        if re.match(rf"\s+{after_step}\s", line) or time.monotonic() > deadline:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_INTERRUPTED == 130, stderr
+    return proc.returncode, seen, stdout, stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_a_complete_trajectory(tmp_path):
+    """A real SIGINT to a running `cgforge md` (the stand-in model): exit 130, a message with the last step,
+    a trajectory that ends with that step and continues with --restart."""
+    out = tmp_path / "long.traj"
+    rc, seen, stdout, stderr = _signal_a_run(tmp_path, signal.SIGINT, 3, "-o", str(out))
+    assert rc == EXIT_INTERRUPTED == 130, stderr
     assert stderr.startswith("cgforge md: Ctrl-C: the run stops after the current step"), stderr
     assert "press Ctrl-C again to stop now" in stderr.splitlines()[0]
     step = int(re.search(r"interrupted \(Ctrl-C\) at step (\d+)", stderr).group(1))
@@ -353,3 +360,50 @@ def test_ctrl_c_exits_130_with_a_complete_trajectory(tmp_path):
     assert read(out, -1).info["md_step"] == step >= 3
     last = [line for line in "".join(seen).splitlines() + stdout.splitlines() if re.match(r"\s+\d+\s", line)][-1]
     assert int(last.split()[0]) == step  # the last progress line is the trajectory's last step
+
+
+@pytest.mark.slow
+def test_sigterm_exits_143_with_the_last_frame_log_and_plot(tmp_path):
+    """What a batch scheduler sends before it kills a job: handled like the first Ctrl-C (issue 63): exit 143,
+    the message, a trajectory that ends with the step it names, the log's last lines and the plot."""
+    out, log, plot = tmp_path / "long.traj", tmp_path / "long.log", tmp_path / "long.png"
+    rc, _, _, stderr = _signal_a_run(tmp_path, signal.SIGTERM, 2, "--traj-interval", "1", "-o", str(out), "--log",
+                                     str(log), "--plot", str(plot))  # a frame at every step
+    assert rc == EXIT_TERMINATED == 143, stderr
+    assert stderr.startswith("cgforge md: SIGTERM: the run stops after the current step"), stderr
+    step = int(re.search(r"interrupted \(SIGTERM\) at step (\d+)", stderr).group(1))
+    assert f"ends at step {step} (continue with --restart {out}" in stderr and "Traceback" not in stderr
+    assert read(out, -1).info["md_step"] == step >= 2
+    logged = log.read_text().splitlines()
+    assert logged[-2].startswith(f"interrupted (SIGTERM) at step {step}") and logged[-1] == f"plot: {plot}"
+    assert plot.stat().st_size > 0 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sigterm_while_the_model_loads_exits_143_and_leaves_no_empty_output(tmp_path, capsys, monkeypatch):
+    """Before the run starts SIGTERM unwinds too: exit 143, one line, the reserved trajectory name released."""
+
+    class Terminated(StandIn):
+        def __init__(self, *args, **kwargs) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(calculator_module, "Calculator", Terminated)
+    assert main(_md(tmp_path, "--log", str(tmp_path / "a.log"))) == EXIT_TERMINATED
+    assert capsys.readouterr().err.strip() == "cgforge md: terminated (SIGTERM)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.log"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_two_runs_without_a_name_get_two_trajectories(tmp_path, monkeypatch, no_model):
+    """A job array's runs started in the same second in one folder: the default name is reserved when it is
+    chosen, before the model loads, so the second run takes the next free name (issue 63)."""
+    from cgforge.cli.md import prepare_md
+
+    monkeypatch.chdir(tmp_path)
+    args = cgforge.cli.build_parser().parse_args(["md", "--molecules", "4", "--device", "cpu", "--relax", "0"])
+    first, second = prepare_md(args), prepare_md(args)
+    assert first.trajectory != second.trajectory and first.trajectory.exists() and second.trajectory.exists()
+    assert re.fullmatch(r"md-\d{8}-\d{6}(-\d+)?\.traj", second.trajectory.name)
+    first.plan.close()
+    second.plan.close()
+    assert list(tmp_path.iterdir()) == []  # nothing ran: the reservations are released

@@ -278,3 +278,46 @@ def test_patch_takes_the_bundled_names(tmp_path: Path, capsys) -> None:
     assert main(["patch", "mace", str(model_path("mace")), "--force"]) == 1
     assert "same file" in capsys.readouterr().err and _sha(model_path("mace")) == before
     assert os.listdir(tmp_path) == []
+
+
+def test_patch_bundled_names_resolve_to_their_files(tmp_path: Path, capsys) -> None:
+    """'mace' and 'nequip' name the bundled models as in `cgforge md` and `lammps-model` (issue 63); the OUT
+    checks of the family that name resolves to answer first, before any load."""
+    from cgforge.plugin.runtime.bundled import kinds
+
+    assert kinds() == ("mace", "nequip")
+    assert main(["patch", "nequip", str(tmp_path / "out.model")]) == 1
+    err = capsys.readouterr().err
+    assert "OUT: " in err and "must end with .nequip.zip" in err  # IN was found to be a NequIP package
+    assert main(["unpatch", "NEQUIP", str(tmp_path / "out.nequip.zip")]) == 1
+    err = capsys.readouterr().err
+    assert "IN: " not in err and "does not exist" not in err and not (tmp_path / "out.nequip.zip").exists()
+    assert main(["patch", "mace", str(tmp_path / "out.model")]) == 0
+    assert "wrote patched MACE model" in capsys.readouterr().out
+    assert patches.families.family_of(torch.load(tmp_path / "out.model", weights_only=False)).name == "mace"
+
+
+def test_a_nequip_package_or_an_mliap_file_given_as_a_mace_checkpoint_says_what_it_is(tmp_path: Path, capsys) -> None:
+    """Where a MACE checkpoint is expected (its suffix, or IN of `cgforge patch`), a NequIP package or the file
+    `cgforge lammps-model` writes (pickle or torch.save) is named for what it is, not with torch's message."""
+    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.runtime.bundled import model_path
+
+    package = tmp_path / "package.model"
+    package.write_bytes(model_path("nequip").read_bytes())
+    mliap = CgforgeMLIAP("mace", patch=False)
+    pkl, pt = write_lammps_model(mliap, tmp_path / "w.pkl"), write_lammps_model(mliap, tmp_path / "w.pt")
+    renamed = tmp_path / "w.model"
+    renamed.write_bytes(pkl.read_bytes())
+    not_mace, lammps = "not a MACE checkpoint", "this is a LAMMPS ML-IAP file written by cgforge lammps-model"
+    cases = {package: ("this is a NequIP package", not_mace, "NAME.nequip.zip"), pt: (lammps, not_mace),
+             renamed: (lammps, not_mace), pkl: (lammps, "not a checkpoint (a MACE .model")}
+    for path, parts in cases.items():
+        assert main(["patch", str(path), str(tmp_path / "out.model")]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"cgforge patch: error: {path}: {parts[0]}, ") and "\n" not in err, err
+        assert all(part in err for part in parts) and "torch.load" not in err, err
+        assert not (tmp_path / "out.model").exists()
+    with pytest.raises(ValueError, match="this is a NequIP package, not a MACE checkpoint"):
+        patches.load(package)

@@ -786,3 +786,21 @@ def test_float32_forward_packing_is_bit_exact(width):
     feats = bits.view(torch.float32)
     got = _send_forward(Copying(), feats)
     assert got.shape == feats.shape and torch.equal(got.contiguous().view(torch.int32), bits)
+
+
+@pytest.mark.parametrize("mode", ["auto", "ghost", "exchange"])
+def test_usage_lines_are_those_of_the_mode(mode):
+    """`cgforge lammps-model --mode exchange` printed ghost mode's pair_style as the active line and no exchange
+    comm_modify (issue 63): each mode's own lines are the active ones (auto: ghost's, exchange's as comments)."""
+    from types import SimpleNamespace
+
+    from cgforge.lammps.write import usage_lines
+
+    obj = SimpleNamespace(kind="mace", layers=2, cutoff=5.0, ghost_cutoff=10.0, element_types=["H", "O"], mode=mode)
+    lines = usage_lines(obj, "w.pkl", skin=1.0)
+    active = [line.split("#")[0].strip() for line in lines if not line.startswith("#")]
+    flag, cutoff = ("0", 6) if mode == "exchange" else ("1", 11)
+    assert active == [f"pair_style mliap unified w.pkl {flag}", "pair_coeff * * H O", f"comm_modify cutoff {cutoff}"]
+    commented = [line for line in lines if line.startswith("# pair_style") or line.startswith("# comm_modify")]
+    assert commented == (["# pair_style mliap unified w.pkl 0", "# comm_modify cutoff 6   # cutoff 5 + skin 1"]
+                         if mode == "auto" else [])

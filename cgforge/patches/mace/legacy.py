@@ -31,6 +31,7 @@ from e3nn import nn as e3nn_nn
 from e3nn import o3
 from e3nn.util.codegen import CodeGenMixin
 
+from ..recognise import other_file_message
 from ..torch_internals import buffers_dict, parameters_dict, replace_child
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,9 @@ def load_pickle(path: str | os.PathLike, map_location: str | torch.device = "cpu
             f"{path}: a TorchScript (compiled) model; cgforge patches the eager model "
             "(mace_run_train writes both: use NAME.model, not NAME_compiled.model)"
         )
+    other = other_file_message(path, "a MACE checkpoint")  # a NequIP package, an ML-IAP file: say so
+    if other is not None:
+        raise LegacyCheckpointError(other)
     try:
         obj = torch.load(path, map_location=map_location, pickle_module=_pickle_module(), weights_only=False)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, ValueError) as err:

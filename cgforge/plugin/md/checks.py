@@ -1,5 +1,6 @@
 """What an MD run reports and checks: the progress lines (and the values the plot needs), the blow-up guard,
-with the one error both integrator paths raise, and Ctrl-C (``CtrlC``: stop after the step, a second one now)."""
+with the one error both integrator paths raise, and Ctrl-C and SIGTERM (``CtrlC``: stop after the step, a second
+one now)."""
 
 from __future__ import annotations
 
@@ -112,25 +113,62 @@ class Guard:
         raise instability(step, quantity, value, what)
 
 
-class CtrlC:
-    """While ``active``: the first Ctrl-C says at once what happens and sets a flag (the run stops after the
-    current step, its files whole); a second one interrupts at once, except inside ``writing()`` (a frame being
-    written), where it interrupts when the frame is complete. Only in the main thread and only over Python's
-    default handler."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what batch schedulers send before they kill a job) outside a run's steps, under
+    :func:`sigterm_as_interrupt`: unwinds like Ctrl-C (files closed, empty reservations released)."""
 
-    def __init__(self, notice: Callable[[], str]) -> None:
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated("terminated (SIGTERM)")
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While active (main thread, over the default handler): SIGTERM raises :class:`Terminated`; inside a run,
+    :class:`CtrlC` takes it over (the run stops after its step and writes its frame)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class CtrlC:
+    """While ``active``: the first Ctrl-C (SIGINT) or SIGTERM says at once what happens and sets a flag (the run
+    stops after the current step, its files whole); a second one interrupts at once, except inside ``writing()``
+    (a frame being written), where it interrupts when the frame is complete. Only in the main thread, and for
+    each signal only over Python's default handler (or :func:`sigterm_as_interrupt`'s). ``notice(how)``: the
+    first signal's message, ``how`` "Ctrl-C" or "SIGTERM"; ``how`` and ``signum`` say which came (SIGTERM over
+    Ctrl-C: it is what a scheduler sends)."""
+
+    HOW = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+    def __init__(self, notice: Callable[[str], str]) -> None:
         self.notice = notice
         self.pressed = 0
+        self.signum = signal.SIGINT
         self._writing = 0
         self._pending = False
+
+    @property
+    def how(self) -> str:
+        return self.HOW[self.signum]
 
     def __call__(self) -> bool:
         return self.pressed > 0
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.pressed += 1
+        if signum == signal.SIGTERM or self.pressed == 1:
+            self.signum = signal.Signals(signum)
         if self.pressed == 1:
-            print(self.notice(), file=sys.stderr, flush=True)
+            print(self.notice(self.how), file=sys.stderr, flush=True)
         elif self._writing:
             self._pending = True
         else:
@@ -138,15 +176,19 @@ class CtrlC:
 
     @contextmanager
     def active(self) -> Iterator[CtrlC]:
-        if (threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self._handler)
+        ours = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, _raise_terminated)}
+        previous = {s: signal.getsignal(s) for s in ours}
+        taken = [s for s in ours if previous[s] in ours[s]]
+        for s in taken:
+            signal.signal(s, self._handler)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s in taken:
+                signal.signal(s, previous[s])
 
     @contextmanager
     def writing(self) -> Iterator[None]:

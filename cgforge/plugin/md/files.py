@@ -1,5 +1,6 @@
-"""Files of an MD run: output names that never overwrite inputs, structures and restarts read with one clear
-error, trajectories written crash-safely, the log's line printers."""
+"""Files of an MD run: output names that never overwrite inputs, reserved when chosen so that concurrent runs
+never share one, structures and restarts read with one clear error (a trajectory with a cut-off end from its last
+whole frame), trajectories written crash-safely, the log's line printers."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Restart:
     options: dict[str, Any] = field(default_factory=dict)  # the run's saved options (md_ensemble, ...)
     epot: float | None = None  # the frame's potential energy: a restart on another model is refused
     model: str | None = None  # the model that ran it (md_model), for the messages
+    note: str | None = None  # what was skipped to find the frame (a damaged end), said when the run starts
 
 
 def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "trajectory",
@@ -94,15 +96,82 @@ def check_distinct(outputs: dict[str, Path | None], inputs: dict[str, Path | Non
                 raise ValueError(f"{name} and {other} name the same file ({path}); give them different names")
 
 
-def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = ".") -> Path:
-    """A file name that does not exist yet: ``<stem>-<date>-<time>.traj`` (with -1, -2... if needed)."""
-    base = f"{stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    path = Path(directory) / f"{base}.traj"
-    n = 0
-    while path.exists():
-        n += 1
-        path = Path(directory) / f"{base}-{n}.traj"
-    return path
+class FreeName(os.PathLike):
+    """A default output name: ``<base>.traj``, else ``<base>-1.traj``, ``<base>-2.traj``... whichever
+    :meth:`Reservations.take` can create first (``str()`` is the first one free when it was made)."""
+
+    def __init__(self, base: Path, suffix: str = ".traj") -> None:
+        self.base, self.suffix = base, suffix
+        self.first = next(n for n in range(1_000_000) if not self.candidate(n).exists())
+
+    def candidate(self, n: int) -> Path:
+        return self.base.with_name(f"{self.base.name}{f'-{n}' if n else ''}{self.suffix}")
+
+    def __fspath__(self) -> str:
+        return str(self.candidate(self.first))
+
+    __str__ = __fspath__
+
+
+def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = ".") -> FreeName:
+    """A file name that does not exist yet: ``<stem>-<date>-<time>.traj`` (with -1, -2... if needed); a run
+    reserves the first of these still free when its outputs are created (two runs never share one)."""
+    return FreeName(Path(directory) / f"{stem}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+class Reservations:
+    """A run's output names, created when they are chosen: a new name as an empty file (``O_CREAT | O_EXCL``,
+    so a second run, started at the same moment, gets an error or the next free name, never the same file);
+    a name that exists under ``force`` is remembered as it was. :meth:`check_mine` before a file is put in place
+    refuses one another program wrote since; :meth:`release` removes the empty files no frame or plot replaced."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, tuple[bool, tuple]] = {}  # path -> (created by us, its identity then)
+
+    def take(self, path: Path | FreeName, force: bool, what: str) -> Path:
+        """Create ``path`` (a :class:`FreeName`: its first free candidate) for this run; the name to write."""
+        free = isinstance(path, FreeName)
+        n = path.first if free else 0
+        while True:
+            name = path.candidate(n) if free else Path(path)
+            try:
+                os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask decides the mode
+            except FileExistsError:
+                if free:
+                    n += 1
+                    continue
+                if not force:
+                    raise FileExistsError(f"{what}: {name} exists (another run took the name?); choose a new name "
+                                          "or pass --force (force=True) to overwrite it") from None
+                self._files[name] = (False, _identity(name))
+                return name
+            except OSError as err:
+                raise PermissionError(f"{what}: cannot write {name}: {err.strerror or err}") from None
+            self._files[name] = (True, _identity(name))
+            return name
+
+    def check_mine(self, path: Path, what: str) -> None:
+        """Refuse to put a file in place at ``path`` when it is no longer the file this run reserved (or, under
+        ``force``, the file it found): another run or program wrote it since."""
+        entry = self._files.get(path)
+        if entry is not None and _identity(path) != entry[1]:
+            raise FileExistsError(f"{what}: {path} was replaced by another program after this run reserved the "
+                                  "name; it is left as it is and this run's frames are not written there")
+
+    def release(self) -> None:
+        """Remove the files this run created that are still empty and its own (no frame or plot replaced them)."""
+        for path, (created, identity) in list(self._files.items()):
+            if created and _identity(path) == identity:
+                path.unlink()
+            del self._files[path]
+
+
+def _identity(path: Path) -> tuple:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 # ---------------------------------------------------------------------------------------------
 # Reading structures and restarts
@@ -125,6 +194,11 @@ def read_structure(path: str | os.PathLike, what: str = "structure", index: int 
     try:
         atoms = read(path, index=index)
     except Exception as err:  # ase.io raises a different type per format; all mean "not a structure"
+        whole = last_whole_frame(path) if index == -1 else None
+        if whole is not None:  # a trajectory whose end was cut off: say which frame is whole
+            raise ValueError(f"{what}: {path}: its last frame is cut off (a killed run or a full disk); frame "
+                             f"{whole[1] + 1} of {whole[2]} is the last whole one, which a restart (--restart, "
+                             "restart=) continues from") from None
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ValueError(f"{what}: {path}: not a structure file ase.io can read (e.g. .xyz, .extxyz, .traj, "
                          f"POSCAR, .cif): {type(err).__name__}: {reason}") from None
@@ -163,7 +237,22 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
     """The last frame of a trajectory written by :func:`run_md`, with the step counter and random state."""
     if isinstance(path, Restart):
         return path
-    atoms = read_structure(path, what)
+    note = None
+    try:
+        if Path(path).suffix.lower() in XYZ_SUFFIXES and not _ends_with_newline(Path(path)):
+            raise ValueError("cut off")  # its last line may be cut within a number, which ase.io would read
+        atoms = read_structure(path, what)
+    except ValueError:
+        whole = last_whole_frame(Path(path))
+        if whole is None:
+            atoms = read_structure(path, what)  # its error, or a file that reads after all
+        else:
+            atoms, index, frames, ignored = whole
+            lost = frames - index - 1
+            note = (f"{what}: {path}: its last {f'{lost} frames are' if lost > 1 else 'frame is'} cut off (the run "
+                    f"was killed while writing, or the disk filled): continuing from frame {index + 1} of {frames} "
+                    f"(step {atoms.info.get('md_step', '?')}), the last whole one; the {ignored} bytes after it are "
+                    "ignored and the file is left as it is")
     path = Path(path)
     info = atoms.info
     if "md_step" not in info:
@@ -193,7 +282,83 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
             info.pop(key)
     atoms.calc = None  # the frame's stored results are not the calculator's
     return Restart(path=path, atoms=atoms, step=step, time_fs=time_fs, etot0=etot0, rng_state=rng,
-                   engine_state=engine, options=options, epot=None if epot is None else float(epot), model=model)
+                   engine_state=engine, options=options, epot=None if epot is None else float(epot), model=model,
+                   note=note)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+    except OSError:
+        return True  # empty or unreadable: read_structure says which
+
+
+def last_whole_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
+    """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off (a killed run, a full
+    disk): ``(frame, its index, the frames the file holds or began, the bytes after that frame)``; None when the
+    file is no such trajectory or holds no whole frame. The file is only read."""
+    try:
+        if path.suffix.lower() == ".traj":
+            return _last_whole_traj_frame(path)
+        if path.suffix.lower() in XYZ_SUFFIXES:
+            return _last_whole_xyz_frame(path)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _last_whole_traj_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
+    from ase.io.trajectory import Trajectory
+    from ase.io.ulm import read_header
+
+    size = path.stat().st_size
+    with open(path, "rb") as fd:
+        offsets = read_header(fd)[4]  # where each frame's description starts; the header counts the frames
+        ends = []
+        for offset in offsets:  # a frame's arrays precede its description: a whole description, a whole frame
+            fd.seek(int(offset))
+            head = fd.read(8)
+            ends.append(int(offset) + 8 + int.from_bytes(head, "little") if len(head) == 8 else size + 1)
+    with Trajectory(str(path)) as traj:
+        for index in reversed(range(len(offsets))):
+            if ends[index] > size:
+                continue
+            try:
+                return traj[index], index, len(offsets), size - ends[index]
+            except Exception:  # noqa: BLE001 (ase.io raises per format: any error is a damaged frame)
+                continue
+    return None
+
+
+def _last_whole_xyz_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
+    from io import StringIO
+
+    from ase.io import read
+
+    whole, frames = None, 0
+    with open(path, "rb") as f:
+        while True:
+            start = f.tell()
+            line = f.readline()
+            if not line.strip():
+                if not line:
+                    break
+                continue
+            frames += 1
+            n = int(line) if line.endswith(b"\n") and line.strip().isdigit() else -1
+            body = [f.readline() for _ in range(n + 1)] if n >= 0 else []
+            if n < 0 or not all(b.endswith(b"\n") for b in body):
+                break  # the cut: this frame and anything after it
+            whole = (start, f.tell(), frames - 1)
+        size = f.seek(0, os.SEEK_END)
+        if whole is None:
+            return None
+        start, end, index = whole
+        f.seek(start)
+        text = f.read(end - start).decode()
+    return read(StringIO(text), format="extxyz", index=-1), index, frames, size - end
 
 
 def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
@@ -250,11 +415,13 @@ def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
 
 class TrajectoryWriter:
     """Frames to ``path``, created only at the first frame: that frame goes to a hidden temporary file in the
-    same folder, which then replaces ``path``. A run that fails before its first frame leaves no file behind
-    and an existing file (``force=True``) untouched."""
+    same folder, which then replaces ``path`` (the empty file ``reserved`` holds for this run, or under
+    ``force=True`` the file that was there, if no other program wrote it since). A run that fails before its
+    first frame leaves an existing file untouched (and its reservation is released)."""
 
-    def __init__(self, path: Path, atoms: Atoms, what: str = "trajectory") -> None:
-        self.path, self.atoms, self.what = path, atoms, what
+    def __init__(self, path: Path, atoms: Atoms, what: str = "trajectory",
+                 reserved: Reservations | None = None) -> None:
+        self.path, self.atoms, self.what, self.reserved = path, atoms, what, reserved
         self.frames = 0
         self.last_step: int | None = None
         self._traj = None
@@ -270,6 +437,8 @@ class TrajectoryWriter:
                 self._write_xyz(self.path)
             else:
                 self._traj.write()
+        except FileExistsError:  # Reservations.check_mine: its message names the file and what happened
+            raise
         except OSError as err:  # the disk filled, the folder went away: name the file the user gave
             raise OSError(f"{self.what}: cannot write {self.path}: {err.strerror or err}") from None
         finally:
@@ -293,6 +462,8 @@ class TrajectoryWriter:
         else:
             with Trajectory(str(self._tmp), "w", self.atoms) as traj:
                 traj.write()
+        if self.reserved is not None:
+            self.reserved.check_mine(self.path, self.what)  # never over a file another run wrote since
         os.replace(self._tmp, self.path)
         self._tmp = None
         if not self._xyz:

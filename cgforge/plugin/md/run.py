@@ -16,7 +16,8 @@ dynamics (any ASE calculator), the default otherwise. Both write the same frames
 
 Progress lines: step, simulated time, ns/day since the previous line, temperature, the drift of the total
 energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
-XYZ) are new files, created at their first frame (a hidden temporary file renamed over the name). Each frame's
+XYZ) are new files, reserved (created empty) when the run is planned and filled at the first frame (a hidden
+temporary file renamed over the reservation): concurrent runs never share one. Each frame's
 ``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
 (``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's options
 (``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``, ``md_pressure_bar``,
@@ -32,6 +33,7 @@ import difflib
 import inspect
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -53,7 +55,9 @@ from .dynamics import (
 from .files import (
     MODEL_MISMATCH_MEV_PER_ATOM,
     PLOT_SUFFIXES,
+    FreeName,
     Printer,
+    Reservations,
     Restart,
     TrajectoryWriter,
     check_distinct,
@@ -81,11 +85,12 @@ __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MD
            "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM"]
 
 class MDInterrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`run_md`: the run stopped cleanly after ``step``; ``summary`` describes it."""
+    """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: the run stopped cleanly after ``step``; ``summary``
+    describes it."""
 
-    def __init__(self, message: str, step: int, summary: MDSummary) -> None:
+    def __init__(self, message: str, step: int, summary: MDSummary, signum: int = signal.SIGINT) -> None:
         super().__init__(message)
-        self.step, self.summary = step, summary
+        self.step, self.summary, self.signum = step, summary, signum
 
 
 class _StopRequested(Exception):
@@ -176,8 +181,8 @@ def run_md(
     options (ensemble, thermostat, temperature, timestep, friction, barostat, seed) as the defaults; a value given
     that contradicts a saved one is a ValueError naming it, and so is a calculator whose energy of the restart
     frame is not the saved one (another model). ``atoms`` may be None (the frame's structure is used and
-    returned in the summary). Ctrl-C stops after the current step and raises :class:`MDInterrupted` (a
-    KeyboardInterrupt) once the trajectory is closed.
+    returned in the summary). Ctrl-C, and SIGTERM over its default handler, stop after the current step and
+    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed.
 
     Every argument, output file and the structure are checked before anything runs (:func:`plan_md`, which
     ``cgforge md`` calls before it loads the model).
@@ -244,7 +249,8 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     engine_options = check_engine_options(a["engine_options"])
     force = o["force"]
     path, log_path, plot_path = outputs.values()
-    path = check_new_path(path, force, names("trajectory")) if path is not None else None
+    free = isinstance(a["trajectory"], FreeName)  # a default name: the next free one if it is taken meanwhile
+    path = check_new_path(path, force or free, names("trajectory")) if path is not None else None
     if log_path is not None:
         check_new_path(log_path, force, names("log"), suffixes=None)
     if plot_path is not None:
@@ -258,10 +264,19 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         for key in [k for k in atoms.info if k.startswith("md_")]:  # a run's own records (a frame read as a
             del atoms.info[key]  # structure): a new run writes its own, never another run's random state
     check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, names)
-    printer = make_printer(a["log"], force, names("log"))  # the last check: it creates the log file
+    reserved = Reservations()  # the last checks: the output files are created (a concurrent run gets others)
+    try:
+        path = reserved.take(a["trajectory"] if free else path, force, names("trajectory")) if path else None
+        plot_path = reserved.take(plot_path, force, names("plot")) if plot_path is not None else None
+        printer = make_printer(a["log"], force, names("log"))
+    except BaseException:
+        reserved.release()
+        raise
+    if state is not None and state.note:
+        printer.write(state.note)
     atoms = continue_from(atoms, state) if state is not None else atoms
     plan = MDPlan(atoms=atoms, o=o, trajectory=path, printer=printer, plot=plot_path, restart=state,
-                  engine_options=engine_options, names=names, prog=prog, new_run=new_run)
+                  engine_options=engine_options, names=names, prog=prog, new_run=new_run, reserved=reserved)
     if calculator is not None:
         plan.attach(calculator)
     return plan
@@ -290,6 +305,7 @@ class MDPlan:
     new_run: str | None = None
     model: str | None = None  # the model's name as the user gave it, saved in frames (md_model)
     engine: str | None = None  # the integrator path chosen by attach: "device" or "ase"
+    reserved: Reservations | None = None  # the output files created for this run (released by close)
 
     @property
     def out(self) -> Callable[[str], None]:
@@ -323,6 +339,8 @@ class MDPlan:
 
     def close(self) -> None:
         self.printer.close()
+        if self.reserved is not None:
+            self.reserved.release()  # the outputs no frame or plot was written to
 
 
 def _run(plan: MDPlan, which: str) -> MDSummary:
@@ -348,7 +366,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
     end = start + o["steps"]
     dt = o["timestep_fs"]
     time0 = state.time_fs if state is not None and math.isfinite(state.time_fs) else start * dt
-    writer = TrajectoryWriter(path, atoms, plan.names("trajectory")) if path is not None else None
+    writer = TrajectoryWriter(path, atoms, plan.names("trajectory"), plan.reserved) if path is not None else None
     guard = Guard(atoms, o["max_temperature_K"])
     ensemble = o["ensemble"]
     saved = {f"md_{k}": v for k, v in saved_options(o).items()}
@@ -365,8 +383,9 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
     progress: Progress | None = None
     wall_start = time.perf_counter()
     step = start
-    ctrl_c = CtrlC(lambda: f"{plan.prog}: Ctrl-C: the run stops {stop_when} and writes its frame; press Ctrl-C "
-                            "again to stop now (the trajectory keeps its complete frames)")
+    ctrl_c = CtrlC(lambda how: f"{plan.prog}: {how}: the run stops {stop_when} and writes its frame; "
+                   f"{'press Ctrl-C' if how == 'Ctrl-C' else 'send it'} again to stop now (the trajectory keeps its "
+                   "complete frames)")
 
     def time_fs(s: int) -> float:
         return time0 + (s - start) * dt
@@ -418,10 +437,10 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                     writer.close()
             saved_to = (f"; trajectory {path} ends at step {writer.last_step} (continue with --restart {path} / "
                         f"restart={str(path)!r})") if writer is not None and writer.last_step is not None else ""
-            message = f"interrupted (Ctrl-C) at step {step}{saved_to}"
+            message = f"interrupted ({ctrl_c.how}) at step {step}{saved_to}"
             out(message)
             summary = summarize(atoms, o, start, step, wall_start, progress, path, writer, plan.printer.path, which)
-            raise MDInterrupted(message, step, summary) from None
+            raise MDInterrupted(message, step, summary, ctrl_c.signum) from None
         except Exception as err:
             when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
             out(f"stopped {when}: {type(err).__name__}: {err}")
