@@ -13,8 +13,9 @@ Issue 18's per-layer comparison on the 5184-atom water box (436,566 edges at 6 Ã
 The MLP is MACE's shape (8 Bessel functions times the polynomial cutoff, 8 -> 64 -> 64 -> 64 -> weight_numel,
 SiLU), random weights; every row differentiates to x, y and the edge lengths (forces flow through all three).
 ``--tuning SPEC`` (repeatable) adds ``cgforge-table`` built with that ``TPTuning``, e.g. ``loop_order=chunks,
-forward_chunk=64`` or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one
-process, a second table. The floor (``layer_floor``) is a lower bound per call: the larger of the bytes every
+forward_chunk=64``, ``backward_min_blocks=5,backward_chunk=64`` or ``table_packed=true`` (the table read in 12
+bytes a column): per layer kernel choices side by side in one process, a second table (with each one's forward's
+relative difference from the default's). The floor (``layer_floor``) is a lower bound per call: the larger of the bytes every
 kernel must move at the measured copy bandwidth and the CG multiply-adds at the device's FP32 peak. Prints the
 tables; JSON goes to benchmarks/results/ (or $OUT).
 """
@@ -152,6 +153,10 @@ def main() -> None:
         with torch.no_grad():
             want = impls["cgforge-mlp"][0]()
             row["table_vs_mlp"] = float((impls["cgforge-table"][0]() - want).norm() / want.norm())
+            base = impls["cgforge-table"][0]()
+            for spec in tunings:  # what a tuning changes in the result (a packed table: its rounding)
+                row[f"cgforge-table[{spec}]_vs_default"] = float((impls[f"cgforge-table[{spec}]"][0]() - base).norm()
+                                                                 / base.norm())
         for tag, (fn, leaves) in impls.items():
             try:
                 g = torch.randn_like(fn())
@@ -182,13 +187,15 @@ def main() -> None:
           "whichever is larger (fwd+bwd bytes | flops ms: "
           + ", ".join(f"{r['problem']} {r['floor_fb_bytes_ms']:.3f} | {r['floor_fb_flops_ms']:.3f}" for r in rows) + ")")
     if tunings:
-        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default")
+        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default, "
+              "forward's relative difference from the default's")
         for row in rows:
             for spec in ("", *tunings):
                 tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
                 fwd, fb = row.get(f"{tag}_fwd", float("nan")), row.get(f"{tag}_fb", float("nan"))
                 print(f"{row['problem']:12s} {spec or 'default':44s} {fwd:8.3f} {fb:8.3f} {fb - fwd:8.3f} "
-                      f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x")
+                      f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x "
+                      f"{row.get(f'{tag}_vs_default', 0.0):8.1e}")
 
 
 if __name__ == "__main__":
