@@ -368,3 +368,23 @@ def test_cuda_convolutions_read_the_tables() -> None:
 
     (e0, f0), (e1, f1), _ = _fused_and_unfused("cuda", "float64", water_box(64, seed=4))
     assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()
+
+
+@pytest.mark.cuda
+def test_cuda_packed_tables_keep_the_fp32_tables_accuracy() -> None:
+    """``TPTuning.table_packed``: the FP32 model's energy within 1e-5 of FP64's (the MLP), its forces as close as
+    those of the FP32 table, and not the same numbers (the packed kernels ran). The CPU path's numbers:
+    docs/convolution-bytes.md."""
+    from cgforge.kernels.core.tuning import KernelTuning, TPTuning
+    from cgforge.plugin.water import water_box
+
+    atoms = water_box(64, seed=9)
+    e64, f64 = _energy_forces(_mace_calculator("float64", radial_table=False), atoms)
+    e32, f32 = _energy_forces(_mace_calculator("float32", device="cuda", radial_table=True), atoms)
+    packed = _mace_calculator("float32", device="cuda", radial_table=True,
+                              tuning=KernelTuning(tp=TPTuning(table_packed=True)))
+    ep, fp = _energy_forces(packed, atoms)
+    scale = np.abs(f64).max()
+    assert abs(ep - e64) <= 1e-5 * abs(e64)  # the bar: FP32 within 1e-5 of FP64
+    assert np.abs(fp - f64).max() <= max(2 * np.abs(f32 - f64).max(), 1e-5 * scale)
+    assert ep != e32 or not np.array_equal(fp, f32)
