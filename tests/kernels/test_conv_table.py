@@ -155,6 +155,20 @@ def test_a_packed_table_convolution_is_the_convolution_of_the_packed_values() ->
                        conv.forward_table(x64, y64, r64, coeffs.double(), R_MAX, graph))
 
 
+def test_a_table_is_packed_once_while_it_lives_and_again_when_written() -> None:
+    from cgforge.kernels.convolution import table_ops
+
+    coeffs = torch.randn(8, 6, 4, generator=torch.Generator().manual_seed(8))
+    words = table_ops._packed(coeffs)[0]
+    assert table_ops._packed(coeffs)[0] is words  # kept: packed once per table
+    coeffs[0, 0, 2] += 1.0  # written in place: packed again, from the new values
+    again = table_ops._packed(coeffs)[0]
+    assert again is not words and not torch.equal(again, words)
+    key = id(coeffs)
+    del coeffs
+    assert key not in table_ops._PACKED  # dropped with its table
+
+
 def _receiver_backward(conv: Convolution) -> Convolution:
     """``conv`` with the receiver-order backward for every width of grad-out row (where x needs no gradient)."""
     return Convolution(None, None, None, [], problem=conv.problem, tuning=TPTuning(receiver_backward_min_row_bytes=1))
