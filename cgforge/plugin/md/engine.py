@@ -369,7 +369,7 @@ class Engine:
     def _want_overlap(self, overlap: bool | None) -> bool:
         if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap_blocks: expected None, True or False, got {overlap!r}")
-        return bool(overlap)  # opt-in: on an H200 it did not pay yet (docs/performance.md)
+        return bool(overlap)  # opt-in until it pays (measured: docs/performance.md)
 
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
