@@ -34,7 +34,6 @@ struct Dim { long long x; };
 static thread_local Dim threadIdx = {0};
 static Dim blockIdx = {0}, blockDim = {32}, gridDim = {1};
 struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
 struct double2 { double x, y; };
 template <typename T> inline T __ldg(const T* p) { return *p; }
 alignas(16) unsigned char smem_bytes[1 << 20];

@@ -15,7 +15,6 @@ from host_cuda import build, call
 from tp_cases import PROBLEMS, e3nn_tp
 
 from cgforge.kernels import ConvGraph, Convolution, TPTuning
-from cgforge.kernels.radial_table.ops import pack_table, packed_values
 from cgforge.kernels.tensor_product import plan as plans
 from cgforge.kernels.tensor_product.layout import (
     CONV_BACKWARD,
@@ -28,31 +27,27 @@ from cgforge.kernels.tensor_product.layout import (
 R_MAX = 5.0
 INTERVALS = 32
 
-# SCALES / PASS_SCALES: a packed table's two scales (``TPTuning.table_packed``), or nothing
 _FORWARD = """
 extern "C" void run(const S* x, const S* y, S* out, const long long* rowptr, const int* perm, const int* xidx,
-                    const S* table, const S* r, int n, S tscale, S r_maxSCALES, long long rows) {
-    run_warps(WARPS, [&] { NAME(x, y, nullptr, out, rowptr, perm, xidx, nullptr, table, r, n, tscale,
-                                r_maxPASS_SCALES, rows); });
+                    const S* table, const S* r, int n, S tscale, S r_max, long long rows) {
+    run_warps(WARPS, [&] { NAME(x, y, nullptr, out, rowptr, perm, xidx, nullptr, table, r, n, tscale, r_max, rows); });
 }
 """
 _BACKWARD = """
 extern "C" void run(const S* x, const S* y, const S* g, S* gx, S* gy, const long long* rowptr, const int* perm,
                     const int* xidx, const int* gidx, const S* table, const S* r, S* grad_r, int n, S tscale,
-                    S r_maxSCALES, long long rows, int group_pass) {
+                    S r_max, long long rows, int group_pass) {
     run_warps(WARPS, [&] { NAME(x, y, nullptr, g, gx, gy, nullptr, rowptr, perm, xidx, gidx, table, r, grad_r, n,
-                                tscale, r_maxPASS_SCALES, rows, group_pass); });
+                                tscale, r_max, rows, group_pass); });
 }
 """
 
 
-def _kernel(plan, dtype: torch.dtype, layout: Layout, backward: bool, folder: Path, packed: bool = False):
-    source, name = plan.source(dtype, layout.with_table(packed), backward)
+def _kernel(plan, dtype: torch.dtype, layout: Layout, backward: bool, folder: Path):
+    source, name = plan.source(dtype, layout.with_table(), backward)
     scalar = "float" if dtype == torch.float32 else "double"
     warps = plan.schedule(dtype, True).launch(backward).warps_per_block
     driver = (_BACKWARD if backward else _FORWARD).replace("NAME", name).replace("WARPS", str(warps))
-    driver = driver.replace("PASS_SCALES", ", s2, s3" if packed else "")
-    driver = driver.replace("SCALES", ", S s2, S s3" if packed else "")
     return build(source, f"typedef {scalar} S;\n" + driver, folder, name).run
 
 
@@ -74,23 +69,9 @@ def _case(problem: str, tuning: TPTuning | None, seed: int = 0, n: int = 7, e: i
 def test_generated_kernels_run_as_cpp_equal_the_cpu_path(problem: str, dtype: torch.dtype, tmp_path: Path) -> None:
     """nequip-water and mace-medium take the segments order in FP64 and the chunks order in FP32 (the backward's
     grad-out block staged once per row, or per edge); diffdock-L2 has uvw paths."""
-    _check_kernels(problem, dtype, tmp_path, False)
-
-
-@pytest.mark.slow  # as above
-def test_packed_table_kernels_run_as_cpp_equal_the_cpu_path_of_the_packed_values(tmp_path: Path) -> None:
-    """FP32 kernels reading the packed table (``TPTuning.table_packed``) against the FP64 CPU path of the values it
-    holds (``packed_values``); MACE's uvu paths (the uvw paths read their weights through the same macros)."""
-    _check_kernels("mace-medium", torch.float32, tmp_path, True)
-
-
-def _check_kernels(problem: str, dtype: torch.dtype, tmp_path: Path, packed: bool) -> None:
     tuning = TPTuning(receiver_backward_atomic=True)
     conv, graph, x, y, r, coeffs = _case(problem, tuning, seed=3)
-    if packed:  # falling orders, as a fitted table's: c2 and c3 get different scales
-        coeffs = coeffs * torch.tensor([1.0, 0.5, 0.1, 0.01], dtype=torch.float64)
-    # the reference: FP64 (which never packs) of the function the packed kernels evaluate
-    out = conv.forward_table(x, y, r, packed_values(coeffs) if packed else coeffs, R_MAX, graph)
+    out = conv.forward_table(x, y, r, coeffs, R_MAX, graph)
     g = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     want_gx, want_gy, want_gr = torch.autograd.grad(out, (x, y, r), g)
     plan = plans.get(conv.key)
@@ -100,12 +81,8 @@ def _check_kernels(problem: str, dtype: torch.dtype, tmp_path: Path, packed: boo
     xs, ys, gs, rs, cs = (v.detach().numpy().astype(np_dtype) for v in (x, y, g, r, coeffs))
     ints = {k: getattr(t, k).numpy() for k in ("sender", "receiver", "rowptr", "perm", "rowptr_t", "perm_t")}
     n = x.shape[0]
-    scalars = [ctypes.c_int(INTERVALS), real(INTERVALS / R_MAX), real(R_MAX)]
-    if packed:
-        words, s2, s3 = pack_table(coeffs)
-        cs = words.numpy()
-        scalars += [real(s2), real(s3)]
     table = [cs, rs]
+    scalars = [ctypes.c_int(INTERVALS), real(INTERVALS / R_MAX), real(R_MAX)]
     tol = 1e-11 if dtype == torch.float64 else 2e-4
 
     def close(got: np.ndarray, want: torch.Tensor) -> None:
@@ -113,7 +90,7 @@ def _check_kernels(problem: str, dtype: torch.dtype, tmp_path: Path, packed: boo
         assert np.abs(got - want).max() <= tol * max(np.abs(want).max(), 1.0) and np.abs(want).max() > 0
 
     got = np.zeros(out.shape, np_dtype)
-    call(_kernel(plan, dtype, CONV_FORWARD, False, tmp_path, packed),
+    call(_kernel(plan, dtype, CONV_FORWARD, False, tmp_path),
          [xs, ys, got, ints["rowptr"], ints["perm"], ints["sender"], *table, *scalars, n])
     close(got, out)
     for layout, rows, xidx, gidx in ((CONV_BACKWARD, "rowptr_t", None, "receiver"),
@@ -121,7 +98,7 @@ def _check_kernels(problem: str, dtype: torch.dtype, tmp_path: Path, packed: boo
                                      (CONV_BACKWARD_RECEIVERS, "rowptr", "sender", None)):
         gx, gy, gr = np.zeros_like(xs), np.zeros_like(ys), np.zeros_like(rs)
         perm = ints["perm_t" if rows == "rowptr_t" else "perm"]
-        call(_kernel(plan, dtype, layout, True, tmp_path, packed),
+        call(_kernel(plan, dtype, layout, True, tmp_path),
              [xs, ys, gs, gx if layout.grad_x else None, gy, ints[rows], perm, ints.get(xidx), ints.get(gidx),
               cs, rs, gr, *scalars, n, ctypes.c_int(-1)])
         close(gy, want_gy)

@@ -10,7 +10,6 @@ from tp_cases import PROBLEMS, e3nn_tp, rel
 
 from cgforge.kernels import ConvGraph, Convolution, TPTuning
 from cgforge.kernels.radial_table import radial_table
-from cgforge.kernels.radial_table.ops import packed_values
 
 R_MAX = 5.0
 
@@ -109,64 +108,6 @@ def test_table_kernels_compile_without_spills() -> None:
             assert ("grad_r[eid] +=" in source) == backward
             res = compile_cubin(source, arch="sm_90", name="conv_table.cu").resources(name)
             assert not res.spills, (name, res)
-
-
-@pytest.mark.slow  # two NVRTC compiles of MACE's layer shape
-def test_packed_table_kernels_compile_without_spills() -> None:
-    from cgforge.kernels.core.compiler import compile_cubin, nvrtc_available
-    from cgforge.kernels.tensor_product import plan as plans
-    from cgforge.kernels.tensor_product.layout import CONV_BACKWARD, CONV_FORWARD
-
-    plan = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS["mace-medium"])).key)
-    with pytest.raises(ValueError, match="packed table is an FP32 table"):
-        plan.source(torch.float64, CONV_FORWARD.with_table(True), False)
-    if not nvrtc_available():
-        pytest.skip("NVRTC is not installed")
-    for layout, backward in ((CONV_FORWARD, False), (CONV_BACKWARD, True)):
-        source, name = plan.source(torch.float32, layout.with_table(True), backward)
-        assert source.count("load_packed(trow") > 1 and "Cubic<scalar_t>::load(trow" not in source
-        res = compile_cubin(source, arch="sm_90", name="conv_table_packed.cu").resources(name)
-        assert not res.spills, (name, res)
-
-
-def _packed(conv: Convolution) -> Convolution:
-    """``conv`` reading FP32 tables packed in 12 bytes a column (``TPTuning.table_packed``)."""
-    return Convolution(None, None, None, [], problem=conv.problem, tuning=TPTuning(table_packed=True))
-
-
-def test_a_packed_table_convolution_is_the_convolution_of_the_packed_values() -> None:
-    """FP32 with ``table_packed``: the function of the packed table (``packed_values``), forward and gradients, on
-    the CPU path (the whole graph and by row chunks); FP64 ignores the option."""
-    conv, graph, x, y, lengths, coeffs = _case("mace-medium", 9, 60, dtype=torch.float32, seed=5)
-    packed = _packed(conv)
-    held = packed_values(coeffs)
-    assert not torch.equal(held, coeffs)
-    g = torch.randn(9, conv.irreps_out.dim, generator=torch.Generator().manual_seed(6))
-    for run in (lambda c, t: c.forward_table(x, y, lengths, t, R_MAX, graph),
-                lambda c, t: c.forward_table_rows(x, y, lengths, t, R_MAX, graph, torch.nn.Identity(), 4)):
-        got, want, full = run(packed, coeffs), run(conv, held), run(conv, coeffs)
-        assert torch.equal(got, want) and not torch.equal(got, full)
-        assert rel(got, full) < 1e-4  # the rounding of c2 and c3 of a random table (not a fitted one)
-        for a, b in zip(torch.autograd.grad(got, (x, y, lengths), g), torch.autograd.grad(want, (x, y, lengths), g),
-                        strict=True):
-            assert torch.equal(a, b) and b.abs().max() > 0
-    x64, y64, r64 = (t.detach().double() for t in (x, y, lengths))
-    assert torch.equal(packed.forward_table(x64, y64, r64, coeffs.double(), R_MAX, graph),
-                       conv.forward_table(x64, y64, r64, coeffs.double(), R_MAX, graph))
-
-
-def test_a_table_is_packed_once_while_it_lives_and_again_when_written() -> None:
-    from cgforge.kernels.convolution import table_ops
-
-    coeffs = torch.randn(8, 6, 4, generator=torch.Generator().manual_seed(8))
-    words = table_ops._packed(coeffs)[0]
-    assert table_ops._packed(coeffs)[0] is words  # kept: packed once per table
-    coeffs[0, 0, 2] += 1.0  # written in place: packed again, from the new values
-    again = table_ops._packed(coeffs)[0]
-    assert again is not words and not torch.equal(again, words)
-    key = id(coeffs)
-    del coeffs
-    assert key not in table_ops._PACKED  # dropped with its table
 
 
 def _receiver_backward(conv: Convolution) -> Convolution:
@@ -669,32 +610,3 @@ def test_cuda_chunk_passes_give_the_one_launch_gradients_bitwise(monkeypatch) ->
     assert one == [-1] and passes == [0, 1, 2, 3]
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b) and b.abs().max() > 0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("receivers", [False, True])  # the sender-order backward, or the receiver walk (fixed point)
-def test_cuda_packed_table_equals_the_fp64_convolution_of_the_packed_values(problem: str, deterministic: bool,
-                                                                            receivers: bool) -> None:
-    """FP32 kernels reading the packed table against the FP64 composition of the values it holds: forward and
-    gradients in x, y and the lengths, the same bits every run (deterministic)."""
-    conv, graph, x, y, lengths, coeffs = _case(problem, 200, 3000, dtype=torch.float32, device="cuda", seed=7)
-    coeffs = coeffs * torch.tensor([1.0, 0.5, 0.1, 0.01], device="cuda")  # a fitted table's falling orders
-    tuning = TPTuning(table_packed=True, receiver_backward_fixed_point=receivers)
-    packed = Convolution(None, None, None, [], problem=conv.problem, tuning=tuning).to("cuda")
-    if not deterministic:
-        graph = ConvGraph(graph.sender, graph.receiver, graph.num_nodes, deterministic=False)
-    x64, y64, r64 = (t.detach().double().requires_grad_() for t in (x, y, lengths))
-    want = conv.to("cuda")(x64, y64, radial_table(r64, packed_values(coeffs.double()), R_MAX), graph)
-    got = packed.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-    assert rel(got.double(), want) < 1e-5
-    g = torch.randn_like(got)
-    grads = torch.autograd.grad(got, (x, y, lengths), g)
-    for a, b in zip(grads, torch.autograd.grad(want, (x64, y64, r64), g.double()), strict=True):
-        assert rel(a.double(), b) < 1e-4 and b.abs().max() > 0
-    if deterministic:
-        again = packed.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-        assert torch.equal(again, got)
-        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, (x, y, lengths), g), grads,
-                                                     strict=True))

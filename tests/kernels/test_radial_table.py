@@ -11,13 +11,7 @@ import torch
 from host_cuda import assert_compiles_without_spills
 
 from cgforge.kernels.radial_table import fit_radial_table, radial_table, radial_table_reference
-from cgforge.kernels.radial_table.ops import (
-    RADIAL_TABLE_SOURCE,
-    pack_table,
-    packed_values,
-    radial_table_dot,
-    radial_table_eval,
-)
+from cgforge.kernels.radial_table.ops import RADIAL_TABLE_SOURCE, radial_table_dot, radial_table_eval
 
 R_MAX = 5.0
 
@@ -47,48 +41,6 @@ def test_fit_meets_its_tolerance_between_the_knots(tol: float) -> None:
     exact, slope = torch.func.jvp(_smooth, (r,), (torch.ones_like(r),))
     assert float((table.evaluate(r) - exact).abs().max() / exact.abs().max()) <= 2 * tol
     assert float((table.evaluate(r, 1) - slope).abs().max() / slope.abs().max()) <= 2 * tol
-
-
-def test_a_packed_table_holds_fp32_c0_c1_and_c2_c3_as_16_bit_multiples_of_a_power_of_two() -> None:
-    gen = torch.Generator().manual_seed(2)
-    size = torch.tensor([1.0, 1e-1, 1e-3, 1e-5], dtype=torch.float64)  # a fitted table's orders of magnitude
-    coeffs = torch.randn(6, 5, 4, generator=gen, dtype=torch.float64) * size
-    words, s2, s3 = pack_table(coeffs)
-    held = packed_values(coeffs)
-    assert words.shape == (6, 15) and words.dtype == torch.float32 and words.is_contiguous()
-    # the words as the kernel reads them: (c0, c1) pairs, then c2 in the low and c3 in the high 16 bits
-    assert torch.equal(words[:, :10].reshape(6, 5, 2).double(), held[..., :2])
-    assert torch.equal(held[..., :2], coeffs[..., :2].float().double())
-    q = words[:, 10:].view(torch.int32)
-    assert torch.equal((((q & 0xFFFF) ^ 0x8000) - 0x8000).double() * s2, held[..., 2])
-    assert torch.equal((q >> 16).double() * s3, held[..., 3])
-    for i, s in ((2, s2), (3, s3)):
-        assert math.log2(s) == round(math.log2(s))  # a power of two: q * s is exact in FP32
-        assert float((held[..., i] - coeffs[..., i]).abs().max()) <= s / 2
-        assert 16384 < float(coeffs[..., i].abs().max()) / s <= 32768  # the 16 bits used, none overflowing
-    with pytest.raises(ValueError, match="non-finite"):
-        pack_table(torch.full((2, 3, 4), float("nan")))
-    with pytest.raises(ValueError, match="coeffs"):
-        pack_table(torch.zeros(2, 3, 3))
-
-
-def test_a_packed_fitted_table_stays_near_the_fp32_tables_error() -> None:
-    """The packed table of a fit to 1e-7: values as accurate as the FP32 table's, slopes within a few times
-    (c2's rounding, relative to the largest c2, times h: MACE-MP-medium's second layer measured in
-    docs/performance.md)."""
-    table = fit_radial_table(_smooth, R_MAX, tol=1e-7)
-    r = torch.rand(4000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * R_MAX + 1e-3
-    exact, slope = torch.func.jvp(_smooth, (r,), (torch.ones_like(r),))
-
-    def errors(coeffs: torch.Tensor) -> tuple[float, float]:
-        value = radial_table_reference(r, coeffs, R_MAX, 0) - exact
-        deriv = radial_table_reference(r, coeffs, R_MAX, 1) - slope
-        return float(value.abs().max() / exact.abs().max()), float(deriv.abs().max() / slope.abs().max())
-
-    fp32 = errors(table.coeffs.float().double())
-    packed = errors(packed_values(table.coeffs))
-    assert packed[0] <= 2 * max(fp32[0], 1e-7) and packed[1] <= 1e-6
-    assert packed != errors(table.coeffs)  # it did round
 
 
 def test_fit_error_falls_as_h_to_the_fourth() -> None:
@@ -368,23 +320,3 @@ def test_cuda_convolutions_read_the_tables() -> None:
 
     (e0, f0), (e1, f1), _ = _fused_and_unfused("cuda", "float64", water_box(64, seed=4))
     assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()
-
-
-@pytest.mark.cuda
-def test_cuda_packed_tables_keep_the_fp32_tables_accuracy() -> None:
-    """``TPTuning.table_packed``: the FP32 model's energy within 1e-5 of FP64's (the MLP), its forces as close as
-    those of the FP32 table, and not the same numbers (the packed kernels ran). The CPU path's numbers:
-    docs/convolution-bytes.md."""
-    from cgforge.kernels.core.tuning import KernelTuning, TPTuning
-    from cgforge.plugin.water import water_box
-
-    atoms = water_box(64, seed=9)
-    e64, f64 = _energy_forces(_mace_calculator("float64", radial_table=False), atoms)
-    e32, f32 = _energy_forces(_mace_calculator("float32", device="cuda", radial_table=True), atoms)
-    packed = _mace_calculator("float32", device="cuda", radial_table=True,
-                              tuning=KernelTuning(tp=TPTuning(table_packed=True)))
-    ep, fp = _energy_forces(packed, atoms)
-    scale = np.abs(f64).max()
-    assert abs(ep - e64) <= 1e-5 * abs(e64)  # the bar: FP32 within 1e-5 of FP64
-    assert np.abs(fp - f64).max() <= max(2 * np.abs(f32 - f64).max(), 1e-5 * scale)
-    assert ep != e32 or not np.array_equal(fp, f32)

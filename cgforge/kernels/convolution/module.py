@@ -87,4 +87,4 @@ class Convolution(TensorProduct):
         for layout, backward in ((CONV_FORWARD, False), (CONV_FORWARD_SORTED, False), (CONV_BACKWARD, True)):
             plan.kernel(dtype, layout, backward, device)
             if table:
-                plan.kernel(dtype, layout.with_table(table_ops.packs(self.key, dtype)), backward, device)
+                plan.kernel(dtype, layout.with_table(), backward, device)

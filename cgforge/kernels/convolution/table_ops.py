@@ -9,22 +9,16 @@ is written or read, forward or backward (a layer's table is [intervals, weight_n
 The backward op's derivatives are written with the plain ops (``radial_table_eval``/``_dot``, ``conv_forward``/
 ``conv_backward``), each differentiable to any order: second derivatives are for force Jacobians and training,
 MD needs the first. Off CUDA both ops are the composition W = W(r), then the plain convolution, in torch.
-
-With ``TPTuning.table_packed`` (FP32) the kernels read the table packed in 12 bytes a column (``pack_table``,
-made once per table and kept while the table lives: its scales are read on the host, so before any CUDA graph
-capture) and every path, the torch ones too, evaluates the packed table's coefficients (``packed_values``).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from ..core.custom_op import custom_op
 from ..core.launch import l2_bytes, trilinear_double_backward
 from ..core.registry import itemsize
-from ..radial_table.ops import pack_table, packed_values, radial_table_dot, radial_table_eval, radial_table_reference
+from ..radial_table.ops import radial_table_dot, radial_table_eval, radial_table_reference
 from ..tensor_product import plan as plans
 from ..tensor_product.launch import has_unweighted_paths, launch, needs_zero_fill
 from ..tensor_product.layout import (
@@ -44,44 +38,17 @@ from . import fixed_point
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
 
-__all__ = ["conv_table_backward", "conv_table_forward", "needs_grad_x", "packs", "table_coefficients"]
-
-_PACKED: dict[int, tuple] = {}  # id(coeffs) -> (weak reference, version, packed words, s2, s3)
+__all__ = ["conv_table_backward", "conv_table_forward", "needs_grad_x"]
 
 
-def packs(key: str, dtype: torch.dtype) -> bool:
-    """Whether the table convolution of plan ``key`` reads its table packed (``TPTuning.table_packed``, FP32)."""
-    return dtype == torch.float32 and plans.get(key).tuning.table_packed
-
-
-def table_coefficients(key: str, coeffs: torch.Tensor) -> torch.Tensor:
-    """The coefficients the kernels of plan ``key`` evaluate: ``coeffs``, or those its packed table holds."""
-    return packed_values(coeffs) if packs(key, coeffs.dtype) else coeffs
-
-
-def _packed(coeffs: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    """``pack_table(coeffs)``, made once per table (while it lives and is not modified in place)."""
-    hit = _PACKED.get(id(coeffs))
-    if hit is not None and hit[0]() is coeffs and hit[1] == coeffs._version:
-        return hit[2:]
-    words, s2, s3 = pack_table(coeffs)
-    key = id(coeffs)
-    _PACKED[key] = (weakref.ref(coeffs, lambda _: _PACKED.pop(key, None)), coeffs._version, words, s2, s3)
-    return words, s2, s3
-
-
-def _table_args(key: str, coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
+def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
     from ..core.runtime import F32, F64, I32
 
     real = F32 if r.dtype == torch.float32 else F64
-    n = coeffs.shape[0]
-    grad = [] if grad_r is None else [grad_r]
-    if packs(key, r.dtype):
-        words, s2, s3 = _packed(coeffs)
-        return [words, r, *grad, I32(n), real(n / r_max), real(r_max), real(s2), real(s3)]
     if coeffs.data_ptr() % 16:  # each weight's four coefficients are read as one 16-byte vector
         coeffs = coeffs.clone()
-    return [coeffs, r, *grad, I32(n), real(n / r_max), real(r_max)]
+    n = coeffs.shape[0]
+    return [coeffs, r, *([] if grad_r is None else [grad_r]), I32(n), real(n / r_max), real(r_max)]
 
 
 def _csr_edges(rowptr: torch.Tensor, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +88,6 @@ def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs
     p = plans.get(key).problem
     rows = _output_rows(x, rowptr)
     if x.device.type != "cuda":
-        coeffs = table_coefficients(key, coeffs)
         if rowptr.numel():  # the CSR rows, as the kernels read them: also a range of a larger graph's rows
             ids, rows_of = _csr_edges(rowptr, perm)
             w = radial_table_reference(r.index_select(0, ids), coeffs, r_max)
@@ -129,18 +95,17 @@ def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs
         return _reference_conv(p, x, y, radial_table_reference(r, coeffs, r_max), sender, receiver, rows)
     GraphTensors(sender, receiver, rowptr, perm, rowptr_t, perm_t).check()
     x, y, r, coeffs = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous()
-    table = _table_args(key, coeffs, r, r_max, None)
-    packed = packs(key, x.dtype)
+    table = _table_args(coeffs, r, r_max, None)
     shape = (rows, p.irreps_out.dim)
     if deterministic:
         out = x.new_zeros(shape) if needs_zero_fill(p, out_side=True) else x.new_empty(shape)
         layout = CONV_FORWARD if perm.numel() else CONV_FORWARD_SORTED
         args = [x, y, None, out, rowptr, perm if perm.numel() else None, sender, None, *table]
-        launch(key, False, layout.with_table(packed), rows, args, x.dtype, x.device)
+        launch(key, False, layout.with_table(), rows, args, x.dtype, x.device)
     else:
         out = x.new_zeros(shape)
         args = [x, y, None, out, None, None, sender, receiver, *table]
-        launch(key, False, ATOMIC_FORWARD.with_table(packed), sender.shape[0], args, x.dtype, x.device)
+        launch(key, False, ATOMIC_FORWARD.with_table(), sender.shape[0], args, x.dtype, x.device)
     return out
 
 
@@ -157,7 +122,6 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     x, y, r, coeffs, g, *graph = ctx.saved_tensors
     r_max, key, det, grad_x = ctx.args
     ggx = ggx if grad_x else None  # no grad x was formed: nothing flows back through it
-    coeffs = table_coefficients(key, coeffs)  # the function the kernels evaluate
     w = radial_table_eval(r, coeffs, r_max, 0)
     ggw = None if ggr is None else ggr.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, 1)
     dx, dy, dw, dg = trilinear_double_backward(
@@ -210,8 +174,8 @@ def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max
         gx = None
         layout = CONV_BACKWARD_NO_GX_SORTED if sorted_edges else CONV_BACKWARD_NO_GX
     args = [x, y, None, g, gx, gy, None, rowptr, None if sorted_edges else perm, sender, None,
-            *_table_args(key, coeffs, r, r_max, gr), *extra]
-    launch(key, True, layout.with_table(packs(key, x.dtype)), rowptr.shape[0] - 1, args, x.dtype, x.device)
+            *_table_args(coeffs, r, r_max, gr), *extra]
+    launch(key, True, layout.with_table(), rowptr.shape[0] - 1, args, x.dtype, x.device)
     if fixed:
         gx = fixed_point.from_fixed(gx, scale, bound, x.dtype)
     return gx if grad_x else x.new_empty(0), gy, gr
@@ -228,7 +192,6 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
     ``receiver_backward_atomic`` also where grad x is formed: added by atomics)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
-        coeffs = table_coefficients(key, coeffs)
         w = radial_table_reference(r, coeffs, r_max)
         gx, gy, gw = _reference_conv_backward(p, x, y, w, g, sender, receiver)
         return gx if grad_x else x.new_empty(0), gy, (gw * radial_table_reference(r, coeffs, r_max, 1)).sum(1)
@@ -239,13 +202,12 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
         return _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max, key, grad_x)
     gx = torch.zeros_like(x) if not deterministic or needs_zero_fill(p, out_side=False) else torch.empty_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # segments add their parts
-    table = _table_args(key, coeffs, r, r_max, gr)
-    packed = packs(key, x.dtype)
+    table = _table_args(coeffs, r, r_max, gr)
     if deterministic:
         args = [x, y, None, g, gx, gy, None, rowptr_t, perm_t, None, receiver, *table]
-        launch(key, True, CONV_BACKWARD.with_table(packed), x.shape[0], args, x.dtype, x.device)
+        launch(key, True, CONV_BACKWARD.with_table(), x.shape[0], args, x.dtype, x.device)
     else:
         args = [x, y, None, g, gx, gy, None, None, None, sender, receiver, *table]
-        launch(key, True, ATOMIC_BACKWARD.with_table(packed), sender.shape[0], args, x.dtype, x.device)
+        launch(key, True, ATOMIC_BACKWARD.with_table(), sender.shape[0], args, x.dtype, x.device)
     return gx if grad_x else x.new_empty(0), gy, gr
 

@@ -34,15 +34,7 @@ from ..tensor_product import plan as plans
 from ..tensor_product.launch import launch, needs_zero_fill
 from ..tensor_product.layout import CONV_BACKWARD
 from .ops import _reference_conv_backward
-from .table_ops import (
-    _csr_edges,
-    _table_args,
-    conv_table_backward,
-    conv_table_forward,
-    needs_grad_x,
-    packs,
-    table_coefficients,
-)
+from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward, needs_grad_x
 
 __all__ = ["conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
            "row_ranges", "transposed_range"]
@@ -137,8 +129,6 @@ def conv_table_backward_by_ranges(x: torch.Tensor, y: torch.Tensor, r: torch.Ten
     gx = torch.zeros_like(x)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)  # each edge's parts land once, from its receiver's range
     cuda = x.device.type == "cuda"
-    if not cuda:
-        coeffs = table_coefficients(key, coeffs)  # the function the kernels evaluate
     w = None if cuda else radial_table_reference(r, coeffs, r_max)
     for r0, r1 in ranges:
         g = grad_rows(r0, r1).contiguous()
@@ -147,8 +137,8 @@ def conv_table_backward_by_ranges(x: torch.Tensor, y: torch.Tensor, r: torch.Ten
         if cuda:
             part = torch.zeros_like(x) if needs_zero_fill(p, out_side=False) else torch.empty_like(x)
             args = [x, y, None, g, part, gy, None, rowptr_range, perm_range, None, shifted,
-                    *_table_args(key, coeffs, r, r_max, gr)]
-            launch(key, True, CONV_BACKWARD.with_table(packs(key, x.dtype)), x.shape[0], args, x.dtype, x.device)
+                    *_table_args(coeffs, r, r_max, gr)]
+            launch(key, True, CONV_BACKWARD.with_table(), x.shape[0], args, x.dtype, x.device)
         else:  # the same CSR walked in torch: the edges the kernel would visit, and their gradients
             ids, senders = _csr_edges(rowptr_range, perm_range)
             part, gy_ids, gw_ids = _reference_conv_backward(p, x, y.index_select(0, ids), w.index_select(0, ids), g,

@@ -71,11 +71,6 @@ class TPTuning:
     False: windows overlap and the block is staged per edge (the segments order stages it once either way).
     stacked_window_bytes: the largest side-by-side backward window per warp that ``row_grad_once`` takes; a
     schedule whose stacked window would be wider keeps the overlapping windows (see ``schedule.build_schedule``).
-    table_packed: an FP32 table convolution reads its radial table in 12 bytes a column instead of 16
-    (``radial_table.ops.pack_table``: c0, c1 in FP32, c2, c3 as 16-bit integers times a power of two per table),
-    a quarter fewer bytes per edge; the weights are those of the rounded table (``packed_values``: its error,
-    measured on MACE-MP-medium's second layer in docs/performance.md, is a few times the FP32 table's). Default
-    False: the FP32 table as before. FP64 ignores it.
     """
 
     forward_chunk: int | None = None
@@ -95,7 +90,6 @@ class TPTuning:
     grad_y_reduce_scatter: bool = True
     row_grad_once: bool = True
     stacked_window_bytes: int = 16 * 1024
-    table_packed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -113,8 +107,7 @@ class TPTuning:
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter", "row_grad_once",
-                     "table_packed"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter", "row_grad_once"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         fixed = self.receiver_backward_fixed_point

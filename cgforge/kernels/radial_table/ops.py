@@ -13,7 +13,6 @@ CUDA: one warp per edge, lanes over the columns; each column's four coefficients
 (``SORT_MIN_COLUMNS``; the ops' ``by_length`` argument: -1 this rule, 0 never, 1 always) the kernels visit the
 edges in order of length (one argsort per call): a block takes
 a run of consecutive lengths, whose edges share an interval or two, and reads their coefficients from L1.
-(A packed table, 12 bytes a column, for the convolutions that read one: ``pack_table``.)
 H100, 436,566 edges (``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges'
 own order (writing [E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms
 does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: the same result every run.
@@ -21,16 +20,14 @@ does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from ..core.custom_op import custom_op
 from ..core.registry import SourceKernels
 
-__all__ = ["CUBIC_SOURCE", "PACKED_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "pack_table", "packed_values",
-           "radial_table", "radial_table_dot", "radial_table_eval", "radial_table_reference", "sorts_by_length"]
+__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "radial_table", "radial_table_dot",
+           "radial_table_eval", "radial_table_reference", "sorts_by_length"]
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
@@ -81,23 +78,6 @@ __device__ __forceinline__ const T* locate(const T* __restrict__ coeffs, T r, in
     if (order > 0 && !(r >= (T)0 && r <= r_max)) factor = (T)0;
     if (r != r) factor = r;
     return coeffs + (long long)k * cols * 4;
-}
-"""
-
-# A table in 12 bytes a column (FP32 only; ``pack_table``): interval k's row holds the columns' (c0, c1) as FP32
-# pairs, then each column's (c2, c3) as two 16-bit integers in one 32-bit word, c_i = q_i * s_i with s_i a power of
-# two per table (c2 and c3 are O(h^2) and O(h^3) of the function: 16 bits of them keep the values' and slopes'
-# error near the FP32 table's). Rendered after CUBIC_SOURCE into the convolutions that read such a table.
-PACKED_SOURCE = r"""
-// The row of the interval `locate` found in a packed table (its 4-word stride read back as the interval index).
-__device__ __forceinline__ const float* packed_row(const float* table, const float* located, int cols) {
-    return table + ((located - table) >> 2) * (3LL * cols);
-}
-// Column j's cubic from a packed row: one 8-byte load of (c0, c1), one 4-byte load of the two scaled integers.
-__device__ __forceinline__ Cubic<float> load_packed(const float* row, long long j, int cols, float s2, float s3) {
-    const float2 a = __ldg(reinterpret_cast<const float2*>(row) + j);
-    const int q = __ldg(reinterpret_cast<const int*>(row) + 2LL * cols + j);
-    return {a.x, a.y, (float)(short)(q & 0xffff) * s2, (float)(q >> 16) * s3};
 }
 """
 
@@ -191,41 +171,6 @@ def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int =
     if order > 0:
         v = v * ((r >= 0) & (r <= r_max)).unsqueeze(1).to(v.dtype)
     return torch.where(r.isnan().unsqueeze(1), r.unsqueeze(1), v)
-
-
-def _packed_scales(coeffs: Tensor) -> tuple[float, float]:
-    """The powers of two s2, s3 with which c2 = q2 s2 and c3 = q3 s3, |q| <= 32767 (one each per table)."""
-    scales = []
-    for i in (2, 3):
-        top = float(coeffs[..., i].abs().max())
-        scales.append(2.0 ** (math.ceil(math.log2(top)) - 15) if top > 0 and math.isfinite(top) else 1.0)
-    return scales[0], scales[1]
-
-
-def packed_values(coeffs: Tensor) -> Tensor:
-    """The coefficients a packed table of ``coeffs`` holds (``pack_table``), in ``coeffs``' dtype: c0 and c1 in
-    FP32, c2 and c3 rounded to 16-bit multiples of their scales. What the kernels evaluate; CPU and reference paths
-    use it so that they compute the same function."""
-    s2, s3 = _packed_scales(coeffs)
-    out = coeffs.to(torch.float32).to(coeffs.dtype, copy=True)  # never the caller's tensor, written below
-    for i, s in ((2, s2), (3, s3)):
-        out[..., i] = torch.round(coeffs[..., i] / s).clamp(-32767, 32767) * s
-    return out
-
-
-def pack_table(coeffs: Tensor) -> tuple[Tensor, float, float]:
-    """(words, s2, s3): the [N, C, 4] table in 12 bytes a column (``PACKED_SOURCE``): FP32 [N, 3C], each row the C
-    (c0, c1) pairs then C words each holding c2 / s2 (low 16 bits) and c3 / s3 (high), as 16-bit integers."""
-    check_table(coeffs, 1.0)
-    if not torch.isfinite(coeffs).all():
-        raise ValueError("coeffs: a table with non-finite coefficients cannot be packed")
-    s2, s3 = _packed_scales(coeffs)
-    n, cols, _ = coeffs.shape
-    q2 = torch.round(coeffs[..., 2] / s2).clamp(-32767, 32767).to(torch.int32)
-    q3 = torch.round(coeffs[..., 3] / s3).clamp(-32767, 32767).to(torch.int32)
-    pair = ((q3 << 16) | (q2 & 0xFFFF)).view(torch.float32)  # the bits, not the values: read back as an int
-    words = torch.cat([coeffs[..., :2].to(torch.float32).reshape(n, 2 * cols), pair], dim=1)
-    return words.contiguous(), s2, s3
 
 
 _KERNELS = SourceKernels(RADIAL_TABLE_SOURCE,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..core import warp_reduce
 from ..core.ir import c_group, literal
 from ..core.templates import template
-from ..radial_table.ops import CUBIC_SOURCE, PACKED_SOURCE
+from ..radial_table.ops import CUBIC_SOURCE
 from .layout import Layout
 from .program import build_program, segment_groups
 from .schedule import Schedule
@@ -68,8 +68,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
     """CUDA source and the kernel base name (`<name>_forward`, `<name>_backward`). `backward_min_blocks`: the
     B of the backward's ``__launch_bounds__(threads, B)`` (None: threads only); the name stays the same."""
     literal(scalar, 0.0)  # checks the scalar type
-    if layout.packed and (scalar != "float" or not layout.table):
-        raise ValueError(f"a packed table is an FP32 table layout; got {scalar} with table={layout.table}")
     p = schedule.problem
     name = kernel_name(schedule, scalar, layout)
     source = template("tensor_product.cu.j2").render(
@@ -83,8 +81,7 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         backward=build_program(schedule, backward=True) if backward else None,
         forward_loop_order=schedule.loop_order(False), backward_loop_order=schedule.loop_order(True),
         csr=layout.csr, perm=layout.perm, xidx=layout.xidx, gidx=layout.gidx, atomic=layout.atomic,
-        grad_x=layout.grad_x, fixed=layout.fixed, table=layout.table, packed=layout.packed,
-        cubic_source=(CUBIC_SOURCE + (PACKED_SOURCE if layout.packed else "")) if layout.table else "",
+        grad_x=layout.grad_x, fixed=layout.fixed, table=layout.table, cubic_source=CUBIC_SOURCE if layout.table else "",
         emit_forward=forward, emit_backward=backward, segment_groups=segment_groups,
         grad_y_groups=lambda slots, table: grad_y_groups(slots, table, schedule.tuning.grad_y_reduce_scatter),
         backward_passes=schedule.backward_passes(), row_grad_once=backward and schedule.row_grad_once(layout),

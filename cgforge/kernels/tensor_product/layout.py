@@ -15,8 +15,6 @@ class Layout:
     row's edges each add their part of grad x.
     table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
     backward writes grad r instead).
-    packed: with table, FP32: the table in 12 bytes a column (``radial_table.ops.pack_table``: c2, c3 as 16-bit
-    integers times a scale per table; ``TPTuning.table_packed``).
     fixed: backward only, with atomic and csr: grad x is added as 64-bit fixed point (an int64 buffer, the scale a
     device scalar the kernel reads): integer sums, so its bits do not depend on the order of the atomics.
     grad_x: backward only; False: no grad x is formed or written (an in1 that needs no gradient, e.g. a first
@@ -32,16 +30,14 @@ class Layout:
     table: bool = False
     grad_x: bool = True
     fixed: bool = False
-    packed: bool = False
 
     def tag(self) -> str:
         flags = "".join(k[0] if getattr(self, k) else "_" for k in ("csr", "perm", "xidx", "gidx", "atomic"))
         # names of the kernels without a table (or with grad x, or without fixed point) as before
-        return (flags + ("t" if self.table else "") + ("" if self.grad_x else "n") + ("f" if self.fixed else "")
-                + ("p" if self.packed else ""))
+        return flags + ("t" if self.table else "") + ("" if self.grad_x else "n") + ("f" if self.fixed else "")
 
-    def with_table(self, packed: bool = False) -> Layout:
-        return replace(self, table=True, packed=packed)
+    def with_table(self) -> Layout:
+        return replace(self, table=True)
 
 
 TP_LAYOUT = Layout()
