@@ -13,10 +13,11 @@ Issue 18's per-layer comparison on the 5184-atom water box (436,566 edges at 6 Ã
 The MLP is MACE's shape (8 Bessel functions times the polynomial cutoff, 8 -> 64 -> 64 -> 64 -> weight_numel,
 SiLU), random weights; every row differentiates to x, y and the edge lengths (forces flow through all three).
 ``--tuning SPEC`` (repeatable) adds ``cgforge-table`` built with that ``TPTuning``, e.g. ``loop_order=chunks,
-forward_chunk=64`` or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one
-process, a second table. The floor (``layer_floor``) is a lower bound per call: the larger of the bytes every
-kernel must move at the measured copy bandwidth and the CG multiply-adds at the device's FP32 peak. Prints the
-tables; JSON goes to benchmarks/results/ (or $OUT).
+forward_chunk=64``, or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one process, a second table (with each one's forward's
+relative difference from the default's); ``--by-length`` adds each of those rows with every receiver's edges
+visited shortest first (neighbouring warps then read nearby rows of the table). The floor (``layer_floor``) is a
+lower bound per call: the larger of the bytes every kernel must move at the measured copy bandwidth and the CG
+multiply-adds at the device's FP32 peak. Prints the tables; JSON goes to benchmarks/results/ (or $OUT).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main() -> None:
     parser.add_argument("problems", nargs="*", default=["mace-medium", "mace-large"])
     parser.add_argument("--tuning", action="append", default=[], metavar="SPEC",
                         help="also time cgforge-table with this TPTuning (name=value,...); repeatable")
+    parser.add_argument("--by-length", action="store_true",
+                        help="also time each cgforge-table row with every receiver's edges in order of length")
     args = parser.parse_args()
     names = args.problems
     known = PROBLEMS | MODEL_LAYERS
@@ -116,6 +119,13 @@ def main() -> None:
     n, e = len(atoms), sender.shape[0]
     lengths = edge_lengths(atoms, sender, receiver)
     graph = ConvGraph(sender, receiver, n, deterministic=True)
+    by_length = None
+    if args.by_length:  # receivers' rows as before, each one's edges shortest first: warps read nearby table rows
+        order = torch.argsort(lengths)
+        order = order[torch.argsort(receiver[order], stable=True)]
+        by_length = order, ConvGraph(sender[order], receiver[order], n, deterministic=True)
+        print(f"edges by length: perm empty {by_length[1].tensors().perm.numel() == 0} (given order: "
+              f"{graph.tensors().perm.numel() == 0})", flush=True)
     print(f"water: {n} nodes, {e} edges, lengths {float(lengths.min()):.2f}..{float(lengths.max()):.2f} Ã…", flush=True)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -133,10 +143,17 @@ def main() -> None:
                **layer_floor(conv.problem, n, e, bandwidth, tflops)}
         impls = {"cgforge-table": (lambda: conv.forward_table(x, y, r, coeffs, R_MAX, graph), (x, y, r)),
                  "cgforge-mlp": (lambda: conv(x, y, mlp(r), graph), (x, y, r))}
+        convs = {"": conv}
         for spec, tuning in tunings.items():
-            tuned = Convolution.from_e3nn(e3, tuning=tuning).to("cuda")
+            tuned = convs[spec] = Convolution.from_e3nn(e3, tuning=tuning).to("cuda")
             impls[f"cgforge-table[{spec}]"] = (lambda c=tuned: c.forward_table(x, y, r, coeffs, R_MAX, graph),
                                                (x, y, r))
+        if by_length is not None:
+            order, graph_l = by_length
+            y_l, r_l = y.detach()[order].requires_grad_(), r.detach()[order].requires_grad_()
+            for spec, c in convs.items():
+                impls[f"cgforge-table[{spec + ',' if spec else ''}by-length]"] = (
+                    lambda c=c: c.forward_table(x, y_l, r_l, coeffs, R_MAX, graph_l), (x, y_l, r_l))
         if "cueq" in found:
             try:
                 sp, poly = cueq_channelwise(found, i1, i2, io, torch.float32)
@@ -152,6 +169,9 @@ def main() -> None:
         with torch.no_grad():
             want = impls["cgforge-mlp"][0]()
             row["table_vs_mlp"] = float((impls["cgforge-table"][0]() - want).norm() / want.norm())
+            base = impls["cgforge-table"][0]()
+            for tag in (t for t in impls if t.startswith("cgforge-table[")):  # what each changes in the result
+                row[f"{tag}_vs_default"] = float((impls[tag][0]() - base).norm() / base.norm())
         for tag, (fn, leaves) in impls.items():
             try:
                 g = torch.randn_like(fn())
@@ -181,14 +201,19 @@ def main() -> None:
     print(f"floor: bytes at {bandwidth / 1e9:.0f} GB/s (a measured copy) or CG multiply-adds at {tflops} TFLOP/s FP32, "
           "whichever is larger (fwd+bwd bytes | flops ms: "
           + ", ".join(f"{r['problem']} {r['floor_fb_bytes_ms']:.3f} | {r['floor_fb_flops_ms']:.3f}" for r in rows) + ")")
-    if tunings:
-        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default")
+    if tunings or by_length is not None:
+        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default, "
+              "forward's relative difference from the default's")
+        specs = ("", *tunings)
+        if by_length is not None:
+            specs += tuple(f"{spec + ',' if spec else ''}by-length" for spec in specs)
         for row in rows:
-            for spec in ("", *tunings):
+            for spec in specs:
                 tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
                 fwd, fb = row.get(f"{tag}_fwd", float("nan")), row.get(f"{tag}_fb", float("nan"))
                 print(f"{row['problem']:12s} {spec or 'default':44s} {fwd:8.3f} {fb:8.3f} {fb - fwd:8.3f} "
-                      f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x")
+                      f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x "
+                      f"{row.get(f'{tag}_vs_default', 0.0):8.1e}")
 
 
 if __name__ == "__main__":
