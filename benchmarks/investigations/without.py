@@ -15,8 +15,6 @@ the engine's ``commit_step`` is the torch expression, ``integrators._on_step_ker
 unused: ``runtime.neighbours._on_search_kernels`` says no), as before 2026-11-29.
 ``pair-reverse``: a rebuild's edge topology finds the reverse pairs by a sort of int64 keys (``kernels.pair_reverse``
 unused: ``runtime.edge_layout._on_reverse_kernel`` says no), as before (branch next/pair-reverse).
-``overlap-blocks``: the MD engine waits for each block's report before it queues the next (``Engine``'s
-``overlap_blocks`` default off), as before issue 62; ``tuning_ab.py --candidate waiting=without:overlap-blocks``.
 ``lean-forward``: the MACE adapter calls MACE's own forward (``patches.mace.lean_forward.why_not_lean`` declines
 every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
@@ -36,7 +34,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
 OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward",
-       "cell-search", "pair-reverse", "overlap-blocks")
+       "cell-search", "pair-reverse")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -94,14 +92,6 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             edge_layout._on_reverse_kernel = on_kernel
-    elif name == "overlap-blocks":
-        from cgforge.plugin.md.engine import Engine
-
-        want = Engine._want_overlap
-        Engine._want_overlap = lambda self, overlap: False if overlap is None else want(self, overlap)
-
-        def undo() -> None:
-            Engine._want_overlap = want
     elif name == "lean-forward":
         from cgforge.patches.mace import lean_forward
 

@@ -279,27 +279,24 @@ def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     assert 0 < scatter["bwd senders"] < butterfly["bwd senders"]
 
 
-def test_without_overlap_blocks_turns_the_engines_default_off_and_back() -> None:
-    """without.py's overlap-blocks: an engine built with the default waits for each report; asked for, it overlaps;
-    the undo restores the default (on CUDA, off on a CPU: asked for here so that the change shows)."""
-    import torch
-
+def test_candidate_overlap_blocks_turns_the_engines_default_on_and_back() -> None:
+    """candidate.py's overlap-blocks: an engine built with the default waits for each report (opt-in); with the
+    candidate on it overlaps unless asked not to; the undo restores the default."""
     from cgforge.plugin.md.engine import Engine
 
     sys.path.insert(0, str(BENCHMARKS / "investigations"))
     try:
-        import without
+        import candidate
     finally:
         sys.path.pop(0)
     engine = Engine.__new__(Engine)
-    engine.device = torch.device("cuda")  # the default asks for the device only
-    assert engine._want_overlap(None) is True
-    undo = without.turn_off("overlap-blocks")
+    assert engine._want_overlap(None) is False
+    undo = candidate.turn_on("overlap-blocks")
     try:
-        assert engine._want_overlap(None) is False and engine._want_overlap(True) is True
+        assert engine._want_overlap(None) is True and engine._want_overlap(False) is False
     finally:
         undo()
-    assert engine._want_overlap(None) is True
+    assert engine._want_overlap(None) is False
 
 
 def test_device_timeline_counts_idle_time_and_kernels_per_step() -> None:
