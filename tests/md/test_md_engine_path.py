@@ -236,9 +236,10 @@ def _copper():
                                        r"runs the model step of a cgforge Calculator; EMT is not one"),
     ({"thermostat": "nose"}, ValueError, "thermostat: expected one of langevin, csvr"),
     ({"ensemble": "nve", "thermostat": "csvr"}, ValueError, "thermostat: the thermostat choice is for NVT"),
-    ({"thermostat": "csvr", "friction": 0.1}, ValueError, "friction: the Langevin friction is for NVT only; this "
-                                                          "run's thermostat is csvr"),
-    ({"taut_fs": 50.0}, ValueError, "taut_fs: a barostat option, for NPT only"),
+    ({"thermostat": "csvr", "friction": 0.1}, ValueError, r"friction: the Langevin friction is for NVT \(langevin\); "
+                                                          r"this run is NVT \(csvr\)"),
+    ({"taut_fs": 50.0}, ValueError, r"taut_fs: the CSVR thermostat's coupling time is for NVT \(csvr\) and "
+                                     r"NPT; this run is NVT \(langevin\)"),
     ({"plot": "x.jpg"}, ValueError, r"plot: x.jpg must end with .png, .pdf or .svg"),
     ({"engine_options": {"blocks": 3}}, ValueError, "engine_options: unknown key 'blocks'"),
 ])
