@@ -358,9 +358,37 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
     return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
 
 
+# What the library's messages call a keyword, as cgforge md's flags spell it (the run's own options are named by
+# plan_md): a name that starts a message, then a keyword=value anywhere.
+_STARTS = {k: f"--{k.replace('_', '-')}" for k in ("model", "device", "dtype", "skin", "workspace", "radial_table",
+                                                     "radial_precision", "compile")}
+_SPELLINGS = (("pass dtype=None", "leave out --dtype"), ("dtype=None", "no --dtype"), (" (force=True)", ""),
+              ("radial_table=True", "--radial-table on"), ("radial_table=False", "--radial-table off"),
+              ("compile=False", "--compile off"), ("tuning=", "--kernel-tuning "),
+              ("radial_precision=", "--radial-precision "))
+
+
+def flag_spelling(message: str) -> str:
+    """``message`` with the Calculator's keyword spellings replaced by ``cgforge md``'s flags."""
+    name, sep, rest = message.partition(": ")
+    message = _STARTS.get(name, name) + sep + rest
+    for python, flag in _SPELLINGS:
+        message = message.replace(python, flag)
+    return message
+
+
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     """``cgforge md``: check everything, load the model, check it against the structure, relax if asked, run;
-    lines to stdout (and --log)."""
+    lines to stdout (and --log). An error's message names flags, not the library's keywords."""
+    try:
+        return _run_from_args(args, stem)
+    except (ValueError, TypeError, OSError) as err:
+        if len(err.args) == 1 and isinstance(err.args[0], str):
+            err.args = (flag_spelling(err.args[0]),)
+        raise
+
+
+def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
     from cgforge.plugin import calculator as calculator_module
 
     setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,73 +22,19 @@ from ase.calculators.calculator import Calculator as AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from cgforge.patches.common import existing_file
-from cgforge.patches.families import check_tuning
-
-from .runtime.compiled import parse_compile
+from .runtime.bundled import kinds
 from .runtime.diagnosis import NonFiniteOutputError
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
-from .runtime.potential import Potential, System, check_radial_table, default_patch, resolve_device
-from .runtime.tiled import check_workspace
+from .runtime.potential import System, load, load_module, resolve_device
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
-BUNDLED = ("mace", "nequip")  # the bundled water models' names (cgforge.plugin.runtime.bundled.kinds())
-
-
-def _bundled_path(name: str) -> Path:
-    """The file of the bundled model ``name`` (one of ``BUNDLED``); FileNotFoundError, saying what to pass
-    instead, where this installation has none."""
-    try:
-        from cgforge.plugin.runtime.bundled import model_path
-    except ImportError as err:
-        raise FileNotFoundError(
-            f"model: the bundled {name!r} model is not available in this installation ({err}); "
-            "pass a checkpoint path (.model, .ckpt, .nequip.zip) instead"
-        ) from err
-    path = Path(model_path(name))
-    if not path.is_file():
-        raise FileNotFoundError(f"model: the bundled {name!r} model file {path} is missing")
-    return path
-
-
-def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
-               dtype: str | torch.dtype | None = None, *, patch: bool = True,
-               tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """A MACE or NequIP model ready to run on ``device``, patched with cgforge's kernels when ``patch`` (built
-    with ``tuning``, a ``cgforge.kernels.KernelTuning``; None: the defaults).
-
-    ``model``: a bundled model's name (``"mace"``, ``"nequip"``: ``BUNDLED``), a checkpoint path (.model,
-    .ckpt, .nequip.zip) or a MACE/NequIP module (made ready in place). ``dtype``: None keeps the model's,
-    ``"float32"``/``"float64"`` converts. The family registry does the work (``cgforge.patches.families.load``);
-    errors name the ``model`` argument."""
-    from cgforge.patches import families
-
-    check_tuning(tuning, patch)  # before any file is looked at
-    if isinstance(model, str) and model.lower() in BUNDLED:
-        model = _bundled_path(model.lower())
-    if isinstance(model, str | os.PathLike):
-        return _load_file(Path(model), device, dtype, patch, tuning)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"model: expected 'mace', 'nequip', a checkpoint path or a MACE/NequIP torch module, "
-            f"got {type(model).__name__}"
-        )
-    return families.load(model, device, dtype, patch=patch, tuning=tuning)
-
-
-def _load_file(path: Path, device: str | torch.device, dtype: str | torch.dtype | None,
-               patch: bool, tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """The model in the checkpoint file ``path`` (``families.load``), after checking it exists (errors name the
-    ``model`` argument)."""
-    from cgforge.patches import families
-
-    existing_file(path, "model", "a checkpoint file")
-    return families.load(path, device, dtype, patch=patch, tuning=tuning)
+BUNDLED = kinds()  # the bundled water models' names
+load_model = load_module  # the module of a model name, file or module (``runtime.potential.load_module``)
 
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
@@ -212,18 +157,12 @@ class Calculator(AseCalculator):
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
-        compile_mode = parse_compile(compile)  # checked before the model loads
-        check_radial_table(radial_table, radial_precision)
-        check_tuning(tuning, patch)
-        check_workspace(workspace)
         super().__init__(**ase_kwargs)
-        device = resolve_device(device)
-        module = load_model(model, device, dtype, tuning=tuning,
-                            patch=default_patch(patch, device, radial_precision, compile_mode, tuning))
-        self.potential = Potential(
-            module, device, skin=skin, head=head, type_map=type_map, warmup=warmup, cuda_graph=cuda_graph,
-            filter_edges=filter_edges, radial_precision=radial_precision, radial_table=radial_table,
-            streaming=streaming, compile=compile_mode, options=options, workspace=workspace)
+        self.potential = load(  # every argument that needs no model is checked before it loads
+            model, device, dtype, patch=patch, radial_precision=radial_precision, radial_table=radial_table,
+            compile=compile, tuning=tuning, skin=skin, head=head, type_map=type_map, warmup=warmup,
+            cuda_graph=cuda_graph, filter_edges=filter_edges, streaming=streaming, options=options,
+            workspace=workspace)
         self.tuning = tuning  # the KernelTuning given (None: the defaults); cgforge md's options line prints it
         self.forces_with_energy = bool(forces_with_energy)
         self.stress_with_forces = bool(stress_with_forces)

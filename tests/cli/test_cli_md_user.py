@@ -312,3 +312,36 @@ def test_a_new_run_from_a_restart_frame_keeps_velocities_and_drops_the_old_recor
     assert np.allclose(frames[0].get_momenta(), read(first).get_momenta())
     assert frames[0].info["md_step"] == 0 and frames[0].info["md_ensemble"] == "nve"
     assert not any("md_rng" in f.info for f in frames)
+
+
+# --- issue 61: what a new-user trial found -------------------------------------------------------------------
+
+
+def test_a_restart_without_model_runs_the_model_its_frames_name(tmp_path, capsys, stand_in):
+    first = tmp_path / "n.traj"
+    assert main([*_box(tmp_path), "--model", "nequip", "--steps", "2", "-o", str(first)]) == 0
+    assert read(first).info["md_model"] == "nequip (q-SPC/Fw stand-in)"
+    capsys.readouterr()
+    assert main(["md", "--restart", str(first), "--device", "cpu", "--steps", "1", "-o", str(tmp_path / "b.traj")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model nequip (q-SPC/Fw stand-in") and read(tmp_path / "b.traj").info["md_model"] == \
+        "nequip (q-SPC/Fw stand-in)"
+    from cgforge.plugin.md.files import Restart
+
+    gone = Restart(path=first, atoms=Atoms(), step=2, time_fs=1.0, etot0=None, rng_state=None,
+                   model=f"{tmp_path / 'gone.model'} (mace)")
+    with pytest.raises(ValueError, match=r"--restart: .*n.traj was run with the model .*gone.model \(mace\), which is "
+                                         "not a bundled model and not a file here; name it with --model"):
+        md_cli._restart_model(gone)
+
+
+def test_cli_messages_use_flag_spellings(tmp_path, capsys, stand_in):
+    out = tmp_path / "a.traj"
+    out.write_text("mine")
+    assert main([*_box(tmp_path), "--steps", "1", "-o", str(out)]) == EXIT_ERROR
+    line = _one_line_error(capsys)
+    assert "pass --force to overwrite" in line and "force=True" not in line
+    assert md_cli.flag_spelling("dtype: expected None, 'float32' or 'float64', got 'x'") == \
+        "--dtype: expected None, 'float32' or 'float64', got 'x'"
+    assert md_cli.flag_spelling("radial_table=True: its blocks; pass dtype=None") == \
+        "--radial-table on: its blocks; leave out --dtype"

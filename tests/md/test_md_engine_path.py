@@ -373,3 +373,29 @@ def test_cuda_engine_path_equals_ase_path_in_fp64(tmp_path):
     for a, d in zip(frames["ase"], frames["device"], strict=True):
         assert np.abs(a.positions - d.positions).max() <= 1e-8
         assert np.abs(a.get_forces() - d.get_forces()).max() <= 1e-6
+
+
+def test_a_restart_continues_on_the_engine_that_wrote_it(calc, tmp_path):
+    """issue 61: a device-engine trajectory restarted without engine= continued on ASE's Langevin (auto on a CPU),
+    whose noise differs, silently. The engine is followed now; another one given is said; a calculator the engine
+    cannot run is refused naming the restart and the way out."""
+    common = dict(ensemble="nvt", temperature_K=400, timestep_fs=0.5, trajectory_interval=3, seed=7)
+    run_md(water_box(4, seed=3), calc, steps=6, trajectory=tmp_path / "whole.traj", engine="device", log=None,
+           **common)
+    run_md(water_box(4, seed=3), calc, steps=3, trajectory=tmp_path / "half.traj", engine="device", log=None,
+           **common)
+    lines: list[str] = []
+    summary = run_md(None, calc, restart=tmp_path / "half.traj", steps=3, trajectory=tmp_path / "rest.traj",
+                     log=lines.append)
+    assert summary.engine == "device" and not any(line.startswith("note:") for line in lines)
+    whole, again = _final(tmp_path / "whole.traj"), _final(tmp_path / "rest.traj")
+    assert np.abs(whole.positions - again.positions).max() <= 1e-12
+    lines.clear()
+    summary = run_md(None, calc, restart=tmp_path / "half.traj", steps=1, trajectory=tmp_path / "ase.traj",
+                     engine="ase", log=lines.append)
+    assert summary.engine == "ase"
+    assert lines[0].startswith(f"note: {tmp_path / 'half.traj'} was written by cgforge's device engine; this run "
+                               "continues on ASE's dynamics, whose random numbers differ")
+    with pytest.raises(ValueError, match=r"restart: .*half.traj was run by the device engine, which .*EMT is not "
+                                         r"one.*; continue on ASE's dynamics with engine ase"):
+        run_md(None, EMT(), restart=tmp_path / "half.traj", steps=1, log=None)
