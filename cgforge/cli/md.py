@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Only the light options module here: `cgforge --help` and `--version` import this file and must not load torch,
-# e3nn, ASE or the patches (the rest is imported where it is used).
+# Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
+# not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
 from cgforge.plugin.md.options import (
     FLAGS,
     OPTION_FIELDS,
@@ -20,6 +20,7 @@ from cgforge.plugin.md.options import (
     check_number,
     given_by_args,
 )
+from cgforge.plugin.runtime.bundled import kinds
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -48,10 +49,7 @@ def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
     after = atoms.get_potential_energy()
     line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
             f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
-    if out is None:
-        print(line, flush=True)
-    else:
-        out(line)
+    (out or (lambda text: print(text, flush=True)))(line)
 
 
 def model_banner(name: str, calc: Any, seconds: float) -> str:
@@ -113,8 +111,7 @@ CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
 
 # run_md's argument -> the flag that sets it, so that errors name what the user typed (the options' own: FLAGS)
-NAMES = {**FLAGS, "trajectory": "--trajectory", "restart": "--restart", "log": "--log", "plot": "--plot",
-         "structure": "--structure", "model": "--model"}
+NAMES = {**FLAGS, **{k: f"--{k}" for k in ("trajectory", "restart", "log", "plot", "structure", "model")}}
 
 
 def add_md_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,11 +120,9 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
     what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
     what.add_argument("--restart", default=None, metavar="TRAJ",
-                      help="continue the run of this trajectory from its last frame: step counter, velocities, "
-                           "thermostat random state (exact from .traj), its options (ensemble, thermostat, "
-                           "temperature, timestep, friction, barostat, seed), engine and model; --steps more "
-                           "steps into a new -o file. A flag that contradicts a saved option is refused (start a new "
-                           "run from the last frame with --structure TRAJ to change them: velocities are kept)")
+                      help="continue this trajectory's run from its last frame (velocities, random state, step, "
+                           "its saved options, engine and model) for --steps more steps into a new -o file; a flag "
+                           "that contradicts a saved option is refused (--structure TRAJ starts a new run instead)")
     parser.add_argument("--model", default=None,
                         help="'mace' (default) or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip "
                              "file; after --restart: the run's")
@@ -195,42 +190,19 @@ class MDSetup:
     model: str = "mace"  # --model, or the restart's model
     tuning: Any = None  # the KernelTuning of --kernel-tuning, or None
 
-    @property
-    def trajectory(self) -> Path | None:
-        return self.plan.trajectory
 
-    @property
-    def log(self) -> Path | None:
-        return self.plan.printer.path
-
-    @property
-    def plot(self) -> Path | None:
-        return self.plan.plot
-
-    @property
-    def restart(self) -> Restart | None:
-        return self.plan.restart
-
-
-def _restart_model(restart: Restart | None) -> str:
-    """The model a restart's frames name (``md_model``: the name given, then the family in brackets), else mace."""
-    if restart is None or restart.model is None:
-        return "mace"
-    name = restart.model.rsplit(" (", 1)[0] if restart.model.endswith(")") else restart.model
-    if name.lower() not in ("mace", "nequip") and not Path(name).is_file():
-        raise ValueError(f"--restart: {restart.path} was run with the model {restart.model}, which is not a bundled "
-                         f"model and not a file here; name it with --model")
-    return name
-
-
-def _model_file(model: str) -> Path | None:
-    """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
-    if model.lower() in ("mace", "nequip"):  # the bundled models (cgforge.plugin.calculator.BUNDLED)
-        return None
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"--model: {model} not found (expected 'mace', 'nequip' or a checkpoint file)")
-    return path
+def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Path | None]:
+    """``--model``, else the model a restart's frames name (``md_model``: the name given, then the family in
+    brackets), else mace; and its file (None for a bundled name, whose file is checked at load)."""
+    saved = restart.model if restart is not None else None
+    name = model or (saved.rsplit(" (", 1)[0] if saved and saved.endswith(")") else saved) or "mace"
+    if name.lower() in kinds():
+        return name, None
+    if not Path(name).exists():
+        raise (FileNotFoundError(f"--model: {model} not found (expected 'mace', 'nequip' or a checkpoint file)")
+               if model else ValueError(f"--restart: {restart.path} was run with the model {saved}, which is not a "
+                                        "bundled model and not a file here; name it with --model"))
+    return name, Path(name)
 
 
 def read_kernel_tuning(path: str | None) -> Any:
@@ -272,7 +244,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     options, files and structure checked once by :func:`cgforge.plugin.md.run.plan_md`: all before any model
     is loaded. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
-    from cgforge.plugin.md.files import check_distinct, read_restart
+    from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
     from cgforge.plugin.md.run import plan_md
     from cgforge.plugin.runtime.compiled import parse_compile
 
@@ -293,15 +265,14 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if explicit_compile(args):
         parse_compile(args.compile, "--compile", others=("auto", "off"))
     tuning = read_kernel_tuning(getattr(args, "kernel_tuning", None))
-    trajectory = args.trajectory if args.trajectory is not None else _default_trajectory(stem)
+    trajectory = args.trajectory if args.trajectory is not None else default_trajectory_path(stem)
     restart = None
     if args.restart is not None:  # read first for its model; no output may be it (plan_md checks the rest)
         outputs = {"--trajectory": trajectory, "--log": args.log, "--plot": getattr(args, "plot", None)}
         check_distinct({k: None if v is None else Path(v) for k, v in outputs.items()},
                        {"--restart": Path(args.restart)})
         restart = read_restart(args.restart, "--restart")
-    model = args.model if args.model is not None else _restart_model(restart)
-    model_file = _model_file(model)
+    model, model_file = model_of(args.model, restart)
     structure = Path(args.structure) if args.structure is not None else None
     atoms = None  # a --structure file is read by plan_md, once its outputs are known not to be that file
     if structure is None and restart is None:
@@ -323,12 +294,6 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if hint:
         plan.out(hint)
     return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan, model=model, tuning=tuning)
-
-
-def _default_trajectory(stem: str) -> Path:
-    from cgforge.plugin.md.files import default_trajectory_path
-
-    return default_trajectory_path(stem)
 
 
 def explicit_compile(args: argparse.Namespace) -> bool:
@@ -358,10 +323,9 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
     return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
 
 
-# What the library's messages call a keyword, as cgforge md's flags spell it (the run's own options are named by
-# plan_md): a name that starts a message, then a keyword=value anywhere.
-_STARTS = {k: f"--{k.replace('_', '-')}" for k in ("model", "device", "dtype", "skin", "workspace", "radial_table",
-                                                     "radial_precision", "compile")}
+# The library's keywords as cgforge md's flags spell them (plan_md names the run's own): a message's first word...
+_STARTS = {k: "--" + k.replace("_", "-") for k in "model device dtype skin workspace radial_table compile".split()}
+# ... and a keyword=value anywhere
 _SPELLINGS = (("pass dtype=None", "leave out --dtype"), ("dtype=None", "no --dtype"), (" (force=True)", ""),
               ("radial_table=True", "--radial-table on"), ("radial_table=False", "--radial-table off"),
               ("compile=False", "--compile off"), ("tuning=", "--kernel-tuning "),

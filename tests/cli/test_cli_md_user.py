@@ -332,7 +332,7 @@ def test_a_restart_without_model_runs_the_model_its_frames_name(tmp_path, capsys
                    model=f"{tmp_path / 'gone.model'} (mace)")
     with pytest.raises(ValueError, match=r"--restart: .*n.traj was run with the model .*gone.model \(mace\), which is "
                                          "not a bundled model and not a file here; name it with --model"):
-        md_cli._restart_model(gone)
+        md_cli.model_of(None, gone)
 
 
 def test_cli_messages_use_flag_spellings(tmp_path, capsys, stand_in):

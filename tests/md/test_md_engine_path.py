@@ -232,8 +232,8 @@ def _copper():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"engine": "gpu"}, ValueError, "engine: expected one of auto, device, ase, got 'gpu'"),
     ({"engine": 1}, TypeError, "engine: expected one of auto, device, ase"),
-    ({"engine": "device"}, ValueError, r"engine: 'device' \(--engine device\) cannot run this: the device engine "
-                                       r"runs the model step of a cgforge Calculator; EMT is not one"),
+    ({"engine": "device"}, ValueError, r"engine: the device engine cannot run this: the device engine runs the "
+                                       r"model step of a cgforge Calculator; EMT is not one.*; use engine ase"),
     ({"thermostat": "nose"}, ValueError, "thermostat: expected one of langevin, csvr"),
     ({"ensemble": "nve", "thermostat": "csvr"}, ValueError, "thermostat: the thermostat choice is for NVT"),
     ({"thermostat": "csvr", "friction": 0.1}, ValueError, r"friction: the Langevin friction is for NVT \(langevin\); "
@@ -396,6 +396,6 @@ def test_a_restart_continues_on_the_engine_that_wrote_it(calc, tmp_path):
     assert summary.engine == "ase"
     assert lines[0].startswith(f"note: {tmp_path / 'half.traj'} was written by cgforge's device engine; this run "
                                "continues on ASE's dynamics, whose random numbers differ")
-    with pytest.raises(ValueError, match=r"restart: .*half.traj was run by the device engine, which .*EMT is not "
-                                         r"one.*; continue on ASE's dynamics with engine ase"):
+    with pytest.raises(ValueError, match=r"engine: the device engine \(.*half.traj was run by it, and a restart "
+                                         r"continues on it\) cannot run this: .*EMT is not one.*; use engine ase"):
         run_md(None, EMT(), restart=tmp_path / "half.traj", steps=1, log=None)

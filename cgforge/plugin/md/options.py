@@ -1,10 +1,7 @@
-"""The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``, declared once: :class:`MDOptions`.
-
-Each field carries its default, its check, its flag, its help and its restart rule; from the fields come the
-flags of ``cgforge md`` (:func:`add_arguments`), run_md's keywords, a restart's defaults, the run's banner
-(:meth:`MDOptions.describe`) and the table in docs/md.md (:func:`options_table`). Every check names what the
-user typed: the keyword for run_md, the flag for the command line (a ``names`` function maps one to the other).
-"""
+"""The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``, declared once: :class:`MDOptions`, whose
+fields carry default, check, flag, help and restart rule. From them come ``cgforge md``'s flags
+(:func:`add_arguments`), run_md's keywords, a restart's defaults, the banner (:meth:`MDOptions.describe`) and
+docs/md.md's table (:func:`options_table`). Checks name what the user typed (a keyword or a flag: ``names``)."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import argparse
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field, fields
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module
@@ -83,32 +81,22 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value.lower()
 
 
-def _number(minimum: float | None = 0.0, strict: bool = True, allow_inf: bool = False) -> Callable[[str, Any], Any]:
-    return lambda name, value: check_number(name, value, minimum=minimum, strict=strict, allow_inf=allow_inf)
-
-
-def _count(minimum: int) -> Callable[[str, Any], int]:
-    return lambda name, value: check_count(name, value, minimum)
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    return lambda name, value: check_choice(name, value, choices)
-
-
 def option(default: Any, check: Callable[[str, Any], Any], flag: str, help: str, restart: str = OWN, *,
            value: Any = None, shown: str | None = None, modes: tuple[str, ...] | None = None, role: str = "",
            unit: str = "", **argparse_kwargs: Any) -> Any:
-    """A field of :class:`MDOptions`. ``default``: run_md's default (None: not given); ``value``: what a field
-    not given becomes (where its ``modes`` hold; ``shown`` in help and docs where it is not a plain value);
-    ``check(name, value)``: the checked value or an error naming ``name``; ``flag`` and ``help``: its flag on
-    the command line; ``restart``: one of ``RESTART_RULES``; ``modes``: the ``MODES`` it is for (``role`` names
-    it in the refusal), None all; ``unit``: after the value in the banner; the rest goes to argparse."""
+    """A field of :class:`MDOptions` (docs/development.md, "How to add an MD option"): ``shown`` replaces the
+    default in help and docs, ``role`` names the field where its ``modes`` refuse it; the rest goes to argparse."""
     if shown is None:
         shown = value if value is not None else default
         shown = f"{shown:g} {unit}".strip() if isinstance(shown, float) else str(shown)
     return field(default=default, metadata=dict(
         check=check, flag=flag, help=help, restart=restart, value=value, shown=shown, modes=modes, role=role,
         unit=unit, argparse=argparse_kwargs))
+
+
+_AT_LEAST_0, _ANY_NUMBER = partial(check_number, strict=False), partial(check_number, minimum=None)
+_ABOVE_0_OR_INF = partial(check_number, allow_inf=True)
+_COUNT_0, _COUNT_1 = partial(check_count, minimum=0), partial(check_count, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -118,44 +106,44 @@ class MDOptions:
     field and the rules between them (an option of another ensemble or thermostat is refused). ``names`` maps
     a keyword to what the user typed (a flag). Fields that do not apply to the run's mode are None."""
 
-    ensemble: str | None = option(None, _choice(ENSEMBLES), "--ensemble", (
+    ensemble: str | None = option(None, partial(check_choice, choices=ENSEMBLES), "--ensemble", (
         "nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
         "rescaling with the CSVR thermostat in the device engine, Berendsen's thermostat and barostat in ASE's "
         "dynamics)"), KEPT, value="nvt", type=str.lower, choices=ENSEMBLES)
-    thermostat: str | None = option(None, _choice(THERMOSTATS), "--thermostat", (
+    thermostat: str | None = option(None, partial(check_choice, choices=THERMOSTATS), "--thermostat", (
         "NVT: langevin (default; --friction) or csvr (Bussi's stochastic velocity rescaling; --taut)"), KEPT,
         value="langevin", modes=("nvt-langevin", "nvt-csvr"), role="the thermostat choice", type=str.lower,
         choices=THERMOSTATS)
-    temperature_K: float | None = option(None, _number(strict=False), "--temperature", (
+    temperature_K: float | None = option(None, _AT_LEAST_0, "--temperature", (
         "target temperature in K, and of the initial velocities"), KEPT, value=300.0, unit="K")
-    timestep_fs: float | None = option(None, _number(), "--timestep", "timestep in fs", KEPT, value=0.5, unit="fs")
-    steps: int = option(100, _count(0), "--steps", "MD steps", type=int)
-    friction: float | None = option(None, _number(strict=False), "--friction", "Langevin friction in 1/fs", KEPT,
+    timestep_fs: float | None = option(None, check_number, "--timestep", "timestep in fs", KEPT, value=0.5, unit="fs")
+    steps: int = option(100, _COUNT_0, "--steps", "MD steps", type=int)
+    friction: float | None = option(None, _AT_LEAST_0, "--friction", "Langevin friction in 1/fs", KEPT,
                                     value=0.01, modes=("nvt-langevin",), role="the Langevin friction", unit="1/fs")
-    pressure_bar: float | None = option(None, _number(minimum=None), "--pressure", "NPT: pressure in bar", KEPT,
+    pressure_bar: float | None = option(None, _ANY_NUMBER, "--pressure", "NPT: pressure in bar", KEPT,
                                         value=1.01325, modes=("npt",), role="the barostat's pressure", unit="bar")
-    taut_fs: float | None = option(None, _number(), "--taut", (
+    taut_fs: float | None = option(None, check_number, "--taut", (
         "temperature coupling time in fs of the CSVR thermostat (NVT with --thermostat csvr) and of NPT"), KEPT,
         value=100.0, modes=("nvt-csvr", "npt"), role="the CSVR thermostat's coupling time", unit="fs")
-    taup_fs: float | None = option(None, _number(), "--taup", "NPT: pressure coupling time in fs", KEPT,
+    taup_fs: float | None = option(None, check_number, "--taup", "NPT: pressure coupling time in fs", KEPT,
                                    value=1000.0, modes=("npt",), role="the barostat's coupling time", unit="fs")
-    compressibility_per_bar: float | None = option(None, _number(), "--compressibility", (
+    compressibility_per_bar: float | None = option(None, check_number, "--compressibility", (
         "NPT: isothermal compressibility in 1/bar (the default is water's)"), KEPT, value=4.57e-5, modes=("npt",),
         role="the barostat's compressibility", unit="1/bar")
-    seed: int | None = option(None, _count(0), "--seed", "velocities, thermostat noise and box", KEPT, value=0,
+    seed: int | None = option(None, _COUNT_0, "--seed", "velocities, thermostat noise and box", KEPT, value=0,
                               type=int)
-    engine: str | None = option(None, _choice(ENGINES), "--engine", (
+    engine: str | None = option(None, partial(check_choice, choices=ENGINES), "--engine", (
         "auto: cgforge's device engine (integrator and model on the GPU, the host sees the state only at log and "
         "trajectory steps) when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also on a CPU; "
         "ase: ASE's dynamics. A restart continues on the engine that wrote it (another one is said: its random "
         "numbers differ)"), FOLLOWS, value="auto", type=str.lower, choices=ENGINES)
-    max_temperature_K: float | None = option(None, _number(allow_inf=True), "--max-temperature", (
+    max_temperature_K: float | None = option(None, _ABOVE_0_OR_INF, "--max-temperature", (
         "stop (exit code 3) when the temperature exceeds this, in K ('inf' turns it off); non-finite forces or "
         "energy always stop the run"), shown=f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x the "
         "temperature)")
-    trajectory_interval: int = option(10, _count(1), "--traj-interval", (
+    trajectory_interval: int = option(10, _COUNT_1, "--traj-interval", (
         "steps between frames (the last step is always written)"), type=int)
-    log_interval: int = option(10, _count(1), "--log-interval", "steps between progress lines", type=int)
+    log_interval: int = option(10, _COUNT_1, "--log-interval", "steps between progress lines", type=int)
     init_velocities: bool | None = option(None, check_flag, "--init-velocities", (
         "draw Maxwell-Boltzmann velocities at the temperature (--no-init-velocities: keep the structure's); "
         "default: only when the atoms are at rest"), REFUSED, shown="at rest only",
@@ -181,9 +169,8 @@ class MDOptions:
                 value = done[key]
             elif value is not None and not applies:
                 _not_for(name(key), meta, mode)
-            elif applies:
-                value = meta["check"](name(key), meta["value"] if value is None else value) \
-                    if value is not None or meta["value"] is not None else None
+            elif applies and (value := meta["value"] if value is None else value) is not None:
+                value = meta["check"](name(key), value)
             object.__setattr__(self, key, value if applies else None)
         if self.max_temperature_K is None:
             object.__setattr__(self, "max_temperature_K", max(MAX_TEMPERATURE_FLOOR_K,
@@ -221,11 +208,8 @@ class MDOptions:
     def saved(self) -> dict[str, Any]:
         """What a frame saves for a restart (``md_<name>`` in ``atoms.info``): the kept options of the run's
         mode (NVE's temperature too: that of its first velocities, the blow-up limit's reference)."""
-        return {k: v for k, v in self.items(KEPT) if v is not None}
-
-    def items(self, rule: str | None = None) -> list[tuple[str, Any]]:
-        """(keyword, value) of every field, or of those with restart ``rule``."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self) if rule in (None, f.metadata["restart"])]
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata["restart"] == KEPT and getattr(self, f.name) is not None}
 
     def describe(self) -> str:
         """The physics of the run in words: 'NPT at 300 K and 1.01325 bar, taut 100 fs, ..., timestep 0.5 fs'."""

@@ -18,12 +18,11 @@ Progress lines: step, simulated time, ns/day since the previous line, temperatur
 energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
 XYZ) are new files, created at their first frame (a hidden temporary file renamed over the name). Each frame's
 ``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
-(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's options
-(``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``, ``md_pressure_bar``,
-``md_taut_fs``, ``md_taup_fs``, ``md_compressibility_per_bar``, ``md_seed``), the potential energy (``md_epot``) and
-the model (``md_model``). From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ:
-closely); a value that contradicts a saved option, or a model that gives the frame another energy
-(``MODEL_MISMATCH_MEV_PER_ATOM``), is refused before any step.
+(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's kept options
+(``md_<keyword>``: :meth:`MDOptions.saved`), the potential energy (``md_epot``) and the model (``md_model``).
+From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ: closely); a value that
+contradicts a saved option, or a model that gives the frame another energy (``MODEL_MISMATCH_MEV_PER_ATOM``), is
+refused before any step.
 """
 
 from __future__ import annotations
@@ -124,28 +123,18 @@ def run_md(
     engine_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> MDSummary:
-    """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions` (one keyword per field: NVT with
-    Langevin or CSVR, NVE, NPT; the timestep, steps, seed, engine, intervals; docs/md.md has the table). Unknown
-    keywords are a TypeError naming the nearest.
+    """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions`, one keyword per field (docs/md.md
+    has the table; an unknown keyword is a TypeError naming the nearest). ``calculator`` replaces ``atoms.calc``.
+    ``trajectory``: a new .traj/.xyz/.extxyz file (frames every ``trajectory_interval`` steps and at the last).
+    ``log``: print (default), a callable taking a line, a stream, a file name (instead of stdout), a list of these
+    or None. ``plot``: a new .png/.pdf/.svg file drawn at the end, also after a blow-up or Ctrl-C (a plot that
+    fails is a warning line). ``engine_options``: the engine's ``block``, ``steps_per_graph``, ``cuda_graph``,
+    ``rebuild_margin``. ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
+    last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
+    options, engine and model (another model is a ValueError); ``atoms`` may then be None.
 
-    ``calculator`` replaces ``atoms.calc`` when given. ``trajectory``: a new .traj/.xyz/.extxyz file written
-    every ``trajectory_interval`` steps and at the last step (an existing file only with ``force=True``).
-    ``log``: print (default), a callable taking a line, a stream, a file name (the lines go to that new file
-    instead of stdout), a list of these (``[print, "md.log"]``: each line to all) or None. ``plot``: a new
-    .png/.pdf/.svg file, written at the end (also after a blow-up or Ctrl-C) from the values at the progress
-    lines (needs matplotlib); a plot that fails is a warning line, never the run's error. ``engine_options``:
-    the engine's ``block``, ``steps_per_graph``, ``cuda_graph``, ``rebuild_margin``.
-
-    A blow-up raises :class:`MDInstabilityError`. ``restart``: a trajectory written by run_md (or a
-    :class:`Restart`): its last frame's positions, momenta, cell, step counter and random state are continued
-    for ``steps`` more steps, the run's saved options and engine the defaults; a value given that contradicts a
-    saved option is a ValueError naming it, and so is a calculator whose energy of the restart frame is not the
-    saved one (another model). ``atoms`` may be None (the frame's structure is used and returned in the
-    summary). Ctrl-C stops after the current step and raises :class:`MDInterrupted` (a KeyboardInterrupt) once
-    the trajectory is closed.
-
-    Every argument, output file and the structure are checked before anything runs (:func:`plan_md`, which
-    ``cgforge md`` calls before it loads the model).
+    Everything is checked before anything runs (:func:`plan_md`). A blow-up raises :class:`MDInstabilityError`;
+    Ctrl-C stops after the current step and raises :class:`MDInterrupted` once the trajectory is closed.
     """
     plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
                    engine_options=engine_options, **options)
@@ -286,15 +275,8 @@ class MDPlan:
             except ValueError as err:  # UnknownElementError: the model has no such element
                 source = self.names("restart") if self.restart is not None else self.names("atoms")
                 raise ValueError(f"{source}: {str(err).removeprefix('atoms: ')}") from None
-        try:
-            self.engine = choose_engine(self.o.engine, calc, self.atoms)
-        except ValueError as err:
-            if self.restart is None or self.engine_given:
-                raise
-            raise ValueError(f"{self.names('restart')}: {self.restart.path} was run by the device engine, which "
-                             f"{str(err).split('cannot run this: ')[-1].split('; use')[0]}; continue on ASE's "
-                             f"dynamics with {self.names('engine')} ase (not bit for bit: other random "
-                             "numbers)") from None
+        self.engine = choose_engine(self.o.engine, calc, self.atoms, self.names("engine"),
+                                    None if self.engine_given or self.restart is None else self.restart.path)
         self.atoms.calc = calc
 
     def run(self, close: bool = True) -> MDSummary:

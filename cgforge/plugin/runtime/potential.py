@@ -20,7 +20,6 @@ it; every result is checked on the host for NaN and inf (``NonFiniteOutputError`
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import time
 import warnings
@@ -43,7 +42,7 @@ from .atom_order import spatial_order, to_user_order
 from .compiled import check_compile, parse_compile
 from .diagnosis import NonFiniteOutputError, non_finite_message
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
-from .neighbours import VerletNeighbourList
+from .neighbours import VerletNeighbourList, check_skin
 from .options import RuntimeOptions
 from .step_graph import ModelStep
 from .tiled import Workspace, check_workspace
@@ -80,15 +79,6 @@ def default_patch(patch: bool | None, device: torch.device, radial_precision: st
         return patch
     return (device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None or tuning is not None
             or bool(radial_table))
-
-
-def check_skin(skin: object) -> float:
-    """The Verlet skin in Å: a number >= 0 (TypeError for another type)."""
-    if isinstance(skin, bool) or not isinstance(skin, int | float | np.integer | np.floating):
-        raise TypeError(f"skin: expected a number of Å >= 0, got {type(skin).__name__} {skin!r}")
-    if not math.isfinite(skin) or skin < 0:
-        raise ValueError(f"skin: expected a finite number of Å >= 0, got {skin!r}")
-    return float(skin)
 
 
 def check_radial_table(radial_table: object, radial_precision: object) -> None:
@@ -151,9 +141,6 @@ def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.
                                     f"({', '.join(map(repr, bundled.kinds()))}) or a checkpoint file (.model, .ckpt, "
                                     ".nequip.zip)" + (f"; did you mean {close[0]!r}?" if close else ""))
         existing_file(model, "model", "a checkpoint file")
-    elif not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected {', '.join(map(repr, bundled.kinds()))}, a checkpoint path or a MACE/NequIP "
-                        f"torch module, got {type(model).__name__}")
     return families.load(model, device, dtype, patch=patch, tuning=tuning)
 
 
