@@ -107,11 +107,11 @@ class MDOptions:
     a keyword to what the user typed (a flag). Fields that do not apply to the run's mode are None."""
 
     ensemble: str | None = option(None, partial(check_choice, choices=ENSEMBLES), "--ensemble", (
-        "nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
+        "nvt (Langevin), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
         "rescaling with the CSVR thermostat in the device engine, Berendsen's thermostat and barostat in ASE's "
         "dynamics)"), KEPT, value="nvt", type=str.lower, choices=ENSEMBLES)
     thermostat: str | None = option(None, partial(check_choice, choices=THERMOSTATS), "--thermostat", (
-        "NVT: langevin (default; --friction) or csvr (Bussi's stochastic velocity rescaling; --taut)"), KEPT,
+        "NVT: langevin (--friction) or csvr (Bussi's stochastic velocity rescaling; --taut)"), KEPT,
         value="langevin", modes=("nvt-langevin", "nvt-csvr"), role="the thermostat choice", type=str.lower,
         choices=THERMOSTATS)
     temperature_K: float | None = option(None, _AT_LEAST_0, "--temperature", (
@@ -263,6 +263,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs = {"type": float, **meta["argparse"]}
         if "action" in kwargs:
             kwargs.pop("type")
+        elif "choices" not in kwargs:  # argparse shows the choices, else the flag's name
+            kwargs["metavar"] = meta["flag"].lstrip("-").upper()
         note = {KEPT: "; after --restart: the run's saved value, and another value is refused",
                 FOLLOWS: ""}.get(meta["restart"], "")
         parser.add_argument(meta["flag"], dest=key, default=None, **kwargs,
