@@ -99,3 +99,13 @@ def test_the_generated_flags_parse_to_keywords():
     args = parser.parse_args(["--traj-interval", "5", "--taut", "20", "--no-init-velocities", "--force"])
     given = {k: v for k, v in vars(args).items() if v is not None}
     assert given == {"trajectory_interval": 5, "taut_fs": 20.0, "init_velocities": False, "force": True}
+
+
+def test_an_nve_restart_that_saved_no_temperature_refuses_one():
+    saved = {"ensemble": "nve", "timestep_fs": 0.5, "seed": 0}  # frames written before NVE saved its temperature
+    assert MDOptions.given({}, saved=saved).max_temperature_K == 5000.0
+    with pytest.raises(ValueError, match=r"--temperature: a.traj saved no temperature \(an NVE run: its restart "
+                                         "continues the saved velocities\\); leave --temperature out"):
+        MDOptions.given({"temperature_K": 0.0}, names=lambda k: {"temperature_K": "--temperature"}.get(k, k),
+                        saved=saved, source="a.traj")
+    assert MDOptions.given({"temperature_K": 350.0}, saved={}).temperature_K == 350.0  # no saved options at all

@@ -199,7 +199,8 @@ class MDOptions:
                 raise ValueError(f"{name(key)}: {source} ran with {name(key).lstrip('-')} {shown!s}, and a restart "
                                  f"continues its run; leave {name(key)} out, or start a new run from its last frame "
                                  f"with other settings ({new_run}: positions and velocities kept)")
-        if saved is not None and "temperature_K" not in saved and given.get("temperature_K") is not None:
+        old_nve = (saved or {}).get("ensemble") == "nve" and "temperature_K" not in saved  # saved before issue 61
+        if old_nve and given.get("temperature_K") is not None:
             raise ValueError(f"{name('temperature_K')}: {source} saved no temperature (an NVE run: its restart "
                              f"continues the saved velocities); leave {name('temperature_K')} out "
                              f"({name('max_temperature_K')} sets the blow-up limit)")
