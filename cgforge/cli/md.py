@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 # Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
 # not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
 from cgforge.plugin.md.options import (
-    FLAGS,
     OPTION_FIELDS,
     PLOT_SUFFIXES,
     add_arguments,
@@ -110,8 +109,9 @@ CPU_HINT_ATOMS = 20_000
 CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
 
-# run_md's argument -> the flag that sets it, so that errors name what the user typed (the options' own: FLAGS)
-NAMES = {**FLAGS, **{k: f"--{k}" for k in ("trajectory", "restart", "log", "plot", "structure", "model")}}
+# run_md's argument -> the flag that sets it, so that errors name what the user typed
+NAMES = {**{k: m["flag"] for k, m in OPTION_FIELDS.items()},
+         **{k: f"--{k}" for k in ("trajectory", "restart", "log", "plot", "structure", "model")}}
 
 
 def add_md_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ stress from the virial and the cell's volume) and ASE's keyword spellings to the
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -38,9 +39,6 @@ load_model = load_module  # the module of a model name, file or module (``runtim
 
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
-_OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
-                 "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
-                 "radial_table", "streaming", "compile", "options", "tuning")
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
@@ -69,9 +67,10 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
         dtype = default_dtype if default_dtype != "" else None
     unknown = sorted(set(kwargs) - set(_ASE_KEYWORDS))
     if unknown:
+        ours = list(inspect.signature(Calculator).parameters)[:-1]  # all but **kwargs
         raise TypeError(f"Calculator: unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
-                        f"{', '.join(_OUR_KEYWORDS)} (MACECalculator's model_paths= and default_dtype= mean model= "
-                        f"and dtype=) and ase's {', '.join(_ASE_KEYWORDS)}")
+                        f"{', '.join(ours)} (MACECalculator's model_paths= and default_dtype= mean model= and dtype=) "
+                        f"and ase's {', '.join(_ASE_KEYWORDS)}")
     if model is None:
         raise TypeError("Calculator: missing model: 'mace', 'nequip', a checkpoint path or a MACE/NequIP module")
     return model, dtype, kwargs

@@ -240,7 +240,6 @@ def _same(a: Any, b: Any) -> bool:
 
 
 OPTION_FIELDS = {f.name: f.metadata for f in fields(MDOptions)}
-FLAGS = {key: meta["flag"] for key, meta in OPTION_FIELDS.items()}  # keyword -> flag
 
 
 def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> None:
