@@ -399,3 +399,17 @@ def test_a_restart_continues_on_the_engine_that_wrote_it(calc, tmp_path):
     with pytest.raises(ValueError, match=r"engine: the device engine \(.*half.traj was run by it, and a restart "
                                          r"continues on it\) cannot run this: .*EMT is not one.*; use engine ase"):
         run_md(None, EMT(), restart=tmp_path / "half.traj", steps=1, log=None)
+
+
+@pytest.mark.cuda
+def test_a_gpu_run_restarted_on_a_cpu_stays_on_the_device_engine(tmp_path):
+    """issue 61: the trial's silent switch. A CUDA run (the device engine by default) restarted without engine= on
+    a CPU calculator (where auto means ASE's dynamics) continues on the device engine, as its frames say."""
+    torch.set_default_dtype(torch.float64)
+    gpu = Calculator("mace", device="cuda", dtype="float64")
+    run_md(water_box(16, seed=2), gpu, steps=4, trajectory=tmp_path / "gpu.traj", log=None, seed=3)
+    assert "md_engine" in read(tmp_path / "gpu.traj").info
+    lines: list[str] = []
+    summary = run_md(None, Calculator("mace", device="cpu", dtype="float64", patch=True), restart=tmp_path / "gpu.traj",
+                     steps=2, trajectory=tmp_path / "cpu.traj", log=lines.append)
+    assert summary.engine == "device" and not any(line.startswith("note:") for line in lines)

@@ -228,15 +228,13 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
 
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
                     if p.kind == p.KEYWORD_ONLY}
-
-
+_OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
 _PATHS = {"device": "cgforge's device engine", "ase": "ASE's dynamics"}
 
 
 def _engine_of(state: Restart) -> str:
     """The engine that wrote a restart's frame: its random state says (``md_engine``: the device engine)."""
     return "device" if state.engine_state is not None else "ase"
-_OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
 
 
 @dataclass
