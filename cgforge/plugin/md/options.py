@@ -251,9 +251,8 @@ def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> 
 
 
 def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
-    """The kept options a frame's ``info`` saved (``md_<name>``), as their fields hold them."""
-    kinds = {"ensemble": lambda v: str(v).lower(), "thermostat": lambda v: str(v).lower(), "seed": int}
-    return {k: kinds.get(k, float)(info[f"md_{k}"]) for k, meta in OPTION_FIELDS.items()
+    """The kept options a frame's ``info`` saved (``md_<name>``), of their flag's type (float unless declared)."""
+    return {k: meta["argparse"].get("type", float)(info[f"md_{k}"]) for k, meta in OPTION_FIELDS.items()
             if meta["restart"] == KEPT and f"md_{k}" in info}
 
 
@@ -265,8 +264,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.pop("type")
         elif "choices" not in kwargs:  # argparse shows the choices, else the flag's name
             kwargs["metavar"] = meta["flag"].lstrip("-").upper()
-        note = {KEPT: "; after --restart: the run's saved value, and another value is refused",
-                FOLLOWS: ""}.get(meta["restart"], "")
+        note = "; after --restart: the run's saved value, and another value is refused" if meta["restart"] == KEPT \
+            else ""
         parser.add_argument(meta["flag"], dest=key, default=None, **kwargs,
                             help=f"{meta['help']} (default {meta['shown']}{note})".replace("%", "%%"))
 
