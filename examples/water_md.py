@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         # 2. The calculator: loads the model (on CUDA patched with cgforge's kernels, compiled now, not in the
         #    first step; on a CPU the model's own code), then checked against the structure's elements.
         start = time.perf_counter()
-        calc = Calculator(args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+        calc = Calculator(setup.model, device=setup.device, dtype=args.dtype, skin=args.skin,
                           stress_with_forces=plan.o["ensemble"] == "npt")  # NPT asks for the stress every step
-        plan.out(f"{len(atoms)} atoms; {model_banner(args.model, calc, time.perf_counter() - start)}")
+        plan.out(f"{len(atoms)} atoms; {model_banner(setup.model, calc, time.perf_counter() - start)}")
         plan.attach(calc)
 
         # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).

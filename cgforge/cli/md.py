@@ -9,25 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# Only the light options module here: `cgforge --help` and `--version` import this file and must not load torch,
-# e3nn, ASE or the patches (the rest is imported where it is used).
+# Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
+# not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
 from cgforge.plugin.md.options import (
-    DEFAULT_COMPRESSIBILITY_PER_BAR,
-    DEFAULT_FRICTION,
-    DEFAULT_PRESSURE_BAR,
-    DEFAULT_TAUP_FS,
-    DEFAULT_TAUT_FS,
-    DEFAULTS,
-    ENGINES,
-    ENSEMBLES,
-    MAX_TEMPERATURE_FACTOR,
-    MAX_TEMPERATURE_FLOOR_K,
+    OPTION_FIELDS,
     PLOT_SUFFIXES,
-    THERMOSTATS,
+    add_arguments,
     check_count,
     check_number,
+    given_by_args,
 )
-from cgforge.plugin.runtime.bundled import LISTED, NAMES
+from cgforge.plugin.runtime.bundled import LISTED
+from cgforge.plugin.runtime.bundled import NAMES as BUNDLED
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -56,10 +49,7 @@ def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
     after = atoms.get_potential_energy()
     line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
             f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
-    if out is None:
-        print(line, flush=True)
-    else:
-        out(line)
+    (out or (lambda text: print(text, flush=True)))(line)
 
 
 def model_banner(name: str, calc: Any, seconds: float) -> str:
@@ -120,15 +110,9 @@ CPU_HINT_ATOMS = 20_000
 CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
 
-# run_md's argument -> the flag that sets it, so that errors name what the user typed.
-FLAGS = {"ensemble": "--ensemble", "temperature_K": "--temperature", "timestep_fs": "--timestep",
-         "steps": "--steps", "friction": "--friction", "pressure_bar": "--pressure", "taut_fs": "--taut",
-         "taup_fs": "--taup", "compressibility_per_bar": "--compressibility", "trajectory": "--trajectory",
-         "trajectory_interval": "--traj-interval", "log_interval": "--log-interval", "seed": "--seed",
-         "force": "--force", "max_temperature_K": "--max-temperature",
-         "restart": "--restart", "log": "--log", "engine": "--engine", "thermostat": "--thermostat",
-         "plot": "--plot", "structure": "--structure", "model": "--model"}
-RESTART_NOTE = "; after --restart: the run's saved value, and another value is refused"
+# run_md's argument -> the flag that sets it, so that errors name what the user typed
+NAMES = {**{k: m["flag"] for k, m in OPTION_FIELDS.items()},
+         **{k: f"--{k}" for k in ("trajectory", "restart", "log", "plot", "structure", "model")}}
 
 
 def add_md_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,54 +121,17 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
     what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
     what.add_argument("--restart", default=None, metavar="TRAJ",
-                      help="continue the run of this trajectory from its last frame: step counter, velocities, "
-                           "thermostat random state (exact from .traj) and its options (ensemble, thermostat, "
-                           "temperature, timestep, friction, barostat, seed), with the same model; --steps more "
-                           "steps into a new -o file. A flag that contradicts a saved option is refused (start a new "
-                           "run from the last frame with --structure TRAJ to change them: velocities are kept)")
-    parser.add_argument("--model", default="mace",
-                        help=f"{LISTED} (bundled water models), or a .model/.ckpt/.nequip.zip file")
-    parser.add_argument("--ensemble", type=str.lower, choices=ENSEMBLES, default=None,
-                        help="nvt (Langevin, default), nve (velocity Verlet) or npt (isotropic; needs a periodic "
-                             "cell: stochastic cell rescaling with the CSVR thermostat in the device engine, "
-                             f"Berendsen's thermostat and barostat in ASE's dynamics){RESTART_NOTE}")
-    parser.add_argument("--engine", type=str.lower, choices=ENGINES, default="auto",
-                        help="auto (default): cgforge's device engine (integrator and model on the GPU, the host "
-                             "sees the state only at log and trajectory steps) when the model runs on CUDA, ASE's "
-                             "dynamics otherwise; device: the engine also on a CPU; ase: ASE's dynamics")
-    parser.add_argument("--thermostat", type=str.lower, choices=THERMOSTATS, default=None,
-                        help="NVT: langevin (default; --friction) or csvr (Bussi's stochastic velocity rescaling; "
-                             f"--taut, default {DEFAULT_TAUT_FS:g} fs){RESTART_NOTE}")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help=f"K (default {DEFAULTS['temperature_K']:g}{RESTART_NOTE})")
-    parser.add_argument("--timestep", type=float, default=None,
-                        help=f"fs (default {DEFAULTS['timestep_fs']:g}{RESTART_NOTE})")
-    parser.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
-    parser.add_argument("--friction", type=float, default=None,
-                        help=f"NVT: Langevin friction in 1/fs (default {DEFAULT_FRICTION:g}{RESTART_NOTE})")
-    parser.add_argument("--pressure", type=float, default=None,
-                        help=f"NPT: pressure in bar (default {DEFAULT_PRESSURE_BAR:g}{RESTART_NOTE})")
-    parser.add_argument("--taut", type=float, default=None,
-                        help=f"NPT and NVT with --thermostat csvr: temperature coupling time in fs (default "
-                             f"{DEFAULT_TAUT_FS:g}{RESTART_NOTE})")
-    parser.add_argument("--taup", type=float, default=None,
-                        help=f"NPT: pressure coupling time in fs (default {DEFAULT_TAUP_FS:g}{RESTART_NOTE})")
-    parser.add_argument("--compressibility", type=float, default=None,
-                        help=f"NPT: isothermal compressibility in 1/bar (default {DEFAULT_COMPRESSIBILITY_PER_BAR:g}, "
-                             f"water's{RESTART_NOTE})")
-    parser.add_argument("--max-temperature", type=float, default=None,
-                        help=f"stop (exit code 3) when the temperature exceeds this, in K (default: "
-                             f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x --temperature); 'inf' "
-                             "turns it off); non-finite forces or energy always stop the run")
-    parser.add_argument("--seed", type=int, default=None,
-                        help=f"velocities, thermostat noise and box (default {DEFAULTS['seed']}{RESTART_NOTE})")
+                      help="continue this trajectory's run from its last frame (velocities, random state, step, "
+                           "its saved options, engine and model) for --steps more steps into a new -o file; a flag "
+                           "that contradicts a saved option is refused (--structure TRAJ starts a new run instead)")
+    parser.add_argument("--model", default=None,
+                        help=f"{LISTED} (bundled water models; default 'mace'), or a .model/.ckpt/.nequip.zip "
+                             "file; after --restart: the run's")
+    add_arguments(parser)  # one flag per MDOptions field
     parser.add_argument("-o", "--trajectory", default=None,
                         help="trajectory file to write, .traj or .xyz (default: a new md-<date>-<time>.traj)")
-    parser.add_argument("--traj-interval", type=int, default=10,
-                        help="steps between frames (default 10; the last step is always written)")
     parser.add_argument("--log", default=None, metavar="FILE",
                         help="also write the progress lines (and the model and relaxation lines) to this new file")
-    parser.add_argument("--log-interval", type=int, default=10, help="steps between progress lines (default 10)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="at the end (also of a run that blew up or was interrupted) plot temperature, energy, "
                              "pressure and volume (NPT) and ns/day against time from the progress lines into this "
@@ -220,8 +167,6 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate the system as one graph (whole), in tiles with a fixed working set (tiled: "
                              "memory grows with the atoms only; ASE's integrator drives it), or auto: tiles where one "
                              "graph would not fit the GPU (default)")
-    parser.add_argument("--force", action="store_true",
-                        help="overwrite the trajectory, log and plot files if they exist (never the input files)")
 
 
 def relax_steps(args: argparse.Namespace) -> int:
@@ -237,39 +182,32 @@ def relax_steps(args: argparse.Namespace) -> int:
 @dataclass
 class MDSetup:
     """What ``cgforge md`` checked and prepared before loading the model: the structure, the device, the FIRE
-    steps and the checked run (``plan``: options, output files, the log, the restart)."""
+    steps, the model and the checked run (``plan``: options, output files, the log, the restart)."""
 
     atoms: Atoms
     device: Any
     relax: int
     plan: MDPlan
+    model: str = "mace"  # --model, or the restart's model
     tuning: Any = None  # the KernelTuning of --kernel-tuning, or None
 
     @property
     def trajectory(self) -> Path | None:
         return self.plan.trajectory
 
-    @property
-    def log(self) -> Path | None:
-        return self.plan.printer.path
 
-    @property
-    def plot(self) -> Path | None:
-        return self.plan.plot
-
-    @property
-    def restart(self) -> Restart | None:
-        return self.plan.restart
-
-
-def _model_file(model: str) -> Path | None:
-    """The model file ``--model`` names (None for a bundled name whose file is checked at load)."""
-    if model.lower() in NAMES:
-        return None
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"--model: {model} not found (expected {LISTED} or a checkpoint file)")
-    return path
+def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Path | None]:
+    """``--model``, else the model a restart's frames name (``md_model``: the name given, then the family in
+    brackets), else mace; and its file (None for a bundled name, whose file is checked at load)."""
+    saved = restart.model if restart is not None else None
+    name = model or (saved.rsplit(" (", 1)[0] if saved and saved.endswith(")") else saved) or "mace"
+    if name.lower() in BUNDLED:
+        return name, None
+    if not Path(name).exists():
+        raise (FileNotFoundError(f"--model: {model} not found (expected {LISTED} or a checkpoint file)")
+               if model else ValueError(f"--restart: {restart.path} was run with the model {saved}, which is not a "
+                                        "bundled model and not a file here; name it with --model"))
+    return name, Path(name)
 
 
 def read_kernel_tuning(path: str | None) -> Any:
@@ -311,6 +249,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     options, files and structure checked once by :func:`cgforge.plugin.md.run.plan_md`: all before any model
     is loaded. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
+    from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
     from cgforge.plugin.md.run import plan_md
     from cgforge.plugin.runtime.compiled import parse_compile
 
@@ -331,39 +270,35 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if explicit_compile(args):
         parse_compile(args.compile, "--compile", others=("auto", "off"))
     tuning = read_kernel_tuning(getattr(args, "kernel_tuning", None))
-    model = _model_file(args.model)
+    trajectory = args.trajectory if args.trajectory is not None else default_trajectory_path(stem)
+    restart = None
+    if args.restart is not None:  # read first for its model; no output may be it (plan_md checks the rest)
+        outputs = {"--trajectory": trajectory, "--log": args.log, "--plot": getattr(args, "plot", None)}
+        check_distinct({k: None if v is None else Path(v) for k, v in outputs.items()},
+                       {"--restart": Path(args.restart)})
+        restart = read_restart(args.restart, "--restart")
+    model, model_file = model_of(args.model, restart)
     structure = Path(args.structure) if args.structure is not None else None
     atoms = None  # a --structure file is read by plan_md, once its outputs are known not to be that file
-    if structure is None and args.restart is None:
+    if structure is None and restart is None:
         from cgforge.plugin.water import water_box
 
         n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
                                                                else CPU_MOLECULES)
-        seed = check_count("--seed", args.seed, 0) if args.seed is not None else DEFAULTS["seed"]  # the box's too
-        atoms = water_box(n, seed=seed)
-    source = "--structure" if structure is not None else "--molecules"
-    names = {**FLAGS, "atoms": source}
+        seed = check_count("--seed", args.seed, 0) if args.seed is not None else OPTION_FIELDS["seed"]["value"]
+        atoms = water_box(n, seed=seed)  # the box's seed too
+    names = {**NAMES, "atoms": "--structure" if structure is not None else "--molecules"}
     plan = plan_md(
-        atoms, names=names, inputs={"--model": model}, structure=structure,
-        calculator_later=True, prog="cgforge md",
-        new_run=f"--structure {args.restart}" if args.restart is not None else None,
-        ensemble=args.ensemble, temperature_K=args.temperature, timestep_fs=args.timestep, steps=args.steps,
-        friction=args.friction, pressure_bar=args.pressure, taut_fs=args.taut, taup_fs=args.taup,
-        compressibility_per_bar=args.compressibility, trajectory_interval=args.traj_interval,
-        log_interval=args.log_interval, seed=args.seed, force=args.force, max_temperature_K=args.max_temperature,
-        engine=getattr(args, "engine", "auto"), thermostat=getattr(args, "thermostat", None),
-        trajectory=args.trajectory if args.trajectory is not None else _default_trajectory(stem), restart=args.restart,
-        log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None))
+        atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
+        prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
+        trajectory=trajectory, restart=restart,
+        log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None),
+        **given_by_args(args))
+    plan.model, plan.errors_to_caller = model, True
     hint = size_hint(len(plan.atoms), device)
     if hint:
         plan.out(hint)
-    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan, tuning=tuning)
-
-
-def _default_trajectory(stem: str) -> Path:
-    from cgforge.plugin.md.files import default_trajectory_path
-
-    return default_trajectory_path(stem)
+    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan, model=model, tuning=tuning)
 
 
 def explicit_compile(args: argparse.Namespace) -> bool:
@@ -393,24 +328,51 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
     return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
 
 
+# The library's keywords as cgforge md's flags spell them (plan_md names the run's own): a message's first word...
+_STARTS = {k: "--" + k.replace("_", "-") for k in "model device dtype skin workspace radial_table compile".split()}
+# ... and a keyword=value anywhere
+_SPELLINGS = (("pass dtype=None", "leave out --dtype"), ("dtype=None", "no --dtype"), (" (force=True)", ""),
+              ("radial_table=True", "--radial-table on"), ("radial_table=False", "--radial-table off"),
+              ("compile=False", "--compile off"), ("tuning=", "--kernel-tuning "),
+              ("radial_precision=", "--radial-precision "))
+
+
+def flag_spelling(message: str) -> str:
+    """``message`` with the Calculator's keyword spellings replaced by ``cgforge md``'s flags."""
+    name, sep, rest = message.partition(": ")
+    message = _STARTS.get(name, name) + sep + rest
+    for python, flag in _SPELLINGS:
+        message = message.replace(python, flag)
+    return message
+
+
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
     """``cgforge md``: check everything, load the model, check it against the structure, relax if asked, run;
-    lines to stdout (and --log)."""
+    lines to stdout (and --log). An error's message names flags, not the library's keywords."""
+    try:
+        return _run_from_args(args, stem)
+    except (ValueError, TypeError, OSError) as err:
+        if len(err.args) == 1 and isinstance(err.args[0], str):
+            err.args = (flag_spelling(err.args[0]),)
+        raise
+
+
+def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
     from cgforge.plugin import calculator as calculator_module
 
     setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
     plan, atoms = setup.plan, setup.atoms
+    running = False  # from plan.run on, the run writes its own "stopped" line to the log file
     try:
         t = time.perf_counter()
         calc = calculator_module.Calculator(
-            args.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+            setup.model, device=setup.device, dtype=args.dtype, skin=args.skin,
             radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
             radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
             **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
             **({"compile": args.compile} if explicit_compile(args) else {}),
             **({"tuning": setup.tuning} if setup.tuning is not None else {}))
-        plan.model = args.model
-        plan.out(model_banner(args.model, calc, time.perf_counter() - t))
+        plan.out(model_banner(setup.model, calc, time.perf_counter() - t))
         plan.attach(calc)  # an element the model lacks, another model than the restart's: before any step
         if calc.radial_precision_requested != "fp32":
             atoms.get_forces()  # the first structure decides (see Calculator)
@@ -425,9 +387,10 @@ def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
             if line:
                 plan.out(line)
         plan.out(options_banner(calc, plan.engine, plan.o["engine"], args.skin))
+        running = True
         return plan.run(close=False)
     except BaseException as err:
-        if not isinstance(err, KeyboardInterrupt):
+        if not isinstance(err, KeyboardInterrupt) and not running:
             plan.printer.to_file(f"error: {err}")
         raise
     finally:

@@ -30,7 +30,11 @@ class UnknownElementError(ValueError):
 
 
 def parse_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch.device: cpu or an available cuda device, else a ValueError naming it."""
+    """``device`` as a torch.device: cpu or an available cuda device, else a ValueError naming it (a TypeError
+    for what is not a str or a torch.device)."""
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__} "
+                        f"{device!r}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
@@ -51,6 +55,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
+    if not isinstance(dtype, str | torch.dtype):
+        raise TypeError(f"dtype: expected None, 'float32', 'float64' or a torch.dtype, got {type(dtype).__name__} "
+                        f"{dtype!r}")
     raise ValueError(f"dtype: expected None, 'float32' or 'float64', got {dtype!r}")
 
 

@@ -11,9 +11,9 @@ stress from the virial and the cell's volume) and ASE's keyword spellings to the
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,62 +23,22 @@ from ase.calculators.calculator import Calculator as AseCalculator
 from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from cgforge.patches.common import existing_file
-from cgforge.patches.families import check_tuning
-
-from .runtime.bundled import LISTED, model_path
+from .runtime.bundled import LISTED
 from .runtime.bundled import NAMES as BUNDLED
-from .runtime.compiled import parse_compile
 from .runtime.diagnosis import NonFiniteOutputError
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
-from .runtime.potential import Potential, System, check_radial_table, default_patch, resolve_device
-from .runtime.tiled import check_workspace
+from .runtime.potential import System, load, load_module, resolve_device
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
 
 __all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
 
-def load_model(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
-               dtype: str | torch.dtype | None = None, *, patch: bool = True,
-               tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """A MACE or NequIP model ready to run on ``device``, patched with cgforge's kernels when ``patch`` (built
-    with ``tuning``, a ``cgforge.kernels.KernelTuning``; None: the defaults).
-
-    ``model``: a bundled model's name (``"mace"``, ``"nequip"``: ``BUNDLED``), a checkpoint path (.model,
-    .ckpt, .nequip.zip) or a MACE/NequIP module (made ready in place). ``dtype``: None keeps the model's,
-    ``"float32"``/``"float64"`` converts. The family registry does the work (``cgforge.patches.families.load``);
-    errors name the ``model`` argument."""
-    from cgforge.patches import families
-
-    check_tuning(tuning, patch)  # before any file is looked at
-    if isinstance(model, str) and model.lower() in BUNDLED:
-        model = model_path(model)
-    if isinstance(model, str | os.PathLike):
-        return _load_file(Path(model), device, dtype, patch, tuning)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"model: expected {LISTED} (a bundled model), a checkpoint path or a MACE/NequIP torch module, "
-            f"got {type(model).__name__}"
-        )
-    return families.load(model, device, dtype, patch=patch, tuning=tuning)
-
-
-def _load_file(path: Path, device: str | torch.device, dtype: str | torch.dtype | None,
-               patch: bool, tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """The model in the checkpoint file ``path`` (``families.load``), after checking it exists (errors name the
-    ``model`` argument)."""
-    from cgforge.patches import families
-
-    existing_file(path, "model", "a checkpoint file")
-    return families.load(path, device, dtype, patch=patch, tuning=tuning)
+load_model = load_module  # the module of a model name, file or module (``runtime.potential.load_module``)
 
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
-_OUR_KEYWORDS = ("model", "device", "dtype", "skin", "head", "type_map", "patch", "forces_with_energy",
-                 "stress_with_forces", "warmup", "cuda_graph", "filter_edges", "radial_precision",
-                 "radial_table", "streaming", "compile", "options", "tuning")
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
@@ -107,9 +67,10 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
         dtype = default_dtype if default_dtype != "" else None
     unknown = sorted(set(kwargs) - set(_ASE_KEYWORDS))
     if unknown:
+        ours = list(inspect.signature(Calculator).parameters)[:-1]  # all but **kwargs
         raise TypeError(f"Calculator: unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
-                        f"{', '.join(_OUR_KEYWORDS)} (MACECalculator's model_paths= and default_dtype= mean model= "
-                        f"and dtype=) and ase's {', '.join(_ASE_KEYWORDS)}")
+                        f"{', '.join(ours)} (MACECalculator's model_paths= and default_dtype= mean model= and dtype=) "
+                        f"and ase's {', '.join(_ASE_KEYWORDS)}")
     if model is None:
         raise TypeError(f"Calculator: missing model: {LISTED} (a bundled model), a checkpoint path or a MACE/NequIP "
                         "module")
@@ -196,18 +157,12 @@ class Calculator(AseCalculator):
         **kwargs: object,
     ) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
-        compile_mode = parse_compile(compile)  # checked before the model loads
-        check_radial_table(radial_table, radial_precision)
-        check_tuning(tuning, patch)
-        check_workspace(workspace)
         super().__init__(**ase_kwargs)
-        device = resolve_device(device)
-        module = load_model(model, device, dtype, tuning=tuning,
-                            patch=default_patch(patch, device, radial_precision, compile_mode, tuning))
-        self.potential = Potential(
-            module, device, skin=skin, head=head, type_map=type_map, warmup=warmup, cuda_graph=cuda_graph,
-            filter_edges=filter_edges, radial_precision=radial_precision, radial_table=radial_table,
-            streaming=streaming, compile=compile_mode, options=options, workspace=workspace)
+        self.potential = load(  # every argument that needs no model is checked before it loads
+            model, device, dtype, patch=patch, radial_precision=radial_precision, radial_table=radial_table,
+            compile=compile, tuning=tuning, skin=skin, head=head, type_map=type_map, warmup=warmup,
+            cuda_graph=cuda_graph, filter_edges=filter_edges, streaming=streaming, options=options,
+            workspace=workspace)
         self.tuning = tuning  # the KernelTuning given (None: the defaults); cgforge md's options line prints it
         self.forces_with_energy = bool(forces_with_energy)
         self.stress_with_forces = bool(stress_with_forces)

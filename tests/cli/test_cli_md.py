@@ -84,8 +84,11 @@ def _one_line_error(capsys) -> str:
     (["--seed", "-1"], "--seed"),
     (["--skin", "-1"], "--skin"),
     (["--relax", "-1"], "--relax"),
-    (["--ensemble", "nve", "--friction", "0.1"], "--friction: the Langevin friction is for NVT only; this run is NVE"),
-    (["--pressure", "10"], "--pressure: a barostat option, for NPT only; this run is NVT"),
+    (["--ensemble", "nve", "--friction", "0.1"], "--friction: the Langevin friction is for NVT (langevin); this "
+                                                 "run is NVE"),
+    (["--pressure", "10"], "--pressure: the barostat's pressure is for NPT; this run is NVT"),
+    (["--taut", "50"], "--taut: the CSVR thermostat's coupling time is for NVT (csvr) and NPT; this run is NVT "
+                       "(langevin)"),
     (["--ensemble", "npt", "--taup", "0"], "--taup"),
     (["--ensemble", "npt", "--compressibility", "-1"], "--compressibility"),
     (["--max-temperature", "100"], "--max-temperature: the blow-up limit 100 K must be above the target temperature"),

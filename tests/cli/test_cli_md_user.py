@@ -119,7 +119,7 @@ def test_a_restart_with_another_model_is_refused_before_any_step(tmp_path, capsy
     captured = capsys.readouterr()
     assert "a restart continues the same model" in captured.err and "was run with mace" in captured.err
     assert "100 meV/atom apart" in captured.err and f"--structure {first}" in captured.err
-    assert "stopped before the first step" in captured.out and "after step" not in captured.out
+    assert "stopped" not in captured.out and len(captured.err.splitlines()) == 1  # the error printed once
     assert not (tmp_path / "b.traj").exists()
 
 
@@ -277,9 +277,13 @@ def test_the_path_from_the_command_line_to_the_model_call_visits_each_file_once(
 def test_every_option_and_output_path_is_checked_once(tmp_path, stand_in, monkeypatch):
     """issue 36: `cgforge md` checked every option and output path twice (the command line, then run_md)."""
     import cgforge.plugin.md.run  # noqa: F401  (every module that binds the checks, patched where it binds them)
+    from cgforge.plugin.md.options import MDOptions
 
-    calls: dict[str, list] = {"check_new_path": [], "checked_options": []}
-    for name, seen in calls.items():
+    calls: dict[str, list] = {"check_new_path": [], "MDOptions": []}
+    checked = MDOptions.__post_init__
+    monkeypatch.setattr(MDOptions, "__post_init__", lambda self, names: calls["MDOptions"].append(names) or
+                        checked(self, names))
+    for name, seen in [("check_new_path", calls["check_new_path"])]:
         for module in [m for n, m in sys.modules.items() if n.startswith("cgforge") and hasattr(m, name)]:
             original = getattr(module, name)
 
@@ -292,7 +296,7 @@ def test_every_option_and_output_path_is_checked_once(tmp_path, stand_in, monkey
     assert main([*_box(tmp_path), "--steps", "1", "-o", str(outputs[0]), "--log", str(outputs[1]),
                  "--plot", str(outputs[2])]) == 0
     assert sorted(map(str, calls["check_new_path"])) == sorted(map(str, outputs))
-    assert len(calls["checked_options"]) == 1
+    assert len(calls["MDOptions"]) == 1
 
 
 def test_a_new_run_from_a_restart_frame_keeps_velocities_and_drops_the_old_records(tmp_path, capsys, stand_in):
@@ -308,3 +312,36 @@ def test_a_new_run_from_a_restart_frame_keeps_velocities_and_drops_the_old_recor
     assert np.allclose(frames[0].get_momenta(), read(first).get_momenta())
     assert frames[0].info["md_step"] == 0 and frames[0].info["md_ensemble"] == "nve"
     assert not any("md_rng" in f.info for f in frames)
+
+
+# --- issue 61: what a new-user trial found -------------------------------------------------------------------
+
+
+def test_a_restart_without_model_runs_the_model_its_frames_name(tmp_path, capsys, stand_in):
+    first = tmp_path / "n.traj"
+    assert main([*_box(tmp_path), "--model", "nequip", "--steps", "2", "-o", str(first)]) == 0
+    assert read(first).info["md_model"] == "nequip (q-SPC/Fw stand-in)"
+    capsys.readouterr()
+    assert main(["md", "--restart", str(first), "--device", "cpu", "--steps", "1", "-o", str(tmp_path / "b.traj")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model nequip (q-SPC/Fw stand-in") and read(tmp_path / "b.traj").info["md_model"] == \
+        "nequip (q-SPC/Fw stand-in)"
+    from cgforge.plugin.md.files import Restart
+
+    gone = Restart(path=first, atoms=Atoms(), step=2, time_fs=1.0, etot0=None, rng_state=None,
+                   model=f"{tmp_path / 'gone.model'} (mace)")
+    with pytest.raises(ValueError, match=r"--restart: .*n.traj was run with the model .*gone.model \(mace\), which is "
+                                         "not a bundled model and not a file here; name it with --model"):
+        md_cli.model_of(None, gone)
+
+
+def test_cli_messages_use_flag_spellings(tmp_path, capsys, stand_in):
+    out = tmp_path / "a.traj"
+    out.write_text("mine")
+    assert main([*_box(tmp_path), "--steps", "1", "-o", str(out)]) == EXIT_ERROR
+    line = _one_line_error(capsys)
+    assert "pass --force to overwrite" in line and "force=True" not in line
+    assert md_cli.flag_spelling("dtype: expected None, 'float32' or 'float64', got 'x'") == \
+        "--dtype: expected None, 'float32' or 'float64', got 'x'"
+    assert md_cli.flag_spelling("radial_table=True: its blocks; pass dtype=None") == \
+        "--radial-table on: its blocks; leave out --dtype"

@@ -232,13 +232,14 @@ def _copper():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"engine": "gpu"}, ValueError, "engine: expected one of auto, device, ase, got 'gpu'"),
     ({"engine": 1}, TypeError, "engine: expected one of auto, device, ase"),
-    ({"engine": "device"}, ValueError, r"engine: 'device' \(--engine device\) cannot run this: the device engine "
-                                       r"runs the model step of a cgforge Calculator; EMT is not one"),
+    ({"engine": "device"}, ValueError, r"engine: the device engine cannot run this: the device engine runs the "
+                                       r"model step of a cgforge Calculator; EMT is not one.*; use engine ase"),
     ({"thermostat": "nose"}, ValueError, "thermostat: expected one of langevin, csvr"),
     ({"ensemble": "nve", "thermostat": "csvr"}, ValueError, "thermostat: the thermostat choice is for NVT"),
-    ({"thermostat": "csvr", "friction": 0.1}, ValueError, "friction: the Langevin friction is for NVT only; this "
-                                                          "run's thermostat is csvr"),
-    ({"taut_fs": 50.0}, ValueError, "taut_fs: a barostat option, for NPT only"),
+    ({"thermostat": "csvr", "friction": 0.1}, ValueError, r"friction: the Langevin friction is for NVT \(langevin\); "
+                                                          r"this run is NVT \(csvr\)"),
+    ({"taut_fs": 50.0}, ValueError, r"taut_fs: the CSVR thermostat's coupling time is for NVT \(csvr\) and "
+                                     r"NPT; this run is NVT \(langevin\)"),
     ({"plot": "x.jpg"}, ValueError, r"plot: x.jpg must end with .png, .pdf or .svg"),
     ({"engine_options": {"blocks": 3}}, ValueError, "engine_options: unknown key 'blocks'"),
 ])
@@ -372,3 +373,43 @@ def test_cuda_engine_path_equals_ase_path_in_fp64(tmp_path):
     for a, d in zip(frames["ase"], frames["device"], strict=True):
         assert np.abs(a.positions - d.positions).max() <= 1e-8
         assert np.abs(a.get_forces() - d.get_forces()).max() <= 1e-6
+
+
+def test_a_restart_continues_on_the_engine_that_wrote_it(calc, tmp_path):
+    """issue 61: a device-engine trajectory restarted without engine= continued on ASE's Langevin (auto on a CPU),
+    whose noise differs, silently. The engine is followed now; another one given is said; a calculator the engine
+    cannot run is refused naming the restart and the way out."""
+    common = dict(ensemble="nvt", temperature_K=400, timestep_fs=0.5, trajectory_interval=3, seed=7)
+    run_md(water_box(4, seed=3), calc, steps=6, trajectory=tmp_path / "whole.traj", engine="device", log=None,
+           **common)
+    run_md(water_box(4, seed=3), calc, steps=3, trajectory=tmp_path / "half.traj", engine="device", log=None,
+           **common)
+    lines: list[str] = []
+    summary = run_md(None, calc, restart=tmp_path / "half.traj", steps=3, trajectory=tmp_path / "rest.traj",
+                     log=lines.append)
+    assert summary.engine == "device" and not any(line.startswith("note:") for line in lines)
+    whole, again = _final(tmp_path / "whole.traj"), _final(tmp_path / "rest.traj")
+    assert np.abs(whole.positions - again.positions).max() <= 1e-12
+    lines.clear()
+    summary = run_md(None, calc, restart=tmp_path / "half.traj", steps=1, trajectory=tmp_path / "ase.traj",
+                     engine="ase", log=lines.append)
+    assert summary.engine == "ase"
+    assert lines[0].startswith(f"note: {tmp_path / 'half.traj'} was written by cgforge's device engine; this run "
+                               "continues on ASE's dynamics, whose random numbers differ")
+    with pytest.raises(ValueError, match=r"engine: the device engine \(.*half.traj was run by it, and a restart "
+                                         r"continues on it\) cannot run this: .*EMT is not one.*; use engine ase"):
+        run_md(None, EMT(), restart=tmp_path / "half.traj", steps=1, log=None)
+
+
+@pytest.mark.cuda
+def test_a_gpu_run_restarted_on_a_cpu_stays_on_the_device_engine(tmp_path):
+    """issue 61: the trial's silent switch. A CUDA run (the device engine by default) restarted without engine= on
+    a CPU calculator (where auto means ASE's dynamics) continues on the device engine, as its frames say."""
+    torch.set_default_dtype(torch.float64)
+    gpu = Calculator("mace", device="cuda", dtype="float64")
+    run_md(water_box(16, seed=2), gpu, steps=4, trajectory=tmp_path / "gpu.traj", log=None, seed=3)
+    assert "md_engine" in read(tmp_path / "gpu.traj").info
+    lines: list[str] = []
+    summary = run_md(None, Calculator("mace", device="cpu", dtype="float64", patch=True), restart=tmp_path / "gpu.traj",
+                     steps=2, trajectory=tmp_path / "cpu.traj", log=lines.append)
+    assert summary.engine == "device" and not any(line.startswith("note:") for line in lines)

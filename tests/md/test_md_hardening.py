@@ -152,8 +152,10 @@ def test_xyz_trajectory_created_at_the_first_frame(tmp_path):
     ({"seed": -1}, ValueError, "seed"),
     ({"ensemble": "npt-ish"}, ValueError, "ensemble: expected one of nvt, nve, npt"),
     ({"ensemble": 3}, TypeError, "ensemble"),
-    ({"ensemble": "nve", "friction": 0.1}, ValueError, "friction: the Langevin friction is for NVT only"),
-    ({"ensemble": "nvt", "pressure_bar": 10}, ValueError, "pressure_bar: a barostat option, for NPT only"),
+    ({"ensemble": "nve", "friction": 0.1}, ValueError, r"friction: the Langevin friction is for NVT "
+                                                       r"\(langevin\); this run is NVE"),
+    ({"ensemble": "nvt", "pressure_bar": 10}, ValueError, "pressure_bar: the barostat's pressure is for NPT; "
+                                                          "this run is NVT"),
     ({"ensemble": "npt", "taup_fs": 0}, ValueError, "taup_fs"),
     ({"ensemble": "npt", "compressibility_per_bar": -1e-5}, ValueError, "compressibility_per_bar"),
     ({"max_temperature_K": 200}, ValueError, "max_temperature_K: the blow-up limit 200 K must be above"),

@@ -66,6 +66,23 @@ def test_a_restart_continues_the_saved_ensemble_and_options(tmp_path, first):
         assert info[f"md_{key}"] == value, key
     assert f", {first['ensemble'].upper()}" in lines[0] and "(its saved options)" in lines[0]
     assert f"timestep {first.get('timestep_fs', 0.5):g} fs" in lines[0]
+    units = {"friction": "friction {:g} 1/fs", "taut_fs": "taut {:g} fs", "taup_fs": "taup {:g} fs",
+             "compressibility_per_bar": "compressibility {:g} 1/bar"}  # issue 61: the restart's banner says them
+    for key, text in units.items():
+        if key in first:
+            assert text.format(first[key]) in lines[0], key
+
+
+def test_an_nve_restart_keeps_its_temperature(tmp_path):
+    """issue 61: --temperature on an NVE restart was accepted and only moved the blow-up limit. NVE frames save the
+    temperature of the first velocities: the restart's limit follows it, another temperature is refused."""
+    run_md(_copper(), EMT(), steps=2, ensemble="nve", temperature_K=800.0, trajectory=tmp_path / "a.traj", log=None)
+    assert _frames(tmp_path / "a.traj")[-1].info["md_temperature_K"] == 800.0
+    with pytest.raises(ValueError, match="temperature_K: .*a.traj ran with temperature_K 800.0, and a restart"):
+        run_md(None, EMT(), restart=tmp_path / "a.traj", steps=1, temperature_K=300.0, log=None)
+    lines: list[str] = []
+    run_md(None, EMT(), restart=tmp_path / "a.traj", steps=1, temperature_K=800.0, log=lines.append)
+    assert "stop above 8000 K" in lines[0]
 
 
 @pytest.mark.parametrize("flag, value, match", [

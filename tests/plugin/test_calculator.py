@@ -323,10 +323,12 @@ def test_cuda_without_gpu_is_a_clear_error(mace_model):
         Calculator(copy.deepcopy(mace_model), device="cuda")
 
 
-def test_missing_bundled_model_fails_only_when_asked(monkeypatch, mace_model):
-    monkeypatch.setitem(sys.modules, "cgforge.plugin.runtime.bundled", None)  # as if the module were absent
+def test_missing_bundled_model_fails_only_when_asked(monkeypatch, mace_model, tmp_path):
+    from cgforge.plugin.runtime import bundled
+
+    monkeypatch.setattr(bundled, "MODELS_DIR", tmp_path)  # as in an installation without the models/ folder
     Calculator(copy.deepcopy(mace_model), device="cpu", warmup=False)  # unaffected
-    with pytest.raises(FileNotFoundError, match="bundled 'mace' model"):
+    with pytest.raises(FileNotFoundError, match="bundled mace model not found at .*use a git checkout"):
         Calculator("mace", device="cpu")
 
 

@@ -301,3 +301,45 @@ def test_slab_stress_is_the_strain_derivative_over_the_cell_volume(model_file):
     b.calc = MACECalculator(models=build_model(r_max=4.0), device="cpu", default_dtype="float64")
     ratio = b.get_stress() / stress
     assert np.ptp(ratio[np.abs(stress) > 1e-3 * np.abs(stress).max()]) < 1e-6 and ratio[0] < 0.2
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 61, the new-user trial: every argument checked before the model loads, a TypeError for a wrong type
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"device": 0}, TypeError, "device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got int 0"),
+    ({"workspace": 3}, TypeError, "workspace: expected one of 'auto', 'whole', 'tiled', got int"),
+    ({"dtype": np.float64}, TypeError, "dtype: expected None, 'float32', 'float64' or a torch.dtype, got type"),
+    ({"skin": "1"}, TypeError, "skin: expected a number of Å >= 0, got str '1'"),
+    ({"skin": -1}, ValueError, "skin: expected a finite number of Å >= 0, got -1"),
+    ({"radial_table": True, "patch": False}, ValueError, "radial_table=True, patch=False: the radial tables are read "
+                                                          "by cgforge's kernels"),
+])
+def test_arguments_are_checked_before_the_model_loads(monkeypatch, kwargs, error, match):
+    from cgforge.plugin.runtime import potential
+
+    def refuse(*args, **kw):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(potential, "load_module", refuse)
+    with pytest.raises(error, match=match):
+        Calculator("mace", **{"device": "cpu", **kwargs})
+
+
+def test_an_unknown_model_name_names_the_bundled_models():
+    with pytest.raises(FileNotFoundError, match=r"model: macee not found; expected a bundled model \('mace', "
+                                                r"'nequip'\) or a checkpoint file .*did you mean 'mace'\?"):
+        Calculator("macee", device="cpu")
+
+
+def test_radial_tables_on_a_cpu_patch_the_model(model_file):
+    """radial_table=True needs cgforge's kernels: on a CPU (where patch=None leaves the model's own code) it
+    patches the model, as radial_precision, compile and tuning do; an unpatched module given is named as such."""
+    calc = Calculator(model_file, device="cpu", radial_table=True, warmup=False)
+    assert calc.patched and calc.radial_table
+    from cgforge.plugin.runtime.potential import Potential
+
+    with pytest.raises(ValueError, match="radial_table=True: the tables are read by cgforge's kernels, and this "
+                                         "model runs its own code"):
+        Potential(build_model(r_max=4.0), torch.device("cpu"), radial_table=True, warmup=False)

@@ -54,11 +54,12 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
     return None
 
 
-def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
+def choose_engine(choice: str, calc: Any, atoms: Atoms, name: str = "engine", restart: Any = None) -> str:
     """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
     CUDA, unless the system runs in tiles (``workspace``) or streams edges (a box its memory plan finds too large
     for the stored path with ``workspace="whole"``): ASE's dynamics then drive the calculator);
-    'device' that cannot be served is an error naming why."""
+    'device' that cannot be served is an error naming why (``name``: the argument; ``restart``: the trajectory whose
+    engine it is)."""
     unfit = engine_unfit(calc, atoms)
     uses_tiles = getattr(calc, "uses_tiles", None)
     tiles = callable(uses_tiles) and uses_tiles(atoms)
@@ -67,8 +68,9 @@ def choose_engine(choice: str, calc: Any, atoms: Atoms) -> str:
                  "of the whole system")
     if choice == "device":
         if unfit is not None:
-            raise ValueError(f"engine: 'device' (--engine device) cannot run this: {unfit}; use engine='ase' "
-                             "(--engine ase)")
+            why = f" ({restart} was run by it, and a restart continues on it)" if restart is not None else ""
+            raise ValueError(f"{name}: the device engine{why} cannot run this: {unfit}; use {name} ase (ASE's "
+                             "dynamics; after a restart not bit for bit: other random numbers)")
         return "device"
     if choice == "auto" and unfit is None and getattr(calc.device, "type", None) == "cuda":
         plan_for = getattr(calc, "plan_for", None)

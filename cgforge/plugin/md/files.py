@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
-from .options import PLOT_SUFFIXES, SAVED_OPTIONS
+from .options import PLOT_SUFFIXES, read_saved
 
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
@@ -270,10 +270,7 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
     engine = _decode_info(info["md_engine"], "md_engine", "seed", what, path) if "md_engine" in info else None
     etot0 = float(info["md_etot0"]) if "md_etot0" in info else None
     time_fs = float(info.get("md_time_fs", float("nan")))
-    options = {k: info[f"md_{k}"] for k in SAVED_OPTIONS if f"md_{k}" in info}
-    for key, value in options.items():
-        options[key] = (str(value).lower() if key in ("ensemble", "thermostat") else int(value) if key == "seed"
-                        else float(value))
+    options = read_saved(info)
     results = getattr(atoms.calc, "results", None) or {}
     epot = info.get("md_epot", results.get("energy"))
     model = str(info["md_model"]) if "md_model" in info else None

@@ -1,38 +1,38 @@
-"""The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``: defaults and checks.
-
-Every check names what the user typed: the Python argument for run_md, the flag for the command line (the
-caller passes a ``name`` function that maps one to the other).
-"""
+"""The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``, declared once: :class:`MDOptions`, whose
+fields carry default, check, flag, help and restart rule. From them come ``cgforge md``'s flags
+(:func:`add_arguments`), run_md's keywords, a restart's defaults, the banner (:meth:`MDOptions.describe`) and
+docs/md.md's table (:func:`options_table`). Checks name what the user typed (a keyword or a flag: ``names``)."""
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, field, fields
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module's defaults
+if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module
     from ase import Atoms
 
 ENSEMBLES = ("nvt", "nve", "npt")
 ENGINES = ("auto", "device", "ase")  # auto: the device engine when the calculator runs on CUDA, else ASE's
 THERMOSTATS = ("langevin", "csvr")  # NVT; NPT uses CSVR in the engine, Berendsen's in ASE's dynamics
-
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # Blow-up limit when none is given: far above any liquid or solid a user runs, far below what a run that
 # exploded reaches (1e5-1e6 K within a few steps); 10x the target for hot runs.
 MAX_TEMPERATURE_FLOOR_K = 5000.0
 MAX_TEMPERATURE_FACTOR = 10.0
 
-# NPT defaults: 1 atm, water's isothermal compressibility at 300 K.
-DEFAULT_PRESSURE_BAR = 1.01325
-DEFAULT_COMPRESSIBILITY_PER_BAR = 4.57e-5
-DEFAULT_TAUT_FS = 100.0
-DEFAULT_TAUP_FS = 1000.0
-DEFAULT_FRICTION = 0.01  # 1/fs, Langevin
-
-NPT_OPTIONS = ("pressure_bar", "taut_fs", "taup_fs", "compressibility_per_bar")
-# The options a restart continues (saved in every frame's atoms.info as md_<name>): the physics of the run.
-SAVED_OPTIONS = ("ensemble", "thermostat", "temperature_K", "timestep_fs", "friction", *NPT_OPTIONS, "seed")
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+# A run's mode: the ensemble, and for NVT its thermostat. A field with ``modes`` is refused in the others.
+MODES = {"nvt-langevin": "NVT (langevin)", "nvt-csvr": "NVT (csvr)", "nve": "NVE", "npt": "NPT"}
+# Restart rules: what ``--restart`` does with a field.
+KEPT = "kept"  # saved in every frame (md_<name>); the restart's value is the default, another one is refused
+FOLLOWS = "follows"  # the restart's value is the default; another one is allowed and said (not bit for bit)
+OWN = "own"  # each run's own (not saved)
+REFUSED = "refused"  # a restart continues the saved state: refused with a restart
+RESTART_RULES = {KEPT: "the run's; another value is refused", FOLLOWS: "the run's; another one is said",
+                 OWN: "this run's", REFUSED: "refused"}
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: bool = True,
@@ -81,83 +81,153 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value.lower()
 
 
-def default_max_temperature(temperature_K: float) -> float:
-    return max(MAX_TEMPERATURE_FLOOR_K, MAX_TEMPERATURE_FACTOR * temperature_K)
+def option(default: Any, check: Callable[[str, Any], Any], flag: str, help: str, restart: str = OWN, *,
+           value: Any = None, shown: str | None = None, modes: tuple[str, ...] | None = None, role: str = "",
+           unit: str = "", **argparse_kwargs: Any) -> Any:
+    """A field of :class:`MDOptions` (docs/development.md, "How to add an MD option"): ``shown`` replaces the
+    default in help and docs, ``role`` names the field where its ``modes`` refuse it; the rest goes to argparse."""
+    if shown is None:
+        shown = value if value is not None else default
+        shown = f"{shown:g} {unit}".strip() if isinstance(shown, float) else str(shown)
+    return field(default=default, metadata=dict(
+        check=check, flag=flag, help=help, restart=restart, value=value, shown=shown, modes=modes, role=role,
+        unit=unit, argparse=argparse_kwargs))
 
 
-def checked_options(o: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
-    """The MD options of :func:`run_md`, checked; ``name`` turns an argument's name into what the user typed
-    (the Python name for run_md, the flag for the command line)."""
-    o = dict(o)
-    o["ensemble"] = ensemble = check_choice(name("ensemble"), o["ensemble"], ENSEMBLES)
-    o["engine"] = check_choice(name("engine"), o.get("engine", "auto"), ENGINES)
-    o["temperature_K"] = check_number(name("temperature_K"), o["temperature_K"], strict=False)
-    o["timestep_fs"] = check_number(name("timestep_fs"), o["timestep_fs"])
-    o["steps"] = check_count(name("steps"), o["steps"], 0)
-    o["trajectory_interval"] = check_count(name("trajectory_interval"), o["trajectory_interval"], 1)
-    o["log_interval"] = check_count(name("log_interval"), o["log_interval"], 1)
-    o["seed"] = check_count(name("seed"), o["seed"], 0)
-    # Options of one ensemble (or thermostat) are refused for the others: a --friction with NVE would silently
-    # do nothing.
-    thermostat = o.get("thermostat")
-    if thermostat is not None and ensemble != "nvt":
-        raise ValueError(f"{name('thermostat')}: the thermostat choice is for NVT; this run is {ensemble.upper()} "
-                         "(NPT thermostats with CSVR in the device engine and Berendsen's in ASE's dynamics)")
-    o["thermostat"] = thermostat = (check_choice(name("thermostat"), thermostat, THERMOSTATS)
-                                    if thermostat is not None else "langevin" if ensemble == "nvt" else None)
-    if o["friction"] is not None and thermostat != "langevin":
-        why = f"this run is {ensemble.upper()}" if ensemble != "nvt" else f"this run's thermostat is {thermostat}"
-        raise ValueError(f"{name('friction')}: the Langevin friction is for NVT only; {why}")
-    o["friction"] = check_number(name("friction"), DEFAULT_FRICTION if o["friction"] is None else o["friction"],
-                                 strict=False)
-    csvr = ensemble == "nvt" and thermostat == "csvr"
-    given_npt = [k for k in NPT_OPTIONS if o[k] is not None and not (csvr and k == "taut_fs")]
-    if given_npt and ensemble != "npt":
-        raise ValueError(f"{name(given_npt[0])}: a barostat option, for NPT only; this run is {ensemble.upper()} "
-                         f"(choose the NPT ensemble to use it)")
-    defaults = (DEFAULT_PRESSURE_BAR, DEFAULT_TAUT_FS, DEFAULT_TAUP_FS, DEFAULT_COMPRESSIBILITY_PER_BAR)
-    for key, default in zip(NPT_OPTIONS, defaults, strict=True):
-        value = default if o[key] is None else o[key]
-        o[key] = check_number(name(key), value, minimum=None if key == "pressure_bar" else 0.0)
-    if o["max_temperature_K"] is None:
-        o["max_temperature_K"] = default_max_temperature(o["temperature_K"])
-    else:
-        o["max_temperature_K"] = check_number(name("max_temperature_K"), o["max_temperature_K"], allow_inf=True)
-        if ensemble != "nve" and o["max_temperature_K"] <= o["temperature_K"]:
-            raise ValueError(f"{name('max_temperature_K')}: the blow-up limit {o['max_temperature_K']:g} K must be "
-                             f"above the target temperature {o['temperature_K']:g} K")
-    o["force"] = check_flag(name("force"), o["force"])
-    if o["init_velocities"] is not None:
-        o["init_velocities"] = check_flag(name("init_velocities"), o["init_velocities"])
-    return o
+_AT_LEAST_0, _ANY_NUMBER = partial(check_number, strict=False), partial(check_number, minimum=None)
+_ABOVE_0_OR_INF = partial(check_number, allow_inf=True)
+_COUNT_0, _COUNT_1 = partial(check_count, minimum=0), partial(check_count, minimum=1)
 
 
-def ensemble_options(o: dict[str, Any]) -> dict[str, Any]:
-    """The checked options run_md takes for ``o``'s ensemble (and thermostat), by name."""
-    if o["ensemble"] == "npt":
-        return {k: o[k] for k in NPT_OPTIONS}
-    if o["ensemble"] == "nvt":
-        return {"thermostat": o["thermostat"],
-                **({"friction": o["friction"]} if o["thermostat"] == "langevin" else {"taut_fs": o["taut_fs"]})}
-    return {}
+@dataclass(frozen=True)
+class MDOptions:
+    """A run's options, checked once where they are made: ``MDOptions(**keywords, names=...)`` fills what was
+    not given (None) with its default (:meth:`given` first takes a restart's saved values) and checks every
+    field and the rules between them (an option of another ensemble or thermostat is refused). ``names`` maps
+    a keyword to what the user typed (a flag). Fields that do not apply to the run's mode are None."""
+
+    ensemble: str | None = option(None, partial(check_choice, choices=ENSEMBLES), "--ensemble", (
+        "nvt (Langevin), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
+        "rescaling with the CSVR thermostat in the device engine, Berendsen's thermostat and barostat in ASE's "
+        "dynamics)"), KEPT, value="nvt", type=str.lower, choices=ENSEMBLES)
+    thermostat: str | None = option(None, partial(check_choice, choices=THERMOSTATS), "--thermostat", (
+        "NVT: langevin (--friction) or csvr (Bussi's stochastic velocity rescaling; --taut)"), KEPT,
+        value="langevin", modes=("nvt-langevin", "nvt-csvr"), role="the thermostat choice", type=str.lower,
+        choices=THERMOSTATS)
+    temperature_K: float | None = option(None, _AT_LEAST_0, "--temperature", (
+        "target temperature in K, and of the initial velocities"), KEPT, value=300.0, unit="K")
+    timestep_fs: float | None = option(None, check_number, "--timestep", "timestep in fs", KEPT, value=0.5, unit="fs")
+    steps: int = option(100, _COUNT_0, "--steps", "MD steps", type=int)
+    friction: float | None = option(None, _AT_LEAST_0, "--friction", "Langevin friction in 1/fs", KEPT,
+                                    value=0.01, modes=("nvt-langevin",), role="the Langevin friction", unit="1/fs")
+    pressure_bar: float | None = option(None, _ANY_NUMBER, "--pressure", "NPT: pressure in bar", KEPT,
+                                        value=1.01325, modes=("npt",), role="the barostat's pressure", unit="bar")
+    taut_fs: float | None = option(None, check_number, "--taut", (
+        "temperature coupling time in fs of the CSVR thermostat (NVT with --thermostat csvr) and of NPT"), KEPT,
+        value=100.0, modes=("nvt-csvr", "npt"), role="the CSVR thermostat's coupling time", unit="fs")
+    taup_fs: float | None = option(None, check_number, "--taup", "NPT: pressure coupling time in fs", KEPT,
+                                   value=1000.0, modes=("npt",), role="the barostat's coupling time", unit="fs")
+    compressibility_per_bar: float | None = option(None, check_number, "--compressibility", (
+        "NPT: isothermal compressibility in 1/bar (the default is water's)"), KEPT, value=4.57e-5, modes=("npt",),
+        role="the barostat's compressibility", unit="1/bar")
+    seed: int | None = option(None, _COUNT_0, "--seed", "velocities, thermostat noise and box", KEPT, value=0,
+                              type=int)
+    engine: str | None = option(None, partial(check_choice, choices=ENGINES), "--engine", (
+        "auto: cgforge's device engine (integrator and model on the GPU, the host sees the state only at log and "
+        "trajectory steps) when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also on a CPU; "
+        "ase: ASE's dynamics. A restart continues on the engine that wrote it (another one is said: its random "
+        "numbers differ)"), FOLLOWS, value="auto", type=str.lower, choices=ENGINES)
+    max_temperature_K: float | None = option(None, _ABOVE_0_OR_INF, "--max-temperature", (
+        "stop (exit code 3) when the temperature exceeds this, in K ('inf' turns it off); non-finite forces or "
+        "energy always stop the run"), shown=f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x the "
+        "temperature)")
+    trajectory_interval: int = option(10, _COUNT_1, "--traj-interval", (
+        "steps between frames (the last step is always written)"), type=int)
+    log_interval: int = option(10, _COUNT_1, "--log-interval", "steps between progress lines", type=int)
+    init_velocities: bool | None = option(None, check_flag, "--init-velocities", (
+        "draw Maxwell-Boltzmann velocities at the temperature (--no-init-velocities: keep the structure's); "
+        "default: only when the atoms are at rest"), REFUSED, shown="at rest only",
+        action=argparse.BooleanOptionalAction)
+    force: bool = option(False, check_flag, "--force", (
+        "overwrite the trajectory, log and plot files if they exist (never the input files)"), action="store_true")
+    names: InitVar[Callable[[str], str] | None] = None
+
+    def __post_init__(self, names: Callable[[str], str] | None) -> None:
+        name = names or str
+        spec = {f.name: f.metadata for f in fields(self)}
+        ensemble = check_choice(name("ensemble"), self.ensemble or "nvt", ENSEMBLES)
+        if self.thermostat is not None and ensemble != "nvt":
+            _not_for(name("thermostat"), spec["thermostat"], ensemble)
+        thermostat = check_choice(name("thermostat"), self.thermostat or "langevin", THERMOSTATS) \
+            if ensemble == "nvt" else None
+        mode = f"nvt-{thermostat}" if thermostat else ensemble
+        done = {"ensemble": ensemble, "thermostat": thermostat}
+        for key, meta in spec.items():
+            value = getattr(self, key)
+            applies = meta["modes"] is None or mode in meta["modes"]
+            if key in done:
+                value = done[key]
+            elif value is not None and not applies:
+                _not_for(name(key), meta, mode)
+            elif applies and (value := meta["value"] if value is None else value) is not None:
+                value = meta["check"](name(key), value)
+            object.__setattr__(self, key, value if applies else None)
+        if self.max_temperature_K is None:
+            object.__setattr__(self, "max_temperature_K", max(MAX_TEMPERATURE_FLOOR_K,
+                                                              MAX_TEMPERATURE_FACTOR * self.temperature_K))
+        elif ensemble != "nve" and self.max_temperature_K <= self.temperature_K:
+            raise ValueError(f"{name('max_temperature_K')}: the blow-up limit {self.max_temperature_K:g} K must be "
+                             f"above the target temperature {self.temperature_K:g} K")
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    @classmethod
+    def given(cls, given: Mapping[str, Any], names: Callable[[str], str] | None = None,
+              saved: Mapping[str, Any] | None = None, source: str = "", new_run: str = "") -> MDOptions:
+        """The options of ``given`` (None: not given); after a restart (``saved``: its saved options, from
+        ``source``) a kept option not given is the saved one, and another value is refused (``new_run``: how to
+        start a new run with other settings instead)."""
+        name = names or str
+        o = dict(given)
+        for key, value in (saved or {}).items():
+            rule = cls.__dataclass_fields__[key].metadata["restart"]
+            if o.get(key) is None:
+                o[key] = value
+            elif rule == KEPT and not _same(o[key], value):
+                shown = value.upper() if key == "ensemble" else value
+                raise ValueError(f"{name(key)}: {source} ran with {name(key).lstrip('-')} {shown!s}, and a restart "
+                                 f"continues its run; leave {name(key)} out, or start a new run from its last frame "
+                                 f"with other settings ({new_run}: positions and velocities kept)")
+        old_nve = (saved or {}).get("ensemble") == "nve" and "temperature_K" not in saved  # saved before issue 61
+        if old_nve and given.get("temperature_K") is not None:
+            raise ValueError(f"{name('temperature_K')}: {source} saved no temperature (an NVE run: its restart "
+                             f"continues the saved velocities); leave {name('temperature_K')} out "
+                             f"({name('max_temperature_K')} sets the blow-up limit)")
+        return cls(**o, names=names)
+
+    def saved(self) -> dict[str, Any]:
+        """What a frame saves for a restart (``md_<name>`` in ``atoms.info``): the kept options of the run's
+        mode (NVE's temperature too: that of its first velocities, the blow-up limit's reference)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata["restart"] == KEPT and getattr(self, f.name) is not None}
+
+    def describe(self) -> str:
+        """The physics of the run in words: 'NPT at 300 K and 1.01325 bar, taut 100 fs, ..., timestep 0.5 fs'."""
+        head = self.ensemble.upper() + (f" ({self.thermostat})" if self.thermostat else "") + (
+            f" at {self.temperature_K:g} K" if self.ensemble != "nve" else "") + (
+            f" and {self.pressure_bar:g} bar" if self.pressure_bar is not None else "")
+        more = [f"{f.metadata['flag'].lstrip('-')} {getattr(self, f.name):g} {f.metadata['unit']}"
+                for f in fields(self) if f.metadata["modes"] and f.metadata["unit"] and f.name != "pressure_bar"
+                and getattr(self, f.name) is not None]
+        return ", ".join([head, *more, f"timestep {self.timestep_fs:g} fs"])
 
 
-def check_atoms_for(ensemble: str, atoms: Atoms, name: Callable[[str], str]) -> None:
-    if ensemble == "npt" and not (atoms.pbc.all() and abs(atoms.cell.volume) > 0):
-        raise ValueError(f"{name('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
-                         f"has pbc={atoms.pbc.tolist()} and volume {abs(atoms.cell.volume):g} Å^3")
-
-
-DEFAULTS = {"ensemble": "nvt", "temperature_K": 300.0, "timestep_fs": 0.5, "seed": 0}  # where None was given
-
-
-def saved_options(o: dict[str, Any]) -> dict[str, Any]:
-    """What a frame saves of the checked options ``o`` for a restart (``md_<name>`` in ``atoms.info``): the
-    ensemble, the timestep and the options of that ensemble and thermostat (the temperature unless NVE)."""
-    saved = {"ensemble": o["ensemble"], "timestep_fs": o["timestep_fs"], "seed": o["seed"], **ensemble_options(o)}
-    if o["ensemble"] != "nve":
-        saved["temperature_K"] = o["temperature_K"]
-    return saved
+def _not_for(name: str, meta: Mapping[str, Any], mode: str) -> None:
+    modes = meta["modes"]
+    where = "NVT" if set(modes) == {"nvt-langevin", "nvt-csvr"} else " and ".join(MODES[m] for m in modes)
+    raise ValueError(f"{name}: {meta['role']} is for {where}; this run is {MODES[mode]} (choose that ensemble or "
+                     "thermostat to use it)")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -169,28 +239,55 @@ def _same(a: Any, b: Any) -> bool:
         return True  # not a number: the option's own check names it
 
 
-def with_restart_defaults(given: dict[str, Any], saved: dict[str, Any], source: str, name: Callable[[str], str],
-                          new_run: str) -> dict[str, Any]:
-    """``given`` (None: not given) with a restart's ``saved`` options as the defaults. A restart continues its
-    run: a given value that contradicts a saved one is refused by name. ``source`` names the trajectory,
-    ``new_run`` how to start a new run from its last frame."""
-    o = dict(given)
-    for key, value in saved.items():
-        if key not in o:
-            continue
-        if o[key] is None:
-            o[key] = value
-        elif not _same(o[key], value):
-            shown = value.upper() if key == "ensemble" else value
-            raise ValueError(f"{name(key)}: {source} ran with {name(key).lstrip('-')} {shown!s}, and a restart "
-                             f"continues its run; leave {name(key)} out, or start a new run from its last frame "
-                             f"with other settings ({new_run}: positions and velocities kept)")
-    return o
+OPTION_FIELDS = {f.name: f.metadata for f in fields(MDOptions)}
 
 
-def with_defaults(given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` with ``DEFAULTS`` where it holds None."""
-    return {k: (DEFAULTS[k] if v is None and k in DEFAULTS else v) for k, v in given.items()}
+def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> None:
+    """Before a restart's file is read: a given option a restart refuses (it continues the saved state)."""
+    for key, meta in OPTION_FIELDS.items():
+        if meta["restart"] == REFUSED and given.get(key) is not None:
+            raise ValueError(f"{names(key)}: a restart continues the saved velocities and random state; leave "
+                             f"{names(key)} out")
+
+
+def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
+    """The kept options a frame's ``info`` saved (``md_<name>``), of their flag's type (float unless declared)."""
+    return {k: meta["argparse"].get("type", float)(info[f"md_{k}"]) for k, meta in OPTION_FIELDS.items()
+            if meta["restart"] == KEPT and f"md_{k}" in info}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`MDOptions` field (its keyword the destination, None when not given)."""
+    for key, meta in OPTION_FIELDS.items():
+        kwargs = {"type": float, **meta["argparse"]}
+        if "action" in kwargs:
+            kwargs.pop("type")
+        elif "choices" not in kwargs:  # argparse shows the choices, else the flag's name
+            kwargs["metavar"] = meta["flag"].lstrip("-").upper()
+        note = "; after --restart: the run's saved value, and another value is refused" if meta["restart"] == KEPT \
+            else ""
+        parser.add_argument(meta["flag"], dest=key, default=None, **kwargs,
+                            help=f"{meta['help']} (default {meta['shown']}{note})".replace("%", "%%"))
+
+
+def given_by_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the command line gave (the others are not given: None)."""
+    return {key: getattr(args, key) for key in OPTION_FIELDS if getattr(args, key, None) is not None}
+
+
+def options_table() -> str:
+    """docs/md.md's table of the options: flag, keyword, default, after a restart, meaning."""
+    rows = ["| flag | `run_md` keyword | default | after `--restart` | meaning |", "|---|---|---|---|---|"]
+    for key, meta in OPTION_FIELDS.items():
+        rows.append(f"| `{meta['flag']}` | `{key}` | {meta['shown']} | {RESTART_RULES[meta['restart']]} | "
+                    f"{meta['help']} |")
+    return "\n".join(rows)
+
+
+def check_atoms_for(ensemble: str, atoms: Atoms, name: Callable[[str], str]) -> None:
+    if ensemble == "npt" and not (atoms.pbc.all() and abs(atoms.cell.volume) > 0):
+        raise ValueError(f"{name('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
+                         f"has pbc={atoms.pbc.tolist()} and volume {abs(atoms.cell.volume):g} Å^3")
 
 
 def check_structure(atoms: Atoms, what: str) -> None:

@@ -19,12 +19,11 @@ energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). T
 XYZ) are new files, reserved (created empty) when the run is planned and filled at the first frame (a hidden
 temporary file renamed over the reservation): concurrent runs never share one. Each frame's
 ``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
-(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's options
-(``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``, ``md_friction``, ``md_pressure_bar``,
-``md_taut_fs``, ``md_taup_fs``, ``md_compressibility_per_bar``, ``md_seed``), the potential energy (``md_epot``) and
-the model (``md_model``). From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ:
-closely); a value that contradicts a saved option, or a model that gives the frame another energy
-(``MODEL_MISMATCH_MEV_PER_ATOM``), is refused before any step.
+(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's kept options
+(``md_<keyword>``: :meth:`MDOptions.saved`), the potential energy (``md_epot``) and the model (``md_model``).
+From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ: closely); a value that
+contradicts a saved option, or a model that gives the frame another energy (``MODEL_MISMATCH_MEV_PER_ATOM``), is
+refused before any step.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -71,14 +70,7 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import (
-    check_atoms_for,
-    check_structure,
-    checked_options,
-    saved_options,
-    with_defaults,
-    with_restart_defaults,
-)
+from .options import OPTION_FIELDS, MDOptions, check_atoms_for, check_structure, refuse_on_restart
 from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
@@ -129,67 +121,38 @@ def run_md(
     atoms: Atoms | None,
     calculator: Any = None,
     *,
-    ensemble: str | None = None,
-    temperature_K: float | None = None,
-    timestep_fs: float | None = None,
-    steps: int = 100,
-    friction: float | None = None,
-    pressure_bar: float | None = None,
-    taut_fs: float | None = None,
-    taup_fs: float | None = None,
-    compressibility_per_bar: float | None = None,
-    trajectory: str | os.PathLike | None = None,
-    trajectory_interval: int = 10,
-    log_interval: int = 10,
-    seed: int | None = None,
-    force: bool = False,
-    init_velocities: bool | None = None,
-    max_temperature_K: float | None = None,
     restart: str | os.PathLike | Restart | None = None,
+    trajectory: str | os.PathLike | None = None,
     log: TextIO | Callable[[str], None] | str | os.PathLike | list | tuple | None = print,
-    engine: str = "auto",
-    thermostat: str | None = None,
     plot: str | os.PathLike | None = None,
     engine_options: dict[str, Any] | None = None,
-    **unknown: Any,
+    **options: Any,
 ) -> MDSummary:
-    """Run MD on ``atoms`` in place: NVT (``thermostat`` "langevin", the default, ``friction`` in 1/fs, default
-    0.01; or "csvr", Bussi's stochastic velocity rescaling with ``taut_fs``), NVE (velocity Verlet) or NPT
-    (isotropic, the cell keeps its shape; ``pressure_bar`` default 1.01325, ``taut_fs`` 100, ``taup_fs`` 1000,
-    ``compressibility_per_bar`` 4.57e-5, water's: stochastic cell rescaling with CSVR in the device engine, which
-    samples the NPT ensemble; Berendsen in ASE's dynamics, which reaches the right density and temperature but
-    not the ensemble's fluctuations). ``ensemble`` defaults to "nvt", ``temperature_K`` to 300, ``timestep_fs``
-    to 0.5 and ``seed`` to 0, except after a restart (below).
+    """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions`, one keyword per field (docs/md.md
+    has the table; an unknown keyword is a TypeError naming the nearest). ``calculator`` replaces ``atoms.calc``.
+    ``trajectory``: a new .traj/.xyz/.extxyz file (frames every ``trajectory_interval`` steps and at the last).
+    ``log``: print (default), a callable taking a line, a stream, a file name (instead of stdout), a list of these
+    or None. ``plot``: a new .png/.pdf/.svg file drawn at the end, also after a blow-up or Ctrl-C (a plot that
+    fails is a warning line). ``engine_options``: the engine's ``block``, ``steps_per_graph``, ``cuda_graph``,
+    ``rebuild_margin``. ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
+    last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
+    options, engine and model (another model is a ValueError); ``atoms`` may then be None.
 
-    ``engine``: "auto" (cgforge's device engine when the calculator is a cgforge Calculator on CUDA, else ASE's
-    dynamics), "device" (the engine, also on a CPU; an error for a calculator it cannot run) or "ase".
-    ``engine_options``: the engine's ``block``, ``steps_per_graph``, ``cuda_graph``, ``rebuild_margin``.
-
-    ``calculator`` replaces ``atoms.calc`` when given. Velocities are drawn from Maxwell-Boltzmann at
-    ``temperature_K`` (``seed``, zero total momentum) when ``init_velocities`` is True, or when it is None and
-    the atoms are at rest. ``trajectory``: a new .traj/.xyz/.extxyz file written every ``trajectory_interval``
-    steps and at the last step (an existing file only with ``force=True``). ``log``: print (default), a
-    callable taking a line, a stream, a file name (the lines go to that new file instead of stdout), a list of
-    these (``[print, "md.log"]``: each line to all) or None. ``plot``: a new .png/.pdf/.svg file, written at
-    the end (also after a blow-up or Ctrl-C) from the values at the progress lines (needs matplotlib); a plot
-    that fails is a warning line, never the run's error.
-
-    ``max_temperature_K``: the run stops with :class:`MDInstabilityError` above it (default
-    ``max(5000, 10 * temperature_K)``; ``math.inf`` turns the check off), as it does for non-finite forces or
-    energy. ``restart``: a trajectory written by run_md (or a :class:`Restart`): its last frame's positions,
-    momenta, cell, step counter and random state are continued for ``steps`` more steps with the run's saved
-    options (ensemble, thermostat, temperature, timestep, friction, barostat, seed) as the defaults; a value given
-    that contradicts a saved one is a ValueError naming it, and so is a calculator whose energy of the restart
-    frame is not the saved one (another model). ``atoms`` may be None (the frame's structure is used and
-    returned in the summary). Ctrl-C, and SIGTERM over its default handler, stop after the current step and
-    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed.
-
-    Every argument, output file and the structure are checked before anything runs (:func:`plan_md`, which
-    ``cgforge md`` calls before it loads the model).
+    Everything is checked before anything runs (:func:`plan_md`). A blow-up raises :class:`MDInstabilityError`;
+    Ctrl-C, and SIGTERM over its default handler, stop after the current step and raise :class:`MDInterrupted` (a
+    KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The output files are created when
+    they are checked, so a concurrent run in the same folder gets others.
     """
-    options = {k: v for k, v in locals().items() if k not in ("atoms", "calculator", "unknown")}
-    plan = plan_md(atoms, calculator, **options, **unknown)
+    plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
+                   engine_options=engine_options, **options)
     return plan.run()
+
+
+# run_md's keywords: the files above and one per MDOptions field (its default), for help() and the checks
+run_md.__signature__ = inspect.signature(run_md).replace(parameters=[  # type: ignore[attr-defined]
+    *[p for p in inspect.signature(run_md).parameters.values() if p.kind != p.VAR_KEYWORD],
+    *[inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+      for f in fields(MDOptions)]])
 
 
 def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, str] | None = None,
@@ -234,20 +197,17 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     check_distinct(outputs, {names("restart"): restart_path, names("structure"): structure, **(inputs or {})})
     if structure is not None:
         atoms = read_structure(structure, names("structure"))
-    if restart is not None and a["init_velocities"]:
-        raise ValueError(f"{names('init_velocities')}: a restart continues the saved velocities; leave "
-                         f"{names('init_velocities')} out")
+    given = {k: a[k] for k in OPTION_FIELDS}
+    if restart is not None:
+        refuse_on_restart(given, names)
     state = read_restart(restart, names("restart")) if restart is not None else None
-    given = {k: a[k] for k in ("ensemble", "temperature_K", "timestep_fs", "steps", "friction", "pressure_bar",
-                               "taut_fs", "taup_fs", "compressibility_per_bar", "trajectory_interval",
-                               "log_interval", "seed", "force", "init_velocities", "max_temperature_K", "engine",
-                               "thermostat")}
     if state is not None:
         new_run = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
-        given = with_restart_defaults(given, state.options, str(state.path), names, new_run)
-    o = checked_options(with_defaults(given), names)
+        o = MDOptions.given(given, names, {**state.options, "engine": _engine_of(state)}, str(state.path), new_run)
+    else:
+        o = MDOptions.given(given, names)
     engine_options = check_engine_options(a["engine_options"])
-    force = o["force"]
+    force = o.force
     path, log_path, plot_path = outputs.values()
     free = isinstance(a["trajectory"], FreeName)  # a default name: the next free one if it is taken meanwhile
     path = check_new_path(path, force or free, names("trajectory")) if path is not None else None
@@ -263,7 +223,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         check_structure(atoms, names("atoms"))
         for key in [k for k in atoms.info if k.startswith("md_")]:  # a run's own records (a frame read as a
             del atoms.info[key]  # structure): a new run writes its own, never another run's random state
-    check_atoms_for(o["ensemble"], atoms if atoms is not None else state.atoms, names)
+    check_atoms_for(o.ensemble, atoms if atoms is not None else state.atoms, names)
     reserved = Reservations()  # the last checks: the output files are created (a concurrent run gets others)
     try:
         path = reserved.take(a["trajectory"] if free else path, force, names("trajectory")) if path else None
@@ -276,7 +236,8 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         printer.write(state.note)
     atoms = continue_from(atoms, state) if state is not None else atoms
     plan = MDPlan(atoms=atoms, o=o, trajectory=path, printer=printer, plot=plot_path, restart=state,
-                  engine_options=engine_options, names=names, prog=prog, new_run=new_run, reserved=reserved)
+                  engine_options=engine_options, names=names, prog=prog, new_run=new_run, reserved=reserved,
+                  engine_given=given["engine"] is not None)
     if calculator is not None:
         plan.attach(calculator)
     return plan
@@ -285,6 +246,12 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
                     if p.kind == p.KEYWORD_ONLY}
 _OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
+_PATHS = {"device": "cgforge's device engine", "ase": "ASE's dynamics"}
+
+
+def _engine_of(state: Restart) -> str:
+    """The engine that wrote a restart's frame: its random state says (``md_engine``: the device engine)."""
+    return "device" if state.engine_state is not None else "ase"
 
 
 @dataclass
@@ -294,7 +261,7 @@ class MDPlan:
     ``attach(calc)`` checks the calculator against the structure; ``run()`` runs and closes the log."""
 
     atoms: Atoms
-    o: dict[str, Any]
+    o: MDOptions
     trajectory: Path | None
     printer: Printer
     plot: Path | None
@@ -306,6 +273,8 @@ class MDPlan:
     model: str | None = None  # the model's name as the user gave it, saved in frames (md_model)
     engine: str | None = None  # the integrator path chosen by attach: "device" or "ase"
     reserved: Reservations | None = None  # the output files created for this run (released by close)
+    engine_given: bool = True  # False: a restart's engine, not one the user named
+    errors_to_caller: bool = False  # True: "stopped ..." lines only to the log file (cgforge md prints the error)
 
     @property
     def out(self) -> Callable[[str], None]:
@@ -322,7 +291,8 @@ class MDPlan:
             except ValueError as err:  # UnknownElementError: the model has no such element
                 source = self.names("restart") if self.restart is not None else self.names("atoms")
                 raise ValueError(f"{source}: {str(err).removeprefix('atoms: ')}") from None
-        self.engine = choose_engine(self.o["engine"], calc, self.atoms)
+        self.engine = choose_engine(self.o.engine, calc, self.atoms, self.names("engine"),
+                                    None if self.engine_given or self.restart is None else self.restart.path)
         self.atoms.calc = calc
 
     def run(self, close: bool = True) -> MDSummary:
@@ -368,18 +338,17 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
     time0 = state.time_fs if state is not None and math.isfinite(state.time_fs) else start * dt
     writer = TrajectoryWriter(path, atoms, plan.names("trajectory"), plan.reserved) if path is not None else None
     guard = Guard(atoms, o["max_temperature_K"])
-    ensemble = o["ensemble"]
-    saved = {f"md_{k}": v for k, v in saved_options(o).items()}
+    saved = {f"md_{k}": v for k, v in o.saved().items()}
     saved["md_model"] = model = model_name(plan.model, calc)
     n = len(atoms)
-    out(f"cgforge md: {n} atom{'s' if n != 1 else ''}, {ensemble.upper()}"
-        + (f" ({o['thermostat']})" if ensemble == "nvt" else "")
-        + (f" at {o['temperature_K']:g} K" if ensemble != "nve" else "")
-        + (f" and {o['pressure_bar']:g} bar" if ensemble == "npt" else "")
-        + f", timestep {dt:g} fs, {o['steps']} steps"
+    if state is not None and which != _engine_of(state):
+        out(f"note: {state.path} was written by {_PATHS[_engine_of(state)]}; this run continues on {_PATHS[which]}, "
+            "whose random numbers differ: not the bit-for-bit continuation")
+    out(f"cgforge md: {n} atom{'s' if n != 1 else ''}, {o.describe()}, {o.steps} steps"
         + (f" from step {start} of {state.path} (its saved options)" if state is not None else "")
         + (f", trajectory {path}" if path else "")
         + f", stop above {o['max_temperature_K']:g} K; {dyn.describe()}")
+    stopped = plan.printer.to_file if plan.errors_to_caller else out  # the error is printed once
     progress: Progress | None = None
     wall_start = time.perf_counter()
     step = start
@@ -422,7 +391,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                 if ctrl_c() and step < end:
                     raise _StopRequested
         except MDInstabilityError as err:
-            out(f"stopped: {err}")
+            stopped(f"stopped: {err}")
             raise
         except (_StopRequested, KeyboardInterrupt) as err:
             # A second Ctrl-C may land mid-step: then the atoms are half updated and no frame or line is written.
@@ -443,7 +412,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
             raise MDInterrupted(message, step, summary, ctrl_c.signum) from None
         except Exception as err:
             when = f"after step {dyn.nsteps}" if progress is not None else "before the first step"
-            out(f"stopped {when}: {type(err).__name__}: {err}")
+            stopped(f"stopped {when}: {type(err).__name__}: {err}")
             raise
         finally:
             if writer is not None:

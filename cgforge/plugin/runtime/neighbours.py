@@ -342,6 +342,15 @@ def edges_within(
     return vectors, lengths, lengths < cutoff
 
 
+def check_skin(skin: object) -> float:
+    """The Verlet skin in Å: a number >= 0 (TypeError for another type)."""
+    if isinstance(skin, bool) or not isinstance(skin, int | float | np.integer | np.floating):
+        raise TypeError(f"skin: expected a number of Å >= 0, got {type(skin).__name__} {skin!r}")
+    if not math.isfinite(skin) or skin < 0:
+        raise ValueError(f"skin: expected a finite number of Å >= 0, got {skin!r}")
+    return float(skin)
+
+
 class VerletNeighbourList:
     """A neighbour list at ``cutoff + skin`` rebuilt only when it may have gone stale.
 
@@ -353,10 +362,7 @@ class VerletNeighbourList:
 
     def __init__(self, cutoff: float, skin: float = 0.5) -> None:
         self.cutoff = _check_cutoff(cutoff)
-        skin = float(skin)
-        if not math.isfinite(skin) or skin < 0.0:
-            raise ValueError(f"skin must be a finite number >= 0, got {skin!r}")
-        self.skin = skin
+        self.skin = check_skin(skin)
         self.sender: Tensor | None = None
         self.receiver: Tensor | None = None
         self.shifts: Tensor | None = None

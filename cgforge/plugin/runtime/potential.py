@@ -19,18 +19,21 @@ it; every result is checked on the host for NaN and inf (``NonFiniteOutputError`
 
 from __future__ import annotations
 
+import difflib
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from cgforge.patches.common import parse_dtype
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
 
@@ -39,7 +42,7 @@ from .atom_order import spatial_order, to_user_order
 from .compiled import check_compile, parse_compile
 from .diagnosis import NonFiniteOutputError, non_finite_message
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
-from .neighbours import VerletNeighbourList
+from .neighbours import VerletNeighbourList, check_skin
 from .options import RuntimeOptions
 from .step_graph import ModelStep
 from .tiled import Workspace, check_workspace
@@ -63,15 +66,19 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None,
-                  tuning: object = None) -> bool:
+                  tuning: object = None, radial_table: bool | None = None) -> bool:
     """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's
     kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode,
-    compilation or a kernel ``tuning`` needs its layers."""
+    compilation, a kernel ``tuning`` or ``radial_table=True`` needs its layers."""
     if patch is not None:
         if not isinstance(patch, bool):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
+        if radial_table and not patch:
+            raise ValueError("radial_table=True, patch=False: the radial tables are read by cgforge's kernels, which "
+                             "patch=False leaves out; leave out one of them")
         return patch
-    return device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None or tuning is not None
+    return (device.type == "cuda" or radial_precision != "fp32" or compile_mode is not None or tuning is not None
+            or bool(radial_table))
 
 
 def check_radial_table(radial_table: object, radial_precision: object) -> None:
@@ -102,10 +109,12 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
     check_workspace(kwargs.get("workspace", "auto"))
+    check_skin(kwargs.get("skin", 1.0))
     check_tuning(tuning, patch)
+    parse_dtype(dtype)
     device = resolve_device(device)
     module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode,
-                                                                   tuning), tuning=tuning)
+                                                                   tuning, radial_table), tuning=tuning)
     return Potential(module, device, radial_precision=radial_precision, radial_table=radial_table,
                      compile=compile_mode, **kwargs)
 
@@ -126,6 +135,11 @@ def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.
     if isinstance(model, str) and model.lower() in bundled.NAMES:
         model = bundled.model_path(model)
     if isinstance(model, str | os.PathLike):
+        if not Path(model).exists():
+            close = difflib.get_close_matches(str(model).lower(), bundled.kinds(), n=1)
+            raise FileNotFoundError(f"model: {model} not found; expected a bundled model "
+                                    f"({', '.join(map(repr, bundled.kinds()))}) or a checkpoint file (.model, .ckpt, "
+                                    ".nequip.zip)" + (f"; did you mean {close[0]!r}?" if close else ""))
         existing_file(model, "model", "a checkpoint file")
     return families.load(model, device, dtype, patch=patch, tuning=tuning)
 
@@ -505,6 +519,9 @@ class Potential:
         if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
             radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
+        if radial_table and not self.patched:
+            raise ValueError("radial_table=True: the tables are read by cgforge's kernels, and this model runs its own "
+                             "code; pass patch=True (or leave patch out)")
         if radial_table and (reason := self.adapter.why_not_tabulated()) is not None:
             raise ValueError(f"radial_table=True: {reason}")
         return self.adapter.set_radial_table(bool(radial_table))

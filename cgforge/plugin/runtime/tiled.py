@@ -335,6 +335,9 @@ WORKSPACES = ("auto", "whole", "tiled")
 
 def check_workspace(workspace: object) -> str:
     """``workspace`` checked: one of ``WORKSPACES``."""
+    if not isinstance(workspace, str):
+        raise TypeError(f"workspace: expected one of {', '.join(map(repr, WORKSPACES))}, got "
+                        f"{type(workspace).__name__}")
     if workspace not in WORKSPACES:
         raise ValueError(f"workspace: expected one of {', '.join(map(repr, WORKSPACES))}, got {workspace!r}")
     return str(workspace)
