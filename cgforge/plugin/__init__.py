@@ -14,6 +14,8 @@ from typing import Any
 
 _EXPORTS = {
     "Calculator": "calculator",
+    "evaluate_batch": "batch",
+    "BatchStructureError": "batch",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",
     "water_box": "water",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +46,8 @@ from .tiled import Workspace, check_workspace
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
+
+    from .batch import BatchStructure
 
 __all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
@@ -261,6 +263,7 @@ class Potential:
                               compile_backend=options.compile_backend)
         self._cuda_graph_requested = cuda_graph
         self.timings: Timings | None = None
+        self._batch_step = None  # made by the first evaluate_batch
         if warmup:
             self.warm_up()
 
@@ -319,6 +322,20 @@ class Potential:
         if per_atom:
             out.energies = host[at:at + n].copy()
         return out
+
+    def evaluate_batch(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
+                       per_atom: bool = False, min_distance: float | None = 0.5) -> list[Evaluation]:
+        """``evaluate`` of many structures in one graph and one model call (``runtime.batch``): one ``Evaluation``
+        per structure, in the order given, each what ``evaluate`` gives for it alone (to rounding). A bad
+        structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
+        included; None: no such check)."""
+        from .batch import BatchStep
+
+        if self._batch_step is None:
+            self._batch_step = BatchStep(self.adapter, self.neighbours.skin)
+        self._batch_step.min_distance = min_distance
+        return [Evaluation(*result) for result in
+                self._batch_step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom)]
 
     def _evaluate_whole(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
                         stress: bool, per_atom: bool) -> np.ndarray:

@@ -1,0 +1,332 @@
+"""Many structures in one graph: energies, forces, virials and per-atom energies of a batch in one model call.
+
+    from cgforge.plugin.runtime.batch import BatchStructure
+    results = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...], stress=True)
+
+The structures' atoms are laid end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) and form one graph
+with one component per structure: one neighbour search over the batch (``batch_neighbour_list``: each
+structure's pairs only within itself, images through its own cell), one model call, and the derivatives of
+the total energy, which are each structure's own since no edge joins two structures:
+
+    energy_b = sum of the per-atom energies of b,   forces = -dE/dx,   virial_b = sym(dE/d eps_b)
+
+with one strain eps_b per structure (``step_graph.graph_derivatives`` with ``structure``). An edge of b is
+``vector = positions[receiver] - positions[sender] + S @ cell_b`` (``runtime.neighbours``' convention).
+
+The search is one non-periodic cell-list search (``neighbours.neighbour_list``, the CUDA kernels on a GPU)
+over every structure's atoms wrapped into its cell plus their periodic images near the cell, each structure
+moved to its own place in space, far enough from the others that no pair joins two. The list is kept at
+cutoff + skin and rebuilt when an atom moved more than skin/2 or the batch changed (``BatchNeighbours``);
+every call cuts it to the cutoff, as the single-structure step does.
+
+A bad structure raises ``BatchStructureError`` naming its index (``index``): no atoms, NaN or inf in its
+positions or cell, an element the model does not know, a singular periodic cell, two atoms closer than
+``min_distance``; a model output with NaN or inf raises ``NonFiniteOutputError`` naming it too.
+The steps run eagerly (no CUDA graph) and the structures in the order given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cgforge.patches.graph_cache import graph_caches
+from cgforge.patches.species_linear import SpeciesGroups
+
+from .diagnosis import NonFiniteOutputError
+from .edge_layout import EdgeTopology, edge_topology, layout_edges, pad_offset_vector
+from .neighbours import _binning_basis, neighbour_list
+from .step_graph import graph_derivatives
+
+if TYPE_CHECKING:
+    from .adapters import ModelAdapter
+
+__all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "StructureResult",
+           "batch_neighbour_list", "check_structure"]
+
+Pbc = tuple[bool, bool, bool]
+# Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
+_MAX_IMAGES = 1 << 12
+
+
+class StructureResult(NamedTuple):
+    """One structure's host results (float64, its atoms' order; ``Potential.evaluate``'s units): energy,
+    forces [N, 3], virial [3, 3] = sym(dE/d strain), per-atom energies [N]; None where not asked for."""
+
+    energy: float
+    forces: np.ndarray | None
+    virial: np.ndarray | None
+    energies: np.ndarray | None
+
+
+class BatchStructureError(ValueError):
+    """A structure of a batch that cannot be evaluated; ``index`` is its position in the batch."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"structure {index}: {message}")
+        self.index = index
+        self.reason = message
+
+
+@dataclass(frozen=True)
+class BatchStructure:
+    """One structure of a batch: atomic numbers [N], positions [N, 3] (Å), cell [3, 3] (lattice vectors as
+    rows; ignored along non-periodic directions) and pbc."""
+
+    numbers: np.ndarray
+    positions: np.ndarray
+    cell: np.ndarray
+    pbc: Pbc
+
+
+def check_structure(index: int, structure: BatchStructure) -> None:
+    """What can be told of one structure without the model: atoms, shapes, finite values, a usable cell."""
+    numbers, positions, cell = (np.asarray(a) for a in (structure.numbers, structure.positions, structure.cell))
+    if numbers.ndim != 1 or numbers.shape[0] == 0:
+        raise BatchStructureError(index, f"expected a structure with at least one atom, got numbers of shape "
+                                         f"{numbers.shape}")
+    if positions.shape != (numbers.shape[0], 3):
+        raise BatchStructureError(index, f"positions of shape {positions.shape} for {numbers.shape[0]} atoms")
+    if cell.shape != (3, 3):
+        raise BatchStructureError(index, f"cell of shape {cell.shape}, expected (3, 3)")
+    if not np.isfinite(positions).all():
+        bad = np.nonzero(~np.isfinite(positions).all(1))[0]
+        raise BatchStructureError(index, f"positions contain NaN or inf (atoms {bad[:5].tolist()})")
+    if not np.isfinite(cell).all():
+        raise BatchStructureError(index, f"cell contains NaN or inf: {cell.tolist()}")
+    if len(structure.pbc) != 3:
+        raise BatchStructureError(index, f"pbc must be three bools, got {structure.pbc!r}")
+    try:
+        _binning_basis(np.asarray(cell, dtype=np.float64), tuple(bool(p) for p in structure.pbc))
+    except ValueError as err:
+        raise BatchStructureError(index, str(err)) from None
+
+
+def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int],
+                         cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Every pair closer than ``cutoff`` within each structure of a batch, as ``neighbours.neighbour_list`` finds
+    them for each structure alone (module doc): positions [N, 3] (the structures end to end, atoms ptr[b] ..
+    ptr[b + 1] - 1 in structure b), cells [B, 3, 3], pbcs B triples. Returns (sender, receiver, shifts) with
+    batch-wide atom indices, sorted by (receiver, sender, shift), such that ``vector = positions[receiver] -
+    positions[sender] + shifts @ cells[b]``. The search runs in float64 whatever the positions' dtype."""
+    device = positions.device
+    n, count = positions.shape[0], len(pbcs)
+    sizes = torch.as_tensor(np.diff(np.asarray(ptr)), device=device)
+    structure = torch.repeat_interleave(torch.arange(count, device=device), sizes)
+    cells_host = cells.detach().to("cpu", torch.float64).numpy()
+    periodic_host = np.array(pbcs, dtype=bool).reshape(count, 3)
+    basis = np.stack([_binning_basis(cells_host[b], tuple(periodic_host[b])) for b in range(count)])
+    inverse = np.linalg.inv(basis)
+    heights = 1.0 / np.linalg.norm(inverse, axis=1)  # [B, 3] lattice-plane spacings (Å)
+    reach = np.where(periodic_host, np.floor(cutoff / heights) + 1, 0).astype(np.int64)  # images each side
+    widest = int(reach.max(initial=0))
+    if (2 * widest + 1) ** 3 > _MAX_IMAGES:
+        worst = int(np.argmax(reach.max(1)))
+        raise BatchStructureError(worst, f"cutoff {cutoff} is too large for a cell with plane spacings "
+                                         f"{heights[worst].tolist()} Å")
+
+    f64 = {"dtype": torch.float64, "device": device}
+    pos = positions.detach().to(torch.float64)
+    cells64 = torch.as_tensor(cells_host, **f64)
+    periodic = torch.as_tensor(periodic_host, device=device)
+    frac = (pos.unsqueeze(1) @ torch.as_tensor(inverse, **f64).index_select(0, structure)).squeeze(1)
+    wrap = torch.where(periodic.index_select(0, structure), -torch.floor(frac), torch.zeros_like(frac))
+    frac = frac + wrap
+    atom_cell = cells64.index_select(0, structure)
+    wrapped = pos + (wrap.unsqueeze(1) @ atom_cell).squeeze(1)
+
+    # Periodic images near the cell: atom i shifted by image T when frac_i + T lies within cutoff of [0, 1).
+    axis = torch.arange(-widest, widest + 1, device=device)
+    images = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+    images = images[(images != 0).any(1)]
+    reach_t = torch.as_tensor(reach, device=device)
+    margin = torch.as_tensor(cutoff / heights + 1e-6, **f64)  # [B, 3], in cell fractions
+    allowed = (images.abs().unsqueeze(0) <= reach_t.unsqueeze(1)).all(-1)  # [B, K]
+    moved = frac.unsqueeze(1) + images.unsqueeze(0).to(torch.float64)  # [N, K, 3]
+    lo, hi = -margin.index_select(0, structure), 1 + margin.index_select(0, structure)
+    near = ((moved >= lo.unsqueeze(1)) & (moved <= hi.unsqueeze(1))) | ~periodic.index_select(0, structure)[:, None]
+    ghost_atom, ghost_image = torch.nonzero(near.all(-1) & allowed.index_select(0, structure)).unbind(1)
+    ghost_shift = images.index_select(0, ghost_image)
+    ghosts = wrapped.index_select(0, ghost_atom) + (ghost_shift.to(torch.float64).unsqueeze(1)
+                                                    @ atom_cell.index_select(0, ghost_atom)).squeeze(1)
+
+    # Each structure in its own place: a grid of boxes wider than any structure by two cutoffs.
+    points = torch.cat([wrapped, ghosts])
+    point_structure = torch.cat([structure, structure.index_select(0, ghost_atom)])
+    index3 = point_structure.unsqueeze(1).expand(-1, 3)
+    low = torch.full((count, 3), math.inf, **f64).scatter_reduce(0, index3, points, "amin")
+    high = torch.full((count, 3), -math.inf, **f64).scatter_reduce(0, index3, points, "amax")
+    box = float((high - low).max()) + 2 * cutoff
+    side = max(1, math.ceil(count ** (1 / 3) - 1e-9))
+    b = torch.arange(count, device=device)
+    place = torch.stack([b % side, (b // side) % side, b // (side * side)], 1).to(torch.float64) * box - low
+    points = points + place.index_select(0, point_structure)
+    sender, receiver, _ = neighbour_list(points, torch.zeros(3, 3, **f64), False, cutoff)
+
+    keep = receiver < n  # pairs into the structures' own atoms; images only send
+    sender, receiver = sender[keep], receiver[keep]
+    is_ghost = sender >= n
+    ghost = (sender - n).clamp(min=0)
+    # One spare entry, so that a batch without images still indexes in range.
+    ghost_atom = torch.cat([ghost_atom, ghost_atom.new_zeros(1)])
+    ghost_shift = torch.cat([ghost_shift, ghost_shift.new_zeros(1, 3)])
+    atom = torch.where(is_ghost, ghost_atom.index_select(0, ghost), sender)
+    image = torch.where(is_ghost.unsqueeze(1), ghost_shift.index_select(0, ghost), 0)
+    wrap_int = wrap.to(torch.int64)
+    # wrapped = positions + wrap @ cell, so positions[r] - (wrapped[s] + T @ cell) = positions[r] - positions[s]
+    # + (wrap[r] - wrap[s] - T) @ cell
+    shifts = wrap_int.index_select(0, receiver) - wrap_int.index_select(0, atom) - image
+    return _sorted(atom, receiver, shifts, n)
+
+
+def _sorted(sender: Tensor, receiver: Tensor, shifts: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The pairs in (receiver, sender, shift) order: a fixed order, whatever the search's."""
+    if sender.numel() == 0:
+        return sender, receiver, shifts.reshape(0, 3)
+    reach = int(shifts.abs().max())
+    side = 2 * reach + 1
+    code = ((shifts[:, 0] + reach) * side + shifts[:, 1] + reach) * side + shifts[:, 2] + reach
+    order = torch.argsort(code, stable=True)
+    order = order.index_select(0, torch.argsort((receiver * n + sender).index_select(0, order), stable=True))
+    return sender.index_select(0, order), receiver.index_select(0, order), shifts.index_select(0, order)
+
+
+class BatchNeighbours:
+    """The batch's Verlet list at ``cutoff + skin``: rebuilt when the structures (atom counts, cells, pbc)
+    changed or an atom moved more than skin/2 since the last build."""
+
+    def __init__(self, cutoff: float, skin: float) -> None:
+        self.cutoff, self.skin = float(cutoff), float(skin)
+        self.sender = self.receiver = self.shifts = None
+        self.topology: EdgeTopology | None = None
+        self.n_builds = 0
+        self._key: tuple | None = None
+        self._positions: Tensor | None = None
+
+    def update(self, positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int]) -> bool:
+        """Rebuild if stale; True when it was rebuilt."""
+        key = (tuple(ptr), tuple(pbcs), cells.detach().cpu().numpy().tobytes(), positions.dtype, positions.device)
+        if key == self._key and self._positions is not None:
+            moved = (positions - self._positions).square().sum(-1).amax()
+            if bool(moved <= (0.5 * self.skin) ** 2):
+                return False
+        lists = batch_neighbour_list(positions, cells, pbcs, ptr, self.cutoff + self.skin)
+        self.sender, self.receiver, self.shifts = lists
+        self.topology = edge_topology(*lists, positions.shape[0])
+        self._key, self._positions = key, positions.detach().clone()
+        self.n_builds += 1
+        return True
+
+
+class BatchStep:
+    """Energies, forces, virials and per-atom energies of a batch of structures for one model (module doc).
+
+    adapter: the model's (``Potential.adapter``). skin: the Verlet skin (Å). min_distance: two atoms of a
+    structure closer than this (Å) make it a bad structure (None: no check)."""
+
+    def __init__(self, adapter: ModelAdapter, skin: float, min_distance: float | None = 0.5) -> None:
+        self.adapter = adapter
+        self.cutoff = float(adapter.cutoff)
+        self.neighbours = BatchNeighbours(self.cutoff, skin)
+        self.min_distance = min_distance
+        self.caches = graph_caches(adapter.model)
+        self.pad_vector = pad_offset_vector(self.cutoff, adapter.dtype, adapter.device)
+        self.n_edges = 0
+
+    def species(self, structures: Sequence[BatchStructure]) -> Tensor:
+        """The model's species input of every atom of the batch (an unknown element names its structure)."""
+        parts = []
+        for index, structure in enumerate(structures):
+            try:
+                parts.append(self.adapter.species(np.asarray(structure.numbers)))
+            except ValueError as err:
+                raise BatchStructureError(index, str(err)) from None
+        return torch.cat(parts)
+
+    def evaluate(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
+                 per_atom: bool = False, species: Tensor | None = None) -> list[StructureResult]:
+        """One ``StructureResult`` per structure, in the order given; ``species``: what ``species`` returned
+        for these structures, if the caller kept it."""
+        if len(structures) == 0:
+            raise ValueError("structures: expected at least one structure, got none")
+        for index, structure in enumerate(structures):
+            check_structure(index, structure)
+        if species is None:
+            species = self.species(structures)
+        device, dtype = self.adapter.device, self.adapter.dtype
+        sizes = [len(s.numbers) for s in structures]
+        ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        n = ptr[-1]
+        pbcs = [tuple(bool(p) for p in s.pbc) for s in structures]
+        positions = torch.as_tensor(np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures]),
+                                    dtype=dtype, device=device)
+        cells = torch.as_tensor(np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures]), dtype=dtype,
+                                device=device)
+        structure = torch.repeat_interleave(torch.arange(len(structures), device=device),
+                                            torch.as_tensor(sizes, device=device))
+        nl = self.neighbours
+        nl.update(positions, cells, pbcs, ptr)
+        shifts = nl.shifts.to(dtype)
+        with torch.no_grad():
+            vectors = (positions.index_select(0, nl.receiver) - positions.index_select(0, nl.sender)
+                       + (shifts.unsqueeze(1) @ cells.index_select(0, structure.index_select(0, nl.receiver))
+                          ).squeeze(1))
+            lengths = torch.linalg.vector_norm(vectors, dim=-1)
+        self._check_distances(lengths, structure.index_select(0, nl.receiver), nl.sender, nl.receiver, ptr)
+        keep = lengths < self.cutoff
+        if nl.topology is not None:
+            keep = keep & keep.index_select(0, nl.topology.reverse)
+        count = int(keep.sum())
+        layout = layout_edges(keep, nl.sender, nl.receiver, shifts, n, count, self.pad_vector,
+                              with_graph=bool(self.caches), topology=nl.topology)
+        self.n_edges = count
+        groups = (SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None)
+
+        def energy(pos: Tensor, vec: Tensor, edge_index: Tensor, atoms: bool) -> tuple[Tensor, Tensor | None]:
+            return self.adapter.energy(pos, vec, species, edge_index, atoms)
+
+        key = (bool(forces or stress), bool(stress), bool(per_atom))
+        try:
+            out = graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
+                                    groups=groups, structure=structure)
+        finally:
+            for cache in self.caches:
+                cache.unpin()  # the potential's own step pins its graph again when it runs
+        energies = out.energy.to("cpu", torch.float64).numpy()
+        host = {name: None if t is None else t.detach().to("cpu", torch.float64).numpy()
+                for name, t in (("forces", out.forces), ("virial", out.virial), ("energies", out.energies))}
+        results = []
+        for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
+            result = StructureResult(float(energies[b]),
+                                     None if host["forces"] is None else host["forces"][start:end].copy(),
+                                     None if host["virial"] is None else host["virial"][b].copy(),
+                                     None if host["energies"] is None else host["energies"][start:end].copy())
+            parts = [np.atleast_1d(result.energy)] + [a.reshape(-1) for a in (result.forces, result.virial,
+                                                                             result.energies) if a is not None]
+            if not all(np.isfinite(p).all() for p in parts):
+                error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
+                                             "overlaps and the model file)")
+                error.index = b
+                raise error
+            results.append(result)
+        return results
+
+    def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
+                         ptr: Sequence[int]) -> None:
+        """Two atoms of one structure closer than ``min_distance`` (an atom and its own image too) raise."""
+        if self.min_distance is None or lengths.numel() == 0:
+            return
+        close = torch.nonzero(lengths < self.min_distance).squeeze(1)
+        if close.numel() == 0:
+            return
+        first = int(close[torch.argmin(edge_structure.index_select(0, close))])
+        b = int(edge_structure[first])
+        i, j = int(sender[first]) - ptr[b], int(receiver[first]) - ptr[b]
+        raise BatchStructureError(b, f"atoms {min(i, j)} and {max(i, j)} are {float(lengths[first]):.3g} Å apart, "
+                                     f"closer than min_distance={self.min_distance} Å (overlapping atoms)")
