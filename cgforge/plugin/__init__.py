@@ -16,6 +16,8 @@ _EXPORTS = {
     "Calculator": "calculator",
     "evaluate_batch": "batch",
     "BatchStructureError": "batch",
+    "relax_batch": "relax",
+    "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",
     "water_box": "water",

@@ -23,7 +23,7 @@ from .calculator import Calculator
 from .runtime.batch import BatchStructure, BatchStructureError
 from .runtime.potential import Potential
 
-__all__ = ["BatchResult", "BatchStructureError", "as_structure", "evaluate_batch", "potential_of"]
+__all__ = ["BatchResult", "BatchStructureError", "as_structure", "evaluate_batch", "potential_of", "structures_of"]
 
 
 @dataclass
@@ -56,6 +56,21 @@ def as_structure(atoms: Atoms) -> BatchStructure:
                           tuple(bool(p) for p in atoms.pbc))
 
 
+def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
+    """``as_structure`` of each; what is not an Atoms, or has constraints (which the batch does not apply),
+    raises ``BatchStructureError`` naming its index."""
+    structures = []
+    for index, atoms in enumerate(atoms_list):
+        try:
+            structures.append(as_structure(atoms))
+        except TypeError as err:
+            raise BatchStructureError(index, str(err)) from None
+        if atoms.constraints:
+            raise BatchStructureError(index, f"constraints ({', '.join(type(c).__name__ for c in atoms.constraints)}) "
+                                             "are not supported in a batch")
+    return structures
+
+
 def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, forces: bool = True,
                    stress: bool = True, energies: bool = False, min_distance: float | None = 0.5
                    ) -> list[BatchResult]:
@@ -66,14 +81,8 @@ def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *
     two atoms of a structure closer than this (Å) make it a bad structure (None: no check). A bad structure
     raises ``BatchStructureError`` (a ValueError) with its ``index``."""
     potential = potential_of(model)
-    structures = []
-    for index, atoms in enumerate(atoms_list):
-        try:
-            structures.append(as_structure(atoms))
-        except TypeError as err:
-            raise BatchStructureError(index, str(err)) from None
-    outs = potential.evaluate_batch(structures, forces=forces or stress, stress=stress, per_atom=energies,
-                                    min_distance=min_distance)
+    outs = potential.evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
+                                    per_atom=energies, min_distance=min_distance)
     results = []
     for atoms, out in zip(atoms_list, outs, strict=True):
         volume = abs(float(atoms.cell.volume))

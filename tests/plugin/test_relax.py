@@ -1,0 +1,74 @@
+"""Batched FIRE (``plugin.relax``): each structure follows ASE's FIRE on it alone, structures leave the batch
+as they finish and the queue refills it, and a bad structure fails alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_batch
+from ase.build import molecule
+from ase.optimize import FIRE
+
+from cgforge.plugin import FireParameters, relax_batch
+from cgforge.plugin.water import water_box
+
+mace_calc = test_batch.mace_calc  # the fixture: the bundled MACE in FP64
+
+
+def structures() -> list:
+    stretched = molecule("H2")
+    stretched.positions[1, 2] += 0.2  # converges in a few steps
+    bent = molecule("H2O")
+    bent.rattle(0.1, seed=5)
+    box = water_box(2, seed=3)
+    box.rattle(0.1, seed=4)
+    return [bent, stretched, box]
+
+
+def test_each_structure_relaxes_as_ases_fire_alone(mace_calc) -> None:
+    inputs = structures()
+    before = [a.positions.copy() for a in inputs]
+    fmax, steps = 0.05, 10
+    done = list(relax_batch(mace_calc, inputs, fmax=fmax, steps=steps, batch_size=2))
+    assert sorted(d.index for d in done) == [0, 1, 2]
+    assert done[0].index == 1  # the first to finish is handed back first; the box took its place
+    for original, positions in zip(inputs, before, strict=True):
+        np.testing.assert_array_equal(original.positions, positions)  # inputs untouched
+    statuses = set()
+    for d in done:
+        reference = inputs[d.index].copy()
+        reference.calc = mace_calc
+        optimizer = FIRE(reference, logfile=None)
+        converged = optimizer.run(fmax=fmax, steps=steps)
+        assert d.steps == optimizer.nsteps
+        assert d.status == ("converged" if converged else "unconverged")
+        assert d.energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
+        np.testing.assert_allclose(d.atoms.positions, reference.positions, atol=1e-8)
+        assert d.fmax == pytest.approx(np.linalg.norm(reference.get_forces(), axis=1).max(), abs=1e-8)
+        assert d.atoms.get_potential_energy() == d.energy  # results travel with the atoms
+        if d.status == "converged":
+            assert d.fmax < fmax
+        statuses.add(d.status)
+    assert statuses == {"converged", "unconverged"}
+
+
+def test_a_bad_structure_fails_alone_and_the_others_go_on(mace_calc) -> None:
+    bad = molecule("H2O")
+    bad.positions[2] = bad.positions[1] + 0.05
+    unknown = molecule("CH4")
+    inputs = [molecule("H2"), bad, unknown, molecule("H2")]
+    done = {d.index: d for d in relax_batch(mace_calc, inputs, fmax=0.5, steps=3, batch_size=3)}
+    assert sorted(done) == [0, 1, 2, 3]
+    assert done[1].status == "failed" and "overlapping atoms" in done[1].error
+    assert done[2].status == "failed" and "C" in done[2].error
+    assert done[0].status != "failed" and done[3].status != "failed"
+    assert done[0].energy == pytest.approx(done[3].energy, abs=1e-10)
+
+
+def test_arguments_are_checked(mace_calc) -> None:
+    with pytest.raises(ValueError, match="fmax: expected a finite number > 0"):
+        next(relax_batch(mace_calc, [molecule("H2")], fmax=0))
+    with pytest.raises(ValueError, match="batch_size: expected an integer >= 1"):
+        next(relax_batch(mace_calc, [molecule("H2")], batch_size=0))
+    with pytest.raises(ValueError, match="FireParameters.dt"):
+        FireParameters(dt=-1.0)
