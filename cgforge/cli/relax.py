@@ -40,6 +40,8 @@ def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="structures relaxed together (default 64)")
     parser.add_argument("--max-atoms", type=int, default=None,
                         help="atoms in the batch at most (default: no limit beyond --batch-size)")
+    parser.add_argument("--cell", action="store_true", help="relax the cells of structures periodic in 3-D too "
+                        "(ASE's FrechetCellFilter on each); others relax their positions only")
     parser.add_argument("--min-distance", type=float, default=0.5,
                         help="two atoms closer than this (Å) make a structure bad: skipped (default 0.5)")
 
@@ -120,14 +122,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     calc = Calculator(args.model, device=args.device, dtype=args.dtype)
     print(f"cgforge relax: {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
-    print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE to fmax {args.fmax:g} eV/Å, "
-          f"at most {args.steps} steps, {args.batch_size} at a time)", flush=True)
+    what = "positions and cells" if args.cell else "positions"
+    print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE on {what} to fmax "
+          f"{args.fmax:g} eV/Å, at most {args.steps} steps, {args.batch_size} at a time)", flush=True)
     writer = _Writer(out)
     counts = {"converged": 0, "unconverged": 0, "failed": 0}
     start = time.perf_counter()
     every = max(1, len(structures) // 10)
     for done in relax_batch(calc, structures, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size,
-                            max_atoms=args.max_atoms, min_distance=args.min_distance):
+                            max_atoms=args.max_atoms, min_distance=args.min_distance, cell_filter=args.cell):
         counts[done.status] += 1
         info = {"relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
                 "relax_fmax": done.fmax, "relax_error": done.error}

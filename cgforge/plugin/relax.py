@@ -10,7 +10,11 @@ after ``Nmin`` downhill steps, the reset on an uphill step, one ``maxstep`` on t
 ASE's ``Optimizer.irun`` loop: forces, then stop when the largest atomic force is below ``fmax`` (strictly) or
 ``steps`` steps were taken, else one FIRE step. All structures of the batch are evaluated in one model call
 (``plugin.batch``); a structure that has finished leaves the batch and the next from the queue takes its place,
-so the batch stays full (``batch_size`` structures, at most ``max_atoms`` atoms). A structure that cannot be
+so the batch stays full (``batch_size`` structures, at most ``max_atoms`` atoms). With ``cell_filter`` a
+structure periodic in all three directions relaxes its cell too, through ASE's own ``FrechetCellFilter`` on it
+(positions and the log of the cell's deformation as FIRE's coordinates; its generalised forces from the
+batch's forces and stress; the cell rows count in ``fmax``), as ``FIRE(FrechetCellFilter(atoms))`` would; other
+structures relax their positions only. A structure that cannot be
 evaluated (``BatchStructureError``: unknown element, NaN, overlapping atoms, no atoms; or NaN or inf from the
 model) finishes with status ``"failed"`` and its reason; the others go on.
 """
@@ -84,6 +88,7 @@ class _Slot:
     atoms: Atoms
     dt: float
     a: float
+    optimizable: object = None  # what FIRE moves: the atoms, or ASE's FrechetCellFilter of them
     nsteps: int = 0  # FIRE steps taken (ASE's Optimizer.nsteps)
     downhill: int = 0  # ASE's FIRE.Nsteps: downhill steps since the last reset
     velocity: np.ndarray | None = None
@@ -92,11 +97,13 @@ class _Slot:
 
 def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, fmax: float = 0.05,
                 steps: int = 1000, batch_size: int = 64, max_atoms: int | None = None,
-                fire: FireParameters | None = None, min_distance: float | None = 0.5) -> Iterator[Relaxed]:
+                fire: FireParameters | None = None, min_distance: float | None = 0.5,
+                cell_filter: bool = False) -> Iterator[Relaxed]:
     """Relax the positions of every structure of ``structures`` (any iterable: read lazily, as the batch has
     room) with FIRE, ``batch_size`` structures (and at most ``max_atoms`` atoms, beyond a single structure)
     at a time; yields a ``Relaxed`` as each structure finishes (module doc), not in input order. The inputs
-    are not changed. ``min_distance``: as ``evaluate_batch``'s."""
+    are not changed. ``min_distance``: as ``evaluate_batch``'s. ``cell_filter``: relax the cells of the 3-D
+    periodic structures too (module doc)."""
     if not (isinstance(fmax, int | float) and np.isfinite(fmax) and fmax > 0):
         raise ValueError(f"fmax: expected a finite number > 0 (eV/Å), got {fmax!r}")
     for name, value in (("steps", steps), ("batch_size", batch_size)):
@@ -110,7 +117,7 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
     waiting: deque[tuple[int, Atoms]] = deque()
     active: list[_Slot] = []
     while True:
-        _fill(active, queue, waiting, fire, batch_size, max_atoms)
+        _fill(active, queue, waiting, fire, batch_size, max_atoms, cell_filter)
         if not active:
             return
         try:  # structures_of inside: a non-Atoms or constrained input fails with its index too
@@ -126,12 +133,15 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
             continue
         finished = []
         for slot, out in zip(active, outs, strict=True):
-            largest = float(np.sqrt((out.forces ** 2).sum(1).max()))
+            _attach(slot.atoms, out)
+            forces = out.forces if slot.optimizable is slot.atoms else slot.optimizable.get_forces()
+            largest = float(np.sqrt((forces ** 2).sum(1).max()))
             if largest < fmax or slot.nsteps >= steps:
                 finished.append(slot)
-                yield _finish(slot, out, largest, "converged" if largest < fmax else "unconverged")
+                yield Relaxed(slot.index, "converged" if largest < fmax else "unconverged", slot.nsteps,
+                              slot.atoms, energy=out.energy, fmax=largest)
             else:
-                _fire_step(slot, out.forces, fire)
+                _fire_step(slot, forces, fire)
         active = [s for s in active if s not in finished]
 
 
@@ -141,7 +151,7 @@ def _stress(active: list[_Slot]) -> bool:
 
 
 def _fill(active: list[_Slot], queue: Iterator[tuple[int, Atoms]], waiting: deque, fire: FireParameters,
-          batch_size: int, max_atoms: int | None) -> None:
+          batch_size: int, max_atoms: int | None, cell_filter: bool) -> None:
     """Take structures from the queue while the batch has room (a structure over ``max_atoms`` alone runs
     alone)."""
     atoms_in = sum(len(s.atoms) for s in active)
@@ -159,22 +169,27 @@ def _fill(active: list[_Slot], queue: Iterator[tuple[int, Atoms]], waiting: dequ
         copy = atoms.copy() if isinstance(atoms, Atoms) else atoms  # evaluate_batch names a non-Atoms
         if isinstance(copy, Atoms):
             copy.calc = None
-        active.append(_Slot(index, copy, fire.dt, fire.a))
+        slot = _Slot(index, copy, fire.dt, fire.a, copy)
+        if cell_filter and isinstance(copy, Atoms) and copy.pbc.all() and not copy.constraints:
+            from ase.filters import FrechetCellFilter
+
+            slot.optimizable = FrechetCellFilter(copy)
+        active.append(slot)
         atoms_in += size
 
 
-def _finish(slot: _Slot, out: object, largest: float, status: str) -> Relaxed:
-    atoms = slot.atoms
+def _attach(atoms: Atoms, out: object) -> None:
+    """The batch's results for the atoms as they are, as their calculator (a cell filter reads them there)."""
     results = {"energy": out.energy, "free_energy": out.energy, "forces": out.forces}
     volume = abs(float(atoms.cell.volume))
     if out.virial is not None and volume > 0:
         results["stress"] = full_3x3_to_voigt_6_stress(out.virial / volume)
     atoms.calc = SinglePointCalculator(atoms, **results)
-    return Relaxed(slot.index, status, slot.nsteps, atoms, energy=out.energy, fmax=largest)
 
 
 def _fire_step(slot: _Slot, forces: np.ndarray, fire: FireParameters) -> None:
-    """One step of ASE's FIRE (``ase.optimize.FIRE.step``, without its downhill check) on this structure."""
+    """One step of ASE's FIRE (``ase.optimize.FIRE.step``, without its downhill check) on this structure's
+    coordinates (``optimizable``'s positions) with these (generalised) ``forces``."""
     gradient = forces.ravel()  # ASE's name for the negative gradient
     if slot.velocity is None:
         slot.velocity = np.zeros(gradient.shape[0])
@@ -198,5 +213,5 @@ def _fire_step(slot: _Slot, forces: np.ndarray, fire: FireParameters) -> None:
     normdr = np.sqrt(np.vdot(dr, dr))
     if normdr > fire.maxstep:
         dr = fire.maxstep * dr / normdr
-    slot.atoms.set_positions(slot.atoms.get_positions() + dr.reshape(-1, 3))
+    slot.optimizable.set_positions(slot.optimizable.get_positions() + dr.reshape(-1, 3))
     slot.nsteps += 1

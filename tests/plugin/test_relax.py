@@ -72,3 +72,23 @@ def test_arguments_are_checked(mace_calc) -> None:
         next(relax_batch(mace_calc, [molecule("H2")], batch_size=0))
     with pytest.raises(ValueError, match="FireParameters.dt"):
         FireParameters(dt=-1.0)
+
+
+def test_cells_relax_as_ases_fire_on_a_frechet_cell_filter(mace_calc) -> None:
+    from ase.filters import FrechetCellFilter
+
+    box = water_box(2, seed=3)
+    box.rattle(0.05, seed=4)
+    box.set_cell(box.cell * 1.05, scale_atoms=True)
+    free = molecule("H2O")  # no cell: its positions relax alone
+    free.rattle(0.1, seed=5)
+    steps = 6
+    done = {d.index: d for d in relax_batch(mace_calc, [box, free], fmax=0.05, steps=steps, cell_filter=True)}
+    for index, atoms in enumerate([box, free]):
+        reference = atoms.copy()
+        reference.calc = mace_calc
+        FIRE(FrechetCellFilter(reference) if index == 0 else reference, logfile=None).run(fmax=0.05, steps=steps)
+        np.testing.assert_allclose(done[index].atoms.cell[:], reference.cell[:], atol=1e-9)
+        np.testing.assert_allclose(done[index].atoms.positions, reference.positions, atol=1e-9)
+        assert done[index].energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
+    assert np.abs(done[0].atoms.cell[:] - box.cell[:]).max() > 0.05  # the cell did move
