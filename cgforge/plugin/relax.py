@@ -122,7 +122,7 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
             return
         try:  # structures_of inside: a non-Atoms or constrained input fails with its index too
             outs = potential.evaluate_batch(structures_of([s.atoms for s in active]), stress=_stress(active),
-                                            min_distance=min_distance)
+                                            min_distance=min_distance, keys=[s.index for s in active])
         except (BatchStructureError, NonFiniteOutputError) as err:
             index = getattr(err, "index", None)
             if index is None:

@@ -12,6 +12,7 @@ from ase import Atoms
 from ase.build import molecule
 
 from cgforge.plugin import BatchStructureError, Calculator, evaluate_batch
+from cgforge.plugin.batch import as_structure
 from cgforge.plugin.runtime.batch import batch_neighbour_list
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
@@ -98,16 +99,25 @@ def test_the_batch_search_finds_each_structures_own_pairs() -> None:
         assert got == want and len(got) > 0
 
 
-def test_the_batch_list_is_kept_until_atoms_move_or_the_batch_changes(mace_calc) -> None:
-    structures = batch_structures()[:3]
-    evaluate_batch(mace_calc, structures)
-    step = mace_calc.potential._batch_step
-    builds = step.neighbours.n_builds
-    structures[0].positions += 0.01  # within skin / 2
-    evaluate_batch(mace_calc, structures)
-    assert step.neighbours.n_builds == builds
-    evaluate_batch(mace_calc, structures[:2])
-    assert step.neighbours.n_builds == builds + 1
+def test_only_new_or_moved_structures_are_searched_again(mace_calc) -> None:
+    box, free, skewed = batch_structures()[:3]
+    potential = mace_calc.potential
+    potential.evaluate_batch([as_structure(a) for a in (box, free, skewed)], keys=["box", "free", "skewed"])
+    nl = potential._batch_step.neighbours
+    searched = nl.n_searched
+    skewed.positions[0] += 0.1  # within skin / 2: its list stands, at its new place in the batch
+    cluster = molecule("H2O")
+    out = potential.evaluate_batch([as_structure(a) for a in (skewed, box, cluster)], keys=["skewed", "box", "new"])
+    assert nl.n_searched == searched + 1  # the new one only; "free" left at no cost
+    for atoms, got in zip((skewed, box, cluster), out, strict=True):
+        want = alone(mace_calc, atoms)
+        assert got.energy == pytest.approx(want["energy"], rel=1e-10, abs=1e-10)
+        np.testing.assert_allclose(got.forces, want["forces"], atol=1e-10 * np.abs(want["forces"]).max())
+    skewed.positions[0] += 0.2  # now 0.3 Å from where it was searched
+    potential.evaluate_batch([as_structure(a) for a in (skewed, box)], keys=["skewed", "box"])
+    assert nl.n_searched == searched + 2
+    with pytest.raises(ValueError, match="keys: expected 2 distinct keys"):
+        potential.evaluate_batch([as_structure(a) for a in (skewed, box)], keys=["x", "x"])
 
 
 def _bad(kind: str) -> Atoms:

@@ -28,7 +28,7 @@ The steps run eagerly (no CUDA graph) and the structures in the order given.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -197,31 +197,87 @@ def _sorted(sender: Tensor, receiver: Tensor, shifts: Tensor, n: int) -> tuple[T
     return sender.index_select(0, order), receiver.index_select(0, order), shifts.index_select(0, order)
 
 
+@dataclass
+class _Kept:
+    """One structure's Verlet list in its own atom indices, with what it was built for."""
+
+    sender: Tensor
+    receiver: Tensor
+    shifts: Tensor
+    positions: Tensor  # where its atoms were at the build
+    cell: np.ndarray
+    pbc: Pbc
+
+
 class BatchNeighbours:
-    """The batch's Verlet list at ``cutoff + skin``: rebuilt when the structures (atom counts, cells, pbc)
-    changed or an atom moved more than skin/2 since the last build."""
+    """The batch's Verlet list at ``cutoff + skin``, kept per structure: a structure's pairs are searched again
+    only when it is new (its key not seen at the last update), its atom count, cell or pbc changed, or one of its
+    atoms moved more than skin/2 since its last search; all that need it in one search
+    (``batch_neighbour_list``). A structure leaving the batch costs no search."""
 
     def __init__(self, cutoff: float, skin: float) -> None:
         self.cutoff, self.skin = float(cutoff), float(skin)
         self.sender = self.receiver = self.shifts = None
         self.topology: EdgeTopology | None = None
-        self.n_builds = 0
-        self._key: tuple | None = None
-        self._positions: Tensor | None = None
+        self.n_builds = 0  # updates that searched
+        self.n_searched = 0  # structures searched, over all updates
+        self._kept: dict[Hashable, _Kept] = {}
+        self._order: tuple | None = None
 
-    def update(self, positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int]) -> bool:
-        """Rebuild if stale; True when it was rebuilt."""
-        key = (tuple(ptr), tuple(pbcs), cells.detach().cpu().numpy().tobytes(), positions.dtype, positions.device)
-        if key == self._key and self._positions is not None:
-            moved = (positions - self._positions).square().sum(-1).amax()
-            if bool(moved <= (0.5 * self.skin) ** 2):
-                return False
-        lists = batch_neighbour_list(positions, cells, pbcs, ptr, self.cutoff + self.skin)
-        self.sender, self.receiver, self.shifts = lists
-        self.topology = edge_topology(*lists, positions.shape[0])
-        self._key, self._positions = key, positions.detach().clone()
+    def update(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
+               keys: Sequence[Hashable] | None = None) -> int:
+        """Bring the list up to date for these structures (``keys``: one per structure, naming it from call
+        to call; None: its place in the batch); the number of structures searched."""
+        count = len(pbcs)
+        keys = tuple(range(count)) if keys is None else tuple(keys)
+        if len(keys) != count or len(set(keys)) != count:
+            raise ValueError(f"keys: expected {count} distinct keys, one per structure, got {len(keys)} "
+                             f"({len(set(keys))} distinct)")
+        kept = [self._kept.get(k) for k in keys]
+        usable = [k is not None and k.positions.shape[0] == ptr[b + 1] - ptr[b] and k.pbc == pbcs[b]
+                  and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b])
+                  for b, k in enumerate(kept)]
+        if any(usable):
+            reference = torch.cat([k.positions if use else positions[ptr[b]:ptr[b + 1]]
+                                   for b, (k, use) in enumerate(zip(kept, usable))])
+            structure = torch.repeat_interleave(torch.arange(count, device=positions.device),
+                                                torch.as_tensor(np.diff(ptr), device=positions.device))
+            moved = (positions.detach() - reference).square().sum(-1)
+            worst = moved.new_zeros(count).scatter_reduce(0, structure, moved, "amax")
+            # "not <=": NaN counts as moved
+            usable = [u and bool(w) for u, w in zip(usable, (worst <= (0.5 * self.skin) ** 2).tolist())]
+        stale = [b for b in range(count) if not usable[b]]
+        if not stale and keys == self._order:
+            return 0
+        if stale:
+            self._search(positions, cells, pbcs, ptr, keys, stale)
+        self._kept = {k: self._kept[k] for k in keys}
+        self._order = keys
+        parts = [self._kept[k] for k in keys]
+        offsets = [torch.full_like(k.sender, ptr[b]) for b, k in enumerate(parts)]
+        self.sender = torch.cat([k.sender + o for k, o in zip(parts, offsets)])
+        self.receiver = torch.cat([k.receiver + o for k, o in zip(parts, offsets)])
+        self.shifts = torch.cat([k.shifts for k in parts])
+        self.topology = edge_topology(self.sender, self.receiver, self.shifts, ptr[-1])
+        return len(stale)
+
+    def _search(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
+                keys: tuple, stale: list[int]) -> None:
+        """One search over the ``stale`` structures; their lists kept in their own indices."""
+        sizes = [ptr[b + 1] - ptr[b] for b in stale]
+        sub_ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        sub_positions = torch.cat([positions[ptr[b]:ptr[b + 1]] for b in stale]).detach()
+        sub_cells = torch.as_tensor(np.stack([cells[b] for b in stale]), device=positions.device)
+        sender, receiver, shifts = batch_neighbour_list(sub_positions, sub_cells, [pbcs[b] for b in stale], sub_ptr,
+                                                        self.cutoff + self.skin)
+        bounds = torch.searchsorted(receiver, torch.as_tensor(sub_ptr, device=receiver.device)).tolist()
+        for i, b in enumerate(stale):
+            lo, hi = bounds[i], bounds[i + 1]
+            self._kept[keys[b]] = _Kept(sender[lo:hi] - sub_ptr[i], receiver[lo:hi] - sub_ptr[i], shifts[lo:hi],
+                                        sub_positions[sub_ptr[i]:sub_ptr[i + 1]].clone(), np.array(cells[b]),
+                                        pbcs[b])
         self.n_builds += 1
-        return True
+        self.n_searched += len(stale)
 
 
 class BatchStep:
@@ -250,9 +306,12 @@ class BatchStep:
         return torch.cat(parts)
 
     def evaluate(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
-                 per_atom: bool = False, species: Tensor | None = None) -> list[StructureResult]:
+                 per_atom: bool = False, species: Tensor | None = None,
+                 keys: Sequence[Hashable] | None = None) -> list[StructureResult]:
         """One ``StructureResult`` per structure, in the order given; ``species``: what ``species`` returned
-        for these structures, if the caller kept it."""
+        for these structures, if the caller kept it; ``keys``: a name of each structure that stays the same
+        from call to call (a structure's neighbour list is then kept while it is valid, wherever the structure
+        sits in the batch; ``BatchNeighbours``)."""
         if len(structures) == 0:
             raise ValueError("structures: expected at least one structure, got none")
         for index, structure in enumerate(structures):
@@ -266,12 +325,12 @@ class BatchStep:
         pbcs = [tuple(bool(p) for p in s.pbc) for s in structures]
         positions = torch.as_tensor(np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures]),
                                     dtype=dtype, device=device)
-        cells = torch.as_tensor(np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures]), dtype=dtype,
-                                device=device)
+        cells_host = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
+        cells = torch.as_tensor(cells_host, dtype=dtype, device=device)
         structure = torch.repeat_interleave(torch.arange(len(structures), device=device),
                                             torch.as_tensor(sizes, device=device))
         nl = self.neighbours
-        nl.update(positions, cells, pbcs, ptr)
+        nl.update(positions, cells_host, pbcs, ptr, keys)
         shifts = nl.shifts.to(dtype)
         with torch.no_grad():
             vectors = (positions.index_select(0, nl.receiver) - positions.index_select(0, nl.sender)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -324,18 +324,20 @@ class Potential:
         return out
 
     def evaluate_batch(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
-                       per_atom: bool = False, min_distance: float | None = 0.5) -> list[Evaluation]:
+                       per_atom: bool = False, min_distance: float | None = 0.5,
+                       keys: Sequence[Hashable] | None = None) -> list[Evaluation]:
         """``evaluate`` of many structures in one graph and one model call (``runtime.batch``): one ``Evaluation``
         per structure, in the order given, each what ``evaluate`` gives for it alone (to rounding). A bad
         structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
-        included; None: no such check)."""
+        included; None: no such check). ``keys``: names of the structures that stay the same from call to call
+        (``BatchStep.evaluate``; None: their places in the batch)."""
         from .batch import BatchStep
 
         if self._batch_step is None:
             self._batch_step = BatchStep(self.adapter, self.neighbours.skin)
         self._batch_step.min_distance = min_distance
         return [Evaluation(*result) for result in
-                self._batch_step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom)]
+                self._batch_step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
 
     def _evaluate_whole(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
                         stress: bool, per_atom: bool) -> np.ndarray:
