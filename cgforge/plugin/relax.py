@@ -121,7 +121,7 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
         if not active:
             return
         try:  # structures_of inside: a non-Atoms or constrained input fails with its index too
-            outs = potential.evaluate_batch(structures_of([s.atoms for s in active]), stress=_stress(active),
+            outs = potential.evaluate_batch(structures_of([s.atoms for s in active]), stress=cell_filter,
                                             min_distance=min_distance, keys=[s.index for s in active])
         except (BatchStructureError, NonFiniteOutputError) as err:
             index = getattr(err, "index", None)
@@ -143,11 +143,6 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
             else:
                 _fire_step(slot, forces, fire)
         active = [s for s in active if s not in finished]
-
-
-def _stress(active: list[_Slot]) -> bool:
-    """The virial too when some structure has a 3-D cell (its stress goes into the results)."""
-    return any(isinstance(s.atoms, Atoms) and s.atoms.cell.volume > 0 for s in active)
 
 
 def _fill(active: list[_Slot], queue: Iterator[tuple[int, Atoms]], waiting: deque, fire: FireParameters,
