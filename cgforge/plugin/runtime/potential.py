@@ -5,6 +5,7 @@
     system = potential.system(numbers, positions, cell, pbc)  # once per system (species, atom order)
     out = potential.evaluate(positions, cell, pbc, system, forces=True, stress=True)
     out.energy, out.forces, out.virial, out.energies
+    outs = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...])  # one graph (runtime.batch)
 
 A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``: edge layout, model,
 backward, captured in a CUDA graph on CUDA), the memory and row plans, the atom order, the compile mode and
