@@ -128,13 +128,19 @@ def _bad(kind: str) -> Atoms:
         atoms.positions[1, 2] = np.nan
     elif kind == "overlap":
         atoms.positions[2] = atoms.positions[1] + 0.1
+    elif kind == "singular cell":
+        atoms.cell, atoms.pbc = [[4, 0, 0], [8, 0, 0], [0, 0, 4]], True
+    elif kind == "NaN cell":
+        atoms.cell, atoms.pbc = [[4, 0, 0], [0, np.nan, 0], [0, 0, 4]], True
     return atoms
 
 
 @pytest.mark.parametrize(("kind", "message"), [("unknown element", "structure 2: .*Cu"),
                                                ("NaN", "structure 2: positions contain NaN .*atoms \\[1\\]"),
                                                ("overlap", "structure 2: atoms 1 and 2 are 0.173 Å apart"),
-                                               ("empty", "structure 2: expected a structure with at least one")])
+                                               ("empty", "structure 2: expected a structure with at least one"),
+                                               ("singular cell", "structure 2: cell is singular"),
+                                               ("NaN cell", "structure 2: cell contains NaN")])
 def test_a_bad_structure_is_named_by_its_index(mace_calc, kind, message) -> None:
     structures = batch_structures()[:2] + [Atoms() if kind == "empty" else _bad(kind)]
     with pytest.raises(BatchStructureError, match=message) as info:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .adapters import ModelAdapter
 
 __all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "StructureResult",
-           "batch_neighbour_list", "check_structure"]
+           "batch_neighbour_list", "check_finite", "check_shapes"]
 
 Pbc = tuple[bool, bool, bool]
 # Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
@@ -85,27 +85,32 @@ class BatchStructure:
     pbc: Pbc
 
 
-def check_structure(index: int, structure: BatchStructure) -> None:
-    """What can be told of one structure without the model: atoms, shapes, finite values, a usable cell."""
-    numbers, positions, cell = (np.asarray(a) for a in (structure.numbers, structure.positions, structure.cell))
-    if numbers.ndim != 1 or numbers.shape[0] == 0:
+def check_shapes(index: int, structure: BatchStructure) -> None:
+    """What one structure's shapes say: at least one atom, positions [N, 3], cell [3, 3], three pbc flags."""
+    numbers, positions, cell = (np.shape(a) for a in (structure.numbers, structure.positions, structure.cell))
+    if len(numbers) != 1 or numbers[0] == 0:
         raise BatchStructureError(index, f"expected a structure with at least one atom, got numbers of shape "
-                                         f"{numbers.shape}")
-    if positions.shape != (numbers.shape[0], 3):
-        raise BatchStructureError(index, f"positions of shape {positions.shape} for {numbers.shape[0]} atoms")
-    if cell.shape != (3, 3):
-        raise BatchStructureError(index, f"cell of shape {cell.shape}, expected (3, 3)")
-    if not np.isfinite(positions).all():
-        bad = np.nonzero(~np.isfinite(positions).all(1))[0]
-        raise BatchStructureError(index, f"positions contain NaN or inf (atoms {bad[:5].tolist()})")
-    if not np.isfinite(cell).all():
-        raise BatchStructureError(index, f"cell contains NaN or inf: {cell.tolist()}")
+                                         f"{numbers}")
+    if positions != (numbers[0], 3):
+        raise BatchStructureError(index, f"positions of shape {positions} for {numbers[0]} atoms")
+    if cell != (3, 3):
+        raise BatchStructureError(index, f"cell of shape {cell}, expected (3, 3)")
     if len(structure.pbc) != 3:
         raise BatchStructureError(index, f"pbc must be three bools, got {structure.pbc!r}")
-    try:
-        _binning_basis(np.asarray(cell, dtype=np.float64), tuple(bool(p) for p in structure.pbc))
-    except ValueError as err:
-        raise BatchStructureError(index, str(err)) from None
+
+
+def check_finite(positions: np.ndarray, cells: np.ndarray, ptr: Sequence[int]) -> None:
+    """NaN or inf in the batch's positions [N, 3] or cells [B, 3, 3] names the first structure holding one."""
+    bad_atoms = ~np.isfinite(positions).all(1)
+    if bad_atoms.any():
+        first = int(np.argmax(bad_atoms))
+        b = int(np.searchsorted(ptr, first, side="right")) - 1
+        atoms = np.nonzero(bad_atoms[ptr[b]:ptr[b + 1]])[0]
+        raise BatchStructureError(b, f"positions contain NaN or inf (atoms {atoms[:5].tolist()})")
+    bad_cells = ~np.isfinite(cells).reshape(len(cells), -1).all(1)
+    if bad_cells.any():
+        b = int(np.argmax(bad_cells))
+        raise BatchStructureError(b, f"cell contains NaN or inf: {cells[b].tolist()}")
 
 
 def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int],
@@ -121,7 +126,12 @@ def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], 
     structure = torch.repeat_interleave(torch.arange(count, device=device), sizes)
     cells_host = cells.detach().to("cpu", torch.float64).numpy()
     periodic_host = np.array(pbcs, dtype=bool).reshape(count, 3)
-    basis = np.stack([_binning_basis(cells_host[b], tuple(periodic_host[b])) for b in range(count)])
+    basis = np.empty((count, 3, 3))
+    for b in range(count):
+        try:
+            basis[b] = _binning_basis(cells_host[b], tuple(periodic_host[b]))
+        except ValueError as err:  # a singular periodic cell
+            raise BatchStructureError(b, str(err)) from None
     inverse = np.linalg.inv(basis)
     heights = 1.0 / np.linalg.norm(inverse, axis=1)  # [B, 3] lattice-plane spacings (Å)
     reach = np.where(periodic_host, np.floor(cutoff / heights) + 1, 0).astype(np.int64)  # images each side
@@ -268,8 +278,11 @@ class BatchNeighbours:
         sub_ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         sub_positions = torch.cat([positions[ptr[b]:ptr[b + 1]] for b in stale]).detach()
         sub_cells = torch.as_tensor(np.stack([cells[b] for b in stale]), device=positions.device)
-        sender, receiver, shifts = batch_neighbour_list(sub_positions, sub_cells, [pbcs[b] for b in stale], sub_ptr,
-                                                        self.cutoff + self.skin)
+        try:
+            sender, receiver, shifts = batch_neighbour_list(sub_positions, sub_cells, [pbcs[b] for b in stale],
+                                                            sub_ptr, self.cutoff + self.skin)
+        except BatchStructureError as err:  # its index in the batch, not among the stale ones
+            raise BatchStructureError(stale[err.index], err.reason) from None
         bounds = torch.searchsorted(receiver, torch.as_tensor(sub_ptr, device=receiver.device)).tolist()
         for i, b in enumerate(stale):
             lo, hi = bounds[i], bounds[i + 1]
@@ -295,37 +308,38 @@ class BatchStep:
         self.pad_vector = pad_offset_vector(self.cutoff, adapter.dtype, adapter.device)
         self.n_edges = 0
 
-    def species(self, structures: Sequence[BatchStructure]) -> Tensor:
-        """The model's species input of every atom of the batch (an unknown element names its structure)."""
-        parts = []
-        for index, structure in enumerate(structures):
-            try:
-                parts.append(self.adapter.species(np.asarray(structure.numbers)))
-            except ValueError as err:
-                raise BatchStructureError(index, str(err)) from None
-        return torch.cat(parts)
+    def species(self, numbers: np.ndarray, ptr: Sequence[int]) -> Tensor:
+        """The model's species input of every atom of the batch (``numbers`` end to end), in one call; an unknown
+        element names its structure."""
+        try:
+            return self.adapter.species(numbers)
+        except ValueError:
+            for b in range(len(ptr) - 1):  # which structure: the first whose own numbers fail
+                try:
+                    self.adapter.species(numbers[ptr[b]:ptr[b + 1]])
+                except ValueError as err:
+                    raise BatchStructureError(b, str(err)) from None
+            raise
 
     def evaluate(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
-                 per_atom: bool = False, species: Tensor | None = None,
-                 keys: Sequence[Hashable] | None = None) -> list[StructureResult]:
-        """One ``StructureResult`` per structure, in the order given; ``species``: what ``species`` returned
-        for these structures, if the caller kept it; ``keys``: a name of each structure that stays the same
-        from call to call (a structure's neighbour list is then kept while it is valid, wherever the structure
-        sits in the batch; ``BatchNeighbours``)."""
+                 per_atom: bool = False, keys: Sequence[Hashable] | None = None) -> list[StructureResult]:
+        """One ``StructureResult`` per structure, in the order given; ``keys``: a name of each structure that
+        stays the same from call to call (a structure's neighbour list is then kept while it is valid, wherever
+        the structure sits in the batch; ``BatchNeighbours``)."""
         if len(structures) == 0:
             raise ValueError("structures: expected at least one structure, got none")
         for index, structure in enumerate(structures):
-            check_structure(index, structure)
-        if species is None:
-            species = self.species(structures)
+            check_shapes(index, structure)
         device, dtype = self.adapter.device, self.adapter.dtype
         sizes = [len(s.numbers) for s in structures]
         ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         n = ptr[-1]
         pbcs = [tuple(bool(p) for p in s.pbc) for s in structures]
-        positions = torch.as_tensor(np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures]),
-                                    dtype=dtype, device=device)
+        positions_host = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
         cells_host = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
+        check_finite(positions_host, cells_host, ptr)
+        species = self.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
+        positions = torch.as_tensor(positions_host, dtype=dtype, device=device)
         cells = torch.as_tensor(cells_host, dtype=dtype, device=device)
         structure = torch.repeat_interleave(torch.arange(len(structures), device=device),
                                             torch.as_tensor(sizes, device=device))
@@ -360,20 +374,23 @@ class BatchStep:
         energies = out.energy.to("cpu", torch.float64).numpy()
         host = {name: None if t is None else t.detach().to("cpu", torch.float64).numpy()
                 for name, t in (("forces", out.forces), ("virial", out.virial), ("energies", out.energies))}
+        bad = ~np.isfinite(energies)
+        for name, rows in (("forces", ptr[:-1]), ("virial", np.arange(len(structures))), ("energies", ptr[:-1])):
+            if host[name] is not None:  # per structure: any of its rows (atoms, or its virial) not finite
+                not_finite = ~np.isfinite(host[name]).reshape(len(host[name]), -1).all(1)
+                bad |= np.add.reduceat(not_finite.astype(np.int64), rows) > 0
+        if bad.any():
+            b = int(np.argmax(bad))
+            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
+                                         "overlaps and the model file)")
+            error.index = b
+            raise error
         results = []
         for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
-            result = StructureResult(float(energies[b]),
-                                     None if host["forces"] is None else host["forces"][start:end].copy(),
-                                     None if host["virial"] is None else host["virial"][b].copy(),
-                                     None if host["energies"] is None else host["energies"][start:end].copy())
-            parts = [np.atleast_1d(result.energy)] + [a.reshape(-1) for a in (result.forces, result.virial,
-                                                                             result.energies) if a is not None]
-            if not all(np.isfinite(p).all() for p in parts):
-                error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                             "overlaps and the model file)")
-                error.index = b
-                raise error
-            results.append(result)
+            results.append(StructureResult(float(energies[b]),
+                                           None if host["forces"] is None else host["forces"][start:end].copy(),
+                                           None if host["virial"] is None else host["virial"][b].copy(),
+                                           None if host["energies"] is None else host["energies"][start:end].copy()))
         return results
 
     def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
