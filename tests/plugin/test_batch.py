@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import molecule
+from ase.build import bulk, molecule
 
 from cgforge.plugin import BatchStructureError, Calculator, evaluate_batch
 from cgforge.plugin.batch import as_structure
@@ -42,6 +42,12 @@ def mace_calc():
 
 
 @pytest.fixture(scope="module")
+def mace_patched_calc(mace_calc):
+    """cgforge's kernels on the CPU: the batch graph through the patched layers (pinned graph, species groups)."""
+    return Calculator("mace", device="cpu", dtype="float64", patch=True, warmup=False, skin=0.5)
+
+
+@pytest.fixture(scope="module")
 def nequip_calc(nequip_state):
     from nequip_helpers import nequip_model
 
@@ -57,7 +63,7 @@ def alone(calc: Calculator, atoms: Atoms) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["mace", "nequip"])
+@pytest.mark.parametrize("kind", ["mace", "mace_patched", "nequip"])
 def test_a_batch_gives_each_structure_its_own_results(kind, request) -> None:
     calc = request.getfixturevalue(f"{kind}_calc")
     structures = batch_structures()
@@ -80,7 +86,9 @@ def test_a_batch_gives_each_structure_its_own_results(kind, request) -> None:
 
 
 def test_the_batch_search_finds_each_structures_own_pairs() -> None:
-    structures = batch_structures()
+    tiny = bulk("Cu", "fcc", a=3.6)  # one atom in a cell thinner than the cutoff: its own images, several deep
+    tiny.rattle(0.05, seed=1)
+    structures = [*batch_structures(), tiny]
     positions = torch.tensor(np.concatenate([a.positions for a in structures]))
     cells = torch.tensor(np.stack([np.asarray(a.cell) for a in structures]))
     ptr = np.concatenate([[0], np.cumsum([len(a) for a in structures])])

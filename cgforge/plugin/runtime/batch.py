@@ -135,11 +135,11 @@ def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], 
     inverse = np.linalg.inv(basis)
     heights = 1.0 / np.linalg.norm(inverse, axis=1)  # [B, 3] lattice-plane spacings (Å)
     reach = np.where(periodic_host, np.floor(cutoff / heights) + 1, 0).astype(np.int64)  # images each side
-    widest = int(reach.max(initial=0))
-    if (2 * widest + 1) ** 3 > _MAX_IMAGES:
-        worst = int(np.argmax(reach.max(1)))
+    images_each = np.prod(2 * reach + 1, axis=1)
+    if (images_each > _MAX_IMAGES).any():
+        worst = int(np.argmax(images_each))
         raise BatchStructureError(worst, f"cutoff {cutoff} is too large for a cell with plane spacings "
-                                         f"{heights[worst].tolist()} Å")
+                                         f"{heights[worst].tolist()} Å: {int(images_each[worst])} periodic images")
 
     f64 = {"dtype": torch.float64, "device": device}
     pos = positions.detach().to(torch.float64)
@@ -151,18 +151,29 @@ def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], 
     atom_cell = cells64.index_select(0, structure)
     wrapped = pos + (wrap.unsqueeze(1) @ atom_cell).squeeze(1)
 
-    # Periodic images near the cell: atom i shifted by image T when frac_i + T lies within cutoff of [0, 1).
-    axis = torch.arange(-widest, widest + 1, device=device)
-    images = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
-    images = images[(images != 0).any(1)]
-    reach_t = torch.as_tensor(reach, device=device)
+    # Periodic images near the cell: atom i shifted by image T when frac_i + T lies within cutoff of [0, 1); the
+    # images a structure may need depend on its reach, so structures are taken by reach (a tiny cell's many
+    # images are tried for its own atoms only).
     margin = torch.as_tensor(cutoff / heights + 1e-6, **f64)  # [B, 3], in cell fractions
-    allowed = (images.abs().unsqueeze(0) <= reach_t.unsqueeze(1)).all(-1)  # [B, K]
-    moved = frac.unsqueeze(1) + images.unsqueeze(0).to(torch.float64)  # [N, K, 3]
     lo, hi = -margin.index_select(0, structure), 1 + margin.index_select(0, structure)
-    near = ((moved >= lo.unsqueeze(1)) & (moved <= hi.unsqueeze(1))) | ~periodic.index_select(0, structure)[:, None]
-    ghost_atom, ghost_image = torch.nonzero(near.all(-1) & allowed.index_select(0, structure)).unbind(1)
-    ghost_shift = images.index_select(0, ghost_image)
+    open_axes = ~periodic.index_select(0, structure)
+    structure_host = np.repeat(np.arange(count), np.diff(np.asarray(ptr)))
+    ghost_atoms, ghost_shifts = [], []
+    for row in np.unique(reach, axis=0):
+        if not row.any():
+            continue  # no periodic direction: no images
+        members = torch.as_tensor(np.nonzero((reach[structure_host] == row).all(1))[0], device=device)
+        axes = [torch.arange(-r, r + 1, device=device) for r in row.tolist()]
+        images = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
+        images = images[(images != 0).any(1)]
+        moved = frac.index_select(0, members).unsqueeze(1) + images.unsqueeze(0).to(torch.float64)  # [n, K, 3]
+        near = (moved >= lo.index_select(0, members).unsqueeze(1)) & (moved <= hi.index_select(0, members).unsqueeze(1))
+        near = (near | open_axes.index_select(0, members).unsqueeze(1)).all(-1)
+        atom, image = torch.nonzero(near).unbind(1)
+        ghost_atoms.append(members.index_select(0, atom))
+        ghost_shifts.append(images.index_select(0, image))
+    ghost_atom = torch.cat(ghost_atoms) if ghost_atoms else structure.new_zeros(0)
+    ghost_shift = torch.cat(ghost_shifts) if ghost_shifts else structure.new_zeros(0, 3)
     ghosts = wrapped.index_select(0, ghost_atom) + (ghost_shift.to(torch.float64).unsqueeze(1)
                                                     @ atom_cell.index_select(0, ghost_atom)).squeeze(1)
 
