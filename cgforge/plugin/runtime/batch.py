@@ -42,7 +42,7 @@ from cgforge.patches.species_linear import SpeciesGroups
 from .diagnosis import NonFiniteOutputError
 from .edge_layout import EdgeTopology, edge_topology, layout_edges, pad_offset_vector
 from .neighbours import _binning_basis, neighbour_list
-from .step_graph import graph_derivatives
+from .step_graph import StepOutput, graph_derivatives
 
 if TYPE_CHECKING:
     from .adapters import ModelAdapter
@@ -344,16 +344,50 @@ class BatchStep:
         device, dtype = self.adapter.device, self.adapter.dtype
         sizes = [len(s.numbers) for s in structures]
         ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        n = ptr[-1]
         pbcs = [tuple(bool(p) for p in s.pbc) for s in structures]
         positions_host = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
         cells_host = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
         check_finite(positions_host, cells_host, ptr)
         species = self.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
         positions = torch.as_tensor(positions_host, dtype=dtype, device=device)
+        out = self.run(positions, cells_host, pbcs, ptr, species, forces=forces, stress=stress, per_atom=per_atom,
+                       keys=keys)
+        energies = out.energy.to("cpu", torch.float64).numpy()
+        host = {name: None if t is None else t.detach().to("cpu", torch.float64).numpy()
+                for name, t in (("forces", out.forces), ("virial", out.virial), ("energies", out.energies))}
+        bad = ~np.isfinite(energies)
+        for name, rows in (("forces", ptr[:-1]), ("virial", np.arange(len(structures))), ("energies", ptr[:-1])):
+            if host[name] is not None:  # per structure: any of its rows (atoms, or its virial) not finite
+                not_finite = ~np.isfinite(host[name]).reshape(len(host[name]), -1).all(1)
+                bad |= np.add.reduceat(not_finite.astype(np.int64), rows) > 0
+        if bad.any():
+            b = int(np.argmax(bad))
+            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
+                                         "overlaps and the model file)")
+            error.index = b
+            raise error
+        results = []
+        for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
+            results.append(StructureResult(float(energies[b]),
+                                           None if host["forces"] is None else host["forces"][start:end].copy(),
+                                           None if host["virial"] is None else host["virial"][b].copy(),
+                                           None if host["energies"] is None else host["energies"][start:end].copy()))
+        return results
+
+    def run(self, positions: Tensor, cells_host: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int], species: Tensor,
+            *,
+            forces: bool = True, stress: bool = False, per_atom: bool = False,
+            keys: Sequence[Hashable] | None = None) -> StepOutput:
+        """The batch on the device: positions [N, 3] (on the model's device, any float dtype: cast to the model's),
+        host cells [B, 3, 3], pbcs, ptr, the model's species input of every atom; a ``StepOutput`` of device
+        tensors (energy [B], virial [B, 3, 3]; no NaN check: ``evaluate`` makes it). Two atoms closer than
+        ``min_distance`` raise ``BatchStructureError``."""
+        device, dtype = self.adapter.device, self.adapter.dtype
+        n = ptr[-1]
+        positions = positions.detach().to(dtype)
         cells = torch.as_tensor(cells_host, dtype=dtype, device=device)
-        structure = torch.repeat_interleave(torch.arange(len(structures), device=device),
-                                            torch.as_tensor(sizes, device=device))
+        structure = torch.repeat_interleave(torch.arange(len(pbcs), device=device),
+                                            torch.as_tensor(np.diff(np.asarray(ptr)), device=device))
         nl = self.neighbours
         nl.update(positions, cells_host, pbcs, ptr, keys)
         shifts = nl.shifts.to(dtype)
@@ -382,27 +416,7 @@ class BatchStep:
         finally:
             for cache in self.caches:
                 cache.unpin()  # the potential's own step pins its graph again when it runs
-        energies = out.energy.to("cpu", torch.float64).numpy()
-        host = {name: None if t is None else t.detach().to("cpu", torch.float64).numpy()
-                for name, t in (("forces", out.forces), ("virial", out.virial), ("energies", out.energies))}
-        bad = ~np.isfinite(energies)
-        for name, rows in (("forces", ptr[:-1]), ("virial", np.arange(len(structures))), ("energies", ptr[:-1])):
-            if host[name] is not None:  # per structure: any of its rows (atoms, or its virial) not finite
-                not_finite = ~np.isfinite(host[name]).reshape(len(host[name]), -1).all(1)
-                bad |= np.add.reduceat(not_finite.astype(np.int64), rows) > 0
-        if bad.any():
-            b = int(np.argmax(bad))
-            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                         "overlaps and the model file)")
-            error.index = b
-            raise error
-        results = []
-        for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
-            results.append(StructureResult(float(energies[b]),
-                                           None if host["forces"] is None else host["forces"][start:end].copy(),
-                                           None if host["virial"] is None else host["virial"][b].copy(),
-                                           None if host["energies"] is None else host["energies"][start:end].copy()))
-        return results
+        return out
 
     def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
                          ptr: Sequence[int]) -> None:
