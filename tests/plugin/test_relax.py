@@ -92,3 +92,20 @@ def test_cells_relax_as_ases_fire_on_a_frechet_cell_filter(mace_calc) -> None:
         np.testing.assert_allclose(done[index].atoms.positions, reference.positions, atol=1e-9)
         assert done[index].energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
     assert np.abs(done[0].atoms.cell[:] - box.cell[:]).max() > 0.05  # the cell did move
+
+
+@pytest.mark.cuda
+def test_the_device_relaxation_follows_ases_fire_on_cuda() -> None:
+    from cgforge.plugin import Calculator
+
+    calc = Calculator("mace", device="cuda", dtype="float64", skin=0.5)
+    inputs = structures() * 2
+    done = {d.index: d for d in relax_batch(calc, inputs, fmax=0.05, steps=10, batch_size=3)}
+    for index, atoms in enumerate(inputs):
+        reference = atoms.copy()
+        reference.calc = calc
+        optimizer = FIRE(reference, logfile=None)
+        optimizer.run(fmax=0.05, steps=10)
+        assert done[index].steps == optimizer.nsteps
+        assert done[index].energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
+        np.testing.assert_allclose(done[index].atoms.positions, reference.positions, atol=1e-7)

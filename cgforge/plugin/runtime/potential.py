@@ -48,7 +48,7 @@ from .tiled import Workspace, check_workspace
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
 
-    from .batch import BatchStructure
+    from .batch import BatchStep, BatchStructure
 
 __all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
@@ -332,13 +332,19 @@ class Potential:
         structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
         included; None: no such check). ``keys``: names of the structures that stay the same from call to call
         (``BatchStep.evaluate``; None: their places in the batch)."""
+        step = self.batch_step(min_distance)
+        return [Evaluation(*result) for result in
+                step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
+
+    def batch_step(self, min_distance: float | None = 0.5) -> BatchStep:
+        """The potential's ``runtime.batch.BatchStep`` (made at the first call; its Verlet lists are kept from
+        call to call), checking distances against ``min_distance`` from now on."""
         from .batch import BatchStep
 
         if self._batch_step is None:
             self._batch_step = BatchStep(self.adapter, self.neighbours.skin)
         self._batch_step.min_distance = min_distance
-        return [Evaluation(*result) for result in
-                self._batch_step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
+        return self._batch_step
 
     def _evaluate_whole(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
                         stress: bool, per_atom: bool) -> np.ndarray:
