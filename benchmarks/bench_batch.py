@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
 from shapes import mace_mp_file  # noqa: E402
 
-from cgforge.plugin import Calculator, evaluate_batch, relax_batch  # noqa: E402
-from cgforge.plugin.runtime.bundled import model_path  # noqa: E402
-from cgforge.plugin.water import water_box  # noqa: E402
+# cgforge is imported where it is used: a bad flag is named before any of it loads.
 
 
 def structures(count: int, seed: int = 0, rattle: float = 0.0) -> list:
     """``count`` water systems of 8..100 molecules: even indices periodic cells, odd ones clusters."""
+    from cgforge.plugin.water import water_box
+
     rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
@@ -83,6 +83,8 @@ def eval_loop(calc, systems: list, device: str) -> dict:
 
 
 def eval_batch(calc, systems: list, batch: int, device: str) -> dict:
+    from cgforge.plugin import evaluate_batch
+
     evaluate_batch(calc, systems[:batch])
     sync(device)
     start = time.perf_counter()
@@ -161,6 +163,8 @@ def relax_loop(calc, systems: list, fmax: float, steps: int, device: str) -> tup
 
 
 def relax_rows(calc, systems: list, args, device: str) -> dict:
+    from cgforge.plugin import relax_batch
+
     loop, loop_energies = relax_loop(calc, systems[:args.loop_relax], args.fmax, args.steps, device)
     sync(device)
     start = time.perf_counter()
@@ -188,6 +192,16 @@ def main() -> None:
     parser.add_argument("--fmax", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
+    for flag, value, least in (("--structures", args.structures, 1), ("--relax-structures", args.relax_structures, 0),
+                               ("--loop-relax", args.loop_relax, 0), ("--batch-size", args.batch_size, 1),
+                               ("--steps", args.steps, 0)):
+        if value < least:
+            parser.error(f"{flag}: expected an integer >= {least}, got {value}")
+    if not args.fmax > 0:
+        parser.error(f"--fmax: expected a number > 0, got {args.fmax}")
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.runtime.bundled import model_path
+
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     systems = structures(args.structures)
     rattled = structures(args.relax_structures, seed=1, rattle=0.05)

@@ -3,8 +3,6 @@ periodicities and species in one graph give each structure's own results, and a 
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -167,4 +165,3 @@ def test_a_batch_on_cuda_gives_each_structure_its_own_results(patch) -> None:
         want = alone(calc, atoms)
         assert got.energy == pytest.approx(want["energy"], rel=1e-10, abs=1e-10)
         np.testing.assert_allclose(got.forces, want["forces"], rtol=1e-10, atol=1e-10 * np.abs(want["forces"]).max())
-    copy.deepcopy(results)  # plain host data
