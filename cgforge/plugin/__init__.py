@@ -17,6 +17,7 @@ _EXPORTS = {
     "evaluate_batch": "batch",
     "BatchStructureError": "batch",
     "relax_batch": "relax",
+    "run_nve_batch": "batch_md",
     "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",

@@ -1,11 +1,13 @@
 """Batched FIRE (``plugin.relax``): each structure follows ASE's FIRE on it alone, structures leave the batch
-as they finish and the queue refills it, and a bad structure fails alone."""
+as they finish and the queue refills it, and a bad structure fails alone; batched NVE (``plugin.batch_md``)
+follows ASE's velocity Verlet on each structure alone."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import test_batch
+from ase import units
 from ase.build import molecule
 from ase.optimize import FIRE
 
@@ -109,3 +111,34 @@ def test_the_device_relaxation_follows_ases_fire_on_cuda() -> None:
         assert done[index].steps == optimizer.nsteps
         assert done[index].energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
         np.testing.assert_allclose(done[index].atoms.positions, reference.positions, atol=1e-7)
+
+
+def test_batched_nve_equals_ases_velocity_verlet_on_each_structure(mace_calc) -> None:
+    nve_matches_ase(mace_calc)
+
+
+@pytest.mark.cuda
+def test_batched_nve_on_cuda_equals_ases_velocity_verlet() -> None:
+    from cgforge.plugin import Calculator
+
+    nve_matches_ase(Calculator("mace", device="cuda", dtype="float64", skin=0.5))
+
+
+def nve_matches_ase(calc) -> None:
+    from ase.md.verlet import VelocityVerlet
+
+    from cgforge.plugin import run_nve_batch
+
+    inputs = structures()
+    for seed, atoms in enumerate(inputs):  # thermal-sized momenta (~300 K)
+        noise = np.random.default_rng(seed).normal(size=(len(atoms), 3))
+        atoms.set_momenta(noise * np.sqrt(atoms.get_masses() * units.kB * 300)[:, None])
+    final = run_nve_batch(calc, inputs, timestep_fs=0.5, steps=4)
+    for atoms, got in zip(inputs, final, strict=True):
+        reference = atoms.copy()
+        reference.calc = calc
+        VelocityVerlet(reference, timestep=0.5 * units.fs).run(4)
+        np.testing.assert_allclose(got.positions, reference.positions, atol=1e-10)
+        np.testing.assert_allclose(got.get_momenta(), reference.get_momenta(), atol=1e-10)
+        assert got.get_potential_energy() == pytest.approx(reference.get_potential_energy(), abs=1e-9)
+    assert not np.allclose(final[2].positions, inputs[2].positions)  # they moved
