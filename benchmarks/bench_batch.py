@@ -18,8 +18,11 @@ second:
 - ``relax-batch``: ``relax_batch`` over ``--relax-structures`` rattled structures, FIRE to ``--fmax``, with the
   final energies compared to the loop's on the structures both relaxed (largest difference per atom).
 - ``relax-torchsim``: TorchSim's batched FIRE with its MACE model (where torch_sim imports), same criterion.
+- ``md-loop-nve``: ASE's velocity Verlet with cgforge's Calculator per structure, ``--md-steps`` steps, on the first
+  ``--loop-md`` structures; ``md-batch-nve``: ``run_nve_batch`` over every structure in batches of
+  ``--batch-size`` (atom-steps per second). The issue's NVT rows and the engine's batched MD are not built yet.
 
-Batched MD is not built yet (issue 64); its rows are absent. The JSON goes to $OUT (``common.write_json``).
+The JSON goes to $OUT (``common.write_json``).
 """
 
 from __future__ import annotations
@@ -179,6 +182,29 @@ def relax_rows(calc, systems: list, args, device: str) -> dict:
     return {"relax-loop": loop, "relax-batch": batch}
 
 
+def md_rows(calc, systems: list, args, device: str) -> dict:
+    from ase import units
+    from ase.md.verlet import VelocityVerlet
+
+    from cgforge.plugin import run_nve_batch
+
+    loop = systems[:args.loop_md]
+    sync(device)
+    start = time.perf_counter()
+    for atoms in loop:
+        atoms = atoms.copy()
+        atoms.calc = calc
+        VelocityVerlet(atoms, timestep=0.5 * units.fs).run(args.md_steps)
+    sync(device)
+    rows = {"md-loop-nve": rate(time.perf_counter() - start, loop, args.md_steps * sum(len(a) for a in loop))}
+    start = time.perf_counter()
+    for first in range(0, len(systems), args.batch_size):
+        run_nve_batch(calc, systems[first:first + args.batch_size], timestep_fs=0.5, steps=args.md_steps)
+    sync(device)
+    rows["md-batch-nve"] = rate(time.perf_counter() - start, systems, args.md_steps * sum(len(a) for a in systems))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=("bundled", "mace-mp-medium"),
@@ -190,11 +216,14 @@ def main() -> None:
     parser.add_argument("--loop-relax", type=int, default=32, help="structures the ASE FIRE loop relaxes")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--fmax", type=float, default=0.05)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most")
+    parser.add_argument("--md-steps", type=int, default=200, help="NVE steps of the MD rows (0: no MD rows)")
+    parser.add_argument("--loop-md", type=int, default=8, help="structures the velocity-Verlet loop runs")
     args = parser.parse_args()
     for flag, value, least in (("--structures", args.structures, 1), ("--relax-structures", args.relax_structures, 0),
                                ("--loop-relax", args.loop_relax, 0), ("--batch-size", args.batch_size, 1),
-                               ("--steps", args.steps, 0)):
+                               ("--steps", args.steps, 0), ("--md-steps", args.md_steps, 0),
+                               ("--loop-md", args.loop_md, 0)):
         if value < least:
             parser.error(f"{flag}: expected an integer >= {least}, got {value}")
     if not args.fmax > 0:
@@ -215,6 +244,8 @@ def main() -> None:
             rows = {"eval-loop": eval_loop(calc, systems, args.device),
                     "eval-batch": eval_batch(calc, systems, args.batch_size, args.device)}
             rows.update(relax_rows(calc, rattled, args, args.device))
+            if args.md_steps:
+                rows.update(md_rows(calc, systems, args, args.device))
             rows["eval-mace-cueq"] = mace_cueq(file, systems, args.device, args.dtype)
             raw = torch.load(file, map_location=args.device, weights_only=False).to(dtype)
             rows["eval-torchsim"] = torchsim_eval(raw, systems, args.device, dtype)
