@@ -16,8 +16,9 @@ with one strain eps_b per structure (``step_graph.graph_derivatives`` with ``str
 The search is one non-periodic cell-list search (``neighbours.neighbour_list``, the CUDA kernels on a GPU)
 over every structure's atoms wrapped into its cell plus their periodic images near the cell, each structure
 moved to its own place in space, far enough from the others that no pair joins two. The list is kept at
-cutoff + skin and rebuilt when an atom moved more than skin/2 or the batch changed (``BatchNeighbours``);
-every call cuts it to the cutoff, as the single-structure step does.
+cutoff + skin per structure, which is searched again only when it is new, its cell changed or one of its atoms
+moved more than skin/2 (``BatchNeighbours``); every call cuts the list to the cutoff, as the single-structure
+step does.
 
 A bad structure raises ``BatchStructureError`` naming its index (``index``): no atoms, NaN or inf in its
 positions or cell, an element the model does not know, a singular periodic cell, two atoms closer than
