@@ -201,6 +201,11 @@ class _Queue:
             yield self.waiting.popleft()
 
 
+def _refused(index: int, atoms: object, err: BatchStructureError) -> Relaxed:
+    """A structure that failed before it entered the batch: a copy of it (an empty Atoms for what is none)."""
+    return Relaxed(index, "failed", 0, atoms.copy() if isinstance(atoms, Atoms) else Atoms(), error=err.reason)
+
+
 def _copy(index: int, atoms: object) -> Atoms:
     """A copy to relax, without calculator; what cannot be one raises ``BatchStructureError``."""
     structures_of([atoms])  # not an Atoms, constraints: named by the caller's index below
@@ -222,7 +227,7 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
             try:
                 slot = _admit(step, index, atoms)
             except BatchStructureError as err:
-                yield Relaxed(index, "failed", 0, atoms if isinstance(atoms, Atoms) else Atoms(), error=err.reason)
+                yield _refused(index, atoms, err)
                 continue
             active.append(slot)
             x = torch.cat([x, torch.as_tensor(slot.atoms.positions, dtype=torch.float64, device=device)])
@@ -314,7 +319,7 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
             try:
                 copy = _copy(index, atoms)
             except BatchStructureError as err:
-                yield Relaxed(index, "failed", 0, atoms if isinstance(atoms, Atoms) else Atoms(), error=err.reason)
+                yield _refused(index, atoms, err)
                 continue
             slot = _Slot(index, copy, optimizable=FrechetCellFilter(copy) if copy.pbc.all() else copy,
                          state=FireState(torch.device("cpu")))

@@ -58,9 +58,11 @@ def test_a_bad_structure_fails_alone_and_the_others_go_on(mace_calc) -> None:
     bad = molecule("H2O")
     bad.positions[2] = bad.positions[1] + 0.05
     unknown = molecule("CH4")
-    inputs = [molecule("H2"), bad, unknown, molecule("H2")]
+    inputs = [molecule("H2"), bad, unknown, molecule("H2"), "not a structure"]
     done = {d.index: d for d in relax_batch(mace_calc, inputs, fmax=0.5, steps=3, batch_size=3)}
-    assert sorted(done) == [0, 1, 2, 3]
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    assert done[4].status == "failed" and "expected an ase.Atoms, got str" in done[4].error
+    assert done[2].atoms is not unknown  # a copy: the input stays the caller's
     assert done[1].status == "failed" and "overlapping atoms" in done[1].error
     assert done[2].status == "failed" and "C" in done[2].error
     assert done[0].status != "failed" and done[3].status != "failed"
