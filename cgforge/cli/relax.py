@@ -115,6 +115,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}: expected an integer >= {least}, got {value}")
     if not args.fmax > 0:
         raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
+    if args.max_atoms is not None and args.max_atoms < 1:
+        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
+    if not 0 <= args.min_distance < float("inf"):
+        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
     source, out = output_path(args)
     structures = read_structures(source)
     if not structures:

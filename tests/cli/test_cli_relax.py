@@ -82,3 +82,6 @@ def test_relax_checks_its_files_before_the_model_loads(tmp_path, capsys) -> None
     (tmp_path / "a.traj").write_text("")
     assert main(["relax", str(tmp_path / "a.traj")]) == EXIT_ERROR
     assert "extended XYZ (.xyz, .extxyz) or an ASE database (.db)" in capsys.readouterr().err
+    for flag, value in (("--max-atoms", "0"), ("--min-distance", "-1"), ("--fmax", "nan"), ("--batch-size", "0")):
+        assert main(["relax", str(tmp_path / "a.traj"), flag, value]) == EXIT_ERROR
+        assert flag in capsys.readouterr().err
