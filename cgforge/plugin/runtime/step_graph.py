@@ -49,7 +49,7 @@ from .edge_layout import (
     layout_within,
     pad_offset_vector,
 )
-from .edge_vectors import edge_differences, rows_times
+from .edge_vectors import edge_differences, row_sums, rows_times
 from .neighbours import VerletNeighbourList, edges_within
 
 __all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
@@ -136,8 +136,8 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
             if weights is not None:
                 energy = (energies.reshape(-1) * weights).sum()
         total = energy.detach().reshape(())
-        if structure is not None:  # per structure: a sum over its atoms (index_add: in order on a CPU)
-            total = energies.detach().new_zeros(cell.shape[0]).index_add_(0, structure, energies.detach().reshape(-1))
+        if structure is not None:
+            total = _per_structure(energies.detach().reshape(-1), structure, cell.shape[0])
         out = StepOutput(energy=total, forces=None, virial=None, energies=None,
                          count=layout.count.reshape(()).to(torch.int64))
         if grad:
@@ -151,6 +151,15 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
         if per_atom:
             out.energies = energies.detach().reshape(-1)
     return out
+
+
+def _per_structure(values: Tensor, structure: Tensor, count: int) -> Tensor:
+    """[B] sums of per-atom ``values`` over each structure's atoms (``structure`` ascending), in a fixed order:
+    the segment-sum kernel on CUDA (FP64 accumulation, no atomics), index_add (sequential) elsewhere."""
+    if values.is_cuda:
+        rowptr = torch.searchsorted(structure, torch.arange(count + 1, device=structure.device))
+        return row_sums(values.unsqueeze(1), rowptr).squeeze(1)
+    return values.new_zeros(count).index_add_(0, structure, values)
 
 
 def _times(rows: Tensor, matrix: Tensor, index: Tensor | None) -> Tensor:
