@@ -52,6 +52,8 @@ BAD_FLAGS = [
     ("investigations/rebuild_cost.py", ["--models", "mace-huge"], "mace-huge"),
     ("investigations/rebuild_cost.py", ["--hide", "2,x"], "--hide"),
     ("investigations/rebuild_cost.py", ["--hide", "0"], "--hide"),
+    ("bench_batch.py", ["--batch-size", "0"], "--batch-size"),
+    ("bench_batch.py", ["--models", "mace-huge"], "mace-huge"),
 ]
 
 

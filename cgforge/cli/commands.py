@@ -106,6 +106,12 @@ def cmd_md(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_relax(args: argparse.Namespace) -> int:
+    from .relax import run_from_args
+
+    return run_from_args(args)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import main as doctor_main
 
@@ -186,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
     add_md_arguments(p)
     p.set_defaults(func=cmd_md)
+
+    from .relax import add_relax_arguments
+
+    p = sub.add_parser("relax", help="relax every structure of an extended XYZ file or ASE database with batched "
+                       "FIRE (many structures in one model call); writes a new file of the same format with "
+                       "energies, forces and a per-structure status",
+                       epilog=f"exit codes: {EXIT_OK} at least one structure relaxed (bad ones are skipped, named "
+                              f"and kept in OUT as failed), {EXIT_ERROR} none could be, or bad input, {EXIT_USAGE} "
+                              "usage")
+    add_relax_arguments(p)
+    p.set_defaults(func=cmd_relax)
 
     p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
     p.set_defaults(func=cmd_doctor)

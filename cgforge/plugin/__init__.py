@@ -14,6 +14,11 @@ from typing import Any
 
 _EXPORTS = {
     "Calculator": "calculator",
+    "evaluate_batch": "batch",
+    "BatchStructureError": "batch",
+    "relax_batch": "relax",
+    "run_nve_batch": "batch_md",
+    "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",
     "water_box": "water",

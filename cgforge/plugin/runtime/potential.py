@@ -5,6 +5,7 @@
     system = potential.system(numbers, positions, cell, pbc)  # once per system (species, atom order)
     out = potential.evaluate(positions, cell, pbc, system, forces=True, stress=True)
     out.energy, out.forces, out.virial, out.energies
+    outs = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...])  # one graph (runtime.batch)
 
 A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``: edge layout, model,
 backward, captured in a CUDA graph on CUDA), the memory and row plans, the atom order, the compile mode and
@@ -23,7 +24,7 @@ import difflib
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,8 @@ from .tiled import Workspace, check_workspace
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
+
+    from .batch import BatchStep, BatchStructure
 
 __all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
 
@@ -275,6 +278,7 @@ class Potential:
                               compile_backend=options.compile_backend)
         self._cuda_graph_requested = cuda_graph
         self.timings: Timings | None = None
+        self._batch_step = None  # made by the first evaluate_batch
         if warmup:
             self.warm_up()
 
@@ -333,6 +337,28 @@ class Potential:
         if per_atom:
             out.energies = host[at:at + n].copy()
         return out
+
+    def evaluate_batch(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
+                       per_atom: bool = False, min_distance: float | None = 0.5,
+                       keys: Sequence[Hashable] | None = None) -> list[Evaluation]:
+        """``evaluate`` of many structures in one graph and one model call (``runtime.batch``): one ``Evaluation``
+        per structure, in the order given, each what ``evaluate`` gives for it alone (to rounding). A bad
+        structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
+        included; None: no such check). ``keys``: names of the structures that stay the same from call to call
+        (``BatchStep.evaluate``; None: their places in the batch)."""
+        step = self.batch_step(min_distance)
+        return [Evaluation(*result) for result in
+                step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
+
+    def batch_step(self, min_distance: float | None = 0.5) -> BatchStep:
+        """The potential's ``runtime.batch.BatchStep`` (made at the first call; its Verlet lists are kept from
+        call to call), checking distances against ``min_distance`` from now on."""
+        from .batch import BatchStep
+
+        if self._batch_step is None:
+            self._batch_step = BatchStep(self.adapter, self.neighbours.skin)
+        self._batch_step.min_distance = min_distance
+        return self._batch_step
 
     def _evaluate_whole(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, species: Tensor, forces: bool,
                         stress: bool, per_atom: bool) -> np.ndarray:

@@ -49,7 +49,7 @@ from .edge_layout import (
     layout_within,
     pad_offset_vector,
 )
-from .edge_vectors import edge_differences, rows_times
+from .edge_vectors import edge_differences, row_sums, rows_times
 from .neighbours import VerletNeighbourList, edges_within
 
 __all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
@@ -69,7 +69,8 @@ def _no_phase(name: str) -> AbstractContextManager:
 class StepOutput:
     """One step's results as device tensors (``ModelStep.compute`` / ``evaluate``).
 
-    energy []; forces [N, 3] (None without forces); virial [3, 3] = sym(dE/d strain) (None without stress);
+    energy [] ([B] for a batch of B structures); forces [N, 3] (None without forces); virial [3, 3] ([B, 3, 3])
+    = sym(dE/d strain) (None without stress);
     energies [N] (None without per_atom); count [] int64: the edges laid out within the cutoff (compare with
     ``ModelStep.capacity`` when padded: a larger count means the layout overflowed and the step is invalid).
     """
@@ -88,7 +89,7 @@ EnergyFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]
 def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, num_nodes: int, pos: Tensor,
                       cell: Tensor, energy_fn: EnergyFn, key: tuple[bool, bool, bool], phase: Phase = _no_phase, *,
                       groups: SpeciesGroups | None = None, serve_pinned: bool = False,
-                      weights: Tensor | None = None) -> StepOutput:
+                      weights: Tensor | None = None, structure: Tensor | None = None) -> StepOutput:
     """The energy of one laid-out graph and its derivatives (capture-safe: no host reads).
 
     ``energy_fn(positions, vectors, edge_index, per_atom)`` is the model's energy (the adapter's, or compiled);
@@ -96,7 +97,9 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
     offset), strained by (I + strain) for the stress; forces = -dE/dpos through CSR row sums
     (``edge_vectors``), virial = sym(dE/d strain). ``weights`` [N]: differentiate sum_i weights_i e_i of the
     per-atom energies instead of the total (a tile's own atoms among its halo: ``runtime.tiled``); ``energy``
-    is then that weighted sum."""
+    is then that weighted sum. ``structure`` [N] int64: a batch of independent structures (``runtime.batch``),
+    atom i in structure ``structure[i]``, each with its own cell (``cell`` [B, 3, 3]) and strain; ``energy`` and
+    ``virial`` are then per structure ([B], [B, 3, 3])."""
     grad, stress, per_atom = key
     with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
         edge_index = adapter.edge_index(layout.sender, layout.receiver)
@@ -107,25 +110,35 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
                 cache.pin(src, dst, graph)
     with torch.set_grad_enabled(grad):
         pos = pos.detach().requires_grad_(grad)
+        edge_structure = None if structure is None else structure.index_select(0, layout.receiver)
         with record_function("cgforge.edge_vectors"):  # the forces come back through CSR row sums
             vectors = (edge_differences(pos, layout.sender, layout.receiver, layout.graph)
-                       + layout.unit_shifts @ cell + layout.pad_offset)
+                       + _times(layout.unit_shifts, cell, edge_structure) + layout.pad_offset)
         strain = None
         positions = pos
         if stress:
-            # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial.
-            strain = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=True)
+            # E(pos (I + eps), cell (I + eps)): every vector is strained alike; dE/d eps is the virial. In a batch
+            # each structure has its own eps, so dE/d eps_b is structure b's virial.
+            shape = (3, 3) if structure is None else (cell.shape[0], 3, 3)
+            strain = torch.zeros(shape, dtype=pos.dtype, device=pos.device, requires_grad=True)
             deform = torch.eye(3, dtype=pos.dtype, device=pos.device) + strain
-            vectors, positions = rows_times(vectors, deform), rows_times(pos, deform)
+            if structure is None:
+                vectors, positions = rows_times(vectors, deform), rows_times(pos, deform)
+            else:
+                vectors, positions = _times(vectors, deform, edge_structure), _times(pos, deform, structure)
         with phase("forward"), record_function("cgforge.model_forward"), ExitStack() as grouped:
             for cache in caches:
                 grouped.enter_context(cache.use_species(groups))
                 if serve_pinned:
                     grouped.enter_context(cache.serve_pinned())
-            energy, energies = energy_fn(positions, vectors, edge_index, per_atom or weights is not None)
+            energy, energies = energy_fn(positions, vectors, edge_index,
+                                         per_atom or weights is not None or structure is not None)
             if weights is not None:
                 energy = (energies.reshape(-1) * weights).sum()
-        out = StepOutput(energy=energy.detach().reshape(()), forces=None, virial=None, energies=None,
+        total = energy.detach().reshape(())
+        if structure is not None:
+            total = _per_structure(energies.detach().reshape(-1), structure, cell.shape[0])
+        out = StepOutput(energy=total, forces=None, virial=None, energies=None,
                          count=layout.count.reshape(()).to(torch.int64))
         if grad:
             with phase("backward"), record_function("cgforge.backward"):
@@ -134,10 +147,26 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
             out.forces = -(grads[0] if grads[0] is not None else torch.zeros_like(pos))
             if strain is not None:
                 virial = grads[1] if grads[1] is not None else torch.zeros_like(strain)
-                out.virial = 0.5 * (virial + virial.T)
+                out.virial = 0.5 * (virial + virial.transpose(-1, -2))
         if per_atom:
             out.energies = energies.detach().reshape(-1)
     return out
+
+
+def _per_structure(values: Tensor, structure: Tensor, count: int) -> Tensor:
+    """[B] sums of per-atom ``values`` over each structure's atoms (``structure`` ascending), in a fixed order:
+    the segment-sum kernel on CUDA (FP64 accumulation, no atomics), index_add (sequential) elsewhere."""
+    if values.is_cuda:
+        rowptr = torch.searchsorted(structure, torch.arange(count + 1, device=structure.device))
+        return row_sums(values.unsqueeze(1), rowptr).squeeze(1)
+    return values.new_zeros(count).index_add_(0, structure, values)
+
+
+def _times(rows: Tensor, matrix: Tensor, index: Tensor | None) -> Tensor:
+    """rows @ matrix ([M, 3] x [3, 3]), or with ``index`` each row times its own matrix[index] ([B, 3, 3])."""
+    if index is None:
+        return rows @ matrix
+    return (rows.unsqueeze(1) @ matrix.index_select(0, index)).squeeze(1)
 
 
 class ModelStep:

@@ -1,0 +1,155 @@
+"""``cgforge relax IN``: relax every structure of a file in batches (``plugin.relax.relax_batch``).
+
+IN is an extended XYZ file (.xyz, .extxyz: every frame) or an ASE database (.db: every row). OUT (default:
+IN's name with ``.relaxed`` before the suffix) is a new file of the same format, never IN, written as each
+structure finishes (so in the order they finish): the relaxed structure with its energy, forces (stress for a
+3-D cell), and ``relax_index`` (its frame or row in IN, from 0), ``relax_status`` (converged, unconverged,
+failed), ``relax_steps``, ``relax_fmax``, and for a failed one ``relax_error`` and its input positions. A bad
+structure (unknown element, NaN, overlapping atoms, no atoms) gets one line on stderr naming its index and is
+skipped; nothing else is lost. Exit 0 when at least one structure was relaxed (converged or not), 1 when none
+could be (every one failed, or IN unreadable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ase import Atoms
+
+XYZ = (".xyz", ".extxyz")
+DB = (".db",)
+
+
+def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", metavar="IN", help="structures to relax: extended XYZ (.xyz, .extxyz) or an ASE "
+                        "database (.db); never modified")
+    parser.add_argument("-o", "--output", metavar="OUT", default=None,
+                        help="new file of the same format (default: IN with .relaxed before the suffix)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never IN)")
+    parser.add_argument("--model", default="mace",
+                        help="'mace' or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip file")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                        help="model precision (default: the model's)")
+    parser.add_argument("--fmax", type=float, default=0.05, help="converged when the largest atomic force is below "
+                        "this, eV/Å (default 0.05)")
+    parser.add_argument("--steps", type=int, default=1000, help="FIRE steps per structure at most (default 1000)")
+    parser.add_argument("--batch-size", type=int, default=64, help="structures relaxed together (default 64)")
+    parser.add_argument("--max-atoms", type=int, default=None,
+                        help="atoms in the batch at most (default: no limit beyond --batch-size)")
+    parser.add_argument("--cell", action="store_true", help="relax the cells of structures periodic in 3-D too "
+                        "(ASE's FrechetCellFilter on each); others relax their positions only")
+    parser.add_argument("--min-distance", type=float, default=0.5,
+                        help="two atoms closer than this (Å) make a structure bad: skipped (default 0.5)")
+
+
+def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(IN, OUT) checked before the model loads: IN exists with a known suffix, OUT is new (or --force), of
+    IN's format, and not IN."""
+    from cgforge.plugin.md.files import check_distinct, check_new_path
+
+    source = Path(args.input)
+    suffix = source.suffix.lower()
+    if suffix not in XYZ + DB:
+        raise ValueError(f"IN: {source} must be extended XYZ (.xyz, .extxyz) or an ASE database (.db)")
+    if not source.is_file():
+        raise FileNotFoundError(f"IN: {source} not found")
+    out = Path(args.output) if args.output else source.with_name(f"{source.stem}.relaxed{source.suffix}")
+    formats = XYZ if suffix in XYZ else DB
+    out = check_new_path(out, force=args.force, what="OUT", suffixes=formats)
+    check_distinct({"OUT": out}, {"IN": source})
+    return source, out
+
+
+def read_structures(source: Path) -> list[Atoms]:
+    """Every frame (row) of IN; an unreadable file is one error naming it."""
+    try:
+        if source.suffix.lower() in DB:
+            from ase.db import connect
+
+            return [row.toatoms() for row in connect(source).select()]
+        from ase.io import read
+
+        frames = read(source, index=":", format="extxyz")
+    except Exception as err:  # ase.io and ase.db raise a different type per problem; all mean "cannot read"
+        raise ValueError(f"IN: {source}: cannot read it: {type(err).__name__}: {err}") from None
+    return list(frames)
+
+
+class _Writer:
+    """Appends each finished structure to OUT (created at the first one)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.db = None
+        if path.suffix.lower() in DB:
+            from ase.db import connect
+
+            path.unlink(missing_ok=True)  # --force: a new database, not rows added to the old one
+            self.db = connect(path)
+        else:
+            path.write_text("")
+
+    def write(self, atoms: Atoms, info: dict) -> None:
+        if self.db is not None:
+            self.db.write(atoms, **{k: v for k, v in info.items() if v is not None})
+            return
+        from ase.io import write
+
+        atoms.info.update({k: v for k, v in info.items() if v is not None})
+        write(self.path, atoms, format="extxyz", append=True)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
+    from cgforge.plugin import Calculator
+    from cgforge.plugin.relax import relax_batch
+
+    from .md import model_banner
+
+    for name, value, least in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1)):
+        if value < least:
+            raise ValueError(f"{name}: expected an integer >= {least}, got {value}")
+    if not args.fmax > 0:
+        raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
+    if args.max_atoms is not None and args.max_atoms < 1:
+        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
+    if not 0 <= args.min_distance < float("inf"):
+        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
+    source, out = output_path(args)
+    structures = read_structures(source)
+    if not structures:
+        raise ValueError(f"IN: {source} holds no structures")
+    start = time.perf_counter()
+    calc = Calculator(args.model, device=args.device, dtype=args.dtype)
+    print(f"cgforge relax: {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
+    what = "positions and cells" if args.cell else "positions"
+    print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE on {what} to fmax "
+          f"{args.fmax:g} eV/Å, at most {args.steps} steps, {args.batch_size} at a time)", flush=True)
+    writer = _Writer(out)
+    counts = {"converged": 0, "unconverged": 0, "failed": 0}
+    start = time.perf_counter()
+    every = max(1, len(structures) // 10)
+    for done in relax_batch(calc, structures, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size,
+                            max_atoms=args.max_atoms, min_distance=args.min_distance, cell_filter=args.cell):
+        counts[done.status] += 1
+        info = {"relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
+                "relax_fmax": done.fmax, "relax_error": done.error}
+        atoms = done.atoms if isinstance(done.atoms, Atoms) else Atoms()
+        writer.write(atoms, info)
+        if done.status == "failed":
+            print(f"cgforge relax: structure {done.index} skipped: {done.error}", file=sys.stderr, flush=True)
+        finished = sum(counts.values())
+        if finished % every == 0 or finished == len(structures):
+            seconds = time.perf_counter() - start
+            print(f"cgforge relax: {finished}/{len(structures)} done ({counts['converged']} converged, "
+                  f"{counts['unconverged']} unconverged, {counts['failed']} failed), {seconds:.1f} s, "
+                  f"{finished / max(seconds, 1e-9):.2f} structures/s", flush=True)
+    print(f"cgforge relax: wrote {sum(counts.values())} structures to {out}", flush=True)
+    if counts["failed"] == len(structures):
+        print(f"cgforge relax: error: none of the {len(structures)} structures could be relaxed", file=sys.stderr)
+        return 1
+    return 0
