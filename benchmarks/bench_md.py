@@ -11,9 +11,7 @@ neighbour-list rebuilds) and asks the calculator through ASE. The neighbour-list
 
 Systems: 1k, 5k, 20k, 50k, 100k, 200k, 500k, 1m (water boxes of 7^3 ... 70^3 molecules; --nvt-only for
 capacity runs of the large ones), dhfr (23,558 atoms; file from
-$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz). A water system name
-with ``-morton`` (``1m-morton``) is the same box with its molecules in Z-curve order (``morton_sorted``): the
-memory-locality experiment of issue 18.
+$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
 32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (models/).
 Backends, what a user chooses between: cgforge (our Calculator as it comes: the patched model, on CUDA a CUDA-graph
@@ -61,8 +59,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    add_backward_range_flag,
-    apply_backward_range,
     device_spans,
     device_timeline,
     environment,
@@ -106,36 +102,18 @@ _FLOORS: dict[tuple[str, int], float | None] = {}  # (model, atoms) -> floor ms:
 # Systems and models
 
 
-def morton_sorted(atoms, group: int = 3, bits: int = 10):
-    """The same box with its molecules (`group` consecutive atoms: O, H, H) in Morton (Z-curve) order of their
-    first atom's wrapped position: receivers the kernels run side by side then have their senders close in
-    memory (a locality experiment; the calculator keeps the order it is given)."""
-    frac = atoms.cell.scaled_positions(atoms.positions[::group]) % 1.0
-    cells = np.minimum((frac * (1 << bits)).astype(np.int64), (1 << bits) - 1)
-    key = np.zeros(len(cells), dtype=np.int64)
-    for bit in range(bits):
-        for axis in range(3):
-            key |= ((cells[:, axis] >> bit) & 1) << (3 * bit + axis)
-    molecules = np.argsort(key, kind="stable")
-    return atoms[(molecules[:, None] * group + np.arange(group)).ravel()]
-
-
 def check_system(name: str) -> None:
     """Exit naming `name` unless it is a system this script builds (before any model is made)."""
-    water = name.removesuffix("-morton")
-    if not (water in WATER or water.isdigit() or name == "dhfr"):
-        sys.exit(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count, "
-                 "a water system optionally with -morton")
+    if not (name in WATER or name.isdigit() or name == "dhfr"):
+        sys.exit(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count")
 
 
 def system(name: str):
     check_system(name)
-    water = name.removesuffix("-morton")
     if name == "dhfr":
         return dhfr_atoms()
     # a named box, or that many molecules (small ones for a CPU smoke run)
-    box = water_box(n_side=WATER[water]) if water in WATER else water_box(int(water))
-    return morton_sorted(box) if name.endswith("-morton") else box
+    return water_box(n_side=WATER[name]) if name in WATER else water_box(int(name))
 
 
 def nequip_model(shape: str, dtype: str, modifier: str | None = None) -> torch.nn.Module:
@@ -682,9 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
                         help="the cgforge backends' kernel tuning, as `cgforge md --kernel-tuning` reads it "
                              "(e.g. {\"harmonics\": true}); default: the defaults")
-    add_backward_range_flag(parser)
     args = parser.parse_args(argv)
-    apply_backward_range(args)
     MD.update(steps=args.md_steps, warmup=args.md_warmup, ensembles=tuple(args.ensembles.split(",")),
               fastmace_ensembles=tuple((args.fastmace_ensembles or args.ensembles).split(",")))
     for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):
