@@ -29,8 +29,7 @@ Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword
 ``filter_edges=false``, ...), ``--engine KEY=VALUE`` one to every Engine (``fuse_integrator=true``), and
 ``--kernel-tuning FILE.json`` the kernels' ``KernelTuning``; the JSON records them. Changes that are not options
 are turned off by ``investigations/without.py`` (``without.py NAME benchmarks/bench_md.py ...``).
---md-steps / --md-warmup / --ensembles
-set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
+--md-steps / --md-warmup / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
 device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``) and the kernels
