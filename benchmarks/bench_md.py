@@ -11,46 +11,29 @@ neighbour-list rebuilds) and asks the calculator through ASE. The neighbour-list
 
 Systems: 1k, 5k, 20k, 50k, 100k, 200k, 500k, 1m (water boxes of 7^3 ... 70^3 molecules; --nvt-only for
 capacity runs of the large ones), dhfr (23,558 atoms; file from
-$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz). A water system name
-with ``-morton`` (``1m-morton``) is the same box with its molecules in Z-curve order (``morton_sorted``): the
-memory-locality experiment of issue 18.
+$CGFORGE_DHFR, else .device/base/dhfr.xyz, else ../shared/data/dhfr_jac_23558.tinker.xyz).
 Models: mace-mp-medium (MACE-MP-medium shape, 89 elements, random weights, r 6 Å), nequip-l1 (l_max 1,
 32 features, 4 layers, r 5 Å), nequip-M (preset M shape), bundled-mace, bundled-nequip (cgforge/models/).
-Backends: cgforge (our calculator, patched model: on CUDA the step is a CUDA-graph replay, edges cut to the
-cutoff on the device), cgforge-eager (the same without the CUDA graph), cgforge-verlet (captured, the whole
-Verlet list fed to the model: no per-step cut, skin edges included), cgforge-e3nn-sc (captured, the
-self-connections through e3nn's outer product rather than one linear map per species), cgforge-sorted
-(captured, the edge layout's transpose sorted every step rather than taken from reverse edges), cgforge-3xtf32 and
-cgforge-tf32 (captured, radial MLPs in that mode when the calculator's force check keeps it: the row records
-the mode in use and the force change), cgforge-unpatched (our calculator, the
-model's own e3nn kernels), cgforge-streaming (radial MLP inside the convolution per chunk of edges: no
-per-edge weight tensors; eager steps), cgforge-streaming-3xtf32 (the same, radial MLPs in 3xTF32),
-cgforge-compiled (captured, the model's forward and backward compiled by torch.compile: ``Calculator(compile=True)``;
-its first call, compilation included, is ``first_call_s``), cgforge-mlp (captured, the radial MLPs run rather
-than read from tables of the edge length: ``radial_table=False``; the cgforge rows use the calculator's default,
-tables on for FP32 MACE and NequIP on CUDA), cgforge-stored (captured, ``streaming=False``: never the streaming
-path, which the default turns on when its estimate of the stored path's memory exceeds the free memory),
-cgforge-stored-eager (the same, not captured: a CUDA graph's memory pool needs room of its own),
-cgforge-user-order (the default calculator with the atoms in the order given, never the spatial order
-``plugin.atom_order`` picks for large systems), e3nn, cueq, oeq, hybrid (the peers' calculators with
-their kernels; cueq/oeq/hybrid
-when importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
+Backends, what a user chooses between: cgforge (our Calculator as it comes: the patched model, on CUDA a CUDA-graph
+replay with the edges cut to the cutoff on the device), cgforge-compiled (``Calculator(compile=True)``: the model's
+forward and backward compiled by torch.compile; its first call, compilation included, is ``first_call_s``), e3nn,
+cueq, oeq (the peers' calculators with their kernels: MACECalculator / NequIPCalculator, cueq and oeq when
+importable). Whole MD steps (integrator included, on a box relaxed by 50 FIRE steps of the bundled model,
 Maxwell-Boltzmann momenta at 300 K, 0.5 fs): cgforge-engine (``cgforge.plugin.md.engine.Engine``: integrator and
 model step on the device, CUDA graph, NVT = ASE's Langevin scheme, NPT = CSVR + stochastic cell rescaling),
 cgforge-engine-compiled (the same with ``Calculator(compile=True)``; compilation is in ``<ensemble>_first_step_s``),
-cgforge-engine-mlp and cgforge-engine-compiled-mlp (the same two with the radial MLPs instead of tables),
-cgforge-engine-compiled-unfused (tables evaluated into [E, weight_numel] weights before the convolutions rather than
-read inside them: ``patches.<family>.radial_table.set_table_fusion(model, False)``), cgforge-engine-fused (the model
-not compiled, the integrator's and the commit rule's arithmetic compiled: ``Engine(fuse_integrator=True)``; its
-compilation is in ``<ensemble>_first_step_s``), cgforge-engine-verlet (the model fed the whole Verlet list, cutoff +
-skin, with no per-step cut to the cutoff: ``Calculator(filter_edges=False)``),
-cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE 1.0 in a process of its own,
-``fastmace_md.py``: MACE models, FP32; its setup time is reported apart). --md-steps / --md-warmup / --ensembles
-set those runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
+cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMACE in a process of its own,
+``fastmace_md.py``: MACE models, FP32; its setup time is reported apart).
+Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword to every cgforge Calculator
+(``radial_table=false``, ``cuda_graph=false``, ``streaming=true``, ``radial_precision=3xtf32``, ``patch=false``,
+``filter_edges=false``, ...), ``--engine KEY=VALUE`` one to every Engine (``fuse_integrator=true``), and
+``--kernel-tuning FILE.json`` the kernels' ``KernelTuning``; the JSON records them. Changes that are not options
+are turned off by ``investigations/without.py`` (``without.py NAME benchmarks/bench_md.py ...``).
+--md-steps / --md-warmup / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
-device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``, kernel_gaps.py's
-measure) and the kernels per step (``<ensemble>_device`` in the JSON).
+device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``) and the kernels
+per step (``<ensemble>_device`` in the JSON).
 Beside each FP32 row of a water system and a model ``step_floor.py`` knows (not nequip-l1), the table prints
 that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the H100
 SXM's DRAM bandwidth, L2 bandwidth (step_floor.py's estimate) and FP32 peak, counted on the CPU once per model and
@@ -75,8 +58,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    add_backward_range_flag,
-    apply_backward_range,
     device_spans,
     device_timeline,
     environment,
@@ -87,40 +68,21 @@ from shapes import dhfr_atoms, mace_mp_file, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
-from cgforge.plugin.runtime.options import RuntimeOptions  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself, not a measurement
 WATER = {"1k": 7, "5k": 12, "20k": 19, "50k": 26, "100k": 32, "200k": 41, "500k": 55, "1m": 70}
 MODELS = ("mace-mp-medium", "nequip-l1", "nequip-M", "bundled-mace", "bundled-nequip")
-BACKENDS = ("cgforge", "cgforge-eager", "cgforge-verlet", "cgforge-e3nn-sc", "cgforge-sorted", "cgforge-3xtf32",
-            "cgforge-tf32", "cgforge-unpatched", "cgforge-streaming", "cgforge-streaming-3xtf32", "cgforge-compiled",
-            "e3nn", "cueq", "oeq", "hybrid", "cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace",
-            "cgforge-mlp", "cgforge-engine-mlp", "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused",
-            "cgforge-engine-fused", "cgforge-engine-verlet",
-            "cgforge-stored", "cgforge-stored-eager", "cgforge-user-order")
-MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace", "cgforge-engine-mlp",
-               "cgforge-engine-compiled-mlp", "cgforge-engine-compiled-unfused", "cgforge-engine-fused",
-               "cgforge-engine-verlet")  # whole MD steps
-ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True},
-                   "cgforge-engine-mlp": {"radial_table": False},
-                   "cgforge-engine-compiled-mlp": {"compile": True, "radial_table": False},
-                   "cgforge-engine-compiled-unfused": {"compile": True, "table_fusion": False},
-                   "cgforge-engine-fused": {"fuse_integrator": True},
-                   "cgforge-engine-verlet": {"filter_edges": False}}
+BACKENDS = ("cgforge", "cgforge-compiled", "e3nn", "cueq", "oeq", "cgforge-engine", "cgforge-engine-compiled",
+            "cgforge-ase", "fastmace")
+MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")  # whole MD steps
+ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True}}
 MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
-CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-eager": {"cuda_graph": False}, "cgforge-verlet": {"filter_edges": False},
-                   "cgforge-e3nn-sc": {"warmup": False}, "cgforge-sorted": {"warmup": False},
-                   "cgforge-3xtf32": {"radial_precision": "3xtf32"},
-                   "cgforge-tf32": {"radial_precision": "tf32"}, "cgforge-unpatched": {"patch": False},
-                   "cgforge-streaming": {"streaming": True},
-                   "cgforge-streaming-3xtf32": {"streaming": True, "radial_precision": "3xtf32"},
-                   "cgforge-compiled": {"compile": True}, "cgforge-mlp": {"radial_table": False},
-                   "cgforge-stored": {"streaming": False},
-                   "cgforge-stored-eager": {"streaming": False, "cuda_graph": False},
-                   "cgforge-user-order": {"options": RuntimeOptions(order_above_atoms=None)}}
+CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-compiled": {"compile": True}}
+CALCULATOR: dict = {}  # --calculator KEY=VALUE: keywords of every cgforge Calculator (ablations)
+ENGINE: dict = {}  # --engine KEY=VALUE: keywords of every Engine
 SKIN = 1.0
 DEVICE_STEPS = 40  # engine steps profiled after the timed ones, for the device's idle time and kernels per step
 PROFILE = False
@@ -139,36 +101,18 @@ _FLOORS: dict[tuple[str, int], float | None] = {}  # (model, atoms) -> floor ms:
 # Systems and models
 
 
-def morton_sorted(atoms, group: int = 3, bits: int = 10):
-    """The same box with its molecules (`group` consecutive atoms: O, H, H) in Morton (Z-curve) order of their
-    first atom's wrapped position: receivers the kernels run side by side then have their senders close in
-    memory (a locality experiment; the calculator keeps the order it is given)."""
-    frac = atoms.cell.scaled_positions(atoms.positions[::group]) % 1.0
-    cells = np.minimum((frac * (1 << bits)).astype(np.int64), (1 << bits) - 1)
-    key = np.zeros(len(cells), dtype=np.int64)
-    for bit in range(bits):
-        for axis in range(3):
-            key |= ((cells[:, axis] >> bit) & 1) << (3 * bit + axis)
-    molecules = np.argsort(key, kind="stable")
-    return atoms[(molecules[:, None] * group + np.arange(group)).ravel()]
-
-
 def check_system(name: str) -> None:
     """Exit naming `name` unless it is a system this script builds (before any model is made)."""
-    water = name.removesuffix("-morton")
-    if not (water in WATER or water.isdigit() or name == "dhfr"):
-        sys.exit(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count, "
-                 "a water system optionally with -morton")
+    if not (name in WATER or name.isdigit() or name == "dhfr"):
+        sys.exit(f"--systems: unknown system {name!r}; choose from {[*WATER, 'dhfr']} or a molecule count")
 
 
 def system(name: str):
     check_system(name)
-    water = name.removesuffix("-morton")
     if name == "dhfr":
         return dhfr_atoms()
     # a named box, or that many molecules (small ones for a CPU smoke run)
-    box = water_box(n_side=WATER[water]) if water in WATER else water_box(int(water))
-    return morton_sorted(box) if name.endswith("-morton") else box
+    return water_box(n_side=WATER[name]) if name in WATER else water_box(int(name))
 
 
 def nequip_model(shape: str, dtype: str, modifier: str | None = None) -> torch.nn.Module:
@@ -205,25 +149,17 @@ def make_calculator(model_name: str, backend: str, dtype: str, files: dict, stre
         if CGFORGE_OPTIONS[backend].get("compile"):
             torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
         calc = Calculator(source, device=DEVICE, dtype=dtype if not model_name.startswith("nequip") else None,
-                          stress_with_forces=stress, skin=SKIN, **CGFORGE_OPTIONS[backend], **_tuning())
-        if backend == "cgforge-e3nn-sc":  # self-connections through e3nn, not per species (before any step)
-            calc.step.group_species = False
-            calc.warm_up()
-        if backend == "cgforge-sorted":  # the edge layout sorted every step, as before the edge topology
-            calc.step.use_topology = False
-            calc.warm_up()
+                          stress_with_forces=stress, skin=SKIN, **calculator_options(CGFORGE_OPTIONS[backend]))
         return calc, False
     if model_name in ("mace-mp-medium", "bundled-mace"):
         from mace.calculators import MACECalculator
 
         path = files["mace-mp-medium", dtype] if model_name == "mace-mp-medium" else bundled("mace")
-        kw = {"enable_cueq": backend in ("cueq", "hybrid"), "enable_oeq": backend in ("oeq", "hybrid")}
+        kw = {"enable_cueq": backend == "cueq", "enable_oeq": backend == "oeq"}
         return MACECalculator(model_paths=str(path), device=DEVICE, default_dtype=dtype, **kw), True
     from nequip.data.transforms import ChemicalSpeciesToAtomTypeMapper, NeighborListTransform
     from nequip.integrations.ase import NequIPCalculator
 
-    if backend == "hybrid":
-        raise ValueError("no hybrid backend for NequIP")
     modifier = {"e3nn": None, "oeq": "enable_OpenEquivariance", "cueq": "enable_CuEquivariance"}[backend]
     if model_name == "bundled-nequip":
         from cgforge.patches.nequip import load_models as _load_models
@@ -392,21 +328,12 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling
 
     reset_memory()
-    options = dict(ENGINE_BACKENDS.get(backend, {}))
-    fusion = options.pop("table_fusion", None)
-    fuse_integrator = options.pop("fuse_integrator", None)  # the Engine's, not the Calculator's
-    if options.get("compile") or fuse_integrator:
+    options = calculator_options(ENGINE_BACKENDS.get(backend, {}))
+    if options.get("compile") or ENGINE.get("fuse_integrator"):
         torch._dynamo.reset()  # a fresh compilation per measurement (and the recompile limit not reached)
     t = time.perf_counter()
     calc = Calculator(_md_source(model_name, dtype, files), device=DEVICE,
-                      dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN,
-                      **options, **({} if fusion is None else {"warmup": False}), **_tuning())
-    if fusion is not None:
-        from cgforge.patches import mace, nequip
-
-        family = nequip if model_name.startswith("nequip") or model_name == "bundled-nequip" else mace
-        family.radial_table.set_table_fusion(calc.model, fusion)
-        calc.warm_up()
+                      dtype=dtype if not model_name.startswith("nequip") else None, skin=SKIN, **options)
     row["setup_s"] = time.perf_counter() - t
     row["radial_table"] = calc.radial_table
     dt, temp, fr = MD["timestep_fs"], MD["temperature_K"], MD["friction_per_fs"]
@@ -425,8 +352,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
                           else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
             invalidated = Counter(calc.step.invalidations)
-            engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"),
-                            fuse_integrator=fuse_integrator)
+            engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"), **ENGINE)
             sync()
             t = time.perf_counter()
             engine.run(1)  # the first step: CUDA-graph capture, and torch.compile when asked for (apart)
@@ -672,19 +598,38 @@ def available_backends(requested: list[str], model_name: str) -> list[str]:
     found = _PEERS
     out = []
     for b in requested:
-        if b in ("cueq", "hybrid") and "cueq" not in found:
-            continue
-        if b in ("oeq", "hybrid") and "oeq" not in found:
-            continue
-        if b == "hybrid" and model_name.startswith(("nequip", "bundled-nequip")):
+        if b in ("cueq", "oeq") and b not in found:
             continue
         out.append(b)
     return out
 
 
-def _tuning() -> dict:
-    """The Calculator's ``tuning=`` where --kernel-tuning gave one."""
-    return {} if TUNING is None else {"tuning": TUNING}
+def calculator_options(backend: dict) -> dict:
+    """A cgforge backend's Calculator keywords: its own, --calculator's and --kernel-tuning's."""
+    return {**CALCULATOR, **backend, **({} if TUNING is None else {"tuning": TUNING})}
+
+
+# set by bench_md itself or by a backend: not an ablation --calculator / --engine may change
+FIXED = {"calculator": ("model", "device", "dtype", "skin", "stress_with_forces", "tuning", "compile"),
+         "engine": ("forces", "atoms", "integrator", "seed", "max_temperature_K")}
+
+
+def keyword_options(flag: str, given: list[str], target) -> dict:
+    """``KEY=VALUE`` strings as keywords of ``target`` (the Calculator or the Engine): VALUE read as JSON (true, 0.5,
+    null), else kept as text (3xtf32); exits naming ``flag`` for a malformed item or a keyword ``target`` lacks."""
+    import inspect
+
+    known = [k for k in inspect.signature(target).parameters if k not in (*FIXED[flag], "self", "kwargs")]
+    options = {}
+    for item in given:
+        key, sep, text = item.partition("=")
+        if not sep or key not in known:
+            sys.exit(f"--{flag}: expected KEY=VALUE with KEY one of {', '.join(known)}; got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -707,12 +652,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="FastMACE's ensembles (default: --ensembles; each costs a ~1 min setup)")
     parser.add_argument("--no-floor", action="store_true",
                         help="no step floor (step_floor.py, counted on the CPU) beside the FP32 rows")
+    parser.add_argument("--calculator", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword of every cgforge Calculator, e.g. radial_table=false (repeatable)")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword of every Engine, e.g. fuse_integrator=true (repeatable)")
     parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
                         help="the cgforge backends' kernel tuning, as `cgforge md --kernel-tuning` reads it "
                              "(e.g. {\"harmonics\": true}); default: the defaults")
-    add_backward_range_flag(parser)
     args = parser.parse_args(argv)
-    apply_backward_range(args)
     MD.update(steps=args.md_steps, warmup=args.md_warmup, ensembles=tuple(args.ensembles.split(",")),
               fastmace_ensembles=tuple((args.fastmace_ensembles or args.ensembles).split(",")))
     for ensemble in (*MD["ensembles"], *MD["fastmace_ensembles"]):
@@ -720,6 +667,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--ensembles: expected nvt and/or npt, got {ensemble!r}")
     global DEVICE, SKIN, PROFILE, NVT_ONLY, TUNING
     NVT_ONLY = args.nvt_only
+    from cgforge.plugin.md.engine import Engine
+
+    CALCULATOR.update(keyword_options("calculator", args.calculator, Calculator))
+    ENGINE.update(keyword_options("engine", args.engine, Engine))
     if args.kernel_tuning is not None:
         from cgforge.kernels import KernelTuning
 
@@ -735,6 +686,10 @@ def main(argv: list[str] | None = None) -> None:
     systems = args.systems.split(",")
     for name in systems:
         check_system(name)
+    unknown = set(args.backends.split(",")) - set(BACKENDS)
+    if unknown:
+        sys.exit(f"--backends: unknown {sorted(unknown)}; choose from {', '.join(BACKENDS)} (ablations: --calculator, "
+                 "--engine, --kernel-tuning)")
     models = args.models.split(",")
     for m in models:
         if m not in MODELS:

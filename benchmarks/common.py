@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,25 +116,6 @@ def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
 
 def fmt(v) -> str:
     return f"{v:8.3f}" if isinstance(v, float) else f"{'n/a':>8s}"
-
-
-def add_backward_range_flag(parser) -> None:
-    """``--backward-range-gb``: the row chunks' first-order backward by receiver ranges (off by default)."""
-    parser.add_argument("--backward-range-gb", type=float, default=None,
-                        help="row chunks' first-order backward by receiver ranges of this many GB of gradient "
-                             "(kernels.convolution.table_rows.BACKWARD_RANGE_BYTES; default: off, the whole gradient)")
-
-
-def apply_backward_range(args) -> None:
-    """Check ``--backward-range-gb``; a set value exits naming the flag: the ranges are kernel tuning now
-    (``TPTuning.backward_range_bytes``, a value passed to ``patch(model, tuning=...)``), which the Calculator
-    these scripts build does not take, and a module constant that changes nothing must not look like an A/B."""
-    if args.backward_range_gb is None:
-        return
-    if not args.backward_range_gb > 0:
-        sys.exit(f"--backward-range-gb: expected a positive number, got {args.backward_range_gb}")
-    sys.exit("--backward-range-gb: not available: the receiver-range backward is TPTuning(backward_range_bytes=...), "
-             "kernel tuning: give it as bench_md.py's --kernel-tuning FILE.json, {\"tp\": {\"backward_range_bytes\": N}}")
 
 
 def device_spans(prof) -> list[tuple[float, float, str]]:

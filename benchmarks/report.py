@@ -271,7 +271,9 @@ def engine_section(runs: list[Run]) -> list[str]:
         "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
         "cuEquivariance convolution; MACE models only), FastMACE timed in the same run as the engine, the compiled "
         "engine in that run or in a call beside it on the same machine. The floor is `benchmarks/step_floor.py`'s "
-        "lower bound of the energy + forces call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s). Lower is better.",
+        "lower bound of the energy + forces call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s; from issue 62 on also the "
+        "L2 bytes, the radial tables' cubics read per weight per edge, at step_floor's L2 estimate, 12,390 GB/s, which "
+        "raises the floor: rows measured before it used the floor without it). Lower is better.",
         ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE", "engine / FastMACE",
          "floor", "runs (engine, compiled)"])
     if not chosen:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU session's runs, by stage, on the device machine (after `source .device/base/env.sh`; cuEquivariance
 # installed by .device/cueq-a then .device/cueq-b). Logs and JSON go to $OUT. TESTS= narrows the tests stage.
-#   bash benchmarks/run_h100.sh tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|atomic|layer|envab|large|lammps
-# For benchmark numbers to keep, prefer `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit,
-# device, versions); this script stays for the sharded CUDA test suite (`tests`) and the A/B stages.
+#   bash benchmarks/run_h100.sh tests|lammps
+# Benchmark numbers: `python benchmarks/run.py SUITE...` (a run folder with manifest.json: commit, device, versions);
+# A/Bs: investigations/tuning_ab.py. This script stays for the sharded CUDA test suite (`tests`) and the LAMMPS build
+# and tests (`lammps`); its older stages (md, engine, ab, envab, ranges, harmonics, atomic, ...) are in commit 16a1f98.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export OUT
@@ -61,108 +62,6 @@ tests)  # the CUDA suite: SHARDS pytest processes side by side on the one GPU (N
         cat "$logs/$k.log" >> "$OUT/cuda-tests.log"
     done
     exit $status ;;
-md)     # end-to-end step: cgforge on every size, then the peers on the 5184-atom box
-    python3 benchmarks/bench_md.py --systems 1k,5k,20k,50k,dhfr --models mace-mp-medium,bundled-mace,bundled-nequip,nequip-M \
-        --dtypes float32 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md-cgforge.log" | tail -25
-    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
-        --backends e3nn,cueq,oeq,hybrid --steps 5 --warmup 2 2>&1 | tee "$OUT/md-peers.log" | tail -12 ;;
-md64)   # FP64 on the 5184-atom box: cgforge and the cuEquivariance/OpenEquivariance peers
-    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M,bundled-mace,bundled-nequip \
-        --dtypes float64 --backends cgforge --steps 10 --warmup 3 2>&1 | tee "$OUT/md64-cgforge.log" | tail -8
-    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float64 \
-        --backends cueq,oeq --steps 5 --warmup 2 2>&1 | tee "$OUT/md64-peers.log" | tail -8 ;;
-ab)     # A/B in one run: per-species self-connections (vs cgforge-e3nn-sc), the edge topology (vs cgforge-sorted),
-        # radial-MLP precision modes
-    python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M --dtypes float32 \
-        --backends cgforge,cgforge-e3nn-sc,cgforge-sorted,cgforge-3xtf32,cgforge-tf32 --steps 10 --warmup 3 2>&1 \
-        | tee "$OUT/md-ab.log" | tail -12 ;;
-models) # model calls: MACE-MP-medium (E+F+stress, as MACECalculator asks) and NequIP, with the peers
-    python3 benchmarks/bench_mace.py 12 float32 cgforge,cueq,oeq,hybrid,e3nn medium 2>&1 | tee "$OUT/mace.log" | tail -12
-    python3 benchmarks/bench_nequip.py 12 M e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-M.log" | tail -10
-    python3 benchmarks/bench_nequip.py 12 l1 e3nn,cgforge,oeq,cueq,cgforge-calc 2>&1 | tee "$OUT/nequip-l1.log" | tail -10 ;;
-stability)  # 10 ps NVT of the bundled models on the 1728-molecule box
-    for m in mace nequip; do
-        python3 benchmarks/investigations/md_stability.py --model $m --molecules 1728 --ps "${PS:-10}" 2>&1 | tee "$OUT/stability-$m.log" | tail -14
-    done ;;
-engine) # whole MD steps on the 5184-atom box (~5 min): cgforge's engine (NVT, NPT), our Calculator under ASE's
-        # Langevin, FastMACE 1.0 (NVT, its own process, setup ~1 min each, reported apart); one table, printed last
-    python3 benchmarks/bench_md.py --systems 5k --models bundled-mace,mace-mp-medium --dtypes float32 \
-        --backends cgforge-engine,cgforge-ase,fastmace --ensembles nvt,npt --fastmace-ensembles nvt \
-        --md-steps "${MD_STEPS:-200}" --md-warmup 20 2>&1 | tee "$OUT/md-engine.log" | tail -12 ;;
-capacity)  # issue 18's large boxes (~8 min, no variable set: the calculator plans its own memory): the default
-        # calculator at 5k, 500k and 1.03M atoms, MACE streaming at 1.03M beside it, NequIP M's default at 1.03M
-    python3 benchmarks/bench_md.py --systems 5k,500k,1m --models mace-mp-medium --dtypes float32 --backends cgforge \
-        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace.log" | tail -4
-    python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge-streaming \
-        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-mace-streaming-1m.log" | tail -2
-    python3 benchmarks/bench_md.py --systems 1m --models nequip-M --dtypes float32 --backends cgforge \
-        --steps 3 --warmup 1 --nvt-only 2>&1 | tee "$OUT/capacity-nequip-1m.log" | tail -2 ;;
-ranges) # the row chunks' backward by receiver ranges (TPTuning.backward_range_bytes, off by default: it did not pay
-        # on an H100): its CUDA tests, then the 1.03M-atom stored call with the whole gradient and with 5 GB ranges
-        # (bench_md --kernel-tuning), one run
-    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_conv_table.py tests/patches/test_row_chunks.py \
-        -k "ranges or rows" 2>&1 | tee "$OUT/ranges-tests.log" | tail -3
-    echo '{"tp": {"backward_range_bytes": 5000000000}}' > "$OUT/ranges-5gb.json"
-    for tuning in "" "$OUT/ranges-5gb.json"; do
-        tag=${tuning:+5gb} tag=${tag:-whole}
-        python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
-            --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/ranges-md-$tag.log" | tail -1
-    done ;;
-harmonics)  # the harmonics kernel (KernelTuning.harmonics, off by default until this has run): its CUDA tests, the
-        # kernel against e3nn's module (bench_harmonics), then the engine's 5k step and the 1M-atom call with and
-        # without it (bench_md --kernel-tuning), one run
-    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_harmonics.py tests/patches/test_harmonics_patch.py \
-        2>&1 | tee "$OUT/harmonics-tests.log" | tail -3
-    python3 benchmarks/bench_harmonics.py 2>&1 | tee "$OUT/harmonics-kernel.log" | tail -8
-    echo '{"harmonics": true}' > "$OUT/harmonics-on.json"
-    for tuning in "" "$OUT/harmonics-on.json"; do
-        tag=${tuning:+on} tag=${tag:-off}
-        python3 benchmarks/bench_md.py --systems 5k --models bundled-mace,mace-mp-medium --dtypes float32 \
-            --backends cgforge-engine ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-md-$tag.log" | tail -3
-        python3 benchmarks/bench_md.py --systems 1m --models mace-mp-medium --dtypes float32 --backends cgforge \
-            --steps 3 --warmup 1 --nvt-only ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee "$OUT/harmonics-1m-$tag.log" | tail -1
-    done ;;
-atomic) # the table backward over the receivers with grad x by atomics (TPTuning.receiver_backward_atomic, off: forces
-        # not bitwise reproducible; results/atomic-ab-h100-20261127i): its CUDA tests, bench_layer on MACE-MP-medium's second-layer shape (default beside the
-        # candidate in the segments order, where the row's grad-out block is staged once, and in the chunks order),
-        # then the 5k engine step of MACE-MP-medium: default / candidate (segments) / default, one run
-    python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_conv_table.py -k "atomic or receiver or grad_x" \
-        2>&1 | tee "$OUT/atomic-tests.log" | tail -3
-    python3 benchmarks/bench_layer.py mace-medium --tuning "receiver_backward_atomic=true,backward_loop_order=segments" \
-        --tuning "receiver_backward_atomic=true" 2>&1 | tee "$OUT/atomic-layer.log" | tail -12
-    echo '{"tp": {"receiver_backward_atomic": true, "backward_loop_order": "segments"}}' > "$OUT/atomic-on.json"
-    for tuning in "" "$OUT/atomic-on.json" ""; do
-        tag=${tuning:+on} tag=${tag:-off}
-        python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium --dtypes float32 --ensembles nvt \
-            --backends cgforge-engine ${tuning:+--kernel-tuning "$tuning"} 2>&1 | tee -a "$OUT/atomic-md-$tag.log" | tail -1
-    done ;;
-layer)  # issue 18's per layer: radial weights + convolution, cgforge's table kernels vs MLP + cuEquivariance's fused
-        # convolution (needs cuEquivariance installed), mace-medium and mace-large, 5184-atom water
-    python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/layer.log" | tail -5 ;;
-envab)  # A/B of one tuning variable on the 5k step, alternating ROUNDS times: AB_VAR (default
-        # CGFORGE_BACKWARD_MIN_BLOCKS) over AB_VALUES (default "0 auto"); MACE-MP-medium and NequIP M; LAYER=1 adds
-        # bench_layer's per-layer times
-    var=${AB_VAR:-CGFORGE_BACKWARD_MIN_BLOCKS}
-    for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-        for value in ${AB_VALUES:-0 auto}; do
-            echo "== $var=$value, round $round"
-            env "$var=$value" python3 benchmarks/bench_md.py --systems 5k --models mace-mp-medium,nequip-M \
-                --dtypes float32 --backends cgforge --steps 20 --warmup 5 2>&1 | tee "$OUT/ab-$var-$value-$round.log" \
-                | grep -E "^5k "
-            if [ "${LAYER:-0}" = 1 ]; then
-                env "$var=$value" python3 benchmarks/bench_layer.py 2>&1 | tee "$OUT/ab-layer-$var-$value-$round.log" \
-                    | tail -3
-            fi
-        done
-    done ;;
-large)  # per-layer kernel choices in one process each (bench_layer --tuning; the backward = fwd+bwd - fwd): the
-        # default (chunks of 32 in both directions, launch bound 5 on the backward) against the orders and bounds
-        # it replaced, on mace-large and MACE-MP-medium's real second convolution, then NequIP M and the bundled MACE
-    python3 benchmarks/bench_layer.py mace-large mace-mp-medium-l2 --tuning backward_min_blocks=0 \
-        --tuning backward_loop_order=segments --tuning loop_order=edges,backward_loop_order=segments \
-        --tuning forward_chunk=64 2>&1 | tee "$OUT/large.log" | tail -11
-    python3 benchmarks/bench_layer.py nequip-presetM mace-water-l2 --tuning backward_loop_order=chunks \
-        --tuning loop_order=edges,backward_loop_order=segments 2>&1 | tee "$OUT/nequip-medium.log" | tail -8 ;;
 lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and .device/lammps with the 22 Jul 2025
         # tarball, or .device/lmpkk): build LAMMPS (Kokkos CUDA, ~220 s on 32 cores; LMP=DEST, reused when built), its CUDA tests (one
         # and two GPUs), then bench_lammps in exchange mode on 1 and 2 GPUs with MACE's class and the engine.
@@ -200,5 +99,5 @@ lammps) # issue 40 on a two-GPU machine (nvidia-h100-x2; carry .device/base and 
         --sizes ${SIZES:-1728} --classes cgforge cgforge-mlp mace-own engine --modes exchange ghost \
         --ranks 1 2 --steps 20 --gpu-aware "$CGFORGE_LAMMPS_GPU_AWARE" \
         --warmup 5 --timeout 150 --budget "${BENCH_BUDGET:-300}" 2>&1 | tee "$OUT/lammps-bench.log" | tail -25 ;;
-*) echo "usage: $0 tests|md|md64|ab|models|stability|engine|capacity|ranges|harmonics|atomic|layer|envab|large|lammps" >&2; exit 2 ;;
+*) echo "usage: $0 tests|lammps" >&2; exit 2 ;;
 esac

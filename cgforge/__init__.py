@@ -2,7 +2,3 @@
 calculator and MD."""
 
 __version__ = "0.2.0"  # keep equal to pyproject.toml's version (tests/test_cli_md.py checks)
-
-from cgforge import _moved
-
-_moved.install()

@@ -1,5 +1,6 @@
-"""Old import paths of modules that moved when the plugin was split by job still work, with a warning that names
-the new place (``cgforge._moved``); new paths import without any warning."""
+"""The package keeps no old import path but the pickle contract's (``cgforge._moved.PICKLED_CLASSES``, tested in
+test_pickle_contract.py): the public names import without a warning, the first layout's module paths (never
+released) are gone, and an unknown name is an AttributeError."""
 
 from __future__ import annotations
 
@@ -8,24 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
-from cgforge._moved import MOVED_MODULES, MOVED_NAMES
-
-
-@pytest.mark.parametrize("old, new", sorted(MOVED_MODULES.items()))
-def test_old_module_path_is_the_new_module_with_a_warning(old: str, new: str) -> None:
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-
-
-@pytest.mark.parametrize("package, name", sorted(MOVED_NAMES))
-def test_old_name_of_a_package_is_the_new_one_with_a_warning(package: str, name: str) -> None:
-    new = MOVED_NAMES[(package, name)]
-    with pytest.warns(DeprecationWarning, match=f"{new}.{name}".replace(".", r"\.")):
-        value = getattr(importlib.import_module(package), name)
-    assert value is getattr(importlib.import_module(new), name)
 
 
 @pytest.mark.slow
@@ -39,8 +22,15 @@ def test_public_names_import_without_a_warning() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("old", ["cgforge.plugin.engine", "cgforge.plugin.neighbours", "cgforge.doctor"])
+def test_a_path_of_the_first_layout_is_gone(old: str) -> None:
+    with pytest.raises(ModuleNotFoundError, match=old.replace(".", r"\.")):
+        importlib.import_module(old)
+
+
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
     import cgforge.plugin.md as md
 
     with pytest.raises(AttributeError, match="no_such_name"):
         md.no_such_name  # noqa: B018
+    assert not hasattr(md, "run_from_args")  # the first layout's re-export from cgforge.cli.md is gone

@@ -20,20 +20,15 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 QUICK = {"investigations/without.py", "bench_compile.py", "investigations/candidate.py"}
 
 BAD_FLAGS = [
-    ("investigations/streaming_memory.py", ["--calls", "energy,force"], "--calls"),
-    ("investigations/streaming_memory.py", ["--backward-range-gb", "0"], "--backward-range-gb"),
-    ("bench_md.py", ["--backward-range-gb", "-2", "--device", "cpu"], "--backward-range-gb"),
     ("bench_layer.py", ["mace-huge"], "mace-huge"),
-    ("bench_md.py", ["--systems", "5k,dhfr-morton", "--device", "cpu"], "dhfr-morton"),  # water boxes only
+    ("bench_md.py", ["--systems", "5k,5k-morton", "--device", "cpu"], "5k-morton"),  # no ordering experiments
+    ("bench_md.py", ["--backends", "cgforge,cgforge-mlp", "--device", "cpu"], "cgforge-mlp"),  # an ablation: options
     ("bench_layer.py", ["--tuning", "loop_order=rows"], "loop_order=rows"),
     ("bench_layer.py", ["--tuning", "backward_min_blocks=99"], "backward_min_blocks"),
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),
     ("investigations/without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
-    ("investigations/copy_traffic.py", ["--side", "x"], "--side"),
     ("bench_compile.py", ["--models", "bundled-mace,mace-huge"], "mace-huge"),
     ("bench_compile.py", ["--processes", "0"], "--processes"),
-    ("investigations/kernel_sources.py", ["--steps", "0"], "--steps"),
-    ("investigations/kernel_sources.py", ["--model", "mace-huge"], "mace-huge"),
     ("investigations/candidate.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
     ("investigations/without.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
     ("investigations/tuning_ab.py", ["--models", "mace-huge", "--tuning", "a={}"], "mace-huge"),
@@ -46,12 +41,6 @@ BAD_FLAGS = [
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "a=without:linear-map-into"], "same NAME"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
-    ("investigations/conv_layers.py", ["--problem", "mace-huge"], "mace-huge"),
-    ("investigations/conv_layers.py", ["--tuning", "a=loop_order=rows"], "loop_order=rows"),
-    ("investigations/conv_layers.py", ["--tuning", "row_grad_once"], "NAME=SPEC"),
-    ("investigations/rebuild_cost.py", ["--models", "mace-huge"], "mace-huge"),
-    ("investigations/rebuild_cost.py", ["--hide", "2,x"], "--hide"),
-    ("investigations/rebuild_cost.py", ["--hide", "0"], "--hide"),
     ("bench_batch.py", ["--batch-size", "0"], "--batch-size"),
     ("bench_batch.py", ["--models", "mace-huge"], "mace-huge"),
 ]
@@ -88,24 +77,6 @@ def test_layer_floor_counts_bytes_and_multiply_adds() -> None:
     assert fp32_peak_tflops("NVIDIA H100 80GB HBM3") == 66.9 and fp32_peak_tflops("Tesla T4") != 66.9
 
 
-def test_morton_sorted_box_moves_whole_molecules() -> None:
-    """bench_md's `-morton` systems: the same molecules, each O, H, H kept together, in Z-curve order."""
-    import numpy as np
-
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from bench_md import morton_sorted, system
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    box = system("216")
-    moved = morton_sorted(box)
-    assert moved.get_chemical_symbols() == box.get_chemical_symbols()  # O, H, H per molecule still
-    order = [int(np.flatnonzero(np.all(np.isclose(box.positions, p), axis=1))[0]) for p in moved.positions]
-    assert sorted(order) == list(range(len(box))) and order != list(range(len(box)))
-    assert all(order[k + 1] == order[k] + 1 and order[k + 2] == order[k] + 2 for k in range(0, len(order), 3))
-    assert np.allclose(moved.cell, box.cell) and len(system("216-morton")) == len(box)
-
-
 @pytest.mark.parametrize("args, named", [
     (["layr"], "'layr'"),  # an unknown suite
     ([], "SUITE"),
@@ -123,59 +94,29 @@ def test_the_driver_names_a_bad_argument(args: list[str], named: str, tmp_path: 
     assert not any(tmp_path.iterdir())
 
 
-def test_kernel_sources_charges_ops_to_the_model_line_that_called_them() -> None:
-    """The innermost frame of the step's own code is the line; torch's frames and the script's are skipped."""
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import kernel_sources
-    finally:
-        sys.path.pop(0)
-    stack = ["/usr/lib/python3/site-packages/torch/nn/functional.py(10): linear",
-             "/x/site-packages/mace/modules/blocks.py(371): forward",
-             "/x/site-packages/cgforge/patches/mace/patch.py(75): get"]
-    assert kernel_sources.source_line(stack) == "mace/modules/blocks.py(371): forward"
-    assert kernel_sources.source_line(stack[:1]).startswith("(no model frame")
-
-
-def test_kernel_sources_charges_backward_ops_to_their_forward_line() -> None:
-    """The ops autograd runs for a cgforge function's backward are charged to ``bwd`` and that function's line (the
-    node's sequence number is its forward op's), not to the frame that called ``torch.autograd.grad``."""
-    import torch
-
-    from cgforge.kernels.irreps_linear import IrrepsMap, map_reference
-
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import kernel_sources
-    finally:
-        sys.path.pop(0)
-    m = IrrepsMap(((4, 1), (3, 3)), ((2, 1), (5, 3)), ((0, 0), (1, 1)))
-    x = torch.randn(6, m.in_width, requires_grad=True)
-    blocks = torch.randn(m.numel)
-    config = torch._C._profiler._ExperimentalConfig(verbose=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True,
-                                experimental_config=config) as prof:
-        out = map_reference(x, m, blocks)
-        torch.autograd.grad(out.square().sum(), x)
-    lines = [line for _, line in kernel_sources.event_lines(list(prof.events()))]
-    forward = [line for line in lines if line.startswith("cgforge/kernels/irreps_linear.py")]
-    backward = [line for line in lines if line.startswith("bwd cgforge/kernels/irreps_linear.py")]
-    assert forward and backward, sorted(set(lines))
-    assert not any("test_benchmark_args" in line for line in lines if line.startswith("bwd"))
-
-
-def test_bench_md_engine_backends_are_md_backends_with_known_options() -> None:
-    """Each engine backend is timed as whole MD steps and sets only options measure_md hands on (the Calculator's
-    compile, radial_table and filter_edges, the table fusion, the Engine's fuse_integrator)."""
+def test_bench_md_backends_are_choices_and_ablations_are_keywords() -> None:
+    """bench_md's backends are what a user picks (our Calculator, compiled or not, our engine, the ASE path, the
+    peers); an ablation is a Calculator or Engine keyword (--calculator / --engine KEY=VALUE, VALUE read as JSON or
+    kept as text), and a keyword either lacks, or one bench_md sets itself, is refused naming the flag."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_md
     finally:
         sys.path.pop(0)
+    from cgforge.plugin.calculator import Calculator
+    from cgforge.plugin.md.engine import Engine
+
     assert set(bench_md.ENGINE_BACKENDS) <= set(bench_md.MD_BACKENDS) <= set(bench_md.BACKENDS)
-    options = {key for opts in bench_md.ENGINE_BACKENDS.values() for key in opts}
-    assert options <= {"compile", "radial_table", "table_fusion", "fuse_integrator", "filter_edges"}
-    assert bench_md.ENGINE_BACKENDS["cgforge-engine-fused"] == {"fuse_integrator": True}
+    assert set(bench_md.CGFORGE_OPTIONS) | set(bench_md.MD_BACKENDS) | {"e3nn", "cueq", "oeq"} == set(
+        bench_md.BACKENDS)
+    assert bench_md.keyword_options("calculator", ["radial_table=false", "radial_precision=3xtf32"], Calculator) == {
+        "radial_table": False, "radial_precision": "3xtf32"}
+    assert bench_md.keyword_options("engine", ["fuse_integrator=true", "block=5"], Engine) == {
+        "fuse_integrator": True, "block": 5}
+    for flag, item, target in (("calculator", "radial_tables=false", Calculator), ("calculator", "compile=true",
+                               Calculator), ("engine", "seed=3", Engine), ("engine", "block", Engine)):
+        with pytest.raises(SystemExit, match=f"--{flag}: .*{item!r}"):
+            bench_md.keyword_options(flag, [item], target)
 
 
 def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:

@@ -223,6 +223,19 @@ def test_the_results_index_lists_every_run_folder() -> None:
     assert [p.name for p in results.iterdir() if p.is_file()] == ["README.md"]
 
 
+# what a run leaves: logs, JSON, text, tables, compressed traces, READMEs (scripts and patches live in git history)
+DATA_SUFFIXES = {".log", ".json", ".txt", ".md", ".csv", ".gz"}
+
+
+def test_the_results_hold_data_and_readmes_only() -> None:
+    """benchmarks/results/ keeps what runs wrote and the READMEs that say what ran; a probe script or a patch goes
+    to benchmarks/ (kept runnable) or stays in git history, named by its README with the commit."""
+    results = BENCHMARKS / "results"
+    other = sorted(str(p.relative_to(results)) for p in results.rglob("*")
+                   if p.is_file() and p.suffix not in DATA_SUFFIXES)
+    assert other == []
+
+
 def test_the_profile_table_takes_each_models_newest_vetted_captured_profile(tmp_path: Path) -> None:
     """profile_engine.py runs with a captured-step profile count; older ones (eager only) and unvetted ones do not."""
     report = _load("report")

@@ -210,11 +210,6 @@ class IrrepsMap:
         """The most channels of any block (mul_in or mul_out), 0 for a map without paths."""
         return max((max(u, w) for u, w in self.block_shapes()), default=0)
 
-    @property
-    def macs_per_row(self) -> int:
-        """Multiply-adds per row of x."""
-        return sum(u * w * self.irreps_in[i][1] for (u, w), (i, _) in zip(self.block_shapes(), self.paths))
-
     def transpose(self) -> IrrepsMap:
         """The transposed map (out -> in), its blocks ``transpose_blocks`` of this map's, in the same path order."""
         return IrrepsMap(self.irreps_out, self.irreps_in, tuple((o, i) for i, o in self.paths))

@@ -76,18 +76,6 @@ class Family:
         """True when the contents of the existing file ``path`` look like this family's (any name)."""
         raise NotImplementedError
 
-    def owns_file(self, path: str | os.PathLike) -> bool:
-        """True when ``path`` is a file this family reads: by its suffix, else (an existing file) by its contents.
-
-        Files whose suffix no family claims are told apart by content; ``family_for_file`` asks every
-        family's suffixes before any family's content, so a ``.model`` file is MACE's whatever it holds."""
-        if self.owns_name(path):
-            return True
-        name = os.path.basename(os.fspath(path)).lower()
-        if name.endswith(COMPILED_SUFFIXES) or any(f.owns_name(path) for f in FAMILIES if f is not self):
-            return False
-        return os.path.isfile(path) and self.sniffs(path)
-
     # -- the family's code (imports its package) ------------------------------------------------
 
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",

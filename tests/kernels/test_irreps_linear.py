@@ -62,7 +62,6 @@ def test_reference_and_transpose_equal_e3nn(irreps_in: str, irreps_out: str) -> 
     (want,) = torch.autograd.grad((linear(xr) * g).sum(), xr)
     got = map_reference(g, m.transpose(), transpose_blocks(m, blocks))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert m.macs_per_row == sum(u * w * m.irreps_in[i][1] for (u, w), (i, _) in zip(m.block_shapes(), m.paths))
     assert m.widest_block == max(max(u, w) for u, w in m.block_shapes())
 
 

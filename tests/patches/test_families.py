@@ -44,8 +44,8 @@ def test_family_of_a_module() -> None:
                                           ("m.nequip.zip", NEQUIP)])
 def test_family_for_file_by_suffix(tmp_path: Path, name: str, family: families.Family) -> None:
     assert families.family_for_file(tmp_path / name) is family  # the file need not exist to be named
-    assert family.owns_file(tmp_path / name)
-    assert not any(f.owns_file(tmp_path / name) for f in families.FAMILIES if f is not family)
+    assert family.owns_name(tmp_path / name)
+    assert not any(f.owns_name(tmp_path / name) for f in families.FAMILIES if f is not family)
 
 
 def test_family_for_file_by_contents(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_family_for_file_by_contents(tmp_path: Path) -> None:
     with zipfile.ZipFile(package, "w") as zf:
         zf.writestr("deployed/model/package_metadata.txt", "x")
         zf.writestr("deployed/.data/version", "6")
-    assert families.family_for_file(package) is NEQUIP and NEQUIP.owns_file(package) and not MACE.owns_file(package)
+    assert families.family_for_file(package) is NEQUIP and NEQUIP.sniffs(package) and not MACE.owns_name(package)
     text = tmp_path / "frames.xyz"
     text.write_text("1\n\nH 0 0 0\n")
     with pytest.raises(ValueError, match=r"cannot tell the checkpoint type \(found a text file.*expected a MACE"):
@@ -66,7 +66,6 @@ def test_family_for_file_by_contents(tmp_path: Path) -> None:
     for compiled in ("m.nequip.pth", "m.nequip.pt2", "m.pt2"):
         with pytest.raises(ValueError, match="compiled"):
             families.family_for_file(tmp_path / compiled)
-        assert not any(f.owns_file(tmp_path / compiled) for f in families.FAMILIES)
 
 
 def test_output_names_are_checked_per_family() -> None:

@@ -48,7 +48,6 @@ def test_runtime_options_name_a_bad_value(field: str, bad) -> None:
         RuntimeOptions(**{field: bad})
     with pytest.raises(TypeError, match="compile_backend"):
         RuntimeOptions(compile_backend=3)
-    assert RuntimeOptions(compile_backend=len).as_dict()["compile_backend"] == "len"
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None])

@@ -68,11 +68,6 @@ def plan(count: int) -> tuple[ReduceGroup, ...]:
     return tuple(groups)
 
 
-def plan_shuffles(count: int) -> int:
-    """Shuffles of ``plan(count)``."""
-    return _best(count)[0]
-
-
 def simulate(values: list[list[float]], width: int) -> list[float]:
     """What ``reduce_scatter<width>`` returns in each lane, given ``values[lane][k]`` (32 lanes x width partials),
     step by step as the template's loops run (the same additions in the same order)."""

@@ -232,7 +232,7 @@ def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
     return segments, peak
 
 
-# Default chunks, from an H100 sweep (benchmarks/sweep_chunks.py; benchmarks/results/chunk-sweep-h100-*.log).
+# Default chunks, from an H100 sweep (sweep_chunks.py, in git history at 16a1f98).
 # Forward, rows = nodes (deterministic convolution): every segment walks all edges of the node again,
 # so few wide segments win (mace-large 5.7 ms at 128 vs 12.6 at 32). Forward, rows = edges (tensor
 # product, atomic convolution): 64 (mace-medium 0.45 ms vs 0.56 at 128). Backward: each segment ends

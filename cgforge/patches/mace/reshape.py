@@ -3,7 +3,7 @@
 MACE slices its input irrep by irrep, reshapes each slice and concatenates them. Autograd turns each slice
 into a zero-filled full-width gradient and adds them up, and each reshape of a strided gradient into a copy:
 in MACE-MP-medium's two interaction blocks, on [N, 2048] rows, about 80 KiB per atom of memory traffic a force
-call (``benchmarks/copy_traffic.py``). Here the forward is MACE's concatenation and the backward writes each
+call (copy_traffic.py, in git history at 16a1f98). Here the forward is MACE's concatenation and the backward writes each
 irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
 ``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
 permuted columns was tried first: 13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["RuntimeOptions"]
@@ -65,10 +65,3 @@ class RuntimeOptions:
         if not (isinstance(backend, str) and backend) and not callable(backend):
             raise TypeError(f"compile_backend: expected a backend name or a callable, got {backend!r}")
 
-    def as_dict(self) -> dict[str, Any]:
-        """The options as plain values (a callable backend by its name), e.g. for a banner or a results file."""
-        values = asdict(self)
-        backend = values["compile_backend"]
-        if not isinstance(backend, str):
-            values["compile_backend"] = getattr(backend, "__name__", repr(backend))
-        return values

@@ -175,9 +175,8 @@ class ModelStep:
     filter_edges: cut the Verlet list to the cutoff every step (on the device) rather than feed the model all
     of it. padded: fixed capacities with padding edges (needed for, and implied by, ``cuda_graph``).
     margin: spare capacity (fraction) given to edge buffers when they are sized.
-    group_species: tell the patched model which atoms share a species, so its self-connections run one linear
-    map per species (``patches.species_linear``); False keeps e3nn's path (for comparisons). Read when a
-    structure is loaded. use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
+    A patched model is told which atoms share a species, so its self-connections run one linear map per species
+    (``patches.species_linear``). use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
     step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
     compile: None, or the Inductor mode (``compiled.MODES``) the model's energy is compiled with
     (``compiled.CompiledEnergy``; the caller checked that it can work: ``compiled.check_compile``).
@@ -197,7 +196,6 @@ class ModelStep:
             raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
         self.margin = float(margin)
         self._grow_margin = self.margin  # the room the next overflow leaves (see _grown)
-        self.group_species = True
         self.use_topology = True
         self.caches = graph_caches(adapter.model)
         self.compile_backend = compile_backend
@@ -429,7 +427,7 @@ class ModelStep:
     def _species_groups(self) -> SpeciesGroups | None:
         # The model's node attributes are a function of the species index within one structure (the adapter
         # builds them), which is what the per-species self-connections need to know.
-        if not (self.caches and self.group_species):
+        if not self.caches:
             return None
         return SpeciesGroups.from_species(self.adapter.species_index(self._species))
 

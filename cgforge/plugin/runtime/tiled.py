@@ -157,14 +157,13 @@ class Cluster:
 
 class TiledEvaluation:
     """Energy, forces, virial and per-atom energies of a system, tile by tile (module doc), with ``adapter``'s
-    model. ``group_species``: per-species self-connections in a patched model (as ``ModelStep``)."""
+    model; a patched model's self-connections run per species (as in ``ModelStep``)."""
 
-    def __init__(self, adapter: ModelAdapter, *, group_species: bool = True) -> None:
+    def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
         self.hops = int(adapter.hops)
         self.cutoff = float(adapter.cutoff)
         self.caches = graph_caches(adapter.model)
-        self.group_species = group_species
         self.pad_vector = pad_offset_vector(self.cutoff, adapter.dtype, adapter.device)
         self.n_edges = 0  # edges evaluated at the last call, over all tiles (halo receivers counted again)
         self.n_tiles = 0
@@ -228,7 +227,7 @@ class TiledEvaluation:
             keep = torch.ones(count, dtype=torch.bool, device=zero_cell.device)
             layout = layout_edges(keep, cluster.sender, cluster.receiver, zero_cell.new_zeros(count, 3), m, count,
                                   self.pad_vector, with_graph=bool(self.caches))
-        groups = SpeciesGroups.from_species(kind) if self.caches and self.group_species else None
+        groups = SpeciesGroups.from_species(kind) if self.caches else None
 
         def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
                    ) -> tuple[Tensor, Tensor | None]:
