@@ -9,7 +9,7 @@ reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.md.e
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
         [--ranks 1 2] [--modes ghost exchange] [--steps 10] [--warmup 3] [--dtype float32]
         [--classes cgforge cgforge-eager cgforge-mlp unpatched mace-own engine]
-        [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540]
+        [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540] [--timers]
 
 Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
 arrays; ``kokkos``: KOKKOS CUDA, run with ``-k on g 1 -sf kk``, device arrays; ``kokkos-host``: KOKKOS Serial);
@@ -144,6 +144,8 @@ def lammps_worker(args: argparse.Namespace) -> None:
 
     name = f"{Path(args.model_file).stem}-{Path(args.data).stem}-{args.ranks[0]}"  # --profile's files
     log = Path(args.profile) / f"lammps-{name}.log" if args.profile else None
+    if args.timers and log is None:  # the timers' table is read back from LAMMPS's log
+        log = Path(tempfile.mkdtemp(prefix="bench-lammps-log-")) / "log.lammps"
     lmp = lammps.lammps(cmdargs=["-log", str(log) if log else "none", "-screen", "none", "-nocite"]
                         + kokkos_flags(args.kind, args.ranks[0], args.gpu_aware))
     if args.kind.startswith("kokkos"):
@@ -166,19 +168,28 @@ def lammps_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lmp.command(f"run {args.warmup}")
     warmup_s = time.perf_counter() - start
+    if args.timers:  # the warm-up's table (with the set-up and capture) printed; the timed steps' start from zero
+        lmp.command('python cgforge_timers input 1 SELF format p here '
+                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+        lmp.command("python cgforge_timers invoke")
     rank = lmp.extract_setting("world_rank")
     with _profiled(args.profile if rank == 0 else None, name):
         start = time.perf_counter()
         # with --profile LAMMPS's log gets its timing breakdown (Pair: the model; Neigh, Comm, Modify, Other)
         lmp.command(f"run {args.steps} pre no post {'yes' if args.profile else 'no'}")
         seconds = time.perf_counter() - start
+    if args.timers:
+        lmp.command("python cgforge_timers invoke")
     print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
+    result = {"atoms": lmp.get_natoms(), "ghosts_rank0": lmp.extract_setting("nghost"), "pe": lmp.get_thermo("pe")}
+    lmp.close()
     if rank == 0:
         ms = 1e3 * seconds / args.steps
-        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "atoms": lmp.get_natoms(),
-                                      "ghosts_rank0": lmp.extract_setting("nghost"), "warmup_s": warmup_s,
-                                      "pe": lmp.get_thermo("pe")}), flush=True)
-    lmp.close()
+        if args.timers:  # the last table LAMMPS's log holds: the timed steps'
+            text = log.read_text()
+            result["timers"] = text[text.rindex("cgforge ML-IAP timers, rank 0"):].strip().splitlines()
+        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "warmup_s": warmup_s,
+                                      **result}), flush=True)
 
 
 @contextmanager
@@ -425,6 +436,9 @@ def main() -> None:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="LAMMPS cases: rank 0's timed steps under torch's profiler and LAMMPS's timing breakdown "
                              "(its log), both written to DIR (the timings then carry the profiler's cost)")
+    parser.add_argument("--timers", action="store_true",
+                        help="cgforge's classes keep per-phase times (`cgforge lammps-model --timers`); each LAMMPS "
+                             "case's table of its timed steps, as LAMMPS's log holds it, is printed at the end")
     parser.add_argument("--worker", choices=("lammps", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -490,7 +504,7 @@ def run(args: argparse.Namespace) -> None:
 
     for name in args.models:
         source = _model_source(name, args.dtype, folder)
-        host = CgforgeMLIAP(source, dtype=args.dtype, device=device)
+        host = CgforgeMLIAP(source, dtype=args.dtype, device=device, timers=args.timers)
         missing = [e for e in SPECORDER if e not in host.element_types]
         if missing:
             raise SystemExit(f"--models {name}: the model has no {missing} (water needs H and O)")
@@ -524,6 +538,8 @@ def run(args: argparse.Namespace) -> None:
                 if args.profile:
                     Path(args.profile).mkdir(parents=True, exist_ok=True)
                     cmd += ["--profile", str(Path(args.profile).resolve())]
+                if args.timers and cls != "mace-own":
+                    cmd += ["--timers"]
                 case(row, cmd, build.environment())
             if "engine" in args.classes:
                 row = {**base, "class": "engine", "mode": "-", "build": "-", "lammps": "", "ranks": 1}
@@ -534,6 +550,10 @@ def run(args: argparse.Namespace) -> None:
                 case(row, cmd, env)
     print()
     print(_table(rows))
+    for r in rows:
+        if r.get("timers"):
+            print(f"\n{r['model']} {r['class']} {r['mode']} {r['build']} {r['atoms']} atoms {r['ranks']} ranks:")
+            print("\n".join(r["timers"]))
     print(f"wrote {out}")
 
 
