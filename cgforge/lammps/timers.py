@@ -256,7 +256,8 @@ def report(lmp: Any, reset: bool = True) -> None:
     text = "\n".join(lines).replace('"', "'").replace("$", "S")  # nothing LAMMPS's print would parse
     # through a string variable: the input echoes `print "${...}"` alone, not the table twice
     lmp.command('variable cgforge_timers_table string ""')
-    lmp.set_string_variable("cgforge_timers_table", text)
+    set_string = getattr(lmp, "set_string_variable", None) or lmp.set_variable  # the latter before 7 Feb 2024
+    set_string("cgforge_timers_table", text)
     lmp.command('print "${cgforge_timers_table}"')
 
 

@@ -148,6 +148,20 @@ def test_report_prints_through_lammps_and_restarts(padded):
         CgforgeMLIAP("mace", timers=1)
 
 
+def test_unreported_tables_at_exit(padded, capsys, monkeypatch):
+    """Tables no input reported go to standard error when Python exits, labelled by the launcher's rank."""
+    obj, domains = padded
+    obj.set_timers(True)
+    _call([obj], domains)
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    timers._at_exit()
+    err = capsys.readouterr().err
+    assert "never reported into LAMMPS's log" in err and "rank 1 of 2 (cpu, host clock): 1 calls" in err
+    timers._at_exit()
+    assert capsys.readouterr().err == ""  # reported once
+
+
 def test_cli_timers_flag(mace_file, tmp_path, capsys):
     out = tmp_path / "m.pkl"
     assert cli_main(["lammps-model", mace_file, str(out), "--timers"]) == 0
