@@ -15,12 +15,15 @@ synchronisation. The phases (nested: the model's time includes the exchanges mad
 
 and per call the wall time of ``compute_forces`` and the time LAMMPS spent between two calls (host clock).
 
-Clocks: on the CPU the host's ``perf_counter``. On CUDA each phase is bracketed by two CUDA events on torch's
-current stream, read once they are complete: every call synchronises with LAMMPS before it returns, so the events of
-earlier calls are done; they are folded into the totals (``Event.query``, ``elapsed_time``: no wait) when 64 are
-pending, and the table synchronises once. No synchronisation is added to a step: one per phase would stall the
-host's launches behind the device's work (the overlap an eager step lives on) and change what is measured. Device
-phases read as the device's time between the phase's first and last work, idle gaps included.
+Clocks: on the CPU the host's ``perf_counter``. On CUDA the phases that are device work (the model, the exchanges
+inside it: ``DEVICE_PHASES``) are bracketed by two CUDA events on torch's current stream, read once they are
+complete: every call synchronises with LAMMPS before it returns, so the events of earlier calls are done; they are
+folded into the totals (``Event.query``, ``elapsed_time``: no wait) when 64 pairs are pending, and the table
+synchronises once. No synchronisation is added to a step: one per phase would stall the host's launches behind the
+device's work (the overlap an eager step lives on) and change what is measured. An event phase reads as the
+device's time from the phase's first to its last work, idle gaps included. The other phases are host work (views of
+LAMMPS's arrays, launches of small copies, LAMMPS's own calls) timed by the host clock, whose waits for the device
+are the ``waits`` row: two events for each would cost more than that work (a few microseconds each).
 
 Printing: ML-IAP gives Python classes no end-of-run call, and their data object no handle on LAMMPS (its screen and
 log file). The input hands that handle over through LAMMPS's ``python`` command (``SELF``), after each run::
@@ -50,7 +53,8 @@ from .ranks import launcher_rank, launcher_ranks
 
 __all__ = ["OFF", "PHASES", "PhaseTimers", "report", "switch", "tables"]
 
-# name -> (row label, depth in the table)
+# name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events, the others
+# (host work: views, launches of small copies, LAMMPS's calls, waits) by the host clock
 PHASES = {
     "arrays": ("LAMMPS's arrays to torch", 0),
     "owners": ("ghost owners (one rank)", 0),
@@ -60,6 +64,7 @@ PHASES = {
     "forces": ("results back to LAMMPS", 0),
     "waits": ("host waits for the device", 0),
 }
+DEVICE_PHASES = frozenset({"model", "exchange forward", "exchange reverse"})
 FOLD_AT = 64  # pending CUDA event pairs that make a call fold the completed ones into the totals
 
 _NOOP = nullcontext()
@@ -151,7 +156,7 @@ class PhaseTimers:
         self._last_end: float | None = None
 
     def phase(self, name: str) -> _Phase:
-        return _Phase(self, name, self.events)
+        return _Phase(self, name, self.events and name in DEVICE_PHASES)
 
     def wait(self) -> _Phase:
         return _Phase(self, "waits", False)
@@ -179,18 +184,19 @@ class PhaseTimers:
     def table(self, rank: int, size: int) -> list[str]:
         """The table's lines, headed by ``rank`` of ``size`` (its events read: one synchronisation)."""
         self.fold()
-        clock = f"{self.device}, device phases by CUDA events" if self.events else f"{self.device}, host clock"
+        clock = (f"{self.device}, model and exchanges by CUDA events, the rest host clock" if self.events
+                 else f"{self.device}, host clock")
         lines = [f"cgforge ML-IAP timers, rank {rank} of {size} ({clock}): {self.calls} calls, "
                  f"{self.call_seconds:.3f} s in them, {self.between:.3f} s in LAMMPS between them",
-                 f"  {'phase':<32}{'count':>8}{'total s':>11}{'ms/call':>10}{'% of calls':>12}"]
+                 f"  {'phase':<32} {'count':>8} {'total s':>10} {'ms/call':>10} {'% of calls':>10}"]
         calls = max(self.calls, 1)
         for name, (label, depth) in PHASES.items():
             if self.counts[name] == 0:
                 continue
             s = self.seconds[name]
             share = 100 * s / self.call_seconds if self.call_seconds else 0.0
-            lines.append(f"  {'  ' * depth + label:<32}{self.counts[name]:>8}{s:>11.3f}{1e3 * s / calls:>10.3f}"
-                         f"{share:>12.1f}")
+            lines.append(f"  {'  ' * depth + label:<32} {self.counts[name]:>8} {s:>10.3f} {1e3 * s / calls:>10.3f} "
+                         f"{share:>10.1f}")
         return lines
 
 
