@@ -196,7 +196,9 @@ def lammps_worker(args: argparse.Namespace) -> None:
         ms = 1e3 * seconds / args.steps
         if args.timers:  # the last table LAMMPS's log holds: --steps steps'
             text = log.read_text()
-            result["timers"] = text[text.rindex("cgforge ML-IAP timers, rank 0"):].strip().splitlines()
+            tail = text[text.rindex("cgforge ML-IAP timers, rank 0"):].splitlines()
+            result["timers"] = [ln for i, ln in enumerate(tail)  # its heading(s) and rows, not LAMMPS's next lines
+                                if all(t.startswith(("cgforge ML-IAP timers", "  ")) for t in tail[:i + 1])]
             result.update(overhead)
         print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "warmup_s": warmup_s,
                                       **result}), flush=True)
