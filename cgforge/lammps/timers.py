@@ -23,7 +23,7 @@ synchronises once. No synchronisation is added to a step: one per phase would st
 device's work (the overlap an eager step lives on) and change what is measured. An event phase reads as the
 device's time from the phase's first to its last work, idle gaps included. The other phases are host work (views of
 LAMMPS's arrays, launches of small copies, LAMMPS's own calls) timed by the host clock, whose waits for the device
-are the ``waits`` row: two events for each would cost more than that work (a few microseconds each).
+are the ``waits`` row: two events for each would cost more than that work.
 
 Printing: ML-IAP gives Python classes no end-of-run call, and their data object no handle on LAMMPS (its screen and
 log file). The input hands that handle over through LAMMPS's ``python`` command (``SELF``), after each run::
@@ -51,7 +51,7 @@ import torch
 
 from .ranks import launcher_rank, launcher_ranks
 
-__all__ = ["OFF", "PHASES", "PhaseTimers", "report", "switch", "tables"]
+__all__ = ["DEVICE_PHASES", "OFF", "PHASES", "PhaseTimers", "report", "switch", "tables"]
 
 # name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events, the others
 # (host work: views, launches of small copies, LAMMPS's calls, waits) by the host clock
