@@ -9,7 +9,7 @@ reason in the row otherwise), and cgforge's own MD engine (``cgforge.plugin.md.e
     python benchmarks/bench_lammps.py --lammps DIR [DIR ...] [--models mace mace-mp-medium] [--sizes 1728 4096]
         [--ranks 1 2] [--modes ghost exchange] [--steps 10] [--warmup 3] [--dtype float32]
         [--classes cgforge cgforge-eager cgforge-mlp unpatched mace-own engine]
-        [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540]
+        [--device auto] [--gpu-aware off] [--timeout 240] [--budget 540] [--timers]
 
 Builds nothing. Each DIR is a LAMMPS build: ``scripts/lammps_gpu.sh`` writes its kind in DIR/.mode (``plain``: host
 arrays; ``kokkos``: KOKKOS CUDA, run with ``-k on g 1 -sf kk``, device arrays; ``kokkos-host``: KOKKOS Serial);
@@ -144,6 +144,8 @@ def lammps_worker(args: argparse.Namespace) -> None:
 
     name = f"{Path(args.model_file).stem}-{Path(args.data).stem}-{args.ranks[0]}"  # --profile's files
     log = Path(args.profile) / f"lammps-{name}.log" if args.profile else None
+    if args.timers and log is None:  # the timers' table is read back from LAMMPS's log
+        log = Path(tempfile.mkdtemp(prefix="bench-lammps-log-")) / "log.lammps"
     lmp = lammps.lammps(cmdargs=["-log", str(log) if log else "none", "-screen", "none", "-nocite"]
                         + kokkos_flags(args.kind, args.ranks[0], args.gpu_aware))
     if args.kind.startswith("kokkos"):
@@ -172,13 +174,34 @@ def lammps_worker(args: argparse.Namespace) -> None:
         # with --profile LAMMPS's log gets its timing breakdown (Pair: the model; Neigh, Comm, Modify, Other)
         lmp.command(f"run {args.steps} pre no post {'yes' if args.profile else 'no'}")
         seconds = time.perf_counter() - start
+    if args.timers:  # their cost: blocks of --steps with timers off and on, interleaved (off, on, on, off)
+        from cgforge.lammps.timers import switch
+
+        blocks: dict = {False: [], True: []}
+        for on in (False, True, True, False):
+            switch(on)  # on: from zero, so the table below is the last on-block's
+            start = time.perf_counter()
+            lmp.command(f"run {args.steps} pre no post no")
+            blocks[on].append(time.perf_counter() - start)
+        switch(True)
+        lmp.command(f"run {args.steps} pre no post no")
+        lmp.command('python cgforge_timers input 1 SELF format p here '
+                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+        lmp.command("python cgforge_timers invoke")  # as docs/lammps.md tells users to
+        overhead = {"timers_overhead_pct": 100 * (sum(blocks[True]) / sum(blocks[False]) - 1)}
     print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
+    result = {"atoms": lmp.get_natoms(), "ghosts_rank0": lmp.extract_setting("nghost"), "pe": lmp.get_thermo("pe")}
+    lmp.close()
     if rank == 0:
         ms = 1e3 * seconds / args.steps
-        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "atoms": lmp.get_natoms(),
-                                      "ghosts_rank0": lmp.extract_setting("nghost"), "warmup_s": warmup_s,
-                                      "pe": lmp.get_thermo("pe")}), flush=True)
-    lmp.close()
+        if args.timers:  # the last table LAMMPS's log holds: --steps steps'
+            text = log.read_text()
+            tail = text[text.rindex("cgforge ML-IAP timers, rank 0"):].splitlines()
+            result["timers"] = [ln for i, ln in enumerate(tail)  # its heading(s) and rows, not LAMMPS's next lines
+                                if all(t.startswith(("cgforge ML-IAP timers", "  ")) for t in tail[:i + 1])]
+            result.update(overhead)
+        print("RESULT " + json.dumps({"ms_per_step": ms, "ns_per_day": ns_per_day(ms), "warmup_s": warmup_s,
+                                      **result}), flush=True)
 
 
 @contextmanager
@@ -425,6 +448,10 @@ def main() -> None:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="LAMMPS cases: rank 0's timed steps under torch's profiler and LAMMPS's timing breakdown "
                              "(its log), both written to DIR (the timings then carry the profiler's cost)")
+    parser.add_argument("--timers", action="store_true",
+                        help="cgforge's classes: after the timed steps (timers off), 4 x --steps more with timers "
+                             "switched off, on, on, off (their cost), then --steps on, whose table, as LAMMPS's log "
+                             "holds it, is printed at the end")
     parser.add_argument("--worker", choices=("lammps", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -524,6 +551,8 @@ def run(args: argparse.Namespace) -> None:
                 if args.profile:
                     Path(args.profile).mkdir(parents=True, exist_ok=True)
                     cmd += ["--profile", str(Path(args.profile).resolve())]
+                if args.timers and cls != "mace-own":
+                    cmd += ["--timers"]
                 case(row, cmd, build.environment())
             if "engine" in args.classes:
                 row = {**base, "class": "engine", "mode": "-", "build": "-", "lammps": "", "ranks": 1}
@@ -534,6 +563,11 @@ def run(args: argparse.Namespace) -> None:
                 case(row, cmd, env)
     print()
     print(_table(rows))
+    for r in rows:
+        if r.get("timers"):
+            print(f"\n{r['model']} {r['class']} {r['mode']} {r['build']} {r['atoms']} atoms {r['ranks']} ranks "
+                  f"(timers on / off - 1: {r['timers_overhead_pct']:+.2f} %):")
+            print("\n".join(r["timers"]))
     print(f"wrote {out}")
 
 

@@ -81,7 +81,8 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
     cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
     radial_table = {"auto": None, "on": True, "off": False}[args.radial_table]
     obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
-                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph, radial_table=radial_table)
+                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph, radial_table=radial_table,
+                       timers=args.timers)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
     for line in usage_lines(obj, out.name):
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
                    help="radial weights from a table of the edge length: auto (default, as the Calculator: on CUDA "
                    "for a patched FP32 model that can), on, off (the radial MLP)")
+    p.add_argument("--timers", action="store_true",
+                   help="keep per-phase times of every call (arrays, model, exchanges, results, waits); the input "
+                   "prints their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
     p.set_defaults(func=cmd_lammps_model)
 
     from .md import add_md_arguments

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .timers import OFF
+
 __all__ = ["HOST_COUPLE", "KOKKOS_COUPLE", "LammpsArrays", "PairData", "couple_of", "is_device_flavour",
            "lammps_arrays", "read_pairs", "to_tensor", "write_results"]
 
@@ -102,8 +104,9 @@ class LammpsArrays:
     iatoms: Tensor
 
 
-def lammps_arrays(data: Any) -> LammpsArrays:
-    """``data``'s arrays without a copy, NULL ones made up where they may be (no pairs; iatoms: 0..nlist-1)."""
+def lammps_arrays(data: Any, timers: Any = OFF) -> LammpsArrays:
+    """``data``'s arrays without a copy, NULL ones made up where they may be (no pairs; iatoms: 0..nlist-1); the wait
+    for LAMMPS's stream is timed by ``timers`` (``timers.PhaseTimers``)."""
     nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
     nlocal = int(getattr(data, "nlocal", nlist))  # older Kokkos data objects lack nlocal (29Aug2024 has it)
     npairs = int(data.npairs)
@@ -119,7 +122,8 @@ def lammps_arrays(data: Any) -> LammpsArrays:
             else:
                 raise ValueError(f"LAMMPS data: {name} is missing (NULL)")
         tensors[name] = to_tensor(array)
-    _sync(*tensors.values())
+    with timers.wait():
+        _sync(*tensors.values())
     natomneigh = int(getattr(data, "natomneigh", nlist) or nlist)
     return LammpsArrays(nlocal, ntotal, npairs, nlist, natomneigh, **tensors)
 
@@ -134,12 +138,13 @@ def read_pairs(a: LammpsArrays, device: torch.device, dtype: torch.dtype) -> Pai
     return PairData(a.nlocal, a.ntotal, centre, neighbour, rij, elems, listed, a.natomneigh > a.nlist)
 
 
-def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> None:
+def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor, timers: Any = OFF) -> None:
     """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
 
     Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element). Device arrays:
     one synchronisation, after the per-atom energies are copied and before the forces are handed over (LAMMPS reads
-    both on its own stream); results already in float64 on LAMMPS's device (the padded step's) are not copied."""
+    both on its own stream); results already in float64 on LAMMPS's device (the padded step's) are not copied. The waits
+    for the device are timed by ``timers``."""
     fij = fij.detach().to(torch.float64).contiguous()
     eatoms = eatoms.detach().to(torch.float64)
     device = is_device_flavour(data)
@@ -153,14 +158,16 @@ def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor) -> Non
             lammps_device = target.device
         else:
             data.eatoms = np.ascontiguousarray(eatoms.cpu().numpy())
-    data.energy = float(energy)
+    with timers.wait():  # a device scalar's read waits for the step
+        data.energy = float(energy)
     if fij.shape[0] and tuple(fij.shape) != (int(data.npairs), 3):  # LAMMPS reads npairs x 3 doubles from the pointer
         raise ValueError(f"fij: expected ({int(data.npairs)}, 3), got {tuple(fij.shape)}")
     if device and fij.shape[0] and lammps_device is None:
         lammps_device = to_tensor(data.rij).device
     if device and lammps_device is not None and lammps_device.type == "cuda":
         forces = fij.to(lammps_device)
-        _sync(forces)  # torch's stream done (the per-atom energies' copy included) before LAMMPS reads on its own
+        with timers.wait():
+            _sync(forces)  # torch's stream done (the per-atom energies' copy included) before LAMMPS reads on its own
         if fij.shape[0]:
             data.update_pair_forces_gpu(forces)
     elif fij.shape[0]:

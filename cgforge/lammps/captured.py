@@ -53,6 +53,7 @@ from cgforge.plugin.runtime.capture import capture_or_fall_back, room
 from cgforge.plugin.runtime.edge_layout import conv_graph, layout_edges, pad_offset_vector
 
 from .arrays import LammpsArrays, write_results
+from .timers import OFF
 
 __all__ = ["PaddedStep", "STALE", "UNSORTED"]
 
@@ -96,7 +97,7 @@ class PaddedStep:
     that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
     self-connections through e3nn's path (for comparisons). ``capture_error`` says why a capture
     failed (the step then runs eagerly); ``n_captures`` counts captures, ``n_growths`` growths of the buffers or
-    of the species rooms.
+    of the species rooms. ``timers``: where each call's phases are timed (``timers.PhaseTimers``; ``OFF``: not).
     """
 
     def __init__(self, adapter: Any, caches: list, *, cuda_graph: bool, margin: float = MARGIN,
@@ -120,6 +121,7 @@ class PaddedStep:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: _Outputs | None = None
         self._pool = None
+        self.timers: Any = OFF
 
     @property
     def device(self) -> torch.device:
@@ -148,11 +150,15 @@ class PaddedStep:
         written and the reason says what the caller does: ``UNSORTED`` (LAMMPS's pairs were not in ascending centre
         order: run the call another way) or ``STALE`` (run it again with owners found afresh)."""
         nodes = arrays.ntotal if owners is None else arrays.nlocal
-        self._fit(arrays, nodes)
-        self._load(arrays, nodes, owners, moved)
+        timers = self.timers
+        with timers.phase("arrays"):
+            self._fit(arrays, nodes)
+            self._load(arrays, nodes, owners, moved)
         while True:
-            out = self._execute()
-            status = out.status.cpu()  # one sync: the energy and the checks
+            with timers.phase("model"):
+                out = self._execute()
+            with timers.wait():
+                status = out.status.cpu()  # one sync: the energy and the checks
             if status[2] != 0:
                 return STALE
             if status[1] != 0:
@@ -164,7 +170,8 @@ class PaddedStep:
             self._room = SpeciesRoom([self._grown(c, r) for c, r in zip(counts, self._room.capacities)], self.device)
             self.n_growths += 1
             self.invalidate()
-        write_results(data, out.eatoms[:arrays.nlist], status[0], out.fij[:arrays.npairs])
+        with timers.phase("forces"):
+            write_results(data, out.eatoms[:arrays.nlist], status[0], out.fij[:arrays.npairs], timers)
         return None
 
     def _grown(self, count: int, current: int) -> int:

@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .timers import OFF
+
 __all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "exchange_features", "ghost_map",
            "message_layers"]
 
@@ -92,19 +94,20 @@ class _Exchange(torch.autograd.Function):
     other ranks' ghosts' rows from their owners out; the backward sends their gradients back to the owners."""
 
     @staticmethod
-    def forward(ctx: Any, feats: Tensor, data: Any, ghosts: GhostMap) -> Tensor:  # noqa: D102
+    def forward(ctx: Any, feats: Tensor, data: Any, ghosts: GhostMap, timers: Any) -> Tensor:  # noqa: D102
         flat = feats.reshape(feats.shape[0], -1)
         full = flat.new_zeros(ghosts.ntotal, flat.shape[1])  # LAMMPS's rows: only the local ones are read
         full[:ghosts.nlocal] = flat[:ghosts.nlocal]
-        got = _send_forward(data, full)
+        with timers.phase("exchange forward"):
+            got = _send_forward(data, full)
         out = torch.zeros_like(flat)
         out[:ghosts.nlocal] = flat[:ghosts.nlocal]
         out[ghosts.nlocal:ghosts.nodes] = got[ghosts.nlocal:] if ghosts.identity else got.index_select(0, ghosts.remote)
-        ctx.data, ctx.ghosts, ctx.shape = data, ghosts, feats.shape
+        ctx.data, ctx.ghosts, ctx.shape, ctx.timers = data, ghosts, feats.shape, timers
         return out.view(feats.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # noqa: D102
         g = ctx.ghosts
         flat = grad.reshape(grad.shape[0], -1)
         full = flat.new_zeros(g.ntotal, flat.shape[1])
@@ -113,18 +116,20 @@ class _Exchange(torch.autograd.Function):
             full[g.nlocal:] = flat[g.nlocal:g.nodes]
         else:
             full.index_copy_(0, g.remote, flat[g.nlocal:g.nodes].contiguous())
-        got = _send(ctx.data.reverse_exchange, full, HOST_REVERSE_WIDTH)  # owners: their own + their ghosts'
+        with ctx.timers.phase("exchange reverse"):
+            got = _send(ctx.data.reverse_exchange, full, HOST_REVERSE_WIDTH)  # owners: their own + their ghosts'
         out = torch.zeros_like(flat)
         out[:g.nlocal] = got[:g.nlocal]
-        return out.view(ctx.shape), None, None
+        return out.view(ctx.shape), None, None, None
 
 
-def exchange_features(feats: Tensor, data: Any, ghosts: GhostMap) -> Tensor:
+def exchange_features(feats: Tensor, data: Any, ghosts: GhostMap, timers: Any = OFF) -> Tensor:
     """``feats`` [nodes or more, ...] (``ghosts.nodes`` rows: local atoms, then the ghosts of other ranks) with the
-    other ranks' ghosts' rows replaced by their owners' rows (differentiable); rows past ``ghosts.nodes`` zero."""
+    other ranks' ghosts' rows replaced by their owners' rows (differentiable); rows past ``ghosts.nodes`` zero.
+    ``timers`` times each exchange (``timers.PhaseTimers``)."""
     if feats.shape[0] < ghosts.nodes:
         raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than the {ghosts.nodes} nodes")
-    return _Exchange.apply(feats, data, ghosts)
+    return _Exchange.apply(feats, data, ghosts, timers)
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,7 @@ class ExchangeHooks:
         self._data: Any = None
         self._ghosts: GhostMap | None = None
         self.calls = 0  # exchanges done (a test checks that they happen)
+        self.timers: Any = OFF  # times each exchange (``timers.PhaseTimers``)
         self._handles = []
         for layer in self.layers[1:]:
             if kind == "mace":
@@ -222,7 +228,7 @@ class ExchangeHooks:
             raise RuntimeError(f"exchange: {type(module).__name__} was called without a node_feats keyword; this "
                                "MACE version calls its interaction blocks differently from mace-torch 0.3.16")
         self.calls += 1
-        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._ghosts))
+        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._ghosts, self.timers))
         return args, kwargs
 
     def _nequip_hook(self, module: torch.nn.Module, args: tuple) -> None:
@@ -230,7 +236,7 @@ class ExchangeHooks:
             return None
         data = args[0]
         self.calls += 1
-        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._ghosts)
+        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._ghosts, self.timers)
         return None
 
     def remove(self) -> None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["SIZE_VARIABLES", "launcher_ranks"]
+__all__ = ["RANK_VARIABLES", "SIZE_VARIABLES", "launcher_rank", "launcher_ranks"]
 
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 def launcher_ranks(environ: Mapping[str, str] | None = None) -> int:
@@ -28,3 +29,14 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> int:
         if value.isdigit() and int(value) > 0:
             sizes.append(int(value))
     return max(sizes, default=1)
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank as the first launcher variable of ``environ`` that is a number says, 0 when none is set
+    (a label only: the timers' table written at exit, when LAMMPS can no longer be asked)."""
+    environ = os.environ if environ is None else environ
+    for name in RANK_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0

@@ -60,12 +60,13 @@ from .captured import STALE, UNSORTED, PaddedStep
 from .exchange import ExchangeHooks, GhostMap, message_layers
 from .owners import GhostMapCache
 from .ranks import launcher_ranks
+from .timers import OFF, PhaseTimers, hook_exit, register
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
 _TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off",
-              "ranks", "_owners")
+              "ranks", "_owners", "_timers")
 
 
 class LammpsSetupError(RuntimeError):
@@ -112,13 +113,15 @@ class CgforgeMLIAP(_mliap_base()):
     weights read from a cubic table of the edge length (as the Calculator does for FP32 on CUDA): no per-pair
     radial MLP, its activations or weights; None (default: the Calculator's rule, on CUDA for a patched FP32 model
     that can), True (an error for a model whose weights cannot be tabulated), False (the MLP). _padded: internal,
-    True runs the calls the padded step takes even where they are not captured (CPU tests).
+    True runs the calls the padded step takes even where they are not captured (CPU tests). timers: keep per-phase
+    times of every call (``timers``: their table goes into LAMMPS's screen and log through the input's ``python``
+    command); False (default) times nothing.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
                  mode: str = "auto", cuda_graph: bool | None = None, radial_table: bool | None = None,
-                 _padded: bool = False) -> None:
+                 timers: bool = False, _padded: bool = False) -> None:
         from cgforge.patches.common import UnsupportedModelError
         from cgforge.plugin.runtime.potential import load_module as load_model
 
@@ -131,6 +134,8 @@ class CgforgeMLIAP(_mliap_base()):
             raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
         if not (radial_table is None or isinstance(radial_table, bool)):
             raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
+        if not isinstance(timers, bool):
+            raise TypeError(f"timers: expected True or False, got {timers!r}")
         if cuda_graph and device is not None and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got device={device!r}")
         path = _model_path(model)
@@ -144,6 +149,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.mode = mode
         self.cuda_graph = cuda_graph
         self.radial_table = radial_table
+        self.timers = timers
         self._padded = bool(_padded)
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
         # file fails here and not inside LAMMPS.
@@ -182,7 +188,7 @@ class CgforgeMLIAP(_mliap_base()):
     def __setstate__(self, state: dict) -> None:
         # Files written before an option existed load with its default.
         self.__dict__.update({"cuda_graph": None, "_padded": False, "inert_edges_reason": None, "last_path": None,
-                              "radial_table": False})
+                              "radial_table": False, "timers": False})
         self.__dict__.update(state)
         self.__dict__.pop("owner_exchanges", None)  # a counter of files written before ``owners``: now the cache's
         self.interface = None
@@ -195,6 +201,8 @@ class CgforgeMLIAP(_mliap_base()):
         self._owners = GhostMapCache()  # one-rank exchange mode's ghost owners, kept across calls
         self.ranks = 0  # MPI ranks of the run (``launcher_ranks``, read at setup; 0: not set up)
         self.padded_off: str | None = None  # why ghost-mode calls left the padded step for good (None: they did not)
+        self._timers = OFF  # the calls' phase times (``set_timers``, at setup)
+        register(self)  # findable by the input's ``python`` command (``timers.report``, ``timers.switch``)
 
     @property
     def capture_error(self) -> str | None:
@@ -270,6 +278,21 @@ class CgforgeMLIAP(_mliap_base()):
         capture = self._capture_on(device)
         if capture or self._padded:
             self._step = PaddedStep(self._adapter, self._caches, cuda_graph=capture)
+        self.set_timers(self.timers)
+
+    def set_timers(self, on: bool) -> None:
+        """Per-phase times on (from zero) or off (``timers``); takes effect at setup when called before it."""
+        if not isinstance(on, bool):
+            raise TypeError(f"timers: expected True or False, got {on!r}")
+        self.timers = on
+        if self._device is None:
+            return
+        self._timers = PhaseTimers(self._device) if on else OFF
+        if on:
+            hook_exit()
+        self._hooks.timers = self._timers
+        if self._step is not None:
+            self._step.timers = self._timers
 
     def _tables_on(self, device: torch.device, model_dtype: torch.dtype, patched: bool) -> bool:
         """Whether the radial weights come from tables (``radial_table`` resolved for this device and model)."""
@@ -302,14 +325,21 @@ class CgforgeMLIAP(_mliap_base()):
     def compute_forces(self, data: Any) -> None:
         """Per-atom energies, the domain's energy and the pair forces of one LAMMPS step into ``data``."""
         self.prepare(data)
-        arrays = lammps_arrays(data)
+        with self._timers.call():
+            self._forces(data)
+
+    def _forces(self, data: Any) -> None:
+        timers = self._timers
+        with timers.phase("arrays"):
+            arrays = lammps_arrays(data, timers)
         mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
         step = self._step if self.padded_off is None and arrays.nlist else None
         ghosts, moved = None, None
         if mode == "exchange":
             if self.ranks == 1:  # the owners: kept from an earlier call (``moved`` checks them) or found now
-                ghosts, moved = self._owners.lookup(data, arrays.nlocal, arrays.ntotal, self._device)
+                with timers.phase("owners"):
+                    ghosts, moved = self._owners.lookup(data, arrays.nlocal, arrays.ntotal, self._device)
             else:  # every rank alike: no owner exchange (``exchange``'s module doc says why)
                 ghosts = GhostMap.every_ghost(arrays.nlocal, arrays.ntotal, self._device)
             if self._exchanges_inside(ghosts):
@@ -324,7 +354,8 @@ class CgforgeMLIAP(_mliap_base()):
         if step is not None:
             outcome = step.run(data, arrays, None if ghosts is None else ghosts.node_of, moved)
             if outcome == STALE:  # LAMMPS rebuilt its ghosts since the kept owners were found: find them, again
-                ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
+                with timers.phase("owners"):
+                    ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
                 outcome = step.run(data, arrays, ghosts.node_of) if ghosts.one_domain else STALE
             if outcome is None:
                 self.last_path = "captured" if step.cuda_graph else "padded"
@@ -336,15 +367,17 @@ class CgforgeMLIAP(_mliap_base()):
                 warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step",
                               RuntimeWarning, stacklevel=2)
         elif moved is not None and bool(moved):  # eager calls check the kept owners now (one read)
-            ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
+            with timers.phase("owners"):
+                ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
         self.last_path = "eager"
         self._eager(data, arrays, ghosts)
 
     def _eager(self, data: Any, arrays: LammpsArrays, ghosts: GhostMap | None) -> None:
         """One call with a graph and species groups of its own, autograd run eagerly; ``ghosts``: exchange mode's
         map of atoms to nodes (None: ghost mode, every atom a node)."""
-        adapter = self._adapter
-        pairs = read_pairs(arrays, self._device, adapter.dtype)
+        adapter, timers = self._adapter, self._timers
+        with timers.phase("arrays"):
+            pairs = read_pairs(arrays, self._device, adapter.dtype)
         if pairs.listed.numel() == 0 and (ghosts is None or self.ranks == 1):  # nothing to count, no exchange owed
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
             return
@@ -358,7 +391,7 @@ class CgforgeMLIAP(_mliap_base()):
         vectors = (-pairs.rij).detach().requires_grad_(True)  # pos[receiver] - pos[sender], receiver = pair_i
         edge_index = adapter.edge_index(neighbour, pairs.centre)
         positions = torch.zeros(elems.shape[0], 3, dtype=adapter.dtype, device=self._device)  # unused: shape only
-        with torch.enable_grad(), ExitStack() as stack:
+        with timers.phase("model"), torch.enable_grad(), ExitStack() as stack:
             if self._caches:
                 from cgforge.patches.species_linear import SpeciesGroups
 
@@ -373,8 +406,9 @@ class CgforgeMLIAP(_mliap_base()):
             eatoms = node_energy.reshape(-1).index_select(0, pairs.listed)
             energy = eatoms.sum()
             grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0] if vectors.shape[0] else None
-        fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
-        write_results(data, eatoms.detach(), energy.detach(), fij)
+        with timers.phase("forces"):
+            fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
+            write_results(data, eatoms.detach(), energy.detach(), fij, timers)
 
     def _exchanges_inside(self, ghosts: GhostMap) -> bool:
         """Whether an exchange-mode call sends features inside the model: on several ranks always (every rank alike),

@@ -46,12 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=1, help="with --kokkos gpu: GPUs per node (one MPI rank each)")
     parser.add_argument("--gpu-aware", choices=["on", "off"], default="off",
                         help="with --kokkos gpu: whether MPI reads device memory (off: Kokkos stages through the host)")
+    parser.add_argument("--log", default="none", help="LAMMPS's log file (none: no log)")
+    parser.add_argument("--timers-report", action="store_true",
+                        help="after the steps, print cgforge's timer tables into LAMMPS's screen and log through the "
+                             "input's `python` command, as docs/lammps.md tells users to")
     args = parser.parse_args(argv)
 
     import lammps
     import lammps.mliap
 
-    cmdargs = ["-log", "none", "-screen", "none", "-nocite"]
+    cmdargs = ["-log", args.log, "-screen", "none", "-nocite"]
     if args.kokkos == "gpu":
         cmdargs += ["-k", "on", "g", str(args.gpus), "-sf", "kk", "-pk", "kokkos", "newton", "on", "neigh", "half",
                     "gpu/aware", args.gpu_aware]
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         done += n
         record(done)
     seconds = time.perf_counter() - start
+    if args.timers_report:
+        lmp.command('python cgforge_timers input 1 SELF format p here '
+                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+        lmp.command("python cgforge_timers invoke")
     if me == 0:
         with open(args.out, "w") as f:
             json.dump({"nprocs": nprocs, "frames": frames, "seconds": seconds, "models": _models()}, f)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import resource
 import shutil
 import subprocess
@@ -104,7 +105,8 @@ def calc():
 
 
 def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Path, out: Path,
-                kokkos: str | None = None, mode: str = "ghost", steps: int = STEPS, renumber: bool = True) -> dict:
+                kokkos: str | None = None, mode: str = "ghost", steps: int = STEPS, renumber: bool = True,
+                extra: tuple[str, ...] = ()) -> dict:
     """lammps_nve.py (next to this file) on ``ranks`` MPI ranks; kokkos: None (host couple), "host" or "gpu"
     (Kokkos couple); renumber: in exchange mode, ghosts rebuilt every step and atoms renumbered every 3 (the
     one-rank owners kept across calls are then checked both ways)."""
@@ -120,6 +122,7 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     if mode == "exchange" and renumber:  # ghosts rebuilt every step, atoms renumbered every 3: the owners kept on
         cmd += ["--neighbour-check", "no", "--sort-every", "3"]  # one rank must be checked and found again
     cmd += ["--kokkos", kokkos] if kokkos else []
+    cmd += list(extra)
     if kokkos == "gpu":  # one GPU per rank; MPI reads device memory only where the machine's MPI can
         cmd += ["--gpus", str(ranks), "--gpu-aware", os.environ.get("CGFORGE_LAMMPS_GPU_AWARE", "off")]
     if ranks > 1:
@@ -194,6 +197,41 @@ def test_nve_in_lammps_matches_ase_and_calculator(lammps_builds, water, model_fi
     result = _run_lammps(env, mpirun, ranks, model_file, water[1], tmp_path / "out.json", kokkos=kokkos, mode=mode,
                          steps=steps)
     _check_against_calculator(result, water[0], calc, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_timer_table_in_lammps_log(lammps_builds, water, model_file, ranks, tmp_path):
+    """A model file with timers on, a few exchange-mode steps (Kokkos host couple, the cheap mode) and the input's
+    `python` command after them: LAMMPS's log file holds the table, once (not echoed), labelled by rank, with the
+    phases this mode runs (one rank: the ghosts' owners; two: exchanges inside the model)."""
+    from cgforge.lammps.write import write_lammps_model
+
+    found = lammps_builds["2025"]
+    if isinstance(found, str):
+        pytest.skip(found)
+    env, mpirun = found
+    with open(model_file, "rb") as f:
+        obj = pickle.load(f)
+    obj.timers = True
+    timed = write_lammps_model(obj, tmp_path / "timed.mliap.pkl")
+    log = tmp_path / "log.lammps"
+    steps = 3
+    _run_lammps(env, mpirun, ranks, timed, water[1], tmp_path / "out.json", kokkos="host", mode="exchange",
+                steps=steps, extra=("--log", str(log), "--timers-report"))
+    text = log.read_text()
+    assert 'print "${cgforge_timers_table}"' in text  # the input's echo: the table itself is written once
+    found = re.findall(rf"cgforge ML-IAP timers, rank 0 of {ranks} \(cpu, host clock\): (\d+) calls", text)
+    assert len(found) == 1 and int(found[0]) == steps + 1, text[-3000:]  # run 0, then one call per step
+    table = text[text.index("cgforge ML-IAP timers, rank 0"):]
+    for row in ("model: energies and forces", "results back to LAMMPS"):  # once a call
+        assert re.search(rf"\n  {re.escape(row)} +{steps + 1} ", table), (row, table)
+    assert re.search(rf"\n  LAMMPS's arrays to torch +{2 * (steps + 1)} ", table), table  # views, then tensors
+    if ranks == 1:
+        assert "ghost owners (one rank)" in table and "forward exchanges" not in table
+    else:
+        assert re.search(r"\n    forward exchanges +\d+ ", table) and "reverse exchanges" in table, table
+        assert f"rank 1 of {ranks}" in table or "ranks 1 to 1 wrote theirs to their standard error" in table
 
 
 @pytest.mark.slow
