@@ -791,7 +791,7 @@ def md_details(r: dict) -> str:
             stats = r.get(f"{ensemble}_stats")
             if stats:
                 text += (f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures "
-                         f"{stats['captures']}, overlapped blocks {stats.get('overlapped_blocks', '-')})")
+                         f"{stats['captures']})")
             use = r.get(f"{ensemble}_device")
             if use:
                 text += f" device idle {use['idle_ms']:.3f} ms/step, {use['kernels']:.0f} kernels/step"

@@ -3,8 +3,6 @@ the other way round: a landed change turned off):
 
     python3 benchmarks/investigations/candidate.py linear-map-into benchmarks/bench_md.py --systems 5k ...
 
-``overlap-blocks``: the MD engine's blocks overlapped by default (``Engine(overlap_blocks=...)``, opt-in since its
-A/B in results/session32-h200-20261202): ``tuning_ab.py --tuning waiting={} --candidate overlapped=overlap-blocks``.
 ``linear-map-into-all``: ``patches.e3nn_layers.SplitLinear`` maps every frozen input through ``map_into``
 (``MAP_INTO_ABOVE_BYTES`` 0), where the landed rule (2026-11-27) does so from 32 MB of input on. Measured with every
 input so (H100, 5,184-atom engine step, four interleaved rounds): MACE-MP-medium 11.43 -> 11.01 ms, NequIP M
@@ -42,7 +40,7 @@ import runpy
 import sys
 from collections.abc import Callable
 
-CANDIDATES = ("linear-map-into-all", "overlap-blocks")
+CANDIDATES = ("linear-map-into-all",)
 
 
 def set_map_into_above(least: Callable[[int], int]) -> Callable[[], None]:
@@ -63,16 +61,6 @@ def turn_on(name: str) -> Callable[[], None]:
     off again (``tuning_ab.py`` interleaves a candidate with the code as it is)."""
     if name not in CANDIDATES:
         raise SystemExit(f"candidate.py: unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
-    if name == "overlap-blocks":  # the MD engine queues each block before the last report is read (issue 62)
-        from cgforge.plugin.md.engine import Engine
-
-        want = Engine._want_overlap
-        Engine._want_overlap = lambda self, overlap: True if overlap is None else want(self, overlap)
-
-        def undo() -> None:
-            Engine._want_overlap = want
-
-        return undo
     return set_map_into_above(lambda chunked: 0)
 
 

@@ -222,26 +222,6 @@ def test_ptx_mix_counts_the_shuffles_of_the_grad_y_reduction() -> None:
     assert 0 < scatter["bwd senders"] < butterfly["bwd senders"]
 
 
-def test_candidate_overlap_blocks_turns_the_engines_default_on_and_back() -> None:
-    """candidate.py's overlap-blocks: an engine built with the default waits for each report (opt-in); with the
-    candidate on it overlaps unless asked not to; the undo restores the default."""
-    from cgforge.plugin.md.engine import Engine
-
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import candidate
-    finally:
-        sys.path.pop(0)
-    engine = Engine.__new__(Engine)
-    assert engine._want_overlap(None) is False
-    undo = candidate.turn_on("overlap-blocks")
-    try:
-        assert engine._want_overlap(None) is True and engine._want_overlap(False) is False
-    finally:
-        undo()
-    assert engine._want_overlap(None) is False
-
-
 def test_device_timeline_counts_idle_time_and_kernels_per_step() -> None:
     """Two steps: kernels a [0, 10) and b [5, 20) overlap on two streams, a copy [30, 32), kernel c [40, 50):
     busy 10 + 10 + 2 + 10 = 32 us of 50, idle 18 us (gaps of 10 and 8); 3 kernels and 4 activities."""

@@ -284,15 +284,24 @@ class CgforgeMLIAP(_mliap_base()):
         """Per-phase times on (from zero) or off (``timers``); takes effect at setup when called before it."""
         if not isinstance(on, bool):
             raise TypeError(f"timers: expected True or False, got {on!r}")
+        if on and self._device is not None and self._device.type == "cuda":
+            # seen on an H200: LAMMPS (29 Aug 2024, host arrays) crashed in MLIAPData::generate_neighdata with the
+            # timers on and ran without them; until the cause is known, refuse rather than crash (docs/lammps.md)
+            raise LammpsSetupError("timers: not yet with the model on CUDA (a GPU run of LAMMPS crashed with them "
+                                   "on; see docs/lammps.md, 'Timers'): time a CPU run, or leave them off")
         self.timers = on
         if self._device is None:
             return
-        self._timers = PhaseTimers(self._device) if on else OFF
+        self._install_timers(PhaseTimers(self._device) if on else OFF)
+
+    def _install_timers(self, timers: PhaseTimers) -> None:
+        self._timers = timers
+        on = timers is not OFF
         if on:
             hook_exit()
-        self._hooks.timers = self._timers
+        self._hooks.timers = timers
         if self._step is not None:
-            self._step.timers = self._timers
+            self._step.timers = timers
 
     def _tables_on(self, device: torch.device, model_dtype: torch.dtype, patched: bool) -> bool:
         """Whether the radial weights come from tables (``radial_table`` resolved for this device and model)."""

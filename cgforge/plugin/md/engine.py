@@ -32,13 +32,6 @@ leaving the GPU idle. The list is installed after the block with that start stat
 reference: it holds every pair within cutoff + skin of those positions, so it stays valid while no atom
 has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
 
-Overlapped blocks (``overlap_blocks``, opt-in): the next block is queued before the last one's
-report is read (the host reads and plans while the device runs), planned one report late (its slack is the last
-report's less the steps in flight). A report that is not clean (a discarded step, an overflow, a blow-up) takes the
-block queued after it back (the state restored, one device copy) before the host acts on it as without overlap; a
-block that observes, searches the next list or precedes a rebuild is waited for. The committed steps are the same
-steps from the same states: a step does not depend on which valid list it used or on how steps form blocks.
-
 Random numbers are a function of (seed, step) (``noise``): a discarded and redone step draws the same
 numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
 ``load_state``, read and written by ``state``) continues exactly as an uninterrupted run.
@@ -52,7 +45,6 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,17 +71,6 @@ _FORMAT = 1
 _HIDE_STEPS = 2
 
 
-@dataclass
-class _Queued:
-    """A queued block: its length, whether it observes, its pipelined search, its host report and the event after it."""
-
-    size: int
-    observe: bool
-    pending: object | None
-    report: Tensor
-    done: torch.cuda.Event | None
-
-
 def _count(name: str, value: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -113,14 +94,13 @@ class Engine:
     memory plan at the start: ``RuntimeOptions.uncaptured_above_fraction``). fuse_integrator: compile the
     integrator's arithmetic (``Integrator.fuse``, with the provider's ``options.compile_backend``) so that its tiny
     operations become a few kernels of the captured step (None: on CUDA when the calculator's model is compiled,
-    ``Calculator(compile=True)``); sets it on ``integrator``. overlap_blocks: queue the next block before the
-    last one's report is read (None: on CUDA; see the module doc).
+    ``Calculator(compile=True)``); sets it on ``integrator``.
     """
 
     def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
                  steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
                  rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None,
-                 fuse_integrator: bool | None = None, overlap_blocks: bool | None = None) -> None:
+                 fuse_integrator: bool | None = None) -> None:
         if not isinstance(atoms, Atoms):
             raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
         if len(atoms) == 0:
@@ -151,7 +131,6 @@ class Engine:
         self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
         self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what the memory plan may turn off
         self.fuse_integrator = self._want_fused(fuse_integrator)
-        self.overlap_blocks = self._want_overlap(overlap_blocks)
         options = getattr(self.provider, "options", None)
         backend = "inductor" if options is None else options.compile_backend
 
@@ -183,8 +162,6 @@ class Engine:
             for k, v in extra.items():
                 self.state.extra[k].copy_(v)
         self.noise = NoiseSource(self.seed, self.state.step)
-        # overlapped: the state (and step) at the start of the last block queued, which taking it back restores
-        self._rollback = torch.empty(self._flat.numel() + 1, **f64) if self.overlap_blocks else None
         reference = integrator.temperature_K if integrator.temperature_K is not None else atoms.get_temperature()
         self.max_temperature_K = (max(2000.0, 5.0 * float(reference)) if max_temperature_K is None
                                   else float(max_temperature_K))
@@ -201,9 +178,7 @@ class Engine:
         self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in REPORT],
                                           dtype=torch.float64, device=self.device)
         pinned = self.device.type == "cuda"
-        # two: the report of the block in flight is copied while the host reads the one before
-        self._host_reports = [torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
-        self._ahead = 0  # steps queued whose report is unread (planned as committed)
+        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned)
         self._host_snapshot: Tensor | None = None
         self._snapshot_step: int | None = None
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
@@ -211,7 +186,7 @@ class Engine:
         self._fresh_list = True
         self._search_next = False  # this block searches the next list (pipelined rebuild; set by _plan_block)
         self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
-                      "grows": 0, "overlapped_blocks": 0, "taken_back": 0, "wall_s": 0.0}
+                      "grows": 0, "wall_s": 0.0}
         self._follow_memory_plan()  # run_md has planned this box already: the header says what will run
 
     # --- public ------------------------------------------------------------------------------------------
@@ -229,40 +204,22 @@ class Engine:
         start = time.perf_counter()
         self._start()
         target = self._step + steps
-        self._stuck = 0
-        queued: _Queued | None = None  # overlapped: the block in flight, report unread
-        try:
-            while self._step + self._ahead < target:
-                at = self._step + self._ahead
-                size = min(self.block, target - at)
-                if every:
-                    size = min(size, every - at % every)
-                size = self._plan_block(size)
-                if size == 0:  # wait for the block in flight first (a rebuild is due)
-                    queued = self._finish(queued, None, callback)
-                    continue
-                observe = bool(every) and (at + size) % every == 0
-                block = self._queue_block(size, observe)
-                queued, before = None, queued
-                if before is not None:
-                    self.stats["overlapped_blocks"] += 1
-                if before is not None and self._finish(before, block, callback) is None:
-                    continue  # the block just queued was taken back
-                if block.pending is not None:
-                    self.provider.search(block.pending)
-                queued = block
-                if not self.overlap_blocks or observe or block.pending is not None:
-                    queued = self._finish(queued, None, callback)
-            if queued is not None:
-                self._finish(queued, None, callback)
-        except BaseException:
-            if self._ahead:  # interrupted with a block in flight: the device's step counter says what committed
-                self._step = int(self.state.step)
-                self._snapshot_step = None
-                self._started = False  # the host's slack bookkeeping is behind: a new list at the next start
-            raise
-        finally:
-            self._ahead = 0
+        stuck = 0
+        while self._step < target:
+            size = min(self.block, target - self._step)
+            if every:
+                size = min(size, every - self._step % every)
+            size = self._plan_block(size)
+            observe = bool(every) and (self._step + size) % every == 0
+            committed = self._run_block(size, observe)
+            stuck = 0 if committed else stuck + 1
+            if stuck > 3:
+                raise RuntimeError(f"the engine made no progress at step {self._step + 1} in {stuck} blocks (edge "
+                                   f"buffers kept overflowing); stats {self.stats}")
+            if observe and committed == size:
+                self._write_atoms()
+                if callback is not None:
+                    callback(self)
         if not every or self._step % every:
             self._snapshot_step = None
         self.stats["wall_s"] += time.perf_counter() - start
@@ -366,11 +323,6 @@ class Engine:
         # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
         return self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
 
-    def _want_overlap(self, overlap: bool | None) -> bool:
-        if overlap is not None and not isinstance(overlap, bool):
-            raise TypeError(f"overlap_blocks: expected None, True or False, got {overlap!r}")
-        return bool(overlap)  # opt-in until it pays (measured: docs/performance.md)
-
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
         if pipelined is None:
@@ -446,11 +398,7 @@ class Engine:
 
     # --- blocks ------------------------------------------------------------------------------------------
 
-    def _queue_block(self, size: int, observe: bool) -> _Queued:
-        """Queue a block's steps and the copies of its report (and of the state when it observes)."""
-        if self._rollback is not None:  # the block before this one may fail: then this one is taken back
-            self._rollback[:-1].copy_(self._flat)
-            self._rollback[-1].copy_(self.state.step)
+    def _run_block(self, size: int, observe: bool) -> int:
         self._report_values.copy_(self._report_start)
         # Pipelined rebuild: in the list's last block (``_plan_block``) the next list is searched at the block's
         # start state on a side stream while the block runs, and installed after it.
@@ -460,48 +408,14 @@ class Engine:
         else:
             with torch.no_grad():
                 self._steps(size)
+        if pending is not None:
+            self.provider.search(pending)
         if observe:
             self._take_snapshot()
-            self._snapshot_step = None  # known when the report says the block committed
-        report = self._host_reports[self.stats["blocks"] % 2]
-        report.copy_(self._report_values, non_blocking=True)
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
-        if done is not None:
-            done.record()
-        self.stats["blocks"] += 1
-        self._ahead += size
-        return _Queued(size, observe, pending, report, done)
-
-    def _finish(self, queued: _Queued, then: _Queued | None, callback: Callable[[Engine], None] | None
-                ) -> _Queued | None:
-        """Act on ``queued``'s report and observe; returns ``then`` (queued after it) unless taken back, or None."""
-        committed = self._after_block(queued, then)
-        self._stuck = 0 if committed else self._stuck + 1
-        if self._stuck > 3:
-            raise RuntimeError(f"the engine made no progress at step {self._step + 1} in {self._stuck} blocks (edge "
-                               f"buffers kept overflowing); stats {self.stats}")
-        if queued.observe and committed == queued.size:
-            self._write_atoms()
-            if callback is not None:
-                callback(self)
-        return None if then is None or self._ahead == 0 else then
-
-    def _take_back(self, block: _Queued) -> None:
-        """Undo a queued block: the state is again that of its start (its steps count as discarded)."""
-        self._flat.copy_(self._rollback[:-1])
-        self.state.step.copy_(self._rollback[-1].to(torch.int64))
-        self._ahead -= block.size
-        self.stats["discarded"] += block.size
-        self.stats["taken_back"] += 1
-
-    def _after_block(self, block: _Queued, then: _Queued | None) -> int:
-        size, observe, pending = block.size, block.observe, block.pending
-        host = self._read_report(block)
+        host = self._read_report()
         committed = int(host["committed"])
-        self._ahead -= size
-        if then is not None and (committed < size or host["stale"] or host["overflow"] or host["blow_kind"]):
-            self._take_back(then)  # planned on a report that said all was well
         self._step += committed
+        self.stats["blocks"] += 1
         self.stats["steps"] += committed
         self.stats["discarded"] += size - committed
         if observe and committed == size:
@@ -535,20 +449,14 @@ class Engine:
     def _plan_block(self, size: int) -> int:
         """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
         the fastest use of slack seen); a rebuild first when not one step is left. Pipelined, the list's last
-        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched. Steps in
-        flight (``_ahead``) count as used; 0: wait for them first (a rebuild is due)."""
+        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched."""
         self._search_next = False
-        foreign = getattr(self.provider, "foreign_rebuild", False)
-        if foreign and self._ahead:
-            return 0
-        if foreign:
+        if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
         slack, rate = self._last_slack, self.rebuild_margin * self._slack_per_step
         if slack is None or not rate > 0:
             return size
-        safe = math.floor(slack / rate) - self._ahead  # the steps in flight use slack too
-        if safe < 1 and self._ahead:
-            return 0  # a rebuild is due: at the state after the block in flight
+        safe = math.floor(slack / rate)
         if safe < 1:
             self._rebuild()
             safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
@@ -575,10 +483,11 @@ class Engine:
         initial = getattr(self.provider, "initial_slack", None)  # the slack of a fresh list (no atom moved)
         self._last_slack = initial if initial is not None and math.isfinite(initial) else None
 
-    def _read_report(self, block: _Queued) -> dict[str, float]:
-        if block.done is not None:
-            block.done.synchronize()  # the one sync of the block (overlapped: the next block is running)
-        return dict(zip(REPORT, block.report.tolist(), strict=True))
+    def _read_report(self) -> dict[str, float]:
+        self._host_report.copy_(self._report_values, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the one sync of the block
+        return dict(zip(REPORT, self._host_report.tolist(), strict=True))
 
     def _replay(self, size: int) -> None:
         generation = getattr(self.provider, "generation", 0)
