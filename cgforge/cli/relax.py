@@ -16,8 +16,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ase import Atoms
+if TYPE_CHECKING:  # ase loads at run time only: `cgforge --help` imports nothing heavy
+    from ase import Atoms
 
 XYZ = (".xyz", ".extxyz")
 DB = (".db",)
@@ -138,6 +140,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         counts[done.status] += 1
         info = {"relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
                 "relax_fmax": done.fmax, "relax_error": done.error}
+        from ase import Atoms
+
         atoms = done.atoms if isinstance(done.atoms, Atoms) else Atoms()
         writer.write(atoms, info)
         if done.status == "failed":

@@ -796,7 +796,8 @@ def test_usage_lines_are_those_of_the_mode(mode):
 
     from cgforge.lammps.write import usage_lines
 
-    obj = SimpleNamespace(kind="mace", layers=2, cutoff=5.0, ghost_cutoff=10.0, element_types=["H", "O"], mode=mode)
+    obj = SimpleNamespace(kind="mace", layers=2, cutoff=5.0, ghost_cutoff=10.0, element_types=["H", "O"], mode=mode,
+                          timers=False)
     lines = usage_lines(obj, "w.pkl", skin=1.0)
     active = [line.split("#")[0].strip() for line in lines if not line.startswith("#")]
     flag, cutoff = ("0", 6) if mode == "exchange" else ("1", 11)

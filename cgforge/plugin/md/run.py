@@ -239,7 +239,11 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
                   engine_options=engine_options, names=names, prog=prog, new_run=new_run, reserved=reserved,
                   engine_given=given["engine"] is not None)
     if calculator is not None:
-        plan.attach(calculator)
+        try:
+            plan.attach(calculator)
+        except BaseException:
+            plan.close()  # a refused calculator or engine leaves no reserved output behind
+            raise
     return plan
 
 
