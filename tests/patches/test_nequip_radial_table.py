@@ -165,7 +165,7 @@ def test_nequip_tables_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="radial tables: .*not patched by cgforge"):
         rt.set_radial_table(plain, True)
     assert "one SequentialGraphNetwork, found 0" in rt.why_not_tabulated(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="radial_table=True: .*not patched by cgforge"):
+    with pytest.raises(ValueError, match="radial_table=True, patch=False: the radial tables are read by cgforge's"):
         _calculator(plain, patch=False, radial_table=True)
     # a module cgforge has not read, or one configured to read the edge embedding, in the network
     patched = pn.patch(copy.deepcopy(plain))

@@ -326,9 +326,9 @@ def test_cuda_without_gpu_is_a_clear_error(mace_model):
 def test_missing_bundled_model_fails_only_when_asked(monkeypatch, mace_model, tmp_path):
     from cgforge.plugin.runtime import bundled
 
-    monkeypatch.setattr(bundled, "MODELS_DIR", tmp_path)  # as in an installation without the models/ folder
+    monkeypatch.setattr(bundled, "MODELS_DIR", tmp_path)  # as in an installation that lost its models
     Calculator(copy.deepcopy(mace_model), device="cpu", warmup=False)  # unaffected
-    with pytest.raises(FileNotFoundError, match="bundled mace model not found at .*use a git checkout"):
+    with pytest.raises(FileNotFoundError, match="bundled mace model not found at .*reinstall cgforge"):
         Calculator("mace", device="cpu")
 
 
