@@ -284,7 +284,7 @@ def test_every_option_and_output_path_is_checked_once(tmp_path, stand_in, monkey
     monkeypatch.setattr(MDOptions, "__post_init__", lambda self, names: calls["MDOptions"].append(names) or
                         checked(self, names))
     for name, seen in [("check_new_path", calls["check_new_path"])]:
-        for module in [m for n, m in sys.modules.items() if n.startswith("cgforge") and hasattr(m, name)]:
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("cgforge") and hasattr(m, name)]:
             original = getattr(module, name)
 
             def counted(*args, _original=original, _seen=seen, **kwargs):
