@@ -40,13 +40,18 @@ cache_key() {  # what a build depends on: sources (name and size), build scripts
 
 dest=$root/.lammps
 if [ ! -d "$dest" ] || [ -L "$dest" ]; then
-  cache=${CGFORGE_LAMMPS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cgforge/lammps}/$(cache_key)
-  mkdir -p "$cache"
-  ln -sfn "$cache" "$dest"
-  echo "lammps: builds cached in $cache (.lammps links there)"
-  # one build at a time per cache folder: a second clone's CI waits for the first instead of building beside it
-  exec 9>"$cache/.lock"
-  flock 9
+  cache=${CGFORGE_LAMMPS_CACHE:-${XDG_CACHE_HOME:-${HOME:-/nonexistent}/.cache}/cgforge/lammps}/$(cache_key)
+  if mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ]; then
+    ln -sfn "$cache" "$dest"
+    echo "lammps: builds cached in $cache (.lammps links there)"
+    # one build at a time per cache folder: a second clone's CI waits for the first instead of building beside it
+    exec 9>"$cache/.lock"
+    command -v flock > /dev/null && flock 9
+  else
+    echo "lammps: cannot write the cache $cache: building in $dest"
+    rm -f "$dest"
+    mkdir -p "$dest"
+  fi
 fi
 dest=$(cd "$dest" && pwd -P)  # the real folder: the builds record absolute paths
 dest25=$dest/kokkos-22Jul2025
