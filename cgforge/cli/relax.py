@@ -31,8 +31,10 @@ def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="OUT", default=None,
                         help="new file of the same format (default: IN with .relaxed before the suffix)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never IN)")
+    from cgforge.plugin.runtime.bundled import LISTED
+
     parser.add_argument("--model", default="mace",
-                        help="'mace' or 'nequip' (bundled water models), or a .model/.ckpt/.nequip.zip file")
+                        help=f"{LISTED} (bundled water models), or a .model/.ckpt/.nequip.zip file")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")

@@ -283,9 +283,9 @@ def test_patch_takes_the_bundled_names(tmp_path: Path, capsys) -> None:
 def test_patch_bundled_names_resolve_to_their_files(tmp_path: Path, capsys) -> None:
     """'mace' and 'nequip' name the bundled models as in `cgforge md` and `lammps-model` (issue 63); the OUT
     checks of the family that name resolves to answer first, before any load."""
-    from cgforge.plugin.runtime.bundled import kinds
+    from cgforge.plugin.runtime.bundled import NAMES
 
-    assert kinds() == ("mace", "nequip")
+    assert NAMES == ("mace", "nequip")
     assert main(["patch", "nequip", str(tmp_path / "out.model")]) == 1
     err = capsys.readouterr().err
     assert "OUT: " in err and "must end with .nequip.zip" in err  # IN was found to be a NequIP package

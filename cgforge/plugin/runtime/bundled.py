@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["MODEL_FILES", "MODELS_DIR", "NAMES", "TRAINING_SCRIPT", "model_path", "kinds", "LISTED"]
+__all__ = ["MODEL_FILES", "MODELS_DIR", "NAMES", "TRAINING_SCRIPT", "model_path", "LISTED"]
 
 MODEL_FILES = {"mace": "water-mace.model", "nequip": "water-nequip.nequip.zip"}
 NAMES: tuple[str, ...] = tuple(MODEL_FILES)
@@ -25,10 +25,6 @@ LISTED = " or ".join(map(repr, NAMES))  # "'mace' or 'nequip'", for messages and
 MODELS_DIR = Path(str(resources.files("cgforge").joinpath("models")))
 TRAINING_SCRIPT = "scripts/train_bundled_models.py"
 
-
-def kinds() -> tuple[str, ...]:
-    """The bundled models' names, :data:`NAMES`: ``("mace", "nequip")``."""
-    return NAMES
 
 
 def model_path(kind: str) -> Path:

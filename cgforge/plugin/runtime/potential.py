@@ -139,9 +139,9 @@ def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.
         model = bundled.model_path(model)
     if isinstance(model, str | os.PathLike):
         if not Path(model).exists():
-            close = difflib.get_close_matches(str(model).lower(), bundled.kinds(), n=1)
+            close = difflib.get_close_matches(str(model).lower(), bundled.NAMES, n=1)
             raise FileNotFoundError(f"model: {model} not found; expected a bundled model "
-                                    f"({', '.join(map(repr, bundled.kinds()))}) or a checkpoint file (.model, .ckpt, "
+                                    f"({', '.join(map(repr, bundled.NAMES))}) or a checkpoint file (.model, .ckpt, "
                                     ".nequip.zip)" + (f"; did you mean {close[0]!r}?" if close else ""))
         existing_file(model, "model", "a checkpoint file")
     return families.load(model, device, dtype, patch=patch, tuning=tuning)
