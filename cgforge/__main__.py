@@ -2,6 +2,6 @@
 
 import sys
 
-from cgforge.cli import main
+from cgforge.plugin.cli import main
 
 sys.exit(main())

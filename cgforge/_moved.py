@@ -56,6 +56,8 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.patches.harmonics.KernelHarmonics",
         "cgforge.kernels.harmonics.HarmonicsPolynomials",
     ),
+    # a LAMMPS ML-IAP file (`cgforge lammps-model`: the class pickled with the model inside it)
+    "lammps": ("cgforge.plugin.lammps.unified.CgforgeMLIAP",),
     # a NequIP package written from a model that streams edges or reads radial tables
     "nequip runtime": (
         "cgforge.patches.nequip.radial_table.FactorInTable",

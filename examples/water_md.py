@@ -19,9 +19,9 @@ import argparse
 import sys
 import time
 
-from cgforge.cli import run_guarded
-from cgforge.cli.md import add_md_arguments, model_banner, options_banner, prepare_md, relax_structure
 from cgforge.plugin.calculator import Calculator
+from cgforge.plugin.cli import run_guarded
+from cgforge.plugin.cli.md import add_md_arguments, model_banner, options_banner, prepare_md, relax_structure
 
 
 def main(argv: list[str] | None = None) -> int:

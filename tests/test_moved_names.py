@@ -16,7 +16,7 @@ def test_public_names_import_without_a_warning() -> None:
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
             "from cgforge.plugin import Calculator, run_md, water_box, Engine, MDBlowUp, neighbour_list\n"
             "from cgforge.plugin.md import run_md, Engine, MDInstabilityError\n"
-            "from cgforge.cli import main\n"
+            "from cgforge.plugin.cli import main\n"
             "import cgforge.patches, cgforge.kernels\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -33,4 +33,4 @@ def test_an_unknown_name_is_still_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_name"):
         md.no_such_name  # noqa: B018
-    assert not hasattr(md, "run_from_args")  # the first layout's re-export from cgforge.cli.md is gone
+    assert not hasattr(md, "run_from_args")  # the first layout's re-export from cgforge.plugin.cli.md is gone

@@ -162,3 +162,14 @@ def test_old_patched_nequip_package_loads_and_matches() -> None:
         assert atoms.calc.patched
         energies.append(atoms.get_potential_energy())
     assert np.isclose(energies[0], energies[1], rtol=1e-10, atol=0)
+
+
+def test_a_lammps_model_file_names_only_listed_paths(tmp_path: Path) -> None:
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
+
+    out = write_lammps_model(CgforgeMLIAP("mace"), tmp_path / "water.pkl")
+    allowed = set(PICKLED_CLASSES["lammps"]) | set(PICKLED_CLASSES["mace"])
+    named = {n for n in pickled_globals(out.read_bytes()) if n.startswith("cgforge")}
+    assert "cgforge.plugin.lammps.unified.CgforgeMLIAP" in named
+    assert named <= allowed

@@ -19,7 +19,7 @@ __all__ = ["is_mace_model", "is_nequip_model", "plain_module_name", "zip_names",
 
 NEQUIP_PACKAGE = "a NequIP package"
 MLIAP_FILE = "a LAMMPS ML-IAP file written by cgforge lammps-model"
-_MLIAP_CLASS = (b"cgforge.lammps.unified", b"CgforgeMLIAP")  # in the first bytes of its pickle
+_MLIAP_CLASS = (b"lammps.unified", b"CgforgeMLIAP")  # in the first bytes of its pickle (cgforge.lammps before 0.2.0)
 
 _PACKAGE_PREFIX = re.compile(r"^<torch_package_\d+>\.")
 

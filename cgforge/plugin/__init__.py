@@ -1,6 +1,7 @@
 """The ASE side of cgforge, by job: ``runtime/`` (a model's adapter, neighbour list, captured step, memory
 plan), ``calculator.py`` (the ASE calculator over the runtime), ``md/`` (run_md, the engine, integrators,
-trajectories) and ``water.py`` (water boxes).
+trajectories), ``water.py`` (water boxes), ``cli/`` (the ``cgforge`` command line) and ``lammps/`` (LAMMPS's
+``pair_style mliap unified``).
 
     from cgforge.plugin import Calculator, run_md, water_box
 

@@ -21,8 +21,8 @@ from ase import Atoms
 from ase.io import read
 
 import cgforge
-from cgforge.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_UNSTABLE, main
 from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_UNSTABLE, main
 from cgforge.plugin.runtime.bundled import model_path
 from cgforge.plugin.water import QSPCFwCalculator, water_box
 
@@ -146,7 +146,7 @@ class _StandInCalculator:
 
 
 def test_compile_auto_rule():
-    from cgforge.cli.md import COMPILE_AUTO_MIN_STEPS, auto_compile
+    from cgforge.plugin.cli.md import COMPILE_AUTO_MIN_STEPS, auto_compile
 
     atoms = Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
     long_run = COMPILE_AUTO_MIN_STEPS
@@ -171,7 +171,7 @@ def test_compile_auto_rule():
 def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypatch):
     """`cgforge md` on a GPU with the auto rule's threshold lowered to this run's length: the model is compiled
     after loading, the engine fuses its integrator, the run ends well."""
-    from cgforge.cli import md as md_cli
+    from cgforge.plugin.cli import md as md_cli
 
     torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
@@ -325,7 +325,7 @@ _CTRL_C_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {tests!r} + "/cli", {root!r}]
     from test_cli_md import StandIn
     from cgforge.plugin import calculator
-    from cgforge.cli import main
+    from cgforge.plugin.cli import main
     calculator.Calculator = StandIn
     sys.exit(main(sys.argv[1:]))
 """)
@@ -400,10 +400,10 @@ def test_sigterm_while_the_model_loads_exits_143_and_leaves_no_empty_output(tmp_
 def test_two_runs_without_a_name_get_two_trajectories(tmp_path, monkeypatch, no_model):
     """A job array's runs started in the same second in one folder: the default name is reserved when it is
     chosen, before the model loads, so the second run takes the next free name (issue 63)."""
-    from cgforge.cli.md import prepare_md
+    from cgforge.plugin.cli.md import prepare_md
 
     monkeypatch.chdir(tmp_path)
-    args = cgforge.cli.build_parser().parse_args(["md", "--molecules", "4", "--device", "cpu", "--relax", "0"])
+    args = cgforge.plugin.cli.build_parser().parse_args(["md", "--molecules", "4", "--device", "cpu", "--relax", "0"])
     first, second = prepare_md(args), prepare_md(args)
     assert first.trajectory != second.trajectory and first.trajectory.exists() and second.trajectory.exists()
     assert re.fullmatch(r"md-\d{8}-\d{6}(-\d+)?\.traj", second.trajectory.name)

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cgforge.cli import EXIT_ERROR, main
-from cgforge.cli.md import options_banner, read_kernel_tuning
 from cgforge.kernels import KernelTuning, SCTuning, TPTuning
 from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.cli import EXIT_ERROR, main
+from cgforge.plugin.cli.md import options_banner, read_kernel_tuning
 
 
 def _md(tmp_path: Path, *extra: str) -> list[str]:

@@ -19,10 +19,10 @@ from ase import Atoms
 from ase.io import read
 from test_cli_md import StandIn, _one_line_error
 
-from cgforge.cli import EXIT_ERROR, EXIT_OK, main
-from cgforge.cli import md as md_cli
 from cgforge.patches.common import UnknownElementError
 from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.cli import EXIT_ERROR, EXIT_OK, main
+from cgforge.plugin.cli import md as md_cli
 from cgforge.plugin.water import water_box
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,7 +229,8 @@ def test_help_and_banner_say_which_code_runs_and_the_effective_options(tmp_path,
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["md", "--help"]])
 @pytest.mark.smoke
 def test_version_and_help_load_no_torch(argv):
-    code = ("import sys\nfrom cgforge.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom cgforge.plugin.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'e3nn', 'ase', 'cgforge.patches', 'cgforge.kernels') if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -271,7 +272,7 @@ def test_the_path_from_the_command_line_to_the_model_call_visits_each_file_once(
     package = str(ROOT / "cgforge")
     files = [Path(f).relative_to(package).as_posix() for f in stacks[0] if f.startswith(package)]
     visits = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
-    assert visits == ["cli/commands.py", "cli/md.py", "plugin/md/run.py"], visits  # then ASE's dynamics
+    assert visits == ["plugin/cli/commands.py", "plugin/cli/md.py", "plugin/md/run.py"], visits  # then ASE's dynamics
 
 
 def test_every_option_and_output_path_is_checked_once(tmp_path, stand_in, monkeypatch):

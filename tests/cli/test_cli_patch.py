@@ -14,8 +14,8 @@ import torch
 from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
 
 from cgforge import patches
-from cgforge.cli import main
 from cgforge.patches import mace as pm
+from cgforge.plugin.cli import main
 
 
 def _sha(path: Path) -> str:
@@ -164,7 +164,7 @@ def test_doctor_reports_and_compiles():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "cgforge.cli", "doctor"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "cgforge.plugin.cli", "doctor"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nvrtc" in done.stdout.lower()
@@ -205,14 +205,14 @@ def _deny_writes_to(monkeypatch, directory: Path) -> None:
 
 
 def _no_model_loads(monkeypatch) -> None:
-    import cgforge.lammps
+    import cgforge.plugin.lammps
     from cgforge.patches import families
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before OUT's directory was checked")
 
     monkeypatch.setattr(families, "load", refuse)
-    monkeypatch.setattr(cgforge.lammps, "CgforgeMLIAP", refuse)
+    monkeypatch.setattr(cgforge.plugin.lammps, "CgforgeMLIAP", refuse)
 
 
 @pytest.mark.parametrize("command", ["patch", "unpatch", "lammps-model"])
@@ -300,8 +300,8 @@ def test_patch_bundled_names_resolve_to_their_files(tmp_path: Path, capsys) -> N
 def test_a_nequip_package_or_an_mliap_file_given_as_a_mace_checkpoint_says_what_it_is(tmp_path: Path, capsys) -> None:
     """Where a MACE checkpoint is expected (its suffix, or IN of `cgforge patch`), a NequIP package or the file
     `cgforge lammps-model` writes (pickle or torch.save) is named for what it is, not with torch's message."""
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
     from cgforge.plugin.runtime.bundled import model_path
 
     package = tmp_path / "package.model"

@@ -12,8 +12,8 @@ from ase.build import molecule
 from ase.db import connect
 from ase.io import read, write
 
-from cgforge.cli import EXIT_ERROR, EXIT_OK, main
 from cgforge.plugin import calculator as calculator_module
+from cgforge.plugin.cli import EXIT_ERROR, EXIT_OK, main
 from cgforge.plugin.water import water_box
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))

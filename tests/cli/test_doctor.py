@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgforge.cli import doctor
 from cgforge.kernels.core import compiler
+from cgforge.plugin.cli import doctor
 
 
 @pytest.mark.parametrize("torch_cuda,cupy,nvrtc,expected", [

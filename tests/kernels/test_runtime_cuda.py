@@ -227,7 +227,7 @@ def test_bad_launches_are_rejected(kernels):
 
 
 def test_doctor_runs_the_gpu_check(capsys):
-    from cgforge.cli import doctor
+    from cgforge.plugin.cli import doctor
 
     assert doctor.main() == 0
     out = capsys.readouterr().out

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     if args.timers_report:
         lmp.command('python cgforge_timers input 1 SELF format p here '
-                    '"from cgforge.lammps.timers import report as cgforge_timers"')
+                    '"from cgforge.plugin.lammps.timers import report as cgforge_timers"')
         lmp.command("python cgforge_timers invoke")
     if me == 0:
         with open(args.out, "w") as f:
@@ -118,7 +118,7 @@ def _models() -> list[dict]:
     """What this rank's cgforge objects did (LAMMPS loaded them from the file: found among the live objects)."""
     import gc
 
-    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps import CgforgeMLIAP
 
     return [{"mode": o.last_mode, "path": o.last_path, "exchanges": o.exchanges, "ranks": o.ranks,
              "cutoff": o.cutoff, "rcutfac": o.rcutfac, "owner_exchanges": o.owner_exchanges,

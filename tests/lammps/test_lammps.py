@@ -1,4 +1,4 @@
-"""cgforge.lammps against a stand-in of LAMMPS's ML-IAP data object (built from ASE), and the CLI.
+"""cgforge.plugin.lammps against a stand-in of LAMMPS's ML-IAP data object (built from ASE), and the CLI.
 
 The stand-in (``tests/lammps/lammps_standin.py``) gives each domain its local atoms, ghosts and pairs as LAMMPS
 does, adds the pair forces and the virial up as ``update_pair_forces`` does, and exchanges node features
@@ -19,9 +19,9 @@ import torch
 from ase import Atoms
 from lammps_standin import HOST_COMM_WIDTH, StandInData, build_domains, combine, run_domains
 
-from cgforge.cli import main as cli_main
-from cgforge.lammps import CgforgeMLIAP, LammpsSetupError
 from cgforge.plugin import Calculator
+from cgforge.plugin.cli import main as cli_main
+from cgforge.plugin.lammps import CgforgeMLIAP, LammpsSetupError
 from cgforge.plugin.water import water_box
 
 TOL = 1e-10
@@ -167,7 +167,7 @@ def test_host_couple_of_both_versions(mace_file, lammps):
 
 
 def test_flavour_is_the_couple_module():
-    from cgforge.lammps.arrays import couple_of, is_device_flavour, to_tensor
+    from cgforge.plugin.lammps.arrays import couple_of, is_device_flavour, to_tensor
 
     (host,) = build_domains(structure(), ["H", "O"], 3.0, 6.0, lammps="2025")
     (kokkos,) = build_domains(structure(), ["H", "O"], 3.0, 6.0, flavour="kokkos")
@@ -195,7 +195,7 @@ def test_flavour_is_the_couple_module():
 def test_host_exchange_in_blocks(mace_file, monkeypatch):
     """Features wider than LAMMPS's host comm buffers go in blocks; whole, the stand-in refuses them, as LAMMPS
     would write past its buffers (the heap corruption seen on a Kokkos host build)."""
-    import cgforge.lammps.exchange as exchange
+    import cgforge.plugin.lammps.exchange as exchange
 
     atoms = structure(seed=17)
     obj = CgforgeMLIAP(mace_file, patch=False)
@@ -321,7 +321,7 @@ def test_atoms_without_pairs(mace_file, padded):
     assert np.allclose(got["energies"], ref["energies"], rtol=TOL, atol=0) and not got["forces"].any()
 
 
-# --- the padded step (cgforge.lammps.captured): the same code that CUDA captures, run eagerly on the CPU ---------
+# --- the padded step (cgforge.plugin.lammps.captured): the same code that CUDA captures, run eagerly on the CPU ---
 
 
 def domains_of(obj: CgforgeMLIAP, atoms: Atoms, n_domains: int = 1, **kw) -> list[StandInData]:
@@ -645,7 +645,7 @@ def test_one_rank_owners_without_positions_are_found_every_call(mace_file):
 
 def test_owner_check_flags_any_displacement_and_nan():
     """``GhostMapCache``'s check: a ghost off its owner's image by more than the tolerance, or at NaN, is moved."""
-    from cgforge.lammps.owners import TOLERANCE, GhostMapCache
+    from cgforge.plugin.lammps.owners import TOLERANCE, GhostMapCache
 
     class Data:  # one local atom, two ghosts that are its images
         x = torch.tensor([[1.0, 2.0, 3.0], [11.0, 2.0, 3.0], [1.0, -8.0, 3.0]])
@@ -683,7 +683,7 @@ def test_several_ranks_never_take_the_one_rank_shortcut(mace_file):
 
 
 def test_launcher_ranks():
-    from cgforge.lammps.ranks import launcher_ranks
+    from cgforge.plugin.lammps.ranks import launcher_ranks
 
     assert launcher_ranks({}) == 1
     assert launcher_ranks({"OMPI_COMM_WORLD_SIZE": "1"}) == 1
@@ -734,7 +734,7 @@ def test_two_domains_exchange_only_the_other_ranks_ghosts():
     images of the domain's own atoms are rewired to them, so the model's nodes are the local atoms and the other
     domain's ghosts only, and only those are exchanged; float32 features go forward packed two to a float64 word.
     The Calculator's numbers (FP32 model: 5e-6)."""
-    from cgforge.lammps import exchange
+    from cgforge.plugin.lammps import exchange
 
     torch.set_default_dtype(torch.float32)
     from mace_helpers import build_model
@@ -757,7 +757,7 @@ def test_two_domains_exchange_only_the_other_ranks_ghosts():
         obj = CgforgeMLIAP(path, patch=False)
         from unittest import mock
 
-        with mock.patch("cgforge.lammps.owners.ghost_map", spy):
+        with mock.patch("cgforge.plugin.lammps.owners.ghost_map", spy):
             got, domains = run(obj, atoms, mode="exchange", n_domains=2, path="eager")
         ref = reference(path, atoms, patch=False)
     assert_matches(got, ref, tol=5e-6)  # float32 rounding (summation order); the packing itself is exact (below)
@@ -773,7 +773,7 @@ def test_two_domains_exchange_only_the_other_ranks_ghosts():
 def test_float32_forward_packing_is_bit_exact(width):
     """Float32 features packed two to a float64 word come back bit for bit through a copying exchange, NaNs,
     infinities, denormals and signed zeros included (odd widths padded), in host blocks as on a Kokkos host build."""
-    from cgforge.lammps.exchange import _send_forward
+    from cgforge.plugin.lammps.exchange import _send_forward
 
     class Copying:
         def forward_exchange(self, src, dst, width):
@@ -794,7 +794,7 @@ def test_usage_lines_are_those_of_the_mode(mode):
     comm_modify (issue 63): each mode's own lines are the active ones (auto: ghost's, exchange's as comments)."""
     from types import SimpleNamespace
 
-    from cgforge.lammps.write import usage_lines
+    from cgforge.plugin.lammps.write import usage_lines
 
     obj = SimpleNamespace(kind="mace", layers=2, cutoff=5.0, ghost_cutoff=10.0, element_types=["H", "O"], mode=mode,
                           timers=False)

@@ -90,8 +90,8 @@ def water(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> Path:
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
 
     return write_lammps_model(CgforgeMLIAP("mace", dtype="float64"),
                               tmp_path_factory.mktemp("lammps_model") / "water-mace.mliap.pkl")
@@ -110,7 +110,7 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
     """lammps_nve.py (next to this file) on ``ranks`` MPI ranks; kokkos: None (host couple), "host" or "gpu"
     (Kokkos couple); renumber: in exchange mode, ghosts rebuilt every step and atoms renumbered every 3 (the
     one-rank owners kept across calls are then checked both ways)."""
-    from cgforge.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps import CgforgeMLIAP
 
     with open(model, "rb") as f:
         obj = pickle.load(f)
@@ -205,7 +205,7 @@ def test_timer_table_in_lammps_log(lammps_builds, water, model_file, ranks, tmp_
     """A model file with timers on, a few exchange-mode steps (Kokkos host couple, the cheap mode) and the input's
     `python` command after them: LAMMPS's log file holds the table, once (not echoed), labelled by rank, with the
     phases this mode runs (one rank: the ghosts' owners; two: exchanges inside the model)."""
-    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.lammps.write import write_lammps_model
 
     found = lammps_builds["2025"]
     if isinstance(found, str):
@@ -238,9 +238,9 @@ def test_timer_table_in_lammps_log(lammps_builds, water, model_file, ranks, tmp_
 def test_nequip_exchange_in_lammps_matches_calculator(lammps_builds, water, tmp_path_factory, tmp_path):
     """The bundled NequIP model (float32 only) in exchange mode on two ranks (Kokkos host couple): the
     Calculator's numbers within float32 rounding (measured <= 5e-7 relative; the trajectory is not compared)."""
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
     from cgforge.plugin import Calculator
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
 
     found = lammps_builds["2025"]
     if isinstance(found, str):
@@ -288,9 +288,9 @@ def test_nequip_exchange_mode_on_gpus_matches_calculator(water, ranks, tmp_path)
     """The bundled NequIP model (FP32; radial tables on, the default on CUDA) in exchange mode on one GPU (captured,
     on the ghosts' owners) and on two: the Calculator with tables (cgforge's kernels on the CPU) within float32
     rounding, as the CPU test on two ranks."""
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
     from cgforge.plugin import Calculator
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
 
     env, mpirun = _kokkos_cuda_lammps(gpus=ranks)
     model = write_lammps_model(CgforgeMLIAP("nequip"), tmp_path / "water-nequip.mliap.pkl")
@@ -305,8 +305,8 @@ def test_two_gpus_follow_one_gpu_for_100_nve_steps(tmp_path):
     energies, forces and trajectory within FP32 rounding (the ranks only change the order of sums)."""
     from ase.io.lammpsdata import write_lammps_data
 
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import write_lammps_model
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import write_lammps_model
     from cgforge.plugin.water import water_box
 
     found = _lammps_env("CGFORGE_LAMMPS_KOKKOS_DIR", None)

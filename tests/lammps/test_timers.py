@@ -1,4 +1,4 @@
-"""cgforge's ML-IAP timers (``cgforge.lammps.timers``) on the CPU, through the stand-in of LAMMPS's data object:
+"""cgforge's ML-IAP timers (``cgforge.plugin.lammps.timers``) on the CPU, through the stand-in of LAMMPS's data object:
 phases accumulate per call, the table's rows and rank label, ``report`` prints it through LAMMPS's ``print``, and
 timers off read no clock at all. The real-LAMMPS check (the table in LAMMPS's log file) is in test_lammps_real.py."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from lammps_standin import build_domains, run_domains
 
-from cgforge.cli import main as cli_main
-from cgforge.lammps import CgforgeMLIAP, LammpsSetupError, timers
-from cgforge.lammps.ranks import launcher_rank
+from cgforge.plugin.cli import main as cli_main
+from cgforge.plugin.lammps import CgforgeMLIAP, LammpsSetupError, timers
+from cgforge.plugin.lammps.ranks import launcher_rank
 from cgforge.plugin.water import water_box
 
 

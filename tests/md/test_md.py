@@ -14,8 +14,8 @@ import torch
 from ase.io import read
 from mace_helpers import build_model  # noqa: E402
 
-from cgforge.cli import main as cli_main  # noqa: E402
 from cgforge.plugin import Calculator, run_md  # noqa: E402
+from cgforge.plugin.cli import main as cli_main  # noqa: E402
 from cgforge.plugin.water import QSPCFwCalculator, water_box  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ from ase.calculators.emt import EMT
 from ase.io import read
 from mace_helpers import build_model  # noqa: E402
 
-from cgforge.cli import EXIT_ERROR, EXIT_UNSTABLE, main  # noqa: E402
 from cgforge.plugin import Calculator  # noqa: E402
+from cgforge.plugin.cli import EXIT_ERROR, EXIT_UNSTABLE, main  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.run import MDInstabilityError, MDInterrupted, run_md  # noqa: E402
 from cgforge.plugin.runtime.step_graph import ModelStep  # noqa: E402

@@ -18,7 +18,7 @@ from ase.calculators.calculator import Calculator, all_changes
 from ase.calculators.emt import EMT
 from ase.io import read
 
-from cgforge.cli.md import model_banner
+from cgforge.plugin.cli.md import model_banner
 from cgforge.plugin.md.run import (
     MDInstabilityError,
     MDInterrupted,

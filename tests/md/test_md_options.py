@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cgforge.cli.md import add_md_arguments
+from cgforge.plugin.cli.md import add_md_arguments
 from cgforge.plugin.md.options import (
     KEPT,
     MODES,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from ase.io import read
 
-from cgforge.cli import main
 from cgforge.plugin import Calculator
+from cgforge.plugin.cli import main
 from cgforge.plugin.md.run import run_md
 from cgforge.plugin.runtime.options import RuntimeOptions
 from cgforge.plugin.water import water_box

@@ -186,9 +186,9 @@ OWN = ("cgforge/patches/families.py", "cgforge/patches/recognise.py", "cgforge/p
 # `families.family_of(model).is_patched(model)`, `adapter.kind` replaced by the family, `bundled.kinds()`)
 PENDING = {
     "cgforge/plugin/runtime/potential.py": "the runtime's _is_patched",
-    "cgforge/lammps/exchange.py": "the exchange's per-family energy model",
-    "cgforge/lammps/unified.py": "the LAMMPS model's bundled names and per-family path",
-    "cgforge/cli/md.py": "cgforge md's bundled names",
+    "cgforge/plugin/lammps/exchange.py": "the exchange's per-family energy model",
+    "cgforge/plugin/lammps/unified.py": "the LAMMPS model's bundled names and per-family path",
+    "cgforge/plugin/cli/md.py": "cgforge md's bundled names",
 }
 
 

@@ -21,9 +21,9 @@ from e3nn.util.codegen import CodeGenMixin
 from mace_helpers import assert_same_outputs, build_model, evaluate, water_dimer
 
 from cgforge import patches
-from cgforge.cli import main as cli_main
 from cgforge.patches import mace as pm
 from cgforge.patches.mace import legacy as mace_legacy
+from cgforge.plugin.cli import main as cli_main
 
 # ---------------------------------------------------------------------------------------------
 # Writing a checkpoint the way e3nn 0.4 pickled its modules

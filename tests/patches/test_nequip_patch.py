@@ -718,7 +718,7 @@ def test_cuda_force_jacobian_is_symmetric(models: Models, files: dict, case: str
 
 
 def test_cli_patch_writes_nequip_package(files: dict, models: Models, tmp_path: Path) -> None:
-    from cgforge.cli import main
+    from cgforge.plugin.cli import main
 
     src = files["l2_pTrue"]["ckpt"]
     before = sha256(src)

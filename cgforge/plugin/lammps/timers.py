@@ -28,7 +28,7 @@ are the ``waits`` row: two events for each would cost more than that work.
 Printing: ML-IAP gives Python classes no end-of-run call, and their data object no handle on LAMMPS (its screen and
 log file). The input hands that handle over through LAMMPS's ``python`` command (``SELF``), after each run::
 
-    python cgforge_timers input 1 SELF format p here "from cgforge.lammps.timers import report as cgforge_timers"
+    python cgforge_timers input 1 SELF format p here "from cgforge.plugin.lammps.timers import report as cgforge_timers"
     run 1000
     python cgforge_timers invoke
 

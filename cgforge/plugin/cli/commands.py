@@ -71,8 +71,8 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
 def cmd_lammps_model(args: argparse.Namespace) -> int:
     """``cgforge lammps-model IN OUT``: write the file LAMMPS's ``pair_style mliap unified`` loads, holding the
     checkpoint IN (or a bundled model: ``cgforge.plugin.runtime.bundled``) with the given options."""
-    from cgforge.lammps import CgforgeMLIAP
-    from cgforge.lammps.write import usage_lines, write_lammps_model
+    from cgforge.plugin.lammps import CgforgeMLIAP
+    from cgforge.plugin.lammps.write import usage_lines, write_lammps_model
     from cgforge.plugin.runtime.bundled import NAMES
 
     _check_paths(None if args.input.lower() in NAMES else args.input, args.output, args.force)

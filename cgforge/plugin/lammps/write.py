@@ -59,8 +59,8 @@ def usage_lines(obj: CgforgeMLIAP, path: str | os.PathLike, skin: float = 1.0) -
         lines += [other[0], *(f"# {line}" for line in other[1:])]
     if obj.timers:
         lines += ["# timers on: after each run, their table into LAMMPS's screen and log (every rank's)",
-                  'python cgforge_timers input 1 SELF format p here "from cgforge.lammps.timers import report as '
-                  'cgforge_timers"',
+                  'python cgforge_timers input 1 SELF format p here '
+                  '"from cgforge.plugin.lammps.timers import report as cgforge_timers"',
                   "# run N", "python cgforge_timers invoke"]
     if str(path).lower().endswith(TORCH_SUFFIXES):
         lines.append("# a .pt file: run LAMMPS with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (torch >= 2.6 loads weights "
