@@ -285,7 +285,7 @@ class CgforgeMLIAP(_mliap_base()):
         if not isinstance(on, bool):
             raise TypeError(f"timers: expected True or False, got {on!r}")
         if on and self._device is not None and self._device.type == "cuda":
-            # seen on an H200: LAMMPS (29 Aug 2024, host arrays) crashed in MLIAPData::generate_neighdata with the
+            # seen on a GPU: LAMMPS (29 Aug 2024, host arrays) crashed in MLIAPData::generate_neighdata with the
             # timers on and ran without them; until the cause is known, refuse rather than crash (docs/lammps.md)
             raise LammpsSetupError("timers: not yet with the model on CUDA (a GPU run of LAMMPS crashed with them "
                                    "on; see docs/lammps.md, 'Timers'): time a CPU run, or leave them off")
