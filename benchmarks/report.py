@@ -449,7 +449,9 @@ def render(results: Path) -> str:
               "README (`TREES` in benchmarks/report.py) and the table says so.",
               "- The force-call table's numbers are read from the run's log (`LOG_ROWS` in benchmarks/report.py): "
               "that run's JSON was not kept; report.py checks each value against the log text.",
-              "- Symmetrix-XL: published by its authors (`PUBLISHED` in benchmarks/report.py), not run here.", ""]
+              "- Symmetrix-XL: published by its authors (`PUBLISHED` in benchmarks/report.py), not run here.",
+              "- The measurements behind the code's constants and choices (chunk sizes, thresholds, defaults): "
+              "[measured-constants.md](measured-constants.md).", ""]
     return "\n".join(lines)
 
 

@@ -9,9 +9,8 @@ sphere, so a least-squares fit in FP64 on points of the sphere recovers it exact
 against the module on vectors of all lengths. The kernel has them as constants.
 
 Why a kernel: e3nn computes every column as a tensor of its own and ``torch.stack``s them into [E, D], a copy with
-strided writes; at 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms on an H100, twice a step
-(the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
-(benchmarks/results/lammps-2gpu-h100-20261127c/). Here one thread owns an edge: it reads 3 values and writes D
+strided writes, twice a step (the chunked rows evaluate the harmonics again in the backward): a sixth of a
+million-atom step (measured: docs/measured-constants.md). Here one thread owns an edge: it reads 3 values and writes D
 (the backward: reads 3 + D, writes 3).
 
 Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|

@@ -59,8 +59,8 @@ template <int R> __device__ __forceinline__ void load_column(const double* p, Co
 // path_info [P, 3]: first input column, mul_in, offset of B_p in blocks.
 // Why this mapping: all lanes of a warp read the same staged x values (a broadcast) and consecutive words of B_p
 // (one wavefront); a thread per output column (w, i) made the lanes read 2l + 1 different x columns and a word of
-// B per lane from L1, which the large shared-memory carveout leaves small: Nsight Compute (H200, 2026-11-28) put
-// 70 % of the bundled MACE's linear launches' stall cycles on those B loads, at 30 % occupancy.
+// B per lane from L1, which the large shared-memory carveout leaves small: most stall cycles were on those B loads
+// (measured: docs/measured-constants.md).
 #define STAGE_BATCH 8  // loads a thread issues before it stores them to shared memory
 
 template <typename T, int R>
@@ -158,7 +158,7 @@ _KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
                          [f"irreps_linear_{_SUFFIX[t]}_r{r}" for t, rs in _TILES.items() for r in rs], "irreps_linear")
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
-MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited ~20 us on it)
+MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited on it)
 # What a block may stage: 96 KiB leaves two blocks an SM on every GPU cgforge runs on. The rows first; the weight
 # blocks beside them where the two fit (the maps that take the kernel, <= 32 channels: 4 KiB a path in FP32), else
 # the blocks are read from global memory.

@@ -2,10 +2,9 @@
 
 Both compute what the e3nn module computes, from the e3nn module's own parameters and buffers (same
 names, so the state_dict is unchanged), and keep the original for ``restore``.
-
-- ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and
-  autograd turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per
-  extra irrep. After MACE's convolution (10 irreps, [5184, 5120]) that is ~1.4 ms of an H100 step. One
+- ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and autograd
+  turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per extra irrep: after
+  MACE's convolution (10 irreps, [5184, 5120]) a measurable part of a step (docs/measured-constants.md). One
   ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to ``kernel_max_channels``
   channels a block (``KernelTuning.linear_kernel_max_channels``) run as cgforge's ``irreps_linear`` kernel: one
   launch each way.
@@ -39,14 +38,13 @@ from .torch_internals import adopt, tensor_version
 
 # Inputs larger than CHUNKED_ABOVE_BYTES go through SplitLinear in row chunks of CHUNK_BYTES of input (and output)
 # when its weights are frozen: from ~52k MACE-MP-medium atoms ([N, 5120] FP32). Memory decides what fits there,
-# a few percent of time does not (H100, 499k atoms: 1.567 s a call whole, 1.659 s in chunks, two runs); smaller
+# a few percent of time does not (measured: docs/measured-constants.md); smaller
 # inputs run as one GEMM per path, as before. MACE's row chunks (patches/mace/row_chunks.py) use the same sizes.
 CHUNK_BYTES = 256 << 20
 CHUNKED_ABOVE_BYTES = 1 << 30
 # Frozen inputs of MAP_INTO_ABOVE_BYTES or more (up to CHUNKED_ABOVE_BYTES) go through map_into as one chunk of
 # all rows: the path weights folded once, no concatenation, fewer copies than _map and its autograd graph. It paid
-# on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones
-# (benchmarks/results/map-into-h100-20261127l).
+# on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones (docs/measured-constants.md).
 MAP_INTO_ABOVE_BYTES = 32 << 20
 # Frozen maps whose weight blocks have at most ``kernel_max_channels`` channels (in and out) run on CUDA as cgforge's
 # irreps_linear kernel; the rule and its measurements: ``KernelTuning.linear_kernel_max_channels``.

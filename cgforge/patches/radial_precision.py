@@ -2,7 +2,7 @@
 
 The radial MLPs turn each edge's length basis into the convolution's weights: [E, 64] x [64, 1280] for
 MACE-MP-medium, [E, 128] x [128, 768] for NequIP M, forward and again backward. In FP32 without tensor cores
-these GEMMs are a third of a 5184-atom water step on an H100. Two cheaper modes, never on by default:
+these GEMMs are a large part of a step (docs/measured-constants.md). Two cheaper modes, never on by default:
 
 - ``"tf32"``: both products (forward, and the backward's ``grad @ W^T``) on TF32 tensor cores, whose
   operands keep a 10-bit mantissa. On the bundled water models (CPU emulation of TF32 rounding) that moves

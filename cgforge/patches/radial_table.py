@@ -31,9 +31,8 @@ DEFAULT_TOL = 1e-7
 
 # Peak bytes per edge of a stored-path force call when every layer reads its table inside the convolution, in
 # items of the model's dtype: no [E, weight_numel] tensor, so what is left is the edge geometry, the spherical
-# harmonics and their gradients, the indices, and the atoms' share. Measured on the H100, MACE-MP-medium shape,
-# FP32, water, captured step: 1.12 / 1.10 / 1.08 / 1.06 KB per edge at 53k / 98k / 207k / 499k atoms (44.6 GB at
-# 499k; the estimate with weights, 2.3 x 4 B x 1792 weights = 16.5 KB per edge, sent all of them to streaming).
+# harmonics and their gradients, the indices, and the atoms' share (measured: docs/measured-constants.md; the estimate
+# with weights would send every box to streaming).
 FUSED_EDGE_ITEMS = 280
 
 

@@ -39,9 +39,9 @@ EdgeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # The convolution kernels run one warp per row and each warp walks its row's edges in turn, so a launch
-# takes about one warp's latency however few rows it has (H100, MACE-MP-medium layer 2: ~1 ms for 430 rows
-# or 5184). A chunk of fewer rows than about one wave of resident warps leaves SMs idle: chunks keep at
-# least this many rows, whatever their edge budget.
+# takes about one warp's latency however few rows it has (measured: docs/measured-constants.md). A chunk of
+# fewer rows than about one wave of resident warps leaves SMs idle: chunks keep at least this many rows,
+# whatever their edge budget.
 MIN_CHUNK_ROWS = 4096
 
 

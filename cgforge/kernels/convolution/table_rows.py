@@ -13,7 +13,7 @@ The backward forms the convolution's gradient once, out_fn's transpose applied c
 vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
 runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
 
-With the tuning's ``backward_range_bytes`` set (``TPTuning``; off: measured on an H100 it did not pay, see
+With the tuning's ``backward_range_bytes`` set (``TPTuning``; off by default: it did not pay, see
 ``_backward_ranges``), a first-order
 backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward
 kernel walks, per range, the sender-major CSR of just the edges whose receiver lies in the range
@@ -52,10 +52,9 @@ def row_ranges(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
 def _backward_ranges(rows: int, width: int, itemsize: int, range_bytes: int | None) -> list[tuple[int, int]]:
     """Receiver-row ranges of a first-order backward: ``range_bytes`` of gradient each (None: one range).
 
-    The tuning's ``backward_range_bytes`` (default None): MACE-MP-medium at 1.03 M atoms forms 21 GB of gradient
-    there, but with 5 GB ranges (H100, 2026-11-26, CUDA tests passed) the call's peak rose from 72.8 to 77.1 GB (the
-    peak moved to where the ranges' transposes and other tensors are alive together) and the step went from 3.51 to
-    3.61 s: off."""
+    The tuning's ``backward_range_bytes`` (default None): ranges moved the call's peak to where the ranges'
+    transposes and other tensors are alive together, raising it, and slowed the step (measured:
+    docs/measured-constants.md)."""
     if range_bytes is None:
         return [(0, rows)]
     return row_ranges(rows, max(range_bytes // max(width * itemsize, 1), 1))

@@ -1,15 +1,14 @@
 """How many blocks of a kernel one SM holds, and when a launch bound raises that number.
 
-The convolution kernels are latency bound at low occupancy (Nsight Compute on an H100: 12-30 % occupancy,
-stalls on shared-memory and shuffle results), and their occupancy is set by registers. ``__launch_bounds__(T, B)``
-asks ptxas to fit B blocks of T threads per SM, i.e. to use at most 65536 / (B T) registers. That helps only
-where registers are what limits the blocks and the compiler can drop to the budget without spilling much; where
-the unbounded kernel already uses fewer registers than the budget, ptxas fills the budget instead (measured:
-NequIP M's backward went from 80 to 96 registers under B = 5 and from 2.54 to 3.13 ms). So the rule here
+The convolution kernels are latency bound at low occupancy (stalls on shared-memory and shuffle results), and their
+occupancy is set by registers. ``__launch_bounds__(T, B)`` asks ptxas to fit B blocks of T threads per SM, i.e. to
+use at most 65536 / (B T) registers. That helps only where registers are what limits the blocks and the compiler can
+drop to the budget without spilling much; where the unbounded kernel already uses fewer registers than the budget,
+ptxas fills the budget instead and the kernel slows (measured: docs/measured-constants.md). So the rule here
 compiles the kernel once without a bound, and proposes a bound only where registers, not shared memory or the warp
 limit, hold it back and it holds under 30 % of the SM's warps: B = the fewest blocks that reach 30 %, then fewer
-down to one more than now where that compile is not kept; the caller keeps a bounded compile
-only where it really uses fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
+down to one more than now where that compile is not kept; the caller keeps a bounded compile only where it really
+uses fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
 """
 
 from __future__ import annotations
@@ -21,15 +20,10 @@ from dataclasses import dataclass
 from .compiler import KernelResources
 
 # Only kernels below this fraction of the SM's warps are bounded: above it, more warps hide little more latency,
-# and fewer registers cost instructions. Measured (H100, 5k step): MACE-MP-medium's second backward bounded from
-# 4 to 5 blocks (25 % of the warps before) gained, in the segments and in the chunks order; NequIP M's
-# backwards bounded from 12 to 13, 10 to 11 (75 %, 62 %) and then from 6 to 7 blocks (37.5 %, 80 -> 72
-# registers) each made its model call 8.4 -> 9.1 ms.
+# and fewer registers cost instructions (measured: docs/measured-constants.md).
 MAX_BOUNDED_OCCUPANCY = 0.3
-# Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's.
-# MACE-MP-medium's second convolution backward bounded to 5 blocks spills 8 B stored / 24 B loaded and
-# ran 5.30 -> 4.81 ms (H100, segments order); in the chunks order it spills 36 / 76 B more than unbounded and
-# ran 4.52 -> 3.71 ms, mace-large's 32 / 60 B more and 8.78 -> 7.77 ms (bench_layer).
+# Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's: the largest
+# spill of the bounds that paid (measured: docs/measured-constants.md).
 MAX_BOUND_SPILL_BYTES = 128
 
 

@@ -74,7 +74,7 @@ _NUMPY_CTYPES: dict[type, type] = {
 
 
 def device_arch(device: torch.device | int | str | None = None) -> str:
-    """The cubin architecture of a CUDA device, e.g. 'sm_90' on an H100 (torch's current device if None)."""
+    """The cubin architecture of a CUDA device, e.g. 'sm_90' for compute capability 9.0 (None: torch's current one)."""
     if not torch.cuda.is_available():
         raise RuntimeError("device_arch needs a CUDA device, and torch sees none")
     major, minor = torch.cuda.get_device_capability(device)

@@ -49,13 +49,12 @@ class TPTuning:
     receiver_backward_min_row_bytes: a table convolution whose x needs no gradient (MD's first layer: the species
     embedding) and whose grad-out rows are at least this wide runs a backward that forms no grad x and walks the
     forward's rows, each receiver's grad-out row read once, not once per edge (None: never; the sender-order
-    backward, its grad x formed and dropped). Measured on an H100, 2026-11-27 (5,184-atom engine step): an 8 KB
-    row (MACE-MP-medium's first layer, FP32) 13.15 -> 11.94-12.38 ms; 1.2 KB rows no gain (bundled MACE 2.90 ->
-    2.93-3.17 ms) or a loss (NequIP M 9.01 -> 9.14-9.41): 4 KB, between them.
+    backward, its grad x formed and dropped). 4 KB: between the 8 KB rows that gain and the 1.2 KB rows that do
+    not (measured: docs/measured-constants.md).
     receiver_backward_atomic: the table backward walks the receivers also where x needs a gradient, each edge
     adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
     second layer: 20 KB an edge), grad x's bits vary from run to run. Default False: the forces stay bitwise
-    reproducible (what it gains: benchmarks/results/atomic-ab-h100-20261127i, docs/calculator.md).
+    reproducible (what it gains: docs/calculator.md).
     receiver_backward_fixed_point: the same receiver walk where x needs a gradient, each edge's part of grad x added
     by 64-bit integer atomics in fixed point (``convolution.fixed_point``: the scale a power of two from a bound on
     every sum, computed on the device per call), converted back once: integer sums do not depend on the order, so
@@ -78,7 +77,7 @@ class TPTuning:
     loop_order: str = "auto"
     backward_min_blocks: int | str = "auto"
     backward_loop_order: str | None = None
-    # Measured defaults (H100); the reasons are at the rules that read them (tensor_product.schedule, table_rows).
+    # Measured defaults (docs/measured-constants.md); the reasons are at the rules that read them.
     single_irrep_backward_chunk: int | None = 128
     backward_chunk_passes: bool = True
     backward_range_bytes: int | None = None
@@ -178,15 +177,13 @@ class KernelTuning:
 
     harmonics: the edge spherical harmonics (MACE's ``model.spherical_harmonics``, NequIP's
     ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
-    the default since it was measured on an H100, 2026-11-27: the 1.03 M-atom call 524 -> 399 ms, the 5,184-atom
-    engine step 2.81 -> 2.61 ms; False keeps e3nn's module).
+    the default: faster at every size measured, docs/measured-constants.md; False keeps e3nn's module).
 
     linear_kernel_max_channels: frozen equivariant linear maps (e3nn ``o3.Linear`` stand-ins, per-species
     self-connections) whose weight blocks have at most this many channels in and out run on CUDA as cgforge's
     ``irreps_linear`` kernel (one launch each way); wider ones stay GEMMs, where cuBLAS's tiling outweighs the
-    launches saved (0: every map on GEMMs). 32 from the A/B on an H200, 2026-11-28 (5,184-atom engine step,
-    against all GEMMs): the bundled MACE (32 channels) 2.35 -> 2.20 ms; maps of 64-128 channels on the kernel cost
-    MACE-MP-medium and NequIP M 1-4 % (``benchmarks/results/irreps-linear-ab-h200-20261128``)."""
+    launches saved (0: every map on GEMMs). 32: maps of 32 channels gain on the kernel, of 64-128 lose
+    (measured: docs/measured-constants.md)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()

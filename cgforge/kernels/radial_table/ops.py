@@ -11,11 +11,9 @@ outside, the derivatives are zero there (what the clamp's derivative is), and a 
 CUDA: one warp per edge, lanes over the columns; each column's four coefficients are one 16-byte load
 ([N, C, 4] layout), so an edge reads 4x the bytes it writes, from L2 (a table is a few MB). For wide tables
 (``SORT_MIN_COLUMNS``; the ops' ``by_length`` argument: -1 this rule, 0 never, 1 always) the kernels visit the
-edges in order of length (one argsort per call): a block takes
-a run of consecutive lengths, whose edges share an interval or two, and reads their coefficients from L1.
-H100, 436,566 edges (``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges'
-own order (writing [E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms
-does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: the same result every run.
+edges in order of length (one argsort per call): a block takes a run of consecutive lengths, whose edges share an
+interval or two, and reads their coefficients from L1; for narrow tables the sort costs more than it saves. The dot
+product's lanes' partial sums meet in a fixed butterfly: the same result every run.
 """
 
 from __future__ import annotations
@@ -147,7 +145,7 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _WARPS = 8
 _BLOCKS_PER_SM = 8  # runs of edges per SM: long runs share intervals, enough blocks to balance the SMs
 SORT_MIN_EDGES = 16384
-SORT_MIN_COLUMNS = 640  # measured: 1280 columns gain from the sort, 512 tie, 224 and fewer lose
+SORT_MIN_COLUMNS = 640  # 1280 columns gain from the sort, 512 tie, 224 lose (measured: docs/measured-constants.md)
 
 
 def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int = 0) -> Tensor:

@@ -115,7 +115,7 @@ class Schedule:
 
     def backward_passes(self) -> int:
         """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
-        the chunks order over CSR rows where the tuning's ``backward_chunk_passes`` allows it (measured: see the
+        the chunks order over CSR rows where the tuning's ``backward_chunk_passes`` allows it (see the
         comment on the per-chunk launches below); else 1."""
         if not (self.tuning.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
             return 1
@@ -126,9 +126,8 @@ class Schedule:
         in a CSR forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` 32-bit registers per lane, else
         segments.
 
-        Why (H100, FP32, 5184-atom water, table kernels): edges outermost stages x and y once per edge
-        rather than once per output segment, and took MACE-MP-medium's 5120-wide forward from 2.49 to 1.85 ms
-        and NequIP M's from 1.84 to 1.34; the backward went the other way (5.17 to 8.15 ms). Either direction
+        Why: edges outermost stages x and y once per edge rather than once per output segment, which made the
+        wide forwards faster and the backward slower (measured: docs/measured-constants.md). Either direction
         takes ``chunks`` where ``chunks_order`` says so, before this rule."""
         if backward:
             return backward_order(self.problem, self.itemsize, self.rows_are_nodes, self.tuning)
@@ -232,13 +231,11 @@ def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
     return segments, peak
 
 
-# Default chunks, from an H100 sweep (sweep_chunks.py, in git history at 16a1f98).
+# Default chunks, from a sweep (sweep_chunks.py, in git history at 16a1f98; measured: docs/measured-constants.md).
 # Forward, rows = nodes (deterministic convolution): every segment walks all edges of the node again,
-# so few wide segments win (mace-large 5.7 ms at 128 vs 12.6 at 32). Forward, rows = edges (tensor
-# product, atomic convolution): 64 (mace-medium 0.45 ms vs 0.56 at 128). Backward: each segment ends
-# in warp reductions of grad y, so wide segments win (mace-medium 0.67 ms at 64 vs 1.26 at 32) until
-# the window cuts occupancy: above ~8 KiB per warp narrower wins (mace-large conv 10.0 ms at 32 vs
-# 16.5 at 128; nequip-benzene 4.4 vs 5.7).
+# so few wide segments win. Forward, rows = edges (tensor product, atomic convolution): 64. Backward: each
+# segment ends in warp reductions of grad y, so wide segments win until the window cuts occupancy: above
+# ~8 KiB per warp narrower wins.
 # ``auto`` loop order: a CSR forward keeps every segment's accumulators across its edge loop up to this many
 # 32-bit words per lane. MACE-MP-medium's second layer (5120 outputs, FP32: 160 words) compiles to 255
 # registers without spills and ran faster (see Schedule.loop_order); in FP64 (320) it spills 1.5 KB.
@@ -253,15 +250,12 @@ CHUNKS_ORDER_CHUNK = 32
 # gather are one chunk wide (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight
 # share the L2. The kernel is the same either way (its group_pass argument: -1 every chunk, else that chunk) and
 # each edge's grad y and grad r get the chunks' parts in the same order: the same bits. Taken where the grad-out
-# rows exceed the device's L2 (launch.backward_launches). Measured, H100, FP32, one launch -> per chunk in one run:
-# the 1.03 M-atom force call 2.848 -> 2.569 s; in bench_layer at 5184 atoms MACE-MP-medium's second convolution
-# backward (106 MB of grad-out rows) 4.08 -> 3.46 ms, mace-large (80 MB) 7.80 -> 7.65, mace-medium (24 MB, inside
-# the L2) 2.59 -> 2.76, hence the L2 rule. Two later runs on another H100 gave the 5k second convolution ~4.05 ms
-# per chunk: at 5k the gain is not settled, at 1 M it is large. TPTuning.backward_chunk_passes (default True);
-# False: always one launch.
+# rows exceed the device's L2 (launch.backward_launches): it pays at a million atoms and beyond the L2, loses
+# inside it (measured: docs/measured-constants.md). TPTuning.backward_chunk_passes (default True); False: always
+# one launch.
 # One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
 # 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
-# 8 KiB limit, which came from multi-irrep problems (H100, bench_layer, 5184-atom water: 1.815 -> 1.381 ms).
+# 8 KiB limit, which came from multi-irrep problems (measured: docs/measured-constants.md).
 # TPTuning.single_irrep_backward_chunk (default 128; None: off). The window may reach SINGLE_IRREP_WINDOW_BYTES.
 SINGLE_IRREP_WINDOW_BYTES = 10 * 1024
 
@@ -273,13 +267,9 @@ def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backwa
 
     Why: a chunk's edge walk carries a segment of every irrep that has channels in it (uvu: output channel c
     reads in1 channel c only), so an edge's x, y and weights are staged, and in the backward its grad y reduced
-    over the warp, once per chunk instead of once per segment, with few live accumulators. Measured (H100,
-    FP32, 5184-atom water, bench_layer, ms fwd | bwd, the previous order first): MACE-MP-medium's second
-    convolution 1.999 (edges) -> 1.356 | 4.632 (segments) -> 4.557, then 3.71 with the launch bound it now
-    takes; mace-large 5.355 -> 3.046 | 12.296 -> 8.907; NequIP M's tapered 128/64/32 channels forward 1.144
-    (edges) -> 1.051, its backward no gain (2.13 -> 2.19: few chunks carry more than one irrep); chunk 64 lost
-    in every case. Not taken: one in1 irrep (MACE's first convolution: chunks 0.69 ms vs edges 0.62), FP64 (not
-    measured)."""
+    over the warp, once per chunk instead of once per segment, with few live accumulators
+    (measured: docs/measured-constants.md; chunk 64 lost in every case). Not taken: one in1 irrep (the edges
+    order is faster there), FP64 (not measured)."""
     if not (rows_are_nodes and itemsize == 4 and len(problem.irreps_in1) > 1):
         return False
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
@@ -300,14 +290,13 @@ def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tun
     CSR rows in the chunks or edges order). ``build_schedule`` takes them where the stacked window stays within
     ``TPTuning.stacked_window_bytes`` (``Schedule.stacked_backward``). Its default, 16 KiB, holds the measured
     cases: MACE-MP-medium's second layer (6.2 KB), the bundled MACE's (3.7 KB) and mace-large's (11.5 KB, three in1
-    irreps: on an H200, 2026-11-28, its backward went 6.93 -> 4.94 ms with grad x and 4.82 -> 3.23 ms without,
-    although the wider window cuts its blocks per SM by shared memory). A wider stacked window was not measured. The
+    irreps: faster although the wider window cuts its blocks per SM by shared memory; docs/measured-constants.md).
+    A wider stacked window was not measured. The
     sender walk runs the same schedule: its windows are larger, its arithmetic the same.
 
     Why: in MACE-MP-medium's second convolution (chunks order, two segments a chunk) the receiver walks staged the
-    row's 1,280-element grad-out block of a chunk once per edge, ~90 % of what they staged; Nsight Compute (H200,
-    2026-11-28, the backward without grad x: 2.33 ms) put 38 % of the warps' stall samples on those shared-memory
-    stores waiting for their global loads."""
+    row's 1,280-element grad-out block of a chunk once per edge, ~90 % of what they staged, and the
+    warps stalled most on those shared-memory stores waiting for their global loads (docs/measured-constants.md)."""
     return (tuning.row_grad_once and rows_are_nodes
             and backward_order(problem, itemsize, rows_are_nodes, tuning) in ("chunks", "edges"))
 

@@ -6,7 +6,7 @@ in MACE-MP-medium's two interaction blocks, on [N, 2048] rows, about 80 KiB per 
 call (copy_traffic.py, in git history at 16a1f98). Here the forward is MACE's concatenation and the backward writes each
 irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
 ``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
-permuted columns was tried first: 13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26).
+permuted columns was tried first: no gain at a million atoms (docs/measured-constants.md).
 Under torch.compile the reshape is MACE's plain ops (``_to_columns``): Inductor fuses their backward itself, and an
 autograd.Function in the graph would keep AOTAutograd from caching the compiled graph across processes.
 """

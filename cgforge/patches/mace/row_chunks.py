@@ -1,16 +1,16 @@
 """The stored path's widest per-atom rows in chunks: each block's convolution and its next linear, by row ranges.
 
-Measured on the H100 (MACE-MP-medium shape, FP32 water, stored path with the radial tables read in the kernels):
-at 499k atoms the force call's peak was in the forward, at the second block's linear, where its [N, 5120]
-convolution output, the linear's [N, 2048] output and ``/ avg_num_neighbors`` of it were all alive (10.2 + 4.1 +
-4.1 GB), and 1.03 M atoms ran out of memory allocating the 21 GB convolution output. With row chunks on, a
+Without them (MACE-MP-medium shape, FP32, stored path with the radial tables read in the kernels) the force
+call's peak is in the forward, at the second block's linear, where its [N, 5120] convolution output, the
+linear's [N, 2048] output and ``/ avg_num_neighbors`` of it are all alive; a million atoms ran out of memory
+there (docs/measured-constants.md). With row chunks on, a
 block's ``conv_tp`` makes its rows ``chunk_rows`` at a time and maps each range through the block's ``linear``
 at once (``kernels.Convolution.forward_table_rows``); the block's ``linear`` becomes ``AppliedLinear`` (the
 streaming path's: it passes the tagged result through). The convolution output's gradient is still formed
 whole in the backward, when the forward's wide tensors are gone.
 
 The model's spherical harmonics keep only their input for the backward (``RecomputedHarmonics``: the backward
-evaluates them again), not e3nn's intermediates and normalised vectors: 5.6 GB of the 1.03 M-atom force call.
+evaluates them again), not e3nn's intermediates and normalised vectors.
 
 Only blocks that read their radial table inside the kernels chunk (the others keep their path); the calculator
 turns chunks on per system size where the widest convolution output exceeds ``CHUNKED_ABOVE_BYTES``, never
@@ -30,9 +30,8 @@ from .streaming import _fuse_linear, streaming_blocks
 __all__ = ["ROW_CHUNKED_EDGE_ITEMS", "RecomputedHarmonics", "chunk_rows_for", "row_chunk_blocks", "set_row_chunks"]
 
 # Peak bytes per edge of a stored-path force call with row chunks on (``radial_table.FUSED_EDGE_ITEMS`` without),
-# in items of the model's dtype: 73.4 GB for 86.7 M edges (847 B) at 1.03 M atoms, MACE-MP-medium shape, FP32
-# water, captured, H100 (2026-11-25). Chunked boxes are the largest, so this is the number that decides whether
-# the stored path fits near a full device.
+# in items of the model's dtype (measured at a million atoms: docs/measured-constants.md). Chunked boxes are the
+# largest, so this is the number that decides whether the stored path fits near a full device.
 ROW_CHUNKED_EDGE_ITEMS = 215
 
 class _Recomputed(torch.autograd.Function):

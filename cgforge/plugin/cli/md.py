@@ -98,14 +98,13 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
-# --compile auto: the shortest run compiled. The compiled engine's saving per step pays back its first-process
-# compilation (15-26 s) after ~9,000-15,000 steps on the larger models, not within 50,000 on the bundled MACE's NVT
-# (benchmarks/results/engine-table-h100-20261127k; the CHANGELOG, 2026-11-27).
+# --compile auto: the shortest run compiled, where the compiled engine's saving per step has paid back its
+# first-process compilation (measured: docs/measured-constants.md).
 COMPILE_AUTO_MIN_STEPS = 50_000
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
-# A box this large on a CPU gets a hint first. Measured (2-core CPU, bundled models, one energy + forces call):
-# ~1 ms and ~0.25 MB per atom (60,000 atoms: 14 GB, about a minute a step, minutes on a shared machine).
+# A box this large on a CPU gets a hint first: an estimate of one energy + forces call's time and memory
+# (per atom, measured: docs/measured-constants.md).
 CPU_HINT_ATOMS = 20_000
 CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
@@ -140,7 +139,7 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
     # 2 Å: with the engine's pipelined rebuilds a list that lasts longer costs less than the edges it adds
-    # (H100, 5184-atom water, bundled MACE: 5.0 ms per step at 2 Å, 5.6 at 1 Å; benchmarks/engine_rebuild.py)
+    # (measured: docs/measured-constants.md)
     parser.add_argument("--skin", type=float, default=2.0, help="neighbour-list skin in Å (default 2.0)")
     parser.add_argument("--relax", type=int, default=None,
                         help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "

@@ -1,8 +1,8 @@
 """The ghosts' owners of one-rank exchange mode, found by one exchange and kept while LAMMPS's ghosts stand.
 
 On one MPI rank every ghost is a periodic image of a local atom, and ``exchange.ghost_map`` finds which with one
-forward exchange (a LAMMPS call, two device synchronisations and a host read: 0.8 ms of host time in a 4.6 ms call
-of the 5,184-atom box, under torch's profiler on an H100 machine). LAMMPS rebuilds its ghosts only when it
+forward exchange (a LAMMPS call, two device synchronisations and a host read: a sixth of a small box's call,
+docs/measured-constants.md). LAMMPS rebuilds its ghosts only when it
 re-neighbours, every few steps; between, it moves each ghost with its owner: ``x[ghost] = x[owner] + s`` with the
 same periodic shift ``s`` (LAMMPS's forward communication adds the box vector to the owner's position). So a map
 stays right for as long as, for every atom ``a``,

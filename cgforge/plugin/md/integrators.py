@@ -23,7 +23,7 @@ Each scheme's arithmetic between its noise draws and its in-place updates is a p
 module-level ``_*`` functions below). ``Integrator.fuse(compile)`` swaps them for compiled versions (the engine
 passes ``torch.compile`` when the calculator's model is compiled): in a captured CUDA graph every tiny torch
 operation is a node of a few microseconds however little it does, and an NPT step's thermostat and barostat
-scalars were ~80 of them (H100, bundled MACE, 5184 atoms). Unfused (the default, and on a CPU) they run as
+scalars were ~80 of them. Unfused (the default, and on a CPU) they run as
 written, operation for operation, except Langevin's two halves on CUDA: one kernel each
 (``cgforge.kernels.md_step``, the same arithmetic) where the torch expressions are ~25 kernels.
 """

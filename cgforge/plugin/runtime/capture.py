@@ -7,9 +7,8 @@ failure into eager steps with the reason kept. ``room`` is the one capacity roun
 Python's cyclic garbage collector is off during a capture: a collection inside it would run the destructors of
 whatever dead cycles hold (an earlier engine's CUDA graphs when a user's callback closed a cycle over it), and a
 graph destroyed during a capture invalidates that capture (and aborts the process when a later destructor meets
-the failed capture). Dead cycles are collected after it. (A full collection before each capture instead made the
-MACE-MP-medium shape's 200-step MD run 11.9 ms a step instead of 7.9 on an H200: ~0.4 s for each of the two
-captures after a buffer growth, in a process holding a few models.)
+the failed capture). Dead cycles are collected after it. (A full collection before each capture instead cost a
+large part of a short run: docs/measured-constants.md.)
 """
 
 from __future__ import annotations

@@ -182,8 +182,7 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
     out_sender = place(sender, pad_row)
     out_receiver = place(receiver, pad_row)
     out_shifts = place(unit_shifts, None)
-    # the padding vector where a slot pads, else zero: a mask, not two scatters of [C, 3] rows (~30 us each on an
-    # H100 at 5184 atoms)
+    # the padding vector where a slot pads, else zero: a mask, not two scatters of [C, 3] rows (slow ones)
     is_pad = torch.zeros(cap + 1, dtype=torch.bool, device=device).index_fill_(0, pad_slot, True)[:cap]
     out_pad = torch.where(is_pad.unsqueeze(1), pad_vector.to(unit_shifts.dtype), unit_shifts.new_zeros(()))
     graph = None
