@@ -4,6 +4,8 @@ and no kernels; mace-torch's cuEquivariance notice is not printed where cgforge 
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -203,3 +205,28 @@ def test_the_family_decision_is_made_only_by_the_registry() -> None:
                 offenders.add(rel)
                 print(f"{rel}:{number}: {line.strip()}")
     assert offenders <= set(PENDING), sorted(offenders - set(PENDING))
+
+
+def test_the_how_to_add_a_family_page_names_what_the_code_has() -> None:
+    """docs/development.md, "How to add a model family": every Family method and attribute it names exists on
+    each family, and each family's adapter class has every member of the runtime's ModelAdapter protocol, which
+    the page lists in full."""
+    from cgforge.plugin.runtime.adapters import ModelAdapter
+
+    text = (ROOT / "docs" / "development.md").read_text()
+    section = text[text.index("## How to add a model family"):text.index("## Package layout")]
+    protocol = {n for n in vars(ModelAdapter) if not n.startswith("_")} | set(ModelAdapter.__annotations__)
+    step_1, step_2 = section.split("\n1. ")[1].split("\n2. ")
+    named_members = set(re.findall(r"`(\w+)`", step_1.split("protocol")[1]))
+    assert protocol <= named_members, f"ModelAdapter members the page does not list: {protocol - named_members}"
+    for family in families.FAMILIES:
+        for name in re.findall(r"`(\w+)`", step_2.split("\n3. ")[0]):
+            if name not in ("Family", "FAMILIES"):
+                assert hasattr(family, name), f"{family.title}: no {name} (named on the page)"
+        adapter = importlib.import_module(f"{family.package}.adapter")
+        (cls,) = [c for n, c in vars(adapter).items() if n.endswith("Adapter") and isinstance(c, type)
+                  and c.__module__ == adapter.__name__]
+        missing = {m for m in protocol if not hasattr(cls, m) and m not in getattr(cls, "__annotations__", {})}
+        source = inspect.getsource(cls)  # instance attributes are set in __init__, not on the class
+        missing = {m for m in missing if f"self.{m} =" not in source and f"self.{m}:" not in source}
+        assert not missing, f"{cls.__name__} lacks ModelAdapter members {missing}"
