@@ -6,15 +6,14 @@
 ``linear-map-into``: ``SplitLinear`` maps frozen inputs through ``map_into`` only above ``CHUNKED_ABOVE_BYTES``, as
 before 2026-11-27 (``MAP_INTO_ABOVE_BYTES`` out of reach).
 ``gate``: e3nn's ``Gate`` stays e3nn's (``patches.gate.swap_in`` replaces none), as before 2026-11-28.
-``md-step``: the engine's Langevin halves and commit check run as torch operations (``kernels.md_step`` unused:
-the engine's ``commit_step`` is the torch expression, ``integrators._on_step_kernels`` says no), as before
-2026-11-28.
+``md-step``: the engine's Langevin halves and commit check run as torch operations (``kernels.md_step``'s
+references: its ``_on_step_kernels`` says no), as before 2026-11-28.
 ``edge-layout``: a step's edges are cut and laid out by torch operations (``edges_within`` and ``layout_edges``;
-``runtime.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
-``cell-search``: the neighbour search's candidate loop runs as torch operations on the GPU (``kernels.cell_search``
-unused: ``runtime.neighbours._on_search_kernels`` says no), as before 2026-11-29.
-``pair-reverse``: a rebuild's edge topology finds the reverse pairs by a sort of int64 keys (``kernels.pair_reverse``
-unused: ``runtime.edge_layout._on_reverse_kernel`` says no), as before (branch next/pair-reverse).
+``kernels.edge_layout._on_layout_kernels`` says no), as before 2026-11-28.
+``cell-search``: the neighbour search's candidate loop runs as torch operations on the GPU
+(``kernels.cell_search``'s reference: its ``_on_search_kernels`` says no), as before 2026-11-29.
+``pair-reverse``: a rebuild's edge topology finds the reverse pairs by a sort of int64 keys (``kernels.pair_reverse``'s
+reference: its ``_on_reverse_kernel`` says no), as before (branch next/pair-reverse).
 ``lean-forward``: the MACE adapter calls MACE's own forward (``patches.mace.lean_forward.why_not_lean`` declines
 every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
@@ -59,17 +58,15 @@ def turn_off(name: str) -> Callable[[], None]:
         def undo() -> None:
             gate.swap_in = swap_in
     elif name == "md-step":
-        from cgforge.plugin.md import commit, engine, integrators
+        from cgforge.kernels import md_step
 
-        on_kernels = integrators._on_step_kernels
-        engine.commit_step = commit.commit_step_reference  # Engine.__init__ reads it
-        integrators._on_step_kernels = lambda *tensors: False
+        on_kernels = md_step._on_step_kernels
+        md_step._on_step_kernels = lambda *tensors, dtypes=None: False
 
         def undo() -> None:
-            engine.commit_step = commit.commit_step
-            integrators._on_step_kernels = on_kernels
+            md_step._on_step_kernels = on_kernels
     elif name == "edge-layout":
-        from cgforge.plugin.runtime import edge_layout
+        from cgforge.kernels import edge_layout
 
         on_kernels = edge_layout._on_layout_kernels
         edge_layout._on_layout_kernels = lambda positions, topology: False
@@ -77,21 +74,21 @@ def turn_off(name: str) -> Callable[[], None]:
         def undo() -> None:
             edge_layout._on_layout_kernels = on_kernels
     elif name == "cell-search":
-        from cgforge.plugin.runtime import neighbours
+        from cgforge.kernels import cell_search
 
-        on_kernels = neighbours._on_search_kernels
-        neighbours._on_search_kernels = lambda positions: False
+        on_kernels = cell_search._on_search_kernels
+        cell_search._on_search_kernels = lambda positions: False
 
         def undo() -> None:
-            neighbours._on_search_kernels = on_kernels
+            cell_search._on_search_kernels = on_kernels
     elif name == "pair-reverse":
-        from cgforge.plugin.runtime import edge_layout
+        from cgforge.kernels import pair_reverse
 
-        on_kernel = edge_layout._on_reverse_kernel
-        edge_layout._on_reverse_kernel = lambda sender: False
+        on_kernel = pair_reverse._on_reverse_kernel
+        pair_reverse._on_reverse_kernel = lambda sender: False
 
         def undo() -> None:
-            edge_layout._on_reverse_kernel = on_kernel
+            pair_reverse._on_reverse_kernel = on_kernel
     elif name == "lean-forward":
         from cgforge.patches.mace import lean_forward
 

@@ -158,44 +158,33 @@ def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:
 
 
 def test_without_md_step_turns_the_step_kernels_off_and_back() -> None:
-    """without.py's md-step makes a new Engine take the torch commit check and the integrators say no to the
-    kernels; its undo restores both."""
-    import torch
+    """without.py's md-step makes the Langevin halves and the commit check say no to the kernels (their torch
+    references run); its undo restores the switch."""
+    from cgforge.kernels import md_step
 
-    from cgforge.plugin.md import commit, engine, integrators
-
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import without
-    finally:
-        sys.path.pop(0)
-    assert engine.commit_step is commit.commit_step
-    undo = without.turn_off("md-step")
-    try:
-        assert engine.commit_step is commit.commit_step_reference
-        assert not integrators._on_step_kernels(torch.zeros(3, dtype=torch.float64))
-    finally:
-        undo()
-    assert engine.commit_step is commit.commit_step
-    assert integrators._on_step_kernels.__name__ == "_on_step_kernels"
+    _switch_turns_off_and_back("md-step", md_step, "_on_step_kernels")
 
 
 def test_without_edge_layout_turns_the_layout_kernels_off_and_back() -> None:
-    from cgforge.plugin.runtime import edge_layout
+    from cgforge.kernels import edge_layout
 
+    _switch_turns_off_and_back("edge-layout", edge_layout, "_on_layout_kernels")
+
+
+def _switch_turns_off_and_back(change: str, module, switch: str) -> None:
     sys.path.insert(0, str(BENCHMARKS / "investigations"))
     try:
         import without
     finally:
         sys.path.pop(0)
-    on_kernels = edge_layout._on_layout_kernels
-    undo = without.turn_off("edge-layout")
+    on_kernels = getattr(module, switch)
+    undo = without.turn_off(change)
     try:
-        assert edge_layout._on_layout_kernels is not on_kernels
-        assert not edge_layout._on_layout_kernels(None, None)
+        assert getattr(module, switch) is not on_kernels
+        assert not getattr(module, switch)(None, None)
     finally:
         undo()
-    assert edge_layout._on_layout_kernels is on_kernels
+    assert getattr(module, switch) is on_kernels
 
 
 @pytest.mark.slow

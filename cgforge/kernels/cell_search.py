@@ -1,8 +1,11 @@
-"""The candidate loop of the cell-list neighbour search as two CUDA kernels: a warp per receiver atom.
+"""The candidate loop of the cell-list neighbour search as two CUDA kernels (a warp per receiver atom), beside
+its torch reference.
 
 The binning (which bin each atom is in, the atoms of each bin in order, how many bins each side a neighbour can
-be) is done by the caller, the torch search of ``cgforge.plugin.runtime.neighbours``, whose chunked candidate
-loop this replaces on a CUDA device. For receiver ``a`` in bin ``coord[a]`` the candidates are, in this order,
+be: a ``Bins`` value) is done by the caller, the torch search of ``cgforge.plugin.runtime.neighbours``. The
+candidate loop in torch (``candidate_pairs_reference``, in chunks of receivers) is the reference and the CPU
+path; ``candidate_pairs`` runs the kernels on a CUDA device, the reference elsewhere. For receiver ``a`` in bin
+``coord[a]`` the candidates are, in this order,
 
     for each bin offset o in [-reach, reach]^3 (lexicographic), the bin t = coord[a] + o brought into the box
     along periodic directions by the image I = floor(t / bins) (t outside the box along a non-periodic one: no
@@ -18,6 +21,9 @@ torch loop needs ~60 bytes per candidate.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -25,7 +31,8 @@ from torch import Tensor
 from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
-__all__ = ["CELL_SEARCH_SOURCE", "cell_pairs_cuda"]
+__all__ = ["CELL_SEARCH_SOURCE", "Bins", "candidate_pairs", "candidate_pairs_reference", "cell_pairs_cuda",
+           "empty_pairs"]
 
 CELL_SEARCH_SOURCE = r"""
 __device__ __forceinline__ long long floor_div(long long a, long long b) {
@@ -106,6 +113,21 @@ CELL_PAIRS_KERNEL(float, f32)
 CELL_PAIRS_KERNEL(double, f64)
 """
 
+class Bins(NamedTuple):
+    """Atoms binned for the search (by the caller): what the candidate loop, torch or CUDA, reads."""
+
+    wrapped: Tensor  # [N, 3] the positions wrapped into the cell (periodic directions), positions' dtype
+    wrap: Tensor  # int64 [N, 3]: the images that wrapped them
+    coord: Tensor  # int64 [N, 3]: each atom's bin coordinates
+    bin_of_atom: Tensor  # int64 [N]
+    atoms_by_bin: Tensor  # int64 [N]: the atoms in bin order (stable)
+    atoms_in_bin: Tensor  # int64 [B]
+    first_in_bin: Tensor  # int64 [B]
+    bins: tuple[int, int, int]
+    reach: tuple[int, int, int]  # bins each side a neighbour can be in
+    search_cutoff: float  # the cutoff with room for rounding (the exact cut comes after the loop)
+
+
 _KERNELS = SourceKernels(CELL_SEARCH_SOURCE, ["cell_pairs_f32", "cell_pairs_f64"], "cell_search")
 _THREADS = 128  # four receivers a block
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -154,3 +176,112 @@ def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_
     receiver = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=total)
     order = torch.argsort(receiver * n + sender, stable=True)  # senders in order within each row
     return sender.index_select(0, order), receiver, shifts.index_select(0, order)
+
+
+def empty_pairs(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """No pairs: (sender, receiver, shifts) of length 0 on ``device``."""
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.int64, device=device)
+
+
+def _on_search_kernels(positions: Tensor) -> bool:
+    """Whether the candidate loop runs as ``cell_pairs_cuda`` (``benchmarks/investigations/without.py`` says no)."""
+    return positions.is_cuda
+
+
+def candidate_pairs(binned: Bins, cell: Tensor, pbc: tuple[bool, bool, bool], candidates_per_chunk: int
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate loop: ``cell_pairs_cuda`` on a CUDA device, ``candidate_pairs_reference`` elsewhere (the
+    same pairs in the same order)."""
+    if _on_search_kernels(binned.wrapped):
+        return cell_pairs_cuda(binned.wrapped, binned.atoms_by_bin, binned.coord, binned.first_in_bin,
+                               binned.atoms_in_bin, cell.contiguous(), binned.wrap, binned.bins, binned.reach, pbc,
+                               binned.search_cutoff)
+    return candidate_pairs_reference(binned, cell, pbc, candidates_per_chunk)
+
+
+def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool, bool], candidates_per_chunk: int
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate loop in torch (CPU, or CUDA on request): the pairs closer than the search cutoff on the
+    wrapped coordinates, sorted by (receiver, sender); ``cell_pairs_cuda``'s module doc defines them."""
+    wrapped, wrap_int, bins, reach, search_cutoff = (binned.wrapped, binned.wrap, binned.bins, binned.reach,
+                                                     binned.search_cutoff)
+    atoms_by_bin, atoms_in_bin, first_in_bin = binned.atoms_by_bin, binned.atoms_in_bin, binned.first_in_bin
+    n_atoms, device, dtype = wrapped.shape[0], wrapped.device, wrapped.dtype
+    bins_t = torch.tensor(bins, device=device)
+    periodic = torch.tensor(pbc, device=device)
+    n_offsets = math.prod(2 * r + 1 for r in reach)
+    # Tables over occupied bins x bin offsets: which bin (and periodic image of it) each offset lands in.
+    occupied = torch.nonzero(atoms_in_bin).squeeze(1)
+    row_of_bin = torch.full_like(atoms_in_bin, -1)
+    row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
+    row_of_atom = row_of_bin[binned.bin_of_atom]
+    occupied_coord = torch.stack(
+        [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
+    )
+    axes = [torch.arange(-r, r + 1, device=device) for r in reach]
+    offsets = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+    target = occupied_coord[:, None, :] + offsets[None, :, :]
+    image = torch.where(periodic, torch.div(target, bins_t, rounding_mode="floor"), torch.zeros_like(target))
+    target = target - image * bins_t
+    valid = ((target >= 0) & (target < bins_t)).all(-1)
+    target_bin = torch.where(valid, (target[..., 0] * bins[1] + target[..., 1]) * bins[2] + target[..., 2], 0)
+    pair_count = torch.where(valid, atoms_in_bin[target_bin], 0).reshape(-1)
+    pair_first = first_in_bin[target_bin].reshape(-1)
+    pair_image = image.reshape(-1, 3)
+    pair_image_vector = pair_image.to(dtype) @ cell
+    pair_is_home = (pair_image == 0).all(-1)
+
+    # Chunks of receivers with a bounded number of candidate senders each.
+    per_atom = pair_count.reshape(-1, n_offsets).sum(1)[row_of_atom]
+    cumulative = torch.cumsum(per_atom, 0)
+    total = int(cumulative[-1])
+    n_chunks = max(1, math.ceil(total / candidates_per_chunk))
+    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk,
+                              right=True)
+    bounds = sorted({0, n_atoms, *cuts.tolist()})
+    ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
+
+    # Coordinates as three 1-D rows (structure of arrays): 1-D index_select is the fastest gather on CPU.
+    sender_rows = wrapped.index_select(0, atoms_by_bin).T.contiguous()  # senders are read bin by bin
+    offset_ids = torch.arange(n_offsets, device=device)
+    senders, receivers, shifts = [], [], []
+    start_total = 0
+    for begin, end, end_total in zip(bounds[:-1], bounds[1:], ends, strict=True):
+        chunk_total = end_total - start_total
+        start_total = end_total
+        if chunk_total == 0:
+            continue
+        # Receiver a meets every atom c of every (bin, image) its offsets reach:
+        # vector = wrapped[a] - image @ cell - wrapped[c], the first two terms once per (a, offset).
+        pairs = (row_of_atom[begin:end, None] * n_offsets + offset_ids).reshape(-1)
+        image_vector = pair_image_vector.index_select(0, pairs).view(-1, n_offsets, 3)
+        pair_base = wrapped[begin:end, None, :] - image_vector
+        pair_rows = pair_base.reshape(-1, 3).T.contiguous()
+        counts = pair_count.index_select(0, pairs)
+        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts,
+                                       output_size=chunk_total)
+        pair_offset = pair_first.index_select(0, pairs) - torch.cumsum(counts, 0) + counts
+        sorted_index = torch.arange(chunk_total, device=device).add_(pair_offset.index_select(0, slot))
+        distance_sq = torch.zeros(chunk_total, dtype=dtype, device=device)
+        for d in range(3):
+            component = pair_rows[d].index_select(0, slot).sub_(sender_rows[d].index_select(0, sorted_index))
+            distance_sq.addcmul_(component, component)
+        keep = torch.nonzero(distance_sq < search_cutoff * search_cutoff).squeeze(1)
+        slot = slot.index_select(0, keep)
+        pair = pairs.index_select(0, slot)
+        receiver = begin + torch.div(slot, n_offsets, rounding_mode="floor")
+        sender = atoms_by_bin.index_select(0, sorted_index.index_select(0, keep))
+        not_self = torch.nonzero((receiver != sender) | ~pair_is_home.index_select(0, pair)).squeeze(1)
+        receiver, sender, pair = (t.index_select(0, not_self) for t in (receiver, sender, pair))
+        receivers.append(receiver)
+        senders.append(sender)
+        # Back from wrapped to the positions as given: vector = p[a] - p[c] + (W[a] - W[c] - image) @ cell.
+        shifts.append(wrap_int.index_select(0, receiver) - wrap_int.index_select(0, sender)
+                      - pair_image.index_select(0, pair))
+    if not receivers:
+        return empty_pairs(device)
+    sender, receiver, shift = torch.cat(senders), torch.cat(receivers), torch.cat(shifts)
+    # Receivers are already ascending (chunks and slots go receiver by receiver); order senders within them.
+    order = torch.argsort(receiver * n_atoms + sender, stable=True)
+    return tuple(t.index_select(0, order) for t in (sender, receiver, shift))

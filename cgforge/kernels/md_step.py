@@ -3,18 +3,19 @@ kernel each) and the engine's commit check (two kernels: partial sums per warp, 
 
 As torch operations they are ~90 tiny kernels a step (the commit check alone ~60: three reductions, then a
 chain of 0-d ``where``/``or``/``and``), and inside the engine's captured CUDA graph each costs a few
-microseconds however little it does. The torch expressions stay the references and the CPU path, in
-``cgforge.plugin.md`` (``integrators._langevin_first``/``_langevin_second``, ``commit.commit_step``), which
-calls these where its tensors are on a CUDA device and torch.compile is not tracing it. All arrays are float64,
-as the engine's state: positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4, c5
-[N, 1].
+microseconds however little it does. The torch expressions (``langevin_first_reference``,
+``langevin_second_reference``, ``commit_check_reference``) are the references, the CPU path and what
+torch.compile traces; ``langevin_first``, ``langevin_second`` and ``commit_check`` call the kernels where their
+tensors are on a CUDA device and torch.compile is not tracing them, the references elsewhere. All arrays are
+float64, as the engine's state: positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4,
+c5 [N, 1].
 
 Langevin (ASE's scheme, per element, xi and eta the step's standard normals):
 
     first:  v = p/m + (c1 F/m - c2 p/m + c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta)/dt
     second: p = (v + (c1 F/m - c2 v + rnd_vel)) m          (rnd_vel = c3 xi - c4 eta, kept from the first)
 
-The commit check (``commit_step``'s doc): the temperature sum p^2/m / (3 N kB), whether the energy and the
+The commit check (``commit_check``'s doc): the temperature sum p^2/m / (3 N kB), whether the energy and the
 forces are finite, max |F| (NaN where any force is NaN, as ``amax``), then the block's report updated in the
 order ``COMMIT_REPORT`` names. The partial sums are made in a fixed order for a given N (a warp per slice of
 the flat arrays, a butterfly over its lanes; the finishing warp the same over the slices), so the bits repeat
@@ -31,8 +32,9 @@ from torch import Tensor
 from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
-__all__ = ["COMMIT_REPORT", "MD_STEP_SOURCE", "commit_check_cuda", "commit_plan", "langevin_first_cuda",
-           "langevin_second_cuda"]
+__all__ = ["COMMIT_REPORT", "MD_STEP_SOURCE", "commit_check", "commit_check_cuda", "commit_check_reference",
+           "commit_plan", "kinetic", "langevin_first", "langevin_first_cuda", "langevin_first_reference",
+           "langevin_second", "langevin_second_cuda", "langevin_second_reference"]
 
 # The commit report's fields, one float64 each, in the order the finishing kernel writes them.
 COMMIT_REPORT = ("committed", "stopped", "stale", "overflow", "blow_kind", "blow_step", "blow_value", "count_max",
@@ -210,7 +212,7 @@ def commit_check_cuda(energy: Tensor, forces: Tensor, momenta: Tensor, masses: T
                       stale: Tensor, overflow: Tensor, count: Tensor, slack: Tensor, report: Tensor,
                       temperature_denominator: float, max_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """The engine's commit check in two kernels: (bad [] bool, step [] int64, report [10] float64), the same
-    values as ``cgforge.plugin.md.commit.commit_step`` (module doc). energy, slack: float64 0-d; step, count:
+    values as ``commit_check_reference`` (module doc). energy, slack: float64 0-d; step, count:
     int64 0-d; stale, overflow: bool 0-d; report: float64 [10]; temperature = sum p^2/m / 2 / the denominator."""
     _state_arrays("commit_check_cuda", forces, momenta, masses, energy, slack, report)
     for name, t, dtype in (("step", step, torch.int64), ("count", count, torch.int64), ("stale", stale, torch.bool),
@@ -233,3 +235,102 @@ def commit_check_cuda(energy: Tensor, forces: Tensor, momenta: Tensor, masses: T
         (1,), (32,), [partials, np.int64(warps), energy, step, stale, overflow, count, slack, report,
                       np.float64(temperature_denominator), np.float64(max_temperature), bad, step_out, report_out])
     return bad, step_out, report_out
+
+
+def kinetic(momenta: Tensor, masses: Tensor) -> Tensor:
+    """sum_i p_i^2 / (2 m_i)."""
+    return 0.5 * (momenta.square() / masses).sum()
+
+
+def langevin_first_reference(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor,
+                             eta: Tensor, c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ASE's Langevin first half: (positions, momenta, v, random velocity) after the drift."""
+    rnd_pos = c5 * eta
+    rnd_vel = c3 * xi - c4 * eta
+    v = momenta / masses
+    v = v + (c1 * forces / masses - c2 * v + rnd_vel)
+    new_positions = positions + dt * v + rnd_pos
+    v = (new_positions - positions - rnd_pos) / dt  # as ASE: the velocity the drift implies
+    return new_positions, v * masses, v, rnd_vel
+
+
+def langevin_second_reference(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float
+                              ) -> Tensor:
+    """ASE's Langevin second half: the momenta after the force call."""
+    return (v + (c1 * forces / masses - c2 * v + rnd_vel)) * masses
+
+
+def _on_step_kernels(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
+    """Whether the kernels take the arithmetic: contiguous CUDA arrays of the kernel's ``dtypes`` (float64 each
+    unless named), no tracing."""
+    dtypes = (torch.float64,) * len(tensors) if dtypes is None else dtypes
+    return not torch.compiler.is_compiling() and all(
+        t.is_cuda and t.dtype == d and t.is_contiguous() for t, d in zip(tensors, dtypes, strict=True))
+
+
+def langevin_first(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor, eta: Tensor,
+                   c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``langevin_first_reference``, one kernel on CUDA."""
+    if _on_step_kernels(positions, momenta, forces, masses, xi, eta, c3, c4, c5):
+        return langevin_first_cuda(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
+    return langevin_first_reference(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
+
+
+def langevin_second(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float) -> Tensor:
+    """``langevin_second_reference``, one kernel on CUDA."""
+    if _on_step_kernels(v, forces, masses, rnd_vel):
+        return langevin_second_cuda(v, forces, masses, rnd_vel, c1, c2)
+    return langevin_second_reference(v, forces, masses, rnd_vel, c1, c2)
+
+
+_COMMIT_DTYPES = (torch.float64,) * 5 + (torch.int64, torch.bool, torch.bool, torch.int64, torch.float64)
+
+
+def commit_check(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
+                 overflow: Tensor, count: Tensor, slack: Tensor, report: Tensor, temperature_denominator: float,
+                 max_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """After a step: (bad, step, report). bad: the step ran on a stale list or overflowed buffers, blew up, or an
+    earlier step of the block stopped it (the caller restores the state); step + 1 if not; the block's report
+    (float64 [len(COMMIT_REPORT)], flags 0/1) updated. Pure. On CUDA and not under torch.compile two kernels
+    (``commit_check_cuda``) where the torch expression (``commit_check_reference``) is ~60."""
+    if _on_step_kernels(energy, forces, momenta, masses, report, step, stale, overflow, count, slack,
+                        dtypes=_COMMIT_DTYPES):
+        return commit_check_cuda(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
+                                 temperature_denominator, max_temperature)
+    return commit_check_reference(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
+                                  temperature_denominator, max_temperature)
+
+
+def commit_check_reference(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor,
+                           stale: Tensor, overflow: Tensor, count: Tensor, slack: Tensor, report: Tensor,
+                           temperature_denominator: float, max_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``commit_check`` as torch operations (any device; what torch.compile traces)."""
+    rep = dict(zip(COMMIT_REPORT, report.unbind(0), strict=True))
+    temperature = kinetic(momenta, masses) / temperature_denominator
+    bad_energy = ~torch.isfinite(energy)
+    bad_forces = ~torch.isfinite(forces).all()
+    hot = ~(temperature <= max_temperature)
+    kind = torch.where(bad_energy, 1.0, torch.where(bad_forces, 2.0, torch.where(hot, 3.0, 0.0)))
+    value = torch.where(bad_energy, energy, torch.where(bad_forces, forces.abs().amax(), temperature))
+    invalid = stale | overflow
+    blow = ~invalid & (kind > 0)
+    stopped = rep["stopped"] > 0
+    fresh = ~stopped
+    bad = stopped | invalid | blow
+    new_blow = blow & fresh
+    good = ~bad
+    new = {
+        "committed": rep["committed"] + good.to(report.dtype),
+        "stopped": bad.to(report.dtype),
+        "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
+        "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
+        "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
+        "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
+        "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
+        "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
+        "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
+        "temperature": torch.where(good, temperature, rep["temperature"]),
+    }
+    return bad, step + good.to(step.dtype), torch.stack([new[name] for name in COMMIT_REPORT])

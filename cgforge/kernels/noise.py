@@ -1,12 +1,29 @@
-"""The MD engine's counter-based Gaussian noise as one CUDA kernel: the same draws as the torch expression in
-``cgforge.plugin.md.noise`` (which owns the hash, its reference and the statistics' tests).
+"""Counter-based Gaussian noise for the MD engine: the draws are a function of (seed, step, stream, index), as
+torch operations (the reference, and the CPU path) and as one CUDA kernel that draws the same numbers.
 
-The torch expression is ~60 tiny kernels per call, and inside the engine's CUDA graph each costs a few
-microseconds however little it does (an NPT step draws three times). uint32 arithmetic wraps as the int64
-expression's low 32 bits do; one thread makes a Box-Muller pair.
+Why not a ``torch.Generator``: a generator's state advances with every replay of a captured step, also of a
+step the engine throws away (a neighbour list went stale inside a block, the edge buffers overflowed) and
+redoes. Noise keyed by the committed step number makes a run independent of when rebuilds happened, a restart
+needs only (seed, step), and CPU and CUDA draw the same numbers (integer arithmetic, then float64).
+
+The hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64), keyed
+per step and stream, three rounds per draw with independent round keys. A product of two 32-bit words can pass
+2^63: torch's int64 multiply wraps (two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the
+result is exact; the safe 16-bit split (``_mul32_exact``) is the test's reference, and a CUDA test checks that
+both devices draw the same numbers.
+Uniforms become normals by Box-Muller. Statistics are tested in tests/md/test_engine_rng.py (moments, a
+Kolmogorov-Smirnov test, independence across steps, streams and seeds).
+
+The kernel (``normal_noise_cuda``, compiled through the kernels' one compile path) replaces the torch
+expression's ~60 tiny kernels per call: inside the engine's CUDA graph each costs a few microseconds however
+little it does (an NPT step draws three times). uint32 arithmetic wraps as the int64 expression's low 32 bits
+do; one thread makes a Box-Muller pair. ``normal_noise`` takes the kernel on a CUDA device, the reference
+(``normal_noise_reference``) elsewhere.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -14,7 +31,8 @@ from torch import Tensor
 
 from .core.registry import SourceKernels
 
-__all__ = ["NORMAL_NOISE_SOURCE", "normal_noise_cuda"]
+__all__ = ["NORMAL_NOISE_SOURCE", "normal_noise", "normal_noise_cuda", "normal_noise_reference",
+           "uniform_bits"]
 
 NORMAL_NOISE_SOURCE = r"""
 __device__ __forceinline__ unsigned int mix32(unsigned int x) {
@@ -52,3 +70,52 @@ def normal_noise_cuda(stream_key: int, step: Tensor, n: int, device: torch.devic
     _KERNELS.get("normal_noise_f64", device).launch(
         (-(-half // threads),), (threads,), [step, np.uint32(stream_key), out, np.int64(n), np.int64(half)])
     return out[:n]
+
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+
+
+def _mul32_exact(x: Tensor | int, c: int) -> Tensor | int:
+    """(x * c) mod 2^32 for 0 <= x < 2^32 without an int64 overflow (16-bit halves): the reference."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: Tensor | int) -> Tensor | int:
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _stream_key(seed: int, stream: int) -> int:
+    return _mix((_mix(seed & _M32) ^ _mix((seed >> 32) & _M32 ^ 0x68E31DA4) ^ _mix(stream + 1)) & _M32)
+
+
+def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
+    step = step.to(torch.int64)
+    k1 = _mix(_stream_key(int(seed), int(stream)) ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
+    k2 = _mix(k1 ^ 0x9E3779B9)  # independent round keys: no related-key structure between the rounds
+    k3 = _mix(k2 ^ 0x85EBCA6B)
+    index = torch.arange(n, dtype=torch.int64, device=device)
+    return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
+
+
+def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``n`` standard normal float64 draws for (seed, step, stream); ``step`` an int64 scalar tensor (device-side:
+    capture-safe, no host read). On CUDA one kernel, on a CPU the torch expression (the same numbers)."""
+    device = torch.device(device)
+    if device.type == "cuda" and n > 0 and n < 2**32:
+        return normal_noise_cuda(_stream_key(int(seed), int(stream)), step, n, device)
+    return normal_noise_reference(seed, step, stream, n, device)
+
+
+def normal_noise_reference(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``normal_noise`` as torch operations on any device (the CPU path, and the CUDA kernel's reference)."""
+    half = (n + 1) // 2
+    u = uniform_bits(seed, step, stream, 2 * half, device).to(torch.float64) * (1.0 / 2.0**32)
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - u[:half]))  # 1 - u in (0, 1]: finite logarithm
+    angle = (2.0 * math.pi) * u[half:]
+    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n]  # both Box-Muller outputs

@@ -7,8 +7,8 @@ the pairs whose sender is r (found by a binary search, the row being sorted by s
     reverse[v] = that pair's index,    or v and missing = 1 when the list lacks it
 
 A list has each (s, r, S) once, so the first match is the reverse. This replaces a sort of V int64 keys, two
-searches and host reads per neighbour-list rebuild (``edge_topology`` in the MD runtime, whose torch expression
-is the reference and the CPU path).
+searches and host reads per neighbour-list rebuild (``pair_reverse_reference``, the reference and the CPU path);
+``pair_reverse`` takes the kernel on a CUDA device, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 from .core.launch import thread_blocks
 from .core.registry import SourceKernels
 
-__all__ = ["PAIR_REVERSE_SOURCE", "pair_reverse_cuda"]
+__all__ = ["PAIR_REVERSE_SOURCE", "pair_reverse", "pair_reverse_cuda", "pair_reverse_reference"]
 
 PAIR_REVERSE_SOURCE = r"""
 extern "C" __global__ void pair_reverse(const long long* __restrict__ sender, const long long* __restrict__ receiver,
@@ -71,3 +71,44 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
             (thread_blocks(pairs, _THREADS),), (_THREADS,),
             [sender, receiver, shifts, rowptr, np.int64(pairs), reverse, missing])
     return reverse, missing
+
+
+def _on_reverse_kernel(sender: Tensor) -> bool:
+    """Whether ``pair_reverse`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA;
+    ``benchmarks/investigations/without.py`` says no)."""
+    return sender.is_cuda
+
+
+def pair_reverse(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: Tensor) -> Tensor | None:
+    """reverse int64 [V] of the module doc for V >= 1 pairs sorted by (receiver, sender) with integer image shifts
+    [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse. On CUDA one kernel and a host
+    read, elsewhere ``pair_reverse_reference``."""
+    if _on_reverse_kernel(sender):
+        found, missing = pair_reverse_cuda(sender.contiguous(), receiver.contiguous(),
+                                           shifts.to(torch.int64).contiguous(), rowptr)
+        return None if bool(missing[0]) else found
+    return pair_reverse_reference(sender, receiver, shifts, rowptr.shape[0] - 1)
+
+
+def pair_reverse_reference(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: int) -> Tensor | None:
+    """``pair_reverse`` by a sort of int64 keys (receiver, sender, shift) and a search of each pair's reverse key,
+    with host reads; None when a pair has no reverse, or the keys would overflow."""
+    n, count = int(num_nodes), int(sender.shape[0])
+    reach = int(shifts.abs().max())
+    side = 2 * reach + 1
+    if n * n * side**3 >= 2**62:  # the keys below would overflow
+        return None
+
+    def key(s: Tensor, r: Tensor, image: Tensor) -> Tensor:
+        code = ((image[:, 0] + reach) * side + image[:, 1] + reach) * side + image[:, 2] + reach
+        return (r * n + s) * side**3 + code
+
+    shifts = shifts.to(torch.int64)
+    keys = key(sender, receiver, shifts)
+    order = torch.argsort(keys)
+    sorted_keys = keys.index_select(0, order)
+    wanted = key(receiver, sender, -shifts)
+    where = torch.searchsorted(sorted_keys, wanted).clamp(max=count - 1)
+    if not bool((sorted_keys.index_select(0, where) == wanted).all()):
+        return None
+    return order.index_select(0, where)

@@ -20,7 +20,8 @@ from ase import Atoms, units
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from torch import Tensor
 
-from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff, edges_within
+from cgforge.kernels.edge_layout import edges_within
+from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff
 
 __all__ = ["water_box", "QSPCFw", "Q_SPC_FW", "QSPCFwCalculator", "check_water_order", "qspcfw_energy",
            "whole_molecule_shifts"]

@@ -13,7 +13,9 @@ import torch
 from ase import Atoms
 from host_cuda import assert_compiles_without_spills, build, call
 
+from cgforge.kernels import cell_search
 from cgforge.kernels.cell_search import CELL_SEARCH_SOURCE
+from cgforge.kernels.edge_layout import edges_within
 from cgforge.plugin.runtime import neighbours
 from cgforge.plugin.water import water_box
 
@@ -105,7 +107,7 @@ def test_cuda_source_run_as_cpp_equals_the_torch_loop(libraries, case, dtype) ->
     library, suffix = libraries[dtype]
     _, cell, pbc, binned = _inputs(atoms, cutoff, dtype)
     got = _host_pairs(library, suffix, binned, cell, pbc)
-    want = neighbours._candidate_pairs(binned, cell, pbc, 1 << 22)
+    want = cell_search.candidate_pairs_reference(binned, cell, pbc, 1 << 22)
     assert want[0].numel() > 0
     for name, a, b in zip(("sender", "receiver", "shifts"), got, want, strict=True):
         assert a.shape == b.shape and torch.equal(a, b), name
@@ -118,11 +120,18 @@ def test_cuda_kernel_search_equals_the_torch_search_and_matscipy(case, dtype) ->
     from matscipy.neighbours import neighbour_list as matscipy_list
 
     atoms, cutoff = CASES[case]
-    positions, cell, pbc, _ = _inputs(atoms, cutoff, dtype, "cuda")
-    kernel = neighbours._search(positions, cell, pbc, cutoff, 1 << 22, kernel=True)
-    loop = neighbours._search(positions, cell, pbc, cutoff, 1 << 22, kernel=False)
-    for a, b in zip(kernel, loop, strict=True):
-        assert a.is_cuda and torch.equal(a, b), "the same list in the same order"
+    positions, cell, pbc, binned = _inputs(atoms, cutoff, dtype, "cuda")
+    kernel = cell_search.candidate_pairs(binned, cell, pbc, 1 << 22)
+    loop = cell_search.candidate_pairs_reference(binned, cell, pbc, 1 << 22)
+
+    def cut(pairs):  # the search's exact cut (candidates within rounding of the search cutoff may differ)
+        inside = edges_within(positions, cell, *pairs, cutoff)[2]
+        return [t[inside] for t in pairs]
+
+    kernel, loop = cut(kernel), cut(loop)
+    search = neighbours._search(positions, cell, pbc, cutoff, 1 << 22)  # takes the kernels on a GPU
+    for a, b, c in zip(kernel, loop, search, strict=True):
+        assert a.is_cuda and torch.equal(a, b) and torch.equal(a, c), "the same list in the same order"
     if dtype == torch.float64:
         i, j, s = matscipy_list("ijS", atoms, cutoff)
         rows = {tuple(r) for r in np.column_stack([i, j, s]).tolist()}

@@ -12,9 +12,9 @@ import pytest
 import torch
 from host_cuda import assert_compiles_without_spills, build, call
 
-from cgforge.kernels.edge_layout import EDGE_LAYOUT_SOURCE, padded_layout_cuda
-from cgforge.plugin.runtime import edge_layout as el
-from cgforge.plugin.runtime.neighbours import edges_within, neighbour_list
+from cgforge.kernels import edge_layout as el
+from cgforge.kernels.edge_layout import EDGE_LAYOUT_SOURCE, edges_within, padded_layout_cuda
+from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
 
 CUTOFF, SKIN = 3.2, 0.8

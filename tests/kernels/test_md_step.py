@@ -1,7 +1,7 @@
 """The MD engine's step kernels (cgforge.kernels.md_step): the CUDA source compiles (NVRTC, no GPU needed) and runs
-on the CPU as C++ (``host_cuda``) equal to the torch expressions it replaces (``integrators._langevin_first``,
-``_langevin_second``, ``commit.commit_step_reference``), for every way a step can fail; on a GPU the kernels equal
-the expressions and repeat bitwise, and the engine dispatches to them."""
+on the CPU as C++ (``host_cuda``) equal to the torch references beside them (``langevin_first_reference``,
+``langevin_second_reference``, ``commit_check_reference``), for every way a step can fail; on a GPU the kernels
+equal the references and repeat bitwise, and the engine dispatches to them."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from ase import units
 from host_cuda import assert_compiles_without_spills, build, call
 
-from cgforge.kernels.md_step import COMMIT_REPORT, MD_STEP_SOURCE, commit_plan
+from cgforge.kernels import md_step
+from cgforge.kernels.md_step import COMMIT_REPORT, MD_STEP_SOURCE, commit_check, commit_check_reference, commit_plan
 from cgforge.plugin.md import integrators
-from cgforge.plugin.md.commit import REPORT, commit_step, commit_step_reference
+from cgforge.plugin.md.commit import REPORT, commit_step
 
 _DRIVER = r"""
 extern "C" void first(const double* r, const double* p, const double* f, const double* m, const double* xi,
@@ -102,15 +103,16 @@ def test_langevin_source_run_as_cpp_equals_the_torch_expressions(library, n: int
     arrays = [s[k].numpy() for k in ("positions", "momenta", "forces", "masses", "xi", "eta")]
     call(library.first, [*arrays, *c, ctypes.c_double(scheme.c1), ctypes.c_double(scheme.c2),
                          ctypes.c_double(scheme.dt), n3, *outs])
-    expected = integrators._langevin_first(s["positions"], s["momenta"], s["forces"], s["masses"], s["xi"], s["eta"],
-                                           scheme.c1, scheme.c2, scheme.c3, scheme.c4, scheme.c5, scheme.dt)
+    expected = md_step.langevin_first_reference(s["positions"], s["momenta"], s["forces"], s["masses"], s["xi"],
+                                                s["eta"], scheme.c1, scheme.c2, scheme.c3, scheme.c4, scheme.c5,
+                                                scheme.dt)
     for got, want in zip(outs, expected, strict=True):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-14, atol=1e-14)
     v, rnd = expected[2], expected[3]
     momenta = np.zeros((n, 3))
     call(library.second, [v.numpy(), s["forces"].numpy(), s["masses"].numpy(), rnd.numpy(),
                           ctypes.c_double(scheme.c1), ctypes.c_double(scheme.c2), n3, momenta])
-    want = integrators._langevin_second(v, s["forces"], s["masses"], rnd, scheme.c1, scheme.c2)
+    want = md_step.langevin_second_reference(v, s["forces"], s["masses"], rnd, scheme.c1, scheme.c2)
     torch.testing.assert_close(torch.from_numpy(momenta), want, rtol=1e-14, atol=1e-14)
 
 
@@ -149,8 +151,8 @@ def _commit_inputs(n: int, case: dict, seed: int) -> dict:
             "momenta": s["momenta"], "masses": s["masses"], "step": torch.tensor(41, dtype=torch.int64),
             "stale": torch.tensor(case.get("stale", False)), "overflow": torch.tensor(case.get("overflow", False)),
             "count": torch.tensor(case.get("count", 77), dtype=torch.int64),
-            "slack": torch.tensor(0.125, dtype=torch.float64), "max_temperature_K": case.get("max_t", 5000.0),
-            "report": report}
+            "slack": torch.tensor(0.125, dtype=torch.float64), "report": report,
+            "temperature_denominator": 1.5 * n * units.kB, "max_temperature": case.get("max_t", 5000.0)}
 
 
 def _assert_same_commit(got: tuple, want: tuple) -> None:
@@ -169,26 +171,30 @@ def test_commit_source_run_as_cpp_equals_the_torch_expression(library, n: int, p
     call(library.commit, [x["momenta"].numpy(), x["masses"].numpy(), x["forces"].numpy(), 3 * n, per_warp, warps,
                           partials, x["energy"].reshape(1).numpy(), x["step"].reshape(1).numpy(), *flags,
                           x["count"].reshape(1).numpy(), x["slack"].reshape(1).numpy(), x["report"].numpy(),
-                          ctypes.c_double(1.5 * n * units.kB), ctypes.c_double(x["max_temperature_K"]),
+                          ctypes.c_double(x["temperature_denominator"]), ctypes.c_double(x["max_temperature"]),
                           bad, step, report])
-    want = commit_step_reference(**x)
+    want = commit_check_reference(**x)
     _assert_same_commit((torch.tensor(bad[0]), torch.tensor(step[0]), torch.from_numpy(report)), want)
 
 
 def test_the_cpu_path_is_the_torch_expression() -> None:
     x = _commit_inputs(50, CASES["forces nan"], seed=3)
-    _assert_same_commit(commit_step(**x), commit_step_reference(**x))
-    assert integrators.Langevin(0.5, 300.0, 0.02)._math["_langevin_first"] is integrators._langevin_first_eager
+    want = commit_check_reference(**x)
+    _assert_same_commit(commit_check(**x), want)
+    engine_args = {k: v for k, v in x.items() if k not in ("temperature_denominator", "max_temperature")}
+    got = commit_step(**engine_args, max_temperature_K=x["max_temperature"])  # the engine's call: the same bits
+    assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(got, want, strict=True))
+    assert integrators.Langevin(0.5, 300.0, 0.02)._math["_langevin_first"] is md_step.langevin_first
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_commit_kernels_equal_the_torch_expression_and_repeat(case: str) -> None:
     x = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _commit_inputs(5184, CASES[case], 9).items()}
-    got = commit_step(**x)
-    again = commit_step(**x)
+    got = commit_check(**x)
+    again = commit_check(**x)
     assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(got, again, strict=True))
-    _assert_same_commit(got, commit_step_reference(**x))
+    _assert_same_commit(got, commit_check_reference(**x))
 
 
 @pytest.mark.cuda
@@ -197,14 +203,14 @@ def test_cuda_langevin_kernels_equal_the_torch_expressions() -> None:
     scheme = _langevin(s["masses"])
     args = (s["positions"], s["momenta"], s["forces"], s["masses"], s["xi"], s["eta"], scheme.c1, scheme.c2,
             scheme.c3, scheme.c4, scheme.c5, scheme.dt)
-    got, again = integrators._langevin_first_eager(*args), integrators._langevin_first_eager(*args)
+    got, again = md_step.langevin_first(*args), md_step.langevin_first(*args)
     # v = (r' - r - c5 eta) / dt cancels: an ulp of r' (the kernel may fuse r + dt v into one rounding, torch
     # divides by dt as a product with 1/dt) is ulp(r) / dt in v
     v_tol = 8 * torch.finfo(torch.float64).eps * float(s["positions"].abs().max()) / scheme.dt
     tols = (1e-14, v_tol * float(s["masses"].max()), v_tol, 1e-14)
-    for a, b, want, tol in zip(got, again, integrators._langevin_first(*args), tols, strict=True):
+    for a, b, want, tol in zip(got, again, md_step.langevin_first_reference(*args), tols, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want, rtol=1e-14, atol=tol)
     second = (got[2], s["forces"], s["masses"], got[3], scheme.c1, scheme.c2)
-    torch.testing.assert_close(integrators._langevin_second_eager(*second), integrators._langevin_second(*second),
+    torch.testing.assert_close(md_step.langevin_second(*second), md_step.langevin_second_reference(*second),
                                rtol=1e-14, atol=1e-14)

@@ -1,6 +1,7 @@
 """The reverse of every pair of a neighbour list as a CUDA kernel (cgforge.kernels.pair_reverse): the source
-compiles (NVRTC, no GPU needed) and runs on the CPU as C++ (``host_cuda``) equal to ``edge_topology``'s sort (the
-CPU path), on cells with many images and self-images; a list missing a reverse is flagged; on a GPU the same."""
+compiles (NVRTC, no GPU needed) and runs on the CPU as C++ (``host_cuda``) equal to the sort beside it
+(``pair_reverse_reference``, the CPU path), on cells with many images and self-images; a list missing a reverse
+is flagged; on a GPU the same."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from ase import Atoms
 from host_cuda import assert_compiles_without_spills, build, call
 
-from cgforge.kernels.pair_reverse import PAIR_REVERSE_SOURCE
-from cgforge.plugin.runtime.edge_layout import edge_topology
+from cgforge.kernels.edge_layout import edge_topology
+from cgforge.kernels.pair_reverse import PAIR_REVERSE_SOURCE, pair_reverse, pair_reverse_reference
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
 
@@ -70,9 +71,13 @@ def _host_reverse(library, sender, receiver, shifts, n) -> tuple[np.ndarray, int
 def test_cuda_source_run_as_cpp_equals_the_sort(library, name) -> None:
     sender, receiver, shifts, n = LISTS[name]
     reverse, missing = _host_reverse(library, sender, receiver, shifts, n)
-    want = edge_topology(sender, receiver, shifts, n)
+    want = pair_reverse_reference(sender, receiver, shifts, n)
     assert want is not None and missing == 0
-    np.testing.assert_array_equal(reverse, want.reverse.numpy())
+    np.testing.assert_array_equal(reverse, want.numpy())
+    rowptr = torch.searchsorted(receiver, torch.arange(n + 1))
+    assert torch.equal(pair_reverse(sender, receiver, shifts, rowptr), want), "the CPU path is the reference"
+    topology = edge_topology(sender, receiver, shifts, n, capacity=len(sender) + 3)
+    assert torch.equal(topology.reverse, torch.cat([want, torch.arange(len(sender), len(sender) + 3)]))
     v = np.arange(len(sender))
     assert (reverse != v).all() or name == "many-images", "a pair is its own reverse only through an image"
     np.testing.assert_array_equal(reverse[reverse], v)
@@ -84,6 +89,7 @@ def test_a_missing_reverse_is_flagged(library) -> None:
     keep[17] = False  # pair 17's reverse now has none
     reverse, missing = _host_reverse(library, sender[keep], receiver[keep], shifts[keep], n)
     assert missing == 1
+    assert pair_reverse_reference(sender[keep], receiver[keep], shifts[keep], n) is None
     assert edge_topology(sender[keep], receiver[keep], shifts[keep], n) is None
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from cgforge.plugin.md import noise as rng
+from cgforge.kernels import noise as rng
+from cgforge.plugin.md.integrators import NoiseSource
 
 N = 200_000
 
@@ -60,7 +61,7 @@ def test_draws_are_reproducible_and_independent():
 def test_sizes_and_the_noise_source():
     step = torch.tensor(7)
     assert draw(n=7).shape == (7,) and draw(n=1).shape == (1,)
-    source = rng.NoiseSource(3, step)
+    source = NoiseSource(3, step)
     assert source(2, (4, 3)).shape == (4, 3)
     assert torch.equal(source(2, (4, 3)).reshape(-1), rng.normal_noise(3, step, 2, 12, "cpu"))
     step.add_(1)  # the source reads the engine's step counter as it is now

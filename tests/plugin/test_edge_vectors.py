@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cgforge.plugin.runtime import edge_layout as el
+from cgforge.kernels import edge_layout as el
 from cgforge.plugin.runtime.edge_vectors import edge_differences, row_sums, rows_times
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box

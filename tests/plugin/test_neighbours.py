@@ -10,7 +10,8 @@ import pytest
 import torch
 from ase import Atoms
 
-from cgforge.plugin.runtime.neighbours import VerletNeighbourList, edges_within, neighbour_list
+from cgforge.kernels.edge_layout import edges_within
+from cgforge.plugin.runtime.neighbours import VerletNeighbourList, neighbour_list
 from cgforge.plugin.water import water_box
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,8 +16,8 @@ import torch
 from mace_helpers import build_model, rel_err  # noqa: E402
 
 from cgforge import kernels  # noqa: E402
+from cgforge.kernels import edge_layout as el  # noqa: E402
 from cgforge.plugin import Calculator  # noqa: E402
-from cgforge.plugin.runtime import edge_layout as el  # noqa: E402
 from cgforge.plugin.runtime import step_graph  # noqa: E402
 from cgforge.plugin.runtime.neighbours import VerletNeighbourList  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector
 from cgforge.patches.species_linear import SpeciesRoom
 from cgforge.plugin.runtime.capture import capture_or_fall_back, room
-from cgforge.plugin.runtime.edge_layout import conv_graph, layout_edges, pad_offset_vector
 
 from .arrays import LammpsArrays, write_results
 from .timers import OFF

@@ -59,8 +59,7 @@ from ..runtime.compiled import compile_or_eager
 from ..runtime.potential import Potential
 from .commit import BLOW_KINDS, REPORT, MDBlowUp, commit_step
 from .forces import EnergyFunctionForces, ForceResult, ModelForces
-from .integrators import Integrator, MDState, kinetic_energy
-from .noise import NoiseSource
+from .integrators import Integrator, MDState, NoiseSource, kinetic_energy
 from .state import ENGINE_INFO_KEY, read_state, write_atoms
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]

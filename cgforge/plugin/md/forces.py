@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..runtime.edge_layout import EdgeTopology
+from cgforge.kernels.edge_layout import EdgeTopology
+
 from ..runtime.neighbours import neighbour_list
 from ..runtime.options import RuntimeOptions
 from ..runtime.potential import Potential

@@ -4,7 +4,8 @@ Every integrator splits one step around the force call: ``before_forces`` (kicks
 engine evaluates forces (and the virial when ``needs_virial``) at the new positions, ``after_forces``. They
 work in place on an ``MDState`` of float64 tensors (ASE units: Å, eV, amu, ASE time) and read random numbers
 only through the noise source they are given (``noise(stream, shape)``, standard normals of the step being
-taken), so tests can feed them ASE's own draws.
+taken), so tests can feed them ASE's own draws; the engine's is a ``NoiseSource`` (the counter-based draws of
+``cgforge.kernels.noise``).
 
 - ``VelocityVerlet``: ASE's ``VelocityVerlet``, operation for operation.
 - ``Langevin``: ASE's ``Langevin`` (the Vanden-Eijnden & Ciccotti second-order scheme that ASE implements,
@@ -25,7 +26,7 @@ passes ``torch.compile`` when the calculator's model is compiled): in a captured
 operation is a node of a few microseconds however little it does, and an NPT step's thermostat and barostat
 scalars were ~80 of them. Unfused (the default, and on a CPU) they run as
 written, operation for operation, except Langevin's two halves on CUDA: one kernel each
-(``cgforge.kernels.md_step``, the same arithmetic) where the torch expressions are ~25 kernels.
+(``cgforge.kernels.md_step``, beside its torch reference) where the torch expressions are ~25 kernels.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ import torch
 from ase import units
 from torch import Tensor
 
-from cgforge.kernels.md_step import langevin_first_cuda, langevin_second_cuda
+from cgforge.kernels.md_step import (
+    kinetic,
+    langevin_first,
+    langevin_first_reference,
+    langevin_second,
+    langevin_second_reference,
+)
+from cgforge.kernels.noise import normal_noise
 
-__all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
+__all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling", "NoiseSource",
+           "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -67,9 +75,16 @@ class MDState:
         return out
 
 
-def kinetic(momenta: Tensor, masses: Tensor) -> Tensor:
-    """sum_i p_i^2 / (2 m_i)."""
-    return 0.5 * (momenta.square() / masses).sum()
+class NoiseSource:
+    """Draws for the current step: ``source(stream, shape)`` -> float64 normals of ``shape``. The engine points
+    ``step`` at its device step counter; tests may replace a source with one that replays given numbers."""
+
+    def __init__(self, seed: int, step: Tensor) -> None:
+        self.seed = int(seed)
+        self.step = step
+
+    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        return normal_noise(self.seed, self.step, stream, math.prod(shape), self.step.device).view(shape)
 
 
 def kinetic_energy(state: MDState) -> Tensor:
@@ -93,47 +108,6 @@ def volume(cell: Tensor) -> Tensor:
 def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
     """The pressure tensor (sum p (x) p / m - W) / V."""
     return (_kinetic_tensor(momenta, masses) - virial) / volume
-
-
-def _langevin_first(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor, eta: Tensor,
-                    c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """ASE's Langevin first half: (positions, momenta, v, random velocity) after the drift."""
-    rnd_pos = c5 * eta
-    rnd_vel = c3 * xi - c4 * eta
-    v = momenta / masses
-    v = v + (c1 * forces / masses - c2 * v + rnd_vel)
-    new_positions = positions + dt * v + rnd_pos
-    v = (new_positions - positions - rnd_pos) / dt  # as ASE: the velocity the drift implies
-    return new_positions, v * masses, v, rnd_vel
-
-
-def _langevin_second(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float) -> Tensor:
-    """ASE's Langevin second half: the momenta after the force call."""
-    return (v + (c1 * forces / masses - c2 * v + rnd_vel)) * masses
-
-
-def _on_step_kernels(*tensors: Tensor) -> bool:
-    """Whether ``cgforge.kernels.md_step`` takes the arithmetic: contiguous float64 CUDA arrays, no tracing."""
-    return not torch.compiler.is_compiling() and all(
-        t.is_cuda and t.dtype == torch.float64 and t.is_contiguous() for t in tensors)
-
-
-def _langevin_first_eager(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, xi: Tensor,
-                          eta: Tensor, c1: float, c2: float, c3: Tensor, c4: Tensor, c5: Tensor, dt: float
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_langevin_first``, one kernel on CUDA."""
-    if _on_step_kernels(positions, momenta, forces, masses, xi, eta, c3, c4, c5):
-        return langevin_first_cuda(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
-    return _langevin_first(positions, momenta, forces, masses, xi, eta, c1, c2, c3, c4, c5, dt)
-
-
-def _langevin_second_eager(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float
-                           ) -> Tensor:
-    """``_langevin_second``, one kernel on CUDA."""
-    if _on_step_kernels(v, forces, masses, rnd_vel):
-        return langevin_second_cuda(v, forces, masses, rnd_vel, c1, c2)
-    return _langevin_second(v, forces, masses, rnd_vel, c1, c2)
 
 
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
@@ -191,10 +165,11 @@ class Integrator:
         self.fused = compile is not None
         if compile is None:
             self._math = {fn.__name__: fn for fn in (_csvr_factor, _cell_scaling)}
-            self._math.update(_langevin_first=_langevin_first_eager, _langevin_second=_langevin_second_eager)
+            self._math.update(_langevin_first=langevin_first, _langevin_second=langevin_second)
         else:
-            self._math = {fn.__name__: compile(fn) for fn in (_langevin_first, _langevin_second, _csvr_factor,
-                                                               _cell_scaling)}
+            self._math = {fn.__name__: compile(fn) for fn in (_csvr_factor, _cell_scaling)}
+            self._math.update(_langevin_first=compile(langevin_first_reference),
+                              _langevin_second=compile(langevin_second_reference))
 
     def params(self) -> dict[str, float | int | bool | str | None]:
         """The physical settings, for a restart's record (and a check that a restart continues the same run)."""

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cgforge.kernels.edge_layout import EdgeTopology, edge_topology, layout_edges, pad_offset_vector
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .diagnosis import NonFiniteOutputError
-from .edge_layout import EdgeTopology, edge_topology, layout_edges, pad_offset_vector
 from .neighbours import _binning_basis, neighbour_list
 from .step_graph import StepOutput, graph_derivatives
 

@@ -1,5 +1,6 @@
 """Neighbour lists: one cell-list (binning) search in torch, whose candidate loop is two CUDA kernels on a GPU
-(``cgforge.kernels.cell_search``, the same list) and torch operations on the CPU.
+and torch operations on the CPU (``cgforge.kernels.cell_search``: the kernels beside their reference, the same
+list).
 
 Conventions are those of matscipy's ``neighbour_list("ijS", atoms, cutoff)``:
 an edge is (sender i, receiver j, integer image vector S) with
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from cgforge.kernels.cell_search import cell_pairs_cuda
+from cgforge.kernels.cell_search import Bins, candidate_pairs, empty_pairs
+from cgforge.kernels.edge_layout import edges_within
 
-__all__ = ["neighbour_list", "edges_within", "VerletNeighbourList"]
+__all__ = ["neighbour_list", "VerletNeighbourList"]
 
 PbcLike = bool | Sequence[bool] | Tensor | np.ndarray
 
@@ -108,50 +109,20 @@ def _bins_per_direction(lengths: np.ndarray, cutoff: float, n_atoms: int) -> lis
         width *= max(1.01, (total / max_bins) ** (1 / 3))
 
 
-def _empty_edges(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.int64, device=device)
-
-
-class _Bins(NamedTuple):
-    """Atoms binned for the search (``_bin_atoms``): what the candidate loop, torch or CUDA, reads."""
-
-    wrapped: Tensor  # [N, 3] the positions wrapped into the cell (periodic directions), positions' dtype
-    wrap: Tensor  # int64 [N, 3]: the images that wrapped them
-    coord: Tensor  # int64 [N, 3]: each atom's bin coordinates
-    bin_of_atom: Tensor  # int64 [N]
-    atoms_by_bin: Tensor  # int64 [N]: the atoms in bin order (stable)
-    atoms_in_bin: Tensor  # int64 [B]
-    first_in_bin: Tensor  # int64 [B]
-    bins: tuple[int, int, int]
-    reach: tuple[int, int, int]  # bins each side a neighbour can be in
-    search_cutoff: float  # the cutoff with room for rounding (the exact cut comes after the loop)
-
-
 def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float,
-            candidates_per_chunk: int, kernel: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """The search of ``neighbour_list``; on CUDA its candidate loop is ``cell_pairs_cuda`` unless not ``kernel``
-    (then the torch loop, the CPU's)."""
+            candidates_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The search of ``neighbour_list``: the atoms binned here, the candidate loop ``candidate_pairs`` (CUDA
+    kernels on a GPU, torch elsewhere), then the exact cut."""
     if positions.shape[0] == 0:
-        return _empty_edges(positions.device)
+        return empty_pairs(positions.device)
     binned = _bin_atoms(positions, cell, pbc, cutoff)
-    if kernel and _on_search_kernels(positions):
-        sender, receiver, shift = cell_pairs_cuda(binned.wrapped, binned.atoms_by_bin, binned.coord,
-                                                  binned.first_in_bin, binned.atoms_in_bin, cell.contiguous(),
-                                                  binned.wrap, binned.bins, binned.reach, pbc, binned.search_cutoff)
-    else:
-        sender, receiver, shift = _candidate_pairs(binned, cell, pbc, candidates_per_chunk)
+    sender, receiver, shift = candidate_pairs(binned, cell, pbc, candidates_per_chunk)
     # The exact cut, as edges_within() computes it from the positions as given, so that both always agree.
     inside = torch.nonzero(edges_within(positions, cell, sender, receiver, shift, cutoff)[2]).squeeze(1)
     return tuple(t.index_select(0, inside) for t in (sender, receiver, shift))
 
 
-def _on_search_kernels(positions: Tensor) -> bool:
-    """Whether the candidate loop runs as ``cell_pairs_cuda`` (``benchmarks/investigations/without.py`` says no)."""
-    return positions.is_cuda
-
-
-def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float) -> _Bins:
+def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float) -> Bins:
     """Bins at least ``cutoff`` wide over the cell (periodic directions) or the atoms' extent (others)."""
     n_atoms, device, dtype = positions.shape[0], positions.device, positions.dtype
     if not bool(torch.isfinite(positions).all()):
@@ -198,95 +169,8 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
     wrapped = positions.detach() + wrap.to(dtype) @ cell
     scale = float(torch.maximum(positions.abs().max(), wrapped.abs().max()))
     search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * scale
-    return _Bins(wrapped, wrap.long(), coord, bin_of_atom, atoms_by_bin, atoms_in_bin, first_in_bin,
+    return Bins(wrapped, wrap.long(), coord, bin_of_atom, atoms_by_bin, atoms_in_bin, first_in_bin,
                  (bins[0], bins[1], bins[2]), (reach[0], reach[1], reach[2]), search_cutoff)
-
-
-def _candidate_pairs(binned: _Bins, cell: Tensor, pbc: tuple[bool, bool, bool], candidates_per_chunk: int
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """The candidate loop in torch (CPU, or CUDA on request): the pairs closer than the search cutoff on the
-    wrapped coordinates, sorted by (receiver, sender); ``cell_pairs_cuda``'s module doc defines them."""
-    wrapped, wrap_int, bins, reach, search_cutoff = (binned.wrapped, binned.wrap, binned.bins, binned.reach,
-                                                     binned.search_cutoff)
-    atoms_by_bin, atoms_in_bin, first_in_bin = binned.atoms_by_bin, binned.atoms_in_bin, binned.first_in_bin
-    n_atoms, device, dtype = wrapped.shape[0], wrapped.device, wrapped.dtype
-    bins_t = torch.tensor(bins, device=device)
-    periodic = torch.tensor(pbc, device=device)
-    n_offsets = math.prod(2 * r + 1 for r in reach)
-    # Tables over occupied bins x bin offsets: which bin (and periodic image of it) each offset lands in.
-    occupied = torch.nonzero(atoms_in_bin).squeeze(1)
-    row_of_bin = torch.full_like(atoms_in_bin, -1)
-    row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
-    row_of_atom = row_of_bin[binned.bin_of_atom]
-    occupied_coord = torch.stack(
-        [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
-    )
-    axes = [torch.arange(-r, r + 1, device=device) for r in reach]
-    offsets = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
-    target = occupied_coord[:, None, :] + offsets[None, :, :]
-    image = torch.where(periodic, torch.div(target, bins_t, rounding_mode="floor"), torch.zeros_like(target))
-    target = target - image * bins_t
-    valid = ((target >= 0) & (target < bins_t)).all(-1)
-    target_bin = torch.where(valid, (target[..., 0] * bins[1] + target[..., 1]) * bins[2] + target[..., 2], 0)
-    pair_count = torch.where(valid, atoms_in_bin[target_bin], 0).reshape(-1)
-    pair_first = first_in_bin[target_bin].reshape(-1)
-    pair_image = image.reshape(-1, 3)
-    pair_image_vector = pair_image.to(dtype) @ cell
-    pair_is_home = (pair_image == 0).all(-1)
-
-    # Chunks of receivers with a bounded number of candidate senders each.
-    per_atom = pair_count.reshape(-1, n_offsets).sum(1)[row_of_atom]
-    cumulative = torch.cumsum(per_atom, 0)
-    total = int(cumulative[-1])
-    n_chunks = max(1, math.ceil(total / candidates_per_chunk))
-    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk,
-                              right=True)
-    bounds = sorted({0, n_atoms, *cuts.tolist()})
-    ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
-
-    # Coordinates as three 1-D rows (structure of arrays): 1-D index_select is the fastest gather on CPU.
-    sender_rows = wrapped.index_select(0, atoms_by_bin).T.contiguous()  # senders are read bin by bin
-    offset_ids = torch.arange(n_offsets, device=device)
-    senders, receivers, shifts = [], [], []
-    start_total = 0
-    for begin, end, end_total in zip(bounds[:-1], bounds[1:], ends, strict=True):
-        chunk_total = end_total - start_total
-        start_total = end_total
-        if chunk_total == 0:
-            continue
-        # Receiver a meets every atom c of every (bin, image) its offsets reach:
-        # vector = wrapped[a] - image @ cell - wrapped[c], the first two terms once per (a, offset).
-        pairs = (row_of_atom[begin:end, None] * n_offsets + offset_ids).reshape(-1)
-        image_vector = pair_image_vector.index_select(0, pairs).view(-1, n_offsets, 3)
-        pair_base = wrapped[begin:end, None, :] - image_vector
-        pair_rows = pair_base.reshape(-1, 3).T.contiguous()
-        counts = pair_count.index_select(0, pairs)
-        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts,
-                                       output_size=chunk_total)
-        pair_offset = pair_first.index_select(0, pairs) - torch.cumsum(counts, 0) + counts
-        sorted_index = torch.arange(chunk_total, device=device).add_(pair_offset.index_select(0, slot))
-        distance_sq = torch.zeros(chunk_total, dtype=dtype, device=device)
-        for d in range(3):
-            component = pair_rows[d].index_select(0, slot).sub_(sender_rows[d].index_select(0, sorted_index))
-            distance_sq.addcmul_(component, component)
-        keep = torch.nonzero(distance_sq < search_cutoff * search_cutoff).squeeze(1)
-        slot = slot.index_select(0, keep)
-        pair = pairs.index_select(0, slot)
-        receiver = begin + torch.div(slot, n_offsets, rounding_mode="floor")
-        sender = atoms_by_bin.index_select(0, sorted_index.index_select(0, keep))
-        not_self = torch.nonzero((receiver != sender) | ~pair_is_home.index_select(0, pair)).squeeze(1)
-        receiver, sender, pair = (t.index_select(0, not_self) for t in (receiver, sender, pair))
-        receivers.append(receiver)
-        senders.append(sender)
-        # Back from wrapped to the positions as given: vector = p[a] - p[c] + (W[a] - W[c] - image) @ cell.
-        shifts.append(wrap_int.index_select(0, receiver) - wrap_int.index_select(0, sender)
-                      - pair_image.index_select(0, pair))
-    if not receivers:
-        return _empty_edges(device)
-    sender, receiver, shift = torch.cat(senders), torch.cat(receivers), torch.cat(shifts)
-    # Receivers are already ascending (chunks and slots go receiver by receiver); order senders within them.
-    order = torch.argsort(receiver * n_atoms + sender, stable=True)
-    return tuple(t.index_select(0, order) for t in (sender, receiver, shift))
 
 
 def neighbour_list(
@@ -326,20 +210,6 @@ def neighbour_list(
         return sender, receiver, shifts
     vectors, lengths, _ = edges_within(positions, cell, sender, receiver, shifts, cutoff)
     return sender, receiver, shifts, vectors, lengths
-
-
-def edges_within(
-    positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, cutoff: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list.
-
-    Differentiable with respect to positions and cell (the stress path goes through ``shifts @ cell``,
-    a matmul, never a gather). No device sync: apply the mask as a weight, or index with it when needed.
-    """
-    vectors = (positions.index_select(0, receiver) - positions.index_select(0, sender)
-               + shifts.to(positions.dtype) @ cell)
-    lengths = torch.linalg.vector_norm(vectors, dim=-1)
-    return vectors, lengths, lengths < cutoff
 
 
 def check_skin(skin: object) -> float:

@@ -34,23 +34,24 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from cgforge.kernels.edge_layout import (
+    EdgeLayout,
+    EdgeTopology,
+    conv_graph,
+    edge_topology,
+    edges_within,
+    layout_edges,
+    layout_within,
+    pad_offset_vector,
+)
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .adapters import ModelAdapter
 from .capture import capture_or_fall_back, room
 from .compiled import CompiledEnergy
-from .edge_layout import (
-    EdgeLayout,
-    EdgeTopology,
-    conv_graph,
-    edge_topology,
-    layout_edges,
-    layout_within,
-    pad_offset_vector,
-)
 from .edge_vectors import edge_differences, row_sums, rows_times
-from .neighbours import VerletNeighbourList, edges_within
+from .neighbours import VerletNeighbourList
 
 __all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
 

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cgforge.kernels.edge_layout import layout_edges, pad_offset_vector
 from cgforge.kernels.segment_sum import segment_sum
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .adapters import ModelAdapter
-from .edge_layout import layout_edges, pad_offset_vector
 from .neighbours import _as_pbc, _binning_basis, neighbour_list
 from .options import RuntimeOptions
 from .step_graph import StepOutput, graph_derivatives
