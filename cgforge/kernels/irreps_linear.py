@@ -31,8 +31,9 @@ from torch import Tensor
 
 from .core.registry import SourceKernels
 
-__all__ = ["IRREPS_LINEAR_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "apply_map", "launch_shape",
-           "map_reference", "tile_rows", "transpose_blocks"]
+__all__ = ["IRREPS_LINEAR_SOURCE", "IRREPS_SEGMENTS_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "Segments",
+           "apply_map", "from_segments", "launch_shape", "map_reference", "tile_rows", "to_segments",
+           "transpose_blocks"]
 
 IRREPS_LINEAR_SOURCE = r"""
 // The R staged values of one column: R consecutive scalars, 16-byte aligned (R a multiple of 4 floats, 2 doubles)
@@ -369,3 +370,147 @@ def apply_map(x: Tensor, m: IrrepsMap, forward: Sequence[LinearLaunch], backward
     if x.dim() != 2 or x.shape[1] != m.in_width:
         raise ValueError(f"apply_map: expected x of shape [rows, {m.in_width}], got {tuple(x.shape)}")
     return _Map.apply(x.contiguous(), (m, m.transpose()), (tuple(forward), tuple(backward)))
+
+
+# The GEMM path's layout moves (SplitLinear.map_into): cuBLAS contracts the channel u of an l > 0 irrep block only
+# with the rows and components folded into one dimension, [rows * (2l + 1), mul]; e3nn's rows hold [mul, 2l + 1].
+# Row by row both layouts are one contiguous run of mul * (2l + 1) values, so one kernel moves every block of a map's
+# side at once: runs read coalesced into shared memory, written coalesced in the other order (torch's strided
+# copies, one per block, read or write with a stride of 2l + 1 or mul values).
+IRREPS_SEGMENTS_SOURCE = r"""
+// Irrep blocks between e3nn's layout and component-major segments. Block k of info [K, 4] (first column c, mul m,
+// 2l + 1 = d, segment offset s): row n's values at irreps[n * ld + c + u * d + i] (channel outermost), its segment's
+// at segments[rows * s + (n * d + i) * m + u] (a [rows * d, m] matrix). A job is `tile` rows of one block; a CUDA
+// block stages a job's runs (tile * m * d values, contiguous on both sides) and writes them in the other order.
+template <typename T, bool TO_SEGMENTS>
+__device__ void irreps_segments(const T* __restrict__ src, T* __restrict__ dst, const int* __restrict__ info,
+                                int blocks, long long rows, long long ld, int tile) {
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    T* run = reinterpret_cast<T*>(smem_bytes);
+    const long long tiles = (rows + tile - 1) / tile;
+    for (long long job = blockIdx.x; job < tiles * blocks; job += gridDim.x) {
+        const int k = (int)(job % blocks);
+        const long long first = (job / blocks) * tile;
+        const int c = info[4 * k], m = info[4 * k + 1], d = info[4 * k + 2], len = m * d;
+        const long long segment = rows * info[4 * k + 3] + first * len;  // the job's run in the segments
+        const int total = (int)min((long long)tile, rows - first) * len;
+        __syncthreads();  // the previous job's run is written out
+        for (int e = threadIdx.x; e < total; e += blockDim.x) {
+            const int r = e / len;
+            run[e] = TO_SEGMENTS ? src[(first + r) * ld + c + (e - r * len)] : src[segment + e];
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < total; e += blockDim.x) {  // e: the position written; the value is read at
+            const int r = e / len, j = e - r * len;              // the same (u, i) in the staged order
+            if (TO_SEGMENTS) {
+                const int i = j / m, u = j - i * m;
+                dst[segment + e] = run[r * len + u * d + i];
+            } else {
+                const int u = j / d, i = j - u * d;
+                dst[(first + r) * ld + c + j] = run[r * len + i * m + u];
+            }
+        }
+    }
+}
+
+#define CG_IRREPS_SEGMENTS(T, SUFFIX)                                                                            \
+extern "C" __global__ void irreps_to_segments_##SUFFIX(const T* src, T* dst, const int* info, int blocks,       \
+        long long rows, long long ld, int tile) {                                                               \
+    irreps_segments<T, true>(src, dst, info, blocks, rows, ld, tile);                                           \
+}                                                                                                               \
+extern "C" __global__ void irreps_from_segments_##SUFFIX(const T* src, T* dst, const int* info, int blocks,     \
+        long long rows, long long ld, int tile) {                                                               \
+    irreps_segments<T, false>(src, dst, info, blocks, rows, ld, tile);                                          \
+}
+CG_IRREPS_SEGMENTS(float, f32)
+CG_IRREPS_SEGMENTS(double, f64)
+"""
+
+_SEGMENT_KERNELS = SourceKernels(IRREPS_SEGMENTS_SOURCE, [f"irreps_{way}_segments_{s}" for way in ("to", "from")
+                                                          for s in _SUFFIX.values()], "irreps_segments")
+SEGMENT_STAGE_BYTES = 32 << 10  # a job's staged runs: several blocks an SM, whole rows of the widest irrep block
+SEGMENT_THREADS = 256
+SEGMENT_JOBS_PER_SM = 8  # the grid: about this many blocks an SM, each looping over the jobs beyond it
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Irrep blocks of one side of a map, each (first column, mul, 2l + 1), as component-major segments: for
+    ``rows`` rows, block k's [rows * (2l + 1), mul] matrix starts at element ``rows * offsets[k]`` of one buffer
+    of ``rows * width`` values."""
+
+    blocks: tuple[tuple[int, int, int], ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        at, out = 0, []
+        for _, m, d in self.blocks:
+            out.append(at)
+            at += m * d
+        return tuple(out)
+
+    @property
+    def width(self) -> int:
+        return sum(m * d for _, m, d in self.blocks)
+
+    def views(self, buffer: Tensor, rows: int) -> list[Tensor]:
+        """Each block's [rows * (2l + 1), mul] matrix in ``buffer`` [rows * width]."""
+        return [buffer.narrow(0, rows * o, rows * m * d).view(rows * d, m)
+                for (_, m, d), o in zip(self.blocks, self.offsets, strict=True)]
+
+    def tile(self, dtype: torch.dtype) -> int:
+        """Rows a job stages: its runs fit ``SEGMENT_STAGE_BYTES`` (at least one row)."""
+        return max(1, SEGMENT_STAGE_BYTES // (max((m * d for _, m, d in self.blocks), default=1) * dtype.itemsize))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (frozen and hashable: a few sides a model, kept for its life)
+    def info(self, device: torch.device) -> Tensor:
+        """The kernel's int32 table [K, 4]: first column, mul, 2l + 1, offset."""
+        return torch.tensor([v for b, o in zip(self.blocks, self.offsets, strict=True) for v in (*b, o)] or [0],
+                            dtype=torch.int32, device=device)
+
+
+def _on_segment_kernel(t: Tensor) -> bool:
+    """Whether the layout moves of ``t``'s side run as the kernel (CUDA, FP32/FP64, unit-stride columns), not as
+    one torch copy per block."""
+    return t.is_cuda and t.dtype in _SUFFIX and t.stride(1) == 1 and not torch.compiler.is_compiling()
+
+
+def _move(src: Tensor, dst: Tensor, segments: Segments, irreps: Tensor, to: bool) -> None:
+    from .core.launch import sm_count
+    from .core.runtime import I32, I64
+
+    rows, blocks = irreps.shape[0], len(segments.blocks)
+    if rows == 0 or blocks == 0:
+        return
+    tile = segments.tile(src.dtype)
+    grid = min(-(-rows // tile) * blocks, sm_count(src.device) * SEGMENT_JOBS_PER_SM)
+    staged = tile * max(m * d for _, m, d in segments.blocks) * src.dtype.itemsize
+    way = "to" if to else "from"
+    _SEGMENT_KERNELS.get(f"irreps_{way}_segments_{_SUFFIX[src.dtype]}", src.device).launch(
+        (grid,), (SEGMENT_THREADS,), [src, dst, segments.info(src.device), I32(blocks), I64(rows),
+                                      I64(irreps.stride(0)), I32(tile)], shared_mem=staged)
+
+
+def to_segments(x: Tensor, segments: Segments) -> tuple[Tensor, list[Tensor]]:
+    """``x`` [rows, width] (rows may be strided) -> (buffer, ``segments.views``): each block transposed to [rows *
+    (2l + 1), mul], in one launch on CUDA (torch copies elsewhere: the reference)."""
+    rows = x.shape[0]
+    buffer = x.new_empty(rows * segments.width)
+    views = segments.views(buffer, rows)
+    if _on_segment_kernel(x):
+        _move(x, buffer, segments, x, to=True)
+    else:
+        for (c, m, d), v in zip(segments.blocks, views, strict=True):
+            v.view(rows, d, m).copy_(x.narrow(1, c, m * d).view(rows, m, d).transpose(1, 2))
+    return buffer, views
+
+
+def from_segments(buffer: Tensor, segments: Segments, out: Tensor) -> None:
+    """Write ``buffer``'s segments into ``out`` [rows, width]'s columns (e3nn's layout; rows may be strided), in
+    one launch on CUDA (torch copies elsewhere)."""
+    rows = out.shape[0]
+    if _on_segment_kernel(out):
+        _move(buffer, out, segments, out, to=False)
+        return
+    for (c, m, d), v in zip(segments.blocks, segments.views(buffer, rows), strict=True):
+        out.narrow(1, c, m * d).view(rows, m, d).copy_(v.view(rows, d, m).transpose(1, 2))
