@@ -115,7 +115,7 @@ def turn_off(name: str) -> Callable[[], None]:
         from cgforge.kernels import irreps_linear
 
         on_kernel = irreps_linear._on_segment_kernel
-        irreps_linear._on_segment_kernel = lambda t: False
+        irreps_linear._on_segment_kernel = lambda t, segments: False
 
         def undo() -> None:
             irreps_linear._on_segment_kernel = on_kernel

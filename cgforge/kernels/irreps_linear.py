@@ -378,6 +378,21 @@ def apply_map(x: Tensor, m: IrrepsMap, forward: Sequence[LinearLaunch], backward
 # side at once: runs read coalesced into shared memory, written coalesced in the other order (torch's strided
 # copies, one per block, read or write with a stride of 2l + 1 or mul values).
 IRREPS_SEGMENTS_SOURCE = r"""
+// A position in a job's runs as the digits (row r, outer o, inner i) of a mixed radix (any, outer, inner): a thread
+// divides once a job and then steps by blockDim.x with carries (a division per value cost more than the move).
+struct Digits { int r, o, i; };
+__device__ __forceinline__ Digits digits(int e, int outer, int inner) {
+    const int r = e / (outer * inner), j = e - r * outer * inner, o = j / inner;
+    return Digits{r, o, j - o * inner};
+}
+__device__ __forceinline__ void advance(Digits& p, const Digits& step, int outer, int inner) {
+    p.i += step.i;
+    if (p.i >= inner) { p.i -= inner; ++p.o; }
+    p.o += step.o;
+    if (p.o >= outer) { p.o -= outer; ++p.r; }
+    p.r += step.r;
+}
+
 // Irrep blocks between e3nn's layout and component-major segments. Block k of info [K, 4] (first column c, mul m,
 // 2l + 1 = d, segment offset s): row n's values at irreps[n * ld + c + u * d + i] (channel outermost), its segment's
 // at segments[rows * s + (n * d + i) * m + u] (a [rows * d, m] matrix). A job is `tile` rows of one block; a CUDA
@@ -395,20 +410,24 @@ __device__ void irreps_segments(const T* __restrict__ src, T* __restrict__ dst, 
         const long long segment = rows * info[4 * k + 3] + first * len;  // the job's run in the segments
         const int total = (int)min((long long)tile, rows - first) * len;
         __syncthreads();  // the previous job's run is written out
-        for (int e = threadIdx.x; e < total; e += blockDim.x) {
-            const int r = e / len;
-            run[e] = TO_SEGMENTS ? src[(first + r) * ld + c + (e - r * len)] : src[segment + e];
+        if (TO_SEGMENTS) {  // read row by row: digits (r, 0, column in the run)
+            const Digits step = digits(blockDim.x, 1, len);
+            Digits p = digits(threadIdx.x, 1, len);
+            for (int e = threadIdx.x; e < total; e += blockDim.x, advance(p, step, 1, len))
+                run[e] = src[(first + p.r) * ld + c + p.i];
+        } else {
+            for (int e = threadIdx.x; e < total; e += blockDim.x) run[e] = src[segment + e];
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < total; e += blockDim.x) {  // e: the position written; the value is read at
-            const int r = e / len, j = e - r * len;              // the same (u, i) in the staged order
-            if (TO_SEGMENTS) {
-                const int i = j / m, u = j - i * m;
-                dst[segment + e] = run[r * len + u * d + i];
-            } else {
-                const int u = j / d, i = j - u * d;
-                dst[(first + r) * ld + c + j] = run[r * len + i * m + u];
-            }
+        // e: the position written, as digits of the written order; the value sits at the same (r, u, i) staged
+        const int outer = TO_SEGMENTS ? d : m, inner = TO_SEGMENTS ? m : d;
+        const Digits step = digits(blockDim.x, outer, inner);
+        Digits p = digits(threadIdx.x, outer, inner);
+        for (int e = threadIdx.x; e < total; e += blockDim.x, advance(p, step, outer, inner)) {
+            if (TO_SEGMENTS)  // (r, i, u)
+                dst[segment + e] = run[p.r * len + p.i * d + p.o];
+            else  // (r, u, i)
+                dst[(first + p.r) * ld + c + p.o * d + p.i] = run[p.r * len + p.i * m + p.o];
         }
     }
 }
@@ -469,10 +488,12 @@ class Segments:
                             dtype=torch.int32, device=device)
 
 
-def _on_segment_kernel(t: Tensor) -> bool:
-    """Whether the layout moves of ``t``'s side run as the kernel (CUDA, FP32/FP64, unit-stride columns), not as
-    one torch copy per block."""
-    return t.is_cuda and t.dtype in _SUFFIX and t.stride(1) == 1 and not torch.compiler.is_compiling()
+def _on_segment_kernel(t: Tensor, segments: Segments) -> bool:
+    """Whether the layout moves of ``t``'s side run as the kernel (CUDA, FP32/FP64, unit-stride columns, a row of
+    the widest block within ``MAX_STAGED_BYTES``), not as one torch copy per block."""
+    widest = max((m * d for _, m, d in segments.blocks), default=0)
+    return (t.is_cuda and t.dtype in _SUFFIX and t.stride(1) == 1 and widest * t.dtype.itemsize <= MAX_STAGED_BYTES
+            and not torch.compiler.is_compiling())
 
 
 def _move(src: Tensor, dst: Tensor, segments: Segments, irreps: Tensor, to: bool) -> None:
@@ -497,7 +518,7 @@ def to_segments(x: Tensor, segments: Segments) -> tuple[Tensor, list[Tensor]]:
     rows = x.shape[0]
     buffer = x.new_empty(rows * segments.width)
     views = segments.views(buffer, rows)
-    if _on_segment_kernel(x):
+    if _on_segment_kernel(x, segments):
         _move(x, buffer, segments, x, to=True)
     else:
         for (c, m, d), v in zip(segments.blocks, views, strict=True):
@@ -509,7 +530,7 @@ def from_segments(buffer: Tensor, segments: Segments, out: Tensor) -> None:
     """Write ``buffer``'s segments into ``out`` [rows, width]'s columns (e3nn's layout; rows may be strided), in
     one launch on CUDA (torch copies elsewhere)."""
     rows = out.shape[0]
-    if _on_segment_kernel(out):
+    if _on_segment_kernel(out, segments):
         _move(buffer, out, segments, out, to=False)
         return
     for (c, m, d), v in zip(segments.blocks, segments.views(buffer, rows), strict=True):

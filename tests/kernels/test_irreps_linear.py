@@ -191,9 +191,10 @@ def test_cuda_map_equals_the_reference_to_second_derivatives(irreps_in: str, irr
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-# MACE's second linear's sides in small: 1o, 2e, 3o blocks of several muls at shuffled columns, rows strided
-SEGMENTS = Segments(((2, 3, 3), (11, 2, 5), (40, 4, 7), (21, 5, 3)))
-SEGMENT_LD = 70  # the irreps side's row stride: columns 0-1, 20 and 68-69 are no block's
+# MACE's second linear's sides in small: 1o, 2e, 3o blocks of several muls at shuffled columns, rows strided; one
+# block's run (40 values) longer than the host's block of 32 threads, the others shorter
+SEGMENTS = Segments(((2, 3, 3), (11, 2, 5), (40, 4, 7), (68, 8, 5), (21, 5, 3)))
+SEGMENT_LD = 110  # the irreps side's row stride: columns 0-1, 36-39 and 108-109 are no block's
 
 
 def test_segments_reference_moves_each_block_to_its_component_major_matrix() -> None:
@@ -202,7 +203,7 @@ def test_segments_reference_moves_each_block_to_its_component_major_matrix() -> 
     rows = 6
     x = torch.randn(rows, SEGMENT_LD, dtype=torch.float64)
     buffer, views = to_segments(x, SEGMENTS)
-    assert buffer.shape == (rows * SEGMENTS.width,) and SEGMENTS.width == 9 + 10 + 28 + 15
+    assert buffer.shape == (rows * SEGMENTS.width,) and SEGMENTS.width == 9 + 10 + 28 + 40 + 15
     for (c, m, d), v, o in zip(SEGMENTS.blocks, views, SEGMENTS.offsets, strict=True):
         assert v.data_ptr() == buffer[rows * o:].data_ptr() and v.shape == (rows * d, m)
         for n, i, u in ((0, 0, 0), (rows - 1, d - 1, m - 1), (2, d // 2, 1)):
@@ -214,7 +215,7 @@ def test_segments_reference_moves_each_block_to_its_component_major_matrix() -> 
         covered[c:c + m * d] = True
     torch.testing.assert_close(back[:, covered], x[:, covered], rtol=0, atol=0)
     assert back[:, ~covered].isnan().all()
-    assert SEGMENTS.tile(torch.float32) == (32 << 10) // (28 * 4) and Segments(()).width == 0
+    assert SEGMENTS.tile(torch.float32) == (32 << 10) // (40 * 4) and Segments(()).width == 0
 
 
 _SEGMENT_DRIVER = """
@@ -262,15 +263,17 @@ def test_segment_kernels_compile_without_spills() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", [1, 37, 5184])
 def test_cuda_segments_equal_the_reference(dtype: torch.dtype, rows: int) -> None:
-    """On CUDA to_segments / from_segments run as the kernel (rows strided, the last job short): bit for bit the
-    torch path's values, and no column outside the blocks written."""
-    x = random_rows(rows, SEGMENT_LD, seed=10, dtype=dtype)
-    want, _ = to_segments(x, SEGMENTS)
-    got, views = to_segments(x.cuda(), SEGMENTS)
-    assert views[2].shape == (rows * 7, 4)
+    """On CUDA to_segments / from_segments run as the kernel (rows strided, runs shorter and longer than a block's
+    threads, the last job short): bit for bit the torch path's values, and no column outside the blocks written."""
+    segments = Segments(SEGMENTS.blocks + ((SEGMENT_LD + 2, 64, 7),))  # a run of 448 values: MACE's 3o in half
+    ld = SEGMENT_LD + 2 + 448 + 1
+    x = random_rows(rows, ld, seed=10, dtype=dtype)
+    want, _ = to_segments(x, segments)
+    got, views = to_segments(x.cuda(), segments)
+    assert views[2].shape == (rows * 7, 4) and views[5].shape == (rows * 7, 64)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
-    wide = torch.full((rows, SEGMENT_LD + 3), 7.0, dtype=dtype)
-    from_segments(want, SEGMENTS, wide[:, 1:1 + SEGMENT_LD])
-    wide_cuda = torch.full((rows, SEGMENT_LD + 3), 7.0, dtype=dtype, device="cuda")
-    from_segments(got, SEGMENTS, wide_cuda[:, 1:1 + SEGMENT_LD])
+    wide = torch.full((rows, ld + 3), 7.0, dtype=dtype)
+    from_segments(want, segments, wide[:, 1:1 + ld])
+    wide_cuda = torch.full((rows, ld + 3), 7.0, dtype=dtype, device="cuda")
+    from_segments(got, segments, wide_cuda[:, 1:1 + ld])
     torch.testing.assert_close(wide_cuda.cpu(), wide, rtol=0, atol=0)
