@@ -30,16 +30,8 @@ from typing import Any
 import torch
 
 from cgforge.kernels import KernelTuning
-from cgforge.kernels.irreps_linear import (
-    IrrepsMap,
-    LinearLaunch,
-    Segments,
-    apply_map,
-    from_segments,
-    tile_rows,
-    to_segments,
-    transpose_blocks,
-)
+from cgforge.kernels.irreps_layout import Segments, from_segments, to_segments
+from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
 
 from . import stand_in
 from .radial_precision import radial_matmul

@@ -15,19 +15,15 @@ from host_cuda import assert_compiles_without_spills, build, call
 
 from cgforge.kernels.irreps_linear import (
     IRREPS_LINEAR_SOURCE,
-    IRREPS_SEGMENTS_SOURCE,
     MAX_STAGED_BYTES,
     MIN_WARPS,
     WARPS_PER_SM,
     IrrepsMap,
     LinearLaunch,
-    Segments,
     apply_map,
-    from_segments,
     launch_shape,
     map_reference,
     tile_rows,
-    to_segments,
     transpose_blocks,
 )
 
@@ -189,91 +185,3 @@ def test_cuda_map_equals_the_reference_to_second_derivatives(irreps_in: str, irr
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-
-
-# MACE's second linear's sides in small: 1o, 2e, 3o blocks of several muls at shuffled columns, rows strided; one
-# block's run (40 values) longer than the host's block of 32 threads, the others shorter
-SEGMENTS = Segments(((2, 3, 3), (11, 2, 5), (40, 4, 7), (68, 8, 5), (21, 5, 3)))
-SEGMENT_LD = 110  # the irreps side's row stride: columns 0-1, 36-39 and 108-109 are no block's
-
-
-def test_segments_reference_moves_each_block_to_its_component_major_matrix() -> None:
-    """The torch path of to_segments / from_segments (the kernel's oracle): block k's [rows * d, mul] matrix holds
-    x[n, c + u * d + i] at (n * d + i, u), and from_segments puts every value back and touches no other column."""
-    rows = 6
-    x = torch.randn(rows, SEGMENT_LD, dtype=torch.float64)
-    buffer, views = to_segments(x, SEGMENTS)
-    assert buffer.shape == (rows * SEGMENTS.width,) and SEGMENTS.width == 9 + 10 + 28 + 40 + 15
-    for (c, m, d), v, o in zip(SEGMENTS.blocks, views, SEGMENTS.offsets, strict=True):
-        assert v.data_ptr() == buffer[rows * o:].data_ptr() and v.shape == (rows * d, m)
-        for n, i, u in ((0, 0, 0), (rows - 1, d - 1, m - 1), (2, d // 2, 1)):
-            assert v[n * d + i, u] == x[n, c + u * d + i]
-    back = torch.full((rows, SEGMENT_LD), float("nan"), dtype=torch.float64)
-    from_segments(buffer, SEGMENTS, back)
-    covered = torch.zeros(SEGMENT_LD, dtype=torch.bool)
-    for c, m, d in SEGMENTS.blocks:
-        covered[c:c + m * d] = True
-    torch.testing.assert_close(back[:, covered], x[:, covered], rtol=0, atol=0)
-    assert back[:, ~covered].isnan().all()
-    assert SEGMENTS.tile(torch.float32) == (32 << 10) // (40 * 4) and Segments(()).width == 0
-
-
-_SEGMENT_DRIVER = """
-extern "C" void run(const S* src, S* dst, const int* info, int blocks, long long rows, long long ld, int tile,
-                    int to) {
-    blockIdx.x = 0;
-    gridDim.x = 1;
-    run_warps(1, [&] {
-        if (to) irreps_to_segments_SUFFIX(src, dst, info, blocks, rows, ld, tile);
-        else irreps_from_segments_SUFFIX(src, dst, info, blocks, rows, ld, tile);
-    });
-}
-"""
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_segments_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tmp_path) -> None:
-    """The layout kernel (one warp, its job loop over every tile of every block, 3 rows a tile: the last tile
-    short) both ways against the torch path, on rows with a stride wider than the blocks."""
-    scalar, suffix = ("double", "f64") if dtype == torch.float64 else ("float", "f32")
-    driver = f"typedef {scalar} S;\n" + _SEGMENT_DRIVER.replace("SUFFIX", suffix)
-    library = build("#define __syncthreads() __syncwarp()\n" + IRREPS_SEGMENTS_SOURCE, driver, tmp_path,
-                    f"irreps_segments_{suffix}")
-    rows, tile = 8, 3
-    x = random_rows(rows, SEGMENT_LD, seed=9, dtype=dtype)
-    want, _ = to_segments(x, SEGMENTS)
-    info = SEGMENTS.info(torch.device("cpu")).numpy()
-    got = np.full(rows * SEGMENTS.width, 7.0, dtype=x.numpy().dtype)
-    k = ctypes.c_int(len(SEGMENTS.blocks))
-    call(library.run, [x.numpy(), got, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(1)])
-    torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
-    back_want = torch.full((rows, SEGMENT_LD), 7.0, dtype=dtype)
-    from_segments(want, SEGMENTS, back_want)
-    back = np.full((rows, SEGMENT_LD), 7.0, dtype=x.numpy().dtype)
-    call(library.run, [want.numpy(), back, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(0)])
-    torch.testing.assert_close(torch.from_numpy(back), back_want, rtol=0, atol=0)
-
-
-def test_segment_kernels_compile_without_spills() -> None:
-    assert_compiles_without_spills(IRREPS_SEGMENTS_SOURCE, "irreps_segments.cu",
-                                   [f"irreps_{w}_segments_{s}" for w in ("to", "from") for s in ("f32", "f64")])
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows", [1, 37, 5184])
-def test_cuda_segments_equal_the_reference(dtype: torch.dtype, rows: int) -> None:
-    """On CUDA to_segments / from_segments run as the kernel (rows strided, runs shorter and longer than a block's
-    threads, the last job short): bit for bit the torch path's values, and no column outside the blocks written."""
-    segments = Segments(SEGMENTS.blocks + ((SEGMENT_LD + 2, 64, 7),))  # a run of 448 values: MACE's 3o in half
-    ld = SEGMENT_LD + 2 + 448 + 1
-    x = random_rows(rows, ld, seed=10, dtype=dtype)
-    want, _ = to_segments(x, segments)
-    got, views = to_segments(x.cuda(), segments)
-    assert views[2].shape == (rows * 7, 4) and views[5].shape == (rows * 7, 64)
-    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
-    wide = torch.full((rows, ld + 3), 7.0, dtype=dtype)
-    from_segments(want, segments, wide[:, 1:1 + ld])
-    wide_cuda = torch.full((rows, ld + 3), 7.0, dtype=dtype, device="cuda")
-    from_segments(got, segments, wide_cuda[:, 1:1 + ld])
-    torch.testing.assert_close(wide_cuda.cpu(), wide, rtol=0, atol=0)

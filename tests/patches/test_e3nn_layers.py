@@ -237,7 +237,7 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
     """Through map_into (every frozen input, rows in chunks) the MACE-shaped linear gives e3nn's values, grad x
     and second derivative in FP64; each side's l > 0 irreps move once per call, however many paths read them
     (the transposed map reads each of the 3 output vector irreps by 2-3 paths)."""
-    import cgforge.kernels.irreps_linear as kernels
+    import cgforge.kernels.irreps_layout as kernels
     import cgforge.patches.e3nn_layers as layers
 
     torch.manual_seed(8)
