@@ -53,9 +53,9 @@ def test_segments_reference_moves_each_block_to_its_component_major_matrix() -> 
     assert SEGMENTS.tile(torch.float32) == (32 << 10) // (40 * 4) and Segments(()).width == 0
 
 
-_SEGMENT_DRIVER = """
-extern "C" void run(const S* src, S* dst, const int* info, int blocks, long long rows, long long ld, int tile,
-                    int to) {
+_DRIVER = """
+extern "C" void run_segments(const S* src, S* dst, const int* info, int blocks, long long rows, long long ld,
+                             int tile, int to) {
     blockIdx.x = 0;
     gridDim.x = 1;
     run_warps(1, [&] {
@@ -63,29 +63,41 @@ extern "C" void run(const S* src, S* dst, const int* info, int blocks, long long
         else irreps_from_segments_SUFFIX(src, dst, info, blocks, rows, ld, tile);
     });
 }
+extern "C" void run_permute(const S* src, S* dst, const int* perm, long long rows, long long ld_src,
+                            long long ld_dst, int width, int tile) {
+    blockIdx.x = 0;
+    gridDim.x = 1;
+    run_warps(1, [&] { permute_columns_SUFFIX(src, dst, perm, rows, ld_src, ld_dst, width, tile); });
+}
 """
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_segments_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tmp_path) -> None:
-    """The layout kernel (one warp, its job loop over every tile of every block, 3 rows a tile: the last tile
-    short) both ways against the torch path, on rows with a stride wider than the blocks."""
+@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["f64", "f32"])
+def host_kernels(request, tmp_path_factory) -> tuple[torch.dtype, ctypes.CDLL]:  # noqa: ANN001
+    """The layout source compiled as C++ for one dtype (``host_cuda``: one warp a block), with its drivers."""
+    dtype = request.param
     scalar, suffix = ("double", "f64") if dtype == torch.float64 else ("float", "f32")
-    driver = f"typedef {scalar} S;\n" + _SEGMENT_DRIVER.replace("SUFFIX", suffix)
-    library = build("#define __syncthreads() __syncwarp()\n" + IRREPS_LAYOUT_SOURCE, driver, tmp_path,
-                    f"irreps_segments_{suffix}")
+    driver = f"typedef {scalar} S;\n" + _DRIVER.replace("SUFFIX", suffix)
+    return dtype, build("#define __syncthreads() __syncwarp()\n" + IRREPS_LAYOUT_SOURCE, driver,
+                        tmp_path_factory.mktemp("irreps_layout"), f"irreps_layout_{suffix}")
+
+
+def test_segments_cuda_source_run_as_cpp_equals_the_reference(host_kernels) -> None:  # noqa: ANN001
+    """The segment kernels (one warp, its job loop over every tile of every block, 3 rows a tile: the last tile
+    short) both ways against the torch path, on rows with a stride wider than the blocks."""
+    dtype, library = host_kernels
     rows, tile = 8, 3
     x = random_rows(rows, SEGMENT_LD, seed=9, dtype=dtype)
     want, _ = to_segments(x, SEGMENTS)
     info = SEGMENTS.info(torch.device("cpu")).numpy()
     got = np.full(rows * SEGMENTS.width, 7.0, dtype=x.numpy().dtype)
     k = ctypes.c_int(len(SEGMENTS.blocks))
-    call(library.run, [x.numpy(), got, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(1)])
+    call(library.run_segments, [x.numpy(), got, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(1)])
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
     back_want = torch.full((rows, SEGMENT_LD), 7.0, dtype=dtype)
     from_segments(want, SEGMENTS, back_want)
     back = np.full((rows, SEGMENT_LD), 7.0, dtype=x.numpy().dtype)
-    call(library.run, [want.numpy(), back, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(0)])
+    call(library.run_segments, [want.numpy(), back, info, k, rows, SEGMENT_LD, ctypes.c_int(tile), ctypes.c_int(0)])
     torch.testing.assert_close(torch.from_numpy(back), back_want, rtol=0, atol=0)
 
 
@@ -141,24 +153,10 @@ def test_columns_permutation_is_maces_reshape_and_its_inverse() -> None:
     torch.testing.assert_close(again, x, rtol=0, atol=0)
 
 
-_PERMUTE_DRIVER = """
-extern "C" void run(const S* src, S* dst, const int* perm, long long rows, long long ld_src, long long ld_dst,
-                    int width, int tile) {
-    blockIdx.x = 0;
-    gridDim.x = 1;
-    run_warps(1, [&] { permute_columns_SUFFIX(src, dst, perm, rows, ld_src, ld_dst, width, tile); });
-}
-"""
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_permute_columns_cuda_source_run_as_cpp_equals_the_reference(dtype: torch.dtype, tmp_path) -> None:
+def test_permute_columns_cuda_source_run_as_cpp_equals_the_reference(host_kernels) -> None:  # noqa: ANN001
     """The column permutation kernel (one warp, 2 rows a tile, the last short; rows strided on both sides) both
     ways of MACE's reshape against the torch path: nothing outside the rows' columns written."""
-    scalar, suffix = ("double", "f64") if dtype == torch.float64 else ("float", "f32")
-    driver = f"typedef {scalar} S;\n" + _PERMUTE_DRIVER.replace("SUFFIX", suffix)
-    library = build("#define __syncthreads() __syncwarp()\n" + IRREPS_LAYOUT_SOURCE, driver, tmp_path,
-                    f"permute_columns_{suffix}")
+    dtype, library = host_kernels
     mul, rows = 3, 5
     width = mul * sum(DIMS)
     base = random_rows(rows, width + 4, seed=12, dtype=dtype)
@@ -168,7 +166,7 @@ def test_permute_columns_cuda_source_run_as_cpp_equals_the_reference(dtype: torc
         want = torch.full((rows, width + 2), 7.0, dtype=dtype)
         permute_columns(x, perm, want[:, :width])
         got = np.full((rows, width + 2), 7.0, dtype=want.numpy().dtype)
-        call(library.run, [base.numpy()[:, 1:], got, perm.numpy(), rows, width + 4, width + 2,
+        call(library.run_permute, [base.numpy()[:, 1:], got, perm.numpy(), rows, width + 4, width + 2,
                            ctypes.c_int(width), ctypes.c_int(2)])
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=0, atol=0)
 
