@@ -18,6 +18,10 @@ reference: its ``_on_reverse_kernel`` says no), as before (branch next/pair-reve
 every model), as before 2026-11-28.
 ``linear-scaled``: ``SplitLinear._map`` multiplies each path's weight block by its path weight in every call, as
 before 2026-11-28 (the blocks of frozen weights are not reused).
+``irreps-layout``: the layout moves of ``kernels.irreps_layout`` run as torch copies (``_on_layout_kernel`` says
+no): ``SplitLinear.map_into`` one copy per l > 0 irrep block and side, not one launch (each input block still once,
+before 2026-12-02 once per path), MACE's ``reshape_irreps`` a concatenation forward and a copy per irrep backward,
+not one launch each way.
 Kernel choices are not turned off here: they are ``KernelTuning`` values (``linear_kernel_max_channels`` 0: every
 linear map on GEMMs, as before 2026-11-28), ``TPTuning`` values (``single_irrep_backward_chunk``,
 ``backward_chunk_passes``, ...) passed to the kernels; ``bench_layer.py --tuning`` measures them side by side.
@@ -33,7 +37,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # candidate.py beside it
 
 OFF = ("reshape", "linear-map-into", "gate", "linear-scaled", "md-step", "edge-layout", "lean-forward",
-       "cell-search", "pair-reverse")
+       "cell-search", "pair-reverse", "irreps-layout")
 
 
 def turn_off(name: str) -> Callable[[], None]:
@@ -105,6 +109,14 @@ def turn_off(name: str) -> Callable[[], None]:
 
         def undo() -> None:
             SplitLinear._path_blocks = blocks
+    elif name == "irreps-layout":
+        from cgforge.kernels import irreps_layout
+
+        on_kernel = irreps_layout._on_layout_kernel
+        irreps_layout._on_layout_kernel = lambda t, run: False
+
+        def undo() -> None:
+            irreps_layout._on_layout_kernel = on_kernel
     else:  # the size rule out of reach: map_into only where rows are chunked
         from candidate import set_map_into_above
 

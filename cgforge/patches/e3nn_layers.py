@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from cgforge.kernels import KernelTuning
+from cgforge.kernels.irreps_layout import Segments, from_segments, to_segments
 from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
 
 from . import stand_in
@@ -229,42 +230,39 @@ class SplitLinear(torch.nn.Module, StandIn):
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
         """``out[:] = _map(x, transpose)`` without autograd (a first-order pass over frozen weights), written
-        into ``out`` [rows, width], which may be rows of a wider tensor: each output irrep is made by GEMMs
-        accumulating in place (a scalar irrep straight into ``out``'s columns, a vector irrep in [rows * dim,
-        mul] and moved once into ``out``), with none of ``_map``'s concatenation and per-path temporaries."""
+        into ``out`` [rows, width], which may be rows of a wider tensor: a scalar output irrep is summed by GEMMs
+        straight in ``out``'s columns; the l > 0 irreps go through component-major segments (``Segments``): the
+        inputs' blocks moved once (one launch on CUDA, each input once however many paths read it), each output
+        summed by GEMMs in its [rows * dim, mul] segment, the segments moved into ``out`` once (one launch)."""
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         if x.dim() != 2 or out.dim() != 2 or x.shape[1] != sum(in_dims) or out.shape != (x.shape[0], sum(out_dims)):
             raise ValueError(f"map_into: x {tuple(x.shape)} and out {tuple(out.shape)} for a map "
                              f"{sum(in_dims)} -> {sum(out_dims)} wide")
         rows = x.shape[0]
-        in_starts = [sum(in_dims[:i]) for i in range(len(in_dims))]
+        paths = [(i_out, i_in, mul_out, mul_in, w.t()) if transpose else (i_in, i_out, mul_in, mul_out, w)
+                 for (i_in, i_out, _, mul_in, mul_out, _), w in zip(self.paths, self._scaled_blocks(), strict=True)]
+        in_segments, in_slot = _vector_segments(in_dims, [(i, m) for i, _, m, _, _ in paths])
+        out_segments, out_slot = _vector_segments(out_dims, [(o, m) for _, o, _, m, _ in paths])
         out_starts = [sum(out_dims[:i]) for i in range(len(out_dims))]
-        partial: dict[int, torch.Tensor] = {}  # vector output irrep -> its [rows * dim, mul] sum so far
-        written: set[int] = set()  # scalar output irreps summed in out's columns so far
+        written: set[int] = set()  # output irreps (scalar or segment) summed so far
         with torch.no_grad():
-            for (i_in, i_out, _, mul_in, mul_out, _), w in zip(self.paths, self._scaled_blocks(), strict=True):
-                if transpose:
-                    i_in, i_out, mul_in, mul_out, w = i_out, i_in, mul_out, mul_in, w.t()
-                dim = in_dims[i_in] // mul_in
-                xi = x.narrow(1, in_starts[i_in], in_dims[i_in])
-                if dim == 1:  # strided rows on both sides: the GEMM reads x's and writes out's columns in place
+            _, xs = to_segments(x, in_segments)
+            partial = x.new_empty(rows * out_segments.width)
+            ys = out_segments.views(partial, rows)
+            for i_in, i_out, _, _, w in paths:
+                if i_in not in in_slot:  # strided rows on both sides: the GEMM reads x's and writes out's columns
+                    xi = x.narrow(1, sum(in_dims[:i_in]), in_dims[i_in])
                     target = out.narrow(1, out_starts[i_out], out_dims[i_out])
                     target.addmm_(xi, w, beta=1 if i_out in written else 0)  # beta 0: out's old values unread
-                    written.add(i_out)
-                    continue
-                xt = xi.reshape(rows, mul_in, dim).transpose(1, 2).reshape(rows * dim, mul_in)
-                if i_out in partial:
-                    partial[i_out].addmm_(xt, w)
+                elif i_out in written:
+                    ys[out_slot[i_out]].addmm_(xs[in_slot[i_in]], w)
                 else:
-                    partial[i_out] = xt @ w
+                    torch.mm(xs[in_slot[i_in]], w, out=ys[out_slot[i_out]])
+                written.add(i_out)
+            from_segments(partial, out_segments, out)
             for i_out, width in enumerate(out_dims):
-                target = out.narrow(1, out_starts[i_out], width)
-                if i_out in partial:  # [rows * dim, mul] -> out's [rows, mul * dim] columns, one move
-                    mul = partial[i_out].shape[1]
-                    target.view(rows, mul, width // mul).copy_(
-                        partial[i_out].view(rows, width // mul, mul).transpose(1, 2))
-                elif i_out not in written:
-                    target.zero_()
+                if i_out not in written:
+                    out.narrow(1, out_starts[i_out], width).zero_()
 
     def extra_repr(self) -> str:
         return f"{self.irreps_in} -> {self.irreps_out}, {len(self.paths)} paths"
@@ -347,3 +345,12 @@ def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MA
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
     """Put the e3nn originals of the ``kinds`` stand-ins back. In place; returns how many."""
     return stand_in.swap_out(model, kinds)
+
+
+def _vector_segments(dims: list[int], used: list[tuple[int, int]]) -> tuple[Segments, dict[int, int]]:
+    """The ``Segments`` of the l > 0 irreps among ``used`` (index, mul) of a side ``dims`` wide each, each once,
+    in order, and each one's slot in them."""
+    starts = [sum(dims[:i]) for i in range(len(dims))]
+    vectors = sorted({(i, m) for i, m in used if dims[i] != m})
+    return (Segments(tuple((starts[i], m, dims[i] // m) for i, m in vectors)),
+            {i: slot for slot, (i, _) in enumerate(vectors)})

@@ -220,6 +220,79 @@ def test_split_linear_map_into_writes_the_map_and_its_transpose_in_place(irreps_
     torch.testing.assert_close(wide[:, 2:2 + d_out], stand_in(x), rtol=1e-12, atol=1e-12)
 
 
+# MACE's interaction linear in small: the convolution's 10 irreps (several of each l > 0) -> one of each l
+MACE_LIKE = ("4x0e+4x1o+4x2e+4x3o+4x1o+4x0e+4x2e+4x1o+4x3o+4x2e", "4x0e+4x1o+4x2e+4x3o")
+
+
+def _map_into_derivatives(module: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, grad x, second derivative) of a loss quadratic in ``module(x)`` (grad x depends on x)."""
+    out = module(x)
+    (grad,) = torch.autograd.grad((out.square() * weights).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad((grad * grad).sum(), x)
+    return out.detach(), grad.detach(), second
+
+
+def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivatives(monkeypatch) -> None:
+    """Through map_into (every frozen input, rows in chunks) the MACE-shaped linear gives e3nn's values, grad x
+    and second derivative in FP64; each side's l > 0 irreps move once per call, however many paths read them
+    (the transposed map reads each of the 3 output vector irreps by 2-3 paths)."""
+    import cgforge.kernels.irreps_layout as kernels
+    import cgforge.patches.e3nn_layers as layers
+
+    torch.manual_seed(8)
+    linear = o3.Linear(*MACE_LIKE).double().requires_grad_(False)
+    stand_in = SplitLinear.wrap(linear)
+    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", 0)
+    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 4 * 160 * 8)  # 4 rows of 160 a chunk: 11 rows in 3 chunks
+    moved: list[kernels.Segments] = []
+
+    def recording(x: torch.Tensor, segments: kernels.Segments):  # noqa: ANN202
+        moved.append(segments)
+        return kernels.to_segments(x, segments)
+
+    monkeypatch.setattr(layers, "to_segments", recording)
+    x = _inputs(o3.Irreps(MACE_LIKE[0]).dim, seed=3)
+    weights = torch.randn(11, o3.Irreps(MACE_LIKE[1]).dim, dtype=torch.float64)
+    assert stand_in.chunk_rows(x) == 4
+    got = _map_into_derivatives(stand_in, x, weights)
+    assert any("_RowChunkedMap" in name for name in _backward_node_names(stand_in(x).sum()))
+    want = _map_into_derivatives(linear, x, weights)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-11)
+    sides = {len(m.blocks) for m in moved}
+    assert sides == {8, 3}  # forward: the 8 vector inputs; transposed: the 3 vector outputs, each once
+    assert all(len({c for c, _, _ in m.blocks}) == len(m.blocks) for m in moved)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_map_into_with_the_layout_kernel_equals_e3nn(dtype: torch.dtype) -> None:
+    """On CUDA a frozen 128-channel SplitLinear (GEMMs, not the irreps_linear kernel) above MAP_INTO_ABOVE_BYTES
+    moves its vector irreps with the layout kernel: e3nn's values, grad x and second derivative, also written
+    into columns of a wider tensor."""
+    from cgforge.patches import e3nn_layers as layers
+
+    torch.manual_seed(6)
+    wide_irreps = tuple(" + ".join(f"128x{ir}" for ir in side.replace("4x", "").split("+")) for side in MACE_LIKE)
+    linear = o3.Linear(*wide_irreps).to(device="cuda", dtype=dtype).requires_grad_(False)
+    stand_in = SplitLinear.wrap(linear)
+    d_in, d_out = o3.Irreps(wide_irreps[0]).dim, o3.Irreps(wide_irreps[1]).dim
+    rows = -(-layers.MAP_INTO_ABOVE_BYTES // (d_in * dtype.itemsize)) + 3
+    x = torch.randn(rows, d_in, device="cuda", dtype=dtype, requires_grad=True)
+    assert stand_in.kernel_plan(x) is None and stand_in.chunk_rows(x) is not None
+    weights = torch.randn(rows, d_out, device="cuda", dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 2e-4
+    for got, want in zip(_map_into_derivatives(stand_in, x, weights), _map_into_derivatives(linear, x, weights),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    wide = torch.full((rows, d_out + 4), float("nan"), device="cuda", dtype=dtype)
+    stand_in.map_into(x.detach(), wide[:, 1:1 + d_out])
+    torch.testing.assert_close(wide[:, 1:1 + d_out], linear(x).detach(), rtol=tol, atol=tol)
+    assert wide[:, 0].isnan().all() and wide[:, 1 + d_out:].isnan().all()
+
+
 def test_row_map_transpose_of_a_linear_with_map_into_equals_autograds() -> None:
     """The row paths' backward through a map_into linear (its transpose applied directly) equals the generic
     vector-Jacobian product at zero rows, range by range; under grad mode (a double backward) it keeps autograd."""

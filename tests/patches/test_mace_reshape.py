@@ -53,3 +53,28 @@ def test_patch_swaps_reshape_in_and_unpatch_out() -> None:
     assert list(model.state_dict()) == keys
     pm.unpatch(model)
     assert all(type(b.reshape).__name__ == "reshape_irreps" for b in model.interactions)
+
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_block_reshape_equals_maces_to_second_order(dtype: torch.dtype) -> None:
+    """On CUDA both ways are one permute_columns launch: MACE's values and gradient exactly (a non-contiguous
+    gradient and input too), and the gradient's derivative in the incoming gradient is the forward map again."""
+    irreps = "128x0e+128x1o+128x2e+128x3o"  # MACE-MP-medium's message
+    original = mace_tools.reshape_irreps(o3.Irreps(irreps))
+    stand_in = BlockReshape.wrap(original)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(300, o3.Irreps(irreps).dim, generator=g, device="cuda", dtype=dtype, requires_grad=True)
+    want, got = original(x), stand_in(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    v = torch.randn(want.shape, generator=g, device="cuda", dtype=dtype)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # strided, as autograd may hand it over
+    (gw,) = torch.autograd.grad(want, x, v, create_graph=True)
+    (gg,) = torch.autograd.grad(got, x, v, create_graph=True)
+    torch.testing.assert_close(gg, gw, rtol=0, atol=0)
+    u = torch.randn(gw.shape, generator=g, device="cuda", dtype=dtype)
+    (second,) = torch.autograd.grad(gg, v, u)
+    torch.testing.assert_close(second, original(u), rtol=0, atol=0)
+    strided = x.detach().t().contiguous().t()
+    torch.testing.assert_close(stand_in(strided), original(strided), rtol=0, atol=0)

@@ -7,6 +7,8 @@ call (copy_traffic.py, in git history at 16a1f98). Here the forward is MACE's co
 irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
 ``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
 permuted columns was tried first: no gain at a million atoms (docs/measured-constants.md).
+On CUDA each way is one launch of ``kernels.irreps_layout.permute_columns`` (rows staged, both sides written
+and read whole), where the concatenation and the per-irrep copies wrote or read [mul, d] pieces 2l + 1 values wide.
 Under torch.compile the reshape is MACE's plain ops (``_to_columns``): Inductor fuses their backward itself, and an
 autograd.Function in the graph would keep AOTAutograd from caching the compiled graph across processes.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.irreps_layout import columns_permutation, permute_columns
 from .. import stand_in
 from ..stand_in import StandIn, checked
 
@@ -35,12 +38,21 @@ def _to_columns(x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:
     return torch.cat(_blocks(x.contiguous(), mul, dims), dim=-1)  # views need unit-stride rows
 
 
+def _permuted(x: torch.Tensor, mul: int, dims: list[int], to_columns: bool) -> torch.Tensor:
+    """x's rows [N, mul * sum d] in the other layout, as [N, mul * sum d] (one launch: ``permute_columns``)."""
+    out = x.new_empty(x.shape[0], mul * sum(dims))
+    permute_columns(x, columns_permutation(mul, tuple(dims), to_columns, x.device), out)
+    return out
+
+
 class IrrepsToColumns(torch.autograd.Function):
     """x [N, sum mul * d] (mul_ir) -> [N, mul, sum d]: the irreps' [N, mul, d] blocks side by side."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
+        if x.is_cuda:
+            return _permuted(x, mul, dims, True).view(x.shape[0], mul, sum(dims))
         return _to_columns(x, mul, dims)
 
     @staticmethod
@@ -54,6 +66,8 @@ class ColumnsToIrreps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
+        if y.is_cuda:
+            return _permuted(y.reshape(y.shape[0], -1), mul, dims, False)
         x = y.new_empty(y.shape[0], mul * sum(dims))
         column = 0
         for block, d in zip(_blocks(x, mul, dims), dims, strict=True):
