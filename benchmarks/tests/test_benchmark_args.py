@@ -104,7 +104,7 @@ def test_bench_md_backends_are_choices_and_ablations_are_keywords() -> None:
     finally:
         sys.path.pop(0)
     from cgforge.plugin.calculator import Calculator
-    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.options import EngineOptions as Engine
 
     assert set(bench_md.ENGINE_BACKENDS) <= set(bench_md.MD_BACKENDS) <= set(bench_md.BACKENDS)
     assert set(bench_md.CGFORGE_OPTIONS) | set(bench_md.MD_BACKENDS) | {"e3nn", "cueq", "oeq"} == set(
