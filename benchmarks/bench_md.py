@@ -27,8 +27,8 @@ cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMA
 Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword to every cgforge Calculator
 (``radial_table=false``, ``cuda_graph=false``, ``streaming=true``, ``radial_precision=3xtf32``, ``patch=false``,
 ``filter_edges=false``, ...), ``--engine KEY=VALUE`` a field of every Engine's ``EngineOptions`` (``fuse_integrator=true``), and
-``--kernel-tuning FILE.json`` the kernels' ``KernelTuning``; the JSON records them. Changes that are not options
-are turned off by ``investigations/without.py`` (``without.py NAME benchmarks/bench_md.py ...``).
+``--kernel-tuning FILE.json`` the kernels' ``KernelTuning`` (row chunks too: ``{"rows": {...}}``); the JSON records
+them.
 --md-steps / --md-warmup / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the

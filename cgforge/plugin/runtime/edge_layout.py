@@ -209,8 +209,8 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
 
 
 def _on_reverse_kernel(sender: Tensor) -> bool:
-    """Whether ``edge_topology`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA; ``without.py``
-    says no)."""
+    """Whether ``edge_topology`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA; elsewhere a sort of
+    int64 keys)."""
     return sender.is_cuda
 
 

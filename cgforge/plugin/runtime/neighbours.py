@@ -147,7 +147,7 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
 
 
 def _on_search_kernels(positions: Tensor) -> bool:
-    """Whether the candidate loop runs as ``cell_pairs_cuda`` (``benchmarks/investigations/without.py`` says no)."""
+    """Whether the candidate loop runs as ``cell_pairs_cuda`` (on CUDA; elsewhere torch operations)."""
     return positions.is_cuda
 
 
