@@ -118,7 +118,6 @@ class Engine:
         self.atoms = atoms
         self.integrator = integrator
         self.seed = _count("seed", seed, 0)
-        self.options = o
         self.block = o.block if o.block is not None else 10
         self.steps_per_graph, self.rebuild_margin = o.steps_per_graph, o.rebuild_margin
         self.pbc = tuple(bool(p) for p in atoms.pbc)
