@@ -173,22 +173,22 @@ class SCTuning:
 
 @dataclass(frozen=True)
 class RowPolicy:
-    """When frozen per-atom maps run over their rows in chunks: memory decides there, a few percent of time does
-    not (H100, 499k atoms: 1.567 s a call whole, 1.659 s in chunks).
+    """When frozen per-atom maps run over their rows in chunks, which bounds their memory.
 
     chunked_above_bytes: rows of more bytes run in chunks of ``chunk_bytes`` (``e3nn_layers.SplitLinear`` with
-    frozen weights; MACE's row chunks, ``patches.mace.row_chunks``, for the widest convolution output): from ~52k
-    MACE-MP-medium atoms ([N, 5120] FP32). map_into_above_bytes: frozen ``SplitLinear`` inputs of at least this
-    many bytes (up to ``chunked_above_bytes``) go through ``map_into`` as one chunk of all rows (the path weights
-    folded once, fewer copies); it paid on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17
-    MB ones (benchmarks/results/map-into-h100-20261127l). min_chunk_rows: the fewest rows of a chunk (MACE's row
-    chunks; the edge-streaming convolution's on CUDA): a launch takes about one warp's latency however few rows
-    it has, so fewer rows than a wave of resident warps leave SMs idle."""
+    frozen weights; MACE's row chunks, ``patches.mace.row_chunks``, for the widest convolution output).
+    map_into_above_bytes: frozen ``SplitLinear`` inputs of at least this many bytes (up to
+    ``chunked_above_bytes``) go through ``map_into`` as one chunk of all rows (the path weights folded once, fewer
+    copies). min_chunk_rows: the fewest rows of a chunk (MACE's row chunks; the edge-streaming convolution's on
+    CUDA): a launch takes about one warp's latency however few rows it has, so fewer rows leave SMs idle."""
 
+    # Chunks from ~52k MACE-MP-medium atoms ([N, 5120] FP32): memory decides there, a few percent of time does not
+    # (H100, 499k atoms: 1.567 s a call whole, 1.659 s in chunks). map_into paid on MACE-MP-medium's 42-106 MB
+    # inputs, not on the bundled MACE's 6-17 MB ones (benchmarks/results/map-into-h100-20261127l).
     chunk_bytes: int = 256 << 20
     chunked_above_bytes: int = 1 << 30
     map_into_above_bytes: int = 32 << 20
-    min_chunk_rows: int = 4096
+    min_chunk_rows: int = 4096  # about one wave of resident warps
 
     def __post_init__(self) -> None:
         for name, least in (("chunk_bytes", 1), ("chunked_above_bytes", 0), ("map_into_above_bytes", 0),
