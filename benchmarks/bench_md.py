@@ -26,9 +26,9 @@ cgforge-ase (our Calculator under ASE's Langevin: NVT only) and fastmace (FastMA
 ``fastmace_md.py``: MACE models, FP32; its setup time is reported apart).
 Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword to every cgforge Calculator
 (``radial_table=false``, ``cuda_graph=false``, ``streaming=true``, ``radial_precision=3xtf32``, ``patch=false``,
-``filter_edges=false``, ...), ``--engine KEY=VALUE`` one to every Engine (``fuse_integrator=true``), and
-``--kernel-tuning FILE.json`` the kernels' ``KernelTuning``; the JSON records them. Changes that are not options
-are turned off by ``investigations/without.py`` (``without.py NAME benchmarks/bench_md.py ...``).
+``filter_edges=false``, ...), ``--engine KEY=VALUE`` a field of every Engine's ``EngineOptions`` (``fuse_integrator=true``), and
+``--kernel-tuning FILE.json`` the kernels' ``KernelTuning`` (row chunks too: ``{"rows": {...}}``); the JSON records
+them.
 --md-steps / --md-warmup / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
@@ -611,11 +611,11 @@ def calculator_options(backend: dict) -> dict:
 
 # set by bench_md itself or by a backend: not an ablation --calculator / --engine may change
 FIXED = {"calculator": ("model", "device", "dtype", "skin", "stress_with_forces", "tuning", "compile"),
-         "engine": ("forces", "atoms", "integrator", "seed", "max_temperature_K")}
+         "engine": ()}
 
 
 def keyword_options(flag: str, given: list[str], target) -> dict:
-    """``KEY=VALUE`` strings as keywords of ``target`` (the Calculator or the Engine): VALUE read as JSON (true, 0.5,
+    """``KEY=VALUE`` strings as keywords of ``target`` (the Calculator or EngineOptions): VALUE read as JSON (true, 0.5,
     null), else kept as text (3xtf32); exits naming ``flag`` for a malformed item or a keyword ``target`` lacks."""
     import inspect
 
@@ -667,10 +667,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--ensembles: expected nvt and/or npt, got {ensemble!r}")
     global DEVICE, SKIN, PROFILE, NVT_ONLY, TUNING
     NVT_ONLY = args.nvt_only
-    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.options import EngineOptions
 
     CALCULATOR.update(keyword_options("calculator", args.calculator, Calculator))
-    ENGINE.update(keyword_options("engine", args.engine, Engine))
+    ENGINE.update(keyword_options("engine", args.engine, EngineOptions))
     if args.kernel_tuning is not None:
         from cgforge.kernels import KernelTuning
 

@@ -71,20 +71,16 @@ def main() -> None:
             (g,) = torch.autograd.grad(mlp(rg).sum(), rg)
             return g
 
-        def table_forward_backward():
-            (g,) = torch.autograd.grad(ops.radial_table(rg, coeffs, R_MAX).sum(), rg)
+        def table_forward_backward(by_length: int):
+            (g,) = torch.autograd.grad(ops.radial_table(rg, coeffs, R_MAX, by_length=by_length).sum(), rg)
             return g
 
         row = {"width": width, "edges": args.edges, "intervals": table.intervals,
                "table_error": max(table.value_error, table.slope_error),
                "mlp_fwd_ms": cuda_time(lambda: mlp(r)), "mlp_fwd_bwd_ms": cuda_time(mlp_forward_backward)}
-        for label, min_columns in (("sorted", 1), ("unsorted", width + 1)):
-            saved, ops.SORT_MIN_COLUMNS = ops.SORT_MIN_COLUMNS, min_columns
-            try:
-                row[f"table_fwd_ms_{label}"] = cuda_time(lambda: ops.radial_table(r, coeffs, R_MAX))
-                row[f"table_fwd_bwd_ms_{label}"] = cuda_time(table_forward_backward)
-            finally:
-                ops.SORT_MIN_COLUMNS = saved
+        for label, by_length in (("sorted", 1), ("unsorted", 0)):
+            row[f"table_fwd_ms_{label}"] = cuda_time(lambda: ops.radial_table(r, coeffs, R_MAX, by_length=by_length))
+            row[f"table_fwd_bwd_ms_{label}"] = cuda_time(lambda: table_forward_backward(by_length))
         row["floor_fwd_ms"] = args.edges * width * 4 / bandwidth * 1e3
         row["floor_fwd_bwd_ms"] = 3 * row["floor_fwd_ms"]  # write W; the backward writes and reads its gradient
         rows.append(row)

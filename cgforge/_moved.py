@@ -31,6 +31,7 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.kernels.symmetric_contraction.problem.SCProblem",
         "cgforge.kernels.core.tuning.TPTuning",  # the tuning a kernel module was built with
         "cgforge.kernels.core.tuning.SCTuning",
+        "cgforge.kernels.core.tuning.RowPolicy",  # when frozen maps run in row chunks (KernelTuning.rows)
         "cgforge.patches.harmonics.KernelHarmonics",  # the edge harmonics (KernelTuning.harmonics, on by default)
         "cgforge.kernels.harmonics.HarmonicsPolynomials",
     ),
@@ -51,6 +52,7 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
         "cgforge.patches.radial_precision.RadialLinear",
         "cgforge.patches.species_linear.SpeciesSelfConnection",
         "cgforge.patches.e3nn_layers.SplitLinear",  # packages from a .ckpt (the installed e3nn's Linear swapped)
+        "cgforge.kernels.core.tuning.RowPolicy",  # its row-chunk rule (KernelTuning.rows)
         "cgforge.patches.gate.FusedGate",  # e3nn's Gate (the nonlinearity) by the gate kernels
         "cgforge.kernels.gate.GateTable",
         "cgforge.patches.harmonics.KernelHarmonics",

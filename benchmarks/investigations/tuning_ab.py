@@ -3,12 +3,10 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
 
     python3 benchmarks/investigations/tuning_ab.py --models bundled-mace,mace-mp-medium,nequip-M \\
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
-        [--candidate all=linear-map-into-all] [--candidate before=without:linear-map-into]
+        [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
 
-Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format);
-each ``--candidate NAME=CHANGE`` runs the default tuning with a change of ``candidate.py`` turned on (or, written
-``without:CHANGE``, a landed change of ``without.py`` turned off) while its calculator is built and its engines run
-(each engine captures its own CUDA graphs); the first ``--tuning`` is the reference. Per model: one Calculator
+Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
+kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. Per model: one Calculator
 per variant (FP32, skin 1 A), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
 Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
 profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
@@ -19,14 +17,12 @@ benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # investigations/
-import candidate as candidates  # noqa: E402
-import without  # noqa: E402
-
 from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
@@ -47,7 +39,6 @@ from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
-CHANGES = list(candidates.CANDIDATES) + [f"without:{name}" for name in without.OFF]
 
 
 def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
@@ -59,19 +50,6 @@ def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
         return name, KernelTuning.from_dict(json.loads(text))
     except ValueError as error:  # json.JSONDecodeError is one
         raise SystemExit(f"--tuning {name}: {error}") from None
-
-
-@contextlib.contextmanager
-def candidate_on(change: str | None) -> Iterator[None]:
-    """``candidate.py``'s change ``change`` on inside the block (None: nothing changed)."""
-    if not change:
-        yield
-        return
-    undo = without.turn_off(change[len("without:"):]) if change.startswith("without:") else candidates.turn_on(change)
-    try:
-        yield
-    finally:
-        undo()
 
 
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> tuple[float, dict]:
@@ -89,8 +67,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mace-mp-medium")
     parser.add_argument("--tuning", action="append", required=True, metavar="NAME=JSON")
-    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=CANDIDATE",
-                        help=f"a variant with a change: {', '.join(CHANGES)}")
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
@@ -101,13 +77,6 @@ def main() -> None:
     if unknown:
         sys.exit(f"tuning_ab.py: unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     tunings = [parse_tuning(spec) for spec in args.tuning]
-    changes: dict[str, str] = {}  # variant name -> the candidate it turns on
-    for spec in args.candidate:
-        name, sep, change = spec.partition("=")
-        if not sep or not name or change not in CHANGES:
-            sys.exit(f"--candidate wants NAME=CHANGE with CHANGE one of {', '.join(CHANGES)}, got {spec!r}")
-        changes[name] = change
-        tunings.append((name, KernelTuning()))
     if len({name for name, _ in tunings}) < len(tunings):
         sys.exit("tuning_ab.py: two --tuning values have the same NAME")
     if not torch.cuda.is_available():
@@ -120,17 +89,15 @@ def main() -> None:
             calcs = {}
             for name, tuning in tunings:
                 t = time.perf_counter()  # a module is patched in place: each tuning gets its own
-                with candidate_on(changes.get(name)):
-                    calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
-                                             dtype=None if model.startswith("nequip-") else "float32", skin=1.0,
-                                             tuning=tuning)
+                calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
+                                         dtype=None if model.startswith("nequip-") else "float32", skin=1.0,
+                                         tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
             device: dict[str, list[dict]] = {name: [] for name, _ in tunings}
             for r in range(args.rounds):
                 for name, _ in tunings:
-                    with candidate_on(changes.get(name)):
-                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
+                    ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
                     times[name].append(ms)
                     device[name].append(use)
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
@@ -139,7 +106,6 @@ def main() -> None:
             for name, tuning in tunings:
                 median = float(np.median(times[name]))
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
-                                "candidate": changes.get(name),
                                 "tuning": dataclasses.asdict(tuning), "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference, "device": device[name],
                                 "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),

@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 
 # Most of these scripts import torch and cgforge before they parse their flags (4-8 s a run on 2 cores): slow; the
 # quick ones (under 1.5 s: no torch import) stay in the fast tier.
-QUICK = {"investigations/without.py", "bench_compile.py", "investigations/candidate.py"}
+QUICK = {"bench_compile.py"}
 
 BAD_FLAGS = [
     ("bench_layer.py", ["mace-huge"], "mace-huge"),
@@ -26,19 +26,15 @@ BAD_FLAGS = [
     ("bench_layer.py", ["--tuning", "loop_order=rows"], "loop_order=rows"),
     ("bench_layer.py", ["--tuning", "backward_min_blocks=99"], "backward_min_blocks"),
     ("bench_layer.py", ["--tuning", "chunk=64"], "chunk=64"),
-    ("investigations/without.py", ["radial", "benchmarks/bench_md.py"], "'radial'"),  # an unknown change to turn off
     ("bench_compile.py", ["--models", "bundled-mace,mace-huge"], "mace-huge"),
     ("bench_compile.py", ["--processes", "0"], "--processes"),
-    ("investigations/candidate.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
-    ("investigations/without.py", ["linear-huge", "benchmarks/bench_md.py"], "'linear-huge'"),
     ("investigations/tuning_ab.py", ["--models", "mace-huge", "--tuning", "a={}"], "mace-huge"),
     ("investigations/tuning_ab.py", ["--tuning", 'a={"tp": {"loop_order": "rows"}}'], "loop_order"),
     ("investigations/tuning_ab.py", ["--tuning", "a={"], "--tuning a"),
+    ("investigations/tuning_ab.py", ["--tuning", 'a={"rows": {"chunk_bytes": 0}}'], "rows.chunk_bytes"),
     ("investigations/tuning_ab.py", ["--tuning", "{}"], "NAME=JSON"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--tuning", "a={}"], "same NAME"),
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
-    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "b=linear-huge"], "linear-huge"),
-    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--candidate", "a=without:linear-map-into"], "same NAME"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
     ("bench_batch.py", ["--batch-size", "0"], "--batch-size"),
@@ -104,7 +100,7 @@ def test_bench_md_backends_are_choices_and_ablations_are_keywords() -> None:
     finally:
         sys.path.pop(0)
     from cgforge.plugin.calculator import Calculator
-    from cgforge.plugin.md.engine import Engine
+    from cgforge.plugin.md.options import EngineOptions as Engine
 
     assert set(bench_md.ENGINE_BACKENDS) <= set(bench_md.MD_BACKENDS) <= set(bench_md.BACKENDS)
     assert set(bench_md.CGFORGE_OPTIONS) | set(bench_md.MD_BACKENDS) | {"e3nn", "cueq", "oeq"} == set(
@@ -117,74 +113,6 @@ def test_bench_md_backends_are_choices_and_ablations_are_keywords() -> None:
                                Calculator), ("engine", "seed=3", Engine), ("engine", "block", Engine)):
         with pytest.raises(SystemExit, match=f"--{flag}: .*{item!r}"):
             bench_md.keyword_options(flag, [item], target)
-
-
-def test_map_into_candidate_and_without_turn_the_size_rule_and_back() -> None:
-    """candidate.py's linear-map-into-all takes every frozen input through map_into, without.py's linear-map-into
-    none below CHUNKED_ABOVE_BYTES; each returns its undo, which restores the rule; unknown names are refused."""
-    import torch
-    from e3nn import o3
-
-    import cgforge.patches.e3nn_layers as layers
-    from cgforge.patches.e3nn_layers import SplitLinear
-
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import candidate
-        import without
-    finally:
-        sys.path.pop(0)
-    with pytest.raises(SystemExit, match="'linear-huge'"):
-        candidate.turn_on("linear-huge")
-    with pytest.raises(SystemExit, match="'linear-huge'"):
-        without.turn_off("linear-huge")
-    rule = layers.MAP_INTO_ABOVE_BYTES
-    torch.manual_seed(0)
-    layer = SplitLinear.wrap(o3.Linear("4x0e+4x1o+4x2e", "4x0e+4x1o+4x2e").double()).requires_grad_(False)
-    x = torch.randn(9, layer.irreps_in.dim, dtype=torch.float64, requires_grad=True)
-    assert layer.chunk_rows(x) is None  # 9 small rows: below the rule's size
-    undo = candidate.turn_on("linear-map-into-all")
-    try:
-        assert layer.chunk_rows(x) == 9
-    finally:
-        undo()
-    assert layers.MAP_INTO_ABOVE_BYTES == rule
-    undo = without.turn_off("linear-map-into")
-    try:
-        assert layers.MAP_INTO_ABOVE_BYTES > layers.CHUNKED_ABOVE_BYTES
-    finally:
-        undo()
-    assert layers.MAP_INTO_ABOVE_BYTES == rule
-
-
-def test_without_md_step_turns_the_step_kernels_off_and_back() -> None:
-    """without.py's md-step makes the Langevin halves and the commit check say no to the kernels (their torch
-    references run); its undo restores the switch."""
-    from cgforge.kernels import md_step
-
-    _switch_turns_off_and_back("md-step", md_step, "_on_step_kernels")
-
-
-def test_without_edge_layout_turns_the_layout_kernels_off_and_back() -> None:
-    from cgforge.kernels import edge_layout
-
-    _switch_turns_off_and_back("edge-layout", edge_layout, "_on_layout_kernels")
-
-
-def _switch_turns_off_and_back(change: str, module, switch: str) -> None:
-    sys.path.insert(0, str(BENCHMARKS / "investigations"))
-    try:
-        import without
-    finally:
-        sys.path.pop(0)
-    on_kernels = getattr(module, switch)
-    undo = without.turn_off(change)
-    try:
-        assert getattr(module, switch) is not on_kernels
-        assert not getattr(module, switch)(None, None)
-    finally:
-        undo()
-    assert getattr(module, switch) is on_kernels
 
 
 @pytest.mark.slow

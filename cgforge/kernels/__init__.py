@@ -11,10 +11,11 @@ and state-dict layout over ``SymmetricContractionBase``) is ``cgforge.patches.ma
 
 from .convolution import ConvGraph, Convolution, streaming_convolution, streaming_edge_convolution
 from .core.errors import KernelError, SharedMemoryError, UnknownKernelKeyError, UnsupportedProblemError
-from .core.tuning import KernelTuning, SCTuning, TPTuning
+from .core.tuning import KernelTuning, RowPolicy, SCTuning, TPTuning
 from .symmetric_contraction import SCProblem, SymmetricContractionBase
 from .tensor_product import Instruction, TensorProduct, TPProblem
 
-__all__ = ["ConvGraph", "Convolution", "Instruction", "KernelError", "KernelTuning", "SCProblem", "SCTuning",
+__all__ = ["ConvGraph", "Convolution", "Instruction", "KernelError", "KernelTuning", "RowPolicy", "SCProblem",
+           "SCTuning",
            "SharedMemoryError", "SymmetricContractionBase", "TPProblem", "TPTuning", "TensorProduct",
            "UnknownKernelKeyError", "UnsupportedProblemError", "streaming_convolution", "streaming_edge_convolution"]

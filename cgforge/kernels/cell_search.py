@@ -185,7 +185,7 @@ def empty_pairs(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _on_search_kernels(positions: Tensor) -> bool:
-    """Whether the candidate loop runs as ``cell_pairs_cuda`` (``benchmarks/investigations/without.py`` says no)."""
+    """Whether the candidate loop runs as ``cell_pairs_cuda`` (on CUDA; elsewhere the torch reference)."""
     return positions.is_cuda
 
 

@@ -75,7 +75,7 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
 
 def _on_reverse_kernel(sender: Tensor) -> bool:
     """Whether ``pair_reverse`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA;
-    ``benchmarks/investigations/without.py`` says no)."""
+    elsewhere the reference)."""
     return sender.is_cuda
 
 

@@ -13,9 +13,10 @@ names, so the state_dict is unchanged), and keep the original for ``restore``.
   over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
   (tiny) weight matrix: only the GEMMs and the bare activation touch edge-sized tensors.
 
-  With frozen weights (inference) and a wide input of many rows, ``SplitLinear`` maps its rows in chunks of
-  ``CHUNK_BYTES`` (``_RowChunkedMap``): the split, the transposes and the GEMM's output of MACE-MP-medium's
-  [N, 5120] convolution output took ~22 KB per atom at once, the largest part of a 500k-atom step's peak.
+  With frozen weights (inference) and a wide input of many rows, ``SplitLinear`` maps its rows in chunks
+  (``_RowChunkedMap``; when: its ``rows``, ``KernelTuning.rows``): the split, the transposes and the GEMM's
+  output of MACE-MP-medium's [N, 5120] convolution output took ~22 KB per atom at once, the largest part of a
+  500k-atom step's peak.
 
 ``wrap`` returns ``None`` (the caller keeps the e3nn module) if the layer has a feature not handled here,
 or if the stand-in fails the self-check of ``stand_in.checked`` (with a warning).
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cgforge.kernels import KernelTuning
+from cgforge.kernels import KernelTuning, RowPolicy
 from cgforge.kernels.irreps_layout import Segments, from_segments, to_segments
 from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
 
@@ -37,19 +38,10 @@ from .radial_precision import radial_matmul
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, tensor_version
 
-# Inputs larger than CHUNKED_ABOVE_BYTES go through SplitLinear in row chunks of CHUNK_BYTES of input (and output)
-# when its weights are frozen: from ~52k MACE-MP-medium atoms ([N, 5120] FP32). Memory decides what fits there,
-# a few percent of time does not (measured: docs/measured-constants.md); smaller
-# inputs run as one GEMM per path, as before. MACE's row chunks (patches/mace/row_chunks.py) use the same sizes.
-CHUNK_BYTES = 256 << 20
-CHUNKED_ABOVE_BYTES = 1 << 30
-# Frozen inputs of MAP_INTO_ABOVE_BYTES or more (up to CHUNKED_ABOVE_BYTES) go through map_into as one chunk of
-# all rows: the path weights folded once, no concatenation, fewer copies than _map and its autograd graph. It paid
-# on MACE-MP-medium's 42-106 MB inputs and not on the bundled MACE's 6-17 MB ones (docs/measured-constants.md).
-MAP_INTO_ABOVE_BYTES = 32 << 20
 # Frozen maps whose weight blocks have at most ``kernel_max_channels`` channels (in and out) run on CUDA as cgforge's
 # irreps_linear kernel; the rule and its measurements: ``KernelTuning.linear_kernel_max_channels``.
 DEFAULT_KERNEL_MAX_CHANNELS = KernelTuning().linear_kernel_max_channels
+DEFAULT_ROWS = RowPolicy()  # when frozen maps run in row chunks: ``KernelTuning.rows``
 
 
 class _RowChunkedMap(torch.autograd.Function):
@@ -82,11 +74,14 @@ class SplitLinear(torch.nn.Module, StandIn):
     _kernel_plan: tuple = ((), None)
 
     kernel_max_channels = DEFAULT_KERNEL_MAX_CHANNELS  # the class's: modules pickled before it was an attribute
+    rows = DEFAULT_ROWS  # likewise
 
-    def __init__(self, linear: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> None:
+    def __init__(self, linear: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
+                 rows: RowPolicy = DEFAULT_ROWS) -> None:
         super().__init__()
         adopt(self, linear)
         self.kernel_max_channels = int(kernel_max_channels)
+        self.rows = rows
         self.irreps_in, self.irreps_out = linear.irreps_in, linear.irreps_out
         self.in_dims = [mul_ir.dim for mul_ir in self.irreps_in]
         self.out_dims = [mul_ir.dim for mul_ir in self.irreps_out]
@@ -115,8 +110,9 @@ class SplitLinear(torch.nn.Module, StandIn):
 
     @classmethod
     def wrap(cls, linear: torch.nn.Module, where: str = "",
-             kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> SplitLinear | None:
-        return checked(cls(linear, kernel_max_channels), where) if cls.supports(linear) else None
+             kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS, rows: RowPolicy = DEFAULT_ROWS
+             ) -> SplitLinear | None:
+        return checked(cls(linear, kernel_max_channels, rows), where) if cls.supports(linear) else None
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.random(generator, 7, sum(self.in_dims))
@@ -172,14 +168,14 @@ class SplitLinear(torch.nn.Module, StandIn):
     def chunk_rows(self, x: torch.Tensor) -> int | None:
         """Rows per ``map_into`` chunk for ``x`` [rows, dim] (None: ``_map``, all rows at once, with autograd):
         only where the weights are frozen (their gradient would need every row) and not under torch.compile
-        (Inductor plans the memory of the traced ops itself); all rows in one chunk from ``MAP_INTO_ABOVE_BYTES``,
-        chunks of ``CHUNK_BYTES`` above ``CHUNKED_ABOVE_BYTES``."""
+        (Inductor plans the memory of the traced ops itself); all rows in one chunk from ``rows.map_into_above_bytes``,
+        chunks of ``rows.chunk_bytes`` above ``rows.chunked_above_bytes``."""
         row_bytes = max(sum(self.in_dims), sum(self.out_dims)) * x.element_size()
-        total = x.shape[0] * row_bytes
-        if (total < MAP_INTO_ABOVE_BYTES or (self.weight.requires_grad and torch.is_grad_enabled())
+        total, rows = x.shape[0] * row_bytes, self.rows
+        if (total < rows.map_into_above_bytes or (self.weight.requires_grad and torch.is_grad_enabled())
                 or torch.compiler.is_compiling()):
             return None
-        return max(x.shape[0], 1) if total <= CHUNKED_ABOVE_BYTES else max(CHUNK_BYTES // row_bytes, 1)
+        return max(x.shape[0], 1) if total <= rows.chunked_above_bytes else max(rows.chunk_bytes // row_bytes, 1)
 
     def _map(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         """The map of ``x`` [rows, dim in] (or, ``transpose``, its transpose: [rows, dim out] -> [rows, dim in])."""
@@ -323,9 +319,11 @@ class FoldedMLP(torch.nn.Module, StandIn):
         return f"hs={self.hs}, activation scales folded"
 
 
-def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS) -> int:
+def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
+            rows: RowPolicy = DEFAULT_ROWS) -> int:
     """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its stand-in. In place.
-    ``kernel_max_channels``: the linears' rule for the irreps_linear kernel (``KernelTuning``'s).
+    ``kernel_max_channels`` and ``rows``: the linears' rules for the irreps_linear kernel and for row chunks
+    (``KernelTuning``'s).
 
     Returns how many were replaced; a layer whose stand-in is unsupported or differs stays as it is.
     """
@@ -334,7 +332,7 @@ def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MA
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if isinstance(child, o3.Linear) and SplitLinear.supports(child):
-            return SplitLinear(child, kernel_max_channels)
+            return SplitLinear(child, kernel_max_channels, rows)
         if isinstance(child, FullyConnectedNet) and FoldedMLP.supports(child):
             return FoldedMLP(child)
         return None

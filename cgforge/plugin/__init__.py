@@ -25,6 +25,7 @@ _EXPORTS = {
     "water_box": "water",
     "Engine": "md.engine",
     "MDBlowUp": "md.engine",
+    "EngineOptions": "md.options",
     "VerletNeighbourList": "runtime.neighbours",
     "neighbour_list": "runtime.neighbours",
 }

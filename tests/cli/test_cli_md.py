@@ -5,6 +5,7 @@ under test (tests/test_md.py runs the command with real models)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -155,6 +156,7 @@ def test_compile_auto_rule():
     short = _StandInCalculator("cuda")
     assert "off (49,999 steps; auto compiles runs of 50,000 or more" in auto_compile(short, atoms, long_run - 1)
     assert short.compile is None
+    assert auto_compile(short, atoms, 30, min_steps=30).startswith("torch.compile: on (30 steps")  # another rule
     on = _StandInCalculator("cuda")
     assert auto_compile(on, atoms, long_run).startswith("torch.compile: on (50,000 steps") and on.compile == "default"
     full = _StandInCalculator("cuda", fits=False)
@@ -175,7 +177,7 @@ def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypat
 
     torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
-    monkeypatch.setattr(md_cli, "COMPILE_AUTO_MIN_STEPS", 30)
+    monkeypatch.setattr(md_cli, "auto_compile", functools.partial(md_cli.auto_compile, min_steps=30))
     args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
             "-o", str(tmp_path / "out.traj")]
     assert main(args) == 0

@@ -48,7 +48,7 @@ def calls(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize("content, message", [
     ({"tp": {"loop_order": "edges"}, "pc": {}}, "unknown key 'pc'; a kernel tuning has the keys 'tp' (TPTuning), "
-                                               "'sc' (SCTuning), 'harmonics' (a bool) and "
+                                               "'sc' (SCTuning), 'rows' (RowPolicy), 'harmonics' (a bool) and "
                                                "'linear_kernel_max_channels' (an int >= 0)"),
     ({"linear_kernel_max_channels": -1}, "linear_kernel_max_channels: expected an int >= 0, got -1"),
     ({"linear_kernel_max_channels": True}, "linear_kernel_max_channels: expected an int >= 0, got True"),
@@ -72,8 +72,9 @@ def calls(monkeypatch) -> list[dict]:
                                                        "receiver_backward_fixed_point must be 'auto', True or False, "
                                                        "got 'yes'"),
     ({"tp": ["edges"]}, "tp: expected an object of TPTuning's fields, got list"),
-    ([1, 2], "expected an object with the keys 'tp', 'sc', 'harmonics' and/or 'linear_kernel_max_channels', got "
-             "list"),
+    ({"rows": {"chunk_bytes": 0}}, "rows.chunk_bytes: chunk_bytes must be an int >= 1, got 0"),
+    ([1, 2], "expected an object with the keys 'tp', 'sc', 'rows', 'harmonics' and/or 'linear_kernel_max_channels', "
+             "got list"),
 ])
 def test_bad_tuning_files_fail_before_the_model_loads_naming_the_key(tmp_path, capsys, calls, content, message):
     path = _tuning_file(tmp_path, content)

@@ -6,6 +6,7 @@ command line to the model call visits each file once. The q-SPC/Fw stand-in of t
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -198,8 +199,8 @@ def test_an_element_the_model_lacks_is_found_right_after_the_load(tmp_path, caps
 def test_a_box_too_large_for_a_cpu_gets_a_hint_first(tmp_path, capsys, stand_in, monkeypatch):
     hint = md_cli.size_hint(60_000, "cpu")
     assert "60,000 atoms on a CPU: expect roughly 60 s per step and 15 GB" in hint and "--device cuda" in hint
-    assert md_cli.size_hint(md_cli.CPU_HINT_ATOMS, "cpu") is None
-    monkeypatch.setattr(md_cli, "CPU_HINT_ATOMS", 10)
+    assert md_cli.size_hint(md_cli.CPU_HINT_ATOMS, "cpu") is None and md_cli.size_hint(12, "cpu", 11) is not None
+    monkeypatch.setattr(md_cli, "size_hint", functools.partial(md_cli.size_hint, above_atoms=10))  # the rule's
     assert main([*_box(tmp_path), "--steps", "0", "-o", str(tmp_path / "a.traj")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("hint: 12 atoms on a CPU") and lines[1].startswith("model mace")

@@ -11,17 +11,19 @@ import torch
 from e3nn import o3
 from tp_cases import PROBLEMS, e3nn_tp
 
-from cgforge.kernels import Convolution, KernelTuning, SCTuning, TPTuning
+from cgforge.kernels import Convolution, KernelTuning, RowPolicy, SCTuning, TPTuning
 from cgforge.kernels.symmetric_contraction import ops as sc_ops
 from cgforge.kernels.tensor_product import plan as plans
 
-TUNED = KernelTuning(tp=TPTuning(loop_order="edges", backward_min_blocks=0), sc=SCTuning(block=64, chunk=8))
+TUNED = KernelTuning(tp=TPTuning(loop_order="edges", backward_min_blocks=0), sc=SCTuning(block=64, chunk=8),
+                     rows=RowPolicy(chunked_above_bytes=0, min_chunk_rows=7))
 
 
 def test_kernel_tuning_holds_both_and_prints_every_knob() -> None:
     assert KernelTuning() == KernelTuning(TPTuning(), SCTuning())
     text = TUNED.describe()
     assert "loop_order='edges'" in text and "block=64" in text and "backward_range_bytes=None" in text
+    assert "min_chunk_rows=7" in text
 
 
 def test_mace_patch_passes_the_tuning_to_every_kernel_module(monkeypatch) -> None:
@@ -40,6 +42,11 @@ def test_mace_patch_passes_the_tuning_to_every_kernel_module(monkeypatch) -> Non
         assert m.conv.tuning == TUNED.tp and plans.get(m.conv.key).tuning == TUNED.tp
     for m in contractions:
         assert m.tuning == TUNED.sc and sc_ops.get(m.key).tuning == TUNED.sc
+    from cgforge.patches.e3nn_layers import SplitLinear
+
+    linears = [m for m in tuned.modules() if isinstance(m, SplitLinear)]
+    assert linears and all(m.rows == TUNED.rows for m in [*convs, *linears])  # the row policy: one value
+    assert all(m.rows == RowPolicy() for m in default.modules() if isinstance(m, FusedConvTP | SplitLinear))
     for m in default.modules():
         if isinstance(m, FusedConvTP):
             assert plans.get(m.conv.key).tuning == TPTuning()
@@ -51,6 +58,7 @@ def test_mace_patch_passes_the_tuning_to_every_kernel_module(monkeypatch) -> Non
     loaded = torch.load(buf, weights_only=False)
     again = [m for m in loaded.modules() if isinstance(m, FusedConvTP)]
     assert [plans.get(m.conv.key).tuning for m in again] == [TUNED.tp] * len(convs)
+    assert all(m.rows == TUNED.rows for m in again)
 
 
 class _Original(torch.nn.Module):

@@ -24,6 +24,7 @@ from mace_helpers import build_model  # noqa: E402
 from cgforge.plugin import Calculator  # noqa: E402
 from cgforge.plugin.cli import EXIT_ERROR, EXIT_UNSTABLE, main  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
+from cgforge.plugin.md.options import EngineOptions  # noqa: E402
 from cgforge.plugin.md.run import MDInstabilityError, MDInterrupted, run_md  # noqa: E402
 from cgforge.plugin.runtime.step_graph import ModelStep  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
@@ -128,7 +129,7 @@ def test_the_host_sees_the_state_only_at_log_and_trajectory_steps(calc, tmp_path
 
     monkeypatch.setattr(Engine, "_write_atoms", counted)
     run_md(water_box(4, seed=1), calc, ensemble="nvt", steps=12, log_interval=4, trajectory_interval=6,
-           trajectory=tmp_path / "t.traj", engine="device", log=None, engine_options={"block": 3})
+           trajectory=tmp_path / "t.traj", engine="device", log=None, engine_options=EngineOptions(block=3))
     assert writes == [0, 4, 6, 8, 12]
     assert _steps(tmp_path / "t.traj") == [0, 6, 12]
 
@@ -242,6 +243,8 @@ def _copper():
                                      r"NPT; this run is NVT \(langevin\)"),
     ({"plot": "x.jpg"}, ValueError, r"plot: x.jpg must end with .png, .pdf or .svg"),
     ({"engine_options": {"blocks": 3}}, ValueError, "engine_options: unknown key 'blocks'"),
+    ({"engine_options": {"block": 0}}, ValueError, "block: expected an int >= 1, got 0"),
+    ({"engine_options": [("block", 3)]}, TypeError, "engine_options: expected EngineOptions, a dict or None"),
 ])
 def test_engine_and_thermostat_arguments_are_checked_first(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -7,6 +7,7 @@ import torch
 from e3nn import o3
 from e3nn.nn import FullyConnectedNet
 
+from cgforge.kernels import RowPolicy
 from cgforge.patches.e3nn_layers import FoldedMLP, SplitLinear, swap_in, swap_out
 
 LINEARS = [
@@ -136,11 +137,9 @@ def test_split_linear_scales_frozen_weights_once_not_per_call() -> None:
 
 @pytest.mark.parametrize("irreps_in, irreps_out", [  # gradgradcheck: small ones; 7-11 s but for the smallest
     case if case == LINEARS[1] else pytest.param(*case, marks=pytest.mark.slow) for case in LINEARS[:3]])
-def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: str, monkeypatch) -> None:
+def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: str) -> None:
     """Frozen weights and a wide input: rows in chunks (here 3 rows each, 11 rows), values and first and second
     derivatives as the one-pass map; a layer whose weights need a gradient is never chunked."""
-    import cgforge.patches.e3nn_layers as layers
-
     torch.manual_seed(2)
     linear = o3.Linear(irreps_in, irreps_out).double()
     stand_in = SplitLinear.wrap(linear)
@@ -148,9 +147,7 @@ def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: 
     x = _inputs(o3.Irreps(irreps_in).dim, seed=3)
     want = stand_in(x)  # weights need a gradient: one pass
     gx_want, gw_want = torch.autograd.grad(want, [x, stand_in.weight], torch.ones_like(want))
-    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", 0)
-    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
-    monkeypatch.setattr(layers, "CHUNK_BYTES", 3 * row_bytes)
+    stand_in.rows = RowPolicy(chunk_bytes=3 * row_bytes, chunked_above_bytes=0, map_into_above_bytes=0)
     assert stand_in.chunk_rows(x) is None  # still: the weights' gradient needs every row at once
     stand_in.requires_grad_(False)
     assert stand_in.chunk_rows(x) == 3
@@ -164,18 +161,18 @@ def test_split_linear_in_row_chunks_equals_one_pass(irreps_in: str, irreps_out: 
     assert gw_want.abs().sum() > 0  # the unchunked weight gradient was a real one
 
 
-def test_split_linear_takes_map_into_for_frozen_inputs_from_a_size_on(monkeypatch) -> None:
-    """The rule by input bytes: below MAP_INTO_ABOVE_BYTES the autograd map, from it one map_into chunk of all
-    rows (values and gradient as the map), above CHUNKED_ABOVE_BYTES chunks; weights that need a gradient, never."""
-    import cgforge.patches.e3nn_layers as layers
-
+def test_split_linear_takes_map_into_for_frozen_inputs_from_a_size_on() -> None:
+    """The rule by input bytes (the layer's ``RowPolicy``): below map_into_above_bytes the autograd map, from it one
+    map_into chunk of all rows (values and gradient as the map), above chunked_above_bytes chunks; weights that need
+    a gradient, never."""
     torch.manual_seed(4)
-    stand_in = SplitLinear.wrap(o3.Linear("4x0e+4x1o", "4x0e+4x1o+4x2e").double())
+    linear = o3.Linear("4x0e+4x1o", "4x0e+4x1o+4x2e").double()
     x = _inputs(o3.Irreps("4x0e+4x1o").dim, seed=5)  # 11 rows
     total = x.shape[0] * o3.Irreps("4x0e+4x1o+4x2e").dim * 8
+    assert SplitLinear.wrap(linear).rows == RowPolicy() and total < RowPolicy().map_into_above_bytes  # the default
+    stand_in = SplitLinear.wrap(linear, rows=RowPolicy(map_into_above_bytes=total))
     want = stand_in(x)
     (gx_want,) = torch.autograd.grad(want, [x], torch.ones_like(want))
-    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", total)
     assert stand_in.chunk_rows(x) is None  # the weights need a gradient
     stand_in.requires_grad_(False)
     assert stand_in.chunk_rows(x) == x.shape[0]  # from the size on: one chunk of every row
@@ -185,9 +182,8 @@ def test_split_linear_takes_map_into_for_frozen_inputs_from_a_size_on(monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     (gx_got,) = torch.autograd.grad(got, [x], torch.ones_like(got))
     torch.testing.assert_close(gx_got, gx_want, rtol=1e-12, atol=1e-12)
-    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", total - 1)
-    monkeypatch.setattr(layers, "CHUNK_BYTES", total // 2)
-    assert stand_in.chunk_rows(x) == x.shape[0] // 2  # above CHUNKED_ABOVE_BYTES: chunks
+    stand_in.rows = RowPolicy(chunk_bytes=total // 2, chunked_above_bytes=total - 1, map_into_above_bytes=total)
+    assert stand_in.chunk_rows(x) == x.shape[0] // 2  # above chunked_above_bytes: chunks
 
 
 @pytest.mark.parametrize("irreps_in, irreps_out", LINEARS)
@@ -242,10 +238,9 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
 
     torch.manual_seed(8)
     linear = o3.Linear(*MACE_LIKE).double().requires_grad_(False)
-    stand_in = SplitLinear.wrap(linear)
-    monkeypatch.setattr(layers, "MAP_INTO_ABOVE_BYTES", 0)
-    monkeypatch.setattr(layers, "CHUNKED_ABOVE_BYTES", 0)
-    monkeypatch.setattr(layers, "CHUNK_BYTES", 4 * 160 * 8)  # 4 rows of 160 a chunk: 11 rows in 3 chunks
+    # 4 rows of 160 a chunk: 11 rows in 3 chunks
+    stand_in = SplitLinear.wrap(linear, rows=RowPolicy(chunk_bytes=4 * 160 * 8, chunked_above_bytes=0,
+                                                       map_into_above_bytes=0))
     moved: list[kernels.Segments] = []
 
     def recording(x: torch.Tensor, segments: kernels.Segments):  # noqa: ANN202
@@ -269,17 +264,16 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_map_into_with_the_layout_kernel_equals_e3nn(dtype: torch.dtype) -> None:
-    """On CUDA a frozen 128-channel SplitLinear (GEMMs, not the irreps_linear kernel) above MAP_INTO_ABOVE_BYTES
-    moves its vector irreps with the layout kernel: e3nn's values, grad x and second derivative, also written
-    into columns of a wider tensor."""
-    from cgforge.patches import e3nn_layers as layers
+    """On CUDA a frozen 128-channel SplitLinear (GEMMs, not the irreps_linear kernel) above the map_into size
+    (RowPolicy.map_into_above_bytes) moves its vector irreps with the layout kernel: e3nn's values, grad x and
+    second derivative, also written into columns of a wider tensor."""
 
     torch.manual_seed(6)
     wide_irreps = tuple(" + ".join(f"128x{ir}" for ir in side.replace("4x", "").split("+")) for side in MACE_LIKE)
     linear = o3.Linear(*wide_irreps).to(device="cuda", dtype=dtype).requires_grad_(False)
     stand_in = SplitLinear.wrap(linear)
     d_in, d_out = o3.Irreps(wide_irreps[0]).dim, o3.Irreps(wide_irreps[1]).dim
-    rows = -(-layers.MAP_INTO_ABOVE_BYTES // (d_in * dtype.itemsize)) + 3
+    rows = -(-RowPolicy().map_into_above_bytes // (d_in * dtype.itemsize)) + 3
     x = torch.randn(rows, d_in, device="cuda", dtype=dtype, requires_grad=True)
     assert stand_in.kernel_plan(x) is None and stand_in.chunk_rows(x) is not None
     weights = torch.randn(rows, d_out, device="cuda", dtype=dtype)

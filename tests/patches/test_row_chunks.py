@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cgforge.kernels import KernelTuning, RowPolicy
 from cgforge.patches.mace import row_chunks
 from cgforge.patches.mace.row_chunks import RecomputedHarmonics
 from cgforge.patches.mace.streaming import AppliedLinear
@@ -15,9 +16,18 @@ from cgforge.plugin import Calculator
 from cgforge.plugin.water import water_box
 
 
-def _calculator(**kw) -> Calculator:
+def _calculator(rows: RowPolicy | None = None, **kw) -> Calculator:
+    """The bundled MACE with radial tables; ``rows``: the row policy it is patched with (None: the defaults)."""
+    if rows is not None:
+        kw["tuning"] = KernelTuning(rows=rows)
     return Calculator("mace", device=kw.pop("device", "cpu"), dtype=kw.pop("dtype", "float64"), patch=True,
                       radial_table=True, **kw)
+
+
+def _set_rows(calc: Calculator, rows: RowPolicy) -> None:
+    """Another row policy for the blocks of a calculator made already."""
+    for block in calc.model.interactions:
+        block.conv_tp.rows = rows
 
 
 def _energy_forces(calc: Calculator, atoms) -> tuple[float, np.ndarray]:
@@ -27,12 +37,10 @@ def _energy_forces(calc: Calculator, atoms) -> tuple[float, np.ndarray]:
     return atoms.get_potential_energy(), atoms.get_forces()
 
 
-def _small_chunks(monkeypatch, rows: int, itemsize: int = 8) -> None:
+def _small_chunks(rows: int, itemsize: int = 8) -> RowPolicy:
     """Chunks of ``rows`` rows for any size (the real thresholds are ~1 GiB of rows, thousands of rows)."""
-    monkeypatch.setattr(row_chunks, "CHUNKED_ABOVE_BYTES", 0)
-    monkeypatch.setattr(row_chunks, "MIN_CHUNK_ROWS", 1)
     widest = max(b.conv_tp.irreps_out.dim for b in row_chunks.streaming_blocks(_calculator(warmup=False).model))
-    monkeypatch.setattr(row_chunks, "CHUNK_BYTES", rows * widest * itemsize)
+    return RowPolicy(chunk_bytes=rows * widest * itemsize, chunked_above_bytes=0, min_chunk_rows=1)
 
 
 def _model_energy(calc: Calculator, atoms) -> torch.Tensor:
@@ -53,17 +61,16 @@ def _chunked_blocks(calc: Calculator) -> list[int | None]:
 
 @pytest.mark.parametrize("rows", [7, 1000])  # ragged ranges; one range holding every row
 @pytest.mark.slow
-def test_row_chunks_give_the_whole_rows_energy_and_forces(monkeypatch, rows: int) -> None:
+def test_row_chunks_give_the_whole_rows_energy_and_forces(rows: int) -> None:
     atoms = water_box(16, seed=11)
     e0, f0 = _energy_forces(_calculator(), atoms)
-    _small_chunks(monkeypatch, rows)
-    calc = _calculator()
+    calc = _calculator(_small_chunks(rows))
     e1, f1 = _energy_forces(calc, atoms)
     assert _chunked_blocks(calc) == [rows, rows] and isinstance(calc.model.spherical_harmonics, RecomputedHarmonics)
     assert abs(e1 - e0) <= 1e-12 * abs(e0) and np.abs(f1 - f0).max() <= 1e-10 * np.abs(f0).max()
     assert np.abs(f0).max() > 0
     # a smaller system under the threshold goes back to whole rows, and the linear to the block
-    monkeypatch.setattr(row_chunks, "CHUNKED_ABOVE_BYTES", 1 << 40)
+    _set_rows(calc, RowPolicy(chunked_above_bytes=1 << 40))
     small = water_box(8, seed=2)
     e2, f2 = _energy_forces(calc, small)
     assert _chunked_blocks(calc) == [None, None] and not isinstance(calc.model.interactions[0].linear, AppliedLinear)
@@ -80,9 +87,8 @@ def test_backward_by_receiver_ranges_gives_the_same_forces(monkeypatch) -> None:
     from cgforge.kernels.convolution import table_rows
 
     atoms = water_box(16, seed=12)
-    _small_chunks(monkeypatch, 7)
     e0, f0 = _energy_forces(_calculator(), atoms)
-    calc = _calculator()
+    calc = _calculator(_small_chunks(7))
     widths = [b.conv_tp.irreps_out.dim for b in row_chunks.row_chunk_blocks(calc.model)]
     tuning = TPTuning(backward_range_bytes=5 * widths[0] * 8)  # ranges of 5 atoms in block 1
     for block in row_chunks.row_chunk_blocks(calc.model):  # the same kernels with that tuning
@@ -116,19 +122,20 @@ def test_recomputed_harmonics_equal_e3nns_to_second_order() -> None:
     assert len(out.grad_fn.saved_tensors) == 1 and out.grad_fn.saved_tensors[0] is vectors
 
 
-def test_row_chunks_are_chosen_from_the_widest_rows(monkeypatch) -> None:
+def test_row_chunks_are_chosen_from_the_widest_rows() -> None:
     calc = _calculator(dtype="float32", warmup=False)
     widest = max(b.conv_tp.irreps_out.dim for b in calc.model.interactions)
-    above = row_chunks.CHUNKED_ABOVE_BYTES // (4 * widest)
+    policy = RowPolicy()  # the defaults
+    above = policy.chunked_above_bytes // (4 * widest)
     assert row_chunks.chunk_rows_for(calc.model, above, torch.float32) is None
     rows = row_chunks.chunk_rows_for(calc.model, above + 1, torch.float32)
-    assert rows == max(row_chunks.CHUNK_BYTES // (4 * widest), row_chunks.MIN_CHUNK_ROWS)
+    assert rows == max(policy.chunk_bytes // (4 * widest), policy.min_chunk_rows)
     mlp = Calculator("mace", device="cpu", dtype="float32", patch=True, radial_table=False, warmup=False)
     assert row_chunks.chunk_rows_for(mlp.model, 10 ** 9, torch.float32) is None  # only blocks reading tables
 
 
 @pytest.mark.slow
-def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
+def test_row_chunks_refused_while_streaming_and_bad_values() -> None:
     calc = _calculator(warmup=False)
     with pytest.raises(ValueError, match="chunk_rows"):
         row_chunks.set_row_chunks(calc.model, 0)
@@ -136,21 +143,21 @@ def test_row_chunks_refused_while_streaming_and_bad_values(monkeypatch) -> None:
     assert row_chunks.row_chunk_blocks(calc.model) == []  # streaming blocks defer their radial: none to chunk
     assert not row_chunks.set_row_chunks(calc.model, None)  # off while streaming: the streaming linear stays
     assert all(isinstance(b.linear, AppliedLinear) for b in calc.model.interactions)
-    _small_chunks(monkeypatch, 5)
+    _set_rows(calc, _small_chunks(5))
     calc.streaming = True
     calc.plan_rows(48)  # the calculator never chunks rows while streaming
     assert all(b.conv_tp.row_chunk is None for b in calc.model.interactions)
 
 
 @pytest.mark.slow
-def test_a_trained_linear_gets_its_gradient_from_whole_rows(monkeypatch) -> None:
+def test_a_trained_linear_gets_its_gradient_from_whole_rows() -> None:
     """Row chunks treat the linear's weights as constants: with weights that need a gradient (training) the block
     runs whole rows, and the weights get the gradient they would without chunks."""
-    _small_chunks(monkeypatch, 5)
+    rows = _small_chunks(5)
     atoms = water_box(8, seed=5)
     grads = []
     for chunked in (False, True):
-        calc = _calculator()
+        calc = _calculator(rows)
         _energy_forces(calc, atoms)  # plans the rows for this size
         if not chunked:
             calc.adapter.set_row_chunks(None)
@@ -167,11 +174,10 @@ def test_a_trained_linear_gets_its_gradient_from_whole_rows(monkeypatch) -> None
 
 
 @pytest.mark.slow
-def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:
+def test_unpatch_after_row_chunks_leaves_no_cgforge_module() -> None:
     from cgforge.patches import mace as pm
 
-    _small_chunks(monkeypatch, 5)
-    calc = _calculator()
+    calc = _calculator(_small_chunks(5))
     _energy_forces(calc, water_box(8, seed=1))
     assert _chunked_blocks(calc) == [5, 5] and isinstance(calc.model.spherical_harmonics, RecomputedHarmonics)
     pm.unpatch(calc.model)
@@ -180,16 +186,14 @@ def test_unpatch_after_row_chunks_leaves_no_cgforge_module(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_the_engine_plans_rows_at_its_start(monkeypatch, fp64_one_thread) -> None:
+def test_the_engine_plans_rows_at_its_start(fp64_one_thread) -> None:
     from cgforge.plugin.md.engine import Engine
     from cgforge.plugin.md.integrators import VelocityVerlet
 
     atoms = water_box(8, seed=4)
     runs = []
     for chunked in (False, True):
-        if chunked:
-            _small_chunks(monkeypatch, 5)
-        calc = _calculator()
+        calc = _calculator(_small_chunks(5) if chunked else None)
         engine = Engine(calc, atoms.copy(), VelocityVerlet(0.5), block=2)
         engine.run(4)
         runs.append(engine.atoms.get_positions())
@@ -199,13 +203,12 @@ def test_the_engine_plans_rows_at_its_start(monkeypatch, fp64_one_thread) -> Non
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_cuda_row_chunks_in_the_captured_step(monkeypatch, dtype: str) -> None:
+def test_cuda_row_chunks_in_the_captured_step(dtype: str) -> None:
     """On the GPU, captured: the kernels' row ranges (a sliced CSR row pointer) give the whole rows' energy and
     forces, and the same bits on every call."""
     atoms = water_box(64, seed=12)
     e0, f0 = _energy_forces(_calculator(device="cuda", dtype=dtype), atoms)
-    _small_chunks(monkeypatch, 50, 4 if dtype == "float32" else 8)
-    calc = _calculator(device="cuda", dtype=dtype)
+    calc = _calculator(_small_chunks(50, 4 if dtype == "float32" else 8), device="cuda", dtype=dtype)
     e1, f1 = _energy_forces(calc, atoms)
     assert _chunked_blocks(calc) == [50, 50] and calc.step.cuda_graph
     tol = 1e-5 if dtype == "float32" else 1e-11

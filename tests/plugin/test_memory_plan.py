@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from cgforge.kernels import RowPolicy
 from cgforge.patches.mace import row_chunks
 from cgforge.patches.radial_table import FUSED_EDGE_ITEMS
 from cgforge.plugin import Calculator
@@ -94,12 +95,13 @@ def test_the_step_counts_the_edges_the_model_sees() -> None:
     assert calc.potential.plan_memory(len(atoms), lambda: pytest.fail("counted on a CPU")) is None  # CUDA only
 
 
-def test_row_chunked_boxes_are_estimated_with_their_own_bytes(monkeypatch) -> None:
+def test_row_chunked_boxes_are_estimated_with_their_own_bytes() -> None:
     """The largest boxes make their rows in chunks, which keep less per edge (847 B measured at 1.03 M atoms)
     than the whole rows (FUSED_EDGE_ITEMS): the estimate that decides streaming follows the size."""
     calc = Calculator("mace", device="cpu", dtype="float32", patch=True, radial_table=True, warmup=False)
     widest = max(b.conv_tp.irreps_out.dim for b in row_chunks.row_chunk_blocks(calc.model)) * 4
-    monkeypatch.setattr(row_chunks, "CHUNKED_ABOVE_BYTES", 1000 * widest)
+    for block in row_chunks.row_chunk_blocks(calc.model):  # the row policy the blocks were patched with
+        block.conv_tp.rows = RowPolicy(chunked_above_bytes=1000 * widest)
     assert calc.adapter.stored_edge_bytes() == calc.adapter.stored_edge_bytes(1000) == FUSED_EDGE_ITEMS * 4
     assert calc.adapter.stored_edge_bytes(1001) == row_chunks.ROW_CHUNKED_EDGE_ITEMS * 4
     assert row_chunks.ROW_CHUNKED_EDGE_ITEMS < FUSED_EDGE_ITEMS

@@ -27,22 +27,16 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from ..core.tuning import RowPolicy
 from . import ops
 from .graph import ConvGraph
 from .module import Convolution
 from .table_rows import map_rows, row_map_transpose
 
-__all__ = ["MIN_CHUNK_ROWS", "EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
+__all__ = ["EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
 
 # (rows of each edge input for one chunk of edges) -> (y, weights) rows of that chunk
 EdgeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-# The convolution kernels run one warp per row and each warp walks its row's edges in turn, so a launch
-# takes about one warp's latency however few rows it has (measured: docs/measured-constants.md). A chunk of
-# fewer rows than about one wave of resident warps leaves SMs idle: chunks keep at least this many rows,
-# whatever their edge budget.
-MIN_CHUNK_ROWS = 4096
 
 
 def chunk_ranges(rowptr: np.ndarray, chunk_edges: int, min_rows: int = 1) -> list[tuple[int, int]]:
@@ -178,7 +172,7 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
     and to every edge input that requires grad. ``constants``: modules used by ``edge_fn`` whose parameters
     are treated as constants (refused when they require grad while grad is on). Needs a deterministic
     graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
-    ``MIN_CHUNK_ROWS`` on CUDA, 1 on a CPU).
+    ``RowPolicy.min_chunk_rows`` on CUDA, 1 on a CPU).
 
     ``out_fn``: an affine map applied to each row of the convolution's output (e.g. the linear layer a
     message-passing block applies next), here to one chunk of rows at a time, so the convolution's own
@@ -214,7 +208,7 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                 "grad: call requires_grad_(False) on the radial module (inference), or use the stored path "
                 "to train")
     if min_rows is None:
-        min_rows = MIN_CHUNK_ROWS if x.device.type == "cuda" else 1
+        min_rows = RowPolicy.min_chunk_rows if x.device.type == "cuda" else 1
     return _StreamingConv.apply(x, conv, edge_fn, out_fn, graph, chunk_edges, int(min_rows), *edge_inputs)
 
 

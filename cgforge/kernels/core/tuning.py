@@ -137,7 +137,7 @@ class TPTuning:
 
     def describe(self) -> str:
         """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return _describe(self)
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,37 @@ class SCTuning:
 
     def describe(self) -> str:
         """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return _describe(self)
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """When frozen per-atom maps run over their rows in chunks, which bounds their memory.
+
+    chunked_above_bytes: rows of more bytes run in chunks of ``chunk_bytes`` (``e3nn_layers.SplitLinear`` with
+    frozen weights; MACE's row chunks, ``patches.mace.row_chunks``, for the widest convolution output).
+    map_into_above_bytes: frozen ``SplitLinear`` inputs of at least this many bytes (up to
+    ``chunked_above_bytes``) go through ``map_into`` as one chunk of all rows (the path weights folded once, fewer
+    copies). min_chunk_rows: the fewest rows of a chunk (MACE's row chunks; the edge-streaming convolution's on
+    CUDA): a launch takes about one warp's latency however few rows it has, so fewer rows leave SMs idle."""
+
+    # Chunks from ~52k MACE-MP-medium atoms ([N, 5120] FP32): memory decides there, a few percent of time does not;
+    # map_into paid on MACE-MP-medium's 42-106 MB inputs, not on the bundled MACE's 6-17 MB ones (measured:
+    # docs/measured-constants.md)
+    chunk_bytes: int = 256 << 20
+    chunked_above_bytes: int = 1 << 30
+    map_into_above_bytes: int = 32 << 20
+    min_chunk_rows: int = 4096  # about one wave of resident warps
+
+    def __post_init__(self) -> None:
+        for name, least in (("chunk_bytes", 1), ("chunked_above_bytes", 0), ("map_into_above_bytes", 0),
+                            ("min_chunk_rows", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+    def describe(self) -> str:
+        return _describe(self)
 
 
 @dataclass(frozen=True)
@@ -183,17 +213,22 @@ class KernelTuning:
     self-connections) whose weight blocks have at most this many channels in and out run on CUDA as cgforge's
     ``irreps_linear`` kernel (one launch each way); wider ones stay GEMMs, where cuBLAS's tiling outweighs the
     launches saved (0: every map on GEMMs). 32: maps of 32 channels gain on the kernel, of 64-128 lose
-    (measured: docs/measured-constants.md)."""
+    (measured: docs/measured-constants.md).
+
+    rows: when frozen per-atom maps run over their rows in chunks (``RowPolicy``)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
     harmonics: bool = True
     linear_kernel_max_channels: int = 32
+    rows: RowPolicy = RowPolicy()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, TPTuning) or not isinstance(self.sc, SCTuning):
             raise TypeError(f"KernelTuning takes a TPTuning and an SCTuning, got {type(self.tp).__name__} and "
                             f"{type(self.sc).__name__}")
+        if not isinstance(self.rows, RowPolicy):
+            raise TypeError(f"rows: expected a RowPolicy, got {type(self.rows).__name__}")
         if not isinstance(self.harmonics, bool):
             raise ValueError(f"harmonics must be a bool, got {self.harmonics!r}")
         channels = self.linear_kernel_max_channels
@@ -203,24 +238,25 @@ class KernelTuning:
     def describe(self) -> str:
         """Each part, one line each (what ``cgforge doctor`` prints)."""
         return (f"TPTuning({self.tp.describe()})\nSCTuning({self.sc.describe()})\nharmonics={self.harmonics!r}\n"
-                f"linear_kernel_max_channels={self.linear_kernel_max_channels!r}")
+                f"linear_kernel_max_channels={self.linear_kernel_max_channels!r}\nRowPolicy({self.rows.describe()})")
 
     @classmethod
     def from_dict(cls, data: object) -> KernelTuning:
-        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...},
-        "harmonics": false, "linear_kernel_max_channels": 32}``, each key optional; tp and sc hold any of the
-        fields of ``TPTuning`` / ``SCTuning`` (the rest keep their defaults); a list where a tuple is expected
-        (``pairings``) is taken as one. Each field is checked as the dataclass checks it. Raises ValueError naming
-        the key (``"tp.loop_order: ..."``, ``"sc: unknown key 'blocks'..."``) for an unknown key, a part that is not
-        a dict or a value the field refuses."""
+        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...}, "rows":
+        {...}, "harmonics": false, "linear_kernel_max_channels": 32}``, each key optional; tp, sc and rows hold any
+        of the fields of ``TPTuning`` / ``SCTuning`` / ``RowPolicy`` (the rest keep their defaults); a list where a
+        tuple is expected (``pairings``) is taken as one. Each field is checked as the dataclass checks it. Raises
+        ValueError naming the key (``"tp.loop_order: ..."``, ``"sc: unknown key 'blocks'..."``) for an unknown key, a
+        part that is not a dict or a value the field refuses."""
         if not isinstance(data, dict):
-            raise ValueError(f"expected an object with the keys 'tp', 'sc', 'harmonics' and/or "
+            raise ValueError(f"expected an object with the keys 'tp', 'sc', 'rows', 'harmonics' and/or "
                              f"'linear_kernel_max_channels', got {type(data).__name__}")
-        parts = {"tp": TPTuning, "sc": SCTuning}
+        parts = {"tp": TPTuning, "sc": SCTuning, "rows": RowPolicy}
         unknown = sorted(map(str, set(data) - set(parts) - {"harmonics", "linear_kernel_max_channels"}))
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning), 'sc' "
-                             "(SCTuning), 'harmonics' (a bool) and 'linear_kernel_max_channels' (an int >= 0)")
+                             "(SCTuning), 'rows' (RowPolicy), 'harmonics' (a bool) and 'linear_kernel_max_channels' "
+                             "(an int >= 0)")
         values = {}
         if "harmonics" in data:
             if not isinstance(data["harmonics"], bool):
@@ -254,6 +290,11 @@ class KernelTuning:
 
 _BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls)
                          if f.type in ("bool", bool) or "bool |" in str(f.type))
+
+
+def _describe(value: object) -> str:
+    """Every field of a tuning dataclass and its value, one line."""
+    return ", ".join(f"{f.name}={getattr(value, f.name)!r}" for f in fields(value))
 
 
 def _expected(part: type, key: str) -> str:

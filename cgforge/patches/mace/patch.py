@@ -83,10 +83,13 @@ class FusedConvTP(torch.nn.Module, StandIn):
 
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
     row_chunk: int | None = None  # a class default too: models pickled before the attribute existed read it
+    rows = kernels.RowPolicy()  # when the rows go in chunks (row_chunks.chunk_rows_for); likewise a class default
 
-    def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache, tuning: kernels.TPTuning | None = None) -> None:
+    def __init__(self, e3nn_tp: o3.TensorProduct, graphs: GraphCache, tuning: kernels.TPTuning | None = None,
+                 rows: kernels.RowPolicy = rows) -> None:
         super().__init__()
         self.conv = kernels.Convolution.from_e3nn(e3nn_tp, tuning=tuning)
+        self.rows = rows
         if self.conv.weight_numel != e3nn_tp.weight_numel:
             raise UnsupportedModelError(
                 f"cgforge Convolution has weight_numel {self.conv.weight_numel}, the e3nn TensorProduct "
@@ -245,7 +248,7 @@ def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None)
         if isinstance(block.conv_tp, FusedConvTP):
             block.conv_fusion = _FUSION_TAG
             block.conv_tp.graphs = graphs  # one cache per model, also after copy.deepcopy of a block
-    layers = e3nn_layers.swap_in(model, tuning.linear_kernel_max_channels)
+    layers = e3nn_layers.swap_in(model, tuning.linear_kernel_max_channels, tuning.rows)
     layers += species_linear.swap_in(model, "skip_tp", graphs, tuning.linear_kernel_max_channels)
     layers += reshape.swap_in(model)
     if not any(hook is graphs for hook in forward_pre_hooks(model)):
@@ -270,7 +273,7 @@ def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.M
             return None
         if kind == "interactions" and name == "conv_tp" and not isinstance(child, FusedConvTP):
             try:
-                return FusedConvTP(child, graphs, tuning.tp)
+                return FusedConvTP(child, graphs, tuning.tp, tuning.rows)
             except (ValueError, TypeError, NotImplementedError) as err:
                 raise UnsupportedModelError(f"{where} ({child}): cgforge cannot build this convolution: {err}") from err
         if kind == "products" and name == "symmetric_contractions" and not isinstance(child, FusedSymmetricContraction):

@@ -13,7 +13,8 @@ The model's spherical harmonics keep only their input for the backward (``Recomp
 evaluates them again), not e3nn's intermediates and normalised vectors.
 
 Only blocks that read their radial table inside the kernels chunk (the others keep their path); the calculator
-turns chunks on per system size where the widest convolution output exceeds ``CHUNKED_ABOVE_BYTES``, never
+turns chunks on per system size where the widest convolution output exceeds the blocks' ``RowPolicy`` (the
+``KernelTuning.rows`` they were patched with: ``chunked_above_bytes``, ``chunk_bytes``, ``min_chunk_rows``), never
 while streaming (which applies the linear per chunk itself) or under torch.compile.
 """
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.convolution.streaming import MIN_CHUNK_ROWS  # fewer rows than a wave of warps idle SMs
-from ..e3nn_layers import CHUNK_BYTES, CHUNKED_ABOVE_BYTES
 from ..radial_table import TabulatedRadial
 from ..streaming import Deferred
 from .streaming import _fuse_linear, streaming_blocks
@@ -79,14 +78,16 @@ def row_chunk_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def chunk_rows_for(model: torch.nn.Module, n_atoms: int, dtype: torch.dtype) -> int | None:
-    """Rows per chunk for ``n_atoms`` atoms (None: not worth chunking, or no block can)."""
+    """Rows per chunk for ``n_atoms`` atoms by the blocks' ``RowPolicy`` (None: not worth chunking, or no block
+    can)."""
     blocks = row_chunk_blocks(model)
     if not blocks:
         return None
+    rows = blocks[0].conv_tp.rows  # one policy per patch call
     row_bytes = max(b.conv_tp.irreps_out.dim for b in blocks) * (torch.finfo(dtype).bits // 8)
-    if n_atoms * row_bytes <= CHUNKED_ABOVE_BYTES:
+    if n_atoms * row_bytes <= rows.chunked_above_bytes:
         return None
-    return max(CHUNK_BYTES // row_bytes, MIN_CHUNK_ROWS)
+    return max(rows.chunk_bytes // row_bytes, rows.min_chunk_rows)
 
 
 def set_row_chunks(model: torch.nn.Module, chunk_rows: int | None) -> bool:

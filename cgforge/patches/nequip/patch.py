@@ -74,10 +74,11 @@ def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torc
         new = stand_in.swap_in(root, _scatter_maker(graphs, wheres, tuning.tp if tuning is not None else None))
         if tuning is not None and tuning.harmonics:
             stand_in.swap_in(root, _harmonics_maker)
-        channels = (e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS if tuning is None
-                    else tuning.linear_kernel_max_channels)
-        swapped = species_linear.swap_in(root, "sc", graphs, channels)
-        e3nn_layers.swap_in(root, channels)
+        from cgforge.kernels.core.tuning import KernelTuning as Defaults  # the kernels load when a model is patched
+
+        given = tuning if tuning is not None else Defaults()
+        swapped = species_linear.swap_in(root, "sc", graphs, given.linear_kernel_max_channels)
+        e3nn_layers.swap_in(root, given.linear_kernel_max_channels, given.rows)
         gate.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
         _install_hook(root, graphs)

@@ -232,9 +232,10 @@ def read_kernel_tuning(path: str | None) -> Any:
         raise ValueError(f"--kernel-tuning: {path}: {err}") from None
 
 
-def size_hint(n_atoms: int, device: Any) -> str | None:
-    """A hint before a box far too large for a CPU (its expected cost; a GPU suggested), else None."""
-    if getattr(device, "type", str(device)) != "cpu" or n_atoms <= CPU_HINT_ATOMS:
+def size_hint(n_atoms: int, device: Any, above_atoms: int = CPU_HINT_ATOMS) -> str | None:
+    """A hint before a box far too large for a CPU (more than ``above_atoms``: its expected cost; a GPU
+    suggested), else None."""
+    if getattr(device, "type", str(device)) != "cpu" or n_atoms <= above_atoms:
         return None
     seconds, gigabytes = n_atoms * CPU_SECONDS_PER_ATOM, n_atoms * CPU_BYTES_PER_ATOM / 1e9
     return (f"hint: {n_atoms:,} atoms on a CPU: expect roughly {seconds:.0f} s per step and {gigabytes:.0f} GB of "
@@ -305,14 +306,14 @@ def explicit_compile(args: argparse.Namespace) -> bool:
     return getattr(args, "compile", None) not in (None, "auto", "off")
 
 
-def auto_compile(calc: Any, atoms: Atoms, steps: int) -> str | None:
-    """--compile auto: compile the model (``calc.set_compile``) for a run of ``COMPILE_AUTO_MIN_STEPS`` or more
-    on CUDA when the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off
-    CUDA, where nothing is compiled unless asked)."""
+def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
+    """--compile auto: compile the model (``calc.set_compile``) for a run of ``min_steps`` or more on CUDA when
+    the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off CUDA, where
+    nothing is compiled unless asked)."""
     if calc.device.type != "cuda":
         return None
-    if steps < COMPILE_AUTO_MIN_STEPS:
-        return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {COMPILE_AUTO_MIN_STEPS:,} or more, "
+    if steps < min_steps:
+        return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {min_steps:,} or more, "
                 "--compile forces it)")
     uses_tiles = getattr(calc, "uses_tiles", None)
     if callable(uses_tiles) and uses_tiles(atoms):  # asked before compiled_fits, which builds the whole Verlet list

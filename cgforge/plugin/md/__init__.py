@@ -19,6 +19,7 @@ _EXPORTS = {
     "read_structure": "files",
     "Engine": "engine",
     "MDBlowUp": "engine",
+    "EngineOptions": "options",
 }
 
 __all__ = list(_EXPORTS)

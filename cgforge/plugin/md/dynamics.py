@@ -29,6 +29,7 @@ tune. The two agree on averages, not trajectory by trajectory.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,8 @@ from ase import Atoms, units
 
 from .checks import engine_blow_up
 from .files import Restart, encode_info
+from .options import EngineOptions
 
-ENGINE_OPTIONS = ("block", "steps_per_graph", "cuda_graph", "rebuild_margin")
 # Steps between the engine's host syncs (one small report each; blocks also end at log and trajectory steps).
 # Longer on CUDA, where a sync stalls the launch queue; short on a CPU, where it costs nothing and Ctrl-C is
 # acted on sooner.
@@ -79,17 +80,6 @@ def choose_engine(choice: str, calc: Any, atoms: Atoms, name: str = "engine", re
         # streaming reads its chunk ranges on the host each step: ASE's dynamics drive it (the engine captures)
         return "ase" if getattr(calc, "streaming", False) else "device"
     return "ase"
-
-
-def check_engine_options(options: Any) -> dict[str, Any]:
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise TypeError(f"engine_options: expected a dict or None, got {type(options).__name__}")
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise ValueError(f"engine_options: unknown key {unknown[0]!r}; known: {', '.join(ENGINE_OPTIONS)}")
-    return dict(options)
 
 
 def ase_dynamics(atoms: Atoms, o: dict[str, Any], rng: np.random.Generator) -> Any:
@@ -215,7 +205,7 @@ class EngineDynamics:
         return f"cgforge device engine ({e.integrator.name} on {e.device}{graph})"
 
 
-def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart | None, options: dict[str, Any],
+def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart | None, options: EngineOptions,
                     intervals: tuple[int, ...]) -> EngineDynamics:
     """The engine for ``atoms`` (positions, momenta, cell as run_md set them), continuing ``state``'s step counter
     and, when it was written by the engine, its seed and integrator scalars (the noise is a hash of (seed,
@@ -228,8 +218,10 @@ def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart |
     if saved is not None:
         seed = int(saved["seed"])
         extra = saved.get("extra", {}) if saved.get("integrator") == integrator.name else {}
-    options = {"block": ENGINE_BLOCK.get(calc.device.type, 10), **options}
-    engine = Engine(calc, atoms, integrator, seed=seed, max_temperature_K=o["max_temperature_K"], **options)
+    if options.block is None:
+        options = replace(options, block=ENGINE_BLOCK.get(calc.device.type, 10))
+    engine = Engine(calc, atoms, integrator, seed=seed, max_temperature_K=o["max_temperature_K"],
+                    engine_options=options)
     if state is not None:
         engine.load_state({"positions": atoms.get_positions(), "momenta": atoms.get_momenta(),
                            "cell": np.array(atoms.cell), "numbers": atoms.numbers, "step": state.step,

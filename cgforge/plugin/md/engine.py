@@ -46,6 +46,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ from ..runtime.potential import Potential
 from .commit import BLOW_KINDS, REPORT, MDBlowUp, commit_step
 from .forces import EnergyFunctionForces, ForceResult, ModelForces
 from .integrators import Integrator, MDState, NoiseSource, kinetic_energy
+from .options import EngineOptions
 from .state import ENGINE_INFO_KEY, read_state, write_atoms
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
@@ -84,22 +86,19 @@ class Engine:
     interface). atoms: the structure (positions,
     momenta, cell, masses, pbc; no constraints); written back every ``every`` steps and by ``sync_atoms()``.
     integrator: ``integrators.VelocityVerlet``, ``Langevin``, ``CSVR`` or ``StochasticCellRescaling``.
-    seed: the noise's seed. block: steps between host syncs. steps_per_graph: steps unrolled in one CUDA graph
-    (blocks replay it; a remainder replays a one-step graph). cuda_graph: None captures on CUDA when the
-    provider allows it (a calculator whose step is padded). max_temperature_K: blow-up limit (None: 5 times the
-    target or initial temperature, at least 2000 K; inf turns it off). rebuild_margin: see the module doc.
-    pipelined_rebuild: search the next neighbour list on a side stream while a block runs (None: on CUDA with a
-    calculator; see the module doc). Left at None, both turn off for a box near a full device (the potential's
-    memory plan at the start: ``RuntimeOptions.uncaptured_above_fraction``). fuse_integrator: compile the
-    integrator's arithmetic (``Integrator.fuse``, with the provider's ``options.compile_backend``) so that its tiny
-    operations become a few kernels of the captured step (None: on CUDA when the calculator's model is compiled,
-    ``Calculator(compile=True)``); sets it on ``integrator``.
+    seed: the noise's seed. max_temperature_K: blow-up limit (None: 5 times the target or initial temperature, at
+    least 2000 K; inf turns it off). engine_options: the ``options.EngineOptions`` (block, steps_per_graph,
+    cuda_graph, rebuild_margin, pipelined_rebuild, fuse_integrator), or its fields as keywords (``settings``).
+    A fused integrator (``Integrator.fuse``) is compiled with the provider's ``options.compile_backend`` and set
+    on ``integrator``.
     """
 
-    def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0, block: int = 10,
-                 steps_per_graph: int = 1, cuda_graph: bool | None = None, max_temperature_K: float | None = None,
-                 rebuild_margin: float = 1.5, pipelined_rebuild: bool | None = None,
-                 fuse_integrator: bool | None = None) -> None:
+    def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0,
+                 max_temperature_K: float | None = None, engine_options: EngineOptions | None = None,
+                 **settings: Any) -> None:
+        if engine_options is not None and settings:
+            raise TypeError(f"Engine: give engine_options or its fields as keywords, not both ({sorted(settings)})")
+        o = EngineOptions.of(engine_options) if engine_options is not None else EngineOptions(**settings)
         if not isinstance(atoms, Atoms):
             raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
         if len(atoms) == 0:
@@ -118,18 +117,17 @@ class Engine:
         self.atoms = atoms
         self.integrator = integrator
         self.seed = _count("seed", seed, 0)
-        self.block = _count("block", block, 1)
-        self.steps_per_graph = _count("steps_per_graph", steps_per_graph, 1)
-        self.rebuild_margin = float(rebuild_margin)
+        self.block = o.block if o.block is not None else 10
+        self.steps_per_graph, self.rebuild_margin = o.steps_per_graph, o.rebuild_margin
         self.pbc = tuple(bool(p) for p in atoms.pbc)
         if integrator.changes_cell and not all(self.pbc):
             raise ValueError(f"integrator: {integrator.name} changes the cell, which needs pbc on all axes; atoms.pbc "
                              f"is {self.pbc}")
         self.device = torch.device(self.provider.device)
-        self.cuda_graph = self._want_graph(cuda_graph)
-        self.pipelined_rebuild = self._want_pipelined(pipelined_rebuild)
-        self._defaults = (cuda_graph is None, pipelined_rebuild is None)  # what the memory plan may turn off
-        self.fuse_integrator = self._want_fused(fuse_integrator)
+        self.cuda_graph = self._want_graph(o.cuda_graph)
+        self.pipelined_rebuild = self._want_pipelined(o.pipelined_rebuild)
+        self._defaults = (o.cuda_graph is None, o.pipelined_rebuild is None)  # what the memory plan may turn off
+        self.fuse_integrator = self._want_fused(o.fuse_integrator)
         options = getattr(self.provider, "options", None)
         backend = "inductor" if options is None else options.compile_backend
 
@@ -315,8 +313,6 @@ class Engine:
         return bool(cuda_graph)
 
     def _want_fused(self, fuse: bool | None) -> bool:
-        if fuse not in (None, True, False):
-            raise TypeError(f"fuse_integrator: expected None, True or False, got {fuse!r}")
         if fuse is not None:
             return bool(fuse)
         # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
@@ -326,8 +322,6 @@ class Engine:
         able = callable(getattr(self.provider, "snapshot", None))
         if pipelined is None:
             return able and self.device.type == "cuda"  # on a CPU the search cannot overlap the steps
-        if pipelined not in (True, False):
-            raise TypeError(f"pipelined_rebuild: expected None, True or False, got {pipelined!r}")
         if pipelined and not able:
             raise ValueError(f"pipelined_rebuild=True needs a provider with snapshot/search/install (a cgforge "
                              f"Calculator); {type(self.provider).__name__} has none")

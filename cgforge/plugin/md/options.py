@@ -223,6 +223,50 @@ class MDOptions:
         return ", ".join([head, *more, f"timestep {self.timestep_fs:g} fs"])
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the device engine (``engine.Engine``) runs, checked once where it is made; ``run_md(engine_options=)``
+    and ``Engine(engine_options=)`` take one (or its fields as keywords).
+
+    block: steps between host syncs (None: 10; run_md: ``dynamics.ENGINE_BLOCK`` by device). steps_per_graph:
+    steps unrolled in one CUDA graph (blocks replay it; a remainder replays a one-step graph). cuda_graph: None
+    captures on CUDA when the force provider allows it. rebuild_margin: how much faster than seen so far the list's
+    slack is assumed to shrink (``engine`` module doc). pipelined_rebuild: search the next neighbour list on a side
+    stream while a block runs (None: on CUDA with a calculator). fuse_integrator: compile the integrator's
+    arithmetic into the captured step (None: on CUDA when the model is compiled). Left at None, ``cuda_graph`` and
+    ``pipelined_rebuild`` turn off for a box near a full device (``RuntimeOptions.uncaptured_above_fraction``)."""
+
+    block: int | None = None
+    steps_per_graph: int = 1
+    cuda_graph: bool | None = None
+    rebuild_margin: float = 1.5
+    pipelined_rebuild: bool | None = None
+    fuse_integrator: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.block is not None:
+            object.__setattr__(self, "block", check_count("block", self.block, 1))
+        object.__setattr__(self, "steps_per_graph", check_count("steps_per_graph", self.steps_per_graph, 1))
+        object.__setattr__(self, "rebuild_margin", _AT_LEAST_0("rebuild_margin", self.rebuild_margin))
+        for name in ("cuda_graph", "pipelined_rebuild", "fuse_integrator"):
+            if getattr(self, name) not in (None, True, False):
+                raise TypeError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, value: EngineOptions | Mapping[str, Any] | None, name: str = "engine_options") -> EngineOptions:
+        """``value`` as EngineOptions: one as it is, a dict of its fields (an unknown key is a ValueError naming
+        ``name``), None the defaults."""
+        if value is None or isinstance(value, cls):
+            return cls() if value is None else value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name}: expected EngineOptions, a dict or None, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(map(str, set(value) - set(known)))
+        if unknown:
+            raise ValueError(f"{name}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
+        return cls(**value)
+
+
 def _not_for(name: str, meta: Mapping[str, Any], mode: str) -> None:
     modes = meta["modes"]
     where = "NVT" if set(modes) == {"nvt-langevin", "nvt-csvr"} else " and ".join(MODES[m] for m in modes)

@@ -46,7 +46,6 @@ from .checks import CtrlC, Guard, MDInstabilityError, MDSummary, Progress, summa
 from .dynamics import (
     AseDynamics,
     ase_dynamics,
-    check_engine_options,
     choose_engine,
     engine_dynamics,
     thermalize,
@@ -70,7 +69,7 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import OPTION_FIELDS, MDOptions, check_atoms_for, check_structure, refuse_on_restart
+from .options import OPTION_FIELDS, EngineOptions, MDOptions, check_atoms_for, check_structure, refuse_on_restart
 from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
@@ -125,7 +124,7 @@ def run_md(
     trajectory: str | os.PathLike | None = None,
     log: TextIO | Callable[[str], None] | str | os.PathLike | list | tuple | None = print,
     plot: str | os.PathLike | None = None,
-    engine_options: dict[str, Any] | None = None,
+    engine_options: EngineOptions | dict[str, Any] | None = None,
     **options: Any,
 ) -> MDSummary:
     """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions`, one keyword per field (docs/md.md
@@ -133,8 +132,8 @@ def run_md(
     ``trajectory``: a new .traj/.xyz/.extxyz file (frames every ``trajectory_interval`` steps and at the last).
     ``log``: print (default), a callable taking a line, a stream, a file name (instead of stdout), a list of these
     or None. ``plot``: a new .png/.pdf/.svg file drawn at the end, also after a blow-up or Ctrl-C (a plot that
-    fails is a warning line). ``engine_options``: the engine's ``block``, ``steps_per_graph``, ``cuda_graph``,
-    ``rebuild_margin``. ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
+    fails is a warning line). ``engine_options``: the engine's :class:`EngineOptions` (or a dict of its
+    fields). ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
     last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
     options, engine and model (another model is a ValueError); ``atoms`` may then be None.
 
@@ -206,7 +205,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         o = MDOptions.given(given, names, {**state.options, "engine": _engine_of(state)}, str(state.path), new_run)
     else:
         o = MDOptions.given(given, names)
-    engine_options = check_engine_options(a["engine_options"])
+    engine_options = EngineOptions.of(a["engine_options"], names("engine_options"))
     force = o.force
     path, log_path, plot_path = outputs.values()
     free = isinstance(a["trajectory"], FreeName)  # a default name: the next free one if it is taken meanwhile
@@ -270,7 +269,7 @@ class MDPlan:
     printer: Printer
     plot: Path | None
     restart: Restart | None
-    engine_options: dict[str, Any]
+    engine_options: EngineOptions
     names: Callable[[str], str] = str
     prog: str = "run_md"
     new_run: str | None = None
