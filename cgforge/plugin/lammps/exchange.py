@@ -184,23 +184,23 @@ def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Ghos
     return GhostMap(nlocal, ntotal, node_of, remote)
 
 
-def message_layers(model: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
-    """The model's message-passing layers in call order: MACE's interaction blocks, NequIP's ConvNetLayers."""
-    if kind == "mace":
-        return list(model.interactions)
-    if kind == "nequip":
-        from cgforge.patches.nequip.adapter import energy_model_of
-
-        return [m for m in energy_model_of(model).modules() if type(m).__name__ == "ConvNetLayer"]
-    raise ValueError(f"kind: expected 'mace' or 'nequip', got {kind!r}")
+def message_layers(adapter: Any) -> list[torch.nn.Module]:
+    """The message-passing layers of an adapter's model (``runtime.adapters``) in call order: MACE's interaction
+    blocks, NequIP's ConvNetLayers (in the energy model its adapter runs)."""
+    if adapter.kind == "mace":
+        return list(adapter.model.interactions)
+    if adapter.kind == "nequip":
+        return [m for m in adapter.energy_model.modules() if type(m).__name__ == "ConvNetLayer"]
+    raise ValueError(f"kind: expected 'mace' or 'nequip', got {adapter.kind!r}")
 
 
 class ExchangeHooks:
-    """Forward pre-hooks on layers 2..L of a model that exchange the ghosts' input features while active."""
+    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while
+    active."""
 
-    def __init__(self, model: torch.nn.Module, kind: str) -> None:
-        self.kind = kind
-        self.layers = message_layers(model, kind)
+    def __init__(self, adapter: Any) -> None:
+        self.kind = kind = adapter.kind
+        self.layers = message_layers(adapter)
         self._data: Any = None
         self._ghosts: GhostMap | None = None
         self.calls = 0  # exchanges done (a test checks that they happen)
