@@ -126,7 +126,7 @@ class CgforgeMLIAP(_mliap_base()):
                  timers: bool = False, _padded: bool = False) -> None:
         from cgforge.plugin.runtime.bundled import checkpoint_path
         from cgforge.plugin.runtime.capture import resolve_cuda_graph
-        from cgforge.plugin.runtime.potential import UnsupportedModelError, load
+        from cgforge.plugin.runtime.potential import UnsupportedModelError, check_radial_table, load
 
         super().__init__()
         if mode not in MODES:
@@ -135,8 +135,7 @@ class CgforgeMLIAP(_mliap_base()):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
         if not (cuda_graph is None or isinstance(cuda_graph, bool)):
             raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
-        if not (radial_table is None or isinstance(radial_table, bool)):
-            raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
+        check_radial_table(radial_table, "fp32")
         if not isinstance(timers, bool):
             raise TypeError(f"timers: expected True or False, got {timers!r}")
         if cuda_graph and device is not None and not str(device).startswith("cuda"):
