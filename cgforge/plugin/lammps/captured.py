@@ -93,7 +93,8 @@ class _Outputs:
 
 class PaddedStep:
     """One ghost-mode ``compute_forces`` on static buffers (see the module doc), captured in a CUDA graph when
-    ``cuda_graph`` (needs CUDA), else run eagerly on the same buffers (the same code; CPU tests run it).
+    ``cuda_graph`` (the potential's ``cuda_graph``: the runtime's rule), else run eagerly on the same buffers (the
+    same code; CPU tests run it).
 
     potential: the model's ``Potential`` (its adapter, and its graph caches: ``Potential.graph_caches``, empty for a
     model that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
@@ -105,9 +106,7 @@ class PaddedStep:
     def __init__(self, potential: Potential, *, cuda_graph: bool, margin: float = MARGIN,
                  group_species: bool = True) -> None:
         adapter = potential.adapter
-        if cuda_graph and adapter.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {adapter.device}")
-        reason = adapter.inert_beyond_cutoff()
+        reason = potential.inert_edges_reason
         if reason is not None:
             raise ValueError("the padded step pads the edges, which needs a model whose edges beyond the cutoff "
                              f"contribute zero; for this one that is not known: {reason}")
