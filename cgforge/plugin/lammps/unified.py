@@ -58,7 +58,7 @@ import torch
 
 from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
 from .captured import STALE, UNSORTED, PaddedStep
-from .exchange import ExchangeHooks, GhostMap, message_layers
+from .exchange import ExchangeHooks, GhostMap
 from .owners import GhostMapCache
 from .ranks import launcher_ranks
 from .timers import OFF, PhaseTimers, hook_exit, register
@@ -165,7 +165,7 @@ class CgforgeMLIAP(_mliap_base()):
         resolve_cuda_graph(cuda_graph, None, self.inert_edges_reason)  # the model's side; the device's at setup
         self.kind = adapter.kind
         self.cutoff = float(adapter.cutoff)
-        self.layers = len(message_layers(adapter))
+        self.layers = len(adapter.message_layers())
         self.element_types = _element_names(adapter, self.type_map)
         self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
         self.ndescriptors = 1  # required by the coupling; unused
