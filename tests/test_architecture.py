@@ -97,6 +97,12 @@ def test_imports_follow_the_layers() -> None:
     assert not offenders, "imports the layers block does not allow:\n" + "\n".join(sorted(offenders))
 
 
+def test_lammps_stands_on_the_runtime_alone() -> None:
+    """LAMMPS evaluates through the ``Potential``: its row may name the runtime only (no patches, no kernels), so
+    ``test_imports_follow_the_layers`` refuses any import of theirs in plugin/lammps."""
+    assert _block("layers")["plugin.lammps"] == ["plugin.runtime"]
+
+
 def test_no_import_circle() -> None:
     graph = {m: _imports(m) for m in _modules()}
     index: dict[str, int] = {}

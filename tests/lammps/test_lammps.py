@@ -253,12 +253,17 @@ def test_pickle_holds_bytes_and_options_only(mace_file):
     obj = CgforgeMLIAP(mace_file, patch=False)
     (data,) = build_domains(structure(), obj.element_types, obj.cutoff, obj.ghost_cutoff)
     obj.compute_forces(data)  # loaded now: the runtime state must not travel
+    # the file format: these attributes and no others (files of earlier versions hold a subset: __setstate__)
+    assert set(obj.__getstate__()) == {
+        "_padded", "cuda_graph", "cutoff", "device", "dtype", "element_types", "head", "inert_edges_reason", "kind",
+        "last_mode", "last_path", "layers", "mode", "model_bytes", "model_name", "ndescriptors", "nparams", "patch",
+        "radial_table", "rcutfac", "timers", "type_map"}
     blob = pickle.dumps(obj)
     with open(mace_file, "rb") as f:
         size = len(f.read())
     assert len(blob) < size + 4096
     again = pickle.loads(blob)
-    assert again._model is None and again.interface is None and again.rcutfac == 0.5 * R_MAX
+    assert again._potential is None and again.interface is None and again.rcutfac == 0.5 * R_MAX
     assert again.ndescriptors == 1 and again.nparams == 1
 
 
@@ -508,14 +513,9 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
     assert CgforgeMLIAP(mace_file).radial_table is None  # the default follows the Calculator
     obj = CgforgeMLIAP(mace_file, patch=True, radial_table=None)
     assert pickle.loads(pickle.dumps(obj)).radial_table is None
-    # None follows the Calculator: tables on CUDA for a patched FP32 model that can have them (the rule alone,
-    # asked without a GPU; the adapter is the CPU one setup makes)
+    # None follows the Calculator (the runtime's rule, ``Potential``): off on a CPU
     obj.setup("cpu")
-    cuda = torch.device("cuda")
-    assert obj._tables_on(cuda, torch.float32, True)
-    assert not obj._tables_on(cuda, torch.float64, True)
-    assert not obj._tables_on(cuda, torch.float32, False)
-    assert not obj._tables_on(torch.device("cpu"), torch.float32, True)
+    assert obj._potential.radial_table is False and obj._potential.patched
     old = obj.__getstate__()
     del old["radial_table"]  # a file written before the option: the radial MLP, as then
     restored = CgforgeMLIAP.__new__(CgforgeMLIAP)
@@ -525,17 +525,16 @@ def test_radial_table_option(mace_file, tmp_path, capsys):
     assert cli_main(["lammps-model", mace_file, str(out), "--radial-table", "on"]) == 0
     with open(out, "rb") as f:
         assert pickle.load(f).radial_table is True
-    # True where the model will not run cgforge's kernels is refused: at once when the options say so (the CLI
-    # before writing), else at setup on the device LAMMPS gives (patch=None: kernels on CUDA only)
-    for kw in ({"patch": False}, {"device": "cpu"}):
-        with pytest.raises(ValueError, match="patch=True"):
-            CgforgeMLIAP(mace_file, radial_table=True, **kw)
+    # True where the model will not run cgforge's kernels is refused at once (the CLI before writing)
+    with pytest.raises(ValueError, match="radial_table=True, patch=False"):
+        CgforgeMLIAP(mace_file, radial_table=True, patch=False)
     refused = tmp_path / "refused.pkl"
     assert cli_main(["lammps-model", mace_file, str(refused), "--radial-table", "on", "--patch", "off"]) == 1
     assert "radial_table=True" in capsys.readouterr().err and not refused.exists()
-    unpatched = CgforgeMLIAP(mace_file, radial_table=True)
-    with pytest.raises(LammpsSetupError, match="patch=True"):
-        unpatched.setup("cpu")
+    # patch=None patches the model for them, on a CPU too (the runtime's rule, as the Calculator)
+    tables = CgforgeMLIAP(mace_file, radial_table=True, device="cpu")
+    tables.setup("cpu")
+    assert tables._potential.patched and tables._potential.radial_table
     default = tmp_path / "default.mliap.pkl"
     assert cli_main(["lammps-model", mace_file, str(default)]) == 0
     with open(default, "rb") as f:

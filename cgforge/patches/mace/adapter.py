@@ -166,6 +166,9 @@ class MaceAdapter:
         rows = None if n_atoms is None else row_chunks.chunk_rows_for(self.model, n_atoms, self.dtype)
         return row_chunks.set_row_chunks(self.model, rows)
 
+    def message_layers(self) -> list[torch.nn.Module]:
+        return list(self.model.interactions)
+
     def why_not_tabulated(self) -> str | None:
         return radial_table.why_not_tabulated(self.model)
 

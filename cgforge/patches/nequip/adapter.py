@@ -140,6 +140,9 @@ class NequipAdapter:
         """NequIP's convolution outputs are as narrow as its features: nothing to chunk."""
         return False
 
+    def message_layers(self) -> list[torch.nn.Module]:
+        return [m for m in self.energy_model.modules() if type(m).__name__ == "ConvNetLayer"]
+
     def why_not_tabulated(self) -> str | None:
         return radial_table.why_not_tabulated(self.energy_model)
 

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the device of LAMMPS's arrays: "
                    "CUDA with Kokkos on a GPU, else cpu)")
     p.add_argument("--patch", choices=("auto", "on", "off"), default="auto",
-                   help="cgforge's kernels: auto (on CUDA only, default), on, off (the model's own code)")
+                   help="cgforge's kernels: auto (default, as the Calculator: on CUDA, or where --radial-table on "
+                   "needs them), on, off (the model's own code)")
     p.add_argument("--head", default=None, help="MACE head of a multi-head model")
     p.add_argument("--type-map", default=None, metavar="SYMBOL=TYPE,...",
                    help="NequIP: chemical symbol of each type whose name is not one")

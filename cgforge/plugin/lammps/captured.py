@@ -29,9 +29,9 @@ The step itself reads nothing back to the host (capture-safe):
    LAMMPS's ghost neighbour lists do not promise it (ghosts at the edge of its binning grid).
    The order is not checked on the host: the step computes a device flag "receivers not ascending", read
    with the energy; if it is ever set the caller redoes that call on the eager path (``CgforgeMLIAP``).
-3. Per-species self-connections (``species_linear``): ``SpeciesGroups.from_species`` reads the counts to the
+3. Per-species self-connections: ``Potential.species_groups`` reads the counts to the
    host, and the ghosts' counts change every step, so the groups have a fixed room per species
-   (``SpeciesRoom``, sized from the counts with a margin); the counts come back with the energy, and a call
+   (``Potential.species_room``, sized from the counts with a margin); the counts come back with the energy, and a call
    whose species overflowed their room is run again with more (a new capture). Unpadded groups would cost a
    host read per call; no groups would send the self-connections through e3nn's outer product, n_species
    times the work (89x for MACE-MP's elements).
@@ -43,17 +43,18 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector
-from cgforge.patches.species_linear import SpeciesRoom
-from cgforge.plugin.runtime.capture import capture_or_fall_back, room
+from cgforge.plugin.runtime.capture import capture_or_fall_back, conv_graph, layout_edges, pad_offset_vector, room
 
 from .arrays import LammpsArrays, write_results
 from .timers import OFF
+
+if TYPE_CHECKING:
+    from cgforge.plugin.runtime.potential import Potential
 
 __all__ = ["PaddedStep", "STALE", "UNSORTED"]
 
@@ -91,24 +92,24 @@ class _Outputs:
 
 class PaddedStep:
     """One ghost-mode ``compute_forces`` on static buffers (see the module doc), captured in a CUDA graph when
-    ``cuda_graph`` (needs CUDA), else run eagerly on the same buffers (the same code; CPU tests run it).
+    ``cuda_graph`` (the potential's ``cuda_graph``: the runtime's rule), else run eagerly on the same buffers (the
+    same code; CPU tests run it).
 
-    adapter: the model's ``ModelAdapter``; caches: its graph caches (``graph_caches``; empty for a model
-    that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
+    potential: the model's ``Potential`` (its adapter, and its graph caches: ``Potential.graph_caches``, empty for a
+    model that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
     self-connections through e3nn's path (for comparisons). ``capture_error`` says why a capture
     failed (the step then runs eagerly); ``n_captures`` counts captures, ``n_growths`` growths of the buffers or
     of the species rooms. ``timers``: where each call's phases are timed (``timers.PhaseTimers``; ``OFF``: not).
     """
 
-    def __init__(self, adapter: Any, caches: list, *, cuda_graph: bool, margin: float = MARGIN,
+    def __init__(self, potential: Potential, *, cuda_graph: bool, margin: float = MARGIN,
                  group_species: bool = True) -> None:
-        if cuda_graph and adapter.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {adapter.device}")
-        reason = adapter.inert_beyond_cutoff()
+        adapter = potential.adapter
+        reason = potential.inert_edges_reason
         if reason is not None:
             raise ValueError("the padded step pads the edges, which needs a model whose edges beyond the cutoff "
                              f"contribute zero; for this one that is not known: {reason}")
-        self.adapter, self.caches = adapter, list(caches)
+        self.potential, self.adapter, self.caches = potential, adapter, list(potential.graph_caches)
         self.cuda_graph = bool(cuda_graph)
         self.margin = float(margin)
         self.group_species = bool(group_species)
@@ -117,7 +118,7 @@ class PaddedStep:
         self.n_growths = 0
         self.pad_vector = pad_offset_vector(adapter.cutoff, adapter.dtype, adapter.device)
         self._buf: _Buffers | None = None
-        self._room: SpeciesRoom | None = None
+        self._room: Any = None  # ``Potential.species_room``: fixed rooms per species
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: _Outputs | None = None
         self._pool = None
@@ -167,7 +168,7 @@ class PaddedStep:
             if self._room is None or self._room.fits(counts):
                 break
             # some species overflowed its room: again, with more
-            self._room = SpeciesRoom([self._grown(c, r) for c, r in zip(counts, self._room.capacities)], self.device)
+            self._room = self.potential.species_room([self._grown(c, r) for c, r in zip(counts, self._room.capacities)])
             self.n_growths += 1
             self.invalidate()
         with timers.phase("forces"):
@@ -195,7 +196,7 @@ class PaddedStep:
         if self.caches and self.group_species and self._room is None:
             # the first call: rooms from its counts (one host read, outside any step)
             counts = torch.bincount(a.elems[:nodes].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
-            self._room = SpeciesRoom([room(int(c), self.margin) if c else 0 for c in counts.tolist()], dev)
+            self._room = self.potential.species_room([room(int(c), self.margin) if c else 0 for c in counts.tolist()])
         # the widest rows in chunks where this many nodes need it (as the calculator plans them), before a capture
         self.adapter.set_row_chunks(n)
         self.invalidate()

@@ -33,9 +33,9 @@ whole staging buffer to the host and back), so the owner exchange cost more than
 (docs/lammps.md, section 6). Float32 features go forward packed two to a float64 word
 (LAMMPS's buffers are doubles): half the bytes where the MPI moves only the message.
 
-The hooks are forward pre-hooks on the model's message-passing layers (MACE: ``model.interactions[1:]``,
-whose ``node_feats`` keyword is replaced; NequIP: the ``ConvNetLayer`` modules after the first, whose data
-dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
+The hooks are forward pre-hooks on the model's message-passing layers after the first (``adapter.message_layers``;
+MACE: ``model.interactions[1:]``, whose ``node_feats`` keyword is replaced; NequIP: its ``ConvNetLayer`` modules,
+whose data dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
 act only while ``ExchangeHooks.active`` holds a data object.
 """
 
@@ -52,8 +52,7 @@ from torch import Tensor
 
 from .timers import OFF
 
-__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "exchange_features", "ghost_map",
-           "message_layers"]
+__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "exchange_features", "ghost_map"]
 
 _NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
 HOST_FORWARD_WIDTH = 6  # LAMMPS's size_border, the least its host forward buffers hold per atom
@@ -184,23 +183,13 @@ def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Ghos
     return GhostMap(nlocal, ntotal, node_of, remote)
 
 
-def message_layers(model: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
-    """The model's message-passing layers in call order: MACE's interaction blocks, NequIP's ConvNetLayers."""
-    if kind == "mace":
-        return list(model.interactions)
-    if kind == "nequip":
-        from cgforge.patches.nequip.adapter import energy_model_of
-
-        return [m for m in energy_model_of(model).modules() if type(m).__name__ == "ConvNetLayer"]
-    raise ValueError(f"kind: expected 'mace' or 'nequip', got {kind!r}")
-
-
 class ExchangeHooks:
-    """Forward pre-hooks on layers 2..L of a model that exchange the ghosts' input features while active."""
+    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while
+    active."""
 
-    def __init__(self, model: torch.nn.Module, kind: str) -> None:
-        self.kind = kind
-        self.layers = message_layers(model, kind)
+    def __init__(self, adapter: Any) -> None:
+        self.kind = kind = adapter.kind
+        self.layers = adapter.message_layers()
         self._data: Any = None
         self._ghosts: GhostMap | None = None
         self.calls = 0  # exchanges done (a test checks that they happen)

@@ -39,9 +39,10 @@ Memory: as the calculator plans it, the widest per-atom rows of a large domain a
 (``adapter.set_row_chunks``), and with the radial tables (``radial_table``, on by default where the calculator
 uses them) no per-pair radial MLP, activations or weights are kept.
 
-The object pickles small: the model file's bytes and the options. The model is loaded, patched (cgforge's
-kernels: by default on CUDA, as the Calculator does) and compiled lazily, in the LAMMPS process, at the
-first call; no torch module, CuPy or NVRTC state is pickled.
+The object pickles small: the model file's bytes and the options. At the first call, in the LAMMPS process, the
+model is loaded as a ``Potential`` (``runtime.load``: patched, its radial tables and its capture decided by the
+runtime's rules, as for the Calculator) and its kernels compiled; the steps above run its adapter, its graph caches
+and species groups over LAMMPS's pair lists. No torch module, CuPy or NVRTC state is pickled.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import torch
 
 from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
 from .captured import STALE, UNSORTED, PaddedStep
-from .exchange import ExchangeHooks, GhostMap, message_layers
+from .exchange import ExchangeHooks, GhostMap
 from .owners import GhostMapCache
 from .ranks import launcher_ranks
 from .timers import OFF, PhaseTimers, hook_exit, register
@@ -65,8 +66,8 @@ from .timers import OFF, PhaseTimers, hook_exit, register
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
-_TRANSIENT = ("interface", "_model", "_adapter", "_device", "_hooks", "_caches", "_tmp", "_step", "padded_off",
-              "ranks", "_owners", "_timers")
+_TRANSIENT = ("interface", "_potential", "_adapter", "_device", "_hooks", "_tmp", "_step", "padded_off", "ranks",
+              "_owners", "_timers")
 
 
 class LammpsSetupError(RuntimeError):
@@ -101,7 +102,8 @@ class CgforgeMLIAP(_mliap_base()):
     model: ``"mace"`` / ``"nequip"`` (the bundled water models) or a checkpoint path (.model, .ckpt,
     .nequip.zip): its bytes travel inside this object. dtype: None keeps the model's. device: None picks the
     device of LAMMPS's arrays (CUDA for Kokkos on a GPU, else the CPU); "cpu", "cuda", "cuda:N" force one.
-    patch: cgforge's kernels (True), the model's own code (False), None: on CUDA only (as the Calculator).
+    patch: cgforge's kernels (True), the model's own code (False), None: as the Calculator (``runtime.load``: on
+    CUDA, or where radial_table=True needs them).
     head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements
     (``pair_coeff * * O H``); mode: "auto", "ghost" or "exchange" (see the module doc).
     cuda_graph: run ghost-mode calls, and exchange-mode calls of one MPI rank, as the padded step captured in a
@@ -122,8 +124,9 @@ class CgforgeMLIAP(_mliap_base()):
                  patch: bool | None = None, head: str | None = None, type_map: dict[str, str] | None = None,
                  mode: str = "auto", cuda_graph: bool | None = None, radial_table: bool | None = None,
                  timers: bool = False, _padded: bool = False) -> None:
-        from cgforge.patches.common import UnsupportedModelError
-        from cgforge.plugin.runtime.potential import load_module as load_model
+        from cgforge.plugin.runtime.bundled import checkpoint_path
+        from cgforge.plugin.runtime.capture import resolve_cuda_graph
+        from cgforge.plugin.runtime.potential import UnsupportedModelError, check_radial_table, load
 
         super().__init__()
         if mode not in MODES:
@@ -132,13 +135,12 @@ class CgforgeMLIAP(_mliap_base()):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
         if not (cuda_graph is None or isinstance(cuda_graph, bool)):
             raise TypeError(f"cuda_graph: expected None, True or False, got {cuda_graph!r}")
-        if not (radial_table is None or isinstance(radial_table, bool)):
-            raise TypeError(f"radial_table: expected None, True or False, got {radial_table!r}")
+        check_radial_table(radial_table, "fp32")
         if not isinstance(timers, bool):
             raise TypeError(f"timers: expected True or False, got {timers!r}")
         if cuda_graph and device is not None and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got device={device!r}")
-        path = _model_path(model)
+        path = checkpoint_path(model)
         self.model_name = path.name
         self.model_bytes = path.read_bytes()
         self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
@@ -151,27 +153,19 @@ class CgforgeMLIAP(_mliap_base()):
         self.radial_table = radial_table
         self.timers = timers
         self._padded = bool(_padded)
-        # Load it now (CPU; patched unless patch=False, to check cgforge supports it), so a bad or unsupported
-        # file fails here and not inside LAMMPS.
+        # Load it now (CPU; patched unless patch=False, to check cgforge supports it; the radial tables if asked
+        # for), so a bad or unsupported file, or an option this model cannot have, fails here and not inside LAMMPS.
         try:
-            module = load_model(path, torch.device("cpu"), self.dtype, patch=patch is not False)
+            potential = load(path, "cpu", self.dtype, patch=patch is not False, radial_table=radial_table, head=head,
+                             type_map=self.type_map, warmup=False)
         except UnsupportedModelError as err:
             raise UnsupportedModelError(f"{err}; patch=False (`--patch off`) runs the model's own code") from err
-        adapter = _adapter(module, torch.device("cpu"), head, self.type_map)
-        if radial_table and (patch is False or (patch is None and device is not None
-                                                and not str(device).startswith("cuda"))):
-            raise ValueError(f"radial_table=True reads the tables inside cgforge's kernels, which this model will not "
-                             f"run (patch={patch}, device={device!r}): pass patch=True (`--patch on`) or "
-                             "radial_table=None")
-        if radial_table and (reason := adapter.why_not_tabulated()) is not None:
-            raise ValueError(f"radial_table=True: {reason}")
-        self.inert_edges_reason = adapter.inert_beyond_cutoff()  # None: padding edges change nothing
-        if cuda_graph and self.inert_edges_reason is not None:
-            raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the cutoff "
-                             f"contribute zero; for this one that is not known: {self.inert_edges_reason}")
+        adapter = potential.adapter
+        self.inert_edges_reason = potential.inert_edges_reason  # None: padding edges change nothing
+        resolve_cuda_graph(cuda_graph, None, self.inert_edges_reason)  # the model's side; the device's at setup
         self.kind = adapter.kind
         self.cutoff = float(adapter.cutoff)
-        self.layers = len(message_layers(module, adapter.kind))
+        self.layers = len(adapter.message_layers())
         self.element_types = _element_names(adapter, self.type_map)
         self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
         self.ndescriptors = 1  # required by the coupling; unused
@@ -195,8 +189,7 @@ class CgforgeMLIAP(_mliap_base()):
         self._clear_runtime()
 
     def _clear_runtime(self) -> None:
-        self._model = self._adapter = self._device = self._hooks = self._tmp = None
-        self._caches: list = []
+        self._potential = self._adapter = self._device = self._hooks = self._tmp = None
         self._step: PaddedStep | None = None
         self._owners = GhostMapCache()  # one-rank exchange mode's ghost owners, kept across calls
         self.ranks = 0  # MPI ranks of the run (``launcher_ranks``, read at setup; 0: not set up)
@@ -243,41 +236,33 @@ class CgforgeMLIAP(_mliap_base()):
         ``compute_forces`` does this at its first call. Loading is not thread-safe (e3nn's code generation
         traces modules with torch.fx, which patches every module call while it runs): callers that run
         several objects in threads prepare them first."""
-        if self._model is None:
+        if self._potential is None:
             self.setup(self._device_for(data))
 
     def setup(self, device: torch.device | str) -> None:
-        """Load (and patch) the model on ``device`` now."""
-        from cgforge.patches.graph_cache import graph_caches
-        from cgforge.plugin.runtime.potential import load_module as load_model
+        """Load (and patch) the model on ``device`` now: a ``Potential`` (``runtime.load``), whose rules decide
+        cgforge's kernels, the radial tables and the capture as for the Calculator; its kernels compiled now."""
+        from cgforge.plugin.runtime.potential import load
 
         device = torch.device(device)
         if device.type == "cuda" and device.index is not None:
             # one GPU per MPI rank (`-k on g N`): kernels launched on the current device must land on this one
             torch.cuda.set_device(device)
-        patch = device.type == "cuda" if self.patch is None else self.patch
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {device} (LAMMPS's arrays are on "
+                             "the host: pass device='cuda', or cuda_graph=None)")
         self._tmp = tempfile.TemporaryDirectory(prefix="cgforge-lammps-")  # lives as long as the model
         path = Path(self._tmp.name) / self.model_name
         path.write_bytes(self.model_bytes)
-        model = load_model(path, device, self.dtype, patch=patch)
-        for p in model.parameters():
-            p.requires_grad_(False)  # autograd tracks the pair vectors only
-        model_dtype = next(model.parameters()).dtype
-        for module in model.modules():  # compile every kernel now, not in the middle of a step (or exchange)
-            compile_kernels = getattr(module, "compile_kernels", None)
-            if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
-                compile_kernels(device, model_dtype)
-        self._adapter = _adapter(model, device, self.head, self.type_map)
-        if self._tables_on(device, model_dtype, patch):
-            self._adapter.set_radial_table(True)
-        self._model, self._device = model, device
-        self._hooks = ExchangeHooks(model, self.kind)
+        potential = load(path, device, self.dtype, patch=self.patch, radial_table=self.radial_table,
+                         cuda_graph=self.cuda_graph, head=self.head, type_map=self.type_map, warmup=False)
+        potential.compile_kernels()  # not in the middle of a step (or an exchange)
+        self._potential, self._adapter, self._device = potential, potential.adapter, device
+        self._hooks = ExchangeHooks(self._adapter)
         self.ranks = launcher_ranks()
-        self._caches = graph_caches(model)
-        self.inert_edges_reason = self._adapter.inert_beyond_cutoff()  # of the model as loaded here
-        capture = self._capture_on(device)
-        if capture or self._padded:
-            self._step = PaddedStep(self._adapter, self._caches, cuda_graph=capture)
+        self.inert_edges_reason = potential.inert_edges_reason  # of the model as loaded here
+        if potential.cuda_graph or self._padded:
+            self._step = PaddedStep(potential, cuda_graph=potential.cuda_graph)
         self.set_timers(self.timers)
 
     def set_timers(self, on: bool) -> None:
@@ -297,26 +282,6 @@ class CgforgeMLIAP(_mliap_base()):
         self._hooks.timers = timers
         if self._step is not None:
             self._step.timers = timers
-
-    def _tables_on(self, device: torch.device, model_dtype: torch.dtype, patched: bool) -> bool:
-        """Whether the radial weights come from tables (``radial_table`` resolved for this device and model)."""
-        if self.radial_table is None:
-            return (device.type == "cuda" and model_dtype == torch.float32 and patched
-                    and self._adapter.why_not_tabulated() is None)
-        if self.radial_table and not patched:
-            raise LammpsSetupError(f"radial_table=True reads the tables inside cgforge's kernels, which this model "
-                                   f"does not run on {device} (patch={self.patch}: cgforge's kernels on CUDA only); "
-                                   "pass patch=True (`cgforge lammps-model --patch on`) or radial_table=None")
-        return self.radial_table
-
-    def _capture_on(self, device: torch.device) -> bool:
-        """Whether ghost-mode calls are captured on ``device`` (``cuda_graph`` resolved)."""
-        if self.cuda_graph is None:
-            return device.type == "cuda" and self.inert_edges_reason is None
-        if self.cuda_graph and device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {device} (LAMMPS's arrays are on "
-                             "the host: pass device='cuda', or cuda_graph=None)")
-        return self.cuda_graph
 
     # --- the ML-IAP interface ---------------------------------------------------------------------
 
@@ -396,12 +361,9 @@ class CgforgeMLIAP(_mliap_base()):
         edge_index = adapter.edge_index(neighbour, pairs.centre)
         positions = torch.zeros(elems.shape[0], 3, dtype=adapter.dtype, device=self._device)  # unused: shape only
         with timers.phase("model"), torch.enable_grad(), ExitStack() as stack:
-            if self._caches:
-                from cgforge.patches.species_linear import SpeciesGroups
-
-                groups = SpeciesGroups.from_species(elems)
-                for cache in self._caches:
-                    stack.enter_context(cache.use_species(groups))
+            groups = self._potential.species_groups(elems)
+            for cache in self._potential.graph_caches:
+                stack.enter_context(cache.use_species(groups))
             if ghosts is not None and self._exchanges_inside(ghosts):
                 stack.enter_context(self._hooks.active(data, ghosts))
             _, node_energy = adapter.energy(positions, vectors, species, edge_index, True)
@@ -437,25 +399,6 @@ class CgforgeMLIAP(_mliap_base()):
             f"this {self.layers}-layer model needs the pairs of ghost atoms: use `pair_style mliap unified FILE 1` "
             f"and `comm_modify cutoff {self.ghost_cutoff:g}` (layers x cutoff, plus the neighbour skin)"
             + ("" if can_exchange else ", or a LAMMPS with forward_exchange (Kokkos ML-IAP, 22 Jul 2025+)"))
-
-
-def _model_path(model: str | os.PathLike) -> Path:
-    from cgforge.plugin.runtime.bundled import LISTED, NAMES, model_path
-
-    if isinstance(model, str) and model.lower() in NAMES:
-        return model_path(model)
-    if not isinstance(model, str | os.PathLike):
-        raise TypeError(f"model: expected {LISTED} or a checkpoint path, got {type(model).__name__}")
-    from cgforge.patches.common import existing_file
-
-    return existing_file(model, "model", "a checkpoint file")
-
-
-def _adapter(model: torch.nn.Module, device: torch.device, head: str | None,
-             type_map: dict[str, str] | None) -> Any:
-    from cgforge.plugin.runtime.adapters import adapter_for
-
-    return adapter_for(model, device, head=head, type_map=type_map)
 
 
 def _element_names(adapter: Any, type_map: dict[str, str] | None) -> list[str]:

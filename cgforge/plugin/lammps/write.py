@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cgforge.patches import atomic_save
+from cgforge.atomic import atomic_save
 
 from .unified import CgforgeMLIAP
 

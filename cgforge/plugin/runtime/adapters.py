@@ -83,6 +83,10 @@ class ModelAdapter(Protocol):
         """Make the stored path's widest per-atom rows in chunks where ``n_atoms`` atoms need it (None: never);
         True when that changed the model (a captured step must be captured again)."""
 
+    def message_layers(self) -> list[torch.nn.Module]:
+        """The model's message-passing layers in call order (MACE's interaction blocks, NequIP's ConvNetLayers):
+        where a caller that splits the atoms between processes exchanges the ghosts' features (LAMMPS)."""
+
     def why_not_tabulated(self) -> str | None:
         """None when every layer's weights can be read from tables of the edge length, else the reason."""
 

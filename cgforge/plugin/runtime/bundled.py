@@ -4,6 +4,7 @@
     NAMES                 # ("mace", "nequip"): the names every front end accepts for a bundled model
     model_path("mace")    # .../cgforge/models/water-mace.model          (a whole pickled MACE model)
     model_path("nequip")  # .../cgforge/models/water-nequip.nequip.zip   (a nequip-package archive)
+    checkpoint_path(name_or_path)  # a bundled model's file, or a checkpoint file that exists
 
 Both are small models trained by ``scripts/train_bundled_models.py`` on q-SPC/Fw water (see
 cgforge/models/README.md). They ship inside the package (package data, in a wheel too) and are found through
@@ -12,10 +13,12 @@ cgforge/models/README.md). They ship inside the package (package data, in a whee
 
 from __future__ import annotations
 
+import difflib
+import os
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["MODEL_FILES", "MODELS_DIR", "NAMES", "TRAINING_SCRIPT", "model_path", "LISTED"]
+__all__ = ["MODEL_FILES", "MODELS_DIR", "NAMES", "TRAINING_SCRIPT", "checkpoint_path", "model_path", "LISTED"]
 
 MODEL_FILES = {"mace": "water-mace.model", "nequip": "water-nequip.nequip.zip"}
 NAMES: tuple[str, ...] = tuple(MODEL_FILES)
@@ -42,3 +45,22 @@ def model_path(kind: str) -> Path:
             f"repository root"
         )
     return path
+
+
+def checkpoint_path(model: str | os.PathLike) -> Path:
+    """The file of ``model``: a bundled model's name (any case) or the path of an existing checkpoint file.
+
+    Raises TypeError for anything else, FileNotFoundError (with the bundled names and a close one) for a missing
+    file and IsADirectoryError for a directory."""
+    from cgforge.patches.common import existing_file
+
+    if isinstance(model, str) and model.lower() in NAMES:
+        return model_path(model)
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model: expected {LISTED} or a checkpoint path, got {type(model).__name__}")
+    if not Path(model).exists():
+        close = difflib.get_close_matches(str(model).lower(), NAMES, n=1)
+        raise FileNotFoundError(f"model: {model} not found; expected a bundled model ({', '.join(map(repr, NAMES))}) "
+                                "or a checkpoint file (.model, .ckpt, .nequip.zip)"
+                                + (f"; did you mean {close[0]!r}?" if close else ""))
+    return existing_file(model, "model", "a checkpoint file")

@@ -2,7 +2,10 @@
 
 ``capture_graph`` is the one capture routine: warm-up calls on a side stream (cuBLAS workspaces, autograd's
 device threads), as torch asks, then the capture into a given memory pool. ``capture_or_fall_back`` turns a
-failure into eager steps with the reason kept. ``room`` is the one capacity rounding of static buffers.
+failure into eager steps with the reason kept. ``resolve_cuda_graph`` is the one rule of whether a step is captured
+(the potential's and LAMMPS's). ``room`` is the one capacity rounding of static buffers. The fixed-shape edge
+layout a captured step reads (``conv_graph``, ``layout_edges``, ``pad_offset_vector``: ``kernels.edge_layout``) is
+passed on from here to the runtime's users (LAMMPS's padded step).
 
 Python's cyclic garbage collector is off during a capture: a collection inside it would run the destructors of
 whatever dead cycles hold (an earlier engine's CUDA graphs when a user's callback closed a cycle over it), and a
@@ -21,9 +24,26 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["capture_graph", "capture_or_fall_back", "room"]
+from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector
+
+__all__ = ["capture_graph", "capture_or_fall_back", "conv_graph", "layout_edges", "pad_offset_vector",
+           "resolve_cuda_graph", "room"]
 
 T = TypeVar("T")
+
+
+def resolve_cuda_graph(cuda_graph: bool | None, device: torch.device | None, inert_edges_reason: str | None) -> bool:
+    """Whether steps are captured: ``cuda_graph`` None is on CUDA for a model whose edges beyond the cutoff contribute
+    zero (``inert_edges_reason`` None: the padding is exact); True on another device, or for a model not known to
+    be inert, raises ValueError (``device`` None: the model alone is checked, its device chosen later)."""
+    if cuda_graph is None:
+        return device is not None and device.type == "cuda" and inert_edges_reason is None
+    if cuda_graph and device is not None and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
+    if cuda_graph and inert_edges_reason is not None:
+        raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the cutoff "
+                         f"contribute zero; for this one that is not known: {inert_edges_reason}")
+    return bool(cuda_graph)
 
 
 def room(count: int, margin: float) -> int:

@@ -20,26 +20,26 @@ it; every result is checked on the host for NaN and inf (``NonFiniteOutputError`
 
 from __future__ import annotations
 
-import difflib
 import os
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from cgforge.patches.common import parse_dtype
+from cgforge.patches.common import UnsupportedModelError, parse_dtype
 from cgforge.patches.radial_precision import MODES as RADIAL_MODES
 from cgforge.patches.radial_precision import radial_layers, set_radial_precision
+from cgforge.patches.species_linear import SpeciesGroups, SpeciesRoom
 
 from .adapters import ModelAdapter, adapter_for
 from .atom_order import spatial_order, to_user_order
+from .capture import resolve_cuda_graph
 from .compiled import check_compile, parse_compile
 from .diagnosis import NonFiniteOutputError, non_finite_message
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
     from .batch import BatchStep, BatchStructure
 
-__all__ = ["Evaluation", "Potential", "System", "Timings", "default_patch", "load", "load_module", "resolve_device"]
+__all__ = ["Evaluation", "Potential", "System", "Timings", "UnsupportedModelError", "default_patch", "load",
+           "load_module", "resolve_device"]
 
 _WARMUP_ATOMS = 8
 Pbc = tuple[bool, bool, bool]
@@ -127,23 +128,15 @@ def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.
                 tuning: KernelTuning | None = None) -> torch.nn.Module:
     """The MACE or NequIP module of ``model`` (a bundled model's name, a checkpoint path or a module, made ready in
     place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``, built
-    with ``tuning`` (``families.load``): what a step that is not a ``Potential`` (LAMMPS's) runs. A missing file
-    raises FileNotFoundError."""
+    with ``tuning`` (``families.load``): the module ``load`` makes its ``Potential`` of. A missing file raises
+    FileNotFoundError (``bundled.checkpoint_path``)."""
     from cgforge.patches import families
-    from cgforge.patches.common import existing_file
 
-    from . import bundled
+    from .bundled import checkpoint_path
 
     families.check_tuning(tuning, patch)  # before any file is looked at
-    if isinstance(model, str) and model.lower() in bundled.NAMES:
-        model = bundled.model_path(model)
     if isinstance(model, str | os.PathLike):
-        if not Path(model).exists():
-            close = difflib.get_close_matches(str(model).lower(), bundled.NAMES, n=1)
-            raise FileNotFoundError(f"model: {model} not found; expected a bundled model "
-                                    f"({', '.join(map(repr, bundled.NAMES))}) or a checkpoint file (.model, .ckpt, "
-                                    ".nequip.zip)" + (f"; did you mean {close[0]!r}?" if close else ""))
-        existing_file(model, "model", "a checkpoint file")
+        model = checkpoint_path(model)
     return families.load(model, device, dtype, patch=patch, tuning=tuning)
 
 
@@ -274,7 +267,8 @@ class Potential:
             check_compile(self.device, patched=self.patched, streaming=self.streaming,
                           backend=options.compile_backend)
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
-                              cuda_graph=self._cuda_graph(cuda_graph), compile=self.compile,
+                              cuda_graph=resolve_cuda_graph(cuda_graph, self.device, self.inert_edges_reason),
+                              compile=self.compile,
                               compile_backend=options.compile_backend)
         self._cuda_graph_requested = cuda_graph
         self.timings: Timings | None = None
@@ -387,11 +381,7 @@ class Potential:
         """Compile every cgforge kernel of the model, then run energy, forces and stress of a tiny periodic
         structure of the model's species (also loads whatever else the first call loads); a model that gives
         NaN or inf there raises ``NonFiniteOutputError``."""
-        model_dtype = next(self.model.parameters()).dtype
-        for module in self.model.modules():
-            compile_kernels = getattr(module, "compile_kernels", None)
-            if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
-                compile_kernels(self.device, model_dtype)
+        self.compile_kernels()
         n = _WARMUP_ATOMS
         spacing = min(1.5, 0.4 * self.cutoff)
         grid = np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
@@ -409,6 +399,31 @@ class Potential:
                 per_atom=True, what=f"the warm-up structure ({n} atoms about {spacing:.2g} Å apart)"))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def compile_kernels(self) -> None:
+        """Compile every cgforge kernel of the model now, not in the middle of a step (or of a LAMMPS exchange)."""
+        model_dtype = next(self.model.parameters()).dtype
+        for module in self.model.modules():
+            compile_kernels = getattr(module, "compile_kernels", None)
+            if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
+                compile_kernels(self.device, model_dtype)
+
+    # --- for a step over pairs listed elsewhere (LAMMPS's) -----------------------------------------------
+
+    @property
+    def graph_caches(self) -> list:
+        """The model's graph caches (empty for a model cgforge did not patch): a step that lays out its own edges
+        pins each call's ``ConvGraph`` there and enters its species groups (``cache.use_species``)."""
+        return self.step.caches
+
+    def species_groups(self, index: Tensor) -> SpeciesGroups | None:
+        """The nodes grouped by their [N] species ``index`` (one host read) for the model's per-species
+        self-connections; None for a model without graph caches."""
+        return SpeciesGroups.from_species(index) if self.graph_caches else None
+
+    def species_room(self, capacities: Sequence[int]) -> SpeciesRoom:
+        """Groups with a fixed room per species (``capacities``), made inside a captured step without host reads."""
+        return SpeciesRoom(capacities, self.device)
 
     # --- memory, rows, compile ----------------------------------------------------------------------------
 
@@ -510,16 +525,6 @@ class Potential:
             raise ValueError(f"filter_edges=False needs a model whose edges beyond the cutoff contribute zero; for "
                              f"this one that is not known: {self.inert_edges_reason}")
         return bool(filter_edges)
-
-    def _cuda_graph(self, cuda_graph: bool | None) -> bool:
-        if cuda_graph is None:
-            return self.device.type == "cuda" and self.inert_edges_reason is None
-        if cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs a CUDA device, got {self.device}")
-        if cuda_graph and self.inert_edges_reason is not None:
-            raise ValueError("cuda_graph=True pads the edge arrays, which needs a model whose edges beyond the "
-                             f"cutoff contribute zero; for this one that is not known: {self.inert_edges_reason}")
-        return bool(cuda_graph)
 
     def _radial_precision(self, mode: str) -> str:
         if mode not in RADIAL_MODES:
