@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cgforge.kernels.noise import NORMAL_NOISE_SOURCE, normal_noise_cuda
 
-__all__ = ["normal_noise", "normal_noise_reference", "NoiseSource", "NORMAL_NOISE_SOURCE"]
+__all__ = ["normal_noise", "normal_noise_reference", "NoiseSource", "SystemNoise", "NORMAL_NOISE_SOURCE"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -47,14 +47,26 @@ def _stream_key(seed: int, stream: int) -> int:
     return _mix((_mix(seed & _M32) ^ _mix((seed >> 32) & _M32 ^ 0x68E31DA4) ^ _mix(stream + 1)) & _M32)
 
 
-def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
-    """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
+def hashed_bits(key: int | Tensor, step: Tensor, index: Tensor) -> Tensor:
+    """The hashed 32-bit words (int64 in [0, 2^32)) at draw ``index`` of the stream ``key`` (``_stream_key`` of
+    (seed, stream); a tensor: one key per index) for ``step``."""
     step = step.to(torch.int64)
-    k1 = _mix(_stream_key(int(seed), int(stream)) ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
+    k1 = _mix(key ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
     k2 = _mix(k1 ^ 0x9E3779B9)  # independent round keys: no related-key structure between the rounds
     k3 = _mix(k2 ^ 0x85EBCA6B)
-    index = torch.arange(n, dtype=torch.int64, device=device)
     return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
+
+
+def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
+    """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
+    return hashed_bits(_stream_key(int(seed), int(stream)), step, torch.arange(n, dtype=torch.int64, device=device))
+
+
+def polar(radius_bits: Tensor, angle_bits: Tensor) -> tuple[Tensor, Tensor]:
+    """Box-Muller's radius and angle from two hashed words: the normals are radius * (cos, sin)(angle)."""
+    scale = 1.0 / 2.0**32
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - radius_bits.to(torch.float64) * scale))  # 1 - u in (0, 1]
+    return radius, (2.0 * math.pi) * (angle_bits.to(torch.float64) * scale)
 
 
 def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
@@ -69,9 +81,8 @@ def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.dev
 def normal_noise_reference(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
     """``normal_noise`` as torch operations on any device (the CPU path, and the CUDA kernel's reference)."""
     half = (n + 1) // 2
-    u = uniform_bits(seed, step, stream, 2 * half, device).to(torch.float64) * (1.0 / 2.0**32)
-    radius = torch.sqrt(-2.0 * torch.log(1.0 - u[:half]))  # 1 - u in (0, 1]: finite logarithm
-    angle = (2.0 * math.pi) * u[half:]
+    bits = uniform_bits(seed, step, stream, 2 * half, device)
+    radius, angle = polar(bits[:half], bits[half:])
     return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n]  # both Box-Muller outputs
 
 
@@ -85,3 +96,46 @@ class NoiseSource:
 
     def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
         return normal_noise(self.seed, self.step, stream, math.prod(shape), self.step.device).view(shape)
+
+
+class SystemNoise:
+    """The draws of a batch of independent systems laid end to end (system b owns atoms ptr[b] .. ptr[b + 1] - 1):
+    ``source(stream, shape)`` with ``shape`` (..., N, 3) over the batch's N atoms gives each system b exactly the
+    numbers that ``NoiseSource(seeds[b], step)(stream, (..., n_b, 3))`` gives it alone, at its atoms' rows (the
+    torch expression of ``normal_noise_reference`` over the whole batch at once: one set of kernels whatever the
+    number of systems). A system's draws depend on its seed only, not on the batch's other members."""
+
+    def __init__(self, seeds: list[int], ptr: list[int], step: Tensor) -> None:
+        if len(seeds) != len(ptr) - 1:
+            raise ValueError(f"seeds: expected one per system ({len(ptr) - 1}), got {len(seeds)}")
+        self.seeds, self.ptr, self.step = [int(s) for s in seeds], list(ptr), step
+        self._layouts: dict[tuple, tuple[Tensor, ...]] = {}
+
+    def _layout(self, stream: int, shape: tuple[int, ...]) -> tuple[Tensor, ...]:
+        """Per element of ``shape``: its system's stream key, the hashed indices of its radius and angle, and
+        whether it is a sine (the second half of its system's draws)."""
+        lead, device = math.prod(shape[:-2]), self.step.device
+        keys, radius, angle, sine = [], [], [], []
+        for seed, start, end in zip(self.seeds, self.ptr[:-1], self.ptr[1:]):
+            n = lead * (end - start) * 3
+            half = (n + 1) // 2
+            # element (l, atom, c) of this system is its draw l * 3 n_b + 3 atom + c, as the system alone lays them
+            j = (torch.arange(lead, device=device)[:, None] * ((end - start) * 3)
+                 + torch.arange((end - start) * 3, device=device)[None, :])
+            k = torch.where(j < half, j, j - half)
+            keys.append(torch.full_like(j, _stream_key(seed, int(stream))))
+            radius.append(k)
+            angle.append(k + half)
+            sine.append(j >= half)
+        return tuple(torch.cat(parts, 1).reshape(-1) for parts in (keys, radius, angle, sine))
+
+    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        if len(shape) < 2 or shape[-2:] != (self.ptr[-1], 3):
+            raise ValueError(f"shape: expected (..., {self.ptr[-1]}, 3) over the batch's atoms, got {shape}")
+        layout = self._layouts.get((stream, shape))
+        if layout is None:
+            layout = self._layouts[(stream, shape)] = self._layout(stream, shape)
+        keys, radius_index, angle_index, sine = layout
+        radius, angle = polar(hashed_bits(keys, self.step, radius_index), hashed_bits(keys, self.step, angle_index))
+        return (radius * torch.where(sine, torch.sin(angle), torch.cos(angle))).view(shape)
+
