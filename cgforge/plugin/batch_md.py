@@ -34,13 +34,13 @@ from .batch import potential_of, structures_of
 from .calculator import Calculator
 from .md.integrators import Integrator, Langevin, MDState, VelocityVerlet, _langevin_first, _langevin_second
 from .md.noise import SystemNoise
+from .md.options import BATCH_ENSEMBLES as ENSEMBLES
 from .md.options import OPTION_FIELDS, check_count, check_number
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
 __all__ = ["BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
-ENSEMBLES = ("nve", "nvt")
 FRICTION_PER_FS = OPTION_FIELDS["friction"]["value"]  # cgforge md's default
 
 
