@@ -99,7 +99,7 @@ def test_md_batch_runs_each_structure_as_alone_and_names_the_bad_ones(loaded, tm
     write(source, frames(), format="extxyz")
     before = source.read_bytes()
     assert main(["md-batch", str(source), "--steps", "3", "--batch-size", "3", "--seed", "5", "--temperature",
-                 "250"]) == EXIT_OK
+                 "250", "--thermostat", "csvr", "--taut", "20"]) == EXIT_OK
     out, err = capsys.readouterr()
     assert "structure 1 skipped: atoms: element(s) C not known" in err
     assert "structure 2 skipped: atoms 1 and 2 are" in err
@@ -113,9 +113,9 @@ def test_md_batch_runs_each_structure_as_alone_and_names_the_bad_ones(loaded, tm
         start = frames()[index]
         thermalize(start, 250.0, np.random.default_rng(5 + index))
         want = run_md_batch(loaded, [start], ensemble="nvt", timestep_fs=0.5, steps=3, temperature_K=250.0,
-                            seed=[5 + index])[0]
+                            thermostat="csvr", taut_fs=20.0, seed=[5 + index])[0]
         got = written[index]
-        assert got.info["md_seed"] == 5 + index and got.info["md_ensemble"] == "nvt" and got.info["md_steps"] == 3
+        assert got.info["md_seed"] == 5 + index and got.info["md_thermostat"] == "csvr" and got.info["md_steps"] == 3
         # to extended XYZ's 8 decimals; another seed's noise moves them by ~1e-2
         np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-7)
         np.testing.assert_allclose(got.get_momenta(), want.get_momenta(), rtol=0, atol=1e-7)
@@ -131,6 +131,8 @@ def test_md_batch_checks_its_flags_before_the_model_loads(tmp_path, capsys) -> N
         assert flag in capsys.readouterr().err
     assert main(["md-batch", str(source), "--ensemble", "nve", "--friction", "0.1"]) == EXIT_ERROR
     assert "--friction" in capsys.readouterr().err  # a Langevin option in NVE, as cgforge md refuses it
+    assert main(["md-batch", str(source), "--thermostat", "csvr", "--friction", "0.1"]) == EXIT_ERROR
+    assert "--friction" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["md-batch", str(source), "--ensemble", "npt"])
     assert not (tmp_path / "one.md.xyz").exists()

@@ -13,7 +13,7 @@ from ase.build import molecule
 
 from cgforge.plugin import BatchStructureError, run_md_batch
 from cgforge.plugin.md.engine import Engine
-from cgforge.plugin.md.integrators import Langevin, VelocityVerlet
+from cgforge.plugin.md.integrators import CSVR, Langevin, VelocityVerlet
 from cgforge.plugin.md.noise import NoiseSource, SystemNoise
 from cgforge.plugin.water import water_box
 
@@ -72,6 +72,18 @@ def test_batched_langevin_equals_the_engine_with_each_structures_own_settings(ma
     assert not np.allclose(nve[2].get_momenta(), final[2].get_momenta(), atol=1e-6)
 
 
+def test_batched_csvr_equals_the_engine_with_each_structures_own_settings(mace_calc) -> None:
+    inputs = structures()
+    temperatures, taus = [300.0, 150.0, 500.0], [20.0, 5.0, 50.0]
+    final = run_md_batch(mace_calc, inputs, ensemble="nvt", thermostat="csvr", timestep_fs=0.5, steps=4,
+                         temperature_K=temperatures, taut_fs=taus, seed=[3, 8, 1])
+    for b, (atoms, got) in enumerate(zip(inputs, final, strict=True)):
+        want = alone(mace_calc, atoms, CSVR(0.5, temperatures[b], tau_fs=taus[b]), [3, 8, 1][b], 4)
+        assert_same_run(got, want)
+    nve = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=4)
+    assert not np.allclose(nve[1].get_momenta(), final[1].get_momenta(), atol=1e-6)  # rescaled
+
+
 def test_a_structures_trajectory_does_not_depend_on_its_batch(mace_calc) -> None:
     inputs = structures()
     kwargs = {"ensemble": "nvt", "timestep_fs": 0.5, "steps": 3, "temperature_K": 300.0}
@@ -92,6 +104,10 @@ def test_each_systems_noise_is_what_it_draws_alone() -> None:
         for b, seed in enumerate(seeds):
             own = NoiseSource(seed, step)(1, (*shape[:-2], ptr[b + 1] - ptr[b], 3))
             assert torch.equal(draws[..., ptr[b]:ptr[b + 1], :], own)
+    counts = [4, 2, 7]  # per system (CSVR's degrees of freedom)
+    flat = batch.per_system(2, counts)
+    for b, (seed, start) in enumerate(zip(seeds, np.cumsum([0, *counts]))):
+        assert torch.equal(flat[start:start + counts[b]], NoiseSource(seed, step)(2, (counts[b],)))
     changed = SystemNoise([6, 2**40 + 3, 1], ptr, step)(1, (9, 3))
     assert torch.equal(changed[3:4], batch(1, (9, 3))[3:4])  # system 1 keeps its draws
     assert not torch.equal(changed[:3], batch(1, (9, 3))[:3])
@@ -107,7 +123,13 @@ def test_each_systems_noise_is_what_it_draws_alone() -> None:
     ({"ensemble": "nvt", "temperature_K": [300.0, float("nan")]}, r"temperature_K\[1\]"),
     ({"ensemble": "nvt", "temperature_K": [300.0]}, "temperature_K: expected a number or one per structure"),
     ({"ensemble": "nvt", "temperature_K": 300.0, "friction": -0.1}, "friction: expected a finite number >= 0"),
-    ({"temperature_K": 300.0}, "temperature_K: only for ensemble='nvt'"),
+    ({"temperature_K": 300.0}, "temperature_K: not for NVE"),
+    ({"ensemble": "nvt", "temperature_K": 300.0, "thermostat": "nose"}, "thermostat: expected one of langevin, csvr"),
+    ({"ensemble": "nvt", "temperature_K": 300.0, "thermostat": "csvr", "friction": 0.1},
+     r"friction: not for NVT \(csvr\)"),
+    ({"ensemble": "nvt", "temperature_K": 300.0, "taut_fs": 50.0}, r"taut_fs: not for NVT \(langevin\)"),
+    ({"ensemble": "nvt", "temperature_K": 300.0, "thermostat": "csvr", "taut_fs": 0.0},
+     "taut_fs: expected a finite number > 0"),
     ({"seed": -1}, "seed: expected an int >= 0"),
     ({"seed": [1, 2, 3]}, "seed: expected an int or one per structure"),
     ({"timestep_fs": 0.0}, "timestep_fs: expected a finite number > 0"),

@@ -41,7 +41,7 @@ from torch import Tensor
 from cgforge.kernels.md_step import langevin_first_cuda, langevin_second_cuda
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
+           "csvr_alpha", "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -139,11 +139,18 @@ def _langevin_second_eager(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: T
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
                  ) -> tuple[Tensor, Tensor]:
     """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K (see ``CSVR``)."""
-    kinetic_now = kinetic(momenta, masses)
-    r1, rest = draws[0], draws[1:].square().sum()
+    return csvr_alpha(kinetic(momenta, masses), draws[0], draws[1:].square().sum(), c, kt_per_dof,
+                      math.sqrt(c), math.sqrt((1 - c) * kt_per_dof))
+
+
+def csvr_alpha(kinetic_now: Tensor, r1: Tensor, rest: Tensor, c: float | Tensor, kt_per_dof: float | Tensor,
+               sqrt_c: float | Tensor, sqrt_kick: float | Tensor) -> tuple[Tensor, Tensor]:
+    """``_csvr_factor`` from the kinetic energy K, the first draw R1 and the sum S of the other draws' squares,
+    elementwise: of one system, or of a batch's systems ([B] tensors, with c, kt_per_dof and the square roots
+    sqrt(c), sqrt((1 - c) kt_per_dof) per system)."""
     new = (c * kinetic_now + (1 - c) * kt_per_dof * (r1 * r1 + rest)
            + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic_now * kt_per_dof))
-    sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic_now) + math.sqrt((1 - c) * kt_per_dof) * r1)
+    sign = torch.sign(sqrt_c * torch.sqrt(kinetic_now) + sqrt_kick * r1)
     alpha = torch.where(kinetic_now > 0, sign * torch.sqrt(new / kinetic_now.clamp(min=1e-300)), 1.0)
     return alpha, (alpha * alpha - 1) * kinetic_now
 

@@ -18,6 +18,7 @@ tests/md/test_engine_rng.py (moments, a Kolmogorov-Smirnov test, independence ac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -99,11 +100,14 @@ class NoiseSource:
 
 
 class SystemNoise:
-    """The draws of a batch of independent systems laid end to end (system b owns atoms ptr[b] .. ptr[b + 1] - 1):
-    ``source(stream, shape)`` with ``shape`` (..., N, 3) over the batch's N atoms gives each system b exactly the
-    numbers that ``NoiseSource(seeds[b], step)(stream, (..., n_b, 3))`` gives it alone, at its atoms' rows (the
-    torch expression of ``normal_noise_reference`` over the whole batch at once: one set of kernels whatever the
-    number of systems). A system's draws depend on its seed only, not on the batch's other members."""
+    """The draws of a batch of independent systems, system b with its own seed ``seeds[b]``: each system gets
+    exactly the numbers that ``NoiseSource(seeds[b], step)`` gives it alone, whatever the batch's other members
+    (the torch expression of ``normal_noise_reference`` over the whole batch at once: one set of kernels
+    whatever the number of systems).
+
+    ``source(stream, shape)``, ``shape`` (..., N, 3) over the batch's N atoms laid end to end (system b owns
+    atoms ptr[b] .. ptr[b + 1] - 1): system b's ``(..., n_b, 3)`` draws at its atoms' rows.
+    ``source.per_system(stream, counts)``: system b's ``counts[b]`` draws, the systems' end to end."""
 
     def __init__(self, seeds: list[int], ptr: list[int], step: Tensor) -> None:
         if len(seeds) != len(ptr) - 1:
@@ -111,31 +115,43 @@ class SystemNoise:
         self.seeds, self.ptr, self.step = [int(s) for s in seeds], list(ptr), step
         self._layouts: dict[tuple, tuple[Tensor, ...]] = {}
 
-    def _layout(self, stream: int, shape: tuple[int, ...]) -> tuple[Tensor, ...]:
-        """Per element of ``shape``: its system's stream key, the hashed indices of its radius and angle, and
-        whether it is a sine (the second half of its system's draws)."""
-        lead, device = math.prod(shape[:-2]), self.step.device
+    def _layout(self, stream: int, draws: list[Tensor], counts: list[int]) -> tuple[Tensor, ...]:
+        """Per output element: its system's stream key, the hashed indices of its radius and angle, and whether it
+        is a sine; ``draws[b]``: which of system b's ``counts[b]`` draws each of its elements is."""
         keys, radius, angle, sine = [], [], [], []
-        for seed, start, end in zip(self.seeds, self.ptr[:-1], self.ptr[1:]):
-            n = lead * (end - start) * 3
-            half = (n + 1) // 2
-            # element (l, atom, c) of this system is its draw l * 3 n_b + 3 atom + c, as the system alone lays them
-            j = (torch.arange(lead, device=device)[:, None] * ((end - start) * 3)
-                 + torch.arange((end - start) * 3, device=device)[None, :])
+        for seed, j, n in zip(self.seeds, draws, counts, strict=True):
+            half = (n + 1) // 2  # as normal_noise_reference: cosines of the first half, then sines
             k = torch.where(j < half, j, j - half)
             keys.append(torch.full_like(j, _stream_key(seed, int(stream))))
             radius.append(k)
             angle.append(k + half)
             sine.append(j >= half)
-        return tuple(torch.cat(parts, 1).reshape(-1) for parts in (keys, radius, angle, sine))
+        return tuple(torch.cat(parts, -1).reshape(-1) for parts in (keys, radius, angle, sine))
 
-    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
-        if len(shape) < 2 or shape[-2:] != (self.ptr[-1], 3):
-            raise ValueError(f"shape: expected (..., {self.ptr[-1]}, 3) over the batch's atoms, got {shape}")
-        layout = self._layouts.get((stream, shape))
+    def _draw(self, cache_key: tuple, make: Callable[[], tuple[Tensor, ...]]) -> Tensor:
+        layout = self._layouts.get(cache_key)
         if layout is None:
-            layout = self._layouts[(stream, shape)] = self._layout(stream, shape)
+            layout = self._layouts[cache_key] = make()
         keys, radius_index, angle_index, sine = layout
         radius, angle = polar(hashed_bits(keys, self.step, radius_index), hashed_bits(keys, self.step, angle_index))
-        return (radius * torch.where(sine, torch.sin(angle), torch.cos(angle))).view(shape)
+        return radius * torch.where(sine, torch.sin(angle), torch.cos(angle))
 
+    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        if len(shape) < 2 or tuple(shape[-2:]) != (self.ptr[-1], 3):
+            raise ValueError(f"shape: expected (..., {self.ptr[-1]}, 3) over the batch's atoms, got {shape}")
+        lead, device = math.prod(shape[:-2]), self.step.device
+        sizes = [3 * (end - start) for start, end in zip(self.ptr[:-1], self.ptr[1:])]
+
+        def make() -> tuple[Tensor, ...]:
+            # element (l, atom, c) of system b is its draw l * 3 n_b + 3 atom + c, as the system alone lays them
+            draws = [torch.arange(lead, device=device)[:, None] * size + torch.arange(size, device=device)
+                     for size in sizes]
+            return self._layout(stream, draws, [lead * size for size in sizes])
+
+        return self._draw(("atoms", stream, tuple(shape)), make).view(shape)
+
+    def per_system(self, stream: int, counts: list[int]) -> Tensor:
+        def make() -> tuple[Tensor, ...]:
+            return self._layout(stream, [torch.arange(n, device=self.step.device) for n in counts], list(counts))
+
+        return self._draw(("systems", stream, tuple(counts)), make)
