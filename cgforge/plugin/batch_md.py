@@ -1,21 +1,20 @@
-"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT Langevin).
+"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT: Langevin or CSVR).
 
     from cgforge.plugin import Calculator, run_md_batch
     final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
                          temperature_K=300, friction=0.01, seed=1)
 
 Every structure moves by the device engine's integrators (``md.integrators``: ``VelocityVerlet`` for NVE,
-``Langevin`` for NVT, the same arithmetic applied to the batch's atoms at once) with its own atoms' masses and
-momenta (the ``Atoms``' own, zero where they have none), its own temperature and friction, and its own noise:
-system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone (``noise.SystemNoise``;
-``seed`` an int gives system b the seed ``seed + b``), so a structure's trajectory does not depend on the batch
-it runs in. All structures' forces come from one model call per step (``runtime.batch.BatchStep``: one graph,
-each structure's Verlet list kept while it is valid). Positions, momenta and forces stay on the model's device
-in float64.
+``Langevin`` or ``CSVR`` for NVT, their arithmetic applied to the batch's atoms at once) with its own atoms'
+masses and momenta (the ``Atoms``' own, zero where they have none), its own temperature, friction or coupling
+time, and its own noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone
+(``noise.SystemNoise``; ``seed`` an int gives system b the seed ``seed + b``), so a structure's trajectory does
+not depend on the batch it runs in. All structures' forces come from one model call per step
+(``runtime.batch.BatchStep``: one graph, each structure's Verlet list kept while it is valid). Positions,
+momenta and forces stay on the model's device in float64.
 
-Not here: NPT (each step's cell change would search every structure's neighbours again: the batch's list is
-kept per structure only while its cell is unchanged), the CSVR thermostat (its rescaling sums each system's
-kinetic energy: a per-system reduction the single-system arithmetic does not have), and capture in a CUDA graph
+Not here: NPT (the barostat changes every cell at every step, and the batch's Verlet list is kept per structure
+only while its cell is unchanged: each step would search every structure again), and capture in a CUDA graph
 (the batch step reads the neighbour list's state on the host every step). A structure that cannot be
 evaluated, or whose energy or forces become NaN or inf, raises ``BatchStructureError`` naming it.
 """
