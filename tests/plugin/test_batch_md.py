@@ -150,15 +150,19 @@ def test_a_structure_that_blows_up_is_named(mace_calc) -> None:
 
 
 @pytest.mark.cuda
-def test_batched_langevin_on_cuda_equals_the_engine_on_each_structure() -> None:
-    """On CUDA the engine draws through the noise kernel and steps through md_step's kernels; the batch through
-    the torch expressions of both: equal to rounding."""
+@pytest.mark.parametrize("thermostat", ["langevin", "csvr"])
+def test_batched_nvt_on_cuda_equals_the_engine_on_each_structure(thermostat: str) -> None:
+    """On CUDA the engine draws through the noise kernel (and Langevin steps through md_step's kernels); the
+    batch through the torch expressions of both: equal to rounding."""
     from cgforge.plugin import Calculator
 
     calc = Calculator("mace", device="cuda", dtype="float64", skin=0.5)
     inputs = structures()
-    final = run_md_batch(calc, inputs, ensemble="nvt", timestep_fs=0.5, steps=4, temperature_K=300.0, seed=3)
+    final = run_md_batch(calc, inputs, ensemble="nvt", thermostat=thermostat, timestep_fs=0.5, steps=4,
+                         temperature_K=300.0, seed=3)
     for b, (atoms, got) in enumerate(zip(inputs, final, strict=True)):
-        want = alone(calc, atoms, Langevin(0.5, 300.0, 0.01), 3 + b, 4)
+        integrator = Langevin(0.5, 300.0, 0.01) if thermostat == "langevin" else CSVR(0.5, 300.0)
+        want = alone(calc, atoms, integrator, 3 + b, 4)
         np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-10)
         np.testing.assert_allclose(got.get_momenta(), want.get_momenta(), rtol=0, atol=1e-10)
+        assert got.get_potential_energy() == pytest.approx(want.get_potential_energy(), abs=1e-8)
