@@ -51,7 +51,6 @@ from .runtime.potential import Potential
 __all__ = ["BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
 
-
 class BatchLangevin(Langevin):
     """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors, each
     system's values on its atoms). ``Langevin.bind``'s formulas then give ASE's coefficients per atom, the same
@@ -194,7 +193,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     step = potential_of(model).batch_step(min_distance)
     device = step.adapter.device
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
-    pbcs = [tuple(s.pbc) for s in structures]
+    pbcs = [s.pbc for s in structures]
     host_positions = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
     check_finite(host_positions, cells, ptr)
     species = step.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
