@@ -216,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .md_batch import add_md_batch_arguments
 
-    p = sub.add_parser("md-batch", help="MD (NVE, or NVT with Langevin or CSVR) of every structure of an extended "
-                       "XYZ file or ASE database, many structures in one model call; writes a new file of the same "
-                       "format with each structure's last state, energy, forces and status",
+    p = sub.add_parser("md-batch", help="MD (NVE, NVT with Langevin or CSVR, or NPT) of every structure of an "
+                       "extended XYZ file or ASE database, many structures in one model call; writes a new file of "
+                       "the same format with each structure's last state, energy, forces and status",
                        epilog=f"exit codes: {EXIT_OK} at least one structure ran (bad ones are skipped, named and "
                               f"kept in OUT as failed), {EXIT_ERROR} none could, or bad input, {EXIT_USAGE} usage")
     add_md_batch_arguments(p)

@@ -2,17 +2,17 @@
 
 IN and OUT as ``cgforge relax`` takes them (``cli.relax``: extended XYZ or an ASE database; OUT, default IN's
 name with ``.md`` before the suffix, a new file of the same format, never IN). Each structure runs --steps
-steps of NVE or NVT (Langevin or CSVR) on its own: structure i (its frame or row in IN, from 0) draws its
+steps of NVE, NVT (Langevin or CSVR) or NPT on its own: structure i (its frame or row in IN, from 0) draws its
 initial velocities (when asked, or when it is at rest) and its thermostat noise from the seed ``--seed + i``,
 which is what ``cgforge md --engine device --seed <that>`` draws for it alone, so its run does not depend on the
 batch it ran in. OUT holds, as each batch finishes, every structure's last state (positions, velocities,
-energy, forces) with ``md_index`` (i), ``md_status`` (done or failed), ``md_steps``, the run's options as
-``cgforge md`` saves them (``md_ensemble``, ``md_thermostat``, ``md_temperature_K``, ``md_timestep_fs``,
-``md_friction`` or ``md_taut_fs``, and ``md_seed``: the structure's own), and for a failed one ``md_error`` and
-its input state. A bad structure (unknown element, NaN, overlapping atoms, no atoms, or one that blows up) gets
-one line on stderr naming its index and is skipped; its batch runs again without it (the others' runs are
-unchanged: their noise is their own). Exit 0 when at least one structure ran, 1 when none could (or IN
-unreadable).
+energy, forces; the cell after NPT) with ``md_index`` (i), ``md_status`` (done or failed), ``md_steps``, the
+run's options as ``cgforge md`` saves them (``md_ensemble``, ``md_temperature_K``, ``md_timestep_fs``, the
+thermostat's and barostat's, and ``md_seed``: the structure's own), and for a failed one ``md_error`` and its
+input state. A bad structure (unknown element, NaN, overlapping atoms, no atoms, a cell NPT cannot take, or one
+that blows up) gets one line on stderr naming its index and is skipped; its batch runs again without it (the
+others' runs are unchanged: their noise is their own). Exit 0 when at least one structure ran, 1 when none
+could (or IN unreadable).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cgforge.plugin.md.options import BATCH_ENSEMBLES, OPTION_FIELDS, add_arguments
+from cgforge.plugin.md.options import OPTION_FIELDS, add_arguments
 
 from .relax import Writer, add_file_arguments, check_file_arguments, open_run
 
@@ -30,16 +30,16 @@ if TYPE_CHECKING:
     from ase import Atoms
 
 # cgforge md's flags that mean the same here (MDOptions fields)
-MD_FIELDS = ("ensemble", "thermostat", "temperature_K", "timestep_fs", "steps", "friction", "taut_fs", "seed",
-             "init_velocities")
+MD_FIELDS = ("ensemble", "thermostat", "temperature_K", "timestep_fs", "steps", "friction", "pressure_bar", "taut_fs",
+             "taup_fs", "compressibility_per_bar", "seed", "init_velocities")
 
 
 def add_md_batch_arguments(parser: argparse.ArgumentParser) -> None:
     add_file_arguments(parser, "run", "md")
-    add_arguments(parser, MD_FIELDS, {"ensemble": {"choices": BATCH_ENSEMBLES, "help": (
-        "nve (velocity Verlet) or nvt (--thermostat); NPT is not batched (default nvt)")}, "seed": {"help": (
-        "structure i's velocities and thermostat noise come from the seed SEED + i (default 0)")},
-        "taut_fs": {"help": "coupling time in fs of the CSVR thermostat (--thermostat csvr; default 100 fs)"}})
+    add_arguments(parser, MD_FIELDS, {"ensemble": {"help": (
+        "nvt (--thermostat), nve (velocity Verlet) or npt (isotropic stochastic cell rescaling with the CSVR "
+        "thermostat; needs periodic 3-D cells) (default nvt)")}, "seed": {"help": (
+        "structure i's velocities and thermostat noise come from the seed SEED + i (default 0)")}})
 
 
 def _flag(key: str) -> str:
@@ -57,6 +57,8 @@ def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, fai
             final = run_md_batch(calc, [a for _, a in batch], ensemble=o.ensemble, timestep_fs=o.timestep_fs,
                                  steps=o.steps, temperature_K=None if o.ensemble == "nve" else o.temperature_K,
                                  thermostat=o.thermostat, friction=o.friction, taut_fs=o.taut_fs,
+                                 pressure_bar=o.pressure_bar, taup_fs=o.taup_fs,
+                                 compressibility_per_bar=o.compressibility_per_bar,
                                  seed=[o.seed + i for i, _ in batch], min_distance=min_distance)
         except BatchStructureError as err:
             index, _ = batch.pop(err.index)

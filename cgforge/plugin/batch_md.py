@@ -1,22 +1,23 @@
-"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT: Langevin or CSVR).
+"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT).
 
     from cgforge.plugin import Calculator, run_md_batch
     final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
                          temperature_K=300, friction=0.01, seed=1)
 
 Every structure moves by the device engine's integrators (``md.integrators``: ``VelocityVerlet`` for NVE,
-``Langevin`` or ``CSVR`` for NVT, their arithmetic applied to the batch's atoms at once) with its own atoms'
-masses and momenta (the ``Atoms``' own, zero where they have none), its own temperature, friction or coupling
-time, and its own noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone
-(``noise.SystemNoise``; ``seed`` an int gives system b the seed ``seed + b``), so a structure's trajectory does
-not depend on the batch it runs in. All structures' forces come from one model call per step
-(``runtime.batch.BatchStep``: one graph, each structure's Verlet list kept while it is valid). Positions,
-momenta and forces stay on the model's device in float64.
+``Langevin`` or ``CSVR`` for NVT, ``StochasticCellRescaling`` (isotropic) for NPT, their arithmetic applied to
+the batch's atoms at once) with its own atoms' masses and momenta (the ``Atoms``' own, zero where they have
+none), its own temperature, friction or coupling time, its own cell (NPT), and its own noise: system b draws
+what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone (``noise.SystemNoise``; ``seed`` an int
+gives system b the seed ``seed + b``), so a structure's trajectory does not depend on the batch it runs in. All
+structures' forces (and with NPT their virials) come from one model call per step (``runtime.batch.BatchStep``:
+one graph, each structure's Verlet list kept while it is valid; with NPT every cell changes every step, so
+every structure is searched again every step). Positions, momenta, forces and cells stay on the model's device
+in float64 (NPT's cells go to the host each step for the search).
 
-Not here: NPT (the barostat changes every cell at every step, and the batch's Verlet list is kept per structure
-only while its cell is unchanged: each step would search every structure again), and capture in a CUDA graph
-(the batch step reads the neighbour list's state on the host every step). A structure that cannot be
-evaluated, or whose energy or forces become NaN or inf, raises ``BatchStructureError`` naming it.
+Not here: capture in a CUDA graph (the batch step reads the neighbour list's state on the host every step),
+the anisotropic barostat (``cgforge md`` has none either). A structure that cannot be evaluated, NPT without a
+periodic 3-D cell, or energy or forces that become NaN or inf, raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ from .md.integrators import (
     VelocityVerlet,
     _langevin_first,
     _langevin_second,
+    cell_scaling_factor,
     csvr_alpha,
 )
 from .md.noise import SystemNoise
-from .md.options import BATCH_ENSEMBLES as ENSEMBLES
-from .md.options import MODES, OPTION_FIELDS, THERMOSTATS, check_choice, check_count, check_number
+from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choice, check_count, check_number
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
-__all__ = ["BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
+__all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
 
 class BatchLangevin(Langevin):
@@ -114,6 +115,41 @@ class BatchCSVR(CSVR):
         s.extra["heat"].add_(heat)
 
 
+class BatchCellRescaling(BatchCSVR):
+    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system with its own cell, volume, pressure
+    tensor (its kinetic tensor and virial), temperature and draws (stream 2, one per system, as alone); the
+    factor is ``cell_scaling_factor``, the single system's arithmetic. pressure_GPa, tau_p_fs and
+    compressibility_per_GPa: as ``StochasticCellRescaling``'s, the same for every system."""
+
+    needs_virial = True
+    changes_cell = True
+
+    def __init__(self, timestep_fs: float, temperature_K: list[float], tau_fs: list[float], ptr: list[int],
+                 pressure_GPa: float, tau_p_fs: float, compressibility_per_GPa: float) -> None:
+        super().__init__(timestep_fs, temperature_K, tau_fs, ptr)
+        self.pressure_GPa, self.tau_p_fs, self.compressibility_per_GPa = pressure_GPa, tau_p_fs, compressibility_per_GPa
+
+    def bind(self, masses: Tensor) -> None:
+        super().bind(masses)
+        self.p0 = self.pressure_GPa * units.GPa  # StochasticCellRescaling.bind's numbers
+        self.rate = (self.compressibility_per_GPa / units.GPa) / (self.tau_p_fs * units.fs)
+        self.kt = torch.tensor([units.kB * t for t in self.temperatures], dtype=torch.float64, device=masses.device)
+
+    def before_forces(self, s: MDState, noise: SystemNoise) -> None:
+        v = (s.cell[:, 0] * torch.linalg.cross(s.cell[:, 1], s.cell[:, 2])).sum(-1).abs()
+        twice_kinetic = torch.zeros_like(s.virial).index_add_(
+            0, self.atom_system, (s.momenta / s.masses)[:, :, None] * s.momenta[:, None, :])
+        pressure = (twice_kinetic - s.virial) / v[:, None, None]
+        draws = noise.per_system(2, [1] * len(self.dofs))[:, None]
+        mu = cell_scaling_factor(torch.diagonal(pressure, dim1=-2, dim2=-1), v, draws, self.rate, self.kt, self.dt,
+                                 self.p0, False)
+        super().before_forces(s, noise)  # CSVR's half rescale, kick and drift
+        per_atom = mu.index_select(0, self.atom_system)
+        s.positions.mul_(per_atom)
+        s.cell.mul_(mu[:, None, :])
+        s.momenta.div_(per_atom)
+
+
 def _per_system(name: str, value: float | Sequence[float], count: int, strict: bool = False) -> list[float]:
     """One number >= 0 (> 0 when ``strict``) per system: ``value`` for each, or one of the sequence each."""
     if not isinstance(value, Sequence | np.ndarray):
@@ -131,42 +167,53 @@ def _seeds(seed: int | Sequence[int], count: int) -> list[int]:
     return [check_count("seed", seed, 0) + b for b in range(count)]
 
 
-def _integrator(ensemble: str, thermostat: str | None, timestep_fs: float, temperature_K, friction, taut_fs,
-                ptr: list[int]) -> Integrator:
+def _default(name: str, value):
+    return OPTION_FIELDS[name]["value"] if value is None else value  # cgforge md's default
+
+
+def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) -> Integrator:
+    """The batch's integrator for ``ensemble`` and the keywords ``given`` (None: not given)."""
     count = len(ptr) - 1
+    thermostat = given["thermostat"]
     if ensemble == "nvt":
         thermostat = "langevin" if thermostat is None else check_choice("thermostat", thermostat, THERMOSTATS)
     mode = f"nvt-{thermostat}" if ensemble == "nvt" else ensemble
-    nvt = ("nvt-langevin", "nvt-csvr")  # the temperature too: NVE starts from the structures' own momenta
-    for name, value in (("thermostat", thermostat if ensemble == "nve" else None), ("temperature_K", temperature_K),
-                        ("friction", friction), ("taut_fs", taut_fs)):
-        modes = [m for m in OPTION_FIELDS[name]["modes"] or nvt if m != "npt"]
-        if value is not None and mode not in modes:  # as MDOptions refuses an option of another mode
+    for name, value in given.items():  # as MDOptions refuses an option of another mode
+        # (the temperature too for NVE: NVE starts from the structures' own momenta)
+        modes = OPTION_FIELDS[name]["modes"] or ("nvt-langevin", "nvt-csvr", "npt")
+        if value is not None and mode not in modes:
             raise ValueError(f"{name}: not for {MODES[mode]}, only for {' and '.join(MODES[m] for m in modes)}; "
                              f"got {value!r}")
     if ensemble == "nve":
         return VelocityVerlet(timestep_fs)
-    if temperature_K is None:
-        raise ValueError("temperature_K: ensemble='nvt' needs the target temperature (K)")
-    temperatures = _per_system("temperature_K", temperature_K, count)
-    if thermostat == "csvr":
-        taus = _per_system("taut_fs", OPTION_FIELDS["taut_fs"]["value"] if taut_fs is None else taut_fs, count,
-                           strict=True)
-        return BatchCSVR(timestep_fs, temperatures, taus, ptr)
+    if given["temperature_K"] is None:
+        raise ValueError(f"temperature_K: ensemble={ensemble!r} needs the target temperature (K)")
+    temperatures = _per_system("temperature_K", given["temperature_K"], count)
+    if thermostat == "csvr" or ensemble == "npt":
+        taus = _per_system("taut_fs", _default("taut_fs", given["taut_fs"]), count, strict=True)
+        if ensemble == "nvt":
+            return BatchCSVR(timestep_fs, temperatures, taus, ptr)
+        # MDOptions' units (bar, 1/bar) to StochasticCellRescaling's (GPa, 1/GPa), as cgforge md converts them
+        pressure_bar = check_number("pressure_bar", _default("pressure_bar", given["pressure_bar"]), minimum=None)
+        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr, pressure_bar * 1e-4,
+                                  check_number("taup_fs", _default("taup_fs", given["taup_fs"])),
+                                  check_number("compressibility_per_bar", _default(
+                                      "compressibility_per_bar", given["compressibility_per_bar"])) * 1e4)
     sizes = torch.as_tensor(np.diff(ptr))
 
     def per_atom(values: list[float]) -> Tensor:
         return torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float64), sizes)[:, None]
 
-    frictions = _per_system("friction", OPTION_FIELDS["friction"]["value"] if friction is None else friction, count)
+    frictions = _per_system("friction", _default("friction", given["friction"]), count)
     return BatchLangevin(timestep_fs, per_atom(temperatures), per_atom(frictions))
 
 
 def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, ensemble: str = "nve",
                  timestep_fs: float, steps: int, temperature_K: float | Sequence[float] | None = None,
                  thermostat: str | None = None, friction: float | Sequence[float] | None = None,
-                 taut_fs: float | Sequence[float] | None = None, seed: int | Sequence[int] = 0,
-                 min_distance: float | None = 0.5) -> list[Atoms]:
+                 taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
+                 taup_fs: float | None = None, compressibility_per_bar: float | None = None,
+                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5) -> list[Atoms]:
     """``steps`` MD steps of ``timestep_fs`` fs for every structure of ``atoms_list`` in one batch (module doc);
     copies of the structures at the end, with their momenta and a single-point calculator holding their energy
     and forces there. The inputs are not changed.
@@ -177,8 +224,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     seed of structure b is ``seed + b``, or ``seed[b]`` for a sequence (as ``Engine(..., seed=...)`` takes it).
     min_distance: as ``evaluate_batch``'s."""
     if not isinstance(ensemble, str) or ensemble.lower() not in ENSEMBLES:
-        why = " (NPT is not batched: module doc)" if str(ensemble).lower() == "npt" else ""
-        raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}{why}")
+        raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}")
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
     structures = structures_of(atoms_list)
@@ -188,7 +234,9 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     if 0 in sizes:
         raise BatchStructureError(sizes.index(0), "expected a structure with at least one atom, got none")
     ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    integrator = _integrator(ensemble.lower(), thermostat, timestep_fs, temperature_K, friction, taut_fs, ptr)
+    given = {"thermostat": thermostat, "temperature_K": temperature_K, "friction": friction, "taut_fs": taut_fs,
+             "pressure_bar": pressure_bar, "taup_fs": taup_fs, "compressibility_per_bar": compressibility_per_bar}
+    integrator = _integrator(ensemble.lower(), given, timestep_fs, ptr)
     seeds = _seeds(seed, len(structures))
     step = potential_of(model).batch_step(min_distance)
     device = step.adapter.device
@@ -205,15 +253,24 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
                     virial=torch.zeros(count, 3, 3, **f64), cell=torch.as_tensor(cells, **f64),
                     masses=torch.as_tensor(np.concatenate([a.get_masses() for a in atoms_list]), **f64)[:, None],
                     step=torch.zeros((), dtype=torch.int64, device=device))
+    if integrator.changes_cell:
+        for b, structure in enumerate(structures):
+            if not all(structure.pbc) or abs(np.linalg.det(cells[b])) == 0:
+                raise BatchStructureError(b, f"NPT changes the cell and needs a periodic 3-D cell; this structure has "
+                                             f"pbc={list(structure.pbc)} and volume {abs(np.linalg.det(cells[b])):g}")
     integrator.bind(state.masses)
     state.extra = integrator.initial_extra(device)
     noise = SystemNoise(seeds, ptr, state.step)
     keys = list(range(count))
 
     def forces(at: int) -> None:
-        out = step.run(state.positions, cells, pbcs, ptr, species, keys=keys)
+        # the barostat's cells on the host for the neighbour search (which searches a changed cell again)
+        host_cells = state.cell.cpu().numpy() if integrator.changes_cell else cells
+        out = step.run(state.positions, host_cells, pbcs, ptr, species, stress=integrator.needs_virial, keys=keys)
         state.forces.copy_(out.forces.detach())
         state.energy.copy_(out.energy.detach())
+        if integrator.needs_virial:
+            state.virial.copy_(out.virial.detach())
         # one host read per step (the batch step reads the host more already): a blown-up structure is named
         # before its coordinates reach the next neighbour search
         if not bool(torch.isfinite(state.energy).all() & torch.isfinite(state.forces).all()):
@@ -229,11 +286,14 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
             integrator.after_forces(state, noise)
             state.step.add_(1)
     energies = state.energy.cpu().numpy()
-    x_host, p_host, f_host = (t.cpu().numpy() for t in (state.positions, state.momenta, state.forces))
+    x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (state.positions, state.momenta, state.forces,
+                                                                   state.cell))
     final = []
     for b, atoms in enumerate(atoms_list):
         copy = atoms.copy()
         rows = slice(ptr[b], ptr[b + 1])
+        if integrator.changes_cell:
+            copy.set_cell(cell_host[b], scale_atoms=False)
         copy.set_positions(x_host[rows])
         copy.set_momenta(p_host[rows], apply_constraint=False)
         copy.calc = SinglePointCalculator(copy, energy=float(energies[b]), free_energy=float(energies[b]),

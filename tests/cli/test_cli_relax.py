@@ -134,5 +134,18 @@ def test_md_batch_checks_its_flags_before_the_model_loads(tmp_path, capsys) -> N
     assert main(["md-batch", str(source), "--thermostat", "csvr", "--friction", "0.1"]) == EXIT_ERROR
     assert "--friction" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["md-batch", str(source), "--ensemble", "npt"])
+        main(["md-batch", str(source), "--ensemble", "nvx"])
     assert not (tmp_path / "one.md.xyz").exists()
+
+
+def test_md_batch_npt_skips_a_structure_without_a_periodic_cell(loaded, tmp_path, capsys) -> None:
+    source = tmp_path / "two.xyz"
+    box = water_box(2, seed=3)
+    box.rattle(0.05, seed=4)
+    write(source, [molecule("H2O"), box], format="extxyz")
+    assert main(["md-batch", str(source), "--ensemble", "npt", "--steps", "2"]) == EXIT_OK
+    assert "structure 0 skipped: NPT changes the cell and needs a periodic 3-D cell" in capsys.readouterr().err
+    written = read(tmp_path / "two.md.xyz", index=":")
+    assert [a.info["md_status"] for a in written] == ["failed", "done"]
+    assert written[1].info["md_ensemble"] == "npt" and written[1].info["md_pressure_bar"] == pytest.approx(1.01325)
+    assert not (written[1].cell[:] == box.cell[:]).all()  # the barostat moved the cell, and it was written

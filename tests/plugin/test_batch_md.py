@@ -13,7 +13,7 @@ from ase.build import molecule
 
 from cgforge.plugin import BatchStructureError, run_md_batch
 from cgforge.plugin.md.engine import Engine
-from cgforge.plugin.md.integrators import CSVR, Langevin, VelocityVerlet
+from cgforge.plugin.md.integrators import CSVR, Langevin, StochasticCellRescaling, VelocityVerlet
 from cgforge.plugin.md.noise import NoiseSource, SystemNoise
 from cgforge.plugin.water import water_box
 
@@ -84,6 +84,24 @@ def test_batched_csvr_equals_the_engine_with_each_structures_own_settings(mace_c
     assert not np.allclose(nve[1].get_momenta(), final[1].get_momenta(), atol=1e-6)  # rescaled
 
 
+def test_batched_npt_equals_the_engine_with_each_structures_own_cell(mace_calc) -> None:
+    box = structures()[2]
+    other = water_box(3, seed=6)
+    other.rattle(0.05, seed=1)
+    other.set_momenta(np.random.default_rng(9).normal(size=(len(other), 3))
+                      * np.sqrt(other.get_masses() * units.kB * 300)[:, None])
+    inputs, temperatures = [box, other], [300.0, 350.0]
+    final = run_md_batch(mace_calc, inputs, ensemble="npt", timestep_fs=0.5, steps=4, temperature_K=temperatures,
+                         taut_fs=20.0, pressure_bar=1.0, seed=4)
+    for b, (atoms, got) in enumerate(zip(inputs, final, strict=True)):
+        # cgforge md's units: 1 bar = 1e-4 GPa, the default compressibility 4.57e-5 / bar = 0.457 / GPa
+        integrator = StochasticCellRescaling(0.5, temperatures[b], 1e-4, tau_fs=20.0, compressibility_per_GPa=0.457)
+        want = alone(mace_calc, atoms, integrator, 4 + b, 4)
+        assert_same_run(got, want)
+        np.testing.assert_allclose(got.cell[:], want.cell[:], rtol=0, atol=1e-12)
+        assert not np.allclose(got.cell[:], atoms.cell[:], atol=1e-6)  # the barostat moved each cell
+
+
 def test_a_structures_trajectory_does_not_depend_on_its_batch(mace_calc) -> None:
     inputs = structures()
     kwargs = {"ensemble": "nvt", "timestep_fs": 0.5, "steps": 3, "temperature_K": 300.0}
@@ -116,8 +134,11 @@ def test_each_systems_noise_is_what_it_draws_alone() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"ensemble": "npt", "temperature_K": 300.0}, "ensemble: .*NPT is not batched"),
-    ({"ensemble": "nvx"}, "ensemble: expected one of nve, nvt"),
+    ({"ensemble": "nvx"}, "ensemble: expected one of nvt, nve, npt"),
+    ({"ensemble": "npt", "temperature_K": 300.0}, "structure 0: NPT changes the cell and needs a periodic 3-D cell"),
+    ({"ensemble": "npt", "temperature_K": 300.0, "friction": 0.1}, "friction: not for NPT"),
+    ({"ensemble": "npt", "temperature_K": 300.0, "taup_fs": -5.0}, "taup_fs: expected a finite number > 0"),
+    ({"ensemble": "nvt", "temperature_K": 300.0, "pressure_bar": 1.0}, r"pressure_bar: not for NVT \(langevin\)"),
     ({"ensemble": "nvt"}, "temperature_K: ensemble='nvt' needs"),
     ({"ensemble": "nvt", "temperature_K": -1.0}, "temperature_K: expected a finite number >= 0"),
     ({"ensemble": "nvt", "temperature_K": [300.0, float("nan")]}, r"temperature_K\[1\]"),

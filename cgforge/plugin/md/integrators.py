@@ -41,7 +41,7 @@ from torch import Tensor
 from cgforge.kernels.md_step import langevin_first_cuda, langevin_second_cuda
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling",
-           "csvr_alpha", "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
+           "cell_scaling_factor", "csvr_alpha", "kinetic", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -160,12 +160,20 @@ def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor,
     """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state (see
     ``StochasticCellRescaling``); ``draws`` [3] standard normals (the isotropic scheme reads the first)."""
     v = volume(cell)
-    pressure = _pressure(momenta, masses, virial, v)
+    return cell_scaling_factor(torch.diagonal(_pressure(momenta, masses, virial, v)), v, draws, rate, kt, dt, p0,
+                               anisotropic)
+
+
+def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rate: float, kt: float | Tensor,
+                        dt: float, p0: float, anisotropic: bool) -> Tensor:
+    """``_cell_scaling`` from the pressure tensor's diagonal [..., 3] and the volume [...]: of one system, or of
+    a batch's systems ([B, 3], [B], with ``kt`` and ``draws`` [B, 3] or [B, 1] per system); mu [..., 3]."""
     if anisotropic:
-        drift = (rate / 3) * (torch.diagonal(pressure) - p0) * dt
-        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v)) * draws)
-    drift = rate * (torch.diagonal(pressure).mean() - p0) * dt
-    return torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[0]) / 3).expand(3)
+        drift = (rate / 3) * (pressure_diagonal - p0) * dt
+        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v))[..., None] * draws)
+    drift = rate * (pressure_diagonal.mean(-1) - p0) * dt
+    mu = torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[..., 0]) / 3)
+    return mu[..., None].expand(*draws.shape[:-1], 3)
 
 
 def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this modu
     from ase import Atoms
 
 ENSEMBLES = ("nvt", "nve", "npt")
-BATCH_ENSEMBLES = ("nve", "nvt")  # run_md_batch and cgforge md-batch (Langevin for NVT)
 ENGINES = ("auto", "device", "ase")  # auto: the device engine when the calculator runs on CUDA, else ASE's
 THERMOSTATS = ("langevin", "csvr")  # NVT; NPT uses CSVR in the engine, Berendsen's in ASE's dynamics
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
