@@ -31,8 +31,8 @@ from torch import Tensor
 
 from .core.registry import SourceKernels
 
-__all__ = ["NORMAL_NOISE_SOURCE", "normal_noise", "normal_noise_cuda", "normal_noise_reference",
-           "uniform_bits"]
+__all__ = ["NORMAL_NOISE_SOURCE", "hashed_bits", "normal_noise", "normal_noise_cuda", "normal_noise_reference",
+           "polar", "stream_key", "uniform_bits"]
 
 NORMAL_NOISE_SOURCE = r"""
 __device__ __forceinline__ unsigned int mix32(unsigned int x) {
@@ -89,18 +89,30 @@ def _mix(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def _stream_key(seed: int, stream: int) -> int:
+def stream_key(seed: int, stream: int) -> int:
     return _mix((_mix(seed & _M32) ^ _mix((seed >> 32) & _M32 ^ 0x68E31DA4) ^ _mix(stream + 1)) & _M32)
+
+
+def hashed_bits(key: int | Tensor, step: Tensor, index: Tensor) -> Tensor:
+    """The hashed 32-bit words (int64 in [0, 2^32)) at draw ``index`` of the stream ``key`` (``stream_key`` of
+    (seed, stream); a tensor: one key per index) for ``step``."""
+    step = step.to(torch.int64)
+    k1 = _mix(key ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
+    k2 = _mix(k1 ^ 0x9E3779B9)  # independent round keys: no related-key structure between the rounds
+    k3 = _mix(k2 ^ 0x85EBCA6B)
+    return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
 
 
 def uniform_bits(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
     """``n`` hashed 32-bit words (int64 in [0, 2^32)) for (seed, step, stream)."""
-    step = step.to(torch.int64)
-    k1 = _mix(_stream_key(int(seed), int(stream)) ^ (step & _M32) ^ (((step >> 32) * 0x27D4EB2F) & _M32))
-    k2 = _mix(k1 ^ 0x9E3779B9)  # independent round keys: no related-key structure between the rounds
-    k3 = _mix(k2 ^ 0x85EBCA6B)
-    index = torch.arange(n, dtype=torch.int64, device=device)
-    return _mix(_mix(_mix(index ^ k1) ^ k2) ^ k3)
+    return hashed_bits(stream_key(int(seed), int(stream)), step, torch.arange(n, dtype=torch.int64, device=device))
+
+
+def polar(radius_bits: Tensor, angle_bits: Tensor) -> tuple[Tensor, Tensor]:
+    """Box-Muller's radius and angle from two hashed words: the normals are radius * (cos, sin)(angle)."""
+    scale = 1.0 / 2.0**32
+    radius = torch.sqrt(-2.0 * torch.log(1.0 - radius_bits.to(torch.float64) * scale))  # 1 - u in (0, 1]
+    return radius, (2.0 * math.pi) * (angle_bits.to(torch.float64) * scale)
 
 
 def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
@@ -108,14 +120,13 @@ def normal_noise(seed: int, step: Tensor, stream: int, n: int, device: torch.dev
     capture-safe, no host read). On CUDA one kernel, on a CPU the torch expression (the same numbers)."""
     device = torch.device(device)
     if device.type == "cuda" and n > 0 and n < 2**32:
-        return normal_noise_cuda(_stream_key(int(seed), int(stream)), step, n, device)
+        return normal_noise_cuda(stream_key(int(seed), int(stream)), step, n, device)
     return normal_noise_reference(seed, step, stream, n, device)
 
 
 def normal_noise_reference(seed: int, step: Tensor, stream: int, n: int, device: torch.device | str) -> Tensor:
     """``normal_noise`` as torch operations on any device (the CPU path, and the CUDA kernel's reference)."""
     half = (n + 1) // 2
-    u = uniform_bits(seed, step, stream, 2 * half, device).to(torch.float64) * (1.0 / 2.0**32)
-    radius = torch.sqrt(-2.0 * torch.log(1.0 - u[:half]))  # 1 - u in (0, 1]: finite logarithm
-    angle = (2.0 * math.pi) * u[half:]
+    bits = uniform_bits(seed, step, stream, 2 * half, device)
+    radius, angle = polar(bits[:half], bits[half:])
     return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:n]  # both Box-Muller outputs

@@ -18,6 +18,7 @@ _EXPORTS = {
     "evaluate_batch": "batch",
     "BatchStructureError": "batch",
     "relax_batch": "relax",
+    "run_md_batch": "batch_md",
     "run_nve_batch": "batch_md",
     "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",

@@ -1,83 +1,309 @@
-"""NVE molecular dynamics of many independent structures at once: ``run_nve_batch``.
+"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT).
 
-    from cgforge.plugin import Calculator, run_nve_batch
-    final = run_nve_batch(Calculator("mace"), structures, timestep_fs=0.5, steps=1000)
+    from cgforge.plugin import Calculator, run_md_batch
+    final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
+                         temperature_K=300, friction=0.01, seed=1)
 
-Every structure moves by ASE's velocity Verlet (``ase.md.verlet.VelocityVerlet.step``: half a kick, a drift,
-forces, half a kick) with its own atoms' masses and momenta (the ``Atoms``' own, zero where they have none);
-all structures' forces come from one model call per step (``runtime.batch.BatchStep``: one graph, each
-structure's Verlet list kept while it is valid). Positions, momenta and forces stay on the model's device. This
-is the batch's NVE reference, not the MD engine: the steps run eagerly (no CUDA graph), with no thermostat or
-barostat; a structure that cannot be evaluated raises ``BatchStructureError`` naming it.
+Every structure moves by the device engine's integrators (``md.integrators``: ``VelocityVerlet`` for NVE,
+``Langevin`` or ``CSVR`` for NVT, ``StochasticCellRescaling`` (isotropic) for NPT, their arithmetic applied to
+the batch's atoms at once) with its own atoms' masses and momenta (the ``Atoms``' own, zero where they have
+none), its own temperature, friction or coupling time, its own cell (NPT), and its own noise: system b draws
+what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone (``noise.SystemNoise``; ``seed`` an int
+gives system b the seed ``seed + b``), so a structure's trajectory does not depend on the batch it runs in. All
+structures' forces (and with NPT their virials) come from one model call per step (``runtime.batch.BatchStep``:
+one graph, each structure's Verlet list kept while it is valid; with NPT every cell changes every step, so
+every structure is searched again every step). Positions, momenta, forces and cells stay on the model's device
+in float64 (NPT's cells go to the host each step for the search).
+
+Not here: capture in a CUDA graph (the batch step reads the neighbour list's state on the host every step),
+the anisotropic barostat (``cgforge md`` has none either). A structure that cannot be evaluated, NPT without a
+periodic 3-D cell, or energy or forces that become NaN or inf, raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from ase import Atoms, units
 from ase.calculators.singlepoint import SinglePointCalculator
+from torch import Tensor
+
+from cgforge.kernels.md_step import langevin_first_reference, langevin_second_reference
 
 from .batch import potential_of, structures_of
 from .calculator import Calculator
+from .md.integrators import (
+    CSVR,
+    Integrator,
+    Langevin,
+    MDState,
+    SystemNoise,
+    VelocityVerlet,
+    cell_scaling_factor,
+    csvr_alpha,
+)
+from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choice, check_count, check_number
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
-__all__ = ["run_nve_batch"]
+__all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
 
-def run_nve_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, timestep_fs: float, steps: int,
-                  min_distance: float | None = 0.5) -> list[Atoms]:
-    """``steps`` velocity-Verlet steps of ``timestep_fs`` fs for every structure of ``atoms_list`` in one batch;
+class BatchLangevin(Langevin):
+    """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors, each
+    system's values on its atoms). ``Langevin.bind``'s formulas then give ASE's coefficients per atom, the same
+    numbers as for each system alone, so system b moves as ``Langevin(timestep_fs, T_b, friction_b)`` moves it
+    given the same forces and draws."""
+
+    def __init__(self, timestep_fs: float, temperature_K: Tensor, friction_per_fs: Tensor) -> None:
+        Integrator.__init__(self, timestep_fs)  # not Langevin's: its checks take one number (run_md_batch checks)
+        self.temperature_K, self.friction_per_fs = temperature_K, friction_per_fs
+
+    def fuse(self, compile) -> None:
+        super().fuse(compile)
+        if compile is None:  # c1, c2 are per atom here: the torch expressions (md_step's kernels take scalars)
+            self._math.update(_langevin_first=langevin_first_reference, _langevin_second=langevin_second_reference)
+
+    def bind(self, masses: Tensor) -> None:
+        self.temperature_K = self.temperature_K.to(masses.device)
+        self.friction_per_fs = self.friction_per_fs.to(masses.device)
+        super().bind(masses)
+
+
+class BatchCSVR(CSVR):
+    """``CSVR`` over a batch: each system its own degrees of freedom (3 n_b - 3, at least 2, as ``CSVR``'s
+    default), target temperature, coupling time ``tau_fs``, kinetic energy, draws (``SystemNoise.per_system``:
+    the numbers it draws alone) and heat (``extra['heat']`` [B]). The factor is ``csvr_alpha``, the single
+    system's arithmetic, of each system's sums (summed in another order than alone: equal to rounding)."""
+
+    def __init__(self, timestep_fs: float, temperature_K: list[float], tau_fs: list[float], ptr: list[int]) -> None:
+        Integrator.__init__(self, timestep_fs)  # not CSVR's: its checks take one number (run_md_batch checks)
+        self.temperatures, self.taus, self.ptr = temperature_K, tau_fs, ptr
+
+    def bind(self, masses: Tensor) -> None:
+        Integrator.bind(self, masses)
+        f64 = {"dtype": torch.float64, "device": masses.device}
+        sizes = np.diff(self.ptr).tolist()
+        self.dofs = [max(3 * n - 3, 2) for n in sizes]
+        # CSVR.bind's numbers, per system
+        kt_per_dof = [0.5 * dof * units.kB * t / dof for dof, t in zip(self.dofs, self.temperatures)]
+        c = [math.exp(-0.5 * self.timestep_fs / tau) for tau in self.taus]
+        self.c, self.kt_per_dof = torch.tensor(c, **f64), torch.tensor(kt_per_dof, **f64)
+        self.sqrt_c = torch.tensor([math.sqrt(x) for x in c], **f64)
+        self.sqrt_kick = torch.tensor([math.sqrt((1 - x) * k) for x, k in zip(c, kt_per_dof)], **f64)
+        count = len(sizes)
+        self.atom_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
+                                                   torch.as_tensor(sizes, device=masses.device))
+        self.draw_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
+                                                   torch.as_tensor(self.dofs, device=masses.device))
+        self.first_draw = torch.as_tensor(np.concatenate([[0], np.cumsum(self.dofs)[:-1]]), device=masses.device)
+
+    def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
+        return {"heat": torch.zeros(len(self.dofs), dtype=torch.float64, device=device)}
+
+    def _rescale(self, s: MDState, noise: SystemNoise, stream: int) -> None:
+        draws = noise.per_system(stream, self.dofs)
+        twice_kinetic = torch.zeros_like(self.c).index_add_(0, self.atom_system, (s.momenta.square() / s.masses).sum(1))
+        squares = draws.square().index_fill_(0, self.first_draw, 0.0)  # S: the draws after each system's first
+        rest = torch.zeros_like(self.c).index_add_(0, self.draw_system, squares)
+        alpha, heat = csvr_alpha(0.5 * twice_kinetic, draws.index_select(0, self.first_draw), rest, self.c,
+                                 self.kt_per_dof, self.sqrt_c, self.sqrt_kick)
+        s.momenta.mul_(alpha.index_select(0, self.atom_system)[:, None])
+        s.extra["heat"].add_(heat)
+
+
+class BatchCellRescaling(BatchCSVR):
+    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system with its own cell, volume, pressure
+    tensor (its kinetic tensor and virial), temperature and draws (stream 2, one per system, as alone); the
+    factor is ``cell_scaling_factor``, the single system's arithmetic. pressure_GPa, tau_p_fs and
+    compressibility_per_GPa: as ``StochasticCellRescaling``'s, the same for every system."""
+
+    needs_virial = True
+    changes_cell = True
+
+    def __init__(self, timestep_fs: float, temperature_K: list[float], tau_fs: list[float], ptr: list[int],
+                 pressure_GPa: float, tau_p_fs: float, compressibility_per_GPa: float) -> None:
+        super().__init__(timestep_fs, temperature_K, tau_fs, ptr)
+        self.pressure_GPa, self.tau_p_fs, self.compressibility_per_GPa = pressure_GPa, tau_p_fs, compressibility_per_GPa
+
+    def bind(self, masses: Tensor) -> None:
+        super().bind(masses)
+        self.p0 = self.pressure_GPa * units.GPa  # StochasticCellRescaling.bind's numbers
+        self.rate = (self.compressibility_per_GPa / units.GPa) / (self.tau_p_fs * units.fs)
+        self.kt = torch.tensor([units.kB * t for t in self.temperatures], dtype=torch.float64, device=masses.device)
+
+    def before_forces(self, s: MDState, noise: SystemNoise) -> None:
+        v = (s.cell[:, 0] * torch.linalg.cross(s.cell[:, 1], s.cell[:, 2])).sum(-1).abs()
+        twice_kinetic = torch.zeros_like(s.virial).index_add_(
+            0, self.atom_system, (s.momenta / s.masses)[:, :, None] * s.momenta[:, None, :])
+        pressure = (twice_kinetic - s.virial) / v[:, None, None]
+        draws = noise.per_system(2, [1] * len(self.dofs))[:, None]
+        mu = cell_scaling_factor(torch.diagonal(pressure, dim1=-2, dim2=-1), v, draws, self.rate, self.kt, self.dt,
+                                 self.p0, False)
+        super().before_forces(s, noise)  # CSVR's half rescale, kick and drift
+        per_atom = mu.index_select(0, self.atom_system)
+        s.positions.mul_(per_atom)
+        s.cell.mul_(mu[:, None, :])
+        s.momenta.div_(per_atom)
+
+
+def _per_system(name: str, value: float | Sequence[float], count: int, strict: bool = False) -> list[float]:
+    """One number >= 0 (> 0 when ``strict``) per system: ``value`` for each, or one of the sequence each."""
+    if not isinstance(value, Sequence | np.ndarray):
+        return [check_number(name, value, strict=strict)] * count
+    if len(value) != count:
+        raise ValueError(f"{name}: expected a number or one per structure ({count}), got {len(value)}")
+    return [check_number(f"{name}[{b}]", v, strict=strict) for b, v in enumerate(value)]
+
+
+def _seeds(seed: int | Sequence[int], count: int) -> list[int]:
+    if isinstance(seed, Sequence | np.ndarray):
+        if len(seed) != count:
+            raise ValueError(f"seed: expected an int or one per structure ({count}), got {len(seed)}")
+        return [check_count(f"seed[{b}]", s, 0) for b, s in enumerate(seed)]
+    return [check_count("seed", seed, 0) + b for b in range(count)]
+
+
+def _default(name: str, value):
+    return OPTION_FIELDS[name]["value"] if value is None else value  # cgforge md's default
+
+
+def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) -> Integrator:
+    """The batch's integrator for ``ensemble`` and the keywords ``given`` (None: not given)."""
+    count = len(ptr) - 1
+    thermostat = given["thermostat"]
+    if ensemble == "nvt":
+        thermostat = "langevin" if thermostat is None else check_choice("thermostat", thermostat, THERMOSTATS)
+    mode = f"nvt-{thermostat}" if ensemble == "nvt" else ensemble
+    for name, value in given.items():  # as MDOptions refuses an option of another mode
+        # (the temperature too for NVE: NVE starts from the structures' own momenta)
+        modes = OPTION_FIELDS[name]["modes"] or ("nvt-langevin", "nvt-csvr", "npt")
+        if value is not None and mode not in modes:
+            raise ValueError(f"{name}: not for {MODES[mode]}, only for {' and '.join(MODES[m] for m in modes)}; "
+                             f"got {value!r}")
+    if ensemble == "nve":
+        return VelocityVerlet(timestep_fs)
+    if given["temperature_K"] is None:
+        raise ValueError(f"temperature_K: ensemble={ensemble!r} needs the target temperature (K)")
+    temperatures = _per_system("temperature_K", given["temperature_K"], count)
+    if thermostat == "csvr" or ensemble == "npt":
+        taus = _per_system("taut_fs", _default("taut_fs", given["taut_fs"]), count, strict=True)
+        if ensemble == "nvt":
+            return BatchCSVR(timestep_fs, temperatures, taus, ptr)
+        # MDOptions' units (bar, 1/bar) to StochasticCellRescaling's (GPa, 1/GPa), as cgforge md converts them
+        pressure_bar = check_number("pressure_bar", _default("pressure_bar", given["pressure_bar"]), minimum=None)
+        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr, pressure_bar * 1e-4,
+                                  check_number("taup_fs", _default("taup_fs", given["taup_fs"])),
+                                  check_number("compressibility_per_bar", _default(
+                                      "compressibility_per_bar", given["compressibility_per_bar"])) * 1e4)
+    sizes = torch.as_tensor(np.diff(ptr))
+
+    def per_atom(values: list[float]) -> Tensor:
+        return torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float64), sizes)[:, None]
+
+    frictions = _per_system("friction", _default("friction", given["friction"]), count)
+    return BatchLangevin(timestep_fs, per_atom(temperatures), per_atom(frictions))
+
+
+def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, ensemble: str = "nve",
+                 timestep_fs: float, steps: int, temperature_K: float | Sequence[float] | None = None,
+                 thermostat: str | None = None, friction: float | Sequence[float] | None = None,
+                 taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
+                 taup_fs: float | None = None, compressibility_per_bar: float | None = None,
+                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5) -> list[Atoms]:
+    """``steps`` MD steps of ``timestep_fs`` fs for every structure of ``atoms_list`` in one batch (module doc);
     copies of the structures at the end, with their momenta and a single-point calculator holding their energy
-    and forces there. The inputs are not changed. ``min_distance``: as ``evaluate_batch``'s."""
-    if not (isinstance(timestep_fs, int | float) and np.isfinite(timestep_fs) and timestep_fs > 0):
-        raise ValueError(f"timestep_fs: expected a finite number > 0, got {timestep_fs!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
+    and forces there. The inputs are not changed.
+
+    ensemble: "nve" (velocity Verlet) or "nvt" (``temperature_K`` needed). thermostat (NVT): "langevin" (the
+    default; ``friction`` in 1/fs) or "csvr" (``taut_fs``, its coupling time in fs). temperature_K (K),
+    friction and taut_fs (default cgforge md's): one number for all, or one per structure. seed: the noise's
+    seed of structure b is ``seed + b``, or ``seed[b]`` for a sequence (as ``Engine(..., seed=...)`` takes it).
+    min_distance: as ``evaluate_batch``'s."""
+    if not isinstance(ensemble, str) or ensemble.lower() not in ENSEMBLES:
+        raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}")
+    timestep_fs = check_number("timestep_fs", timestep_fs)
+    steps = check_count("steps", steps, 0)
     structures = structures_of(atoms_list)
-    step = potential_of(model).batch_step(min_distance)
-    device = step.adapter.device
+    if not structures:
+        raise ValueError("atoms_list: expected at least one structure, got none")
     sizes = [len(s.numbers) for s in structures]
     if 0 in sizes:
         raise BatchStructureError(sizes.index(0), "expected a structure with at least one atom, got none")
     ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    given = {"thermostat": thermostat, "temperature_K": temperature_K, "friction": friction, "taut_fs": taut_fs,
+             "pressure_bar": pressure_bar, "taup_fs": taup_fs, "compressibility_per_bar": compressibility_per_bar}
+    integrator = _integrator(ensemble.lower(), given, timestep_fs, ptr)
+    seeds = _seeds(seed, len(structures))
+    step = potential_of(model).batch_step(min_distance)
+    device = step.adapter.device
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
-    pbcs = [tuple(s.pbc) for s in structures]
+    pbcs = [s.pbc for s in structures]
     host_positions = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
     check_finite(host_positions, cells, ptr)
     species = step.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
     f64 = {"dtype": torch.float64, "device": device}
-    x = torch.as_tensor(host_positions, **f64)
-    p = torch.as_tensor(np.concatenate([a.get_momenta() for a in atoms_list]), **f64)
-    masses = torch.as_tensor(np.concatenate([a.get_masses() for a in atoms_list]), **f64)[:, None]
-    dt = timestep_fs * units.fs
-    keys = list(range(len(structures)))
+    count = len(structures)
+    state = MDState(positions=torch.as_tensor(host_positions, **f64),
+                    momenta=torch.as_tensor(np.concatenate([a.get_momenta() for a in atoms_list]), **f64),
+                    forces=torch.zeros(ptr[-1], 3, **f64), energy=torch.zeros(count, **f64),
+                    virial=torch.zeros(count, 3, 3, **f64), cell=torch.as_tensor(cells, **f64),
+                    masses=torch.as_tensor(np.concatenate([a.get_masses() for a in atoms_list]), **f64)[:, None],
+                    step=torch.zeros((), dtype=torch.int64, device=device))
+    if integrator.changes_cell:
+        for b, structure in enumerate(structures):
+            if not all(structure.pbc) or abs(np.linalg.det(cells[b])) == 0:
+                raise BatchStructureError(b, f"NPT changes the cell and needs a periodic 3-D cell; this structure has "
+                                             f"pbc={list(structure.pbc)} and volume {abs(np.linalg.det(cells[b])):g}")
+    integrator.bind(state.masses)
+    state.extra = integrator.initial_extra(device)
+    noise = SystemNoise(seeds, ptr, state.step)
+    keys = list(range(count))
 
-    def forces() -> tuple[torch.Tensor, torch.Tensor]:
-        out = step.run(x, cells, pbcs, ptr, species, keys=keys)
-        return out.forces.detach().to(torch.float64), out.energy.detach().to(torch.float64)
+    def forces(at: int) -> None:
+        # the barostat's cells on the host for the neighbour search (which searches a changed cell again)
+        host_cells = state.cell.cpu().numpy() if integrator.changes_cell else cells
+        out = step.run(state.positions, host_cells, pbcs, ptr, species, stress=integrator.needs_virial, keys=keys)
+        state.forces.copy_(out.forces.detach())
+        state.energy.copy_(out.energy.detach())
+        if integrator.needs_virial:
+            state.virial.copy_(out.virial.detach())
+        # one host read per step (the batch step reads the host more already): a blown-up structure is named
+        # before its coordinates reach the next neighbour search
+        if not bool(torch.isfinite(state.energy).all() & torch.isfinite(state.forces).all()):
+            rows = (~torch.isfinite(state.forces)).any(1).to(torch.int64).cpu().numpy()
+            bad = ~np.isfinite(state.energy.cpu().numpy()) | (np.add.reduceat(rows, ptr[:-1]) > 0)
+            raise BatchStructureError(int(np.argmax(bad)), f"the model returned NaN or inf at step {at}")
 
-    f, energy = forces()
-    for _ in range(steps):
-        p += 0.5 * dt * f
-        x += dt * p / masses
-        f, energy = forces()
-        p += 0.5 * dt * f
-    energies = energy.cpu().numpy()
-    x_host, p_host, f_host = (t.cpu().numpy() for t in (x, p, f))
-    bad = ~np.isfinite(energies) | (np.add.reduceat((~np.isfinite(f_host)).any(1).astype(np.int64), ptr[:-1]) > 0)
-    if bad.any():
-        raise BatchStructureError(int(np.argmax(bad)), "the model returned NaN or inf during the run")
+    with torch.no_grad():
+        forces(0)
+        for at in range(1, steps + 1):
+            integrator.before_forces(state, noise)
+            forces(at)
+            integrator.after_forces(state, noise)
+            state.step.add_(1)
+    energies = state.energy.cpu().numpy()
+    x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (state.positions, state.momenta, state.forces,
+                                                                   state.cell))
     final = []
     for b, atoms in enumerate(atoms_list):
         copy = atoms.copy()
         rows = slice(ptr[b], ptr[b + 1])
+        if integrator.changes_cell:
+            copy.set_cell(cell_host[b], scale_atoms=False)
         copy.set_positions(x_host[rows])
         copy.set_momenta(p_host[rows], apply_constraint=False)
         copy.calc = SinglePointCalculator(copy, energy=float(energies[b]), free_energy=float(energies[b]),
                                           forces=f_host[rows].copy())
         final.append(copy)
     return final
+
+
+def run_nve_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, timestep_fs: float, steps: int,
+                  min_distance: float | None = 0.5) -> list[Atoms]:
+    """``run_md_batch`` with ``ensemble="nve"``."""
+    return run_md_batch(model, atoms_list, ensemble="nve", timestep_fs=timestep_fs, steps=steps,
+                        min_distance=min_distance)

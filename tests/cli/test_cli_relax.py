@@ -85,3 +85,67 @@ def test_relax_checks_its_files_before_the_model_loads(tmp_path, capsys) -> None
     for flag, value in (("--max-atoms", "0"), ("--min-distance", "-1"), ("--fmax", "nan"), ("--batch-size", "0")):
         assert main(["relax", str(tmp_path / "a.traj"), flag, value]) == EXIT_ERROR
         assert flag in capsys.readouterr().err
+
+
+def test_md_batch_runs_each_structure_as_alone_and_names_the_bad_ones(loaded, tmp_path, capsys) -> None:
+    """`cgforge md-batch`: structure i's run is run_md_batch's of it alone with seed --seed + i (its velocities
+    too), whatever failed beside it; the bad ones are written as failed with their reason."""
+    import numpy as np
+
+    from cgforge.plugin import run_md_batch
+    from cgforge.plugin.md.dynamics import thermalize
+
+    source = tmp_path / "many.xyz"
+    write(source, frames(), format="extxyz")
+    before = source.read_bytes()
+    assert main(["md-batch", str(source), "--steps", "3", "--batch-size", "3", "--seed", "5", "--temperature",
+                 "250", "--thermostat", "csvr", "--taut", "20"]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert "structure 1 skipped: atoms: element(s) C not known" in err
+    assert "structure 2 skipped: atoms 1 and 2 are" in err
+    assert "4/4 done (2 failed)" in out and "atom-steps/s" in out
+    assert source.read_bytes() == before
+    written = read(tmp_path / "many.md.xyz", index=":")
+    assert [a.info["md_index"] for a in written] == [0, 1, 2, 3]
+    assert [a.info["md_status"] for a in written] == ["done", "failed", "failed", "done"]
+    assert "C not known" in written[1].info["md_error"]
+    for index in (0, 3):
+        start = frames()[index]
+        thermalize(start, 250.0, np.random.default_rng(5 + index))
+        want = run_md_batch(loaded, [start], ensemble="nvt", timestep_fs=0.5, steps=3, temperature_K=250.0,
+                            thermostat="csvr", taut_fs=20.0, seed=[5 + index])[0]
+        got = written[index]
+        assert got.info["md_seed"] == 5 + index and got.info["md_thermostat"] == "csvr" and got.info["md_steps"] == 3
+        # to extended XYZ's 8 decimals; another seed's noise moves them by ~1e-2
+        np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-7)
+        np.testing.assert_allclose(got.get_momenta(), want.get_momenta(), rtol=0, atol=1e-7)
+        assert got.get_potential_energy() == pytest.approx(want.get_potential_energy(), abs=1e-7)
+
+
+def test_md_batch_checks_its_flags_before_the_model_loads(tmp_path, capsys) -> None:
+    source = tmp_path / "one.xyz"
+    write(source, [molecule("H2O")], format="extxyz")
+    for flag, value in (("--temperature", "-5"), ("--timestep", "0"), ("--batch-size", "0"), ("--friction", "-1"),
+                        ("--min-distance", "-1")):
+        assert main(["md-batch", str(source), flag, value]) == EXIT_ERROR
+        assert flag in capsys.readouterr().err
+    assert main(["md-batch", str(source), "--ensemble", "nve", "--friction", "0.1"]) == EXIT_ERROR
+    assert "--friction" in capsys.readouterr().err  # a Langevin option in NVE, as cgforge md refuses it
+    assert main(["md-batch", str(source), "--thermostat", "csvr", "--friction", "0.1"]) == EXIT_ERROR
+    assert "--friction" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["md-batch", str(source), "--ensemble", "nvx"])
+    assert not (tmp_path / "one.md.xyz").exists()
+
+
+def test_md_batch_npt_skips_a_structure_without_a_periodic_cell(loaded, tmp_path, capsys) -> None:
+    source = tmp_path / "two.xyz"
+    box = water_box(2, seed=3)
+    box.rattle(0.05, seed=4)
+    write(source, [molecule("H2O"), box], format="extxyz")
+    assert main(["md-batch", str(source), "--ensemble", "npt", "--steps", "2"]) == EXIT_OK
+    assert "structure 0 skipped: NPT changes the cell and needs a periodic 3-D cell" in capsys.readouterr().err
+    written = read(tmp_path / "two.md.xyz", index=":")
+    assert [a.info["md_status"] for a in written] == ["failed", "done"]
+    assert written[1].info["md_ensemble"] == "npt" and written[1].info["md_pressure_bar"] == pytest.approx(1.01325)
+    assert not (written[1].cell[:] == box.cell[:]).all()  # the barostat moved the cell, and it was written

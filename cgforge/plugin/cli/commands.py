@@ -113,6 +113,12 @@ def cmd_relax(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_md_batch(args: argparse.Namespace) -> int:
+    from .md_batch import run_from_args
+
+    return run_from_args(args)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import main as doctor_main
 
@@ -208,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
                               "usage")
     add_relax_arguments(p)
     p.set_defaults(func=cmd_relax)
+
+    from .md_batch import add_md_batch_arguments
+
+    p = sub.add_parser("md-batch", help="MD (NVE, NVT with Langevin or CSVR, or NPT) of every structure of an "
+                       "extended XYZ file or ASE database, many structures in one model call; writes a new file of "
+                       "the same format with each structure's last state, energy, forces and status",
+                       epilog=f"exit codes: {EXIT_OK} at least one structure ran (bad ones are skipped, named and "
+                              f"kept in OUT as failed), {EXIT_ERROR} none could, or bad input, {EXIT_USAGE} usage")
+    add_md_batch_arguments(p)
+    p.set_defaults(func=cmd_md_batch)
 
     p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
     p.set_defaults(func=cmd_doctor)

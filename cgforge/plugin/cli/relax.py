@@ -21,15 +21,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # ase loads at run time only: `cgforge --help` imports nothing heavy
     from ase import Atoms
 
+    from cgforge.plugin.calculator import Calculator
+
 XYZ = (".xyz", ".extxyz")
 DB = (".db",)
 
 
-def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", metavar="IN", help="structures to relax: extended XYZ (.xyz, .extxyz) or an ASE "
+def add_file_arguments(parser: argparse.ArgumentParser, verb: str, tag: str) -> None:
+    """IN, OUT (default: IN with ``.<tag>`` before the suffix), --force, the model, --batch-size and
+    --min-distance: what ``cgforge relax`` and ``cgforge md-batch`` share."""
+    parser.add_argument("input", metavar="IN", help=f"structures to {verb}: extended XYZ (.xyz, .extxyz) or an ASE "
                         "database (.db); never modified")
     parser.add_argument("-o", "--output", metavar="OUT", default=None,
-                        help="new file of the same format (default: IN with .relaxed before the suffix)")
+                        help=f"new file of the same format (default: IN with .{tag} before the suffix)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never IN)")
     from cgforge.plugin.runtime.bundled import LISTED
 
@@ -38,16 +42,29 @@ def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
+    parser.add_argument("--batch-size", type=int, default=64, help=f"structures to {verb} together (default 64)")
+    parser.add_argument("--min-distance", type=float, default=0.5,
+                        help="two atoms closer than this (Å) make a structure bad: skipped (default 0.5)")
+    parser.set_defaults(output_tag=tag)
+
+
+def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
+    add_file_arguments(parser, "relax", "relaxed")
     parser.add_argument("--fmax", type=float, default=0.05, help="converged when the largest atomic force is below "
                         "this, eV/Å (default 0.05)")
     parser.add_argument("--steps", type=int, default=1000, help="FIRE steps per structure at most (default 1000)")
-    parser.add_argument("--batch-size", type=int, default=64, help="structures relaxed together (default 64)")
     parser.add_argument("--max-atoms", type=int, default=None,
                         help="atoms in the batch at most (default: no limit beyond --batch-size)")
     parser.add_argument("--cell", action="store_true", help="relax the cells of structures periodic in 3-D too "
                         "(ASE's FrechetCellFilter on each); others relax their positions only")
-    parser.add_argument("--min-distance", type=float, default=0.5,
-                        help="two atoms closer than this (Å) make a structure bad: skipped (default 0.5)")
+
+
+def check_file_arguments(args: argparse.Namespace) -> None:
+    """--batch-size and --min-distance (``add_file_arguments``) in range."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected an integer >= 1, got {args.batch_size}")
+    if not 0 <= args.min_distance < float("inf"):
+        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
 
 
 def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -61,7 +78,7 @@ def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
         raise ValueError(f"IN: {source} must be extended XYZ (.xyz, .extxyz) or an ASE database (.db)")
     if not source.is_file():
         raise FileNotFoundError(f"IN: {source} not found")
-    out = Path(args.output) if args.output else source.with_name(f"{source.stem}.relaxed{source.suffix}")
+    out = Path(args.output) if args.output else source.with_name(f"{source.stem}.{args.output_tag}{source.suffix}")
     formats = XYZ if suffix in XYZ else DB
     out = check_new_path(out, force=args.force, what="OUT", suffixes=formats)
     check_distinct({"OUT": out}, {"IN": source})
@@ -83,7 +100,7 @@ def read_structures(source: Path) -> list[Atoms]:
     return list(frames)
 
 
-class _Writer:
+class Writer:
     """Appends each finished structure to OUT (created at the first one)."""
 
     def __init__(self, path: Path) -> None:
@@ -107,33 +124,39 @@ class _Writer:
         write(self.path, atoms, format="extxyz", append=True)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
+def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atoms], Calculator]:
+    """(IN, OUT, IN's structures, the model's calculator) after the checks of ``output_path``; the model's
+    banner printed."""
     from cgforge.plugin import Calculator
-    from cgforge.plugin.relax import relax_batch
 
     from .md import model_banner
 
-    for name, value, least in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1)):
-        if value < least:
-            raise ValueError(f"{name}: expected an integer >= {least}, got {value}")
-    if not args.fmax > 0:
-        raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
-    if args.max_atoms is not None and args.max_atoms < 1:
-        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
-    if not 0 <= args.min_distance < float("inf"):
-        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
     source, out = output_path(args)
     structures = read_structures(source)
     if not structures:
         raise ValueError(f"IN: {source} holds no structures")
     start = time.perf_counter()
     calc = Calculator(args.model, device=args.device, dtype=args.dtype)
-    print(f"cgforge relax: {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
+    print(f"{prog}: {model_banner(args.model, calc, time.perf_counter() - start)}", flush=True)
+    return source, out, structures, calc
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
+    from cgforge.plugin.relax import relax_batch
+
+    check_file_arguments(args)
+    if args.steps < 0:
+        raise ValueError(f"--steps: expected an integer >= 0, got {args.steps}")
+    if not args.fmax > 0:
+        raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
+    if args.max_atoms is not None and args.max_atoms < 1:
+        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
+    source, out, structures, calc = open_run(args, "cgforge relax")
     what = "positions and cells" if args.cell else "positions"
     print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE on {what} to fmax "
           f"{args.fmax:g} eV/Å, at most {args.steps} steps, {args.batch_size} at a time)", flush=True)
-    writer = _Writer(out)
+    writer = Writer(out)
     counts = {"converged": 0, "unconverged": 0, "failed": 0}
     start = time.perf_counter()
     every = max(1, len(structures) // 10)

@@ -46,10 +46,10 @@ from cgforge.kernels.md_step import (
     langevin_second,
     langevin_second_reference,
 )
-from cgforge.kernels.noise import normal_noise
+from cgforge.kernels.noise import hashed_bits, normal_noise, polar, stream_key
 
 __all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling", "NoiseSource",
-           "kinetic_energy", "kinetic_tensor", "volume"]
+           "SystemNoise", "cell_scaling_factor", "csvr_alpha", "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:
@@ -87,6 +87,64 @@ class NoiseSource:
         return normal_noise(self.seed, self.step, stream, math.prod(shape), self.step.device).view(shape)
 
 
+class SystemNoise:
+    """The draws of a batch of independent systems, system b with its own seed ``seeds[b]``: each system gets
+    exactly the numbers that ``NoiseSource(seeds[b], step)`` gives it alone, whatever the batch's other members
+    (the torch expression of ``normal_noise_reference`` over the whole batch at once: one set of kernels
+    whatever the number of systems).
+
+    ``source(stream, shape)``, ``shape`` (..., N, 3) over the batch's N atoms laid end to end (system b owns
+    atoms ptr[b] .. ptr[b + 1] - 1): system b's ``(..., n_b, 3)`` draws at its atoms' rows.
+    ``source.per_system(stream, counts)``: system b's ``counts[b]`` draws, the systems' end to end."""
+
+    def __init__(self, seeds: list[int], ptr: list[int], step: Tensor) -> None:
+        if len(seeds) != len(ptr) - 1:
+            raise ValueError(f"seeds: expected one per system ({len(ptr) - 1}), got {len(seeds)}")
+        self.seeds, self.ptr, self.step = [int(s) for s in seeds], list(ptr), step
+        self._layouts: dict[tuple, tuple[Tensor, ...]] = {}
+
+    def _layout(self, stream: int, draws: list[Tensor], counts: list[int]) -> tuple[Tensor, ...]:
+        """Per output element: its system's stream key, the hashed indices of its radius and angle, and whether it
+        is a sine; ``draws[b]``: which of system b's ``counts[b]`` draws each of its elements is."""
+        keys, radius, angle, sine = [], [], [], []
+        for seed, j, n in zip(self.seeds, draws, counts, strict=True):
+            half = (n + 1) // 2  # as normal_noise_reference: cosines of the first half, then sines
+            k = torch.where(j < half, j, j - half)
+            keys.append(torch.full_like(j, stream_key(seed, int(stream))))
+            radius.append(k)
+            angle.append(k + half)
+            sine.append(j >= half)
+        return tuple(torch.cat(parts, -1).reshape(-1) for parts in (keys, radius, angle, sine))
+
+    def _draw(self, cache_key: tuple, make: Callable[[], tuple[Tensor, ...]]) -> Tensor:
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            layout = self._layouts[cache_key] = make()
+        keys, radius_index, angle_index, sine = layout
+        radius, angle = polar(hashed_bits(keys, self.step, radius_index), hashed_bits(keys, self.step, angle_index))
+        return radius * torch.where(sine, torch.sin(angle), torch.cos(angle))
+
+    def __call__(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        if len(shape) < 2 or tuple(shape[-2:]) != (self.ptr[-1], 3):
+            raise ValueError(f"shape: expected (..., {self.ptr[-1]}, 3) over the batch's atoms, got {shape}")
+        lead, device = math.prod(shape[:-2]), self.step.device
+        sizes = [3 * (end - start) for start, end in zip(self.ptr[:-1], self.ptr[1:])]
+
+        def make() -> tuple[Tensor, ...]:
+            # element (l, atom, c) of system b is its draw l * 3 n_b + 3 atom + c, as the system alone lays them
+            draws = [torch.arange(lead, device=device)[:, None] * size + torch.arange(size, device=device)
+                     for size in sizes]
+            return self._layout(stream, draws, [lead * size for size in sizes])
+
+        return self._draw(("atoms", stream, tuple(shape)), make).view(shape)
+
+    def per_system(self, stream: int, counts: list[int]) -> Tensor:
+        def make() -> tuple[Tensor, ...]:
+            return self._layout(stream, [torch.arange(n, device=self.step.device) for n in counts], list(counts))
+
+        return self._draw(("systems", stream, tuple(counts)), make)
+
+
 def kinetic_energy(state: MDState) -> Tensor:
     return kinetic(state.momenta, state.masses)
 
@@ -113,11 +171,18 @@ def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
                  ) -> tuple[Tensor, Tensor]:
     """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K (see ``CSVR``)."""
-    kinetic_now = kinetic(momenta, masses)
-    r1, rest = draws[0], draws[1:].square().sum()
+    return csvr_alpha(kinetic(momenta, masses), draws[0], draws[1:].square().sum(), c, kt_per_dof,
+                      math.sqrt(c), math.sqrt((1 - c) * kt_per_dof))
+
+
+def csvr_alpha(kinetic_now: Tensor, r1: Tensor, rest: Tensor, c: float | Tensor, kt_per_dof: float | Tensor,
+               sqrt_c: float | Tensor, sqrt_kick: float | Tensor) -> tuple[Tensor, Tensor]:
+    """``_csvr_factor`` from the kinetic energy K, the first draw R1 and the sum S of the other draws' squares,
+    elementwise: of one system, or of a batch's systems ([B] tensors, with c, kt_per_dof and the square roots
+    sqrt(c), sqrt((1 - c) kt_per_dof) per system)."""
     new = (c * kinetic_now + (1 - c) * kt_per_dof * (r1 * r1 + rest)
            + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic_now * kt_per_dof))
-    sign = torch.sign(math.sqrt(c) * torch.sqrt(kinetic_now) + math.sqrt((1 - c) * kt_per_dof) * r1)
+    sign = torch.sign(sqrt_c * torch.sqrt(kinetic_now) + sqrt_kick * r1)
     alpha = torch.where(kinetic_now > 0, sign * torch.sqrt(new / kinetic_now.clamp(min=1e-300)), 1.0)
     return alpha, (alpha * alpha - 1) * kinetic_now
 
@@ -127,12 +192,20 @@ def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor,
     """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state (see
     ``StochasticCellRescaling``); ``draws`` [3] standard normals (the isotropic scheme reads the first)."""
     v = volume(cell)
-    pressure = _pressure(momenta, masses, virial, v)
+    return cell_scaling_factor(torch.diagonal(_pressure(momenta, masses, virial, v)), v, draws, rate, kt, dt, p0,
+                               anisotropic)
+
+
+def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rate: float, kt: float | Tensor,
+                        dt: float, p0: float, anisotropic: bool) -> Tensor:
+    """``_cell_scaling`` from the pressure tensor's diagonal [..., 3] and the volume [...]: of one system, or of
+    a batch's systems ([B, 3], [B], with ``kt`` and ``draws`` [B, 3] or [B, 1] per system); mu [..., 3]."""
     if anisotropic:
-        drift = (rate / 3) * (torch.diagonal(pressure) - p0) * dt
-        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v)) * draws)
-    drift = rate * (torch.diagonal(pressure).mean() - p0) * dt
-    return torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[0]) / 3).expand(3)
+        drift = (rate / 3) * (pressure_diagonal - p0) * dt
+        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v))[..., None] * draws)
+    drift = rate * (pressure_diagonal.mean(-1) - p0) * dt
+    mu = torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[..., 0]) / 3)
+    return mu[..., None].expand(*draws.shape[:-1], 3)
 
 
 def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:

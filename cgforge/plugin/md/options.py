@@ -300,18 +300,24 @@ def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
             if meta["restart"] == KEPT and f"md_{k}" in info}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`MDOptions` field (its keyword the destination, None when not given)."""
+def add_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None,
+                  override: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """One flag per :class:`MDOptions` field (its keyword the destination, None when not given). For another
+    command: ``keys`` only these fields' flags (then without cgforge md's restart notes), ``override`` argparse
+    keywords (help, choices) replacing a field's own."""
     for key, meta in OPTION_FIELDS.items():
+        if keys is not None and key not in keys:
+            continue
         kwargs = {"type": float, **meta["argparse"]}
         if "action" in kwargs:
             kwargs.pop("type")
         elif "choices" not in kwargs:  # argparse shows the choices, else the flag's name
             kwargs["metavar"] = meta["flag"].lstrip("-").upper()
         note = "; after --restart: the run's saved value, and another value is refused" if meta["restart"] == KEPT \
-            else ""
-        parser.add_argument(meta["flag"], dest=key, default=None, **kwargs,
-                            help=f"{meta['help']} (default {meta['shown']}{note})".replace("%", "%%"))
+            and keys is None else ""
+        kwargs["help"] = f"{meta['help']} (default {meta['shown']}{note})".replace("%", "%%")
+        kwargs.update((override or {}).get(key, {}))
+        parser.add_argument(meta["flag"], dest=key, default=None, **kwargs)
 
 
 def given_by_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""``cgforge md-batch IN``: MD of every structure of a file, in batches (``plugin.batch_md.run_md_batch``).
+
+IN and OUT as ``cgforge relax`` takes them (``cli.relax``: extended XYZ or an ASE database; OUT, default IN's
+name with ``.md`` before the suffix, a new file of the same format, never IN). Each structure runs --steps
+steps of NVE, NVT (Langevin or CSVR) or NPT on its own: structure i (its frame or row in IN, from 0) draws its
+initial velocities (when asked, or when it is at rest) and its thermostat noise from the seed ``--seed + i``,
+which is what ``cgforge md --engine device --seed <that>`` draws for it alone, so its run does not depend on the
+batch it ran in. OUT holds, as each batch finishes, every structure's last state (positions, velocities,
+energy, forces; the cell after NPT) with ``md_index`` (i), ``md_status`` (done or failed), ``md_steps``, the
+run's options as ``cgforge md`` saves them (``md_ensemble``, ``md_temperature_K``, ``md_timestep_fs``, the
+thermostat's and barostat's, and ``md_seed``: the structure's own), and for a failed one ``md_error`` and its
+input state. A bad structure (unknown element, NaN, overlapping atoms, no atoms, a cell NPT cannot take, or one
+that blows up) gets one line on stderr naming its index and is skipped; its batch runs again without it (the
+others' runs are unchanged: their noise is their own). Exit 0 when at least one structure ran, 1 when none
+could (or IN unreadable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from cgforge.plugin.md.options import OPTION_FIELDS, add_arguments
+
+from .relax import Writer, add_file_arguments, check_file_arguments, open_run
+
+if TYPE_CHECKING:
+    from ase import Atoms
+
+# cgforge md's flags that mean the same here (MDOptions fields)
+MD_FIELDS = ("ensemble", "thermostat", "temperature_K", "timestep_fs", "steps", "friction", "pressure_bar", "taut_fs",
+             "taup_fs", "compressibility_per_bar", "seed", "init_velocities")
+
+
+def add_md_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    add_file_arguments(parser, "run", "md")
+    add_arguments(parser, MD_FIELDS, {"ensemble": {"help": (
+        "nvt (--thermostat), nve (velocity Verlet) or npt (isotropic stochastic cell rescaling with the CSVR "
+        "thermostat; needs periodic 3-D cells) (default nvt)")}, "seed": {"help": (
+        "structure i's velocities and thermostat noise come from the seed SEED + i (default 0)")}})
+
+
+def _flag(key: str) -> str:
+    return OPTION_FIELDS[key]["flag"] if key in OPTION_FIELDS else key
+
+
+def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, failed: dict[int, str]
+               ) -> list[tuple[int, Atoms]]:
+    """Run ``batch`` (index in IN, atoms); a structure that fails is put in ``failed`` and the rest run again."""
+    from cgforge.plugin.batch_md import run_md_batch
+    from cgforge.plugin.runtime.batch import BatchStructureError
+
+    while batch:
+        try:
+            final = run_md_batch(calc, [a for _, a in batch], ensemble=o.ensemble, timestep_fs=o.timestep_fs,
+                                 steps=o.steps, temperature_K=None if o.ensemble == "nve" else o.temperature_K,
+                                 thermostat=o.thermostat, friction=o.friction, taut_fs=o.taut_fs,
+                                 pressure_bar=o.pressure_bar, taup_fs=o.taup_fs,
+                                 compressibility_per_bar=o.compressibility_per_bar,
+                                 seed=[o.seed + i for i, _ in batch], min_distance=min_distance)
+        except BatchStructureError as err:
+            index, _ = batch.pop(err.index)
+            failed[index] = err.reason
+            continue
+        return [(i, a) for (i, _), a in zip(batch, final, strict=True)]
+    return []
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``cgforge md-batch``: check, read, load the model, run in batches, write; the exit code (module doc)."""
+    import numpy as np
+
+    from cgforge.plugin.md.dynamics import thermalize
+    from cgforge.plugin.md.options import MDOptions, given_by_args
+
+    check_file_arguments(args)
+    o = MDOptions(**given_by_args(args), names=_flag)
+    source, out, structures, calc = open_run(args, "cgforge md-batch")
+    print(f"cgforge md-batch: {len(structures)} structures from {source} -> {out} ({o.describe()}, {o.steps} steps, "
+          f"{args.batch_size} at a time)", flush=True)
+    saved = {f"md_{k}": v for k, v in o.saved().items() if k != "seed"}
+    writer = Writer(out)
+    failed: dict[int, str] = {}
+    done = atom_steps = 0
+    start = time.perf_counter()
+    for first in range(0, len(structures), args.batch_size):
+        batch = []
+        for index in range(first, min(first + args.batch_size, len(structures))):
+            atoms = structures[index].copy()
+            if o.init_velocities or (o.init_velocities is None and not np.any(atoms.get_momenta())):
+                thermalize(atoms, o.temperature_K, np.random.default_rng(o.seed + index))  # as cgforge md's
+            batch.append((index, atoms))
+        finished = dict(_run_batch(calc, list(batch), o, args.min_distance, failed))
+        for index, atoms in batch:  # in IN's order
+            info = {**saved, "md_index": index, "md_seed": o.seed + index}
+            if index in finished:
+                writer.write(finished[index], {**info, "md_status": "done", "md_steps": o.steps})
+                done += 1
+                atom_steps += len(atoms) * o.steps
+            else:
+                print(f"cgforge md-batch: structure {index} skipped: {failed[index]}", file=sys.stderr, flush=True)
+                writer.write(structures[index], {**info, "md_status": "failed", "md_steps": 0,
+                                                 "md_error": failed[index]})
+        seconds = max(time.perf_counter() - start, 1e-9)
+        print(f"cgforge md-batch: {done + len(failed)}/{len(structures)} done ({len(failed)} failed), "
+              f"{seconds:.1f} s, {done / seconds:.2f} structures/s, {atom_steps / seconds:.3g} atom-steps/s",
+              flush=True)
+    print(f"cgforge md-batch: wrote {len(structures)} structures to {out}", flush=True)
+    if not done:
+        print(f"cgforge md-batch: error: none of the {len(structures)} structures could be run", file=sys.stderr)
+        return 1
+    return 0
