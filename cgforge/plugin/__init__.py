@@ -18,6 +18,7 @@ _EXPORTS = {
     "BatchStructureError": "batch",
     "relax_batch": "relax",
     "run_nve_batch": "batch_md",
+    "torchsim_model": "torchsim",
     "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",
