@@ -126,8 +126,9 @@ class _Model:
         """ptr (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) and the model's species input, worked out on
         the host only when the state's atomic numbers or system indices changed."""
         kept = self._layout
-        if (kept is not None and kept[0].shape == numbers.shape and len(kept[2]) == n_systems + 1
-                and torch.equal(kept[0], numbers) and torch.equal(kept[1], system_idx)):
+        if (kept is not None and kept[0].shape == numbers.shape and kept[0].device == numbers.device
+                and len(kept[2]) == n_systems + 1 and torch.equal(kept[0], numbers)
+                and torch.equal(kept[1], system_idx)):
             return kept[2], kept[3]
         owner = system_idx.detach().cpu().numpy()
         if owner.ndim != 1 or len(owner) != numbers.shape[0] or len(owner) == 0:
