@@ -90,8 +90,9 @@ SUITES: dict[str, Suite] = {
     "engine-profile": Suite("the MD engine's step: settings sweep, then its kernels", (("profile_engine.py",),)),
     "harmonics": Suite("the spherical-harmonics kernel vs e3nn's module (5k to 1 M-atom edge counts)",
                        (("bench_harmonics.py",),)),
-    "batch": Suite("many small structures (1,024 of 24-300 atoms): evaluate_batch and relax_batch vs the loop over "
-                   "cgforge's Calculator, MACE's calculator (cuEquivariance) and TorchSim where they import",
+    "batch": Suite("many small structures (1,024 of 24-300 atoms): cgforge's batched evaluation, FIRE and MD vs the "
+                   "loop over cgforge's Calculator, MACE's calculator (cuEquivariance), TorchSim + MACE "
+                   "(cuEquivariance) and TorchSim over cgforge, where they import",
                    (("bench_batch.py",),)),
     "compile": Suite("torch.compile of a water model's step: a first and a second process sharing one cache",
                      (("bench_compile.py",),)),

@@ -20,6 +20,7 @@ _EXPORTS = {
     "relax_batch": "relax",
     "run_md_batch": "batch_md",
     "run_nve_batch": "batch_md",
+    "torchsim_model": "torchsim",
     "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",
     "run_md": "md.run",
