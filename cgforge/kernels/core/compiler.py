@@ -1,19 +1,10 @@
 """CUDA C++ source -> cubin through NVRTC (ctypes), with a crash-safe disk cache.
 
-Works on a machine without a GPU or a driver: only libnvrtc is needed (the `nvidia-cuda-nvrtc` wheel
-is enough). The verbose ptxas report that NVRTC returns in its log is parsed into per-kernel
-resources (registers, spills, shared memory), so CI can check generated kernels without a GPU.
-
-Disk cache entries are written to a temporary file, fsync'ed and renamed over the final name, so a
-reader sees either nothing or a whole entry; a checksum in the header catches anything else
-(truncation by a full disk, bit rot). No lock files: concurrent writers of the same key both
-succeed, the last rename wins, and both wrote the same bytes.
-
-The environment, read here only (at each call, not at import) and by nothing else in kernels/: ``ENVIRONMENT``.
-None of the three changes a kernel's source; every tuning knob is a value (``core.tuning``).
-
-Over 450 lines on purpose: the NVRTC binding, the ptxas report and the cache share one key and
-entry format, and reading them in one file is what keeps the crash-safety argument checkable.
+Needs only libnvrtc (no GPU, no driver); the ptxas report in NVRTC's log is parsed into per-kernel resources, so
+CI checks generated kernels without a GPU. An entry is written to a temporary file, fsync'ed and renamed (a
+reader sees nothing or a whole entry); a checksum in the header catches the rest. No lock files: writers of one
+key write the same bytes. The environment (``ENVIRONMENT``) is read here only, at each call; none of it changes a
+kernel's source.
 """
 
 from __future__ import annotations
@@ -36,25 +27,10 @@ from pathlib import Path
 
 from cgforge.atomic import atomic_write
 
-__all__ = [
-    "CACHE_FORMAT_VERSION",
-    "DEFAULT_OPTIONS",
-    "CompileError",
-    "CompileResult",
-    "KernelCacheWarning",
-    "KernelResources",
-    "NvrtcUnavailableError",
-    "cache_dir",
-    "cache_entry_path",
-    "cache_key",
-    "clear_memory_cache",
-    "compile_cubin",
-    "nvrtc_available",
-    "nvrtc_library_path",
-    "nvrtc_version",
-    "parse_ptxas_report",
-    "supported_archs",
-]
+__all__ = ["CACHE_FORMAT_VERSION", "DEFAULT_OPTIONS", "CompileError", "CompileResult", "KernelCacheWarning",
+           "KernelResources", "NvrtcUnavailableError", "cache_dir", "cache_entry_path", "cache_key",
+           "clear_memory_cache", "compile_cubin", "nvrtc_available", "nvrtc_library_path", "nvrtc_version",
+           "parse_ptxas_report", "supported_archs"]
 
 # Bump when the entry layout or anything that changes the cubin for the same inputs changes.
 CACHE_FORMAT_VERSION = 1
@@ -163,6 +139,12 @@ ENVIRONMENT = {
 _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, not libnvrtc.alt
 
 
+def _libraries(pattern: str) -> list[str]:
+    """The libnvrtc files ``pattern`` matches, newest version first."""
+    found = [p for p in glob.glob(pattern, recursive=True) if _LIB_NAME_RE.match(os.path.basename(p))]
+    return sorted(found, key=_version_sort_key, reverse=True)
+
+
 def _candidate_library_paths() -> list[str]:
     candidates: list[str] = []
     override = os.environ.get("CGFORGE_NVRTC_PATH")
@@ -170,31 +152,18 @@ def _candidate_library_paths() -> list[str]:
         candidates.append(override)
     for site_dir in _site_dirs():
         nvidia = os.path.join(site_dir, "nvidia")
-        if not os.path.isdir(nvidia):
-            continue
-        # Known wheel layouts first (cu12: cuda_nvrtc/lib, cu13: cu13/lib), then anything under nvidia/.
-        for pattern in ("cuda_nvrtc/lib/libnvrtc.so*", "cu*/lib/libnvrtc.so*", "**/libnvrtc.so*"):
-            found = glob.glob(os.path.join(nvidia, pattern), recursive=True)
-            found = [p for p in found if _LIB_NAME_RE.match(os.path.basename(p))]
-            candidates += sorted(found, key=_version_sort_key, reverse=True)
+        if os.path.isdir(nvidia):
+            # Known wheel layouts first (cu12: cuda_nvrtc/lib, cu13: cu13/lib), then anything under nvidia/.
+            for pattern in ("cuda_nvrtc/lib/libnvrtc.so*", "cu*/lib/libnvrtc.so*", "**/libnvrtc.so*"):
+                candidates += _libraries(os.path.join(nvidia, pattern))
     system = ctypes.util.find_library("nvrtc")
     if system:
         candidates.append(system)
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(var)
-        if root:
-            for sub in ("lib64", "lib"):
-                found = glob.glob(os.path.join(root, sub, "libnvrtc.so*"))
-                found = [p for p in found if _LIB_NAME_RE.match(os.path.basename(p))]
-                candidates += sorted(found, key=_version_sort_key, reverse=True)
-    found = glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")
-    candidates += sorted((p for p in found if _LIB_NAME_RE.match(os.path.basename(p))),
-                         key=_version_sort_key, reverse=True)
-    unique: list[str] = []
-    for c in candidates:
-        if c not in unique:
-            unique.append(c)
-    return unique
+    for root in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"))):
+        for sub in ("lib64", "lib"):
+            candidates += _libraries(os.path.join(root, sub, "libnvrtc.so*"))
+    candidates += _libraries("/usr/local/cuda/lib64/libnvrtc.so*")
+    return list(dict.fromkeys(candidates))
 
 
 class _Nvrtc:
