@@ -2,22 +2,16 @@
 
     Y[e, c] = P_c(u_e),    u_e = v_e / max(|v_e|, 1e-12)     (``torch.nn.functional.normalize``'s rule)
 
-P_c is the homogeneous polynomial of degree l(c) that an e3nn ``SphericalHarmonics`` module (``normalize=True``)
-evaluates for its output column c, in its own convention and normalization. The coefficients are read off the
-module (``HarmonicsPolynomials.of``): a homogeneous polynomial of one degree is fixed by its values on the unit
-sphere, so a least-squares fit in FP64 on points of the sphere recovers it exactly, and the fit is then checked
-against the module on vectors of all lengths. The kernel has them as constants.
-
-Why a kernel: e3nn computes every column as a tensor of its own and ``torch.stack``s them into [E, D], a copy with
-strided writes; at 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms on an H100, twice a step
-(the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
-(benchmarks/results/lammps-2gpu-h100-20261127c/). Here one thread owns an edge: it reads 3 values and writes D
-(the backward: reads 3 + D, writes 3).
+P_c: the homogeneous polynomial of degree l(c) an e3nn ``SphericalHarmonics`` module (``normalize=True``) evaluates
+for column c, read off the module by a least-squares fit in FP64 on the unit sphere (exact for a homogeneous
+polynomial) and checked on vectors of all lengths (``HarmonicsPolynomials.of``). A thread owns an edge, where e3nn
+stacks one tensor per column. At 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms on an
+H100, twice a step (the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
+(benchmarks/results/lammps-2gpu-h100-20261127c/).
 
 Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|
-(dL/du / 1e-12 where |v| <= 1e-12, as normalize's clamp gives). Both are torch custom ops (``harmonics_eval``,
-``harmonics_vjp``) keyed by the polynomials' registered key; the second derivative goes through
-``harmonics_reference`` (torch, differentiable), as does every call off CUDA or in another dtype.
+(dL/du / 1e-12 where |v| <= 1e-12). Custom ops ``harmonics_eval`` and ``harmonics_vjp``, keyed by ``register``;
+second derivatives, calls off CUDA and other dtypes go through ``harmonics_reference``.
 """
 
 from __future__ import annotations

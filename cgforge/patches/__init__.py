@@ -4,10 +4,8 @@
     cgforge.patches.save_patched(model, "mace-cgforge.model")
     plain = cgforge.patches.unpatch(model)                                         # loadable without cgforge
 
-Each function asks the family registry (``families``: one ``Family`` object per model family) which family a
-model or file belongs to. Importing this package imports no family's code and none of cgforge's kernels
-(nequip imports it through its extension entry point, ``nequip_modifier``); ``cgforge.patches.mace`` and
-``cgforge.patches.nequip`` load on first use.
+The family registry (``families``) tells which family a model or file belongs to. Importing this package imports
+no family's code and no kernels: ``cgforge.patches.mace`` and ``cgforge.patches.nequip`` load on first use.
 """
 
 from __future__ import annotations

@@ -102,10 +102,8 @@ def existing_file(path: str | os.PathLike, what: str, expected: str) -> Path:
 def verify_checksums(path: str | os.PathLike) -> None:
     """Read every member of a zip checkpoint and check its CRC-32; a damaged file raises ValueError naming it.
 
-    torch.save files (MACE ``.model``, NequIP ``.ckpt``) and torch.package archives (``.nequip.zip``) are zip
-    files whose members carry CRC-32 checksums that torch's own reader does not check: a flipped byte in a
-    weight tensor loads silently and gives wild numbers. This reads the file once (about as long as loading
-    it). Files that are not zips (torch's pre-1.6 pickle format) have no checksums: nothing is checked.
+    torch's reader does not check the checksums (a flipped byte in a weight tensor loads silently). Files that are
+    not zips (torch's pre-1.6 format) have no checksums: nothing is checked.
     """
     path = os.fspath(path)
     try:

@@ -6,11 +6,9 @@
     family.unpatch(model); family.save(model, "plain.model", patched=False)
     adapter = family.adapter(model, device, head=None)                     # what the runtime calls
 
-This module is the one place that tells a MACE model or file from a NequIP one: everything else asks
-``family_of`` (a module), ``family_for_file`` (a path) or ``load``. A family recognises its modules and files
-without importing its package: ``cgforge.patches.nequip`` imports nequip (an optional dependency) and both
-packages import cgforge's kernels, so a family's package is imported only when one of its models is loaded,
-patched, saved or run.
+The one place that tells a MACE model or file from a NequIP one (``family_of``, ``family_for_file``, ``load``).
+A family recognises its modules and files without importing its package, which is imported only when one of its
+models is loaded, patched, saved or run.
 """
 
 from __future__ import annotations
@@ -310,17 +308,12 @@ def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device
          tuning: KernelTuning | None = None) -> torch.nn.Module:
     """A MACE or NequIP model ready to run: from a checkpoint file or an in-memory module of either family.
 
-    ``source``: a checkpoint path (the family from ``family_for_file``; ``Family.load``) or a model
-    (``Family.prepare``: patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device.
-    ``dtype``: None keeps the model's precision, ``"float32"``/``"float64"`` converts (NequIP models keep
-    their ``model_dtype``). ``patch``: cgforge's kernels (True) or the family's own code (False).
-    ``tuning``: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults;
-    ``check_tuning`` says what is refused: a tuning with ``patch=False``, and one other than the defaults for
-    a module given already patched, whose kernels keep the tuning they were built with).
-
-    A file that fails to load raises ValueError naming it (also where torch or pickle fail with another
-    error); warnings raised while loading a file (an older mace-torch's attributes upgraded, a layer kept
-    unpatched) are issued as one line naming the file, without a line of cgforge's source.
+    ``source``: a checkpoint path (``Family.load``) or a model (``Family.prepare``: patched in place). ``device``:
+    ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device. ``dtype``: None keeps the model's precision,
+    ``"float32"``/``"float64"`` converts (NequIP models keep their ``model_dtype``). ``patch``: cgforge's kernels
+    or the family's own code. ``tuning``: the ``KernelTuning`` of the kernels built (refused as ``check_tuning``
+    says, and other than the defaults for a module already patched). A file that fails to load raises ValueError
+    naming it; warnings raised while loading it are issued as one line naming the file.
     """
     check_tuning(tuning, patch)
     device, dtype = parse_device(device), parse_dtype(dtype)

@@ -1,15 +1,9 @@
 """One ``ConvGraph`` per model call, shared by every convolution layer of one model.
 
-MACE hands the same ``edge_index`` to every interaction block; NequIP hands each layer fresh views
-``edge_index[0]`` / ``edge_index[1]`` of one tensor. Either way the first layer builds the graph
-(receiver sort, CSR, transpose permutation) and the others reuse it.
-
-A caller that owns the edge tensors (cgforge's calculator) can also *pin* a graph it built itself for
-those tensors: the layers then use it across calls, nothing is built or checked per call (no host sync,
-so the model step can be captured in a CUDA graph), and the caller keeps graph and edges consistent.
-
-The same caller can say, for the duration of its call (``species``), which nodes share their attributes:
-the self-connections then work per species (``species_linear``).
+The first layer builds the graph (MACE passes one ``edge_index`` to every block, NequIP views of one tensor) and
+the others reuse it. A caller that owns the edge tensors (cgforge's calculator) can *pin* a graph it built: the
+layers use it across calls with nothing built or checked per call (capturable in a CUDA graph), and the caller
+keeps graph and edges consistent. It can also say, per call, which nodes share attributes (``species``).
 """
 
 from __future__ import annotations
@@ -28,14 +22,9 @@ __all__ = ["CallGraphCache", "graph_caches"]
 
 
 class CallGraphCache:
-    """A hit needs the same base tensors (held here, so their ids cannot be recycled), the same view
-    layout, unchanged in-place version counters and the same node count. The cache is also registered
-    as a forward pre-hook of the model and emptied at the start of every call, so a graph never
-    outlives a call (inference tensors have no version counter). Not thread-safe.
-
-    A pinned graph (``pin``) is matched by base tensors, view layout and node count only (no version
-    check: its owner refills the edge tensors in place and rebuilds the graph with them), and survives
-    the per-call reset until ``unpin``.
+    """A hit needs the same base tensors (held here, so their ids cannot be recycled), view layout, in-place versions
+    and node count. Registered as the model's forward pre-hook, emptied at the start of every call. Not thread-safe.
+    A pinned graph (``pin``) is matched without the version check and survives the reset until ``unpin``.
     """
 
     def __init__(self) -> None:

@@ -1,22 +1,16 @@
 """Optional TF32 tensor-core products in the radial MLPs (FP32 unless asked for).
 
-The radial MLPs turn each edge's length basis into the convolution's weights: [E, 64] x [64, 1280] for
-MACE-MP-medium, [E, 128] x [128, 768] for NequIP M, forward and again backward. In FP32 without tensor cores
-these GEMMs are a third of a 5184-atom water step on an H100. Two cheaper modes, never on by default:
+In FP32 without tensor cores these GEMMs are a third of a 5184-atom water step on an H100. Two cheaper modes,
+never on by default:
 
-- ``"tf32"``: both products (forward, and the backward's ``grad @ W^T``) on TF32 tensor cores, whose
-  operands keep a 10-bit mantissa. On the bundled water models (CPU emulation of TF32 rounding) that moves
-  the forces by 3-5e-4 relative: more than the 1e-4 the calculator accepts.
-- ``"3xtf32"``: the forward product split as a_hi b_hi + a_hi b_lo + a_lo b_hi (hi = the TF32 rounding,
-  lo = the rest), one TF32 GEMM over the three stacked along K: FP32-level accuracy (3e-7 relative on the
-  forces, emulated) for 3x the tensor-core work and a [E, 3K] copy of the input. Only for products wide
-  enough to be compute-bound in FP32 (K >= 32 and N >= 2K: MACE's [64, 1280] and [64, 512], NequIP's
-  [128, 768]); narrower ones are memory-bound and stay FP32. The backward product stays FP32: its large
-  operand (the weights' gradient, [E, 1280]) would have to be split in memory, which costs more than it saves.
+- ``"tf32"``: both products on TF32 tensor cores (10-bit mantissa). On the bundled water models (CPU emulation of
+  TF32 rounding) that moves the forces by 3-5e-4 relative: more than the 1e-4 the calculator accepts.
+- ``"3xtf32"``: the forward product as a_hi b_hi + a_hi b_lo + a_lo b_hi (hi = the TF32 rounding), one TF32 GEMM
+  over the three stacked along K: FP32-level accuracy (3e-7 relative on the forces, emulated). Only for products
+  wide enough to be compute-bound (K >= 32 and N >= 2K); the backward stays FP32.
 
-The calculator measures the change of the forces before it keeps a mode (``Calculator(radial_precision=...)``).
-Only the radial MLP layers of patched models take part: MACE's ``FoldedMLP`` stand-ins and, in NequIP, the
-linear layers of each ``edge_mlp`` (``RadialLinear``). ``set_radial_precision(model, mode)`` sets them all.
+The calculator measures the change of the forces before it keeps a mode. Only the radial MLP layers of patched
+models take part (MACE's ``FoldedMLP``, NequIP's ``RadialLinear``); ``set_radial_precision`` sets them all.
 """
 
 from __future__ import annotations

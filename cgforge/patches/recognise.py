@@ -1,8 +1,5 @@
 """Which family a model module belongs to, told from the object alone (no family package is imported), and
 what a file given as a checkpoint holds instead when it is none (``other_file_kind``).
-
-The registry (``families.py``) builds on these, and the family packages check their arguments with them;
-they live apart from both so that neither imports the other.
 """
 
 from __future__ import annotations

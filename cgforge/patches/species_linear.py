@@ -1,17 +1,13 @@
 """Self-connections whose second input depends on the species only: one linear map per species.
 
-MACE's ``skip_tp`` and NequIP's ``sc`` are e3nn ``FullyConnectedTensorProduct``s of the node features x with
-the node attributes a (MACE: the one-hot element; NequIP: an embedding of the atom type)::
+MACE's ``skip_tp`` and NequIP's ``sc`` are e3nn ``FullyConnectedTensorProduct``s of node features x with node
+attributes a::
 
     out[n, w] = sum over paths of  pw * sum_{u, v} W[u, v, w] x[n, u] a[n, v]     (a scalar: l = 0)
 
-e3nn forms the outer product x (x) a ([N, u*v], 11,392 wide for MACE-MP) and multiplies it by W: u*v*w
-multiply-adds per node and path, forward and backward again. When every node of one species has the same
-attributes, the sum over v can be done once per species, M_s = pw * sum_v a_s[v] W[:, v, :], leaving
-out[n] = x[n] M_s(n): u*w per node, 89x (MACE-MP) or 32x (NequIP) less work, and no outer product.
-
-Which nodes share their attributes is known only to whoever built the inputs. cgforge's calculator says so
-for its own calls (``CallGraphCache.species``); every other call takes e3nn's own path, unchanged.
+Where every node of a species has the same attributes, M_s = pw * sum_v a_s[v] W[:, v, :] once per species leaves
+out[n] = x[n] M_s(n): no outer product, v times fewer multiply-adds. Only the caller knows which nodes share
+attributes: cgforge's calculator says so (``CallGraphCache.species``); every other call takes e3nn's path.
 """
 
 from __future__ import annotations

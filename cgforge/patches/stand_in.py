@@ -1,21 +1,11 @@
 """One protocol for every module cgforge swaps into a model, one walker, one self-check policy.
 
-The stand-ins: ``SplitLinear`` and ``FoldedMLP`` (e3nn_layers), ``RadialLinear`` (radial_precision),
-``SpeciesSelfConnection`` (species_linear), ``KernelHarmonics`` (harmonics), ``FusedGate`` (gate),
-``FusedConvTP`` and ``FusedSymmetricContraction`` (mace) and ``CgforgeTensorProductScatter`` (nequip). Each is a
-``StandIn``:
-
-- it holds the original's tensors (and, where it adopts them, its submodules: the same objects) under the
-  original's names, so its state_dict is the original's own (``torch_internals.adopt``);
-- it keeps the original in ``original``, a one-element tuple: not a submodule, not in the state_dict;
-- ``restore()`` gives the original back with the stand-in's current tensors (``torch_internals.give_back``);
-- ``self_check(generator)`` returns (stand-in output, original output) on a small random input.
-
-The policy, the same for all (``checked``): a candidate is run against its original at patch time; one
-whose output differs (beyond 1e-10 in float64, 1e-4 in float32, relative to the largest value) or that
-raises is refused with a warning naming the module and the error, and the original stays. The walker
-(``swap_in``) makes every candidate first (a maker may raise, e.g. ``UnsupportedModelError``: nothing has
-changed yet), then checks and swaps each; ``swap_out`` restores every stand-in of the given kinds.
+A ``StandIn`` holds the original's tensors (and adopted submodules) under the original's names, so its state_dict
+is the original's (``torch_internals.adopt``); keeps the original in ``original`` (a one-element tuple, not a
+submodule); gives it back with its current tensors (``restore``); and returns (its output, the original's) on a
+small random input (``self_check``). ``checked``: a candidate whose output differs (beyond 1e-10 in float64, 1e-4
+in float32, relative) or that raises is refused with a warning, and the original stays. ``swap_in`` makes every
+candidate first (a maker may raise: nothing changed yet), then checks and swaps; ``swap_out`` restores.
 """
 
 from __future__ import annotations

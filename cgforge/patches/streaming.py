@@ -1,18 +1,10 @@
 """Streaming edges, shared by the model families: per-edge values deferred into the convolution.
 
-A message-passing layer computes its tensor-product weights for every edge (``radial(edge_features)``,
-[E, weight_numel]) and hands them to the convolution. While streaming, the layer's radial MLP is a
-``DeferredRadial`` stand-in that returns ``DeferredWeights`` (the MLP, its input and an optional per-edge
-scale, nothing computed); the family's patched convolution recognises it and calls ``stream``, which hands
-``kernels.streaming_edge_convolution`` the edge inputs and the function that makes (y, weights) from a chunk
-of them: the weights are made and consumed chunk by chunk, forward and backward.
-
-A family may defer more: the spherical harmonics and the radial basis themselves (``EdgeRows``: a per-edge
-value given as a function of per-edge tensors, e.g. the edge vectors and lengths). Then the convolution's
-only per-edge inputs are those tensors, everything between them and the weights is recomputed per chunk,
-and autograd keeps nothing of it for the backward (``Deferred`` stand-ins make such values; MACE's are in
-``mace/streaming.py``). Stand-ins adopt the original's submodules under their own names, so the state_dict
-is unchanged.
+While streaming, a layer's radial MLP is a ``DeferredRadial`` returning ``DeferredWeights`` (MLP, input, optional
+scale; nothing computed); the family's convolution calls ``stream``, which makes the weights chunk by chunk
+(``kernels.streaming_edge_convolution``). A family may defer the harmonics and radial basis too (``EdgeRows``: a
+per-edge value as a function of per-edge tensors), recomputed per chunk so autograd keeps none of it. The
+stand-ins adopt the originals' submodules: the state_dict is unchanged.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The fused convolution with its weights read from a radial table: out[i] = sum over edges e into i of
 TP(x[sender e], y_e, W(r_e)), W a cubic table of the edge length (``kernels.radial_table``).
 
-The kernels are the convolution's own (the same generated program, ``Layout.table``): each edge finds its
-interval of the table once and evaluates each weight's cubic where the plain kernels read W[e]; the backward
-accumulates dL/dr_e = sum_j dL/dW_j W_j'(r_e) per edge where they write grad W. So no [E, weight_numel] tensor
-is written or read, forward or backward (a layer's table is [intervals, weight_numel, 4], read from L2).
-
-The backward op's derivatives are written with the plain ops (``radial_table_eval``/``_dot``, ``conv_forward``/
-``conv_backward``), each differentiable to any order: second derivatives are for force Jacobians and training,
-MD needs the first. Off CUDA both ops are the composition W = W(r), then the plain convolution, in torch.
+The convolution's own kernels (``Layout.table``) evaluate each weight's cubic where the plain ones read W[e], and
+the backward accumulates dL/dr_e where they write grad W: no [E, weight_numel] tensor either way. The backward's
+derivatives are written with the plain ops, differentiable to any order; off CUDA the ops are torch.
 """
 
 from __future__ import annotations

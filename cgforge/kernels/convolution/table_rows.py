@@ -2,25 +2,12 @@
 
     out = out_fn(conv(x, y, W(r)))      out_fn: an affine map of each row (e.g. the layer's next linear)
 
-A message-passing block's convolution output is often its widest per-node tensor (MACE-MP-medium's second
-layer: [N, 5120], 21 GB at a million atoms) and the linear right after it narrows it ([N, 2048]). Here the
-kernels write one range of receiver rows at a time, ``out_fn`` maps that range and the wide rows are dropped: in
-the forward they exist one chunk at a time. The kernels need no copy of the graph for a range: they take the
-CSR row pointer sliced to it and read absolute edge positions (and edge ids through ``perm``). Nothing is read
-on the host, so the step stays capturable in a CUDA graph, and every row is summed in the whole graph's order.
-
-The backward forms the convolution's gradient once, out_fn's transpose applied chunk by chunk (the
-vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
-runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
-
-With the tuning's ``backward_range_bytes`` set (``TPTuning``; off: measured on an H100 it did not pay, see
-``_backward_ranges``), a first-order
-backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward
-kernel walks, per range, the sender-major CSR of just the edges whose receiver lies in the range
-(``transposed_range``: the whole transposed order masked, built on the device, capturable), reading the range's
-gradient rows through receiver - r0. Each edge belongs to one range, so its grad y and grad r are written once;
-grad x is the sum of the ranges' parts in range order (deterministic; rounded differently from the whole graph's
-single sum).
+The kernels write one range of receiver rows at a time (the CSR row pointer sliced to it, nothing read on the
+host) and ``out_fn`` maps it: the wide rows exist one chunk at a time, each summed in the whole graph's order.
+The backward forms the convolution's gradient once (out_fn's transpose per chunk) and runs the table backward
+over the whole graph; both are differentiable ops. With ``TPTuning.backward_range_bytes`` a first-order backward
+forms that gradient per range of receiver rows too, walking the sender-major CSR of the range's edges
+(``transposed_range``); grad x is then the sum of the ranges' parts in range order (deterministic).
 """
 
 from __future__ import annotations

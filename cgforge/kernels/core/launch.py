@@ -1,8 +1,5 @@
 """Launch arithmetic every op shares: grid sizes, the device facts they read, and the double-backward rule of a
-trilinear op.
-
-One warp runs one row; the generated kernels loop over rows with a grid stride (64-bit row index), so a grid
-smaller than the rows never drops any: it runs more rows per warp.
+trilinear op. The generated kernels loop over rows with a grid stride, so a small grid drops no row.
 """
 
 from __future__ import annotations

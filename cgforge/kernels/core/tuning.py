@@ -1,10 +1,5 @@
-"""Tuning values: every knob of the kernels as plain frozen dataclasses, passed down as values.
-
-The one configuration path of the kernels: a module takes ``tuning=`` (``TensorProduct``, ``Convolution``,
-``SymmetricContractionBase`` and the stand-ins the patches build, through ``cgforge.patches.patch(..., tuning=)``);
-without one it runs the defaults, today's measured behaviour. Nothing here reads the environment: no
-environment variable changes a kernel (``core.compiler`` reads the three that say where and whether the compiled
-kernels are cached and which NVRTC library to load, none of which changes a kernel's source).
+"""Tuning values: every knob of the kernels as plain frozen dataclasses, passed down as ``tuning=`` (None: the
+defaults). Nothing here reads the environment, and no environment variable changes a kernel.
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 
     W_j(r) = c[i, j, 0] + c[i, j, 1] t + c[i, j, 2] t^2 + c[i, j, 3] t^3,    i = floor(r / h), t = r / h - i
 
-on N intervals of width h = r_max / N. The values and first derivatives at the knots are the function's
-own (FP64, forward-mode autodiff), so the table is C1 and its error falls as h^4 (h^3 for the
-derivative). The error is measured, not assumed: at a quarter, half and three quarters of every interval
-the table is compared with the function, and N doubles until the largest difference, over the largest
-magnitude of the function (of its derivative, for the slopes), is within ``tol``.
-
-The table is C1: energies and forces are smooth, but the second derivative (a force Jacobian, a Hessian) jumps
-at the knots by O(h^2) of itself (~1e-5 relative at tol 1e-7, ~1e-7 at tol 1e-10): ask for a finer table when
-second derivatives matter.
+on N intervals of width h = r_max / N, with the function's own values and derivatives at the knots (FP64,
+forward-mode autodiff): C1, error ~ h^4. N doubles until the largest difference at a quarter, half and three
+quarters of every interval, relative to the function's largest magnitude (its derivative's, for the slopes), is
+within ``tol``. The second derivative jumps at the knots by O(h^2) (~1e-5 relative at tol 1e-7, ~1e-7 at tol
+1e-10): ask for a finer table when second derivatives matter.
 """
 
 from __future__ import annotations

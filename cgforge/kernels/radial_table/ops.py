@@ -2,20 +2,14 @@
 
     radial_table(r, coeffs, r_max)[e, j] = W_j(r_e)          r [E], coeffs [N, C, 4] -> [E, C]
 
-Two ops, each differentiable again, so forces (first derivatives in r) and their derivatives work:
-``radial_table_eval`` (the table or its k-th derivative in r, [E, C]) and ``radial_table_dot``
-(sum_j g[e, j] d^k W_j / dr^k (r_e), [E]: the backward, which never forms the derivative table for all
-edges). r is clamped into [0, r_max], where the table is defined: the values hold their end values
-outside, the derivatives are zero there (what the clamp's derivative is), and a NaN length gives NaN.
-
-CUDA: one warp per edge, lanes over the columns; each column's four coefficients are one 16-byte load
-([N, C, 4] layout), so an edge reads 4x the bytes it writes, from L2 (a table is a few MB). For wide tables
-(``SORT_MIN_COLUMNS``; the ops' ``by_length`` argument: -1 this rule, 0 never, 1 always) the kernels visit the
-edges in order of length (one argsort per call): a block takes
-a run of consecutive lengths, whose edges share an interval or two, and reads their coefficients from L1.
-H100, 436,566 edges (``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges'
-own order (writing [E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms
-does not pay). The dot product's lanes' partial sums meet in a fixed butterfly: the same result every run.
+``radial_table_eval`` (the table or its k-th derivative, [E, C]) and ``radial_table_dot`` (sum_j g[e, j]
+d^k W_j / dr^k (r_e), [E]: the backward), each differentiable again. r is clamped into [0, r_max] (end values
+outside, zero derivatives there; NaN stays NaN). CUDA: a warp per edge, lanes over columns, a column's four
+coefficients one 16-byte load. Wide tables (``SORT_MIN_COLUMNS``; ``by_length``: -1 this rule, 0 never, 1 always)
+visit the edges in order of length, so a block's edges share intervals in L1. H100, 436,566 edges
+(``benchmarks/bench_radial_table.py``): 1280 columns 1.53 ms sorted vs 2.00 in the edges' own order (writing
+[E, C] once: 0.76); 224 columns 0.30 ms own order vs 0.43 sorted (the sort's ~0.15 ms does not pay). The dot
+product's partial sums meet in a fixed butterfly: the same result every run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """torch.library custom ops for the symmetric contraction, and the registry of its plans.
 
-``sc_forward(x, species, wp, key)`` and ``sc_backward(x, species, wp, g, key, need_gx, need_gw)`` take
-the transformed weights W' (see schedule); the module computes W' = A W with torch ops, so
-autograd carries grad W' back to MACE's weights. CUDA tensors run the generated kernels, others the
-torch interpreter of the schedule. The backward op is differentiable too (forces in a training loss):
-its derivative is taken through the interpreter, correct and slower than the kernels.
+``sc_forward(x, species, wp, key)`` and ``sc_backward(x, species, wp, g, key, need_gx, need_gw)`` take the
+transformed weights W' (the module forms W' = A W with torch ops). CUDA tensors run the generated kernels, others
+the torch interpreter; the backward op's own derivative goes through the interpreter.
 """
 
 from __future__ import annotations

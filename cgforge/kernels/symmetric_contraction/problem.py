@@ -1,14 +1,10 @@
-"""The symmetric-contraction problem (a product basis) as plain values.
-
-For every atom b (species e) and channel c, output irrep o (dimension d_o) is
+"""The symmetric-contraction problem (a product basis) as plain values: for atom b (species e), channel c, output o
 
     out_o[b, c, M] = sum_{nu=1..corr} sum_k W_{o,nu}[e, k, c] * sum_{i1..inu} U_{o,nu}[M, i1..inu, k]
                      * x[b, c, i1] * ... * x[b, c, inu]
 
-with x[b, c, :] one channel of the node features across all input irreps (dimension D). The U tensors
-are values given by the caller (float64 numpy, always with the output axis, also for d_o = 1): the
-problem knows no model. MACE's U tensors and weight layout live in cgforge/patches/mace/
-(``symmetric_contraction.py``).
+with x[b, c, :] one channel of the node features (dimension D); the U tensors are given by the caller (float64,
+always with the output axis).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The symmetric contraction as straight-line statements for one (atom, channel).
+"""The symmetric contraction as straight-line statements (core.ir) for one (atom, channel).
 
-Each statement (core.ir) is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on scalar variables: inputs ``x{k}``
-(the channel's D features), ``w{r}`` (its species' transformed weights), ``g{o}_{M}`` (grad of the
-outputs); results ``o{o}_{M}`` (forward), ``gx{k}`` and ``gw{r}`` (backward). The template prints them
-verbatim and ``core.ir.evaluate`` runs them with NumPy, so CI checks the generated code's arithmetic.
-
-Backward is written by hand at the level of nodes and groups (not a mechanical reverse of the forward
-statements) so it keeps few values alive: nodes are recomputed, each group's Z is recomputed, and the
-adjoints of nodes are accumulated and pushed back through the couplings in reverse order.
+Inputs ``x{k}``, ``w{r}`` (transformed weights), ``g{o}_{M}`` (grad out); results ``o{o}_{M}``, ``gx{k}``,
+``gw{r}``. The backward is written per node and group, not as a reverse of the forward statements: nodes and Zs
+are recomputed and node adjoints pushed back in reverse order, so few values stay alive.
 """
 
 from __future__ import annotations

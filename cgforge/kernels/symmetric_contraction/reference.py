@@ -1,9 +1,6 @@
-"""Two torch evaluations of a symmetric contraction.
-
-``reference_sc``: the definition, straight from MACE's dense U tensors and MACE's weights (no basis
-change); the oracle of the tests. ``interpret_sc``: the schedule (its basis chains and transformed
-weights W'), vectorised over atoms and channels; the CPU path of the ops and the double-backward
-fallback. Both are plain differentiable torch code on any device.
+"""Two differentiable torch evaluations of a symmetric contraction: ``reference_sc``, the definition from dense U
+and MACE's weights (the tests' oracle), and ``interpret_sc``, the schedule's basis chains over W' (the CPU path
+and the double-backward fallback).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Static schedule of a tensor product for the generated kernels: plain values.
 
-One warp computes one row (a batch row, or one node of a convolution). Lanes own channels.
-
-Forward: segments group the instructions by output irrep and split its channels into chunks;
-a lane owns output channels c0 + lane + 32*j and keeps their accumulators in registers, so every
-output element is written exactly once. Backward: segments group by in1 irrep (lanes own in1
-channels) so grad x accumulates in registers the same way; grad W is owned per term; grad y is
-reduced across the warp.
-
-Per segment, the operands the lanes read repeatedly are staged in shared memory with coalesced
-copies (`Load`, each naming its source tensor): the in1 slices (and, backward, the grad-out slices),
-and the whole in2 row. Offsets here are in elements of one warp's shared-memory window.
-
-The tuning value (`core.tuning.TPTuning`: chunks, loop order, the knobs below) is a field of the schedule.
+A warp computes one row (a batch row or a convolution's node); lanes own channels. Forward segments group the
+instructions by output irrep, a chunk of its channels each, accumulated in registers; backward segments group by
+in1 irrep (grad x in registers, grad W per term, grad y reduced over the warp). Each segment's operands are staged
+in shared memory (``Load``); offsets are in elements of one warp's window.
 """
 
 from __future__ import annotations
@@ -141,10 +132,6 @@ class Schedule:
             return "segments"
         words = sum(s.lane_iters * s.dim for s in self.forward) * max(self.itemsize // 4, 1)
         return "edges" if words <= EDGES_FORWARD_WORDS else "segments"
-
-    @property
-    def in2_dim(self) -> int:
-        return self.problem.irreps_in2.dim
 
     @property
     def smem_per_warp(self) -> int:
@@ -363,11 +350,11 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
-         warps_per_block: int, stacked_order: str | None = None) -> tuple[list[Segment], Launch]:
+         warps_per_block: int) -> tuple[list[Segment], Launch]:
     if chunk < WARP or chunk % WARP:
         raise ValueError(f"max_chunk must be a positive multiple of {WARP}, got {chunk}")
     while True:
-        segments, peak = _segments(problem, chunk, y_dim, backward, stacked_order)
+        segments, peak = _segments(problem, chunk, y_dim, backward)
         per_warp = max(peak, y_dim)
         for wpb in (warps_per_block, 2, 1):
             if per_warp * itemsize * wpb <= smem_bytes_per_block:

@@ -1,26 +1,14 @@
 """The calculator's adapter for MACE models, and whether edges beyond the cutoff are inert.
 
-``MaceAdapter`` turns (edge vectors, edges, species) into the energy of a MACE model with no data objects:
-the dict ``MACE.forward`` takes (``node_attrs`` one-hot over ``model.atomic_numbers``, ``edge_index`` =
-[sender, receiver], ``batch``, ``ptr``, ``head``, ...), called with every force/stress option off: the model
-returns the energy only and the calculator differentiates it. MACE computes ``vector = positions[receiver] -
-positions[sender] + shifts`` itself; it gets ``positions`` = zeros and ``shifts`` = the calculator's edge
-vectors, so the vectors are exactly ours and the model's gathers of ``positions`` (advanced indexing, whose
-backward is a sort-based accumulation) sit off the gradient path. The protocol it follows is
-``cgforge.plugin.runtime.adapters.ModelAdapter``.
+``MaceAdapter`` calls the model on the dict ``MACE.forward`` takes, every force/stress option off (the calculator
+differentiates the energy), with ``positions`` = zeros and ``shifts`` = the calculator's edge vectors: the vectors
+are exactly ours and MACE's position gathers sit off the gradient path (``ModelAdapter`` protocol).
 
-``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from the code of
-mace-torch 0.3.16:
-
-- MACE: ``PolynomialCutoff`` returns ``envelope * (r < r_max)``: exactly 0 at and beyond r_max, and so is its
-  derivative (the mask's derivative is 0, the envelope stays finite). ``RadialEmbeddingBlock`` either
-  multiplies the radial basis by it (``apply_cutoff`` True, the default: edge features 0) or hands it to the
-  interaction blocks, which multiply the convolution weights (and edge densities) by it. With zero edge
-  features the weights are ``MLP(0)``: zero only for a bias-free MLP whose activation vanishes at 0 (e3nn's
-  ``FullyConnectedNet`` with SiLU), checked here by evaluating the MLP at 0. Blocks whose radial MLP also
-  reads node features (attention, non-linear) are inert only with ``apply_cutoff`` False. ZBL pair repulsion
-  carries the same polynomial envelope (at the covalent-radii sum). A zero weight makes the convolution's
-  message and its derivative with respect to the spherical harmonics exactly zero.
+``inert_beyond_cutoff``, read from mace-torch 0.3.16: ``PolynomialCutoff`` is ``envelope * (r < r_max)``, zero
+with its derivative at and beyond r_max; it multiplies the radial basis (``apply_cutoff``, the default) or the
+blocks' weights. Zero edge features give weights ``MLP(0)``, zero for a bias-free MLP whose activation vanishes
+at 0 (checked by evaluating it). Blocks whose radial MLP reads node features are inert only without
+``apply_cutoff``; ZBL carries the same envelope.
 """
 
 from __future__ import annotations

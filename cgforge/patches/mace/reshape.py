@@ -1,14 +1,10 @@
 """MACE's ``reshape_irreps`` ([N, sum mul * d] in e3nn's mul_ir order -> [N, mul, sum d]) with a lean backward.
 
-MACE slices its input irrep by irrep, reshapes each slice and concatenates them. Autograd turns each slice
-into a zero-filled full-width gradient and adds them up, and each reshape of a strided gradient into a copy:
-in MACE-MP-medium's two interaction blocks, on [N, 2048] rows, about 80 KiB per atom of memory traffic a force
-call (copy_traffic.py, in git history at 16a1f98). Here the forward is MACE's concatenation and the backward writes each
-irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
-``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
-permuted columns was tried first: 13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26).
-Under torch.compile the reshape is MACE's plain ops (``_to_columns``): Inductor fuses their backward itself, and an
-autograd.Function in the graph would keep AOTAutograd from caching the compiled graph across processes.
+The forward is MACE's concatenation; the backward writes each irrep's gradient block once into one tensor
+(``IrrepsToColumns`` and ``ColumnsToIrreps``, each the other's backward: differentiable to any order), where
+autograd adds zero-filled full-width gradients. A single ``index_select`` of the permuted columns was tried first:
+13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26). Under torch.compile it is MACE's plain
+ops (``_to_columns``), which Inductor fuses and AOTAutograd can cache.
 """
 
 from __future__ import annotations

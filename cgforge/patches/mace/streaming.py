@@ -1,27 +1,11 @@
 """Streaming edges in patched MACE models: the edge geometry and the radial MLP run inside the convolution.
 
-A MACE interaction block computes ``tp_weights = conv_tp_weights(edge_feats)`` ([E, weight_numel],
-1.8 GB per MACE-MP-medium layer at 436k edges), optionally ``tp_weights * cutoff``, and hands it to
-``conv_tp``. With streaming on, ``conv_tp_weights`` is a ``DeferredRadial`` stand-in that returns a
-``DeferredWeights`` value (the MLP, its input and the per-edge scale, nothing computed), and the
-patched ``conv_tp`` (``FusedConvTP``) recognises it and streams (``patches.streaming.stream``): the weights
-are made and consumed per chunk of edges, forward and backward.
-
-The block's ``linear`` (right after the convolution) runs inside the convolution too, per chunk of output
-rows (``AppliedLinear`` passes the tagged result through): MACE-MP-medium's convolution output, [N, 5120],
-the widest per-atom tensor of the model, never exists for all atoms in the forward.
-
-When every interaction block streams, the model's spherical harmonics and radial embedding are deferred
-too (``DeferredSphericalHarmonics``, ``DeferredRadialEmbedding``: ``EdgeRows`` of the edge vectors and
-lengths): each chunk recomputes them from the vectors and lengths, so autograd keeps only those two per
-edge (16 bytes in FP32) instead of the harmonics, the radial basis and their intermediates (~350 bytes).
-MACE's forward passes ``edge_attrs``, ``edge_feats`` and ``cutoff`` only to the interaction blocks (read
-from mace-torch 0.3.16's ``MACE`` and ``ScaleShiftMACE``), so nothing else sees the deferred values; a
-radial embedding with a distance transform (which reads node attributes) keeps the stored geometry.
-
-Only the blocks whose forward uses ``tp_weights`` solely as ``conv_tp``'s weights (optionally times the
-cutoff) stream (``STREAMING_INTERACTIONS``); the others keep the stored path. The state_dict is
-unchanged: the stand-ins adopt the originals' submodules under their own names.
+With streaming on, ``conv_tp_weights`` is a ``DeferredRadial`` returning ``DeferredWeights`` (nothing computed),
+which ``FusedConvTP`` streams (``patches.streaming.stream``): the weights are made per chunk of edges, and the
+block's ``linear`` runs per chunk of output rows (``AppliedLinear``). When every block streams, the harmonics and
+radial embedding are deferred too (``EdgeRows`` of vectors and lengths, recomputed per chunk): MACE's forward
+passes them only to the blocks (mace-torch 0.3.16). Only ``STREAMING_INTERACTIONS`` stream; a radial embedding
+with a distance transform keeps the stored geometry. The state_dict is unchanged.
 """
 
 from __future__ import annotations

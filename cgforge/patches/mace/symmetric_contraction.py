@@ -1,17 +1,9 @@
 """MACE's symmetric contraction (mace-torch 0.3.16) over cgforge's kernels: its U tensors and state-dict layout.
 
-``SymmetricContraction`` has the call of ``mace.modules.SymmetricContraction``: ``forward(x [N, C, D],
-species)`` with x one channel-major block of node features (what ``EquivariantProductBasisBlock``
-passes) and species a one-hot (MACE's node_attrs) or an integer index [N]; returns
-[N, sum_o C * (2 l_o + 1)]. The state_dict is MACE's: ``contractions.{o}.weights_max`` [E, K, C] (the
-highest degree), ``contractions.{o}.weights.{j}`` (degree correlation - 1 - j), the U tensors
-``contractions.{o}.U_matrix_{nu}`` and the zeroed flags, in MACE's order, so state dicts move between
-the two freely. The kernels, the weight transform and the checks of x and species are the model-agnostic
-``cgforge.kernels.symmetric_contraction.SymmetricContractionBase``; this module supplies the problem
-(MACE's U tensors, computed here from their definition or read from a MACE module) and the weights.
-
-``cgforge.patches.mace.SymmetricContraction`` is the public name (kernels/ knows no model and names nothing
-here).
+``SymmetricContraction`` has ``mace.modules.SymmetricContraction``'s call (``forward(x [N, C, D], species)``,
+species one-hot or indices) and state_dict (``contractions.{o}.weights_max``, ``.weights.{j}``, the U tensors and
+flags, in MACE's order). The kernels and checks are ``SymmetricContractionBase``'s; this module supplies the
+problem (U computed from its definition or read from a MACE module) and the weights.
 """
 
 from __future__ import annotations

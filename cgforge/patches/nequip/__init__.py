@@ -1,22 +1,7 @@
-"""Everything cgforge knows about NequIP (nequip >= 0.19), one module per job.
-
-- ``files``: recognising ``.ckpt`` / ``.nequip.zip`` (and refusing compiled models), reading them unpatched;
-- ``conv``: NequIP's convolution (``TensorProductScatter``) and cgforge's ``CgforgeTensorProductScatter``;
-- ``patch``: patch / unpatch a model, the ``enable_cgforge`` model modifier;
-- ``verify``: a patched model against the plain one on a small structure;
-- ``load``: ``load_nequip`` (files -> patch -> verify);
-- ``package``: ``save_patched_nequip``, the ``.nequip.zip`` writer;
-- ``streaming``: the edge MLPs inside the convolution, per chunk of edges (``set_streaming``);
-- ``radial_table``: each block's weights read from a table of the edge length (``set_radial_table``);
-- ``modules``: the nequip modules cgforge has read, by class name;
-- ``adapter``: the calculator's ``NequipAdapter`` and the inert-edge check.
-
-Three ways in: the ``enable_cgforge`` model modifier (registered by ``cgforge.patches.nequip_modifier``
-through nequip's ``nequip.extension`` entry point), ``load_nequip(path)``, and ``save_patched_nequip``.
-The names below are the package's API; the family registry (``cgforge.patches.families.NEQUIP``) calls
-``load_nequip``, ``check_dtype``, ``patch``, ``unpatch``, ``is_patched`` and ``save_patched_nequip``. The class
-paths patched packages name are listed, and tested, in ``cgforge._moved.PICKLED_CLASSES``. The name ``patch``
-here is the function; the module is ``cgforge.patches.nequip.patch`` in ``sys.modules``.
+"""Everything cgforge knows about NequIP (nequip >= 0.19), one module per job: ``files`` (recognise and read
+checkpoints), ``conv`` (the convolution stand-in), ``patch`` (and the ``enable_cgforge`` modifier), ``verify``,
+``load``, ``package`` (the ``.nequip.zip`` writer), ``streaming``, ``radial_table``, ``modules`` (the classes read,
+by name), ``adapter`` (the calculator's). The class paths patched packages name: ``cgforge._moved.PICKLED_CLASSES``.
 """
 
 from ..common import UnsupportedModelError

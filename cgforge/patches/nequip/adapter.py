@@ -1,18 +1,12 @@
 """The calculator's adapter for NequIP models, and whether edges beyond the cutoff are inert.
 
-``NequipAdapter`` builds an AtomicDataDict with ``edge_vectors`` already filled in and gives it to the energy
-model inside the ``ForceStressOutput`` wrapper (whose own displacement/stress machinery is skipped); the
-calculator differentiates the energy. The protocol it follows is ``cgforge.plugin.runtime.adapters.ModelAdapter``.
-This module imports no nequip code (packaged models carry their own classes: matched by name).
+``NequipAdapter`` gives the energy model (inside ``ForceStressOutput``, whose stress machinery is skipped) an
+AtomicDataDict with ``edge_vectors`` filled in; the calculator differentiates the energy. Imports no nequip code.
 
-``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from nequip 0.19:
-
-- NequIP: ``BesselEdgeLengthEncoding`` multiplies the basis by nequip's ``PolynomialCutoff``
-  (``out * (x < 1)``, x = r / r_max per edge type); each ``InteractionBlock`` weights its convolution with
-  ``edge_mlp(edge embedding)``, a bias-free MLP (checked at 0 here); ZBL and Lennard-Jones terms multiply by
-  the same cutoff. The energy model is checked module by module against this list; anything else is
-  "not known", and the calculator filters. Radial tables (``radial_table.py``) are looked through: a block's
-  table of x = r / r_max holds its end value edge_mlp(0) = 0 for x >= 1, to the rounding of its last cubic.
+``inert_beyond_cutoff``, read from nequip 0.19: the edge embedding is multiplied by ``PolynomialCutoff``
+(``out * (x < 1)``), each block weights its convolution with a bias-free ``edge_mlp`` (checked at 0), ZBL and
+Lennard-Jones multiply by the same cutoff; any other module is "not known". A radial table holds edge_mlp(0) = 0
+for x >= 1, to the rounding of its last cubic.
 """
 
 from __future__ import annotations

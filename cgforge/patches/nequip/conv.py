@@ -1,16 +1,12 @@
 """NequIP's convolution and cgforge's stand-in for it.
 
-Every NequIP convolution is a ``nequip.nn._tp_scatter_base.TensorProductScatter``::
+Every NequIP convolution is a ``TensorProductScatter``::
 
     forward(x, edge_attr, edge_weight, edge_dst, edge_src):
         return scatter(tp(x[edge_src], edge_attr, edge_weight), edge_dst, dim_size=len(x))
 
-with ``tp`` an e3nn "uvu" ``TensorProduct`` with per-edge weights. That is exactly cgforge's
-``Convolution`` with sender = ``edge_src`` and receiver = ``edge_dst``, so patching swaps each such
-module for a ``CgforgeTensorProductScatter`` that keeps the original ``tp`` submodule (state dicts match
-both ways) and calls the fused kernel. A packaged model carries its own copies of nequip's and e3nn's
-classes (``<torch_package_0>.nequip...``), which an ``isinstance`` check against the installed nequip
-misses: modules are matched by qualified class name and structure instead.
+with ``tp`` an e3nn "uvu" ``TensorProduct``: cgforge's ``Convolution`` with sender ``edge_src``, receiver
+``edge_dst``. Modules are matched by class name and structure (a package carries its own copies of the classes).
 """
 
 from __future__ import annotations
@@ -120,10 +116,9 @@ def scatter_sites(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str
 class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     """nequip's TensorProductScatter running cgforge's fused ``Convolution``.
 
-    Keeps the original ``tp`` (the e3nn TensorProduct and its buffers) as a submodule, so state dicts are
-    interchangeable with the plain model, and the original module (not as a submodule) for ``unpatch``.
-    The kernel module is rebuilt from ``tp`` when unpickled rather than pickled: a packaged model's ``tp``
-    comes from the package's own e3nn, which the kernel's problem description must not be mixed with.
+    Keeps the original ``tp`` as a submodule (the same state_dict) and the original module (not a submodule) for
+    ``unpatch``. The kernel module is rebuilt from ``tp`` when unpickled, not pickled (a package's ``tp`` is of the
+    package's own e3nn).
     """
 
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels

@@ -1,10 +1,5 @@
-"""NequIP's files: recognising ``.ckpt`` / ``.nequip.zip`` (and refusing compiled models), and reading them.
-
-``load_models`` reads a checkpoint or package with nequip's own loader, unpatched; ``load.load_nequip``
-patches and verifies the result.
-
-nequip's compiled outputs (AOTInductor ``.nequip.pt2``, TorchScript ``.nequip.pth``) cannot call kernels
-launched from Python: they are refused with ``CompiledModelError`` naming the supported route.
+"""NequIP's files: recognising ``.ckpt`` / ``.nequip.zip``, and reading them unpatched (``load_models``). Compiled
+outputs (``.nequip.pt2``, ``.nequip.pth``) cannot call Python-launched kernels: ``CompiledModelError``.
 """
 
 from __future__ import annotations

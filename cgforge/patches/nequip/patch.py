@@ -1,13 +1,8 @@
 """Patch and unpatch NequIP models (nequip >= 0.19), and the ``enable_cgforge`` model modifier.
 
-Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter``; all layers of one model
-share one ``ConvGraph`` per call. Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type
-embedding) becomes a ``species_linear`` stand-in: one linear map per atom type in cgforge's calculator,
-e3nn's code otherwise; e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less
-autograd traffic), each e3nn ``Gate`` (the nonlinearity) ``gate.FusedGate`` (one kernel forward, one backward),
-and the radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an optional TF32 mode).
-The modifier is registered by ``cgforge.patches.nequip_modifier`` through nequip's ``nequip.extension`` entry
-point, for nequip configs and tools.
+Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter`` (one ``ConvGraph`` per call for the
+model), each self-connection ``sc`` a ``species_linear`` stand-in, e3nn ``Linear`` a ``SplitLinear``, ``Gate`` a
+``FusedGate`` and the radial MLPs' linears ``RadialLinear``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """Radial tables in patched NequIP models: each interaction block's edge MLP as a table of the edge length.
 
-Where nequip 0.19 makes a block's weights (``model/nequip_models.py``, ``nn/embedding/_edge.py``,
-``nn/misc.py``, ``nn/interaction_block.py``), one data-dict key after the other:
-
-- ``EdgeLengthNormalizer`` writes ``norm_length``: x = r / r_max per edge ([E, 1], FP64; r_max of the edge's
-  type pair with ``per_edge_type_cutoff``).
-- ``BesselEdgeLengthEncoding`` reads x and writes ``edge_embedding`` = bessel(x) * cutoff(x) [E, num_bessels]
-  in the model dtype (``PolynomialCutoff``: ``* (x < 1)``) and ``edge_cutoff`` = cutoff(x).
-- ``ApplyFactor`` (NequIPGNNModel's "backwards compatibility" factor 2 pi / r_max^2) scales ``edge_embedding``.
-- each ``InteractionBlock`` reads ``edge_embedding`` once: ``tp_scatter(..., edge_weight=edge_mlp(embedding))``.
-
-No other nequip 0.19 module reads ``edge_embedding`` or ``edge_cutoff`` (``AddRadialCutoffToData`` writes the
-cutoff when it is missing; the pair potentials compute theirs from x). So a block's weights are
-W(x) = edge_mlp(factor * bessel(x) * cutoff(x)), a function of x alone, and W(x) = edge_mlp(0) for x >= 1,
-which is what the table's clamp holds beyond its end.
-
-The table's variable is x on [0, 1], not r: x is what the data dict holds where the embedding is made, and
-with per-edge-type cutoffs the weights are a function of x, not of r. With tables on:
-
-- ``bessel_encode`` is ``NormLengthAsEmbedding``: it writes x itself (in the model dtype) under
-  ``edge_embedding``, and no ``edge_cutoff`` (no module of a model that passes ``why_not_tabulated`` reads it);
-- each ``ApplyFactor`` on the embedding is ``FactorInTable``, which leaves the data alone (the tables hold it);
-- each block's ``edge_mlp`` is a ``TabulatedRadial`` (``patches/radial_table.py``) whose table is fitted in
-  FP64 from copies of the model's own modules run in order: the encoding, the factors before the block, its MLP.
-
-The blocks keep their data flow; nothing reads the lengths another way. Where the blocks' convolutions are
-cgforge's, the tables return ``TableWeights`` and ``CgforgeTensorProductScatter`` evaluates them inside its kernels
-(``set_table_fusion``, the default): no [E, weight_numel] weights at all, as for MACE. The state_dict is unchanged (the
-stand-ins adopt the originals' submodules and buffers; the tables are non-persistent buffers). Streaming
-(``streaming.py``) composes with tables: its ``DeferredRadial`` defers a ``TabulatedRadial`` like an MLP, and
-turning tables on or off while a model streams stops and restarts its streaming at the same chunk size.
+In nequip 0.19 a block's weights are made key after key: ``EdgeLengthNormalizer`` writes x = r / r_max
+(``norm_length``, per edge type pair), ``BesselEdgeLengthEncoding`` writes ``edge_embedding`` = bessel(x) *
+cutoff(x) (``PolynomialCutoff``: ``* (x < 1)``) and ``edge_cutoff``, ``ApplyFactor`` scales the embedding, and
+each ``InteractionBlock`` reads it once as ``edge_mlp(embedding)``; nothing else reads either key. So the weights
+are W(x) = edge_mlp(factor * bessel(x) * cutoff(x)), edge_mlp(0) for x >= 1 (the table's clamp), and the table's
+variable is x on [0, 1]. With tables on, ``bessel_encode`` is ``NormLengthAsEmbedding`` (x itself, no
+``edge_cutoff``), each ``ApplyFactor`` a ``FactorInTable`` (the tables hold it), each ``edge_mlp`` a
+``TabulatedRadial`` fitted from copies of the model's own modules. In cgforge's convolutions the tables go into
+the kernels (``set_table_fusion``, the default). The state_dict is unchanged; streaming composes with tables
+(toggling tables while streaming restarts it at the same chunk size).
 """
 
 from __future__ import annotations
