@@ -10,6 +10,11 @@ LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
+def _describe(tuning: object) -> str:
+    """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+    return ", ".join(f"{f.name}={getattr(tuning, f.name)!r}" for f in fields(tuning))
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -132,8 +137,7 @@ class TPTuning:
         return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}{later}"
 
     def describe(self) -> str:
-        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return _describe(self)
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,7 @@ class SCTuning:
         return f"{self.block}|{self.chunk}|{','.join(self.pairings)}"
 
     def describe(self) -> str:
-        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return _describe(self)
 
 
 @dataclass(frozen=True)
@@ -193,10 +196,10 @@ class KernelTuning:
             raise TypeError(f"KernelTuning takes a TPTuning and an SCTuning, got {type(self.tp).__name__} and "
                             f"{type(self.sc).__name__}")
         if not isinstance(self.harmonics, bool):
-            raise ValueError(f"harmonics must be a bool, got {self.harmonics!r}")
+            raise ValueError(f"harmonics: expected a bool, got {self.harmonics!r}")
         channels = self.linear_kernel_max_channels
         if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
-            raise ValueError(f"linear_kernel_max_channels must be an int >= 0, got {channels!r}")
+            raise ValueError(f"linear_kernel_max_channels: expected an int >= 0, got {channels!r}")
 
     def describe(self) -> str:
         """Each part, one line each (what ``cgforge doctor`` prints)."""
@@ -219,16 +222,7 @@ class KernelTuning:
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning), 'sc' "
                              "(SCTuning), 'harmonics' (a bool) and 'linear_kernel_max_channels' (an int >= 0)")
-        values = {}
-        if "harmonics" in data:
-            if not isinstance(data["harmonics"], bool):
-                raise ValueError(f"harmonics: expected a bool, got {data['harmonics']!r}")
-            values["harmonics"] = data["harmonics"]
-        if "linear_kernel_max_channels" in data:
-            channels = data["linear_kernel_max_channels"]
-            if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
-                raise ValueError(f"linear_kernel_max_channels: expected an int >= 0, got {channels!r}")
-            values["linear_kernel_max_channels"] = channels
+        values = {k: data[k] for k in ("harmonics", "linear_kernel_max_channels") if k in data}  # checked by cls
         for name, part in parts.items():
             given = data.get(name, {})
             if not isinstance(given, dict):
