@@ -18,8 +18,6 @@ from . import stand_in
 from .stand_in import StandIn, checked
 from .torch_internals import adopt
 
-__all__ = ["FusedGate", "gate_table", "is_e3nn_gate", "swap_in", "swap_out"]
-
 _ARRAYS = GateArrays._fields
 
 

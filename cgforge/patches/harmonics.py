@@ -15,8 +15,6 @@ from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics, register
 from .recognise import plain_module_name
 from .stand_in import StandIn
 
-__all__ = ["KernelHarmonics", "is_e3nn_harmonics", "stand_in_for"]
-
 log = logging.getLogger(__name__)
 
 

@@ -1,22 +1,14 @@
 """Optional TF32 tensor-core products in the radial MLPs (FP32 unless asked for).
 
-In FP32 without tensor cores these GEMMs are a third of a 5184-atom water step on an H100. Two cheaper modes,
-never on by default:
-
-- ``"tf32"``: both products on TF32 tensor cores (10-bit mantissa). On the bundled water models (CPU emulation of
-  TF32 rounding) that moves the forces by 3-5e-4 relative: more than the 1e-4 the calculator accepts.
-- ``"3xtf32"``: the forward product as a_hi b_hi + a_hi b_lo + a_lo b_hi (hi = the TF32 rounding), one TF32 GEMM
-  over the three stacked along K: FP32-level accuracy (3e-7 relative on the forces, emulated). Only for products
-  wide enough to be compute-bound (K >= 32 and N >= 2K); the backward stays FP32.
-
-The calculator measures the change of the forces before it keeps a mode. Only the radial MLP layers of patched
-models take part (MACE's ``FoldedMLP``, NequIP's ``RadialLinear``); ``set_radial_precision`` sets them all.
+In FP32 without tensor cores these GEMMs are a third of a 5184-atom water step on an H100. Two modes:
+``"tf32"``, both products on TF32 tensor cores: on the bundled water models (CPU emulation of TF32 rounding) that
+moves the forces by 3-5e-4 relative, more than the 1e-4 the calculator accepts; ``"3xtf32"``, the forward product
+as a_hi b_hi + a_hi b_lo + a_lo b_hi in one TF32 GEMM: FP32-level accuracy (3e-7 relative on the forces,
+emulated), only for compute-bound products (K >= 32, N >= 2K). The calculator measures the forces' change before
+keeping a mode; ``set_radial_precision`` sets every radial MLP layer of a patched model.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -24,27 +16,17 @@ from . import stand_in
 from .stand_in import StandIn
 from .torch_internals import adopt
 
-__all__ = ["MODES", "RadialLinear", "radial_layers", "radial_matmul", "set_radial_precision", "swap_in",
-           "swap_out", "tf32_round"]
-
 MODES = ("fp32", "tf32", "3xtf32")
-
-
-@contextmanager
-def _tf32_cublas() -> Iterator[None]:
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.allow_tf32
-    matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        matmul.allow_tf32 = previous
 
 
 def _tf32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with cuBLAS allowed to use TF32 (CPU tensors: plain FP32; tests replace this to emulate TF32)."""
-    with _tf32_cublas():
+    matmul = torch.backends.cuda.matmul
+    previous, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
         return a @ b
+    finally:
+        matmul.allow_tf32 = previous
 
 
 def tf32_round(t: torch.Tensor) -> torch.Tensor:

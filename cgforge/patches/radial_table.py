@@ -17,9 +17,6 @@ from torch import Tensor
 from ..kernels.radial_table import RadialTable, fit_radial_table, radial_table
 from .streaming import Deferred
 
-__all__ = ["DEFAULT_TOL", "FUSED_EDGE_ITEMS", "TableWeights", "TabulatedRadial", "fp64_copy", "fuse_tables",
-           "fused_edge_bytes", "original", "tabulate"]
-
 # The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
 # resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.
 DEFAULT_TOL = 1e-7

@@ -11,9 +11,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_mace_model", "is_nequip_model", "plain_module_name", "zip_names", "is_nequip_package",
-           "other_file_kind", "other_file_message", "NEQUIP_PACKAGE", "MLIAP_FILE"]
-
 NEQUIP_PACKAGE = "a NequIP package"
 MLIAP_FILE = "a LAMMPS ML-IAP file written by cgforge lammps-model"
 _MLIAP_CLASS = (b"cgforge.lammps.unified", b"CgforgeMLIAP")  # in the first bytes of its pickle
@@ -29,21 +26,15 @@ def plain_module_name(name: str) -> str:
 
 def is_mace_model(module: Any) -> bool:
     """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
-    return (
-        isinstance(module, torch.nn.Module)
-        and type(module).__module__.startswith("mace.")
-        and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList)
-    )
+    return (isinstance(module, torch.nn.Module) and type(module).__module__.startswith("mace.")
+            and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList))
 
 
 def is_nequip_model(module: Any) -> bool:
     """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
     if not isinstance(module, torch.nn.Module) or not getattr(module, "is_graph_model", False):
         return False
-    try:
-        metadata = module.metadata
-    except AttributeError:
-        return False
+    metadata = getattr(module, "metadata", None)
     return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
 
 

@@ -12,10 +12,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["adopt", "base_tensor", "buffers_dict", "children_dict", "forward_pre_hooks", "give_back", "is_persistent",
-           "parameter_slots", "parameters_dict", "remove_forward_pre_hooks", "replace_child", "state_without",
-           "tensor_version"]
-
 
 def is_persistent(module: torch.nn.Module, buffer: str) -> bool:
     """Whether ``buffer`` enters the state_dict (reads ``_non_persistent_buffers_set``)."""

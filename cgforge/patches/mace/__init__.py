@@ -10,23 +10,17 @@ from .patch import (
     FusedSymmetricContraction,
     GraphCache,
     UnsupportedModelError,
-    interaction_blocks,
     is_mace_model,
     is_patched,
     load_mace,
-    parse_device,
-    parse_dtype,
     patch,
     unpatch,
     upgrade_old_attributes,
 )
 from .radial_table import set_radial_table
 from .streaming import set_streaming
-from .symmetric_contraction import SymmetricContraction, mace_problem, mace_u_matrices
+from .symmetric_contraction import SymmetricContraction
 
-__all__ = [
-    "SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "SymmetricContraction",
-    "UnsupportedModelError", "interaction_blocks", "is_mace_model", "is_patched", "load_mace", "mace_problem",
-    "mace_u_matrices", "parse_device", "parse_dtype", "patch", "set_radial_table", "set_streaming", "unpatch",
-    "upgrade_old_attributes",
-]
+__all__ = ["SUPPORTED_INTERACTIONS", "FusedConvTP", "FusedSymmetricContraction", "GraphCache", "SymmetricContraction",
+           "UnsupportedModelError", "is_mace_model", "is_patched", "load_mace", "patch", "set_radial_table",
+           "set_streaming", "unpatch", "upgrade_old_attributes"]

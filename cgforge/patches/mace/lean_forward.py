@@ -12,8 +12,6 @@ from importlib import metadata
 import torch
 from torch import Tensor
 
-__all__ = ["node_energies", "why_not_lean"]
-
 _MODELS = ("MACE", "ScaleShiftMACE")
 READ_VERSIONS = ("0.3.16",)  # the mace-torch versions whose forward ``node_energies`` repeats
 

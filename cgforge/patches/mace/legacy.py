@@ -35,10 +35,6 @@ class LegacyCheckpointError(ValueError):
     """A checkpoint that cannot be read, or holds e3nn objects cgforge cannot rebuild."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Stand-in classes handed out by the Unpickler
-
-
 class _LegacyE3nnModule(torch.nn.Module):
     """Holds the pickled state of an e3nn module written by e3nn 0.4 until it is rebuilt."""
 
@@ -57,10 +53,8 @@ class _LegacyE3nnModule(torch.nn.Module):
         self._legacy_codegen = dict(codegen)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{self._cgforge_target.__qualname__} from an e3nn 0.4 pickle was not rebuilt; "
-            "load the file with cgforge.patches.load()"
-        )
+        raise RuntimeError(f"{self._cgforge_target.__qualname__} from an e3nn 0.4 pickle was not rebuilt; "
+                           "load the file with cgforge.patches.load()")
 
 
 _SHIMS: dict[type, type] = {}
@@ -111,10 +105,6 @@ def _pickle_module() -> types.ModuleType:
     return mod
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a file
-
-
 def describe_file(path: str | os.PathLike) -> str:
     """A short description of what a file looks like, for error messages."""
     try:
@@ -147,11 +137,8 @@ def _is_torchscript_archive(path: str) -> bool:
 
 
 def load_pickle(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
-    """``torch.load`` a whole pickled object, accepting e3nn 0.4 modules inside it.
-
-    Raises ``FileNotFoundError`` for a missing path and ``LegacyCheckpointError`` (a ``ValueError``)
-    naming what was found for anything that is not a readable torch pickle.
-    """
+    """``torch.load`` a whole pickled object, accepting e3nn 0.4 modules inside it. ``FileNotFoundError`` for a missing
+    path, ``LegacyCheckpointError`` naming what was found for anything that is no readable torch pickle."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -175,10 +162,6 @@ def load_pickle(path: str | os.PathLike, map_location: str | torch.device = "cpu
     if isinstance(obj, torch.nn.Module):
         rebuild_legacy_modules(obj)
     return obj
-
-
-# ---------------------------------------------------------------------------------------------
-# Rebuilding stand-ins with the installed e3nn
 
 
 def rebuild_legacy_modules(root: torch.nn.Module) -> int:
@@ -321,7 +304,6 @@ _BUILDERS: list[tuple[type, Callable[[Any], torch.nn.Module]]] = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
 # Checking a rebuilt module against the TorchScript that e3nn 0.4 generated and pickled
 
 

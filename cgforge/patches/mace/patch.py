@@ -1,10 +1,8 @@
 """Put cgforge's fused convolution into MACE models (mace-torch 0.3.x).
 
-A block with a ``conv_fusion`` attribute calls ``self.conv_tp(node_feats, edge_attrs, tp_weights, edge_index)``
-and expects the messages summed per receiver (mace-torch's socket for fused convolutions): patching sets it and
-swaps ``conv_tp`` for a ``FusedConvTP``. The symmetric contractions, e3nn linears and radial MLPs, ``skip_tp``
-and ``reshape_irreps`` become stand-ins too. Every stand-in keeps the state_dict of what it replaces and
-carries the original (not as a submodule) so that ``unpatch`` restores it exactly.
+A block with a ``conv_fusion`` attribute calls ``conv_tp(node_feats, edge_attrs, tp_weights, edge_index)`` and
+expects the messages summed per receiver: patching sets it and swaps ``conv_tp`` for a ``FusedConvTP``; the
+contractions, linears, radial MLPs, ``skip_tp`` and ``reshape_irreps`` get stand-ins too (``stand_in``).
 """
 
 from __future__ import annotations
@@ -27,13 +25,13 @@ from ..harmonics import stand_in_for as harmonics_stand_in
 from ..radial_table import TableWeights
 from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
-from ..streaming import stream
-from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
+from ..streaming import DeferredWeights, stream
+from ..torch_internals import adopt, remove_forward_pre_hooks
 from . import legacy as mace_legacy
 from . import reshape
 from .radial_table import set_radial_table
 from .row_chunks import set_row_chunks
-from .streaming import DeferredWeights, mark_linear_applied, set_streaming
+from .streaming import mark_linear_applied, set_streaming
 from .symmetric_contraction import SymmetricContraction
 
 log = logging.getLogger(__name__)
@@ -133,10 +131,6 @@ class FusedSymmetricContraction(SymmetricContraction, StandIn):
         return self(x, species), self.original[0](x, one_hot)
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks (everything is checked before anything is changed)
-
-
 def _describe(obj: Any) -> str:
     cls = type(obj)
     if isinstance(obj, dict):
@@ -179,19 +173,10 @@ def _check_block(where: str, block: torch.nn.Module) -> None:
                                     "internal_weights=False)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Patch / unpatch
-
-
 def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
-    """Swap every interaction block's convolution for cgforge's fused one. In place, idempotent.
-
-    ``tuning``: the knobs of the kernels built now (``cgforge.kernels.KernelTuning``: the convolutions' and the
-    symmetric contractions'; None: the defaults). Blocks patched before keep theirs.
-
-    Raises ``TypeError`` for an object that is not a MACE model and ``UnsupportedModelError`` (a
-    ``ValueError``) naming the first unsupported block; the model is left untouched in both cases.
-    """
+    """Swap every interaction block's convolution (and the other stand-ins) in, in place, idempotent. ``tuning``: the
+    kernels built now (None: the defaults; blocks patched before keep theirs). ``TypeError`` for a non-MACE object,
+    ``UnsupportedModelError`` naming the first unsupported block; the model is then untouched."""
     blocks = interaction_blocks(model)
     graphs = _graph_cache(model) or GraphCache()
     tuning = tuning if tuning is not None else kernels.KernelTuning()
@@ -203,9 +188,7 @@ def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None)
     layers = e3nn_layers.swap_in(model, tuning.linear_kernel_max_channels)
     layers += species_linear.swap_in(model, "skip_tp", graphs, tuning.linear_kernel_max_channels)
     layers += reshape.swap_in(model)
-    if not any(hook is graphs for hook in forward_pre_hooks(model)):
-        remove_forward_pre_hooks(model, GraphCache)
-        model.register_forward_pre_hook(graphs)
+    graphs.install(model)
     if fused:
         log.info("cgforge: patched %d MACE convolutions and product blocks and %d e3nn layers", len(fused), layers)
     return model
@@ -280,16 +263,9 @@ def _graph_cache(model: torch.nn.Module) -> GraphCache | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Older MACE pickles
-
-
 def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
-    """Give models pickled by older mace-torch the buffers newer code reads. Returns what changed.
-
-    Older versions kept ``r_max``, ``atomic_numbers`` and ``num_interactions`` as plain attributes
-    (or not at all); mace-torch 0.3.16 and its calculator read them as tensors.
-    """
+    """Give models pickled by older mace-torch the buffers 0.3.16 reads (``r_max``, ``atomic_numbers``,
+    ``num_interactions`` as tensors, ``heads``). Returns what changed."""
     changed = []
     any_param = next(model.parameters(), None)
     device = any_param.device if any_param is not None else torch.device("cpu")
@@ -324,18 +300,11 @@ def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
     return changed
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading a .model file
-
-
 def load_mace(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
               *, patched: bool = True, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
-    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside).
-
-    Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's). ``tuning``: the
-    kernels' (``patch``); a file saved patched is unpatched and patched again with it, so that its kernels are
-    the ones asked for (None: a file saved patched keeps the kernels it was saved with).
-    """
+    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside), patched (default) or
+    plain, on ``device``, in ``dtype`` (None: the file's). With ``tuning`` a file saved patched is patched again with
+    it (None: it keeps the kernels it was saved with)."""
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     if os.path.isfile(path):

@@ -1,10 +1,9 @@
 """Radial tables in patched MACE models: each block's tensor-product weights as a table of the edge length.
 
-A block's weights ``conv_tp_weights(edge_feats)`` are a smooth function of r alone: with tables on it is a
-``TabulatedRadial`` stand-in (fitted from the block's MLP and the model's embedding) and the model's
-``radial_embedding`` hands the lengths on (``LengthsAsEdgeFeatures``). In a patched model the tables go into the
-convolution's kernels (``TableWeights``, ``set_table_fusion``): no [E, weight_numel] weights at all. The same
-conditions as streaming (``streaming.geometry_can_stream``); the state_dict is unchanged.
+With tables on, a block's ``conv_tp_weights`` is a ``TabulatedRadial`` (fitted from its MLP and the model's
+embedding) and ``radial_embedding`` hands the lengths on (``LengthsAsEdgeFeatures``); in a patched model the
+tables are read inside the convolution (``TableWeights``, ``set_table_fusion``). Conditions as for streaming
+(``streaming.geometry_can_stream``); the state_dict is unchanged.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, fuse_tables,
 from ..recognise import is_mace_model
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
-
-__all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table",
-           "set_table_fusion"]
 
 
 class LengthsAsEdgeFeatures(Deferred):

@@ -1,10 +1,9 @@
 """MACE's ``reshape_irreps`` ([N, sum mul * d] in e3nn's mul_ir order -> [N, mul, sum d]) with a lean backward.
 
-The forward is MACE's concatenation; the backward writes each irrep's gradient block once into one tensor
-(``IrrepsToColumns`` and ``ColumnsToIrreps``, each the other's backward: differentiable to any order), where
-autograd adds zero-filled full-width gradients. A single ``index_select`` of the permuted columns was tried first:
-13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26). Under torch.compile it is MACE's plain
-ops (``_to_columns``), which Inductor fuses and AOTAutograd can cache.
+The forward is MACE's concatenation; the backward writes each irrep's gradient block once (``IrrepsToColumns``
+and ``ColumnsToIrreps``, each the other's backward). A single ``index_select`` of the permuted columns was tried
+first: 13.7 -> 13.3 ms per 5k step but no gain at 1 M atoms (H100, 2026-11-26). Under torch.compile it is MACE's
+plain ops (``_to_columns``).
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import torch
 
 from .. import stand_in
 from ..stand_in import StandIn, checked
-
-__all__ = ["BlockReshape", "ColumnsToIrreps", "IrrepsToColumns", "swap_in", "swap_out"]
 
 
 def _blocks(x: torch.Tensor, mul: int, dims: list[int]) -> list[torch.Tensor]:

@@ -1,11 +1,8 @@
 """Streaming edges in patched MACE models: the edge geometry and the radial MLP run inside the convolution.
 
-With streaming on, ``conv_tp_weights`` is a ``DeferredRadial`` returning ``DeferredWeights`` (nothing computed),
-which ``FusedConvTP`` streams (``patches.streaming.stream``): the weights are made per chunk of edges, and the
-block's ``linear`` runs per chunk of output rows (``AppliedLinear``). When every block streams, the harmonics and
-radial embedding are deferred too (``EdgeRows`` of vectors and lengths, recomputed per chunk): MACE's forward
-passes them only to the blocks (mace-torch 0.3.16). Only ``STREAMING_INTERACTIONS`` stream; a radial embedding
-with a distance transform keeps the stored geometry. The state_dict is unchanged.
+``conv_tp_weights`` becomes a ``DeferredRadial`` whose ``DeferredWeights`` ``FusedConvTP`` streams, the block's
+``linear`` runs per chunk of output rows (``AppliedLinear``), and where every block streams the harmonics and
+radial embedding are deferred too (``EdgeRows``, remade per chunk). Only ``STREAMING_INTERACTIONS`` stream.
 """
 
 from __future__ import annotations
@@ -14,12 +11,8 @@ import torch
 from torch import Tensor
 
 from ..recognise import is_mace_model
-from ..streaming import Deferred, DeferredRadial, DeferredWeights, EdgeRows, defer_radial
+from ..streaming import Deferred, EdgeRows, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
-
-__all__ = ["STREAMING_INTERACTIONS", "AppliedLinear", "DeferredRadial", "DeferredRadialEmbedding",
-           "DeferredSphericalHarmonics", "DeferredWeights", "chunk_edges_for", "mark_linear_applied", "set_streaming",
-           "streaming_blocks"]
 
 # Blocks of mace-torch 0.3.16 whose forward is: tp_weights = conv_tp_weights(edge_feats) [* cutoff],
 # message = conv_tp(node_feats, edge_attrs, tp_weights, edge_index) and nothing else reads tp_weights,
@@ -66,10 +59,8 @@ def mark_linear_applied(message: Tensor, linear: torch.nn.Module) -> Tensor:
 
 
 class AppliedLinear(Deferred):
-    """Stand-in for a streaming block's ``linear`` (the layer right after its convolution), which the
-    convolution applies per chunk of rows (so MACE-MP-medium's [N, 5120] convolution output never exists for
-    all atoms): passes through a message the convolution tagged, refuses any other (applying the linear
-    again would be wrong, silently)."""
+    """Stand-in for a streaming block's ``linear``, which its convolution applies per chunk of rows: passes a message
+    the convolution tagged through and refuses any other (applying the linear twice would be silently wrong)."""
 
     def forward(self, message: Tensor) -> Tensor:
         if getattr(message, _APPLIED, None) is not self.module:
@@ -117,11 +108,8 @@ def _defer_geometry(model: torch.nn.Module, on: bool) -> None:
 
 
 def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
-    """Stream the edges of every block that can (``chunk_edges`` per chunk), or stop (None).
-
-    Returns the number of streaming blocks. The radial MLPs' parameters are set to not require grad
-    (the streaming path is for inference). In place; ``unpatch`` also turns streaming off.
-    """
+    """Stream the edges of every block that can (``chunk_edges`` per chunk), or stop (None); in place. Returns the
+    number of streaming blocks. The radial MLPs' parameters stop requiring grad (inference only)."""
     if not is_mace_model(model):
         raise TypeError(f"model: expected a patched MACE model, got {type(model).__qualname__}")
     blocks = streaming_blocks(model)

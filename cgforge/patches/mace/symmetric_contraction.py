@@ -22,8 +22,6 @@ from cgforge.kernels.symmetric_contraction import SCProblem, SymmetricContractio
 
 from ..torch_internals import children_dict, is_persistent, parameters_dict
 
-__all__ = ["SymmetricContraction", "mace_problem", "mace_u_matrices"]
-
 
 class _Contraction(torch.nn.Module):
     """Holds one output irrep's tensors under MACE's names (no compute of its own)."""
@@ -91,8 +89,6 @@ class SymmetricContraction(SymmetricContractionBase):
             adopted.append(_Contraction(params, buffers, weights, corr))
             num_elements = int(c.weights_max.shape[0])
         return cls(module.irreps_in, module.irreps_out, 0, num_elements, tuning=tuning, _contractions=adopted)
-
-    # ------------------------------------------------------------------ problem and plan
 
     def _u_tensors(self) -> list[list[torch.Tensor]]:
         """The U buffers per output and degree, with the output axis MACE squeezes for scalars put back."""
@@ -183,7 +179,6 @@ def mace_problem(irreps_in: Any, irreps_out: Any, correlation: int | tuple[int, 
     return SCProblem.build(irreps_in, irreps_out, correlation, num_elements, u=u)
 
 
-# ---------------------------------------------------------------------------------------------------
 # MACE's U tensors from their definition: every chain of couplings ((x_i1 (x) x_i2 -> a) (x) x_i3 -> b) ...
 # of the coupling irreps, with e3nn's wigner_3j in component normalisation, in MACE's column order.
 
@@ -232,8 +227,6 @@ def _mace_u(coupling: str, ir_out: str, degree: int) -> np.ndarray:
 
 
 def mace_u_matrices(coupling: str, ir_out: str, degree: int) -> np.ndarray:
-    """MACE's U tensor (``U_matrix_real(coupling, ir_out, degree)[-1]``, reduced CG off), output axis kept.
-
-    Shape [d_out, D, ..., D, K]; a copy, so callers may modify it.
-    """
+    """MACE's U tensor (``U_matrix_real(coupling, ir_out, degree)[-1]``, reduced CG off), output axis kept: a copy,
+    shape [d_out, D, ..., D, K]."""
     return _mace_u(str(o3.Irreps(coupling)), str(o3.Irrep(ir_out)), int(degree)).copy()
