@@ -22,8 +22,7 @@ def _enable_cgforge(cls: type, model: Any) -> Any:
     a torch reference on CPU) in every NequIP convolution. Same weights and state_dict, same energies and
     forces. Eager models only: cgforge's kernels are launched from Python, so `nequip-compile`
     (TorchScript / AOTInductor) cannot hold them; run the eager model or package (e.g. with
-    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator).
-    """
+    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator)."""
     from .nequip import enable_cgforge  # lazy: keeps `import nequip` light
 
     return enable_cgforge(model)

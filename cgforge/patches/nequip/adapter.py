@@ -1,12 +1,9 @@
 """The calculator's adapter for NequIP models, and whether edges beyond the cutoff are inert.
 
-``NequipAdapter`` gives the energy model (inside ``ForceStressOutput``, whose stress machinery is skipped) an
-AtomicDataDict with ``edge_vectors`` filled in; the calculator differentiates the energy. Imports no nequip code.
-
-``inert_beyond_cutoff``, read from nequip 0.19: the edge embedding is multiplied by ``PolynomialCutoff``
-(``out * (x < 1)``), each block weights its convolution with a bias-free ``edge_mlp`` (checked at 0), ZBL and
-Lennard-Jones multiply by the same cutoff; any other module is "not known". A radial table holds edge_mlp(0) = 0
-for x >= 1, to the rounding of its last cubic.
+``NequipAdapter`` gives the energy model an AtomicDataDict with ``edge_vectors`` filled in (imports no nequip
+code). ``inert_beyond_cutoff``, read from nequip 0.19: the edge embedding, ZBL and Lennard-Jones are multiplied by
+``PolynomialCutoff`` (``* (x < 1)``), each block's ``edge_mlp`` is bias-free (checked at 0), a radial table holds
+edge_mlp(0) = 0 for x >= 1; any other module is "not known".
 """
 
 from __future__ import annotations
@@ -23,8 +20,6 @@ from ..radial_table import fused_edge_bytes, original
 from ..torch_internals import forward_pre_hooks
 from . import radial_table, streaming
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
-
-__all__ = ["NequipAdapter", "energy_model_of", "inert_beyond_cutoff"]
 
 
 class NequipAdapter:
@@ -92,14 +87,8 @@ class NequipAdapter:
         # nequip: edge_index[0] is the centre, vector = pos[index[1]] - pos[index[0]]. Our list holds every pair
         # in both directions, so (receiver -> sender, -vector) is the same edge set with the centres already
         # sorted, as the fused convolution's CSR order wants.
-        data = {
-            "pos": positions,
-            "atom_types": species,
-            "edge_index": edge_index,
-            "edge_vectors": -vectors,
-        }
-        # The patched model empties its per-call graph cache in a forward pre-hook of the GraphModel, which
-        # calling the inner energy model skips: empty it here.
+        data = {"pos": positions, "atom_types": species, "edge_index": edge_index, "edge_vectors": -vectors}
+        # calling the inner energy model skips the GraphModel's pre-hook that empties the per-call graph cache
         for hook in forward_pre_hooks(self.model):
             if isinstance(hook, CallGraphCache):
                 hook.clear()
@@ -156,11 +145,9 @@ def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
     inner = getattr(model, "model", None)
     if inner is not None and type(inner).__name__ == "ForceStressOutput" and hasattr(inner, "func"):
         return inner.func
-    raise ValueError(
-        f"model: expected a nequip GraphModel wrapping a ForceStressOutput energy model, found "
-        f"{type(inner).__name__ if inner is not None else 'no .model'}; cgforge's calculator differentiates the "
-        "energy itself"
-    )
+    raise ValueError(f"model: expected a nequip GraphModel wrapping a ForceStressOutput energy model, found "
+                     f"{type(inner).__name__ if inner is not None else 'no .model'}; cgforge's calculator "
+                     "differentiates the energy itself")
 
 
 def inert_beyond_cutoff(energy_model: torch.nn.Module) -> str | None:

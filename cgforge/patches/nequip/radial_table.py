@@ -1,15 +1,11 @@
 """Radial tables in patched NequIP models: each interaction block's edge MLP as a table of the edge length.
 
-In nequip 0.19 a block's weights are made key after key: ``EdgeLengthNormalizer`` writes x = r / r_max
-(``norm_length``, per edge type pair), ``BesselEdgeLengthEncoding`` writes ``edge_embedding`` = bessel(x) *
-cutoff(x) (``PolynomialCutoff``: ``* (x < 1)``) and ``edge_cutoff``, ``ApplyFactor`` scales the embedding, and
-each ``InteractionBlock`` reads it once as ``edge_mlp(embedding)``; nothing else reads either key. So the weights
-are W(x) = edge_mlp(factor * bessel(x) * cutoff(x)), edge_mlp(0) for x >= 1 (the table's clamp), and the table's
-variable is x on [0, 1]. With tables on, ``bessel_encode`` is ``NormLengthAsEmbedding`` (x itself, no
-``edge_cutoff``), each ``ApplyFactor`` a ``FactorInTable`` (the tables hold it), each ``edge_mlp`` a
-``TabulatedRadial`` fitted from copies of the model's own modules. In cgforge's convolutions the tables go into
-the kernels (``set_table_fusion``, the default). The state_dict is unchanged; streaming composes with tables
-(toggling tables while streaming restarts it at the same chunk size).
+In nequip 0.19 a block's weights are edge_mlp(factor * bessel(x) * cutoff(x)), x = r / r_max per edge type pair
+(``EdgeLengthNormalizer``, ``BesselEdgeLengthEncoding`` with ``PolynomialCutoff``, ``ApplyFactor``), and nothing
+else reads the embedding or ``edge_cutoff``: a function of x on [0, 1], edge_mlp(0) beyond (the table's clamp).
+With tables on, the encoding is ``NormLengthAsEmbedding`` (x itself), each factor ``FactorInTable`` and each
+``edge_mlp`` a ``TabulatedRadial`` fitted from copies of the model's modules, read inside cgforge's kernels
+(``set_table_fusion``). The state_dict is unchanged; toggling tables while streaming restarts streaming.
 """
 
 from __future__ import annotations
@@ -25,9 +21,6 @@ from ..streaming import Deferred, DeferredRadial
 from . import streaming
 from .conv import CgforgeTensorProductScatter
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
-
-__all__ = ["DEFAULT_TOL", "FactorInTable", "NormLengthAsEmbedding", "TabulatedRadial", "radial_tables",
-           "set_radial_table", "set_table_fusion", "why_not_tabulated"]
 
 _EMBEDDING = "edge_embedding"  # nequip 0.19's AtomicDataDict.EDGE_EMBEDDING_KEY: the key InteractionBlock reads
 

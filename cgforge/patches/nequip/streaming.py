@@ -12,8 +12,6 @@ from ..streaming import chunk_edges_for as _chunk_edges_for
 from ..streaming import defer_radial
 from .conv import CgforgeTensorProductScatter
 
-__all__ = ["chunk_edges_for", "set_streaming", "streaming_layers"]
-
 
 def streaming_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules holding an ``edge_mlp`` whose weights go only to a cgforge ``tp_scatter``."""
