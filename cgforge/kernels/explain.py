@@ -3,9 +3,7 @@
     python -m cgforge.kernels.explain IRREPS1 IRREPS2 [IRREPS_OUT] [--mode uvu|uvw] [--dtype float32|float64]
         [--conv] [--loop-order auto|segments|edges|chunks] [--arch sm_90] [--lines 30]
 
-Stages: the problem, the sparse CG counts, the schedule, the program, the ptxas report (NVRTC, no GPU needed)
-with the convolution backward's launch bound, and the head of the generated kernel. ``uvu``: every in1 x in2 pair
-to every allowed output irrep (MACE, NequIP); ``uvw``: every path into IRREPS_OUT (fully connected).
+``uvu``: every in1 x in2 pair to every allowed output irrep (MACE, NequIP); ``uvw``: into IRREPS_OUT.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Gated activations in one pass: e3nn's ``Gate`` and ``Activation`` as a table of output columns.
-
-Every output column j is one of
+"""Gated activations in one pass: e3nn's ``Gate`` and ``Activation`` as a table of output columns, each one of
 
     out[:, j] = scale_j * f_j(x[:, src_j])                      (a scalar: gate_j = -1)
     out[:, j] = scale_j * x[:, src_j] * f_j(x[:, gate_j])       (a component of a gated irrep)
 
-with f_j one of ``ACTIVATIONS`` (scale_j holds e3nn's normalising constants). The forward is one kernel (a thread
-per output element), the backward one kernel (a thread per input element summing, through ``GateTable.readers``,
-the columns that read it: no atomics). A differentiable backward (``create_graph``) runs
+with f_j one of ``ACTIVATIONS``. One kernel forward (a thread per output element), one backward (a thread per input
+element summing the columns that read it, ``GateTable.readers``: no atomics). A differentiable backward runs
 ``gate_backward_reference``; off CUDA, other dtypes and under torch.compile the layer is ``gate_reference``.
 """
 
@@ -20,8 +17,6 @@ import torch
 from torch import Tensor
 
 from .core.registry import SourceKernels
-
-__all__ = ["ACTIVATIONS", "GATE_SOURCE", "GateArrays", "GateTable", "gate", "gate_backward_reference", "gate_reference"]
 
 # The activations the kernels evaluate, by code (the table's ``code`` entries).
 ACTIVATIONS = ("identity", "silu", "tanh", "sigmoid")

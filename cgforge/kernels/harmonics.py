@@ -2,16 +2,13 @@
 
     Y[e, c] = P_c(u_e),    u_e = v_e / max(|v_e|, 1e-12)     (``torch.nn.functional.normalize``'s rule)
 
-P_c: the homogeneous polynomial of degree l(c) an e3nn ``SphericalHarmonics`` module (``normalize=True``) evaluates
-for column c, read off the module by a least-squares fit in FP64 on the unit sphere (exact for a homogeneous
-polynomial) and checked on vectors of all lengths (``HarmonicsPolynomials.of``). A thread owns an edge, where e3nn
-stacks one tensor per column. At 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms on an
-H100, twice a step (the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
-(benchmarks/results/lammps-2gpu-h100-20261127c/).
-
-Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|
-(dL/du / 1e-12 where |v| <= 1e-12). Custom ops ``harmonics_eval`` and ``harmonics_vjp``, keyed by ``register``;
-second derivatives, calls off CUDA and other dtypes go through ``harmonics_reference``.
+P_c: the homogeneous polynomial of degree l(c) an e3nn ``SphericalHarmonics`` module (``normalize=True``) evaluates,
+fitted in FP64 on the unit sphere and checked at all lengths (``HarmonicsPolynomials.of``). A thread owns an edge,
+where e3nn stacks one tensor per column. At 1.03 M water atoms (54 M pairs within 5 A, D = 9) that stack took 33 ms
+on an H100, twice a step (the chunked rows evaluate the harmonics again in the backward), ~70 of a ~400 ms step
+(benchmarks/results/lammps-2gpu-h100-20261127c/). Backward: dL/dv = (dL/du - u (u . dL/du)) / |v|, dL/du =
+sum_c g_c grad P_c(u) (|v| clamped at 1e-12, u . dL/du then 0). Custom ops ``harmonics_eval`` / ``harmonics_vjp``
+keyed by ``register``; second derivatives, calls off CUDA and other dtypes go through ``harmonics_reference``.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from torch import Tensor
 from .core.custom_op import custom_op
 from .core.registry import SourceKernels
 
-__all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source", "register"]
-
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's default, which e3nn's SphericalHarmonics uses
 _THREADS = 128
 _FIT_POINTS = 512
@@ -41,11 +36,9 @@ def _monomials(degree: int) -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class HarmonicsPolynomials:
-    """The output columns of a ``SphericalHarmonics`` module as polynomials of the unit vector.
-
-    monomials: every (a, b, c) used, by degree; coefficients: one row per monomial, one value per column (column c's
-    polynomial in the monomials of its degree, zero elsewhere); degrees: l of each column. Plain numbers, so the
-    value hashes and compares (the kernels are cached by it)."""
+    """The output columns of a ``SphericalHarmonics`` module as polynomials of the unit vector: ``monomials`` by degree,
+    ``coefficients`` one row per monomial and one value per column, ``degrees`` l per column. Plain numbers: the value
+    hashes (the kernels are cached by it)."""
 
     monomials: tuple[tuple[int, int, int], ...]
     coefficients: tuple[tuple[float, ...], ...]
@@ -161,8 +154,6 @@ def _vjp_reference(vectors: Tensor, grad: Tensor, polys: HarmonicsPolynomials) -
     along = torch.where(norm > NORM_EPS, (u * gu).sum(1, keepdim=True), torch.zeros_like(norm))
     return (gu - u * along) / clamped
 
-
-# --- the CUDA source ----------------------------------------------------------------------------------------------
 
 def _name(m: tuple[int, int, int]) -> str:
     return f"m{m[0]}{m[1]}{m[2]}"

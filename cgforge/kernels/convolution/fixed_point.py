@@ -1,14 +1,12 @@
 """Grad x of the receiver-order table convolution backward in 64-bit fixed point: atomics with deterministic sums.
 
-Each edge's part of grad x is added to its sender's row as an integer, round(v s) with s a power of two: integer
-atomics are exact and associative, so every sum has the same bits in any order (converted back once, within
-(edges of the sender) / (2 s) of the exact sum). s = 2^(62 - e) where B < 2^e bounds every partial sum:
+Each edge's part of grad x is added as round(v s), s a power of two: integer atomics are exact and associative,
+so every sum has the same bits in any order. s = 2^(62 - e) where B < 2^e bounds every partial sum,
 
     B = K * max|W| * max|y| * max|g| * (the most edges one sender has),
 
-K bounding one edge's grad x element per unit of the three operands (from the path weights, multiplicities and
-CG sums; ``path_bound``), max|W| four times the table's largest coefficient (1 at least where a path has no
-weight). All but K is computed on the device per call (capturable); a non-finite operand makes grad x NaN.
+K (``path_bound``) bounding one edge's grad x element per unit of the operands. All but K is computed on the
+device per call (capturable); a non-finite operand makes grad x NaN.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from torch import Tensor
 
 from ..core.cg import sparse_cg
 from ..tensor_product import plan as plans
-
-__all__ = ["from_fixed", "grad_x_bound", "path_bound", "scale_for"]
 
 _TOP_BIT = 62  # |sum| * scale < 2^62: int64's range with room to spare
 

@@ -2,11 +2,9 @@
 
     out[i] = sum over edges e into i of TP(x[sender e], y_e, radial(r_e) * s_e)
 
-Forward: receiver ranges whose edges fit the chunk, each summed in the whole graph's CSR order (bitwise the same
-sums). Backward: sender ranges of the transposed graph, the chunk's weights recomputed and dW sent through
-``radial`` at once. Memory per chunk ~ chunk_edges x (3 weight_numel + radial hidden) values. The radial
-callable's parameters are constants (refused when they require grad while grad is on); the backward is not
-differentiable again.
+Forward: receiver ranges whose edges fit the chunk, each summed in the whole graph's order. Backward: sender
+ranges of the transposed graph, the weights remade and dW sent through ``radial`` at once. The radial callable's
+parameters are constants; the backward is not differentiable again.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from . import ops
 from .graph import ConvGraph
 from .module import Convolution
 from .table_rows import map_rows, row_map_transpose
-
-__all__ = ["MIN_CHUNK_ROWS", "EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
 
 # (rows of each edge input for one chunk of edges) -> (y, weights) rows of that chunk
 EdgeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -51,9 +47,8 @@ def chunk_ranges(rowptr: np.ndarray, chunk_edges: int, min_rows: int = 1) -> lis
 
 
 class _Chunks:
-    """Host copies of the two CSR row pointers and the chunk ranges of one graph: read once per call
-    (the forward's copy serves the backward; not cached on the graph, whose tensors an owner may refill
-    in place between calls)."""
+    """Host copies of the two CSR row pointers and the chunk ranges of one graph, read once per call (not cached on the
+    graph, whose tensors an owner may refill in place)."""
 
     def __init__(self, graph: ConvGraph, chunk_edges: int, min_rows: int) -> None:
         t = graph.tensors()
@@ -156,17 +151,13 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                                edge_fn: EdgeFunction, graph: ConvGraph, chunk_edges: int,
                                min_rows: int | None = None, constants: Iterable[torch.nn.Module] = (),
                                out_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``conv(x, y, w, graph)`` where ``(y, w) = edge_fn(*edge_inputs)`` is made and used per chunk of edges;
-    with ``out_fn``, ``out_fn(conv(...))``.
-
-    x [N, irreps_in1]; edge_inputs: tensors with one row per edge; ``edge_fn`` maps one chunk's rows to its y
-    [C, irreps_in2] and weights [C, weight_numel], row by row. The backward recomputes ``edge_fn`` per chunk;
-    gradients flow to x and to every edge input that requires grad. ``constants``: modules of ``edge_fn`` whose
-    parameters are constants (refused when they require grad while grad is on). Needs a deterministic graph. A chunk
-    holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default: ``MIN_CHUNK_ROWS`` on CUDA, 1 on a
-    CPU). ``out_fn``: an affine map of each output row applied per chunk of rows (the wide output never exists for
-    all nodes in the forward); its parameters count as ``constants``.
-    """
+    """``conv(x, y, w, graph)`` (with ``out_fn``: ``out_fn(conv(...))``) where ``(y, w) = edge_fn(*edge_inputs)`` is
+    made per chunk of edges and remade in the backward; gradients flow to x and to every edge input that requires
+    grad. ``edge_fn`` maps a chunk's rows of the per-edge inputs to y [C, irreps_in2] and w [C, weight_numel], row by
+    row. ``constants``: modules of ``edge_fn`` whose parameters are constants (refused when they require grad while
+    grad is on); ``out_fn``: an affine row map applied per chunk of rows, its parameters constants too. Needs a
+    deterministic graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
+    ``MIN_CHUNK_ROWS`` on CUDA, 1 on a CPU)."""
     if not isinstance(conv, Convolution):
         raise TypeError(f"conv must be a cgforge Convolution, got {type(conv).__name__}")
     if not isinstance(graph, ConvGraph):
@@ -206,8 +197,7 @@ def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, r
     """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges.
 
     x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F]; ``radial`` maps [C, F] rows to [C, weight_numel] rows
-    independently; scale None or [E, 1]. Gradients flow to x, y, radial_in and scale.
-    """
+    independently; scale None or [E, 1]. Gradients flow to x, y, radial_in and scale."""
     edges = graph.num_edges if isinstance(graph, ConvGraph) else None
     for name, t, width in (("y", y, conv.irreps_in2.dim), ("radial_in", radial_in, None), ("scale", scale, 1)):
         if t is None or edges is None:

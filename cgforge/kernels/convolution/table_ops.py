@@ -33,8 +33,6 @@ from . import fixed_point
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
 
-__all__ = ["conv_table_backward", "conv_table_forward", "needs_grad_x"]
-
 
 def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
     from ..core.runtime import F32, F64, I32
@@ -181,10 +179,9 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
                         sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
                         rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool,
                         grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: no
-    grad x is formed (an empty tensor in its place) and a deterministic graph's kernel walks the forward's rows,
-    reading each grad-out row once rather than once per edge (with ``TPTuning.receiver_backward_fixed_point`` or
-    ``receiver_backward_atomic`` also where grad x is formed: added by atomics)."""
+    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: grad x is not
+    formed (an empty tensor) and a deterministic graph's kernel walks the forward's rows, each grad-out row read once
+    (so also where grad x is added by atomics: ``TPTuning.receiver_backward_fixed_point`` / ``_atomic``)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)

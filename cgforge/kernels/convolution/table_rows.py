@@ -2,12 +2,10 @@
 
     out = out_fn(conv(x, y, W(r)))      out_fn: an affine map of each row (e.g. the layer's next linear)
 
-The kernels write one range of receiver rows at a time (the CSR row pointer sliced to it, nothing read on the
-host) and ``out_fn`` maps it: the wide rows exist one chunk at a time, each summed in the whole graph's order.
-The backward forms the convolution's gradient once (out_fn's transpose per chunk) and runs the table backward
-over the whole graph; both are differentiable ops. With ``TPTuning.backward_range_bytes`` a first-order backward
-forms that gradient per range of receiver rows too, walking the sender-major CSR of the range's edges
-(``transposed_range``); grad x is then the sum of the ranges' parts in range order (deterministic).
+The kernels write one range of receiver rows at a time (the CSR row pointer sliced, no host read), each summed in
+the whole graph's order, and ``out_fn`` maps it. The backward forms the convolution's gradient once (out_fn's
+transpose per chunk), or with ``TPTuning.backward_range_bytes`` per range of receivers too (``transposed_range``;
+grad x then summed in range order), and runs the table backward; both are differentiable ops.
 """
 
 from __future__ import annotations
@@ -22,9 +20,6 @@ from ..tensor_product.launch import launch, needs_zero_fill
 from ..tensor_product.layout import CONV_BACKWARD
 from .ops import _reference_conv_backward
 from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward, needs_grad_x
-
-__all__ = ["conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
-           "row_ranges", "transposed_range"]
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -49,10 +44,8 @@ def _backward_ranges(rows: int, width: int, itemsize: int, range_bytes: int | No
 
 
 def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: int, total: int) -> torch.Tensor:
-    """``out[r0:r0 + len(rows)] = out_fn(rows)``, ``out`` ([total, out width]) made on the first call; returns
-    ``out``. A frozen linear map that writes into rows of a wider tensor (``map_into``, ``out_width``: the
-    patched e3nn Linear) does so in place, without its output's temporaries and the copy into ``out``. Under no
-    grad only (the autograd Functions' forwards and first-order backwards call it)."""
+    """``out[r0:r0 + len(rows)] = out_fn(rows)``, ``out`` ([total, out width]) made on the first call; returns it. A
+    frozen linear map with ``map_into`` writes into ``out`` in place. Under no grad only."""
     into = getattr(out_fn, "map_into", None)
     if into is not None and not torch.is_grad_enabled():
         if out is None:
@@ -68,9 +61,8 @@ def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: i
 
 def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The gradient of an affine row map's ``width``-wide input rows from ``g``, that of its output rows, range by
-    range: its vector-Jacobian product, the same at every point, so taken at zero rows (differentiable in g when
-    grad mode is on: a double backward). A frozen linear map with ``map_into`` applies its transpose directly in a
-    first-order backward (no forward pass over zero rows, no autograd). Shared with the streaming convolution."""
+    range: its vector-Jacobian product at zero rows (differentiable in g under grad mode), or with ``map_into`` its
+    transpose applied directly in a first-order backward. Shared with the streaming convolution."""
     keep_graph = torch.is_grad_enabled()  # a double backward: gc stays a function of g
     gc = g.new_empty(g.shape[0], width)
     into = None if keep_graph else getattr(out_fn, "map_into", None)

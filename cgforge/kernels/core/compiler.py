@@ -1,10 +1,8 @@
 """CUDA C++ source -> cubin through NVRTC (ctypes), with a crash-safe disk cache.
 
-Needs only libnvrtc (no GPU, no driver); the ptxas report in NVRTC's log is parsed into per-kernel resources, so
-CI checks generated kernels without a GPU. An entry is written to a temporary file, fsync'ed and renamed (a
-reader sees nothing or a whole entry); a checksum in the header catches the rest. No lock files: writers of one
-key write the same bytes. The environment (``ENVIRONMENT``) is read here only, at each call; none of it changes a
-kernel's source.
+Needs only libnvrtc (no GPU); the ptxas report in NVRTC's log gives per-kernel resources. An entry is written
+to a temporary file, fsync'ed and renamed, and checked by a checksum; no lock files (writers of one key write the
+same bytes). The environment (``ENVIRONMENT``) is read here only, at each call; none of it changes a kernel.
 """
 
 from __future__ import annotations
@@ -26,11 +24,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cgforge.atomic import atomic_write
-
-__all__ = ["CACHE_FORMAT_VERSION", "DEFAULT_OPTIONS", "CompileError", "CompileResult", "KernelCacheWarning",
-           "KernelResources", "NvrtcUnavailableError", "cache_dir", "cache_entry_path", "cache_key",
-           "clear_memory_cache", "compile_cubin", "nvrtc_available", "nvrtc_library_path", "nvrtc_version",
-           "parse_ptxas_report", "supported_archs"]
 
 # Bump when the entry layout or anything that changes the cubin for the same inputs changes.
 CACHE_FORMAT_VERSION = 1
@@ -107,10 +100,6 @@ class CompileResult:
         except KeyError:
             raise KeyError(f"no kernel named {name!r} in the ptxas report; kernels: {sorted(self.kernels)}") \
                 from None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding and binding libnvrtc
 
 
 def _site_dirs() -> list[str]:
@@ -300,9 +289,6 @@ def supported_archs() -> tuple[str, ...]:
     return tuple(f"sm_{a}" for a in _load_nvrtc().archs)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The ptxas report
-
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
 _FIELDS = {
@@ -319,14 +305,9 @@ _USED_FIELDS = {
 
 
 def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
-    """Per-kernel resources from a `ptxas -v` report (as NVRTC returns it in the program log).
-
-    The report is line-based:
-        ptxas info    : Compiling entry function 'axpy' for 'sm_90'
-        ptxas info    : Function properties for axpy
-        ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-        ptxas info    : Used 10 registers, used 0 barriers, 380 bytes cmem[0]
-    """
+    """Per-kernel resources from a `ptxas -v` report (as NVRTC returns it in the program log): lines such as
+    ``Compiling entry function 'axpy'``, ``Function properties for axpy``, ``0 bytes stack frame, ...`` and
+    ``Used 10 registers, used 0 barriers, 380 bytes cmem[0]``."""
     fields: dict[str, dict[str, int]] = {}
     entry: str | None = None  # kernel whose "Used ..." line comes next
     props_of: str | None = None  # function whose stack/spill line comes next
@@ -350,10 +331,6 @@ def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
                     target[key] = int(fm.group(1))
             entry = None
     return {name: KernelResources(name=name, **{"registers": 0, **vals}) for name, vals in fields.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Compiling
 
 
 def _error_context(source: str, name: str, log: str, radius: int = 2, max_errors: int = 5) -> str:
@@ -443,12 +420,9 @@ def clear_memory_cache() -> None:
 
 def compile_cubin(source: str, *, arch: str, options: Sequence[str] = (), name: str = "kernel.cu",
                   name_expressions: Sequence[str] = ()) -> CompileResult:
-    """Compile CUDA C++ `source` to a cubin for `arch` (e.g. 'sm_90'), cached in memory and on disk.
-
-    `options` are extra NVRTC options, appended after DEFAULT_OPTIONS and the ptxas verbose flag.
-    `name_expressions` (e.g. 'my_kernel<float, 4>') are lowered to the mangled names a module
-    loader needs; see CompileResult.lowered_names. Raises CompileError with NVRTC's log.
-    """
+    """Compile CUDA C++ `source` to a cubin for `arch` (e.g. 'sm_90'), cached in memory and on disk. `options`: extra
+    NVRTC options; `name_expressions` (e.g. 'my_kernel<float, 4>'): lowered to the mangled names a loader needs
+    (``CompileResult.lowered_names``). Raises CompileError with NVRTC's log."""
     opts, exprs = _check_arguments(source, arch, options, name, name_expressions)
     nvrtc = _load_nvrtc()
     number = int(_ARCH_RE.match(arch).group(1))  # type: ignore[union-attr]
@@ -479,9 +453,6 @@ def _make_result(key: str, arch: str, options: tuple[str, ...], log: str, cubin:
                          lowered_names=dict(lowered), cache_key=key)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Disk cache
-#
 # Entry file <key>.cgk = header + payload
 #   header  = magic (8 bytes) | format version (u32) | payload length (u64) | sha256(payload) (32 bytes)
 #   payload = metadata length (u32) | metadata JSON (key, arch, log, lowered names) | cubin

@@ -18,8 +18,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-__all__ = ["F32", "F64", "I32", "I64", "KernelHandle", "device_arch", "device_index", "load_kernels"]
-
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this, dynamic shared memory needs an explicit opt-in per function
 _MAX_GRID_X = 2**31 - 1
 _MAX_GRID_YZ = 65535
@@ -273,11 +271,8 @@ def device_index(device: torch.device | int | str | None = None) -> int:
 
 def load_kernels(cubin: bytes, names: Sequence[str], device: torch.device | int | None = None
                  ) -> dict[str, KernelHandle]:
-    """Handles for kernels `names` of `cubin`, loaded on `device` (torch's current one if None; others load on
-    first use).
-
-    A module is loaded once per (cubin, device) and kept for the life of the process.
-    """
+    """Handles for kernels `names` of `cubin`, loaded on `device` (torch's current one if None; others load on first
+    use); a module is loaded once per (cubin, device) for the life of the process."""
     if not isinstance(cubin, (bytes, bytearray)) or not cubin:
         raise TypeError(f"cubin must be non-empty bytes, got {type(cubin).__name__}")
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):

@@ -1,10 +1,8 @@
 """Sums of several per-lane partials over a warp, each sum ending in some lanes: the reduce-scatter plan.
 
-The reduce-scatter of P = 2^p partials (the template's ``reduce_scatter<P>``) costs P - 1 + (5 - p) shuffles, not
-5 P: at each of p steps a lane keeps half its partials, adds its partner's copies and hands over the other half;
-then one butterfly over the lanes sharing a partial. Partial s ends summed in every lane l with
-``l >> (5 - p) == s``. ``plan(S)`` splits S partials into such groups (zero-padded) at the fewest shuffles;
-``simulate`` runs a group's steps on 32 lanes' values, as the template does on the GPU.
+The template's ``reduce_scatter<P>`` sums P = 2^p partials in P - 1 + (5 - p) shuffles, not 5 P: each of p steps
+hands half a lane's partials to its partner, then one butterfly spans the lanes sharing one; partial s ends in
+lanes l with ``l >> (5 - p) == s``. ``plan(S)`` groups S partials at the fewest shuffles; ``simulate`` runs it.
 """
 
 from __future__ import annotations

@@ -20,9 +20,6 @@ from torch import Tensor
 from ..core.custom_op import custom_op
 from ..core.registry import SourceKernels
 
-__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "radial_table", "radial_table_dot",
-           "radial_table_eval", "radial_table_reference", "sorts_by_length"]
-
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
 # The device functions that read a table (also rendered into the convolution kernels that read one: a layer's

@@ -18,11 +18,8 @@ from .schedule import SCSchedule
 
 
 class SymmetricContractionBase(torch.nn.Module):
-    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu].
-
-    A subclass calls ``_plan(problem)`` once it holds its weights (and again when the U tensors change)
-    and implements ``weight_tensors()``.
-    """
+    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu]. A subclass calls
+    ``_plan(problem)`` once it holds its weights (and when the U tensors change) and implements ``weight_tensors()``."""
 
     tuning: SCTuning | None = None  # a class default: modules pickled before tuning existed have none
     problem: SCProblem
@@ -123,5 +120,3 @@ def _species_index(species: torch.Tensor, n: int, num_elements: int, device: tor
                          f"[{int(species.min())}, {int(species.max())}]")
     return species.to(torch.int32)
 
-
-__all__ = ["SymmetricContractionBase"]

@@ -65,13 +65,9 @@ def _x(schedule: SCSchedule, i: int, m: int, grad: bool = False) -> str:
 
 
 def _bilinear(w: _Writer, terms: list[tuple[str, str, str, float]]) -> None:
-    """dst += v * p * q for every (p, q, dst, v), sharing partial results the cheapest way.
-
-    Either one product per distinct (p, q), then dst += v * product; or, per distinct (p, dst), a
-    partial sum y = sum v * q, then dst += p * y (likewise per (q, dst)). Each costs the number of terms
-    plus the number of distinct pairs, so the rarest pairing wins (a coupling to a scalar: one partial
-    sum per input component instead of one product per pair).
-    """
+    """dst += v * p * q for every (p, q, dst, v), sharing partial results the cheapest way: one product per distinct
+    (p, q), or a partial sum per distinct (p, dst) or (q, dst); each costs the terms plus the distinct pairs, so the
+    rarest pairing wins."""
     terms = [t for t in terms if t[0] in w.live and t[1] in w.live]
     if not terms:
         return

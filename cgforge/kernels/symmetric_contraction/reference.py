@@ -72,10 +72,8 @@ def interpret_sc(schedule: SCSchedule, x: torch.Tensor, species: torch.Tensor, w
 
 def interpret_sc_backward(schedule: SCSchedule, x: torch.Tensor, species: torch.Tensor, wp: torch.Tensor,
                           g: torch.Tensor, need_gw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """grad x [N, C, D] and (if asked) grad W' [E, R, C] of <g, interpret_sc(...)>, written out by hand.
-
-    Explicit (no autograd) because custom-op implementations run below autograd.
-    """
+    """grad x [N, C, D] and (if asked) grad W' [E, R, C] of <g, interpret_sc(...)>, written out by hand (custom-op
+    implementations run below autograd)."""
     p = schedule.problem
     n, channels = x.shape[0], p.channels
     blocks = [x[:, :, off:off + ir.dim] for off, ir in zip(p.coupling_offsets, p.coupling)]

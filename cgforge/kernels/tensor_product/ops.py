@@ -15,7 +15,6 @@ from .launch import backward_buffers, finish_gw, has_unweighted_paths, launch, n
 from .layout import TP_LAYOUT
 from .reference import reference_tp, reference_tp_backward
 
-# ---------------------------------------------------------------- tensor product
 
 def _tp_fake(x, y, w, key):
     return x.new_empty(x.shape[0], plans.get(key).problem.irreps_out.dim)
