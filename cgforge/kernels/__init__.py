@@ -1,12 +1,8 @@
 """The kernel generator: problem -> sparse CG -> schedule -> program -> CUDA source -> NVRTC -> launch.
 
-core/ is shared by every op (registry -> compiler -> runtime: the one compile path of every kernel, also the
-fixed sources of segment_sum, radial_table and noise); tensor_product/ and symmetric_contraction/ each supply
-problem -> schedule -> program; convolution/ runs the tensor product's problem, schedule and program over a
-graph's edges (its own: the graph, the layouts' ops and the row-chunked table path). Every knob is a typed value
-(``TPTuning``, ``SCTuning``) passed as ``tuning=``. ``python -m cgforge.kernels.explain`` prints the stages for
-one problem. kernels/ knows no model and imports nothing above it: MACE's symmetric contraction (its U tensors
-and state-dict layout over ``SymmetricContractionBase``) is ``cgforge.patches.mace.SymmetricContraction``.
+core/ is shared by every op; tensor_product/ and symmetric_contraction/ supply problem -> schedule -> program;
+convolution/ runs the tensor product over a graph's edges. Knobs are typed values (``TPTuning``, ``SCTuning``)
+passed as ``tuning=``. kernels/ knows no model (MACE's contraction is ``cgforge.patches.mace``).
 """
 
 from .convolution import ConvGraph, Convolution, streaming_convolution, streaming_edge_convolution

@@ -3,14 +3,7 @@
     python -m cgforge.kernels.explain IRREPS1 IRREPS2 [IRREPS_OUT] [--mode uvu|uvw] [--dtype float32|float64]
         [--conv] [--loop-order auto|segments|edges|chunks] [--arch sm_90] [--lines 30]
 
-    python -m cgforge.kernels.explain 32x0e+32x1o 0e+1o 32x0e+32x1o+32x1e
-
-Stages: 1 the problem (e3nn's instructions and normalisation), 2 the sparse CG counts, 3 the schedule
-(segments, chunks, shared memory, tuning), 4 the program (statements, multiply-adds), 5 the ptxas
-register/spill report (NVRTC on this machine, no GPU needed) and the convolution backward's launch bound,
-6 the head of the generated kernel.
-Instructions: ``uvu`` connects every in1 x in2 pair to every allowed output irrep (one output block
-per path, as MACE and NequIP do), ``uvw`` every path into IRREPS_OUT (a fully connected product).
+``uvu``: every in1 x in2 pair to every allowed output irrep (MACE, NequIP); ``uvw``: into IRREPS_OUT.
 """
 
 from __future__ import annotations

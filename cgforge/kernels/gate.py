@@ -1,20 +1,11 @@
-"""Gated activations in one pass: e3nn's ``Gate`` and ``Activation`` as a table of output columns.
-
-Every output column j of such a layer is one of
+"""Gated activations in one pass: e3nn's ``Gate`` and ``Activation`` as a table of output columns, each one of
 
     out[:, j] = scale_j * f_j(x[:, src_j])                      (a scalar: gate_j = -1)
     out[:, j] = scale_j * x[:, src_j] * f_j(x[:, gate_j])       (a component of a gated irrep)
 
-with f_j one of ``ACTIVATIONS`` (scale_j holds e3nn's normalising constant and the elementwise product's
-coefficient). e3nn evaluates it as an extraction (a copy per irrep), an activation and a constant per scalar
-block, the product per gated irrep and two concatenations: ~15 kernels forward and ~25 backward per layer of a
-NequIP model, each far shorter than its launch. Here the forward is one kernel (a thread per output element) and
-the backward one kernel (a thread per input element, which sums the output columns that read it through the
-table's transpose ``GateTable.readers``: no atomics, the same bits on every run).
-
-First derivatives run the kernel; a backward asked to be differentiable again (``create_graph``: force
-Jacobians, training) runs ``gate_backward_reference``, torch ops of any order. Off CUDA, for other dtypes and
-under torch.compile (Inductor fuses the torch ops itself) the layer is ``gate_reference``.
+with f_j one of ``ACTIVATIONS``. One kernel forward (a thread per output element), one backward (a thread per input
+element summing the columns that read it, ``GateTable.readers``: no atomics). A differentiable backward runs
+``gate_backward_reference``; off CUDA, other dtypes and under torch.compile the layer is ``gate_reference``.
 """
 
 from __future__ import annotations
@@ -26,8 +17,6 @@ import torch
 from torch import Tensor
 
 from .core.registry import SourceKernels
-
-__all__ = ["ACTIVATIONS", "GATE_SOURCE", "GateArrays", "GateTable", "gate", "gate_backward_reference", "gate_reference"]
 
 # The activations the kernels evaluate, by code (the table's ``code`` entries).
 ACTIVATIONS = ("identity", "silu", "tanh", "sigmoid")

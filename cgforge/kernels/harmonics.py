@@ -2,21 +2,13 @@
 
     Y[e, c] = P_c(u_e),    u_e = v_e / max(|v_e|, 1e-12)     (``torch.nn.functional.normalize``'s rule)
 
-P_c is the homogeneous polynomial of degree l(c) that an e3nn ``SphericalHarmonics`` module (``normalize=True``)
-evaluates for its output column c, in its own convention and normalization. The coefficients are read off the
-module (``HarmonicsPolynomials.of``): a homogeneous polynomial of one degree is fixed by its values on the unit
-sphere, so a least-squares fit in FP64 on points of the sphere recovers it exactly, and the fit is then checked
-against the module on vectors of all lengths. The kernel has them as constants.
-
-Why a kernel: e3nn computes every column as a tensor of its own and ``torch.stack``s them into [E, D], a copy with
-strided writes, twice a step (the chunked rows evaluate the harmonics again in the backward): a sixth of a
-million-atom step (measured: docs/measured-constants.md). Here one thread owns an edge: it reads 3 values and writes D
-(the backward: reads 3 + D, writes 3).
-
-Backward, with g = dL/dY[e]:   dL/du = sum_c g_c grad P_c(u),   dL/dv = (dL/du - u (u . dL/du)) / |v|
-(dL/du / 1e-12 where |v| <= 1e-12, as normalize's clamp gives). Both are torch custom ops (``harmonics_eval``,
-``harmonics_vjp``) keyed by the polynomials' registered key; the second derivative goes through
-``harmonics_reference`` (torch, differentiable), as does every call off CUDA or in another dtype.
+P_c: the homogeneous polynomial of degree l(c) an e3nn ``SphericalHarmonics`` module (``normalize=True``) evaluates,
+fitted in FP64 on the unit sphere and checked at all lengths (``HarmonicsPolynomials.of``). A thread owns an edge,
+where e3nn stacks one tensor per column. That stack, twice a step (the chunked rows evaluate the harmonics again in
+the backward), was a sixth of a million-atom step (measured: docs/measured-constants.md).
+Backward: dL/dv = (dL/du - u (u . dL/du)) / |v|, dL/du =
+sum_c g_c grad P_c(u) (|v| clamped at 1e-12, u . dL/du then 0). Custom ops ``harmonics_eval`` / ``harmonics_vjp``
+keyed by ``register``; second derivatives, calls off CUDA and other dtypes go through ``harmonics_reference``.
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ from torch import Tensor
 from .core.custom_op import custom_op
 from .core.registry import SourceKernels
 
-__all__ = ["HarmonicsPolynomials", "harmonics", "harmonics_reference", "harmonics_source", "register"]
-
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's default, which e3nn's SphericalHarmonics uses
 _THREADS = 128
 _FIT_POINTS = 512
@@ -46,11 +36,9 @@ def _monomials(degree: int) -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class HarmonicsPolynomials:
-    """The output columns of a ``SphericalHarmonics`` module as polynomials of the unit vector.
-
-    monomials: every (a, b, c) used, by degree; coefficients: one row per monomial, one value per column (column c's
-    polynomial in the monomials of its degree, zero elsewhere); degrees: l of each column. Plain numbers, so the
-    value hashes and compares (the kernels are cached by it)."""
+    """The output columns of a ``SphericalHarmonics`` module as polynomials of the unit vector: ``monomials`` by degree,
+    ``coefficients`` one row per monomial and one value per column, ``degrees`` l per column. Plain numbers: the value
+    hashes (the kernels are cached by it)."""
 
     monomials: tuple[tuple[int, int, int], ...]
     coefficients: tuple[tuple[float, ...], ...]
@@ -166,8 +154,6 @@ def _vjp_reference(vectors: Tensor, grad: Tensor, polys: HarmonicsPolynomials) -
     along = torch.where(norm > NORM_EPS, (u * gu).sum(1, keepdim=True), torch.zeros_like(norm))
     return (gu - u * along) / clamped
 
-
-# --- the CUDA source ----------------------------------------------------------------------------------------------
 
 def _name(m: tuple[int, int, int]) -> str:
     return f"m{m[0]}{m[1]}{m[2]}"

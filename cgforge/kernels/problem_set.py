@@ -1,11 +1,7 @@
 """The benchmark and test problem set (as e3nn TensorProduct arguments).
 
-``PROBLEMS`` is the tensor-product matrix the tests compile (NVRTC) and check against e3nn, and that
-benchmarks/bench_tp.py and bench_conv.py time; ``MODEL_LAYERS`` adds convolutions of real models for
-benchmarks/bench_layer.py. Each value is ``(irreps_in1, irreps_in2, irreps_out, instructions)``::
-
-    from cgforge.kernels.problem_set import PROBLEMS
-    tp = e3nn.o3.TensorProduct(*PROBLEMS["mace-medium"], shared_weights=False, internal_weights=False)
+``PROBLEMS``: the tensor products the tests check against e3nn and the benchmarks time; ``MODEL_LAYERS``: real
+models' convolutions (bench_layer.py). Each value is ``(irreps_in1, irreps_in2, irreps_out, instructions)``.
 """
 
 from __future__ import annotations

@@ -4,10 +4,7 @@
     cgforge.patches.save_patched(model, "mace-cgforge.model")
     plain = cgforge.patches.unpatch(model)                                         # loadable without cgforge
 
-Each function asks the family registry (``families``: one ``Family`` object per model family) which family a
-model or file belongs to. Importing this package imports no family's code and none of cgforge's kernels
-(nequip imports it through its extension entry point, ``nequip_modifier``); ``cgforge.patches.mace`` and
-``cgforge.patches.nequip`` load on first use.
+Importing this package imports no family's code and no kernels (they load on first use).
 """
 
 from __future__ import annotations
@@ -29,25 +26,14 @@ __all__ = ["load", "patch", "unpatch", "save_patched", "atomic_save", "checkpoin
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
-    """``"mace"`` or ``"nequip"``: the name of the family that reads the checkpoint ``path``
-    (``families.family_for_file``: by the file's suffix, else by its contents).
-
-    Raises ValueError for a compiled model or a file no family recognises, FileNotFoundError for a missing file
-    whose suffix no family claims."""
+    """``"mace"`` or ``"nequip"``: the family that reads the checkpoint ``path`` (``families.family_for_file``)."""
     return families.family_for_file(path).name
 
 
-def load(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-) -> torch.nn.Module:
-    """The MACE or NequIP model in the checkpoint ``path``, patched with cgforge's kernels, on ``device``.
-
-    ``dtype`` None keeps the checkpoint's precision; ``"float32"``/``"float64"`` converts (a NequIP model
-    keeps its ``model_dtype``). MACE files written by older mace-torch or with e3nn 0.4 inside are upgraded
-    in memory. ``families.load`` does the work (it also takes a module, and ``patch=False``).
-    """
+def load(path: str | os.PathLike, device: str | torch.device = "cpu",
+         dtype: str | torch.dtype | None = None) -> torch.nn.Module:
+    """The MACE or NequIP model in the checkpoint ``path``, patched, on ``device``, in ``dtype`` (None: the file's;
+    a NequIP model keeps its ``model_dtype``): ``families.load``, which also takes a module and ``patch=False``."""
     return families.load(path, device, dtype, patch=True)
 
 
@@ -62,12 +48,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_patched(model: torch.nn.Module, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Patch ``model`` (if not yet) and write it, atomically, in its family's format; returns the path.
-
-    MACE: a whole-model pickle (``path`` ending .model, .pt or .pth) that loads with ``torch.load(path,
-    weights_only=False)`` wherever cgforge is installed, and in MACECalculator. NequIP: a patched package
-    (``path`` ending .nequip.zip). Refuses to overwrite an existing ``path`` unless ``force``.
-    """
+    """Patch ``model`` (if not yet) and write it atomically in its family's format (``Family.save``: MACE a
+    whole-model pickle, NequIP a ``.nequip.zip`` package); refuses to overwrite ``path`` unless ``force``."""
     return families.family_of(model).save(model, path, force=force)
 
 

@@ -1,8 +1,4 @@
-"""Helpers every model family of cgforge.patches shares: argument parsing, errors, species lookup.
-
-Public names only: the family packages (``mace``, ``nequip``) and the plugin import them from here, so no
-package reaches into another's private helpers.
-"""
+"""Helpers every model family of cgforge.patches shares: argument parsing, errors, species lookup."""
 
 from __future__ import annotations
 
@@ -14,11 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from ase.data import chemical_symbols
-
-__all__ = ["UnsupportedModelError", "UnknownElementError", "parse_device", "parse_dtype", "check_numbers",
-           "unknown_elements",
-           "vanishes_at_zero",
-           "verify_checksums"]
 
 
 class UnsupportedModelError(ValueError):
@@ -73,9 +64,8 @@ def unknown_elements(numbers: np.ndarray, known: np.ndarray, model_elements: lis
     """The error naming the elements of ``numbers`` where ``known`` is False."""
     missing = sorted({int(z) for z in np.unique(numbers[~known])})
     names = ", ".join(chemical_symbols[z] if 0 < z < len(chemical_symbols) else f"Z={z}" for z in missing)
-    return UnknownElementError(
-        f"atoms: element(s) {names} not known to the model, which knows {', '.join(model_elements)}"
-    )
+    return UnknownElementError(f"atoms: element(s) {names} not known to the model, which knows "
+                               f"{', '.join(model_elements)}")
 
 
 def vanishes_at_zero(mlp: torch.nn.Module, in_dim: int) -> bool:
@@ -100,13 +90,8 @@ def existing_file(path: str | os.PathLike, what: str, expected: str) -> Path:
 
 
 def verify_checksums(path: str | os.PathLike) -> None:
-    """Read every member of a zip checkpoint and check its CRC-32; a damaged file raises ValueError naming it.
-
-    torch.save files (MACE ``.model``, NequIP ``.ckpt``) and torch.package archives (``.nequip.zip``) are zip
-    files whose members carry CRC-32 checksums that torch's own reader does not check: a flipped byte in a
-    weight tensor loads silently and gives wild numbers. This reads the file once (about as long as loading
-    it). Files that are not zips (torch's pre-1.6 pickle format) have no checksums: nothing is checked.
-    """
+    """Read every member of a zip checkpoint and check its CRC-32 (torch's reader does not); a damaged file raises
+    ValueError naming it. A file that is no zip has no checksums: nothing is checked."""
     path = os.fspath(path)
     try:
         archive = zipfile.ZipFile(path)

@@ -1,16 +1,11 @@
 """The model families cgforge patches (MACE, NequIP): one ``Family`` object each, registered here.
 
-    from cgforge.patches import families
     model = families.load("water.model", device="cuda", dtype="float32")   # a file or a module, patched
     family = families.family_of(model)                                     # families.MACE
     family.unpatch(model); family.save(model, "plain.model", patched=False)
-    adapter = family.adapter(model, device, head=None)                     # what the runtime calls
 
-This module is the one place that tells a MACE model or file from a NequIP one: everything else asks
-``family_of`` (a module), ``family_for_file`` (a path) or ``load``. A family recognises its modules and files
-without importing its package: ``cgforge.patches.nequip`` imports nequip (an optional dependency) and both
-packages import cgforge's kernels, so a family's package is imported only when one of its models is loaded,
-patched, saved or run.
+The one place that tells a MACE model or file from a NequIP one; a family's package is imported only when one of
+its models is loaded, patched, saved or run.
 """
 
 from __future__ import annotations
@@ -33,9 +28,6 @@ from .recognise import is_mace_model, is_nequip_model, is_nequip_package, other_
 if TYPE_CHECKING:  # the kernels load when a model is patched, not when this module is imported
     from cgforge.kernels.core.tuning import KernelTuning
 
-__all__ = ["Family", "MACE", "NEQUIP", "FAMILIES", "COMPILED_SUFFIXES", "family_of", "family_for_file", "load",
-           "check_tuning", "is_mace_model", "is_nequip_model", "quiet_mace_import"]
-
 # nequip-compile / TorchScript / AOTInductor outputs: no family reads them (cgforge's kernels are launched
 # from Python, which a compiled model cannot call)
 COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
@@ -45,12 +37,9 @@ COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
 class Family:
     """One model family: how to recognise its modules and files, and its load, patch, unpatch, save, adapter.
 
-    ``name`` is the lower-case key (``"mace"``), ``title`` the name in messages (``"MACE"``), ``package`` the
-    cgforge package holding the family's code (imported on first use), ``suffixes`` the file names the family
-    reads (lower case), ``writes`` the ones ``save`` writes and ``written_as`` what they are (for messages),
-    ``adapter_options`` the keyword options of ``adapter`` that apply to this family. Subclasses supply the
-    per-family parts (``_MaceFamily``, ``_NequipFamily``).
-    """
+    ``name``: the key (``"mace"``); ``title``: the name in messages; ``package``: its code (imported on first use);
+    ``suffixes``: the file names it reads; ``writes``: those ``save`` writes, ``written_as`` what they are;
+    ``adapter_options``: its keyword options of ``adapter``."""
 
     name: str
     title: str
@@ -81,20 +70,16 @@ class Family:
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None, *, patch: bool = True,
              tuning: KernelTuning | None = None) -> torch.nn.Module:
-        """The model in the checkpoint ``path``, in eval mode on ``device``: patched with cgforge's kernels
-        (``patch``) or as the family's own code builds it. ``dtype`` None keeps the file's precision, else
-        ``"float32"``/``"float64"`` (or a torch dtype); the file's zip checksums are checked first.
-        ``tuning``: the ``cgforge.kernels.KernelTuning`` of the kernels built (None: the defaults; a file saved
-        patched is patched again with it); what applies depends on the family (NequIP: ``tuning.tp`` only)."""
+        """The model in the checkpoint ``path`` (zip checksums checked first), in eval mode on ``device``, patched
+        (``patch``) or as the family builds it, in ``dtype`` (None: the file's). ``tuning``: the kernels'
+        ``KernelTuning`` (a file saved patched is patched again with it)."""
         raise NotImplementedError
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, *, patch: bool = True,
                 tuning: KernelTuning | None = None) -> torch.nn.Module:
-        """An in-memory model of this family made ready as ``load`` makes a file's: upgraded where an older
-        version of the family's code pickled it, in ``dtype`` (None: its own), on ``device``, patched in place
-        with ``tuning`` when ``patch`` (a model given patched stays patched, its kernels as they were built:
-        ``load`` refuses a tuning other than the defaults for one). Returns ``model``."""
+        """``model`` made ready as ``load`` makes a file's (upgraded, in ``dtype``, on ``device``, patched in place
+        with ``tuning`` when ``patch``; a patched model keeps its kernels); returns it."""
         raise NotImplementedError
 
     def patch(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -110,9 +95,8 @@ class Family:
         return bool(self._code().is_patched(model))
 
     def check_output(self, path: str | os.PathLike, *, patched: bool = True, what: str = "output") -> None:
-        """Raise ValueError unless ``save`` can write a (``patched`` or plain) model of this family to ``path``;
-        ``what`` names the path in the message (e.g. ``"OUT"``). Checks the name only: callers check it before
-        loading anything."""
+        """Raise ValueError naming ``what`` unless ``save`` can write a (``patched`` or plain) model of this family
+        to ``path``; checks the name only, so that callers check it before loading anything."""
         name = os.path.basename(os.fspath(path)).lower()
         if not name.endswith(self.writes) or name.endswith(COMPILED_SUFFIXES):
             raise ValueError(f"{what}: {path} must end with {', '.join(self.writes)} (cgforge writes {self.title} "
@@ -121,18 +105,14 @@ class Family:
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None) -> Path:
-        """Write a model of this family to ``path`` (named as ``check_output`` says) and return the path.
-
-        ``source``: a model (patched in place when ``patched``, else unpatched in place) or a checkpoint
-        file (loaded on ``device`` in ``dtype``; never modified). ``patched=False`` writes a file that loads
-        without cgforge. Refuses to overwrite ``path`` unless ``force``; the file appears whole or not at all."""
+        """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, loaded
+        on ``device`` in ``dtype`` and never modified) to ``path`` atomically; refuses to overwrite unless
+        ``force``. Returns the path."""
         raise NotImplementedError
 
     def adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
-        """The runtime's adapter of ``model`` (``cgforge.plugin.runtime.adapters.ModelAdapter``) on ``device``.
-
-        ``options``: ``head`` (MACE: the head of a multi-head model) and ``type_map`` (NequIP: {chemical
-        symbol: type name}); an option of the other family, given a value, raises ValueError."""
+        """The runtime's ``ModelAdapter`` of ``model`` on ``device``. ``options``: ``head`` (MACE) and ``type_map``
+        (NequIP: {chemical symbol: type name}); a value for the other family's option raises ValueError."""
         for key, value in options.items():
             if value is None or key in self.adapter_options:
                 continue
@@ -164,9 +144,7 @@ class _MaceFamily(Family):
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None, *, patch: bool = True,
              tuning: KernelTuning | None = None) -> torch.nn.Module:
-        """A MACE ``.model`` (a whole pickled model of mace-torch 0.3.x; e3nn 0.4 pickles and older mace-torch
-        attributes are upgraded in memory); ``tuning``: the convolutions' (``tp``) and the symmetric
-        contractions' (``sc``). See ``Family.load``."""
+        """A MACE ``.model`` (mace-torch 0.3.x; e3nn 0.4 pickles and older attributes upgraded in memory)."""
         quiet_mace_import()
         from .mace import load_mace
 
@@ -189,8 +167,7 @@ class _MaceFamily(Family):
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None) -> Path:
-        """A whole-model pickle (``torch.save``), which ``torch.load(path, weights_only=False)``, mace-torch's
-        tools and MACECalculator load (a patched one wherever cgforge is installed); see ``Family.save``."""
+        """A whole-model pickle, which ``torch.load``, mace-torch's tools and MACECalculator load."""
         from cgforge.atomic import atomic_save
 
         self.check_output(path, patched=patched)
@@ -218,10 +195,8 @@ class _NequipFamily(Family):
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None, *, patch: bool = True,
              tuning: KernelTuning | None = None) -> torch.nn.Module:
-        """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model; patched ones are checked against the plain
-        model on a small structure). A NequIP model keeps the ``model_dtype`` it was built for: another
-        ``dtype`` raises ValueError. ``tuning``: its ``tp`` tunes the convolutions; ``sc`` does not apply (a
-        NequIP model has no symmetric contraction). See ``Family.load``."""
+        """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model, checked against the plain one once patched); another
+        ``dtype`` than its ``model_dtype`` raises ValueError; ``tuning.sc`` does not apply."""
         from .nequip import load_nequip
 
         return load_nequip(path, device=device, dtype=dtype, patched=patch, tuning=tuning)
@@ -239,10 +214,8 @@ class _NequipFamily(Family):
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu",
              dtype: str | torch.dtype | None = None) -> Path:
-        """A patched nequip-package archive (``.nequip.zip``, every model of a file patched and checked), which
-        ``families.load``, nequip's ``ModelFromPackage`` and nequip's ASE calculator load wherever cgforge is
-        installed. ``device`` and ``dtype`` are not used: a package is written from the CPU, in the model's
-        own ``model_dtype`` (another ``dtype`` raises ValueError). See ``Family.save``."""
+        """A patched ``.nequip.zip`` package (every model of a file patched and checked), written from the CPU in
+        the model's ``model_dtype`` (``device`` unused; a ``dtype`` raises ValueError)."""
         self.check_output(path, patched=patched)
         if dtype is not None:
             raise ValueError("dtype: a NequIP model keeps the model_dtype it was built with; leave dtype "
@@ -282,16 +255,12 @@ def family_of(module: Any) -> Family:
 
 
 def family_for_file(path: str | os.PathLike) -> Family:
-    """The family that reads the checkpoint ``path``: by its suffix, else by its contents.
-
-    Raises ValueError for a compiled model (no family reads one) and for a file no family recognises (naming
-    what it looks like), FileNotFoundError for a missing file whose suffix no family claims."""
+    """The family that reads the checkpoint ``path``: by its suffix, else by its contents. ValueError for a
+    compiled model or a file no family recognises, FileNotFoundError for a missing one no suffix claims."""
     path = os.fspath(path)
     if os.path.basename(path).lower().endswith(COMPILED_SUFFIXES):
-        raise ValueError(
-            f"{path}: a compiled (TorchScript/AOTInductor) model; cgforge patches eager models: "
-            "give the .ckpt or .nequip.zip it was compiled from"
-        )
+        raise ValueError(f"{path}: a compiled (TorchScript/AOTInductor) model; cgforge patches eager models: "
+                         "give the .ckpt or .nequip.zip it was compiled from")
     for family in FAMILIES:
         if family.owns_name(path):
             return family
@@ -308,19 +277,11 @@ def family_for_file(path: str | os.PathLike) -> Family:
 def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device = "cpu",
          dtype: str | torch.dtype | None = None, *, patch: bool = True,
          tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """A MACE or NequIP model ready to run: from a checkpoint file or an in-memory module of either family.
-
-    ``source``: a checkpoint path (the family from ``family_for_file``; ``Family.load``) or a model
-    (``Family.prepare``: patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device.
-    ``dtype``: None keeps the model's precision, ``"float32"``/``"float64"`` converts (NequIP models keep
-    their ``model_dtype``). ``patch``: cgforge's kernels (True) or the family's own code (False).
-    ``tuning``: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults;
-    ``check_tuning`` says what is refused: a tuning with ``patch=False``, and one other than the defaults for
-    a module given already patched, whose kernels keep the tuning they were built with).
-
-    A file that fails to load raises ValueError naming it (also where torch or pickle fail with another
-    error); warnings raised while loading a file (an older mace-torch's attributes upgraded, a layer kept
-    unpatched) are issued as one line naming the file, without a line of cgforge's source.
+    """A MACE or NequIP model ready to run, from a checkpoint path (``Family.load``) or a module of either family
+    (``Family.prepare``, patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device;
+    ``dtype``: None (the model's) or float32/float64 (NequIP: its ``model_dtype`` only); ``patch``: cgforge's kernels
+    or the family's code; ``tuning``: ``check_tuning``'s, not other than the defaults for a module already patched. A
+    file that fails to load raises ValueError naming it; warnings while loading it name the file.
     """
     check_tuning(tuning, patch)
     device, dtype = parse_device(device), parse_dtype(dtype)
@@ -345,9 +306,8 @@ def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device
 
 
 def check_tuning(tuning: object, patch: bool | None = True) -> None:
-    """The ``tuning`` argument of ``load`` and of the runtime above it: None or a
-    ``cgforge.kernels.KernelTuning`` (TypeError naming the type given), and not with ``patch=False`` (ValueError:
-    without cgforge's kernels there is nothing to tune). ``patch`` None (decided later) is not checked."""
+    """``tuning`` is None or a ``KernelTuning`` (else TypeError), and not given with ``patch=False`` (ValueError);
+    ``patch`` None (decided later) is not checked."""
     if tuning is None:
         return
     from cgforge.kernels.core.tuning import KernelTuning, SCTuning, TPTuning
@@ -362,9 +322,8 @@ def check_tuning(tuning: object, patch: bool | None = True) -> None:
 
 
 def quiet_mace_import() -> None:
-    """Import mace-torch's ``mace.tools.cg`` without the line it prints when cuEquivariance is not installed
-    ("cuequivariance or cuequivariance_torch is not available..."): cgforge never uses cuEquivariance. Other
-    output of the import is printed as usual; nothing happens once mace is imported or when it is missing."""
+    """Import mace-torch's ``mace.tools.cg`` without the line it prints when cuEquivariance (which cgforge never
+    uses) is not installed; other output is printed as usual."""
     if "mace.tools.cg" in sys.modules:
         return
     printed = io.StringIO()
@@ -381,8 +340,7 @@ def quiet_mace_import() -> None:
 
 @contextlib.contextmanager
 def _warnings_naming(source: str) -> Iterator[None]:
-    """Warnings raised inside are issued again as if raised by ``source`` (a file name) at line 0: one line,
-    ``SOURCE:0: Category: message``, with no line of cgforge's code under it; the usual filters apply."""
+    """Warnings raised inside are issued again as if raised by ``source`` (a file name) at line 0: one line each."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield

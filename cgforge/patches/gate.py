@@ -1,11 +1,8 @@
 """e3nn's ``Gate`` (NequIP's equivariant nonlinearity) as one kernel forward and one backward.
 
-``FusedGate`` reads the layer off the e3nn module as a ``kernels.gate.GateTable``: which input column each output
-column takes (found by running the module's own extraction on the column numbers), which gate scalar multiplies
-it and with what coefficient (the elementwise product run on unit vectors: it is bilinear, one gate per output
-column), and each activation with e3nn's normalising constant. Activations other than ``kernels.gate.ACTIVATIONS``
-keep the e3nn module. The state_dict is the original's (its submodules adopted; the table's arrays are buffers
-outside it), and the stand-in passes ``stand_in.checked`` like every other.
+``FusedGate`` reads the layer off the e3nn module as a ``kernels.gate.GateTable`` (the extraction run on column
+numbers, the elementwise product on unit vectors, each activation with e3nn's normalising constant). Activations
+other than ``kernels.gate.ACTIVATIONS`` keep the e3nn module. The state_dict is the original's.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from cgforge.kernels.gate import ACTIVATIONS, GateArrays, GateTable, gate
 from . import stand_in
 from .stand_in import StandIn, checked
 from .torch_internals import adopt
-
-__all__ = ["FusedGate", "gate_table", "is_e3nn_gate", "swap_in", "swap_out"]
 
 _ARRAYS = GateArrays._fields
 

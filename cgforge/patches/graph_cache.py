@@ -1,15 +1,9 @@
 """One ``ConvGraph`` per model call, shared by every convolution layer of one model.
 
-MACE hands the same ``edge_index`` to every interaction block; NequIP hands each layer fresh views
-``edge_index[0]`` / ``edge_index[1]`` of one tensor. Either way the first layer builds the graph
-(receiver sort, CSR, transpose permutation) and the others reuse it.
-
-A caller that owns the edge tensors (cgforge's calculator) can also *pin* a graph it built itself for
-those tensors: the layers then use it across calls, nothing is built or checked per call (no host sync,
-so the model step can be captured in a CUDA graph), and the caller keeps graph and edges consistent.
-
-The same caller can say, for the duration of its call (``species``), which nodes share their attributes:
-the self-connections then work per species (``species_linear``).
+The first layer builds the graph (MACE passes one ``edge_index`` to every block, NequIP views of one tensor) and
+the others reuse it. A caller that owns the edge tensors (cgforge's calculator) can *pin* a graph it built: the
+layers use it across calls with nothing built or checked per call (capturable in a CUDA graph), and the caller
+keeps graph and edges consistent. It can also say, per call, which nodes share attributes (``species``).
 """
 
 from __future__ import annotations
@@ -22,21 +16,13 @@ import torch
 from cgforge import kernels
 from cgforge.kernels import ConvGraph
 
-from .torch_internals import base_tensor, forward_pre_hooks, tensor_version
-
-__all__ = ["CallGraphCache", "graph_caches"]
+from .torch_internals import base_tensor, forward_pre_hooks, remove_forward_pre_hooks, tensor_version
 
 
 class CallGraphCache:
-    """A hit needs the same base tensors (held here, so their ids cannot be recycled), the same view
-    layout, unchanged in-place version counters and the same node count. The cache is also registered
-    as a forward pre-hook of the model and emptied at the start of every call, so a graph never
-    outlives a call (inference tensors have no version counter). Not thread-safe.
-
-    A pinned graph (``pin``) is matched by base tensors, view layout and node count only (no version
-    check: its owner refills the edge tensors in place and rebuilds the graph with them), and survives
-    the per-call reset until ``unpin``.
-    """
+    """A hit needs the same base tensors (held here, so their ids cannot be recycled), view layout, in-place versions
+    and node count. Registered as the model's forward pre-hook, emptied at the start of every call. Not thread-safe.
+    A pinned graph (``pin``) is matched without the version check and survives the reset until ``unpin``."""
 
     def __init__(self) -> None:
         self._pinned: tuple[tuple, tuple, kernels.ConvGraph] | None = None
@@ -71,11 +57,8 @@ class CallGraphCache:
         self._graph: kernels.ConvGraph | None = None
 
     def pin(self, edge_src: torch.Tensor, edge_dst: torch.Tensor, graph: kernels.ConvGraph) -> None:
-        """Serve ``graph`` whenever a layer asks for exactly these edge tensors (same views of the same bases).
-
-        The caller guarantees that ``graph`` describes ``edge_src -> edge_dst`` over ``graph.num_nodes`` nodes,
-        now and after every in-place refill of the tensors; nothing is checked here.
-        """
+        """Serve ``graph`` whenever a layer asks for exactly these edge tensors (same views of the same bases); the
+        caller guarantees it describes them, also after every in-place refill (nothing is checked here)."""
         if not isinstance(graph, ConvGraph):
             raise TypeError(f"graph must be a cgforge ConvGraph, got {type(graph).__name__}")
         bases = (base_tensor(edge_src), base_tensor(edge_dst))
@@ -107,11 +90,8 @@ class CallGraphCache:
         return graph
 
     def _compiled_get(self) -> kernels.ConvGraph:
-        # Under torch.compile the identity, view-layout and version checks read tensor metadata that dynamo
-        # cannot put in a graph (each would break it), and a graph built here would read the indices' range
-        # on the host. Only the pinned graph is served, and only inside its owner's ``serve_pinned`` (the
-        # calculator's compiled step pins the graph of exactly the edges it passes the model, before each call):
-        # a model compiled by someone else never gets a graph pinned for other edges.
+        # dynamo cannot trace the identity, layout and version checks, nor a graph built here (a host read): only
+        # the pinned graph is served, inside its owner's ``serve_pinned``, so no other compiled model gets it.
         pinned = self._pinned
         if pinned is None or not self.compiling_caller:
             raise RuntimeError("cgforge: a patched model compiled with torch.compile needs the convolution graph "
@@ -122,15 +102,18 @@ class CallGraphCache:
     def __call__(self, module: torch.nn.Module, args: object) -> None:  # forward pre-hook
         self.clear()
 
+    def install(self, model: torch.nn.Module) -> None:
+        """Be ``model``'s forward pre-hook, in place of any other cache of this class."""
+        if not any(hook is self for hook in forward_pre_hooks(model)):
+            remove_forward_pre_hooks(model, type(self))
+            model.register_forward_pre_hook(self)
+
     # Pickled (with the model) and deep-copied empty: a graph belongs to one call on one device.
     def __getstate__(self) -> dict:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self._pinned = None
-        self.species = None
-        self.compiling_caller = False
-        self.clear()
+        self.__init__()
 
 
 def graph_caches(model: torch.nn.Module) -> list[CallGraphCache]:

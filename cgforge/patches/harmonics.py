@@ -1,9 +1,6 @@
 """``KernelHarmonics``: the stand-in for an e3nn ``SphericalHarmonics`` module (``normalize=True``) that computes it
-with cgforge's kernel (``cgforge.kernels.harmonics``: one thread per edge, no stack of components; torch's reference
-off CUDA). The polynomials are read off the module when the stand-in is made; the module has no tensors, so the
-state_dict does not change. With ``KernelTuning.harmonics`` set (the default), MACE's patch makes one for
-``model.spherical_harmonics`` and NequIP's for each ``SphericalHarmonicEdgeAttrs.sh`` (``stand_in_for``), and leaves
-e3nn's module where the kernel cannot compute it (``normalize=False``): its values are right, only slower.
+with ``cgforge.kernels.harmonics`` (torch's reference off CUDA); the state_dict does not change. Made by the
+patches where ``KernelTuning.harmonics`` is set (``stand_in_for``); ``normalize=False`` keeps e3nn's module.
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from cgforge.kernels.harmonics import HarmonicsPolynomials, harmonics, register
 
 from .recognise import plain_module_name
 from .stand_in import StandIn
-
-__all__ = ["KernelHarmonics", "is_e3nn_harmonics", "stand_in_for"]
 
 log = logging.getLogger(__name__)
 

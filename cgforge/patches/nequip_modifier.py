@@ -1,16 +1,9 @@
 """cgforge's ``nequip.extension`` entry point: registers the ``enable_cgforge`` model modifier.
 
-nequip imports every installed ``nequip.extension`` entry point named ``init_always`` while ``nequip``
-itself is being imported (see pyproject.toml). nequip finds model modifiers by walking a model's modules
-for classmethods marked with ``@model_modifier``, so the modifier must live on a class that is in every
-NequIP model: it is attached here to nequip's ``TensorProductScatter``, the convolution it replaces.
-Configs (``modifiers: [{modifier: enable_cgforge}]``), ``nequip.model.modify`` and ``nequip-compile
---modifiers`` then find it by name.
-
-This module runs inside ``import nequip``, so it imports only the two nequip modules it needs and (as its
-parent package) ``cgforge.patches``, whose import loads neither a family's code nor cgforge's kernels; the
-patching code and the kernels load when the modifier is first applied to a model
-(``tests/patches/test_families.py`` checks what ``import nequip`` loads).
+nequip imports ``init_always`` entry points while ``nequip`` itself is being imported and finds modifiers as
+``@model_modifier`` classmethods on a model's modules: the modifier is attached to ``TensorProductScatter``, in
+every NequIP model. Runs inside ``import nequip``, so it imports only two nequip modules and ``cgforge.patches``
+(no family code, no kernels: ``tests/patches/test_families.py`` checks).
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ def _enable_cgforge(cls: type, model: Any) -> Any:
     a torch reference on CPU) in every NequIP convolution. Same weights and state_dict, same energies and
     forces. Eager models only: cgforge's kernels are launched from Python, so `nequip-compile`
     (TorchScript / AOTInductor) cannot hold them; run the eager model or package (e.g. with
-    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator).
-    """
+    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator)."""
     from .nequip import enable_cgforge  # lazy: keeps `import nequip` light
 
     return enable_cgforge(model)

@@ -1,28 +1,14 @@
 """Optional TF32 tensor-core products in the radial MLPs (FP32 unless asked for).
 
-The radial MLPs turn each edge's length basis into the convolution's weights: [E, 64] x [64, 1280] for
-MACE-MP-medium, [E, 128] x [128, 768] for NequIP M, forward and again backward. In FP32 without tensor cores
-these GEMMs are a large part of a step (docs/measured-constants.md). Two cheaper modes, never on by default:
-
-- ``"tf32"``: both products (forward, and the backward's ``grad @ W^T``) on TF32 tensor cores, whose
-  operands keep a 10-bit mantissa. On the bundled water models (CPU emulation of TF32 rounding) that moves
-  the forces by 3-5e-4 relative: more than the 1e-4 the calculator accepts.
-- ``"3xtf32"``: the forward product split as a_hi b_hi + a_hi b_lo + a_lo b_hi (hi = the TF32 rounding,
-  lo = the rest), one TF32 GEMM over the three stacked along K: FP32-level accuracy (3e-7 relative on the
-  forces, emulated) for 3x the tensor-core work and a [E, 3K] copy of the input. Only for products wide
-  enough to be compute-bound in FP32 (K >= 32 and N >= 2K: MACE's [64, 1280] and [64, 512], NequIP's
-  [128, 768]); narrower ones are memory-bound and stay FP32. The backward product stays FP32: its large
-  operand (the weights' gradient, [E, 1280]) would have to be split in memory, which costs more than it saves.
-
-The calculator measures the change of the forces before it keeps a mode (``Calculator(radial_precision=...)``).
-Only the radial MLP layers of patched models take part: MACE's ``FoldedMLP`` stand-ins and, in NequIP, the
-linear layers of each ``edge_mlp`` (``RadialLinear``). ``set_radial_precision(model, mode)`` sets them all.
+In FP32 without tensor cores these GEMMs are a large part of a step (docs/measured-constants.md). Two modes:
+``"tf32"``, both products on TF32 tensor cores: on the bundled water models (CPU emulation of TF32 rounding) that
+moves the forces by 3-5e-4 relative, more than the 1e-4 the calculator accepts; ``"3xtf32"``, the forward product
+as a_hi b_hi + a_hi b_lo + a_lo b_hi in one TF32 GEMM: FP32-level accuracy (3e-7 relative on the forces,
+emulated), only for compute-bound products (K >= 32, N >= 2K). The calculator measures the forces' change before
+keeping a mode; ``set_radial_precision`` sets every radial MLP layer of a patched model.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -30,27 +16,17 @@ from . import stand_in
 from .stand_in import StandIn
 from .torch_internals import adopt
 
-__all__ = ["MODES", "RadialLinear", "radial_layers", "radial_matmul", "set_radial_precision", "swap_in",
-           "swap_out", "tf32_round"]
-
 MODES = ("fp32", "tf32", "3xtf32")
-
-
-@contextmanager
-def _tf32_cublas() -> Iterator[None]:
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.allow_tf32
-    matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        matmul.allow_tf32 = previous
 
 
 def _tf32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with cuBLAS allowed to use TF32 (CPU tensors: plain FP32; tests replace this to emulate TF32)."""
-    with _tf32_cublas():
+    matmul = torch.backends.cuda.matmul
+    previous, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
         return a @ b
+    finally:
+        matmul.allow_tf32 = previous
 
 
 def tf32_round(t: torch.Tensor) -> torch.Tensor:

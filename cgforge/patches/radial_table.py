@@ -1,14 +1,9 @@
 """Radial tables, shared by the model families: a layer's radial MLP replaced by a table of one variable.
 
-A layer's tensor-product weights are ``mlp(embedding(r))``, a smooth function of the edge length alone. With
-tables on, the layer's MLP is a ``TabulatedRadial`` stand-in that evaluates a cubic table of that function
-(``kernels.radial_table``, fitted in FP64 from the layer's own modules, error measured between the knots) and
-the family's embedding module hands the length itself on as the layer's input: the radial basis, the MLP's
-GEMMs and activations, forward and backward, leave the step. Which modules, and which variable (MACE: r;
-NequIP: r over the cutoff), is each family's: ``mace/radial_table.py``, ``nequip/radial_table.py``.
-
-The stand-ins are ``streaming.Deferred`` ones: they adopt the originals' submodules under their own names and
-keep the tables in non-persistent buffers, so the state_dict is unchanged.
+A layer's weights ``mlp(embedding(r))`` are a smooth function of the edge length: with tables on, the MLP is a
+``TabulatedRadial`` (a cubic table fitted in FP64 from the layer's own modules, ``kernels.radial_table``) and the
+family's embedding hands the variable itself on (MACE: r; NequIP: r over the cutoff). The stand-ins are
+``streaming.Deferred`` ones; the tables are non-persistent buffers, so the state_dict is unchanged.
 """
 
 from __future__ import annotations
@@ -21,9 +16,6 @@ from torch import Tensor
 
 from ..kernels.radial_table import RadialTable, fit_radial_table, radial_table
 from .streaming import Deferred
-
-__all__ = ["DEFAULT_TOL", "FUSED_EDGE_ITEMS", "TableWeights", "TabulatedRadial", "fp64_copy", "fuse_tables",
-           "fused_edge_bytes", "original", "tabulate"]
 
 # The largest relative error of a table (values, and derivative in r, between the knots): below FP32's
 # resolution, so an FP32 model's energies and forces move by less than its own rounding moves them.

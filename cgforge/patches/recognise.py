@@ -1,8 +1,5 @@
 """Which family a model module belongs to, told from the object alone (no family package is imported), and
 what a file given as a checkpoint holds instead when it is none (``other_file_kind``).
-
-The registry (``families.py``) builds on these, and the family packages check their arguments with them;
-they live apart from both so that neither imports the other.
 """
 
 from __future__ import annotations
@@ -13,9 +10,6 @@ import zipfile
 from typing import Any
 
 import torch
-
-__all__ = ["is_mace_model", "is_nequip_model", "plain_module_name", "zip_names", "is_nequip_package",
-           "other_file_kind", "other_file_message", "NEQUIP_PACKAGE", "MLIAP_FILE"]
 
 NEQUIP_PACKAGE = "a NequIP package"
 MLIAP_FILE = "a LAMMPS ML-IAP file written by cgforge lammps-model"
@@ -32,21 +26,15 @@ def plain_module_name(name: str) -> str:
 
 def is_mace_model(module: Any) -> bool:
     """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
-    return (
-        isinstance(module, torch.nn.Module)
-        and type(module).__module__.startswith("mace.")
-        and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList)
-    )
+    return (isinstance(module, torch.nn.Module) and type(module).__module__.startswith("mace.")
+            and isinstance(getattr(module, "interactions", None), torch.nn.ModuleList))
 
 
 def is_nequip_model(module: Any) -> bool:
     """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
     if not isinstance(module, torch.nn.Module) or not getattr(module, "is_graph_model", False):
         return False
-    try:
-        metadata = module.metadata
-    except AttributeError:
-        return False
+    metadata = getattr(module, "metadata", None)
     return isinstance(metadata, dict) and "type_names" in metadata and "r_max" in metadata
 
 

@@ -1,17 +1,10 @@
 """Self-connections whose second input depends on the species only: one linear map per species.
 
-MACE's ``skip_tp`` and NequIP's ``sc`` are e3nn ``FullyConnectedTensorProduct``s of the node features x with
-the node attributes a (MACE: the one-hot element; NequIP: an embedding of the atom type)::
-
-    out[n, w] = sum over paths of  pw * sum_{u, v} W[u, v, w] x[n, u] a[n, v]     (a scalar: l = 0)
-
-e3nn forms the outer product x (x) a ([N, u*v], 11,392 wide for MACE-MP) and multiplies it by W: u*v*w
-multiply-adds per node and path, forward and backward again. When every node of one species has the same
-attributes, the sum over v can be done once per species, M_s = pw * sum_v a_s[v] W[:, v, :], leaving
-out[n] = x[n] M_s(n): u*w per node, 89x (MACE-MP) or 32x (NequIP) less work, and no outer product.
-
-Which nodes share their attributes is known only to whoever built the inputs. cgforge's calculator says so
-for its own calls (``CallGraphCache.species``); every other call takes e3nn's own path, unchanged.
+MACE's ``skip_tp`` and NequIP's ``sc`` are e3nn ``FullyConnectedTensorProduct``s of node features x with node
+attributes a: out[n, w] = sum over paths of pw * sum_{u, v} W[u, v, w] x[n, u] a[n, v] (a scalar). Where every node
+of a species has the same attributes, out[n] = x[n] M_s(n) with M_s = pw * sum_v a_s[v] W[:, v, :] made once per
+species. Only the caller knows which nodes share attributes: cgforge's calculator says so
+(``CallGraphCache.species``); every other call takes e3nn's path.
 """
 
 from __future__ import annotations
@@ -27,8 +20,6 @@ from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, ti
 from . import e3nn_layers, stand_in
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, give_back, tensor_version
-
-__all__ = ["SpeciesGroups", "SpeciesRoom", "SpeciesSelfConnection", "swap_in", "swap_out"]
 
 
 @dataclass(frozen=True)
@@ -66,13 +57,9 @@ class SpeciesGroups:
 
 
 class SpeciesRoom:
-    """Fixed room per species, for grouping nodes inside a captured CUDA graph, where ``from_species`` cannot run
-    (it reads the counts to the host, and a LAMMPS domain's ghost counts change every step).
-
-    ``capacities[k]`` slots for species k (0: no group). ``groups`` lays the nodes out species by species, each
-    group padded to its room (unused slots hold node 0, whose outputs nobody gathers); nodes past ``num_valid``
-    belong to no group. Each group costs its room, not its count: a few per cent more work for the margin.
-    """
+    """Fixed room per species, for grouping nodes inside a captured CUDA graph (where ``from_species``, a host read,
+    cannot run): ``capacities[k]`` slots for species k (0: no group), each group padded with node 0 (whose outputs
+    nobody gathers); nodes past ``num_valid`` belong to no group."""
 
     def __init__(self, capacities: Sequence[int], device: torch.device | str) -> None:
         self.capacities = tuple(int(c) for c in capacities)
@@ -126,12 +113,8 @@ def _running_counts(member: torch.Tensor) -> torch.Tensor:
 
 
 class SpeciesSelfConnection(torch.nn.Module, StandIn):
-    """An e3nn ``FullyConnectedTensorProduct`` (shared internal weights, scalar second input), computed per
-    species when the caller has said which nodes share their attributes, else by the e3nn module itself.
-
-    Holds the original's parameters, buffers and (weightless, generated) submodules under the same names, so
-    the state_dict is unchanged; the original rides along (not as a submodule) for ``restore``.
-    """
+    """An e3nn ``FullyConnectedTensorProduct`` (shared internal weights, scalar second input), computed per species
+    where the caller has said which nodes share their attributes, else by the e3nn module; the same state_dict."""
 
     kernel_max_channels = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS  # the class's: modules pickled before it was set
 
@@ -162,23 +145,17 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
     def supports(cls, tp: torch.nn.Module) -> bool:
         instructions = getattr(tp, "instructions", None)
         weight = getattr(tp, "weight", None)
-        return (
-            instructions is not None
-            and getattr(tp, "internal_weights", False)
-            and getattr(tp, "shared_weights", False)
-            and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and all(mul_ir.ir.l == 0 for mul_ir in o3.Irreps(tp.irreps_in2))
-            and all(ins.connection_mode == "uvw" and ins.has_weight and len(ins.path_shape) == 3
-                    for ins in instructions)
-            and sum(u * v * w for u, v, w in (ins.path_shape for ins in instructions)) == weight.numel()
-        )
+        return (instructions is not None and getattr(tp, "internal_weights", False)
+                and getattr(tp, "shared_weights", False) and isinstance(weight, torch.Tensor) and weight.dim() == 1
+                and all(mul_ir.ir.l == 0 for mul_ir in o3.Irreps(tp.irreps_in2))
+                and all(ins.connection_mode == "uvw" and ins.has_weight and len(ins.path_shape) == 3
+                        for ins in instructions)
+                and sum(u * v * w for u, v, w in (ins.path_shape for ins in instructions)) == weight.numel())
 
     @classmethod
     def wrap(cls, tp: torch.nn.Module, graphs: object, where: str = "") -> SpeciesSelfConnection | None:
         """The stand-in if ``tp`` is supported and passes ``stand_in.checked``, else None (keep e3nn's)."""
         return checked(cls(tp, graphs), where) if cls.supports(tp) else None
-
-    # --- the two paths ------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, attrs: torch.Tensor) -> torch.Tensor:
         groups = getattr(self.graphs, "species", None)
@@ -280,8 +257,6 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
             backward.append(LinearLaunch(arrays_t, blocks_t[k], rows, count))
             start += count
         return forward, backward
-
-    # --- the self-check ---------------------------------------------------------------------------------
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Both paths against e3nn on 9 random nodes of 3 species (attribute rows random per species)."""

@@ -1,21 +1,10 @@
 """One protocol for every module cgforge swaps into a model, one walker, one self-check policy.
 
-The stand-ins: ``SplitLinear`` and ``FoldedMLP`` (e3nn_layers), ``RadialLinear`` (radial_precision),
-``SpeciesSelfConnection`` (species_linear), ``KernelHarmonics`` (harmonics), ``FusedGate`` (gate),
-``FusedConvTP`` and ``FusedSymmetricContraction`` (mace) and ``CgforgeTensorProductScatter`` (nequip). Each is a
-``StandIn``:
-
-- it holds the original's tensors (and, where it adopts them, its submodules: the same objects) under the
-  original's names, so its state_dict is the original's own (``torch_internals.adopt``);
-- it keeps the original in ``original``, a one-element tuple: not a submodule, not in the state_dict;
-- ``restore()`` gives the original back with the stand-in's current tensors (``torch_internals.give_back``);
-- ``self_check(generator)`` returns (stand-in output, original output) on a small random input.
-
-The policy, the same for all (``checked``): a candidate is run against its original at patch time; one
-whose output differs (beyond 1e-10 in float64, 1e-4 in float32, relative to the largest value) or that
-raises is refused with a warning naming the module and the error, and the original stays. The walker
-(``swap_in``) makes every candidate first (a maker may raise, e.g. ``UnsupportedModelError``: nothing has
-changed yet), then checks and swaps each; ``swap_out`` restores every stand-in of the given kinds.
+A ``StandIn`` holds the original's tensors under their names (its state_dict is the original's), keeps the
+original in ``original`` (not a submodule), gives it back with its current tensors (``restore``) and compares
+itself with it on a small random input (``self_check``). ``checked`` refuses, with a warning, a candidate that
+differs (beyond 1e-10 in float64, 1e-4 in float32, relative) or raises. ``swap_in`` makes every candidate before
+changing anything, then checks and swaps; ``swap_out`` restores.
 """
 
 from __future__ import annotations
@@ -27,8 +16,6 @@ from typing import Any
 import torch
 
 from .torch_internals import give_back, replace_child
-
-__all__ = ["Maker", "StandIn", "checked", "convolution_check", "restore_original", "swap_in", "swap_out"]
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
 CHECK_SEED = 0  # the self-check's inputs come from their own generator: the global RNG is left alone
@@ -42,7 +29,8 @@ class StandIn:
 
     def restore(self) -> torch.nn.Module:
         """The original module, given the tensors as moved/converted since patching."""
-        return restore_original(self)
+        (original,) = self.original
+        return give_back(self, original)
 
     def self_check(self, generator: torch.Generator) -> tuple[Any, Any]:
         """(this module's output, the original's output) on a small random input drawn from ``generator``."""
@@ -75,12 +63,6 @@ def convolution_check(stand_in: StandIn, generator: torch.Generator, conv: Any, 
     weights = stand_in.random(generator, num_edges, tp.weight_numel)
     want = x.new_zeros(num_nodes, tp.irreps_out.dim).index_add_(0, receiver, tp(x[sender], attrs, weights))
     return conv(x, attrs, weights, ConvGraph(sender, receiver, num_nodes)), want
-
-
-def restore_original(stand_in: torch.nn.Module) -> torch.nn.Module:
-    """``stand_in.original[0]`` given the stand-in's own parameters and buffers."""
-    (original,) = stand_in.original
-    return give_back(stand_in, original)
 
 
 def _mismatch(got: Any, want: Any, dtype: torch.dtype) -> str | None:

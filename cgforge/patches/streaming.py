@@ -1,18 +1,8 @@
 """Streaming edges, shared by the model families: per-edge values deferred into the convolution.
 
-A message-passing layer computes its tensor-product weights for every edge (``radial(edge_features)``,
-[E, weight_numel]) and hands them to the convolution. While streaming, the layer's radial MLP is a
-``DeferredRadial`` stand-in that returns ``DeferredWeights`` (the MLP, its input and an optional per-edge
-scale, nothing computed); the family's patched convolution recognises it and calls ``stream``, which hands
-``kernels.streaming_edge_convolution`` the edge inputs and the function that makes (y, weights) from a chunk
-of them: the weights are made and consumed chunk by chunk, forward and backward.
-
-A family may defer more: the spherical harmonics and the radial basis themselves (``EdgeRows``: a per-edge
-value given as a function of per-edge tensors, e.g. the edge vectors and lengths). Then the convolution's
-only per-edge inputs are those tensors, everything between them and the weights is recomputed per chunk,
-and autograd keeps nothing of it for the backward (``Deferred`` stand-ins make such values; MACE's are in
-``mace/streaming.py``). Stand-ins adopt the original's submodules under their own names, so the state_dict
-is unchanged.
+While streaming, a layer's radial MLP is a ``DeferredRadial`` returning ``DeferredWeights`` (nothing computed),
+which the family's convolution hands to ``stream``: the weights are made chunk by chunk. Harmonics and radial
+basis may be deferred too (``EdgeRows``), so autograd keeps none of them. The state_dict is unchanged.
 """
 
 from __future__ import annotations
@@ -25,17 +15,13 @@ from torch import Tensor
 
 from cgforge import kernels
 
-__all__ = ["Deferred", "DeferredRadial", "DeferredWeights", "EdgeRows", "chunk_edges_for", "defer_radial",
-           "stream"]
+from .torch_internals import adopt
 
 
 class EdgeRows:
-    """A per-edge value [E, k], not computed: ``fn(*(t[chunk] for t in inputs))`` for any chunk of edges.
-
-    ``fn`` must treat rows independently (row e of its output depends only on row e of its inputs). The
-    only arithmetic it supports is what layers do with such values before the convolution: a product with
-    another per-edge value of one column (a cutoff); anything else fails loudly rather than computing the
-    value for every edge."""
+    """A per-edge value [E, k], not computed: ``fn(*(t[chunk] for t in inputs))`` for any chunk of edges (``fn`` treats
+    rows independently). It can only be multiplied by another per-edge value of one column (a cutoff); anything else
+    fails loudly rather than computing it for every edge."""
 
     def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> None:
         self.fn, self.inputs = fn, tuple(inputs)
@@ -66,10 +52,8 @@ def _rows(value: Tensor | EdgeRows) -> EdgeRows:
 
 
 class DeferredWeights:
-    """``radial(radial_in) * scale`` for every edge, not computed: the streaming convolution computes it
-    per chunk. ``radial_in`` and ``scale`` are tensors or ``EdgeRows``. Supports only what the layers do with
-    tp_weights before the convolution (``* cutoff``); anything else fails loudly rather than computing the
-    weights of every edge."""
+    """``radial(radial_in) * scale`` for every edge, not computed (the streaming convolution makes it per chunk);
+    ``radial_in`` and ``scale``: tensors or ``EdgeRows``. Only ``* cutoff`` is supported; anything else fails loudly."""
 
     def __init__(self, radial: torch.nn.Module, radial_in: Tensor | EdgeRows,
                  scale: Tensor | EdgeRows | None = None) -> None:
@@ -125,12 +109,7 @@ class Deferred(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
-        for name, child in module.named_children():
-            self.add_module(name, child)
-        for name, param in module.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in module.named_buffers(recurse=False):
-            self.register_buffer(name, buf)
+        adopt(self, module, children=True)
         self.original = (module,)  # a tuple: not a submodule again; shares the adopted children
 
     @property

@@ -1,11 +1,8 @@
 """Every private attribute of torch's ``nn.Module`` (and Tensor) that cgforge.patches touches, in one place.
 
-Audited against torch 2.13. A stand-in must register the original's tensors under the same names with the
-same persistence (there is no public accessor for a buffer's persistence, nor for a parameter slot that
-holds ``None``), the walker replaces children in place, the graph caches are found among and removed from a
-model's forward pre-hooks (whose handles do not survive pickling), and the fast weight lookup of the
-symmetric contraction compares dict entries by identity. Each use below says which private name it reads
-or writes; code elsewhere in cgforge.patches calls these functions instead.
+Audited against torch 2.13: buffer persistence and ``None`` parameter slots (no public accessor), children
+replaced in place, forward pre-hooks (their handles do not survive pickling), dict entries compared by identity.
+Each function says which private name it reads or writes; the rest of cgforge.patches calls these.
 """
 
 from __future__ import annotations
@@ -14,10 +11,6 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
-
-__all__ = ["adopt", "base_tensor", "buffers_dict", "children_dict", "forward_pre_hooks", "give_back", "is_persistent",
-           "parameter_slots", "parameters_dict", "remove_forward_pre_hooks", "replace_child", "state_without",
-           "tensor_version"]
 
 
 def is_persistent(module: torch.nn.Module, buffer: str) -> bool:

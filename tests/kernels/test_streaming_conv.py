@@ -311,7 +311,7 @@ def test_mace_streaming_equals_plain_model(chunk_edges):
 
 
 def test_mace_streaming_unpatch_restores_plain_modules():
-    from cgforge.patches.mace.streaming import DeferredRadial
+    from cgforge.patches.streaming import DeferredRadial
 
     pm, patched, ref, evaluate = _mace_case()
     pm.set_streaming(patched, 5)

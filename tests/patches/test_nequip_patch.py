@@ -590,7 +590,6 @@ def test_dtype_conversion_refused(files: dict) -> None:
 def test_compiled_models_refused_with_supported_route(tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"model{suffix}"
     path.write_bytes(b"not really compiled")
-    assert pn.is_compiled_nequip_file(path) and not pn.is_nequip_file(path)
     with pytest.raises(pn.CompiledModelError, match=r"compiled.*eager model.*\.ckpt or \.nequip\.zip"):
         pn.load_nequip(path)
     with pytest.raises(pn.CompiledModelError, match="compiled"):
@@ -636,8 +635,9 @@ def test_bad_inputs_give_clear_errors(files: dict, tmp_path: Path) -> None:
         pn.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(TypeError, match="model"):
         pn.patch("model.ckpt")
-    assert pn.is_nequip_file(zip_path) and pn.is_nequip_file(files["l1_pTrue"]["ckpt"])
-    assert not pn.is_nequip_file(tmp_path / "model.txt")
+    from cgforge.patches import families
+
+    assert families.family_for_file(zip_path) is families.family_for_file(files["l1_pTrue"]["ckpt"]) is families.NEQUIP
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,8 @@
 """The fused convolution: the tensor product's problem, schedule and program run over a graph's edges.
 
-No problem, schedule or program of its own: a ``Convolution`` registers a ``TPProblem`` (the same plan as a
-``TensorProduct``) and its ops launch the tensor product's generated kernels in the graph layouts
-(``tensor_product.layout``: CSR rows over receivers or senders, atomics over edges) through
-``tensor_product.launch``. What it adds: the graph (graph.py: ``ConvGraph``, ``GraphTensors``), the custom ops
-over it (ops.py; table_ops.py with the weights read from a radial table; table_rows.py with the output and the
-row map after it made by ranges of receivers) and the edge-chunked streaming path (streaming.py).
+A ``Convolution`` registers a ``TPProblem`` and launches the tensor product's kernels in the graph layouts
+(``tensor_product.layout``). Here: the graph (graph.py), its custom ops (ops.py; table_ops.py, weights from a
+radial table; table_rows.py, by ranges of receivers) and the edge-chunked streaming path (streaming.py).
 """
 
 from .graph import ConvGraph, GraphTensors

@@ -1,22 +1,12 @@
 """Grad x of the receiver-order table convolution backward in 64-bit fixed point: atomics with deterministic sums.
 
-The receiver walk (``TPTuning.receiver_backward_fixed_point``) adds each edge's part of grad x to its sender's row
-with atomics. In floating point the order of those additions varies from run to run and so do the last bits. In
-fixed point, v -> round(v s) with s a power of two, the atomics add integers: exact and associative, so every sum
-has the same bits in any order. Converted back once (sum / s), a sum differs from the exact one by at most
-(edges from its sender) / (2 s).
-
-The scale is s = 2^(62 - e) where B < 2^e bounds the magnitude of every partial sum, so none leaves int64:
+Each edge's part of grad x is added as round(v s), s a power of two: integer atomics are exact and associative,
+so every sum has the same bits in any order. s = 2^(62 - e) where B < 2^e bounds every partial sum,
 
     B = K * max|W| * max|y| * max|g| * (the most edges one sender has),
 
-K bounding one edge's grad x element per unit of the three operands: over the instructions reading an in1
-irrep, the sum of |path weight| * mul2 (* mul_out for uvw) * the largest sum of |CG[m1, :, :]|, the largest over
-the in1 irreps; max|W| is bounded by four times the table's largest coefficient (|t| <= 1), and is 1 at least
-where a path has no weight. A sum then differs from the exact one by less than B 2^-62 per edge, far below
-FP32's resolution of the values that B bounds. Everything but K is computed on the device per call, without a
-host read (a captured CUDA graph recomputes it on each replay). A NaN or infinite operand (or NaN length) makes
-the bound non-finite, and the whole of grad x NaN.
+K (``path_bound``) bounding one edge's grad x element per unit of the operands. All but K is computed on the
+device per call (capturable); a non-finite operand makes grad x NaN.
 """
 
 from __future__ import annotations
@@ -30,8 +20,6 @@ from torch import Tensor
 
 from ..core.cg import sparse_cg
 from ..tensor_product import plan as plans
-
-__all__ = ["from_fixed", "grad_x_bound", "path_bound", "scale_for"]
 
 _TOP_BIT = 62  # |sum| * scale < 2^62: int64's range with room to spare
 

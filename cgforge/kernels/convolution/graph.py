@@ -15,12 +15,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 class GraphTensors(NamedTuple):
-    """The graph tensors the convolution ops take, in their argument order (written only here).
-
-    sender/receiver int32 [E]; rowptr int64 [N+1] over edges sorted by receiver, perm int32 (edge ids
-    in that order; empty when the edges already are); rowptr_t/perm_t the same sorted by sender (the
-    transpose, for the deterministic backward). Atomic mode: the four CSR tensors are empty.
-    """
+    """The graph tensors the convolution ops take, in their argument order: sender/receiver int32 [E]; rowptr int64
+    [N+1] over edges sorted by receiver, perm int32 (edge ids in that order; empty when the edges are); rowptr_t /
+    perm_t the same sorted by sender (the deterministic backward). Atomic mode: the four CSR tensors are empty."""
 
     sender: torch.Tensor
     receiver: torch.Tensor
@@ -44,20 +41,15 @@ def _csr(keys: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor
     rowptr = torch.zeros(num_nodes + 1, dtype=torch.int64, device=keys.device)
     if keys.numel():
         rowptr[1:] = torch.cumsum(torch.bincount(keys, minlength=num_nodes), 0)
-        if bool((keys[1:] >= keys[:-1]).all()):
-            return rowptr, keys.new_empty(0, dtype=torch.int32)
-        order = torch.argsort(keys, stable=True).to(torch.int32)
-        return rowptr, order
+        if not bool((keys[1:] >= keys[:-1]).all()):
+            return rowptr, torch.argsort(keys, stable=True).to(torch.int32)
     return rowptr, keys.new_empty(0, dtype=torch.int32)
 
 
 class ConvGraph:
-    """sender[e] -> receiver[e] edges over `num_nodes` nodes, prepared for the convolution kernels.
-
-    ``ConvGraph(sender, receiver, num_nodes)`` checks its arguments (and reads the indices' range from
-    the device); ``ConvGraph.trusted(tensors, num_nodes)`` wraps tensors a caller built right (e.g. the
-    plugin's edge layout, every step) and checks only their dtypes and shapes.
-    """
+    """sender[e] -> receiver[e] edges over `num_nodes` nodes, prepared for the convolution kernels: ``ConvGraph(sender,
+    receiver, num_nodes)`` checks its arguments (a device read); ``ConvGraph.trusted(tensors, num_nodes)`` wraps
+    tensors a caller built (dtypes and shapes checked)."""
 
     def __init__(self, sender: torch.Tensor, receiver: torch.Tensor, num_nodes: int, deterministic: bool = True):
         for name, t in (("sender", sender), ("receiver", receiver)):

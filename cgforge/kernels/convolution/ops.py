@@ -1,8 +1,7 @@
 """torch.library custom ops of the fused convolution: out[i] = sum over edges e into i of TP(x[sender e], y_e, W_e).
 
-The graph tensors are passed flat, in `GraphTensors` order (custom ops take tensors, not objects). CUDA
-tensors run the generated kernels (deterministic: CSR rows, no atomics; else atomics in edge order);
-others the torch reference. The backward op is differentiable too (trilinear, as the tensor product).
+The graph tensors go flat, in ``GraphTensors`` order. CUDA tensors run the generated kernels (CSR rows, or
+atomics in edge order), others the torch reference; the backward op is differentiable too.
 """
 
 from __future__ import annotations

@@ -2,22 +2,9 @@
 
     out[i] = sum over edges e into i of TP(x[sender e], y_e, radial(r_e) * s_e)
 
-A message-passing layer usually computes its tensor-product weights for every edge first
-(``W = radial(r)``, [E, weight_numel]: 1.8 GB per MACE-MP-medium layer at 436k edges), reads them
-back in the convolution and keeps them for the backward. Here the weights of one chunk of edges at a
-time are computed, consumed and dropped:
-
-- forward: receiver ranges whose edges fit the chunk; each range's output rows are summed by the
-  convolution kernel in the same CSR order as the whole graph would be (bitwise the same sums);
-- backward: sender ranges of the transposed graph; the chunk's weights are recomputed, the
-  convolution backward gives dx for the range's rows and dy, dW for its edges, and dW goes back
-  through ``radial`` at once (dW is never stored for all edges either).
-
-Memory per chunk is ~ chunk_edges x (3 weight_numel + radial hidden) values; what stays per edge is
-only what the layer is given (indices, y, the radial input). The radial callable's parameters are
-constants here (inference: forces and stress differentiate inputs, not parameters): the streaming path
-refuses parameters that require grad while grad is on. The backward is not differentiable again
-(no force training through this path).
+Forward: receiver ranges whose edges fit the chunk, each summed in the whole graph's order. Backward: sender
+ranges of the transposed graph, the weights remade and dW sent through ``radial`` at once. The radial callable's
+parameters are constants; the backward is not differentiable again.
 """
 
 from __future__ import annotations
@@ -32,8 +19,6 @@ from . import ops
 from .graph import ConvGraph
 from .module import Convolution
 from .table_rows import map_rows, row_map_transpose
-
-__all__ = ["EdgeFunction", "chunk_ranges", "streaming_convolution", "streaming_edge_convolution"]
 
 # (rows of each edge input for one chunk of edges) -> (y, weights) rows of that chunk
 EdgeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -56,9 +41,8 @@ def chunk_ranges(rowptr: np.ndarray, chunk_edges: int, min_rows: int = 1) -> lis
 
 
 class _Chunks:
-    """Host copies of the two CSR row pointers and the chunk ranges of one graph: read once per call
-    (the forward's copy serves the backward; not cached on the graph, whose tensors an owner may refill
-    in place between calls)."""
+    """Host copies of the two CSR row pointers and the chunk ranges of one graph, read once per call (not cached on the
+    graph, whose tensors an owner may refill in place)."""
 
     def __init__(self, graph: ConvGraph, chunk_edges: int, min_rows: int) -> None:
         t = graph.tensors()
@@ -161,24 +145,13 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                                edge_fn: EdgeFunction, graph: ConvGraph, chunk_edges: int,
                                min_rows: int | None = None, constants: Iterable[torch.nn.Module] = (),
                                out_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``conv(x, y, w, graph)`` where ``(y, w) = edge_fn(*edge_inputs)`` is made and used per chunk of edges;
-    with ``out_fn``, ``out_fn(conv(...))``.
-
-    x [N, irreps_in1]; edge_inputs: tensors with one row per edge (e.g. the edge vectors and lengths);
-    ``edge_fn`` maps the rows of one chunk of them to that chunk's y [C, irreps_in2] and weights
-    [C, weight_numel], row by row (each output row depends only on the same input rows: e.g. spherical
-    harmonics, a radial basis and an MLP). Only the edge inputs are kept for the backward, which
-    recomputes ``edge_fn`` per chunk and sends the gradients of y and w through it: gradients flow to x
-    and to every edge input that requires grad. ``constants``: modules used by ``edge_fn`` whose parameters
-    are treated as constants (refused when they require grad while grad is on). Needs a deterministic
-    graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
-    ``RowPolicy.min_chunk_rows`` on CUDA, 1 on a CPU).
-
-    ``out_fn``: an affine map applied to each row of the convolution's output (e.g. the linear layer a
-    message-passing block applies next), here to one chunk of rows at a time, so the convolution's own
-    output ([N, irreps_out], often the widest per-node tensor of a model) never exists for all nodes in the
-    forward; the backward forms its gradient once. Its parameters count as ``constants``.
-    """
+    """``conv(x, y, w, graph)`` (with ``out_fn``: ``out_fn(conv(...))``) where ``(y, w) = edge_fn(*edge_inputs)`` is
+    made per chunk of edges and remade in the backward; gradients flow to x and to every edge input that requires
+    grad. ``edge_fn`` maps a chunk's rows of the per-edge inputs to y [C, irreps_in2] and w [C, weight_numel], row by
+    row. ``constants``: modules of ``edge_fn`` whose parameters are constants (refused when they require grad while
+    grad is on); ``out_fn``: an affine row map applied per chunk of rows, its parameters constants too. Needs a
+    deterministic graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
+    ``RowPolicy.min_chunk_rows`` on CUDA, 1 on a CPU)."""
     if not isinstance(conv, Convolution):
         raise TypeError(f"conv must be a cgforge Convolution, got {type(conv).__name__}")
     if not isinstance(graph, ConvGraph):
@@ -217,11 +190,8 @@ def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, r
                           scale: torch.Tensor | None = None, min_rows: int | None = None) -> torch.Tensor:
     """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges.
 
-    x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F] (e.g. the radial basis); ``radial`` maps
-    [C, F] rows to [C, weight_numel] rows independently (e.g. an MLP); scale None or [E, 1]. Gradients
-    flow to x, y, radial_in and scale. ``streaming_edge_convolution`` with the edge inputs
-    (y, radial_in[, scale]).
-    """
+    x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F]; ``radial`` maps [C, F] rows to [C, weight_numel] rows
+    independently; scale None or [E, 1]. Gradients flow to x, y, radial_in and scale."""
     edges = graph.num_edges if isinstance(graph, ConvGraph) else None
     for name, t, width in (("y", y, conv.irreps_in2.dim), ("radial_in", radial_in, None), ("scale", scale, 1)):
         if t is None or edges is None:

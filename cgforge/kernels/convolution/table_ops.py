@@ -1,14 +1,9 @@
 """The fused convolution with its weights read from a radial table: out[i] = sum over edges e into i of
 TP(x[sender e], y_e, W(r_e)), W a cubic table of the edge length (``kernels.radial_table``).
 
-The kernels are the convolution's own (the same generated program, ``Layout.table``): each edge finds its
-interval of the table once and evaluates each weight's cubic where the plain kernels read W[e]; the backward
-accumulates dL/dr_e = sum_j dL/dW_j W_j'(r_e) per edge where they write grad W. So no [E, weight_numel] tensor
-is written or read, forward or backward (a layer's table is [intervals, weight_numel, 4], read from L2).
-
-The backward op's derivatives are written with the plain ops (``radial_table_eval``/``_dot``, ``conv_forward``/
-``conv_backward``), each differentiable to any order: second derivatives are for force Jacobians and training,
-MD needs the first. Off CUDA both ops are the composition W = W(r), then the plain convolution, in torch.
+The convolution's own kernels (``Layout.table``) evaluate each weight's cubic where the plain ones read W[e], and
+the backward accumulates dL/dr_e where they write grad W: no [E, weight_numel] tensor either way. The backward's
+derivatives are written with the plain ops, differentiable to any order; off CUDA the ops are torch.
 """
 
 from __future__ import annotations
@@ -37,8 +32,6 @@ from ..tensor_product.layout import (
 from . import fixed_point
 from .graph import GraphTensors
 from .ops import _output_rows, _reference_conv, _reference_conv_backward, conv_backward, conv_forward
-
-__all__ = ["conv_table_backward", "conv_table_forward", "needs_grad_x"]
 
 
 def _table_args(coeffs: torch.Tensor, r: torch.Tensor, r_max: float, grad_r: torch.Tensor | None) -> list:
@@ -185,10 +178,9 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
                         sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
                         rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool,
                         grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: no
-    grad x is formed (an empty tensor in its place) and a deterministic graph's kernel walks the forward's rows,
-    reading each grad-out row once rather than once per edge (with ``TPTuning.receiver_backward_fixed_point`` or
-    ``receiver_backward_atomic`` also where grad x is formed: added by atomics)."""
+    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: grad x is not
+    formed (an empty tensor) and a deterministic graph's kernel walks the forward's rows, each grad-out row read once
+    (so also where grad x is added by atomics: ``TPTuning.receiver_backward_fixed_point`` / ``_atomic``)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)

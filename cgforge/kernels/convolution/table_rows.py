@@ -2,25 +2,10 @@
 
     out = out_fn(conv(x, y, W(r)))      out_fn: an affine map of each row (e.g. the layer's next linear)
 
-A message-passing block's convolution output is often its widest per-node tensor (MACE-MP-medium's second
-layer: [N, 5120], 21 GB at a million atoms) and the linear right after it narrows it ([N, 2048]). Here the
-kernels write one range of receiver rows at a time, ``out_fn`` maps that range and the wide rows are dropped: in
-the forward they exist one chunk at a time. The kernels need no copy of the graph for a range: they take the
-CSR row pointer sliced to it and read absolute edge positions (and edge ids through ``perm``). Nothing is read
-on the host, so the step stays capturable in a CUDA graph, and every row is summed in the whole graph's order.
-
-The backward forms the convolution's gradient once, out_fn's transpose applied chunk by chunk (the
-vector-Jacobian product of an affine map is its linear part's transpose at any point: taken at zero rows), and
-runs the table backward over the whole graph. Both are differentiable ops, so second derivatives work.
-
-With the tuning's ``backward_range_bytes`` set (``TPTuning``; off by default: it did not pay, see
-``_backward_ranges``), a first-order
-backward (no graph kept: MD forces) forms that gradient one range of receiver rows at a time too: the backward
-kernel walks, per range, the sender-major CSR of just the edges whose receiver lies in the range
-(``transposed_range``: the whole transposed order masked, built on the device, capturable), reading the range's
-gradient rows through receiver - r0. Each edge belongs to one range, so its grad y and grad r are written once;
-grad x is the sum of the ranges' parts in range order (deterministic; rounded differently from the whole graph's
-single sum).
+The kernels write one range of receiver rows at a time (the CSR row pointer sliced, no host read), each summed in
+the whole graph's order, and ``out_fn`` maps it. The backward forms the convolution's gradient once (out_fn's
+transpose per chunk), or with ``TPTuning.backward_range_bytes`` per range of receivers too (``transposed_range``;
+grad x then summed in range order), and runs the table backward; both are differentiable ops.
 """
 
 from __future__ import annotations
@@ -35,9 +20,6 @@ from ..tensor_product.launch import launch, needs_zero_fill
 from ..tensor_product.layout import CONV_BACKWARD
 from .ops import _reference_conv_backward
 from .table_ops import _csr_edges, _table_args, conv_table_backward, conv_table_forward, needs_grad_x
-
-__all__ = ["conv_table_backward_by_ranges", "conv_table_rows", "map_rows", "row_map_transpose",
-           "row_ranges", "transposed_range"]
 
 RowMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -61,10 +43,8 @@ def _backward_ranges(rows: int, width: int, itemsize: int, range_bytes: int | No
 
 
 def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: int, total: int) -> torch.Tensor:
-    """``out[r0:r0 + len(rows)] = out_fn(rows)``, ``out`` ([total, out width]) made on the first call; returns
-    ``out``. A frozen linear map that writes into rows of a wider tensor (``map_into``, ``out_width``: the
-    patched e3nn Linear) does so in place, without its output's temporaries and the copy into ``out``. Under no
-    grad only (the autograd Functions' forwards and first-order backwards call it)."""
+    """``out[r0:r0 + len(rows)] = out_fn(rows)``, ``out`` ([total, out width]) made on the first call; returns it. A
+    frozen linear map with ``map_into`` writes into ``out`` in place. Under no grad only."""
     into = getattr(out_fn, "map_into", None)
     if into is not None and not torch.is_grad_enabled():
         if out is None:
@@ -80,9 +60,8 @@ def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: i
 
 def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The gradient of an affine row map's ``width``-wide input rows from ``g``, that of its output rows, range by
-    range: its vector-Jacobian product, the same at every point, so taken at zero rows (differentiable in g when
-    grad mode is on: a double backward). A frozen linear map with ``map_into`` applies its transpose directly in a
-    first-order backward (no forward pass over zero rows, no autograd). Shared with the streaming convolution."""
+    range: its vector-Jacobian product at zero rows (differentiable in g under grad mode), or with ``map_into`` its
+    transpose applied directly in a first-order backward. Shared with the streaming convolution."""
     keep_graph = torch.is_grad_enabled()  # a double backward: gc stays a function of g
     gc = g.new_empty(g.shape[0], width)
     into = None if keep_graph else getattr(out_fn, "map_into", None)

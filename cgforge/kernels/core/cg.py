@@ -1,7 +1,5 @@
-"""Clebsch-Gordan coefficients in e3nn's real basis (`o3.wigner_3j`): sparse lists and dense tables.
-
-One source for every op: the tensor product folds its path weights into the sparse lists, the symmetric
-contraction couples with them, and the torch references use the dense tables (torch or NumPy).
+"""Clebsch-Gordan coefficients in e3nn's real basis (`o3.wigner_3j`): sparse lists and dense tables, the one source
+of every op's coefficients.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """CUDA C++ source -> cubin through NVRTC (ctypes), with a crash-safe disk cache.
 
-Works on a machine without a GPU or a driver: only libnvrtc is needed (the `nvidia-cuda-nvrtc` wheel
-is enough). The verbose ptxas report that NVRTC returns in its log is parsed into per-kernel
-resources (registers, spills, shared memory), so CI can check generated kernels without a GPU.
-
-Disk cache entries are written to a temporary file, fsync'ed and renamed over the final name, so a
-reader sees either nothing or a whole entry; a checksum in the header catches anything else
-(truncation by a full disk, bit rot). No lock files: concurrent writers of the same key both
-succeed, the last rename wins, and both wrote the same bytes.
-
-The environment, read here only (at each call, not at import) and by nothing else in kernels/: ``ENVIRONMENT``.
-None of the three changes a kernel's source; every tuning knob is a value (``core.tuning``).
-
-Over 450 lines on purpose: the NVRTC binding, the ptxas report and the cache share one key and
-entry format, and reading them in one file is what keeps the crash-safety argument checkable.
+Needs only libnvrtc (no GPU); the ptxas report in NVRTC's log gives per-kernel resources. An entry is written
+to a temporary file, fsync'ed and renamed, and checked by a checksum; no lock files (writers of one key write the
+same bytes). The environment (``ENVIRONMENT``) is read here only, at each call; none of it changes a kernel.
 """
 
 from __future__ import annotations
@@ -35,26 +24,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cgforge.atomic import atomic_write
-
-__all__ = [
-    "CACHE_FORMAT_VERSION",
-    "DEFAULT_OPTIONS",
-    "CompileError",
-    "CompileResult",
-    "KernelCacheWarning",
-    "KernelResources",
-    "NvrtcUnavailableError",
-    "cache_dir",
-    "cache_entry_path",
-    "cache_key",
-    "clear_memory_cache",
-    "compile_cubin",
-    "nvrtc_available",
-    "nvrtc_library_path",
-    "nvrtc_version",
-    "parse_ptxas_report",
-    "supported_archs",
-]
 
 # Bump when the entry layout or anything that changes the cubin for the same inputs changes.
 CACHE_FORMAT_VERSION = 1
@@ -133,10 +102,6 @@ class CompileResult:
                 from None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Finding and binding libnvrtc
-
-
 def _site_dirs() -> list[str]:
     dirs = list(sys.path)
     try:
@@ -163,6 +128,12 @@ ENVIRONMENT = {
 _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, not libnvrtc.alt
 
 
+def _libraries(pattern: str) -> list[str]:
+    """The libnvrtc files ``pattern`` matches, newest version first."""
+    found = [p for p in glob.glob(pattern, recursive=True) if _LIB_NAME_RE.match(os.path.basename(p))]
+    return sorted(found, key=_version_sort_key, reverse=True)
+
+
 def _candidate_library_paths() -> list[str]:
     candidates: list[str] = []
     override = os.environ.get("CGFORGE_NVRTC_PATH")
@@ -170,31 +141,18 @@ def _candidate_library_paths() -> list[str]:
         candidates.append(override)
     for site_dir in _site_dirs():
         nvidia = os.path.join(site_dir, "nvidia")
-        if not os.path.isdir(nvidia):
-            continue
-        # Known wheel layouts first (cu12: cuda_nvrtc/lib, cu13: cu13/lib), then anything under nvidia/.
-        for pattern in ("cuda_nvrtc/lib/libnvrtc.so*", "cu*/lib/libnvrtc.so*", "**/libnvrtc.so*"):
-            found = glob.glob(os.path.join(nvidia, pattern), recursive=True)
-            found = [p for p in found if _LIB_NAME_RE.match(os.path.basename(p))]
-            candidates += sorted(found, key=_version_sort_key, reverse=True)
+        if os.path.isdir(nvidia):
+            # Known wheel layouts first (cu12: cuda_nvrtc/lib, cu13: cu13/lib), then anything under nvidia/.
+            for pattern in ("cuda_nvrtc/lib/libnvrtc.so*", "cu*/lib/libnvrtc.so*", "**/libnvrtc.so*"):
+                candidates += _libraries(os.path.join(nvidia, pattern))
     system = ctypes.util.find_library("nvrtc")
     if system:
         candidates.append(system)
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(var)
-        if root:
-            for sub in ("lib64", "lib"):
-                found = glob.glob(os.path.join(root, sub, "libnvrtc.so*"))
-                found = [p for p in found if _LIB_NAME_RE.match(os.path.basename(p))]
-                candidates += sorted(found, key=_version_sort_key, reverse=True)
-    found = glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")
-    candidates += sorted((p for p in found if _LIB_NAME_RE.match(os.path.basename(p))),
-                         key=_version_sort_key, reverse=True)
-    unique: list[str] = []
-    for c in candidates:
-        if c not in unique:
-            unique.append(c)
-    return unique
+    for root in filter(None, (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"))):
+        for sub in ("lib64", "lib"):
+            candidates += _libraries(os.path.join(root, sub, "libnvrtc.so*"))
+    candidates += _libraries("/usr/local/cuda/lib64/libnvrtc.so*")
+    return list(dict.fromkeys(candidates))
 
 
 class _Nvrtc:
@@ -331,9 +289,6 @@ def supported_archs() -> tuple[str, ...]:
     return tuple(f"sm_{a}" for a in _load_nvrtc().archs)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The ptxas report
-
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
 _FIELDS = {
@@ -350,14 +305,9 @@ _USED_FIELDS = {
 
 
 def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
-    """Per-kernel resources from a `ptxas -v` report (as NVRTC returns it in the program log).
-
-    The report is line-based:
-        ptxas info    : Compiling entry function 'axpy' for 'sm_90'
-        ptxas info    : Function properties for axpy
-        ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-        ptxas info    : Used 10 registers, used 0 barriers, 380 bytes cmem[0]
-    """
+    """Per-kernel resources from a `ptxas -v` report (as NVRTC returns it in the program log): lines such as
+    ``Compiling entry function 'axpy'``, ``Function properties for axpy``, ``0 bytes stack frame, ...`` and
+    ``Used 10 registers, used 0 barriers, 380 bytes cmem[0]``."""
     fields: dict[str, dict[str, int]] = {}
     entry: str | None = None  # kernel whose "Used ..." line comes next
     props_of: str | None = None  # function whose stack/spill line comes next
@@ -381,10 +331,6 @@ def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
                     target[key] = int(fm.group(1))
             entry = None
     return {name: KernelResources(name=name, **{"registers": 0, **vals}) for name, vals in fields.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Compiling
 
 
 def _error_context(source: str, name: str, log: str, radius: int = 2, max_errors: int = 5) -> str:
@@ -474,12 +420,9 @@ def clear_memory_cache() -> None:
 
 def compile_cubin(source: str, *, arch: str, options: Sequence[str] = (), name: str = "kernel.cu",
                   name_expressions: Sequence[str] = ()) -> CompileResult:
-    """Compile CUDA C++ `source` to a cubin for `arch` (e.g. 'sm_90'), cached in memory and on disk.
-
-    `options` are extra NVRTC options, appended after DEFAULT_OPTIONS and the ptxas verbose flag.
-    `name_expressions` (e.g. 'my_kernel<float, 4>') are lowered to the mangled names a module
-    loader needs; see CompileResult.lowered_names. Raises CompileError with NVRTC's log.
-    """
+    """Compile CUDA C++ `source` to a cubin for `arch` (e.g. 'sm_90'), cached in memory and on disk. `options`: extra
+    NVRTC options; `name_expressions` (e.g. 'my_kernel<float, 4>'): lowered to the mangled names a loader needs
+    (``CompileResult.lowered_names``). Raises CompileError with NVRTC's log."""
     opts, exprs = _check_arguments(source, arch, options, name, name_expressions)
     nvrtc = _load_nvrtc()
     number = int(_ARCH_RE.match(arch).group(1))  # type: ignore[union-attr]
@@ -510,9 +453,6 @@ def _make_result(key: str, arch: str, options: tuple[str, ...], log: str, cubin:
                          lowered_names=dict(lowered), cache_key=key)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Disk cache
-#
 # Entry file <key>.cgk = header + payload
 #   header  = magic (8 bytes) | format version (u32) | payload length (u64) | sha256(payload) (32 bytes)
 #   payload = metadata length (u32) | metadata JSON (key, arch, log, lowered names) | cubin

@@ -1,7 +1,5 @@
-"""One way to declare the package's torch.library custom ops: implementation, fake, autograd.
-
-`save_inputs` is the setup of every op here: it saves the tensor inputs for backward and keeps the
-others (problem key, flags) as `ctx.args`, in input order.
+"""One way to declare the package's torch.library custom ops: implementation, fake, autograd. ``save_inputs`` saves
+the tensor inputs for backward and keeps the others (problem key, flags) as ``ctx.args``, in input order.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Exception classes of the kernel generator: callers catch a class, never parse a message.
-
-Each also derives from the builtin it replaced (ValueError, KeyError), so existing handlers still work.
+"""Exception classes of the kernel generator (each also derives from the builtin it replaced): callers catch a
+class, never parse a message.
 """
 
 from __future__ import annotations
 
 from .compiler import KernelError
-
-__all__ = ["KernelError", "SharedMemoryError", "UnknownKernelKeyError", "UnsupportedProblemError"]
 
 
 class UnsupportedProblemError(KernelError, ValueError):

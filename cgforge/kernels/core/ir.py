@@ -1,10 +1,8 @@
 """The statement IR of every generated kernel, its CPU evaluator and its C printer.
 
-A statement is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on named scalars (``coef`` a literal: a CG
-value with its normalisation folded in, or None for 1). The op modules write their arithmetic as
-statements; the templates print them verbatim (``c_lines``) and the CPU evaluators run the very same
-statements (``run``) on tensors or arrays, one entry per row and channel. So CI tests the arithmetic
-of every generated kernel, forward and backward, without a GPU.
+A statement is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on named scalars (``coef`` a literal or None for 1).
+The templates print the statements (``c_lines``) and the CPU evaluators run the same ones (``run``), so CI tests
+every generated kernel's arithmetic without a GPU.
 """
 
 from __future__ import annotations

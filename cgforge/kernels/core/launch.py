@@ -1,8 +1,5 @@
 """Launch arithmetic every op shares: grid sizes, the device facts they read, and the double-backward rule of a
-trilinear op.
-
-One warp runs one row; the generated kernels loop over rows with a grid stride (64-bit row index), so a grid
-smaller than the rows never drops any: it runs more rows per warp.
+trilinear op. The generated kernels loop over rows with a grid stride, so a small grid drops no row.
 """
 
 from __future__ import annotations
@@ -12,8 +9,6 @@ from collections.abc import Callable
 import torch
 
 MAX_BLOCKS = 2**31 - 1  # CUDA's limit on gridDim.x
-
-__all__ = ["MAX_BLOCKS", "l2_bytes", "launch_blocks", "sm_count", "thread_blocks", "trilinear_double_backward"]
 
 
 def sm_count(device: torch.device) -> int:
@@ -49,11 +44,8 @@ def thread_blocks(items: int, threads: int) -> int:
 
 
 def trilinear_double_backward(fwd: Callable, bwd: Callable, x, y, w, g, ggx, ggy, ggw, unweighted: bool = False):
-    """Gradients of <ggx, Bx> + <ggy, By> + <ggw, Bw> for a trilinear f(x, y, w) with backward B.
-
-    With `unweighted` paths (uvu without weights) f is only affine in w: f = f_w(x, y, w) + f_u(x, y).
-    The ggw terms need f_w alone, so f_u (f and B at w = 0) is subtracted from them.
-    """
+    """Gradients of <ggx, Bx> + <ggy, By> + <ggw, Bw> for a trilinear f(x, y, w) with backward B; with `unweighted`
+    paths f is affine in w (f = f_w + f_u) and f_u (f and B at w = 0) is subtracted from the ggw terms."""
     dx = dy = dw = dg = None
 
     def add(a, b):

@@ -1,14 +1,11 @@
 """How many blocks of a kernel one SM holds, and when a launch bound raises that number.
 
-The convolution kernels are latency bound at low occupancy (stalls on shared-memory and shuffle results), and their
-occupancy is set by registers. ``__launch_bounds__(T, B)`` asks ptxas to fit B blocks of T threads per SM, i.e. to
-use at most 65536 / (B T) registers. That helps only where registers are what limits the blocks and the compiler can
-drop to the budget without spilling much; where the unbounded kernel already uses fewer registers than the budget,
-ptxas fills the budget instead and the kernel slows (measured: docs/measured-constants.md). So the rule here
-compiles the kernel once without a bound, and proposes a bound only where registers, not shared memory or the warp
-limit, hold it back and it holds under 30 % of the SM's warps: B = the fewest blocks that reach 30 %, then fewer
-down to one more than now where that compile is not kept; the caller keeps a bounded compile only where it really
-uses fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
+``__launch_bounds__(T, B)`` asks ptxas for at most 65536 / (B T) registers. That helps only where registers limit
+the blocks; below the budget ptxas fills it instead (measured:
+docs/measured-constants.md). So the kernel is compiled once unbounded, and a bound is proposed only where
+registers (not shared memory or the warp limit) hold it under 30 % of the SM's warps: B = the fewest blocks that
+reach 30 %, then fewer down to one more than now; the caller keeps a bounded compile only where it uses fewer
+registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
 """
 
 from __future__ import annotations

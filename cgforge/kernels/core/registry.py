@@ -1,13 +1,8 @@
-"""Problems by key, and compile-and-load of their kernels: the one path of every kernel in kernels/.
+"""Problems by key, and compile-and-load of their kernels: registry -> compiler (NVRTC, disk cache) -> runtime.
 
-    registry (this module: which source, cached per variant / device) -> compiler (NVRTC, disk cache)
-    -> runtime (load the cubin, launch)
-
-Ops receive a problem by key (a short string), so they stay plain `torch.library` ops that torch.compile
-and CUDA graphs can handle; the key resolves here to the op's plan. A plan caches its compiled kernels
-per variant (direction, layout), dtype and device (`KernelCache`); kernels of one fixed source (segment sum,
-radial table, MD noise) are `SourceKernels`. `compile_source` is the one call from CUDA source to a
-ptxas-checked cubin (used by both, `cgforge doctor` and `explain`); `load_source` compiles and loads in one step.
+Ops take a problem by key (a short string), so they stay plain ``torch.library`` ops for torch.compile and CUDA
+graphs. A plan caches its kernels per variant, dtype and device (``KernelCache``); a fixed source's kernels are
+``SourceKernels``. ``compile_source``: CUDA source -> ptxas-checked cubin; ``load_source`` also loads it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Loading cubins and launching their kernels on torch's current CUDA stream: the last step of the one compile
-path (``core.registry`` -> ``core.compiler`` -> here); this module compiles nothing.
+"""Loading cubins and launching their kernels on torch's current CUDA stream (``registry`` -> ``compiler`` -> here).
 
-CuPy provides the CUDA driver calls (module load, cuLaunchKernel); torch owns the memory and the
-stream. A launch allocates nothing on the GPU, takes no CuPy memory pool and never synchronises,
-so it can be captured in a CUDA graph. CuPy is imported on first use: importing this module
-works on a machine without a GPU.
-
-Kernel arguments must say their C type: a torch tensor (passed as its data pointer), None (a null
-pointer), I32/I64/F32/F64, or a NumPy scalar (np.int32, np.int64, np.uint32, np.uint64, np.float32,
-np.float64). A bare Python int or float is refused, because the kernel's parameter width is not
-knowable from it and a wrong width corrupts every later argument silently.
+CuPy (imported on first use) makes the driver calls; torch owns memory and stream. A launch allocates nothing
+and never synchronises, so it can be captured in a CUDA graph. An argument says its C type: a tensor (its data
+pointer), None (null), I32/I64/F32/F64 or a NumPy scalar; a bare int or float is refused (its width is unknown
+and a wrong width corrupts every later argument).
 """
 
 from __future__ import annotations
@@ -23,8 +17,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-
-__all__ = ["F32", "F64", "I32", "I64", "KernelHandle", "device_arch", "device_index", "load_kernels"]
 
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this, dynamic shared memory needs an explicit opt-in per function
 _MAX_GRID_X = 2**31 - 1
@@ -279,11 +271,8 @@ def device_index(device: torch.device | int | str | None = None) -> int:
 
 def load_kernels(cubin: bytes, names: Sequence[str], device: torch.device | int | None = None
                  ) -> dict[str, KernelHandle]:
-    """Handles for kernels `names` of `cubin`, loaded on `device` (torch's current one if None; others load on
-    first use).
-
-    A module is loaded once per (cubin, device) and kept for the life of the process.
-    """
+    """Handles for kernels `names` of `cubin`, loaded on `device` (torch's current one if None; others load on first
+    use); a module is loaded once per (cubin, device) for the life of the process."""
     if not isinstance(cubin, (bytes, bytearray)) or not cubin:
         raise TypeError(f"cubin must be non-empty bytes, got {type(cubin).__name__}")
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):

@@ -1,10 +1,5 @@
-"""Tuning values: every knob of the kernels as plain frozen dataclasses, passed down as values.
-
-The one configuration path of the kernels: a module takes ``tuning=`` (``TensorProduct``, ``Convolution``,
-``SymmetricContractionBase`` and the stand-ins the patches build, through ``cgforge.patches.patch(..., tuning=)``);
-without one it runs the defaults, today's measured behaviour. Nothing here reads the environment: no
-environment variable changes a kernel (``core.compiler`` reads the three that say where and whether the compiled
-kernels are cached and which NVRTC library to load, none of which changes a kernel's source).
+"""Tuning values: every knob of the kernels as plain frozen dataclasses, passed down as ``tuning=`` (None: the
+defaults). Nothing here reads the environment, and no environment variable changes a kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +10,11 @@ LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
+def _describe(tuning: object) -> str:
+    """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+    return ", ".join(f"{f.name}={getattr(tuning, f.name)!r}" for f in fields(tuning))
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -23,54 +23,28 @@ def _positive_int(value: object) -> bool:
 class TPTuning:
     """Tensor product and convolution kernels.
 
-    forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the
-    measured defaults of ``schedule.default_chunks``). loop_order: in a row with several edges (the
-    deterministic convolution), ``segments`` walks the edges once per segment (few live registers),
-    ``edges`` walks them once and runs every segment per edge (every segment's accumulators live across
-    the edge loop; operands staged once per edge rather than once per segment), ``chunks`` the same per channel
-    chunk (one edge loop per chunk, fewer live accumulators than ``edges``); ``auto`` (default) picks
-    per direction (``Schedule.loop_order``): chunks of 32 channels where ``schedule.chunks_order`` says so (in1
-    with several irreps; for the backward of one multiplicity), else edges for a forward whose accumulators fit
-    the registers and segments for the backward. backward_loop_order: the backward's
-    own order (None: ``loop_order``'s); in the edges and chunks orders the segments of one edge loop reduce an
-    edge's grad y over the warp once together.
-    backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (default) lets
-    ``core.occupancy.choose_min_blocks`` pick from the unbounded compile's registers (a bound only where it
-    lowers them and adds resident blocks), 0 no bound, a positive int that bound.
-    single_irrep_backward_chunk: the backward chunk of an FP32 CSR kernel whose in1 has one irrep (its window may
-    reach ``schedule.SINGLE_IRREP_WINDOW_BYTES``; None: the general rule; see ``schedule.default_chunks``).
-    backward_chunk_passes: a chunks-order CSR backward may run as one launch per channel chunk where the grad-out
-    rows exceed the L2 (False: always one launch; see ``schedule.Schedule.backward_passes``).
-    backward_range_bytes: bytes of convolution-output gradient per range of receiver rows in a first-order
-    backward of ``Convolution.forward_table_rows`` (None: the whole gradient at once; see
-    ``convolution.table_rows``). max_blocks: the most blocks of one launch (None: CUDA's limit); the kernels loop
-    over rows with a grid stride, so a smaller grid runs more rows per warp (tests use it). Neither of the last
-    two changes a kernel's source.
-    receiver_backward_min_row_bytes: a table convolution whose x needs no gradient (MD's first layer: the species
-    embedding) and whose grad-out rows are at least this wide runs a backward that forms no grad x and walks the
-    forward's rows, each receiver's grad-out row read once, not once per edge (None: never; the sender-order
-    backward, its grad x formed and dropped). 4 KB: between the 8 KB rows that gain and the 1.2 KB rows that do
-    not (measured: docs/measured-constants.md).
-    receiver_backward_atomic: the table backward walks the receivers also where x needs a gradient, each edge
-    adding its part of grad x to the sender's row with atomics: no grad-out row gathered per edge (MACE-MP-medium's
-    second layer: 20 KB an edge), grad x's bits vary from run to run. Default False: the forces stay bitwise
-    reproducible (what it gains: docs/calculator.md).
-    receiver_backward_fixed_point: the same receiver walk where x needs a gradient, each edge's part of grad x added
-    by 64-bit integer atomics in fixed point (``convolution.fixed_point``: the scale a power of two from a bound on
-    every sum, computed on the device per call), converted back once: integer sums do not depend on the order, so
-    grad x has the same bits every run. FP32 only (in FP64 the sender-order backward keeps FP64's resolution).
-    ``auto`` (default): where the grad-out rows exceed the device's L2 and the int64 sums take at most
-    ``fixed_point_max_bytes`` (``table_ops.fixed_point_grad_x``); True: always; False: never.
-    fixed_point_max_bytes: the most bytes of int64 sums (8 B per element of grad x, alive beside it during the
-    backward) that ``auto`` takes: 1 GiB, MACE-MP-medium's second layer at ~260k atoms; above it the sender-order
-    backward is kept, so that what fits on one GPU does not shrink (a choice, not measured at that size).
-    row_grad_once: a CSR backward that walks the forward's rows (each row its own grad-out row: the receiver
-    walks above) in the chunks or edges order stages the row's grad-out block once per edge loop, not once per
-    edge: the loop's segments get shared-memory windows side by side (``schedule.Schedule.row_grad_once``).
-    False: windows overlap and the block is staged per edge (the segments order stages it once either way).
-    stacked_window_bytes: the largest side-by-side backward window per warp that ``row_grad_once`` takes; a
-    schedule whose stacked window would be wider keeps the overlapping windows (see ``schedule.build_schedule``).
-    """
+    forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the defaults of
+    ``schedule.default_chunks``). loop_order, in a row with several edges: ``segments`` walks the edges once per
+    segment, ``edges`` once for every segment (operands staged once per edge), ``chunks`` once per channel chunk;
+    ``auto`` picks per direction (``Schedule.loop_order``). backward_loop_order: the backward's own (None:
+    ``loop_order``'s). backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (by
+    ``core.occupancy.choose_min_blocks``), 0 none, or that bound. single_irrep_backward_chunk: the backward chunk of an
+    FP32 CSR kernel whose in1 has one irrep (None: the general rule). backward_chunk_passes: a chunks-order CSR
+    backward may run one launch per chunk where the grad-out rows exceed the L2 (``Schedule.backward_passes``).
+    backward_range_bytes: gradient bytes per range of receiver rows in a first-order backward of
+    ``Convolution.forward_table_rows`` (None: all at once). max_blocks: the most blocks of one launch (None: CUDA's
+    limit; the kernels loop with a grid stride). Neither of the last two changes a kernel's source.
+    receiver_backward_min_row_bytes: a table convolution whose x needs no gradient and whose grad-out rows are at least
+    this wide runs a backward that walks the forward's rows, each grad-out row read once (None: never). 4 KB: between
+    the 8 KB rows that gain and the 1.2 KB rows that do not (measured: docs/measured-constants.md).
+    receiver_backward_atomic: that walk also where x needs a gradient, grad x added with float atomics (its bits
+    vary from run to run; default False: the forces stay bitwise reproducible; what it gains:
+    docs/calculator.md). receiver_backward_fixed_point: the same walk
+    with grad x added in 64-bit fixed point (``convolution.fixed_point``: the same bits every run), FP32 only; ``auto``:
+    where the grad-out rows exceed the device's L2 and the int64 sums take at most fixed_point_max_bytes (1 GiB,
+    MACE-MP-medium's second layer at ~260k atoms, a choice). row_grad_once: a CSR backward walking the forward's rows
+    in the chunks or edges order stages a row's grad-out block once per edge loop, its segments' windows side by side
+    (``Schedule.row_grad_once``), where that window is at most stacked_window_bytes."""
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
@@ -142,13 +116,9 @@ class TPTuning:
 
 @dataclass(frozen=True)
 class SCTuning:
-    """Symmetric contraction kernels.
-
-    block: threads per block (one atom's channels for C = 128). chunk: atoms per thread in the
-    grad-W' kernel (amortises the per-species atomics). pairings: how bilinear sums share partial
-    results (``pq`` only: the partial sums ``pd``/``qd`` save 3-5% of the statements on MACE-MP
-    shapes but raised ptxas's register count by 50-80%; off until measured on a GPU).
-    """
+    """Symmetric contraction kernels: block, threads per block; chunk, atoms per thread in the grad-W' kernel;
+    pairings, how bilinear sums share partial results (``pq`` only: ``pd``/``qd`` save 3-5% of the statements on
+    MACE-MP shapes but raised ptxas's register count by 50-80%; off until measured on a GPU)."""
 
     block: int = 128
     chunk: int = 16
@@ -202,20 +172,13 @@ class RowPolicy:
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """The tuning of every kernel of a model: what the patch functions (``cgforge.patches.mace.patch``,
-    ``cgforge.patches.nequip.patch``) take as ``tuning=`` and pass to the kernel modules they build.
+    """The tuning of every kernel of a model, what the patch functions take as ``tuning=``.
 
-    harmonics: the edge spherical harmonics (MACE's ``model.spherical_harmonics``, NequIP's
-    ``SphericalHarmonicEdgeAttrs.sh``) by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
-    the default: faster at every size measured, docs/measured-constants.md; False keeps e3nn's module).
-
-    linear_kernel_max_channels: frozen equivariant linear maps (e3nn ``o3.Linear`` stand-ins, per-species
-    self-connections) whose weight blocks have at most this many channels in and out run on CUDA as cgforge's
-    ``irreps_linear`` kernel (one launch each way); wider ones stay GEMMs, where cuBLAS's tiling outweighs the
-    launches saved (0: every map on GEMMs). 32: maps of 32 channels gain on the kernel, of 64-128 lose
-    (measured: docs/measured-constants.md).
-
-    rows: when frozen per-atom maps run over their rows in chunks (``RowPolicy``)."""
+    harmonics: the edge spherical harmonics by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
+    the default: faster at every size measured). linear_kernel_max_channels: frozen equivariant linear maps whose
+    weight blocks have at most this many channels in and out run on CUDA as the ``irreps_linear`` kernel, wider ones
+    as GEMMs (0: all GEMMs); 32: maps of 32 channels gain on the kernel, of 64-128 lose (both measured:
+    docs/measured-constants.md). rows: when frozen per-atom maps run over their rows in chunks (``RowPolicy``)."""
 
     tp: TPTuning = TPTuning()
     sc: SCTuning = SCTuning()
@@ -230,10 +193,10 @@ class KernelTuning:
         if not isinstance(self.rows, RowPolicy):
             raise TypeError(f"rows: expected a RowPolicy, got {type(self.rows).__name__}")
         if not isinstance(self.harmonics, bool):
-            raise ValueError(f"harmonics must be a bool, got {self.harmonics!r}")
+            raise ValueError(f"harmonics: expected a bool, got {self.harmonics!r}")
         channels = self.linear_kernel_max_channels
         if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
-            raise ValueError(f"linear_kernel_max_channels must be an int >= 0, got {channels!r}")
+            raise ValueError(f"linear_kernel_max_channels: expected an int >= 0, got {channels!r}")
 
     def describe(self) -> str:
         """Each part, one line each (what ``cgforge doctor`` prints)."""
@@ -242,12 +205,10 @@ class KernelTuning:
 
     @classmethod
     def from_dict(cls, data: object) -> KernelTuning:
-        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...}, "rows":
-        {...}, "harmonics": false, "linear_kernel_max_channels": 32}``, each key optional; tp, sc and rows hold any
-        of the fields of ``TPTuning`` / ``SCTuning`` / ``RowPolicy`` (the rest keep their defaults); a list where a
-        tuple is expected (``pairings``) is taken as one. Each field is checked as the dataclass checks it. Raises
-        ValueError naming the key (``"tp.loop_order: ..."``, ``"sc: unknown key 'blocks'..."``) for an unknown key, a
-        part that is not a dict or a value the field refuses."""
+        """The tuning a plain dict describes (what ``json.load`` returns): ``{"tp": {...}, "sc": {...}, "rows": {...},
+        "harmonics": false, "linear_kernel_max_channels": 32}``, each key optional, tp, sc and rows any of their
+        dataclass's fields (a list taken as a tuple). Each value is checked as the dataclass checks it; ValueError
+        naming the key otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f"expected an object with the keys 'tp', 'sc', 'rows', 'harmonics' and/or "
                              f"'linear_kernel_max_channels', got {type(data).__name__}")
@@ -257,16 +218,7 @@ class KernelTuning:
             raise ValueError(f"unknown key {unknown[0]!r}; a kernel tuning has the keys 'tp' (TPTuning), 'sc' "
                              "(SCTuning), 'rows' (RowPolicy), 'harmonics' (a bool) and 'linear_kernel_max_channels' "
                              "(an int >= 0)")
-        values = {}
-        if "harmonics" in data:
-            if not isinstance(data["harmonics"], bool):
-                raise ValueError(f"harmonics: expected a bool, got {data['harmonics']!r}")
-            values["harmonics"] = data["harmonics"]
-        if "linear_kernel_max_channels" in data:
-            channels = data["linear_kernel_max_channels"]
-            if not isinstance(channels, int) or isinstance(channels, bool) or channels < 0:
-                raise ValueError(f"linear_kernel_max_channels: expected an int >= 0, got {channels!r}")
-            values["linear_kernel_max_channels"] = channels
+        values = {k: data[k] for k in ("harmonics", "linear_kernel_max_channels") if k in data}  # checked by cls
         for name, part in parts.items():
             given = data.get(name, {})
             if not isinstance(given, dict):
@@ -290,11 +242,6 @@ class KernelTuning:
 
 _BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls)
                          if f.type in ("bool", bool) or "bool |" in str(f.type))
-
-
-def _describe(value: object) -> str:
-    """Every field of a tuning dataclass and its value, one line."""
-    return ", ".join(f"{f.name}={getattr(value, f.name)!r}" for f in fields(value))
 
 
 def _expected(part: type, key: str) -> str:

@@ -1,15 +1,8 @@
 """Sums of several per-lane partials over a warp, each sum ending in some lanes: the reduce-scatter plan.
 
-A warp holds S partials per lane (the backward's grad y of one edge, one partial per in2 element, and its grad r)
-and needs each summed over the 32 lanes. One butterfly per partial costs 5 shuffles each, 5 S in
-all. The reduce-scatter of P = 2^p partials (the template's ``reduce_scatter<P>``) costs P - 1 + (5 - p): at each
-of p steps a lane keeps half of its remaining partials, adds its partner's copies of them, and hands the other half
-to the partner (P/2 + P/4 + ... + 1 shuffles); the last 5 - p steps are one butterfly over the lanes that share a
-partial. Partial s then sits, summed, in every lane l with ``l >> (5 - p) == s``. S = 17 (in2 up to l = 3 and
-grad r): 23 shuffles in groups of 8, 8 and 1 (``_WIDTHS``), not 85.
-
-``plan(S)`` splits S partials into such groups (zeros pad a group to its power of two) at the fewest shuffles;
-``simulate`` runs a group's steps on 32 lanes' values in Python, as the template's function does on the GPU.
+The template's ``reduce_scatter<P>`` sums P = 2^p partials in P - 1 + (5 - p) shuffles, not 5 P: each of p steps
+hands half a lane's partials to its partner, then one butterfly spans the lanes sharing one; partial s ends in
+lanes l with ``l >> (5 - p) == s``. ``plan(S)`` groups S partials at the fewest shuffles; ``simulate`` runs it.
 """
 
 from __future__ import annotations

@@ -2,15 +2,9 @@
 
     W_j(r) = c[i, j, 0] + c[i, j, 1] t + c[i, j, 2] t^2 + c[i, j, 3] t^3,    i = floor(r / h), t = r / h - i
 
-on N intervals of width h = r_max / N. The values and first derivatives at the knots are the function's
-own (FP64, forward-mode autodiff), so the table is C1 and its error falls as h^4 (h^3 for the
-derivative). The error is measured, not assumed: at a quarter, half and three quarters of every interval
-the table is compared with the function, and N doubles until the largest difference, over the largest
-magnitude of the function (of its derivative, for the slopes), is within ``tol``.
-
-The table is C1: energies and forces are smooth, but the second derivative (a force Jacobian, a Hessian) jumps
-at the knots by O(h^2) of itself (~1e-5 relative at tol 1e-7, ~1e-7 at tol 1e-10): ask for a finer table when
-second derivatives matter.
+on N intervals of width h = r_max / N, with the function's own values and derivatives at the knots (FP64): C1,
+error ~ h^4. N doubles until the largest relative difference at a quarter, half and three quarters of every
+interval is within ``tol``. The second derivative jumps at the knots by O(h^2) (~1e-5 relative at tol 1e-7).
 """
 
 from __future__ import annotations
@@ -20,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-__all__ = ["RadialTable", "fit_radial_table"]
 
 _CHECK_POINTS = (0.25, 0.5, 0.75)  # where between the knots the error is measured
 _ROWS_PER_CALL = 1 << 15  # rows of one call of the function (bounds the fit's memory)
@@ -109,12 +101,9 @@ def _errors(fn: Callable[[Tensor], Tensor], coeffs: Tensor, r_max: float) -> tup
 
 def fit_radial_table(fn: Callable[[Tensor], Tensor], r_max: float, *, tol: float = 1e-7,
                      min_intervals: int = 256, max_intervals: int = 16384) -> RadialTable:
-    """The table of ``fn`` over [0, r_max] with the fewest intervals (``min_intervals`` doubled) whose measured
-    relative error of the values and of the derivative is within ``tol``.
-
-    ``fn`` maps r [n] (FP64) to [n, C]; row k of its output must depend on r[k] only, and it must be smooth on
-    (0, r_max] (it runs under ``torch.func.jvp``). Raises ValueError when ``max_intervals`` are not enough (a
-    function that is not smooth, or not of r alone)."""
+    """The table of ``fn`` over [0, r_max] with the fewest intervals (``min_intervals`` doubled) whose measured relative
+    error of values and derivative is within ``tol``. ``fn`` maps r [n] (FP64) to [n, C] row by row, smooth on
+    (0, r_max] (it runs under ``torch.func.jvp``); ValueError when ``max_intervals`` are not enough."""
     if not (isinstance(r_max, (int, float)) and r_max > 0):
         raise ValueError(f"r_max must be a positive number, got {r_max!r}")
     if not tol > 0:

@@ -2,18 +2,13 @@
 
     radial_table(r, coeffs, r_max)[e, j] = W_j(r_e)          r [E], coeffs [N, C, 4] -> [E, C]
 
-Two ops, each differentiable again, so forces (first derivatives in r) and their derivatives work:
-``radial_table_eval`` (the table or its k-th derivative in r, [E, C]) and ``radial_table_dot``
-(sum_j g[e, j] d^k W_j / dr^k (r_e), [E]: the backward, which never forms the derivative table for all
-edges). r is clamped into [0, r_max], where the table is defined: the values hold their end values
-outside, the derivatives are zero there (what the clamp's derivative is), and a NaN length gives NaN.
-
-CUDA: one warp per edge, lanes over the columns; each column's four coefficients are one 16-byte load
-([N, C, 4] layout), so an edge reads 4x the bytes it writes, from L2 (a table is a few MB). For wide tables
-(``SORT_MIN_COLUMNS``; the ops' ``by_length`` argument: -1 this rule, 0 never, 1 always) the kernels visit the
-edges in order of length (one argsort per call): a block takes a run of consecutive lengths, whose edges share an
-interval or two, and reads their coefficients from L1; for narrow tables the sort costs more than it saves. The dot
-product's lanes' partial sums meet in a fixed butterfly: the same result every run.
+``radial_table_eval`` (the table or its k-th derivative, [E, C]) and ``radial_table_dot`` (sum_j g[e, j]
+d^k W_j / dr^k (r_e), [E]: the backward), each differentiable again. r is clamped into [0, r_max] (end values
+outside, zero derivatives there; NaN stays NaN). CUDA: a warp per edge, lanes over columns, a column's four
+coefficients one 16-byte load. Wide tables (``SORT_MIN_COLUMNS``; ``by_length``: -1 this rule, 0 never, 1 always)
+visit the edges in order of length, so a block's edges share intervals in L1; for narrow tables the sort costs
+more than it saves (measured: docs/measured-constants.md). The dot
+product's partial sums meet in a fixed butterfly: the same result every run.
 """
 
 from __future__ import annotations
@@ -23,9 +18,6 @@ from torch import Tensor
 
 from ..core.custom_op import custom_op
 from ..core.registry import SourceKernels
-
-__all__ = ["CUBIC_SOURCE", "RADIAL_TABLE_SOURCE", "check_table", "radial_table", "radial_table_dot",
-           "radial_table_eval", "radial_table_reference", "sorts_by_length"]
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 

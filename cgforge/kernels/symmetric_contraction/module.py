@@ -1,15 +1,9 @@
 """`SymmetricContractionBase`: a torch module that runs a symmetric-contraction problem on its weights.
 
-Model-agnostic: the problem (irreps, correlation, species count, U tensors) is a value, and a subclass
-holds the weights in its model's layout and names, supplying them through ``weight_tensors()`` in
-(output, degree) order, each [E, K_{o,nu}, C]. MACE's layout (``contractions.{o}.weights_max`` ...) is
-``cgforge.patches.mace.SymmetricContraction``. ``tuning``: the kernels' knobs (``SCTuning``; None: the defaults).
-
-``forward(x [N, C, D], species)`` with species a one-hot (or any [N, E] float tensor whose argmax is the
-species) or an integer index [N]; returns [N, sum_o C * (2 l_o + 1)]. The species' weights enter through
-W' = A W (a small float64 matmul per call, cached while no weight requires grad); the kernels evaluate
-a reduced basis (see schedule). The species is taken as a constant: no gradient flows to a one-hot
-``species``.
+A subclass holds the weights in its model's layout and supplies them through ``weight_tensors()`` in (output,
+degree) order, each [E, K_{o,nu}, C]. ``forward(x [N, C, D], species)``, species a one-hot (or [N, E] floats,
+argmax taken) or indices [N], returns [N, sum_o C (2 l_o + 1)]; the weights enter as W' = A W (cached while no
+weight requires grad). No gradient flows to ``species``.
 """
 
 from __future__ import annotations
@@ -24,11 +18,8 @@ from .schedule import SCSchedule
 
 
 class SymmetricContractionBase(torch.nn.Module):
-    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu].
-
-    A subclass calls ``_plan(problem)`` once it holds its weights (and again when the U tensors change)
-    and implements ``weight_tensors()``.
-    """
+    """out_o = sum_nu sum_k W_{o,nu}[species, k, c] U_{o,nu}[M, i.., k] x[c, i1] ... x[c, inu]. A subclass calls
+    ``_plan(problem)`` once it holds its weights (and when the U tensors change) and implements ``weight_tensors()``."""
 
     tuning: SCTuning | None = None  # a class default: modules pickled before tuning existed have none
     problem: SCProblem
@@ -129,5 +120,3 @@ def _species_index(species: torch.Tensor, n: int, num_elements: int, device: tor
                          f"[{int(species.min())}, {int(species.max())}]")
     return species.to(torch.int32)
 
-
-__all__ = ["SymmetricContractionBase"]

@@ -1,10 +1,8 @@
 """torch.library custom ops for the symmetric contraction, and the registry of its plans.
 
-``sc_forward(x, species, wp, key)`` and ``sc_backward(x, species, wp, g, key, need_gx, need_gw)`` take
-the transformed weights W' (see schedule); the module computes W' = A W with torch ops, so
-autograd carries grad W' back to MACE's weights. CUDA tensors run the generated kernels, others the
-torch interpreter of the schedule. The backward op is differentiable too (forces in a training loss):
-its derivative is taken through the interpreter, correct and slower than the kernels.
+``sc_forward(x, species, wp, key)`` and ``sc_backward(x, species, wp, g, key, need_gx, need_gw)`` take the
+transformed weights W' (the module forms W' = A W with torch ops). CUDA tensors run the generated kernels, others
+the torch interpreter; the backward op's own derivative goes through the interpreter.
 """
 
 from __future__ import annotations
@@ -83,8 +81,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-# ---------------------------------------------------------------- forward
-
 def forward_impl(x: torch.Tensor, species: torch.Tensor, wp: torch.Tensor, key: str) -> torch.Tensor:
     plan = get(key)
     p = plan.problem
@@ -137,9 +133,8 @@ def _fwd_fake(x, species, wp, key):
 
 
 def _fwd_grad(ctx, g, direct: bool = False):
-    """The forward op's gradient: through the ``sc_backward`` custom op (traceable by AOTAutograd, whose
-    backward tracing with fake tensors ``torch.compiler.is_compiling()`` does not report), or, with ``direct``
-    (the eager autograd.Function, no double backward asked), its implementation without the dispatch."""
+    """The forward op's gradient: through the ``sc_backward`` custom op (traceable by AOTAutograd), or with ``direct``
+    (the eager autograd.Function, no double backward) its implementation without the dispatch."""
     x, species, wp = ctx.saved_tensors
     (key,) = ctx.args
     need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
@@ -193,9 +188,8 @@ def sc_backward(x: torch.Tensor, species: torch.Tensor, wp: torch.Tensor, g: tor
 
 
 class _EagerContraction(torch.autograd.Function):
-    """The forward op without the custom-op dispatch (tens of microseconds a call in eager mode, where
-    the kernels themselves take a few tens for a 5k-atom system). Same implementation and formulas;
-    a backward with create_graph=True goes through the differentiable custom op."""
+    """The forward op without the custom-op dispatch (costly next to a small system's kernels); a backward with
+    create_graph=True goes through the differentiable custom op."""
 
     @staticmethod
     def forward(ctx, x, species, wp, key):

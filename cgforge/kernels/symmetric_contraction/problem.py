@@ -1,14 +1,9 @@
-"""The symmetric-contraction problem (a product basis) as plain values.
-
-For every atom b (species e) and channel c, output irrep o (dimension d_o) is
+"""The symmetric-contraction problem (a product basis) as plain values: for atom b (species e), channel c, output o
 
     out_o[b, c, M] = sum_{nu=1..corr} sum_k W_{o,nu}[e, k, c] * sum_{i1..inu} U_{o,nu}[M, i1..inu, k]
                      * x[b, c, i1] * ... * x[b, c, inu]
 
-with x[b, c, :] one channel of the node features across all input irreps (dimension D). The U tensors
-are values given by the caller (float64 numpy, always with the output axis, also for d_o = 1): the
-problem knows no model. MACE's U tensors and weight layout live in cgforge/patches/mace/
-(``symmetric_contraction.py``).
+with x[b, c, :] one channel of the node features (dimension D) and U given by the caller.
 """
 
 from __future__ import annotations
@@ -27,11 +22,8 @@ MAX_CORRELATION = 4  # beyond this the U tensors (D**nu entries per column) get 
 
 @dataclass(frozen=True)
 class SCProblem:
-    """irreps_in: C x (each coupling irrep); irreps_out: C x (each output irrep); U per output and degree.
-
-    ``u[o][nu - 1]`` has shape [d_o, D, ..., D (nu times), K_{o,nu}]. ``num_elements`` is the number of
-    species (rows of the weight tensors).
-    """
+    """irreps_in: C x (each coupling irrep); irreps_out: C x (each output irrep); ``u[o][nu - 1]``: U of output o and
+    degree nu, [d_o, D, ..., D (nu times), K_{o,nu}]; ``num_elements``: the species (rows of the weights)."""
 
     irreps_in: o3.Irreps
     irreps_out: o3.Irreps

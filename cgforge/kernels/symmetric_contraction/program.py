@@ -1,13 +1,8 @@
-"""The symmetric contraction as straight-line statements for one (atom, channel).
+"""The symmetric contraction as straight-line statements (core.ir) for one (atom, channel).
 
-Each statement (core.ir) is ``dst (=|+=) sum_t coef_t * a_t [* b_t]`` on scalar variables: inputs ``x{k}``
-(the channel's D features), ``w{r}`` (its species' transformed weights), ``g{o}_{M}`` (grad of the
-outputs); results ``o{o}_{M}`` (forward), ``gx{k}`` and ``gw{r}`` (backward). The template prints them
-verbatim and ``core.ir.evaluate`` runs them with NumPy, so CI checks the generated code's arithmetic.
-
-Backward is written by hand at the level of nodes and groups (not a mechanical reverse of the forward
-statements) so it keeps few values alive: nodes are recomputed, each group's Z is recomputed, and the
-adjoints of nodes are accumulated and pushed back through the couplings in reverse order.
+Inputs ``x{k}``, ``w{r}`` (transformed weights), ``g{o}_{M}`` (grad out); results ``o{o}_{M}``, ``gx{k}``,
+``gw{r}``. The backward is written per node and group, not as a reverse of the forward statements: nodes and Zs
+are recomputed and node adjoints pushed back in reverse order, so few values stay alive.
 """
 
 from __future__ import annotations
@@ -70,13 +65,9 @@ def _x(schedule: SCSchedule, i: int, m: int, grad: bool = False) -> str:
 
 
 def _bilinear(w: _Writer, terms: list[tuple[str, str, str, float]]) -> None:
-    """dst += v * p * q for every (p, q, dst, v), sharing partial results the cheapest way.
-
-    Either one product per distinct (p, q), then dst += v * product; or, per distinct (p, dst), a
-    partial sum y = sum v * q, then dst += p * y (likewise per (q, dst)). Each costs the number of terms
-    plus the number of distinct pairs, so the rarest pairing wins (a coupling to a scalar: one partial
-    sum per input component instead of one product per pair).
-    """
+    """dst += v * p * q for every (p, q, dst, v), sharing partial results the cheapest way: one product per distinct
+    (p, q), or a partial sum per distinct (p, dst) or (q, dst); each costs the terms plus the distinct pairs, so the
+    rarest pairing wins."""
     terms = [t for t in terms if t[0] in w.live and t[1] in w.live]
     if not terms:
         return

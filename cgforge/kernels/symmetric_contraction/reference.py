@@ -1,9 +1,6 @@
-"""Two torch evaluations of a symmetric contraction.
-
-``reference_sc``: the definition, straight from MACE's dense U tensors and MACE's weights (no basis
-change); the oracle of the tests. ``interpret_sc``: the schedule (its basis chains and transformed
-weights W'), vectorised over atoms and channels; the CPU path of the ops and the double-backward
-fallback. Both are plain differentiable torch code on any device.
+"""Two differentiable torch evaluations of a symmetric contraction: ``reference_sc``, the definition from dense U
+and MACE's weights (the tests' oracle), and ``interpret_sc``, the schedule's basis chains over W' (the CPU path
+and the double-backward fallback).
 """
 
 from __future__ import annotations
@@ -75,10 +72,8 @@ def interpret_sc(schedule: SCSchedule, x: torch.Tensor, species: torch.Tensor, w
 
 def interpret_sc_backward(schedule: SCSchedule, x: torch.Tensor, species: torch.Tensor, wp: torch.Tensor,
                           g: torch.Tensor, need_gw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """grad x [N, C, D] and (if asked) grad W' [E, R, C] of <g, interpret_sc(...)>, written out by hand.
-
-    Explicit (no autograd) because custom-op implementations run below autograd.
-    """
+    """grad x [N, C, D] and (if asked) grad W' [E, R, C] of <g, interpret_sc(...)>, written out by hand (custom-op
+    implementations run below autograd)."""
     p = schedule.problem
     n, channels = x.shape[0], p.channels
     blocks = [x[:, :, off:off + ir.dim] for off, ir in zip(p.coupling_offsets, p.coupling)]

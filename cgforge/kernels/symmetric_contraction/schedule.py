@@ -1,21 +1,16 @@
 """The schedule of a symmetric contraction: a small basis of coupling chains and a weight transform.
 
-MACE's U columns are an overcomplete basis: after contracting with x (x) x (x) x, which is symmetric,
-many columns give the same polynomial or linear combinations of others (medium shape, 0e output:
-23 columns at degree 3 span an 8-dimensional space). So each block of weights W_{o,nu} [E, K, C]
-is first mapped to W'_{o,nu} = A_{o,nu} W_{o,nu} [E, R, C] (R = rank; a tiny matmul per call),
-and the kernel evaluates only R basis polynomials, each a chain of sparse couplings whose
-intermediate products are shared:
+MACE's U columns are an overcomplete basis of symmetric polynomials (medium shape, 0e output: 23 columns at
+degree 3 span 8 dimensions). So each W_{o,nu} [E, K, C] is mapped to W'_{o,nu} = A_{o,nu} W_{o,nu} [E, R, C]
+(R = rank) and the kernel evaluates R basis polynomials, chains of sparse couplings with shared products:
 
     nodes:   n = CG(left (x) x_i -> ir)            left an input block x_i1 or an earlier node
     output:  out_o += sum_groups CG(Z (x) x_i -> L_o),  Z = sum_terms W'[slot] * left
              out_o += W'[slot] * x_i                (degree 1)
 
-A group collects every basis chain with the same last input and the same irrep before it, of any
-degree: mixing them before the last coupling is MACE's Horner scheme. The basis is chosen greedily
-by the marginal cost in multiply-adds (shared nodes and groups are free once made), among chains
-whose polynomials lie in the span of MACE's columns, until that span is reached. Everything here is
-float64 numpy and runs once per problem.
+A group collects the chains with the same last input and irrep before it (MACE's Horner scheme). The basis is
+chosen greedily by marginal multiply-adds among chains in the span of MACE's columns. float64 numpy, once per
+problem.
 """
 
 from __future__ import annotations
@@ -157,7 +152,6 @@ def _couples(l1: int, p1: int, l2: int, p2: int, l3: int, p3: int) -> bool:
     return p1 * p2 == p3 and abs(l1 - l2) <= l3 <= l1 + l2
 
 
-# ---------------------------------------------------------------------------------------------------
 # Polynomials as vectors: a tensor [d, D**nu] contracted with x (x) ... (x) x is a polynomial; two
 # tensors give the same polynomial iff their symmetrisations over the nu input axes agree.
 
@@ -194,10 +188,6 @@ def _residual(v: np.ndarray, q: np.ndarray) -> np.ndarray:
         return v
     r = v - q @ (q.T @ v)
     return r - q @ (q.T @ r)  # twice: keeps the basis orthogonal to round-off
-
-
-# ---------------------------------------------------------------------------------------------------
-# The greedy basis choice
 
 
 class _Builder:

@@ -1,12 +1,8 @@
 """The CPU evaluator of the tensor-product kernels: runs a program the way the generated kernel does.
 
-Per kernel variant (layout, loop order), rows are vectorised and so are the channels a warp's lanes own;
-edges run in waves (the k-th edge of every row at once), in the kernel's loop order. Operands are
-staged into a per-row shared-memory window by the schedule's loads and read back at the template's
-offsets; the CG arithmetic is the program's statements, run by `core.ir.run` (the very statements the
-template prints); stores go through the staging window, plain or atomic. So CI checks the scheduler
-(offsets, chunks, coverage), the program and the layouts against e3nn without a GPU. The dense loops of
-the skeleton (y * w, w * t3, the grad-W dot products) are mirrored with torch ops.
+Rows and lanes' channels are vectorised; edges run in waves in the kernel's loop order. Operands are staged into
+a per-row window by the schedule's loads, the CG arithmetic is the program's statements (``core.ir.run``), stores
+go through the staging window: CI checks schedule, program and layouts against e3nn without a GPU.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Launching the tensor product's generated kernels over any layout: the tensor product's rows (``ops``) and
-the convolution's (``convolution.ops``, ``table_ops``, ``table_rows``), which run the same program.
-
-``launch`` takes a registered problem's key, a ``Layout`` and the kernel arguments; the grid, the shared memory
-window and the backward's per-chunk launches come from the plan's schedule and its tuning.
+"""Launching the tensor product's generated kernels over any layout (the tensor product's rows and the
+convolution's, which run the same program): grid, shared memory window and per-chunk backward launches from the
+plan's schedule and tuning.
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ from . import plan as plans
 from .layout import Layout
 from .problem import TPProblem
 from .schedule import Schedule
-
-__all__ = ["backward_buffers", "backward_launches", "finish_gw", "has_unweighted_paths", "launch", "needs_zero_fill"]
 
 
 def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool, max_blocks: int | None) -> int:

@@ -7,20 +7,12 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Layout:
-    """csr: a row walks the edges rowptr[row]..rowptr[row+1]; otherwise row == edge.
-    perm: edge position -> edge id (y, W and grad-y rows are read at the edge id).
-    xidx: the in1 row of an edge is xidx[eid] (else the row itself).
-    gidx: backward only, the grad-out row of an edge is gidx[eid] (else the row itself).
-    atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid] (backward, grad x); with csr, a
-    row's edges each add their part of grad x.
-    table: the weights are a radial table evaluated at each edge's length (no W read, no grad W written: the
-    backward writes grad r instead).
-    fixed: backward only, with atomic and csr: grad x is added as 64-bit fixed point (an int64 buffer, the scale a
-    device scalar the kernel reads): integer sums, so its bits do not depend on the order of the atomics.
-    grad_x: backward only; False: no grad x is formed or written (an in1 that needs no gradient, e.g. a first
-    layer's species embedding in MD). Then the backward may walk the forward's rows (receivers, x read through
-    xidx, the grad-out row once per row) instead of gathering a grad-out row per edge.
-    """
+    """csr: a row walks the edges rowptr[row]..rowptr[row+1]; otherwise row == edge. perm: edge position -> edge id (y,
+    W and grad-y rows are read at the id). xidx / gidx: an edge's in1 row / grad-out row (backward) is xidx[eid] /
+    gidx[eid] (else the row itself). atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid]
+    (grad x). table: the weights are a radial table at each edge's length (grad r written instead of grad W). fixed:
+    backward with atomic and csr, grad x added in 64-bit fixed point (order-independent bits). grad_x: backward only;
+    False: no grad x formed, so the backward may walk the forward's rows (grad-out row read once per row)."""
 
     csr: bool = False
     perm: bool = False

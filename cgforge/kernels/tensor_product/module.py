@@ -28,11 +28,8 @@ def check_row_sizes(problem: TPProblem) -> None:
 
 
 class TensorProduct(torch.nn.Module):
-    """out = TP(x, y, weight) with e3nn's layout, weight order and normalisation.
-
-    CUDA tensors run the generated kernels, CPU tensors the torch reference. ``tuning``: the kernels'
-    knobs (``TPTuning``: channel chunks, loop order, ...); None: the defaults.
-    """
+    """out = TP(x, y, weight) with e3nn's layout, weight order and normalisation: the generated kernels on CUDA, the
+    torch reference on a CPU. ``tuning``: the kernels' ``TPTuning`` (None: the defaults)."""
 
     tuning: TPTuning | None = None  # a class default: modules pickled before tuning existed have none
 

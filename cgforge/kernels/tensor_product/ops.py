@@ -1,9 +1,7 @@
 """torch.library custom ops for the tensor product (the launches: ``launch``, shared with the convolution).
 
-Each op has a CUDA implementation (generated kernels), a CPU implementation (the torch reference),
-a fake implementation (shapes only, for torch.compile) and an autograd formula. The backward ops
-are differentiable too: their derivatives are combinations of forward and backward calls (the op
-is trilinear in x, y, W), so any derivative order works, e.g. forces in a training loss.
+Each op: CUDA (generated kernels), CPU (the torch reference), fake and autograd. The backward ops are trilinear
+too, so their derivatives are forward and backward calls: any derivative order works.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from .launch import backward_buffers, finish_gw, has_unweighted_paths, launch, n
 from .layout import TP_LAYOUT
 from .reference import reference_tp, reference_tp_backward
 
-# ---------------------------------------------------------------- tensor product
 
 def _tp_fake(x, y, w, key):
     return x.new_empty(x.shape[0], plans.get(key).problem.irreps_out.dim)

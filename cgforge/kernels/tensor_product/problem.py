@@ -58,10 +58,8 @@ class TPProblem:
 
     def key(self) -> str:
         """A stable text identity of the problem (used to name ops' problem registry entries)."""
-        ins = ";".join(
-            f"{i.i_in1},{i.i_in2},{i.i_out},{i.mode},{int(i.has_weight)},{i.path_weight!r}"
-            for i in self.instructions
-        )
+        ins = ";".join(f"{i.i_in1},{i.i_in2},{i.i_out},{i.mode},{int(i.has_weight)},{i.path_weight!r}"
+                       for i in self.instructions)
         return f"{self.irreps_in1}|{self.irreps_in2}|{self.irreps_out}|{ins}|{int(self.shared_weights)}"
 
     @classmethod
@@ -69,31 +67,17 @@ class TPProblem:
         """Read an `e3nn.o3.TensorProduct` instance (its instructions hold the final path weights)."""
         if not hasattr(tp, "instructions") or not hasattr(tp, "irreps_in1"):
             raise TypeError(f"expected an e3nn o3.TensorProduct, got {type(tp).__name__}")
-        instructions = tuple(
-            Instruction(
-                int(i.i_in1), int(i.i_in2), int(i.i_out), str(i.connection_mode), bool(i.has_weight),
-                float(i.path_weight), tuple(int(s) for s in i.path_shape),
-            )
-            for i in tp.instructions
-        )
-        problem = cls(
-            o3.Irreps(tp.irreps_in1), o3.Irreps(tp.irreps_in2), o3.Irreps(tp.irreps_out),
-            instructions, bool(tp.shared_weights),
-        )
+        instructions = tuple(Instruction(int(i.i_in1), int(i.i_in2), int(i.i_out), str(i.connection_mode),
+                                         bool(i.has_weight), float(i.path_weight), tuple(int(s) for s in i.path_shape))
+                             for i in tp.instructions)
+        problem = cls(o3.Irreps(tp.irreps_in1), o3.Irreps(tp.irreps_in2), o3.Irreps(tp.irreps_out), instructions,
+                      bool(tp.shared_weights))
         problem.validate()
         return problem
 
     @classmethod
-    def build(
-        cls,
-        irreps_in1: Any,
-        irreps_in2: Any,
-        irreps_out: Any,
-        instructions: list,
-        shared_weights: bool = False,
-        irrep_normalization: str = "component",
-        path_normalization: str = "element",
-    ) -> TPProblem:
+    def build(cls, irreps_in1: Any, irreps_in2: Any, irreps_out: Any, instructions: list, shared_weights: bool = False,
+              irrep_normalization: str = "component", path_normalization: str = "element") -> TPProblem:
         """Same arguments as `o3.TensorProduct`; normalisation computed as e3nn does."""
         irreps_in1, irreps_in2, irreps_out = (_irreps(a, n) for a, n in (
             (irreps_in1, "irreps_in1"), (irreps_in2, "irreps_in2"), (irreps_out, "irreps_out")))

@@ -1,18 +1,13 @@
 """The arithmetic of the tensor-product kernels as statements (core.ir): stage 4, problem -> program.
 
-Per segment and term, the statements are what one lane runs for one channel it owns and one in2
-multiplicity index v (the template's loops over lanes' channels, v, u and w stay skeleton): every CG
-nonzero is one statement with its literal value (path weight folded in). Names are the template's
-registers:
+Per segment and term: what one lane runs for one owned channel and one in2 multiplicity index v, one statement per
+CG nonzero (path weight folded in), named as the template's registers:
 
 forward   uvu: acc[j][k] += cg * xv[i] * yw[j']      (yw = y * w, xv the staged in1 channel)
           uvw: t3[k] += cg * xs[i] * ys[j']          (then acc += w t3 per output channel)
 backward  uvu: { cg = c * gv[k]; dx[i] += cg * yv[j']; dy[j'] += cg * xv[i]; }
           uvw: t3[k] += c * xv[i] * yv[j'], then { cg = c * h[k]; dx[i] += ...; dy[j'] += ...; }
-          grad y: gya[s] += wv * dy[j'] into register slot s of in2 element y_offset + v d2 + j' (slots shared by
-          the segments of one edge loop, reduced over the warp once per edge and group)
-
-The template prints the statements verbatim (`c_group`); `evaluate.py` runs the same statements on CPU.
+          grad y: gya[s] += wv * dy[j'] into register slot s of in2 element y_offset + v d2 + j'
 """
 
 from __future__ import annotations

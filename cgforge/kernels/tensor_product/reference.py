@@ -1,7 +1,5 @@
-"""The torch reference of the tensor product, built from the sparse CG lists.
-
-Runs on any device; it is the CPU path of the ops and the oracle of the tests. Plain torch, so
-autograd gives every derivative order.
+"""The torch reference of the tensor product, built from the sparse CG lists: any device, every derivative order;
+the CPU path of the ops and the oracle of the tests.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Static schedule of a tensor product for the generated kernels: plain values.
 
-One warp computes one row (a batch row, or one node of a convolution). Lanes own channels.
-
-Forward: segments group the instructions by output irrep and split its channels into chunks;
-a lane owns output channels c0 + lane + 32*j and keeps their accumulators in registers, so every
-output element is written exactly once. Backward: segments group by in1 irrep (lanes own in1
-channels) so grad x accumulates in registers the same way; grad W is owned per term; grad y is
-reduced across the warp.
-
-Per segment, the operands the lanes read repeatedly are staged in shared memory with coalesced
-copies (`Load`, each naming its source tensor): the in1 slices (and, backward, the grad-out slices),
-and the whole in2 row. Offsets here are in elements of one warp's shared-memory window.
-
-The tuning value (`core.tuning.TPTuning`: chunks, loop order, the knobs below) is a field of the schedule.
+A warp computes one row (a batch row or a convolution's node); lanes own channels. Forward segments group the
+instructions by output irrep, a chunk of its channels each, accumulated in registers; backward segments group by
+in1 irrep (grad x in registers, grad W per term, grad y reduced over the warp). Each segment's operands are staged
+in shared memory (``Load``); offsets are in elements of one warp's window.
 """
 
 from __future__ import annotations
@@ -107,10 +98,9 @@ class Schedule:
     stacked_backward: bool = False  # the backward windows of one edge loop lie side by side (``stacked_windows``)
 
     def row_grad_once(self, layout) -> bool:
-        """Whether the backward kernel of ``layout`` stages each row's grad-out block once per edge loop, before
-        it, rather than once per edge: where a row is its own grad-out row (CSR without ``gidx``: the walks over
-        the forward's rows) and no other segment of the loop writes that block's window (the segments order: one
-        segment per loop; chunks and edges: windows side by side, ``stacked_windows``)."""
+        """Whether the backward kernel of ``layout`` stages each row's grad-out block once per edge loop rather than per
+        edge: CSR without ``gidx`` and a window no other segment of the loop writes (segments order, or
+        ``stacked_windows``)."""
         return layout.csr and not layout.gidx and (self.loop_order(True) == "segments" or self.stacked_backward)
 
     def backward_passes(self) -> int:
@@ -122,13 +112,10 @@ class Schedule:
         return len({(seg.c0, seg.c1) for seg in self.backward})
 
     def loop_order(self, backward: bool) -> str:
-        """One direction's loop order: the tuning's (the backward's own if set), or for ``auto`` edges outermost
-        in a CSR forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` 32-bit registers per lane, else
-        segments.
-
-        Why: edges outermost stages x and y once per edge rather than once per output segment, which made the
-        wide forwards faster and the backward slower (measured: docs/measured-constants.md). Either direction
-        takes ``chunks`` where ``chunks_order`` says so, before this rule."""
+        """One direction's loop order: the tuning's, or for ``auto`` (after ``chunks_order``) edges outermost in a CSR
+        forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` registers per lane, else segments. Why: it
+        stages x and y once per edge rather than once per output segment: faster wide forwards, slower backwards
+        (measured: docs/measured-constants.md)."""
         if backward:
             return backward_order(self.problem, self.itemsize, self.rows_are_nodes, self.tuning)
         order = self.tuning.order(False)
@@ -140,10 +127,6 @@ class Schedule:
             return "segments"
         words = sum(s.lane_iters * s.dim for s in self.forward) * max(self.itemsize // 4, 1)
         return "edges" if words <= EDGES_FORWARD_WORDS else "segments"
-
-    @property
-    def in2_dim(self) -> int:
-        return self.problem.irreps_in2.dim
 
     @property
     def smem_per_warp(self) -> int:
@@ -166,10 +149,9 @@ def _offsets(irreps) -> list[int]:
 
 
 def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
-    """Segment for channels [c0, c1) of irrep `i` (out irrep forward, in1 irrep backward); smem from
-    `base`. Forward: the terms of every instruction into it, their in1 slices staged. Backward: grad x
-    of those channels, and the grad W and grad y contributions of every instruction reading them (the
-    segment's in1 channels and the instructions' grad-out slices staged). Returns it and its smem end."""
+    """Segment for channels [c0, c1) of irrep `i` (out irrep forward, in1 irrep backward), its window from `base`: the
+    terms of every instruction writing (forward) or reading (backward) those channels, with their operands staged.
+    Returns it and its window's end."""
     p = problem
     off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
     own, own_offsets = (p.irreps_in1, off1) if backward else (p.irreps_out, offo)
@@ -210,9 +192,8 @@ def loop_group(order: str, index: int, c0: int, c1: int) -> object:
 
 def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
               stacked_order: str | None = None) -> tuple[list[Segment], int]:
-    """The segments of one direction and the end of the largest window. ``stacked_order``: the segments that
-    share an edge loop in that order get windows side by side (each from the end of the previous one), else
-    every window starts at ``base``."""
+    """The segments of one direction and the end of the largest window; with ``stacked_order`` the segments sharing an
+    edge loop get windows side by side, else every window starts at ``base``."""
     irreps = problem.irreps_in1 if backward else problem.irreps_out
     used = {(ins.i_in1 if backward else ins.i_out) for ins in problem.instructions}
     segments, peak = [], base
@@ -261,15 +242,11 @@ SINGLE_IRREP_WINDOW_BYTES = 10 * 1024
 
 
 def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backward: bool) -> bool:
-    """Whether ``auto`` runs one direction of an FP32 CSR kernel (the deterministic convolution) in the
-    ``chunks`` order with ``CHUNKS_ORDER_CHUNK``-channel chunks: the forward where in1 has two or more irreps,
-    the backward where they also share one multiplicity.
-
-    Why: a chunk's edge walk carries a segment of every irrep that has channels in it (uvu: output channel c
-    reads in1 channel c only), so an edge's x, y and weights are staged, and in the backward its grad y reduced
-    over the warp, once per chunk instead of once per segment, with few live accumulators
-    (measured: docs/measured-constants.md; chunk 64 lost in every case). Not taken: one in1 irrep (the edges
-    order is faster there), FP64 (not measured)."""
+    """Whether ``auto`` runs one direction of an FP32 CSR kernel in the ``chunks`` order with
+    ``CHUNKS_ORDER_CHUNK``-channel chunks: the forward where in1 has two or more irreps, the backward where they also
+    share one multiplicity (an edge's operands are staged and its grad y reduced once per chunk, not per segment).
+    Measured: docs/measured-constants.md (chunk 64 lost in every case). Not taken: one in1 irrep (the edges order
+    is faster there), FP64 (not measured)."""
     if not (rows_are_nodes and itemsize == 4 and len(problem.irreps_in1) > 1):
         return False
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
@@ -286,17 +263,12 @@ def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
 
 def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> bool:
     """Whether the backward segments that share an edge loop may get shared-memory windows side by side, so that a
-    walk over the forward's rows can stage each row's grad-out block once per loop (``TPTuning.row_grad_once``;
-    CSR rows in the chunks or edges order). ``build_schedule`` takes them where the stacked window stays within
-    ``TPTuning.stacked_window_bytes`` (``Schedule.stacked_backward``). Its default, 16 KiB, holds the measured
-    cases: MACE-MP-medium's second layer (6.2 KB), the bundled MACE's (3.7 KB) and mace-large's (11.5 KB, three in1
-    irreps: faster although the wider window cuts its blocks per SM by shared memory; docs/measured-constants.md).
-    A wider stacked window was not measured. The
-    sender walk runs the same schedule: its windows are larger, its arithmetic the same.
-
-    Why: in MACE-MP-medium's second convolution (chunks order, two segments a chunk) the receiver walks staged the
-    row's 1,280-element grad-out block of a chunk once per edge, ~90 % of what they staged, and the
-    warps stalled most on those shared-memory stores waiting for their global loads (docs/measured-constants.md)."""
+    walk over the forward's rows stages each row's grad-out block once per loop (``TPTuning.row_grad_once``; CSR rows,
+    chunks or edges order; ``build_schedule`` keeps them within ``TPTuning.stacked_window_bytes``). Its default, 16
+    KiB, holds the measured cases: MACE-MP-medium's second layer (6.2 KB), the bundled MACE's (3.7 KB) and
+    mace-large's (11.5 KB, three in1 irreps: faster although the wider window cuts its blocks per SM by shared
+    memory); the per-edge staging of that block was where the warps stalled most (measured:
+    docs/measured-constants.md)."""
     return (tuning.row_grad_once and rows_are_nodes
             and backward_order(problem, itemsize, rows_are_nodes, tuning) in ("chunks", "edges"))
 
@@ -327,9 +299,8 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
                    warps_per_block: int = 4, max_chunk: int | None = None,
                    max_chunk_backward: int | None = None, *, tuning: TPTuning | None = None,
                    rows_are_nodes: bool = False) -> Schedule:
-    """Pick each direction's channel chunk (a multiple of 32, at most the given maximum) so that one
-    warp's window fits the block budget. The maximum: ``max_chunk`` / ``max_chunk_backward`` (``max_chunk``
-    alone sets both), else the tuning's chunks, else ``default_chunks`` for the kind of rows."""
+    """Each direction's channel chunk: the largest multiple of 32 up to ``max_chunk`` / ``max_chunk_backward`` (else the
+    tuning's, else ``default_chunks``) whose window fits the block budget."""
     problem.validate()
     tuning = tuning if tuning is not None else TPTuning()
     y_dim = problem.irreps_in2.dim
@@ -352,11 +323,11 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
-         warps_per_block: int, stacked_order: str | None = None) -> tuple[list[Segment], Launch]:
+         warps_per_block: int) -> tuple[list[Segment], Launch]:
     if chunk < WARP or chunk % WARP:
         raise ValueError(f"max_chunk must be a positive multiple of {WARP}, got {chunk}")
     while True:
-        segments, peak = _segments(problem, chunk, y_dim, backward, stacked_order)
+        segments, peak = _segments(problem, chunk, y_dim, backward)
         per_warp = max(peak, y_dim)
         for wpb in (warps_per_block, 2, 1):
             if per_warp * itemsize * wpb <= smem_bytes_per_block:

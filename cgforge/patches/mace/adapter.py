@@ -1,26 +1,11 @@
 """The calculator's adapter for MACE models, and whether edges beyond the cutoff are inert.
 
-``MaceAdapter`` turns (edge vectors, edges, species) into the energy of a MACE model with no data objects:
-the dict ``MACE.forward`` takes (``node_attrs`` one-hot over ``model.atomic_numbers``, ``edge_index`` =
-[sender, receiver], ``batch``, ``ptr``, ``head``, ...), called with every force/stress option off: the model
-returns the energy only and the calculator differentiates it. MACE computes ``vector = positions[receiver] -
-positions[sender] + shifts`` itself; it gets ``positions`` = zeros and ``shifts`` = the calculator's edge
-vectors, so the vectors are exactly ours and the model's gathers of ``positions`` (advanced indexing, whose
-backward is a sort-based accumulation) sit off the gradient path. The protocol it follows is
-``cgforge.plugin.runtime.adapters.ModelAdapter``.
-
-``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from the code of
-mace-torch 0.3.16:
-
-- MACE: ``PolynomialCutoff`` returns ``envelope * (r < r_max)``: exactly 0 at and beyond r_max, and so is its
-  derivative (the mask's derivative is 0, the envelope stays finite). ``RadialEmbeddingBlock`` either
-  multiplies the radial basis by it (``apply_cutoff`` True, the default: edge features 0) or hands it to the
-  interaction blocks, which multiply the convolution weights (and edge densities) by it. With zero edge
-  features the weights are ``MLP(0)``: zero only for a bias-free MLP whose activation vanishes at 0 (e3nn's
-  ``FullyConnectedNet`` with SiLU), checked here by evaluating the MLP at 0. Blocks whose radial MLP also
-  reads node features (attention, non-linear) are inert only with ``apply_cutoff`` False. ZBL pair repulsion
-  carries the same polynomial envelope (at the covalent-radii sum). A zero weight makes the convolution's
-  message and its derivative with respect to the spherical harmonics exactly zero.
+``MaceAdapter`` calls the model on the dict ``MACE.forward`` takes, every force/stress option off, with
+``positions`` = zeros and ``shifts`` = the calculator's edge vectors (MACE's position gathers off the gradient path).
+``inert_beyond_cutoff``, read from mace-torch 0.3.16: ``PolynomialCutoff`` (``envelope * (r < r_max)``) multiplies
+the radial basis (``apply_cutoff``) or the blocks' weights; zero edge features give weights ``MLP(0)``, zero for a
+bias-free MLP whose activation vanishes at 0 (checked). Blocks whose radial MLP reads node features are inert only
+without ``apply_cutoff``; ZBL carries the same envelope.
 """
 
 from __future__ import annotations
@@ -35,8 +20,6 @@ from ..radial_table import fused_edge_bytes
 from ..streaming import Deferred
 from . import lean_forward, radial_table, row_chunks, streaming
 from .patch import SUPPORTED_INTERACTIONS
-
-__all__ = ["MaceAdapter", "choose_head", "inert_beyond_cutoff"]
 
 _MODELS = ("MACE", "ScaleShiftMACE")
 # Their radial MLP input mixes in node features: not zero for an edge with zero edge features.
@@ -92,16 +75,14 @@ class MaceAdapter:
         # One structure: batch all zeros, ptr [0, N], zero positions and cell. Cached per size: no allocation
         # per step (and fixed addresses for a captured step). Under torch.compile they are made in the graph
         # (constants to Inductor): filling the cache there would change what the graph's guards saw.
-        if torch.compiler.is_compiling():
-            kw = {"dtype": torch.int64, "device": self.device}
-            return (torch.zeros(n_atoms, **kw), torch.arange(2, **kw) * n_atoms,
-                    torch.zeros(n_atoms, 3, dtype=self.dtype, device=self.device),
-                    torch.zeros(3, 3, dtype=self.dtype, device=self.device))
-        if n_atoms not in self._per_size:
-            kw = {"dtype": torch.int64, "device": self.device}
-            self._per_size = {n_atoms: (torch.zeros(n_atoms, **kw), torch.tensor([0, n_atoms], **kw),
-                                        torch.zeros(n_atoms, 3, dtype=self.dtype, device=self.device),
-                                        torch.zeros(3, 3, dtype=self.dtype, device=self.device))}
+        compiling = torch.compiler.is_compiling()
+        if compiling or n_atoms not in self._per_size:
+            kw, real = {"dtype": torch.int64, "device": self.device}, {"dtype": self.dtype, "device": self.device}
+            made = (torch.zeros(n_atoms, **kw), torch.arange(2, **kw) * n_atoms, torch.zeros(n_atoms, 3, **real),
+                    torch.zeros(3, 3, **real))
+            if compiling:
+                return made
+            self._per_size = {n_atoms: made}
         return self._per_size[n_atoms]
 
     def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
@@ -116,17 +97,9 @@ class MaceAdapter:
         batch, ptr, zeros, cell = self._per_structure(positions.shape[0])
         # MACE sets requires_grad on data["positions"] and gathers it per edge; zeros (a leaf that no
         # gradient is asked of) keep that gather off the backward. vectors = 0 - 0 + shifts, exactly.
-        data = {
-            "positions": zeros,
-            "node_attrs": species,
-            "edge_index": edge_index,
-            "shifts": vectors,
-            "unit_shifts": cell[0].expand(vectors.shape[0], 3),  # read only for MACE's own stress: not asked
-            "cell": cell,
-            "batch": batch,
-            "ptr": ptr,
-            "head": self._head_index,
-        }
+        data = {"positions": zeros, "node_attrs": species, "edge_index": edge_index, "shifts": vectors,
+                "unit_shifts": cell[0].expand(vectors.shape[0], 3),  # read only for MACE's own stress: not asked
+                "cell": cell, "batch": batch, "ptr": ptr, "head": self._head_index}
         out = self.model(data, training=False, compute_force=False, compute_virials=False,
                          compute_stress=False, compute_displacement=False)
         # The total as a plain sum of the per-atom energies: MACE's own total is a scatter_sum over `batch` (atomics

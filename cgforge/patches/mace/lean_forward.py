@@ -1,13 +1,8 @@
 """MACE's per-atom energies of one structure under one head, without ``MACE.forward``'s batch handling.
 
-``MACE.forward`` and ``ScaleShiftMACE.forward`` (mace-torch 0.3.16) take a batch of graphs with a head per graph:
-they gather positions per edge, pick each atom's energy column by advanced indexing ``[arange(N), node_heads]``
-(whose backward is a sort and an accumulating ``index_put_``: ~14 kernels for each readout and the atomic
-energies), scale by ``scale[node_heads]`` and sum per graph with atomics. The calculator holds one structure, one
-head and its own edge vectors, so ``node_energies`` runs the same modules on them, with the head's column taken
-as a slice: the same operations on the same values, and per-atom energies equal bit for bit to what MACE's forward
-returns (``tests/patches/test_mace_lean_forward.py``). ``why_not_lean`` names what a model has that it does not
-handle; the adapter then calls MACE's forward.
+``node_energies`` runs MACE's modules on the calculator's edge vectors with the head's column taken as a slice
+(no per-atom advanced indexing, whose backward is a sort and an accumulation): the same operations on the same
+values, equal bit for bit to MACE's forward. ``why_not_lean`` names what a model has that it does not handle.
 """
 
 from __future__ import annotations
@@ -16,8 +11,6 @@ from importlib import metadata
 
 import torch
 from torch import Tensor
-
-__all__ = ["node_energies", "why_not_lean"]
 
 _MODELS = ("MACE", "ScaleShiftMACE")
 READ_VERSIONS = ("0.3.16",)  # the mace-torch versions whose forward ``node_energies`` repeats

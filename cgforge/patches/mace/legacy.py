@@ -1,15 +1,9 @@
 """Read torch pickles written with e3nn 0.4 under the installed e3nn (0.5/0.6), without patching e3nn.
 
-mace-torch pins e3nn 0.4.4, so most MACE ``.model`` files hold e3nn 0.4 objects. Plain ``torch.load``
-fails on them under e3nn 0.6: 0.4's ``CodeGenMixin.__getstate__`` stored each generated submodule as
-raw TorchScript bytes, 0.6's ``__setstate__`` expects ``(kind, bytes)``; 0.6's SphericalHarmonics and
-Activation also need attributes 0.4 never pickled.
-
-The fix is scoped to one ``torch.load`` call: an Unpickler whose ``find_class`` hands out stand-in
-classes for the affected e3nn classes. A stand-in keeps the pickled state; a state already in the
-installed format turns the object back into the real class at once. Afterwards every stand-in is
-rebuilt with the installed e3nn from its irreps and instructions, its parameters and buffers are
-copied over, and the rebuilt module is checked against the 0.4 TorchScript code stored in the file.
+Most MACE ``.model`` files hold e3nn 0.4 objects (mace-torch pins e3nn 0.4.4), whose pickled state e3nn 0.6
+cannot read. Inside one ``torch.load`` call an Unpickler hands out stand-in classes for the affected e3nn
+classes; each stand-in is then rebuilt with the installed e3nn, its tensors copied over, and the result checked
+against the 0.4 TorchScript code stored in the file. A state already in the installed format loads as usual.
 """
 
 from __future__ import annotations
@@ -41,10 +35,6 @@ class LegacyCheckpointError(ValueError):
     """A checkpoint that cannot be read, or holds e3nn objects cgforge cannot rebuild."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Stand-in classes handed out by the Unpickler
-
-
 class _LegacyE3nnModule(torch.nn.Module):
     """Holds the pickled state of an e3nn module written by e3nn 0.4 until it is rebuilt."""
 
@@ -63,10 +53,8 @@ class _LegacyE3nnModule(torch.nn.Module):
         self._legacy_codegen = dict(codegen)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{self._cgforge_target.__qualname__} from an e3nn 0.4 pickle was not rebuilt; "
-            "load the file with cgforge.patches.load()"
-        )
+        raise RuntimeError(f"{self._cgforge_target.__qualname__} from an e3nn 0.4 pickle was not rebuilt; "
+                           "load the file with cgforge.patches.load()")
 
 
 _SHIMS: dict[type, type] = {}
@@ -117,10 +105,6 @@ def _pickle_module() -> types.ModuleType:
     return mod
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading a file
-
-
 def describe_file(path: str | os.PathLike) -> str:
     """A short description of what a file looks like, for error messages."""
     try:
@@ -153,21 +137,16 @@ def _is_torchscript_archive(path: str) -> bool:
 
 
 def load_pickle(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
-    """``torch.load`` a whole pickled object, accepting e3nn 0.4 modules inside it.
-
-    Raises ``FileNotFoundError`` for a missing path and ``LegacyCheckpointError`` (a ``ValueError``)
-    naming what was found for anything that is not a readable torch pickle.
-    """
+    """``torch.load`` a whole pickled object, accepting e3nn 0.4 modules inside it. ``FileNotFoundError`` for a missing
+    path, ``LegacyCheckpointError`` naming what was found for anything that is no readable torch pickle."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if os.path.isdir(path):
         raise LegacyCheckpointError(f"{path}: is a directory, expected a checkpoint file")
     if _is_torchscript_archive(path):
-        raise LegacyCheckpointError(
-            f"{path}: a TorchScript (compiled) model; cgforge patches the eager model "
-            "(mace_run_train writes both: use NAME.model, not NAME_compiled.model)"
-        )
+        raise LegacyCheckpointError(f"{path}: a TorchScript (compiled) model; cgforge patches the eager model "
+                                    "(mace_run_train writes both: use NAME.model, not NAME_compiled.model)")
     other = other_file_message(path, "a MACE checkpoint")  # a NequIP package, an ML-IAP file: say so
     if other is not None:
         raise LegacyCheckpointError(other)
@@ -179,23 +158,15 @@ def load_pickle(path: str | os.PathLike, map_location: str | torch.device = "cpu
             f"torch.load said: {str(err).splitlines()[0] if str(err) else type(err).__name__})"
         ) from err
     except (AttributeError, ModuleNotFoundError, ImportError) as err:
-        raise LegacyCheckpointError(
-            f"{path}: the pickle refers to code that is not installed here ({err})"
-        ) from err
+        raise LegacyCheckpointError(f"{path}: the pickle refers to code that is not installed here ({err})") from err
     if isinstance(obj, torch.nn.Module):
         rebuild_legacy_modules(obj)
     return obj
 
 
-# ---------------------------------------------------------------------------------------------
-# Rebuilding stand-ins with the installed e3nn
-
-
 def rebuild_legacy_modules(root: torch.nn.Module) -> int:
     """Replace every e3nn 0.4 stand-in under ``root`` by a rebuilt module. Returns how many."""
-    legacy = [
-        (name, mod) for name, mod in root.named_modules() if isinstance(mod, _LegacyE3nnModule)
-    ]
+    legacy = [(name, mod) for name, mod in root.named_modules() if isinstance(mod, _LegacyE3nnModule)]
     if isinstance(root, _LegacyE3nnModule):
         raise LegacyCheckpointError("the checkpoint is a bare e3nn 0.4 module; cgforge expects a model")
     rebuilt = {name: _rebuild(name, mod) for name, mod in legacy}  # all or nothing
@@ -219,10 +190,9 @@ def _rebuild(name: str, old: _LegacyE3nnModule) -> torch.nn.Module:
                 new = builder(old)
             break
     else:
-        raise LegacyCheckpointError(
-            f"{name}: e3nn 0.4 {target.__module__}.{target.__qualname__} cannot be rebuilt by cgforge "
-            "(supported: TensorProduct and subclasses, Linear, SphericalHarmonics, Activation)"
-        )
+        raise LegacyCheckpointError(f"{name}: e3nn 0.4 {target.__module__}.{target.__qualname__} cannot be rebuilt "
+                                    "by cgforge (supported: TensorProduct and subclasses, Linear, SphericalHarmonics, "
+                                    "Activation)")
     new.to(device=device, dtype=dtype)
     _copy_tensors(name, old, new)
     new.train(old.training)
@@ -257,10 +227,8 @@ def _copy_tensors(name: str, old: torch.nn.Module, new: torch.nn.Module) -> None
                     raise LegacyCheckpointError(f"{name}.{key}: in only one of old and rebuilt module")
                 continue
             if fresh.shape != tensor.shape:
-                raise LegacyCheckpointError(
-                    f"{name}.{key}: pickled shape {tuple(tensor.shape)} but the rebuilt module has "
-                    f"{tuple(fresh.shape)}"
-                )
+                raise LegacyCheckpointError(f"{name}.{key}: pickled shape {tuple(tensor.shape)} but the rebuilt "
+                                            f"module has {tuple(fresh.shape)}")
             slots(new)[key] = tensor
     missing = set(parameters_dict(new)) - set(parameters_dict(old))
     if missing:
@@ -279,24 +247,12 @@ def _rebuild_tensor_product(old: Any) -> torch.nn.Module:
     # The pickled path weights already include e3nn's normalisation; with both normalisations set to
     # "none" e3nn uses sqrt(given weight), so give it the square.
     o3.TensorProduct.__init__(
-        new,
-        old.irreps_in1,
-        old.irreps_in2,
-        old.irreps_out,
-        [
-            (i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight, i.path_weight**2)
-            for i in old.instructions
-        ],
-        irrep_normalization="none",
-        path_normalization="none",
-        internal_weights=old.internal_weights,
-        shared_weights=old.shared_weights,
-        compile_right="_compiled_main_right" in old._legacy_codegen,
-    )
+        new, old.irreps_in1, old.irreps_in2, old.irreps_out,
+        [(i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight, i.path_weight**2) for i in old.instructions],
+        irrep_normalization="none", path_normalization="none", internal_weights=old.internal_weights,
+        shared_weights=old.shared_weights, compile_right="_compiled_main_right" in old._legacy_codegen)
     for a, b in zip(old.instructions, new.instructions, strict=True):
-        if a.path_weight < 0 or not _close(a.path_weight, b.path_weight) or tuple(a.path_shape) != tuple(
-            b.path_shape
-        ):
+        if a.path_weight < 0 or not _close(a.path_weight, b.path_weight) or tuple(a.path_shape) != tuple(b.path_shape):
             raise LegacyCheckpointError(f"TensorProduct instruction {a} could not be reproduced (got {b})")
     return new
 
@@ -304,43 +260,29 @@ def _rebuild_tensor_product(old: Any) -> torch.nn.Module:
 def _rebuild_linear(old: Any) -> torch.nn.Module:
     target = old._cgforge_target
     pairs = [(i.i_in, i.i_out) for i in old.instructions if i.i_in != -1]
-    biases = [
-        any(i.i_in == -1 and i.i_out == k for i in old.instructions) for k in range(len(old.irreps_out))
-    ]
+    biases = [any(i.i_in == -1 and i.i_out == k for i in old.instructions) for k in range(len(old.irreps_out))]
     weight = parameters_dict(old).get("weight", buffers_dict(old).get("weight"))
     f_in = f_out = None
     if weight is not None and weight.dim() == 3:
         f_in, f_out = int(weight.shape[0]), int(weight.shape[1])
     for path_normalization in ("element", "path"):
         new = target.__new__(target)
-        o3.Linear.__init__(
-            new,
-            old.irreps_in,
-            old.irreps_out,
-            f_in=f_in,
-            f_out=f_out,
-            internal_weights=old.internal_weights,
-            shared_weights=old.shared_weights,
-            instructions=pairs,
-            biases=biases,
-            path_normalization=path_normalization,
-        )
+        o3.Linear.__init__(new, old.irreps_in, old.irreps_out, f_in=f_in, f_out=f_out,
+                           internal_weights=old.internal_weights, shared_weights=old.shared_weights,
+                           instructions=pairs, biases=biases, path_normalization=path_normalization)
         if len(new.instructions) == len(old.instructions) and all(
             (a.i_in, a.i_out, tuple(a.path_shape)) == (b.i_in, b.i_out, tuple(b.path_shape))
             and _close(a.path_weight, b.path_weight)
             for a, b in zip(old.instructions, new.instructions, strict=True)
         ):
             return new
-    raise LegacyCheckpointError(
-        f"Linear {old.irreps_in} -> {old.irreps_out}: its path weights match neither 'element' nor 'path' "
-        "normalisation of the installed e3nn"
-    )
+    raise LegacyCheckpointError(f"Linear {old.irreps_in} -> {old.irreps_out}: its path weights match neither "
+                                "'element' nor 'path' normalisation of the installed e3nn")
 
 
 def _rebuild_spherical_harmonics(old: Any) -> torch.nn.Module:
-    return old._cgforge_target(
-        list(old._ls_list), normalize=old.normalize, normalization=old.normalization, irreps_in=old.irreps_in
-    )
+    return old._cgforge_target(list(old._ls_list), normalize=old.normalize, normalization=old.normalization,
+                               irreps_in=old.irreps_in)
 
 
 def _rebuild_activation(old: Any) -> torch.nn.Module:
@@ -362,7 +304,6 @@ _BUILDERS: list[tuple[type, Callable[[Any], torch.nn.Module]]] = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
 # Checking a rebuilt module against the TorchScript that e3nn 0.4 generated and pickled
 
 
@@ -392,10 +333,8 @@ def _verify_against_legacy_code(name: str, old: _LegacyE3nnModule, new: torch.nn
     err = (got - expected).abs().max().item() if expected.numel() else 0.0
     tolerance = 1e-9 if dtype == torch.float64 else 1e-4
     if err > tolerance * max(scale, 1.0):
-        raise LegacyCheckpointError(
-            f"{name}: rebuilt {type(new).__name__} differs from the pickled e3nn 0.4 code "
-            f"(max abs difference {err:.3g})"
-        )
+        raise LegacyCheckpointError(f"{name}: rebuilt {type(new).__name__} differs from the pickled e3nn 0.4 code "
+                                    f"(max abs difference {err:.3g})")
 
 
 @contextlib.contextmanager
@@ -412,24 +351,18 @@ def _tp_inputs(tp: Any, gen: torch.Generator) -> tuple:
     x1 = torch.randn(batch, tp.irreps_in1.dim, generator=gen, dtype=torch.float64)
     x2 = torch.randn(batch, tp.irreps_in2.dim, generator=gen, dtype=torch.float64)
     if tp.internal_weights:
-        w = tp.weight.detach().cpu()
-    elif tp.shared_weights:
-        w = torch.randn(tp.weight_numel, generator=gen, dtype=torch.float64)
-    else:
-        w = torch.randn(batch, tp.weight_numel, generator=gen, dtype=torch.float64)
-    return x1, x2, w
+        return x1, x2, tp.weight.detach().cpu()
+    shape = (tp.weight_numel,) if tp.shared_weights else (batch, tp.weight_numel)
+    return x1, x2, torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
 def _linear_inputs(lin: Any, gen: torch.Generator) -> tuple:
     batch = 3
     x = torch.randn(batch, lin.irreps_in.dim, generator=gen, dtype=torch.float64)
     if lin.internal_weights:
-        w = lin.weight.detach().cpu()
-        b = lin.bias.detach().cpu()
-    else:
-        w = torch.randn(batch, lin.weight_numel, generator=gen, dtype=torch.float64)
-        b = torch.randn(batch, lin.bias_numel, generator=gen, dtype=torch.float64)
-    return x, w, b
+        return x, lin.weight.detach().cpu(), lin.bias.detach().cpu()
+    return (x, torch.randn(batch, lin.weight_numel, generator=gen, dtype=torch.float64),
+            torch.randn(batch, lin.bias_numel, generator=gen, dtype=torch.float64))
 
 
 # Generated function name -> inputs for it; the same signature in e3nn 0.4 and 0.6.

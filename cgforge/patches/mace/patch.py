@@ -1,29 +1,8 @@
 """Put cgforge's fused convolution into MACE models (mace-torch 0.3.x).
 
-mace-torch already has a socket for fused convolutions (cuEquivariance and OpenEquivariance use it):
-an interaction block that *has* a ``conv_fusion`` attribute calls
-
-    message = self.conv_tp(node_feats, edge_attrs, tp_weights, edge_index)
-
-with ``edge_index[0]`` the senders and ``edge_index[1]`` the receivers, and expects the messages already
-summed per receiver, ``[num_nodes, irreps_out.dim]``. Without it the block gathers ``node_feats[sender]``,
-calls the e3nn TensorProduct per edge and scatter-sums. So patching a block is: set ``conv_fusion`` and
-swap ``conv_tp`` for a ``FusedConvTP`` with the same ``weight_numel``. The block's own forward, its
-radial MLP and every other submodule stay as they are.
-
-The state_dict is unchanged: ``FusedConvTP`` keeps the two (weightless) buffers e3nn's TensorProduct
-has, ``weight`` (empty) and ``output_mask``, so state dicts move freely between patched and plain
-models. The original e3nn module rides along (not as a submodule) so ``unpatch`` restores it exactly.
-
-Each product block's ``symmetric_contractions`` (MACE's SymmetricContraction) is swapped the same way for
-a ``FusedSymmetricContraction``, which holds the original's own parameters and buffers under the same
-names (same state_dict) and keeps the original for ``unpatch``.
-
-Every e3nn ``o3.Linear`` and ``FullyConnectedNet`` (the radial MLPs) is swapped for the plain-torch
-stand-in of ``e3nn_layers``: the same numbers and state_dict with less memory traffic in autograd. Each
-``skip_tp`` (a FullyConnectedTensorProduct with the one-hot element) becomes a ``species_linear`` stand-in:
-one linear map per element when cgforge's calculator groups the atoms, e3nn's own code otherwise. Each
-``reshape_irreps`` (the message's [N, mul, sum d] view) becomes ``reshape.BlockReshape``: a one-write backward.
+A block with a ``conv_fusion`` attribute calls ``conv_tp(node_feats, edge_attrs, tp_weights, edge_index)`` and
+expects the messages summed per receiver: patching sets it and swaps ``conv_tp`` for a ``FusedConvTP``; the
+contractions, linears, radial MLPs, ``skip_tp`` and ``reshape_irreps`` get stand-ins too (``stand_in``).
 """
 
 from __future__ import annotations
@@ -46,26 +25,20 @@ from ..harmonics import stand_in_for as harmonics_stand_in
 from ..radial_table import TableWeights
 from ..recognise import is_mace_model
 from ..stand_in import StandIn, convolution_check
-from ..streaming import stream
-from ..torch_internals import adopt, forward_pre_hooks, remove_forward_pre_hooks
+from ..streaming import DeferredWeights, stream
+from ..torch_internals import adopt, remove_forward_pre_hooks
 from . import legacy as mace_legacy
 from . import reshape
 from .radial_table import set_radial_table
 from .row_chunks import set_row_chunks
-from .streaming import DeferredWeights, mark_linear_applied, set_streaming
+from .streaming import mark_linear_applied, set_streaming
 from .symmetric_contraction import SymmetricContraction
 
 log = logging.getLogger(__name__)
 
 # Interaction blocks of mace-torch 0.3.16 whose forward has the conv_fusion branch.
-SUPPORTED_INTERACTIONS = (
-    "RealAgnosticInteractionBlock",
-    "RealAgnosticResidualInteractionBlock",
-    "RealAgnosticDensityInteractionBlock",
-    "RealAgnosticDensityResidualInteractionBlock",
-    "RealAgnosticAttResidualInteractionBlock",
-    "RealAgnosticResidualNonLinearInteractionBlock",
-)
+SUPPORTED_INTERACTIONS = tuple(f"RealAgnostic{kind}InteractionBlock" for kind in (
+    "", "Residual", "Density", "DensityResidual", "AttResidual", "ResidualNonLinear"))
 _FUSION_TAG = "cgforge"
 
 
@@ -95,13 +68,9 @@ class FusedConvTP(torch.nn.Module, StandIn):
                 f"cgforge Convolution has weight_numel {self.conv.weight_numel}, the e3nn TensorProduct "
                 f"{e3nn_tp.weight_numel}"
             )
-        self.weight_numel = e3nn_tp.weight_numel
-        self.irreps_in1 = e3nn_tp.irreps_in1
-        self.irreps_in2 = e3nn_tp.irreps_in2
-        self.irreps_out = e3nn_tp.irreps_out
-        self.instructions = e3nn_tp.instructions
-        self.shared_weights = e3nn_tp.shared_weights
-        self.internal_weights = e3nn_tp.internal_weights
+        for name in ("weight_numel", "irreps_in1", "irreps_in2", "irreps_out", "instructions", "shared_weights",
+                     "internal_weights"):
+            setattr(self, name, getattr(e3nn_tp, name))
         # Adopt the e3nn module's buffers and its (weightless) generated submodules under the same names:
         # the state_dict keeps exactly the keys, order and values of the TensorProduct it replaces.
         if any(True for _ in e3nn_tp.parameters()):
@@ -117,13 +86,8 @@ class FusedConvTP(torch.nn.Module, StandIn):
         # A tuple, so not a submodule again; shares the adopted submodules, which .to() moves in place.
         self.original = (e3nn_tp,)
 
-    def forward(
-        self,
-        node_feats: torch.Tensor,
-        edge_attrs: torch.Tensor,
-        tp_weights: torch.Tensor,
-        edge_index: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, node_feats: torch.Tensor, edge_attrs: torch.Tensor, tp_weights: torch.Tensor,
+                edge_index: torch.Tensor) -> torch.Tensor:
         graph = self.graphs.get(edge_index, node_feats.shape[0])
         # the block's next linear when this convolution applies it (streaming, row chunks): the result is tagged
         linear = self.fused_linear[0] if self.fused_linear else None
@@ -153,12 +117,8 @@ class FusedConvTP(torch.nn.Module, StandIn):
 
 
 class FusedSymmetricContraction(SymmetricContraction, StandIn):
-    """MACE's product-basis ``SymmetricContraction`` backed by cgforge's generated kernels.
-
-    Built by ``SymmetricContraction.from_mace`` (symmetric_contraction.py): it holds the original's parameters
-    and buffers themselves, under the same names, so the state_dict is unchanged. The original rides along (not
-    as a submodule) so ``unpatch`` restores it exactly (``StandIn.restore``).
-    """
+    """MACE's product-basis ``SymmetricContraction`` on cgforge's kernels, holding the original's parameters and
+    buffers under their names (``SymmetricContraction.from_mace``)."""
 
     @classmethod
     def wrap(cls, original: torch.nn.Module, tuning: kernels.SCTuning | None = None) -> FusedSymmetricContraction:
@@ -174,10 +134,6 @@ class FusedSymmetricContraction(SymmetricContraction, StandIn):
         return self(x, species), self.original[0](x, one_hot)
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks (everything is checked before anything is changed)
-
-
 def _describe(obj: Any) -> str:
     cls = type(obj)
     if isinstance(obj, dict):
@@ -189,10 +145,8 @@ def _describe(obj: Any) -> str:
 def interaction_blocks(model: Any) -> list[torch.nn.Module]:
     """The model's interaction blocks, after checking that every one can be patched."""
     if not is_mace_model(model):
-        raise TypeError(
-            f"model: expected a MACE model (a mace.modules.models class with .interactions), got "
-            f"{_describe(model)}"
-        )
+        raise TypeError(f"model: expected a MACE model (a mace.modules.models class with .interactions), got "
+                        f"{_describe(model)}")
     blocks = list(model.interactions)
     for i, block in enumerate(blocks):
         _check_block(f"interactions.{i}", block)
@@ -203,10 +157,8 @@ def _check_block(where: str, block: torch.nn.Module) -> None:
     cls = type(block)
     name = f"{cls.__module__}.{cls.__qualname__}"
     if cls.__module__ != "mace.modules.blocks" or cls.__name__ not in SUPPORTED_INTERACTIONS:
-        raise UnsupportedModelError(
-            f"{where}: interaction block {name} is not supported by cgforge "
-            f"(supported: {', '.join(SUPPORTED_INTERACTIONS)})"
-        )
+        raise UnsupportedModelError(f"{where}: interaction block {name} is not supported by cgforge "
+                                    f"(supported: {', '.join(SUPPORTED_INTERACTIONS)})")
     tp = getattr(block, "conv_tp", None)
     if isinstance(tp, FusedConvTP):
         return
@@ -217,29 +169,17 @@ def _check_block(where: str, block: torch.nn.Module) -> None:
             "(mace.cli.convert_cueq_e3nn / convert_oeq_e3nn)"
         )
     if type(tp) is not o3.TensorProduct:
-        raise UnsupportedModelError(
-            f"{where}.conv_tp: expected an e3nn o3.TensorProduct, got {_describe(tp)} "
-            "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
-        )
+        raise UnsupportedModelError(f"{where}.conv_tp: expected an e3nn o3.TensorProduct, got {_describe(tp)} "
+                                    "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)")
     if tp.internal_weights or tp.shared_weights:
-        raise UnsupportedModelError(
-            f"{where}.conv_tp: expected per-edge weights (shared_weights=False, internal_weights=False)"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Patch / unpatch
+        raise UnsupportedModelError(f"{where}.conv_tp: expected per-edge weights (shared_weights=False, "
+                                    "internal_weights=False)")
 
 
 def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
-    """Swap every interaction block's convolution for cgforge's fused one. In place, idempotent.
-
-    ``tuning``: the knobs of the kernels built now (``cgforge.kernels.KernelTuning``: the convolutions' and the
-    symmetric contractions'; None: the defaults). Blocks patched before keep theirs.
-
-    Raises ``TypeError`` for an object that is not a MACE model and ``UnsupportedModelError`` (a
-    ``ValueError``) naming the first unsupported block; the model is left untouched in both cases.
-    """
+    """Swap every interaction block's convolution (and the other stand-ins) in, in place, idempotent. ``tuning``: the
+    kernels built now (None: the defaults; blocks patched before keep theirs). ``TypeError`` for a non-MACE object,
+    ``UnsupportedModelError`` naming the first unsupported block; the model is then untouched."""
     blocks = interaction_blocks(model)
     graphs = _graph_cache(model) or GraphCache()
     tuning = tuning if tuning is not None else kernels.KernelTuning()
@@ -251,9 +191,7 @@ def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None)
     layers = e3nn_layers.swap_in(model, tuning.linear_kernel_max_channels, tuning.rows)
     layers += species_linear.swap_in(model, "skip_tp", graphs, tuning.linear_kernel_max_channels)
     layers += reshape.swap_in(model)
-    if not any(hook is graphs for hook in forward_pre_hooks(model)):
-        remove_forward_pre_hooks(model, GraphCache)
-        model.register_forward_pre_hook(graphs)
+    graphs.install(model)
     if fused:
         log.info("cgforge: patched %d MACE convolutions and product blocks and %d e3nn layers", len(fused), layers)
     return model
@@ -279,10 +217,8 @@ def _fused_maker(graphs: GraphCache, tuning: kernels.KernelTuning) -> stand_in.M
         if kind == "products" and name == "symmetric_contractions" and not isinstance(child, FusedSymmetricContraction):
             cls = type(child)
             if cls.__module__ != "mace.modules.symmetric_contraction" or cls.__name__ != "SymmetricContraction":
-                raise UnsupportedModelError(
-                    f"{where}: expected mace's SymmetricContraction, got {_describe(child)} "
-                    "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)"
-                )
+                raise UnsupportedModelError(f"{where}: expected mace's SymmetricContraction, got {_describe(child)} "
+                                            "(cuEquivariance/OpenEquivariance models: convert back to e3nn first)")
             try:
                 return FusedSymmetricContraction.wrap(child, tuning.sc)
             except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
@@ -299,9 +235,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     blocks = list(model.interactions)
     for i, block in enumerate(blocks):
         if isinstance(getattr(block, "conv_tp", None), FusedConvTP) and block.conv_fusion != _FUSION_TAG:
-            raise UnsupportedModelError(
-                f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge"
-            )
+            raise UnsupportedModelError(f"interactions.{i}: conv_fusion={block.conv_fusion!r} was not set by cgforge")
     set_row_chunks(model, None)
     set_streaming(model, None)
     set_radial_table(model, False)
@@ -332,16 +266,9 @@ def _graph_cache(model: torch.nn.Module) -> GraphCache | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Older MACE pickles
-
-
 def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
-    """Give models pickled by older mace-torch the buffers newer code reads. Returns what changed.
-
-    Older versions kept ``r_max``, ``atomic_numbers`` and ``num_interactions`` as plain attributes
-    (or not at all); mace-torch 0.3.16 and its calculator read them as tensors.
-    """
+    """Give models pickled by older mace-torch the buffers 0.3.16 reads (``r_max``, ``atomic_numbers``,
+    ``num_interactions`` as tensors, ``heads``). Returns what changed."""
     changed = []
     any_param = next(model.parameters(), None)
     device = any_param.device if any_param is not None else torch.device("cpu")
@@ -371,43 +298,24 @@ def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
         model.heads = ["Default"]
         changed.append("heads")
     if changed:
-        warnings.warn(
-            f"MACE model pickled by an older mace-torch: upgraded {', '.join(changed)} in memory "
-            "(save it again to keep the upgrade)",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"MACE model pickled by an older mace-torch: upgraded {', '.join(changed)} in memory "
+                      "(save it again to keep the upgrade)", UserWarning, stacklevel=3)
     return changed
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading a .model file
-
-
-def load_mace(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-    *,
-    patched: bool = True,
-    tuning: kernels.KernelTuning | None = None,
-) -> torch.nn.Module:
-    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside).
-
-    Returns it patched (default) or plain, on ``device``, in ``dtype`` (None keeps the file's). ``tuning``: the
-    kernels' (``patch``); a file saved patched is unpatched and patched again with it, so that its kernels are
-    the ones asked for (None: a file saved patched keeps the kernels it was saved with).
-    """
+def load_mace(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+              *, patched: bool = True, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
+    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside), patched (default) or
+    plain, on ``device``, in ``dtype`` (None: the file's). With ``tuning`` a file saved patched is patched again with
+    it (None: it keeps the kernels it was saved with)."""
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     if os.path.isfile(path):
         verify_checksums(path)  # torch.load would not notice a damaged weight tensor
     model = mace_legacy.load_pickle(path, map_location="cpu")
     if not is_mace_model(model):
-        raise UnsupportedModelError(
-            f"{os.fspath(path)}: expected a whole pickled MACE model (the .model file mace_run_train "
-            f"writes), found {_describe(model)}"
-        )
+        raise UnsupportedModelError(f"{os.fspath(path)}: expected a whole pickled MACE model (the .model file "
+                                    f"mace_run_train writes), found {_describe(model)}")
     upgrade_old_attributes(model)
     if patched:
         if tuning is not None and is_patched(model):

@@ -1,19 +1,9 @@
 """Radial tables in patched MACE models: each block's tensor-product weights as a table of the edge length.
 
-A MACE interaction block's weights are ``conv_tp_weights(edge_feats)`` with ``edge_feats`` the model's radial
-embedding of the edge lengths (a Bessel basis times a polynomial cutoff): a smooth function of r alone,
-W(r) [weight_numel]. With tables on, each block's ``conv_tp_weights`` is a ``TabulatedRadial`` stand-in
-(``patches/radial_table.py``, shared with NequIP) that evaluates a cubic table of W(r) (``kernels.radial_table``,
-fitted in FP64 from the block's own MLP and the model's embedding, error measured between the knots) and the
-model's ``radial_embedding`` is ``LengthsAsEdgeFeatures``, which hands the lengths on as the blocks' edge
-features: the radial basis, the MLP's GEMMs and activations, forward and backward, leave the step. Where the
-blocks' convolutions are cgforge's (a patched model), the tables return ``TableWeights`` and the convolution
-evaluates them inside its kernels (``set_table_fusion``): no [E, weight_numel] weights at all.
-
-The same conditions as deferring the geometry while streaming (``streaming.geometry_can_stream``): MACE's
-forward hands edge_feats and cutoff to the interaction blocks only, and those blocks use them only as the
-radial MLP's input (times the cutoff, which the table then includes). The state_dict is unchanged (the
-tables are non-persistent buffers; the stand-ins adopt the originals' submodules).
+With tables on, a block's ``conv_tp_weights`` is a ``TabulatedRadial`` (fitted from its MLP and the model's
+embedding) and ``radial_embedding`` hands the lengths on (``LengthsAsEdgeFeatures``); in a patched model the
+tables are read inside the convolution (``TableWeights``, ``set_table_fusion``). Conditions as for streaming
+(``streaming.geometry_can_stream``); the state_dict is unchanged.
 """
 
 from __future__ import annotations
@@ -25,9 +15,6 @@ from ..radial_table import DEFAULT_TOL, TabulatedRadial, fp64_copy, fuse_tables,
 from ..recognise import is_mace_model
 from ..streaming import Deferred, DeferredRadial
 from . import streaming
-
-__all__ = ["DEFAULT_TOL", "LengthsAsEdgeFeatures", "TabulatedRadial", "radial_tables", "set_radial_table",
-           "set_table_fusion"]
 
 
 class LengthsAsEdgeFeatures(Deferred):

@@ -1,16 +1,9 @@
 """MACE's ``reshape_irreps`` ([N, sum mul * d] in e3nn's mul_ir order -> [N, mul, sum d]) with a lean backward.
 
-MACE slices its input irrep by irrep, reshapes each slice and concatenates them. Autograd turns each slice
-into a zero-filled full-width gradient and adds them up, and each reshape of a strided gradient into a copy:
-in MACE-MP-medium's two interaction blocks, on [N, 2048] rows, about 80 KiB per atom of memory traffic a force
-call (copy_traffic.py, in git history at 16a1f98). Here the forward is MACE's concatenation and the backward writes each
-irrep's gradient block once into one uninitialised tensor (``IrrepsToColumns`` and its inverse
-``ColumnsToIrreps``, each the other's backward: differentiable to any order). A single ``index_select`` of the
-permuted columns was tried first: no gain at a million atoms (docs/measured-constants.md).
-On CUDA each way is one launch of ``kernels.irreps_layout.permute_columns`` (rows staged, both sides written
-and read whole), where the concatenation and the per-irrep copies wrote or read [mul, d] pieces 2l + 1 values wide.
-Under torch.compile the reshape is MACE's plain ops (``_to_columns``): Inductor fuses their backward itself, and an
-autograd.Function in the graph would keep AOTAutograd from caching the compiled graph across processes.
+The forward is MACE's concatenation; the backward writes each irrep's gradient block once (``IrrepsToColumns``
+and ``ColumnsToIrreps``, each the other's backward). A single ``index_select`` of the permuted columns was tried
+first: no gain at a million atoms (docs/measured-constants.md). On CUDA each way is one launch of
+``kernels.irreps_layout.permute_columns``. Under torch.compile it is MACE's plain ops (``_to_columns``).
 """
 
 from __future__ import annotations
@@ -20,8 +13,6 @@ import torch
 from ...kernels.irreps_layout import columns_permutation, permute_columns
 from .. import stand_in
 from ..stand_in import StandIn, checked
-
-__all__ = ["BlockReshape", "ColumnsToIrreps", "IrrepsToColumns", "swap_in", "swap_out"]
 
 
 def _blocks(x: torch.Tensor, mul: int, dims: list[int]) -> list[torch.Tensor]:

@@ -1,27 +1,8 @@
 """Streaming edges in patched MACE models: the edge geometry and the radial MLP run inside the convolution.
 
-A MACE interaction block computes ``tp_weights = conv_tp_weights(edge_feats)`` ([E, weight_numel],
-1.8 GB per MACE-MP-medium layer at 436k edges), optionally ``tp_weights * cutoff``, and hands it to
-``conv_tp``. With streaming on, ``conv_tp_weights`` is a ``DeferredRadial`` stand-in that returns a
-``DeferredWeights`` value (the MLP, its input and the per-edge scale, nothing computed), and the
-patched ``conv_tp`` (``FusedConvTP``) recognises it and streams (``patches.streaming.stream``): the weights
-are made and consumed per chunk of edges, forward and backward.
-
-The block's ``linear`` (right after the convolution) runs inside the convolution too, per chunk of output
-rows (``AppliedLinear`` passes the tagged result through): MACE-MP-medium's convolution output, [N, 5120],
-the widest per-atom tensor of the model, never exists for all atoms in the forward.
-
-When every interaction block streams, the model's spherical harmonics and radial embedding are deferred
-too (``DeferredSphericalHarmonics``, ``DeferredRadialEmbedding``: ``EdgeRows`` of the edge vectors and
-lengths): each chunk recomputes them from the vectors and lengths, so autograd keeps only those two per
-edge (16 bytes in FP32) instead of the harmonics, the radial basis and their intermediates (~350 bytes).
-MACE's forward passes ``edge_attrs``, ``edge_feats`` and ``cutoff`` only to the interaction blocks (read
-from mace-torch 0.3.16's ``MACE`` and ``ScaleShiftMACE``), so nothing else sees the deferred values; a
-radial embedding with a distance transform (which reads node attributes) keeps the stored geometry.
-
-Only the blocks whose forward uses ``tp_weights`` solely as ``conv_tp``'s weights (optionally times the
-cutoff) stream (``STREAMING_INTERACTIONS``); the others keep the stored path. The state_dict is
-unchanged: the stand-ins adopt the originals' submodules under their own names.
+``conv_tp_weights`` becomes a ``DeferredRadial`` whose ``DeferredWeights`` ``FusedConvTP`` streams, the block's
+``linear`` runs per chunk of output rows (``AppliedLinear``), and where every block streams the harmonics and
+radial embedding are deferred too (``EdgeRows``, remade per chunk). Only ``STREAMING_INTERACTIONS`` stream.
 """
 
 from __future__ import annotations
@@ -30,12 +11,8 @@ import torch
 from torch import Tensor
 
 from ..recognise import is_mace_model
-from ..streaming import Deferred, DeferredRadial, DeferredWeights, EdgeRows, defer_radial
+from ..streaming import Deferred, EdgeRows, defer_radial
 from ..streaming import chunk_edges_for as _chunk_edges_for
-
-__all__ = ["STREAMING_INTERACTIONS", "AppliedLinear", "DeferredRadial", "DeferredRadialEmbedding",
-           "DeferredSphericalHarmonics", "DeferredWeights", "chunk_edges_for", "mark_linear_applied", "set_streaming",
-           "streaming_blocks"]
 
 # Blocks of mace-torch 0.3.16 whose forward is: tp_weights = conv_tp_weights(edge_feats) [* cutoff],
 # message = conv_tp(node_feats, edge_attrs, tp_weights, edge_index) and nothing else reads tp_weights,
@@ -82,10 +59,8 @@ def mark_linear_applied(message: Tensor, linear: torch.nn.Module) -> Tensor:
 
 
 class AppliedLinear(Deferred):
-    """Stand-in for a streaming block's ``linear`` (the layer right after its convolution), which the
-    convolution applies per chunk of rows (so MACE-MP-medium's [N, 5120] convolution output never exists for
-    all atoms): passes through a message the convolution tagged, refuses any other (applying the linear
-    again would be wrong, silently)."""
+    """Stand-in for a streaming block's ``linear``, which its convolution applies per chunk of rows: passes a message
+    the convolution tagged through and refuses any other (applying the linear twice would be silently wrong)."""
 
     def forward(self, message: Tensor) -> Tensor:
         if getattr(message, _APPLIED, None) is not self.module:
@@ -133,11 +108,8 @@ def _defer_geometry(model: torch.nn.Module, on: bool) -> None:
 
 
 def set_streaming(model: torch.nn.Module, chunk_edges: int | None) -> int:
-    """Stream the edges of every block that can (``chunk_edges`` per chunk), or stop (None).
-
-    Returns the number of streaming blocks. The radial MLPs' parameters are set to not require grad
-    (the streaming path is for inference). In place; ``unpatch`` also turns streaming off.
-    """
+    """Stream the edges of every block that can (``chunk_edges`` per chunk), or stop (None); in place. Returns the
+    number of streaming blocks. The radial MLPs' parameters stop requiring grad (inference only)."""
     if not is_mace_model(model):
         raise TypeError(f"model: expected a patched MACE model, got {type(model).__qualname__}")
     blocks = streaming_blocks(model)

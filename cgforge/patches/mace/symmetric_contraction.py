@@ -1,17 +1,9 @@
 """MACE's symmetric contraction (mace-torch 0.3.16) over cgforge's kernels: its U tensors and state-dict layout.
 
-``SymmetricContraction`` has the call of ``mace.modules.SymmetricContraction``: ``forward(x [N, C, D],
-species)`` with x one channel-major block of node features (what ``EquivariantProductBasisBlock``
-passes) and species a one-hot (MACE's node_attrs) or an integer index [N]; returns
-[N, sum_o C * (2 l_o + 1)]. The state_dict is MACE's: ``contractions.{o}.weights_max`` [E, K, C] (the
-highest degree), ``contractions.{o}.weights.{j}`` (degree correlation - 1 - j), the U tensors
-``contractions.{o}.U_matrix_{nu}`` and the zeroed flags, in MACE's order, so state dicts move between
-the two freely. The kernels, the weight transform and the checks of x and species are the model-agnostic
-``cgforge.kernels.symmetric_contraction.SymmetricContractionBase``; this module supplies the problem
-(MACE's U tensors, computed here from their definition or read from a MACE module) and the weights.
-
-``cgforge.patches.mace.SymmetricContraction`` is the public name (kernels/ knows no model and names nothing
-here).
+``SymmetricContraction`` has ``mace.modules.SymmetricContraction``'s call (``forward(x [N, C, D], species)``,
+species one-hot or indices) and state_dict (``contractions.{o}.weights_max``, ``.weights.{j}``, the U tensors and
+flags, in MACE's order). The kernels and checks are ``SymmetricContractionBase``'s; this module supplies the
+problem (U computed from its definition or read from a MACE module) and the weights.
 """
 
 from __future__ import annotations
@@ -29,8 +21,6 @@ from cgforge.kernels.core.tuning import SCTuning
 from cgforge.kernels.symmetric_contraction import SCProblem, SymmetricContractionBase
 
 from ..torch_internals import children_dict, is_persistent, parameters_dict
-
-__all__ = ["SymmetricContraction", "mace_problem", "mace_u_matrices"]
 
 
 class _Contraction(torch.nn.Module):
@@ -99,8 +89,6 @@ class SymmetricContraction(SymmetricContractionBase):
             adopted.append(_Contraction(params, buffers, weights, corr))
             num_elements = int(c.weights_max.shape[0])
         return cls(module.irreps_in, module.irreps_out, 0, num_elements, tuning=tuning, _contractions=adopted)
-
-    # ------------------------------------------------------------------ problem and plan
 
     def _u_tensors(self) -> list[list[torch.Tensor]]:
         """The U buffers per output and degree, with the output axis MACE squeezes for scalars put back."""
@@ -191,7 +179,6 @@ def mace_problem(irreps_in: Any, irreps_out: Any, correlation: int | tuple[int, 
     return SCProblem.build(irreps_in, irreps_out, correlation, num_elements, u=u)
 
 
-# ---------------------------------------------------------------------------------------------------
 # MACE's U tensors from their definition: every chain of couplings ((x_i1 (x) x_i2 -> a) (x) x_i3 -> b) ...
 # of the coupling irreps, with e3nn's wigner_3j in component normalisation, in MACE's column order.
 
@@ -240,8 +227,6 @@ def _mace_u(coupling: str, ir_out: str, degree: int) -> np.ndarray:
 
 
 def mace_u_matrices(coupling: str, ir_out: str, degree: int) -> np.ndarray:
-    """MACE's U tensor (``U_matrix_real(coupling, ir_out, degree)[-1]``, reduced CG off), output axis kept.
-
-    Shape [d_out, D, ..., D, K]; a copy, so callers may modify it.
-    """
+    """MACE's U tensor (``U_matrix_real(coupling, ir_out, degree)[-1]``, reduced CG off), output axis kept: a copy,
+    shape [d_out, D, ..., D, K]."""
     return _mace_u(str(o3.Irreps(coupling)), str(o3.Irrep(ir_out)), int(degree)).copy()

@@ -1,18 +1,9 @@
 """The calculator's adapter for NequIP models, and whether edges beyond the cutoff are inert.
 
-``NequipAdapter`` builds an AtomicDataDict with ``edge_vectors`` already filled in and gives it to the energy
-model inside the ``ForceStressOutput`` wrapper (whose own displacement/stress machinery is skipped); the
-calculator differentiates the energy. The protocol it follows is ``cgforge.plugin.runtime.adapters.ModelAdapter``.
-This module imports no nequip code (packaged models carry their own classes: matched by name).
-
-``inert_beyond_cutoff`` (see ``cgforge.plugin.runtime.adapters`` for why the calculator asks), read from nequip 0.19:
-
-- NequIP: ``BesselEdgeLengthEncoding`` multiplies the basis by nequip's ``PolynomialCutoff``
-  (``out * (x < 1)``, x = r / r_max per edge type); each ``InteractionBlock`` weights its convolution with
-  ``edge_mlp(edge embedding)``, a bias-free MLP (checked at 0 here); ZBL and Lennard-Jones terms multiply by
-  the same cutoff. The energy model is checked module by module against this list; anything else is
-  "not known", and the calculator filters. Radial tables (``radial_table.py``) are looked through: a block's
-  table of x = r / r_max holds its end value edge_mlp(0) = 0 for x >= 1, to the rounding of its last cubic.
+``NequipAdapter`` gives the energy model an AtomicDataDict with ``edge_vectors`` filled in (imports no nequip
+code). ``inert_beyond_cutoff``, read from nequip 0.19: the edge embedding, ZBL and Lennard-Jones are multiplied by
+``PolynomialCutoff`` (``* (x < 1)``), each block's ``edge_mlp`` is bias-free (checked at 0), a radial table holds
+edge_mlp(0) = 0 for x >= 1; any other module is "not known".
 """
 
 from __future__ import annotations
@@ -29,8 +20,6 @@ from ..radial_table import fused_edge_bytes, original
 from ..torch_internals import forward_pre_hooks
 from . import radial_table, streaming
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
-
-__all__ = ["NequipAdapter", "energy_model_of", "inert_beyond_cutoff"]
 
 
 class NequipAdapter:
@@ -98,14 +87,8 @@ class NequipAdapter:
         # nequip: edge_index[0] is the centre, vector = pos[index[1]] - pos[index[0]]. Our list holds every pair
         # in both directions, so (receiver -> sender, -vector) is the same edge set with the centres already
         # sorted, as the fused convolution's CSR order wants.
-        data = {
-            "pos": positions,
-            "atom_types": species,
-            "edge_index": edge_index,
-            "edge_vectors": -vectors,
-        }
-        # The patched model empties its per-call graph cache in a forward pre-hook of the GraphModel, which
-        # calling the inner energy model skips: empty it here.
+        data = {"pos": positions, "atom_types": species, "edge_index": edge_index, "edge_vectors": -vectors}
+        # calling the inner energy model skips the GraphModel's pre-hook that empties the per-call graph cache
         for hook in forward_pre_hooks(self.model):
             if isinstance(hook, CallGraphCache):
                 hook.clear()
@@ -165,11 +148,9 @@ def energy_model_of(model: torch.nn.Module) -> torch.nn.Module:
     inner = getattr(model, "model", None)
     if inner is not None and type(inner).__name__ == "ForceStressOutput" and hasattr(inner, "func"):
         return inner.func
-    raise ValueError(
-        f"model: expected a nequip GraphModel wrapping a ForceStressOutput energy model, found "
-        f"{type(inner).__name__ if inner is not None else 'no .model'}; cgforge's calculator differentiates the "
-        "energy itself"
-    )
+    raise ValueError(f"model: expected a nequip GraphModel wrapping a ForceStressOutput energy model, found "
+                     f"{type(inner).__name__ if inner is not None else 'no .model'}; cgforge's calculator "
+                     "differentiates the energy itself")
 
 
 def inert_beyond_cutoff(energy_model: torch.nn.Module) -> str | None:

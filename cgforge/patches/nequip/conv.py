@@ -1,16 +1,8 @@
 """NequIP's convolution and cgforge's stand-in for it.
 
-Every NequIP convolution is a ``nequip.nn._tp_scatter_base.TensorProductScatter``::
-
-    forward(x, edge_attr, edge_weight, edge_dst, edge_src):
-        return scatter(tp(x[edge_src], edge_attr, edge_weight), edge_dst, dim_size=len(x))
-
-with ``tp`` an e3nn "uvu" ``TensorProduct`` with per-edge weights. That is exactly cgforge's
-``Convolution`` with sender = ``edge_src`` and receiver = ``edge_dst``, so patching swaps each such
-module for a ``CgforgeTensorProductScatter`` that keeps the original ``tp`` submodule (state dicts match
-both ways) and calls the fused kernel. A packaged model carries its own copies of nequip's and e3nn's
-classes (``<torch_package_0>.nequip...``), which an ``isinstance`` check against the installed nequip
-misses: modules are matched by qualified class name and structure instead.
+Every NequIP convolution is a ``TensorProductScatter``, ``scatter(tp(x[edge_src], edge_attr, edge_weight),
+edge_dst)`` with ``tp`` an e3nn "uvu" ``TensorProduct``: cgforge's ``Convolution`` with sender ``edge_src``,
+receiver ``edge_dst``. Modules are matched by class name and structure (packages carry their own classes).
 """
 
 from __future__ import annotations
@@ -32,18 +24,12 @@ from ..torch_internals import state_without
 try:
     from nequip.nn._tp_scatter_base import TensorProductScatter
 except ImportError as _err:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "cgforge's NequIP adapter needs nequip >= 0.19 (pip install 'cgforge[nequip]')"
-    ) from _err
+    raise ImportError("cgforge's NequIP adapter needs nequip >= 0.19 (pip install 'cgforge[nequip]')") from _err
 
 _SCATTER_MODULE = "nequip.nn._tp_scatter_base"
 _SCATTER_CLASS = "TensorProductScatter"
 _SCATTER_ARGS = ("self", "x", "edge_attr", "edge_weight", "edge_dst", "edge_src")
 _E3NN_TP_MODULE = "e3nn.o3._tensor_product._tensor_product"
-
-
-# ---------------------------------------------------------------------------------------------
-# Recognising NequIP's convolution (installed or packaged class)
 
 
 def _is_scatter_class(cls: type) -> bool:
@@ -58,11 +44,8 @@ def _is_plain_scatter(module: torch.nn.Module) -> bool:
 def _is_other_scatter(module: torch.nn.Module) -> bool:
     """Another acceleration's subclass (OpenEquivariance, cuEquivariance): not ours to replace."""
     cls = type(module)
-    return (
-        not _is_scatter_class(cls)
-        and not isinstance(module, CgforgeTensorProductScatter)
-        and any(_is_scatter_class(base) for base in cls.__mro__[1:])
-    )
+    return (not _is_scatter_class(cls) and not isinstance(module, CgforgeTensorProductScatter)
+            and any(_is_scatter_class(base) for base in cls.__mro__[1:]))
 
 
 def _check_scatter(where: str, module: torch.nn.Module) -> None:
@@ -70,25 +53,19 @@ def _check_scatter(where: str, module: torch.nn.Module) -> None:
     cls = type(module)
     params = tuple(inspect.signature(cls.forward).parameters)
     if params != _SCATTER_ARGS:
-        raise UnsupportedModelError(
-            f"{where}: {cls.__module__}.{cls.__qualname__}.forward takes {params}, expected {_SCATTER_ARGS} "
-            "(nequip 0.19's TensorProductScatter)"
-        )
+        raise UnsupportedModelError(f"{where}: {cls.__module__}.{cls.__qualname__}.forward takes {params}, expected "
+                                    f"{_SCATTER_ARGS} (nequip 0.19's TensorProductScatter)")
     for attr in ("feature_irreps_in", "irreps_edge_attr", "irreps_mid", "instructions", "model_dtype", "tp"):
         if not hasattr(module, attr):
-            raise UnsupportedModelError(
-                f"{where}: TensorProductScatter without .{attr}: unknown nequip version"
-            )
+            raise UnsupportedModelError(f"{where}: TensorProductScatter without .{attr}: unknown nequip version")
     tp = module.tp
     tp_cls = type(tp)
     if tp_cls.__name__ != "TensorProduct" or plain_module_name(tp_cls.__module__) != _E3NN_TP_MODULE:
-        raise UnsupportedModelError(
-            f"{where}.tp: expected an e3nn TensorProduct, got {tp_cls.__module__}.{tp_cls.__qualname__}"
-        )
+        raise UnsupportedModelError(f"{where}.tp: expected an e3nn TensorProduct, got "
+                                    f"{tp_cls.__module__}.{tp_cls.__qualname__}")
     if tp.internal_weights or tp.shared_weights:
-        raise UnsupportedModelError(
-            f"{where}.tp: expected per-edge weights (shared_weights=False, internal_weights=False)"
-        )
+        raise UnsupportedModelError(f"{where}.tp: expected per-edge weights (shared_weights=False, "
+                                    "internal_weights=False)")
     if module.model_dtype not in (torch.float32, torch.float64):
         raise UnsupportedModelError(f"{where}: model_dtype {module.model_dtype}; cgforge supports float32/64")
 
@@ -103,28 +80,21 @@ def scatter_sites(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str
                 sites.append((where, parent, name, child))
             elif _is_other_scatter(child):
                 cls = type(child)
-                raise UnsupportedModelError(
-                    f"{where}: already uses another convolution ({cls.__qualname__}); load the model "
-                    "without that modifier (enable_OpenEquivariance/enable_CuEquivariance) to use cgforge"
-                )
+                raise UnsupportedModelError(f"{where}: already uses another convolution ({cls.__qualname__}); load "
+                                            "the model without that modifier (enable_OpenEquivariance/"
+                                            "enable_CuEquivariance) to use cgforge")
             elif _is_plain_scatter(child):
                 _check_scatter(where, child)
                 sites.append((where, parent, name, child))
     return sites
 
 
-# ---------------------------------------------------------------------------------------------
-# The replacement module
-
-
 class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     """nequip's TensorProductScatter running cgforge's fused ``Convolution``.
 
-    Keeps the original ``tp`` (the e3nn TensorProduct and its buffers) as a submodule, so state dicts are
-    interchangeable with the plain model, and the original module (not as a submodule) for ``unpatch``.
-    The kernel module is rebuilt from ``tp`` when unpickled rather than pickled: a packaged model's ``tp``
-    comes from the package's own e3nn, which the kernel's problem description must not be mixed with.
-    """
+    Keeps the original ``tp`` as a submodule (the same state_dict) and the original module (not a submodule) for
+    ``unpatch``. The kernel module is rebuilt from ``tp`` when unpickled, not pickled (a package's ``tp`` is of the
+    package's own e3nn)."""
 
     reads_tables = True  # takes TableWeights: the block's radial table, read inside the kernels
 
@@ -133,26 +103,16 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
     def __init__(self, original: torch.nn.Module, graphs: CallGraphCache,
                  tuning: kernels.TPTuning | None = None) -> None:
         torch.nn.Module.__init__(self)  # not TensorProductScatter.__init__: it would build a second e3nn TP
-        self.feature_irreps_in = original.feature_irreps_in
-        self.irreps_edge_attr = original.irreps_edge_attr
-        self.irreps_mid = original.irreps_mid
-        self.instructions = original.instructions
-        self.model_dtype = original.model_dtype
-        self.tp = original.tp
+        for name in ("feature_irreps_in", "irreps_edge_attr", "irreps_mid", "instructions", "model_dtype", "tp"):
+            setattr(self, name, getattr(original, name))
         self.tuning = tuning
         self.conv = _convolution(original.tp, tuning)
         self.graphs = graphs
         self.chunk_edges: int | None = None  # edges per chunk while streaming (streaming.set_streaming)
         self.original = (original,)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        edge_attr: torch.Tensor,
-        edge_weight: torch.Tensor,
-        edge_dst: torch.Tensor,
-        edge_src: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_attr: torch.Tensor, edge_weight: torch.Tensor, edge_dst: torch.Tensor,
+                edge_src: torch.Tensor) -> torch.Tensor:
         graph = self.graphs.get(edge_src, edge_dst, x.shape[0])
         dtype = self.model_dtype  # explicit casts as nequip's other accelerations do (AMP)
         if isinstance(edge_weight, TableWeights):  # the block's radial table of x = r / r_max, read in the kernels
@@ -161,12 +121,8 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
         if isinstance(edge_weight, DeferredWeights):  # streaming: the edge MLP runs per chunk of edges
             return stream(self.conv, x.to(dtype).contiguous(), edge_attr.to(dtype), edge_weight, graph,
                           self.chunk_edges)
-        return self.conv(
-            x.to(dtype).contiguous(),
-            edge_attr.to(dtype).contiguous(),
-            edge_weight.to(dtype).contiguous(),
-            graph,
-        )
+        return self.conv(x.to(dtype).contiguous(), edge_attr.to(dtype).contiguous(), edge_weight.to(dtype).contiguous(),
+                         graph)
 
     def __getstate__(self) -> dict:
         return state_without(self, "conv")
@@ -188,8 +144,6 @@ class CgforgeTensorProductScatter(TensorProductScatter, StandIn):
 def _convolution(tp: torch.nn.Module, tuning: kernels.TPTuning | None = None) -> kernels.Convolution:
     conv = kernels.Convolution.from_e3nn(tp, tuning)
     if conv.weight_numel != tp.weight_numel:
-        raise UnsupportedModelError(
-            f"cgforge Convolution has weight_numel {conv.weight_numel}, "
-            f"the e3nn TensorProduct {tp.weight_numel}"
-        )
+        raise UnsupportedModelError(f"cgforge Convolution has weight_numel {conv.weight_numel}, the e3nn "
+                                    f"TensorProduct {tp.weight_numel}")
     return conv

@@ -1,22 +1,17 @@
-"""NequIP's files: recognising ``.ckpt`` / ``.nequip.zip`` (and refusing compiled models), and reading them.
-
-``load_models`` reads a checkpoint or package with nequip's own loader, unpatched; ``load.load_nequip``
-patches and verifies the result.
-
-nequip's compiled outputs (AOTInductor ``.nequip.pt2``, TorchScript ``.nequip.pth``) cannot call kernels
-launched from Python: they are refused with ``CompiledModelError`` naming the supported route.
+"""NequIP's files: recognising ``.ckpt`` / ``.nequip.zip``, and reading them unpatched (``load_models``). Compiled
+outputs (``.nequip.pt2``, ``.nequip.pth``) cannot call Python-launched kernels: ``CompiledModelError``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import zipfile
 from pathlib import Path
 
 import torch
 
 from ..common import UnsupportedModelError
+from ..recognise import is_nequip_package, zip_names
 
 log = logging.getLogger(__name__)
 
@@ -36,42 +31,6 @@ class CompiledModelError(ValueError):
     """A compiled NequIP model (or a compile workflow) where cgforge needs an eager one."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Files
-
-
-def is_nequip_file(path: str | os.PathLike) -> bool:
-    """True for a file ``load_nequip`` reads: a ``.ckpt`` or a ``.nequip.zip`` (by name, else by contents).
-
-    Compiled models (``.nequip.pt2``/``.nequip.pth``) are not: see ``is_compiled_nequip_file``.
-    """
-    name = os.fspath(path).lower()
-    if name.endswith(COMPILED_SUFFIXES):
-        return False
-    if name.endswith((CHECKPOINT_SUFFIX, PACKAGE_SUFFIX)):
-        return True
-    return _zip_kind(os.fspath(path)) == "package"
-
-
-def is_compiled_nequip_file(path: str | os.PathLike) -> bool:
-    """True for nequip-compile output (AOTInductor ``.nequip.pt2``, TorchScript ``.nequip.pth``)."""
-    return os.fspath(path).lower().endswith(COMPILED_SUFFIXES)
-
-
-def _zip_kind(path: str) -> str | None:
-    """ "package" for a nequip package, "torch" for a torch.save zip (a .ckpt), None otherwise."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (zipfile.BadZipFile, OSError):
-        return None
-    if any(n.endswith("/model/package_metadata.txt") for n in names):
-        return "package"
-    if any(n.endswith("/data.pkl") for n in names):
-        return "torch"
-    return None
-
-
 def check_input(path: str | os.PathLike) -> Path:
     """``path`` as a Path when it names a NequIP file ``load_models`` reads (a ``.ckpt`` holding a torch
     checkpoint or a ``.nequip.zip`` holding a package), else the error saying what it is: TypeError (not a
@@ -79,29 +38,22 @@ def check_input(path: str | os.PathLike) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
-    if is_compiled_nequip_file(p):
-        raise CompiledModelError(
-            f"{p}: a compiled NequIP model (nequip-compile output): {SUPPORTED_ROUTE} "
-            "(the file it was compiled from)"
-        )
+    if p.name.lower().endswith(COMPILED_SUFFIXES):
+        raise CompiledModelError(f"{p}: a compiled NequIP model (nequip-compile output): {SUPPORTED_ROUTE} "
+                                 "(the file it was compiled from)")
     if not p.exists():
         raise FileNotFoundError(f"NequIP model not found: {p}")
     if p.is_dir():
         raise IsADirectoryError(f"path: {p} is a directory, expected a .ckpt or .nequip.zip file")
-    name = p.name.lower()
-    kind = _zip_kind(str(p))
+    name, names = p.name.lower(), zip_names(p)
     if name.endswith(PACKAGE_SUFFIX):
-        if kind != "package":
-            raise ValueError(
-                f"{p}: not a NequIP package (expected a zip with model/package_metadata.txt, as "
-                "nequip-package writes)"
-            )
+        if not is_nequip_package(names):
+            raise ValueError(f"{p}: not a NequIP package (expected a zip with model/package_metadata.txt, as "
+                             "nequip-package writes)")
     elif name.endswith(CHECKPOINT_SUFFIX):
-        if kind == "package":
-            raise ValueError(
-                f"{p}: this is a NequIP package; give it the {PACKAGE_SUFFIX} suffix nequip needs"
-            )
-        if kind != "torch" and not _is_legacy_torch_pickle(p):
+        if is_nequip_package(names):
+            raise ValueError(f"{p}: this is a NequIP package; give it the {PACKAGE_SUFFIX} suffix nequip needs")
+        if not any(n.endswith("/data.pkl") for n in names) and not _is_legacy_torch_pickle(p):
             raise ValueError(f"{p}: not a torch checkpoint (expected the .ckpt nequip-train writes)")
     else:
         raise ValueError(f"path: {p}: expected a NequIP {CHECKPOINT_SUFFIX} or {PACKAGE_SUFFIX} file")
@@ -111,10 +63,6 @@ def check_input(path: str | os.PathLike) -> Path:
 def _is_legacy_torch_pickle(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x80\x02"  # torch's pre-zip format starts with a protocol-2 pickle
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
 
 
 def load_models(path: Path) -> torch.nn.ModuleDict:
@@ -127,13 +75,9 @@ def load_models(path: Path) -> torch.nn.ModuleDict:
         models = load_saved_model(str(path), compile_mode="eager", model_key=None)
     except Exception as err:
         kind = "package" if path.name.lower().endswith(PACKAGE_SUFFIX) else "checkpoint"
-        raise ValueError(
-            f"{path}: could not load it as a NequIP {kind} ({type(err).__name__}: {err})"
-        ) from err
+        raise ValueError(f"{path}: could not load it as a NequIP {kind} ({type(err).__name__}: {err})") from err
     if not isinstance(models, torch.nn.ModuleDict):
-        raise UnsupportedModelError(
-            f"{path}: expected nequip's ModuleDict of models, got {type(models).__name__}"
-        )
+        raise UnsupportedModelError(f"{path}: expected nequip's ModuleDict of models, got {type(models).__name__}")
     return models
 
 
@@ -142,8 +86,6 @@ def check_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
     (a NequIP model cannot be converted to another precision)."""
     model_dtype = getattr(model, "model_dtype", None)
     if dtype is not None and dtype != model_dtype:
-        raise ValueError(
-            f"dtype: this NequIP model is built for {model_dtype} (its model_dtype) and cannot be converted "
-            f"to {dtype}; pass dtype=None, or train/build it with "
-            f"model_dtype: {str(dtype).replace('torch.', '')}"
-        )
+        raise ValueError(f"dtype: this NequIP model is built for {model_dtype} (its model_dtype) and cannot be "
+                         f"converted to {dtype}; pass dtype=None, or train/build it with "
+                         f"model_dtype: {str(dtype).replace('torch.', '')}")

@@ -16,26 +16,14 @@ if TYPE_CHECKING:  # the kernels load when a model is patched, not when this mod
     from cgforge.kernels.core.tuning import KernelTuning
 
 
-def load_nequip(
-    path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
-    *,
-    model_name: str = SOLE_MODEL,
-    verify: bool = True,
-    patched: bool = True,
-    tuning: KernelTuning | None = None,
-) -> torch.nn.Module:
-    """Load a NequIP ``.ckpt`` or ``.nequip.zip`` and return its model patched, in eval mode, on ``device``.
-
-    ``dtype`` None keeps the model's precision; a NequIP model is built for one ``model_dtype``, so asking
-    for another raises ``ValueError``. ``model_name`` picks a model of a multi-model file. ``verify``
-    compares patched and unpatched energies and forces on a small structure. ``patched=False`` returns the
-    model as nequip builds it. ``tuning``: the convolutions' kernels are built with its ``tp`` (a file saved
-    patched is patched again; None: the defaults; ``sc`` does not apply to NequIP). The file's zip checksums
-    are checked first (a damaged file raises ``ValueError``). Like nequip's own loaders, this initialises
-    nequip's global state (float64 default dtype, TF32 off).
-    """
+def load_nequip(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                *, model_name: str = SOLE_MODEL, verify: bool = True, patched: bool = True,
+                tuning: KernelTuning | None = None) -> torch.nn.Module:
+    """Load a NequIP ``.ckpt`` or ``.nequip.zip`` (checksums checked first) and return its model patched, in eval mode,
+    on ``device``. ``dtype``: None or the ``model_dtype`` it was built for (else ValueError). ``model_name`` picks a
+    model of a multi-model file; ``verify`` compares patched and plain energies and forces on a small structure;
+    ``patched=False`` returns the model as nequip builds it; ``tuning``: its ``tp`` builds the kernels (a file saved
+    patched is patched again). Initialises nequip's global state, as nequip's loaders do."""
     p = check_input(path)
     verify_checksums(p)  # nequip's loaders would not notice a damaged weight tensor
     device = parse_device(device)

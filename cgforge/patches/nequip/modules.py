@@ -1,15 +1,9 @@
-"""The nequip 0.19 graph modules cgforge has read, by class name (packaged models carry their own copies of
-nequip's classes, which ``isinstance`` against the installed nequip misses). Imports no nequip code.
-
-- ``NODE_MODULES`` read and write node (and graph) fields, the spherical harmonics and the normalised edge
-  lengths: none of them reads the edge embedding or the edge cutoff.
-- ``CUTOFF_MODULES`` compute something of an edge's normalised length x times a cutoff of x: the edge
-  embedding (``BesselEdgeLengthEncoding``), the edge cutoff, the pair potentials.
+"""The nequip 0.19 graph modules cgforge has read, by class name (packaged models carry their own copies of the
+classes). ``NODE_MODULES`` read and write node and graph fields, the harmonics and the normalised lengths, never
+the edge embedding or cutoff; ``CUTOFF_MODULES`` compute a function of x = r / r_max times a cutoff of x.
 """
 
 from __future__ import annotations
-
-__all__ = ["CUTOFF_MODULES", "NODE_MODULES", "class_name"]
 
 NODE_MODULES = ("NodeTypeEmbed", "ApplyFactor", "ScalarMLP", "AtomwiseLinear", "PerTypeScaleShift",
                 "AtomwiseReduce", "AtomwiseOperation", "SphericalHarmonicEdgeAttrs", "EdgeLengthNormalizer")

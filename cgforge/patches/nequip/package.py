@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +26,13 @@ from .verify import model_metadata, probe_structure, verify_patch
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------
-# Saving a patched package
+def save_patched_nequip(model_or_path: torch.nn.Module | str | os.PathLike, out_path: str | os.PathLike, *,
+                        force: bool = False) -> Path:
+    """Write a patched NequIP package (``.nequip.zip``) and return its path; the input is never touched.
 
-
-def save_patched_nequip(
-    model_or_path: torch.nn.Module | str | os.PathLike,
-    out_path: str | os.PathLike,
-    *,
-    force: bool = False,
-) -> Path:
-    """Write a patched NequIP package (``.nequip.zip``) and return its path. Never touches the input.
-
-    ``model_or_path``: a ``.ckpt``/``.nequip.zip`` path (every model in it is patched and checked against
-    the unpatched one), or a NequIP GraphModel / ModuleDict (patched in place if not yet). The package holds
-    the eager model with cgforge as an external module: ``load_nequip``, nequip's ``ModelFromPackage`` and
-    nequip's ASE calculator load it wherever cgforge is installed. It cannot be ``nequip-compile``d.
-    """
+    ``model_or_path``: a ``.ckpt``/``.nequip.zip`` path (every model in it patched and checked against the
+    unpatched one), or a NequIP GraphModel / ModuleDict (patched in place if not yet). The package holds the eager
+    model with cgforge as an external module (it cannot be ``nequip-compile``d)."""
     out = _check_output(out_path, force)
     if isinstance(model_or_path, (str, os.PathLike)):
         src = check_input(model_or_path)
@@ -51,10 +42,8 @@ def save_patched_nequip(
     elif isinstance(model_or_path, torch.nn.Module):
         contents = _contents_from_model(model_or_path)
     else:
-        raise TypeError(
-            "model_or_path: expected a NequIP model or a .ckpt/.nequip.zip path, "
-            f"got {type(model_or_path).__name__}"
-        )
+        raise TypeError(f"model_or_path: expected a NequIP model or a .ckpt/.nequip.zip path, got "
+                        f"{type(model_or_path).__name__}")
     _write_package(out, contents)
     return out
 
@@ -64,20 +53,19 @@ def _check_output(out_path: str | os.PathLike, force: bool) -> Path:
         raise TypeError(f"output: expected a file path, got {type(out_path).__name__}")
     out = Path(out_path)
     if not out.name.lower().endswith(PACKAGE_SUFFIX):
-        raise ValueError(
-            f"output: {out} must end with {PACKAGE_SUFFIX} (cgforge writes NequIP models as packages)"
-        )
+        raise ValueError(f"output: {out} must end with {PACKAGE_SUFFIX} (cgforge writes NequIP models as packages)")
     return check_new_file(out, force=force, what="output")
 
 
+@dataclass
 class _PackageContents:
     """What goes into the package: the models, example data, text resources and the importers to use."""
 
-    def __init__(
-        self, models: torch.nn.ModuleDict, example_data: dict, config: str, metadata: dict, importers: tuple
-    ) -> None:
-        self.models, self.example_data, self.config = models, example_data, config
-        self.metadata, self.importers = metadata, importers
+    models: torch.nn.ModuleDict
+    example_data: dict
+    config: str
+    metadata: dict
+    importers: tuple
 
 
 def _contents_from_file(src: Path) -> _PackageContents:
@@ -94,9 +82,7 @@ def _contents_from_file(src: Path) -> _PackageContents:
                 example_data = imp.load_pickle("model", "example_data.pkl", map_location="cpu")
                 models = imp.load_pickle("model", "eager_model.pkl", map_location="cpu")
             except Exception as err:
-                raise ValueError(
-                    f"{src}: could not read the NequIP package ({type(err).__name__}: {err})"
-                ) from err
+                raise ValueError(f"{src}: could not read the NequIP package ({type(err).__name__}: {err})") from err
         importers = (imp,)
     else:
         models, importers = _load_checkpoint_for_packaging(src)
@@ -169,18 +155,13 @@ def _package_metadata(models: torch.nn.ModuleDict, previous: dict) -> dict:
 
     type_names = next(iter(models.values())).type_names
     externals = sorted(set(_EXTERNAL_MODULES) | {"cgforge"})
-    metadata = dict(previous)
-    metadata.update(
-        {
+    return {**previous,
             "versions": get_current_code_versions(verbose=False),
             "external_modules": {k: get_version_safe(k) for k in externals},
             "package_version_id": max(2, int(previous.get("package_version_id", 2))),
             "available_models": ["eager"],  # compiled variants cannot hold cgforge's kernels
             "atom_types": dict(enumerate(type_names)),
-            "cgforge": {"patched": True, "version": get_version_safe("cgforge")},
-        }
-    )
-    return metadata
+            "cgforge": {"patched": True, "version": get_version_safe("cgforge")}}
 
 
 def _package_importer(path: Path) -> Any:
@@ -188,17 +169,12 @@ def _package_importer(path: Path) -> Any:
         try:
             return torch.package.PackageImporter(str(path))
         except Exception as err:
-            raise ValueError(
-                f"{path}: could not open the NequIP package ({type(err).__name__}: {err})"
-            ) from err
+            raise ValueError(f"{path}: could not open the NequIP package ({type(err).__name__}: {err})") from err
 
 
 def _package_warnings_suppressed(loading: bool = True) -> ExitStack:
     """nequip's package-loading context (CPU storages when ``loading``), quiet about torch.package noise."""
-    from nequip.model.saved_models.package import (
-        _cpu_deserialize_always,
-        _suppress_package_importer_exporter_warnings,
-    )
+    from nequip.model.saved_models.package import _cpu_deserialize_always, _suppress_package_importer_exporter_warnings
 
     stack = ExitStack()
     stack.enter_context(_suppress_package_importer_exporter_warnings())
@@ -230,16 +206,10 @@ def _write_package(out: Path, contents: _PackageContents) -> None:
             exp.mock([f"{m}.**" for m in sorted(_MOCK_MODULES)])
             exp.extern([f"{m}.**" for m in sorted(external)])
             exp.intern([f"{m}.**" for m in sorted(internal)])
-            exp.save_pickle(
-                "model",
-                "example_data.pkl",
-                {k: v.cpu() for k, v in contents.example_data.items()},
-                dependencies=True,
-            )
+            exp.save_pickle("model", "example_data.pkl", {k: v.cpu() for k, v in contents.example_data.items()},
+                            dependencies=True)
             exp.save_text("model", "config.yaml", contents.config)
-            exp.save_text(
-                "model", "package_metadata.txt", yaml.dump(contents.metadata, default_flow_style=False)
-            )
+            exp.save_text("model", "package_metadata.txt", yaml.dump(contents.metadata, default_flow_style=False))
             exp.save_pickle("model", "eager_model.pkl", contents.models.to("cpu"), dependencies=True)
     finally:
         for name, device in devices.items():

@@ -1,13 +1,8 @@
 """Patch and unpatch NequIP models (nequip >= 0.19), and the ``enable_cgforge`` model modifier.
 
-Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter``; all layers of one model
-share one ``ConvGraph`` per call. Each self-connection ``sc`` (a FullyConnectedTensorProduct with the type
-embedding) becomes a ``species_linear`` stand-in: one linear map per atom type in cgforge's calculator,
-e3nn's code otherwise; e3nn ``Linear`` layers become ``e3nn_layers.SplitLinear`` (same numbers, less
-autograd traffic), each e3nn ``Gate`` (the nonlinearity) ``gate.FusedGate`` (one kernel forward, one backward),
-and the radial MLPs' linear layers ``radial_precision.RadialLinear`` (the same, with an optional TF32 mode).
-The modifier is registered by ``cgforge.patches.nequip_modifier`` through nequip's ``nequip.extension`` entry
-point, for nequip configs and tools.
+Each ``TensorProductScatter`` becomes a ``conv.CgforgeTensorProductScatter`` (one ``ConvGraph`` per call for the
+model), each self-connection ``sc`` a ``species_linear`` stand-in, e3nn ``Linear`` a ``SplitLinear``, ``Gate`` a
+``FusedGate`` and the radial MLPs' linears ``RadialLinear``.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from ..graph_cache import CallGraphCache
 from ..harmonics import KernelHarmonics, is_e3nn_harmonics
 from ..harmonics import stand_in_for as harmonics_stand_in
 from ..stand_in import StandIn
-from ..torch_internals import forward_pre_hooks, remove_forward_pre_hooks
+from ..torch_internals import remove_forward_pre_hooks
 from .conv import CgforgeTensorProductScatter, scatter_sites
 from .files import SUPPORTED_ROUTE, CompiledModelError
 from .radial_table import set_radial_table
@@ -33,10 +28,6 @@ if TYPE_CHECKING:  # the kernels load when a model is patched, not when this mod
     from cgforge.kernels.core.tuning import KernelTuning, TPTuning
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Patch / unpatch / the modifier
 
 
 def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -49,25 +40,17 @@ def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """Swap every NequIP convolution for cgforge's fused one. In place, idempotent; returns ``model``.
-
-    ``tuning``: the knobs of the convolution kernels built now (``cgforge.kernels.KernelTuning``; its ``tp``, and
-    ``harmonics``: the edge harmonics by cgforge's kernel; None: the defaults). Convolutions patched before keep
-    theirs.
-
-    ``model`` is a GraphModel or nequip's ModuleDict of them, from the installed nequip or a package.
-    Everything is checked before anything changes: ``UnsupportedModelError`` (a ValueError) names the
-    first module cgforge cannot take, and the model is left as it was.
-    """
+    """Swap every NequIP convolution (of a GraphModel or nequip's ModuleDict of them, installed or packaged) for
+    cgforge's fused one, in place, idempotent; returns ``model``. ``tuning``: the kernels built now (None: the
+    defaults). Everything is checked first: ``UnsupportedModelError`` names the first module cgforge cannot take,
+    with the model unchanged."""
     plans = []
     for root in _roots(model):
         sites = scatter_sites(root)  # checks every convolution first: raises with the model unchanged
         if not sites:
             cls = type(root)
-            raise UnsupportedModelError(
-                f"model: no NequIP convolution (nequip.nn TensorProductScatter) found in "
-                f"{cls.__module__}.{cls.__qualname__}; cgforge patches NequIP GNN models"
-            )
+            raise UnsupportedModelError(f"model: no NequIP convolution (nequip.nn TensorProductScatter) found in "
+                                        f"{cls.__module__}.{cls.__qualname__}; cgforge patches NequIP GNN models")
         graphs = _graph_cache(root) or CallGraphCache()
         plans.append((root, graphs, {where for where, *_ in sites}))
     for root, graphs, wheres in plans:
@@ -81,7 +64,7 @@ def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torc
         e3nn_layers.swap_in(root, given.linear_kernel_max_channels, given.rows)
         gate.swap_in(root)
         radial_precision.swap_in(root, "edge_mlp")
-        _install_hook(root, graphs)
+        graphs.install(root)
         if new:
             log.info("cgforge: patched %d NequIP convolutions and %d self-connections", len(new), swapped)
     return model
@@ -136,10 +119,8 @@ def enable_cgforge(model: torch.nn.Module) -> torch.nn.Module:
     if get_workflow_state() == "compile":
         raise CompiledModelError(f"enable_cgforge cannot be used in nequip-compile: {SUPPORTED_ROUTE}")
     if any(getattr(m, "is_compile_graph_model", False) for m in model.modules()):
-        raise CompiledModelError(
-            "enable_cgforge: this model is built for train-time torch.compile (compile_mode: compile); "
-            "cgforge patches eager models, use compile_mode: eager"
-        )
+        raise CompiledModelError("enable_cgforge: this model is built for train-time torch.compile (compile_mode: "
+                                 "compile); cgforge patches eager models, use compile_mode: eager")
     return patch(model)
 
 
@@ -148,9 +129,3 @@ def _graph_cache(root: torch.nn.Module) -> CallGraphCache | None:
         if isinstance(m, CgforgeTensorProductScatter):
             return m.graphs
     return None
-
-
-def _install_hook(root: torch.nn.Module, graphs: CallGraphCache) -> None:
-    if not any(hook is graphs for hook in forward_pre_hooks(root)):
-        remove_forward_pre_hooks(root, CallGraphCache)
-        root.register_forward_pre_hook(graphs)

@@ -1,35 +1,11 @@
 """Radial tables in patched NequIP models: each interaction block's edge MLP as a table of the edge length.
 
-Where nequip 0.19 makes a block's weights (``model/nequip_models.py``, ``nn/embedding/_edge.py``,
-``nn/misc.py``, ``nn/interaction_block.py``), one data-dict key after the other:
-
-- ``EdgeLengthNormalizer`` writes ``norm_length``: x = r / r_max per edge ([E, 1], FP64; r_max of the edge's
-  type pair with ``per_edge_type_cutoff``).
-- ``BesselEdgeLengthEncoding`` reads x and writes ``edge_embedding`` = bessel(x) * cutoff(x) [E, num_bessels]
-  in the model dtype (``PolynomialCutoff``: ``* (x < 1)``) and ``edge_cutoff`` = cutoff(x).
-- ``ApplyFactor`` (NequIPGNNModel's "backwards compatibility" factor 2 pi / r_max^2) scales ``edge_embedding``.
-- each ``InteractionBlock`` reads ``edge_embedding`` once: ``tp_scatter(..., edge_weight=edge_mlp(embedding))``.
-
-No other nequip 0.19 module reads ``edge_embedding`` or ``edge_cutoff`` (``AddRadialCutoffToData`` writes the
-cutoff when it is missing; the pair potentials compute theirs from x). So a block's weights are
-W(x) = edge_mlp(factor * bessel(x) * cutoff(x)), a function of x alone, and W(x) = edge_mlp(0) for x >= 1,
-which is what the table's clamp holds beyond its end.
-
-The table's variable is x on [0, 1], not r: x is what the data dict holds where the embedding is made, and
-with per-edge-type cutoffs the weights are a function of x, not of r. With tables on:
-
-- ``bessel_encode`` is ``NormLengthAsEmbedding``: it writes x itself (in the model dtype) under
-  ``edge_embedding``, and no ``edge_cutoff`` (no module of a model that passes ``why_not_tabulated`` reads it);
-- each ``ApplyFactor`` on the embedding is ``FactorInTable``, which leaves the data alone (the tables hold it);
-- each block's ``edge_mlp`` is a ``TabulatedRadial`` (``patches/radial_table.py``) whose table is fitted in
-  FP64 from copies of the model's own modules run in order: the encoding, the factors before the block, its MLP.
-
-The blocks keep their data flow; nothing reads the lengths another way. Where the blocks' convolutions are
-cgforge's, the tables return ``TableWeights`` and ``CgforgeTensorProductScatter`` evaluates them inside its kernels
-(``set_table_fusion``, the default): no [E, weight_numel] weights at all, as for MACE. The state_dict is unchanged (the
-stand-ins adopt the originals' submodules and buffers; the tables are non-persistent buffers). Streaming
-(``streaming.py``) composes with tables: its ``DeferredRadial`` defers a ``TabulatedRadial`` like an MLP, and
-turning tables on or off while a model streams stops and restarts its streaming at the same chunk size.
+In nequip 0.19 a block's weights are edge_mlp(factor * bessel(x) * cutoff(x)), x = r / r_max per edge type pair
+(``EdgeLengthNormalizer``, ``BesselEdgeLengthEncoding`` with ``PolynomialCutoff``, ``ApplyFactor``), and nothing
+else reads the embedding or ``edge_cutoff``: a function of x on [0, 1], edge_mlp(0) beyond (the table's clamp).
+With tables on, the encoding is ``NormLengthAsEmbedding`` (x itself), each factor ``FactorInTable`` and each
+``edge_mlp`` a ``TabulatedRadial`` fitted from copies of the model's modules, read inside cgforge's kernels
+(``set_table_fusion``). The state_dict is unchanged; toggling tables while streaming restarts streaming.
 """
 
 from __future__ import annotations
@@ -45,9 +21,6 @@ from ..streaming import Deferred, DeferredRadial
 from . import streaming
 from .conv import CgforgeTensorProductScatter
 from .modules import CUTOFF_MODULES, NODE_MODULES, class_name
-
-__all__ = ["DEFAULT_TOL", "FactorInTable", "NormLengthAsEmbedding", "TabulatedRadial", "radial_tables",
-           "set_radial_table", "set_table_fusion", "why_not_tabulated"]
 
 _EMBEDDING = "edge_embedding"  # nequip 0.19's AtomicDataDict.EDGE_EMBEDDING_KEY: the key InteractionBlock reads
 

@@ -1,9 +1,7 @@
 """Streaming edges in patched NequIP models: each interaction block's ``edge_mlp`` runs inside the convolution.
 
-nequip's interaction block calls ``tp_scatter(x, edge_attr, edge_weight=edge_mlp(edge_embedding), ...)``
-and nothing else reads the weights. With streaming on, ``edge_mlp`` is a ``DeferredRadial`` stand-in and
-cgforge's ``CgforgeTensorProductScatter`` hands the deferred weights to ``kernels.streaming_convolution``
-(``patches/streaming.py``).
+Nothing but ``tp_scatter`` reads ``edge_mlp``'s weights: with streaming on, ``edge_mlp`` is a ``DeferredRadial``
+and ``CgforgeTensorProductScatter`` streams the deferred weights (``patches/streaming.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ import torch
 from ..streaming import chunk_edges_for as _chunk_edges_for
 from ..streaming import defer_radial
 from .conv import CgforgeTensorProductScatter
-
-__all__ = ["chunk_edges_for", "set_streaming", "streaming_layers"]
 
 
 def streaming_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

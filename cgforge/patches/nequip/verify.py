@@ -18,15 +18,9 @@ if TYPE_CHECKING:  # the kernels load when a model is patched, not when this mod
 _VERIFY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-# ---------------------------------------------------------------------------------------------
-# Checking a patched model against the plain one
-
-
 def probe_structure(model: torch.nn.Module, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A small non-periodic cluster for ``model`` (every type present, every atom within r_max of the others).
-
-    Returns a nequip AtomicDataDict (positions, atom types, edge_index) on ``device``.
-    """
+    """A small non-periodic cluster for ``model`` (every type present, every atom within r_max of the others), as a
+    nequip AtomicDataDict on ``device``."""
     from nequip.data import AtomicDataDict, compute_neighborlist_, from_dict
 
     metadata = model_metadata(model)
@@ -43,22 +37,15 @@ def probe_structure(model: torch.nn.Module, device: torch.device | str = "cpu") 
 
 
 def model_metadata(model: torch.nn.Module) -> dict[str, str]:
-    try:
-        metadata = model.metadata
-    except AttributeError:
-        metadata = None
+    metadata = getattr(model, "metadata", None)
     if not isinstance(metadata, dict) or "type_names" not in metadata or "r_max" not in metadata:
         cls = type(model)
-        raise UnsupportedModelError(
-            f"model: expected a nequip GraphModel (with .metadata type_names and r_max), got "
-            f"{cls.__module__}.{cls.__qualname__}"
-        )
+        raise UnsupportedModelError(f"model: expected a nequip GraphModel (with .metadata type_names and r_max), got "
+                                    f"{cls.__module__}.{cls.__qualname__}")
     return metadata
 
 
-def _energy_forces(
-    model: torch.nn.Module, data: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _energy_forces(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.enable_grad():
         out = model(dict(data))
     return out["total_energy"].detach(), out["forces"].detach()
@@ -70,11 +57,8 @@ def _relative_error(new: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def verify_patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> float:
-    """Compare ``model`` patched and unpatched on ``probe_structure``; raise if they disagree.
-
-    Works on a patched or plain model (GraphModel) and leaves it patched, with ``tuning`` (``patch``'s). Returns
-    the largest relative error (energy or forces).
-    """
+    """Compare ``model`` (patched or plain) patched with ``tuning`` against plain on ``probe_structure``; raises if they
+    disagree, else leaves it patched and returns the largest relative error (energy or forces)."""
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     data = probe_structure(model, device)
     if is_patched(model):
