@@ -110,9 +110,8 @@ class _Writer:
 def run_from_args(args: argparse.Namespace) -> int:
     """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
     from cgforge.plugin import Calculator
+    from cgforge.plugin.md.run import model_banner
     from cgforge.plugin.relax import relax_batch
-
-    from .md import model_banner
 
     for name, value, least in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1)):
         if value < least:
