@@ -19,10 +19,12 @@ from ase.calculators.emt import EMT
 from ase.io import read
 
 from cgforge.plugin.md.run import (
+    COMPILE_AUTO_MIN_STEPS,
     MDInstabilityError,
     MDInterrupted,
     check_new_path,
     model_banner,
+    plan_md,
     read_restart,
     run_md,
 )
@@ -219,6 +221,12 @@ def test_run_md_relaxes_and_compiles_as_cgforge_md_does():
     auto, lines = Compilable(), []
     run_md(_copper(), auto, steps=1, log=lines.append)  # compile auto, relax 0: neither says anything here
     assert auto.compile is None and lines[0].startswith("cgforge md: 32 atoms")
+    gpu = Compilable()  # what auto reads of a cgforge Calculator on CUDA (no step runs here)
+    gpu.device, gpu.patched, gpu.compiled_fits = torch.device("cuda"), True, lambda atoms: True
+    plan = plan_md(_copper(), gpu, steps=COMPILE_AUTO_MIN_STEPS, log=lines.append, engine="ase")
+    plan.start()
+    plan.close()
+    assert gpu.compile == "default" and lines[-1].startswith(f"torch.compile: on ({COMPILE_AUTO_MIN_STEPS:,} steps")
 
 
 # --- files ------------------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ class MDOptions:
         action=argparse.BooleanOptionalAction)
     relax: int | None = option(None, _COUNT_0, "--relax", (
         "FIRE steps (to 0.1 eV/Å) before MD; a generated box needs them: its rigid, grid-placed molecules would "
-        "otherwise heat to ~1500 K"), REFUSED, value=0, shown="0 (cgforge md: 100 for a generated box)", type=int)
+        "otherwise heat to ~1500 K; a restart takes 0 only"), REFUSED, value=0,
+        shown="0; cgforge md: 100 for a generated box", type=int)
     compile: str | None = option(None, _check_compile, "--compile", (
         "compile the model's forward and backward with torch.compile (Inductor) inside the captured step; MODE: "
         "default (the flag alone), max-autotune-no-cudagraphs, off, or auto: on for runs of at least "

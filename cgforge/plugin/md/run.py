@@ -146,10 +146,11 @@ def run_md(
     last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
     options, engine and model (another model is a ValueError); ``atoms`` may then be None.
 
-    Everything is checked before anything runs (:func:`plan_md`). A blow-up raises :class:`MDInstabilityError`;
-    Ctrl-C, and SIGTERM over its default handler, stop after the current step and raise :class:`MDInterrupted` (a
-    KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The output files are created when
-    they are checked, so a concurrent run in the same folder gets others.
+    Everything is checked before anything runs (:func:`plan_md`); the ``relax`` FIRE steps and the ``compile``
+    decision come before the first step, as in ``cgforge md`` (:meth:`MDPlan.start`). A blow-up raises
+    :class:`MDInstabilityError`; Ctrl-C, and SIGTERM over its default handler, stop after the current step and
+    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The
+    output files are created when they are checked, so a concurrent run in the same folder gets others.
     """
     plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
                    engine_options=engine_options, **options)
@@ -311,7 +312,7 @@ class MDPlan:
         """What runs between a loaded calculator and the first step: ``calc`` (None: the attached one) attached,
         the radial-precision decision said, the ``relax`` FIRE steps, the ``compile`` decision. ``seconds``: the
         model's load time when the caller loaded it for this run (``cgforge md``): then the model line, the
-        compile line and the options line are said too."""
+        compile line (else only one that compiled) and the options line are said too."""
         calc = calc if calc is not None else self.atoms.calc
         if calc is None:
             raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
@@ -330,7 +331,7 @@ class MDPlan:
             relax_structure(self.atoms, calc, self.o.relax, self.out)
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
             line = auto_compile(calc, self.atoms, self.o.steps)
-            if line and loaded:
+            if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
                 self.out(line)
         elif self.o.compile not in ("auto", "off") and getattr(calc, "compile", None) != self.o.compile:
             if not callable(getattr(calc, "set_compile", None)):
