@@ -176,7 +176,7 @@ def test_xyz_trajectory_created_at_the_first_frame(tmp_path):
     ({"restart": "x.traj", "relax": 2}, ValueError, "relax: a restart continues the saved state"),
     ({"relax": -1}, ValueError, "relax: expected an int >= 0"),
     ({"compile": "fast"}, ValueError, "compile: expected True, False or one of auto, off, default"),
-    ({"compile": "default"}, ValueError, "compile: Wrapped cannot be compiled"),  # found before any step
+    ({"compile": "default", "relax": 5}, ValueError, "compile: Wrapped cannot be compiled"),  # before relaxing
 ])
 def test_every_argument_is_checked_first_and_named(tmp_path, kwargs, error, match):
     calc = Wrapped()

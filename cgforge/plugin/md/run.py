@@ -327,17 +327,17 @@ class MDPlan:
             kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
             self.out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} "
                      "relative (tolerance 1e-4)")
+        if self.o.compile not in ("auto", "off") and getattr(calc, "compile", None) != self.o.compile:
+            if not callable(getattr(calc, "set_compile", None)):
+                raise ValueError(f"{self.names('compile')}: {type(calc).__name__} cannot be compiled (a cgforge "
+                                 "Calculator can)")
+            calc.set_compile(self.o.compile)
         if self.o.relax:
             relax_structure(self.atoms, calc, self.o.relax, self.out)
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
             line = auto_compile(calc, self.atoms, self.o.steps)
             if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
                 self.out(line)
-        elif self.o.compile not in ("auto", "off") and getattr(calc, "compile", None) != self.o.compile:
-            if not callable(getattr(calc, "set_compile", None)):
-                raise ValueError(f"{self.names('compile')}: {type(calc).__name__} cannot be compiled (a cgforge "
-                                 "Calculator can)")
-            calc.set_compile(self.o.compile)
         if loaded:
             self.out(options_banner(calc, self.engine, self.o.engine, calc.neighbours.skin))
 
