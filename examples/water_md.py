@@ -21,7 +21,7 @@ import time
 
 from cgforge.plugin.calculator import Calculator
 from cgforge.plugin.cli import run_guarded
-from cgforge.plugin.cli.md import add_md_arguments, model_banner, options_banner, prepare_md, relax_structure
+from cgforge.plugin.cli.md import add_md_arguments, prepare_md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,26 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     #    oriented water molecules at 1 g/cm^3, a structure file, or the last frame of a trajectory (--restart,
     #    whose saved ensemble and options the run continues). `plan` holds the checked run and the log.
     setup = prepare_md(args, stem="water-md")
-    plan, atoms = setup.plan, setup.atoms
+    plan = setup.plan
     try:
         # 2. The calculator: loads the model (on CUDA patched with cgforge's kernels, compiled now, not in the
-        #    first step; on a CPU the model's own code), then checked against the structure's elements.
+        #    first step; on a CPU the model's own code).
         start = time.perf_counter()
-        calc = Calculator(setup.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+        calc = Calculator(plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
                           stress_with_forces=plan.o["ensemble"] == "npt")  # NPT asks for the stress every step
-        plan.out(f"{len(atoms)} atoms; {model_banner(setup.model, calc, time.perf_counter() - start)}")
-        plan.attach(calc)
 
-        # 3. A few FIRE steps first (a generated box is far from the model's equilibrium; --relax 0 skips them).
-        if setup.relax:
-            relax_structure(atoms, calc, setup.relax, out=plan.out)
-
-        # 4. MD: Langevin (or --thermostat csvr) NVT, velocity-Verlet NVE or NPT, progress every --log-interval
+        # 3. The run: the model checked against the structure's elements, a few FIRE steps first (a generated box
+        #    is far from the model's equilibrium; --relax 0 skips them), --compile auto decided, then MD:
+        #    Langevin (or --thermostat csvr) NVT, velocity-Verlet NVE or NPT, progress every --log-interval
         #    steps; on a GPU cgforge's device engine runs the integrator next to the model (--engine ase: ASE's
         #    dynamics). The run stops with MDInstabilityError if it blows up, and Ctrl-C stops it after the
         #    current step; --plot draws the run at the end.
-        plan.out(options_banner(calc, plan.engine, plan.o["engine"], args.skin))
-        summary = plan.run(close=False)
+        summary = plan.run(calc, seconds=time.perf_counter() - start, close=False)
         plan.out(f"final temperature {summary.temperature_K:.1f} K, energy drift "
                  f"{summary.energy_drift_meV_per_atom:+.3f} meV/atom, {calc.neighbours.n_builds} neighbour-list builds")
     finally:

@@ -147,7 +147,7 @@ class _StandInCalculator:
 
 
 def test_compile_auto_rule():
-    from cgforge.plugin.cli.md import COMPILE_AUTO_MIN_STEPS, auto_compile
+    from cgforge.plugin.md.run import COMPILE_AUTO_MIN_STEPS, auto_compile
 
     atoms = Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
     long_run = COMPILE_AUTO_MIN_STEPS
@@ -173,11 +173,11 @@ def test_compile_auto_rule():
 def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypatch):
     """`cgforge md` on a GPU with the auto rule's threshold lowered to this run's length: the model is compiled
     after loading, the engine fuses its integrator, the run ends well."""
-    from cgforge.plugin.cli import md as md_cli
+    from cgforge.plugin.md import run as md_run
 
     torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
-    monkeypatch.setattr(md_cli, "auto_compile", functools.partial(md_cli.auto_compile, min_steps=30))
+    monkeypatch.setattr(md_run, "auto_compile", functools.partial(md_run.auto_compile, min_steps=30))
     args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
             "-o", str(tmp_path / "out.traj")]
     assert main(args) == 0
@@ -407,8 +407,9 @@ def test_two_runs_without_a_name_get_two_trajectories(tmp_path, monkeypatch, no_
     monkeypatch.chdir(tmp_path)
     args = cgforge.plugin.cli.build_parser().parse_args(["md", "--molecules", "4", "--device", "cpu", "--relax", "0"])
     first, second = prepare_md(args), prepare_md(args)
-    assert first.trajectory != second.trajectory and first.trajectory.exists() and second.trajectory.exists()
-    assert re.fullmatch(r"md-\d{8}-\d{6}(-\d+)?\.traj", second.trajectory.name)
+    assert first.plan.trajectory != second.plan.trajectory and first.plan.trajectory.exists() and \
+        second.plan.trajectory.exists()
+    assert re.fullmatch(r"md-\d{8}-\d{6}(-\d+)?\.traj", second.plan.trajectory.name)
     first.plan.close()
     second.plan.close()
     assert list(tmp_path.iterdir()) == []  # nothing ran: the reservations are released

@@ -14,7 +14,8 @@ import torch
 from cgforge.kernels import KernelTuning, SCTuning, TPTuning
 from cgforge.plugin import calculator as calculator_module
 from cgforge.plugin.cli import EXIT_ERROR, main
-from cgforge.plugin.cli.md import options_banner, read_kernel_tuning
+from cgforge.plugin.cli.md import read_kernel_tuning
+from cgforge.plugin.md.run import options_banner
 
 
 def _md(tmp_path: Path, *extra: str) -> list[str]:

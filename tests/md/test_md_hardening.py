@@ -18,11 +18,13 @@ from ase.calculators.calculator import Calculator, all_changes
 from ase.calculators.emt import EMT
 from ase.io import read
 
-from cgforge.plugin.cli.md import model_banner
 from cgforge.plugin.md.run import (
+    COMPILE_AUTO_MIN_STEPS,
     MDInstabilityError,
     MDInterrupted,
     check_new_path,
+    model_banner,
+    plan_md,
     read_restart,
     run_md,
 )
@@ -171,6 +173,10 @@ def test_xyz_trajectory_created_at_the_first_frame(tmp_path):
     ({"logfile": "x.log"}, TypeError, "run_md: unknown argument 'logfile'"),
     ({"restart": 3}, TypeError, "restart: expected a trajectory file name"),
     ({"restart": "x.traj", "init_velocities": True}, ValueError, "init_velocities: a restart continues"),
+    ({"restart": "x.traj", "relax": 2}, ValueError, "relax: a restart continues the saved state"),
+    ({"relax": -1}, ValueError, "relax: expected an int >= 0"),
+    ({"compile": "fast"}, ValueError, "compile: expected True, False or one of auto, off, default"),
+    ({"compile": "default", "relax": 5}, ValueError, "compile: Wrapped cannot be compiled"),  # before relaxing
 ])
 def test_every_argument_is_checked_first_and_named(tmp_path, kwargs, error, match):
     calc = Wrapped()
@@ -192,6 +198,35 @@ def test_atoms_and_calculator_are_checked(tmp_path):
         run_md(_copper())
     with pytest.raises(ValueError, match="ensemble: NPT changes the cell and needs a periodic 3-D cell"):
         run_md(Atoms("Cu2", positions=[[0, 0, 0], [2.5, 0, 0]]), EMT(), ensemble="npt")
+
+
+class Compilable(Wrapped):
+    """Records what run_md asks of a compilable calculator (a cgforge Calculator's set_compile)."""
+
+    compile = None
+
+    def set_compile(self, mode) -> None:
+        self.compile = mode
+
+
+def test_run_md_relaxes_and_compiles_as_cgforge_md_does():
+    """run_md's relax and compile: the FIRE steps and their line before the run's, a mode handed to the
+    calculator; auto compiles nothing off CUDA (as `cgforge md --compile auto`)."""
+    atoms, lines = _copper(), []
+    calc = Compilable()
+    before = atoms.get_positions()
+    run_md(atoms, calc, relax=3, compile=True, steps=1, log=lines.append)
+    assert lines[0].startswith("relaxed 3 FIRE steps: energy ") and lines[1].startswith("cgforge md: 32 atoms")
+    assert calc.compile == "default" and not np.allclose(atoms.get_positions(), before)
+    auto, lines = Compilable(), []
+    run_md(_copper(), auto, steps=1, log=lines.append)  # compile auto, relax 0: neither says anything here
+    assert auto.compile is None and lines[0].startswith("cgforge md: 32 atoms")
+    gpu = Compilable()  # what auto reads of a cgforge Calculator on CUDA (no step runs here)
+    gpu.device, gpu.patched, gpu.compiled_fits = torch.device("cuda"), True, lambda atoms: True
+    plan = plan_md(_copper(), gpu, steps=COMPILE_AUTO_MIN_STEPS, log=lines.append, engine="ase")
+    plan.start()
+    plan.close()
+    assert gpu.compile == "default" and lines[-1].startswith(f"torch.compile: on ({COMPILE_AUTO_MIN_STEPS:,} steps")
 
 
 # --- files ------------------------------------------------------------------------------------------------
@@ -283,7 +318,7 @@ def test_nvt_restart_needs_the_saved_random_state(tmp_path):
 def test_restart_into_given_atoms_and_refusals(tmp_path):
     run_md(_copper(), Wrapped(), steps=4, trajectory=tmp_path / "a.traj", log=None)
     atoms = _copper(seed=5)
-    summary = run_md(atoms, Wrapped(), restart=tmp_path / "a.traj", steps=2, log=None)
+    summary = run_md(atoms, Wrapped(), restart=tmp_path / "a.traj", steps=2, log=None, relax=0)  # 0: nothing
     assert summary.atoms is atoms and summary.first_step == 4
     with pytest.raises(ValueError, match="restart: .*holds Cu32 .32 atoms., atoms is Cu4"):
         run_md(bulk("Cu", cubic=True), Wrapped(), restart=tmp_path / "a.traj", steps=1, log=None)

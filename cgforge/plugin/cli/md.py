@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,89 +17,20 @@ from cgforge.plugin.md.options import (
     check_count,
     check_number,
     given_by_args,
+    refuse_on_restart,
 )
 from cgforge.plugin.runtime.bundled import LISTED
 from cgforge.plugin.runtime.bundled import NAMES as BUNDLED
 
 if TYPE_CHECKING:
-    from ase import Atoms
 
     from cgforge.plugin.md.files import Restart
     from cgforge.plugin.md.run import MDPlan, MDSummary
 
-__all__ = ["add_md_arguments", "prepare_md", "run_from_args", "relax_structure", "model_banner", "options_banner",
-           "MDSetup", "relax_steps", "size_hint"]
-
-
-def relax_structure(atoms: Atoms, calc: Any, steps: int, fmax: float = 0.1,
-                    out: Callable[[str], None] | None = None) -> None:
-    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å), printing the energy before and after.
-
-    The generated water box holds rigid, randomly oriented molecules on a grid, far from the model's
-    equilibrium: started straight into MD it heats to ~1500 K within 20 fs.
-    """
-    import numpy as np
-    from ase.optimize import FIRE
-
-    atoms.calc = calc
-    before = atoms.get_potential_energy()
-    optimizer = FIRE(atoms, logfile=None)
-    optimizer.run(fmax=fmax, steps=steps)
-    after = atoms.get_potential_energy()
-    line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
-            f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
-    (out or (lambda text: print(text, flush=True)))(line)
-
-
-def model_banner(name: str, calc: Any, seconds: float) -> str:
-    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, which code runs it
-    (cgforge's kernels or the model's own), load time."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
-    dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
-    compiled = " (kernels compiled)" if calc.device.type == "cuda" and getattr(calc, "patched", False) else ""
-    code = ("cgforge's kernels" if getattr(calc, "patched", False) else
-            "the model's own code" + (" (faster than cgforge's kernels on a CPU)" if calc.device.type == "cpu" else ""))
-    mode = getattr(calc, "compile", None)
-    inductor = f"; torch.compile ({mode}) at the first step" if mode else ""
-    errors = getattr(calc, "radial_table_errors", [])
-    table = (f"; radial tables ({max(n for n, _ in errors)} intervals, error {max(e for _, e in errors):.0e})"
-             if errors else "")
-    return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, {code}, "
-            f"ready in {seconds:.1f} s{compiled}{table}{inductor}")
-
-
-def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
-    """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
-    radial tables, the memory policy (tiles, streaming), the skin and the kernel tuning when it is not the default."""
-    why = ""
-    if requested == "auto":
-        why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
-              f" (auto: ASE's dynamics {'on a CPU' if calc.device.type != 'cuda' else 'for this box'})"
-    path = "cgforge's device engine" if engine == "device" else "ASE's dynamics"
-    mode = getattr(calc, "compile", None)
-    streaming = getattr(calc, "streaming", False)
-    requested_streaming = getattr(calc, "streaming_requested", None)
-    memory = ("streamed edges" if streaming else "stored edges") + (
-        " (streaming auto: on when the box would not fit)" if requested_streaming is None
-        and calc.device.type == "cuda" else "")
-    workspace = getattr(getattr(calc, "potential", None), "workspace", None)
-    tiles = workspace is not None and workspace.tiles_chosen
-    if tiles:
-        memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
-    graph = "off (tiles run eagerly)" if tiles else "on" if getattr(calc, "cuda_graph", False) else "off"
-    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}", f"CUDA graph {graph}",
-             f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
-             f"memory: {memory}", f"skin {skin:g} Å"]
-    tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel
-    if tuning is not None and tuning != type(tuning)() and getattr(calc, "patched", False):
-        parts.append("kernel tuning: " + tuning.describe().replace("\n", ", "))
-    return "options: " + ", ".join(parts)
+__all__ = ["add_md_arguments", "prepare_md", "run_from_args", "MDSetup", "size_hint"]
 
 
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
-# --compile auto: the shortest run compiled, where the compiled engine's saving per step has paid back its
-# first-process compilation (measured: docs/measured-constants.md).
-COMPILE_AUTO_MIN_STEPS = 50_000
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
 # A box this large on a CPU gets a hint first: an estimate of one energy + forces call's time and memory
@@ -141,10 +71,6 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     # 2 Å: with the engine's pipelined rebuilds a list that lasts longer costs less than the edges it adds
     # (measured: docs/measured-constants.md)
     parser.add_argument("--skin", type=float, default=2.0, help="neighbour-list skin in Å (default 2.0)")
-    parser.add_argument("--relax", type=int, default=None,
-                        help="FIRE steps (to 0.1 eV/Å) before MD (default 100 for a generated box, whose rigid "
-                             "grid-placed molecules would otherwise heat to ~1500 K; 0 for --structure; refused "
-                             "with --restart)")
     parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
                              "models; kept only if the first structure's forces change by <= 1e-4 relative, "
@@ -153,11 +79,6 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
                              "MACE and NequIP models on CUDA when the model allows it")
-    parser.add_argument("--compile", nargs="?", const="default", default="auto", metavar="MODE",
-                        help="compile the model's forward and backward with torch.compile (Inductor) inside the "
-                             "captured step; MODE: default, max-autotune-no-cudagraphs, off, or auto (the default: "
-                             f"on for runs of at least {COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves "
-                             "room, i.e. where the ~20 s the first step pays is paid back; printed)")
     parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
                         help='the kernels\' tuning (cgforge.kernels.KernelTuning): a JSON object {"tp": {...}, '
                              '"sc": {...}} of TPTuning and SCTuning fields, the rest at their measured defaults; '
@@ -168,31 +89,14 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                              "graph would not fit the GPU (default)")
 
 
-def relax_steps(args: argparse.Namespace) -> int:
-    """FIRE steps before MD: --relax, else 100 for a generated box and 0 for a structure file or a restart."""
-    if args.relax is not None:
-        steps = check_count("--relax", args.relax, 0)
-        if steps and getattr(args, "restart", None) is not None:
-            raise ValueError("--relax: a restart continues the saved state; relaxing it would not; leave --relax out")
-        return steps
-    return 0 if args.structure is not None or getattr(args, "restart", None) is not None else DEFAULT_RELAX
-
-
 @dataclass
 class MDSetup:
-    """What ``cgforge md`` checked and prepared before loading the model: the structure, the device, the FIRE
-    steps, the model and the checked run (``plan``: options, output files, the log, the restart)."""
+    """What ``cgforge md`` checked and prepared before loading the model: the checked run (``plan``: structure,
+    options, output files, the log, the restart, the model's name), the device, the ``--kernel-tuning``."""
 
-    atoms: Atoms
-    device: Any
-    relax: int
     plan: MDPlan
-    model: str = "mace"  # --model, or the restart's model
-    tuning: Any = None  # the KernelTuning of --kernel-tuning, or None
-
-    @property
-    def trajectory(self) -> Path | None:
-        return self.plan.trajectory
+    device: Any
+    tuning: Any = None  # a KernelTuning, or None
 
 
 def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Path | None]:
@@ -251,9 +155,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     from cgforge.plugin.calculator import resolve_device
     from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
     from cgforge.plugin.md.run import plan_md
-    from cgforge.plugin.runtime.compiled import parse_compile
 
-    relax = relax_steps(args)
     check_number("--skin", args.skin, strict=False)
     if args.molecules is not None:
         check_count("--molecules", args.molecules, 1)
@@ -267,12 +169,12 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                          f"{device}")
     if radial != "fp32" and args.dtype == "float64":
         raise ValueError(f"--radial-precision: {radial} is for FP32 models; leave out --dtype float64")
-    if explicit_compile(args):
-        parse_compile(args.compile, "--compile", others=("auto", "off"))
     tuning = read_kernel_tuning(getattr(args, "kernel_tuning", None))
     trajectory = args.trajectory if args.trajectory is not None else default_trajectory_path(stem)
     restart = None
+    given = given_by_args(args)
     if args.restart is not None:  # read first for its model; no output may be it (plan_md checks the rest)
+        refuse_on_restart(given, NAMES.__getitem__)  # before the file is read: the flag is the mistake
         outputs = {"--trajectory": trajectory, "--log": args.log, "--plot": getattr(args, "plot", None)}
         check_distinct({k: None if v is None else Path(v) for k, v in outputs.items()},
                        {"--restart": Path(args.restart)})
@@ -287,45 +189,19 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                                                                else CPU_MOLECULES)
         seed = check_count("--seed", args.seed, 0) if args.seed is not None else OPTION_FIELDS["seed"]["value"]
         atoms = water_box(n, seed=seed)  # the box's seed too
+        given.setdefault("relax", DEFAULT_RELAX)  # a generated box is far from the model's equilibrium
     names = {**NAMES, "atoms": "--structure" if structure is not None else "--molecules"}
     plan = plan_md(
         atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
         prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
         trajectory=trajectory, restart=restart,
         log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None),
-        **given_by_args(args))
+        **given)
     plan.model, plan.errors_to_caller = model, True
     hint = size_hint(len(plan.atoms), device)
     if hint:
         plan.out(hint)
-    return MDSetup(atoms=plan.atoms, device=device, relax=relax, plan=plan, model=model, tuning=tuning)
-
-
-def explicit_compile(args: argparse.Namespace) -> bool:
-    """--compile MODE (not auto, not off): the calculator compiles from its construction."""
-    return getattr(args, "compile", None) not in (None, "auto", "off")
-
-
-def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
-    """--compile auto: compile the model (``calc.set_compile``) for a run of ``min_steps`` or more on CUDA when
-    the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off CUDA, where
-    nothing is compiled unless asked)."""
-    if calc.device.type != "cuda":
-        return None
-    if steps < min_steps:
-        return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {min_steps:,} or more, "
-                "--compile forces it)")
-    uses_tiles = getattr(calc, "uses_tiles", None)
-    if callable(uses_tiles) and uses_tiles(atoms):  # asked before compiled_fits, which builds the whole Verlet list
-        return "torch.compile: off (the system runs in tiles, eagerly)"
-    if not calc.patched or not calc.compiled_fits(atoms):
-        why = "the model is not patched by cgforge" if not calc.patched else "the box leaves too little GPU memory"
-        return f"torch.compile: off ({why})"
-    try:
-        calc.set_compile("default")
-    except (RuntimeError, ValueError) as err:  # no Triton, no dynamo: run eagerly and say why
-        return f"torch.compile: off ({err})"
-    return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
+    return MDSetup(plan, device, tuning)
 
 
 # The library's keywords as cgforge md's flags spell them (plan_md names the run's own): a message's first word...
@@ -361,37 +237,17 @@ def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
     from cgforge.plugin import calculator as calculator_module
 
     setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
-    plan, atoms = setup.plan, setup.atoms
-    running = False  # from plan.run on, the run writes its own "stopped" line to the log file
+    plan = setup.plan
     try:
         t = time.perf_counter()
         calc = calculator_module.Calculator(
-            setup.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+            plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
             radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
             radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
             **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
-            **({"compile": args.compile} if explicit_compile(args) else {}),
+            **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
             **({"tuning": setup.tuning} if setup.tuning is not None else {}))
-        plan.out(model_banner(setup.model, calc, time.perf_counter() - t))
-        plan.attach(calc)  # an element the model lacks, another model than the restart's: before any step
-        if calc.radial_precision_requested != "fp32":
-            atoms.get_forces()  # the first structure decides (see Calculator)
-            mode = calc.radial_precision_requested
-            kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
-            plan.out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} "
-                     "relative (tolerance 1e-4)")
-        if setup.relax:
-            relax_structure(atoms, calc, setup.relax, out=plan.out)
-        if getattr(args, "compile", None) == "auto":
-            line = auto_compile(calc, atoms, plan.o["steps"])
-            if line:
-                plan.out(line)
-        plan.out(options_banner(calc, plan.engine, plan.o["engine"], args.skin))
-        running = True
-        return plan.run(close=False)
     except BaseException as err:
-        if not isinstance(err, KeyboardInterrupt) and not running:
-            plan.printer.to_file(f"error: {err}")
+        plan.close(err)
         raise
-    finally:
-        plan.close()
+    return plan.run(calc, seconds=time.perf_counter() - t)  # the model line, relax, compile, options, the steps

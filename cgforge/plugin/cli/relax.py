@@ -128,8 +128,7 @@ def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atom
     """(IN, OUT, IN's structures, the model's calculator) after the checks of ``output_path``; the model's
     banner printed."""
     from cgforge.plugin import Calculator
-
-    from .md import model_banner
+    from cgforge.plugin.md.run import model_banner
 
     source, out = output_path(args)
     structures = read_structures(source)

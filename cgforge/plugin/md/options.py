@@ -23,6 +23,9 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # exploded reaches (1e5-1e6 K within a few steps); 10x the target for hot runs.
 MAX_TEMPERATURE_FLOOR_K = 5000.0
 MAX_TEMPERATURE_FACTOR = 10.0
+# compile auto: the shortest run compiled, where the compiled engine's saving per step has paid back its
+# first-process compilation (measured: docs/measured-constants.md).
+COMPILE_AUTO_MIN_STEPS = 50_000
 
 # A run's mode: the ensemble, and for NVT its thermostat. A field with ``modes`` is refused in the others.
 MODES = {"nvt-langevin": "NVT (langevin)", "nvt-csvr": "NVT (csvr)", "nve": "NVE", "npt": "NPT"}
@@ -94,6 +97,15 @@ def option(default: Any, check: Callable[[str, Any], Any], flag: str, help: str,
         unit=unit, argparse=argparse_kwargs))
 
 
+def _check_compile(name: str, value: Any) -> str:
+    """auto, off, or an Inductor mode (True: default; False: off)."""
+    if value in ("auto", "off"):
+        return value
+    from cgforge.plugin.runtime.compiled import parse_compile  # torch: only once a run is planned
+
+    return parse_compile(value, name, others=("auto", "off")) or "off"
+
+
 _AT_LEAST_0, _ANY_NUMBER = partial(check_number, strict=False), partial(check_number, minimum=None)
 _ABOVE_0_OR_INF = partial(check_number, allow_inf=True)
 _COUNT_0, _COUNT_1 = partial(check_count, minimum=0), partial(check_count, minimum=1)
@@ -148,6 +160,15 @@ class MDOptions:
         "draw Maxwell-Boltzmann velocities at the temperature (--no-init-velocities: keep the structure's); "
         "default: only when the atoms are at rest"), REFUSED, shown="at rest only",
         action=argparse.BooleanOptionalAction)
+    relax: int | None = option(None, _COUNT_0, "--relax", (
+        "FIRE steps (to 0.1 eV/Å) before MD; a generated box needs them: its rigid, grid-placed molecules would "
+        "otherwise heat to ~1500 K; a restart takes 0 only"), REFUSED, value=0,
+        shown="0; cgforge md: 100 for a generated box", type=int)
+    compile: str | None = option(None, _check_compile, "--compile", (
+        "compile the model's forward and backward with torch.compile (Inductor) inside the captured step; MODE: "
+        "default (the flag alone), max-autotune-no-cudagraphs, off, or auto: on for runs of at least "
+        f"{COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room, i.e. where the ~20 s the first step "
+        "pays is paid back"), value="auto", type=str, nargs="?", const="default", metavar="MODE")
     force: bool = option(False, check_flag, "--force", (
         "overwrite the trajectory, log and plot files if they exist (never the input files)"), action="store_true")
     names: InitVar[Callable[[str], str] | None] = None
@@ -287,10 +308,11 @@ OPTION_FIELDS = {f.name: f.metadata for f in fields(MDOptions)}
 
 
 def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> None:
-    """Before a restart's file is read: a given option a restart refuses (it continues the saved state)."""
+    """Before a restart's file is read: a given option a restart refuses (it continues the saved state), unless
+    it is the value that does nothing (``--relax 0``)."""
     for key, meta in OPTION_FIELDS.items():
-        if meta["restart"] == REFUSED and given.get(key) is not None:
-            raise ValueError(f"{names(key)}: a restart continues the saved velocities and random state; leave "
+        if meta["restart"] == REFUSED and given.get(key) is not None and given[key] != meta["value"]:
+            raise ValueError(f"{names(key)}: a restart continues the saved state (velocities, random state); leave "
                              f"{names(key)} out")
 
 
@@ -312,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None 
         if "action" in kwargs:
             kwargs.pop("type")
         elif "choices" not in kwargs:  # argparse shows the choices, else the flag's name
-            kwargs["metavar"] = meta["flag"].lstrip("-").upper()
+            kwargs.setdefault("metavar", meta["flag"].lstrip("-").upper())
         note = "; after --restart: the run's saved value, and another value is refused" if meta["restart"] == KEPT \
             and keys is None else ""
         kwargs["help"] = f"{meta['help']} (default {meta['shown']}{note})".replace("%", "%%")

@@ -69,11 +69,20 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import OPTION_FIELDS, EngineOptions, MDOptions, check_atoms_for, check_structure, refuse_on_restart
+from .options import (
+    COMPILE_AUTO_MIN_STEPS,
+    OPTION_FIELDS,
+    EngineOptions,
+    MDOptions,
+    check_atoms_for,
+    check_structure,
+    refuse_on_restart,
+)
 from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
-           "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM"]
+           "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM",
+           "relax_structure", "model_banner", "options_banner", "auto_compile"]
 
 class MDInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: the run stopped cleanly after ``step``; ``summary``
@@ -137,10 +146,11 @@ def run_md(
     last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
     options, engine and model (another model is a ValueError); ``atoms`` may then be None.
 
-    Everything is checked before anything runs (:func:`plan_md`). A blow-up raises :class:`MDInstabilityError`;
-    Ctrl-C, and SIGTERM over its default handler, stop after the current step and raise :class:`MDInterrupted` (a
-    KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The output files are created when
-    they are checked, so a concurrent run in the same folder gets others.
+    Everything is checked before anything runs (:func:`plan_md`); the ``relax`` FIRE steps and the ``compile``
+    decision come before the first step, as in ``cgforge md`` (:meth:`MDPlan.start`). A blow-up raises
+    :class:`MDInstabilityError`; Ctrl-C, and SIGTERM over its default handler, stop after the current step and
+    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The
+    output files are created when they are checked, so a concurrent run in the same folder gets others.
     """
     plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
                    engine_options=engine_options, **options)
@@ -298,22 +308,144 @@ class MDPlan:
                                     None if self.engine_given or self.restart is None else self.restart.path)
         self.atoms.calc = calc
 
-    def run(self, close: bool = True) -> MDSummary:
-        """Run (see :func:`run_md`); the log file is closed at the end unless ``close`` is False."""
+    def start(self, calc: Any = None, seconds: float | None = None) -> None:
+        """What runs between a loaded calculator and the first step: ``calc`` (None: the attached one) attached,
+        the radial-precision decision said, the ``relax`` FIRE steps, the ``compile`` decision. ``seconds``: the
+        model's load time when the caller loaded it for this run (``cgforge md``): then the model line, the
+        compile line (else only one that compiled) and the options line are said too."""
+        calc = calc if calc is not None else self.atoms.calc
+        if calc is None:
+            raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
+        loaded = seconds is not None  # the caller loaded the model for this run: its lines too
+        if loaded:
+            self.out(model_banner(self.model or type(calc).__name__, calc, seconds))
+        if self.engine is None or calc is not self.atoms.calc:
+            self.attach(calc)  # an element the model lacks, another model than the restart's: before any step
+        mode = getattr(calc, "radial_precision_requested", "fp32")
+        if mode != "fp32":
+            self.atoms.get_forces()  # the first structure decides (see Calculator)
+            kept = "kept" if calc.radial_precision == mode else "refused: radial MLPs stay in fp32"
+            self.out(f"radial MLPs in {mode} {kept}: the forces changed by {calc.radial_precision_error:.1e} "
+                     "relative (tolerance 1e-4)")
+        if self.o.compile not in ("auto", "off") and getattr(calc, "compile", None) != self.o.compile:
+            if not callable(getattr(calc, "set_compile", None)):
+                raise ValueError(f"{self.names('compile')}: {type(calc).__name__} cannot be compiled (a cgforge "
+                                 "Calculator can)")
+            calc.set_compile(self.o.compile)
+        if self.o.relax:
+            relax_structure(self.atoms, calc, self.o.relax, self.out)
+        if self.o.compile == "auto" and not getattr(calc, "compile", None):
+            line = auto_compile(calc, self.atoms, self.o.steps)
+            if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
+                self.out(line)
+        if loaded:
+            self.out(options_banner(calc, self.engine, self.o.engine, calc.neighbours.skin))
+
+    def run(self, calc: Any = None, *, seconds: float | None = None, close: bool = True) -> MDSummary:
+        """:meth:`start` with ``calc`` and ``seconds``, then the steps (see :func:`run_md`). The log file is closed
+        at the end unless ``close`` is False, and after an error before the first step (said in the log file when
+        the caller prints errors: :meth:`close`)."""
         try:
-            if self.engine is None or self.atoms.calc is None:
-                if self.atoms.calc is None:
-                    raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
-                self.attach(self.atoms.calc)
+            self.start(calc, seconds)
+        except BaseException as err:
+            self.close(err)
+            raise
+        try:
             return _run(self, self.engine)
         finally:
             if close:
                 self.close()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the log and release the outputs no frame or plot was written to; ``error``, raised before the
+        first step, goes to the log file first as "error: ..." when the caller prints errors (``errors_to_caller``;
+        from the first step on the run writes its own "stopped" line)."""
+        if error is not None and self.errors_to_caller and not isinstance(error, KeyboardInterrupt):
+            self.printer.to_file(f"error: {error}")
         self.printer.close()
         if self.reserved is not None:
             self.reserved.release()  # the outputs no frame or plot was written to
+
+
+def relax_structure(atoms: Atoms, calc: Any, steps: int, out: Callable[[str], None], fmax: float = 0.1) -> None:
+    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å); ``out`` gets the energy before and after."""
+    from ase.optimize import FIRE
+
+    atoms.calc = calc
+    before = atoms.get_potential_energy()
+    optimizer = FIRE(atoms, logfile=None)
+    optimizer.run(fmax=fmax, steps=steps)
+    after = atoms.get_potential_energy()
+    line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
+            f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
+    out(line)
+
+
+def model_banner(name: str, calc: Any, seconds: float) -> str:
+    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, which code runs it
+    (cgforge's kernels or the model's own), load time."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
+    dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
+    compiled = " (kernels compiled)" if calc.device.type == "cuda" and getattr(calc, "patched", False) else ""
+    code = ("cgforge's kernels" if getattr(calc, "patched", False) else
+            "the model's own code" + (" (faster than cgforge's kernels on a CPU)" if calc.device.type == "cpu" else ""))
+    mode = getattr(calc, "compile", None)
+    inductor = f"; torch.compile ({mode}) at the first step" if mode else ""
+    errors = getattr(calc, "radial_table_errors", [])
+    table = (f"; radial tables ({max(n for n, _ in errors)} intervals, error {max(e for _, e in errors):.0e})"
+             if errors else "")
+    return (f"model {name} ({calc.adapter.kind}, cutoff {calc.cutoff:g} Å) on {calc.device} in {dtype}, {code}, "
+            f"ready in {seconds:.1f} s{compiled}{table}{inductor}")
+
+
+def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
+    """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
+    radial tables, the memory policy (tiles, streaming), the skin and the kernel tuning when it is not the default."""
+    why = ""
+    if requested == "auto":
+        why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
+              f" (auto: ASE's dynamics {'on a CPU' if calc.device.type != 'cuda' else 'for this box'})"
+    path = "cgforge's device engine" if engine == "device" else "ASE's dynamics"
+    mode = getattr(calc, "compile", None)
+    streaming = getattr(calc, "streaming", False)
+    requested_streaming = getattr(calc, "streaming_requested", None)
+    memory = ("streamed edges" if streaming else "stored edges") + (
+        " (streaming auto: on when the box would not fit)" if requested_streaming is None
+        and calc.device.type == "cuda" else "")
+    workspace = getattr(getattr(calc, "potential", None), "workspace", None)
+    tiles = workspace is not None and workspace.tiles_chosen
+    if tiles:
+        memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
+    graph = "off (tiles run eagerly)" if tiles else "on" if getattr(calc, "cuda_graph", False) else "off"
+    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}", f"CUDA graph {graph}",
+             f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
+             f"memory: {memory}", f"skin {skin:g} Å"]
+    tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel
+    if tuning is not None and tuning != type(tuning)() and getattr(calc, "patched", False):
+        parts.append("kernel tuning: " + tuning.describe().replace("\n", ", "))
+    return "options: " + ", ".join(parts)
+
+
+def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
+    """compile auto: compile the model (``calc.set_compile``) for a run of ``min_steps`` or more on CUDA when
+    the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off CUDA, where
+    nothing is compiled unless asked)."""
+    if getattr(getattr(calc, "device", None), "type", None) != "cuda":
+        return None
+    if steps < min_steps:
+        return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {min_steps:,} or more, "
+                "--compile forces it)")
+    uses_tiles = getattr(calc, "uses_tiles", None)
+    if callable(uses_tiles) and uses_tiles(atoms):  # asked before compiled_fits, which builds the whole Verlet list
+        return "torch.compile: off (the system runs in tiles, eagerly)"
+    if not calc.patched or not calc.compiled_fits(atoms):
+        why = "the model is not patched by cgforge" if not calc.patched else "the box leaves too little GPU memory"
+        return f"torch.compile: off ({why})"
+    try:
+        calc.set_compile("default")
+    except (RuntimeError, ValueError) as err:  # no Triton, no dynamo: run eagerly and say why
+        return f"torch.compile: off ({err})"
+    return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
 
 
 def _run(plan: MDPlan, which: str) -> MDSummary:
