@@ -24,19 +24,13 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from .runtime.bundled import LISTED
-from .runtime.bundled import NAMES as BUNDLED
-from .runtime.diagnosis import NonFiniteOutputError
+from .runtime.diagnosis import NonFiniteOutputError  # noqa: F401 (cgforge.plugin's export)
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
-from .runtime.potential import System, load, load_module, resolve_device
+from .runtime.potential import System, load, resolve_device  # noqa: F401 (resolve_device: the CLI's)
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
-
-__all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
-
-load_model = load_module  # the module of a model name, file or module (``runtime.potential.load_module``)
-
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 

@@ -23,9 +23,6 @@ from torch import Tensor
 from cgforge.kernels.edge_layout import edges_within
 from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff
 
-__all__ = ["water_box", "QSPCFw", "Q_SPC_FW", "QSPCFwCalculator", "check_water_order", "qspcfw_energy",
-           "whole_molecule_shifts"]
-
 # The anchors' constants (g/mol and 10^24 / mol): keeps water_box(n_side=12) identical to
 # /work/shared/anchors/anchor_mace.py's box, whose 6 Å graph (436,566 edges) the benchmarks quote.
 _WATER_MOLAR_MASS = 18.015

@@ -13,8 +13,6 @@ from torch import Tensor
 
 from cgforge.kernels.md_step import COMMIT_REPORT, commit_check
 
-__all__ = ["BLOW_KINDS", "REPORT", "MDBlowUp", "commit_step"]
-
 REPORT = COMMIT_REPORT  # the CUDA kernel writes the fields in this order
 BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 

@@ -1,29 +1,7 @@
-"""The integrators behind :func:`cgforge.plugin.md.run_md`: ASE's dynamics (numpy on the host, any ASE
-calculator) or cgforge's device engine (``engine.Engine``: a cgforge Calculator's model step and the integrator
-on its device), behind one interface.
-
-What run_md needs from a dynamics object: ``nsteps`` (the step counter), ``irun(steps)`` (a generator that
-yields once at the current state, then after steps with ``atoms`` updated and the forces available from
-``atoms.get_forces()``) and ``restart_info()`` (what a frame must hold for a restart to continue exactly). ASE's
-dynamics yield after every step; the engine yields only at multiples of the trajectory and log intervals and at
-the last step (the only host copies), and after a block when Ctrl-C was pressed.
-
-Which integrator runs each ensemble:
-
-=========  ===========================================  ===============================================
-ensemble   ASE's dynamics                               device engine
-=========  ===========================================  ===============================================
-nve        velocity Verlet                              velocity Verlet (the same operations)
-nvt        Langevin (``--thermostat langevin``) or      ASE's Langevin scheme, noise a hash of (seed,
-           Bussi's CSVR (``csvr``)                      step); or CSVR
-npt        Berendsen thermostat + isotropic barostat    stochastic cell rescaling (Bernetti-Bussi) with
-                                                        the CSVR thermostat, isotropic
-=========  ===========================================  ===============================================
-
-NPT differs on purpose: Berendsen's weak coupling reaches the target density and temperature but suppresses
-the volume fluctuations; stochastic cell rescaling relaxes as fast (first order, the same ``taup`` and
-compressibility) and samples the isothermal-isobaric ensemble, fluctuations included, with no barostat mass to
-tune. The two agree on averages, not trajectory by trajectory.
+"""The integrators behind :func:`cgforge.plugin.md.run_md`: ASE's dynamics (any ASE calculator) or cgforge's device
+engine (``engine.Engine``), behind one interface: ``nsteps``, ``irun(steps)`` (yields at the start, then with
+``atoms`` updated: ASE's after every step, the engine at the trajectory and log intervals, the last step, and
+after a block when Ctrl-C was pressed) and ``restart_info()``. docs/md.md tabulates the integrator per ensemble.
 """
 
 from __future__ import annotations

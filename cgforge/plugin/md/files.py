@@ -16,14 +16,10 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
-from .options import PLOT_SUFFIXES, read_saved
+from .options import PLOT_SUFFIXES, read_saved  # noqa: F401 (PLOT_SUFFIXES: run.py's)
 
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
-__all__ = ["PLOT_SUFFIXES", "TRAJ_SUFFIXES", "Restart", "check_new_path", "check_distinct", "read_structure",
-           "read_restart", "TrajectoryWriter", "make_printer", "Printer", "check_restart_model", "model_name",
-           "MODEL_MISMATCH_MEV_PER_ATOM"]
-
 
 @dataclass
 class Restart:

@@ -1,16 +1,10 @@
 """Force providers for the MD engine: a model runtime's step (``runtime.potential.Potential``), or any torch
 energy function.
 
-A provider evaluates energy, forces (and the virial) of the engine's float64 state inside the engine's step
-(``compute``: no host reads, so it can be captured in a CUDA graph) and says on the device whether the result
-can be trusted: ``stale`` (the Verlet list may miss a pair: an atom moved too far since the list was built) and
-``overflow`` (more edges than the captured buffers hold). The engine discards such a step, and between blocks
-calls ``rebuild`` / ``grow`` on the host.
-
-Staleness with a changing cell (NPT): with M = cell_ref^-1 cell and the affine displacement u_i = r_i - r_ref,i M,
-an image pair's vector is v' = v_ref M + u_j - u_i, so |v'| >= s_min(M) |v_ref| - 2 max|u|, and s_min(M) >= 1 -
-||M - I||_F. A pair outside the list (|v_ref| >= rc + skin) stays outside the cutoff while
-2 max|u| <= (1 - ||M - I||_F)(rc + skin) - rc; with a fixed cell (M = I) that is ASE's max|u| <= skin / 2.
+A provider computes energy, forces (and virial) inside the engine's step without host reads and says on the
+device whether to trust them: ``stale`` (an atom moved too far since the list was built) or ``overflow`` (more
+edges than the buffers hold). With a changing cell, M = cell_ref^-1 cell and affine displacements u, a pair
+outside the list stays outside the cutoff while 2 max|u| <= (1 - ||M - I||_F)(rc + skin) - rc (M = I: skin / 2).
 """
 
 from __future__ import annotations
@@ -27,8 +21,6 @@ from cgforge.kernels.edge_layout import EdgeTopology
 from ..runtime.neighbours import neighbour_list
 from ..runtime.options import RuntimeOptions
 from ..runtime.potential import Potential
-
-__all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces", "PendingList"]
 
 
 @dataclass

@@ -1,32 +1,12 @@
 """MD integrators in torch for the engine (``engine.Engine``): the same code on CPU tensors and in a CUDA graph.
 
-Every integrator splits one step around the force call: ``before_forces`` (kicks, drift, cell scaling), the
-engine evaluates forces (and the virial when ``needs_virial``) at the new positions, ``after_forces``. They
-work in place on an ``MDState`` of float64 tensors (ASE units: Å, eV, amu, ASE time) and read random numbers
-only through the noise source they are given (``noise(stream, shape)``, standard normals of the step being
-taken), so tests can feed them ASE's own draws; the engine's is a ``NoiseSource`` (the counter-based draws of
-``cgforge.kernels.noise``).
-
-- ``VelocityVerlet``: ASE's ``VelocityVerlet``, operation for operation.
-- ``Langevin``: ASE's ``Langevin`` (the Vanden-Eijnden & Ciccotti second-order scheme that ASE implements,
-  ``fixcm=False``): with the same forces and the same random numbers (xi, then eta, per step) it gives ASE's
-  numbers.
-- ``CSVR``: Bussi-Donadio-Parrinello stochastic velocity rescaling (J. Chem. Phys. 126, 014101, 2007) around
-  velocity Verlet, a half-step rescale before the first kick and after the second. Chosen as the global
-  thermostat over a Nosé-Hoover chain: it samples the canonical distribution also for stiff or harmonic
-  systems (a chain can be non-ergodic there), has no thermostat masses to tune, leaves velocity Verlet as it
-  is between rescalings (gentle on dynamics), and its effective energy (``conserved``) is a drift check.
-- ``StochasticCellRescaling``: Bernetti & Bussi's stochastic cell rescaling barostat (J. Chem. Phys. 153,
-  114107, 2020) with the CSVR thermostat, isotropic or anisotropic (each Cartesian axis scaled on its own, no
-  shear). See the class doc for the equations.
-
-Each scheme's arithmetic between its noise draws and its in-place updates is a pure function of tensors (the
-module-level ``_*`` functions below). ``Integrator.fuse(compile)`` swaps them for compiled versions (the engine
-passes ``torch.compile`` when the calculator's model is compiled): in a captured CUDA graph every tiny torch
-operation is a node of a few microseconds however little it does, and an NPT step's thermostat and barostat
-scalars were ~80 of them. Unfused (the default, and on a CPU) they run as
-written, operation for operation, except Langevin's two halves on CUDA: one kernel each
-(``cgforge.kernels.md_step``, beside its torch reference) where the torch expressions are ~25 kernels.
+Each splits a step around the force call (``before_forces``, forces and, with ``needs_virial``, the virial,
+``after_forces``), works in place on an ``MDState`` (float64, ASE units) and draws random numbers only through
+the ``noise(stream, shape)`` it is given (tests feed ASE's draws). ``VelocityVerlet`` and ``Langevin`` are ASE's
+schemes operation for operation; ``CSVR`` is Bussi's stochastic velocity rescaling, ``StochasticCellRescaling``
+Bernetti & Bussi's barostat with it. The arithmetic between draws and updates is pure functions (``_*``), which
+``Integrator.fuse(compile)`` compiles (one fused kernel instead of many tiny graph nodes); unfused, Langevin's
+halves run as ``cgforge.kernels.md_step`` kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -48,8 +28,6 @@ from cgforge.kernels.md_step import (
 )
 from cgforge.kernels.noise import normal_noise
 
-__all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling", "NoiseSource",
-           "kinetic_energy", "kinetic_tensor", "volume"]
 
 @dataclass
 class MDState:

@@ -13,8 +13,6 @@ import numpy as np
 
 from cgforge.atomic import atomic_path
 
-__all__ = ["check_matplotlib", "write_plot", "plot_run"]
-
 
 def check_matplotlib(what: str = "plot") -> None:
     """An error naming ``what`` when matplotlib is not installed (checked before a run, not after it)."""

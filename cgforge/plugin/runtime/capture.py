@@ -1,14 +1,8 @@
-"""CUDA-graph capture and buffer capacities, shared by the model step, the MD engine and the LAMMPS step.
+"""CUDA-graph capture (``capture_graph``, ``capture_or_fall_back``) and buffer capacities (``room``), shared by the
+model step, the MD engine and the LAMMPS step.
 
-``capture_graph`` is the one capture routine: warm-up calls on a side stream (cuBLAS workspaces, autograd's
-device threads), as torch asks, then the capture into a given memory pool. ``capture_or_fall_back`` turns a
-failure into eager steps with the reason kept. ``room`` is the one capacity rounding of static buffers.
-
-Python's cyclic garbage collector is off during a capture: a collection inside it would run the destructors of
-whatever dead cycles hold (an earlier engine's CUDA graphs when a user's callback closed a cycle over it), and a
-graph destroyed during a capture invalidates that capture (and aborts the process when a later destructor meets
-the failed capture). Dead cycles are collected after it. (A full collection before each capture instead cost a
-large part of a short run: docs/measured-constants.md.)
+The cyclic garbage collector is off during a capture: a collection there could destroy an earlier CUDA graph held
+in a dead cycle, which invalidates the capture (docs/measured-constants.md).
 """
 
 from __future__ import annotations
@@ -20,8 +14,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-
-__all__ = ["capture_graph", "capture_or_fall_back", "room"]
 
 T = TypeVar("T")
 

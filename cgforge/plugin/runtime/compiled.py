@@ -1,30 +1,12 @@
 """The model's energy compiled by ``torch.compile`` (Inductor) for the potential's step (``compile=...``).
 
-What is compiled: the adapter's ``energy(positions, vectors, species, edge_index, per_atom)``, the whole patched
-model, as one graph (``fullgraph=True``). The forces stay ``torch.autograd.grad`` outside it: AOTAutograd
-compiles the model's backward too, so Inductor fuses the small elementwise, copy and index kernels of both
-passes. cgforge's own kernels (convolution, symmetric contraction) are ``torch.library`` custom ops with fake
-implementations and registered autograd: opaque nodes in the graph, launched as they are. The edge layout, the
-edge vectors and their backward (the forces' segment sums) stay eager, as does the ``ModelStep`` around them,
-which still captures the whole step (layout, compiled forward and backward) in its own CUDA graph: hence only
-Inductor modes without Inductor's own CUDA graphs (``MODES``).
-
-Shapes: the step marks the edge dimension dynamic from the first call, padded (a new capacity at an overflow or
-a shrinking rebuild) or not (exact edge counts, every step another): one compilation per model and dtype, not
-a recompilation in the middle of an MD run at the first capacity change.
-
-Failures: an unsupported configuration is refused when the potential is made (``check_compile``: a model not
-patched by cgforge, streaming, a torch without a working compiler for the device). A compilation that fails at
-the first call (a graph break in some model's code under ``fullgraph=True``, an Inductor or Triton error) warns
-and runs that step, and every later one, eagerly; ``CompiledEnergy.error`` keeps the reason.
-
-Under compilation the patched model's layers take the convolution graph the step pinned for its edges (as it
-does before every call anyway), and only inside the step's ``serve_pinned`` block (``graph_cache``): a patched
-model compiled by someone else gets an error saying so rather than a graph of other edges.
-
-Not fused away: the symmetric contraction's transformed weights (W' = A W, a few small kernels per product
-block) are cached by the eager path but recomputed in the compiled graph (the cache's check reads data
-pointers, which dynamo cannot trace).
+The adapter's ``energy`` is compiled as one graph (``fullgraph=True``) and its backward through AOTAutograd;
+cgforge's kernels are custom ops, opaque to Inductor; the edge layout and the forces' segment sums stay eager,
+and ``ModelStep`` captures the whole step in its own CUDA graph (hence ``MODES``: no Inductor CUDA graphs). The
+edge dimension is dynamic from the first call (one compilation per model and dtype). A configuration that cannot
+work is refused when the potential is made (``check_compile``); a compilation that fails at the first call warns
+and runs eagerly from then on (``CompiledEnergy.error``). The layers read the convolution graph the step pinned,
+only inside its ``serve_pinned`` block (``graph_cache``).
 """
 
 from __future__ import annotations
@@ -34,8 +16,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-
-__all__ = ["MODES", "CompiledEnergy", "check_compile", "parse_compile"]
 
 # Inductor modes that leave CUDA graphs to the step ("reduce-overhead" and "max-autotune" capture with
 # Inductor's cudagraph trees, which cannot nest inside the step's own capture).

@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["NonFiniteOutputError", "non_finite_message"]
-
 _SHOWN_ATOMS = 8  # atom indices named in a message
 
 

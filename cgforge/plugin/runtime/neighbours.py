@@ -1,18 +1,8 @@
-"""Neighbour lists: one cell-list (binning) search in torch, whose candidate loop is two CUDA kernels on a GPU
-and torch operations on the CPU (``cgforge.kernels.cell_search``: the kernels beside their reference, the same
-list).
+"""Neighbour lists: one cell-list (binning) search in torch (``cgforge.kernels.cell_search`` for the candidates).
 
-Conventions are those of matscipy's ``neighbour_list("ijS", atoms, cutoff)``:
-an edge is (sender i, receiver j, integer image vector S) with
-
-    vector = positions[j] - positions[i] + S @ cell,    |vector| < cutoff  (strict)
-
-``cell`` holds the lattice vectors as rows (ASE convention). Every pair appears in both directions,
-an atom is its own neighbour through periodic images when the cell is small, and (i, i, 0) never
-appears. Shifts refer to the positions as given: atoms may lie outside the cell, also along periodic
-directions, and need not be wrapped by the caller.
-
-Edges come sorted by (receiver, sender): the fused convolution consumes receiver-sorted (CSR) edges.
+matscipy's ``neighbour_list("ijS")`` conventions: an edge is (sender i, receiver j, integer image S) with
+``vector = positions[j] - positions[i] + S @ cell`` (cell rows), ``|vector| < cutoff``; every pair in both
+directions, (i, i, 0) never; positions need not be wrapped. Edges come sorted by (receiver, sender).
 """
 
 from __future__ import annotations
@@ -26,8 +16,6 @@ from torch import Tensor
 
 from cgforge.kernels.cell_search import Bins, candidate_pairs, empty_pairs
 from cgforge.kernels.edge_layout import edges_within
-
-__all__ = ["neighbour_list", "VerletNeighbourList"]
 
 PbcLike = bool | Sequence[bool] | Tensor | np.ndarray
 

@@ -1,11 +1,4 @@
-"""The runtime's policy knobs as one typed value, passed to ``load`` / ``Potential`` / ``Calculator(options=...)``.
-
-    from cgforge.plugin.runtime.options import RuntimeOptions
-    calc = Calculator("mace", options=RuntimeOptions(order_above_atoms=None))
-
-The defaults are what production runs use; tests and benchmarks pass other values instead of overwriting
-module constants.
-"""
+"""The runtime's policy knobs as one typed value, passed to ``load`` / ``Potential`` / ``Calculator(options=...)``."""
 
 from __future__ import annotations
 
@@ -13,8 +6,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-__all__ = ["RuntimeOptions"]
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,10 @@
 """One model step (energy, forces, stress) on static device buffers, optionally captured in a CUDA graph.
 
-Per call the host copies positions in, asks the Verlet list whether it is stale (one host sync), runs the
-step and copies the results out (one device-to-host copy, which also brings back the edge count). The step:
-
-1. edges: the Verlet list (pairs within cutoff + skin) is cut to the cutoff on the device and laid out,
-   receiver-sorted and padded, in a fixed number of slots (``edge_layout``); or, with ``filter_edges=False``,
-   the whole Verlet list is laid out once per rebuild. The ConvGraph of the layout is pinned in the
-   model's graph cache, so no layer builds or checks one.
-2. vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), times (I + strain) when stress
-   is asked for; the model's energy; autograd gives forces = -dE/dpos (segment sums over the layout's
-   receiver rows and its transpose: no atomics, deterministic, ``edge_vectors``) and the virial
-   dE/dstrain = sum over edges of vector (x) dE/dvector.
-
-With ``cuda_graph`` the step is captured once per (buffer capacities, properties) and replayed: no Python
-and no kernel-launch cost per step. Buffers have a capacity with a small margin; the edge count is checked
-after the step (it comes back with the results), and a step whose edges overflowed the capacity is run again
-with more room (a new capture). Capacities shrink at a neighbour-list rebuild when far too large.
-
-Padding needs a model whose edges beyond the cutoff contribute exactly zero (``inert_beyond_cutoff``);
-without that the step runs eagerly with exact edge counts (``padded=False``).
+Per call: positions in, the Verlet list's staleness (one host sync), the step, results out (with the edge
+count). Edges are the Verlet list cut to the cutoff on the device and laid out in padded slots
+(``edge_layout``); forces and virial come from autograd (``graph_derivatives``). With ``cuda_graph`` the step is
+captured once per (capacities, properties) and replayed; a step whose edges overflowed is run again with more
+room. Padding needs ``inert_beyond_cutoff``; without it the step runs eagerly with exact edge counts.
 """
 
 from __future__ import annotations
@@ -53,8 +39,6 @@ from .compiled import CompiledEnergy
 from .edge_vectors import edge_differences, row_sums, rows_times
 from .neighbours import VerletNeighbourList
 
-__all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
-
 Phase = Callable[[str], AbstractContextManager]
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
 # The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, while a list that
@@ -81,7 +65,6 @@ class StepOutput:
     virial: Tensor | None
     energies: Tensor | None
     count: Tensor
-
 
 
 EnergyFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
@@ -270,8 +253,7 @@ class ModelStep:
             count = int(host[-1])
             if not (self.padded and self.filter_edges and count > self._capacity):
                 break
-            self._capacity = self._grown(count)  # overflow: the layout was not valid; again, with room
-            self.invalidate("model edges overflowed")
+            self.grow(count)  # overflow: the layout was not valid; again, with room
         self.n_edges = count
         return host[:-1]
 
@@ -316,8 +298,7 @@ class ModelStep:
             count = int(out[-1])
             if count <= self._capacity:
                 break
-            self._capacity = self._grown(count)
-            self.invalidate("model edges overflowed")
+            self.grow(count)
         n = self._n
         at = 1
         parts: dict[str, Tensor | None] = {"forces": None, "virial": None, "energies": None}
@@ -560,20 +541,12 @@ class ModelStep:
         return torch.cat([p.to(torch.float64) for p in parts])
 
     def _compute_parts(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
-        # Named ranges for torch.profiler (host-side markers only: harmless inside a capture).
-        with record_function("cgforge.step"):
-            return self._compute_step(key, phase)
-
-    def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
-        with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
-            layout = self._step_layout()
-
-        def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
-                   ) -> tuple[Tensor, Tensor | None]:
-            return self._energy(positions, vectors, edge_index, layout, per_atom)
-
-        return graph_derivatives(self.adapter, self.caches, layout, self._n, self._pos, self._cell, energy, key,
-                                 phase, groups=self._groups, serve_pinned=self.compiled is not None)
+        with record_function("cgforge.step"):  # profiler markers, host-side only: harmless inside a capture
+            with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
+                layout = self._step_layout()
+            return graph_derivatives(self.adapter, self.caches, layout, self._n, self._pos, self._cell,
+                                     lambda p, v, e, per_atom: self._energy(p, v, e, layout, per_atom), key, phase,
+                                     groups=self._groups, serve_pinned=self.compiled is not None)
 
     def _energy(self, positions: Tensor, vectors: Tensor, edge_index: Tensor, layout: EdgeLayout,
                 per_atom: bool) -> tuple[Tensor, Tensor | None]:

@@ -1,26 +1,10 @@
 """Fixed-workspace force evaluation: the system in tiles, each evaluated with its halo.
 
-In a model of ``hops`` message-passing layers an atom's energy depends only on the atoms within ``hops``
-cutoffs. The system is cut into a grid of tiles in lattice coordinates; a tile is evaluated as a cluster
-without a cell: the atoms it owns and every periodic image of an atom within ``hops x cutoff`` of it (its
-halo). Only the owned atoms' energies are differentiated, so
-
-    E = sum over tiles of sum over owned atoms of e_i
-
-is the energy of the whole system, and its forces and virial are the sums of the tiles' derivatives (the
-decomposition LAMMPS's ghost atoms make across MPI ranks). No array over the system's edges exists: each tile
-searches its own neighbours, uses them and drops them.
-
-Edges are kept where they matter: the owned atoms' energies need the last layer's features on those atoms,
-which need the layer before on their neighbours, and so on: the edges whose receiver lies within ``hops - 1``
-graph steps of an owned atom. The atoms those edges send from close the cluster.
-
-Memory: positions, species and forces of the whole system (about 60 bytes an atom) and one tile's working set,
-which ``plan_grid`` keeps within a budget: the workspace is fixed. Work: the halo's receivers are evaluated
-again by the tiles beside it, a factor (1 + 2 (hops - 1) cutoff / tile width) per direction.
-
-Deterministic: tiles run in a fixed order, the neighbour search sorts its output, the layout's transpose is a
-stable sort, and the forces of an atom met in several tiles (or as several images) are added in a fixed order.
+A tile is a cluster without a cell: the atoms it owns and every periodic image within ``hops x cutoff`` of them
+(``hops`` message-passing layers). Only the owned atoms' energies are differentiated, so the tiles' energies,
+forces and virials sum to the whole system's (as LAMMPS's ghost atoms across ranks); no array over the system's
+edges exists. Edges are kept whose receiver lies within ``hops - 1`` graph steps of an owned atom. Deterministic:
+fixed tile order, sorted searches, stable sorts, fixed-order force sums. docs/calculator.md has the memory model.
 """
 
 from __future__ import annotations
@@ -43,9 +27,6 @@ from .adapters import ModelAdapter
 from .neighbours import _as_pbc, _binning_basis, neighbour_list
 from .options import RuntimeOptions
 from .step_graph import StepOutput, graph_derivatives
-
-__all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "check_workspace", "plan_grid",
-           "sampled_edges_per_atom", "tiles_needed"]
 
 Pbc = tuple[bool, bool, bool]
 _HALO_MARGIN = 1e-6  # relative: the halo is a hair wider than hops x cutoff (rounding of the search's lengths)
