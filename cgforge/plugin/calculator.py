@@ -71,8 +71,6 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
     return model, dtype, kwargs
 
 
-
-
 def _delegate(name: str, doc: str, writable: bool = False) -> property:
     """A property of the calculator that is ``self.potential.<name>``."""
 
@@ -86,42 +84,22 @@ def _delegate(name: str, doc: str, writable: bool = False) -> property:
 
 
 class Calculator(AseCalculator):
-    """ASE calculator for MACE and NequIP models running on cgforge's kernels.
+    """ASE calculator for MACE and NequIP models running on cgforge's kernels (docs/calculator.md).
 
     model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
     ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
-    device: None picks cuda when available, else cpu. dtype: None keeps the model's.
-    skin: Verlet skin in Å. head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}
-    for types that are not chemical symbols.
-    patch: True runs cgforge's kernels, False the model's own (e3nn) code; None: cgforge's kernels on CUDA and
-    the model's own code on a CPU, where it is faster (``patched`` says which is in use).
-    tuning: a ``cgforge.kernels.KernelTuning``, the knobs of the kernels the patch builds (None: the measured
-    defaults; NequIP models use its ``tp`` only); given, the model is patched also on a CPU, and ``patch=False``
-    or a module given already patched with another tuning is refused (``calc.tuning`` says what was given).
-    forces_with_energy: an energy call on a new structure computes the forces in the same run (as
-    MACECalculator does), so ``get_potential_energy()`` then ``get_forces()`` cost one model run; False runs
-    energy-only calls without autograd.
-    stress_with_forces: also compute the stress whenever forces are computed (for NPT integrators that ask for
-    forces and stress in separate calls).
-    warmup, cuda_graph, filter_edges, radial_precision, radial_table, streaming, compile, options: the runtime's
-    (``runtime.potential.Potential``: kernel warm-up, CUDA-graph capture, edge filtering, radial-MLP precision,
-    radial tables, streaming, ``torch.compile``, ``RuntimeOptions``). workspace: ``"whole"`` evaluates the system
-    as one graph, ``"tiled"`` in tiles with a fixed working set (``runtime.tiled``: memory grows with the atoms
-    only, for systems past a few million atoms), ``"auto"`` (the default) in tiles where one graph would not
-    fit the GPU. Systems larger than
-    ``options.order_above_atoms`` run in a spatial order; results always come back in the order given.
-    MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
-    and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
+    device: None picks cuda when available. dtype: None keeps the model's. skin: Verlet skin in Å. head: MACE
+    head. type_map: NequIP {chemical symbol: type name}. patch: cgforge's kernels (True) or the model's own code
+    (False); None: kernels on CUDA only. tuning: a ``KernelTuning`` (implies patching, also on a CPU).
+    forces_with_energy: an energy call computes the forces in the same run (as MACECalculator does).
+    stress_with_forces: also the stress whenever forces are computed. warmup, cuda_graph, filter_edges,
+    radial_precision, radial_table, streaming, compile, options, workspace: ``runtime.potential.Potential``'s.
+    MACECalculator's ``model_paths=`` and ``default_dtype=`` mean ``model=`` and ``dtype=``; another unknown
+    keyword is a TypeError.
 
-    Stress (eV/Å^3, ase's sign and Voigt order) is sym(dE/d eps) / V, where eps strains all positions and all
-    three cell vectors and V is the volume of ``atoms.cell``, also with partial periodicity (a slab's
-    non-periodic cell vector is strained too and counts in V as given; MACECalculator divides the same virial by
-    the volume of a cell whose non-periodic vectors it replaces, so compare virials there). A structure without
-    a 3-D cell has no stress.
-
-    A NaN or inf in the model's output raises ``NonFiniteOutputError`` (a ValueError) naming the output, the
-    first atoms, the closest pair of atoms and any non-finite model parameters (also at the warm-up, so a broken
-    model file fails at construction).
+    Stress (eV/Å^3, ase's sign and Voigt order) is sym(dE/d eps) / V, V the volume of ``atoms.cell`` (a slab's
+    non-periodic vector is strained and counts as given). A NaN or inf in the output raises
+    ``NonFiniteOutputError`` naming the output, the first atoms and the closest pair.
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]

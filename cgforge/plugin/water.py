@@ -30,15 +30,8 @@ _AVOGADRO_E24 = 0.6022
 _GRID_ORIGIN = 0.3  # Å: shifts the grid off the cell faces, as the anchors do
 
 
-def water_box(
-    n_molecules: int | None = None,
-    *,
-    n_side: int | None = None,
-    density: float = 1.0,
-    seed: int = 0,
-    oh_length: float = 0.9572,
-    hoh_angle: float = 104.52,
-) -> Atoms:
+def water_box(n_molecules: int | None = None, *, n_side: int | None = None, density: float = 1.0, seed: int = 0,
+              oh_length: float = 0.9572, hoh_angle: float = 104.52) -> Atoms:
     """A cubic periodic box of randomly oriented rigid water molecules on a simple cubic grid.
 
     Give either ``n_side`` (n_side^3 molecules, every grid site filled) or ``n_molecules`` (the
@@ -120,10 +113,8 @@ def check_water_order(numbers: np.ndarray | Tensor) -> None:
     bad = np.nonzero((numbers.reshape(-1, 3) != (8, 1, 1)).any(1))[0]
     if len(bad):
         m = int(bad[0])
-        raise ValueError(
-            f"atoms must be ordered O, H, H per molecule; molecule {m} (atoms {3 * m}..{3 * m + 2}) "
-            f"has atomic numbers {numbers[3 * m:3 * m + 3].tolist()}"
-        )
+        raise ValueError(f"atoms must be ordered O, H, H per molecule; molecule {m} (atoms {3 * m}..{3 * m + 2}) "
+                         f"has atomic numbers {numbers[3 * m:3 * m + 3].tolist()}")
 
 
 def _check_molecules(positions: Tensor) -> None:
@@ -150,17 +141,8 @@ def whole_molecule_shifts(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool
     return shifts
 
 
-def qspcfw_energy(
-    positions: Tensor,
-    cell: Tensor,
-    sender: Tensor,
-    receiver: Tensor,
-    shifts: Tensor,
-    *,
-    cutoff: float = 9.0,
-    alpha: float = 0.2,
-    params: QSPCFw = Q_SPC_FW,
-) -> Tensor:
+def qspcfw_energy(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, *,
+                  cutoff: float = 9.0, alpha: float = 0.2, params: QSPCFw = Q_SPC_FW) -> Tensor:
     """Total q-SPC/Fw energy (eV, scalar tensor) of whole molecules, differentiable in positions and cell.
 
     positions [N, 3] are ordered (O, H, H) per molecule with each molecule whole (see
@@ -181,9 +163,9 @@ def qspcfw_energy(
     # atan2(|a x b|, a.b): well conditioned near 104-112 degrees, unlike acos near its ends.
     theta = torch.atan2(torch.linalg.vector_norm(torch.cross(bond_1, bond_2, dim=-1), dim=-1),
                         (bond_1 * bond_2).sum(-1))
-    intramolecular = 0.5 * params.bond_k * kcal * (
-        (length_1 - params.bond_r0).square() + (length_2 - params.bond_r0).square()
-    ) + 0.5 * params.angle_k * kcal * (theta - math.radians(params.angle_theta0)).square()
+    intramolecular = (0.5 * params.bond_k * kcal * ((length_1 - params.bond_r0).square()
+                                                    + (length_2 - params.bond_r0).square())
+                      + 0.5 * params.angle_k * kcal * (theta - math.radians(params.angle_theta0)).square())
 
     _, lengths, within = edges_within(positions, cell, sender, receiver, shifts, cutoff)
     same_molecule = sender.div(3, rounding_mode="floor") == receiver.div(3, rounding_mode="floor")

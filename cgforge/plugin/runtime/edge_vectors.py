@@ -14,12 +14,6 @@ from torch import Tensor
 from cgforge.kernels.segment_sum import segment_sum
 
 
-def row_sums(values: Tensor, rowptr: Tensor) -> Tensor:
-    """[N, K] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, K], in its dtype, in an
-    order fixed for every run (``cgforge.kernels.segment_sum``)."""
-    return segment_sum(values, rowptr)
-
-
 class _EdgeDifferences(torch.autograd.Function):
     @staticmethod
     def forward(ctx, positions: Tensor, sender: Tensor, receiver: Tensor, rowptr: Tensor, perm_t: Tensor,
@@ -31,8 +25,8 @@ class _EdgeDifferences(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         rowptr, perm_t, rowptr_t = ctx.saved_tensors
-        received = row_sums(grad, rowptr)
-        sent = row_sums(grad.index_select(0, perm_t.long()), rowptr_t)
+        received = segment_sum(grad, rowptr)
+        sent = segment_sum(grad.index_select(0, perm_t.long()), rowptr_t)
         return received - sent, None, None, None, None, None
 
 

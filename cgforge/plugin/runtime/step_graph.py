@@ -30,13 +30,14 @@ from cgforge.kernels.edge_layout import (
     layout_within,
     pad_offset_vector,
 )
+from cgforge.kernels.segment_sum import segment_sum
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .adapters import ModelAdapter
 from .capture import capture_or_fall_back, room
 from .compiled import CompiledEnergy
-from .edge_vectors import edge_differences, row_sums, rows_times
+from .edge_vectors import edge_differences, rows_times
 from .neighbours import VerletNeighbourList
 
 Phase = Callable[[str], AbstractContextManager]
@@ -52,7 +53,7 @@ def _no_phase(name: str) -> AbstractContextManager:
 
 @dataclass
 class StepOutput:
-    """One step's results as device tensors (``ModelStep.compute`` / ``evaluate``).
+    """One step's results as device tensors (``ModelStep.compute``, ``graph_derivatives``).
 
     energy [] ([B] for a batch of B structures); forces [N, 3] (None without forces); virial [3, 3] ([B, 3, 3])
     = sym(dE/d strain) (None without stress);
@@ -142,7 +143,7 @@ def _per_structure(values: Tensor, structure: Tensor, count: int) -> Tensor:
     the segment-sum kernel on CUDA (FP64 accumulation, no atomics), index_add (sequential) elsewhere."""
     if values.is_cuda:
         rowptr = torch.searchsorted(structure, torch.arange(count + 1, device=structure.device))
-        return row_sums(values.unsqueeze(1), rowptr).squeeze(1)
+        return segment_sum(values.unsqueeze(1), rowptr).squeeze(1)
     return values.new_zeros(count).index_add_(0, structure, values)
 
 
@@ -280,37 +281,6 @@ class ModelStep:
             rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
             if rebuilt or self._verlet is None:
                 self._load_verlet()
-
-    def evaluate(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], species: Tensor, *,
-                 forces: bool = True, stress: bool = False, per_atom: bool = False) -> StepOutput:
-        """``run`` on device tensors: positions [N, 3] and cell [3, 3] (any float dtype, on ``self.device``) in,
-        device tensors out (float64; views of the step's output buffer, valid until the next call).
-
-        No host copies of positions or results; the host reads two scalars: the Verlet list's staleness (as
-        ``run``) and, when padded, the edge count (an overflowed layout is run again with room)."""
-        self.load(positions, cell, species)
-        self._refresh_list(pbc)
-        key = (bool(forces or stress), bool(stress), bool(per_atom))
-        while True:
-            out = self._execute(key)
-            if not (self.padded and self.filter_edges):
-                break
-            count = int(out[-1])
-            if count <= self._capacity:
-                break
-            self.grow(count)
-        n = self._n
-        at = 1
-        parts: dict[str, Tensor | None] = {"forces": None, "virial": None, "energies": None}
-        if key[0]:
-            parts["forces"] = out[at:at + 3 * n].view(n, 3)
-            at += 3 * n
-        if key[1]:
-            parts["virial"] = out[at:at + 9].view(3, 3)
-            at += 9
-        if key[2]:
-            parts["energies"] = out[at:at + n]
-        return StepOutput(energy=out[0], count=out[-1].to(torch.int64), **parts)
 
     # --- the tensor-level pieces (the MD engine captures them with its integrator) --------------------
 
