@@ -484,15 +484,10 @@ class Printer:
 def make_printer(log: Any, force: bool, what: str = "log") -> Printer:
     """The :class:`Printer` of ``log`` (print, a callable, a stream, a file name, a list of these, or None); a
     file name was checked by :func:`check_new_path` and is created here."""
-    printer = _printer(log, force, what)
-    return Printer(*printer) if isinstance(printer, tuple) else printer
-
-
-def _printer(log: Any, force: bool, what: str) -> tuple | Printer:
     if log is None:
-        return (lambda line: None), (lambda: None), None
+        return Printer(lambda line: None, lambda: None)
     if log is print:
-        return (lambda line: print(line, flush=True)), (lambda: None), None  # the sys.stdout of the moment
+        return Printer(lambda line: print(line, flush=True), lambda: None)  # the sys.stdout of the moment
     if isinstance(log, str | os.PathLike):
         path = Path(log)
         try:
@@ -502,9 +497,9 @@ def _printer(log: Any, force: bool, what: str) -> tuple | Printer:
         write = stream_printer(stream)
         return Printer(write, stream.close, path, write)
     if hasattr(log, "write"):
-        return stream_printer(log), (lambda: None), None
+        return Printer(stream_printer(log), lambda: None)
     if callable(log):
-        return log, (lambda: None), None
+        return Printer(log, lambda: None)
     if isinstance(log, list | tuple) and log and not any(isinstance(x, list | tuple) for x in log):
         if sum(isinstance(x, str | os.PathLike) for x in log) > 1:
             raise ValueError(f"{what}: at most one file name in the list")

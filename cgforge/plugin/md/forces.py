@@ -183,11 +183,8 @@ class ModelForces:
         self.step.rebuild(self.pbc)
         self._set_reference(positions, cell)
 
-    # A rebuild in three parts, so the search overlaps a block of MD steps on the GPU (the engine's pipelined
-    # rebuild): ``snapshot`` queues copies of the block's start state before its steps, ``search`` finds the list
-    # at that state on a side stream (its host syncs wait for that stream only, not for the block), ``install``
-    # loads it between blocks. The list is valid for the snapshot's positions, which become the reference of
-    # the staleness check, so steps taken since then only use up some of its slack.
+    # The engine's pipelined rebuild, whose search overlaps a block of steps: ``snapshot`` before the block,
+    # ``search`` on a side stream, ``install`` between blocks; the snapshot becomes the staleness reference.
 
     def snapshot(self, positions: Tensor, cell: Tensor) -> PendingList:
         """Queue copies of the state a list will be searched for (before the steps that change it)."""

@@ -69,15 +69,6 @@ def kinetic_energy(state: MDState) -> Tensor:
     return kinetic(state.momenta, state.masses)
 
 
-def _kinetic_tensor(momenta: Tensor, masses: Tensor) -> Tensor:
-    return (momenta / masses).T @ momenta
-
-
-def kinetic_tensor(state: MDState) -> Tensor:
-    """sum_i p_i (x) p_i / m_i [3, 3] (twice the kinetic energy tensor)."""
-    return _kinetic_tensor(state.momenta, state.masses)
-
-
 def volume(cell: Tensor) -> Tensor:
     """|det(cell)| as a triple product (elementwise ops: safe in a CUDA-graph capture, unlike an LU)."""
     return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
@@ -85,7 +76,7 @@ def volume(cell: Tensor) -> Tensor:
 
 def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
     """The pressure tensor (sum p (x) p / m - W) / V."""
-    return (_kinetic_tensor(momenta, masses) - virial) / volume
+    return ((momenta / masses).T @ momenta - virial) / volume
 
 
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
@@ -293,12 +284,10 @@ class StochasticCellRescaling(CSVR):
     (in ln V the kT/V term of the paper's volume equation cancels against the Itô drift of the V-dependent noise),
     and positions, cell and momenta scale by mu = exp(d eps / 3), mu, 1 / mu. Anisotropic: each Cartesian axis a
     has its own log-length x_a with d x_a = (beta / (3 tau_p)) (P_aa - P0) dt + sqrt(2 kT beta dt / (3 V tau_p)) R_a
-    (the axes' sum is the isotropic equation); the cell's columns scale, so there is no shear. Both sample
-    exp(-(E + P0 V) / kT) with the flat measure in V (isotropic) or in the three lengths (anisotropic): an ideal
-    gas has <V> = (N + 1) kT / P0 (tests/test_engine_integrators.py).
+    (the axes' sum is the isotropic equation; the cell's columns scale: no shear).
 
-    pressure_GPa: P0. compressibility_per_GPa: beta (water: 0.45 / GPa); only the product beta / tau_p matters for
-    the dynamics. tau_p_fs: the barostat's relaxation time. tau_fs, dof: the thermostat's (``CSVR``).
+    pressure_GPa: P0. compressibility_per_GPa: beta (only beta / tau_p matters). tau_p_fs: the barostat's
+    relaxation time. tau_fs, dof: the thermostat's (``CSVR``).
     """
 
     name = "stochastic_cell_rescaling"

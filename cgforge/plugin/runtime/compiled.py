@@ -17,22 +17,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-# Inductor modes that leave CUDA graphs to the step ("reduce-overhead" and "max-autotune" capture with
-# Inductor's cudagraph trees, which cannot nest inside the step's own capture).
+# Inductor modes that leave CUDA graphs to the step (the others capture their own, which cannot nest in it).
 MODES = ("default", "max-autotune-no-cudagraphs")
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
-# What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
-# recompile limit under fullgraph=True (not one of them). All calculators of a process share the cache of their
-# adapter's ``energy`` code: one of the same architecture and shapes reuses an entry (measured: a second and third
-# bundled-MACE calculator compile nothing), other architectures or atom counts add entries, 8 at most
-# (torch._dynamo.config.recompile_limit).
+# What a failed compilation raises: dynamo's errors (Inductor's and the backends' among them) and, under
+# fullgraph=True, the recompile limit (torch._dynamo.config.recompile_limit; calculators share dynamo's cache).
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
 
-# Inductor's hint at the first compilation on a TF32-capable GPU. cgforge keeps FP32 products unless the user picks
-# a radial-precision mode (whose force check guards it): the hint, seen at `cgforge md`'s first step, would
-# only invite turning TF32 on for every matmul, so it is not shown.
+# Inductor's hint on a TF32-capable GPU, not shown: cgforge keeps FP32 products unless a radial-precision mode
+# (with its force check) is picked, and the hint would invite TF32 for every matmul.
 _TF32_HINT = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
 
 EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]

@@ -65,21 +65,16 @@ def _check_positions_and_cell(positions: Tensor, cell: Tensor) -> None:
 
 
 def _binning_basis(cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray:
-    """Rows: the periodic lattice vectors, completed by an orthonormal basis of their complement.
-
-    Non-periodic cell vectors are never used for shifts, so they may be zero, parallel or anything:
-    binning along them happens in Cartesian distance perpendicular to the periodic lattice.
-    """
+    """Rows: the periodic lattice vectors, completed by an orthonormal basis of their complement (non-periodic
+    cell vectors are never used for shifts, so they may be zero, parallel or anything)."""
     periodic_rows = [d for d in range(3) if pbc[d]]
     if not periodic_rows:
         return np.eye(3)
     lattice = cell[periodic_rows]
     singular_values = np.linalg.svd(lattice, compute_uv=False)
     if singular_values.max() == 0.0 or singular_values.min() <= 1e-9 * singular_values.max():
-        raise ValueError(
-            f"cell is singular along its periodic directions (pbc={pbc}): "
-            f"lattice vectors {lattice.tolist()} are not linearly independent"
-        )
+        raise ValueError(f"cell is singular along its periodic directions (pbc={pbc}): "
+                         f"lattice vectors {lattice.tolist()} are not linearly independent")
     _, _, right = np.linalg.svd(lattice)
     complement = iter(right[len(periodic_rows):])
     return np.stack([cell[d] if pbc[d] else next(complement) for d in range(3)])
@@ -134,16 +129,12 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
     bins = _bins_per_direction(extent * heights, cutoff, n_atoms)
     bin_width = np.where(extent > 0, extent / np.asarray(bins), 1.0)
     # How many bins each side can hold a neighbour: one when bins are >= cutoff wide, more for a thin cell.
-    reach = [
-        math.ceil(cutoff * bins[d] / (extent[d] * heights[d]) - 1e-9) if pbc[d] else min(1, bins[d] - 1)
-        for d in range(3)
-    ]
+    reach = [math.ceil(cutoff * bins[d] / (extent[d] * heights[d]) - 1e-9) if pbc[d] else min(1, bins[d] - 1)
+             for d in range(3)]
     n_offsets = math.prod(2 * r + 1 for r in reach)
     if n_offsets > _MAX_BIN_OFFSETS:
-        raise ValueError(
-            f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
-            f"the search would need {n_offsets} periodic images"
-        )
+        raise ValueError(f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
+                         f"the search would need {n_offsets} periodic images")
 
     bins_t = torch.tensor(bins, device=device)
     coord = (frac - torch.as_tensor(origin, device=device)) / torch.as_tensor(bin_width, device=device)
@@ -161,15 +152,8 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
                  (bins[0], bins[1], bins[2]), (reach[0], reach[1], reach[2]), search_cutoff)
 
 
-def neighbour_list(
-    positions: Tensor,
-    cell: Tensor,
-    pbc: PbcLike,
-    cutoff: float,
-    *,
-    return_vectors: bool = False,
-    candidates_per_chunk: int = _CANDIDATES_PER_CHUNK,
-) -> tuple[Tensor, ...]:
+def neighbour_list(positions: Tensor, cell: Tensor, pbc: PbcLike, cutoff: float, *, return_vectors: bool = False,
+                   candidates_per_chunk: int = _CANDIDATES_PER_CHUNK) -> tuple[Tensor, ...]:
     """All pairs closer than `cutoff`, as matscipy's ``neighbour_list("ijS", ...)`` finds them.
 
     positions [N, 3] and cell [3, 3] (lattice vectors as rows) share dtype (float32/float64) and device;
@@ -181,10 +165,8 @@ def neighbour_list(
     ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
     respect to positions and cell. Indices never carry gradients.
 
-    Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide). On CUDA the candidates
-    are examined by two kernels of ``cgforge.kernels.cell_search`` (they need cgforge's GPU extra: CuPy and
-    NVRTC), elsewhere in chunks of `candidates_per_chunk`; the same list either way. The build syncs with the
-    device a few times.
+    O(N) time and memory at a fixed density; off CUDA the candidates are examined in chunks of
+    ``candidates_per_chunk``.
     """
     _check_positions_and_cell(positions, cell)
     pbc = _as_pbc(pbc)
@@ -244,9 +226,7 @@ class VerletNeighbourList:
 
     def rebuild(self, positions: Tensor, cell: Tensor, pbc: PbcLike) -> None:
         """Build the list now at these positions and cell, stale or not (the MD engine decides staleness on the
-        device, from the reference positions it keeps itself)."""
-        _check_positions_and_cell(positions, cell)
-        pbc = _as_pbc(pbc)
+        device, from the reference positions it keeps itself). ``neighbour_list`` checks the arguments."""
         self.install(positions, cell, pbc, neighbour_list(positions, cell, pbc, self.list_cutoff))
 
     def install(self, positions: Tensor, cell: Tensor, pbc: PbcLike, lists: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -266,13 +246,8 @@ class VerletNeighbourList:
 
     def _is_stale(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]) -> bool:
         reference = self._positions
-        if (
-            reference is None
-            or pbc != self._pbc
-            or reference.shape != positions.shape
-            or reference.dtype != positions.dtype
-            or reference.device != positions.device
-        ):
+        if (reference is None or pbc != self._pbc or reference.shape != positions.shape
+                or reference.dtype != positions.dtype or reference.device != positions.device):
             return True
         with torch.no_grad():
             stale = (cell != self._cell).any()

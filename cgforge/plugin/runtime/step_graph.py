@@ -157,15 +157,10 @@ def _times(rows: Tensor, matrix: Tensor, index: Tensor | None) -> Tensor:
 class ModelStep:
     """Energy (and forces, stress, per-atom energies) of one structure per ``run``; see the module doc.
 
-    filter_edges: cut the Verlet list to the cutoff every step (on the device) rather than feed the model all
-    of it. padded: fixed capacities with padding edges (needed for, and implied by, ``cuda_graph``).
-    margin: spare capacity (fraction) given to edge buffers when they are sized.
-    A patched model is told which atoms share a species, so its self-connections run one linear map per species
-    (``patches.species_linear``). use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
-    step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
-    compile: None, or the Inductor mode (``compiled.MODES``) the model's energy is compiled with
-    (``compiled.CompiledEnergy``; the caller checked that it can work: ``compiled.check_compile``).
-    compile_backend: the ``torch.compile`` backend (``RuntimeOptions.compile_backend``).
+    filter_edges: cut the Verlet list to the cutoff every step rather than feed the model all of it. padded:
+    fixed capacities with padding edges (implied by ``cuda_graph``). margin: spare capacity (a fraction) of edge
+    buffers. use_topology: lay edges out from the list's reverse edges (``EdgeTopology``); False sorts. compile:
+    None or the Inductor mode (``compiled.MODES``, checked by the caller), with ``compile_backend``.
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
@@ -237,8 +232,6 @@ class ModelStep:
         for cache in self.caches:
             cache.unpin()
 
-    # --- the call ---------------------------------------------------------------------------------
-
     def run(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor, *,
             forces: bool, stress: bool, per_atom: bool) -> np.ndarray:
         """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom]
@@ -281,8 +274,6 @@ class ModelStep:
             rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
             if rebuilt or self._verlet is None:
                 self._load_verlet()
-
-    # --- the tensor-level pieces (the MD engine captures them with its integrator) --------------------
 
     def load(self, positions: Tensor, cell: Tensor, species: Tensor) -> None:
         """Copy device positions [N, 3] and cell [3, 3] into the static buffers (no host copy); new buffers
@@ -338,8 +329,6 @@ class ModelStep:
         """One step on the buffers as they are, eagerly (capture-safe when padded: no host reads), for callers
         that capture it themselves. Results in the model's dtype, count as int64."""
         return self._compute_parts((bool(forces or stress), bool(stress), bool(per_atom)), _no_phase)
-
-    # --- static inputs ------------------------------------------------------------------------------
 
     def _load_structure(self, positions: np.ndarray, cell: np.ndarray, species: Tensor) -> None:
         self._ensure_structure(int(positions.shape[0]), species)
@@ -481,8 +470,6 @@ class ModelStep:
             self.invalidate("Verlet list capacity")
             self._topology = topology
 
-    # --- the step itself (capture-safe: no host reads when padded) ---------------------------------
-
     def _keep(self) -> Tensor:
         sender, receiver, shifts, valid = self._verlet
         _, _, inside = edges_within(self._pos, self._cell, sender, receiver, shifts, self.cutoff)
@@ -522,14 +509,10 @@ class ModelStep:
                 per_atom: bool) -> tuple[Tensor, Tensor | None]:
         if self.compiled is None:
             return self.adapter.energy(positions, vectors, self._species, edge_index, per_atom)
-        # The edge count is symbolic from the first compilation: unpadded it changes every step, padded at every
-        # capacity change (an MD run grows its buffers a few times, and a compilation mid-run can cost more than
-        # the run's steps).
+        # The edge count is symbolic from the first compilation: no recompilation at a capacity change mid-run.
         g = layout.graph
         dynamic = () if g is None else (g.sender, g.receiver, g.perm_t)
         return self.compiled(positions, vectors, self._species, edge_index, per_atom, edges_dynamic=dynamic)
-
-    # --- eager or captured ----------------------------------------------------------------------------
 
     def _execute(self, key: tuple[bool, bool, bool]) -> Tensor:
         if not self.cuda_graph:

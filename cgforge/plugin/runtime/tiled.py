@@ -36,11 +36,9 @@ _CPU_TILE_ATOMS = 100_000  # owned atoms a tile takes where no memory budget app
 
 @dataclass(frozen=True)
 class Frame:
-    """The system in lattice coordinates: ``fractional`` [N, 3] (``positions = fractional @ basis``; wrapped into
-    [0, 1) along periodic directions by the integer ``image`` [N, 3] of each atom: wrapped = positions + image @
-    cell), the coordinates' lower bound ``low`` [3] and extent ``span`` [3], and ``per_angstrom`` [3]: how much a
-    coordinate changes per Å at most (the inverse spacing of its lattice planes). Along a non-periodic direction
-    the basis row is a unit vector (``neighbours._binning_basis``), so its coordinate is a distance in Å."""
+    """The system in lattice coordinates: ``fractional`` [N, 3] (of ``basis``, ``neighbours._binning_basis``),
+    wrapped into [0, 1) along periodic directions (wrapped = positions + ``image`` @ cell), their lower bound
+    ``low`` and extent ``span`` [3], and ``per_angstrom`` [3] (the inverse spacing of each direction's planes)."""
 
     fractional: Tensor
     image: Tensor
@@ -68,10 +66,6 @@ class Frame:
                     low[d], span[d] = lo[d], max(hi[d] - lo[d], 1e-9)
         return cls(frac, -shift.to(torch.int64), basis, low, span, np.linalg.norm(inverse, axis=0), pbc)
 
-    def thickness(self) -> np.ndarray:
-        """The system's extent in Å across each direction's lattice planes."""
-        return self.span / self.per_angstrom
-
 
 @dataclass(frozen=True)
 class TileGrid:
@@ -87,19 +81,15 @@ class TileGrid:
 
 def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atoms: int | None = None,
               budget_bytes: int | None = None, edge_bytes: int = 0, edges_per_atom: float | None = None) -> TileGrid:
-    """The coarsest grid whose tiles own at most ``tile_atoms`` atoms (None: no such bound) and whose estimated
-    working set, ``edge_bytes`` per edge of a tile's cluster, fits ``budget_bytes`` (None: no such bound).
-
-    The estimate assumes a uniform density: a tile's edges are its receivers (its own atoms and those within
-    ``hops - 1`` cutoffs, periodic images included) times ``edges_per_atom`` (``sampled_edges_per_atom``;
-    None: the density times the cutoff sphere, an overestimate for matter, whose atoms exclude each other).
-    Tiles are split along the direction where they are thickest. Raises MemoryError when the budget needs tiles
-    of fewer than ``_SMALLEST_TILE`` atoms."""
+    """The coarsest grid whose tiles own at most ``tile_atoms`` atoms and whose estimated working set
+    (``edge_bytes`` per edge: a tile's receivers, its atoms and those within ``hops - 1`` cutoffs, times
+    ``edges_per_atom``; None: the uniform density's cutoff sphere) fits ``budget_bytes`` (None: no such bounds).
+    Tiles split where thickest; MemoryError when the budget needs tiles of fewer than ``_SMALLEST_TILE`` atoms."""
     if hops < 1:
         raise ValueError(f"hops must be >= 1, got {hops}")
     if tile_atoms is not None and (isinstance(tile_atoms, bool) or not isinstance(tile_atoms, int) or tile_atoms < 1):
         raise ValueError(f"tile_atoms: expected None or an int >= 1, got {tile_atoms!r}")
-    thickness = frame.thickness()
+    thickness = frame.span / frame.per_angstrom  # Å across each direction's lattice planes
     neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1) if edges_per_atom is None else edges_per_atom
     reach = (hops - 1) * cutoff  # Å beyond a tile whose receivers the tile evaluates
 
@@ -324,15 +314,10 @@ def check_workspace(workspace: object) -> str:
 
 
 class Workspace:
-    """How a ``Potential`` evaluates a system: whole (one graph: the Verlet list, the captured step) or in tiles
-    with a fixed working set (``TiledEvaluation``).
-
-    ``mode``: ``"whole"``, ``"tiled"``, or ``"auto"``: tiles on CUDA where the whole graph's estimated peak
-    (``adapter.stored_edge_bytes`` per edge, edges per atom counted on a sample tile) exceeds
-    ``options.streaming_auto_fraction`` of the free memory, decided once per atom count before any neighbour list
-    is built (a list over a system that does not fit would itself not fit). Tiles get
-    ``options.tile_memory_fraction`` of the free memory (``options.tile_atoms`` caps them); a tile that runs out
-    of memory halves the budget and starts again."""
+    """How a ``Potential`` evaluates a system (``mode``): ``"whole"`` (one graph), ``"tiled"``
+    (``TiledEvaluation``), or ``"auto"``: tiles on CUDA where the whole graph's estimated peak exceeds
+    ``options.streaming_auto_fraction`` of the free memory, decided once per atom count before any neighbour list.
+    Tiles get ``options.tile_memory_fraction`` of the free memory; a tile out of memory halves it and restarts."""
 
     def __init__(self, mode: str, adapter: ModelAdapter, options_of: Callable[[], RuntimeOptions]) -> None:
         self.mode = check_workspace(mode)
