@@ -170,10 +170,6 @@ class Calculator(AseCalculator):
         the first calculation."""
         return self._system
 
-    def warm_up(self) -> None:
-        """``Potential.warm_up``: compile the kernels and run a tiny structure."""
-        self.potential.warm_up()
-
     def record_timings(self, enabled: bool = True) -> None:
         """``Potential.record_timings``: a per-phase breakdown in ``timings.seconds``."""
         self.potential.record_timings(enabled)

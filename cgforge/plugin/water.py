@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from ase import Atoms, units
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
 from cgforge.kernels.edge_layout import edges_within
@@ -32,28 +33,18 @@ _GRID_ORIGIN = 0.3  # Å: shifts the grid off the cell faces, as the anchors do
 
 def water_box(n_molecules: int | None = None, *, n_side: int | None = None, density: float = 1.0, seed: int = 0,
               oh_length: float = 0.9572, hoh_angle: float = 104.52) -> Atoms:
-    """A cubic periodic box of randomly oriented rigid water molecules on a simple cubic grid.
-
-    Give either ``n_side`` (n_side^3 molecules, every grid site filled) or ``n_molecules`` (the
-    smallest grid with enough sites; a random subset of sites is filled when it is not a cube).
-    The cell edge follows from ``density`` (g/cm^3). Oxygen sits on the grid site, atoms are ordered
-    O, H, H per molecule, orientations are uniform random rotations from ``seed``. The default
-    geometry is TIP3P's (0.9572 Å, 104.52°); n_side=12 reproduces the anchors' 5184-atom, 37.25 Å box.
-    """
+    """A cubic periodic box of randomly oriented (``seed``) rigid water molecules (O, H, H; TIP3P's geometry by
+    default) with O on a simple cubic grid: ``n_side``^3 molecules, or ``n_molecules`` on a random subset of the
+    smallest grid with enough sites. The cell edge follows from ``density`` (g/cm^3)."""
     if (n_molecules is None) == (n_side is None):
         raise ValueError("give exactly one of n_molecules and n_side")
-    if n_side is not None:
-        if isinstance(n_side, bool) or not isinstance(n_side, int | np.integer) or n_side < 1:
-            raise ValueError(f"n_side must be an int >= 1, got {n_side!r}")
-        n_side = int(n_side)
-        n_molecules = n_side**3
-    else:
-        if isinstance(n_molecules, bool) or not isinstance(n_molecules, int | np.integer) or n_molecules < 1:
-            raise ValueError(f"n_molecules must be an int >= 1, got {n_molecules!r}")
-        n_molecules = int(n_molecules)
-        n_side = round(n_molecules ** (1 / 3))
-        while n_side**3 < n_molecules:
-            n_side += 1
+    name, value = ("n_side", n_side) if n_side is not None else ("n_molecules", n_molecules)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    n_molecules = int(n_side) ** 3 if n_side is not None else int(n_molecules)
+    n_side = int(n_side) if n_side is not None else round(n_molecules ** (1 / 3))
+    while n_side**3 < n_molecules:
+        n_side += 1
     if not (math.isfinite(density) and density > 0):
         raise ValueError(f"density must be a finite number > 0 (g/cm^3), got {density!r}")
 
@@ -123,11 +114,8 @@ def _check_molecules(positions: Tensor) -> None:
 
 
 def whole_molecule_shifts(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]) -> Tensor:
-    """Integer lattice shifts [N, 3] moving each H to the periodic image nearest its O.
-
-    Molecules split across the cell boundary (e.g. after ``atoms.wrap()``) become whole, so the bonded
-    geometry and the intramolecular exclusion are well defined. Needs molecules < half the cell.
-    """
+    """Integer lattice shifts [N, 3] moving each H to the periodic image nearest its O: molecules split by the
+    cell boundary become whole (needs molecules < half the cell)."""
     _check_molecules(positions)
     shifts = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     periodic = [d for d in range(3) if pbc[d]]
@@ -143,16 +131,9 @@ def whole_molecule_shifts(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool
 
 def qspcfw_energy(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, *,
                   cutoff: float = 9.0, alpha: float = 0.2, params: QSPCFw = Q_SPC_FW) -> Tensor:
-    """Total q-SPC/Fw energy (eV, scalar tensor) of whole molecules, differentiable in positions and cell.
-
-    positions [N, 3] are ordered (O, H, H) per molecule with each molecule whole (see
-    :func:`whole_molecule_shifts`). The edges come from a neighbour list at a cutoff >= ``cutoff``
-    (both directions, as :func:`~cgforge.plugin.runtime.neighbours.neighbour_list` returns them); pairs beyond
-    ``cutoff`` and intramolecular pairs (same molecule, zero shift) are dropped here.
-
-    DSF's constant self-energy term is left out, so an isolated molecule at its equilibrium geometry has
-    energy zero and so have molecules farther apart than the cutoff.
-    """
+    """Total q-SPC/Fw energy (eV) of whole molecules (O, H, H), differentiable in positions and cell, over the
+    edges of a neighbour list at a cutoff >= ``cutoff`` (both directions); pairs beyond ``cutoff`` and within a
+    molecule are dropped. DSF's constant self-energy is left out: an isolated relaxed molecule has energy zero."""
     _check_molecules(positions)
     dtype, device = positions.dtype, positions.device
     kcal = _KCAL_PER_MOL
@@ -195,12 +176,8 @@ def qspcfw_energy(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Ten
 
 
 class QSPCFwCalculator(Calculator):
-    """ASE calculator for q-SPC/Fw water (torch, float64, autograd forces and stress).
-
-    Atoms must be ordered O, H, H per molecule. Energies in eV, forces in eV/Å, stress in eV/Å^3
-    (ASE sign and Voigt order); stress needs a 3D-periodic cell and is computed only when asked for.
-    The neighbour list is a Verlet list at ``cutoff + skin``, reused while atoms move less than skin/2.
-    """
+    """ASE calculator for q-SPC/Fw water, atoms ordered O, H, H (torch, float64, autograd forces; stress, asked
+    for, needs a 3-D periodic cell), over a Verlet list at ``cutoff + skin``."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
 
@@ -245,5 +222,4 @@ class QSPCFwCalculator(Calculator):
         self.results["forces"] = (-gradients[0]).cpu().numpy()
         if want_stress:
             virial = 0.5 * (gradients[1] + gradients[1].T) / abs(float(torch.linalg.det(cell)))
-            s = virial.cpu().numpy()
-            self.results["stress"] = np.array([s[0, 0], s[1, 1], s[2, 2], s[1, 2], s[0, 2], s[0, 1]])
+            self.results["stress"] = full_3x3_to_voigt_6_stress(virial.cpu().numpy())

@@ -34,11 +34,9 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
 
 
 def choose_engine(choice: str, calc: Any, atoms: Atoms, name: str = "engine", restart: Any = None) -> str:
-    """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
-    CUDA, unless the system runs in tiles (``workspace``) or streams edges (a box its memory plan finds too large
-    for the stored path with ``workspace="whole"``): ASE's dynamics then drive the calculator);
-    'device' that cannot be served is an error naming why (``name``: the argument; ``restart``: the trajectory whose
-    engine it is)."""
+    """'device' or 'ase' for ``choice`` ('auto': the device engine for a cgforge Calculator on CUDA whose system
+    neither runs in tiles nor streams edges); 'device' that cannot be served is an error naming why (``name``: the
+    argument; ``restart``: the trajectory whose engine it is)."""
     unfit = engine_unfit(calc, atoms)
     uses_tiles = getattr(calc, "uses_tiles", None)
     tiles = callable(uses_tiles) and uses_tiles(atoms)
@@ -185,9 +183,8 @@ class EngineDynamics:
 
 def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart | None, options: EngineOptions,
                     intervals: tuple[int, ...]) -> EngineDynamics:
-    """The engine for ``atoms`` (positions, momenta, cell as run_md set them), continuing ``state``'s step counter
-    and, when it was written by the engine, its seed and integrator scalars (the noise is a hash of (seed,
-    step), so that is the whole random state). It stops for the host at multiples of ``intervals``."""
+    """The engine for ``atoms``, continuing ``state``'s step counter and, when the engine wrote it, its seed and
+    integrator scalars (the whole random state: the noise hashes (seed, step)); it stops at ``intervals``."""
     from .engine import Engine
 
     integrator = engine_integrator(o)

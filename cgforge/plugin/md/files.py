@@ -58,9 +58,9 @@ def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "tr
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse, naming ``what`` and ``path``, a file that could not be written: a file is created and removed in
-    its folder (permissions, read-only file systems and root's rights all answer truly), and an existing file
-    must be writable (a log is written in place; trajectories and plots replace theirs)."""
+    """Refuse, naming ``what`` and ``path``, a file that could not be written: a probe file is created and removed
+    in its folder (permissions, read-only file systems and root's rights all answer truly); an existing file must
+    be writable."""
     probe = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.probe")
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -116,10 +116,8 @@ def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = "."
 
 
 class Reservations:
-    """A run's output names, created when they are chosen: a new name as an empty file (``O_CREAT | O_EXCL``,
-    so a second run, started at the same moment, gets an error or the next free name, never the same file);
-    a name that exists under ``force`` is remembered as it was. :meth:`check_mine` before a file is put in place
-    refuses one another program wrote since; :meth:`release` removes the empty files no frame or plot replaced."""
+    """A run's output names, created as empty files when chosen (``O_CREAT | O_EXCL``: two runs never share one;
+    under ``force`` an existing one is remembered as it was); :meth:`check_mine`, :meth:`release`."""
 
     def __init__(self) -> None:
         self._files: dict[Path, tuple[bool, tuple]] = {}  # path -> (created by us, its identity then)
@@ -289,9 +287,8 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def last_whole_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
-    """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off (a killed run, a full
-    disk): ``(frame, its index, the frames the file holds or began, the bytes after that frame)``; None when the
-    file is no such trajectory or holds no whole frame. The file is only read."""
+    """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off: ``(frame, its index,
+    the frames the file holds or began, the bytes after that frame)``, or None. The file is only read."""
     try:
         if path.suffix.lower() == ".traj":
             return _last_whole_traj_frame(path)
@@ -363,9 +360,7 @@ def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
 
 
 # A restart whose calculator gives the restart frame another potential energy than the saved one, by more than this,
-# runs another model (the energy drift would be measured from the other model's energy). Precision moves it far
-# less (a small MACE model run in float64 and continued in float32: < 1e-4 meV/atom); two models differ by
-# meV/atom (the bundled MACE and NequIP water models: 3.2 meV/atom on a 24-atom box).
+# runs another model: precision moves it far less (< 1e-4 meV/atom, float64 to float32), two models by meV/atom.
 MODEL_MISMATCH_MEV_PER_ATOM = 0.5
 
 
@@ -407,10 +402,8 @@ def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
 
 
 class TrajectoryWriter:
-    """Frames to ``path``, created only at the first frame: that frame goes to a hidden temporary file in the
-    same folder, which then replaces ``path`` (the empty file ``reserved`` holds for this run, or under
-    ``force=True`` the file that was there, if no other program wrote it since). A run that fails before its
-    first frame leaves an existing file untouched (and its reservation is released)."""
+    """Frames to ``path``: the first goes to a hidden temporary file that then replaces ``path`` (if no other
+    program wrote it since ``reserved`` took it), so a run that fails before its first frame leaves it untouched."""
 
     def __init__(self, path: Path, atoms: Atoms, what: str = "trajectory",
                  reserved: Reservations | None = None) -> None:

@@ -10,6 +10,7 @@ outside the list stays outside the cutoff while 2 max|u| <= (1 - ||M - I||_F)(rc
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,9 +26,8 @@ from ..runtime.potential import Potential
 
 @dataclass
 class ForceResult:
-    """Device tensors of one evaluation: energy [] and forces [N, 3] and virial [3, 3] (float64); stale and
-    overflow [] bool; slack [] float64 (how far, in Å, the atoms may still move before the list is stale); count
-    [] int64 (model edges, for ``grow``)."""
+    """One evaluation on the device: energy, forces, virial (float64); stale, overflow (bool); slack (Å the
+    atoms may still move before the list is stale); count (model edges, for ``grow``)."""
 
     energy: Tensor
     forces: Tensor
@@ -40,8 +40,7 @@ class ForceResult:
 
 @dataclass
 class PendingList:
-    """A Verlet list being found for a snapshot of the state (``ModelForces.snapshot``/``search``/``install``):
-    the snapshot's positions and cell (float64), the list once searched, and the CUDA event that orders its use."""
+    """A Verlet list being found for a snapshot (positions, cell) of the state, and the event ordering its use."""
 
     positions: Tensor
     cell: Tensor
@@ -55,11 +54,8 @@ def _false(device: torch.device) -> Tensor:
 
 
 class EnergyFunctionForces:
-    """Forces (and virial) from ``energy_fn(positions [N, 3], cell [3, 3]) -> energy []`` by autograd.
-
-    The virial is dE/d strain at zero strain for positions and cell both strained by (I + strain). For test
-    potentials and small custom force fields; no neighbour list (never stale). options: ``RuntimeOptions`` (the
-    engine reads its compile backend)."""
+    """Forces (and virial: dE/d strain of positions and cell) from ``energy_fn(positions, cell) -> energy`` by
+    autograd, for test potentials and small force fields (never stale). options: ``RuntimeOptions``."""
 
     generation = 0
     capturable = True
@@ -105,9 +101,8 @@ class EnergyFunctionForces:
 
 
 class ModelForces:
-    """The model step of a ``Potential`` (``potential.step``: its static buffers, Verlet list and padded edge
-    capacity) as an engine force provider. ``generation`` changes when the step's buffers were reallocated
-    (a graph captured over them must be captured again)."""
+    """The model step of a ``Potential`` as an engine force provider; ``generation`` changes when the step's
+    buffers were reallocated (a graph captured over them is stale)."""
 
     def __init__(self, potential: Potential) -> None:
         self.potential = potential
@@ -140,8 +135,7 @@ class ModelForces:
         return self.potential.compile is not None
 
     def near_full_device(self, n_atoms: int) -> bool:
-        """True when the potential's memory plan for ``n_atoms`` atoms (``run_md`` makes it before building the
-        engine, ``start`` at the latest) says no CUDA graph."""
+        """True when the potential's memory plan for ``n_atoms`` atoms says no CUDA graph."""
         plan = self.potential.memory_plan
         return plan is not None and plan.atoms == n_atoms and not plan.capture
 
@@ -152,8 +146,7 @@ class ModelForces:
 
     @property
     def foreign_rebuild(self) -> bool:
-        """True when someone else (the potential's own ``evaluate``) rebuilt the shared Verlet list since our last
-        rebuild: our reference positions no longer describe it."""
+        """True when the potential's own ``evaluate`` rebuilt the shared Verlet list since our last rebuild."""
         return self.potential.neighbours.n_builds != self._builds
 
     def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
@@ -196,22 +189,19 @@ class ModelForces:
 
     def search(self, pending: PendingList) -> None:
         """Find the Verlet list at the snapshot (host syncs on a side stream when on CUDA)."""
-        cutoff = self.potential.neighbours.list_cutoff
-        if self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_event(pending.ready)
+            self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
+        with torch.cuda.stream(self._side) if cuda else nullcontext():  # the casts too: the main stream runs MD
             pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
-                                           cutoff)
+                                           self.potential.neighbours.list_cutoff)
             pending.topology = self.step.list_topology(pending.lists)
-            return
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_event(pending.ready)
-        self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
-        with torch.cuda.stream(self._side):  # everything here, the casts too: the main stream is busy with MD
-            pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
-                                           cutoff)
-            pending.topology = self.step.list_topology(pending.lists)
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
+            if cuda:
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()
 
     def install(self, pending: PendingList) -> None:
         """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""

@@ -132,13 +132,11 @@ class Integrator:
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
         self.fused = compile is not None
-        if compile is None:
-            self._math = {fn.__name__: fn for fn in (_csvr_factor, _cell_scaling)}
-            self._math.update(_langevin_first=langevin_first, _langevin_second=langevin_second)
-        else:
-            self._math = {fn.__name__: compile(fn) for fn in (_csvr_factor, _cell_scaling)}
-            self._math.update(_langevin_first=compile(langevin_first_reference),
-                              _langevin_second=compile(langevin_second_reference))
+        self._math = {"_csvr_factor": _csvr_factor, "_cell_scaling": _cell_scaling,  # as written, or compiled
+                      "_langevin_first": langevin_first_reference if compile else langevin_first,
+                      "_langevin_second": langevin_second_reference if compile else langevin_second}
+        if compile is not None:
+            self._math = {name: compile(fn) for name, fn in self._math.items()}
 
     def params(self) -> dict[str, float | int | bool | str | None]:
         """The physical settings, for a restart's record (and a check that a restart continues the same run)."""

@@ -26,14 +26,9 @@ def room(count: int, margin: float) -> int:
 
 def capture_graph(compute: Callable[[], T], device: torch.device, pool: object, *, warmups: int = 2,
                   restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``compute()`` captured in a new CUDA graph whose memory comes from ``pool``.
-
-    warmups: calls of ``compute`` on a side stream before the capture. restore: undoes what ``compute`` changed
-    in its inputs (a state it advances); called after the warm-up and, after a device sync, once the capture
-    ended or failed. The garbage collector is off during the capture (the module's note).
-    Returns the graph and what the captured call returned (static tensors every replay rewrites); raises
-    whatever the warm-up or the capture raised.
-    """
+    """(graph, what the captured call returned) of ``compute()`` captured in a new CUDA graph from ``pool``, after
+    ``warmups`` calls on a side stream; ``restore`` undoes what ``compute`` changed in its inputs (after the
+    warm-up, and once the capture ended or failed). Raises what the warm-up or the capture raised."""
     torch.cuda.synchronize(device)
     try:
         side = torch.cuda.Stream(device)
@@ -62,12 +57,8 @@ def capture_graph(compute: Callable[[], T], device: torch.device, pool: object, 
 
 def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object, what: str, *, warmups: int = 2,
                          restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T] | None:
-    """``capture_graph(compute, owner.device, pool, ...)``, or None when that fails.
-
-    owner: has ``device``, ``invalidate()``, ``cuda_graph`` and ``capture_error``; after a failure it is
-    invalidated and runs eagerly from then on (``cuda_graph`` False), the reason in ``capture_error`` and in a
-    warning naming ``what``.
-    """
+    """``capture_graph(compute, owner.device, pool, ...)``, or None when that fails: ``owner`` is then
+    invalidated and runs eagerly (``cuda_graph`` False), the reason in ``capture_error`` and a warning."""
     try:
         return capture_graph(compute, owner.device, pool, warmups=warmups, restore=restore)
     except Exception as err:  # noqa: BLE001 - any failure to capture falls back to eager steps

@@ -192,13 +192,8 @@ def check_skin(skin: object) -> float:
 
 
 class VerletNeighbourList:
-    """A neighbour list at ``cutoff + skin`` rebuilt only when it may have gone stale.
-
-    ``update(positions, cell, pbc)`` rebuilds when any atom has moved more than skin/2 since the last
-    build (then no pair can have crossed into the cutoff unseen), or when the cell, pbc, atom count,
-    dtype or device changed. Between rebuilds the check costs one device-to-host bool. Consumers take
-    ``sender, receiver, shifts`` and mask each step with :func:`edges_within` at ``cutoff``.
-    """
+    """A neighbour list at ``cutoff + skin``, rebuilt by ``update`` when an atom moved more than skin/2 since the
+    last build or the cell, pbc, atom count, dtype or device changed (one device-to-host bool otherwise)."""
 
     def __init__(self, cutoff: float, skin: float = 0.5) -> None:
         self.cutoff = _check_cutoff(cutoff)

@@ -167,6 +167,7 @@ class ModelStep:
                  cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01,
                  compile: str | None = None, compile_backend: str | Callable = "inductor") -> None:
         self.adapter = adapter
+        self.device, self.dtype = adapter.device, adapter.dtype
         self.neighbours = neighbours
         self.cutoff = float(adapter.cutoff)
         self.filter_edges = bool(filter_edges)
@@ -195,14 +196,6 @@ class ModelStep:
         self._topology: EdgeTopology | None = None  # row pointers and reverse edges of the Verlet list
         self._layout: EdgeLayout | None = None  # the model layout of the whole Verlet list (not filtering)
         self._groups: SpeciesGroups | None = None  # atoms by species, for the per-species self-connections
-
-    @property
-    def device(self) -> torch.device:
-        return self.adapter.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.adapter.dtype
 
     @property
     def capacity(self) -> int | None:
