@@ -104,30 +104,14 @@ class Calculator(AseCalculator):
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 
-    def __init__(
-        self,
-        model: str | os.PathLike | torch.nn.Module | None = None,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        *,
-        skin: float = 1.0,
-        head: str | None = None,
-        type_map: dict[str, str] | None = None,
-        patch: bool | None = None,
-        forces_with_energy: bool = True,
-        stress_with_forces: bool = False,
-        warmup: bool = True,
-        cuda_graph: bool | None = None,
-        filter_edges: bool | None = None,
-        radial_precision: str = "fp32",
-        radial_table: bool | None = None,
-        streaming: bool | None = None,
-        compile: bool | str = False,
-        options: RuntimeOptions | None = None,
-        workspace: str = "auto",
-        tuning: KernelTuning | None = None,
-        **kwargs: object,
-    ) -> None:
+    def __init__(self, model: str | os.PathLike | torch.nn.Module | None = None,
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
+                 skin: float = 1.0, head: str | None = None, type_map: dict[str, str] | None = None,
+                 patch: bool | None = None, forces_with_energy: bool = True, stress_with_forces: bool = False,
+                 warmup: bool = True, cuda_graph: bool | None = None, filter_edges: bool | None = None,
+                 radial_precision: str = "fp32", radial_table: bool | None = None, streaming: bool | None = None,
+                 compile: bool | str = False, options: RuntimeOptions | None = None, workspace: str = "auto",
+                 tuning: KernelTuning | None = None, **kwargs: object) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
         super().__init__(**ase_kwargs)
         self.potential = load(  # every argument that needs no model is checked before it loads

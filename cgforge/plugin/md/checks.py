@@ -221,12 +221,10 @@ def summarize(atoms: Atoms, o: dict[str, Any], start: int, last: int, wall_start
     wall = time.perf_counter() - wall_start
     steps = last - start
     simulated_ps = steps * o["timestep_fs"] / 1000.0
-    return MDSummary(
-        steps=steps, simulated_ps=simulated_ps, wall_s=wall,
-        ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
-        temperature_K=float(atoms.get_temperature()),
-        energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
-        trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
-        n_atoms=len(atoms), first_step=start, last_step=last, log=str(log_path) if log_path else None, atoms=atoms,
-        engine=which,
-    )
+    return MDSummary(steps=steps, simulated_ps=simulated_ps, wall_s=wall,
+                     ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
+                     temperature_K=float(atoms.get_temperature()),
+                     energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
+                     trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
+                     n_atoms=len(atoms), first_step=start, last_step=last,
+                     log=str(log_path) if log_path else None, atoms=atoms, engine=which)

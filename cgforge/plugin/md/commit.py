@@ -20,9 +20,8 @@ BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 def commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
                 overflow: Tensor, count: Tensor, slack: Tensor, max_temperature_K: float, report: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """After a step: (bad, step, report) of ``cgforge.kernels.md_step.commit_check`` with the temperature in K
-    (the kinetic energy over 3/2 N kB). Pure: the engine fuses it with ``fuse_integrator``, as the integrators'
-    arithmetic (torch.compile dropped in-place updates of 0-d CPU tensors, torch 2.13)."""
+    """After a step: (bad, step, report) of ``cgforge.kernels.md_step.commit_check``, the temperature in K. Pure
+    (torch.compile dropped in-place updates of 0-d CPU tensors): the engine fuses it as the integrators."""
     return commit_check(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
                         1.5 * momenta.shape[0] * units.kB, max_temperature_K)
 

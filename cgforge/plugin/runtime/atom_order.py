@@ -14,9 +14,8 @@ BITS = 10  # per axis: 1024 cells a side (a 1 M-atom water box is ~220 Å: ~0.2 
 
 def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], bits: int = BITS
                  ) -> np.ndarray:
-    """The permutation (int64 [n]) that sorts ``positions`` along a Z curve: fractional coordinates (wrapped
-    along periodic axes; scaled to the occupied range along open ones or a cell-less box), ``bits`` per axis,
-    ties in the given order."""
+    """The stable permutation (int64 [n]) sorting ``positions`` along a Z curve of ``bits`` per axis of their
+    fractional coordinates (wrapped along periodic axes, scaled to the occupied range along open ones)."""
     positions = np.asarray(positions, dtype=np.float64)
     cell = np.asarray(cell, dtype=np.float64)
     has_cell = abs(np.linalg.det(cell)) > 1e-12
@@ -38,9 +37,8 @@ def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool,
 
 def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool],
                   above_atoms: int | None) -> np.ndarray | None:
-    """The order a system of ``len(positions)`` atoms runs in: the Z-curve order for more than ``above_atoms``
-    atoms, else None (the user's order; also for non-finite positions, which the potential refuses by name right
-    after, and always for ``above_atoms=None``)."""
+    """The Z-curve order for more than ``above_atoms`` atoms (None: never), else None: the user's order (also for
+    non-finite positions, which the potential then refuses by name)."""
     if above_atoms is None or len(positions) <= above_atoms or not np.isfinite(positions).all():
         return None
     return morton_order(positions, cell, pbc)

@@ -35,9 +35,8 @@ class MemoryPlan:
 
 def plan_memory(edges: int, edge_bytes: int, free_bytes: int, atoms: int = 0,
                 options: RuntimeOptions = _DEFAULTS) -> MemoryPlan:
-    """The plan for a force call over ``edges`` edges at ``edge_bytes`` peak bytes each (``stored_edge_bytes``;
-    0: not known, never streams) with ``free_bytes`` free on the device, for a system of ``atoms`` atoms, by the
-    fractions of ``options``."""
+    """The plan for a call over ``edges`` edges at ``edge_bytes`` peak bytes each (0: not known, never streams)
+    with ``free_bytes`` free, for ``atoms`` atoms, by the fractions of ``options``."""
     for name, value in (("edges", edges), ("edge_bytes", edge_bytes), ("free_bytes", free_bytes), ("atoms", atoms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_memory: {name} must be an int >= 0, got {value!r}")

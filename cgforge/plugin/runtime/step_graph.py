@@ -215,9 +215,8 @@ class ModelStep:
         return None if self.compiled is None else self.compiled.error
 
     def invalidate(self, reason: str = "asked") -> None:
-        """Drop every captured graph. Their memory goes back once no tensor of their pool is alive: the pinned
-        graph (built inside the capture) is let go too; the next step pins a new one. ``invalidations`` counts
-        the reasons (each costs a recapture: what to look at when a run recaptures often)."""
+        """Drop every captured graph and the pinned edge graph (the next step pins a new one); ``invalidations``
+        counts the reasons (each costs a recapture)."""
         self.invalidations[reason] += 1
         self._graphs.clear()
         self._pool = None
@@ -297,9 +296,8 @@ class ModelStep:
     def install_list(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool],
                      lists: tuple[Tensor, Tensor, Tensor], topology: tuple[int, EdgeTopology | None] | None = None
                      ) -> None:
-        """Load a Verlet list found elsewhere at ``positions`` and ``cell`` (not the buffers' values: the MD
-        engine searches at a block's start while the block runs); the buffers keep the current state.
-        ``topology``: what ``list_topology`` made of these lists, if it was called (on the search's stream)."""
+        """Load a Verlet list found at ``positions`` and ``cell`` (not the buffers', which stay as they are), with
+        its ``list_topology`` when that was made."""
         self.neighbours.install(positions, cell, pbc, lists)
         self._load_verlet(topology)
 
@@ -388,9 +386,8 @@ class ModelStep:
         return min(max(2 * self._grow_margin, self.margin), MAX_GROW_MARGIN)
 
     def _list_capacity(self, count: int) -> tuple[int, float]:
-        """(capacity, room after) of the Verlet list's buffers for ``count`` pairs; nothing changes until
-        ``_load_verlet``. The list keeps at least ``LIST_ROOM`` to spare (its padding pairs cost one distance test
-        each), and a list that outgrew its buffers (a compressing NPT box) grows with room as the model edges do."""
+        """(capacity, room after) of the Verlet list's buffers for ``count`` pairs (at least ``LIST_ROOM`` to spare;
+        grown with room when outgrown, as the model edges); nothing changes until ``_load_verlet``."""
         current = None if self._verlet is None else self._verlet[0].shape[0]
         if not self.padded:
             return count, self._grow_margin

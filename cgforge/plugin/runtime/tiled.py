@@ -143,9 +143,8 @@ class TiledEvaluation:
     def run(self, positions: Tensor, cell: np.ndarray, pbc: Pbc, species: Tensor, grid: TileGrid | None = None, *,
             frame: Frame | None = None, forces: bool = True, stress: bool = False, per_atom: bool = False
             ) -> np.ndarray:
-        """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom] as
-        float64 on the host, the layout of ``ModelStep.run``. positions: float64 [N, 3] on the model's device;
-        species: the adapter's species input of the N atoms; ``grid``: ``plan_grid`` of ``frame``."""
+        """``ModelStep.run``'s host result for float64 ``positions`` [N, 3] on the model's device and the adapter's
+        ``species``, tile by tile (``grid``: ``plan_grid`` of ``frame``)."""
         pbc = _as_pbc(pbc)
         n = positions.shape[0]
         frame = Frame.of(positions, cell, pbc) if frame is None else frame
