@@ -73,7 +73,7 @@ def _tiled(pot: runtime.Potential, atoms, tile_atoms: int) -> tuple[np.ndarray, 
     positions = torch.as_tensor(atoms.positions, dtype=torch.float64)
     frame = Frame.of(positions, atoms.cell.array, pbc)
     grid = plan_grid(frame, len(atoms), tiles.hops, tiles.cutoff, tile_atoms=tile_atoms)
-    host = tiles.run(positions, atoms.cell.array, pbc, system.species, grid, frame=frame, forces=True, stress=True,
+    host = tiles.run(positions, atoms.cell.array, system.species, grid, frame, forces=True, stress=True,
                      per_atom=True)
     assert tiles.n_tiles == grid.n_tiles
     return host, tiles

@@ -140,16 +140,11 @@ class TiledEvaluation:
         self.n_tiles = 0
         self.largest_cluster = 0  # atoms of the largest cluster at the last call
 
-    def run(self, positions: Tensor, cell: np.ndarray, pbc: Pbc, species: Tensor, grid: TileGrid | None = None, *,
-            frame: Frame | None = None, forces: bool = True, stress: bool = False, per_atom: bool = False
-            ) -> np.ndarray:
+    def run(self, positions: Tensor, cell: np.ndarray, species: Tensor, grid: TileGrid, frame: Frame, *,
+            forces: bool = True, stress: bool = False, per_atom: bool = False) -> np.ndarray:
         """``ModelStep.run``'s host result for float64 ``positions`` [N, 3] on the model's device and the adapter's
-        ``species``, tile by tile (``grid``: ``plan_grid`` of ``frame``)."""
-        pbc = _as_pbc(pbc)
+        ``species``, tile by tile (``frame``: ``Frame.of`` the positions; ``grid``: ``plan_grid`` of it)."""
         n = positions.shape[0]
-        frame = Frame.of(positions, cell, pbc) if frame is None else frame
-        if grid is None:
-            grid = plan_grid(frame, n, self.hops, self.cutoff, tile_atoms=_CPU_TILE_ATOMS)
         forces = forces or stress
         device, dtype = positions.device, self.adapter.dtype
         cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
@@ -380,8 +375,8 @@ class Workspace:
                                   edge_bytes=self.adapter.stored_edge_bytes(pos.shape[0]) if budget else 0,
                                   edges_per_atom=self.edges_per_atom)
             try:
-                return self.evaluation.run(pos, cell, pbc, species, self.grid, frame=frame, forces=forces,
-                                           stress=stress, per_atom=per_atom)
+                return self.evaluation.run(pos, cell, species, self.grid, frame, forces=forces, stress=stress,
+                                           per_atom=per_atom)
             except torch.cuda.OutOfMemoryError:
                 if budget is None or budget < (64 << 20):
                     raise
