@@ -17,9 +17,8 @@ from .checks import engine_blow_up
 from .files import Restart, encode_info
 from .options import EngineOptions
 
-# Steps between the engine's host syncs (one small report each; blocks also end at log and trajectory steps).
-# Longer on CUDA, where a sync stalls the launch queue; short on a CPU, where it costs nothing and Ctrl-C is
-# acted on sooner.
+# Steps between the engine's host syncs: longer on CUDA, where a sync stalls the launch queue; short on a CPU,
+# where it costs nothing and Ctrl-C is acted on sooner.
 ENGINE_BLOCK = {"cuda": 50, "cpu": 10}
 
 

@@ -167,9 +167,6 @@ def _identity(path: Path) -> tuple:
         return ()
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
-# ---------------------------------------------------------------------------------------------
-# Reading structures and restarts
-
 
 def read_structure(path: str | os.PathLike, what: str = "structure", index: int | str = -1) -> Atoms:
     """The structure in ``path`` (any ase.io format; the last frame of a trajectory), or one clear error
@@ -396,9 +393,6 @@ def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
     atoms.set_momenta(frame.get_momenta())
     return atoms
 
-
-# ---------------------------------------------------------------------------------------------
-# Output
 
 
 class TrajectoryWriter:
