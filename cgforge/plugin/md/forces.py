@@ -87,9 +87,7 @@ class EnergyFunctionForces:
             else:
                 energy = self.energy_fn(pos, box)
             grads = torch.autograd.grad(energy, inputs)
-        w = None
-        if virial:
-            w = (0.5 * (grads[1] + grads[1].T)).to(torch.float64)
+        w = (0.5 * (grads[1] + grads[1].T)).to(torch.float64) if virial else None
         return ForceResult(energy=energy.detach().to(torch.float64).reshape(()), forces=-grads[0].to(torch.float64),
                            virial=w, stale=self._false, overflow=self._false, slack=self._slack, count=self._count)
 
@@ -254,10 +252,7 @@ class ModelForces:
         step.cell.copy_(cell)
         slack = self._slack(positions, cell)
         out = step.compute(forces=True, stress=virial)
-        if step.padded and step.filter_edges:
-            overflow = out.count > step.capacity
-        else:
-            overflow = self._false
+        overflow = out.count > step.capacity if step.padded and step.filter_edges else self._false
         w = out.virial.to(torch.float64) if virial else None
         return ForceResult(energy=out.energy.to(torch.float64), forces=out.forces.to(torch.float64), virial=w,
                            stale=~(slack >= 0), overflow=overflow, slack=slack, count=out.count)

@@ -45,13 +45,6 @@ class MDState:
     step: Tensor
     extra: dict[str, Tensor] = field(default_factory=dict)
 
-    def tensors(self) -> dict[str, Tensor]:
-        """Everything a step changes (what a discarded step restores), by name."""
-        out = {"positions": self.positions, "momenta": self.momenta, "forces": self.forces, "energy": self.energy,
-               "virial": self.virial, "cell": self.cell}
-        out.update({f"extra.{k}": v for k, v in self.extra.items()})
-        return out
-
 
 class NoiseSource:
     """Draws for the current step: ``source(stream, shape)`` -> float64 normals of ``shape``. The engine points
@@ -131,7 +124,6 @@ class Integrator:
         """Run the scheme's pure arithmetic through ``compile`` (e.g. ``torch.compile``), or as written (None)."""
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
-        self.fused = compile is not None
         self._math = {"_csvr_factor": _csvr_factor, "_cell_scaling": _cell_scaling,  # as written, or compiled
                       "_langevin_first": langevin_first_reference if compile else langevin_first,
                       "_langevin_second": langevin_second_reference if compile else langevin_second}
@@ -225,10 +217,8 @@ class CSVR(Integrator):
     One rescaling over a time h draws R1 and S = sum of (dof - 1) squared normals and sets
         K' = c K + (1 - c) Kt (R1^2 + S) / dof + 2 R1 sqrt(c (1 - c) K Kt / dof),  c = exp(-h / tau),
     Kt = dof kT / 2; momenta scale by alpha = sign(sqrt(c K) + sqrt((1 - c) Kt / dof) R1) sqrt(K' / K).
-    ``dof``: None is 3N - 3 (velocity Verlet with translation-invariant forces keeps the total momentum, which a
-    global rescaling keeps zero); pass 3N when an external field breaks that. ``extra['heat']`` sums K' - K, so
-    ``conserved`` = E_pot + E_kin - heat stays constant up to the integration error. Start from thermal momenta:
-    a system at rest (K = 0) cannot be rescaled."""
+    ``dof``: None is 3N - 3 (the total momentum stays zero); 3N under an external field. ``extra['heat']`` sums
+    K' - K (``conserved`` = E_pot + E_kin - heat). A system at rest (K = 0) cannot be rescaled."""
 
     name = "csvr"
 
@@ -276,10 +266,8 @@ class StochasticCellRescaling(CSVR):
     """NPT: Bernetti-Bussi stochastic cell rescaling (C-rescale) with the CSVR thermostat.
 
     The pressure tensor is P = (sum p (x) p / m - W) / V, W = sym(dE/d strain) (the model's virial). Once per
-    step, from the state at the start of the step (GROMACS's placement: the forces are then evaluated at the
-    scaled positions), the log-volume eps = ln V moves by the Itô form of the paper's equation
+    step, from the state at its start (GROMACS's placement), the log-volume eps = ln V moves by (Itô)
         d eps = (beta / tau_p) (P - P0) dt + sqrt(2 kT beta dt / (V tau_p)) R
-    (in ln V the kT/V term of the paper's volume equation cancels against the Itô drift of the V-dependent noise),
     and positions, cell and momenta scale by mu = exp(d eps / 3), mu, 1 / mu. Anisotropic: each Cartesian axis a
     has its own log-length x_a with d x_a = (beta / (3 tau_p)) (P_aa - P0) dt + sqrt(2 kT beta dt / (3 V tau_p)) R_a
     (the axes' sum is the isotropic equation; the cell's columns scale: no shear).
@@ -316,9 +304,6 @@ class StochasticCellRescaling(CSVR):
         self.beta = self.compressibility_per_GPa / units.GPa
         self.kt = units.kB * self.temperature_K
         self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
-
-    def pressure_tensor(self, s: MDState) -> Tensor:
-        return _pressure(s.momenta, s.masses, s.virial, volume(s.cell))
 
     def before_forces(self, s: MDState, noise) -> None:
         # mu from the state at the step's start (pressure and volume), applied after the thermostat and the drift

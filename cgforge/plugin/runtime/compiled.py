@@ -91,7 +91,6 @@ class CompiledEnergy:
     eager from the first compilation failure on (with a warning; ``error`` says why)."""
 
     def __init__(self, energy: EnergyFn, mode: str, backend: str | Callable = "inductor") -> None:
-        self.mode = mode
         self.eager = energy
         self.error: str | None = None
         inductor = backend == "inductor"

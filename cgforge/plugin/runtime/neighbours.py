@@ -156,17 +156,10 @@ def neighbour_list(positions: Tensor, cell: Tensor, pbc: PbcLike, cutoff: float,
                    candidates_per_chunk: int = _CANDIDATES_PER_CHUNK) -> tuple[Tensor, ...]:
     """All pairs closer than `cutoff`, as matscipy's ``neighbour_list("ijS", ...)`` finds them.
 
-    positions [N, 3] and cell [3, 3] (lattice vectors as rows) share dtype (float32/float64) and device;
-    pbc is three bools (a tuple avoids a device sync; a tensor is accepted). Along non-periodic directions
-    the cell is ignored and may be zero.
-
-    Returns (sender, receiver, shifts): int64 [E], int64 [E], int64 [E, 3], sorted by (receiver, sender),
-    such that ``vectors = positions[receiver] - positions[sender] + shifts @ cell``. With
-    ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
-    respect to positions and cell. Indices never carry gradients.
-
-    O(N) time and memory at a fixed density; off CUDA the candidates are examined in chunks of
-    ``candidates_per_chunk``.
+    positions [N, 3] and cell [3, 3] (rows; ignored along non-periodic directions) share dtype and device; pbc:
+    three bools (a tuple avoids a device sync). Returns (sender, receiver, shifts) int64 [E], [E], [E, 3] (the
+    module doc's convention), with ``return_vectors`` also (vectors, lengths), differentiable in positions and
+    cell. O(N) at a fixed density; off CUDA the candidates go in chunks of ``candidates_per_chunk``.
     """
     _check_positions_and_cell(positions, cell)
     pbc = _as_pbc(pbc)

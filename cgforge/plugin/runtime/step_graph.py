@@ -53,13 +53,9 @@ def _no_phase(name: str) -> AbstractContextManager:
 
 @dataclass
 class StepOutput:
-    """One step's results as device tensors (``ModelStep.compute``, ``graph_derivatives``).
-
-    energy [] ([B] for a batch of B structures); forces [N, 3] (None without forces); virial [3, 3] ([B, 3, 3])
-    = sym(dE/d strain) (None without stress);
-    energies [N] (None without per_atom); count [] int64: the edges laid out within the cutoff (compare with
-    ``ModelStep.capacity`` when padded: a larger count means the layout overflowed and the step is invalid).
-    """
+    """One step's results on the device: energy [] ([B] for a batch), forces [N, 3], virial [3, 3] ([B, 3, 3]) =
+    sym(dE/d strain), energies [N] (each None when not asked for) and count [] int64: the edges laid out within
+    the cutoff (more than ``ModelStep.capacity`` when padded: the layout overflowed, the step is invalid)."""
 
     energy: Tensor
     forces: Tensor | None
@@ -77,14 +73,11 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
                       weights: Tensor | None = None, structure: Tensor | None = None) -> StepOutput:
     """The energy of one laid-out graph and its derivatives (capture-safe: no host reads).
 
-    ``energy_fn(positions, vectors, edge_index, per_atom)`` is the model's energy (the adapter's, or compiled);
-    ``key`` = (forces, stress, per_atom). vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding
-    offset), strained by (I + strain) for the stress; forces = -dE/dpos through CSR row sums
-    (``edge_vectors``), virial = sym(dE/d strain). ``weights`` [N]: differentiate sum_i weights_i e_i of the
-    per-atom energies instead of the total (a tile's own atoms among its halo: ``runtime.tiled``); ``energy``
-    is then that weighted sum. ``structure`` [N] int64: a batch of independent structures (``runtime.batch``),
-    atom i in structure ``structure[i]``, each with its own cell (``cell`` [B, 3, 3]) and strain; ``energy`` and
-    ``virial`` are then per structure ([B], [B, 3, 3])."""
+    ``energy_fn(positions, vectors, edge_index, per_atom)``: the model's energy; ``key`` = (forces, stress,
+    per_atom). vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), strained by (I + strain)
+    for the virial sym(dE/d strain); forces = -dE/dpos (``edge_vectors``). ``weights`` [N]: the energy is
+    sum_i weights_i e_i instead (``runtime.tiled``). ``structure`` [N]: the structure of each atom of a batch
+    (``runtime.batch``), with ``cell`` [B, 3, 3]; energy and virial are then per structure."""
     grad, stress, per_atom = key
     with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
         edge_index = adapter.edge_index(layout.sender, layout.receiver)
