@@ -84,23 +84,12 @@ def _delegate(name: str, doc: str, writable: bool = False) -> property:
 
 
 class Calculator(AseCalculator):
-    """ASE calculator for MACE and NequIP models running on cgforge's kernels (docs/calculator.md).
-
-    model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
-    ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
-    device: None picks cuda when available. dtype: None keeps the model's. skin: Verlet skin in Å. head: MACE
-    head. type_map: NequIP {chemical symbol: type name}. patch: cgforge's kernels (True) or the model's own code
-    (False); None: kernels on CUDA only. tuning: a ``KernelTuning`` (implies patching, also on a CPU).
-    forces_with_energy: an energy call computes the forces in the same run (as MACECalculator does).
-    stress_with_forces: also the stress whenever forces are computed. warmup, cuda_graph, filter_edges,
-    radial_precision, radial_table, streaming, compile, options, workspace: ``runtime.potential.Potential``'s.
-    MACECalculator's ``model_paths=`` and ``default_dtype=`` mean ``model=`` and ``dtype=``; another unknown
-    keyword is a TypeError.
-
-    Stress (eV/Å^3, ase's sign and Voigt order) is sym(dE/d eps) / V, V the volume of ``atoms.cell`` (a slab's
-    non-periodic vector is strained and counts as given). A NaN or inf in the output raises
-    ``NonFiniteOutputError`` naming the output, the first atoms and the closest pair.
-    """
+    """ASE calculator for MACE and NequIP models running on cgforge's kernels; docs/calculator.md defines every
+    argument. model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
+    ``.nequip.zip`` path, or a MACE / NequIP module (patched in place). forces_with_energy: an energy call also
+    computes the forces; stress_with_forces: a forces call also the stress; the others: ``runtime.potential.load``'s.
+    MACECalculator's ``model_paths=`` and ``default_dtype=`` mean ``model=`` and ``dtype=``. Stress is
+    sym(dE/d eps) / V, V the volume of ``atoms.cell``; a NaN or inf output raises ``NonFiniteOutputError``."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 

@@ -1,12 +1,8 @@
 """Water boxes and the q-SPC/Fw flexible water model: cheap, smooth reference labels for our water models.
 
-q-SPC/Fw (Paesani, Zhang, Case, Cheatham, Voth, J. Chem. Phys. 125, 184507 (2006)):
-harmonic O-H bonds and H-O-H angle, point charges on every atom, Lennard-Jones between oxygens,
-no Coulomb or LJ inside a molecule. Long-range Coulomb here is the damped shifted force (DSF) of
-Fennell & Gezelter (J. Chem. Phys. 124, 234104 (2006)) and LJ is shifted-force at the same cutoff,
-so energy and force both go continuously to zero at the cutoff and MD conserves energy.
-
-Atom order: molecule m is atoms (3m, 3m+1, 3m+2) = (O, H, H). Anything else is refused.
+q-SPC/Fw (Paesani et al., J. Chem. Phys. 125, 184507 (2006)): harmonic bonds and angle, point charges, O-O
+Lennard-Jones, nothing within a molecule; Coulomb as Fennell & Gezelter's damped shifted force (J. Chem. Phys.
+124, 234104 (2006)) and shifted-force LJ, so energy and force go to zero at the cutoff. Atoms: (O, H, H) per molecule.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The engine's commit-or-discard rule: after each step of a block, on the device, whether the step counts.
 
-A step whose positions went beyond the Verlet list's reach (``stale``), whose edges overflowed the captured
-buffers (``overflow``), or that blew up (non-finite energy or forces, temperature above the limit) is not
-committed, nor is any later step of its block; the block's ``REPORT`` (one float64 per name) tells the host
-what happened, in one copy.
+A step that went stale, overflowed the captured buffers or blew up is not committed, nor is any later step of
+its block; the block's ``REPORT`` (one float64 per name) tells the host what happened, in one copy.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The model's energy compiled by ``torch.compile`` (Inductor) for the potential's step (``compile=...``).
 
-The adapter's ``energy`` is compiled as one graph (``fullgraph=True``) and its backward through AOTAutograd;
-cgforge's kernels are custom ops, opaque to Inductor; the edge layout and the forces' segment sums stay eager,
-and ``ModelStep`` captures the whole step in its own CUDA graph (hence ``MODES``: no Inductor CUDA graphs). The
-edge dimension is dynamic from the first call (one compilation per model and dtype). A configuration that cannot
-work is refused when the potential is made (``check_compile``); a compilation that fails at the first call warns
-and runs eagerly from then on (``CompiledEnergy.error``). The layers read the convolution graph the step pinned,
-only inside its ``serve_pinned`` block (``graph_cache``).
+The adapter's ``energy`` is one graph (``fullgraph=True``, backward through AOTAutograd; cgforge's kernels are
+opaque custom ops) inside ``ModelStep``'s own CUDA graph (hence ``MODES``), its edge dimension dynamic. A
+configuration that cannot work is refused early (``check_compile``); a failed compilation warns and runs eagerly
+(``CompiledEnergy.error``). docs/calculator.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Fixed-workspace force evaluation: the system in tiles, each evaluated with its halo.
 
-A tile is a cluster without a cell: the atoms it owns and every periodic image within ``hops x cutoff`` of them
-(``hops`` message-passing layers). Only the owned atoms' energies are differentiated, so the tiles' energies,
-forces and virials sum to the whole system's (as LAMMPS's ghost atoms across ranks); no array over the system's
-edges exists. Edges are kept whose receiver lies within ``hops - 1`` graph steps of an owned atom. Deterministic:
-fixed tile order, sorted searches, stable sorts, fixed-order force sums. docs/calculator.md has the memory model.
+A tile is a cluster without a cell: the atoms it owns and every periodic image within ``hops x cutoff`` of them.
+Only the owned atoms' energies are differentiated, so the tiles' energies, forces and virials sum to the whole
+system's; no array over all edges exists. Deterministic (fixed orders throughout); docs/calculator.md.
 """
 
 from __future__ import annotations
