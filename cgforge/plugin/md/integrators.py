@@ -28,6 +28,8 @@ from cgforge.kernels.md_step import (
 )
 from cgforge.kernels.noise import normal_noise
 
+from .options import check_number
+
 
 @dataclass
 class MDState:
@@ -97,16 +99,6 @@ def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor,
     return torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[0]) / 3).expand(3)
 
 
-def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}")
-    return value
-
-
 class Integrator:
     """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step."""
 
@@ -116,7 +108,7 @@ class Integrator:
     temperature_K: float | None = None
 
     def __init__(self, timestep_fs: float) -> None:
-        self.timestep_fs = _check("timestep_fs", timestep_fs)
+        self.timestep_fs = check_number("timestep_fs", timestep_fs)
         self.dt = self.timestep_fs * units.fs
         self.fuse(None)
 
@@ -124,6 +116,7 @@ class Integrator:
         """Run the scheme's pure arithmetic through ``compile`` (e.g. ``torch.compile``), or as written (None)."""
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
+        self.fused = compile is not None
         self._math = {"_csvr_factor": _csvr_factor, "_cell_scaling": _cell_scaling,  # as written, or compiled
                       "_langevin_first": langevin_first_reference if compile else langevin_first,
                       "_langevin_second": langevin_second_reference if compile else langevin_second}
@@ -184,8 +177,8 @@ class Langevin(Integrator):
 
     def __init__(self, timestep_fs: float, temperature_K: float, friction_per_fs: float) -> None:
         super().__init__(timestep_fs)
-        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
-        self.friction_per_fs = _check("friction_per_fs", friction_per_fs, strict=False)
+        self.temperature_K = check_number("temperature_K", temperature_K, strict=False)
+        self.friction_per_fs = check_number("friction_per_fs", friction_per_fs, strict=False)
 
     def params(self) -> dict:
         return {**super().params(), "temperature_K": self.temperature_K, "friction_per_fs": self.friction_per_fs}
@@ -224,8 +217,8 @@ class CSVR(Integrator):
 
     def __init__(self, timestep_fs: float, temperature_K: float, tau_fs: float = 100.0, dof: int | None = None) -> None:
         super().__init__(timestep_fs)
-        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
-        self.tau_fs = _check("tau_fs", tau_fs)
+        self.temperature_K = check_number("temperature_K", temperature_K, strict=False)
+        self.tau_fs = check_number("tau_fs", tau_fs)
         if dof is not None and (isinstance(dof, bool) or not isinstance(dof, int) or dof < 2):
             raise ValueError(f"dof: expected None or an int >= 2, got {dof!r}")
         self.dof_requested = dof
@@ -284,14 +277,9 @@ class StochasticCellRescaling(CSVR):
                  tau_fs: float = 100.0, tau_p_fs: float = 1000.0, compressibility_per_GPa: float = 0.45,
                  anisotropic: bool = False, dof: int | None = None) -> None:
         super().__init__(timestep_fs, temperature_K, tau_fs, dof)
-        try:
-            self.pressure_GPa = float(pressure_GPa)
-        except (TypeError, ValueError):
-            raise TypeError(f"pressure_GPa: expected a number, got {type(pressure_GPa).__name__}") from None
-        if not math.isfinite(self.pressure_GPa):
-            raise ValueError(f"pressure_GPa: expected a finite number, got {pressure_GPa!r}")
-        self.tau_p_fs = _check("tau_p_fs", tau_p_fs)
-        self.compressibility_per_GPa = _check("compressibility_per_GPa", compressibility_per_GPa)
+        self.pressure_GPa = check_number("pressure_GPa", pressure_GPa, minimum=None)
+        self.tau_p_fs = check_number("tau_p_fs", tau_p_fs)
+        self.compressibility_per_GPa = check_number("compressibility_per_GPa", compressibility_per_GPa)
         self.anisotropic = bool(anisotropic)
 
     def params(self) -> dict:

@@ -48,10 +48,9 @@ def _check_cutoff(cutoff: float, name: str = "cutoff") -> float:
 
 
 def _check_positions_and_cell(positions: Tensor, cell: Tensor) -> None:
-    if not isinstance(positions, Tensor):
-        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
-    if not isinstance(cell, Tensor):
-        raise TypeError(f"cell must be a torch.Tensor, got {type(cell).__name__}")
+    for name, value in (("positions", positions), ("cell", cell)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if positions.ndim != 2 or positions.shape[1] != 3:
         raise ValueError(f"positions must have shape [N, 3], got {tuple(positions.shape)}")
     if positions.dtype not in (torch.float32, torch.float64):

@@ -212,10 +212,8 @@ def owner_of(frame: Frame, grid: TileGrid) -> Tensor:
 
 def cluster_of(frame: Frame, grid: TileGrid, tile: tuple[int, int, int], owner: Tensor, wrapped: Tensor,
                cell: Tensor, dtype: torch.dtype, cutoff: float, hops: int) -> Cluster | None:
-    """The atoms of ``tile`` and its halo (``grid.halo``, periodic images included) as a cluster in ``dtype``, their
-    edges within ``cutoff`` pruned to the receivers within ``hops - 1`` graph steps of an owned atom (what the owned
-    atoms' energies need); None for a tile that owns no atom. ``owner``: ``owner_of(frame, grid)``; ``wrapped``:
-the positions wrapped by ``frame.image``, float64."""
+    """``tile`` and its halo (periodic images included) as a cluster in ``dtype``, its edges within ``cutoff`` pruned
+    to the receivers within ``hops - 1`` graph steps of an owned atom; None for a tile that owns no atom."""
     device = wrapped.device
     frac = frame.fractional
     halo = grid.halo * frame.per_angstrom  # in each direction's coordinate
