@@ -81,14 +81,15 @@ def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atom
               budget_bytes: int | None = None, edge_bytes: int = 0, edges_per_atom: float | None = None) -> TileGrid:
     """The coarsest grid whose tiles own at most ``tile_atoms`` atoms and whose estimated working set
     (``edge_bytes`` per edge: a tile's receivers, its atoms and those within ``hops - 1`` cutoffs, times
-    ``edges_per_atom``; None: the uniform density's cutoff sphere) fits ``budget_bytes`` (None: no such bounds).
+    ``edges_per_atom``, needed with a budget) fits ``budget_bytes`` (None: no such bounds).
     Tiles split where thickest; MemoryError when the budget needs tiles of fewer than ``_SMALLEST_TILE`` atoms."""
     if hops < 1:
         raise ValueError(f"hops must be >= 1, got {hops}")
     if tile_atoms is not None and (isinstance(tile_atoms, bool) or not isinstance(tile_atoms, int) or tile_atoms < 1):
         raise ValueError(f"tile_atoms: expected None or an int >= 1, got {tile_atoms!r}")
     thickness = frame.span / frame.per_angstrom  # Å across each direction's lattice planes
-    neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1) if edges_per_atom is None else edges_per_atom
+    if budget_bytes is not None and edges_per_atom is None:
+        raise ValueError("plan_grid: a memory budget needs edges_per_atom (sampled_edges_per_atom)")
     reach = (hops - 1) * cutoff  # Å beyond a tile whose receivers the tile evaluates
 
     def cost(counts: list[int]) -> tuple[float, float]:
@@ -97,7 +98,7 @@ def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atom
         for d in range(3):
             if frame.pbc[d] or counts[d] > 1:
                 grow *= 1.0 + 2.0 * reach * counts[d] / thickness[d]
-        return owned, owned * grow * neighbours * edge_bytes
+        return owned, owned * grow * (edges_per_atom or 0.0) * edge_bytes
 
     counts = [1, 1, 1]
     while True:
@@ -399,8 +400,3 @@ def _free_bytes(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
-
-def _edges_estimate(frame: Frame, n_atoms: int, cutoff: float) -> int:
-    """Edges of a uniform system of this size and extent: n_atoms x its density x the cutoff sphere."""
-    volume = abs(float(np.linalg.det(frame.basis))) * float(np.prod(frame.span))
-    return int(n_atoms * n_atoms / max(volume, 1e-30) * 4.0 / 3.0 * math.pi * cutoff**3)
