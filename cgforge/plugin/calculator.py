@@ -136,24 +136,15 @@ class Calculator(AseCalculator):
     radial_table = _delegate("radial_table", "Whether the radial tables are in use.")
     radial_table_errors = _delegate("radial_table_errors", "(intervals, error) of each radial table.")
     timings = _delegate("timings", "The per-phase breakdown (``record_timings``), or None.")
+    record_timings = _delegate("record_timings", "``Potential.record_timings(enabled=True)``: fill ``timings``.")
+    plan_rows = _delegate("plan_rows", "``Potential.plan_rows(n_atoms)``.")
+    set_compile = _delegate("set_compile", "``Potential.set_compile(compile)``: compile (or stop) from the next step.")
 
     @property
     def system(self) -> System | None:
         """What the potential keeps of the current system (species, the atom order it runs in), or None before
         the first calculation."""
         return self._system
-
-    def record_timings(self, enabled: bool = True) -> None:
-        """``Potential.record_timings``: a per-phase breakdown in ``timings.seconds``."""
-        self.potential.record_timings(enabled)
-
-    def plan_rows(self, n_atoms: int) -> None:
-        """``Potential.plan_rows``."""
-        self.potential.plan_rows(n_atoms)
-
-    def set_compile(self, compile: bool | str) -> None:
-        """Compile the model (``compile`` as at construction) or stop, from the next step on."""
-        self.potential.set_compile(compile)
 
     def uses_tiles(self, atoms: Atoms) -> bool:
         """Whether this calculator evaluates ``atoms`` in tiles (``workspace``; decided once per atom count)."""
