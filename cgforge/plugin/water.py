@@ -20,8 +20,7 @@ from torch import Tensor
 from cgforge.kernels.edge_layout import edges_within
 from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff
 
-# The anchors' constants (g/mol and 10^24 / mol): keeps water_box(n_side=12) identical to
-# /work/shared/anchors/anchor_mace.py's box, whose 6 Å graph (436,566 edges) the benchmarks quote.
+# The anchors' constants (g/mol, 10^24 / mol): water_box(n_side=12) is the box the benchmarks quote.
 _WATER_MOLAR_MASS = 18.015
 _AVOGADRO_E24 = 0.6022
 _GRID_ORIGIN = 0.3  # Å: shifts the grid off the cell faces, as the anchors do

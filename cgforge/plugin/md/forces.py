@@ -110,8 +110,7 @@ class ModelForces:
         self.options = potential.options
         self.cutoff = float(potential.neighbours.cutoff)
         self.skin = float(potential.neighbours.skin)
-        # Reference positions (and cell inverse) of the last rebuild: updated in place, since a captured graph
-        # reads them at the address it was captured with; a new allocation bumps the generation (recapture).
+        # The last rebuild's reference positions and cell inverse, updated in place (captured graphs read them).
         self._ref_positions: Tensor | None = None
         self._ref_cell_inverse: Tensor | None = None
         self._own_generation = 0
@@ -205,9 +204,8 @@ class ModelForces:
         """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""
         positions, cell, lists, topology = pending.positions, pending.cell, pending.lists, pending.topology
         if self.device.type == "cuda":
-            # Copies on this stream of what the side stream made (no record_stream: a cross-stream free inside a
-            # later CUDA-graph capture invalidates the capture); the originals stay referenced until the next
-            # search, whose stream waits for a point after these copies, so their memory is not reused early.
+            # Copies on this stream (record_stream's cross-stream free would invalidate a later capture); the
+            # originals stay referenced until the next search, whose stream waits for these copies.
             torch.cuda.current_stream(self.device).wait_event(pending.ready)
             lists = tuple(t.clone() for t in lists)
             if topology is not None and topology[1] is not None:

@@ -100,7 +100,8 @@ def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor,
 
 
 class Integrator:
-    """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step."""
+    """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step; these are
+    velocity Verlet's (p += dt/2 F; r += dt p/m | forces | p += dt/2 F), which the thermostats wrap."""
 
     name = "integrator"
     needs_virial = False  # the engine computes the virial every step (NPT)
@@ -135,34 +136,21 @@ class Integrator:
         return {}
 
     def before_forces(self, s: MDState, noise) -> None:
-        raise NotImplementedError
+        s.momenta.add_(0.5 * self.dt * s.forces)
+        s.positions.add_(self.dt * s.momenta / s.masses)
 
     def after_forces(self, s: MDState, noise) -> None:
-        raise NotImplementedError
+        s.momenta.add_(0.5 * self.dt * s.forces)
 
     def conserved(self, s: MDState) -> Tensor:
         """The quantity the scheme conserves (NVE: total energy; CSVR: total energy minus the heat put in)."""
         return s.energy + kinetic_energy(s)
 
-    # velocity Verlet's pieces, shared by the schemes built around it
-    def _kick(self, s: MDState) -> None:
-        s.momenta.add_(0.5 * self.dt * s.forces)
-
-    def _drift(self, s: MDState) -> None:
-        s.positions.add_(self.dt * s.momenta / s.masses)
-
 
 class VelocityVerlet(Integrator):
-    """NVE: ASE's ``VelocityVerlet`` (p += dt/2 F; r += dt p/m; forces; p += dt/2 F), same operations."""
+    """NVE: ASE's ``VelocityVerlet``, the same operations (``Integrator``'s step)."""
 
     name = "velocity_verlet"
-
-    def before_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
-        self._drift(s)
-
-    def after_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
 
 
 class Langevin(Integrator):
@@ -244,11 +232,10 @@ class CSVR(Integrator):
 
     def before_forces(self, s: MDState, noise) -> None:
         self._rescale(s, noise, 0)
-        self._kick(s)
-        self._drift(s)
+        super().before_forces(s, noise)
 
     def after_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
+        super().after_forces(s, noise)
         self._rescale(s, noise, 1)
 
     def conserved(self, s: MDState) -> Tensor:
@@ -298,9 +285,7 @@ class StochasticCellRescaling(CSVR):
         mu = self._math["_cell_scaling"](s.momenta, s.masses, s.virial, s.cell,
                                          noise(2, (3,) if self.anisotropic else (1,)), self.rate, self.kt, self.dt,
                                          self.p0, self.anisotropic)
-        self._rescale(s, noise, 0)
-        self._kick(s)
-        self._drift(s)
+        super().before_forces(s, noise)  # CSVR's: rescale, kick, drift
         s.positions.mul_(mu)
         s.cell.mul_(mu)
         s.momenta.div_(mu)

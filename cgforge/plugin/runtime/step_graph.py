@@ -42,9 +42,7 @@ from .neighbours import VerletNeighbourList
 
 Phase = Callable[[str], AbstractContextManager]
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
-# The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, while a list that
-# outgrows its buffers (an NPT box breathing) costs a recapture.
-LIST_ROOM = 0.04
+LIST_ROOM = 0.04  # the least room the Verlet list's buffers keep: padding pairs are cheap, recaptures are not
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -350,8 +348,7 @@ class ModelStep:
                 self._groups = self._species_groups()
 
     def _species_groups(self) -> SpeciesGroups | None:
-        # The model's node attributes are a function of the species index within one structure (the adapter
-        # builds them), which is what the per-species self-connections need to know.
+        # the model's node attributes are a function of the species index (the adapter builds them)
         if not self.caches:
             return None
         return SpeciesGroups.from_species(self.adapter.species_index(self._species))
@@ -414,8 +411,7 @@ class ModelStep:
             buf[count:].zero_()  # padding entries: (0, 0, 0), never kept (valid is False)
         valid.copy_(torch.arange(capacity, device=self.device) < count)
         self._load_topology(capacity, prepared)
-        # The list lives on in the static buffers: its own tensors go (40 bytes a pair, 5.5 GB at a million atoms)
-        # and the list reads the same pairs there (its shifts as floats: whole numbers, exact).
+        # The list lives on in the static buffers (its own tensors go: 40 bytes a pair; shifts as exact floats).
         nl.sender, nl.receiver, nl.shifts = sender[:count], receiver[:count], shifts[:count]
         with torch.no_grad():
             if not self.filter_edges:
@@ -511,8 +507,7 @@ class ModelStep:
 
     def _capture(self, key: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
         if self._pool is None:
-            # One pool for all keys: a step's output is read right after its replay, before any other
-            # replay may reuse that memory.
+            # one pool for all keys: a step's output is read right after its replay, before another reuses it
             self._pool = torch.cuda.graph_pool_handle()
         entry = capture_or_fall_back(self, lambda: self._compute(key, _no_phase), self._pool, "the model step")
         if entry is not None:
