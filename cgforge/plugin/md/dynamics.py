@@ -105,13 +105,8 @@ class AseDynamics:
     def __init__(self, dyn: Any) -> None:
         self.dyn = dyn
 
-    @property
-    def nsteps(self) -> int:
-        return self.dyn.nsteps
-
-    @nsteps.setter
-    def nsteps(self, value: int) -> None:
-        self.dyn.nsteps = value
+    nsteps = property(lambda self: self.dyn.nsteps, lambda self, value: setattr(self.dyn, "nsteps", value),
+                      doc="ASE's step counter")
 
     def irun(self, steps: int) -> Iterator[Any]:
         return self.dyn.irun(steps)

@@ -254,7 +254,7 @@ class ModelStep:
     def _refresh_list(self, pbc: tuple[bool, bool, bool]) -> None:
         """Rebuild the Verlet list when it is stale (one host sync) and load it into the static buffers."""
         with self.phase("neighbour_list"):
-            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
+            rebuilt = self.neighbours.update(self.positions, self.cell, pbc)
             if rebuilt or self._verlet is None:
                 self._load_verlet()
 
@@ -265,23 +265,13 @@ class ModelStep:
             raise ValueError(f"positions must be [N, 3] and cell [3, 3], got {tuple(positions.shape)} and "
                              f"{tuple(cell.shape)}")
         self._ensure_structure(int(positions.shape[0]), species)
-        self._pos.copy_(positions)
-        self._cell.copy_(cell)
+        self.positions.copy_(positions)
+        self.cell.copy_(cell)
         self._host_cell = None  # the host path compares against the last host cell: it no longer holds
-
-    @property
-    def positions(self) -> Tensor:
-        """The static positions buffer [N, 3] (model dtype) that ``compute`` reads: write it in place."""
-        return self._pos
-
-    @property
-    def cell(self) -> Tensor:
-        """The static cell buffer [3, 3] (model dtype) that ``compute`` reads: write it in place."""
-        return self._cell
 
     def rebuild(self, pbc: tuple[bool, bool, bool]) -> None:
         """Rebuild the Verlet list at the positions and cell in the buffers now, and load it (host syncs)."""
-        self.neighbours.rebuild(self._pos, self._cell, pbc)
+        self.neighbours.rebuild(self.positions, self.cell, pbc)
         self._load_verlet()
 
     def install_list(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool],
@@ -315,17 +305,18 @@ class ModelStep:
     def _load_structure(self, positions: np.ndarray, cell: np.ndarray, species: Tensor) -> None:
         self._ensure_structure(int(positions.shape[0]), species)
         self._host_pos.numpy()[:] = positions
-        self._pos.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
+        self.positions.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
         if self._host_cell is None or not np.array_equal(self._host_cell, cell):
             self._host_cell = np.array(cell, dtype=np.float64)
-            self._cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
+            self.cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
 
     def _ensure_structure(self, n: int, species: Tensor) -> None:
         if n != self._n:
             self.invalidate("atom count")
             self._n = n
-            self._pos = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
-            self._cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
+            # the static buffers (model dtype) that ``compute`` reads: written in place
+            self.positions = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
+            self.cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
             self._host_cell = None
             self._species = species.clone()
             self._species_source = species
@@ -451,7 +442,7 @@ class ModelStep:
 
     def _keep(self) -> Tensor:
         sender, receiver, shifts, valid = self._verlet
-        _, _, inside = edges_within(self._pos, self._cell, sender, receiver, shifts, self.cutoff)
+        _, _, inside = edges_within(self.positions, self.cell, sender, receiver, shifts, self.cutoff)
         return inside & valid
 
     def _step_layout(self) -> EdgeLayout:
@@ -459,7 +450,7 @@ class ModelStep:
             return self._layout
         sender, receiver, shifts, valid = self._verlet
         if self.padded:
-            return layout_within(self._pos, self._cell, sender, receiver, shifts, valid, self.cutoff, self._n,
+            return layout_within(self.positions, self.cell, sender, receiver, shifts, valid, self.cutoff, self._n,
                                  self._capacity, self.pad_vector, bool(self.caches), self._topology)
         # eager: exact, one sync; counted as layout_edges keeps them (with their reverses)
         keep = self._keep()
@@ -480,7 +471,7 @@ class ModelStep:
         with record_function("cgforge.step"):  # profiler markers, host-side only: harmless inside a capture
             with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
                 layout = self._step_layout()
-            return graph_derivatives(self.adapter, self.caches, layout, self._n, self._pos, self._cell,
+            return graph_derivatives(self.adapter, self.caches, layout, self._n, self.positions, self.cell,
                                      lambda p, v, e, per_atom: self._energy(p, v, e, layout, per_atom), key, phase,
                                      groups=self._groups, serve_pinned=self.compiled is not None)
 

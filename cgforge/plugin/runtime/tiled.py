@@ -274,8 +274,7 @@ def sampled_edges_per_atom(frame: Frame, wrapped: Tensor, cell: Tensor, cutoff: 
     counts = torch.tensor(grid.counts, device=owner.device)
     flat = (owner[:, 0] * counts[1] + owner[:, 1]) * counts[2] + owner[:, 2]
     fullest = int(torch.bincount(flat).argmax())
-    tile = (fullest // (grid.counts[1] * grid.counts[2]), (fullest // grid.counts[2]) % grid.counts[1],
-            fullest % grid.counts[2])
+    tile = tuple(int(i) for i in np.unravel_index(fullest, grid.counts))
     cluster = cluster_of(frame, grid, tile, owner, wrapped, cell, dtype, cutoff, 1)
     return float(cluster.sender.shape[0]) / max(int(cluster.owned.sum()), 1)
 
