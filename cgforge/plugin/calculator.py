@@ -24,19 +24,13 @@ from ase.calculators.calculator import PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from .runtime.bundled import LISTED
-from .runtime.bundled import NAMES as BUNDLED
-from .runtime.diagnosis import NonFiniteOutputError
+from .runtime.diagnosis import NonFiniteOutputError  # noqa: F401 (cgforge.plugin's export)
 from .runtime.memory_plan import MemoryPlan
 from .runtime.options import RuntimeOptions
-from .runtime.potential import System, load, load_module, resolve_device
+from .runtime.potential import System, load, resolve_device  # noqa: F401 (resolve_device: the CLI's)
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
-
-__all__ = ["Calculator", "NonFiniteOutputError", "load_model", "resolve_device", "BUNDLED"]
-
-load_model = load_module  # the module of a model name, file or module (``runtime.potential.load_module``)
-
 
 _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 
@@ -77,8 +71,6 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
     return model, dtype, kwargs
 
 
-
-
 def _delegate(name: str, doc: str, writable: bool = False) -> property:
     """A property of the calculator that is ``self.potential.<name>``."""
 
@@ -92,70 +84,23 @@ def _delegate(name: str, doc: str, writable: bool = False) -> property:
 
 
 class Calculator(AseCalculator):
-    """ASE calculator for MACE and NequIP models running on cgforge's kernels.
-
-    model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
-    ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
-    device: None picks cuda when available, else cpu. dtype: None keeps the model's.
-    skin: Verlet skin in Å. head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}
-    for types that are not chemical symbols.
-    patch: True runs cgforge's kernels, False the model's own (e3nn) code; None: cgforge's kernels on CUDA and
-    the model's own code on a CPU, where it is faster (``patched`` says which is in use).
-    tuning: a ``cgforge.kernels.KernelTuning``, the knobs of the kernels the patch builds (None: the measured
-    defaults; NequIP models use its ``tp`` only); given, the model is patched also on a CPU, and ``patch=False``
-    or a module given already patched with another tuning is refused (``calc.tuning`` says what was given).
-    forces_with_energy: an energy call on a new structure computes the forces in the same run (as
-    MACECalculator does), so ``get_potential_energy()`` then ``get_forces()`` cost one model run; False runs
-    energy-only calls without autograd.
-    stress_with_forces: also compute the stress whenever forces are computed (for NPT integrators that ask for
-    forces and stress in separate calls).
-    warmup, cuda_graph, filter_edges, radial_precision, radial_table, streaming, compile, options: the runtime's
-    (``runtime.potential.Potential``: kernel warm-up, CUDA-graph capture, edge filtering, radial-MLP precision,
-    radial tables, streaming, ``torch.compile``, ``RuntimeOptions``). workspace: ``"whole"`` evaluates the system
-    as one graph, ``"tiled"`` in tiles with a fixed working set (``runtime.tiled``: memory grows with the atoms
-    only, for systems past a few million atoms), ``"auto"`` (the default) in tiles where one graph would not
-    fit the GPU. Systems larger than
-    ``options.order_above_atoms`` run in a spatial order; results always come back in the order given.
-    MACECalculator's spellings ``model_paths=`` (a path or a list of one) and ``default_dtype=`` mean ``model=``
-    and ``dtype=``; any other unknown keyword is a TypeError (ase's ``atoms``, ``directory``, ``label`` pass on).
-
-    Stress (eV/Å^3, ase's sign and Voigt order) is sym(dE/d eps) / V, where eps strains all positions and all
-    three cell vectors and V is the volume of ``atoms.cell``, also with partial periodicity (a slab's
-    non-periodic cell vector is strained too and counts in V as given; MACECalculator divides the same virial by
-    the volume of a cell whose non-periodic vectors it replaces, so compare virials there). A structure without
-    a 3-D cell has no stress.
-
-    A NaN or inf in the model's output raises ``NonFiniteOutputError`` (a ValueError) naming the output, the
-    first atoms, the closest pair of atoms and any non-finite model parameters (also at the warm-up, so a broken
-    model file fails at construction).
-    """
+    """ASE calculator for MACE and NequIP models running on cgforge's kernels; docs/calculator.md defines every
+    argument. model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
+    ``.nequip.zip`` path, or a MACE / NequIP module (patched in place). forces_with_energy: an energy call also
+    computes the forces; stress_with_forces: a forces call also the stress; the others: ``runtime.potential.load``'s.
+    MACECalculator's ``model_paths=`` and ``default_dtype=`` mean ``model=`` and ``dtype=``. Stress is
+    sym(dE/d eps) / V, V the volume of ``atoms.cell``; a NaN or inf output raises ``NonFiniteOutputError``."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 
-    def __init__(
-        self,
-        model: str | os.PathLike | torch.nn.Module | None = None,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        *,
-        skin: float = 1.0,
-        head: str | None = None,
-        type_map: dict[str, str] | None = None,
-        patch: bool | None = None,
-        forces_with_energy: bool = True,
-        stress_with_forces: bool = False,
-        warmup: bool = True,
-        cuda_graph: bool | None = None,
-        filter_edges: bool | None = None,
-        radial_precision: str = "fp32",
-        radial_table: bool | None = None,
-        streaming: bool | None = None,
-        compile: bool | str = False,
-        options: RuntimeOptions | None = None,
-        workspace: str = "auto",
-        tuning: KernelTuning | None = None,
-        **kwargs: object,
-    ) -> None:
+    def __init__(self, model: str | os.PathLike | torch.nn.Module | None = None,
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
+                 skin: float = 1.0, head: str | None = None, type_map: dict[str, str] | None = None,
+                 patch: bool | None = None, forces_with_energy: bool = True, stress_with_forces: bool = False,
+                 warmup: bool = True, cuda_graph: bool | None = None, filter_edges: bool | None = None,
+                 radial_precision: str = "fp32", radial_table: bool | None = None, streaming: bool | None = None,
+                 compile: bool | str = False, options: RuntimeOptions | None = None, workspace: str = "auto",
+                 tuning: KernelTuning | None = None, **kwargs: object) -> None:
         model, dtype, ase_kwargs = _keyword_arguments(model, dtype, kwargs)
         super().__init__(**ase_kwargs)
         self.potential = load(  # every argument that needs no model is checked before it loads
@@ -191,28 +136,15 @@ class Calculator(AseCalculator):
     radial_table = _delegate("radial_table", "Whether the radial tables are in use.")
     radial_table_errors = _delegate("radial_table_errors", "(intervals, error) of each radial table.")
     timings = _delegate("timings", "The per-phase breakdown (``record_timings``), or None.")
+    record_timings = _delegate("record_timings", "``Potential.record_timings(enabled=True)``: fill ``timings``.")
+    plan_rows = _delegate("plan_rows", "``Potential.plan_rows(n_atoms)``.")
+    set_compile = _delegate("set_compile", "``Potential.set_compile(compile)``: compile (or stop) from the next step.")
 
     @property
     def system(self) -> System | None:
         """What the potential keeps of the current system (species, the atom order it runs in), or None before
         the first calculation."""
         return self._system
-
-    def warm_up(self) -> None:
-        """``Potential.warm_up``: compile the kernels and run a tiny structure."""
-        self.potential.warm_up()
-
-    def record_timings(self, enabled: bool = True) -> None:
-        """``Potential.record_timings``: a per-phase breakdown in ``timings.seconds``."""
-        self.potential.record_timings(enabled)
-
-    def plan_rows(self, n_atoms: int) -> None:
-        """``Potential.plan_rows``."""
-        self.potential.plan_rows(n_atoms)
-
-    def set_compile(self, compile: bool | str) -> None:
-        """Compile the model (``compile`` as at construction) or stop, from the next step on."""
-        self.potential.set_compile(compile)
 
     def uses_tiles(self, atoms: Atoms) -> bool:
         """Whether this calculator evaluates ``atoms`` in tiles (``workspace``; decided once per atom count)."""

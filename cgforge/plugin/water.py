@@ -1,12 +1,8 @@
 """Water boxes and the q-SPC/Fw flexible water model: cheap, smooth reference labels for our water models.
 
-q-SPC/Fw (Paesani, Zhang, Case, Cheatham, Voth, J. Chem. Phys. 125, 184507 (2006)):
-harmonic O-H bonds and H-O-H angle, point charges on every atom, Lennard-Jones between oxygens,
-no Coulomb or LJ inside a molecule. Long-range Coulomb here is the damped shifted force (DSF) of
-Fennell & Gezelter (J. Chem. Phys. 124, 234104 (2006)) and LJ is shifted-force at the same cutoff,
-so energy and force both go continuously to zero at the cutoff and MD conserves energy.
-
-Atom order: molecule m is atoms (3m, 3m+1, 3m+2) = (O, H, H). Anything else is refused.
+q-SPC/Fw (Paesani et al., J. Chem. Phys. 125, 184507 (2006)): harmonic bonds and angle, point charges, O-O
+Lennard-Jones, nothing within a molecule; Coulomb as Fennell & Gezelter's damped shifted force (J. Chem. Phys.
+124, 234104 (2006)) and shifted-force LJ, so energy and force go to zero at the cutoff. Atoms: (O, H, H) per molecule.
 """
 
 from __future__ import annotations
@@ -18,52 +14,32 @@ import numpy as np
 import torch
 from ase import Atoms, units
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
 from cgforge.kernels.edge_layout import edges_within
 from cgforge.plugin.runtime.neighbours import VerletNeighbourList, _as_pbc, _check_cutoff
 
-__all__ = ["water_box", "QSPCFw", "Q_SPC_FW", "QSPCFwCalculator", "check_water_order", "qspcfw_energy",
-           "whole_molecule_shifts"]
-
-# The anchors' constants (g/mol and 10^24 / mol): keeps water_box(n_side=12) identical to
-# /work/shared/anchors/anchor_mace.py's box, whose 6 Å graph (436,566 edges) the benchmarks quote.
+# The anchors' constants (g/mol, 10^24 / mol): water_box(n_side=12) is the box the benchmarks quote.
 _WATER_MOLAR_MASS = 18.015
 _AVOGADRO_E24 = 0.6022
 _GRID_ORIGIN = 0.3  # Å: shifts the grid off the cell faces, as the anchors do
 
 
-def water_box(
-    n_molecules: int | None = None,
-    *,
-    n_side: int | None = None,
-    density: float = 1.0,
-    seed: int = 0,
-    oh_length: float = 0.9572,
-    hoh_angle: float = 104.52,
-) -> Atoms:
-    """A cubic periodic box of randomly oriented rigid water molecules on a simple cubic grid.
-
-    Give either ``n_side`` (n_side^3 molecules, every grid site filled) or ``n_molecules`` (the
-    smallest grid with enough sites; a random subset of sites is filled when it is not a cube).
-    The cell edge follows from ``density`` (g/cm^3). Oxygen sits on the grid site, atoms are ordered
-    O, H, H per molecule, orientations are uniform random rotations from ``seed``. The default
-    geometry is TIP3P's (0.9572 Å, 104.52°); n_side=12 reproduces the anchors' 5184-atom, 37.25 Å box.
-    """
+def water_box(n_molecules: int | None = None, *, n_side: int | None = None, density: float = 1.0, seed: int = 0,
+              oh_length: float = 0.9572, hoh_angle: float = 104.52) -> Atoms:
+    """A cubic periodic box of randomly oriented (``seed``) rigid water molecules (O, H, H; TIP3P's geometry by
+    default) with O on a simple cubic grid: ``n_side``^3 molecules, or ``n_molecules`` on a random subset of the
+    smallest grid with enough sites. The cell edge follows from ``density`` (g/cm^3)."""
     if (n_molecules is None) == (n_side is None):
         raise ValueError("give exactly one of n_molecules and n_side")
-    if n_side is not None:
-        if isinstance(n_side, bool) or not isinstance(n_side, int | np.integer) or n_side < 1:
-            raise ValueError(f"n_side must be an int >= 1, got {n_side!r}")
-        n_side = int(n_side)
-        n_molecules = n_side**3
-    else:
-        if isinstance(n_molecules, bool) or not isinstance(n_molecules, int | np.integer) or n_molecules < 1:
-            raise ValueError(f"n_molecules must be an int >= 1, got {n_molecules!r}")
-        n_molecules = int(n_molecules)
-        n_side = round(n_molecules ** (1 / 3))
-        while n_side**3 < n_molecules:
-            n_side += 1
+    name, value = ("n_side", n_side) if n_side is not None else ("n_molecules", n_molecules)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    n_molecules = int(n_side) ** 3 if n_side is not None else int(n_molecules)
+    n_side = int(n_side) if n_side is not None else round(n_molecules ** (1 / 3))
+    while n_side**3 < n_molecules:
+        n_side += 1
     if not (math.isfinite(density) and density > 0):
         raise ValueError(f"density must be a finite number > 0 (g/cm^3), got {density!r}")
 
@@ -123,10 +99,8 @@ def check_water_order(numbers: np.ndarray | Tensor) -> None:
     bad = np.nonzero((numbers.reshape(-1, 3) != (8, 1, 1)).any(1))[0]
     if len(bad):
         m = int(bad[0])
-        raise ValueError(
-            f"atoms must be ordered O, H, H per molecule; molecule {m} (atoms {3 * m}..{3 * m + 2}) "
-            f"has atomic numbers {numbers[3 * m:3 * m + 3].tolist()}"
-        )
+        raise ValueError(f"atoms must be ordered O, H, H per molecule; molecule {m} (atoms {3 * m}..{3 * m + 2}) "
+                         f"has atomic numbers {numbers[3 * m:3 * m + 3].tolist()}")
 
 
 def _check_molecules(positions: Tensor) -> None:
@@ -135,11 +109,8 @@ def _check_molecules(positions: Tensor) -> None:
 
 
 def whole_molecule_shifts(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]) -> Tensor:
-    """Integer lattice shifts [N, 3] moving each H to the periodic image nearest its O.
-
-    Molecules split across the cell boundary (e.g. after ``atoms.wrap()``) become whole, so the bonded
-    geometry and the intramolecular exclusion are well defined. Needs molecules < half the cell.
-    """
+    """Integer lattice shifts [N, 3] moving each H to the periodic image nearest its O: molecules split by the
+    cell boundary become whole (needs molecules < half the cell)."""
     _check_molecules(positions)
     shifts = torch.zeros(positions.shape, dtype=torch.int64, device=positions.device)
     periodic = [d for d in range(3) if pbc[d]]
@@ -153,27 +124,11 @@ def whole_molecule_shifts(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool
     return shifts
 
 
-def qspcfw_energy(
-    positions: Tensor,
-    cell: Tensor,
-    sender: Tensor,
-    receiver: Tensor,
-    shifts: Tensor,
-    *,
-    cutoff: float = 9.0,
-    alpha: float = 0.2,
-    params: QSPCFw = Q_SPC_FW,
-) -> Tensor:
-    """Total q-SPC/Fw energy (eV, scalar tensor) of whole molecules, differentiable in positions and cell.
-
-    positions [N, 3] are ordered (O, H, H) per molecule with each molecule whole (see
-    :func:`whole_molecule_shifts`). The edges come from a neighbour list at a cutoff >= ``cutoff``
-    (both directions, as :func:`~cgforge.plugin.runtime.neighbours.neighbour_list` returns them); pairs beyond
-    ``cutoff`` and intramolecular pairs (same molecule, zero shift) are dropped here.
-
-    DSF's constant self-energy term is left out, so an isolated molecule at its equilibrium geometry has
-    energy zero and so have molecules farther apart than the cutoff.
-    """
+def qspcfw_energy(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, *,
+                  cutoff: float = 9.0, alpha: float = 0.2, params: QSPCFw = Q_SPC_FW) -> Tensor:
+    """Total q-SPC/Fw energy (eV) of whole molecules (O, H, H), differentiable in positions and cell, over the
+    edges of a neighbour list at a cutoff >= ``cutoff`` (both directions); pairs beyond ``cutoff`` and within a
+    molecule are dropped. DSF's constant self-energy is left out: an isolated relaxed molecule has energy zero."""
     _check_molecules(positions)
     dtype, device = positions.dtype, positions.device
     kcal = _KCAL_PER_MOL
@@ -184,9 +139,9 @@ def qspcfw_energy(
     # atan2(|a x b|, a.b): well conditioned near 104-112 degrees, unlike acos near its ends.
     theta = torch.atan2(torch.linalg.vector_norm(torch.cross(bond_1, bond_2, dim=-1), dim=-1),
                         (bond_1 * bond_2).sum(-1))
-    intramolecular = 0.5 * params.bond_k * kcal * (
-        (length_1 - params.bond_r0).square() + (length_2 - params.bond_r0).square()
-    ) + 0.5 * params.angle_k * kcal * (theta - math.radians(params.angle_theta0)).square()
+    intramolecular = (0.5 * params.bond_k * kcal * ((length_1 - params.bond_r0).square()
+                                                    + (length_2 - params.bond_r0).square())
+                      + 0.5 * params.angle_k * kcal * (theta - math.radians(params.angle_theta0)).square())
 
     _, lengths, within = edges_within(positions, cell, sender, receiver, shifts, cutoff)
     same_molecule = sender.div(3, rounding_mode="floor") == receiver.div(3, rounding_mode="floor")
@@ -216,12 +171,8 @@ def qspcfw_energy(
 
 
 class QSPCFwCalculator(Calculator):
-    """ASE calculator for q-SPC/Fw water (torch, float64, autograd forces and stress).
-
-    Atoms must be ordered O, H, H per molecule. Energies in eV, forces in eV/Å, stress in eV/Å^3
-    (ASE sign and Voigt order); stress needs a 3D-periodic cell and is computed only when asked for.
-    The neighbour list is a Verlet list at ``cutoff + skin``, reused while atoms move less than skin/2.
-    """
+    """ASE calculator for q-SPC/Fw water, atoms ordered O, H, H (torch, float64, autograd forces; stress, asked
+    for, needs a 3-D periodic cell), over a Verlet list at ``cutoff + skin``."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
 
@@ -266,5 +217,4 @@ class QSPCFwCalculator(Calculator):
         self.results["forces"] = (-gradients[0]).cpu().numpy()
         if want_stress:
             virial = 0.5 * (gradients[1] + gradients[1].T) / abs(float(torch.linalg.det(cell)))
-            s = virial.cpu().numpy()
-            self.results["stress"] = np.array([s[0, 0], s[1, 1], s[2, 2], s[1, 2], s[0, 2], s[0, 1]])
+            self.results["stress"] = full_3x3_to_voigt_6_stress(virial.cpu().numpy())

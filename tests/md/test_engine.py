@@ -140,23 +140,6 @@ def test_atoms_carry_the_state_and_the_calculators_results(calc64, monkeypatch):
     np.testing.assert_allclose(fresh.get_forces(), forces, atol=1e-9)  # they are this structure's forces
 
 
-def test_model_step_evaluate_equals_run(calc64):
-    """The tensor-level call (device tensors in and out) gives the host call's numbers."""
-    atoms = thermal_water(8)
-    step = calc64.step
-    species = calc64.adapter.species(atoms.numbers)
-    pbc = (True, True, True)
-    host = step.run(atoms.positions, np.array(atoms.cell), pbc, species, forces=True, stress=True, per_atom=True)
-    out = step.evaluate(torch.as_tensor(atoms.positions), torch.as_tensor(np.array(atoms.cell)), pbc, species,
-                        forces=True, stress=True, per_atom=True)
-    n = len(atoms)
-    assert float(out.energy) == pytest.approx(host[0], abs=1e-12)
-    np.testing.assert_allclose(out.forces.numpy().reshape(-1), host[1:1 + 3 * n], atol=1e-12)
-    np.testing.assert_allclose(out.virial.numpy().reshape(-1), host[1 + 3 * n:10 + 3 * n], atol=1e-12)
-    np.testing.assert_allclose(out.energies.numpy(), host[10 + 3 * n:], atol=1e-12)
-    assert int(out.count) == step.n_edges > 0
-
-
 def test_npt_with_the_model_writes_this_cells_stress(calc64):
     """NPT changes the cell; the stress the engine writes (virial / V) is the calculator's for that structure."""
     atoms = thermal_water(8, seed=5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cgforge.kernels import edge_layout as el
-from cgforge.plugin.runtime.edge_vectors import edge_differences, row_sums, rows_times
+from cgforge.plugin.runtime.edge_vectors import edge_differences, rows_times
 from cgforge.plugin.runtime.neighbours import neighbour_list
 from cgforge.plugin.water import water_box
 
@@ -26,15 +26,6 @@ def _layout(use_topology: bool, extra: int = 23):
     layout = el.layout_edges(keep, sender, receiver, shifts.double(), n, count + extra, pad, with_graph=True,
                              topology=topology)
     return positions, layout
-
-
-def test_row_sums() -> None:
-    values = torch.randn(10, 3, dtype=torch.float32)
-    rowptr = torch.tensor([0, 0, 4, 5, 10])
-    want = torch.stack([values[a:b].sum(0) for a, b in zip(rowptr[:-1], rowptr[1:])])
-    got = row_sums(values, rowptr)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want)
 
 
 def test_rows_times_equals_the_matrix_product_to_second_order() -> None:

@@ -73,7 +73,7 @@ def _tiled(pot: runtime.Potential, atoms, tile_atoms: int) -> tuple[np.ndarray, 
     positions = torch.as_tensor(atoms.positions, dtype=torch.float64)
     frame = Frame.of(positions, atoms.cell.array, pbc)
     grid = plan_grid(frame, len(atoms), tiles.hops, tiles.cutoff, tile_atoms=tile_atoms)
-    host = tiles.run(positions, atoms.cell.array, pbc, system.species, grid, frame=frame, forces=True, stress=True,
+    host = tiles.run(positions, atoms.cell.array, system.species, grid, frame, forces=True, stress=True,
                      per_atom=True)
     assert tiles.n_tiles == grid.n_tiles
     return host, tiles
@@ -177,11 +177,14 @@ def test_plan_grid_meets_its_bounds():
     assert 5400 / grid.n_tiles <= 1000
     assert grid.counts[0] >= grid.counts[1]  # split where the tiles are thickest first
     assert grid.halo >= 10.0
-    one = plan_grid(frame, 5400, 2, 5.0, budget_bytes=10**12, edge_bytes=1000)
+    per_atom = 0.1 * 4 / 3 * np.pi * 5.0**3  # the uniform density (0.1 / Å^3) times the cutoff sphere
+    one = plan_grid(frame, 5400, 2, 5.0, budget_bytes=10**12, edge_bytes=1000, edges_per_atom=per_atom)
     assert one.n_tiles == 1
-    budgeted = plan_grid(frame, 5400, 2, 5.0, budget_bytes=2 * 10**8, edge_bytes=1000)
+    budgeted = plan_grid(frame, 5400, 2, 5.0, budget_bytes=2 * 10**8, edge_bytes=1000, edges_per_atom=per_atom)
     assert budgeted.n_tiles > 1
     with pytest.raises(MemoryError, match="halo alone does not fit"):
+        plan_grid(frame, 5400, 2, 5.0, budget_bytes=10**5, edge_bytes=1000, edges_per_atom=per_atom)
+    with pytest.raises(ValueError, match="edges_per_atom"):
         plan_grid(frame, 5400, 2, 5.0, budget_bytes=10**5, edge_bytes=1000)
     with pytest.raises(ValueError, match="tile_atoms"):
         plan_grid(frame, 5400, 2, 5.0, tile_atoms=0)

@@ -96,21 +96,19 @@ class Guard:
         bad = ~np.isfinite(forces).all(axis=1)
         if bad.any():
             first = int(np.flatnonzero(bad)[0])
-            self._stop(step, "forces", float(forces[first][~np.isfinite(forces[first])][0]),
-                       f"the forces are not finite on {int(bad.sum())} of {len(atoms)} atoms (first: atom {first}, "
-                       f"{atoms.get_chemical_symbols()[first]}, force {forces[first].tolist()})")
+            raise instability(step, "forces", float(forces[first][~np.isfinite(forces[first])][0]),
+                              f"the forces are not finite on {int(bad.sum())} of {len(atoms)} atoms (first: atom "
+                              f"{first}, {atoms.get_chemical_symbols()[first]}, force {forces[first].tolist()})")
         results = getattr(atoms.calc, "results", None)
         energy = results.get("energy") if isinstance(results, dict) else None
         if energy is not None and not np.isfinite(energy):
-            self._stop(step, "energy", float(energy), f"the potential energy is {float(energy)}")
+            raise instability(step, "energy", float(energy), f"the potential energy is {float(energy)}")
         temperature = float(atoms.get_temperature())
         if not math.isfinite(temperature):
-            self._stop(step, "temperature", temperature, f"the temperature is {temperature} (non-finite velocities)")
+            raise instability(step, "temperature", temperature,
+                              f"the temperature is {temperature} (non-finite velocities)")
         if temperature > self.max_temperature_K:
-            self._stop(step, "temperature", temperature, too_hot(temperature, self.max_temperature_K))
-
-    def _stop(self, step: int, quantity: str, value: float, what: str) -> None:
-        raise instability(step, quantity, value, what)
+            raise instability(step, "temperature", temperature, too_hot(temperature, self.max_temperature_K))
 
 
 class Terminated(KeyboardInterrupt):
@@ -140,12 +138,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 class CtrlC:
-    """While ``active``: the first Ctrl-C (SIGINT) or SIGTERM says at once what happens and sets a flag (the run
-    stops after the current step, its files whole); a second one interrupts at once, except inside ``writing()``
-    (a frame being written), where it interrupts when the frame is complete. Only in the main thread, and for
-    each signal only over Python's default handler (or :func:`sigterm_as_interrupt`'s). ``notice(how)``: the
-    first signal's message, ``how`` "Ctrl-C" or "SIGTERM"; ``how`` and ``signum`` say which came (SIGTERM over
-    Ctrl-C: it is what a scheduler sends)."""
+    """While ``active`` (main thread, over default handlers only): the first Ctrl-C or SIGTERM prints
+    ``notice(how)`` and sets a flag (the run stops after its step); a second interrupts at once, or inside
+    ``writing()`` once the frame is complete. ``how``/``signum``: which came (SIGTERM wins)."""
 
     HOW = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
@@ -226,12 +221,10 @@ def summarize(atoms: Atoms, o: dict[str, Any], start: int, last: int, wall_start
     wall = time.perf_counter() - wall_start
     steps = last - start
     simulated_ps = steps * o["timestep_fs"] / 1000.0
-    return MDSummary(
-        steps=steps, simulated_ps=simulated_ps, wall_s=wall,
-        ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
-        temperature_K=float(atoms.get_temperature()),
-        energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
-        trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
-        n_atoms=len(atoms), first_step=start, last_step=last, log=str(log_path) if log_path else None, atoms=atoms,
-        engine=which,
-    )
+    return MDSummary(steps=steps, simulated_ps=simulated_ps, wall_s=wall,
+                     ns_per_day=(simulated_ps * 1e-3) / (wall / 86400.0) if wall > 0 and steps else float("nan"),
+                     temperature_K=float(atoms.get_temperature()),
+                     energy_drift_meV_per_atom=progress.drift if progress is not None else 0.0,
+                     trajectory=str(path) if path is not None and writer is not None and writer.frames else None,
+                     n_atoms=len(atoms), first_step=start, last_step=last,
+                     log=str(log_path) if log_path else None, atoms=atoms, engine=which)

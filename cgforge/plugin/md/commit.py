@@ -1,9 +1,7 @@
 """The engine's commit-or-discard rule: after each step of a block, on the device, whether the step counts.
 
-A step whose positions went beyond the Verlet list's reach (``stale``), whose edges overflowed the captured
-buffers (``overflow``), or that blew up (non-finite energy or forces, temperature above the limit) is not
-committed, nor is any later step of its block; the block's ``REPORT`` (one float64 per name) tells the host
-what happened, in one copy.
+A step that went stale, overflowed the captured buffers or blew up is not committed, nor is any later step of
+its block; the block's ``REPORT`` (one float64 per name) tells the host what happened, in one copy.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ from torch import Tensor
 
 from cgforge.kernels.md_step import COMMIT_REPORT, commit_check
 
-__all__ = ["BLOW_KINDS", "REPORT", "MDBlowUp", "commit_step"]
-
 REPORT = COMMIT_REPORT  # the CUDA kernel writes the fields in this order
 BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 
@@ -22,9 +18,8 @@ BLOW_KINDS = {1: "energy", 2: "forces", 3: "temperature"}
 def commit_step(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
                 overflow: Tensor, count: Tensor, slack: Tensor, max_temperature_K: float, report: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """After a step: (bad, step, report) of ``cgforge.kernels.md_step.commit_check`` with the temperature in K
-    (the kinetic energy over 3/2 N kB). Pure: the engine fuses it with ``fuse_integrator``, as the integrators'
-    arithmetic (torch.compile dropped in-place updates of 0-d CPU tensors, torch 2.13)."""
+    """After a step: (bad, step, report) of ``cgforge.kernels.md_step.commit_check``, the temperature in K. Pure
+    (torch.compile dropped in-place updates of 0-d CPU tensors): the engine fuses it as the integrators."""
     return commit_check(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
                         1.5 * momenta.shape[0] * units.kB, max_temperature_K)
 

@@ -1,29 +1,7 @@
-"""The integrators behind :func:`cgforge.plugin.md.run_md`: ASE's dynamics (numpy on the host, any ASE
-calculator) or cgforge's device engine (``engine.Engine``: a cgforge Calculator's model step and the integrator
-on its device), behind one interface.
-
-What run_md needs from a dynamics object: ``nsteps`` (the step counter), ``irun(steps)`` (a generator that
-yields once at the current state, then after steps with ``atoms`` updated and the forces available from
-``atoms.get_forces()``) and ``restart_info()`` (what a frame must hold for a restart to continue exactly). ASE's
-dynamics yield after every step; the engine yields only at multiples of the trajectory and log intervals and at
-the last step (the only host copies), and after a block when Ctrl-C was pressed.
-
-Which integrator runs each ensemble:
-
-=========  ===========================================  ===============================================
-ensemble   ASE's dynamics                               device engine
-=========  ===========================================  ===============================================
-nve        velocity Verlet                              velocity Verlet (the same operations)
-nvt        Langevin (``--thermostat langevin``) or      ASE's Langevin scheme, noise a hash of (seed,
-           Bussi's CSVR (``csvr``)                      step); or CSVR
-npt        Berendsen thermostat + isotropic barostat    stochastic cell rescaling (Bernetti-Bussi) with
-                                                        the CSVR thermostat, isotropic
-=========  ===========================================  ===============================================
-
-NPT differs on purpose: Berendsen's weak coupling reaches the target density and temperature but suppresses
-the volume fluctuations; stochastic cell rescaling relaxes as fast (first order, the same ``taup`` and
-compressibility) and samples the isothermal-isobaric ensemble, fluctuations included, with no barostat mass to
-tune. The two agree on averages, not trajectory by trajectory.
+"""The integrators behind :func:`cgforge.plugin.md.run_md`: ASE's dynamics (any ASE calculator) or cgforge's device
+engine (``engine.Engine``), behind one interface: ``nsteps``, ``irun(steps)`` (yields at the start, then with
+``atoms`` updated: ASE's after every step, the engine at the trajectory and log intervals, the last step, and
+after a block when Ctrl-C was pressed) and ``restart_info()``. docs/md.md tabulates the integrator per ensemble.
 """
 
 from __future__ import annotations
@@ -39,9 +17,8 @@ from .checks import engine_blow_up
 from .files import Restart, encode_info
 from .options import EngineOptions
 
-# Steps between the engine's host syncs (one small report each; blocks also end at log and trajectory steps).
-# Longer on CUDA, where a sync stalls the launch queue; short on a CPU, where it costs nothing and Ctrl-C is
-# acted on sooner.
+# Steps between the engine's host syncs: longer on CUDA, where a sync stalls the launch queue; short on a CPU,
+# where it costs nothing and Ctrl-C is acted on sooner.
 ENGINE_BLOCK = {"cuda": 50, "cpu": 10}
 
 
@@ -56,11 +33,9 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
 
 
 def choose_engine(choice: str, calc: Any, atoms: Atoms, name: str = "engine", restart: Any = None) -> str:
-    """'device' or 'ase' for ``choice`` ('auto': the device engine when ``calc`` is a cgforge Calculator on
-    CUDA, unless the system runs in tiles (``workspace``) or streams edges (a box its memory plan finds too large
-    for the stored path with ``workspace="whole"``): ASE's dynamics then drive the calculator);
-    'device' that cannot be served is an error naming why (``name``: the argument; ``restart``: the trajectory whose
-    engine it is)."""
+    """'device' or 'ase' for ``choice`` ('auto': the device engine for a cgforge Calculator on CUDA whose system
+    neither runs in tiles nor streams edges); 'device' that cannot be served is an error naming why (``name``: the
+    argument; ``restart``: the trajectory whose engine it is)."""
     unfit = engine_unfit(calc, atoms)
     uses_tiles = getattr(calc, "uses_tiles", None)
     tiles = callable(uses_tiles) and uses_tiles(atoms)
@@ -130,13 +105,8 @@ class AseDynamics:
     def __init__(self, dyn: Any) -> None:
         self.dyn = dyn
 
-    @property
-    def nsteps(self) -> int:
-        return self.dyn.nsteps
-
-    @nsteps.setter
-    def nsteps(self, value: int) -> None:
-        self.dyn.nsteps = value
+    nsteps = property(lambda self: self.dyn.nsteps, lambda self, value: setattr(self.dyn, "nsteps", value),
+                      doc="ASE's step counter")
 
     def irun(self, steps: int) -> Iterator[Any]:
         return self.dyn.irun(steps)
@@ -207,9 +177,8 @@ class EngineDynamics:
 
 def engine_dynamics(atoms: Atoms, calc: Any, o: dict[str, Any], state: Restart | None, options: EngineOptions,
                     intervals: tuple[int, ...]) -> EngineDynamics:
-    """The engine for ``atoms`` (positions, momenta, cell as run_md set them), continuing ``state``'s step counter
-    and, when it was written by the engine, its seed and integrator scalars (the noise is a hash of (seed,
-    step), so that is the whole random state). It stops for the host at multiples of ``intervals``."""
+    """The engine for ``atoms``, continuing ``state``'s step counter and, when the engine wrote it, its seed and
+    integrator scalars (the whole random state: the noise hashes (seed, step)); it stops at ``intervals``."""
     from .engine import Engine
 
     integrator = engine_integrator(o)

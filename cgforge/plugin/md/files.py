@@ -16,14 +16,10 @@ from typing import Any, TextIO
 import numpy as np
 from ase import Atoms
 
-from .options import PLOT_SUFFIXES, read_saved
+from .options import PLOT_SUFFIXES, read_saved  # noqa: F401 (PLOT_SUFFIXES: run.py's)
 
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 TRAJ_SUFFIXES = (".traj", *XYZ_SUFFIXES)
-__all__ = ["PLOT_SUFFIXES", "TRAJ_SUFFIXES", "Restart", "check_new_path", "check_distinct", "read_structure",
-           "read_restart", "TrajectoryWriter", "make_printer", "Printer", "check_restart_model", "model_name",
-           "MODEL_MISMATCH_MEV_PER_ATOM"]
-
 
 @dataclass
 class Restart:
@@ -62,9 +58,9 @@ def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "tr
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse, naming ``what`` and ``path``, a file that could not be written: a file is created and removed in
-    its folder (permissions, read-only file systems and root's rights all answer truly), and an existing file
-    must be writable (a log is written in place; trajectories and plots replace theirs)."""
+    """Refuse, naming ``what`` and ``path``, a file that could not be written: a probe file is created and removed
+    in its folder (permissions, read-only file systems and root's rights all answer truly); an existing file must
+    be writable."""
     probe = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.probe")
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -120,10 +116,8 @@ def default_trajectory_path(stem: str = "md", directory: str | os.PathLike = "."
 
 
 class Reservations:
-    """A run's output names, created when they are chosen: a new name as an empty file (``O_CREAT | O_EXCL``,
-    so a second run, started at the same moment, gets an error or the next free name, never the same file);
-    a name that exists under ``force`` is remembered as it was. :meth:`check_mine` before a file is put in place
-    refuses one another program wrote since; :meth:`release` removes the empty files no frame or plot replaced."""
+    """A run's output names, created as empty files when chosen (``O_CREAT | O_EXCL``: two runs never share one;
+    under ``force`` an existing one is remembered as it was); :meth:`check_mine`, :meth:`release`."""
 
     def __init__(self) -> None:
         self._files: dict[Path, tuple[bool, tuple]] = {}  # path -> (created by us, its identity then)
@@ -172,9 +166,6 @@ def _identity(path: Path) -> tuple:
     except FileNotFoundError:
         return ()
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-# ---------------------------------------------------------------------------------------------
-# Reading structures and restarts
 
 
 def read_structure(path: str | os.PathLike, what: str = "structure", index: int | str = -1) -> Atoms:
@@ -293,9 +284,8 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def last_whole_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
-    """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off (a killed run, a full
-    disk): ``(frame, its index, the frames the file holds or began, the bytes after that frame)``; None when the
-    file is no such trajectory or holds no whole frame. The file is only read."""
+    """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off: ``(frame, its index,
+    the frames the file holds or began, the bytes after that frame)``, or None. The file is only read."""
     try:
         if path.suffix.lower() == ".traj":
             return _last_whole_traj_frame(path)
@@ -367,9 +357,7 @@ def check_same_system(atoms: Atoms | None, restart: Restart) -> None:
 
 
 # A restart whose calculator gives the restart frame another potential energy than the saved one, by more than this,
-# runs another model (the energy drift would be measured from the other model's energy). Precision moves it far
-# less (a small MACE model run in float64 and continued in float32: < 1e-4 meV/atom); two models differ by
-# meV/atom (the bundled MACE and NequIP water models: 3.2 meV/atom on a 24-atom box).
+# runs another model: precision moves it far less (< 1e-4 meV/atom, float64 to float32), two models by meV/atom.
 MODEL_MISMATCH_MEV_PER_ATOM = 0.5
 
 
@@ -406,15 +394,10 @@ def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
     return atoms
 
 
-# ---------------------------------------------------------------------------------------------
-# Output
-
 
 class TrajectoryWriter:
-    """Frames to ``path``, created only at the first frame: that frame goes to a hidden temporary file in the
-    same folder, which then replaces ``path`` (the empty file ``reserved`` holds for this run, or under
-    ``force=True`` the file that was there, if no other program wrote it since). A run that fails before its
-    first frame leaves an existing file untouched (and its reservation is released)."""
+    """Frames to ``path``: the first goes to a hidden temporary file that then replaces ``path`` (if no other
+    program wrote it since ``reserved`` took it), so a run that fails before its first frame leaves it untouched."""
 
     def __init__(self, path: Path, atoms: Atoms, what: str = "trajectory",
                  reserved: Reservations | None = None) -> None:
@@ -488,15 +471,10 @@ class Printer:
 def make_printer(log: Any, force: bool, what: str = "log") -> Printer:
     """The :class:`Printer` of ``log`` (print, a callable, a stream, a file name, a list of these, or None); a
     file name was checked by :func:`check_new_path` and is created here."""
-    printer = _printer(log, force, what)
-    return Printer(*printer) if isinstance(printer, tuple) else printer
-
-
-def _printer(log: Any, force: bool, what: str) -> tuple | Printer:
     if log is None:
-        return (lambda line: None), (lambda: None), None
+        return Printer(lambda line: None, lambda: None)
     if log is print:
-        return (lambda line: print(line, flush=True)), (lambda: None), None  # the sys.stdout of the moment
+        return Printer(lambda line: print(line, flush=True), lambda: None)  # the sys.stdout of the moment
     if isinstance(log, str | os.PathLike):
         path = Path(log)
         try:
@@ -506,9 +484,9 @@ def _printer(log: Any, force: bool, what: str) -> tuple | Printer:
         write = stream_printer(stream)
         return Printer(write, stream.close, path, write)
     if hasattr(log, "write"):
-        return stream_printer(log), (lambda: None), None
+        return Printer(stream_printer(log), lambda: None)
     if callable(log):
-        return log, (lambda: None), None
+        return Printer(log, lambda: None)
     if isinstance(log, list | tuple) and log and not any(isinstance(x, list | tuple) for x in log):
         if sum(isinstance(x, str | os.PathLike) for x in log) > 1:
             raise ValueError(f"{what}: at most one file name in the list")

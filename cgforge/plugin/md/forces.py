@@ -1,21 +1,16 @@
 """Force providers for the MD engine: a model runtime's step (``runtime.potential.Potential``), or any torch
 energy function.
 
-A provider evaluates energy, forces (and the virial) of the engine's float64 state inside the engine's step
-(``compute``: no host reads, so it can be captured in a CUDA graph) and says on the device whether the result
-can be trusted: ``stale`` (the Verlet list may miss a pair: an atom moved too far since the list was built) and
-``overflow`` (more edges than the captured buffers hold). The engine discards such a step, and between blocks
-calls ``rebuild`` / ``grow`` on the host.
-
-Staleness with a changing cell (NPT): with M = cell_ref^-1 cell and the affine displacement u_i = r_i - r_ref,i M,
-an image pair's vector is v' = v_ref M + u_j - u_i, so |v'| >= s_min(M) |v_ref| - 2 max|u|, and s_min(M) >= 1 -
-||M - I||_F. A pair outside the list (|v_ref| >= rc + skin) stays outside the cutoff while
-2 max|u| <= (1 - ||M - I||_F)(rc + skin) - rc; with a fixed cell (M = I) that is ASE's max|u| <= skin / 2.
+A provider computes energy, forces (and virial) inside the engine's step without host reads and says on the
+device whether to trust them: ``stale`` (an atom moved too far since the list was built) or ``overflow`` (more
+edges than the buffers hold). With a changing cell, M = cell_ref^-1 cell and affine displacements u, a pair
+outside the list stays outside the cutoff while 2 max|u| <= (1 - ||M - I||_F)(rc + skin) - rc (M = I: skin / 2).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,14 +23,11 @@ from ..runtime.neighbours import neighbour_list
 from ..runtime.options import RuntimeOptions
 from ..runtime.potential import Potential
 
-__all__ = ["ForceResult", "ModelForces", "EnergyFunctionForces", "PendingList"]
-
 
 @dataclass
 class ForceResult:
-    """Device tensors of one evaluation: energy [] and forces [N, 3] and virial [3, 3] (float64); stale and
-    overflow [] bool; slack [] float64 (how far, in Å, the atoms may still move before the list is stale); count
-    [] int64 (model edges, for ``grow``)."""
+    """One evaluation on the device: energy, forces, virial (float64); stale, overflow (bool); slack (Å the
+    atoms may still move before the list is stale); count (model edges, for ``grow``)."""
 
     energy: Tensor
     forces: Tensor
@@ -48,8 +40,7 @@ class ForceResult:
 
 @dataclass
 class PendingList:
-    """A Verlet list being found for a snapshot of the state (``ModelForces.snapshot``/``search``/``install``):
-    the snapshot's positions and cell (float64), the list once searched, and the CUDA event that orders its use."""
+    """A Verlet list being found for a snapshot (positions, cell) of the state, and the event ordering its use."""
 
     positions: Tensor
     cell: Tensor
@@ -63,11 +54,8 @@ def _false(device: torch.device) -> Tensor:
 
 
 class EnergyFunctionForces:
-    """Forces (and virial) from ``energy_fn(positions [N, 3], cell [3, 3]) -> energy []`` by autograd.
-
-    The virial is dE/d strain at zero strain for positions and cell both strained by (I + strain). For test
-    potentials and small custom force fields; no neighbour list (never stale). options: ``RuntimeOptions`` (the
-    engine reads its compile backend)."""
+    """Forces (and virial: dE/d strain of positions and cell) from ``energy_fn(positions, cell) -> energy`` by
+    autograd, for test potentials and small force fields (never stale). options: ``RuntimeOptions``."""
 
     generation = 0
     capturable = True
@@ -99,9 +87,7 @@ class EnergyFunctionForces:
             else:
                 energy = self.energy_fn(pos, box)
             grads = torch.autograd.grad(energy, inputs)
-        w = None
-        if virial:
-            w = (0.5 * (grads[1] + grads[1].T)).to(torch.float64)
+        w = (0.5 * (grads[1] + grads[1].T)).to(torch.float64) if virial else None
         return ForceResult(energy=energy.detach().to(torch.float64).reshape(()), forces=-grads[0].to(torch.float64),
                            virial=w, stale=self._false, overflow=self._false, slack=self._slack, count=self._count)
 
@@ -113,9 +99,8 @@ class EnergyFunctionForces:
 
 
 class ModelForces:
-    """The model step of a ``Potential`` (``potential.step``: its static buffers, Verlet list and padded edge
-    capacity) as an engine force provider. ``generation`` changes when the step's buffers were reallocated
-    (a graph captured over them must be captured again)."""
+    """The model step of a ``Potential`` as an engine force provider; ``generation`` changes when the step's
+    buffers were reallocated (a graph captured over them is stale)."""
 
     def __init__(self, potential: Potential) -> None:
         self.potential = potential
@@ -125,8 +110,7 @@ class ModelForces:
         self.options = potential.options
         self.cutoff = float(potential.neighbours.cutoff)
         self.skin = float(potential.neighbours.skin)
-        # Reference positions (and cell inverse) of the last rebuild: updated in place, since a captured graph
-        # reads them at the address it was captured with; a new allocation bumps the generation (recapture).
+        # The last rebuild's reference positions and cell inverse, updated in place (captured graphs read them).
         self._ref_positions: Tensor | None = None
         self._ref_cell_inverse: Tensor | None = None
         self._own_generation = 0
@@ -148,8 +132,7 @@ class ModelForces:
         return self.potential.compile is not None
 
     def near_full_device(self, n_atoms: int) -> bool:
-        """True when the potential's memory plan for ``n_atoms`` atoms (``run_md`` makes it before building the
-        engine, ``start`` at the latest) says no CUDA graph."""
+        """True when the potential's memory plan for ``n_atoms`` atoms says no CUDA graph."""
         plan = self.potential.memory_plan
         return plan is not None and plan.atoms == n_atoms and not plan.capture
 
@@ -160,8 +143,7 @@ class ModelForces:
 
     @property
     def foreign_rebuild(self) -> bool:
-        """True when someone else (the potential's own ``evaluate``) rebuilt the shared Verlet list since our last
-        rebuild: our reference positions no longer describe it."""
+        """True when the potential's own ``evaluate`` rebuilt the shared Verlet list since our last rebuild."""
         return self.potential.neighbours.n_builds != self._builds
 
     def start(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], numbers: np.ndarray,
@@ -191,11 +173,8 @@ class ModelForces:
         self.step.rebuild(self.pbc)
         self._set_reference(positions, cell)
 
-    # A rebuild in three parts, so the search overlaps a block of MD steps on the GPU (the engine's pipelined
-    # rebuild): ``snapshot`` queues copies of the block's start state before its steps, ``search`` finds the list
-    # at that state on a side stream (its host syncs wait for that stream only, not for the block), ``install``
-    # loads it between blocks. The list is valid for the snapshot's positions, which become the reference of
-    # the staleness check, so steps taken since then only use up some of its slack.
+    # The engine's pipelined rebuild, whose search overlaps a block of steps: ``snapshot`` before the block,
+    # ``search`` on a side stream, ``install`` between blocks; the snapshot becomes the staleness reference.
 
     def snapshot(self, positions: Tensor, cell: Tensor) -> PendingList:
         """Queue copies of the state a list will be searched for (before the steps that change it)."""
@@ -207,30 +186,26 @@ class ModelForces:
 
     def search(self, pending: PendingList) -> None:
         """Find the Verlet list at the snapshot (host syncs on a side stream when on CUDA)."""
-        cutoff = self.potential.neighbours.list_cutoff
-        if self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_event(pending.ready)
+            self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
+        with torch.cuda.stream(self._side) if cuda else nullcontext():  # the casts too: the main stream runs MD
             pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
-                                           cutoff)
+                                           self.potential.neighbours.list_cutoff)
             pending.topology = self.step.list_topology(pending.lists)
-            return
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_event(pending.ready)
-        self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
-        with torch.cuda.stream(self._side):  # everything here, the casts too: the main stream is busy with MD
-            pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
-                                           cutoff)
-            pending.topology = self.step.list_topology(pending.lists)
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
+            if cuda:
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()
 
     def install(self, pending: PendingList) -> None:
         """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""
         positions, cell, lists, topology = pending.positions, pending.cell, pending.lists, pending.topology
         if self.device.type == "cuda":
-            # Copies on this stream of what the side stream made (no record_stream: a cross-stream free inside a
-            # later CUDA-graph capture invalidates the capture); the originals stay referenced until the next
-            # search, whose stream waits for a point after these copies, so their memory is not reused early.
+            # Copies on this stream (record_stream's cross-stream free would invalidate a later capture); the
+            # originals stay referenced until the next search, whose stream waits for these copies.
             torch.cuda.current_stream(self.device).wait_event(pending.ready)
             lists = tuple(t.clone() for t in lists)
             if topology is not None and topology[1] is not None:
@@ -275,10 +250,7 @@ class ModelForces:
         step.cell.copy_(cell)
         slack = self._slack(positions, cell)
         out = step.compute(forces=True, stress=virial)
-        if step.padded and step.filter_edges:
-            overflow = out.count > step.capacity
-        else:
-            overflow = self._false
+        overflow = out.count > step.capacity if step.padded and step.filter_edges else self._false
         w = out.virial.to(torch.float64) if virial else None
         return ForceResult(energy=out.energy.to(torch.float64), forces=out.forces.to(torch.float64), virial=w,
                            stale=~(slack >= 0), overflow=overflow, slack=slack, count=out.count)

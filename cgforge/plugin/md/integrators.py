@@ -1,32 +1,12 @@
 """MD integrators in torch for the engine (``engine.Engine``): the same code on CPU tensors and in a CUDA graph.
 
-Every integrator splits one step around the force call: ``before_forces`` (kicks, drift, cell scaling), the
-engine evaluates forces (and the virial when ``needs_virial``) at the new positions, ``after_forces``. They
-work in place on an ``MDState`` of float64 tensors (ASE units: Å, eV, amu, ASE time) and read random numbers
-only through the noise source they are given (``noise(stream, shape)``, standard normals of the step being
-taken), so tests can feed them ASE's own draws; the engine's is a ``NoiseSource`` (the counter-based draws of
-``cgforge.kernels.noise``).
-
-- ``VelocityVerlet``: ASE's ``VelocityVerlet``, operation for operation.
-- ``Langevin``: ASE's ``Langevin`` (the Vanden-Eijnden & Ciccotti second-order scheme that ASE implements,
-  ``fixcm=False``): with the same forces and the same random numbers (xi, then eta, per step) it gives ASE's
-  numbers.
-- ``CSVR``: Bussi-Donadio-Parrinello stochastic velocity rescaling (J. Chem. Phys. 126, 014101, 2007) around
-  velocity Verlet, a half-step rescale before the first kick and after the second. Chosen as the global
-  thermostat over a Nosé-Hoover chain: it samples the canonical distribution also for stiff or harmonic
-  systems (a chain can be non-ergodic there), has no thermostat masses to tune, leaves velocity Verlet as it
-  is between rescalings (gentle on dynamics), and its effective energy (``conserved``) is a drift check.
-- ``StochasticCellRescaling``: Bernetti & Bussi's stochastic cell rescaling barostat (J. Chem. Phys. 153,
-  114107, 2020) with the CSVR thermostat, isotropic or anisotropic (each Cartesian axis scaled on its own, no
-  shear). See the class doc for the equations.
-
-Each scheme's arithmetic between its noise draws and its in-place updates is a pure function of tensors (the
-module-level ``_*`` functions below). ``Integrator.fuse(compile)`` swaps them for compiled versions (the engine
-passes ``torch.compile`` when the calculator's model is compiled): in a captured CUDA graph every tiny torch
-operation is a node of a few microseconds however little it does, and an NPT step's thermostat and barostat
-scalars were ~80 of them. Unfused (the default, and on a CPU) they run as
-written, operation for operation, except Langevin's two halves on CUDA: one kernel each
-(``cgforge.kernels.md_step``, beside its torch reference) where the torch expressions are ~25 kernels.
+Each splits a step around the force call (``before_forces``, forces and, with ``needs_virial``, the virial,
+``after_forces``), works in place on an ``MDState`` (float64, ASE units) and draws random numbers only through
+the ``noise(stream, shape)`` it is given (tests feed ASE's draws). ``VelocityVerlet`` and ``Langevin`` are ASE's
+schemes operation for operation; ``CSVR`` is Bussi's stochastic velocity rescaling, ``StochasticCellRescaling``
+Bernetti & Bussi's barostat with it. The arithmetic between draws and updates is pure functions (``_*``), which
+``Integrator.fuse(compile)`` compiles (one fused kernel instead of many tiny graph nodes); unfused, Langevin's
+halves run as ``cgforge.kernels.md_step`` kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -48,8 +28,8 @@ from cgforge.kernels.md_step import (
 )
 from cgforge.kernels.noise import hashed_bits, normal_noise, polar, stream_key
 
-__all__ = ["MDState", "Integrator", "VelocityVerlet", "Langevin", "CSVR", "StochasticCellRescaling", "NoiseSource",
-           "SystemNoise", "cell_scaling_factor", "csvr_alpha", "kinetic_energy", "kinetic_tensor", "volume"]
+from .options import check_number
+
 
 @dataclass
 class MDState:
@@ -66,13 +46,6 @@ class MDState:
     masses: Tensor
     step: Tensor
     extra: dict[str, Tensor] = field(default_factory=dict)
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Everything a step changes (what a discarded step restores), by name."""
-        out = {"positions": self.positions, "momenta": self.momenta, "forces": self.forces, "energy": self.energy,
-               "virial": self.virial, "cell": self.cell}
-        out.update({f"extra.{k}": v for k, v in self.extra.items()})
-        return out
 
 
 class NoiseSource:
@@ -149,15 +122,6 @@ def kinetic_energy(state: MDState) -> Tensor:
     return kinetic(state.momenta, state.masses)
 
 
-def _kinetic_tensor(momenta: Tensor, masses: Tensor) -> Tensor:
-    return (momenta / masses).T @ momenta
-
-
-def kinetic_tensor(state: MDState) -> Tensor:
-    """sum_i p_i (x) p_i / m_i [3, 3] (twice the kinetic energy tensor)."""
-    return _kinetic_tensor(state.momenta, state.masses)
-
-
 def volume(cell: Tensor) -> Tensor:
     """|det(cell)| as a triple product (elementwise ops: safe in a CUDA-graph capture, unlike an LU)."""
     return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
@@ -165,7 +129,7 @@ def volume(cell: Tensor) -> Tensor:
 
 def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
     """The pressure tensor (sum p (x) p / m - W) / V."""
-    return (_kinetic_tensor(momenta, masses) - virial) / volume
+    return ((momenta / masses).T @ momenta - virial) / volume
 
 
 def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
@@ -208,18 +172,9 @@ def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rat
     return mu[..., None].expand(*draws.shape[:-1], 3)
 
 
-def _check(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {minimum:g}, got {value!r}")
-    return value
-
-
 class Integrator:
-    """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step."""
+    """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step; these are
+    velocity Verlet's (p += dt/2 F; r += dt p/m | forces | p += dt/2 F), which the thermostats wrap."""
 
     name = "integrator"
     needs_virial = False  # the engine computes the virial every step (NPT)
@@ -227,7 +182,7 @@ class Integrator:
     temperature_K: float | None = None
 
     def __init__(self, timestep_fs: float) -> None:
-        self.timestep_fs = _check("timestep_fs", timestep_fs)
+        self.timestep_fs = check_number("timestep_fs", timestep_fs)
         self.dt = self.timestep_fs * units.fs
         self.fuse(None)
 
@@ -236,13 +191,11 @@ class Integrator:
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
         self.fused = compile is not None
-        if compile is None:
-            self._math = {fn.__name__: fn for fn in (_csvr_factor, _cell_scaling)}
-            self._math.update(_langevin_first=langevin_first, _langevin_second=langevin_second)
-        else:
-            self._math = {fn.__name__: compile(fn) for fn in (_csvr_factor, _cell_scaling)}
-            self._math.update(_langevin_first=compile(langevin_first_reference),
-                              _langevin_second=compile(langevin_second_reference))
+        self._math = {"_csvr_factor": _csvr_factor, "_cell_scaling": _cell_scaling,  # as written, or compiled
+                      "_langevin_first": langevin_first_reference if compile else langevin_first,
+                      "_langevin_second": langevin_second_reference if compile else langevin_second}
+        if compile is not None:
+            self._math = {name: compile(fn) for name, fn in self._math.items()}
 
     def params(self) -> dict[str, float | int | bool | str | None]:
         """The physical settings, for a restart's record (and a check that a restart continues the same run)."""
@@ -256,34 +209,21 @@ class Integrator:
         return {}
 
     def before_forces(self, s: MDState, noise) -> None:
-        raise NotImplementedError
+        s.momenta.add_(0.5 * self.dt * s.forces)
+        s.positions.add_(self.dt * s.momenta / s.masses)
 
     def after_forces(self, s: MDState, noise) -> None:
-        raise NotImplementedError
+        s.momenta.add_(0.5 * self.dt * s.forces)
 
     def conserved(self, s: MDState) -> Tensor:
         """The quantity the scheme conserves (NVE: total energy; CSVR: total energy minus the heat put in)."""
         return s.energy + kinetic_energy(s)
 
-    # velocity Verlet's pieces, shared by the schemes built around it
-    def _kick(self, s: MDState) -> None:
-        s.momenta.add_(0.5 * self.dt * s.forces)
-
-    def _drift(self, s: MDState) -> None:
-        s.positions.add_(self.dt * s.momenta / s.masses)
-
 
 class VelocityVerlet(Integrator):
-    """NVE: ASE's ``VelocityVerlet`` (p += dt/2 F; r += dt p/m; forces; p += dt/2 F), same operations."""
+    """NVE: ASE's ``VelocityVerlet``, the same operations (``Integrator``'s step)."""
 
     name = "velocity_verlet"
-
-    def before_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
-        self._drift(s)
-
-    def after_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
 
 
 class Langevin(Integrator):
@@ -298,8 +238,8 @@ class Langevin(Integrator):
 
     def __init__(self, timestep_fs: float, temperature_K: float, friction_per_fs: float) -> None:
         super().__init__(timestep_fs)
-        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
-        self.friction_per_fs = _check("friction_per_fs", friction_per_fs, strict=False)
+        self.temperature_K = check_number("temperature_K", temperature_K, strict=False)
+        self.friction_per_fs = check_number("friction_per_fs", friction_per_fs, strict=False)
 
     def params(self) -> dict:
         return {**super().params(), "temperature_K": self.temperature_K, "friction_per_fs": self.friction_per_fs}
@@ -331,17 +271,15 @@ class CSVR(Integrator):
     One rescaling over a time h draws R1 and S = sum of (dof - 1) squared normals and sets
         K' = c K + (1 - c) Kt (R1^2 + S) / dof + 2 R1 sqrt(c (1 - c) K Kt / dof),  c = exp(-h / tau),
     Kt = dof kT / 2; momenta scale by alpha = sign(sqrt(c K) + sqrt((1 - c) Kt / dof) R1) sqrt(K' / K).
-    ``dof``: None is 3N - 3 (velocity Verlet with translation-invariant forces keeps the total momentum, which a
-    global rescaling keeps zero); pass 3N when an external field breaks that. ``extra['heat']`` sums K' - K, so
-    ``conserved`` = E_pot + E_kin - heat stays constant up to the integration error. Start from thermal momenta:
-    a system at rest (K = 0) cannot be rescaled."""
+    ``dof``: None is 3N - 3 (the total momentum stays zero); 3N under an external field. ``extra['heat']`` sums
+    K' - K (``conserved`` = E_pot + E_kin - heat). A system at rest (K = 0) cannot be rescaled."""
 
     name = "csvr"
 
     def __init__(self, timestep_fs: float, temperature_K: float, tau_fs: float = 100.0, dof: int | None = None) -> None:
         super().__init__(timestep_fs)
-        self.temperature_K = _check("temperature_K", temperature_K, strict=False)
-        self.tau_fs = _check("tau_fs", tau_fs)
+        self.temperature_K = check_number("temperature_K", temperature_K, strict=False)
+        self.tau_fs = check_number("tau_fs", tau_fs)
         if dof is not None and (isinstance(dof, bool) or not isinstance(dof, int) or dof < 2):
             raise ValueError(f"dof: expected None or an int >= 2, got {dof!r}")
         self.dof_requested = dof
@@ -367,11 +305,10 @@ class CSVR(Integrator):
 
     def before_forces(self, s: MDState, noise) -> None:
         self._rescale(s, noise, 0)
-        self._kick(s)
-        self._drift(s)
+        super().before_forces(s, noise)
 
     def after_forces(self, s: MDState, noise) -> None:
-        self._kick(s)
+        super().after_forces(s, noise)
         self._rescale(s, noise, 1)
 
     def conserved(self, s: MDState) -> Tensor:
@@ -382,18 +319,14 @@ class StochasticCellRescaling(CSVR):
     """NPT: Bernetti-Bussi stochastic cell rescaling (C-rescale) with the CSVR thermostat.
 
     The pressure tensor is P = (sum p (x) p / m - W) / V, W = sym(dE/d strain) (the model's virial). Once per
-    step, from the state at the start of the step (GROMACS's placement: the forces are then evaluated at the
-    scaled positions), the log-volume eps = ln V moves by the Itô form of the paper's equation
+    step, from the state at its start (GROMACS's placement), the log-volume eps = ln V moves by (Itô)
         d eps = (beta / tau_p) (P - P0) dt + sqrt(2 kT beta dt / (V tau_p)) R
-    (in ln V the kT/V term of the paper's volume equation cancels against the Itô drift of the V-dependent noise),
     and positions, cell and momenta scale by mu = exp(d eps / 3), mu, 1 / mu. Anisotropic: each Cartesian axis a
     has its own log-length x_a with d x_a = (beta / (3 tau_p)) (P_aa - P0) dt + sqrt(2 kT beta dt / (3 V tau_p)) R_a
-    (the axes' sum is the isotropic equation); the cell's columns scale, so there is no shear. Both sample
-    exp(-(E + P0 V) / kT) with the flat measure in V (isotropic) or in the three lengths (anisotropic): an ideal
-    gas has <V> = (N + 1) kT / P0 (tests/test_engine_integrators.py).
+    (the axes' sum is the isotropic equation; the cell's columns scale: no shear).
 
-    pressure_GPa: P0. compressibility_per_GPa: beta (water: 0.45 / GPa); only the product beta / tau_p matters for
-    the dynamics. tau_p_fs: the barostat's relaxation time. tau_fs, dof: the thermostat's (``CSVR``).
+    pressure_GPa: P0. compressibility_per_GPa: beta (only beta / tau_p matters). tau_p_fs: the barostat's
+    relaxation time. tau_fs, dof: the thermostat's (``CSVR``).
     """
 
     name = "stochastic_cell_rescaling"
@@ -404,14 +337,9 @@ class StochasticCellRescaling(CSVR):
                  tau_fs: float = 100.0, tau_p_fs: float = 1000.0, compressibility_per_GPa: float = 0.45,
                  anisotropic: bool = False, dof: int | None = None) -> None:
         super().__init__(timestep_fs, temperature_K, tau_fs, dof)
-        try:
-            self.pressure_GPa = float(pressure_GPa)
-        except (TypeError, ValueError):
-            raise TypeError(f"pressure_GPa: expected a number, got {type(pressure_GPa).__name__}") from None
-        if not math.isfinite(self.pressure_GPa):
-            raise ValueError(f"pressure_GPa: expected a finite number, got {pressure_GPa!r}")
-        self.tau_p_fs = _check("tau_p_fs", tau_p_fs)
-        self.compressibility_per_GPa = _check("compressibility_per_GPa", compressibility_per_GPa)
+        self.pressure_GPa = check_number("pressure_GPa", pressure_GPa, minimum=None)
+        self.tau_p_fs = check_number("tau_p_fs", tau_p_fs)
+        self.compressibility_per_GPa = check_number("compressibility_per_GPa", compressibility_per_GPa)
         self.anisotropic = bool(anisotropic)
 
     def params(self) -> dict:
@@ -425,17 +353,12 @@ class StochasticCellRescaling(CSVR):
         self.kt = units.kB * self.temperature_K
         self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
 
-    def pressure_tensor(self, s: MDState) -> Tensor:
-        return _pressure(s.momenta, s.masses, s.virial, volume(s.cell))
-
     def before_forces(self, s: MDState, noise) -> None:
         # mu from the state at the step's start (pressure and volume), applied after the thermostat and the drift
         mu = self._math["_cell_scaling"](s.momenta, s.masses, s.virial, s.cell,
                                          noise(2, (3,) if self.anisotropic else (1,)), self.rate, self.kt, self.dt,
                                          self.p0, self.anisotropic)
-        self._rescale(s, noise, 0)
-        self._kick(s)
-        self._drift(s)
+        super().before_forces(s, noise)  # CSVR's: rescale, kick, drift
         s.positions.mul_(mu)
         s.cell.mul_(mu)
         s.momenta.div_(mu)

@@ -13,8 +13,6 @@ import numpy as np
 
 from cgforge.atomic import atomic_path
 
-__all__ = ["check_matplotlib", "write_plot", "plot_run"]
-
 
 def check_matplotlib(what: str = "plot") -> None:
     """An error naming ``what`` when matplotlib is not installed (checked before a run, not after it)."""
@@ -36,9 +34,8 @@ def _panels(history: list[dict[str, float]], npt: bool) -> list[tuple[str, list[
 
 def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: bool,
                targets: dict[str, float] | None = None) -> bool:
-    """Write the figure to ``path`` (a hidden temporary file in the same folder, then renamed: never half a file);
-    ``targets``: a dashed line at the thermostat's or barostat's target, by record key. False (nothing written)
-    when nothing was recorded."""
+    """Write the figure to ``path`` atomically, ``targets`` (by record key) as dashed lines; False (nothing
+    written) when nothing was recorded."""
     if not history:
         return False
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -91,9 +88,8 @@ def record(atoms: Any, step: int, time_fs: float, etot: float, ns_per_day: float
 
 def plot_run(path: Path, history: list[dict[str, float]], n_atoms: int, o: dict[str, Any], out: Any,
              what: str = "plot") -> str | None:
-    """The plot of a run's recorded ``history`` (``o``: its checked options) to ``path``, said on ``out``; a plot
-    that cannot be written is a warning line naming ``what`` (the run's result, or its error, stays what it was).
-    The path written, or None."""
+    """The path written with the plot of a run's ``history`` (``o``: its options), said on ``out``, or None: a plot
+    that cannot be written is a warning line naming ``what``, never the run's error."""
     ensemble = o["ensemble"]
     targets = {"temperature_K": o["temperature_K"]} if ensemble != "nve" else {}
     if ensemble == "npt":

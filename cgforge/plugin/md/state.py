@@ -11,8 +11,6 @@ import numpy as np
 from ase import Atoms
 from ase.stress import full_3x3_to_voigt_6_stress, voigt_6_to_full_3x3_stress
 
-__all__ = ["ENGINE_INFO_KEY", "read_state", "write_atoms"]
-
 ENGINE_INFO_KEY = "cgforge_engine"  # the engine's step, seed, integrator and its scalars in ``atoms.info``
 
 

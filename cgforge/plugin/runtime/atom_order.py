@@ -1,32 +1,21 @@
 """A spatial order of a large system's atoms, in which the model runs: results go back in the user's order.
 
-The convolutions gather, for each atom, the feature rows of its neighbours. In a box of a million atoms those
-rows (2-20 KB each) span tens of GB; when atoms that are close in space are also close in memory, the rows a
-block of receivers gathers share cache lines and the L2. A box built molecule by molecule on a grid is ordered
-by planes already; ordering the atoms along a Z (Morton) curve of their positions keeps whole neighbourhoods
-together.
-
-The order is the model's business only: the potential permutes positions and species into it, and forces and
-per-atom energies back (energy and stress do not depend on the order). It is made once per system (when the
-species are set: new numbers or a new atom count) from the positions of that call; atoms that diffuse during
-MD keep it, which costs locality, never correctness. Small systems (all rows in the L2 anyway) keep the
-user's order: ``RuntimeOptions.order_above_atoms``.
+Atoms close in space made close in memory (a Z/Morton curve of their positions) share cache lines when the
+convolutions gather neighbour rows. Made once per system; atoms that diffuse keep it (locality, not correctness).
+Small systems keep the user's order (``RuntimeOptions.order_above_atoms``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["morton_order", "spatial_order", "to_user_order"]
-
 BITS = 10  # per axis: 1024 cells a side (a 1 M-atom water box is ~220 Å: ~0.2 Å a cell)
 
 
 def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], bits: int = BITS
                  ) -> np.ndarray:
-    """The permutation (int64 [n]) that sorts ``positions`` along a Z curve: fractional coordinates (wrapped
-    along periodic axes; scaled to the occupied range along open ones or a cell-less box), ``bits`` per axis,
-    ties in the given order."""
+    """The stable permutation (int64 [n]) sorting ``positions`` along a Z curve of ``bits`` per axis of their
+    fractional coordinates (wrapped along periodic axes, scaled to the occupied range along open ones)."""
     positions = np.asarray(positions, dtype=np.float64)
     cell = np.asarray(cell, dtype=np.float64)
     has_cell = abs(np.linalg.det(cell)) > 1e-12
@@ -48,9 +37,8 @@ def morton_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool,
 
 def spatial_order(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool],
                   above_atoms: int | None) -> np.ndarray | None:
-    """The order a system of ``len(positions)`` atoms runs in: the Z-curve order for more than ``above_atoms``
-    atoms, else None (the user's order; also for non-finite positions, which the potential refuses by name right
-    after, and always for ``above_atoms=None``)."""
+    """The Z-curve order for more than ``above_atoms`` atoms (None: never), else None: the user's order (also for
+    non-finite positions, which the potential then refuses by name)."""
     if above_atoms is None or len(positions) <= above_atoms or not np.isfinite(positions).all():
         return None
     return morton_order(positions, cell, pbc)

@@ -1,17 +1,14 @@
-"""CUDA-graph capture and buffer capacities, shared by the model step, the MD engine and the LAMMPS step.
+"""CUDA-graph capture (``capture_graph``, ``capture_or_fall_back``) and buffer capacities (``room``), shared by the
+model step, the MD engine and the LAMMPS step.
 
-``capture_graph`` is the one capture routine: warm-up calls on a side stream (cuBLAS workspaces, autograd's
-device threads), as torch asks, then the capture into a given memory pool. ``capture_or_fall_back`` turns a
-failure into eager steps with the reason kept. ``resolve_cuda_graph`` is the one rule of whether a step is captured
-(the potential's and LAMMPS's). ``room`` is the one capacity rounding of static buffers. The fixed-shape edge
-layout a captured step reads (``conv_graph``, ``layout_edges``, ``pad_offset_vector``: ``kernels.edge_layout``) is
-passed on from here to the runtime's users (LAMMPS's padded step).
+``capture_graph`` is the one capture routine: warm-up calls on a side stream, then the capture into a given memory
+pool. ``capture_or_fall_back`` turns a failure into eager steps with the reason kept. ``resolve_cuda_graph`` is the
+one rule of whether a step is captured (the potential's and LAMMPS's). ``room`` is the one capacity rounding of static
+buffers. The fixed-shape edge layout a captured step reads (``kernels.edge_layout``) is passed on from here to the
+runtime's users (LAMMPS's padded step).
 
-Python's cyclic garbage collector is off during a capture: a collection inside it would run the destructors of
-whatever dead cycles hold (an earlier engine's CUDA graphs when a user's callback closed a cycle over it), and a
-graph destroyed during a capture invalidates that capture (and aborts the process when a later destructor meets
-the failed capture). Dead cycles are collected after it. (A full collection before each capture instead cost a
-large part of a short run: docs/measured-constants.md.)
+The cyclic garbage collector is off during a capture: a collection there could destroy an earlier CUDA graph held
+in a dead cycle, which invalidates the capture (docs/measured-constants.md).
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector
-
-__all__ = ["capture_graph", "capture_or_fall_back", "conv_graph", "layout_edges", "pad_offset_vector",
-           "resolve_cuda_graph", "room"]
+from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector  # noqa: F401 (LAMMPS's)
 
 T = TypeVar("T")
 
@@ -54,14 +48,9 @@ def room(count: int, margin: float) -> int:
 
 def capture_graph(compute: Callable[[], T], device: torch.device, pool: object, *, warmups: int = 2,
                   restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``compute()`` captured in a new CUDA graph whose memory comes from ``pool``.
-
-    warmups: calls of ``compute`` on a side stream before the capture. restore: undoes what ``compute`` changed
-    in its inputs (a state it advances); called after the warm-up and, after a device sync, once the capture
-    ended or failed. The garbage collector is off during the capture (the module's note).
-    Returns the graph and what the captured call returned (static tensors every replay rewrites); raises
-    whatever the warm-up or the capture raised.
-    """
+    """(graph, what the captured call returned) of ``compute()`` captured in a new CUDA graph from ``pool``, after
+    ``warmups`` calls on a side stream; ``restore`` undoes what ``compute`` changed in its inputs (after the
+    warm-up, and once the capture ended or failed). Raises what the warm-up or the capture raised."""
     torch.cuda.synchronize(device)
     try:
         side = torch.cuda.Stream(device)
@@ -90,12 +79,8 @@ def capture_graph(compute: Callable[[], T], device: torch.device, pool: object, 
 
 def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object, what: str, *, warmups: int = 2,
                          restore: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, T] | None:
-    """``capture_graph(compute, owner.device, pool, ...)``, or None when that fails.
-
-    owner: has ``device``, ``invalidate()``, ``cuda_graph`` and ``capture_error``; after a failure it is
-    invalidated and runs eagerly from then on (``cuda_graph`` False), the reason in ``capture_error`` and in a
-    warning naming ``what``.
-    """
+    """``capture_graph(compute, owner.device, pool, ...)``, or None when that fails: ``owner`` is then
+    invalidated and runs eagerly (``cuda_graph`` False), the reason in ``capture_error`` and a warning."""
     try:
         return capture_graph(compute, owner.device, pool, warmups=warmups, restore=restore)
     except Exception as err:  # noqa: BLE001 - any failure to capture falls back to eager steps

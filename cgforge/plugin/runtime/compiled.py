@@ -1,30 +1,9 @@
 """The model's energy compiled by ``torch.compile`` (Inductor) for the potential's step (``compile=...``).
 
-What is compiled: the adapter's ``energy(positions, vectors, species, edge_index, per_atom)``, the whole patched
-model, as one graph (``fullgraph=True``). The forces stay ``torch.autograd.grad`` outside it: AOTAutograd
-compiles the model's backward too, so Inductor fuses the small elementwise, copy and index kernels of both
-passes. cgforge's own kernels (convolution, symmetric contraction) are ``torch.library`` custom ops with fake
-implementations and registered autograd: opaque nodes in the graph, launched as they are. The edge layout, the
-edge vectors and their backward (the forces' segment sums) stay eager, as does the ``ModelStep`` around them,
-which still captures the whole step (layout, compiled forward and backward) in its own CUDA graph: hence only
-Inductor modes without Inductor's own CUDA graphs (``MODES``).
-
-Shapes: the step marks the edge dimension dynamic from the first call, padded (a new capacity at an overflow or
-a shrinking rebuild) or not (exact edge counts, every step another): one compilation per model and dtype, not
-a recompilation in the middle of an MD run at the first capacity change.
-
-Failures: an unsupported configuration is refused when the potential is made (``check_compile``: a model not
-patched by cgforge, streaming, a torch without a working compiler for the device). A compilation that fails at
-the first call (a graph break in some model's code under ``fullgraph=True``, an Inductor or Triton error) warns
-and runs that step, and every later one, eagerly; ``CompiledEnergy.error`` keeps the reason.
-
-Under compilation the patched model's layers take the convolution graph the step pinned for its edges (as it
-does before every call anyway), and only inside the step's ``serve_pinned`` block (``graph_cache``): a patched
-model compiled by someone else gets an error saying so rather than a graph of other edges.
-
-Not fused away: the symmetric contraction's transformed weights (W' = A W, a few small kernels per product
-block) are cached by the eager path but recomputed in the compiled graph (the cache's check reads data
-pointers, which dynamo cannot trace).
+The adapter's ``energy`` is one graph (``fullgraph=True``, backward through AOTAutograd; cgforge's kernels are
+opaque custom ops) inside ``ModelStep``'s own CUDA graph (hence ``MODES``), its edge dimension dynamic. A
+configuration that cannot work is refused early (``check_compile``); a failed compilation warns and runs eagerly
+(``CompiledEnergy.error``). docs/calculator.md has the rest.
 """
 
 from __future__ import annotations
@@ -35,24 +14,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "CompiledEnergy", "check_compile", "parse_compile"]
-
-# Inductor modes that leave CUDA graphs to the step ("reduce-overhead" and "max-autotune" capture with
-# Inductor's cudagraph trees, which cannot nest inside the step's own capture).
+# Inductor modes that leave CUDA graphs to the step (the others capture their own, which cannot nest in it).
 MODES = ("default", "max-autotune-no-cudagraphs")
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
-# What a failed compilation raises: dynamo's errors (Inductor's and the backends' are among them), and the
-# recompile limit under fullgraph=True (not one of them). All calculators of a process share the cache of their
-# adapter's ``energy`` code: one of the same architecture and shapes reuses an entry (measured: a second and third
-# bundled-MACE calculator compile nothing), other architectures or atom counts add entries, 8 at most
-# (torch._dynamo.config.recompile_limit).
+# What a failed compilation raises: dynamo's errors (Inductor's and the backends' among them) and, under
+# fullgraph=True, the recompile limit (torch._dynamo.config.recompile_limit; calculators share dynamo's cache).
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
 
-# Inductor's hint at the first compilation on a TF32-capable GPU. cgforge keeps FP32 products unless the user picks
-# a radial-precision mode (whose force check guards it): the hint, seen at `cgforge md`'s first step, would
-# only invite turning TF32 on for every matmul, so it is not shown.
+# Inductor's hint on a TF32-capable GPU, not shown: cgforge keeps FP32 products unless a radial-precision mode
+# (with its force check) is picked, and the hint would invite TF32 for every matmul.
 _TF32_HINT = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
 
 EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
@@ -116,7 +88,6 @@ class CompiledEnergy:
     eager from the first compilation failure on (with a warning; ``error`` says why)."""
 
     def __init__(self, energy: EnergyFn, mode: str, backend: str | Callable = "inductor") -> None:
-        self.mode = mode
         self.eager = energy
         self.error: str | None = None
         inductor = backend == "inductor"

@@ -5,17 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["NonFiniteOutputError", "non_finite_message"]
-
 _SHOWN_ATOMS = 8  # atom indices named in a message
 
 
 class NonFiniteOutputError(ValueError):
-    """The model returned NaN or inf (energy, forces, stress or per-atom energies) for a structure.
-
-    The message names the outputs, the first atoms whose forces (or per-atom energies) are not finite and the
-    closest pair of atoms (minimum image). The usual causes are overlapping atoms or a damaged model file.
-    """
+    """The model returned NaN or inf for a structure; the message names the outputs, the first atoms and the
+    closest pair (``non_finite_message``)."""
 
 
 def non_finite_message(host: np.ndarray, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool],

@@ -1,14 +1,9 @@
 """pos[receiver] - pos[sender] for laid-out edges, with a backward that needs no atomics.
 
-The forces are the backward of the edge vectors: dE/dpos[i] = sum of g over the edges i receives minus the
-sum over the edges i sends. Autograd's backward of ``index_select`` adds every edge into its atom with
-atomics: many edges of one atom collide (the layout is receiver-sorted) and the order of the additions, so
-the last bits of the forces, changes from run to run. The layout already holds both CSR orders (receiver
-rows, and the transpose for the convolution's backward): each sum is then a segment sum over contiguous
-rows, taken by ``cgforge.kernels.segment_sum`` in a fixed order (on CUDA one warp per row and a fixed
-butterfly, accumulated in FP64; a parallel prefix sum would not do: CUB's scan adds partial sums in the order
-they become ready, which moved the last bits of FP64 forces between runs). Deterministic, and no host sync
-(CUDA-graph capture).
+The forces are that backward: per atom, the sum over edges received minus the sum over edges sent, each a
+segment sum over the layout's CSR rows (receiver rows and the transpose) in a fixed order
+(``cgforge.kernels.segment_sum``): deterministic, where autograd's ``index_select`` backward adds with atomics,
+and free of host syncs (CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -17,14 +12,6 @@ import torch
 from torch import Tensor
 
 from cgforge.kernels.segment_sum import segment_sum
-
-__all__ = ["edge_differences", "row_sums", "rows_times"]
-
-
-def row_sums(values: Tensor, rowptr: Tensor) -> Tensor:
-    """[N, K] sums of the contiguous rows rowptr[i] .. rowptr[i+1] - 1 of ``values`` [C, K], in its dtype, in an
-    order fixed for every run (``cgforge.kernels.segment_sum``)."""
-    return segment_sum(values, rowptr)
 
 
 class _EdgeDifferences(torch.autograd.Function):
@@ -38,8 +25,8 @@ class _EdgeDifferences(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         rowptr, perm_t, rowptr_t = ctx.saved_tensors
-        received = row_sums(grad, rowptr)
-        sent = row_sums(grad.index_select(0, perm_t.long()), rowptr_t)
+        received = segment_sum(grad, rowptr)
+        sent = segment_sum(grad.index_select(0, perm_t.long()), rowptr_t)
         return received - sent, None, None, None, None, None
 
 

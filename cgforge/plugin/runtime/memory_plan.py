@@ -1,14 +1,8 @@
 """How a structure's force call will use the GPU's memory: stored path or streaming, and the allocator's mode.
 
-The stored path (per-edge weights never stored when the radial tables are read in the kernels; row chunks for
-the largest boxes) is faster than streaming and hardly larger, so a potential takes it wherever its peak,
-estimated from the exact edge count, fits ``RuntimeOptions.streaming_auto_fraction`` of the free memory; an
-estimate that proves optimistic costs one call (the out-of-memory retry streams).
-
-Near a full device, torch's caching allocator fails from fragmentation rather than size, while the same calls
-run with ``expandable_segments`` (segments that grow in place instead of new fixed blocks). A call whose
-estimate exceeds ``RuntimeOptions.expandable_above_fraction`` of the free memory turns that mode on for the
-process, unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF``): the user's choice wins.
+The stored path is taken wherever its estimated peak fits ``RuntimeOptions.streaming_auto_fraction`` of the free
+memory (an out-of-memory retry streams); above ``expandable_above_fraction`` torch's expandable segments are
+turned on for the process unless the user configured the allocator (docs/calculator.md).
 """
 
 from __future__ import annotations
@@ -19,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .options import RuntimeOptions
-
-__all__ = ["MemoryPlan", "plan_memory", "use_expandable_segments"]
 
 _DEFAULTS = RuntimeOptions()
 _ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -43,9 +35,8 @@ class MemoryPlan:
 
 def plan_memory(edges: int, edge_bytes: int, free_bytes: int, atoms: int = 0,
                 options: RuntimeOptions = _DEFAULTS) -> MemoryPlan:
-    """The plan for a force call over ``edges`` edges at ``edge_bytes`` peak bytes each (``stored_edge_bytes``;
-    0: not known, never streams) with ``free_bytes`` free on the device, for a system of ``atoms`` atoms, by the
-    fractions of ``options``."""
+    """The plan for a call over ``edges`` edges at ``edge_bytes`` peak bytes each (0: not known, never streams)
+    with ``free_bytes`` free, for ``atoms`` atoms, by the fractions of ``options``."""
     for name, value in (("edges", edges), ("edge_bytes", edge_bytes), ("free_bytes", free_bytes), ("atoms", atoms)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"plan_memory: {name} must be an int >= 0, got {value!r}")

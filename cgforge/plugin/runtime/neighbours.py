@@ -1,18 +1,8 @@
-"""Neighbour lists: one cell-list (binning) search in torch, whose candidate loop is two CUDA kernels on a GPU
-and torch operations on the CPU (``cgforge.kernels.cell_search``: the kernels beside their reference, the same
-list).
+"""Neighbour lists: one cell-list (binning) search in torch (``cgforge.kernels.cell_search`` for the candidates).
 
-Conventions are those of matscipy's ``neighbour_list("ijS", atoms, cutoff)``:
-an edge is (sender i, receiver j, integer image vector S) with
-
-    vector = positions[j] - positions[i] + S @ cell,    |vector| < cutoff  (strict)
-
-``cell`` holds the lattice vectors as rows (ASE convention). Every pair appears in both directions,
-an atom is its own neighbour through periodic images when the cell is small, and (i, i, 0) never
-appears. Shifts refer to the positions as given: atoms may lie outside the cell, also along periodic
-directions, and need not be wrapped by the caller.
-
-Edges come sorted by (receiver, sender): the fused convolution consumes receiver-sorted (CSR) edges.
+matscipy's ``neighbour_list("ijS")`` conventions: an edge is (sender i, receiver j, integer image S) with
+``vector = positions[j] - positions[i] + S @ cell`` (cell rows), ``|vector| < cutoff``; every pair in both
+directions, (i, i, 0) never; positions need not be wrapped. Edges come sorted by (receiver, sender).
 """
 
 from __future__ import annotations
@@ -26,8 +16,6 @@ from torch import Tensor
 
 from cgforge.kernels.cell_search import Bins, candidate_pairs, empty_pairs
 from cgforge.kernels.edge_layout import edges_within
-
-__all__ = ["neighbour_list", "VerletNeighbourList"]
 
 PbcLike = bool | Sequence[bool] | Tensor | np.ndarray
 
@@ -60,10 +48,9 @@ def _check_cutoff(cutoff: float, name: str = "cutoff") -> float:
 
 
 def _check_positions_and_cell(positions: Tensor, cell: Tensor) -> None:
-    if not isinstance(positions, Tensor):
-        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
-    if not isinstance(cell, Tensor):
-        raise TypeError(f"cell must be a torch.Tensor, got {type(cell).__name__}")
+    for name, value in (("positions", positions), ("cell", cell)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if positions.ndim != 2 or positions.shape[1] != 3:
         raise ValueError(f"positions must have shape [N, 3], got {tuple(positions.shape)}")
     if positions.dtype not in (torch.float32, torch.float64):
@@ -77,21 +64,16 @@ def _check_positions_and_cell(positions: Tensor, cell: Tensor) -> None:
 
 
 def _binning_basis(cell: np.ndarray, pbc: tuple[bool, bool, bool]) -> np.ndarray:
-    """Rows: the periodic lattice vectors, completed by an orthonormal basis of their complement.
-
-    Non-periodic cell vectors are never used for shifts, so they may be zero, parallel or anything:
-    binning along them happens in Cartesian distance perpendicular to the periodic lattice.
-    """
+    """Rows: the periodic lattice vectors, completed by an orthonormal basis of their complement (non-periodic
+    cell vectors are never used for shifts, so they may be zero, parallel or anything)."""
     periodic_rows = [d for d in range(3) if pbc[d]]
     if not periodic_rows:
         return np.eye(3)
     lattice = cell[periodic_rows]
     singular_values = np.linalg.svd(lattice, compute_uv=False)
     if singular_values.max() == 0.0 or singular_values.min() <= 1e-9 * singular_values.max():
-        raise ValueError(
-            f"cell is singular along its periodic directions (pbc={pbc}): "
-            f"lattice vectors {lattice.tolist()} are not linearly independent"
-        )
+        raise ValueError(f"cell is singular along its periodic directions (pbc={pbc}): "
+                         f"lattice vectors {lattice.tolist()} are not linearly independent")
     _, _, right = np.linalg.svd(lattice)
     complement = iter(right[len(periodic_rows):])
     return np.stack([cell[d] if pbc[d] else next(complement) for d in range(3)])
@@ -146,16 +128,12 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
     bins = _bins_per_direction(extent * heights, cutoff, n_atoms)
     bin_width = np.where(extent > 0, extent / np.asarray(bins), 1.0)
     # How many bins each side can hold a neighbour: one when bins are >= cutoff wide, more for a thin cell.
-    reach = [
-        math.ceil(cutoff * bins[d] / (extent[d] * heights[d]) - 1e-9) if pbc[d] else min(1, bins[d] - 1)
-        for d in range(3)
-    ]
+    reach = [math.ceil(cutoff * bins[d] / (extent[d] * heights[d]) - 1e-9) if pbc[d] else min(1, bins[d] - 1)
+             for d in range(3)]
     n_offsets = math.prod(2 * r + 1 for r in reach)
     if n_offsets > _MAX_BIN_OFFSETS:
-        raise ValueError(
-            f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
-            f"the search would need {n_offsets} periodic images"
-        )
+        raise ValueError(f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
+                         f"the search would need {n_offsets} periodic images")
 
     bins_t = torch.tensor(bins, device=device)
     coord = (frac - torch.as_tensor(origin, device=device)) / torch.as_tensor(bin_width, device=device)
@@ -173,30 +151,14 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
                  (bins[0], bins[1], bins[2]), (reach[0], reach[1], reach[2]), search_cutoff)
 
 
-def neighbour_list(
-    positions: Tensor,
-    cell: Tensor,
-    pbc: PbcLike,
-    cutoff: float,
-    *,
-    return_vectors: bool = False,
-    candidates_per_chunk: int = _CANDIDATES_PER_CHUNK,
-) -> tuple[Tensor, ...]:
+def neighbour_list(positions: Tensor, cell: Tensor, pbc: PbcLike, cutoff: float, *, return_vectors: bool = False,
+                   candidates_per_chunk: int = _CANDIDATES_PER_CHUNK) -> tuple[Tensor, ...]:
     """All pairs closer than `cutoff`, as matscipy's ``neighbour_list("ijS", ...)`` finds them.
 
-    positions [N, 3] and cell [3, 3] (lattice vectors as rows) share dtype (float32/float64) and device;
-    pbc is three bools (a tuple avoids a device sync; a tensor is accepted). Along non-periodic directions
-    the cell is ignored and may be zero.
-
-    Returns (sender, receiver, shifts): int64 [E], int64 [E], int64 [E, 3], sorted by (receiver, sender),
-    such that ``vectors = positions[receiver] - positions[sender] + shifts @ cell``. With
-    ``return_vectors=True`` also (vectors [E, 3], lengths [E]) in positions' dtype, differentiable with
-    respect to positions and cell. Indices never carry gradients.
-
-    Time and memory are O(N) for a fixed density (cell list with bins >= cutoff wide). On CUDA the candidates
-    are examined by two kernels of ``cgforge.kernels.cell_search`` (they need cgforge's GPU extra: CuPy and
-    NVRTC), elsewhere in chunks of `candidates_per_chunk`; the same list either way. The build syncs with the
-    device a few times.
+    positions [N, 3] and cell [3, 3] (rows; ignored along non-periodic directions) share dtype and device; pbc:
+    three bools (a tuple avoids a device sync). Returns (sender, receiver, shifts) int64 [E], [E], [E, 3] (the
+    module doc's convention), with ``return_vectors`` also (vectors, lengths), differentiable in positions and
+    cell. O(N) at a fixed density; off CUDA the candidates go in chunks of ``candidates_per_chunk``.
     """
     _check_positions_and_cell(positions, cell)
     pbc = _as_pbc(pbc)
@@ -222,13 +184,8 @@ def check_skin(skin: object) -> float:
 
 
 class VerletNeighbourList:
-    """A neighbour list at ``cutoff + skin`` rebuilt only when it may have gone stale.
-
-    ``update(positions, cell, pbc)`` rebuilds when any atom has moved more than skin/2 since the last
-    build (then no pair can have crossed into the cutoff unseen), or when the cell, pbc, atom count,
-    dtype or device changed. Between rebuilds the check costs one device-to-host bool. Consumers take
-    ``sender, receiver, shifts`` and mask each step with :func:`edges_within` at ``cutoff``.
-    """
+    """A neighbour list at ``cutoff + skin``, rebuilt by ``update`` when an atom moved more than skin/2 since the
+    last build or the cell, pbc, atom count, dtype or device changed (one device-to-host bool otherwise)."""
 
     def __init__(self, cutoff: float, skin: float = 0.5) -> None:
         self.cutoff = _check_cutoff(cutoff)
@@ -256,9 +213,7 @@ class VerletNeighbourList:
 
     def rebuild(self, positions: Tensor, cell: Tensor, pbc: PbcLike) -> None:
         """Build the list now at these positions and cell, stale or not (the MD engine decides staleness on the
-        device, from the reference positions it keeps itself)."""
-        _check_positions_and_cell(positions, cell)
-        pbc = _as_pbc(pbc)
+        device, from the reference positions it keeps itself). ``neighbour_list`` checks the arguments."""
         self.install(positions, cell, pbc, neighbour_list(positions, cell, pbc, self.list_cutoff))
 
     def install(self, positions: Tensor, cell: Tensor, pbc: PbcLike, lists: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -278,13 +233,8 @@ class VerletNeighbourList:
 
     def _is_stale(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool]) -> bool:
         reference = self._positions
-        if (
-            reference is None
-            or pbc != self._pbc
-            or reference.shape != positions.shape
-            or reference.dtype != positions.dtype
-            or reference.device != positions.device
-        ):
+        if (reference is None or pbc != self._pbc or reference.shape != positions.shape
+                or reference.dtype != positions.dtype or reference.device != positions.device):
             return True
         with torch.no_grad():
             stale = (cell != self._cell).any()

@@ -1,11 +1,4 @@
-"""The runtime's policy knobs as one typed value, passed to ``load`` / ``Potential`` / ``Calculator(options=...)``.
-
-    from cgforge.plugin.runtime.options import RuntimeOptions
-    calc = Calculator("mace", options=RuntimeOptions(order_above_atoms=None))
-
-The defaults are what production runs use; tests and benchmarks pass other values instead of overwriting
-module constants.
-"""
+"""The runtime's policy knobs as one typed value, passed to ``load`` / ``Potential`` / ``Calculator(options=...)``."""
 
 from __future__ import annotations
 
@@ -14,28 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RuntimeOptions"]
-
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """Memory, atom-order, compile and precision policy of a ``Potential``.
+    """Memory, atom-order, compile and precision policy of a ``Potential`` (docs/calculator.md).
 
-    streaming_auto_fraction: with ``streaming=None``, stream when the stored path's estimated peak exceeds this
-    fraction of the free device memory (``memory_plan``; the allocator keeps a little of the rest for itself).
-    expandable_above_fraction: above this fraction turn on torch's expandable allocator segments for the process
-    (near a full device fragmentation, not size, decides whether a call fits).
-    uncaptured_above_fraction: above this fraction run the step without a CUDA graph unless one was asked for
-    (a graph's private pool is memory the eager step would not hold, and such steps take seconds).
-    order_above_atoms: systems of more atoms run in the Z-curve order of their positions (``atom_order``);
-    None: never.
-    compile_backend: the ``torch.compile`` backend of ``compile=...`` and of the MD engine's fused integrator
-    (``"inductor"``; ``"aot_eager"`` traces the same graphs without code generation, for tests).
-    radial_tf32_tol: the largest relative change of the forces a TF32 radial-MLP mode may make before the
-    potential keeps FP32 (``radial_precision``).
-    tile_atoms: with tiles (``workspace``; ``runtime.tiled``), the most atoms a tile owns; None: as many as the
-    memory budget allows (100,000 off CUDA).
-    tile_memory_fraction: the share of the free device memory one tile's working set may take.
+    Fractions of the free device memory a call's estimated peak may exceed before it streams
+    (``streaming_auto_fraction``), turns on expandable allocator segments (``expandable_above_fraction``) or runs
+    without a CUDA graph (``uncaptured_above_fraction``); ``tile_memory_fraction``: one tile's share.
+    order_above_atoms: larger systems run in Z-curve order (``atom_order``; None: never). compile_backend: the
+    ``torch.compile`` backend (``"aot_eager"``: no code generation, for tests). radial_tf32_tol: the largest
+    relative force change a TF32 radial mode may make. tile_atoms: the most atoms a tile owns (None: the budget's).
     """
 
     streaming_auto_fraction: float = 0.92

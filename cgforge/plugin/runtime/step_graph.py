@@ -1,24 +1,10 @@
 """One model step (energy, forces, stress) on static device buffers, optionally captured in a CUDA graph.
 
-Per call the host copies positions in, asks the Verlet list whether it is stale (one host sync), runs the
-step and copies the results out (one device-to-host copy, which also brings back the edge count). The step:
-
-1. edges: the Verlet list (pairs within cutoff + skin) is cut to the cutoff on the device and laid out,
-   receiver-sorted and padded, in a fixed number of slots (``edge_layout``); or, with ``filter_edges=False``,
-   the whole Verlet list is laid out once per rebuild. The ConvGraph of the layout is pinned in the
-   model's graph cache, so no layer builds or checks one.
-2. vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), times (I + strain) when stress
-   is asked for; the model's energy; autograd gives forces = -dE/dpos (segment sums over the layout's
-   receiver rows and its transpose: no atomics, deterministic, ``edge_vectors``) and the virial
-   dE/dstrain = sum over edges of vector (x) dE/dvector.
-
-With ``cuda_graph`` the step is captured once per (buffer capacities, properties) and replayed: no Python
-and no kernel-launch cost per step. Buffers have a capacity with a small margin; the edge count is checked
-after the step (it comes back with the results), and a step whose edges overflowed the capacity is run again
-with more room (a new capture). Capacities shrink at a neighbour-list rebuild when far too large.
-
-Padding needs a model whose edges beyond the cutoff contribute exactly zero (``inert_beyond_cutoff``);
-without that the step runs eagerly with exact edge counts (``padded=False``).
+Per call: positions in, the Verlet list's staleness (one host sync), the step, results out (with the edge
+count). Edges are the Verlet list cut to the cutoff on the device and laid out in padded slots
+(``edge_layout``); forces and virial come from autograd (``graph_derivatives``). With ``cuda_graph`` the step is
+captured once per (capacities, properties) and replayed; a step whose edges overflowed is run again with more
+room. Padding needs ``inert_beyond_cutoff``; without it the step runs eagerly with exact edge counts.
 """
 
 from __future__ import annotations
@@ -44,22 +30,19 @@ from cgforge.kernels.edge_layout import (
     layout_within,
     pad_offset_vector,
 )
+from cgforge.kernels.segment_sum import segment_sum
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
 from .adapters import ModelAdapter
 from .capture import capture_or_fall_back, room
 from .compiled import CompiledEnergy
-from .edge_vectors import edge_differences, row_sums, rows_times
+from .edge_vectors import edge_differences, rows_times
 from .neighbours import VerletNeighbourList
-
-__all__ = ["ModelStep", "StepOutput", "graph_derivatives"]
 
 Phase = Callable[[str], AbstractContextManager]
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
-# The least room the Verlet list's buffers keep: its padding pairs cost a distance test each, while a list that
-# outgrows its buffers (an NPT box breathing) costs a recapture.
-LIST_ROOM = 0.04
+LIST_ROOM = 0.04  # the least room the Verlet list's buffers keep: padding pairs are cheap, recaptures are not
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -68,20 +51,15 @@ def _no_phase(name: str) -> AbstractContextManager:
 
 @dataclass
 class StepOutput:
-    """One step's results as device tensors (``ModelStep.compute`` / ``evaluate``).
-
-    energy [] ([B] for a batch of B structures); forces [N, 3] (None without forces); virial [3, 3] ([B, 3, 3])
-    = sym(dE/d strain) (None without stress);
-    energies [N] (None without per_atom); count [] int64: the edges laid out within the cutoff (compare with
-    ``ModelStep.capacity`` when padded: a larger count means the layout overflowed and the step is invalid).
-    """
+    """One step's results on the device: energy [] ([B] for a batch), forces [N, 3], virial [3, 3] ([B, 3, 3]) =
+    sym(dE/d strain), energies [N] (each None when not asked for) and count [] int64: the edges laid out within
+    the cutoff (more than ``ModelStep.capacity`` when padded: the layout overflowed, the step is invalid)."""
 
     energy: Tensor
     forces: Tensor | None
     virial: Tensor | None
     energies: Tensor | None
     count: Tensor
-
 
 
 EnergyFn = Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor | None]]
@@ -93,14 +71,11 @@ def graph_derivatives(adapter: ModelAdapter, caches: list, layout: EdgeLayout, n
                       weights: Tensor | None = None, structure: Tensor | None = None) -> StepOutput:
     """The energy of one laid-out graph and its derivatives (capture-safe: no host reads).
 
-    ``energy_fn(positions, vectors, edge_index, per_atom)`` is the model's energy (the adapter's, or compiled);
-    ``key`` = (forces, stress, per_atom). vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding
-    offset), strained by (I + strain) for the stress; forces = -dE/dpos through CSR row sums
-    (``edge_vectors``), virial = sym(dE/d strain). ``weights`` [N]: differentiate sum_i weights_i e_i of the
-    per-atom energies instead of the total (a tile's own atoms among its halo: ``runtime.tiled``); ``energy``
-    is then that weighted sum. ``structure`` [N] int64: a batch of independent structures (``runtime.batch``),
-    atom i in structure ``structure[i]``, each with its own cell (``cell`` [B, 3, 3]) and strain; ``energy`` and
-    ``virial`` are then per structure ([B], [B, 3, 3])."""
+    ``energy_fn(positions, vectors, edge_index, per_atom)``: the model's energy; ``key`` = (forces, stress,
+    per_atom). vectors = pos[receiver] - pos[sender] + S @ cell (+ the padding offset), strained by (I + strain)
+    for the virial sym(dE/d strain); forces = -dE/dpos (``edge_vectors``). ``weights`` [N]: the energy is
+    sum_i weights_i e_i instead (``runtime.tiled``). ``structure`` [N]: the structure of each atom of a batch
+    (``runtime.batch``), with ``cell`` [B, 3, 3]; energy and virial are then per structure."""
     grad, stress, per_atom = key
     with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
         edge_index = adapter.edge_index(layout.sender, layout.receiver)
@@ -159,7 +134,7 @@ def _per_structure(values: Tensor, structure: Tensor, count: int) -> Tensor:
     the segment-sum kernel on CUDA (FP64 accumulation, no atomics), index_add (sequential) elsewhere."""
     if values.is_cuda:
         rowptr = torch.searchsorted(structure, torch.arange(count + 1, device=structure.device))
-        return row_sums(values.unsqueeze(1), rowptr).squeeze(1)
+        return segment_sum(values.unsqueeze(1), rowptr).squeeze(1)
     return values.new_zeros(count).index_add_(0, structure, values)
 
 
@@ -173,21 +148,17 @@ def _times(rows: Tensor, matrix: Tensor, index: Tensor | None) -> Tensor:
 class ModelStep:
     """Energy (and forces, stress, per-atom energies) of one structure per ``run``; see the module doc.
 
-    filter_edges: cut the Verlet list to the cutoff every step (on the device) rather than feed the model all
-    of it. padded: fixed capacities with padding edges (needed for, and implied by, ``cuda_graph``).
-    margin: spare capacity (fraction) given to edge buffers when they are sized.
-    A patched model is told which atoms share a species, so its self-connections run one linear map per species
-    (``patches.species_linear``). use_topology: lay edges out from the Verlet list's reverse edges, without a sort per
-    step (``edge_layout.EdgeTopology``); False sorts (for comparisons). Read at a neighbour-list rebuild.
-    compile: None, or the Inductor mode (``compiled.MODES``) the model's energy is compiled with
-    (``compiled.CompiledEnergy``; the caller checked that it can work: ``compiled.check_compile``).
-    compile_backend: the ``torch.compile`` backend (``RuntimeOptions.compile_backend``).
+    filter_edges: cut the Verlet list to the cutoff every step rather than feed the model all of it. padded:
+    fixed capacities with padding edges (implied by ``cuda_graph``). margin: spare capacity (a fraction) of edge
+    buffers. use_topology: lay edges out from the list's reverse edges (``EdgeTopology``); False sorts. compile:
+    None or the Inductor mode (``compiled.MODES``, checked by the caller), with ``compile_backend``.
     """
 
     def __init__(self, adapter: ModelAdapter, neighbours: VerletNeighbourList, *, filter_edges: bool = True,
                  cuda_graph: bool = False, padded: bool | None = None, margin: float = 0.01,
                  compile: str | None = None, compile_backend: str | Callable = "inductor") -> None:
         self.adapter = adapter
+        self.device, self.dtype = adapter.device, adapter.dtype
         self.neighbours = neighbours
         self.cutoff = float(adapter.cutoff)
         self.filter_edges = bool(filter_edges)
@@ -218,14 +189,6 @@ class ModelStep:
         self._groups: SpeciesGroups | None = None  # atoms by species, for the per-species self-connections
 
     @property
-    def device(self) -> torch.device:
-        return self.adapter.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.adapter.dtype
-
-    @property
     def capacity(self) -> int | None:
         """Model edge slots (including padding) of the current layout."""
         if not self.filter_edges:
@@ -243,17 +206,14 @@ class ModelStep:
         return None if self.compiled is None else self.compiled.error
 
     def invalidate(self, reason: str = "asked") -> None:
-        """Drop every captured graph. Their memory goes back once no tensor of their pool is alive: the pinned
-        graph (built inside the capture) is let go too; the next step pins a new one. ``invalidations`` counts
-        the reasons (each costs a recapture: what to look at when a run recaptures often)."""
+        """Drop every captured graph and the pinned edge graph (the next step pins a new one); ``invalidations``
+        counts the reasons (each costs a recapture)."""
         self.invalidations[reason] += 1
         self._graphs.clear()
         self._pool = None
         self.generation += 1
         for cache in self.caches:
             cache.unpin()
-
-    # --- the call ---------------------------------------------------------------------------------
 
     def run(self, positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool, bool], species: Tensor, *,
             forces: bool, stress: bool, per_atom: bool) -> np.ndarray:
@@ -270,8 +230,7 @@ class ModelStep:
             count = int(host[-1])
             if not (self.padded and self.filter_edges and count > self._capacity):
                 break
-            self._capacity = self._grown(count)  # overflow: the layout was not valid; again, with room
-            self.invalidate("model edges overflowed")
+            self.grow(count)  # overflow: the layout was not valid; again, with room
         self.n_edges = count
         return host[:-1]
 
@@ -295,43 +254,9 @@ class ModelStep:
     def _refresh_list(self, pbc: tuple[bool, bool, bool]) -> None:
         """Rebuild the Verlet list when it is stale (one host sync) and load it into the static buffers."""
         with self.phase("neighbour_list"):
-            rebuilt = self.neighbours.update(self._pos, self._cell, pbc)
+            rebuilt = self.neighbours.update(self.positions, self.cell, pbc)
             if rebuilt or self._verlet is None:
                 self._load_verlet()
-
-    def evaluate(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], species: Tensor, *,
-                 forces: bool = True, stress: bool = False, per_atom: bool = False) -> StepOutput:
-        """``run`` on device tensors: positions [N, 3] and cell [3, 3] (any float dtype, on ``self.device``) in,
-        device tensors out (float64; views of the step's output buffer, valid until the next call).
-
-        No host copies of positions or results; the host reads two scalars: the Verlet list's staleness (as
-        ``run``) and, when padded, the edge count (an overflowed layout is run again with room)."""
-        self.load(positions, cell, species)
-        self._refresh_list(pbc)
-        key = (bool(forces or stress), bool(stress), bool(per_atom))
-        while True:
-            out = self._execute(key)
-            if not (self.padded and self.filter_edges):
-                break
-            count = int(out[-1])
-            if count <= self._capacity:
-                break
-            self._capacity = self._grown(count)
-            self.invalidate("model edges overflowed")
-        n = self._n
-        at = 1
-        parts: dict[str, Tensor | None] = {"forces": None, "virial": None, "energies": None}
-        if key[0]:
-            parts["forces"] = out[at:at + 3 * n].view(n, 3)
-            at += 3 * n
-        if key[1]:
-            parts["virial"] = out[at:at + 9].view(3, 3)
-            at += 9
-        if key[2]:
-            parts["energies"] = out[at:at + n]
-        return StepOutput(energy=out[0], count=out[-1].to(torch.int64), **parts)
-
-    # --- the tensor-level pieces (the MD engine captures them with its integrator) --------------------
 
     def load(self, positions: Tensor, cell: Tensor, species: Tensor) -> None:
         """Copy device positions [N, 3] and cell [3, 3] into the static buffers (no host copy); new buffers
@@ -340,31 +265,20 @@ class ModelStep:
             raise ValueError(f"positions must be [N, 3] and cell [3, 3], got {tuple(positions.shape)} and "
                              f"{tuple(cell.shape)}")
         self._ensure_structure(int(positions.shape[0]), species)
-        self._pos.copy_(positions)
-        self._cell.copy_(cell)
+        self.positions.copy_(positions)
+        self.cell.copy_(cell)
         self._host_cell = None  # the host path compares against the last host cell: it no longer holds
-
-    @property
-    def positions(self) -> Tensor:
-        """The static positions buffer [N, 3] (model dtype) that ``compute`` reads: write it in place."""
-        return self._pos
-
-    @property
-    def cell(self) -> Tensor:
-        """The static cell buffer [3, 3] (model dtype) that ``compute`` reads: write it in place."""
-        return self._cell
 
     def rebuild(self, pbc: tuple[bool, bool, bool]) -> None:
         """Rebuild the Verlet list at the positions and cell in the buffers now, and load it (host syncs)."""
-        self.neighbours.rebuild(self._pos, self._cell, pbc)
+        self.neighbours.rebuild(self.positions, self.cell, pbc)
         self._load_verlet()
 
     def install_list(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool],
                      lists: tuple[Tensor, Tensor, Tensor], topology: tuple[int, EdgeTopology | None] | None = None
                      ) -> None:
-        """Load a Verlet list found elsewhere at ``positions`` and ``cell`` (not the buffers' values: the MD
-        engine searches at a block's start while the block runs); the buffers keep the current state.
-        ``topology``: what ``list_topology`` made of these lists, if it was called (on the search's stream)."""
+        """Load a Verlet list found at ``positions`` and ``cell`` (not the buffers', which stay as they are), with
+        its ``list_topology`` when that was made."""
         self.neighbours.install(positions, cell, pbc, lists)
         self._load_verlet(topology)
 
@@ -388,22 +302,21 @@ class ModelStep:
         that capture it themselves. Results in the model's dtype, count as int64."""
         return self._compute_parts((bool(forces or stress), bool(stress), bool(per_atom)), _no_phase)
 
-    # --- static inputs ------------------------------------------------------------------------------
-
     def _load_structure(self, positions: np.ndarray, cell: np.ndarray, species: Tensor) -> None:
         self._ensure_structure(int(positions.shape[0]), species)
         self._host_pos.numpy()[:] = positions
-        self._pos.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
+        self.positions.copy_(self._host_pos, non_blocking=True)  # the step's syncs order the next overwrite
         if self._host_cell is None or not np.array_equal(self._host_cell, cell):
             self._host_cell = np.array(cell, dtype=np.float64)
-            self._cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
+            self.cell.copy_(torch.as_tensor(self._host_cell, dtype=self.dtype))
 
     def _ensure_structure(self, n: int, species: Tensor) -> None:
         if n != self._n:
             self.invalidate("atom count")
             self._n = n
-            self._pos = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
-            self._cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
+            # the static buffers (model dtype) that ``compute`` reads: written in place
+            self.positions = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
+            self.cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
             self._host_cell = None
             self._species = species.clone()
             self._species_source = species
@@ -426,8 +339,7 @@ class ModelStep:
                 self._groups = self._species_groups()
 
     def _species_groups(self) -> SpeciesGroups | None:
-        # The model's node attributes are a function of the species index within one structure (the adapter
-        # builds them), which is what the per-species self-connections need to know.
+        # the model's node attributes are a function of the species index (the adapter builds them)
         if not self.caches:
             return None
         return SpeciesGroups.from_species(self.adapter.species_index(self._species))
@@ -455,9 +367,8 @@ class ModelStep:
         return min(max(2 * self._grow_margin, self.margin), MAX_GROW_MARGIN)
 
     def _list_capacity(self, count: int) -> tuple[int, float]:
-        """(capacity, room after) of the Verlet list's buffers for ``count`` pairs; nothing changes until
-        ``_load_verlet``. The list keeps at least ``LIST_ROOM`` to spare (its padding pairs cost one distance test
-        each), and a list that outgrew its buffers (a compressing NPT box) grows with room as the model edges do."""
+        """(capacity, room after) of the Verlet list's buffers for ``count`` pairs (at least ``LIST_ROOM`` to spare;
+        grown with room when outgrown, as the model edges); nothing changes until ``_load_verlet``."""
         current = None if self._verlet is None else self._verlet[0].shape[0]
         if not self.padded:
             return count, self._grow_margin
@@ -491,8 +402,7 @@ class ModelStep:
             buf[count:].zero_()  # padding entries: (0, 0, 0), never kept (valid is False)
         valid.copy_(torch.arange(capacity, device=self.device) < count)
         self._load_topology(capacity, prepared)
-        # The list lives on in the static buffers: its own tensors go (40 bytes a pair, 5.5 GB at a million atoms)
-        # and the list reads the same pairs there (its shifts as floats: whole numbers, exact).
+        # The list lives on in the static buffers (its own tensors go: 40 bytes a pair; shifts as exact floats).
         nl.sender, nl.receiver, nl.shifts = sender[:count], receiver[:count], shifts[:count]
         with torch.no_grad():
             if not self.filter_edges:
@@ -530,11 +440,9 @@ class ModelStep:
             self.invalidate("Verlet list capacity")
             self._topology = topology
 
-    # --- the step itself (capture-safe: no host reads when padded) ---------------------------------
-
     def _keep(self) -> Tensor:
         sender, receiver, shifts, valid = self._verlet
-        _, _, inside = edges_within(self._pos, self._cell, sender, receiver, shifts, self.cutoff)
+        _, _, inside = edges_within(self.positions, self.cell, sender, receiver, shifts, self.cutoff)
         return inside & valid
 
     def _step_layout(self) -> EdgeLayout:
@@ -542,7 +450,7 @@ class ModelStep:
             return self._layout
         sender, receiver, shifts, valid = self._verlet
         if self.padded:
-            return layout_within(self._pos, self._cell, sender, receiver, shifts, valid, self.cutoff, self._n,
+            return layout_within(self.positions, self.cell, sender, receiver, shifts, valid, self.cutoff, self._n,
                                  self._capacity, self.pad_vector, bool(self.caches), self._topology)
         # eager: exact, one sync; counted as layout_edges keeps them (with their reverses)
         keep = self._keep()
@@ -560,33 +468,21 @@ class ModelStep:
         return torch.cat([p.to(torch.float64) for p in parts])
 
     def _compute_parts(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
-        # Named ranges for torch.profiler (host-side markers only: harmless inside a capture).
-        with record_function("cgforge.step"):
-            return self._compute_step(key, phase)
-
-    def _compute_step(self, key: tuple[bool, bool, bool], phase: Phase) -> StepOutput:
-        with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
-            layout = self._step_layout()
-
-        def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
-                   ) -> tuple[Tensor, Tensor | None]:
-            return self._energy(positions, vectors, edge_index, layout, per_atom)
-
-        return graph_derivatives(self.adapter, self.caches, layout, self._n, self._pos, self._cell, energy, key,
-                                 phase, groups=self._groups, serve_pinned=self.compiled is not None)
+        with record_function("cgforge.step"):  # profiler markers, host-side only: harmless inside a capture
+            with phase("edges"), torch.no_grad(), record_function("cgforge.edge_layout"):
+                layout = self._step_layout()
+            return graph_derivatives(self.adapter, self.caches, layout, self._n, self.positions, self.cell,
+                                     lambda p, v, e, per_atom: self._energy(p, v, e, layout, per_atom), key, phase,
+                                     groups=self._groups, serve_pinned=self.compiled is not None)
 
     def _energy(self, positions: Tensor, vectors: Tensor, edge_index: Tensor, layout: EdgeLayout,
                 per_atom: bool) -> tuple[Tensor, Tensor | None]:
         if self.compiled is None:
             return self.adapter.energy(positions, vectors, self._species, edge_index, per_atom)
-        # The edge count is symbolic from the first compilation: unpadded it changes every step, padded at every
-        # capacity change (an MD run grows its buffers a few times, and a compilation mid-run can cost more than
-        # the run's steps).
+        # The edge count is symbolic from the first compilation: no recompilation at a capacity change mid-run.
         g = layout.graph
         dynamic = () if g is None else (g.sender, g.receiver, g.perm_t)
         return self.compiled(positions, vectors, self._species, edge_index, per_atom, edges_dynamic=dynamic)
-
-    # --- eager or captured ----------------------------------------------------------------------------
 
     def _execute(self, key: tuple[bool, bool, bool]) -> Tensor:
         if not self.cuda_graph:
@@ -602,8 +498,7 @@ class ModelStep:
 
     def _capture(self, key: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
         if self._pool is None:
-            # One pool for all keys: a step's output is read right after its replay, before any other
-            # replay may reuse that memory.
+            # one pool for all keys: a step's output is read right after its replay, before another reuses it
             self._pool = torch.cuda.graph_pool_handle()
         entry = capture_or_fall_back(self, lambda: self._compute(key, _no_phase), self._pool, "the model step")
         if entry is not None:

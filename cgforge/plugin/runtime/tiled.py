@@ -1,26 +1,8 @@
 """Fixed-workspace force evaluation: the system in tiles, each evaluated with its halo.
 
-In a model of ``hops`` message-passing layers an atom's energy depends only on the atoms within ``hops``
-cutoffs. The system is cut into a grid of tiles in lattice coordinates; a tile is evaluated as a cluster
-without a cell: the atoms it owns and every periodic image of an atom within ``hops x cutoff`` of it (its
-halo). Only the owned atoms' energies are differentiated, so
-
-    E = sum over tiles of sum over owned atoms of e_i
-
-is the energy of the whole system, and its forces and virial are the sums of the tiles' derivatives (the
-decomposition LAMMPS's ghost atoms make across MPI ranks). No array over the system's edges exists: each tile
-searches its own neighbours, uses them and drops them.
-
-Edges are kept where they matter: the owned atoms' energies need the last layer's features on those atoms,
-which need the layer before on their neighbours, and so on: the edges whose receiver lies within ``hops - 1``
-graph steps of an owned atom. The atoms those edges send from close the cluster.
-
-Memory: positions, species and forces of the whole system (about 60 bytes an atom) and one tile's working set,
-which ``plan_grid`` keeps within a budget: the workspace is fixed. Work: the halo's receivers are evaluated
-again by the tiles beside it, a factor (1 + 2 (hops - 1) cutoff / tile width) per direction.
-
-Deterministic: tiles run in a fixed order, the neighbour search sorts its output, the layout's transpose is a
-stable sort, and the forces of an atom met in several tiles (or as several images) are added in a fixed order.
+A tile is a cluster without a cell: the atoms it owns and every periodic image within ``hops x cutoff`` of them.
+Only the owned atoms' energies are differentiated, so the tiles' energies, forces and virials sum to the whole
+system's; no array over all edges exists. Deterministic (fixed orders throughout); docs/calculator.md.
 """
 
 from __future__ import annotations
@@ -44,9 +26,6 @@ from .neighbours import _as_pbc, _binning_basis, neighbour_list
 from .options import RuntimeOptions
 from .step_graph import StepOutput, graph_derivatives
 
-__all__ = ["WORKSPACES", "Frame", "TileGrid", "TiledEvaluation", "Workspace", "check_workspace", "plan_grid",
-           "sampled_edges_per_atom", "tiles_needed"]
-
 Pbc = tuple[bool, bool, bool]
 _HALO_MARGIN = 1e-6  # relative: the halo is a hair wider than hops x cutoff (rounding of the search's lengths)
 _SMALLEST_TILE = 64  # owned atoms: a budget that needs smaller tiles cannot be met (the halo would dominate)
@@ -55,11 +34,9 @@ _CPU_TILE_ATOMS = 100_000  # owned atoms a tile takes where no memory budget app
 
 @dataclass(frozen=True)
 class Frame:
-    """The system in lattice coordinates: ``fractional`` [N, 3] (``positions = fractional @ basis``; wrapped into
-    [0, 1) along periodic directions by the integer ``image`` [N, 3] of each atom: wrapped = positions + image @
-    cell), the coordinates' lower bound ``low`` [3] and extent ``span`` [3], and ``per_angstrom`` [3]: how much a
-    coordinate changes per Å at most (the inverse spacing of its lattice planes). Along a non-periodic direction
-    the basis row is a unit vector (``neighbours._binning_basis``), so its coordinate is a distance in Å."""
+    """The system in lattice coordinates: ``fractional`` [N, 3] (of ``basis``, ``neighbours._binning_basis``),
+    wrapped into [0, 1) along periodic directions (wrapped = positions + ``image`` @ cell), their lower bound
+    ``low`` and extent ``span`` [3], and ``per_angstrom`` [3] (the inverse spacing of each direction's planes)."""
 
     fractional: Tensor
     image: Tensor
@@ -87,10 +64,6 @@ class Frame:
                     low[d], span[d] = lo[d], max(hi[d] - lo[d], 1e-9)
         return cls(frac, -shift.to(torch.int64), basis, low, span, np.linalg.norm(inverse, axis=0), pbc)
 
-    def thickness(self) -> np.ndarray:
-        """The system's extent in Å across each direction's lattice planes."""
-        return self.span / self.per_angstrom
-
 
 @dataclass(frozen=True)
 class TileGrid:
@@ -106,20 +79,17 @@ class TileGrid:
 
 def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atoms: int | None = None,
               budget_bytes: int | None = None, edge_bytes: int = 0, edges_per_atom: float | None = None) -> TileGrid:
-    """The coarsest grid whose tiles own at most ``tile_atoms`` atoms (None: no such bound) and whose estimated
-    working set, ``edge_bytes`` per edge of a tile's cluster, fits ``budget_bytes`` (None: no such bound).
-
-    The estimate assumes a uniform density: a tile's edges are its receivers (its own atoms and those within
-    ``hops - 1`` cutoffs, periodic images included) times ``edges_per_atom`` (``sampled_edges_per_atom``;
-    None: the density times the cutoff sphere, an overestimate for matter, whose atoms exclude each other).
-    Tiles are split along the direction where they are thickest. Raises MemoryError when the budget needs tiles
-    of fewer than ``_SMALLEST_TILE`` atoms."""
+    """The coarsest grid whose tiles own at most ``tile_atoms`` atoms and whose estimated working set
+    (``edge_bytes`` per edge: a tile's receivers, its atoms and those within ``hops - 1`` cutoffs, times
+    ``edges_per_atom``, needed with a budget) fits ``budget_bytes`` (None: no such bounds).
+    Tiles split where thickest; MemoryError when the budget needs tiles of fewer than ``_SMALLEST_TILE`` atoms."""
     if hops < 1:
         raise ValueError(f"hops must be >= 1, got {hops}")
     if tile_atoms is not None and (isinstance(tile_atoms, bool) or not isinstance(tile_atoms, int) or tile_atoms < 1):
         raise ValueError(f"tile_atoms: expected None or an int >= 1, got {tile_atoms!r}")
-    thickness = frame.thickness()
-    neighbours = _edges_estimate(frame, n_atoms, cutoff) / max(n_atoms, 1) if edges_per_atom is None else edges_per_atom
+    thickness = frame.span / frame.per_angstrom  # Å across each direction's lattice planes
+    if budget_bytes is not None and edges_per_atom is None:
+        raise ValueError("plan_grid: a memory budget needs edges_per_atom (sampled_edges_per_atom)")
     reach = (hops - 1) * cutoff  # Å beyond a tile whose receivers the tile evaluates
 
     def cost(counts: list[int]) -> tuple[float, float]:
@@ -128,7 +98,7 @@ def plan_grid(frame: Frame, n_atoms: int, hops: int, cutoff: float, *, tile_atom
         for d in range(3):
             if frame.pbc[d] or counts[d] > 1:
                 grow *= 1.0 + 2.0 * reach * counts[d] / thickness[d]
-        return owned, owned * grow * neighbours * edge_bytes
+        return owned, owned * grow * (edges_per_atom or 0.0) * edge_bytes
 
     counts = [1, 1, 1]
     while True:
@@ -169,17 +139,11 @@ class TiledEvaluation:
         self.n_tiles = 0
         self.largest_cluster = 0  # atoms of the largest cluster at the last call
 
-    def run(self, positions: Tensor, cell: np.ndarray, pbc: Pbc, species: Tensor, grid: TileGrid | None = None, *,
-            frame: Frame | None = None, forces: bool = True, stress: bool = False, per_atom: bool = False
-            ) -> np.ndarray:
-        """[energy, forces (3N) if forces or stress, virial (9) if stress, per-atom energies (N) if per_atom] as
-        float64 on the host, the layout of ``ModelStep.run``. positions: float64 [N, 3] on the model's device;
-        species: the adapter's species input of the N atoms; ``grid``: ``plan_grid`` of ``frame``."""
-        pbc = _as_pbc(pbc)
+    def run(self, positions: Tensor, cell: np.ndarray, species: Tensor, grid: TileGrid, frame: Frame, *,
+            forces: bool = True, stress: bool = False, per_atom: bool = False) -> np.ndarray:
+        """``ModelStep.run``'s host result for float64 ``positions`` [N, 3] on the model's device and the adapter's
+        ``species``, tile by tile (``frame``: ``Frame.of`` the positions; ``grid``: ``plan_grid`` of it)."""
         n = positions.shape[0]
-        frame = Frame.of(positions, cell, pbc) if frame is None else frame
-        if grid is None:
-            grid = plan_grid(frame, n, self.hops, self.cutoff, tile_atoms=_CPU_TILE_ATOMS)
         forces = forces or stress
         device, dtype = positions.device, self.adapter.dtype
         cell_t = torch.as_tensor(np.asarray(cell, dtype=np.float64), device=device)
@@ -249,10 +213,8 @@ def owner_of(frame: Frame, grid: TileGrid) -> Tensor:
 
 def cluster_of(frame: Frame, grid: TileGrid, tile: tuple[int, int, int], owner: Tensor, wrapped: Tensor,
                cell: Tensor, dtype: torch.dtype, cutoff: float, hops: int) -> Cluster | None:
-    """The atoms of ``tile`` and its halo (``grid.halo``, periodic images included) as a cluster in ``dtype``, their
-    edges within ``cutoff`` pruned to the receivers within ``hops - 1`` graph steps of an owned atom (what the owned
-    atoms' energies need); None for a tile that owns no atom. ``owner``: ``owner_of(frame, grid)``; ``wrapped``:
-the positions wrapped by ``frame.image``, float64."""
+    """``tile`` and its halo (periodic images included) as a cluster in ``dtype``, its edges within ``cutoff`` pruned
+    to the receivers within ``hops - 1`` graph steps of an owned atom; None for a tile that owns no atom."""
     device = wrapped.device
     frac = frame.fractional
     halo = grid.halo * frame.per_angstrom  # in each direction's coordinate
@@ -312,8 +274,7 @@ def sampled_edges_per_atom(frame: Frame, wrapped: Tensor, cell: Tensor, cutoff: 
     counts = torch.tensor(grid.counts, device=owner.device)
     flat = (owner[:, 0] * counts[1] + owner[:, 1]) * counts[2] + owner[:, 2]
     fullest = int(torch.bincount(flat).argmax())
-    tile = (fullest // (grid.counts[1] * grid.counts[2]), (fullest // grid.counts[2]) % grid.counts[1],
-            fullest % grid.counts[2])
+    tile = tuple(int(i) for i in np.unravel_index(fullest, grid.counts))
     cluster = cluster_of(frame, grid, tile, owner, wrapped, cell, dtype, cutoff, 1)
     return float(cluster.sender.shape[0]) / max(int(cluster.owned.sum()), 1)
 
@@ -343,15 +304,10 @@ def check_workspace(workspace: object) -> str:
 
 
 class Workspace:
-    """How a ``Potential`` evaluates a system: whole (one graph: the Verlet list, the captured step) or in tiles
-    with a fixed working set (``TiledEvaluation``).
-
-    ``mode``: ``"whole"``, ``"tiled"``, or ``"auto"``: tiles on CUDA where the whole graph's estimated peak
-    (``adapter.stored_edge_bytes`` per edge, edges per atom counted on a sample tile) exceeds
-    ``options.streaming_auto_fraction`` of the free memory, decided once per atom count before any neighbour list
-    is built (a list over a system that does not fit would itself not fit). Tiles get
-    ``options.tile_memory_fraction`` of the free memory (``options.tile_atoms`` caps them); a tile that runs out
-    of memory halves the budget and starts again."""
+    """How a ``Potential`` evaluates a system (``mode``): ``"whole"`` (one graph), ``"tiled"``
+    (``TiledEvaluation``), or ``"auto"``: tiles on CUDA where the whole graph's estimated peak exceeds
+    ``options.streaming_auto_fraction`` of the free memory, decided once per atom count before any neighbour list.
+    Tiles get ``options.tile_memory_fraction`` of the free memory; a tile out of memory halves it and restarts."""
 
     def __init__(self, mode: str, adapter: ModelAdapter, options_of: Callable[[], RuntimeOptions]) -> None:
         self.mode = check_workspace(mode)
@@ -415,8 +371,8 @@ class Workspace:
                                   edge_bytes=self.adapter.stored_edge_bytes(pos.shape[0]) if budget else 0,
                                   edges_per_atom=self.edges_per_atom)
             try:
-                return self.evaluation.run(pos, cell, pbc, species, self.grid, frame=frame, forces=forces,
-                                           stress=stress, per_atom=per_atom)
+                return self.evaluation.run(pos, cell, species, self.grid, frame, forces=forces, stress=stress,
+                                           per_atom=per_atom)
             except torch.cuda.OutOfMemoryError:
                 if budget is None or budget < (64 << 20):
                     raise
@@ -443,8 +399,3 @@ def _free_bytes(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
-
-def _edges_estimate(frame: Frame, n_atoms: int, cutoff: float) -> int:
-    """Edges of a uniform system of this size and extent: n_atoms x its density x the cutoff sphere."""
-    volume = abs(float(np.linalg.det(frame.basis))) * float(np.prod(frame.span))
-    return int(n_atoms * n_atoms / max(volume, 1e-30) * 4.0 / 3.0 * math.pi * cutoff**3)
