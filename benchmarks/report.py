@@ -433,6 +433,50 @@ def profile_section(results: Path) -> list[str]:
     return out + [""]
 
 
+BATCH_ROWS = (("evaluation", "structures_per_s", "structures/s", ("eval-batch", "eval-loop", "eval-mace-cueq",
+                                                                   "eval-torchsim-mace", "eval-torchsim-cgforge")),
+              ("FIRE relaxation", "structures_per_s", "structures/s", ("relax-batch", "relax-loop",
+                                                                      "relax-torchsim-mace", "relax-torchsim-cgforge")),
+              ("MD", "atom_steps_per_s", "atom-steps/s", ("md-batch-nvt", "md-loop-nve", "md-torchsim-mace-nvt",
+                                                          "md-torchsim-cgforge-nvt")))
+
+
+def batch_section(results: Path) -> list[str]:
+    """The newest ``bench_batch`` run of ``benchmarks/run.py batch``: each row's throughput, the issue's ratios."""
+    runs = []
+    for path in sorted(results.rglob("bench_batch-*.json")):
+        data, rel = json.loads(path.read_text()), path.relative_to(results).as_posix()
+        env, known = data.get("environment") or {}, _commit(results, rel)
+        if known is not None and env.get("date") and isinstance(data.get("rows"), dict):
+            runs.append(Run(rel, env["date"], env.get("device", "unknown device"), *known, [data]))
+    run = max(runs, key=lambda r: r.date) if runs else None
+    out = _opening("Many structures at once vs a loop and TorchSim", run, "bench_batch run of benchmarks/run.py",
+                   "`benchmarks/bench_batch.py`: water cells and clusters of 24-300 atoms, FP32; cgforge's batched "
+                   "paths (one graph per batch) against a loop over cgforge's Calculator, MACE's calculator "
+                   "(cuEquivariance where it imports) and TorchSim with its MACE model and over cgforge's model, in "
+                   "the same run. A row a peer could not run says why.",
+                   ["model", "workload", "row", "throughput", "note"])
+    if run is None:
+        return out
+    data = run.rows[0]
+    args = data.get("args", {})
+    for model, rows in data["rows"].items():
+        for workload, key, unit, names in BATCH_ROWS:
+            for name in names:
+                row = rows.get(name)
+                if row is None:
+                    continue
+                note = row.get("error") or row.get("note") or ""
+                value = f"{row[key]:,.0f} {unit}" if isinstance(row.get(key), int | float) else "-"
+                out.append(f"| {model} | {workload} | {name} | {value} | {str(note)[:120]} |")
+    out += ["", f"Structures: {args.get('structures')} (relaxed: {args.get('relax_structures')}, MD steps: "
+            f"{args.get('md_steps')}); ratios (cgforge / peer):", ""]
+    for model, ratios in (data.get("ratios") or {}).items():
+        for name, values in ratios.items():
+            out.append(f"- {model}, {name}: {values}")
+    return out + [""]
+
+
 def render(results: Path) -> str:
     layer, md = load_runs(results, "layer"), load_runs(results, "md")
     lines = ["# Performance", "",
@@ -442,7 +486,7 @@ def render(results: Path) -> str:
              "question it answered: [benchmarks/results/README.md](../benchmarks/results/README.md). To refresh: "
              "`python benchmarks/run.py layer engine md capacity ladder` on a GPU, then `python benchmarks/report.py`.", ""]
     lines += layer_section(layer) + engine_section(md) + force_section(md) + capacity_section(md)
-    lines += ladder_section(load_runs(results, "capacity")) + profile_section(results)
+    lines += ladder_section(load_runs(results, "capacity")) + batch_section(results) + profile_section(results)
     lines += ["## Where the numbers come from", "",
               "- Runs made with `benchmarks/run.py` carry their commit in `manifest.json`. Older runs recorded the "
               "device copy's stale HEAD in their JSON; for those, the tree that ran is taken from the run folder's "
