@@ -1,11 +1,8 @@
-"""How many MPI ranks run this LAMMPS process's job, as its launcher says.
+"""How many MPI ranks run this LAMMPS process's job, as its launcher's environment variables say.
 
-Exchange mode on one rank needs no exchange inside the model (``exchange.ghost_map``), but that shortcut must
-be taken by every rank or none: the exchanges are collective, and a rank that skipped them would leave its
-neighbours waiting. ML-IAP's data object does not say how many ranks there are, so the number comes from the
-variables MPI launchers set in every rank's environment (Open MPI's mpirun, MPICH/Intel MPI's Hydra and Slurm's
-srun with PMI, MVAPICH). A process none of them started is a singleton: one rank. Slurm's ``SLURM_NTASKS`` counts
-the allocation's tasks even for a process started without srun: that errs to the safe side (the shortcut off).
+One-rank exchange mode skips the exchanges inside the model, which every rank must do or none (they are collective),
+and ML-IAP's data object does not give the rank count. A process no launcher started is one rank; Slurm's
+``SLURM_NTASKS`` may count more than run, which errs to the safe side (the shortcut off).
 """
 
 from __future__ import annotations
