@@ -7,21 +7,10 @@ over cgforge's batch step.
     final = ts.integrate(system=atoms_list, model=model, integrator=ts.Integrator.nvt_langevin, n_steps=1000,
                          temperature=300.0, timestep=0.0005)
 
-The model reads a ``SimState``'s tensors as they are on the device (positions [N, 3] in Å, cell [B, 3, 3] with
-the lattice vectors as columns, the state's one pbc triple, atomic_numbers [N], system_idx [N] in
-non-decreasing order) and runs the potential's ``runtime.batch.BatchStep`` on them: one graph over the state's
-systems, one model call, no ASE structures. It returns, detached, in the model's dtype and TorchSim's units:
-
-    energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell| (eV/Å^3)
-
-with the virial sym(dE/d strain), so the stress has TorchSim's (and MACE's TorchSim model's) sign, and a cell
-of zero volume (a molecule) gives a zero stress as theirs does. The Verlet lists are the batch step's, kept
-per place in the batch while every atom there stays within skin/2 of where its list was built (valid whichever
-structure sits there). A structure it cannot evaluate raises ``BatchStructureError`` naming its index in the
-state; NaN or inf in an energy raises ``NonFiniteOutputError``.
-
-torch-sim-atomistic needs Python >= 3.12; it is imported when a model is made, and is not a dependency of
-cgforge: without it ``torchsim_model`` raises ImportError saying what to install.
+``forward(state)`` runs the potential's ``runtime.batch.BatchStep`` on the ``SimState``'s device tensors and returns,
+detached: energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell| (eV/Å^3; zero for a cell of
+zero volume), as docs/batch.md says. torch-sim-atomistic (Python >= 3.12) is imported when a model is made; it is
+not a dependency of cgforge.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""How the calculator talks to a model family: the ``ModelAdapter`` protocol and ``adapter_for``.
+"""How the runtime talks to a model family: the ``ModelAdapter`` protocol and ``adapter_for``.
 
-Each adapter turns (edge vectors, edges, species) into the energy of one model, with no data objects,
-loaders or host round trips. The calculator owns positions, strain, neighbour list, edge vectors and
-autograd; an adapter only knows how its model wants the graph. The adapters live with the rest of their
-family's knowledge (``cgforge.patches.mace.adapter.MaceAdapter``, ``cgforge.patches.nequip.adapter.NequipAdapter``)
-and are made by the family registry, ``cgforge.patches.families`` (a family's package is imported only for
-its models: nequip is optional).
-
-Edge vectors follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
-
-``inert_beyond_cutoff()`` says whether edges longer than the cutoff contribute exactly zero, with zero
-derivative, to the model's energy (checked per model, see the adapters). Only then may the calculator feed
-the model its whole Verlet list (pairs within cutoff + skin) and pad the edge arrays with self-edges longer
-than the cutoff (CUDA-graph capture, which needs fixed shapes); otherwise it cuts the list to the cutoff.
+An adapter turns (edge vectors, edges, species) into one model's energy; the runtime owns positions, strain, the
+neighbour list and autograd. The adapters live with their family (``cgforge.patches.mace.adapter``,
+``cgforge.patches.nequip.adapter``) and are made by the family registry, ``cgforge.patches.families``. Edge vectors
+follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``. Only a model whose
+edges beyond the cutoff are inert (``inert_beyond_cutoff``) may be fed the whole Verlet list or padded edges.
 """
 
 from __future__ import annotations

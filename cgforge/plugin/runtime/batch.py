@@ -3,27 +3,10 @@
     from cgforge.plugin.runtime.batch import BatchStructure
     results = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...], stress=True)
 
-The structures' atoms are laid end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) and form one graph
-with one component per structure: one neighbour search over the batch (``batch_neighbour_list``: each
-structure's pairs only within itself, images through its own cell), one model call, and the derivatives of
-the total energy, which are each structure's own since no edge joins two structures:
-
-    energy_b = sum of the per-atom energies of b,   forces = -dE/dx,   virial_b = sym(dE/d eps_b)
-
-with one strain eps_b per structure (``step_graph.graph_derivatives`` with ``structure``). An edge of b is
-``vector = positions[receiver] - positions[sender] + S @ cell_b`` (``runtime.neighbours``' convention).
-
-The search is one non-periodic cell-list search (``neighbours.neighbour_list``, the CUDA kernels on a GPU)
-over every structure's atoms wrapped into its cell plus their periodic images near the cell, each structure
-moved to its own place in space, far enough from the others that no pair joins two. The list is kept at
-cutoff + skin per structure, which is searched again only when it is new, its cell changed or one of its atoms
-moved more than skin/2 (``BatchNeighbours``); every call cuts the list to the cutoff, as the single-structure
-step does.
-
-A bad structure raises ``BatchStructureError`` naming its index (``index``): no atoms, NaN or inf in its
-positions or cell, an element the model does not know, a singular periodic cell, two atoms closer than
-``min_distance``; a model output with NaN or inf raises ``NonFiniteOutputError`` naming it too.
-The steps run eagerly (no CUDA graph) and the structures in the order given.
+The atoms lie end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) in one graph whose edges never join two
+structures; one neighbour search (``batch_neighbour_list``), a Verlet list kept per structure (``BatchNeighbours``)
+and one model call, with one strain per structure for its virial (``step_graph.graph_derivatives``). docs/batch.md
+says how; a bad structure raises ``BatchStructureError`` naming its index. The steps run eagerly (no CUDA graph).
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,22 +31,12 @@ from .step_graph import StepOutput, graph_derivatives
 if TYPE_CHECKING:
     from .adapters import ModelAdapter
 
-__all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "StructureResult",
-           "batch_neighbour_list", "check_finite", "check_shapes"]
+__all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "batch_neighbour_list",
+           "check_finite", "check_shapes"]
 
 Pbc = tuple[bool, bool, bool]
 # Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
 _MAX_IMAGES = 1 << 12
-
-
-class StructureResult(NamedTuple):
-    """One structure's host results (float64, its atoms' order; ``Potential.evaluate``'s units): energy,
-    forces [N, 3], virial [3, 3] = sym(dE/d strain), per-atom energies [N]; None where not asked for."""
-
-    energy: float
-    forces: np.ndarray | None
-    virial: np.ndarray | None
-    energies: np.ndarray | None
 
 
 class BatchStructureError(ValueError):
@@ -334,10 +307,10 @@ class BatchStep:
             raise
 
     def evaluate(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
-                 per_atom: bool = False, keys: Sequence[Hashable] | None = None) -> list[StructureResult]:
-        """One ``StructureResult`` per structure, in the order given; ``keys``: a name of each structure that
-        stays the same from call to call (a structure's neighbour list is then kept while it is valid, wherever
-        the structure sits in the batch; ``BatchNeighbours``)."""
+                 per_atom: bool = False, keys: Sequence[Hashable] | None = None) -> list[tuple]:
+        """(energy, forces, virial, per-atom energies) of each structure, in the order given, on the host as
+        ``Potential.evaluate`` gives them (None where not asked for); ``keys``: a name of each structure that stays
+        the same from call to call (its neighbour list is then kept wherever it sits in the batch)."""
         if len(structures) == 0:
             raise ValueError("structures: expected at least one structure, got none")
         for index, structure in enumerate(structures):
@@ -367,17 +340,15 @@ class BatchStep:
                                          "overlaps and the model file)")
             error.index = b
             raise error
-        results = []
-        for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
-            results.append(StructureResult(float(energies[b]),
-                                           None if host["forces"] is None else host["forces"][start:end].copy(),
-                                           None if host["virial"] is None else host["virial"][b].copy(),
-                                           None if host["energies"] is None else host["energies"][start:end].copy()))
-        return results
+
+        def part(name: str, rows: slice | int) -> np.ndarray | None:
+            return None if host[name] is None else host[name][rows].copy()
+
+        return [(float(energies[b]), part("forces", slice(s, e)), part("virial", b), part("energies", slice(s, e)))
+                for b, (s, e) in enumerate(zip(ptr[:-1], ptr[1:]))]
 
     def run(self, positions: Tensor, cells_host: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int], species: Tensor,
-            *,
-            forces: bool = True, stress: bool = False, per_atom: bool = False,
+            *, forces: bool = True, stress: bool = False, per_atom: bool = False,
             keys: Sequence[Hashable] | None = None) -> StepOutput:
         """The batch on the device: positions [N, 3] (on the model's device, any float dtype: cast to the model's),
         host cells [B, 3, 3], pbcs, ptr, the model's species input of every atom; a ``StepOutput`` of device
@@ -405,19 +376,18 @@ class BatchStep:
         layout = layout_edges(keep, nl.sender, nl.receiver, shifts, n, count, self.pad_vector,
                               with_graph=bool(self.caches), topology=nl.topology)
         self.n_edges = count
-        groups = (SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None)
+        groups = SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None
 
         def energy(pos: Tensor, vec: Tensor, edge_index: Tensor, atoms: bool) -> tuple[Tensor, Tensor | None]:
             return self.adapter.energy(pos, vec, species, edge_index, atoms)
 
         key = (bool(forces or stress), bool(stress), bool(per_atom))
         try:
-            out = graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
-                                    groups=groups, structure=structure)
+            return graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
+                                     groups=groups, structure=structure)
         finally:
             for cache in self.caches:
                 cache.unpin()  # the potential's own step pins its graph again when it runs
-        return out
 
     def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
                          ptr: Sequence[int]) -> None:

@@ -7,15 +7,10 @@
     out.energy, out.forces, out.virial, out.energies
     outs = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...])  # one graph (runtime.batch)
 
-A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``: edge layout, model,
-backward, captured in a CUDA graph on CUDA), the memory and row plans, the atom order, the compile mode and
-the radial setup (precision, tables, streaming). The model is called for its energy only; the potential
-differentiates it:
-
-    E(x, eps) = model(positions (I + eps), cell (I + eps)),  forces = -dE/dx,  virial = sym(dE/d eps)
-
-at eps = 0 (stress = virial / volume). The ASE calculator, the MD engine and LAMMPS evaluate models through
-it; every result is checked on the host for NaN and inf (``NonFiniteOutputError``).
+A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``, captured in a CUDA graph on
+CUDA), the memory and row plans, the atom order, the compile mode and the radial setup. It differentiates the
+model's energy ``E(positions (I + eps), cell (I + eps))``: forces = -dE/dx, virial = sym(dE/d eps) at eps = 0.
+Every result is checked on the host for NaN and inf (``NonFiniteOutputError``).
 """
 
 from __future__ import annotations
@@ -98,23 +93,17 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
          dtype: str | torch.dtype | None = None, *, patch: bool | None = None, radial_precision: str = "fp32",
          radial_table: bool | None = None, compile: bool | str = False, tuning: KernelTuning | None = None,
          **kwargs: object) -> Potential:
-    """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models, ``bundled``), a MACE
-    ``.model`` or NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its
-    parameters frozen), loaded by the family registry (``cgforge.patches.families.load``).
+    """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or
+    NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
 
-    device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``.
-    tuning: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults; given, the
-    model is patched unless ``patch=False``, which it contradicts: ``families.check_tuning``). radial_precision,
-    radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph, filter_edges, streaming,
-    options, workspace): as ``Potential`` takes them. Arguments that need no model are checked before it loads.
+    device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``. tuning:
+    the ``KernelTuning`` of the kernels the patch builds (None: the defaults). The rest: as ``Potential`` takes them.
+    Arguments that need no model are checked before it loads.
     """
-    from cgforge.patches.families import check_tuning
-
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
     check_workspace(kwargs.get("workspace", "auto"))
     check_skin(kwargs.get("skin", 1.0))
-    check_tuning(tuning, patch)
     parse_dtype(dtype)
     device = resolve_device(device)
     module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode,
@@ -193,25 +182,11 @@ def _no_phase(name: str) -> AbstractContextManager:
 class Potential:
     """Energy, forces, virial and per-atom energies of structures for one model on one device (module doc).
 
-    model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it
-    runs. skin: Verlet skin in Å (the list holds pairs within cutoff + skin and is rebuilt when an atom moved
-    more than skin/2). head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}.
-    warmup: compile the kernels and run a tiny structure now (``warm_up``). cuda_graph: capture the step in a
-    CUDA graph (None: on CUDA when the model's edges beyond the cutoff contribute zero, ``inert_edges_reason``,
-    except for boxes near a full device; True where that cannot work is an error). filter_edges: cut the
-    Verlet list to the cutoff every step (True, also for None) or feed the model the whole list (False: needs
-    inert edges). radial_precision: ``"fp32"``, ``"tf32"`` or ``"3xtf32"`` for the radial MLPs' products (the
-    TF32 modes need CUDA and an FP32 model patched by cgforge; kept after the first structure only if the
-    forces change by at most ``options.radial_tf32_tol``). radial_table: read the tensor-product weights from
-    tables of the edge length (True; an error when the model cannot), not (False), or None: on for an FP32
-    model patched by cgforge on CUDA that can, with ``radial_precision="fp32"``. streaming: compute the radial
-    MLP chunk by chunk inside the convolution (True; eager steps), never (False), or None: from the first
-    system whose stored path would not fit (``plan_memory``) or that ran out of memory. compile: False, True or
-    an Inductor mode (``compiled.MODES``) for ``torch.compile`` of the model (needs a patched model and a
-    working compiler). options: the ``RuntimeOptions`` (memory fractions, atom order, compile backend, TF32
-    tolerance, tiles); ``options`` may be replaced later and is read when the next plan is made. workspace:
-    ``"whole"`` (one graph: the Verlet list and the captured step), ``"tiled"`` (``runtime.tiled``: a fixed
-    working set, no array over all edges) or ``"auto"``: tiles on CUDA where one graph would not fit.
+    model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it runs.
+    The other arguments are the Calculator's, which docs/calculator.md's table explains: skin (Å), head, type_map,
+    warmup (``warm_up``), cuda_graph, filter_edges, radial_precision (TF32 kept only within
+    ``options.radial_tf32_tol``), radial_table, streaming, compile (``compiled.MODES``), options (the
+    ``RuntimeOptions``, read when the next plan is made) and workspace (``runtime.tiled``).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, skin: float = 1.0, head: str | None = None,
@@ -429,12 +404,10 @@ class Potential:
 
     def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True
                     ) -> MemoryPlan | None:
-        """The memory plan for systems of ``n_atoms`` atoms, made once per size on CUDA (None on other devices).
-
-        count_edges: builds the Verlet list and returns the edges the model will see. From the stored path's
-        estimated peak (``memory_plan``): streaming for good where it would not fit (with ``streaming=None`` at
-        construction and ``streaming`` here: the MD engine's captured step passes False), expandable allocator
-        segments near a full device, and no CUDA graph for such a box unless one was asked for."""
+        """The memory plan for systems of ``n_atoms`` atoms, made once per size on CUDA (None on other devices), from
+        ``count_edges()`` (builds the Verlet list, returns its edges): streaming where the stored path would not fit
+        (with ``streaming=None`` at construction and ``streaming`` here), expandable segments and no CUDA graph near
+        a full device (unless one was asked for)."""
         if self.device.type != "cuda" or n_atoms == self._memory_planned:
             return self.memory_plan
         self._memory_planned = n_atoms
