@@ -113,12 +113,10 @@ class PaddedStep:
 
     def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None,
             moved: Tensor | None = None) -> str | None:
-        """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; at least one listed atom):
-        ghost-neighbour mode, or with ``owners`` ([ntotal] int64 on the device: the local atom each atom is, or is an
-        image of) exchange mode on one domain; ``moved``: a 0-d bool device tensor, True when ``owners`` are stale
-        (``owners.GhostMapCache``), read with the energy. None when the results were written; else nothing was
-        written and the reason says what the caller does: ``UNSORTED`` (LAMMPS's pairs were not in ascending centre
-        order: run the call another way) or ``STALE`` (run it again with owners found afresh)."""
+        """One call into ``data`` (``arrays``: ``lammps_arrays``, at least one listed atom): ghost-neighbour mode, or
+        with ``owners`` ([ntotal] int64: the local atom each atom is an image of) one-domain exchange mode; ``moved``:
+        a 0-d bool device tensor, True when ``owners`` are stale. None when the results were written; else nothing
+        was: ``UNSORTED`` (run the call another way) or ``STALE`` (run it again on owners found afresh)."""
         nodes = arrays.ntotal if owners is None else arrays.nlocal
         timers = self.timers
         with timers.phase("arrays"):

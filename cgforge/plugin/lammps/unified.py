@@ -103,14 +103,9 @@ class CgforgeMLIAP(_mliap_base()):
         self.model_bytes = path.read_bytes()
         self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.device = None if device is None else str(device)
-        self.patch = patch
-        self.head = head
+        self.patch, self.head, self.mode, self.cuda_graph = patch, head, mode, cuda_graph
         self.type_map = dict(type_map) if type_map is not None else None
-        self.mode = mode
-        self.cuda_graph = cuda_graph
-        self.radial_table = radial_table
-        self.timers = timers
-        self._padded = bool(_padded)
+        self.radial_table, self.timers, self._padded = radial_table, timers, bool(_padded)
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it; the radial tables if asked
         # for), so a bad or unsupported file, or an option this model cannot have, fails here and not inside LAMMPS.
         try:
@@ -126,8 +121,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.layers = len(adapter.message_layers())
         self.element_types = _element_names(adapter, self.type_map)
         self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
-        self.ndescriptors = 1  # required by the coupling; unused
-        self.nparams = 1
+        self.ndescriptors = self.nparams = 1  # required by the coupling; unused
         self.last_mode: str | None = None
         self.last_path: str | None = None
         self._clear_runtime()
@@ -189,11 +183,8 @@ class CgforgeMLIAP(_mliap_base()):
         return torch.device("cpu")
 
     def prepare(self, data: Any) -> None:
-        """Load the model for ``data`` (on the device of its arrays, or ``device``) unless loaded already.
-
-        ``compute_forces`` does this at its first call. Loading is not thread-safe (e3nn's code generation
-        traces modules with torch.fx, which patches every module call while it runs): callers that run
-        several objects in threads prepare them first."""
+        """Load the model for ``data`` (on the device of its arrays, or ``device``) unless loaded already, as the first
+        ``compute_forces`` does. Loading is not thread-safe (e3nn traces modules with torch.fx): prepare first."""
         if self._potential is None:
             self.setup(self._device_for(data))
 
@@ -230,16 +221,11 @@ class CgforgeMLIAP(_mliap_base()):
         self.timers = on
         if self._device is None:
             return
-        self._install_timers(PhaseTimers(self._device) if on else OFF)
-
-    def _install_timers(self, timers: PhaseTimers) -> None:
-        self._timers = timers
-        on = timers is not OFF
+        self._timers = self._hooks.timers = PhaseTimers(self._device) if on else OFF
         if on:
             hook_exit()
-        self._hooks.timers = timers
         if self._step is not None:
-            self._step.timers = timers
+            self._step.timers = self._timers
 
     # --- the ML-IAP interface ---------------------------------------------------------------------
 
