@@ -46,20 +46,16 @@ def torchsim_model(model: str | os.PathLike | torch.nn.Module | Potential | Calc
                    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
                    compute_forces: bool = True, compute_stress: bool = True, min_distance: float | None = 0.5,
                    **load_kwargs: Any) -> Any:
-    """A TorchSim model over ``model``: a bundled model's name, a MACE / NequIP file or module (loaded by
-    ``runtime.load(model, device, dtype, **load_kwargs)``, as the Calculator does), or a ``Potential`` /
-    ``Calculator`` already made (then ``device`` and ``dtype``, where given, must be its own and nothing is
-    loaded). compute_forces, compute_stress: what ``forward`` returns (TorchSim's flags; settable later).
-    min_distance: two atoms of a structure closer than this (Å) raise ``BatchStructureError`` (None: no check).
-    """
+    """A TorchSim model over ``model``: what ``runtime.load(model, device, dtype, **load_kwargs)`` takes, or a
+    ``Potential`` / ``Calculator`` already made (whose device and dtype those given must be). compute_forces,
+    compute_stress: what ``forward`` returns. min_distance: as ``Potential.evaluate_batch`` takes it."""
     return torchsim_model_class()(model, device, dtype, compute_forces=compute_forces,
                                   compute_stress=compute_stress, min_distance=min_distance, **load_kwargs)
 
 
 def _potential(model: object, device: str | torch.device | None, dtype: str | torch.dtype | None,
                load_kwargs: dict) -> Potential:
-    """The ``Potential`` of ``model``: the one given (its device and dtype checked against those asked for) or
-    one loaded here."""
+    """The ``Potential`` of ``model``: the one given (its device and dtype checked) or one loaded here."""
     if isinstance(model, Calculator):
         model = model.potential
     if not isinstance(model, Potential):

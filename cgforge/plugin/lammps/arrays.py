@@ -121,12 +121,8 @@ def read_pairs(a: LammpsArrays, device: torch.device, dtype: torch.dtype) -> Pai
 
 
 def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor, timers: Any = OFF) -> None:
-    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
-
-    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element). Device arrays:
-    one synchronisation, after the per-atom energies are copied and before the forces are handed over (LAMMPS reads
-    both on its own stream); results already in float64 on LAMMPS's device (the padded step's) are not copied. The waits
-    for the device are timed by ``timers``."""
+    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``; empty
+    arrays are not handed over (the coupling takes their first element's address), device ones after one sync."""
     fij = fij.detach().to(torch.float64).contiguous()
     eatoms = eatoms.detach().to(torch.float64)
     device = is_device_flavour(data)

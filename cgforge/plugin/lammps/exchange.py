@@ -52,9 +52,8 @@ def _send(call: Any, flat: Tensor, host_width: int) -> Tensor:
 
 
 def _send_forward(data: Any, flat: Tensor) -> Tensor:
-    """LAMMPS's forward exchange of ``flat`` [ntotal, width]. Its buffers hold doubles, so a float32 array goes as
-    float64 words that each carry two float32 values (a copy moves them bit for bit; half the bytes of widening each
-    value). The reverse exchange adds its values up and cannot be packed so."""
+    """LAMMPS's forward exchange of ``flat`` [ntotal, width], float32 packed two to a float64 word (the reverse
+    exchange adds its values up and cannot be packed so)."""
     if flat.dtype != torch.float32:
         return _send(data.forward_exchange, flat, HOST_FORWARD_WIDTH)
     width = flat.shape[1]
@@ -131,10 +130,8 @@ class GhostMap:
 
 
 def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
-    """The ``GhostMap`` of this call's atoms, from one forward exchange of three float64 columns: two random 52-bit
-    tags of this call and the atom index (all exact in float64); a ghost whose tags came back as this call's is an
-    image of the local atom whose index came with them (another rank's tags match with probability 2**-104). A
-    collective call: every rank of an exchange-mode run makes it."""
+    """The ``GhostMap`` of this call's atoms from one (collective) forward exchange of two random 52-bit tags and the
+    atom index: a ghost whose tags came back as this call's is an image of the local atom whose index came with them."""
     tags = [float(secrets.randbits(52)) for _ in range(2)]
     cols = torch.zeros(ntotal, 3, dtype=torch.float64, device=device)
     cols[:nlocal, 0], cols[:nlocal, 1] = tags
@@ -151,8 +148,7 @@ def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Ghos
 
 
 class ExchangeHooks:
-    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while
-    active."""
+    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while active."""
 
     def __init__(self, adapter: Any) -> None:
         self._data: Any = None

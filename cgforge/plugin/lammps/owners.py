@@ -37,11 +37,8 @@ def positions(data: Any, ntotal: int, device: torch.device) -> Tensor | None:
 
 
 class GhostMapCache:
-    """One rank's ``GhostMap``, kept across calls while it stays right (see the module doc).
-
-    ``exchanges`` counts the maps found by an exchange (``ghost_map``), ``reuses`` the calls given a kept map,
-    ``refreshes`` the kept maps found stale (and found again); ``box_changes``: a refresh found the map it replaced,
-    so the box moves and nothing is kept."""
+    """One rank's ``GhostMap``, kept across calls while it stays right (module doc). ``exchanges``, ``reuses`` and
+    ``refreshes`` count maps found, kept maps given and kept maps found stale; ``box_changes``: nothing is kept."""
 
     def __init__(self, tolerance: float = TOLERANCE) -> None:
         self.tolerance = float(tolerance)
@@ -53,9 +50,8 @@ class GhostMapCache:
         self._shift: Tensor | None = None
 
     def lookup(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> tuple[GhostMap, Tensor | None]:
-        """This call's map and, for a kept one, a 0-d bool device tensor: True when some atom is no longer where the
-        map puts it (the caller then takes ``refresh``'s map); None for a map found by this call's exchange.
-        ``data``'s arrays must be synchronised with LAMMPS's stream (``arrays.lammps_arrays`` does it)."""
+        """This call's map and, for a kept one, a 0-d bool device tensor, True when some atom is no longer where the
+        map puts it (None for a map found now); ``data``'s arrays synchronised (``arrays.lammps_arrays``)."""
         x = positions(data, ntotal, device)
         kept = self._map
         if x is None or kept is None or (kept.nlocal, kept.ntotal) != (nlocal, ntotal):

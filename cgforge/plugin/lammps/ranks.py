@@ -19,21 +19,12 @@ RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WOR
 def launcher_ranks(environ: Mapping[str, str] | None = None) -> int:
     """The largest rank count the launcher variables in ``environ`` (default: this process's) give, 1 when none is
     set; a variable that is not a positive integer is skipped."""
-    environ = os.environ if environ is None else environ
-    sizes = []
-    for name in SIZE_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            sizes.append(int(value))
-    return max(sizes, default=1)
+    values = [(os.environ if environ is None else environ).get(name, "").strip() for name in SIZE_VARIABLES]
+    return max((int(v) for v in values if v.isdigit() and int(v) > 0), default=1)
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's rank as the first launcher variable of ``environ`` that is a number says, 0 when none is set
     (a label only: the timers' table written at exit, when LAMMPS can no longer be asked)."""
-    environ = os.environ if environ is None else environ
-    for name in RANK_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    values = [(os.environ if environ is None else environ).get(name, "").strip() for name in RANK_VARIABLES]
+    return next((int(v) for v in values if v.isdigit()), 0)

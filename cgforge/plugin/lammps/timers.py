@@ -22,8 +22,7 @@ from .ranks import launcher_rank, launcher_ranks
 
 __all__ = ["DEVICE_PHASES", "OFF", "PHASES", "PhaseTimers", "report", "switch", "tables"]
 
-# name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events, the others
-# (host work: views, launches of small copies, LAMMPS's calls, waits) by the host clock
+# name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events
 PHASES = {
     "arrays": ("LAMMPS's arrays to torch", 0),
     "owners": ("ghost owners (one rank)", 0),

@@ -52,15 +52,9 @@ def _mliap_base() -> type:
             from lammps.mliap.mliap_unified_abc import MLIAPUnified
         return MLIAPUnified
     except Exception:  # noqa: BLE001 - no LAMMPS, or one whose python library cannot be found: not needed here
-        class MLIAPUnified:  # the attributes LAMMPS's coupling reads
-            def __init__(self, interface: Any = None, element_types: list[str] | None = None,
-                         ndescriptors: int | None = None, nparams: int | None = None,
-                         rcutfac: float | None = None) -> None:
-                self.interface = interface
-                self.element_types = element_types
-                self.ndescriptors = ndescriptors
-                self.nparams = nparams
-                self.rcutfac = rcutfac
+        class MLIAPUnified:  # the attributes LAMMPS's coupling reads (CgforgeMLIAP sets them)
+            def __init__(self) -> None:
+                self.interface = self.element_types = self.ndescriptors = self.nparams = self.rcutfac = None
 
         return MLIAPUnified
 
@@ -176,10 +170,8 @@ class CgforgeMLIAP(_mliap_base()):
 
         if self.device not in (None, "auto"):
             return resolve_device(self.device)
-        if is_device_flavour(data):
-            elems = to_tensor(data.elems)
-            if elems.is_cuda:
-                return elems.device
+        if is_device_flavour(data) and (elems := to_tensor(data.elems)).is_cuda:
+            return elems.device
         return torch.device("cpu")
 
     def prepare(self, data: Any) -> None:

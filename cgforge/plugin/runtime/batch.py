@@ -89,11 +89,9 @@ def check_finite(positions: np.ndarray, cells: np.ndarray, ptr: Sequence[int]) -
 
 def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int],
                          cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Every pair closer than ``cutoff`` within each structure of a batch, as ``neighbours.neighbour_list`` finds
-    them for each structure alone (module doc): positions [N, 3] (the structures end to end, atoms ptr[b] ..
-    ptr[b + 1] - 1 in structure b), cells [B, 3, 3], pbcs B triples. Returns (sender, receiver, shifts) with
-    batch-wide atom indices, sorted by (receiver, sender, shift), such that ``vector = positions[receiver] -
-    positions[sender] + shifts @ cells[b]``. The search runs in float64 whatever the positions' dtype."""
+    """Every pair closer than ``cutoff`` within each structure of a batch (positions [N, 3] end to end, cells
+    [B, 3, 3], pbcs), as ``neighbours.neighbour_list`` finds them for each alone: (sender, receiver, shifts) with
+    batch-wide indices, sorted by (receiver, sender, shift); the search runs in float64 (docs/batch.md says how)."""
     device = positions.device
     n, count = positions.shape[0], len(pbcs)
     sizes = torch.as_tensor(np.diff(np.asarray(ptr)), device=device)
@@ -205,10 +203,9 @@ class _Kept:
 
 
 class BatchNeighbours:
-    """The batch's Verlet list at ``cutoff + skin``, kept per structure: a structure's pairs are searched again
-    only when it is new (its key not seen at the last update), its atom count, cell or pbc changed, or one of its
-    atoms moved more than skin/2 since its last search; all that need it in one search
-    (``batch_neighbour_list``). A structure leaving the batch costs no search."""
+    """The batch's Verlet list at ``cutoff + skin``, kept per structure: a structure is searched again (all such in
+    one ``batch_neighbour_list``) only when it is new, its atom count, cell or pbc changed, or an atom moved more
+    than skin/2."""
 
     def __init__(self, cutoff: float, skin: float) -> None:
         self.cutoff, self.skin = float(cutoff), float(skin)
@@ -279,10 +276,8 @@ class BatchNeighbours:
 
 
 class BatchStep:
-    """Energies, forces, virials and per-atom energies of a batch of structures for one model (module doc).
-
-    adapter: the model's (``Potential.adapter``). skin: the Verlet skin (Å). min_distance: two atoms of a
-    structure closer than this (Å) make it a bad structure (None: no check)."""
+    """Energies, forces, virials and per-atom energies of a batch of structures for one model's ``adapter``; skin:
+    the Verlet skin (Å); two atoms of a structure closer than ``min_distance`` (Å; None: no check) make it bad."""
 
     def __init__(self, adapter: ModelAdapter, skin: float, min_distance: float | None = 0.5) -> None:
         self.adapter = adapter
@@ -350,10 +345,8 @@ class BatchStep:
     def run(self, positions: Tensor, cells_host: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int], species: Tensor,
             *, forces: bool = True, stress: bool = False, per_atom: bool = False,
             keys: Sequence[Hashable] | None = None) -> StepOutput:
-        """The batch on the device: positions [N, 3] (on the model's device, any float dtype: cast to the model's),
-        host cells [B, 3, 3], pbcs, ptr, the model's species input of every atom; a ``StepOutput`` of device
-        tensors (energy [B], virial [B, 3, 3]; no NaN check: ``evaluate`` makes it). Two atoms closer than
-        ``min_distance`` raise ``BatchStructureError``."""
+        """The batch on the device (positions [N, 3] on the model's device, host cells [B, 3, 3], pbcs, ptr, the
+        species input): a ``StepOutput`` of device tensors (energy [B], virial [B, 3, 3]), not checked for NaN."""
         device, dtype = self.adapter.device, self.adapter.dtype
         n = ptr[-1]
         positions = positions.detach().to(dtype)

@@ -66,9 +66,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None,
                   tuning: object = None, radial_table: bool | None = None) -> bool:
-    """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's
-    kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode,
-    compilation, a kernel ``tuning`` or ``radial_table=True`` needs its layers."""
+    """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's on CUDA
+    or where the other arguments need its layers, the model's own code on a CPU."""
     if patch is not None:
         if not isinstance(patch, bool):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
@@ -115,10 +114,8 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
 def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
                 dtype: str | torch.dtype | None = None, *, patch: bool = True,
                 tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """The MACE or NequIP module of ``model`` (a bundled model's name, a checkpoint path or a module, made ready in
-    place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``, built
-    with ``tuning`` (``families.load``): the module ``load`` makes its ``Potential`` of. A missing file raises
-    FileNotFoundError (``bundled.checkpoint_path``)."""
+    """The MACE or NequIP module of ``model`` (as ``load`` takes it) on ``device``, in ``dtype`` (None: the model's),
+    patched with cgforge's kernels built with ``tuning`` when ``patch`` (``families.load``)."""
     from cgforge.patches import families
 
     from .bundled import checkpoint_path
@@ -311,10 +308,8 @@ class Potential:
                        per_atom: bool = False, min_distance: float | None = 0.5,
                        keys: Sequence[Hashable] | None = None) -> list[Evaluation]:
         """``evaluate`` of many structures in one graph and one model call (``runtime.batch``): one ``Evaluation``
-        per structure, in the order given, each what ``evaluate`` gives for it alone (to rounding). A bad
-        structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
-        included; None: no such check). ``keys``: names of the structures that stay the same from call to call
-        (``BatchStep.evaluate``; None: their places in the batch)."""
+        per structure, in the order given. A bad structure (two atoms closer than ``min_distance`` Å included)
+        raises ``BatchStructureError`` naming its index; ``keys``: as ``BatchStep.evaluate`` takes them."""
         step = self.batch_step(min_distance)
         return [Evaluation(*result) for result in
                 step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
@@ -435,9 +430,8 @@ class Potential:
         return self.plan_memory(len(numbers), lambda: self.step.prepare(positions, cell, pbc, species))
 
     def compiled_fits(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, numbers: np.ndarray) -> bool:
-        """Whether this structure leaves room for the compiled model: its rows unchunked, its step still captured
-        (``options.uncaptured_above_fraction``). False off CUDA, when streaming, or for a box that needs row chunks
-        to fit comfortably."""
+        """Whether this structure leaves room for the compiled model, its rows unchunked and its step captured (False
+        off CUDA and when streaming)."""
         plan = self.plan_for(positions, cell, pbc, numbers)
         if plan is None or self.streaming:
             return False
@@ -482,10 +476,8 @@ class Potential:
         return self.step.cuda_graph
 
     def record_timings(self, enabled: bool = True) -> None:
-        """Start (or stop) a per-phase breakdown in ``timings.seconds`` (syncs the device per phase).
-
-        Phases: neighbour_list (staleness check and rebuilds), then model (a CUDA-graph replay) or edges /
-        forward / backward (the eager step), and copy_out."""
+        """Start (or stop) a per-phase breakdown in ``timings.seconds`` (syncs the device per phase): neighbour_list,
+        then model (a replay) or edges / forward / backward (the eager step), and copy_out."""
         self.timings = Timings(self.device) if enabled else None
         self.step.phase = self.timings.phase if enabled else _no_phase
 
@@ -556,9 +548,8 @@ class Potential:
         return True
 
     def _capture_by_size(self, plan: MemoryPlan) -> None:
-        """No CUDA graph for a box near a full device (``plan.capture`` False) unless one was asked for: its
-        steps take seconds, so replaying saves little, and the graph's private memory pool is what such a box
-        lacks; back on for a smaller box."""
+        """No CUDA graph for a box near a full device (``plan.capture`` False) unless one was asked for (the graph's
+        private pool is what such a box lacks); back on for a smaller box."""
         if self._cuda_graph_requested is not None or self.streaming:
             return
         if not plan.capture and self.step.cuda_graph:
