@@ -99,12 +99,9 @@ class _Exchange(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class GhostMap:
-    """Where a domain's ``ntotal`` atoms (LAMMPS's rows: ``nlocal`` local atoms, then ghosts) are among the model's
-    nodes: a local atom is itself, a ghost that is an image of a local atom is that atom, and each ghost of another
-    rank (the rows ``remote``, in node order) is a node of its own after the local atoms.
-
-    node_of: [ntotal] int64 node of each atom; remote: [nremote] int64 the rows of the other ranks' ghosts;
-    identity: every atom is its own node (``every_ghost``), so callers skip the rewiring."""
+    """Where a domain's ``ntotal`` atoms (``nlocal`` local ones, then ghosts) are among the model's nodes
+    (``node_of`` [ntotal]): a ghost that is an image of a local atom is that atom, each ghost of another rank (the
+    rows ``remote``) a node of its own after the local atoms; ``identity``: every atom is its own node."""
 
     nlocal: int
     ntotal: int

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from .diagnosis import NonFiniteOutputError, non_finite_message
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
 from .neighbours import VerletNeighbourList, check_skin
 from .options import RuntimeOptions
-from .step_graph import ModelStep
+from .step_graph import ModelStep, _no_phase
 from .tiled import Workspace, check_workspace
 
 if TYPE_CHECKING:
@@ -170,10 +170,6 @@ class Timings:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _no_phase(name: str) -> AbstractContextManager:
-    return nullcontext()
 
 
 class Potential:
