@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from .calculator import Calculator
-from .runtime.batch import BatchStep, BatchStructureError
-from .runtime.diagnosis import NonFiniteOutputError
+from .runtime.batch import BatchStep, BatchStructureError, non_finite
 from .runtime.potential import Potential, load
 
 __all__ = ["torchsim_model", "torchsim_model_class"]
@@ -145,11 +144,7 @@ class _Model:
         energy = out.energy.detach()
         finite = torch.isfinite(energy)
         if not bool(finite.all()):
-            b = int(torch.argmin(finite.to(torch.int8)))
-            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                         "overlaps and the model file)")
-            error.index = b
-            raise error
+            raise non_finite(int(torch.argmin(finite.to(torch.int8))))
         results = {"energy": energy}
         if self._compute_forces:
             results["forces"] = out.forces.detach()

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .adapters import ModelAdapter
 
 __all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "batch_neighbour_list",
-           "check_finite", "check_shapes"]
+           "check_finite", "check_shapes", "non_finite"]
 
 Pbc = tuple[bool, bool, bool]
 # Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
@@ -71,6 +71,14 @@ def check_shapes(index: int, structure: BatchStructure) -> None:
         raise BatchStructureError(index, f"cell of shape {cell}, expected (3, 3)")
     if len(structure.pbc) != 3:
         raise BatchStructureError(index, f"pbc must be three bools, got {structure.pbc!r}")
+
+
+def non_finite(index: int) -> NonFiniteOutputError:
+    """The error for NaN or inf in the results of structure ``index`` (which it keeps as ``index``)."""
+    error = NonFiniteOutputError(f"structure {index}: the model returned NaN or inf (check its atoms for overlaps "
+                                 "and the model file)")
+    error.index = index
+    return error
 
 
 def check_finite(positions: np.ndarray, cells: np.ndarray, ptr: Sequence[int]) -> None:
@@ -330,11 +338,7 @@ class BatchStep:
                 not_finite = ~np.isfinite(host[name]).reshape(len(host[name]), -1).all(1)
                 bad |= np.add.reduceat(not_finite.astype(np.int64), rows) > 0
         if bad.any():
-            b = int(np.argmax(bad))
-            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                         "overlaps and the model file)")
-            error.index = b
-            raise error
+            raise non_finite(int(np.argmax(bad)))
 
         def part(name: str, rows: slice | int) -> np.ndarray | None:
             return None if host[name] is None else host[name][rows].copy()
