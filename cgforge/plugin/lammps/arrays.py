@@ -92,11 +92,9 @@ def lammps_arrays(data: Any, timers: Any = OFF) -> LammpsArrays:
     nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
     nlocal = int(getattr(data, "nlocal", nlist))  # older Kokkos data objects lack nlocal (29Aug2024 has it)
     npairs = int(data.npairs)
-    raw = {"pair_i": data.pair_i, "pair_j": data.pair_j, "rij": data.rij, "elems": data.elems,
-           "iatoms": data.iatoms}
     tensors = {}
-    for name, array in raw.items():
-        if array is None:
+    for name in ("pair_i", "pair_j", "rij", "elems", "iatoms"):
+        if (array := getattr(data, name)) is None:
             if name in ("pair_i", "pair_j", "rij") and npairs == 0:
                 array = np.zeros((0, 3) if name == "rij" else 0, dtype=np.float64 if name == "rij" else np.int32)
             elif name == "iatoms":

@@ -187,8 +187,7 @@ class Potential:
                  filter_edges: bool | None = None, radial_precision: str = "fp32", radial_table: bool | None = None,
                  streaming: bool | None = None, compile: bool | str | None = False,
                  options: RuntimeOptions | None = None, workspace: str = "auto") -> None:
-        if options is None:
-            options = RuntimeOptions()
+        options = RuntimeOptions() if options is None else options
         if not isinstance(options, RuntimeOptions):
             raise TypeError(f"options: expected a RuntimeOptions, got {type(options).__name__}")
         self.options = options
@@ -236,8 +235,7 @@ class Potential:
                           backend=options.compile_backend)
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
                               cuda_graph=resolve_cuda_graph(cuda_graph, self.device, self.inert_edges_reason),
-                              compile=self.compile,
-                              compile_backend=options.compile_backend)
+                              compile=self.compile, compile_backend=options.compile_backend)
         self._cuda_graph_requested = cuda_graph
         self.timings: Timings | None = None
         self._batch_step = None  # made by the first evaluate_batch
