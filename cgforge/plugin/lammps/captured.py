@@ -83,8 +83,7 @@ class PaddedStep:
         self.potential, self.adapter, self.caches = potential, adapter, list(potential.graph_caches)
         self.cuda_graph = bool(cuda_graph)
         self.capture_error: str | None = None
-        self.n_captures = 0
-        self.n_growths = 0
+        self.n_captures = self.n_growths = 0
         self.pad_vector = pad_offset_vector(adapter.cutoff, adapter.dtype, adapter.device)
         self._buf: _Buffers | None = None
         self._room: Any = None  # ``Potential.species_room``: fixed rooms per species

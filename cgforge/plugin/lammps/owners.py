@@ -42,9 +42,7 @@ class GhostMapCache:
 
     def __init__(self, tolerance: float = TOLERANCE) -> None:
         self.tolerance = float(tolerance)
-        self.exchanges = 0
-        self.reuses = 0
-        self.refreshes = 0
+        self.exchanges = self.reuses = self.refreshes = 0
         self.box_changes = False
         self._map: GhostMap | None = None
         self._shift: Tensor | None = None

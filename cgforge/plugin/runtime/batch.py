@@ -254,9 +254,8 @@ class BatchNeighbours:
         self._kept = {k: self._kept[k] for k in keys}
         self._order = keys
         parts = [self._kept[k] for k in keys]
-        offsets = [torch.full_like(k.sender, ptr[b]) for b, k in enumerate(parts)]
-        self.sender = torch.cat([k.sender + o for k, o in zip(parts, offsets)])
-        self.receiver = torch.cat([k.receiver + o for k, o in zip(parts, offsets)])
+        self.sender = torch.cat([k.sender + ptr[b] for b, k in enumerate(parts)])
+        self.receiver = torch.cat([k.receiver + ptr[b] for b, k in enumerate(parts)])
         self.shifts = torch.cat([k.shifts for k in parts])
         self.topology = edge_topology(self.sender, self.receiver, self.shifts, ptr[-1])
         return len(stale)

@@ -286,17 +286,10 @@ class Potential:
             raise NonFiniteOutputError(non_finite_message(
                 host, user_positions, cell, pbc, self.model, self.cutoff, patched=self.patched, forces=forces,
                 stress=stress, per_atom=per_atom))
-        out = Evaluation(float(host[0]), None, None, None)
-        at = 1
-        if forces:
-            out.forces = host[at:at + 3 * n].reshape(n, 3).copy()
-            at += 3 * n
-            if stress:
-                out.virial = host[at:at + 9].reshape(3, 3)
-                at += 9
-        if per_atom:
-            out.energies = host[at:at + n].copy()
-        return out
+        f = 1 + 3 * n if forces else 1  # host: energy, forces [3n], virial [9], energies [n], each if asked for
+        v = f + 9 if stress else f
+        return Evaluation(float(host[0]), host[1:f].reshape(n, 3).copy() if forces else None,
+                          host[f:v].reshape(3, 3) if stress else None, host[v:v + n].copy() if per_atom else None)
 
     def evaluate_batch(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
                        per_atom: bool = False, min_distance: float | None = 0.5,
