@@ -1,16 +1,11 @@
 """The class paths pickled patched models name (``PICKLED_CLASSES``): a contract with files on users' disks.
 
-``cgforge patch`` output (a MACE ``.model`` is a whole-model pickle, a NequIP ``.nequip.zip`` a torch.package with
-cgforge as an external module) and ``torch.save`` of a patched model name these classes by module path and name, and
-load only while each path imports to the object of that name. Moving or renaming one of them means leaving the name
-importable from its old module. ``tests/test_pickle_contract.py`` checks every path, that the pickles cgforge writes
-name no other cgforge path, and that files written before the contract existed (``tests/data/*-c54a3be*``) still
-load. No other old import path is kept: the module aliases of the plugin's first layout (never released) are gone.
+Patched models (``cgforge patch``, ``torch.save``) and LAMMPS files name these classes by module path and load only
+while each path imports to the object of that name: moving one means leaving its name importable from its old
+module (``tests/test_pickle_contract.py`` checks). No other old import path is kept.
 """
 
 from __future__ import annotations
-
-from typing import NoReturn
 
 # "module.qualname" of every cgforge class (or function) a pickled patched model names, by what puts it there
 PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
@@ -74,7 +69,3 @@ def pickled_paths() -> frozenset[str]:
     """Every path of ``PICKLED_CLASSES``, of all families and states."""
     return frozenset(path for paths in PICKLED_CLASSES.values() for path in paths)
 
-
-def moved_attribute(package: str, name: str) -> NoReturn:
-    """The AttributeError of a package's module ``__getattr__`` for a name it does not have (no name is aliased)."""
-    raise AttributeError(f"module {package!r} has no attribute {name!r}")

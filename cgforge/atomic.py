@@ -1,9 +1,8 @@
 """Writing a file all at once: the one atomic writer of the package.
 
-Every file cgforge writes (patched models, LAMMPS model files, NequIP packages, kernel cache entries, plots,
-engine states) is written under a unique temporary name beside its destination, flushed to disk, given the
-mode a plain ``open`` would give it, and renamed into place; on any error the temporary file is removed, so
-a reader sees the old file or the whole new one, never half of one, and no user file is touched on failure.
+Every file cgforge writes goes under a unique temporary name beside its destination, is flushed to disk, given the
+mode a plain ``open`` would give it and renamed into place; on any error the temporary file is removed, so a reader
+sees the old file or the whole new one, and no user file is touched on failure.
 
     atomic_write("out.bin", lambda f: f.write(data))
     with atomic_path("run.png") as tmp:
@@ -20,14 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_path", "atomic_write", "atomic_save", "check_new_file", "current_umask"]
-
-
-def current_umask() -> int:
-    """The process's umask (read by setting and restoring it)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+__all__ = ["atomic_path", "atomic_write", "atomic_save", "check_new_file"]
 
 
 @contextmanager
@@ -49,7 +41,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600: give the file the usual mode
+        mask = os.umask(0)  # read by setting and restoring it
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600: give the file the usual mode
         os.replace(tmp, path)
     finally:
         if tmp.exists():

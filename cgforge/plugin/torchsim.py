@@ -7,21 +7,10 @@ over cgforge's batch step.
     final = ts.integrate(system=atoms_list, model=model, integrator=ts.Integrator.nvt_langevin, n_steps=1000,
                          temperature=300.0, timestep=0.0005)
 
-The model reads a ``SimState``'s tensors as they are on the device (positions [N, 3] in Å, cell [B, 3, 3] with
-the lattice vectors as columns, the state's one pbc triple, atomic_numbers [N], system_idx [N] in
-non-decreasing order) and runs the potential's ``runtime.batch.BatchStep`` on them: one graph over the state's
-systems, one model call, no ASE structures. It returns, detached, in the model's dtype and TorchSim's units:
-
-    energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell| (eV/Å^3)
-
-with the virial sym(dE/d strain), so the stress has TorchSim's (and MACE's TorchSim model's) sign, and a cell
-of zero volume (a molecule) gives a zero stress as theirs does. The Verlet lists are the batch step's, kept
-per place in the batch while every atom there stays within skin/2 of where its list was built (valid whichever
-structure sits there). A structure it cannot evaluate raises ``BatchStructureError`` naming its index in the
-state; NaN or inf in an energy raises ``NonFiniteOutputError``.
-
-torch-sim-atomistic needs Python >= 3.12; it is imported when a model is made, and is not a dependency of
-cgforge: without it ``torchsim_model`` raises ImportError saying what to install.
+``forward(state)`` runs the potential's ``runtime.batch.BatchStep`` on the ``SimState``'s device tensors and returns,
+detached: energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell| (eV/Å^3; zero for a cell of
+zero volume), as docs/batch.md says. torch-sim-atomistic (Python >= 3.12) is imported when a model is made; it is
+not a dependency of cgforge.
 """
 
 from __future__ import annotations
@@ -35,8 +24,7 @@ import torch
 from torch import Tensor
 
 from .calculator import Calculator
-from .runtime.batch import BatchStep, BatchStructureError
-from .runtime.diagnosis import NonFiniteOutputError
+from .runtime.batch import BatchStep, BatchStructureError, non_finite
 from .runtime.potential import Potential, load
 
 __all__ = ["torchsim_model", "torchsim_model_class"]
@@ -57,20 +45,16 @@ def torchsim_model(model: str | os.PathLike | torch.nn.Module | Potential | Calc
                    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
                    compute_forces: bool = True, compute_stress: bool = True, min_distance: float | None = 0.5,
                    **load_kwargs: Any) -> Any:
-    """A TorchSim model over ``model``: a bundled model's name, a MACE / NequIP file or module (loaded by
-    ``runtime.load(model, device, dtype, **load_kwargs)``, as the Calculator does), or a ``Potential`` /
-    ``Calculator`` already made (then ``device`` and ``dtype``, where given, must be its own and nothing is
-    loaded). compute_forces, compute_stress: what ``forward`` returns (TorchSim's flags; settable later).
-    min_distance: two atoms of a structure closer than this (Å) raise ``BatchStructureError`` (None: no check).
-    """
+    """A TorchSim model over ``model``: what ``runtime.load(model, device, dtype, **load_kwargs)`` takes, or a
+    ``Potential`` / ``Calculator`` already made (whose device and dtype those given must be). compute_forces,
+    compute_stress: what ``forward`` returns. min_distance: as ``Potential.evaluate_batch`` takes it."""
     return torchsim_model_class()(model, device, dtype, compute_forces=compute_forces,
                                   compute_stress=compute_stress, min_distance=min_distance, **load_kwargs)
 
 
 def _potential(model: object, device: str | torch.device | None, dtype: str | torch.dtype | None,
                load_kwargs: dict) -> Potential:
-    """The ``Potential`` of ``model``: the one given (its device and dtype checked against those asked for) or
-    one loaded here."""
+    """The ``Potential`` of ``model``: the one given (its device and dtype checked) or one loaded here."""
     if isinstance(model, Calculator):
         model = model.potential
     if not isinstance(model, Potential):
@@ -160,11 +144,7 @@ class _Model:
         energy = out.energy.detach()
         finite = torch.isfinite(energy)
         if not bool(finite.all()):
-            b = int(torch.argmin(finite.to(torch.int8)))
-            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                         "overlaps and the model file)")
-            error.index = b
-            raise error
+            raise non_finite(int(torch.argmin(finite.to(torch.int8))))
         results = {"energy": energy}
         if self._compute_forces:
             results["forces"] = out.forces.detach()

@@ -1,26 +1,11 @@
-"""Reading LAMMPS's ML-IAP data object into torch tensors and writing the results back, for both flavours.
+"""Reading LAMMPS's ML-IAP data object into torch tensors and writing the results back, for both couples.
 
-Facts used (LAMMPS's ``mliap_unified_couple.pyx`` and its Kokkos twin ``mliap_unified_couple_kokkos.pyx``,
-29 Aug 2024 and 22 Jul 2025):
-
-- The two couples are Cython modules ``mliap_unified_couple`` (``pair_style mliap unified``) and
-  ``mliap_unified_couple_kokkos`` (``-k on -sf kk``); both name their data class ``MLIAPDataPy``, so the flavour
-  is told by the class's module. Their methods do not tell it: from 22 Jul 2025 on the host class also has
-  ``update_pair_forces_gpu`` and ``forward_exchange`` / ``reverse_exchange``, which only raise
-  NotImplementedError.
-- Host flavour: numpy views of LAMMPS memory. ``pair_i`` / ``pair_j`` [npairs] int32 (``pair_i`` is the
-  centre; pairs come grouped by centre, centres in neighbour-list order), ``rij`` [npairs, 3] float64 =
-  x[j] - x[i], strictly within the cutoff; ``elems`` [ntotal] int32 element index (the order of
-  ``element_types``; -1 for a NULL type); ``iatoms`` [natomneigh] the atom index of each list entry, of which
-  the first ``nlistatoms`` are local atoms. ``eatoms`` [nlistatoms] and ``energy`` are write-only properties;
-  ``update_pair_forces(fij)`` takes a C-contiguous float64 [npairs, 3] array and adds ``fij`` to f[i], ``-fij``
-  to f[j], and ``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
-- Kokkos flavour: the same names, but arrays are CuPy arrays on the GPU (numpy when Kokkos runs on the host),
-  ``eatoms`` is a read-only property returning the [nlistatoms] array to write into, and
-  ``update_pair_forces_gpu(fij)`` takes a device array (anything with ``data_ptr()`` or ``.data.ptr``);
-  ``update_pair_forces`` takes host memory (a Kokkos host build). Device arrays come in through DLPack
-  (zero-copy); Kokkos writes them on its own stream, so the device is synchronised (all streams, Kokkos's
-  included) before torch reads them and before LAMMPS reads the forces.
+The host couple (``mliap_unified_couple``) gives numpy views of LAMMPS's memory; the Kokkos couple
+(``mliap_unified_couple_kokkos``) gives device arrays (DLPack, zero-copy) on its own stream, so the device is
+synchronised before torch reads them and before LAMMPS reads the forces. Both name their class ``MLIAPDataPy``: the
+couple is told by the class's module (docs/lammps.md, section 4). ``pair_i`` is the centre, ``rij = x[j] - x[i]``,
+``iatoms[:nlistatoms]`` the listed atoms, and ``update_pair_forces(fij)`` adds ``fij`` to f[i], ``-fij`` to f[j] and
+``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
 """
 
 from __future__ import annotations
@@ -77,14 +62,11 @@ def _sync(*tensors: Tensor) -> None:
 class PairData:
     """One call's inputs as tensors on the model's device."""
 
-    nlocal: int
-    ntotal: int
     centre: Tensor  # int64 [npairs] (pair_i)
     neighbour: Tensor  # int64 [npairs] (pair_j)
     rij: Tensor  # [npairs, 3] in the model's input dtype
     elems: Tensor  # int64 [ntotal], NULL types (-1) as 0
     listed: Tensor  # int64 [nlistatoms]: atom index of each eatoms entry (iatoms[:nlistatoms])
-    ghost_centres: bool  # pairs centred on ghost atoms exist (ghost-neighbour mode)
 
 
 @dataclass
@@ -110,11 +92,9 @@ def lammps_arrays(data: Any, timers: Any = OFF) -> LammpsArrays:
     nlist, ntotal = int(data.nlistatoms), int(data.ntotal)
     nlocal = int(getattr(data, "nlocal", nlist))  # older Kokkos data objects lack nlocal (29Aug2024 has it)
     npairs = int(data.npairs)
-    raw = {"pair_i": data.pair_i, "pair_j": data.pair_j, "rij": data.rij, "elems": data.elems,
-           "iatoms": data.iatoms}
     tensors = {}
-    for name, array in raw.items():
-        if array is None:
+    for name in ("pair_i", "pair_j", "rij", "elems", "iatoms"):
+        if (array := getattr(data, name)) is None:
             if name in ("pair_i", "pair_j", "rij") and npairs == 0:
                 array = np.zeros((0, 3) if name == "rij" else 0, dtype=np.float64 if name == "rij" else np.int32)
             elif name == "iatoms":
@@ -135,16 +115,12 @@ def read_pairs(a: LammpsArrays, device: torch.device, dtype: torch.dtype) -> Pai
     rij = a.rij[:a.npairs].to(device=device, dtype=dtype)
     elems = a.elems[:a.ntotal].to(device=device, dtype=torch.int64).clamp(min=0)
     listed = a.iatoms[:a.nlist].to(device=device, dtype=torch.int64)
-    return PairData(a.nlocal, a.ntotal, centre, neighbour, rij, elems, listed, a.natomneigh > a.nlist)
+    return PairData(centre, neighbour, rij, elems, listed)
 
 
 def write_results(data: Any, eatoms: Tensor, energy: Tensor, fij: Tensor, timers: Any = OFF) -> None:
-    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``.
-
-    Empty arrays are not handed over (LAMMPS's coupling takes the address of their first element). Device arrays:
-    one synchronisation, after the per-atom energies are copied and before the forces are handed over (LAMMPS reads
-    both on its own stream); results already in float64 on LAMMPS's device (the padded step's) are not copied. The waits
-    for the device are timed by ``timers``."""
+    """Per-atom energies (``eatoms``, [nlistatoms]), the total (``energy``) and ``fij = dE/drij`` into ``data``; empty
+    arrays are not handed over (the coupling takes their first element's address), device ones after one sync."""
     fij = fij.detach().to(torch.float64).contiguous()
     eatoms = eatoms.detach().to(torch.float64)
     device = is_device_flavour(data)

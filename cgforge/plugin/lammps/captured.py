@@ -1,42 +1,18 @@
 """The padded LAMMPS step: each call's pair list on static buffers, laid out without a sort, captured on CUDA.
 
-``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain
-whose ghosts are all images of its own local atoms (``run(..., owners=...)``, from ``exchange.ghost_map``):
-each pair's neighbour is then its owner and the nodes are the local atoms alone. On the host: LAMMPS's counts
-(npairs, ntotal or nlocal, nlistatoms: host ints it gives anyway) grow the buffers when they exceed their capacity (with
-a margin; a growth drops the captured graph, the next call captures again); its arrays are copied into the
-buffers (device copies; host-to-device from numpy); the counts reach the device as three fills; the step runs
-(a CUDA-graph replay, or eagerly, e.g. on a CPU); one small device-to-host copy brings back the energy and the
-checks (the pairs' order, the species' rooms, and the owners' check ``owners.GhostMapCache`` left on the device),
-and the per-atom energies and pair forces go to LAMMPS as ``arrays.write_results`` writes them.
+``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain whose
+ghosts are all images of its local atoms (``owners``: each pair's neighbour is its owner, the nodes the local atoms).
+The host grows the buffers (with a margin; a growth drops the captured graph) when LAMMPS's counts exceed them and
+copies its arrays in; the step, which reads nothing back (capture-safe), then
 
-The step itself reads nothing back to the host (capture-safe):
-
-1. Edges: slot p < npairs holds pair p, the edge pair_j -> pair_i with vector -rij;
-   ``edge_layout.layout_edges`` keeps their order and fills the other slots with padding self-edges longer
-   than the cutoff (exactly zero contribution: the model must be ``inert_beyond_cutoff``), spread over the
-   nodes. Nodes are the ntotal atoms (with ``owners``: the nlocal local atoms) and padding nodes up to the node
-   capacity (species 0, no real edge);
-   listed entries past nlistatoms are masked out of the energy.
-2. The convolution graph, with no sort for the forward: LAMMPS lists the pairs grouped by centre in
-   ascending centre order (its ilist is 0..inum-1, then the ghosts in order), so the layout is already in
-   receiver-CSR order (the ``ConvGraph``'s ``perm`` is empty), its row pointers come from per-row counts and a
-   prefix sum, the slots from prefix sums, and the graph is pinned in the model's graph caches
-   (``ConvGraph.trusted``): no layer builds a graph, reads the index range to the host or argsorts receivers.
-   The transpose (the backward, by sender) still takes one stable argsort of the sender ids inside the step
-   (capture-safe). ``edge_layout``'s sort-free transpose needs the slot of every edge's reverse: a ghost-mode
-   list usually holds both directions of a pair, but finding the reverse is a search (a sort) per call, and
-   LAMMPS's ghost neighbour lists do not promise it (ghosts at the edge of its binning grid).
-   The order is not checked on the host: the step computes a device flag "receivers not ascending", read
-   with the energy; if it is ever set the caller redoes that call on the eager path (``CgforgeMLIAP``).
-3. Per-species self-connections: ``Potential.species_groups`` reads the counts to the
-   host, and the ghosts' counts change every step, so the groups have a fixed room per species
-   (``Potential.species_room``, sized from the counts with a margin); the counts come back with the energy, and a call
-   whose species overflowed their room is run again with more (a new capture). Unpadded groups would cost a
-   host read per call; no groups would send the self-connections through e3nn's outer product, n_species
-   times the work (89x for MACE-MP's elements).
-4. The model's per-atom energies, the energy over the listed atoms and ``fij = dE/drij`` (autograd through
-   the edge vectors, gathered back from slots to pairs).
+1. lays the pairs out as edges ``pair_j -> pair_i`` with vector ``-rij`` in their own order, the other slots filled
+   with padding self-edges longer than the cutoff (zero contribution: the model must be ``inert_beyond_cutoff``);
+2. pins a ``ConvGraph.trusted`` with no sort: LAMMPS lists pairs by ascending centre, so the layout is already in
+   receiver order. A device flag says when it is not; the caller then runs the call, and later ones, eagerly;
+3. groups the species in fixed rooms (``Potential.species_room``): a call whose species overflowed their room runs
+   again with more;
+4. returns the per-atom energies, ``fij = dE/drij`` and one status row (energy, the flags, species counts) that the
+   host reads in one copy.
 """
 
 from __future__ import annotations
@@ -91,19 +67,14 @@ class _Outputs:
 
 
 class PaddedStep:
-    """One ghost-mode ``compute_forces`` on static buffers (see the module doc), captured in a CUDA graph when
-    ``cuda_graph`` (the potential's ``cuda_graph``: the runtime's rule), else run eagerly on the same buffers (the
-    same code; CPU tests run it).
+    """One ``compute_forces`` on static buffers (module doc), captured in a CUDA graph when ``cuda_graph`` (the
+    potential's, by the runtime's rule), else run eagerly on the same buffers (CPU tests run it).
 
-    potential: the model's ``Potential`` (its adapter, and its graph caches: ``Potential.graph_caches``, empty for a
-    model that cgforge did not patch: no graph to pin, no species groups). group_species: False sends the
-    self-connections through e3nn's path (for comparisons). ``capture_error`` says why a capture
-    failed (the step then runs eagerly); ``n_captures`` counts captures, ``n_growths`` growths of the buffers or
-    of the species rooms. ``timers``: where each call's phases are timed (``timers.PhaseTimers``; ``OFF``: not).
+    ``capture_error`` says why a capture failed; ``n_captures`` counts captures, ``n_growths`` growths of the buffers
+    or species rooms; ``timers`` times each call's phases (``timers.PhaseTimers``; ``OFF``: not).
     """
 
-    def __init__(self, potential: Potential, *, cuda_graph: bool, margin: float = MARGIN,
-                 group_species: bool = True) -> None:
+    def __init__(self, potential: Potential, *, cuda_graph: bool) -> None:
         adapter = potential.adapter
         reason = potential.inert_edges_reason
         if reason is not None:
@@ -111,11 +82,8 @@ class PaddedStep:
                              f"contribute zero; for this one that is not known: {reason}")
         self.potential, self.adapter, self.caches = potential, adapter, list(potential.graph_caches)
         self.cuda_graph = bool(cuda_graph)
-        self.margin = float(margin)
-        self.group_species = bool(group_species)
         self.capture_error: str | None = None
-        self.n_captures = 0
-        self.n_growths = 0
+        self.n_captures = self.n_growths = 0
         self.pad_vector = pad_offset_vector(adapter.cutoff, adapter.dtype, adapter.device)
         self._buf: _Buffers | None = None
         self._room: Any = None  # ``Potential.species_room``: fixed rooms per species
@@ -144,12 +112,10 @@ class PaddedStep:
 
     def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None,
             moved: Tensor | None = None) -> str | None:
-        """One call into ``data``, whose arrays are ``arrays`` (``lammps_arrays``; at least one listed atom):
-        ghost-neighbour mode, or with ``owners`` ([ntotal] int64 on the device: the local atom each atom is, or is an
-        image of) exchange mode on one domain; ``moved``: a 0-d bool device tensor, True when ``owners`` are stale
-        (``owners.GhostMapCache``), read with the energy. None when the results were written; else nothing was
-        written and the reason says what the caller does: ``UNSORTED`` (LAMMPS's pairs were not in ascending centre
-        order: run the call another way) or ``STALE`` (run it again with owners found afresh)."""
+        """One call into ``data`` (``arrays``: ``lammps_arrays``, at least one listed atom): ghost-neighbour mode, or
+        with ``owners`` ([ntotal] int64: the local atom each atom is an image of) one-domain exchange mode; ``moved``:
+        a 0-d bool device tensor, True when ``owners`` are stale. None when the results were written; else nothing
+        was: ``UNSORTED`` (run the call another way) or ``STALE`` (run it again on owners found afresh)."""
         nodes = arrays.ntotal if owners is None else arrays.nlocal
         timers = self.timers
         with timers.phase("arrays"):
@@ -176,7 +142,7 @@ class PaddedStep:
         return None
 
     def _grown(self, count: int, current: int) -> int:
-        return current if count <= current else room(count, self.margin)
+        return current if count <= current else room(count, MARGIN)
 
     def _fit(self, a: LammpsArrays, nodes: int) -> None:
         """New buffers when a count exceeds its capacity (and species rooms at the first call)."""
@@ -193,10 +159,10 @@ class PaddedStep:
                              torch.zeros(n, **kw), torch.zeros(listed, **kw), torch.zeros(n, 3, dtype=dt, device=dev),
                              torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw),
                              torch.zeros((), dtype=torch.bool, device=dev))
-        if self.caches and self.group_species and self._room is None:
+        if self.caches and self._room is None:
             # the first call: rooms from its counts (one host read, outside any step)
             counts = torch.bincount(a.elems[:nodes].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
-            self._room = self.potential.species_room([room(int(c), self.margin) if c else 0 for c in counts.tolist()])
+            self._room = self.potential.species_room([room(int(c), MARGIN) if c else 0 for c in counts.tolist()])
         # the widest rows in chunks where this many nodes need it (as the calculator plans them), before a capture
         self.adapter.set_row_chunks(n)
         self.invalidate()

@@ -1,42 +1,18 @@
 """Node features sent between message-passing layers: LAMMPS's ``forward_exchange`` / ``reverse_exchange``.
 
-In exchange mode LAMMPS gives each domain one cutoff of ghost atoms and pairs centred on its own (local)
-atoms only. A layer's messages are then right for local atoms and wrong (missing neighbours) for ghosts, so
-before every layer but the first the ghosts' node features are replaced by their owners' (on this or another
-MPI rank):
+In exchange mode each domain has one cutoff of ghosts and pairs centred on its local atoms only, so before every
+layer but the first the ghosts' node features are replaced by their owners' (forward pre-hooks on the model's
+``adapter.message_layers()[1:]``, active only inside ``ExchangeHooks.active``; never pickled):
 
-    feats = [feats[:nlocal], zeros for the ghosts]      # only the local rows are read
-    data.forward_exchange(feats, out, width)            # out[:nlocal] = feats[:nlocal], out[ghost] = owner's
+    data.forward_exchange(feats, out, width)            # out[ghost] = its owner's row; only local rows are read
     backward: data.reverse_exchange(grad, gout, width)  # gout[local] = grad[local] + grads of its ghost copies
 
-(the contract of the Kokkos ML-IAP data object of LAMMPS 22 Jul 2025 and later, which MACE's and nequip's
-LAMMPS classes use in the same way; only ``gout[:nlocal]`` is read here). The first layer needs no exchange:
-its input is the species embedding, known for ghosts too.
-
-On the host (a Kokkos host build: arrays and features in host memory) LAMMPS sends the features through its
-classic communication, whose buffers are sized at each run's setup for the widest per-atom message then
-known: size_border (at least 6: x, tag, type, mask) forward, size_reverse (3: f) in reverse. PairMLIAPKokkos
-sets its message width to ``vec_len`` only inside the exchange, and ``CommBrick::forward_comm(Pair *)`` /
-``reverse_comm(Pair *)`` do not grow the buffers: a wider exchange writes past them (heap corruption, seen as
-``corrupted size vs. prev_size`` after a right energy). So host exchanges go in column blocks of at most
-``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH``; Kokkos's device communication grows its own buffers, so device
-features go whole.
-
-On one MPI rank every ghost is a periodic image of a local atom. ``ghost_map`` finds each ghost's owner with one
-forward exchange of the local atoms' indices (tagged by random numbers of the call, so ghosts of another rank are
-told apart), and the caller rewires each pair's neighbour to its owner where that is local: the model's nodes are
-the local atoms and the other ranks' ghosts only (``GhostMap``), and only those ghosts' features are exchanged; on
-one rank none, so no exchange is left inside the model: a periodic graph like the calculator's, which needs no
-call back into LAMMPS and so can be captured. Several ranks keep every ghost a node (``GhostMap.every_ghost``):
-with MPI that is not GPU-aware every LAMMPS exchange costs about the same whatever its width (Kokkos copies its
-whole staging buffer to the host and back), so the owner exchange cost more than the ghosts' node work it saved
-(docs/lammps.md, section 6). Float32 features go forward packed two to a float64 word
-(LAMMPS's buffers are doubles): half the bytes where the MPI moves only the message.
-
-The hooks are forward pre-hooks on the model's message-passing layers after the first (``adapter.message_layers``;
-MACE: ``model.interactions[1:]``, whose ``node_feats`` keyword is replaced; NequIP: its ``ConvNetLayer`` modules,
-whose data dict's ``node_features`` is replaced). They are registered once, in the LAMMPS process (never pickled), and
-act only while ``ExchangeHooks.active`` holds a data object.
+LAMMPS's host communication buffers hold ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH`` values per atom and are
+not grown inside the exchange (docs/lammps.md, section 4), so host exchanges go in column blocks; device ones go
+whole. Float32 features go forward packed two to a float64 word (LAMMPS's buffers are doubles). On one MPI rank
+``ghost_map`` finds each ghost's owner with one exchange, and the caller rewires pairs to the owners so that no
+exchange is left inside the model; several ranks keep every ghost a node (``GhostMap.every_ghost``: the owner
+exchange cost more than it saved, docs/lammps.md section 6).
 """
 
 from __future__ import annotations
@@ -52,7 +28,7 @@ from torch import Tensor
 
 from .timers import OFF
 
-__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "exchange_features", "ghost_map"]
+__all__ = ["HOST_FORWARD_WIDTH", "HOST_REVERSE_WIDTH", "ExchangeHooks", "GhostMap", "ghost_map"]
 
 _NEQUIP_FEATURES = "node_features"  # nequip's AtomicDataDict.NODE_FEATURES_KEY
 HOST_FORWARD_WIDTH = 6  # LAMMPS's size_border, the least its host forward buffers hold per atom
@@ -76,9 +52,8 @@ def _send(call: Any, flat: Tensor, host_width: int) -> Tensor:
 
 
 def _send_forward(data: Any, flat: Tensor) -> Tensor:
-    """LAMMPS's forward exchange of ``flat`` [ntotal, width]. Its buffers hold doubles, so a float32 array goes as
-    float64 words that each carry two float32 values (a copy moves them bit for bit; half the bytes of widening each
-    value). The reverse exchange adds its values up and cannot be packed so."""
+    """LAMMPS's forward exchange of ``flat`` [ntotal, width], float32 packed two to a float64 word (the reverse
+    exchange adds its values up and cannot be packed so)."""
     if flat.dtype != torch.float32:
         return _send(data.forward_exchange, flat, HOST_FORWARD_WIDTH)
     width = flat.shape[1]
@@ -122,23 +97,11 @@ class _Exchange(torch.autograd.Function):
         return out.view(ctx.shape), None, None, None
 
 
-def exchange_features(feats: Tensor, data: Any, ghosts: GhostMap, timers: Any = OFF) -> Tensor:
-    """``feats`` [nodes or more, ...] (``ghosts.nodes`` rows: local atoms, then the ghosts of other ranks) with the
-    other ranks' ghosts' rows replaced by their owners' rows (differentiable); rows past ``ghosts.nodes`` zero.
-    ``timers`` times each exchange (``timers.PhaseTimers``)."""
-    if feats.shape[0] < ghosts.nodes:
-        raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than the {ghosts.nodes} nodes")
-    return _Exchange.apply(feats, data, ghosts, timers)
-
-
 @dataclass(frozen=True)
 class GhostMap:
-    """Where a domain's ``ntotal`` atoms (LAMMPS's rows: ``nlocal`` local atoms, then ghosts) are among the model's
-    nodes: a local atom is itself, a ghost that is an image of a local atom is that atom, and each ghost of another
-    rank (the rows ``remote``, in node order) is a node of its own after the local atoms.
-
-    node_of: [ntotal] int64 node of each atom; remote: [nremote] int64 the rows of the other ranks' ghosts;
-    identity: every atom is its own node (``every_ghost``), so callers skip the rewiring."""
+    """Where a domain's ``ntotal`` atoms (``nlocal`` local ones, then ghosts) are among the model's nodes
+    (``node_of`` [ntotal]): a ghost that is an image of a local atom is that atom, each ghost of another rank (the
+    rows ``remote``) a node of its own after the local atoms; ``identity``: every atom is its own node."""
 
     nlocal: int
     ntotal: int
@@ -164,10 +127,8 @@ class GhostMap:
 
 
 def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
-    """The ``GhostMap`` of this call's atoms, from one forward exchange of three float64 columns: two random 52-bit
-    tags of this call and the atom index (all exact in float64); a ghost whose tags came back as this call's is an
-    image of the local atom whose index came with them (another rank's tags match with probability 2**-104). A
-    collective call: every rank of an exchange-mode run makes it."""
+    """The ``GhostMap`` of this call's atoms from one (collective) forward exchange of two random 52-bit tags and the
+    atom index: a ghost whose tags came back as this call's is an image of the local atom whose index came with them."""
     tags = [float(secrets.randbits(52)) for _ in range(2)]
     cols = torch.zeros(ntotal, 3, dtype=torch.float64, device=device)
     cols[:nlocal, 0], cols[:nlocal, 1] = tags
@@ -184,22 +145,16 @@ def ghost_map(data: Any, nlocal: int, ntotal: int, device: torch.device) -> Ghos
 
 
 class ExchangeHooks:
-    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while
-    active."""
+    """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while active."""
 
     def __init__(self, adapter: Any) -> None:
-        self.kind = kind = adapter.kind
-        self.layers = adapter.message_layers()
         self._data: Any = None
         self._ghosts: GhostMap | None = None
         self.calls = 0  # exchanges done (a test checks that they happen)
         self.timers: Any = OFF  # times each exchange (``timers.PhaseTimers``)
-        self._handles = []
-        for layer in self.layers[1:]:
-            if kind == "mace":
-                self._handles.append(layer.register_forward_pre_hook(self._mace_hook, with_kwargs=True))
-            else:
-                self._handles.append(layer.register_forward_pre_hook(self._nequip_hook))
+        mace = adapter.kind == "mace"
+        self._handles = [layer.register_forward_pre_hook(self._mace_hook, with_kwargs=True) if mace else
+                         layer.register_forward_pre_hook(self._nequip_hook) for layer in adapter.message_layers()[1:]]
 
     @contextmanager
     def active(self, data: Any, ghosts: GhostMap) -> Iterator[None]:
@@ -216,17 +171,21 @@ class ExchangeHooks:
         if "node_feats" not in kwargs:
             raise RuntimeError(f"exchange: {type(module).__name__} was called without a node_feats keyword; this "
                                "MACE version calls its interaction blocks differently from mace-torch 0.3.16")
-        self.calls += 1
-        kwargs = dict(kwargs, node_feats=exchange_features(kwargs["node_feats"], self._data, self._ghosts, self.timers))
-        return args, kwargs
+        return args, dict(kwargs, node_feats=self._exchange(kwargs["node_feats"]))
 
     def _nequip_hook(self, module: torch.nn.Module, args: tuple) -> None:
         if self._data is None:
             return None
-        data = args[0]
-        self.calls += 1
-        data[_NEQUIP_FEATURES] = exchange_features(data[_NEQUIP_FEATURES], self._data, self._ghosts, self.timers)
+        args[0][_NEQUIP_FEATURES] = self._exchange(args[0][_NEQUIP_FEATURES])
         return None
+
+    def _exchange(self, feats: Tensor) -> Tensor:
+        """``feats`` [nodes or more, ...] with the other ranks' ghosts' rows from their owners (differentiable)."""
+        if feats.shape[0] < self._ghosts.nodes:
+            raise ValueError(f"exchange: node features have {feats.shape[0]} rows, fewer than the {self._ghosts.nodes} "
+                             "nodes")
+        self.calls += 1
+        return _Exchange.apply(feats, self._data, self._ghosts, self.timers)
 
     def remove(self) -> None:
         for handle in self._handles:

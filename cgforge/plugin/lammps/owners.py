@@ -1,26 +1,12 @@
 """The ghosts' owners of one-rank exchange mode, found by one exchange and kept while LAMMPS's ghosts stand.
 
-On one MPI rank every ghost is a periodic image of a local atom, and ``exchange.ghost_map`` finds which with one
-forward exchange (a LAMMPS call, two device synchronisations and a host read: a sixth of a small box's call,
-docs/measured-constants.md). LAMMPS rebuilds its ghosts only when it
-re-neighbours, every few steps; between, it moves each ghost with its owner: ``x[ghost] = x[owner] + s`` with the
-same periodic shift ``s`` (LAMMPS's forward communication adds the box vector to the owner's position). So a map
-stays right for as long as, for every atom ``a``,
-
-    x[a] - x[node_of[a]] == shift[a]      (the shifts recorded when the map was found; local atoms: 0)
-
-holds to rounding (``TOLERANCE``: the rounding of ``x + box vector`` is ~1e-12 A; two atoms are never within it of
-each other's images, so a rebuilt ghost list that still passes maps every ghost to an atom it is an image of).
-
-``GhostMapCache.lookup`` returns the kept map and that check as a device flag, not read: a captured step reads it
-with its energy, and a call whose flag is set is run again on a map found afresh (``refresh``). The positions come
-from the data object's ``x`` (the Kokkos couple of LAMMPS 22 Jul 2025 has it); without them, or when the atom counts
-changed, every call exchanges, as before.
-
-A box that changes (``fix npt``, ``fix deform``, ``box/relax``) changes every shift at every step, so a kept map would
-fail the check at every call and each call would run twice. A refresh that finds the very map it replaced says so
-(the owners were right, only the shifts moved): from then on this cache keeps nothing (``box_changes``) and every
-call exchanges, as before.
+Between re-neighbourings LAMMPS moves each ghost with its owner, ``x[ghost] = x[owner] + s`` with a fixed periodic
+shift ``s``, so a map found by ``exchange.ghost_map`` stays right while ``x[a] - x[node_of[a]] == shift[a]`` holds
+for every atom to ``TOLERANCE``. ``GhostMapCache.lookup`` returns the kept map with that check as a device flag (not
+read: a captured step reads it with its energy); a call whose flag is set runs again on a map found afresh
+(``refresh``). Without the data object's ``x``, or after the atom counts changed, every call exchanges; so does a
+box that changes (``fix npt``): a refresh that finds the very map it replaced keeps nothing from then on
+(``box_changes``).
 """
 
 from __future__ import annotations
@@ -51,25 +37,19 @@ def positions(data: Any, ntotal: int, device: torch.device) -> Tensor | None:
 
 
 class GhostMapCache:
-    """One rank's ``GhostMap``, kept across calls while it stays right (see the module doc).
-
-    ``exchanges`` counts the maps found by an exchange (``ghost_map``), ``reuses`` the calls given a kept map,
-    ``refreshes`` the kept maps found stale (and found again); ``box_changes``: a refresh found the map it replaced,
-    so the box moves and nothing is kept."""
+    """One rank's ``GhostMap``, kept across calls while it stays right (module doc). ``exchanges``, ``reuses`` and
+    ``refreshes`` count maps found, kept maps given and kept maps found stale; ``box_changes``: nothing is kept."""
 
     def __init__(self, tolerance: float = TOLERANCE) -> None:
         self.tolerance = float(tolerance)
-        self.exchanges = 0
-        self.reuses = 0
-        self.refreshes = 0
+        self.exchanges = self.reuses = self.refreshes = 0
         self.box_changes = False
         self._map: GhostMap | None = None
         self._shift: Tensor | None = None
 
     def lookup(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> tuple[GhostMap, Tensor | None]:
-        """This call's map and, for a kept one, a 0-d bool device tensor: True when some atom is no longer where the
-        map puts it (the caller then takes ``refresh``'s map); None for a map found by this call's exchange.
-        ``data``'s arrays must be synchronised with LAMMPS's stream (``arrays.lammps_arrays`` does it)."""
+        """This call's map and, for a kept one, a 0-d bool device tensor, True when some atom is no longer where the
+        map puts it (None for a map found now); ``data``'s arrays synchronised (``arrays.lammps_arrays``)."""
         x = positions(data, ntotal, device)
         kept = self._map
         if x is None or kept is None or (kept.nlocal, kept.ntotal) != (nlocal, ntotal):

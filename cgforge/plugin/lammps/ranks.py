@@ -1,11 +1,8 @@
-"""How many MPI ranks run this LAMMPS process's job, as its launcher says.
+"""How many MPI ranks run this LAMMPS process's job, as its launcher's environment variables say.
 
-Exchange mode on one rank needs no exchange inside the model (``exchange.ghost_map``), but that shortcut must
-be taken by every rank or none: the exchanges are collective, and a rank that skipped them would leave its
-neighbours waiting. ML-IAP's data object does not say how many ranks there are, so the number comes from the
-variables MPI launchers set in every rank's environment (Open MPI's mpirun, MPICH/Intel MPI's Hydra and Slurm's
-srun with PMI, MVAPICH). A process none of them started is a singleton: one rank. Slurm's ``SLURM_NTASKS`` counts
-the allocation's tasks even for a process started without srun: that errs to the safe side (the shortcut off).
+One-rank exchange mode skips the exchanges inside the model, which every rank must do or none (they are collective),
+and ML-IAP's data object does not give the rank count. A process no launcher started is one rank; Slurm's
+``SLURM_NTASKS`` may count more than run, which errs to the safe side (the shortcut off).
 """
 
 from __future__ import annotations
@@ -22,21 +19,12 @@ RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WOR
 def launcher_ranks(environ: Mapping[str, str] | None = None) -> int:
     """The largest rank count the launcher variables in ``environ`` (default: this process's) give, 1 when none is
     set; a variable that is not a positive integer is skipped."""
-    environ = os.environ if environ is None else environ
-    sizes = []
-    for name in SIZE_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            sizes.append(int(value))
-    return max(sizes, default=1)
+    values = [(os.environ if environ is None else environ).get(name, "").strip() for name in SIZE_VARIABLES]
+    return max((int(v) for v in values if v.isdigit() and int(v) > 0), default=1)
 
 
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
     """This process's rank as the first launcher variable of ``environ`` that is a number says, 0 when none is set
     (a label only: the timers' table written at exit, when LAMMPS can no longer be asked)."""
-    environ = os.environ if environ is None else environ
-    for name in RANK_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    values = [(os.environ if environ is None else environ).get(name, "").strip() for name in RANK_VARIABLES]
+    return next((int(v) for v in values if v.isdigit()), 0)

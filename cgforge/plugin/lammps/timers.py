@@ -1,41 +1,10 @@
 """Where a LAMMPS step's time goes inside cgforge's ML-IAP calls: per-phase times, and their table in LAMMPS's
-screen and log output.
+screen and log output (docs/lammps.md, "Timers", says what each phase times and how the input prints the table).
 
-On when the model file says so (``CgforgeMLIAP.timers``, ``cgforge lammps-model --timers``) or when the input
-switches it (``switch``). Off, every phase is ``OFF``'s shared no-op context: no clock read, no CUDA event, no
-synchronisation. The phases (nested: the model's time includes the exchanges made inside it):
-
-    arrays    LAMMPS's arrays to torch: views of its memory, copies into the padded step's buffers or the eager
-              step's tensors, the counts
-    owners    one-rank exchange mode: the ghosts' owners kept, checked or found again (an exchange when found)
-    model     the model's energies and autograd forces (a captured step's replay, or the eager step)
-    exchange forward / exchange reverse: each exchange of node features through LAMMPS inside the model
-    forces    per-atom energies, the energy and the pair forces back into LAMMPS's arrays
-    waits     the host waiting for the device (the synchronisations a step makes anyway); host clock
-
-and per call the wall time of ``compute_forces`` and the time LAMMPS spent between two calls (host clock).
-
-Clocks: on the CPU the host's ``perf_counter``. On CUDA the phases that are device work (the model, the exchanges
-inside it: ``DEVICE_PHASES``) are bracketed by two CUDA events on torch's current stream, read once they are
-complete: every call synchronises with LAMMPS before it returns, so the events of earlier calls are done; they are
-folded into the totals (``Event.query``, ``elapsed_time``: no wait) when 64 pairs are pending, and the table
-synchronises once. No synchronisation is added to a step: one per phase would stall the host's launches behind the
-device's work (the overlap an eager step lives on) and change what is measured. An event phase reads as the
-device's time from the phase's first to its last work, idle gaps included. The other phases are host work (views of
-LAMMPS's arrays, launches of small copies, LAMMPS's own calls) timed by the host clock, whose waits for the device
-are the ``waits`` row: two events for each would cost more than that work.
-
-Printing: ML-IAP gives Python classes no end-of-run call, and their data object no handle on LAMMPS (its screen and
-log file). The input hands that handle over through LAMMPS's ``python`` command (``SELF``), after each run::
-
-    python cgforge_timers input 1 SELF format p here "from cgforge.plugin.lammps.timers import report as cgforge_timers"
-    run 1000
-    python cgforge_timers invoke
-
-``report`` prints every rank's table through LAMMPS's ``print`` (rank 0 writes, to screen and log) and starts the
-next run's times from zero. The other ranks' tables reach rank 0 through mpi4py where it is importable; without it
-each other rank writes its table to its standard error. Tables never reported (no such ``python`` line) are written
-to standard error when the Python interpreter exits: LAMMPS has closed its screen and log by then.
+On from the model file (``CgforgeMLIAP.timers``) or the input (``switch``); off, every phase is ``OFF``'s shared no-op.
+On CUDA the device phases (``DEVICE_PHASES``) are bracketed by CUDA events read once complete (no synchronisation is
+added to a step), the others timed by the host clock. ``report`` prints every rank's table through LAMMPS's ``print``;
+tables never reported go to standard error at exit (LAMMPS has closed its log by then).
 """
 
 from __future__ import annotations
@@ -53,8 +22,7 @@ from .ranks import launcher_rank, launcher_ranks
 
 __all__ = ["DEVICE_PHASES", "OFF", "PHASES", "PhaseTimers", "report", "switch", "tables"]
 
-# name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events, the others
-# (host work: views, launches of small copies, LAMMPS's calls, waits) by the host clock
+# name -> (row label, depth in the table); on CUDA the phases of DEVICE_PHASES are timed by events
 PHASES = {
     "arrays": ("LAMMPS's arrays to torch", 0),
     "owners": ("ghost owners (one rank)", 0),
@@ -77,14 +45,10 @@ class _Off:
 
     enabled = False
 
-    def phase(self, name: str) -> nullcontext:
+    def phase(self, name: str = "") -> nullcontext:
         return _NOOP
 
-    def wait(self) -> nullcontext:
-        return _NOOP
-
-    def call(self) -> nullcontext:
-        return _NOOP
+    wait = call = phase
 
 
 OFF = _Off()

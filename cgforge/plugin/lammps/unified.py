@@ -1,48 +1,18 @@
 """cgforge's ``MLIAPUnified`` class: MACE and NequIP models in LAMMPS through ``pair_style mliap unified``.
 
-LAMMPS calls ``compute_forces(data)`` once per force evaluation with the atoms of one MPI domain: local atoms
-and ghosts (``ntotal``), the pairs within the cutoff (``pair_i`` the centre, ``pair_j``, ``rij = x_j - x_i``)
-and the element index of every atom (``elems``). The step:
+LAMMPS calls ``compute_forces(data)`` once per force evaluation with one MPI domain's atoms (local and ghosts),
+its pairs within the cutoff (``pair_i`` the centre, ``rij = x_j - x_i``) and each atom's element. Each pair is an
+edge ``pair_j -> pair_i`` with vector ``-rij``; the domain's energy sums its listed atoms' energies, and
+``fij = dE/drij`` goes back through ``update_pair_forces(_gpu)`` (LAMMPS adds it to both atoms and tallies the virial).
 
-1. the graph: every pair is an edge from ``pair_j`` (sender) to ``pair_i`` (receiver), with the calculator's
-   vector convention ``pos[receiver] - pos[sender] = -rij``; nodes are all ``ntotal`` atoms. Pairs arrive
-   grouped by centre, i.e. sorted by receiver, as the fused convolution wants them;
-2. the model's per-atom energies (``ModelAdapter.energy``, as in ``cgforge.plugin.Calculator``); the energy
-   of this domain is the sum over its local (listed) atoms only;
-3. ``fij = dE/drij`` by autograd, written back with ``update_pair_forces`` (host arrays) or
-   ``update_pair_forces_gpu`` (Kokkos device arrays): LAMMPS adds the pair forces to both atoms, sums the
-   ghosts' forces into their owners and tallies the virial ``-rij (x) fij``.
+Modes (docs/lammps.md, section 2): ghost-neighbour (``pair_style ... 1``: every layer over local atoms and ghosts,
+``comm_modify cutoff`` >= layers x cutoff + skin) and exchange (``... 0``: one cutoff of ghosts, their features sent
+from their owners before every layer but the first, ``exchange``; on one rank the ghosts are rewired to their
+owners, ``owners``, and no exchange is left inside the model). Ghost-mode calls on CUDA and one-rank exchange-mode
+calls run the padded step (``captured``), captured in a CUDA graph; other calls run eagerly.
 
-Two modes (``mode="auto"`` picks per call):
-
-- ghost-neighbour (``pair_style mliap unified FILE 1``): LAMMPS also lists the pairs of ghost atoms and
-  the model runs all its layers over local atoms and ghosts. Local energies are exact when the ghost shell
-  holds every atom within layers x cutoff of the domain: ``comm_modify cutoff`` >= layers x cutoff + skin.
-  Works with any ML-IAP build.
-- exchange (``pair_style mliap unified FILE 0`` on a LAMMPS whose Kokkos data object has
-  ``forward_exchange``, 22 Jul 2025 and later): one cutoff of ghosts, pairs of local atoms only, and the
-  ghosts' node features are sent from their owners before every layer but the first (``exchange``). On one MPI
-  rank (as the launcher says: ``ranks.launcher_ranks``) one exchange of atom indices finds each ghost's owner, a
-  local atom (``exchange.ghost_map``; kept for the next calls while LAMMPS's ghosts stand, checked on the device by
-  their positions: ``owners``): pairs to ghosts are rewired to their owners, the model's nodes are the local atoms
-  alone, and no exchange is left inside the model.
-
-Ghost-mode calls on CUDA, and exchange-mode calls of one rank, run the padded step (``captured``): LAMMPS's
-arrays copied into static buffers with room to spare, the edges laid out for the fused convolution without a
-sort (pairs come in ascending centre order: a device flag checks it and a call that breaks it runs, with every
-later one, on the eager step above), species grouped in fixed rooms, and the whole step (layout, model,
-autograd, energy sum) captured in a CUDA graph and replayed (``cuda_graph``). Exchange-mode calls of several
-ranks and CPU calls stay eager: their exchanges call LAMMPS back inside the model, and a CPU has no graphs to
-replay.
-
-Memory: as the calculator plans it, the widest per-atom rows of a large domain are made in chunks
-(``adapter.set_row_chunks``), and with the radial tables (``radial_table``, on by default where the calculator
-uses them) no per-pair radial MLP, activations or weights are kept.
-
-The object pickles small: the model file's bytes and the options. At the first call, in the LAMMPS process, the
-model is loaded as a ``Potential`` (``runtime.load``: patched, its radial tables and its capture decided by the
-runtime's rules, as for the Calculator) and its kernels compiled; the steps above run its adapter, its graph caches
-and species groups over LAMMPS's pair lists. No torch module, CuPy or NVRTC state is pickled.
+The object pickles small (the model file's bytes and the options); the model is loaded as a ``Potential``
+(``runtime.load``) at the first call, in the LAMMPS process.
 """
 
 from __future__ import annotations
@@ -82,42 +52,24 @@ def _mliap_base() -> type:
             from lammps.mliap.mliap_unified_abc import MLIAPUnified
         return MLIAPUnified
     except Exception:  # noqa: BLE001 - no LAMMPS, or one whose python library cannot be found: not needed here
-        class MLIAPUnified:  # the attributes LAMMPS's coupling reads
-            def __init__(self, interface: Any = None, element_types: list[str] | None = None,
-                         ndescriptors: int | None = None, nparams: int | None = None,
-                         rcutfac: float | None = None) -> None:
-                self.interface = interface
-                self.element_types = element_types
-                self.ndescriptors = ndescriptors
-                self.nparams = nparams
-                self.rcutfac = rcutfac
+        class MLIAPUnified:  # the attributes LAMMPS's coupling reads (CgforgeMLIAP sets them)
+            def __init__(self) -> None:
+                self.interface = self.element_types = self.ndescriptors = self.nparams = self.rcutfac = None
 
         return MLIAPUnified
 
 
 class CgforgeMLIAP(_mliap_base()):
-    """A MACE or NequIP model for ``pair_style mliap unified`` (see the module doc; written by
-    ``cgforge lammps-model``).
+    """A MACE or NequIP model for ``pair_style mliap unified`` (written by ``cgforge lammps-model``, whose flags
+    docs/lammps.md's table explains).
 
-    model: ``"mace"`` / ``"nequip"`` (the bundled water models) or a checkpoint path (.model, .ckpt,
-    .nequip.zip): its bytes travel inside this object. dtype: None keeps the model's. device: None picks the
-    device of LAMMPS's arrays (CUDA for Kokkos on a GPU, else the CPU); "cpu", "cuda", "cuda:N" force one.
-    patch: cgforge's kernels (True), the model's own code (False), None: as the Calculator (``runtime.load``: on
-    CUDA, or where radial_table=True needs them).
-    head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements
-    (``pair_coeff * * O H``); mode: "auto", "ghost" or "exchange" (see the module doc).
-    cuda_graph: run ghost-mode calls, and exchange-mode calls of one MPI rank, as the padded step captured in a
-    CUDA graph (``captured``): None (default) on CUDA when the model's edges beyond the cutoff are known to
-    contribute zero; True insists (an error on a CPU, for such a model, or in exchange mode on several ranks,
-    whose exchanges call LAMMPS back inside the model); False: eager calls.
-    ``capture_error`` says why a capture failed (the calls then run eagerly); ``last_path`` which path the last
-    call took ("captured", "padded": the same step without capture, or "eager"). radial_table: each layer's radial
-    weights read from a cubic table of the edge length (as the Calculator does for FP32 on CUDA): no per-pair
-    radial MLP, its activations or weights; None (default: the Calculator's rule, on CUDA for a patched FP32 model
-    that can), True (an error for a model whose weights cannot be tabulated), False (the MLP). _padded: internal,
-    True runs the calls the padded step takes even where they are not captured (CPU tests). timers: keep per-phase
-    times of every call (``timers``: their table goes into LAMMPS's screen and log through the input's ``python``
-    command); False (default) times nothing.
+    model: ``"mace"`` / ``"nequip"`` or a checkpoint path, whose bytes travel inside this object. dtype: None keeps
+    the model's. device: None picks the device of LAMMPS's arrays. patch, radial_table: as ``runtime.load`` takes
+    them. head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements.
+    mode: "auto", "ghost" or "exchange". cuda_graph: capture the padded step (None: the runtime's rule; True where
+    it cannot be is an error; False: eager). timers: per-phase times of every call (``timers``). _padded: internal,
+    runs the padded step uncaptured (CPU tests). ``capture_error`` says why a capture failed; ``last_path`` which
+    path the last call took ("captured", "padded" or "eager").
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
@@ -145,14 +97,9 @@ class CgforgeMLIAP(_mliap_base()):
         self.model_bytes = path.read_bytes()
         self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.device = None if device is None else str(device)
-        self.patch = patch
-        self.head = head
+        self.patch, self.head, self.mode, self.cuda_graph = patch, head, mode, cuda_graph
         self.type_map = dict(type_map) if type_map is not None else None
-        self.mode = mode
-        self.cuda_graph = cuda_graph
-        self.radial_table = radial_table
-        self.timers = timers
-        self._padded = bool(_padded)
+        self.radial_table, self.timers, self._padded = radial_table, timers, bool(_padded)
         # Load it now (CPU; patched unless patch=False, to check cgforge supports it; the radial tables if asked
         # for), so a bad or unsupported file, or an option this model cannot have, fails here and not inside LAMMPS.
         try:
@@ -168,8 +115,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.layers = len(adapter.message_layers())
         self.element_types = _element_names(adapter, self.type_map)
         self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
-        self.ndescriptors = 1  # required by the coupling; unused
-        self.nparams = 1
+        self.ndescriptors = self.nparams = 1  # required by the coupling; unused
         self.last_mode: str | None = None
         self.last_path: str | None = None
         self._clear_runtime()
@@ -224,18 +170,13 @@ class CgforgeMLIAP(_mliap_base()):
 
         if self.device not in (None, "auto"):
             return resolve_device(self.device)
-        if is_device_flavour(data):
-            elems = to_tensor(data.elems)
-            if elems.is_cuda:
-                return elems.device
+        if is_device_flavour(data) and (elems := to_tensor(data.elems)).is_cuda:
+            return elems.device
         return torch.device("cpu")
 
     def prepare(self, data: Any) -> None:
-        """Load the model for ``data`` (on the device of its arrays, or ``device``) unless loaded already.
-
-        ``compute_forces`` does this at its first call. Loading is not thread-safe (e3nn's code generation
-        traces modules with torch.fx, which patches every module call while it runs): callers that run
-        several objects in threads prepare them first."""
+        """Load the model for ``data`` (on the device of its arrays, or ``device``) unless loaded already, as the first
+        ``compute_forces`` does. Loading is not thread-safe (e3nn traces modules with torch.fx): prepare first."""
         if self._potential is None:
             self.setup(self._device_for(data))
 
@@ -272,16 +213,11 @@ class CgforgeMLIAP(_mliap_base()):
         self.timers = on
         if self._device is None:
             return
-        self._install_timers(PhaseTimers(self._device) if on else OFF)
-
-    def _install_timers(self, timers: PhaseTimers) -> None:
-        self._timers = timers
-        on = timers is not OFF
+        self._timers = self._hooks.timers = PhaseTimers(self._device) if on else OFF
         if on:
             hook_exit()
-        self._hooks.timers = timers
         if self._step is not None:
-            self._step.timers = timers
+            self._step.timers = self._timers
 
     # --- the ML-IAP interface ---------------------------------------------------------------------
 

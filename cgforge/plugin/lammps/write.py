@@ -1,9 +1,7 @@
 """``cgforge lammps-model IN OUT``: write the file ``pair_style mliap unified OUT`` loads.
 
-LAMMPS (``mliap_unified_couple.pyx``) reads a file ending in ``.pt`` / ``.pth`` with ``torch.load`` and any
-other with ``pickle.load``. The object holds the model file's bytes and plain options only, so plain pickle
-is the default; a ``.pt`` name is written with ``torch.save`` and, since torch 2.6 loads only weights by
-default, needs ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in LAMMPS's environment (printed as a note).
+LAMMPS reads a ``.pt`` / ``.pth`` file with ``torch.load`` (since torch 2.6 it then needs
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``) and any other with ``pickle.load``, the default here.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""How the calculator talks to a model family: the ``ModelAdapter`` protocol and ``adapter_for``.
+"""How the runtime talks to a model family: the ``ModelAdapter`` protocol and ``adapter_for``.
 
-Each adapter turns (edge vectors, edges, species) into the energy of one model, with no data objects,
-loaders or host round trips. The calculator owns positions, strain, neighbour list, edge vectors and
-autograd; an adapter only knows how its model wants the graph. The adapters live with the rest of their
-family's knowledge (``cgforge.patches.mace.adapter.MaceAdapter``, ``cgforge.patches.nequip.adapter.NequipAdapter``)
-and are made by the family registry, ``cgforge.patches.families`` (a family's package is imported only for
-its models: nequip is optional).
-
-Edge vectors follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``.
-
-``inert_beyond_cutoff()`` says whether edges longer than the cutoff contribute exactly zero, with zero
-derivative, to the model's energy (checked per model, see the adapters). Only then may the calculator feed
-the model its whole Verlet list (pairs within cutoff + skin) and pad the edge arrays with self-edges longer
-than the cutoff (CUDA-graph capture, which needs fixed shapes); otherwise it cuts the list to the cutoff.
+An adapter turns (edge vectors, edges, species) into one model's energy; the runtime owns positions, strain, the
+neighbour list and autograd. The adapters live with their family (``cgforge.patches.mace.adapter``,
+``cgforge.patches.nequip.adapter``) and are made by the family registry, ``cgforge.patches.families``. Edge vectors
+follow ``runtime.neighbours``: ``vector = positions[receiver] - positions[sender] + S @ cell``. Only a model whose
+edges beyond the cutoff are inert (``inert_beyond_cutoff``) may be fed the whole Verlet list or padded edges.
 """
 
 from __future__ import annotations
@@ -39,10 +31,8 @@ class ModelAdapter(Protocol):
     hops: int  # message-passing layers: an atom's energy depends only on atoms within hops x cutoff (``tiled``)
 
     def species(self, numbers: np.ndarray) -> Tensor:
-        """The per-atom species input of the model, on the device, from atomic numbers (unknown ones raise).
-
-        MACE: one-hot ``node_attrs`` [N, n_species] in the model dtype; NequIP: ``atom_types`` [N] int64.
-        """
+        """The model's per-atom species input on the device from atomic numbers (unknown ones raise): MACE's one-hot
+        ``node_attrs`` [N, n_species], NequIP's ``atom_types`` [N] int64."""
 
     def warmup_species(self, n: int) -> Tensor:
         """The same for n atoms cycling over the model's species (a structure for compiling kernels)."""
@@ -58,11 +48,8 @@ class ModelAdapter(Protocol):
 
     def energy(self, positions: Tensor, vectors: Tensor, species: Tensor, edge_index: Tensor,
                per_atom: bool) -> tuple[Tensor, Tensor | None]:
-        """(total energy as a 0-d tensor, per-atom energies [N] or None).
-
-        positions [N, 3] (strained when stress is asked for), vectors [E, 3] (``pos[receiver] - pos[sender] +
-        S @ cell``, strained alike), edge_index [2, E] in the model's orientation (see ``edge_index``).
-        """
+        """(total energy as a 0-d tensor, per-atom energies [N] or None) of positions [N, 3], edge vectors [E, 3]
+        (both strained when stress is asked for) and edge_index [2, E] in the model's orientation (``edge_index``)."""
 
     def edge_index(self, sender: Tensor, receiver: Tensor) -> Tensor:
         """The model's [2, E] edge_index: rows ``sender_row`` = sender and ``1 - sender_row`` = receiver."""
@@ -97,8 +84,6 @@ class ModelAdapter(Protocol):
 
 def adapter_for(model: torch.nn.Module, device: torch.device, *, head: str | None = None,
                 type_map: dict[str, str] | None = None) -> ModelAdapter:
-    """The adapter of ``model`` (a MACE or NequIP model) on ``device``: ``families.family_of(model).adapter``.
-
-    ``head``: MACE's head of a multi-head model; ``type_map``: NequIP's {chemical symbol: type name}. An option
-    of the other family raises ValueError; a model of no family, TypeError naming its class."""
+    """The adapter of ``model`` on ``device`` (``families.family_of(model).adapter``): ``head`` is MACE's, ``type_map``
+    NequIP's {chemical symbol: type name}; an option of the other family raises ValueError."""
     return families.family_of(model).adapter(model, device, head=head, type_map=type_map)

@@ -3,27 +3,10 @@
     from cgforge.plugin.runtime.batch import BatchStructure
     results = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...], stress=True)
 
-The structures' atoms are laid end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) and form one graph
-with one component per structure: one neighbour search over the batch (``batch_neighbour_list``: each
-structure's pairs only within itself, images through its own cell), one model call, and the derivatives of
-the total energy, which are each structure's own since no edge joins two structures:
-
-    energy_b = sum of the per-atom energies of b,   forces = -dE/dx,   virial_b = sym(dE/d eps_b)
-
-with one strain eps_b per structure (``step_graph.graph_derivatives`` with ``structure``). An edge of b is
-``vector = positions[receiver] - positions[sender] + S @ cell_b`` (``runtime.neighbours``' convention).
-
-The search is one non-periodic cell-list search (``neighbours.neighbour_list``, the CUDA kernels on a GPU)
-over every structure's atoms wrapped into its cell plus their periodic images near the cell, each structure
-moved to its own place in space, far enough from the others that no pair joins two. The list is kept at
-cutoff + skin per structure, which is searched again only when it is new, its cell changed or one of its atoms
-moved more than skin/2 (``BatchNeighbours``); every call cuts the list to the cutoff, as the single-structure
-step does.
-
-A bad structure raises ``BatchStructureError`` naming its index (``index``): no atoms, NaN or inf in its
-positions or cell, an element the model does not know, a singular periodic cell, two atoms closer than
-``min_distance``; a model output with NaN or inf raises ``NonFiniteOutputError`` naming it too.
-The steps run eagerly (no CUDA graph) and the structures in the order given.
+The atoms lie end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) in one graph whose edges never join two
+structures; one neighbour search (``batch_neighbour_list``), a Verlet list kept per structure (``BatchNeighbours``)
+and one model call, with one strain per structure for its virial (``step_graph.graph_derivatives``). docs/batch.md
+says how; a bad structure raises ``BatchStructureError`` naming its index. The steps run eagerly (no CUDA graph).
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,22 +31,12 @@ from .step_graph import StepOutput, graph_derivatives
 if TYPE_CHECKING:
     from .adapters import ModelAdapter
 
-__all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "StructureResult",
-           "batch_neighbour_list", "check_finite", "check_shapes"]
+__all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "batch_neighbour_list",
+           "check_finite", "check_shapes", "non_finite"]
 
 Pbc = tuple[bool, bool, bool]
 # Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
 _MAX_IMAGES = 1 << 12
-
-
-class StructureResult(NamedTuple):
-    """One structure's host results (float64, its atoms' order; ``Potential.evaluate``'s units): energy,
-    forces [N, 3], virial [3, 3] = sym(dE/d strain), per-atom energies [N]; None where not asked for."""
-
-    energy: float
-    forces: np.ndarray | None
-    virial: np.ndarray | None
-    energies: np.ndarray | None
 
 
 class BatchStructureError(ValueError):
@@ -100,6 +73,14 @@ def check_shapes(index: int, structure: BatchStructure) -> None:
         raise BatchStructureError(index, f"pbc must be three bools, got {structure.pbc!r}")
 
 
+def non_finite(index: int) -> NonFiniteOutputError:
+    """The error for NaN or inf in the results of structure ``index`` (which it keeps as ``index``)."""
+    error = NonFiniteOutputError(f"structure {index}: the model returned NaN or inf (check its atoms for overlaps "
+                                 "and the model file)")
+    error.index = index
+    return error
+
+
 def check_finite(positions: np.ndarray, cells: np.ndarray, ptr: Sequence[int]) -> None:
     """NaN or inf in the batch's positions [N, 3] or cells [B, 3, 3] names the first structure holding one."""
     bad_atoms = ~np.isfinite(positions).all(1)
@@ -116,11 +97,9 @@ def check_finite(positions: np.ndarray, cells: np.ndarray, ptr: Sequence[int]) -
 
 def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], ptr: Sequence[int],
                          cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Every pair closer than ``cutoff`` within each structure of a batch, as ``neighbours.neighbour_list`` finds
-    them for each structure alone (module doc): positions [N, 3] (the structures end to end, atoms ptr[b] ..
-    ptr[b + 1] - 1 in structure b), cells [B, 3, 3], pbcs B triples. Returns (sender, receiver, shifts) with
-    batch-wide atom indices, sorted by (receiver, sender, shift), such that ``vector = positions[receiver] -
-    positions[sender] + shifts @ cells[b]``. The search runs in float64 whatever the positions' dtype."""
+    """Every pair closer than ``cutoff`` within each structure of a batch (positions [N, 3] end to end, cells
+    [B, 3, 3], pbcs), as ``neighbours.neighbour_list`` finds them for each alone: (sender, receiver, shifts) with
+    batch-wide indices, sorted by (receiver, sender, shift); the search runs in float64 (docs/batch.md says how)."""
     device = positions.device
     n, count = positions.shape[0], len(pbcs)
     sizes = torch.as_tensor(np.diff(np.asarray(ptr)), device=device)
@@ -232,10 +211,9 @@ class _Kept:
 
 
 class BatchNeighbours:
-    """The batch's Verlet list at ``cutoff + skin``, kept per structure: a structure's pairs are searched again
-    only when it is new (its key not seen at the last update), its atom count, cell or pbc changed, or one of its
-    atoms moved more than skin/2 since its last search; all that need it in one search
-    (``batch_neighbour_list``). A structure leaving the batch costs no search."""
+    """The batch's Verlet list at ``cutoff + skin``, kept per structure: a structure is searched again (all such in
+    one ``batch_neighbour_list``) only when it is new, its atom count, cell or pbc changed, or an atom moved more
+    than skin/2."""
 
     def __init__(self, cutoff: float, skin: float) -> None:
         self.cutoff, self.skin = float(cutoff), float(skin)
@@ -276,9 +254,8 @@ class BatchNeighbours:
         self._kept = {k: self._kept[k] for k in keys}
         self._order = keys
         parts = [self._kept[k] for k in keys]
-        offsets = [torch.full_like(k.sender, ptr[b]) for b, k in enumerate(parts)]
-        self.sender = torch.cat([k.sender + o for k, o in zip(parts, offsets)])
-        self.receiver = torch.cat([k.receiver + o for k, o in zip(parts, offsets)])
+        self.sender = torch.cat([k.sender + ptr[b] for b, k in enumerate(parts)])
+        self.receiver = torch.cat([k.receiver + ptr[b] for b, k in enumerate(parts)])
         self.shifts = torch.cat([k.shifts for k in parts])
         self.topology = edge_topology(self.sender, self.receiver, self.shifts, ptr[-1])
         return len(stale)
@@ -306,10 +283,8 @@ class BatchNeighbours:
 
 
 class BatchStep:
-    """Energies, forces, virials and per-atom energies of a batch of structures for one model (module doc).
-
-    adapter: the model's (``Potential.adapter``). skin: the Verlet skin (Å). min_distance: two atoms of a
-    structure closer than this (Å) make it a bad structure (None: no check)."""
+    """Energies, forces, virials and per-atom energies of a batch of structures for one model's ``adapter``; skin:
+    the Verlet skin (Å); two atoms of a structure closer than ``min_distance`` (Å; None: no check) make it bad."""
 
     def __init__(self, adapter: ModelAdapter, skin: float, min_distance: float | None = 0.5) -> None:
         self.adapter = adapter
@@ -334,10 +309,10 @@ class BatchStep:
             raise
 
     def evaluate(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
-                 per_atom: bool = False, keys: Sequence[Hashable] | None = None) -> list[StructureResult]:
-        """One ``StructureResult`` per structure, in the order given; ``keys``: a name of each structure that
-        stays the same from call to call (a structure's neighbour list is then kept while it is valid, wherever
-        the structure sits in the batch; ``BatchNeighbours``)."""
+                 per_atom: bool = False, keys: Sequence[Hashable] | None = None) -> list[tuple]:
+        """(energy, forces, virial, per-atom energies) of each structure, in the order given, on the host as
+        ``Potential.evaluate`` gives them (None where not asked for); ``keys``: a name of each structure that stays
+        the same from call to call (its neighbour list is then kept wherever it sits in the batch)."""
         if len(structures) == 0:
             raise ValueError("structures: expected at least one structure, got none")
         for index, structure in enumerate(structures):
@@ -362,27 +337,19 @@ class BatchStep:
                 not_finite = ~np.isfinite(host[name]).reshape(len(host[name]), -1).all(1)
                 bad |= np.add.reduceat(not_finite.astype(np.int64), rows) > 0
         if bad.any():
-            b = int(np.argmax(bad))
-            error = NonFiniteOutputError(f"structure {b}: the model returned NaN or inf (check its atoms for "
-                                         "overlaps and the model file)")
-            error.index = b
-            raise error
-        results = []
-        for b, (start, end) in enumerate(zip(ptr[:-1], ptr[1:])):
-            results.append(StructureResult(float(energies[b]),
-                                           None if host["forces"] is None else host["forces"][start:end].copy(),
-                                           None if host["virial"] is None else host["virial"][b].copy(),
-                                           None if host["energies"] is None else host["energies"][start:end].copy()))
-        return results
+            raise non_finite(int(np.argmax(bad)))
+
+        def part(name: str, rows: slice | int) -> np.ndarray | None:
+            return None if host[name] is None else host[name][rows].copy()
+
+        return [(float(energies[b]), part("forces", slice(s, e)), part("virial", b), part("energies", slice(s, e)))
+                for b, (s, e) in enumerate(zip(ptr[:-1], ptr[1:]))]
 
     def run(self, positions: Tensor, cells_host: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int], species: Tensor,
-            *,
-            forces: bool = True, stress: bool = False, per_atom: bool = False,
+            *, forces: bool = True, stress: bool = False, per_atom: bool = False,
             keys: Sequence[Hashable] | None = None) -> StepOutput:
-        """The batch on the device: positions [N, 3] (on the model's device, any float dtype: cast to the model's),
-        host cells [B, 3, 3], pbcs, ptr, the model's species input of every atom; a ``StepOutput`` of device
-        tensors (energy [B], virial [B, 3, 3]; no NaN check: ``evaluate`` makes it). Two atoms closer than
-        ``min_distance`` raise ``BatchStructureError``."""
+        """The batch on the device (positions [N, 3] on the model's device, host cells [B, 3, 3], pbcs, ptr, the
+        species input): a ``StepOutput`` of device tensors (energy [B], virial [B, 3, 3]), not checked for NaN."""
         device, dtype = self.adapter.device, self.adapter.dtype
         n = ptr[-1]
         positions = positions.detach().to(dtype)
@@ -405,19 +372,18 @@ class BatchStep:
         layout = layout_edges(keep, nl.sender, nl.receiver, shifts, n, count, self.pad_vector,
                               with_graph=bool(self.caches), topology=nl.topology)
         self.n_edges = count
-        groups = (SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None)
+        groups = SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None
 
         def energy(pos: Tensor, vec: Tensor, edge_index: Tensor, atoms: bool) -> tuple[Tensor, Tensor | None]:
             return self.adapter.energy(pos, vec, species, edge_index, atoms)
 
         key = (bool(forces or stress), bool(stress), bool(per_atom))
         try:
-            out = graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
-                                    groups=groups, structure=structure)
+            return graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
+                                     groups=groups, structure=structure)
         finally:
             for cache in self.caches:
                 cache.unpin()  # the potential's own step pins its graph again when it runs
-        return out
 
     def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
                          ptr: Sequence[int]) -> None:

@@ -1,14 +1,8 @@
-"""The bundled water models: their names and files, the embedded default for the water-box demo.
+"""The bundled water models (the one place that names them): ``NAMES``, ``model_path(kind)`` and
+``checkpoint_path(name_or_path)`` (a bundled model's file, or a checkpoint file that exists).
 
-    from cgforge.plugin.runtime.bundled import NAMES, model_path
-    NAMES                 # ("mace", "nequip"): the names every front end accepts for a bundled model
-    model_path("mace")    # .../cgforge/models/water-mace.model          (a whole pickled MACE model)
-    model_path("nequip")  # .../cgforge/models/water-nequip.nequip.zip   (a nequip-package archive)
-    checkpoint_path(name_or_path)  # a bundled model's file, or a checkpoint file that exists
-
-Both are small models trained by ``scripts/train_bundled_models.py`` on q-SPC/Fw water (see
-cgforge/models/README.md). They ship inside the package (package data, in a wheel too) and are found through
-``importlib.resources``; this module is the one place that names them.
+Small models trained by ``scripts/train_bundled_models.py`` on q-SPC/Fw water (cgforge/models/README.md), shipped as
+package data and found through ``importlib.resources``.
 """
 
 from __future__ import annotations
@@ -29,29 +23,22 @@ MODELS_DIR = Path(str(resources.files("cgforge").joinpath("models")))
 TRAINING_SCRIPT = "scripts/train_bundled_models.py"
 
 
-
 def model_path(kind: str) -> Path:
-    """Path of the bundled water model of ``kind`` (one of :data:`NAMES`, any case); the file must exist.
-
-    Raises ValueError for an unknown kind and FileNotFoundError, saying how to make it, for a missing file.
-    """
+    """Path of the bundled water model of ``kind`` (one of ``NAMES``, any case): ValueError for an unknown kind,
+    FileNotFoundError saying how to make it for a missing file."""
     if not isinstance(kind, str) or kind.lower() not in MODEL_FILES:
         raise ValueError(f"kind: expected {LISTED}, got {kind!r}")
     path = MODELS_DIR / MODEL_FILES[kind.lower()]
     if not path.is_file():
-        raise FileNotFoundError(
-            f"bundled {kind.lower()} model not found at {path}: the models ship inside the cgforge package "
-            f"(cgforge/models/); reinstall cgforge, or recreate them with `python {TRAINING_SCRIPT}` from the "
-            f"repository root"
-        )
+        raise FileNotFoundError(f"bundled {kind.lower()} model not found at {path}: the models ship inside the cgforge "
+                                f"package (cgforge/models/); reinstall cgforge, or recreate them with `python "
+                                f"{TRAINING_SCRIPT}` from the repository root")
     return path
 
 
 def checkpoint_path(model: str | os.PathLike) -> Path:
-    """The file of ``model``: a bundled model's name (any case) or the path of an existing checkpoint file.
-
-    Raises TypeError for anything else, FileNotFoundError (with the bundled names and a close one) for a missing
-    file and IsADirectoryError for a directory."""
+    """The file of ``model``: a bundled model's name (any case) or the path of an existing checkpoint file
+    (TypeError for anything else, FileNotFoundError naming a close bundled name, IsADirectoryError)."""
     from cgforge.patches.common import existing_file
 
     if isinstance(model, str) and model.lower() in NAMES:

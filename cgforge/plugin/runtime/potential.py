@@ -7,15 +7,10 @@
     out.energy, out.forces, out.virial, out.energies
     outs = potential.evaluate_batch([BatchStructure(numbers, positions, cell, pbc), ...])  # one graph (runtime.batch)
 
-A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``: edge layout, model,
-backward, captured in a CUDA graph on CUDA), the memory and row plans, the atom order, the compile mode and
-the radial setup (precision, tables, streaming). The model is called for its energy only; the potential
-differentiates it:
-
-    E(x, eps) = model(positions (I + eps), cell (I + eps)),  forces = -dE/dx,  virial = sym(dE/d eps)
-
-at eps = 0 (stress = virial / volume). The ASE calculator, the MD engine and LAMMPS evaluate models through
-it; every result is checked on the host for NaN and inf (``NonFiniteOutputError``).
+A ``Potential`` owns the model's adapter, the Verlet list, the step (``ModelStep``, captured in a CUDA graph on
+CUDA), the memory and row plans, the atom order, the compile mode and the radial setup. It differentiates the
+model's energy ``E(positions (I + eps), cell (I + eps))``: forces = -dE/dx, virial = sym(dE/d eps) at eps = 0.
+Every result is checked on the host for NaN and inf (``NonFiniteOutputError``).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +40,7 @@ from .diagnosis import NonFiniteOutputError, non_finite_message
 from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
 from .neighbours import VerletNeighbourList, check_skin
 from .options import RuntimeOptions
-from .step_graph import ModelStep
+from .step_graph import ModelStep, _no_phase
 from .tiled import Workspace, check_workspace
 
 if TYPE_CHECKING:
@@ -71,9 +66,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None,
                   tuning: object = None, radial_table: bool | None = None) -> bool:
-    """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's
-    kernels on CUDA, the model's own code on a CPU (faster there), and cgforge's whenever a TF32 radial mode,
-    compilation, a kernel ``tuning`` or ``radial_table=True`` needs its layers."""
+    """Whether to run cgforge's kernels (``patch``, checked) or, for None, the fastest correct path: cgforge's on CUDA
+    or where the other arguments need its layers, the model's own code on a CPU."""
     if patch is not None:
         if not isinstance(patch, bool):
             raise TypeError(f"patch: expected None, True or False, got {patch!r}")
@@ -98,23 +92,17 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
          dtype: str | torch.dtype | None = None, *, patch: bool | None = None, radial_precision: str = "fp32",
          radial_table: bool | None = None, compile: bool | str = False, tuning: KernelTuning | None = None,
          **kwargs: object) -> Potential:
-    """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models, ``bundled``), a MACE
-    ``.model`` or NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its
-    parameters frozen), loaded by the family registry (``cgforge.patches.families.load``).
+    """A ``Potential`` of ``model``: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or
+    NequIP ``.ckpt`` / ``.nequip.zip`` path, or a MACE / NequIP module (patched in place, its parameters frozen).
 
-    device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``.
-    tuning: the ``cgforge.kernels.KernelTuning`` of the kernels the patch builds (None: the defaults; given, the
-    model is patched unless ``patch=False``, which it contradicts: ``families.check_tuning``). radial_precision,
-    radial_table, compile and ``kwargs`` (skin, head, type_map, warmup, cuda_graph, filter_edges, streaming,
-    options, workspace): as ``Potential`` takes them. Arguments that need no model are checked before it loads.
+    device: None picks cuda when available. dtype: None keeps the model's. patch: see ``default_patch``. tuning:
+    the ``KernelTuning`` of the kernels the patch builds (None: the defaults). The rest: as ``Potential`` takes them.
+    Arguments that need no model are checked before it loads.
     """
-    from cgforge.patches.families import check_tuning
-
     compile_mode = parse_compile(compile)
     check_radial_table(radial_table, radial_precision)
     check_workspace(kwargs.get("workspace", "auto"))
     check_skin(kwargs.get("skin", 1.0))
-    check_tuning(tuning, patch)
     parse_dtype(dtype)
     device = resolve_device(device)
     module = load_module(model, device, dtype, patch=default_patch(patch, device, radial_precision, compile_mode,
@@ -126,10 +114,8 @@ def load(model: str | os.PathLike | torch.nn.Module, device: str | torch.device 
 def load_module(model: str | os.PathLike | torch.nn.Module, device: str | torch.device,
                 dtype: str | torch.dtype | None = None, *, patch: bool = True,
                 tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """The MACE or NequIP module of ``model`` (a bundled model's name, a checkpoint path or a module, made ready in
-    place) on ``device``, in ``dtype`` (None: the model's), patched with cgforge's kernels when ``patch``, built
-    with ``tuning`` (``families.load``): the module ``load`` makes its ``Potential`` of. A missing file raises
-    FileNotFoundError (``bundled.checkpoint_path``)."""
+    """The MACE or NequIP module of ``model`` (as ``load`` takes it) on ``device``, in ``dtype`` (None: the model's),
+    patched with cgforge's kernels built with ``tuning`` when ``patch`` (``families.load``)."""
     from cgforge.patches import families
 
     from .bundled import checkpoint_path
@@ -186,32 +172,14 @@ class Timings:
             torch.cuda.synchronize(self.device)
 
 
-def _no_phase(name: str) -> AbstractContextManager:
-    return nullcontext()
-
-
 class Potential:
     """Energy, forces, virial and per-atom energies of structures for one model on one device (module doc).
 
-    model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it
-    runs. skin: Verlet skin in Å (the list holds pairs within cutoff + skin and is rebuilt when an atom moved
-    more than skin/2). head: MACE head (multi-head models). type_map: NequIP {chemical symbol: type name}.
-    warmup: compile the kernels and run a tiny structure now (``warm_up``). cuda_graph: capture the step in a
-    CUDA graph (None: on CUDA when the model's edges beyond the cutoff contribute zero, ``inert_edges_reason``,
-    except for boxes near a full device; True where that cannot work is an error). filter_edges: cut the
-    Verlet list to the cutoff every step (True, also for None) or feed the model the whole list (False: needs
-    inert edges). radial_precision: ``"fp32"``, ``"tf32"`` or ``"3xtf32"`` for the radial MLPs' products (the
-    TF32 modes need CUDA and an FP32 model patched by cgforge; kept after the first structure only if the
-    forces change by at most ``options.radial_tf32_tol``). radial_table: read the tensor-product weights from
-    tables of the edge length (True; an error when the model cannot), not (False), or None: on for an FP32
-    model patched by cgforge on CUDA that can, with ``radial_precision="fp32"``. streaming: compute the radial
-    MLP chunk by chunk inside the convolution (True; eager steps), never (False), or None: from the first
-    system whose stored path would not fit (``plan_memory``) or that ran out of memory. compile: False, True or
-    an Inductor mode (``compiled.MODES``) for ``torch.compile`` of the model (needs a patched model and a
-    working compiler). options: the ``RuntimeOptions`` (memory fractions, atom order, compile backend, TF32
-    tolerance, tiles); ``options`` may be replaced later and is read when the next plan is made. workspace:
-    ``"whole"`` (one graph: the Verlet list and the captured step), ``"tiled"`` (``runtime.tiled``: a fixed
-    working set, no array over all edges) or ``"auto"``: tiles on CUDA where one graph would not fit.
+    model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it runs.
+    The other arguments are the Calculator's, which docs/calculator.md's table explains: skin (Å), head, type_map,
+    warmup (``warm_up``), cuda_graph, filter_edges, radial_precision (TF32 kept only within
+    ``options.radial_tf32_tol``), radial_table, streaming, compile (``compiled.MODES``), options (the
+    ``RuntimeOptions``, read when the next plan is made) and workspace (``runtime.tiled``).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, skin: float = 1.0, head: str | None = None,
@@ -219,8 +187,7 @@ class Potential:
                  filter_edges: bool | None = None, radial_precision: str = "fp32", radial_table: bool | None = None,
                  streaming: bool | None = None, compile: bool | str | None = False,
                  options: RuntimeOptions | None = None, workspace: str = "auto") -> None:
-        if options is None:
-            options = RuntimeOptions()
+        options = RuntimeOptions() if options is None else options
         if not isinstance(options, RuntimeOptions):
             raise TypeError(f"options: expected a RuntimeOptions, got {type(options).__name__}")
         self.options = options
@@ -268,8 +235,7 @@ class Potential:
                           backend=options.compile_backend)
         self.step = ModelStep(self.adapter, self.neighbours, filter_edges=self._filter_edges(filter_edges),
                               cuda_graph=resolve_cuda_graph(cuda_graph, self.device, self.inert_edges_reason),
-                              compile=self.compile,
-                              compile_backend=options.compile_backend)
+                              compile=self.compile, compile_backend=options.compile_backend)
         self._cuda_graph_requested = cuda_graph
         self.timings: Timings | None = None
         self._batch_step = None  # made by the first evaluate_batch
@@ -320,26 +286,17 @@ class Potential:
             raise NonFiniteOutputError(non_finite_message(
                 host, user_positions, cell, pbc, self.model, self.cutoff, patched=self.patched, forces=forces,
                 stress=stress, per_atom=per_atom))
-        out = Evaluation(float(host[0]), None, None, None)
-        at = 1
-        if forces:
-            out.forces = host[at:at + 3 * n].reshape(n, 3).copy()
-            at += 3 * n
-            if stress:
-                out.virial = host[at:at + 9].reshape(3, 3)
-                at += 9
-        if per_atom:
-            out.energies = host[at:at + n].copy()
-        return out
+        f = 1 + 3 * n if forces else 1  # host: energy, forces [3n], virial [9], energies [n], each if asked for
+        v = f + 9 if stress else f
+        return Evaluation(float(host[0]), host[1:f].reshape(n, 3).copy() if forces else None,
+                          host[f:v].reshape(3, 3) if stress else None, host[v:v + n].copy() if per_atom else None)
 
     def evaluate_batch(self, structures: Sequence[BatchStructure], *, forces: bool = True, stress: bool = False,
                        per_atom: bool = False, min_distance: float | None = 0.5,
                        keys: Sequence[Hashable] | None = None) -> list[Evaluation]:
         """``evaluate`` of many structures in one graph and one model call (``runtime.batch``): one ``Evaluation``
-        per structure, in the order given, each what ``evaluate`` gives for it alone (to rounding). A bad
-        structure raises ``BatchStructureError`` naming its index (two atoms closer than ``min_distance`` Å
-        included; None: no such check). ``keys``: names of the structures that stay the same from call to call
-        (``BatchStep.evaluate``; None: their places in the batch)."""
+        per structure, in the order given. A bad structure (two atoms closer than ``min_distance`` Å included)
+        raises ``BatchStructureError`` naming its index; ``keys``: as ``BatchStep.evaluate`` takes them."""
         step = self.batch_step(min_distance)
         return [Evaluation(*result) for result in
                 step.evaluate(structures, forces=forces, stress=stress, per_atom=per_atom, keys=keys)]
@@ -429,12 +386,10 @@ class Potential:
 
     def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True
                     ) -> MemoryPlan | None:
-        """The memory plan for systems of ``n_atoms`` atoms, made once per size on CUDA (None on other devices).
-
-        count_edges: builds the Verlet list and returns the edges the model will see. From the stored path's
-        estimated peak (``memory_plan``): streaming for good where it would not fit (with ``streaming=None`` at
-        construction and ``streaming`` here: the MD engine's captured step passes False), expandable allocator
-        segments near a full device, and no CUDA graph for such a box unless one was asked for."""
+        """The memory plan for systems of ``n_atoms`` atoms, made once per size on CUDA (None on other devices), from
+        ``count_edges()`` (builds the Verlet list, returns its edges): streaming where the stored path would not fit
+        (with ``streaming=None`` at construction and ``streaming`` here), expandable segments and no CUDA graph near
+        a full device (unless one was asked for)."""
         if self.device.type != "cuda" or n_atoms == self._memory_planned:
             return self.memory_plan
         self._memory_planned = n_atoms
@@ -462,9 +417,8 @@ class Potential:
         return self.plan_memory(len(numbers), lambda: self.step.prepare(positions, cell, pbc, species))
 
     def compiled_fits(self, positions: np.ndarray, cell: np.ndarray, pbc: Pbc, numbers: np.ndarray) -> bool:
-        """Whether this structure leaves room for the compiled model: its rows unchunked, its step still captured
-        (``options.uncaptured_above_fraction``). False off CUDA, when streaming, or for a box that needs row chunks
-        to fit comfortably."""
+        """Whether this structure leaves room for the compiled model, its rows unchunked and its step captured (False
+        off CUDA and when streaming)."""
         plan = self.plan_for(positions, cell, pbc, numbers)
         if plan is None or self.streaming:
             return False
@@ -509,10 +463,8 @@ class Potential:
         return self.step.cuda_graph
 
     def record_timings(self, enabled: bool = True) -> None:
-        """Start (or stop) a per-phase breakdown in ``timings.seconds`` (syncs the device per phase).
-
-        Phases: neighbour_list (staleness check and rebuilds), then model (a CUDA-graph replay) or edges /
-        forward / backward (the eager step), and copy_out."""
+        """Start (or stop) a per-phase breakdown in ``timings.seconds`` (syncs the device per phase): neighbour_list,
+        then model (a replay) or edges / forward / backward (the eager step), and copy_out."""
         self.timings = Timings(self.device) if enabled else None
         self.step.phase = self.timings.phase if enabled else _no_phase
 
@@ -583,9 +535,8 @@ class Potential:
         return True
 
     def _capture_by_size(self, plan: MemoryPlan) -> None:
-        """No CUDA graph for a box near a full device (``plan.capture`` False) unless one was asked for: its
-        steps take seconds, so replaying saves little, and the graph's private memory pool is what such a box
-        lacks; back on for a smaller box."""
+        """No CUDA graph for a box near a full device (``plan.capture`` False) unless one was asked for (the graph's
+        private pool is what such a box lacks); back on for a smaller box."""
         if self._cuda_graph_requested is not None or self.streaming:
             return
         if not plan.capture and self.step.cuda_graph:
