@@ -1,13 +1,8 @@
-"""Many ASE structures in one model call: ``evaluate_batch``.
+"""Many ASE structures in one model call: ``evaluate_batch`` (docs/batch.md).
 
     from cgforge.plugin import Calculator, evaluate_batch
-    calc = Calculator("mace", device="cuda")
-    results = evaluate_batch(calc, [molecule, crystal, cluster])   # or a runtime Potential
+    results = evaluate_batch(Calculator("mace", device="cuda"), [molecule, crystal, cluster])
     results[1].energy, results[1].forces, results[1].stress, results[1].energies
-
-The structures may differ in size, species, cell and periodicity (molecules without pbc too); they are
-evaluated as one graph with one component per structure (``runtime.batch``), each result what the calculator
-gives for that structure alone (to rounding). A bad structure raises ``BatchStructureError`` naming its index.
 """
 
 from __future__ import annotations

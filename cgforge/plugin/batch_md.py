@@ -1,23 +1,13 @@
-"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT).
+"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT; docs/batch.md).
 
     from cgforge.plugin import Calculator, run_md_batch
     final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
                          temperature_K=300, friction=0.01, seed=1)
 
-Every structure moves by the device engine's integrators (``md.integrators``: ``VelocityVerlet`` for NVE,
-``Langevin`` or ``CSVR`` for NVT, ``StochasticCellRescaling`` (isotropic) for NPT, their arithmetic applied to
-the batch's atoms at once) with its own atoms' masses and momenta (the ``Atoms``' own, zero where they have
-none), its own temperature, friction or coupling time, its own cell (NPT), and its own noise: system b draws
-what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone (``noise.SystemNoise``; ``seed`` an int
-gives system b the seed ``seed + b``), so a structure's trajectory does not depend on the batch it runs in. All
-structures' forces (and with NPT their virials) come from one model call per step (``runtime.batch.BatchStep``:
-one graph, each structure's Verlet list kept while it is valid; with NPT every cell changes every step, so
-every structure is searched again every step). Positions, momenta, forces and cells stay on the model's device
-in float64 (NPT's cells go to the host each step for the search).
-
-Not here: capture in a CUDA graph (the batch step reads the neighbour list's state on the host every step),
-the anisotropic barostat (``cgforge md`` has none either). A structure that cannot be evaluated, NPT without a
-periodic 3-D cell, or energy or forces that become NaN or inf, raises ``BatchStructureError`` naming it.
+Every structure moves by the engine's integrators (``md.integrators``) applied to the batch at once, with its own
+masses, temperature, cell and noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])``
+draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step
+(``runtime.batch.BatchStep``); no CUDA graph. A bad structure raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
-"""Batched FIRE relaxation of many structures: ``relax_batch``.
+"""Batched FIRE relaxation of many structures: ``relax_batch`` (docs/batch.md).
 
     from cgforge.plugin import Calculator, relax_batch
     for done in relax_batch(Calculator("mace"), structures, fmax=0.05, batch_size=64):
         done.index, done.status, done.energy, done.atoms          # as each structure finishes
 
-Each structure relaxes its positions with its own FIRE state, ASE's ``ase.optimize.FIRE`` (its parameters,
-``FireParameters``, and its arithmetic: the velocity mixing, the time step and the mixing factor that grow
-after ``Nmin`` downhill steps, the reset on an uphill step, one ``maxstep`` on the norm of the whole step) and
-ASE's ``Optimizer.irun`` loop: forces, then stop when the largest atomic force is below ``fmax`` (strictly) or
-``steps`` steps were taken, else one FIRE step. All structures of the batch are evaluated in one model call
-(``plugin.batch``); a structure that has finished leaves the batch and the next from the queue takes its place,
-so the batch stays full (``batch_size`` structures, at most ``max_atoms`` atoms). Positions, forces and FIRE's
-state stay on the model's device (``FireState``: one vectorised step for the whole batch); the host reads each
-step's energies and largest forces, and a structure's arrays when it finishes. With ``cell_filter`` a
-structure periodic in all three directions relaxes its cell too, through ASE's own ``FrechetCellFilter`` on it
-(positions and the log of the cell's deformation as FIRE's coordinates; its generalised forces from the
-batch's forces and stress; the cell rows count in ``fmax``), as ``FIRE(FrechetCellFilter(atoms))`` would; other
-structures relax their positions only (that path keeps each structure's state on the host). A structure
-that cannot be evaluated (``BatchStructureError``: unknown element, NaN, overlapping atoms, no atoms; or NaN or
-inf from the model) finishes with status ``"failed"`` and its reason; the others go on.
+Each structure has its own state of ASE's FIRE (``FireState``: one vectorised step on the model's device); the
+batch is evaluated in one model call and refilled from the queue as structures finish. ``cell_filter`` relaxes
+3-D periodic cells through ASE's ``FrechetCellFilter``. A structure that cannot be evaluated finishes "failed".
 """
 
 from __future__ import annotations

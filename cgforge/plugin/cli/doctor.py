@@ -1,11 +1,6 @@
-"""`cgforge doctor`: what cgforge finds on this machine, and a compile (with a GPU, a launch) proving it.
-
-Prints versions, the NVRTC library, the GPU and the kernel cache directory, and which model families (MACE,
-NequIP) this environment can load and why not (the package, the e3nn it runs with, its own requirements); then
-compiles a small kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it
-on a tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
-rendered and compiled for sm_80, and with a GPU run forward and backward against the CPU reference.
-Returns 0 when every check passed.
+"""`cgforge doctor`: versions, the NVRTC library, the GPU, the kernel cache, which model families load (and
+why not), then a small kernel and a small tensor product compiled (with a GPU: run and checked). 0 when every
+check passed.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""``cgforge md-batch IN``: MD of every structure of a file, in batches (``plugin.batch_md.run_md_batch``).
-
-IN and OUT as ``cgforge relax`` takes them (``cli.relax``: extended XYZ or an ASE database; OUT, default IN's
-name with ``.md`` before the suffix, a new file of the same format, never IN). Each structure runs --steps
-steps of NVE, NVT (Langevin or CSVR) or NPT on its own: structure i (its frame or row in IN, from 0) draws its
-initial velocities (when asked, or when it is at rest) and its thermostat noise from the seed ``--seed + i``,
-which is what ``cgforge md --engine device --seed <that>`` draws for it alone, so its run does not depend on the
-batch it ran in. OUT holds, as each batch finishes, every structure's last state (positions, velocities,
-energy, forces; the cell after NPT) with ``md_index`` (i), ``md_status`` (done or failed), ``md_steps``, the
-run's options as ``cgforge md`` saves them (``md_ensemble``, ``md_temperature_K``, ``md_timestep_fs``, the
-thermostat's and barostat's, and ``md_seed``: the structure's own), and for a failed one ``md_error`` and its
-input state. A bad structure (unknown element, NaN, overlapping atoms, no atoms, a cell NPT cannot take, or one
-that blows up) gets one line on stderr naming its index and is skipped; its batch runs again without it (the
-others' runs are unchanged: their noise is their own). Exit 0 when at least one structure ran, 1 when none
-could (or IN unreadable).
+"""``cgforge md-batch IN``: MD of every structure of a file, in batches (``plugin.batch_md.run_md_batch``;
+docs/batch.md). Structure i draws its velocities and noise from the seed ``--seed + i``, as ``cgforge md --engine
+device`` would alone; a bad structure is named on stderr, written as failed, and its batch runs again without it.
+Exit 0 when at least one structure ran, 1 when none could.
 """
 
 from __future__ import annotations

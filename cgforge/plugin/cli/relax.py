@@ -1,13 +1,6 @@
-"""``cgforge relax IN``: relax every structure of a file in batches (``plugin.relax.relax_batch``).
-
-IN is an extended XYZ file (.xyz, .extxyz: every frame) or an ASE database (.db: every row). OUT (default:
-IN's name with ``.relaxed`` before the suffix) is a new file of the same format, never IN, written as each
-structure finishes (so in the order they finish): the relaxed structure with its energy, forces (stress for a
-3-D cell), and ``relax_index`` (its frame or row in IN, from 0), ``relax_status`` (converged, unconverged,
-failed), ``relax_steps``, ``relax_fmax``, and for a failed one ``relax_error`` and its input positions. A bad
-structure (unknown element, NaN, overlapping atoms, no atoms) gets one line on stderr naming its index and is
-skipped; nothing else is lost. Exit 0 when at least one structure was relaxed (converged or not), 1 when none
-could be (every one failed, or IN unreadable).
+"""``cgforge relax IN``: relax every structure of a file in batches (``plugin.relax.relax_batch``; docs/batch.md).
+IN and OUT (a new file of IN's format: extended XYZ or an ASE database) and the model flags are shared with
+``cgforge md-batch``. Exit 0 when at least one structure was relaxed, 1 when none could be.
 """
 
 from __future__ import annotations

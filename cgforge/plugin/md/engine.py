@@ -8,33 +8,12 @@
     engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
     engine.run(1000, every=10, callback=lambda e: print(e.step, e.atoms.get_temperature()))
 
-The engine evaluates the model through the calculator's runtime (``calc.potential``). State (positions,
-momenta, forces, energy, virial, cell, integrator scalars, step counter) lives in float64 tensors on its
-device. A *block* of ``block`` steps runs without a host sync: on CUDA as
-replays of a CUDA graph that holds ``steps_per_graph`` whole steps (integrator + edge cut + model + backward),
-then one device-to-host copy of a small report (and of the state when an observer is due). ``atoms`` is
-written (positions, momenta, cell; energy, forces, stress as the calculator's results; the engine state in
-``atoms.info['cgforge_engine']``) every ``every`` steps, before ``callback(engine)``.
-
-Correctness inside a block, checked per step on the device (``commit``): a step whose positions went beyond
-the Verlet list's reach (``stale``), whose edges overflowed the captured buffers (``overflow``), or that blew up
-(non-finite energy or forces, temperature above ``max_temperature_K``) is not committed: the state goes back to
-the step's start, and the block's later steps are computed but not committed either. Between blocks the host
-rebuilds the list or grows the buffers (a new capture) and carries on from the last committed step, or raises
-``MDBlowUp`` naming the step and the value. So that discarded steps stay rare, a block is no longer than the
-steps the list's slack (how far atoms may still move, read with the report) should last at ``rebuild_margin``
-times the fastest use of slack per step seen, and the list is rebuilt first when not one step is left.
-
-Pipelined rebuilds (on by default on CUDA): the list's last steps (at most ``_HIDE_STEPS``) run as a block of
-their own, and during it the next list is searched on a side stream for the block's start state (a copy
-queued before its steps); the host's waits of that search then overlap the block's GPU work instead of
-leaving the GPU idle. The list is installed after the block with that start state as the staleness
-reference: it holds every pair within cutoff + skin of those positions, so it stays valid while no atom
-has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
-
-Random numbers are a function of (seed, step) (``noise``): a discarded and redone step draws the same
-numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
-``load_state``, read and written by ``state``) continues exactly as an uninterrupted run.
+State lives in float64 tensors on the device. A *block* of ``block`` steps runs without a host sync (on CUDA as
+replays of a graph of ``steps_per_graph`` steps), then one copy of a small report. A step that went stale,
+overflowed the edge buffers or blew up is not committed (``commit``): the host rebuilds or grows and carries on
+from the last committed step, or raises ``MDBlowUp``. Blocks are sized by the list's slack (``rebuild_margin``);
+pipelined rebuilds search the next list on a side stream during the list's last ``_HIDE_STEPS`` steps. Random
+numbers are a function of (seed, step) (``noise``), so redone steps and restarts draw the same (docs/md.md).
 """
 
 from __future__ import annotations

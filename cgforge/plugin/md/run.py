@@ -1,5 +1,5 @@
-"""Molecular dynamics: NVT (Langevin or CSVR), NVE (velocity Verlet) or NPT, with progress lines, a
-trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end (:func:`run_md`).
+"""Molecular dynamics: NVT (Langevin or CSVR), NVE or NPT with progress lines, a trajectory, blow-up
+detection, restarts, a clean Ctrl-C and a plot (:func:`run_md`; docs/md.md).
 
     from cgforge.plugin import Calculator, run_md, water_box
     atoms = water_box(1728)
@@ -8,22 +8,10 @@ trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end (:
                      trajectory="water.traj", log="water.log", plot="water.png")
     run_md(None, Calculator("mace"), restart="water.traj", steps=1000, trajectory="water-2.traj")
 
-:func:`plan_md` checks every argument, output file and the structure once (``cgforge md`` calls it before it
-loads the model); :meth:`MDPlan.run` runs. Two integrator paths (``dynamics.py`` has the table): cgforge's
-device engine (``engine.py``: integrator and model step on the calculator's device, a CUDA graph on a GPU; the
-host sees the state only at log and trajectory steps), the default for a cgforge Calculator on CUDA, and ASE's
-dynamics (any ASE calculator), the default otherwise. Both write the same frames and lines.
-
-Progress lines: step, simulated time, ns/day since the previous line, temperature, the drift of the total
-energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
-XYZ) are new files, reserved (created empty) when the run is planned and filled at the first frame (a hidden
-temporary file renamed over the reservation): concurrent runs never share one. Each frame's
-``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
-(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's kept options
-(``md_<keyword>``: :meth:`MDOptions.saved`), the potential energy (``md_epot``) and the model (``md_model``).
-From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ: closely); a value that
-contradicts a saved option, or a model that gives the frame another energy (``MODEL_MISMATCH_MEV_PER_ATOM``), is
-refused before any step.
+:func:`plan_md` checks every argument, output file and the structure once; :meth:`MDPlan.run` runs, on
+cgforge's device engine (``engine.py``) or ASE's dynamics (``dynamics.py``). Each frame's ``atoms.info`` holds
+what a restart continues (``md_step``, ``md_time_fs``, ``md_etot0``, ``md_rng``/``md_engine``, ``md_<keyword>``
+of :meth:`MDOptions.saved`, ``md_epot``, ``md_model``).
 """
 
 from __future__ import annotations
