@@ -43,10 +43,8 @@ __all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run
 
 
 class BatchLangevin(Langevin):
-    """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors, each
-    system's values on its atoms). ``Langevin.bind``'s formulas then give ASE's coefficients per atom, the same
-    numbers as for each system alone, so system b moves as ``Langevin(timestep_fs, T_b, friction_b)`` moves it
-    given the same forces and draws."""
+    """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors), so
+    system b moves as ``Langevin(timestep_fs, T_b, friction_b)`` moves it alone."""
 
     def __init__(self, timestep_fs: float, temperature_K: Tensor, friction_per_fs: Tensor) -> None:
         Integrator.__init__(self, timestep_fs)  # not Langevin's: its checks take one number (run_md_batch checks)
@@ -64,10 +62,8 @@ class BatchLangevin(Langevin):
 
 
 class BatchCSVR(CSVR):
-    """``CSVR`` over a batch: each system its own degrees of freedom (3 n_b - 3, at least 2, as ``CSVR``'s
-    default), target temperature, coupling time ``tau_fs``, kinetic energy, draws (``SystemNoise.per_system``:
-    the numbers it draws alone) and heat (``extra['heat']`` [B]). The factor is ``csvr_alpha``, the single
-    system's arithmetic, of each system's sums (summed in another order than alone: equal to rounding)."""
+    """``CSVR`` over a batch: each system its own degrees of freedom, temperature, coupling time, draws (as alone)
+    and heat (``extra['heat']`` [B]), through the single system's ``csvr_alpha``."""
 
     def __init__(self, timestep_fs: float, temperature_K: list[float], tau_fs: list[float], ptr: list[int]) -> None:
         Integrator.__init__(self, timestep_fs)  # not CSVR's: its checks take one number (run_md_batch checks)
@@ -106,10 +102,8 @@ class BatchCSVR(CSVR):
 
 
 class BatchCellRescaling(BatchCSVR):
-    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system with its own cell, volume, pressure
-    tensor (its kinetic tensor and virial), temperature and draws (stream 2, one per system, as alone); the
-    factor is ``cell_scaling_factor``, the single system's arithmetic. pressure_GPa, tau_p_fs and
-    compressibility_per_GPa: as ``StochasticCellRescaling``'s, the same for every system."""
+    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system its own cell, pressure tensor and
+    draws (as alone); pressure_GPa, tau_p_fs, compressibility_per_GPa the same for every system."""
 
     needs_virial = True
     changes_cell = True
@@ -204,15 +198,10 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
                  taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
                  taup_fs: float | None = None, compressibility_per_bar: float | None = None,
                  seed: int | Sequence[int] = 0, min_distance: float | None = 0.5) -> list[Atoms]:
-    """``steps`` MD steps of ``timestep_fs`` fs for every structure of ``atoms_list`` in one batch (module doc);
-    copies of the structures at the end, with their momenta and a single-point calculator holding their energy
-    and forces there. The inputs are not changed.
-
-    ensemble: "nve" (velocity Verlet) or "nvt" (``temperature_K`` needed). thermostat (NVT): "langevin" (the
-    default; ``friction`` in 1/fs) or "csvr" (``taut_fs``, its coupling time in fs). temperature_K (K),
-    friction and taut_fs (default cgforge md's): one number for all, or one per structure. seed: the noise's
-    seed of structure b is ``seed + b``, or ``seed[b]`` for a sequence (as ``Engine(..., seed=...)`` takes it).
-    min_distance: as ``evaluate_batch``'s."""
+    """``steps`` MD steps for every structure of ``atoms_list`` in one batch; copies at the end with momenta and
+    a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
+    (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
+    seed is ``seed + b``, or ``seed[b]`` for a sequence."""
     if not isinstance(ensemble, str) or ensemble.lower() not in ENSEMBLES:
         raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}")
     timestep_fs = check_number("timestep_fs", timestep_fs)

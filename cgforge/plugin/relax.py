@@ -33,10 +33,7 @@ __all__ = ["FireParameters", "Relaxed", "relax_batch"]
 
 @dataclass(frozen=True)
 class FireParameters:
-    """ASE's FIRE parameters, with its defaults (``ase.optimize.FIRE``): initial and largest time step (ASE
-    time units), the largest step (Å, on the norm of the whole structure's step), steps before the time step
-    grows, its growth and cut factors, the mixing coefficient at a reset (``astart``) and at the start (``a``),
-    and its decay."""
+    """ASE's FIRE parameters (``ase.optimize.FIRE``), with its defaults and names."""
 
     dt: float = 0.1
     maxstep: float = 0.2
@@ -57,11 +54,8 @@ class FireParameters:
 
 @dataclass
 class Relaxed:
-    """A finished structure: ``index`` in the input, ``status`` ("converged", "unconverged": ``steps``
-    reached, or "failed" with ``error``), the FIRE steps taken, and the final ``atoms`` (a copy of the
-    input with the relaxed positions and a single-point calculator holding energy, forces and, for a 3-D cell,
-    stress) with ``energy`` (eV) and ``fmax`` (eV/Å, the largest atomic force). A failed structure keeps the
-    positions it had when it failed, without results."""
+    """A finished structure: ``index`` in the input, ``status`` ("converged", "unconverged" or "failed" with
+    ``error``), FIRE ``steps``, the final ``atoms`` (results in a single-point calculator), ``energy``, ``fmax``."""
 
     index: int
     status: str
@@ -73,9 +67,8 @@ class Relaxed:
 
 
 class FireState:
-    """ASE's FIRE state of B structures at once (ASE's names): velocities [M, 3] of their M coordinates, and per
-    structure dt, a, the downhill counter ``Nsteps`` and whether it has taken a step (its first step does not
-    mix); float64 tensors on one device."""
+    """ASE's FIRE state of B structures at once: velocities [M, 3] of their M coordinates; per structure dt, a,
+    the downhill counter and whether it has stepped (float64 tensors on one device)."""
 
     def __init__(self, device: torch.device) -> None:
         f64 = {"dtype": torch.float64, "device": device}
@@ -99,8 +92,7 @@ class FireState:
         self.downhill, self.started = self.downhill[structures], self.started[structures]
 
     def step(self, x: Tensor, forces: Tensor, segment: Tensor, fire: FireParameters) -> None:
-        """One step of ASE's FIRE (``ase.optimize.FIRE.step``, without its downhill check) for every structure:
-        coordinates ``x`` [M, 3] (moved in place) with forces [M, 3], coordinate i in structure segment[i]."""
+        """ASE's ``FIRE.step`` (no downhill check) for every structure: ``x`` [M, 3] moved in place."""
         count = self.dt.shape[0]
 
         def per(values: Tensor) -> Tensor:  # ASE's np.vdot over one structure's coordinates
@@ -147,11 +139,8 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
                 steps: int = 1000, batch_size: int = 64, max_atoms: int | None = None,
                 fire: FireParameters | None = None, min_distance: float | None = 0.5,
                 cell_filter: bool = False) -> Iterator[Relaxed]:
-    """Relax the positions of every structure of ``structures`` (any iterable: read lazily, as the batch has
-    room) with FIRE, ``batch_size`` structures (and at most ``max_atoms`` atoms, beyond a single structure)
-    at a time; yields a ``Relaxed`` as each structure finishes (module doc), not in input order. The inputs
-    are not changed. ``min_distance``: as ``evaluate_batch``'s. ``cell_filter``: relax the cells of the 3-D
-    periodic structures too (module doc)."""
+    """Relax every structure of ``structures`` (read lazily) with FIRE, ``batch_size`` (and at most ``max_atoms``
+    atoms) at a time; yields a ``Relaxed`` as each finishes. The inputs are not changed (module doc)."""
     if not (isinstance(fmax, int | float) and np.isfinite(fmax) and fmax > 0):
         raise ValueError(f"fmax: expected a finite number > 0 (eV/Å), got {fmax!r}")
     for name, value in (("steps", steps), ("batch_size", batch_size)):
@@ -175,8 +164,7 @@ class _Queue:
         self.waiting: deque[tuple[int, object]] = deque()
 
     def take(self, active: list[_Slot]) -> Iterator[tuple[int, object]]:
-        """(index, structure) while ``active`` has room (a structure over ``max_atoms`` alone runs alone); the
-        caller appends what it admits before asking for the next."""
+        """(index, structure) while ``active`` has room (one over ``max_atoms`` runs alone)."""
         while len(active) < self.batch_size:
             if not self.waiting:
                 nxt = next(self.source, None)
@@ -190,7 +178,7 @@ class _Queue:
 
 
 def _refused(index: int, atoms: object, err: BatchStructureError) -> Relaxed:
-    """A structure that failed before it entered the batch: a copy of it (an empty Atoms for what is none)."""
+    """A structure that failed before it entered the batch."""
     return Relaxed(index, "failed", 0, atoms.copy() if isinstance(atoms, Atoms) else Atoms(), error=err.reason)
 
 
@@ -204,8 +192,7 @@ def _copy(index: int, atoms: object) -> Atoms:
 
 def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fire: FireParameters
                      ) -> Iterator[Relaxed]:
-    """Positions only: the batch's coordinates, forces and FIRE state stay on the model's device; the host sees
-    each step's energies and largest forces per structure, and a structure's arrays when it finishes."""
+    """Positions only: coordinates, forces and FIRE state on the model's device."""
     device = step.adapter.device
     active: list[_Slot] = []
     x = torch.zeros(0, 3, dtype=torch.float64, device=device)
@@ -270,8 +257,7 @@ def _admit(step: BatchStep, index: int, atoms: object) -> _Slot:
 
 def _finished(active: list[_Slot], done: list | np.ndarray, x: Tensor, forces: Tensor | None, ptr: list,
               host: np.ndarray | None, bad: np.ndarray | None, reason: str, fmax: float = 0.0) -> Iterator[Relaxed]:
-    """The structures ``done`` leave: their final positions (and results) into their atoms, handed back;
-    ``host``: the step's energies and largest forces, ``bad``: which failed (with ``reason``)."""
+    """The structures ``done`` leave, with their final positions and results (``bad``: failed, ``reason``)."""
     for b, slot in enumerate(active):
         if not done[b]:
             continue
@@ -297,8 +283,7 @@ def _keep(active: list[_Slot], leaving: list | np.ndarray, x: Tensor, state: Fir
 
 def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, fire: FireParameters,
                  min_distance: float | None) -> Iterator[Relaxed]:
-    """With cells: each 3-D periodic structure moves through ASE's FrechetCellFilter, whose coordinates and
-    generalised forces live on the host; FIRE's step is ``FireState``'s, per structure, on the host."""
+    """With cells: each 3-D periodic structure through ASE's FrechetCellFilter, on the host."""
     from ase.filters import FrechetCellFilter
 
     active: list[_Slot] = []
@@ -345,7 +330,7 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
 
 
 def _attach(atoms: Atoms, out: object) -> None:
-    """The batch's results for the atoms as they are, as their calculator (a cell filter reads them there)."""
+    """The batch's results as the atoms' calculator (a cell filter reads them there)."""
     results = {"energy": out.energy, "free_energy": out.energy, "forces": out.forces}
     volume = abs(float(atoms.cell.volume))
     if out.virial is not None and volume > 0:

@@ -58,19 +58,10 @@ def _count(name: str, value: int, minimum: int) -> int:
 
 
 class Engine:
-    """MD on the device; see the module doc.
-
-    forces: a cgforge ``Calculator`` or the ``Potential`` of one (``calc.potential``: its model step, neighbour
-    list and device are used), or a force provider (``forces.EnergyFunctionForces`` or anything with its
-    interface). atoms: the structure (positions,
-    momenta, cell, masses, pbc; no constraints); written back every ``every`` steps and by ``sync_atoms()``.
-    integrator: ``integrators.VelocityVerlet``, ``Langevin``, ``CSVR`` or ``StochasticCellRescaling``.
-    seed: the noise's seed. max_temperature_K: blow-up limit (None: 5 times the target or initial temperature, at
-    least 2000 K; inf turns it off). engine_options: the ``options.EngineOptions`` (block, steps_per_graph,
-    cuda_graph, rebuild_margin, pipelined_rebuild, fuse_integrator), or its fields as keywords (``settings``).
-    A fused integrator (``Integrator.fuse``) is compiled with the provider's ``options.compile_backend`` and set
-    on ``integrator``.
-    """
+    """MD on the device (module doc). forces: a cgforge ``Calculator``, its ``Potential`` or a force provider
+    (``forces.EnergyFunctionForces``'s interface); atoms: no constraints, written back every ``every`` steps;
+    max_temperature_K: blow-up limit (None: 5x the target or initial temperature, at least 2000 K; inf: off);
+    engine_options: an ``EngineOptions`` or its fields as keywords (``settings``)."""
 
     def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0,
                  max_temperature_K: float | None = None, engine_options: EngineOptions | None = None,
@@ -88,7 +79,7 @@ class Engine:
         if not isinstance(integrator, Integrator):
             raise TypeError(f"integrator: expected a cgforge.plugin.md.integrators integrator, got "
                             f"{type(integrator).__name__}")
-        potential = forces if isinstance(forces, Potential) else getattr(forces, "potential", None)  # a Calculator's
+        potential = forces if isinstance(forces, Potential) else getattr(forces, "potential", None)
         provider = callable(getattr(forces, "compute", None))  # a provider (ModelForces has a potential too)
         self.provider = ModelForces(potential) if isinstance(potential, Potential) and not provider else forces
         if not callable(getattr(self.provider, "compute", None)):
@@ -109,10 +100,7 @@ class Engine:
         self.fuse_integrator = self._want_fused(o.fuse_integrator)
         options = getattr(self.provider, "options", None)
         backend = "inductor" if options is None else options.compile_backend
-
-        def fused(fn: Callable) -> Callable:
-            return compile_or_eager(fn, backend)
-
+        fused = lambda fn: compile_or_eager(fn, backend)
         integrator.fuse(fused if self.fuse_integrator else None)
         self._commit = fused(commit_step) if self.fuse_integrator else commit_step
         self.capture_error: str | None = None
@@ -164,8 +152,6 @@ class Engine:
         self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
                       "grows": 0, "wall_s": 0.0}
         self._follow_memory_plan()  # run_md has planned this box already: the header says what will run
-
-    # --- public ------------------------------------------------------------------------------------------
 
     @property
     def step(self) -> int:
@@ -242,9 +228,7 @@ class Engine:
         return path
 
     def load_state(self, source: dict | str | os.PathLike | Atoms) -> None:
-        """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine (a
-        trajectory frame: positions, momenta, cell; forces and energy from its calculator results when present,
-        else computed; step and integrator scalars from ``atoms.info['cgforge_engine']``)."""
+        """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine."""
         d = read_state(source, self.integrator.needs_virial)
         n = len(self.atoms)
         if np.asarray(d["positions"]).shape != (n, 3):
@@ -280,8 +264,6 @@ class Engine:
         self._started = False  # the list is rebuilt at the restored positions
         self._snapshot_step = None
 
-    # --- setup -------------------------------------------------------------------------------------------
-
     def _want_graph(self, cuda_graph: bool | None) -> bool:
         capturable = self.device.type == "cuda" and getattr(self.provider, "capturable", True)
         if cuda_graph is None:
@@ -307,9 +289,7 @@ class Engine:
         return pipelined
 
     def _follow_memory_plan(self) -> None:
-        """As the calculator does for a box near a full device: no CUDA graph and no side-stream search unless
-        asked for (steps of seconds gain nothing from a graph, whose pool, and a second list searched beside the
-        steps, is memory such a box does not have). Before the start when run_md planned already, at it else."""
+        """A box near a full device: no CUDA graph and no side-stream search unless asked for (memory it lacks)."""
         near_full = getattr(self.provider, "near_full_device", None)
         if not callable(near_full) or not near_full(len(self.atoms)):
             return
@@ -348,27 +328,21 @@ class Engine:
         if result.virial is not None:
             s.virial.copy_(result.virial)
 
-    # --- the step (capture-safe: no host reads) ------------------------------------------------------------
-
-    def _one_step(self) -> None:
-        s, integrator = self.state, self.integrator
-        saved = self._flat.clone()
-        integrator.before_forces(s, self.noise)
-        result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
-        self._store(result)
-        integrator.after_forces(s, self.noise)
-        bad, step, report = self._commit(s.energy, s.forces, s.momenta, s.masses, s.step, result.stale,
-                                         result.overflow, result.count, result.slack, self.max_temperature_K,
-                                         self._report_values)
-        self._flat.copy_(torch.where(bad, saved, self._flat))
-        s.step.copy_(step)
-        self._report_values.copy_(report)
-
     def _steps(self, count: int) -> None:
+        """``count`` steps, capture-safe (no host reads)."""
+        s, integrator = self.state, self.integrator
         for _ in range(count):
-            self._one_step()
-
-    # --- blocks ------------------------------------------------------------------------------------------
+            saved = self._flat.clone()
+            integrator.before_forces(s, self.noise)
+            result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
+            self._store(result)
+            integrator.after_forces(s, self.noise)
+            bad, step, report = self._commit(s.energy, s.forces, s.momenta, s.masses, s.step, result.stale,
+                                             result.overflow, result.count, result.slack, self.max_temperature_K,
+                                             self._report_values)
+            self._flat.copy_(torch.where(bad, saved, self._flat))
+            s.step.copy_(step)
+            self._report_values.copy_(report)
 
     def _run_block(self, size: int, observe: bool) -> int:
         self._report_values.copy_(self._report_start)
@@ -419,9 +393,7 @@ class Engine:
         return committed
 
     def _plan_block(self, size: int) -> int:
-        """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
-        the fastest use of slack seen); a rebuild first when not one step is left. Pipelined, the list's last
-        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched."""
+        """The block's length: what the list's slack should last; pipelined, its last steps are a block alone."""
         self._search_next = False
         if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
@@ -505,8 +477,6 @@ class Engine:
         self.stats["captures"] += 1
         return entry[0]
 
-    # --- host copies ---------------------------------------------------------------------------------------
-
     def _take_snapshot(self) -> None:
         """Queue a copy of the state into a pinned host buffer (read after the block's sync)."""
         if self._host_snapshot is None:
@@ -523,9 +493,8 @@ class Engine:
 
 def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,
                            **kwargs) -> Engine:
-    """An engine over a torch energy function ``energy_fn(positions, cell) -> energy`` (float64, CPU unless
-    ``device=`` is given; ``options=``: the ``RuntimeOptions`` whose compile backend a fused integrator uses);
-    other keywords are the ``Engine``'s."""
+    """An engine over ``energy_fn(positions, cell) -> energy`` (``device=``, default CPU; ``options=``: its
+    ``RuntimeOptions``); other keywords are the ``Engine``'s."""
     device = kwargs.pop("device", "cpu")
     options = kwargs.pop("options", None)
     return Engine(EnergyFunctionForces(energy_fn, device=device, options=options), atoms, integrator, **kwargs)

@@ -113,10 +113,8 @@ _COUNT_0, _COUNT_1 = partial(check_count, minimum=0), partial(check_count, minim
 
 @dataclass(frozen=True)
 class MDOptions:
-    """A run's options, checked once where they are made: ``MDOptions(**keywords, names=...)`` fills what was
-    not given (None) with its default (:meth:`given` first takes a restart's saved values) and checks every
-    field and the rules between them (an option of another ensemble or thermostat is refused). ``names`` maps
-    a keyword to what the user typed (a flag). Fields that do not apply to the run's mode are None."""
+    """A run's options, checked once where made: what was not given (None) gets its default; an option of another
+    mode is refused, one that does not apply is None. ``names`` maps a keyword to what the user typed."""
 
     ensemble: str | None = option(None, partial(check_choice, choices=ENSEMBLES), "--ensemble", (
         "nvt (Langevin), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
@@ -206,9 +204,8 @@ class MDOptions:
     @classmethod
     def given(cls, given: Mapping[str, Any], names: Callable[[str], str] | None = None,
               saved: Mapping[str, Any] | None = None, source: str = "", new_run: str = "") -> MDOptions:
-        """The options of ``given`` (None: not given); after a restart (``saved``: its saved options, from
-        ``source``) a kept option not given is the saved one, and another value is refused (``new_run``: how to
-        start a new run with other settings instead)."""
+        """The options of ``given``; after a restart (``saved`` from ``source``) a kept option not given is the
+        saved one, and another value is refused."""
         name = names or str
         o = dict(given)
         for key, value in (saved or {}).items():
@@ -228,8 +225,7 @@ class MDOptions:
         return cls(**o, names=names)
 
     def saved(self) -> dict[str, Any]:
-        """What a frame saves for a restart (``md_<name>`` in ``atoms.info``): the kept options of the run's
-        mode (NVE's temperature too: that of its first velocities, the blow-up limit's reference)."""
+        """What a frame saves for a restart (``md_<name>``): the kept options of the run's mode."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.metadata["restart"] == KEPT and getattr(self, f.name) is not None}
 
@@ -246,16 +242,10 @@ class MDOptions:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the device engine (``engine.Engine``) runs, checked once where it is made; ``run_md(engine_options=)``
-    and ``Engine(engine_options=)`` take one (or its fields as keywords).
-
-    block: steps between host syncs (None: 10; run_md: ``dynamics.ENGINE_BLOCK`` by device). steps_per_graph:
-    steps unrolled in one CUDA graph (blocks replay it; a remainder replays a one-step graph). cuda_graph: None
-    captures on CUDA when the force provider allows it. rebuild_margin: how much faster than seen so far the list's
-    slack is assumed to shrink (``engine`` module doc). pipelined_rebuild: search the next neighbour list on a side
-    stream while a block runs (None: on CUDA with a calculator). fuse_integrator: compile the integrator's
-    arithmetic into the captured step (None: on CUDA when the model is compiled). Left at None, ``cuda_graph`` and
-    ``pipelined_rebuild`` turn off for a box near a full device (``RuntimeOptions.uncaptured_above_fraction``)."""
+    """How the device engine runs (``Engine(engine_options=)``, ``run_md(engine_options=)``), checked where made.
+    block: steps between host syncs (None: 10; run_md: by device); steps_per_graph: steps in one CUDA graph;
+    rebuild_margin: how much faster than seen the list's slack is assumed to shrink; cuda_graph, pipelined_rebuild
+    (the next list searched on a side stream), fuse_integrator (the integrator compiled): None decides by device."""
 
     block: int | None = None
     steps_per_graph: int = 1
@@ -308,8 +298,7 @@ OPTION_FIELDS = {f.name: f.metadata for f in fields(MDOptions)}
 
 
 def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> None:
-    """Before a restart's file is read: a given option a restart refuses (it continues the saved state), unless
-    it is the value that does nothing (``--relax 0``)."""
+    """Before a restart's file is read: refuse a given option a restart refuses (unless it does nothing)."""
     for key, meta in OPTION_FIELDS.items():
         if meta["restart"] == REFUSED and given.get(key) is not None and given[key] != meta["value"]:
             raise ValueError(f"{names(key)}: a restart continues the saved state (velocities, random state); leave "
@@ -324,9 +313,8 @@ def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None,
                   override: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """One flag per :class:`MDOptions` field (its keyword the destination, None when not given). For another
-    command: ``keys`` only these fields' flags (then without cgforge md's restart notes), ``override`` argparse
-    keywords (help, choices) replacing a field's own."""
+    """One flag per :class:`MDOptions` field (None when not given); another command passes ``keys`` (only these)
+    and ``override`` (argparse keywords replacing a field's own)."""
     for key, meta in OPTION_FIELDS.items():
         if keys is not None and key not in keys:
             continue

@@ -31,13 +31,7 @@ import numpy as np
 from ase import Atoms
 
 from .checks import CtrlC, Guard, MDInstabilityError, MDSummary, Progress, summarize, total_energy
-from .dynamics import (
-    AseDynamics,
-    ase_dynamics,
-    choose_engine,
-    engine_dynamics,
-    thermalize,
-)
+from .dynamics import AseDynamics, ase_dynamics, choose_engine, engine_dynamics, thermalize
 from .files import (
     MODEL_MISMATCH_MEV_PER_ATOM,
     PLOT_SUFFIXES,
@@ -73,8 +67,7 @@ __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MD
            "relax_structure", "model_banner", "options_banner", "auto_compile"]
 
 class MDInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: the run stopped cleanly after ``step``; ``summary``
-    describes it."""
+    """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: stopped cleanly after ``step`` (``summary``)."""
 
     def __init__(self, message: str, step: int, summary: MDSummary, signum: int = signal.SIGINT) -> None:
         super().__init__(message)
@@ -82,7 +75,7 @@ class MDInterrupted(KeyboardInterrupt):
 
 
 class _StopRequested(Exception):
-    """The first Ctrl-C, acted on between steps (the state is that of a completed step)."""
+    """The first Ctrl-C, acted on between steps."""
 
 
 def _unknown_arguments(unknown: dict[str, Any]) -> None:
@@ -125,21 +118,11 @@ def run_md(
     **options: Any,
 ) -> MDSummary:
     """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions`, one keyword per field (docs/md.md
-    has the table; an unknown keyword is a TypeError naming the nearest). ``calculator`` replaces ``atoms.calc``.
-    ``trajectory``: a new .traj/.xyz/.extxyz file (frames every ``trajectory_interval`` steps and at the last).
-    ``log``: print (default), a callable taking a line, a stream, a file name (instead of stdout), a list of these
-    or None. ``plot``: a new .png/.pdf/.svg file drawn at the end, also after a blow-up or Ctrl-C (a plot that
-    fails is a warning line). ``engine_options``: the engine's :class:`EngineOptions` (or a dict of its
-    fields). ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
-    last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
-    options, engine and model (another model is a ValueError); ``atoms`` may then be None.
-
-    Everything is checked before anything runs (:func:`plan_md`); the ``relax`` FIRE steps and the ``compile``
-    decision come before the first step, as in ``cgforge md`` (:meth:`MDPlan.start`). A blow-up raises
-    :class:`MDInstabilityError`; Ctrl-C, and SIGTERM over its default handler, stop after the current step and
-    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The
-    output files are created when they are checked, so a concurrent run in the same folder gets others.
-    """
+    has the table). ``calculator`` replaces ``atoms.calc``; ``trajectory``: a new .traj/.xyz/.extxyz file;
+    ``log``: print, a callable, a stream, a file name, a list of these or None; ``plot``: a new .png/.pdf/.svg;
+    ``restart``: a trajectory written by run_md (or a :class:`Restart`) continued for ``steps`` more steps with
+    its saved options (``atoms`` may then be None). A blow-up raises :class:`MDInstabilityError`; Ctrl-C and
+    SIGTERM stop after the current step and raise :class:`MDInterrupted`."""
     plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
                    engine_options=engine_options, **options)
     return plan.run()
@@ -156,15 +139,10 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
             inputs: dict[str, Path | None] | None = None, structure: Path | None = None,
             calculator_later: bool = False, new_run: str | None = None, prog: str = "run_md",
             **arguments: Any) -> MDPlan:
-    """Check :func:`run_md`'s ``arguments`` (its keywords), its output files and the structure, read the
-    restart and create the log file: the :class:`MDPlan` whose ``run()`` runs them. Nothing is checked twice.
-
-    ``names``: what the user typed for an argument where that is not its name (``cgforge md`` passes its flags,
-    ``atoms`` included: the flag the structure came from); ``inputs``: more
-    input files no output may name ({name: path}); ``structure``: a structure file to read as ``atoms`` (after
-    the outputs were checked against it); ``calculator_later``: the calculator comes with
-    :meth:`MDPlan.attach`; ``new_run``: how to start a new run from a restart's last frame (for the messages);
-    ``prog``: who speaks in the Ctrl-C notice."""
+    """Check :func:`run_md`'s ``arguments``, its output files and the structure once, read the restart, create the
+    outputs: the :class:`MDPlan` whose ``run()`` runs. ``names``: what the user typed for an argument (flags);
+    ``inputs``: more files no output may name; ``structure``: a file to read as ``atoms``; ``calculator_later``:
+    it comes with :meth:`MDPlan.attach`; ``new_run``, ``prog``: for the messages."""
     unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
     _unknown_arguments(unknown)
     # one lookup for every check (a dict's own method: the checks never call back into the caller's code)
@@ -251,15 +229,13 @@ _PATHS = {"device": "cgforge's device engine", "ase": "ASE's dynamics"}
 
 
 def _engine_of(state: Restart) -> str:
-    """The engine that wrote a restart's frame: its random state says (``md_engine``: the device engine)."""
+    """The engine that wrote a restart's frame (``md_engine``: the device engine)."""
     return "device" if state.engine_state is not None else "ase"
 
 
 @dataclass
 class MDPlan:
-    """A run checked by :func:`plan_md`: the structure (``atoms``, the restart frame's after a restart), the
-    checked options ``o``, the output files, the log's :class:`Printer` (``out``: write a line), the restart.
-    ``attach(calc)`` checks the calculator against the structure; ``run()`` runs and closes the log."""
+    """A run checked by :func:`plan_md`: structure, options ``o``, output files, the log's :class:`Printer`."""
 
     atoms: Atoms
     o: MDOptions
@@ -282,8 +258,7 @@ class MDPlan:
         return self.printer.write
 
     def attach(self, calc: Any) -> None:
-        """``calc`` becomes the run's calculator, checked now: an ASE calculator, (a cgforge Calculator) a model
-        that knows every element of the structure, and one the chosen integrator path (``engine``) can run."""
+        """``calc`` becomes the run's calculator, checked against the structure and the integrator path."""
         _check_calculator(calc)
         adapter = getattr(calc, "adapter", None)
         if callable(getattr(adapter, "species", None)):
@@ -297,10 +272,8 @@ class MDPlan:
         self.atoms.calc = calc
 
     def start(self, calc: Any = None, seconds: float | None = None) -> None:
-        """What runs between a loaded calculator and the first step: ``calc`` (None: the attached one) attached,
-        the radial-precision decision said, the ``relax`` FIRE steps, the ``compile`` decision. ``seconds``: the
-        model's load time when the caller loaded it for this run (``cgforge md``): then the model line, the
-        compile line (else only one that compiled) and the options line are said too."""
+        """Before the first step: ``calc`` attached, the radial-precision line, ``relax``, the ``compile`` decision.
+        ``seconds``: the model's load time when the caller loaded it (then the model and options lines too)."""
         calc = calc if calc is not None else self.atoms.calc
         if calc is None:
             raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
@@ -330,9 +303,7 @@ class MDPlan:
             self.out(options_banner(calc, self.engine, self.o.engine, calc.neighbours.skin))
 
     def run(self, calc: Any = None, *, seconds: float | None = None, close: bool = True) -> MDSummary:
-        """:meth:`start` with ``calc`` and ``seconds``, then the steps (see :func:`run_md`). The log file is closed
-        at the end unless ``close`` is False, and after an error before the first step (said in the log file when
-        the caller prints errors: :meth:`close`)."""
+        """:meth:`start`, then the steps (:func:`run_md`); the log closed at the end unless ``close`` is False."""
         try:
             self.start(calc, seconds)
         except BaseException as err:
@@ -345,9 +316,8 @@ class MDPlan:
                 self.close()
 
     def close(self, error: BaseException | None = None) -> None:
-        """Close the log and release the outputs no frame or plot was written to; ``error``, raised before the
-        first step, goes to the log file first as "error: ..." when the caller prints errors (``errors_to_caller``;
-        from the first step on the run writes its own "stopped" line)."""
+        """Close the log and release unused outputs; ``error`` (before the first step) goes to the log file first
+        when the caller prints errors."""
         if error is not None and self.errors_to_caller and not isinstance(error, KeyboardInterrupt):
             self.printer.to_file(f"error: {error}")
         self.printer.close()
@@ -363,15 +333,12 @@ def relax_structure(atoms: Atoms, calc: Any, steps: int, out: Callable[[str], No
     before = atoms.get_potential_energy()
     optimizer = FIRE(atoms, logfile=None)
     optimizer.run(fmax=fmax, steps=steps)
-    after = atoms.get_potential_energy()
-    line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
-            f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
-    out(line)
+    out(f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {atoms.get_potential_energy():.4f} eV, "
+        f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
 
 
 def model_banner(name: str, calc: Any, seconds: float) -> str:
-    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, which code runs it
-    (cgforge's kernels or the model's own), load time."""
+    """One line about the loaded model: kind, cutoff, device, dtype, which code runs it, load time."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
     dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
     compiled = " (kernels compiled)" if calc.device.type == "cuda" and getattr(calc, "patched", False) else ""
@@ -387,8 +354,7 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
 
 
 def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
-    """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
-    radial tables, the memory policy (tiles, streaming), the skin and the kernel tuning when it is not the default."""
+    """The effective run options in one line: integrator path, compile, CUDA graph, tables, memory, skin, tuning."""
     why = ""
     if requested == "auto":
         why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
@@ -415,9 +381,8 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
-    """compile auto: compile the model (``calc.set_compile``) for a run of ``min_steps`` or more on CUDA when
-    the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off CUDA, where
-    nothing is compiled unless asked)."""
+    """compile auto: compile the model for a run of ``min_steps`` or more on CUDA when it fits; the line that
+    says so (None off CUDA)."""
     if getattr(getattr(calc, "device", None), "type", None) != "cuda":
         return None
     if steps < min_steps:
