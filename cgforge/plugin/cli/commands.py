@@ -13,11 +13,11 @@ EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
 EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temperature above the limit)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
 EXIT_TERMINATED = 143  # SIGTERM, what batch schedulers send before they kill a job (128 + SIGTERM)
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a flag's choice as a keyword's value
 
 
 def _check_paths(src: str | None, dst: str, force: bool) -> None:
-    """Refuse before any work: IN must exist (src None: a bundled model), OUT must not be IN, OUT needs --force
-    to be replaced, and OUT's directory must exist and be writable (``cgforge.atomic.check_new_file``)."""
+    """Before any work: IN exists (None: a bundled model), OUT is not IN, new or --force, in a writable folder."""
     from cgforge.atomic import check_new_file
 
     if src is not None and not os.path.exists(src):
@@ -31,18 +31,14 @@ def _check_paths(src: str | None, dst: str, force: bool) -> None:
 
 
 def _checkpoint(name: str) -> str:
-    """IN of ``patch``/``unpatch``: a bundled model's name ('mace', 'nequip', as ``cgforge md`` and
-    ``lammps-model`` take them) as its file, else the file name given."""
+    """IN of ``patch``/``unpatch``: a bundled model's name as its file, else the file name given."""
     from cgforge.plugin.runtime.bundled import NAMES, model_path
 
     return str(model_path(name.lower())) if name.lower() in NAMES else name
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
-    """``cgforge patch IN OUT``: write a copy of the checkpoint IN (or a bundled model) that runs cgforge's
-    kernels (a MACE .model, a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is
-    named for IN's family and checked before anything is loaded; ``--device``/``--dtype`` as in
-    ``families.load``."""
+    """``cgforge patch IN OUT``: a copy of the checkpoint IN (or a bundled model) that runs cgforge's kernels."""
     from cgforge.patches import families
 
     source = _checkpoint(args.input)
@@ -55,8 +51,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
 
 
 def cmd_unpatch(args: argparse.Namespace) -> int:
-    """``cgforge unpatch IN OUT``: write the checkpoint IN as a plain model that loads without cgforge
-    (``families.Family.save(..., patched=False)``; MACE only). IN is never modified."""
+    """``cgforge unpatch IN OUT``: the checkpoint IN as a plain model that loads without cgforge (MACE only)."""
     from cgforge.patches import families
 
     source = _checkpoint(args.input)
@@ -69,19 +64,15 @@ def cmd_unpatch(args: argparse.Namespace) -> int:
 
 
 def cmd_lammps_model(args: argparse.Namespace) -> int:
-    """``cgforge lammps-model IN OUT``: write the file LAMMPS's ``pair_style mliap unified`` loads, holding the
-    checkpoint IN (or a bundled model: ``cgforge.plugin.runtime.bundled``) with the given options."""
+    """``cgforge lammps-model IN OUT``: the file LAMMPS's ``pair_style mliap unified`` loads, holding IN."""
     from cgforge.plugin.lammps import CgforgeMLIAP
     from cgforge.plugin.lammps.write import usage_lines, write_lammps_model
     from cgforge.plugin.runtime.bundled import NAMES
 
     _check_paths(None if args.input.lower() in NAMES else args.input, args.output, args.force)
-    patch = {"auto": None, "on": True, "off": False}[args.patch]
-    type_map = _parse_type_map(args.type_map)
-    cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
-    radial_table = {"auto": None, "on": True, "off": False}[args.radial_table]
-    obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
-                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph, radial_table=radial_table,
+    obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=AUTO_ON_OFF[args.patch],
+                       head=args.head, type_map=_parse_type_map(args.type_map), mode=args.mode,
+                       cuda_graph=AUTO_ON_OFF[args.cuda_graph], radial_table=AUTO_ON_OFF[args.radial_table],
                        timers=args.timers)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
@@ -100,29 +91,15 @@ def _parse_type_map(text: str | None) -> dict[str, str] | None:
     return {a.strip(): b.strip() for a, b in pairs}
 
 
-def cmd_md(args: argparse.Namespace) -> int:
-    from .md import run_from_args
+def _run(module: str) -> Callable[[argparse.Namespace], int]:
+    """The subcommand ``cli.<module>``, imported when it runs (``--help`` loads nothing heavy)."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
 
-    run_from_args(args)
-    return EXIT_OK
-
-
-def cmd_relax(args: argparse.Namespace) -> int:
-    from .relax import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_md_batch(args: argparse.Namespace) -> int:
-    from .md_batch import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import main as doctor_main
-
-    return doctor_main()
+        code = importlib.import_module(f"{__package__}.{module}")
+        code = code.main() if module == "doctor" else code.run_from_args(args)
+        return code if isinstance(code, int) else EXIT_OK  # cgforge md returns its summary
+    return run
 
 
 def _add_io(parser: argparse.ArgumentParser) -> None:
@@ -202,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "trajectory ends with the last completed step; continue with --restart), "
                               f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
     add_md_arguments(p)
-    p.set_defaults(func=cmd_md)
+    p.set_defaults(func=_run("md"))
 
     from .relax import add_relax_arguments
 
@@ -213,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                               f"and kept in OUT as failed), {EXIT_ERROR} none could be, or bad input, {EXIT_USAGE} "
                               "usage")
     add_relax_arguments(p)
-    p.set_defaults(func=cmd_relax)
+    p.set_defaults(func=_run("relax"))
 
     from .md_batch import add_md_batch_arguments
 
@@ -223,10 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=f"exit codes: {EXIT_OK} at least one structure ran (bad ones are skipped, named and "
                               f"kept in OUT as failed), {EXIT_ERROR} none could, or bad input, {EXIT_USAGE} usage")
     add_md_batch_arguments(p)
-    p.set_defaults(func=cmd_md_batch)
+    p.set_defaults(func=_run("md_batch"))
 
     p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=_run("doctor"))
     return parser
 
 

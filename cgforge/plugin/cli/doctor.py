@@ -43,9 +43,7 @@ def _cupy_distributions() -> list[str]:
 
 def _cupy_version() -> str:
     dists = _cupy_distributions()
-    if not dists:
-        return "not installed"
-    return ", ".join(f"{importlib.metadata.version(dist)} ({dist})" for dist in dists)
+    return ", ".join(f"{importlib.metadata.version(dist)} ({dist})" for dist in dists) or "not installed"
 
 
 # The install extras by CUDA major (pyproject.toml), and the wheels each brings.
@@ -68,12 +66,8 @@ def _install_hint(major: int | None) -> str:
 
 def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
                         nvrtc: tuple[int, int] | None) -> list[tuple[bool, str]]:
-    """(ok, detail) for the CUDA majors of torch (torch.version.cuda), CuPy (its wheel's name) and NVRTC.
-
-    cgforge compiles with NVRTC and launches through CuPy on torch's stream: all three should be built for
-    one CUDA major. A mix often works (the driver runs older CUDA code) but loads two CUDA runtimes into the
-    process and ties the newest GPUs to the older NVRTC; the fix is the extra of torch's major.
-    """
+    """(ok, detail) for the CUDA majors of torch, CuPy (its wheel's name) and NVRTC: all three should match (a mix
+    loads two CUDA runtimes and ties the newest GPUs to the older NVRTC)."""
     if torch_cuda is None:
         return [(True, "torch is a CPU build: NVRTC compiles here, the kernels run only with CUDA torch")]
     torch_major = int(torch_cuda.split(".")[0])
@@ -123,9 +117,8 @@ def _requirements(dist: str) -> list[str]:
 
 def family_checks(version: Callable[[str], str] = _dist_version,
                   requirements: Callable[[str], list[str]] = _requirements) -> list[tuple[str, bool, str]]:
-    """(family, can load, why) for each model family: its package installed, the e3nn it runs with installed,
-    and the package's own requirements installed (mace-torch goes in with --no-deps). ``version(dist)`` is the
-    installed version or ``"not installed"``; ``requirements(dist)`` the names ``dist`` requires."""
+    """(family, can load, why) for each model family: its package, the e3nn it runs with and its own requirements
+    installed (``version(dist)``: the version or ``"not installed"``; ``requirements(dist)``: names)."""
     e3nn = version("e3nn")
     lines = []
     for family, (dist, tested, e3nn_min) in FAMILIES.items():
@@ -170,8 +163,7 @@ def _cache_dir_status() -> tuple[str, bool]:
 
 
 def _kernel_options(report: _Report) -> None:
-    """The kernels' effective tuning (the defaults: a model's comes from ``patch(model, tuning=...)``), and any
-    leftover ``CGFORGE_*`` variable no kernel reads any more (the compiler reads the three it names)."""
+    """The kernels' default tuning, and any ``CGFORGE_*`` variable nothing reads."""
     from cgforge.kernels import KernelTuning
     from cgforge.kernels.core.compiler import ENVIRONMENT
 
@@ -302,15 +294,10 @@ def main(out: Callable[[str], None] = print) -> int:
         import torch
     except ImportError:
         torch = None
-    if torch is None:
-        report.info("torch", "not installed")
-    else:
-        report.info("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
-    report.info("e3nn", _dist_version("e3nn"))
-    report.info("cupy", _cupy_version())
-    report.info("mace-torch", _dist_version("mace-torch"))
-    report.info("nequip", _dist_version("nequip"))
-    report.info("ase", _dist_version("ase"))
+    report.info("torch", "not installed" if torch is None else
+                f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
+    for name in ("e3nn", "cupy", "mace-torch", "nequip", "ase"):
+        report.info(name, _cupy_version() if name == "cupy" else _dist_version(name))
 
     from cgforge.kernels.core import compiler
 
@@ -329,8 +316,7 @@ def main(out: Callable[[str], None] = print) -> int:
         from cgforge.kernels.core.runtime import device_arch
 
         gpu_arch = device_arch()
-        count = torch.cuda.device_count()
-        report.info("gpu", f"{torch.cuda.get_device_name()} ({gpu_arch}), {count} visible")
+        report.info("gpu", f"{torch.cuda.get_device_name()} ({gpu_arch}), {torch.cuda.device_count()} visible")
     else:
         report.info("gpu", "no GPU")
     cache_text, cache_ok = _cache_dir_status()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
 # not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
@@ -22,8 +21,9 @@ from cgforge.plugin.md.options import (
 from cgforge.plugin.runtime.bundled import LISTED
 from cgforge.plugin.runtime.bundled import NAMES as BUNDLED
 
-if TYPE_CHECKING:
+from .commands import AUTO_ON_OFF
 
+if TYPE_CHECKING:
     from cgforge.plugin.md.files import Restart
     from cgforge.plugin.md.run import MDPlan, MDSummary
 
@@ -89,19 +89,16 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                              "graph would not fit the GPU (default)")
 
 
-@dataclass
-class MDSetup:
-    """What ``cgforge md`` checked and prepared before loading the model: the checked run (``plan``: structure,
-    options, output files, the log, the restart, the model's name), the device, the ``--kernel-tuning``."""
+class MDSetup(NamedTuple):
+    """What ``cgforge md`` checked before loading the model: the run's ``plan``, the device, the kernel tuning."""
 
     plan: MDPlan
     device: Any
-    tuning: Any = None  # a KernelTuning, or None
+    tuning: Any = None
 
 
 def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Path | None]:
-    """``--model``, else the model a restart's frames name (``md_model``: the name given, then the family in
-    brackets), else mace; and its file (None for a bundled name, whose file is checked at load)."""
+    """``--model``, else the restart's model (``md_model``), else mace; and its file (None for a bundled name)."""
     saved = restart.model if restart is not None else None
     name = model or (saved.rsplit(" (", 1)[0] if saved and saved.endswith(")") else saved) or "mace"
     if name.lower() in BUNDLED:
@@ -114,9 +111,7 @@ def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Pa
 
 
 def read_kernel_tuning(path: str | None) -> Any:
-    """The ``KernelTuning`` of ``--kernel-tuning FILE.json`` (None without the flag): ValueError naming the flag,
-    the file and the key for a missing or unreadable file, bad JSON, an unknown key or a value a field refuses
-    (``KernelTuning.from_dict``)."""
+    """The ``KernelTuning`` of ``--kernel-tuning FILE.json`` (None without it); errors name the flag and file."""
     if path is None:
         return None
     import json
@@ -137,8 +132,7 @@ def read_kernel_tuning(path: str | None) -> Any:
 
 
 def size_hint(n_atoms: int, device: Any, above_atoms: int = CPU_HINT_ATOMS) -> str | None:
-    """A hint before a box far too large for a CPU (more than ``above_atoms``: its expected cost; a GPU
-    suggested), else None."""
+    """A hint before a box of more than ``above_atoms`` on a CPU (its expected cost), else None."""
     if getattr(device, "type", str(device)) != "cpu" or n_atoms <= above_atoms:
         return None
     seconds, gigabytes = n_atoms * CPU_SECONDS_PER_ATOM, n_atoms * CPU_BYTES_PER_ATOM / 1e9
@@ -149,9 +143,8 @@ def size_hint(n_atoms: int, device: Any, above_atoms: int = CPU_HINT_ATOMS) -> s
 
 
 def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
-    """The flags only ``cgforge md`` has (errors name the flag), the structure read or built, then the run's
-    options, files and structure checked once by :func:`cgforge.plugin.md.run.plan_md`: all before any model
-    is loaded. The log file exists from here on (``setup.plan.close()`` closes it)."""
+    """``cgforge md``'s own flags, the structure, then :func:`~cgforge.plugin.md.run.plan_md`: all before the
+    model loads. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
     from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
     from cgforge.plugin.md.run import plan_md
@@ -191,12 +184,10 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
         atoms = water_box(n, seed=seed)  # the box's seed too
         given.setdefault("relax", DEFAULT_RELAX)  # a generated box is far from the model's equilibrium
     names = {**NAMES, "atoms": "--structure" if structure is not None else "--molecules"}
-    plan = plan_md(
-        atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
-        prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
-        trajectory=trajectory, restart=restart,
-        log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None),
-        **given)
+    plan = plan_md(atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
+                   prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
+                   trajectory=trajectory, restart=restart, log=[print, args.log] if args.log is not None else print,
+                   plot=getattr(args, "plot", None), **given)
     plan.model, plan.errors_to_caller = model, True
     hint = size_hint(len(plan.atoms), device)
     if hint:
@@ -223,8 +214,7 @@ def flag_spelling(message: str) -> str:
 
 
 def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
-    """``cgforge md``: check everything, load the model, check it against the structure, relax if asked, run;
-    lines to stdout (and --log). An error's message names flags, not the library's keywords."""
+    """``cgforge md``: check, load the model, run (:meth:`MDPlan.run`); an error's message names flags."""
     try:
         return _run_from_args(args, stem)
     except (ValueError, TypeError, OSError) as err:
@@ -243,7 +233,7 @@ def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
         calc = calculator_module.Calculator(
             plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
             radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
-            radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
+            radial_table=AUTO_ON_OFF[getattr(args, "radial_table", "auto")],
             **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
             **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
             **({"tuning": setup.tuning} if setup.tuning is not None else {}))

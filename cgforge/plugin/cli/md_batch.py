@@ -43,12 +43,9 @@ def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, fai
 
     while batch:
         try:
-            final = run_md_batch(calc, [a for _, a in batch], ensemble=o.ensemble, timestep_fs=o.timestep_fs,
-                                 steps=o.steps, temperature_K=None if o.ensemble == "nve" else o.temperature_K,
-                                 thermostat=o.thermostat, friction=o.friction, taut_fs=o.taut_fs,
-                                 pressure_bar=o.pressure_bar, taup_fs=o.taup_fs,
-                                 compressibility_per_bar=o.compressibility_per_bar,
-                                 seed=[o.seed + i for i, _ in batch], min_distance=min_distance)
+            final = run_md_batch(calc, [a for _, a in batch], seed=[o.seed + i for i, _ in batch],
+                                 temperature_K=None if o.ensemble == "nve" else o.temperature_K,
+                                 min_distance=min_distance, **{k: o[k] for k in MD_FIELDS[:10] if k != "temperature_K"})
         except BatchStructureError as err:
             index, _ = batch.pop(err.index)
             failed[index] = err.reason

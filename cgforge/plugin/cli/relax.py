@@ -21,8 +21,7 @@ DB = (".db",)
 
 
 def add_file_arguments(parser: argparse.ArgumentParser, verb: str, tag: str) -> None:
-    """IN, OUT (default: IN with ``.<tag>`` before the suffix), --force, the model, --batch-size and
-    --min-distance: what ``cgforge relax`` and ``cgforge md-batch`` share."""
+    """IN, OUT, --force, the model, --batch-size, --min-distance: what ``relax`` and ``md-batch`` share."""
     parser.add_argument("input", metavar="IN", help=f"structures to {verb}: extended XYZ (.xyz, .extxyz) or an ASE "
                         "database (.db); never modified")
     parser.add_argument("-o", "--output", metavar="OUT", default=None,
@@ -61,8 +60,7 @@ def check_file_arguments(args: argparse.Namespace) -> None:
 
 
 def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
-    """(IN, OUT) checked before the model loads: IN exists with a known suffix, OUT is new (or --force), of
-    IN's format, and not IN."""
+    """(IN, OUT) checked before the model loads: IN exists, OUT is new (or --force), of IN's format, not IN."""
     from cgforge.plugin.md.files import check_distinct, check_new_path
 
     source = Path(args.input)
@@ -118,8 +116,7 @@ class Writer:
 
 
 def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atoms], Calculator]:
-    """(IN, OUT, IN's structures, the model's calculator) after the checks of ``output_path``; the model's
-    banner printed."""
+    """(IN, OUT, IN's structures, the model's calculator); the model's banner printed."""
     from cgforge.plugin import Calculator
     from cgforge.plugin.md.run import model_banner
 
@@ -135,6 +132,8 @@ def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atom
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
+    from ase import Atoms
+
     from cgforge.plugin.relax import relax_batch
 
     check_file_arguments(args)
@@ -155,12 +154,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     for done in relax_batch(calc, structures, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size,
                             max_atoms=args.max_atoms, min_distance=args.min_distance, cell_filter=args.cell):
         counts[done.status] += 1
-        info = {"relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
-                "relax_fmax": done.fmax, "relax_error": done.error}
-        from ase import Atoms
-
-        atoms = done.atoms if isinstance(done.atoms, Atoms) else Atoms()
-        writer.write(atoms, info)
+        writer.write(done.atoms if isinstance(done.atoms, Atoms) else Atoms(), {
+            "relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
+            "relax_fmax": done.fmax, "relax_error": done.error})
         if done.status == "failed":
             print(f"cgforge relax: structure {done.index} skipped: {done.error}", file=sys.stderr, flush=True)
         finished = sum(counts.values())
