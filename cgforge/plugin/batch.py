@@ -23,9 +23,8 @@ __all__ = ["BatchResult", "BatchStructureError", "as_structure", "evaluate_batch
 
 @dataclass
 class BatchResult:
-    """One structure's results: energy (eV), forces [N, 3] (eV/Å), virial [3, 3] (eV), stress (ASE's Voigt
-    order, eV/Å^3; None for a cell of zero volume or without stress), per-atom energies [N] (None unless
-    asked for). Arrays in the order of the structure's atoms, float64."""
+    """One structure's results (float64, its atoms' order): energy (eV), forces (eV/Å), virial (eV), stress (Voigt,
+    eV/Å^3; None for a cell of zero volume or without stress), per-atom energies (None unless asked for)."""
 
     energy: float
     forces: np.ndarray | None
@@ -69,20 +68,15 @@ def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
 def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, forces: bool = True,
                    stress: bool = True, energies: bool = False, min_distance: float | None = 0.5
                    ) -> list[BatchResult]:
-    """Energy, forces, stress and per-atom ``energies`` of every structure of ``atoms_list`` in one graph and
-    one model call of ``model``'s potential; one ``BatchResult`` per structure, in the order given.
-
-    stress: the virial of every structure (and the stress of those with a 3-D cell); needs forces. min_distance:
-    two atoms of a structure closer than this (Å) make it a bad structure (None: no check). A bad structure
-    raises ``BatchStructureError`` (a ValueError) with its ``index``."""
+    """Energy, forces, stress and per-atom ``energies`` of every structure in one model call; one ``BatchResult``
+    each, in order. min_distance: two atoms closer than this (Å) make a structure bad (None: no check); a bad
+    structure raises ``BatchStructureError`` (a ValueError) with its ``index``."""
     potential = potential_of(model)
     outs = potential.evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
                                     per_atom=energies, min_distance=min_distance)
     results = []
     for atoms, out in zip(atoms_list, outs, strict=True):
         volume = abs(float(atoms.cell.volume))
-        voigt = None
-        if out.virial is not None and volume > 0.0:
-            voigt = full_3x3_to_voigt_6_stress(out.virial / volume)
+        voigt = full_3x3_to_voigt_6_stress(out.virial / volume) if out.virial is not None and volume > 0 else None
         results.append(BatchResult(out.energy, out.forces, out.virial, voigt, out.energies))
     return results

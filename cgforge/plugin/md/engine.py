@@ -40,7 +40,7 @@ from ..runtime.potential import Potential
 from .commit import BLOW_KINDS, REPORT, MDBlowUp, commit_step
 from .forces import EnergyFunctionForces, ForceResult, ModelForces
 from .integrators import Integrator, MDState, NoiseSource, kinetic_energy
-from .options import EngineOptions
+from .options import EngineOptions, check_count
 from .state import ENGINE_INFO_KEY, read_state, write_atoms
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
@@ -49,12 +49,6 @@ _FORMAT = 1
 # Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (a search
 # takes about one to two steps), and few, because the new list is as old as this block when it is installed.
 _HIDE_STEPS = 2
-
-
-def _count(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class Engine:
@@ -86,7 +80,7 @@ class Engine:
             raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
         self.atoms = atoms
         self.integrator = integrator
-        self.seed = _count("seed", seed, 0)
+        self.seed = check_count("seed", seed, 0)
         self.block = o.block if o.block is not None else 10
         self.steps_per_graph, self.rebuild_margin = o.steps_per_graph, o.rebuild_margin
         self.pbc = tuple(bool(p) for p in atoms.pbc)
@@ -161,8 +155,8 @@ class Engine:
     def run(self, steps: int, every: int = 0, callback: Callable[[Engine], None] | None = None) -> None:
         """Advance ``steps`` steps; every ``every`` steps (counted from step 0) write ``atoms`` and call
         ``callback(self)``. Raises ``MDBlowUp`` when the run blows up."""
-        steps = _count("steps", steps, 0)
-        every = _count("every", every, 0)
+        steps = check_count("steps", steps, 0)
+        every = check_count("every", every, 0)
         start = time.perf_counter()
         self._start()
         target = self._step + steps
@@ -304,11 +298,8 @@ class Engine:
         s = self.state
         self.provider.start(s.positions, s.cell, self.pbc, self.atoms.numbers, self.integrator.changes_cell)
         self._follow_memory_plan()
-        self.stats["rebuilds"] += 1
-        self._fresh_list = True
         self._slack_per_step = 0.0
-        initial = getattr(self.provider, "initial_slack", None)
-        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
+        self._fresh()
         if not self._forces_known:
             for _ in range(4):
                 result = self.provider.compute(s.positions, s.cell, virial=self.integrator.needs_virial)
@@ -413,19 +404,20 @@ class Engine:
     def _install(self, pending, committed: int) -> None:
         """Take the list searched at this block's start; its slack is what is left after the committed steps."""
         self.provider.install(pending)
-        self.stats["rebuilds"] += 1
         self.stats["overlapped_rebuilds"] += 1
+        self._fresh(committed)
+
+    def _rebuild(self) -> None:
+        self.provider.rebuild(self.state.positions, self.state.cell)
+        self._fresh()
+
+    def _fresh(self, committed: int = 0) -> None:
+        """A new list: its slack is a fresh list's less what the ``committed`` steps since its state used."""
+        self.stats["rebuilds"] += 1
         self._fresh_list = committed == 0  # then the list is at the current state
         initial = getattr(self.provider, "initial_slack", None)
         self._last_slack = (None if initial is None or not math.isfinite(initial)
                             else initial - committed * self._slack_per_step)
-
-    def _rebuild(self) -> None:
-        self.provider.rebuild(self.state.positions, self.state.cell)
-        self.stats["rebuilds"] += 1
-        self._fresh_list = True
-        initial = getattr(self.provider, "initial_slack", None)  # the slack of a fresh list (no atom moved)
-        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
 
     def _read_report(self) -> dict[str, float]:
         self._host_report.copy_(self._report_values, non_blocking=True)
@@ -436,8 +428,7 @@ class Engine:
     def _replay(self, size: int) -> None:
         generation = getattr(self.provider, "generation", 0)
         if generation != self._graph_generation:
-            self._graphs.clear()
-            self._pool = None
+            self.invalidate()
             self._graph_generation = generation
         k = self.steps_per_graph
         for count, times in ((k, size // k), (1, size % k)):

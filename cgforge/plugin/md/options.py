@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from functools import partial
@@ -41,9 +42,7 @@ RESTART_RULES = {KEPT: "the run's; another value is refused", FOLLOWS: "the run'
 def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: bool = True,
                  allow_inf: bool = False) -> float:
     """A float; > minimum (strict) or >= minimum; finite unless ``allow_inf``."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers too
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
     value = float(value)
     ok = not math.isnan(value) and (math.isfinite(value) or (allow_inf and value > 0))
@@ -57,9 +56,7 @@ def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: 
 
 def check_count(name: str, value: Any, minimum: int) -> int:
     """An int >= minimum."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")

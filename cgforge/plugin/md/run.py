@@ -78,16 +78,6 @@ class _StopRequested(Exception):
     """The first Ctrl-C, acted on between steps."""
 
 
-def _unknown_arguments(unknown: dict[str, Any]) -> None:
-    if not unknown:
-        return
-    known = [p.name for p in inspect.signature(run_md).parameters.values() if p.kind != p.VAR_KEYWORD]
-    name = sorted(unknown)[0]
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
-    raise TypeError(f"run_md: unknown argument {name!r}{hint}")
-
-
 def _check_calculator(calculator: Any) -> None:
     if isinstance(calculator, str | os.PathLike):
         raise TypeError(f"calculator: expected an ASE calculator, got the {type(calculator).__name__} "
@@ -143,8 +133,11 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     outputs: the :class:`MDPlan` whose ``run()`` runs. ``names``: what the user typed for an argument (flags);
     ``inputs``: more files no output may name; ``structure``: a file to read as ``atoms``; ``calculator_later``:
     it comes with :meth:`MDPlan.attach`; ``new_run``, ``prog``: for the messages."""
-    unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
-    _unknown_arguments(unknown)
+    if unknown := sorted(k for k in arguments if k not in _RUN_MD_DEFAULTS):
+        known = [p.name for p in inspect.signature(run_md).parameters.values() if p.kind != p.VAR_KEYWORD]
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+        raise TypeError(f"run_md: unknown argument {unknown[0]!r}{hint}")
     # one lookup for every check (a dict's own method: the checks never call back into the caller's code)
     names = {**{k: k for k in (*_RUN_MD_DEFAULTS, *_OTHER_NAMES)}, **(names or {})}.__getitem__
     a = {**_RUN_MD_DEFAULTS, **arguments}
@@ -158,9 +151,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     if restart is not None and not isinstance(restart, str | os.PathLike | Restart):
         raise TypeError(f"{names('restart')}: expected a trajectory file name or a Restart, got "
                         f"{type(restart).__name__}")
-    if calculator is not None:
-        _check_calculator(calculator)
-    elif not calculator_later and (atoms is None or atoms.calc is None) and structure is None:
+    if calculator is None and not calculator_later and (atoms is None or atoms.calc is None) and structure is None:
         raise ValueError("calculator: atoms has no calculator; pass one (e.g. cgforge.plugin.Calculator('mace'))")
     # outputs: never an input (force or not), then new (or --force), in a folder that takes them
     named_logs = [x for x in (a["log"] if isinstance(a["log"], list | tuple) else [a["log"]])
@@ -173,14 +164,13 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     if structure is not None:
         atoms = read_structure(structure, names("structure"))
     given = {k: a[k] for k in OPTION_FIELDS}
-    if restart is not None:
+    if restart is None:
+        state, o = None, MDOptions.given(given, names)
+    else:
         refuse_on_restart(given, names)
-    state = read_restart(restart, names("restart")) if restart is not None else None
-    if state is not None:
+        state = read_restart(restart, names("restart"))
         new_run = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
         o = MDOptions.given(given, names, {**state.options, "engine": _engine_of(state)}, str(state.path), new_run)
-    else:
-        o = MDOptions.given(given, names)
     engine_options = EngineOptions.of(a["engine_options"], names("engine_options"))
     force = o.force
     path, log_path, plot_path = outputs.values()
