@@ -80,11 +80,9 @@ class BatchCSVR(CSVR):
         self.c, self.kt_per_dof = torch.tensor(c, **f64), torch.tensor(kt_per_dof, **f64)
         self.sqrt_c = torch.tensor([math.sqrt(x) for x in c], **f64)
         self.sqrt_kick = torch.tensor([math.sqrt((1 - x) * k) for x, k in zip(c, kt_per_dof)], **f64)
-        count = len(sizes)
-        self.atom_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
-                                                   torch.as_tensor(sizes, device=masses.device))
-        self.draw_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
-                                                   torch.as_tensor(self.dofs, device=masses.device))
+        systems = torch.arange(len(sizes), device=masses.device)
+        self.atom_system = systems.repeat_interleave(torch.as_tensor(sizes, device=masses.device))
+        self.draw_system = systems.repeat_interleave(torch.as_tensor(self.dofs, device=masses.device))
         self.first_draw = torch.as_tensor(np.concatenate([[0], np.cumsum(self.dofs)[:-1]]), device=masses.device)
 
     def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
@@ -202,8 +200,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
     (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
     seed is ``seed + b``, or ``seed[b]`` for a sequence."""
-    if not isinstance(ensemble, str) or ensemble.lower() not in ENSEMBLES:
-        raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}")
+    ensemble = check_choice("ensemble", ensemble, ENSEMBLES)
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
     structures = structures_of(atoms_list)
@@ -215,7 +212,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     given = {"thermostat": thermostat, "temperature_K": temperature_K, "friction": friction, "taut_fs": taut_fs,
              "pressure_bar": pressure_bar, "taup_fs": taup_fs, "compressibility_per_bar": compressibility_per_bar}
-    integrator = _integrator(ensemble.lower(), given, timestep_fs, ptr)
+    integrator = _integrator(ensemble, given, timestep_fs, ptr)
     seeds = _seeds(seed, len(structures))
     step = potential_of(model).batch_step(min_distance)
     device = step.adapter.device

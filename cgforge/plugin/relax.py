@@ -80,10 +80,8 @@ class FireState:
     def append(self, rows: int, fire: FireParameters) -> None:
         """A new structure of ``rows`` coordinates: FIRE's initial state."""
         self.velocity = torch.cat([self.velocity, self.velocity.new_zeros(rows, 3)])
-        self.dt = torch.cat([self.dt, self.dt.new_full((1,), fire.dt)])
-        self.a = torch.cat([self.a, self.a.new_full((1,), fire.a)])
-        self.downhill = torch.cat([self.downhill, self.downhill.new_zeros(1)])
-        self.started = torch.cat([self.started, self.started.new_zeros(1)])
+        for name, value in (("dt", fire.dt), ("a", fire.a), ("downhill", 0), ("started", False)):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(self, name).new_full((1,), value)]))
 
     def keep(self, rows: Tensor, structures: Tensor) -> None:
         """Only the coordinates ``rows`` and the structures ``structures`` (bool masks) stay."""
@@ -211,8 +209,7 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
             return
         sizes = [len(s.atoms) for s in active]
         ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        segment = torch.repeat_interleave(torch.arange(len(active), device=device),
-                                          torch.as_tensor(sizes, device=device))
+        segment = torch.arange(len(active), device=device).repeat_interleave(torch.as_tensor(sizes, device=device))
         try:
             out = step.run(x, np.stack([np.asarray(s.atoms.cell) for s in active]),
                            [tuple(bool(p) for p in s.atoms.pbc) for s in active], ptr,
@@ -229,13 +226,12 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
         bad = (host[2] > 0) | ~np.isfinite(host[0])
         done = bad | (host[1] < fmax) | (np.array([s.nsteps for s in active]) >= steps)
         if done.any():
-            yield from _finished(active, done, x, forces, ptr, host, bad,
-                                 "the model returned NaN or inf (check its atoms for overlaps and the model file)",
-                                 fmax)
+            yield from _finished(active, done, x, forces, ptr, host, bad, "the model returned NaN or inf (check its "
+                                 "atoms for overlaps and the model file)", fmax)
             x, active = _keep(active, done, x, state, segment)
             forces = forces[~torch.as_tensor(done, device=device).index_select(0, segment)]
-            sizes = torch.as_tensor([len(s.atoms) for s in active], dtype=torch.int64, device=device)
-            segment = torch.repeat_interleave(torch.arange(len(active), device=device), sizes)
+            segment = torch.arange(len(active), device=device).repeat_interleave(
+                torch.as_tensor([len(s.atoms) for s in active], dtype=torch.int64, device=device))
         if active:
             state.step(x, forces, segment, fire)
             for slot in active:

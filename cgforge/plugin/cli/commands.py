@@ -38,28 +38,18 @@ def _checkpoint(name: str) -> str:
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
-    """``cgforge patch IN OUT``: a copy of the checkpoint IN (or a bundled model) that runs cgforge's kernels."""
+    """``cgforge patch IN OUT``: a copy of the checkpoint IN (or a bundled model) that runs cgforge's kernels;
+    ``cgforge unpatch IN OUT``: IN as a plain model that loads without cgforge (MACE only). IN is never modified."""
     from cgforge.patches import families
 
+    patched = args.command == "patch"
     source = _checkpoint(args.input)
     _check_paths(source, args.output, args.force)
     family = families.family_for_file(source)
-    family.check_output(args.output, what="OUT")
-    out = family.save(source, args.output, force=args.force, device=args.device, dtype=args.dtype)
-    print(f"cgforge: wrote patched {family.title} model to {out}")
-    return EXIT_OK
-
-
-def cmd_unpatch(args: argparse.Namespace) -> int:
-    """``cgforge unpatch IN OUT``: the checkpoint IN as a plain model that loads without cgforge (MACE only)."""
-    from cgforge.patches import families
-
-    source = _checkpoint(args.input)
-    _check_paths(source, args.output, args.force)
-    family = families.family_for_file(source)
-    family.check_output(args.output, patched=False, what="OUT")
-    family.save(source, args.output, force=args.force, patched=False)
-    print(f"cgforge: wrote plain {family.title} model to {args.output}")
+    family.check_output(args.output, patched=patched, what="OUT")
+    out = family.save(source, args.output, force=args.force, patched=patched, device=getattr(args, "device", "cpu"),
+                      dtype=getattr(args, "dtype", None))
+    print(f"cgforge: wrote {'patched' if patched else 'plain'} {family.title} model to {out}")
     return EXIT_OK
 
 
@@ -133,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("unpatch", help="write a plain MACE model (loadable without cgforge)")
     _add_io(p)
-    p.set_defaults(func=cmd_unpatch)
+    p.set_defaults(func=cmd_patch)
 
     p = sub.add_parser("lammps-model", help="write the file LAMMPS's `pair_style mliap unified` loads (a MACE or "
                        "NequIP model inside; patched and compiled in the LAMMPS process)")
@@ -146,59 +136,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the model in this precision (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the device of LAMMPS's arrays: "
                    "CUDA with Kokkos on a GPU, else cpu)")
-    p.add_argument("--patch", choices=("auto", "on", "off"), default="auto",
-                   help="cgforge's kernels: auto (default, as the Calculator: on CUDA, or where --radial-table on "
-                   "needs them), on, off (the model's own code)")
     p.add_argument("--head", default=None, help="MACE head of a multi-head model")
     p.add_argument("--type-map", default=None, metavar="SYMBOL=TYPE,...",
                    help="NequIP: chemical symbol of each type whose name is not one")
     p.add_argument("--mode", choices=("auto", "ghost", "exchange"), default="auto",
-                   help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange), "
-                   "ghost or exchange")
-    p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="ghost-mode steps, and exchange-mode steps of one MPI rank, padded and captured in a CUDA "
-                   "graph: auto (default: on CUDA, for a model whose edges beyond the cutoff contribute zero), on (an "
-                   "error where it cannot be), off (eager)")
-    p.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
-                   help="radial weights from a table of the edge length: auto (default, as the Calculator: on CUDA "
-                   "for a patched FP32 model that can), on, off (the radial MLP)")
-    p.add_argument("--timers", action="store_true",
-                   help="keep per-phase times of every call (arrays, model, exchanges, results, waits); the input "
-                   "prints their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
+                   help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange)")
+    for flag, what in (("--patch", "cgforge's kernels (auto: as the Calculator; off: the model's own code)"),
+                       ("--cuda-graph", "capture ghost-mode and one-rank exchange-mode steps in a CUDA graph (auto: "
+                                        "on CUDA, for a model whose edges beyond the cutoff contribute zero)"),
+                       ("--radial-table", "radial weights from a table of the edge length (auto: as the Calculator, "
+                                          "on CUDA for a patched FP32 model that can)")):
+        p.add_argument(flag, choices=tuple(AUTO_ON_OFF), default="auto", help=what)
+    p.add_argument("--timers", action="store_true", help="keep per-phase times of every call; the input prints "
+                   "their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
     p.set_defaults(func=cmd_lammps_model)
 
     from .md import add_md_arguments
-
-    p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model (on a GPU: "
-                       "cgforge's kernels, the integrator in cgforge's device engine; on a CPU: the model's own code, "
-                       "the faster path there, with ASE's dynamics): NVT, NVE or NPT, progress lines, a trajectory, "
-                       "restarts that continue the run's saved options, a plot",
-                       epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
-                              f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
-                              f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
-                              "trajectory ends with the last completed step; continue with --restart), "
-                              f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
-    add_md_arguments(p)
-    p.set_defaults(func=_run("md"))
-
+    from .md_batch import add_md_batch_arguments
     from .relax import add_relax_arguments
 
+    p = sub.add_parser("md", help="run MD of a water box or any structure with a MACE/NequIP model (on a GPU: "
+                       "cgforge's kernels and device engine; on a CPU: the model's own code, the faster path there, "
+                       "and ASE's dynamics): NVT, NVE or NPT, a trajectory, restarts, a plot",
+                       epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), {EXIT_USAGE} "
+                              f"usage, {EXIT_UNSTABLE} the run blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
+                              f"trajectory ends at the last complete step), {EXIT_TERMINATED} terminated (SIGTERM)")
+    add_md_arguments(p)
+    p.set_defaults(func=_run("md"))
+    batch_exits = (f"exit codes: {EXIT_OK} at least one structure done (bad ones are named and kept in OUT as failed), "
+                   f"{EXIT_ERROR} none, or bad input, {EXIT_USAGE} usage")
     p = sub.add_parser("relax", help="relax every structure of an extended XYZ file or ASE database with batched "
-                       "FIRE (many structures in one model call); writes a new file of the same format with "
-                       "energies, forces and a per-structure status",
-                       epilog=f"exit codes: {EXIT_OK} at least one structure relaxed (bad ones are skipped, named "
-                              f"and kept in OUT as failed), {EXIT_ERROR} none could be, or bad input, {EXIT_USAGE} "
-                              "usage")
+                       "FIRE; writes a new file of the same format with energies, forces and a status each",
+                       epilog=batch_exits)
     add_relax_arguments(p)
     p.set_defaults(func=_run("relax"))
-
-    from .md_batch import add_md_batch_arguments
-
-    p = sub.add_parser("md-batch", help="MD (NVE, NVT with Langevin or CSVR, or NPT) of every structure of an "
-                       "extended XYZ file or ASE database, many structures in one model call; writes a new file of "
-                       "the same format with each structure's last state, energy, forces and status",
-                       epilog=f"exit codes: {EXIT_OK} at least one structure ran (bad ones are skipped, named and "
-                              f"kept in OUT as failed), {EXIT_ERROR} none could, or bad input, {EXIT_USAGE} usage")
+    p = sub.add_parser("md-batch", help="MD (NVE, NVT or NPT) of every structure of an extended XYZ file or ASE "
+                       "database, many in one model call; writes a new file of the same format with each last state",
+                       epilog=batch_exits)
     add_md_batch_arguments(p)
     p.set_defaults(func=_run("md_batch"))
 
@@ -208,8 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return run_guarded(lambda: args.func(args), f"cgforge {args.command}")
 
 

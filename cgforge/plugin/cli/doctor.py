@@ -27,13 +27,11 @@ extern "C" __global__ void cgforge_doctor_axpy(double a, const double* __restric
 KERNEL = "cgforge_doctor_axpy"
 
 
-def _dist_version(*names: str) -> str:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "not installed"
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _cupy_distributions() -> list[str]:

@@ -61,10 +61,8 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trajectory file to write, .traj or .xyz (default: a new md-<date>-<time>.traj)")
     parser.add_argument("--log", default=None, metavar="FILE",
                         help="also write the progress lines (and the model and relaxation lines) to this new file")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="at the end (also of a run that blew up or was interrupted) plot temperature, energy, "
-                             "pressure and volume (NPT) and ns/day against time from the progress lines into this "
-                             f"new file ({', '.join(PLOT_SUFFIXES)}); a plot that cannot be written is a warning")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="at the end (also after a blow-up or Ctrl-C) "
+                        f"plot the progress lines against time into this new file ({', '.join(PLOT_SUFFIXES)})")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
@@ -79,14 +77,10 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
                              "MACE and NequIP models on CUDA when the model allows it")
-    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
-                        help='the kernels\' tuning (cgforge.kernels.KernelTuning): a JSON object {"tp": {...}, '
-                             '"sc": {...}} of TPTuning and SCTuning fields, the rest at their measured defaults; '
-                             "the model then runs cgforge's kernels also on a CPU (printed on the options line)")
-    parser.add_argument("--workspace", choices=("auto", "whole", "tiled"), default="auto",
-                        help="evaluate the system as one graph (whole), in tiles with a fixed working set (tiled: "
-                             "memory grows with the atoms only; ASE's integrator drives it), or auto: tiles where one "
-                             "graph would not fit the GPU (default)")
+    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json", help='the kernels\' tuning: a JSON '
+                        'object {"tp": {...}, "sc": {...}} of TPTuning and SCTuning fields (docs/md.md)')
+    parser.add_argument("--workspace", choices=("auto", "whole", "tiled"), default="auto", help="the system as one "
+                        "graph, in tiles with a fixed working set, auto: tiles where one graph would not fit the GPU")
 
 
 class MDSetup(NamedTuple):
@@ -213,31 +207,27 @@ def flag_spelling(message: str) -> str:
     return message
 
 
-def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
+def run_from_args(args: argparse.Namespace) -> MDSummary:
     """``cgforge md``: check, load the model, run (:meth:`MDPlan.run`); an error's message names flags."""
+    from cgforge.plugin import calculator as calculator_module
+
     try:
-        return _run_from_args(args, stem)
+        setup = prepare_md(args)  # bad input fails here, before the model is loaded and compiled
+        plan = setup.plan
+        try:
+            t = time.perf_counter()
+            calc = calculator_module.Calculator(
+                plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+                radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
+                radial_table=AUTO_ON_OFF[getattr(args, "radial_table", "auto")],
+                **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
+                **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
+                **({"tuning": setup.tuning} if setup.tuning is not None else {}))
+        except BaseException as err:
+            plan.close(err)
+            raise
+        return plan.run(calc, seconds=time.perf_counter() - t)  # the model line, relax, compile, options, steps
     except (ValueError, TypeError, OSError) as err:
         if len(err.args) == 1 and isinstance(err.args[0], str):
             err.args = (flag_spelling(err.args[0]),)
         raise
-
-
-def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
-    from cgforge.plugin import calculator as calculator_module
-
-    setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
-    plan = setup.plan
-    try:
-        t = time.perf_counter()
-        calc = calculator_module.Calculator(
-            plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
-            radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
-            radial_table=AUTO_ON_OFF[getattr(args, "radial_table", "auto")],
-            **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
-            **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
-            **({"tuning": setup.tuning} if setup.tuning is not None else {}))
-    except BaseException as err:
-        plan.close(err)
-        raise
-    return plan.run(calc, seconds=time.perf_counter() - t)  # the model line, relax, compile, options, the steps

@@ -11,8 +11,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cgforge.plugin.md.options import OPTION_FIELDS, add_arguments
+from cgforge.plugin.md.options import add_arguments
 
+from .md import NAMES
 from .relax import Writer, add_file_arguments, check_file_arguments, open_run
 
 if TYPE_CHECKING:
@@ -29,10 +30,6 @@ def add_md_batch_arguments(parser: argparse.ArgumentParser) -> None:
         "nvt (--thermostat), nve (velocity Verlet) or npt (isotropic stochastic cell rescaling with the CSVR "
         "thermostat; needs periodic 3-D cells) (default nvt)")}, "seed": {"help": (
         "structure i's velocities and thermostat noise come from the seed SEED + i (default 0)")}})
-
-
-def _flag(key: str) -> str:
-    return OPTION_FIELDS[key]["flag"] if key in OPTION_FIELDS else key
 
 
 def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, failed: dict[int, str]
@@ -62,7 +59,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from cgforge.plugin.md.options import MDOptions, given_by_args
 
     check_file_arguments(args)
-    o = MDOptions(**given_by_args(args), names=_flag)
+    o = MDOptions(**given_by_args(args), names=lambda key: NAMES.get(key, key))
     source, out, structures, calc = open_run(args, "cgforge md-batch")
     print(f"cgforge md-batch: {len(structures)} structures from {source} -> {out} ({o.describe()}, {o.steps} steps, "
           f"{args.batch_size} at a time)", flush=True)

@@ -78,8 +78,7 @@ class Engine:
         self.provider = ModelForces(potential) if isinstance(potential, Potential) and not provider else forces
         if not callable(getattr(self.provider, "compute", None)):
             raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
-        self.atoms = atoms
-        self.integrator = integrator
+        self.atoms, self.integrator = atoms, integrator
         self.seed = check_count("seed", seed, 0)
         self.block = o.block if o.block is not None else 10
         self.steps_per_graph, self.rebuild_margin = o.steps_per_graph, o.rebuild_margin
@@ -114,9 +113,9 @@ class Engine:
                              step=torch.zeros((), dtype=torch.int64, device=self.device),
                              extra={k: views[f"extra.{k}"] for k in extra})
         with torch.no_grad():
-            self.state.positions.copy_(torch.as_tensor(atoms.get_positions(), **f64))
-            self.state.momenta.copy_(torch.as_tensor(atoms.get_momenta(), **f64))
-            self.state.cell.copy_(torch.as_tensor(np.array(atoms.cell), **f64))
+            for name, value in (("positions", atoms.get_positions()), ("momenta", atoms.get_momenta()),
+                                ("cell", np.array(atoms.cell))):
+                getattr(self.state, name).copy_(torch.as_tensor(value, **f64))
             for k, v in extra.items():
                 self.state.extra[k].copy_(v)
         self.noise = NoiseSource(self.seed, self.state.step)
@@ -126,8 +125,7 @@ class Engine:
         if not self.max_temperature_K > 0:
             raise ValueError(f"max_temperature_K: expected a number > 0, got {max_temperature_K!r}")
         self._step = 0  # host mirror of state.step
-        self._forces_known = False
-        self._started = False
+        self._forces_known = self._started = False
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_generation: int | None = None
         self._pool = None
@@ -135,8 +133,7 @@ class Engine:
         self._report_values = torch.zeros(len(REPORT), dtype=torch.float64, device=self.device)
         self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in REPORT],
                                           dtype=torch.float64, device=self.device)
-        pinned = self.device.type == "cuda"
-        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned)
+        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=self.device.type == "cuda")
         self._host_snapshot: Tensor | None = None
         self._snapshot_step: int | None = None
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
@@ -268,10 +265,9 @@ class Engine:
         return bool(cuda_graph)
 
     def _want_fused(self, fuse: bool | None) -> bool:
-        if fuse is not None:
-            return bool(fuse)
-        # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
-        return self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
+        # default: with the model compiled, Inductor is known to work here (its compilation is paid at the first step)
+        compiled = self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
+        return bool(fuse) if fuse is not None else compiled
 
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))

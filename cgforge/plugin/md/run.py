@@ -64,7 +64,7 @@ from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
            "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM",
-           "relax_structure", "model_banner", "options_banner", "auto_compile"]
+           "model_banner", "options_banner", "auto_compile"]
 
 class MDInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: stopped cleanly after ``step`` (``summary``)."""
@@ -283,8 +283,15 @@ class MDPlan:
                 raise ValueError(f"{self.names('compile')}: {type(calc).__name__} cannot be compiled (a cgforge "
                                  "Calculator can)")
             calc.set_compile(self.o.compile)
-        if self.o.relax:
-            relax_structure(self.atoms, calc, self.o.relax, self.out)
+        if self.o.relax:  # FIRE towards 0.1 eV/Å
+            from ase.optimize import FIRE
+
+            before = self.atoms.get_potential_energy()
+            optimizer = FIRE(self.atoms, logfile=None)
+            optimizer.run(fmax=0.1, steps=self.o.relax)
+            self.out(f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> "
+                     f"{self.atoms.get_potential_energy():.4f} eV, max force "
+                     f"{float(np.linalg.norm(self.atoms.get_forces(), axis=1).max()):.3f} eV/Å")
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
             line = auto_compile(calc, self.atoms, self.o.steps)
             if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
@@ -313,18 +320,6 @@ class MDPlan:
         self.printer.close()
         if self.reserved is not None:
             self.reserved.release()  # the outputs no frame or plot was written to
-
-
-def relax_structure(atoms: Atoms, calc: Any, steps: int, out: Callable[[str], None], fmax: float = 0.1) -> None:
-    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å); ``out`` gets the energy before and after."""
-    from ase.optimize import FIRE
-
-    atoms.calc = calc
-    before = atoms.get_potential_energy()
-    optimizer = FIRE(atoms, logfile=None)
-    optimizer.run(fmax=fmax, steps=steps)
-    out(f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {atoms.get_potential_energy():.4f} eV, "
-        f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
 
 
 def model_banner(name: str, calc: Any, seconds: float) -> str:
