@@ -66,14 +66,14 @@ def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
 
 
 def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, forces: bool = True,
-                   stress: bool = True, energies: bool = False, min_distance: float | None = 0.5
-                   ) -> list[BatchResult]:
+                   stress: bool = True, energies: bool = False, min_distance: float | None = 0.5,
+                   keys: Sequence | None = None) -> list[BatchResult]:
     """Energy, forces, stress and per-atom ``energies`` of every structure in one model call; one ``BatchResult``
     each, in order. min_distance: two atoms closer than this (Å) make a structure bad (None: no check); a bad
-    structure raises ``BatchStructureError`` (a ValueError) with its ``index``."""
+    structure raises ``BatchStructureError`` (a ValueError) with its ``index``. keys: as ``Potential``'s."""
     potential = potential_of(model)
     outs = potential.evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
-                                    per_atom=energies, min_distance=min_distance)
+                                    per_atom=energies, min_distance=min_distance, keys=keys)
     results = []
     for atoms, out in zip(atoms_list, outs, strict=True):
         volume = abs(float(atoms.cell.volume))

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
-from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
-from .batch import as_structure, potential_of, structures_of
+from .batch import as_structure, evaluate_batch, potential_of, structures_of
 from .calculator import Calculator
 from .runtime.batch import BatchStep, BatchStructureError, check_finite, check_shapes
 from .runtime.diagnosis import NonFiniteOutputError
@@ -297,8 +296,8 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
         if not active:
             return
         try:
-            outs = potential.evaluate_batch(structures_of([s.atoms for s in active]), stress=True,
-                                            min_distance=min_distance, keys=[s.index for s in active])
+            outs = evaluate_batch(potential, [s.atoms for s in active], min_distance=min_distance,
+                                  keys=[s.index for s in active])
         except (BatchStructureError, NonFiniteOutputError) as err:
             index = getattr(err, "index", None)
             if index is None:
@@ -309,7 +308,9 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
             continue
         finished = []
         for slot, out in zip(active, outs, strict=True):
-            _attach(slot.atoms, out)
+            stress = {} if out.stress is None else {"stress": out.stress}  # a cell filter reads the results here
+            slot.atoms.calc = SinglePointCalculator(slot.atoms, energy=out.energy, free_energy=out.energy,
+                                                    forces=out.forces, **stress)
             forces = out.forces if slot.optimizable is slot.atoms else slot.optimizable.get_forces()
             largest = float(np.sqrt((forces ** 2).sum(1).max()))
             if largest < fmax or slot.nsteps >= steps:
@@ -324,11 +325,3 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
             slot.nsteps += 1
         active = [s for s in active if s not in finished]
 
-
-def _attach(atoms: Atoms, out: object) -> None:
-    """The batch's results as the atoms' calculator (a cell filter reads them there)."""
-    results = {"energy": out.energy, "free_energy": out.energy, "forces": out.forces}
-    volume = abs(float(atoms.cell.volume))
-    if out.virial is not None and volume > 0:
-        results["stress"] = full_3x3_to_voigt_6_stress(out.virial / volume)
-    atoms.calc = SinglePointCalculator(atoms, **results)

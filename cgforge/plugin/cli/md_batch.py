@@ -93,5 +93,4 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"cgforge md-batch: wrote {len(structures)} structures to {out}", flush=True)
     if not done:
         print(f"cgforge md-batch: error: none of the {len(structures)} structures could be run", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if done else 1

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cgforge.plugin.runtime.bundled import LISTED
+
 if TYPE_CHECKING:  # ase loads at run time only: `cgforge --help` imports nothing heavy
     from ase import Atoms
 
@@ -27,8 +29,6 @@ def add_file_arguments(parser: argparse.ArgumentParser, verb: str, tag: str) -> 
     parser.add_argument("-o", "--output", metavar="OUT", default=None,
                         help=f"new file of the same format (default: IN with .{tag} before the suffix)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never IN)")
-    from cgforge.plugin.runtime.bundled import LISTED
-
     parser.add_argument("--model", default="mace",
                         help=f"{LISTED} (bundled water models), or a .model/.ckpt/.nequip.zip file")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -168,5 +168,4 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"cgforge relax: wrote {sum(counts.values())} structures to {out}", flush=True)
     if counts["failed"] == len(structures):
         print(f"cgforge relax: error: none of the {len(structures)} structures could be relaxed", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if counts["failed"] == len(structures) else 0

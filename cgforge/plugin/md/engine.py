@@ -152,8 +152,7 @@ class Engine:
     def run(self, steps: int, every: int = 0, callback: Callable[[Engine], None] | None = None) -> None:
         """Advance ``steps`` steps; every ``every`` steps (counted from step 0) write ``atoms`` and call
         ``callback(self)``. Raises ``MDBlowUp`` when the run blows up."""
-        steps = check_count("steps", steps, 0)
-        every = check_count("every", every, 0)
+        steps, every = check_count("steps", steps, 0), check_count("every", every, 0)
         start = time.perf_counter()
         self._start()
         target = self._step + steps

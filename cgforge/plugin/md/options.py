@@ -140,10 +140,9 @@ class MDOptions:
     seed: int | None = option(None, _COUNT_0, "--seed", "velocities, thermostat noise and box", KEPT, value=0,
                               type=int)
     engine: str | None = option(None, partial(check_choice, choices=ENGINES), "--engine", (
-        "auto: cgforge's device engine (integrator and model on the GPU, the host sees the state only at log and "
-        "trajectory steps) when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also on a CPU; "
-        "ase: ASE's dynamics. A restart continues on the engine that wrote it (another one is said: its random "
-        "numbers differ)"), FOLLOWS, value="auto", type=str.lower, choices=ENGINES)
+        "auto: cgforge's device engine when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also "
+        "on a CPU; ase: ASE's dynamics (a restart continues on the engine that wrote it)"), FOLLOWS, value="auto",
+        type=str.lower, choices=ENGINES)
     max_temperature_K: float | None = option(None, _ABOVE_0_OR_INF, "--max-temperature", (
         "stop (exit code 3) when the temperature exceeds this, in K ('inf' turns it off); non-finite forces or "
         "energy always stop the run"), shown=f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x the "
@@ -160,10 +159,9 @@ class MDOptions:
         "otherwise heat to ~1500 K; a restart takes 0 only"), REFUSED, value=0,
         shown="0; cgforge md: 100 for a generated box", type=int)
     compile: str | None = option(None, _check_compile, "--compile", (
-        "compile the model's forward and backward with torch.compile (Inductor) inside the captured step; MODE: "
-        "default (the flag alone), max-autotune-no-cudagraphs, off, or auto: on for runs of at least "
-        f"{COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room, i.e. where the ~20 s the first step "
-        "pays is paid back"), value="auto", type=str, nargs="?", const="default", metavar="MODE")
+        "compile the model with torch.compile (Inductor); MODE: default (the flag alone), max-autotune-no-cudagraphs, "
+        f"off, or auto: on for runs of at least {COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room"),
+        value="auto", type=str, nargs="?", const="default", metavar="MODE")
     force: bool = option(False, check_flag, "--force", (
         "overwrite the trajectory, log and plot files if they exist (never the input files)"), action="store_true")
     names: InitVar[Callable[[str], str] | None] = None
@@ -262,8 +260,7 @@ class EngineOptions:
 
     @classmethod
     def of(cls, value: EngineOptions | Mapping[str, Any] | None, name: str = "engine_options") -> EngineOptions:
-        """``value`` as EngineOptions: one as it is, a dict of its fields (an unknown key is a ValueError naming
-        ``name``), None the defaults."""
+        """``value`` (EngineOptions, a dict of its fields or None: the defaults) as EngineOptions."""
         if value is None or isinstance(value, cls):
             return cls() if value is None else value
         if not isinstance(value, Mapping):

@@ -452,8 +452,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                 if progress is None:
                     if state is not None:
                         check_restart_model(state, atoms, model, plan.names("restart"), plan.new_run)
-                    etot0 = (state.etot0 if state is not None and state.etot0 is not None
-                             else total_energy(atoms))
+                    etot0 = state.etot0 if state is not None and state.etot0 is not None else total_energy(atoms)
                     progress = Progress(atoms, out, etot0, start, time_fs(start))
                     progress.header()
                 if writer is not None and (step == end or (step % o["trajectory_interval"] == 0
