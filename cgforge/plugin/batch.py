@@ -1,9 +1,4 @@
-"""Many ASE structures in one model call: ``evaluate_batch`` (docs/batch.md).
-
-    from cgforge.plugin import Calculator, evaluate_batch
-    results = evaluate_batch(Calculator("mace", device="cuda"), [molecule, crystal, cluster])
-    results[1].energy, results[1].forces, results[1].stress, results[1].energies
-"""
+"""Many ASE structures in one model call: ``evaluate_batch`` (docs/batch.md)."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def as_structure(atoms: Atoms) -> BatchStructure:
 
 
 def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
-    """``as_structure`` of each; what is not an Atoms, or has constraints (which the batch does not apply),
-    raises ``BatchStructureError`` naming its index."""
+    """``as_structure`` of each; not an Atoms, or constraints: ``BatchStructureError`` naming its index."""
     structures = []
     for index, atoms in enumerate(atoms_list):
         try:

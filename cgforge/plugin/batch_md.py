@@ -1,9 +1,5 @@
 """Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT; docs/batch.md).
 
-    from cgforge.plugin import Calculator, run_md_batch
-    final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
-                         temperature_K=300, friction=0.01, seed=1)
-
 Every structure moves by the engine's integrators (``md.integrators``) applied to the batch at once, with its own
 masses, temperature, cell and noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])``
 draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step
@@ -13,7 +9,9 @@ draws alone (``noise.SystemNoise``), so its trajectory does not depend on its ba
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +37,7 @@ from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choi
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
+_AT_LEAST_0 = partial(check_number, strict=False)
 __all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
 
@@ -132,25 +131,13 @@ class BatchCellRescaling(BatchCSVR):
         s.momenta.div_(per_atom)
 
 
-def _per_system(name: str, value: float | Sequence[float], count: int, strict: bool = False) -> list[float]:
-    """One number >= 0 (> 0 when ``strict``) per system: ``value`` for each, or one of the sequence each."""
+def _per_system(name: str, value: Any, count: int, check: Callable = _AT_LEAST_0, what: str = "a number") -> list:
+    """One checked value per system: ``value`` for each, or one of the sequence each."""
     if not isinstance(value, Sequence | np.ndarray):
-        return [check_number(name, value, strict=strict)] * count
+        return [check(name, value)] * count
     if len(value) != count:
-        raise ValueError(f"{name}: expected a number or one per structure ({count}), got {len(value)}")
-    return [check_number(f"{name}[{b}]", v, strict=strict) for b, v in enumerate(value)]
-
-
-def _seeds(seed: int | Sequence[int], count: int) -> list[int]:
-    if isinstance(seed, Sequence | np.ndarray):
-        if len(seed) != count:
-            raise ValueError(f"seed: expected an int or one per structure ({count}), got {len(seed)}")
-        return [check_count(f"seed[{b}]", s, 0) for b, s in enumerate(seed)]
-    return [check_count("seed", seed, 0) + b for b in range(count)]
-
-
-def _default(name: str, value):
-    return OPTION_FIELDS[name]["value"] if value is None else value  # cgforge md's default
+        raise ValueError(f"{name}: expected {what} or one per structure ({count}), got {len(value)}")
+    return [check(f"{name}[{b}]", v) for b, v in enumerate(value)]
 
 
 def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) -> Integrator:
@@ -170,23 +157,23 @@ def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) 
         return VelocityVerlet(timestep_fs)
     if given["temperature_K"] is None:
         raise ValueError(f"temperature_K: ensemble={ensemble!r} needs the target temperature (K)")
+    given = {k: OPTION_FIELDS[k]["value"] if v is None else v for k, v in given.items()}  # cgforge md's defaults
     temperatures = _per_system("temperature_K", given["temperature_K"], count)
     if thermostat == "csvr" or ensemble == "npt":
-        taus = _per_system("taut_fs", _default("taut_fs", given["taut_fs"]), count, strict=True)
+        taus = _per_system("taut_fs", given["taut_fs"], count, check_number)
         if ensemble == "nvt":
             return BatchCSVR(timestep_fs, temperatures, taus, ptr)
         # MDOptions' units (bar, 1/bar) to StochasticCellRescaling's (GPa, 1/GPa), as cgforge md converts them
-        pressure_bar = check_number("pressure_bar", _default("pressure_bar", given["pressure_bar"]), minimum=None)
-        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr, pressure_bar * 1e-4,
-                                  check_number("taup_fs", _default("taup_fs", given["taup_fs"])),
-                                  check_number("compressibility_per_bar", _default(
-                                      "compressibility_per_bar", given["compressibility_per_bar"])) * 1e4)
+        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr,
+                                  check_number("pressure_bar", given["pressure_bar"], minimum=None) * 1e-4,
+                                  check_number("taup_fs", given["taup_fs"]),
+                                  check_number("compressibility_per_bar", given["compressibility_per_bar"]) * 1e4)
     sizes = torch.as_tensor(np.diff(ptr))
 
     def per_atom(values: list[float]) -> Tensor:
         return torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float64), sizes)[:, None]
 
-    frictions = _per_system("friction", _default("friction", given["friction"]), count)
+    frictions = _per_system("friction", given["friction"], count)
     return BatchLangevin(timestep_fs, per_atom(temperatures), per_atom(frictions))
 
 
@@ -213,7 +200,8 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     given = {"thermostat": thermostat, "temperature_K": temperature_K, "friction": friction, "taut_fs": taut_fs,
              "pressure_bar": pressure_bar, "taup_fs": taup_fs, "compressibility_per_bar": compressibility_per_bar}
     integrator = _integrator(ensemble, given, timestep_fs, ptr)
-    seeds = _seeds(seed, len(structures))
+    seeds = _per_system("seed", seed, len(structures), partial(check_count, minimum=0), "an int")
+    seeds = seeds if isinstance(seed, Sequence | np.ndarray) else [s + b for b, s in enumerate(seeds)]
     step = potential_of(model).batch_step(min_distance)
     device = step.adapter.device
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])

@@ -1,9 +1,5 @@
 """Batched FIRE relaxation of many structures: ``relax_batch`` (docs/batch.md).
 
-    from cgforge.plugin import Calculator, relax_batch
-    for done in relax_batch(Calculator("mace"), structures, fmax=0.05, batch_size=64):
-        done.index, done.status, done.energy, done.atoms          # as each structure finishes
-
 Each structure has its own state of ASE's FIRE (``FireState``: one vectorised step on the model's device); the
 batch is evaluated in one model call and refilled from the queue as structures finish. ``cell_filter`` relaxes
 3-D periodic cells through ASE's ``FrechetCellFilter``. A structure that cannot be evaluated finishes "failed".

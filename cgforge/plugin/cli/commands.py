@@ -7,13 +7,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from .md import AUTO_ON_OFF, add_md_arguments
+
 EXIT_OK = 0
 EXIT_ERROR = 1  # bad input, unreadable or unwritable file, model that fails to load
 EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
 EXIT_UNSTABLE = 3  # cgforge md: the run blew up (non-finite forces/energy, temperature above the limit)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, what shells report)
 EXIT_TERMINATED = 143  # SIGTERM, what batch schedulers send before they kill a job (128 + SIGTERM)
-AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a flag's choice as a keyword's value
 
 
 def _check_paths(src: str | None, dst: str, force: bool) -> None:
@@ -151,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
     p.set_defaults(func=cmd_lammps_model)
 
-    from .md import add_md_arguments
     from .md_batch import add_md_batch_arguments
     from .relax import add_relax_arguments
 
@@ -187,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_guarded(func: Callable[[], int], prog: str) -> int:
-    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback.
-    SIGTERM unwinds like Ctrl-C (a run in progress stops after its step and writes its frame) and exits 143."""
+    """``func()``'s exit code; a user-facing error is one line on stderr; SIGTERM unwinds like Ctrl-C (143)."""
     import signal
 
     from cgforge.plugin.md.checks import sigterm_as_interrupt

@@ -92,9 +92,8 @@ def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
     return checks
 
 
-# The model families' packages (pyproject.toml's extras): the tested version and the e3nn each runs with. mace-torch
-# 0.3.16 pins e3nn==0.4.4 in its metadata but runs with e3nn 0.4.4 to 0.6 (hence `pip install --no-deps`);
-# nequip 0.19 needs e3nn >= 0.6.
+# The model families' packages (pyproject.toml's extras): the tested version and the e3nn each runs with (mace-torch
+# pins e3nn==0.4.4 but runs with 0.4.4 to 0.6, hence `pip install --no-deps`; nequip needs e3nn >= 0.6).
 FAMILIES = {"MACE": ("mace-torch", "0.3.16", (0, 4, 4)), "NequIP": ("nequip", "0.19.1", (0, 6))}
 
 

@@ -7,21 +7,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-# Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
-# not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
-from cgforge.plugin.md.options import (
-    OPTION_FIELDS,
-    PLOT_SUFFIXES,
-    add_arguments,
-    check_count,
-    check_number,
-    given_by_args,
-    refuse_on_restart,
-)
+# Only light modules here: `cgforge --help` imports this file (torch, ASE, the patches load where they are used)
+from cgforge.plugin.md.options import OPTION_FIELDS, PLOT_SUFFIXES, add_arguments, given_by_args, refuse_on_restart
 from cgforge.plugin.runtime.bundled import LISTED
 from cgforge.plugin.runtime.bundled import NAMES as BUNDLED
-
-from .commands import AUTO_ON_OFF
 
 if TYPE_CHECKING:
     from cgforge.plugin.md.files import Restart
@@ -30,11 +19,11 @@ if TYPE_CHECKING:
 __all__ = ["add_md_arguments", "prepare_md", "run_from_args", "MDSetup", "size_hint"]
 
 
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a flag's choice as a keyword's value
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
-# A box this large on a CPU gets a hint first: an estimate of one energy + forces call's time and memory
-# (per atom, measured: docs/measured-constants.md).
+# A box this large on a CPU gets a hint first: a step's time and memory per atom (docs/measured-constants.md)
 CPU_HINT_ATOMS = 20_000
 CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
@@ -50,9 +39,8 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
     what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
     what.add_argument("--restart", default=None, metavar="TRAJ",
-                      help="continue this trajectory's run from its last frame (velocities, random state, step, "
-                           "its saved options, engine and model) for --steps more steps into a new -o file; a flag "
-                           "that contradicts a saved option is refused (--structure TRAJ starts a new run instead)")
+                      help="continue this trajectory's run from its last frame with its saved options, engine and "
+                           "model for --steps more steps into a new -o file (--structure TRAJ starts a new run)")
     parser.add_argument("--model", default=None,
                         help=f"{LISTED} (bundled water models; default 'mace'), or a .model/.ckpt/.nequip.zip "
                              "file; after --restart: the run's")
@@ -66,13 +54,11 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
-    # 2 Å: with the engine's pipelined rebuilds a list that lasts longer costs less than the edges it adds
-    # (measured: docs/measured-constants.md)
+    # 2 Å: with pipelined rebuilds a longer-lived list costs less than its extra edges (docs/measured-constants.md)
     parser.add_argument("--skin", type=float, default=2.0, help="neighbour-list skin in Å (default 2.0)")
     parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
-                             "models; kept only if the first structure's forces change by <= 1e-4 relative, "
-                             "which is printed)")
+                             "models; kept only if the first structure's forces change by <= 1e-4 relative)")
     parser.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
@@ -141,6 +127,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     model loads. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
     from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
+    from cgforge.plugin.md.options import check_count, check_number
     from cgforge.plugin.md.run import plan_md
 
     check_number("--skin", args.skin, strict=False)

@@ -1,13 +1,5 @@
 """The MD engine: integrator and model step on the device, the host sees the state only between blocks.
 
-    from cgforge.plugin import Calculator
-    from cgforge.plugin.md.engine import Engine
-    from cgforge.plugin.md.integrators import Langevin
-
-    calc = Calculator("mace")
-    engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
-    engine.run(1000, every=10, callback=lambda e: print(e.step, e.atoms.get_temperature()))
-
 State lives in float64 tensors on the device. A *block* of ``block`` steps runs without a host sync (on CUDA as
 replays of a graph of ``steps_per_graph`` steps), then one copy of a small report. A step that went stale,
 overflowed the edge buffers or blew up is not committed (``commit``): the host rebuilds or grows and carries on
@@ -46,8 +38,7 @@ from .state import ENGINE_INFO_KEY, read_state, write_atoms
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
 _FORMAT = 1
-# Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (a search
-# takes about one to two steps), and few, because the new list is as old as this block when it is installed.
+# Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile)
 _HIDE_STEPS = 2
 
 
@@ -102,8 +93,7 @@ class Engine:
         masses = torch.as_tensor(atoms.get_masses(), **f64).reshape(n, 1)
         integrator.bind(masses)
         extra = integrator.initial_extra(self.device)
-        # One flat buffer holds everything a step changes, the fields are views of it: saving and restoring a
-        # step is one copy each, and a snapshot for the host one transfer.
+        # One flat buffer holds what a step changes (the fields are views): save, restore, snapshot are one copy each
         shapes = {"positions": (n, 3), "momenta": (n, 3), "forces": (n, 3), "energy": (), "virial": (3, 3),
                   "cell": (3, 3), **{f"extra.{k}": () for k in extra}}
         self._flat = torch.zeros(sum(math.prod(v) for v in shapes.values()), **f64)
@@ -150,8 +140,7 @@ class Engine:
         return self._step
 
     def run(self, steps: int, every: int = 0, callback: Callable[[Engine], None] | None = None) -> None:
-        """Advance ``steps`` steps; every ``every`` steps (counted from step 0) write ``atoms`` and call
-        ``callback(self)``. Raises ``MDBlowUp`` when the run blows up."""
+        """Advance ``steps`` steps; every ``every`` steps write ``atoms`` and call ``callback(self)``."""
         steps, every = check_count("steps", steps, 0), check_count("every", every, 0)
         start = time.perf_counter()
         self._start()
@@ -479,8 +468,7 @@ class Engine:
 
 def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,
                            **kwargs) -> Engine:
-    """An engine over ``energy_fn(positions, cell) -> energy`` (``device=``, default CPU; ``options=``: its
-    ``RuntimeOptions``); other keywords are the ``Engine``'s."""
+    """An engine over ``energy_fn(positions, cell) -> energy`` (``device=``, ``options=``; the rest the Engine's)."""
     device = kwargs.pop("device", "cpu")
     options = kwargs.pop("options", None)
     return Engine(EnergyFunctionForces(energy_fn, device=device, options=options), atoms, integrator, **kwargs)

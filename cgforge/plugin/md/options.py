@@ -11,21 +11,16 @@ import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from functools import partial
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module
-    from ase import Atoms
+from typing import Any
 
 ENSEMBLES = ("nvt", "nve", "npt")
 ENGINES = ("auto", "device", "ase")  # auto: the device engine when the calculator runs on CUDA, else ASE's
 THERMOSTATS = ("langevin", "csvr")  # NVT; NPT uses CSVR in the engine, Berendsen's in ASE's dynamics
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-# Blow-up limit when none is given: far above any liquid or solid a user runs, far below what a run that
-# exploded reaches (1e5-1e6 K within a few steps); 10x the target for hot runs.
+# Blow-up limit when none is given: far above any liquid or solid, far below an exploded run; 10x hot targets
 MAX_TEMPERATURE_FLOOR_K = 5000.0
 MAX_TEMPERATURE_FACTOR = 10.0
-# compile auto: the shortest run compiled, where the compiled engine's saving per step has paid back its
-# first-process compilation (measured: docs/measured-constants.md).
+# compile auto: the shortest run whose savings pay back the compilation (docs/measured-constants.md)
 COMPILE_AUTO_MIN_STEPS = 50_000
 
 # A run's mode: the ensemble, and for NVT its thermostat. A field with ``modes`` is refused in the others.
@@ -199,8 +194,7 @@ class MDOptions:
     @classmethod
     def given(cls, given: Mapping[str, Any], names: Callable[[str], str] | None = None,
               saved: Mapping[str, Any] | None = None, source: str = "", new_run: str = "") -> MDOptions:
-        """The options of ``given``; after a restart (``saved`` from ``source``) a kept option not given is the
-        saved one, and another value is refused."""
+        """``given``'s options; after a restart a kept option not given is the ``saved`` one, another is refused."""
         name = names or str
         o = dict(given)
         for key, value in (saved or {}).items():
@@ -307,8 +301,7 @@ def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None,
                   override: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """One flag per :class:`MDOptions` field (None when not given); another command passes ``keys`` (only these)
-    and ``override`` (argparse keywords replacing a field's own)."""
+    """One flag per :class:`MDOptions` field (None when not given); ``keys``: only these; ``override``: argparse's."""
     for key, meta in OPTION_FIELDS.items():
         if keys is not None and key not in keys:
             continue
@@ -337,32 +330,3 @@ def options_table() -> str:
                     f"{meta['help']} |")
     return "\n".join(rows)
 
-
-def check_atoms_for(ensemble: str, atoms: Atoms, name: Callable[[str], str]) -> None:
-    if ensemble == "npt" and not (atoms.pbc.all() and abs(atoms.cell.volume) > 0):
-        raise ValueError(f"{name('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
-                         f"has pbc={atoms.pbc.tolist()} and volume {abs(atoms.cell.volume):g} Å^3")
-
-
-def check_structure(atoms: Atoms, what: str) -> None:
-    """What needs no model: finite positions and cell, a periodic cell that spans its periodic directions."""
-    import numpy as np
-
-    positions = atoms.get_positions()
-    bad = ~np.isfinite(positions).all(axis=1)
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{what}: {int(bad.sum())} of {len(atoms)} atoms have non-finite positions (first: atom "
-                         f"{first}, {atoms.get_chemical_symbols()[first]}, {positions[first].tolist()})")
-    cell = np.asarray(atoms.cell, dtype=float)
-    if not np.isfinite(cell).all():
-        raise ValueError(f"{what}: the cell is not finite: {cell.tolist()}")
-    pbc = np.asarray(atoms.pbc, dtype=bool)
-    if pbc.any():
-        vectors = cell[pbc]
-        lengths = np.linalg.norm(vectors, axis=1)
-        gram = float(np.linalg.det(vectors @ vectors.T))
-        if (lengths <= 1e-6).any() or gram <= 1e-12 * float(np.prod(lengths**2)):
-            raise ValueError(f"{what}: the cell is singular along its periodic directions (pbc={pbc.tolist()}, cell "
-                             f"{np.round(cell, 6).tolist()}): give each periodic direction a cell vector, the "
-                             "vectors independent")

@@ -1,13 +1,6 @@
 """Molecular dynamics: NVT (Langevin or CSVR), NVE or NPT with progress lines, a trajectory, blow-up
 detection, restarts, a clean Ctrl-C and a plot (:func:`run_md`; docs/md.md).
 
-    from cgforge.plugin import Calculator, run_md, water_box
-    atoms = water_box(1728)
-    atoms.calc = Calculator("mace")
-    summary = run_md(atoms, ensemble="nvt", temperature_K=300, timestep_fs=0.5, steps=1000,
-                     trajectory="water.traj", log="water.log", plot="water.png")
-    run_md(None, Calculator("mace"), restart="water.traj", steps=1000, trajectory="water-2.traj")
-
 :func:`plan_md` checks every argument, output file and the structure once; :meth:`MDPlan.run` runs, on
 cgforge's device engine (``engine.py``) or ASE's dynamics (``dynamics.py``). Each frame's ``atoms.info`` holds
 what a restart continues (``md_step``, ``md_time_fs``, ``md_etot0``, ``md_rng``/``md_engine``, ``md_<keyword>``
@@ -51,15 +44,7 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import (
-    COMPILE_AUTO_MIN_STEPS,
-    OPTION_FIELDS,
-    EngineOptions,
-    MDOptions,
-    check_atoms_for,
-    check_structure,
-    refuse_on_restart,
-)
+from .options import COMPILE_AUTO_MIN_STEPS, OPTION_FIELDS, EngineOptions, MDOptions, refuse_on_restart
 from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
@@ -183,12 +168,15 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         check_matplotlib(names("plot"))
     if state is not None:  # the frame's positions and cell are the ones that run
         check_same_system(atoms, state)
-        check_structure(state.atoms, f"{names('restart')}: {state.path}")
+        _check_structure(state.atoms, f"{names('restart')}: {state.path}")
     else:
-        check_structure(atoms, names("atoms"))
+        _check_structure(atoms, names("atoms"))
         for key in [k for k in atoms.info if k.startswith("md_")]:  # a run's own records (a frame read as a
             del atoms.info[key]  # structure): a new run writes its own, never another run's random state
-    check_atoms_for(o.ensemble, atoms if atoms is not None else state.atoms, names)
+    system = atoms if atoms is not None else state.atoms
+    if o.ensemble == "npt" and not (system.pbc.all() and abs(system.cell.volume) > 0):
+        raise ValueError(f"{names('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
+                         f"has pbc={system.pbc.tolist()} and volume {abs(system.cell.volume):g} Å^3")
     reserved = Reservations()  # the last checks: the output files are created (a concurrent run gets others)
     try:
         path = reserved.take(a["trajectory"] if free else path, force, names("trajectory")) if path else None
@@ -210,6 +198,28 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
             plan.close()  # a refused calculator or engine leaves no reserved output behind
             raise
     return plan
+
+
+def _check_structure(atoms: Atoms, what: str) -> None:
+    """What needs no model: finite positions and cell, a periodic cell that spans its periodic directions."""
+    positions = atoms.get_positions()
+    bad = ~np.isfinite(positions).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{what}: {int(bad.sum())} of {len(atoms)} atoms have non-finite positions (first: atom "
+                         f"{first}, {atoms.get_chemical_symbols()[first]}, {positions[first].tolist()})")
+    cell = np.asarray(atoms.cell, dtype=float)
+    if not np.isfinite(cell).all():
+        raise ValueError(f"{what}: the cell is not finite: {cell.tolist()}")
+    pbc = np.asarray(atoms.pbc, dtype=bool)
+    if pbc.any():
+        vectors = cell[pbc]
+        lengths = np.linalg.norm(vectors, axis=1)
+        gram = float(np.linalg.det(vectors @ vectors.T))
+        if (lengths <= 1e-6).any() or gram <= 1e-12 * float(np.prod(lengths**2)):
+            raise ValueError(f"{what}: the cell is singular along its periodic directions (pbc={pbc.tolist()}, cell "
+                             f"{np.round(cell, 6).tolist()}): give each periodic direction a cell vector, the "
+                             "vectors independent")
 
 
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
@@ -313,8 +323,7 @@ class MDPlan:
                 self.close()
 
     def close(self, error: BaseException | None = None) -> None:
-        """Close the log and release unused outputs; ``error`` (before the first step) goes to the log file first
-        when the caller prints errors."""
+        """Close the log, release unused outputs; ``error`` (before the first step) goes to the log file first."""
         if error is not None and self.errors_to_caller and not isinstance(error, KeyboardInterrupt):
             self.printer.to_file(f"error: {error}")
         self.printer.close()
@@ -366,8 +375,7 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
-    """compile auto: compile the model for a run of ``min_steps`` or more on CUDA when it fits; the line that
-    says so (None off CUDA)."""
+    """compile auto: compile for a run of ``min_steps`` or more on CUDA when the model fits; the line saying so."""
     if getattr(getattr(calc, "device", None), "type", None) != "cuda":
         return None
     if steps < min_steps:
