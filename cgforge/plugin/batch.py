@@ -41,8 +41,7 @@ def as_structure(atoms: Atoms) -> BatchStructure:
     """The batch's view of an ``ase.Atoms``."""
     if not isinstance(atoms, Atoms):
         raise TypeError(f"expected an ase.Atoms, got {type(atoms).__name__}")
-    return BatchStructure(atoms.numbers, atoms.positions, np.asarray(atoms.cell),
-                          tuple(bool(p) for p in atoms.pbc))
+    return BatchStructure(atoms.numbers, atoms.positions, np.asarray(atoms.cell), tuple(bool(p) for p in atoms.pbc))
 
 
 def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
@@ -65,9 +64,8 @@ def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *
     """Energy, forces, stress and per-atom ``energies`` of every structure in one model call; one ``BatchResult``
     each, in order. min_distance: two atoms closer than this (Å) make a structure bad (None: no check); a bad
     structure raises ``BatchStructureError`` (a ValueError) with its ``index``. keys: as ``Potential``'s."""
-    potential = potential_of(model)
-    outs = potential.evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
-                                    per_atom=energies, min_distance=min_distance, keys=keys)
+    outs = potential_of(model).evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
+                                              per_atom=energies, min_distance=min_distance, keys=keys)
     results = []
     for atoms, out in zip(atoms_list, outs, strict=True):
         volume = abs(float(atoms.cell.volume))

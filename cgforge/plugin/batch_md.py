@@ -249,9 +249,8 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
             forces(at)
             integrator.after_forces(state, noise)
             state.step.add_(1)
-    energies = state.energy.cpu().numpy()
-    x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (state.positions, state.momenta, state.forces,
-                                                                   state.cell))
+    energies, x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (
+        state.energy, state.positions, state.momenta, state.forces, state.cell))
     final = []
     for b, atoms in enumerate(atoms_list):
         copy = atoms.copy()

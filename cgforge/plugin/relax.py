@@ -7,7 +7,6 @@ batch is evaluated in one model call and refilled from the queue as structures f
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -154,20 +153,20 @@ class _Queue:
 
     def __init__(self, source: Iterator[tuple[int, object]], batch_size: int, max_atoms: int | None) -> None:
         self.source, self.batch_size, self.max_atoms = source, batch_size, max_atoms
-        self.waiting: deque[tuple[int, object]] = deque()
+        self.waiting: tuple[int, object] | None = None  # the next structure, read but not yet admitted
 
     def take(self, active: list[_Slot]) -> Iterator[tuple[int, object]]:
         """(index, structure) while ``active`` has room (one over ``max_atoms`` runs alone)."""
         while len(active) < self.batch_size:
-            if not self.waiting:
-                nxt = next(self.source, None)
-                if nxt is None:
-                    return
-                self.waiting.append(nxt)
-            size = len(self.waiting[0][1]) if isinstance(self.waiting[0][1], Atoms) else 0
+            if self.waiting is None:
+                self.waiting = next(self.source, None)
+            if self.waiting is None:
+                return
+            size = len(self.waiting[1]) if isinstance(self.waiting[1], Atoms) else 0
             if self.max_atoms is not None and active and sum(len(s.atoms) for s in active) + size > self.max_atoms:
                 return
-            yield self.waiting.popleft()
+            item, self.waiting = self.waiting, None
+            yield item
 
 
 def _refused(index: int, atoms: object, err: BatchStructureError) -> Relaxed:
@@ -236,9 +235,8 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
 def _admit(step: BatchStep, index: int, atoms: object) -> _Slot:
     """A structure entering the batch, checked alone (shapes, finite values, known elements, constraints)."""
     copy = _copy(index, atoms)
-    structure = as_structure(copy)
     try:
-        check_shapes(0, structure)
+        check_shapes(0, as_structure(copy))
         check_finite(np.asarray(copy.positions, dtype=np.float64), np.asarray(copy.cell)[None], [0, len(copy)])
         species = step.species(np.asarray(copy.numbers), [0, len(copy)])
     except BatchStructureError as err:

@@ -31,20 +31,14 @@ def _check_paths(src: str | None, dst: str, force: bool) -> None:
     check_new_file(dst, force=True, what="OUT")
 
 
-def _checkpoint(name: str) -> str:
-    """IN of ``patch``/``unpatch``: a bundled model's name as its file, else the file name given."""
-    from cgforge.plugin.runtime.bundled import NAMES, model_path
-
-    return str(model_path(name.lower())) if name.lower() in NAMES else name
-
-
 def cmd_patch(args: argparse.Namespace) -> int:
     """``cgforge patch IN OUT``: a copy of the checkpoint IN (or a bundled model) that runs cgforge's kernels;
     ``cgforge unpatch IN OUT``: IN as a plain model that loads without cgforge (MACE only). IN is never modified."""
     from cgforge.patches import families
+    from cgforge.plugin.runtime.bundled import NAMES, model_path
 
     patched = args.command == "patch"
-    source = _checkpoint(args.input)
+    source = str(model_path(args.input.lower())) if args.input.lower() in NAMES else args.input  # a bundled model
     _check_paths(source, args.output, args.force)
     family = families.family_for_file(source)
     family.check_output(args.output, patched=patched, what="OUT")
@@ -67,8 +61,7 @@ def cmd_lammps_model(args: argparse.Namespace) -> int:
                        timers=args.timers)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
-    for line in usage_lines(obj, out.name):
-        print(f"  {line}")
+    print("\n".join(f"  {line}" for line in usage_lines(obj, out.name)))
     return EXIT_OK
 
 

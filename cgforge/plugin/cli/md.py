@@ -99,8 +99,7 @@ def read_kernel_tuning(path: str | None) -> Any:
     from cgforge.kernels.core.tuning import KernelTuning
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--kernel-tuning: {path} not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -159,8 +158,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if structure is None and restart is None:
         from cgforge.plugin.water import water_box
 
-        n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
-                                                               else CPU_MOLECULES)
+        n = args.molecules if args.molecules is not None else GPU_MOLECULES if device.type == "cuda" else CPU_MOLECULES
         seed = check_count("--seed", args.seed, 0) if args.seed is not None else OPTION_FIELDS["seed"]["value"]
         atoms = water_box(n, seed=seed)  # the box's seed too
         given.setdefault("relax", DEFAULT_RELAX)  # a generated box is far from the model's equilibrium
@@ -170,8 +168,7 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
                    trajectory=trajectory, restart=restart, log=[print, args.log] if args.log is not None else print,
                    plot=getattr(args, "plot", None), **given)
     plan.model, plan.errors_to_caller = model, True
-    hint = size_hint(len(plan.atoms), device)
-    if hint:
+    if hint := size_hint(len(plan.atoms), device):
         plan.out(hint)
     return MDSetup(plan, device, tuning)
 

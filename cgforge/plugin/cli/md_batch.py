@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cgforge.plugin.md.options import add_arguments
+from cgforge.plugin.md.options import MDOptions, add_arguments, given_by_args
 
 from .md import NAMES
 from .relax import Writer, add_file_arguments, check_file_arguments, open_run
@@ -56,7 +56,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     import numpy as np
 
     from cgforge.plugin.md.dynamics import thermalize
-    from cgforge.plugin.md.options import MDOptions, given_by_args
 
     check_file_arguments(args)
     o = MDOptions(**given_by_args(args), names=lambda key: NAMES.get(key, key))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cgforge.plugin.md.options import check_count, check_number
 from cgforge.plugin.runtime.bundled import LISTED
 
 if TYPE_CHECKING:  # ase loads at run time only: `cgforge --help` imports nothing heavy
@@ -53,10 +54,8 @@ def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_file_arguments(args: argparse.Namespace) -> None:
     """--batch-size and --min-distance (``add_file_arguments``) in range."""
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size: expected an integer >= 1, got {args.batch_size}")
-    if not 0 <= args.min_distance < float("inf"):
-        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
+    check_count("--batch-size", args.batch_size, 1)
+    check_number("--min-distance", args.min_distance, strict=False)
 
 
 def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -95,8 +94,7 @@ class Writer:
     """Appends each finished structure to OUT (created at the first one)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.db = None
+        self.path, self.db = path, None
         if path.suffix.lower() in DB:
             from ase.db import connect
 
@@ -137,12 +135,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     from cgforge.plugin.relax import relax_batch
 
     check_file_arguments(args)
-    if args.steps < 0:
-        raise ValueError(f"--steps: expected an integer >= 0, got {args.steps}")
-    if not args.fmax > 0:
-        raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
-    if args.max_atoms is not None and args.max_atoms < 1:
-        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
+    check_count("--steps", args.steps, 0)
+    check_number("--fmax", args.fmax)
+    if args.max_atoms is not None:
+        check_count("--max-atoms", args.max_atoms, 1)
     source, out, structures, calc = open_run(args, "cgforge relax")
     what = "positions and cells" if args.cell else "positions"
     print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE on {what} to fmax "

@@ -321,8 +321,7 @@ class Engine:
 
     def _run_block(self, size: int, observe: bool) -> int:
         self._report_values.copy_(self._report_start)
-        # Pipelined rebuild: in the list's last block (``_plan_block``) the next list is searched at the block's
-        # start state on a side stream while the block runs, and installed after it.
+        # pipelined: in the list's last block the next list is searched from its start state while it runs
         pending = self.provider.snapshot(self.state.positions, self.state.cell) if self._search_next else None
         if self.cuda_graph:
             self._replay(size)
@@ -336,9 +335,8 @@ class Engine:
         host = self._read_report()
         committed = int(host["committed"])
         self._step += committed
-        self.stats["blocks"] += 1
-        self.stats["steps"] += committed
-        self.stats["discarded"] += size - committed
+        for key, count in (("blocks", 1), ("steps", committed), ("discarded", size - committed)):
+            self.stats[key] += count
         if observe and committed == size:
             self._snapshot_step = self._step
         if host["blow_kind"]:
@@ -433,13 +431,11 @@ class Engine:
 
     def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
         """A graph of ``count`` steps (None when the capture failed: eager from now on); the state is as before."""
-        backup = (self._flat.clone(), self.state.step.clone())
-        report = self._report_values.clone()
+        saved = [(t, t.clone()) for t in (self._flat, self.state.step, self._report_values)]
 
         def restore() -> None:
-            self._flat.copy_(backup[0])
-            self.state.step.copy_(backup[1])
-            self._report_values.copy_(report)
+            for live, copy in saved:
+                live.copy_(copy)
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -462,8 +458,7 @@ class Engine:
 
     def _write_atoms(self) -> None:
         info = {"step": self._step, "seed": self.seed, "integrator": self.integrator.name}
-        write_atoms(self.atoms, self._host_snapshot.numpy(), list(self.state.extra), info,
-                    self.integrator.needs_virial)
+        write_atoms(self.atoms, self._host_snapshot.numpy(), list(self.state.extra), info, self.integrator.needs_virial)
 
 
 def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,

@@ -1,7 +1,6 @@
 """The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``, declared once: :class:`MDOptions`, whose
-fields carry default, check, flag, help and restart rule. From them come ``cgforge md``'s flags
-(:func:`add_arguments`), run_md's keywords, a restart's defaults, the banner (:meth:`MDOptions.describe`) and
-docs/md.md's table (:func:`options_table`). Checks name what the user typed (a keyword or a flag: ``names``)."""
+fields carry default, check, flag, help and restart rule; ``cgforge md``'s flags (:func:`add_arguments`), run_md's
+keywords, a restart's defaults, the banner and docs/md.md's table (:func:`options_table`) come from them."""
 
 from __future__ import annotations
 
@@ -244,8 +243,7 @@ class EngineOptions:
     fuse_integrator: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.block is not None:
-            object.__setattr__(self, "block", check_count("block", self.block, 1))
+        object.__setattr__(self, "block", None if self.block is None else check_count("block", self.block, 1))
         object.__setattr__(self, "steps_per_graph", check_count("steps_per_graph", self.steps_per_graph, 1))
         object.__setattr__(self, "rebuild_margin", _AT_LEAST_0("rebuild_margin", self.rebuild_margin))
         for name in ("cuda_graph", "pipelined_rebuild", "fuse_integrator"):
@@ -260,8 +258,7 @@ class EngineOptions:
         if not isinstance(value, Mapping):
             raise TypeError(f"{name}: expected EngineOptions, a dict or None, got {type(value).__name__}")
         known = [f.name for f in fields(cls)]
-        unknown = sorted(map(str, set(value) - set(known)))
-        if unknown:
+        if unknown := sorted(map(str, set(value) - set(known))):
             raise ValueError(f"{name}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
         return cls(**value)
 

@@ -124,7 +124,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
         raise TypeError(f"run_md: unknown argument {unknown[0]!r}{hint}")
     # one lookup for every check (a dict's own method: the checks never call back into the caller's code)
-    names = {**{k: k for k in (*_RUN_MD_DEFAULTS, *_OTHER_NAMES)}, **(names or {})}.__getitem__
+    names = {**{k: k for k in (*_RUN_MD_DEFAULTS, "atoms", "calculator", "structure")}, **(names or {})}.__getitem__
     a = {**_RUN_MD_DEFAULTS, **arguments}
     restart = a["restart"]
     if atoms is None and restart is None and structure is None:
@@ -224,7 +224,6 @@ def _check_structure(atoms: Atoms, what: str) -> None:
 
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
                     if p.kind == p.KEYWORD_ONLY}
-_OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
 _PATHS = {"device": "cgforge's device engine", "ase": "ASE's dynamics"}
 
 
@@ -353,19 +352,16 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     if requested == "auto":
         why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
               f" (auto: ASE's dynamics {'on a CPU' if calc.device.type != 'cuda' else 'for this box'})"
-    path = "cgforge's device engine" if engine == "device" else "ASE's dynamics"
-    mode = getattr(calc, "compile", None)
-    streaming = getattr(calc, "streaming", False)
-    requested_streaming = getattr(calc, "streaming_requested", None)
-    memory = ("streamed edges" if streaming else "stored edges") + (
-        " (streaming auto: on when the box would not fit)" if requested_streaming is None
+    memory = ("streamed edges" if getattr(calc, "streaming", False) else "stored edges") + (
+        " (streaming auto: on when the box would not fit)" if getattr(calc, "streaming_requested", None) is None
         and calc.device.type == "cuda" else "")
     workspace = getattr(getattr(calc, "potential", None), "workspace", None)
     tiles = workspace is not None and workspace.tiles_chosen
     if tiles:
         memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
     graph = "off (tiles run eagerly)" if tiles else "on" if getattr(calc, "cuda_graph", False) else "off"
-    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}", f"CUDA graph {graph}",
+    parts = [f"engine {_PATHS[engine]}{why}", f"torch.compile {getattr(calc, 'compile', None) or 'off'}",
+             f"CUDA graph {graph}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
              f"memory: {memory}", f"skin {skin:g} Å"]
     tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel
