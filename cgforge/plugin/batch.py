@@ -1,14 +1,4 @@
-"""Many ASE structures in one model call: ``evaluate_batch``.
-
-    from cgforge.plugin import Calculator, evaluate_batch
-    calc = Calculator("mace", device="cuda")
-    results = evaluate_batch(calc, [molecule, crystal, cluster])   # or a runtime Potential
-    results[1].energy, results[1].forces, results[1].stress, results[1].energies
-
-The structures may differ in size, species, cell and periodicity (molecules without pbc too); they are
-evaluated as one graph with one component per structure (``runtime.batch``), each result what the calculator
-gives for that structure alone (to rounding). A bad structure raises ``BatchStructureError`` naming its index.
-"""
+"""Many ASE structures in one model call: ``evaluate_batch`` (docs/batch.md)."""
 
 from __future__ import annotations
 
@@ -28,9 +18,8 @@ __all__ = ["BatchResult", "BatchStructureError", "as_structure", "evaluate_batch
 
 @dataclass
 class BatchResult:
-    """One structure's results: energy (eV), forces [N, 3] (eV/Å), virial [3, 3] (eV), stress (ASE's Voigt
-    order, eV/Å^3; None for a cell of zero volume or without stress), per-atom energies [N] (None unless
-    asked for). Arrays in the order of the structure's atoms, float64."""
+    """One structure's results (float64, its atoms' order): energy (eV), forces (eV/Å), virial (eV), stress (Voigt,
+    eV/Å^3; None for a cell of zero volume or without stress), per-atom energies (None unless asked for)."""
 
     energy: float
     forces: np.ndarray | None
@@ -52,13 +41,11 @@ def as_structure(atoms: Atoms) -> BatchStructure:
     """The batch's view of an ``ase.Atoms``."""
     if not isinstance(atoms, Atoms):
         raise TypeError(f"expected an ase.Atoms, got {type(atoms).__name__}")
-    return BatchStructure(atoms.numbers, atoms.positions, np.asarray(atoms.cell),
-                          tuple(bool(p) for p in atoms.pbc))
+    return BatchStructure(atoms.numbers, atoms.positions, np.asarray(atoms.cell), tuple(bool(p) for p in atoms.pbc))
 
 
 def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
-    """``as_structure`` of each; what is not an Atoms, or has constraints (which the batch does not apply),
-    raises ``BatchStructureError`` naming its index."""
+    """``as_structure`` of each; not an Atoms, or constraints: ``BatchStructureError`` naming its index."""
     structures = []
     for index, atoms in enumerate(atoms_list):
         try:
@@ -72,22 +59,16 @@ def structures_of(atoms_list: Sequence[Atoms]) -> list[BatchStructure]:
 
 
 def evaluate_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, forces: bool = True,
-                   stress: bool = True, energies: bool = False, min_distance: float | None = 0.5
-                   ) -> list[BatchResult]:
-    """Energy, forces, stress and per-atom ``energies`` of every structure of ``atoms_list`` in one graph and
-    one model call of ``model``'s potential; one ``BatchResult`` per structure, in the order given.
-
-    stress: the virial of every structure (and the stress of those with a 3-D cell); needs forces. min_distance:
-    two atoms of a structure closer than this (Å) make it a bad structure (None: no check). A bad structure
-    raises ``BatchStructureError`` (a ValueError) with its ``index``."""
-    potential = potential_of(model)
-    outs = potential.evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
-                                    per_atom=energies, min_distance=min_distance)
+                   stress: bool = True, energies: bool = False, min_distance: float | None = 0.5,
+                   keys: Sequence | None = None) -> list[BatchResult]:
+    """Energy, forces, stress and per-atom ``energies`` of every structure in one model call; one ``BatchResult``
+    each, in order. min_distance: two atoms closer than this (Å) make a structure bad (None: no check); a bad
+    structure raises ``BatchStructureError`` (a ValueError) with its ``index``. keys: as ``Potential``'s."""
+    outs = potential_of(model).evaluate_batch(structures_of(atoms_list), forces=forces or stress, stress=stress,
+                                              per_atom=energies, min_distance=min_distance, keys=keys)
     results = []
     for atoms, out in zip(atoms_list, outs, strict=True):
         volume = abs(float(atoms.cell.volume))
-        voigt = None
-        if out.virial is not None and volume > 0.0:
-            voigt = full_3x3_to_voigt_6_stress(out.virial / volume)
+        voigt = full_3x3_to_voigt_6_stress(out.virial / volume) if out.virial is not None and volume > 0 else None
         results.append(BatchResult(out.energy, out.forces, out.virial, voigt, out.energies))
     return results

@@ -1,29 +1,17 @@
-"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT).
+"""Molecular dynamics of many independent structures at once: ``run_md_batch`` (NVE, NVT, NPT; docs/batch.md).
 
-    from cgforge.plugin import Calculator, run_md_batch
-    final = run_md_batch(Calculator("mace"), structures, ensemble="nvt", timestep_fs=0.5, steps=1000,
-                         temperature_K=300, friction=0.01, seed=1)
-
-Every structure moves by the device engine's integrators (``md.integrators``: ``VelocityVerlet`` for NVE,
-``Langevin`` or ``CSVR`` for NVT, ``StochasticCellRescaling`` (isotropic) for NPT, their arithmetic applied to
-the batch's atoms at once) with its own atoms' masses and momenta (the ``Atoms``' own, zero where they have
-none), its own temperature, friction or coupling time, its own cell (NPT), and its own noise: system b draws
-what ``Engine(calc, atoms_b, integrator, seed=seeds[b])`` draws alone (``noise.SystemNoise``; ``seed`` an int
-gives system b the seed ``seed + b``), so a structure's trajectory does not depend on the batch it runs in. All
-structures' forces (and with NPT their virials) come from one model call per step (``runtime.batch.BatchStep``:
-one graph, each structure's Verlet list kept while it is valid; with NPT every cell changes every step, so
-every structure is searched again every step). Positions, momenta, forces and cells stay on the model's device
-in float64 (NPT's cells go to the host each step for the search).
-
-Not here: capture in a CUDA graph (the batch step reads the neighbour list's state on the host every step),
-the anisotropic barostat (``cgforge md`` has none either). A structure that cannot be evaluated, NPT without a
-periodic 3-D cell, or energy or forces that become NaN or inf, raises ``BatchStructureError`` naming it.
+Every structure moves by the engine's integrators (``md.integrators``) applied to the batch at once, with its own
+masses, temperature, cell and noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])``
+draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step
+(``runtime.batch.BatchStep``); no CUDA graph. A bad structure raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,14 +37,13 @@ from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choi
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
+_AT_LEAST_0 = partial(check_number, strict=False)
 __all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
 
 
 class BatchLangevin(Langevin):
-    """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors, each
-    system's values on its atoms). ``Langevin.bind``'s formulas then give ASE's coefficients per atom, the same
-    numbers as for each system alone, so system b moves as ``Langevin(timestep_fs, T_b, friction_b)`` moves it
-    given the same forces and draws."""
+    """``Langevin`` over a batch: ``temperature_K`` and ``friction_per_fs`` per atom ([N, 1] float64 tensors), so
+    system b moves as ``Langevin(timestep_fs, T_b, friction_b)`` moves it alone."""
 
     def __init__(self, timestep_fs: float, temperature_K: Tensor, friction_per_fs: Tensor) -> None:
         Integrator.__init__(self, timestep_fs)  # not Langevin's: its checks take one number (run_md_batch checks)
@@ -74,10 +61,8 @@ class BatchLangevin(Langevin):
 
 
 class BatchCSVR(CSVR):
-    """``CSVR`` over a batch: each system its own degrees of freedom (3 n_b - 3, at least 2, as ``CSVR``'s
-    default), target temperature, coupling time ``tau_fs``, kinetic energy, draws (``SystemNoise.per_system``:
-    the numbers it draws alone) and heat (``extra['heat']`` [B]). The factor is ``csvr_alpha``, the single
-    system's arithmetic, of each system's sums (summed in another order than alone: equal to rounding)."""
+    """``CSVR`` over a batch: each system its own degrees of freedom, temperature, coupling time, draws (as alone)
+    and heat (``extra['heat']`` [B]), through the single system's ``csvr_alpha``."""
 
     def __init__(self, timestep_fs: float, temperature_K: list[float], tau_fs: list[float], ptr: list[int]) -> None:
         Integrator.__init__(self, timestep_fs)  # not CSVR's: its checks take one number (run_md_batch checks)
@@ -94,11 +79,9 @@ class BatchCSVR(CSVR):
         self.c, self.kt_per_dof = torch.tensor(c, **f64), torch.tensor(kt_per_dof, **f64)
         self.sqrt_c = torch.tensor([math.sqrt(x) for x in c], **f64)
         self.sqrt_kick = torch.tensor([math.sqrt((1 - x) * k) for x, k in zip(c, kt_per_dof)], **f64)
-        count = len(sizes)
-        self.atom_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
-                                                   torch.as_tensor(sizes, device=masses.device))
-        self.draw_system = torch.repeat_interleave(torch.arange(count, device=masses.device),
-                                                   torch.as_tensor(self.dofs, device=masses.device))
+        systems = torch.arange(len(sizes), device=masses.device)
+        self.atom_system = systems.repeat_interleave(torch.as_tensor(sizes, device=masses.device))
+        self.draw_system = systems.repeat_interleave(torch.as_tensor(self.dofs, device=masses.device))
         self.first_draw = torch.as_tensor(np.concatenate([[0], np.cumsum(self.dofs)[:-1]]), device=masses.device)
 
     def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
@@ -116,10 +99,8 @@ class BatchCSVR(CSVR):
 
 
 class BatchCellRescaling(BatchCSVR):
-    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system with its own cell, volume, pressure
-    tensor (its kinetic tensor and virial), temperature and draws (stream 2, one per system, as alone); the
-    factor is ``cell_scaling_factor``, the single system's arithmetic. pressure_GPa, tau_p_fs and
-    compressibility_per_GPa: as ``StochasticCellRescaling``'s, the same for every system."""
+    """NPT: ``StochasticCellRescaling`` (isotropic) over a batch, each system its own cell, pressure tensor and
+    draws (as alone); pressure_GPa, tau_p_fs, compressibility_per_GPa the same for every system."""
 
     needs_virial = True
     changes_cell = True
@@ -150,25 +131,13 @@ class BatchCellRescaling(BatchCSVR):
         s.momenta.div_(per_atom)
 
 
-def _per_system(name: str, value: float | Sequence[float], count: int, strict: bool = False) -> list[float]:
-    """One number >= 0 (> 0 when ``strict``) per system: ``value`` for each, or one of the sequence each."""
+def _per_system(name: str, value: Any, count: int, check: Callable = _AT_LEAST_0, what: str = "a number") -> list:
+    """One checked value per system: ``value`` for each, or one of the sequence each."""
     if not isinstance(value, Sequence | np.ndarray):
-        return [check_number(name, value, strict=strict)] * count
+        return [check(name, value)] * count
     if len(value) != count:
-        raise ValueError(f"{name}: expected a number or one per structure ({count}), got {len(value)}")
-    return [check_number(f"{name}[{b}]", v, strict=strict) for b, v in enumerate(value)]
-
-
-def _seeds(seed: int | Sequence[int], count: int) -> list[int]:
-    if isinstance(seed, Sequence | np.ndarray):
-        if len(seed) != count:
-            raise ValueError(f"seed: expected an int or one per structure ({count}), got {len(seed)}")
-        return [check_count(f"seed[{b}]", s, 0) for b, s in enumerate(seed)]
-    return [check_count("seed", seed, 0) + b for b in range(count)]
-
-
-def _default(name: str, value):
-    return OPTION_FIELDS[name]["value"] if value is None else value  # cgforge md's default
+        raise ValueError(f"{name}: expected {what} or one per structure ({count}), got {len(value)}")
+    return [check(f"{name}[{b}]", v) for b, v in enumerate(value)]
 
 
 def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) -> Integrator:
@@ -188,23 +157,23 @@ def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) 
         return VelocityVerlet(timestep_fs)
     if given["temperature_K"] is None:
         raise ValueError(f"temperature_K: ensemble={ensemble!r} needs the target temperature (K)")
+    given = {k: OPTION_FIELDS[k]["value"] if v is None else v for k, v in given.items()}  # cgforge md's defaults
     temperatures = _per_system("temperature_K", given["temperature_K"], count)
     if thermostat == "csvr" or ensemble == "npt":
-        taus = _per_system("taut_fs", _default("taut_fs", given["taut_fs"]), count, strict=True)
+        taus = _per_system("taut_fs", given["taut_fs"], count, check_number)
         if ensemble == "nvt":
             return BatchCSVR(timestep_fs, temperatures, taus, ptr)
         # MDOptions' units (bar, 1/bar) to StochasticCellRescaling's (GPa, 1/GPa), as cgforge md converts them
-        pressure_bar = check_number("pressure_bar", _default("pressure_bar", given["pressure_bar"]), minimum=None)
-        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr, pressure_bar * 1e-4,
-                                  check_number("taup_fs", _default("taup_fs", given["taup_fs"])),
-                                  check_number("compressibility_per_bar", _default(
-                                      "compressibility_per_bar", given["compressibility_per_bar"])) * 1e4)
+        return BatchCellRescaling(timestep_fs, temperatures, taus, ptr,
+                                  check_number("pressure_bar", given["pressure_bar"], minimum=None) * 1e-4,
+                                  check_number("taup_fs", given["taup_fs"]),
+                                  check_number("compressibility_per_bar", given["compressibility_per_bar"]) * 1e4)
     sizes = torch.as_tensor(np.diff(ptr))
 
     def per_atom(values: list[float]) -> Tensor:
         return torch.repeat_interleave(torch.as_tensor(values, dtype=torch.float64), sizes)[:, None]
 
-    frictions = _per_system("friction", _default("friction", given["friction"]), count)
+    frictions = _per_system("friction", given["friction"], count)
     return BatchLangevin(timestep_fs, per_atom(temperatures), per_atom(frictions))
 
 
@@ -214,17 +183,11 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
                  taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
                  taup_fs: float | None = None, compressibility_per_bar: float | None = None,
                  seed: int | Sequence[int] = 0, min_distance: float | None = 0.5) -> list[Atoms]:
-    """``steps`` MD steps of ``timestep_fs`` fs for every structure of ``atoms_list`` in one batch (module doc);
-    copies of the structures at the end, with their momenta and a single-point calculator holding their energy
-    and forces there. The inputs are not changed.
-
-    ensemble: "nve" (velocity Verlet) or "nvt" (``temperature_K`` needed). thermostat (NVT): "langevin" (the
-    default; ``friction`` in 1/fs) or "csvr" (``taut_fs``, its coupling time in fs). temperature_K (K),
-    friction and taut_fs (default cgforge md's): one number for all, or one per structure. seed: the noise's
-    seed of structure b is ``seed + b``, or ``seed[b]`` for a sequence (as ``Engine(..., seed=...)`` takes it).
-    min_distance: as ``evaluate_batch``'s."""
-    if not isinstance(ensemble, str) or ensemble.lower() not in ENSEMBLES:
-        raise ValueError(f"ensemble: expected one of {', '.join(ENSEMBLES)}, got {ensemble!r}")
+    """``steps`` MD steps for every structure of ``atoms_list`` in one batch; copies at the end with momenta and
+    a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
+    (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
+    seed is ``seed + b``, or ``seed[b]`` for a sequence."""
+    ensemble = check_choice("ensemble", ensemble, ENSEMBLES)
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
     structures = structures_of(atoms_list)
@@ -236,8 +199,9 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     given = {"thermostat": thermostat, "temperature_K": temperature_K, "friction": friction, "taut_fs": taut_fs,
              "pressure_bar": pressure_bar, "taup_fs": taup_fs, "compressibility_per_bar": compressibility_per_bar}
-    integrator = _integrator(ensemble.lower(), given, timestep_fs, ptr)
-    seeds = _seeds(seed, len(structures))
+    integrator = _integrator(ensemble, given, timestep_fs, ptr)
+    seeds = _per_system("seed", seed, len(structures), partial(check_count, minimum=0), "an int")
+    seeds = seeds if isinstance(seed, Sequence | np.ndarray) else [s + b for b, s in enumerate(seeds)]
     step = potential_of(model).batch_step(min_distance)
     device = step.adapter.device
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
@@ -285,9 +249,8 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
             forces(at)
             integrator.after_forces(state, noise)
             state.step.add_(1)
-    energies = state.energy.cpu().numpy()
-    x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (state.positions, state.momenta, state.forces,
-                                                                   state.cell))
+    energies, x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (
+        state.energy, state.positions, state.momenta, state.forces, state.cell))
     final = []
     for b, atoms in enumerate(atoms_list):
         copy = atoms.copy()

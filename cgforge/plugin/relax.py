@@ -1,29 +1,12 @@
-"""Batched FIRE relaxation of many structures: ``relax_batch``.
+"""Batched FIRE relaxation of many structures: ``relax_batch`` (docs/batch.md).
 
-    from cgforge.plugin import Calculator, relax_batch
-    for done in relax_batch(Calculator("mace"), structures, fmax=0.05, batch_size=64):
-        done.index, done.status, done.energy, done.atoms          # as each structure finishes
-
-Each structure relaxes its positions with its own FIRE state, ASE's ``ase.optimize.FIRE`` (its parameters,
-``FireParameters``, and its arithmetic: the velocity mixing, the time step and the mixing factor that grow
-after ``Nmin`` downhill steps, the reset on an uphill step, one ``maxstep`` on the norm of the whole step) and
-ASE's ``Optimizer.irun`` loop: forces, then stop when the largest atomic force is below ``fmax`` (strictly) or
-``steps`` steps were taken, else one FIRE step. All structures of the batch are evaluated in one model call
-(``plugin.batch``); a structure that has finished leaves the batch and the next from the queue takes its place,
-so the batch stays full (``batch_size`` structures, at most ``max_atoms`` atoms). Positions, forces and FIRE's
-state stay on the model's device (``FireState``: one vectorised step for the whole batch); the host reads each
-step's energies and largest forces, and a structure's arrays when it finishes. With ``cell_filter`` a
-structure periodic in all three directions relaxes its cell too, through ASE's own ``FrechetCellFilter`` on it
-(positions and the log of the cell's deformation as FIRE's coordinates; its generalised forces from the
-batch's forces and stress; the cell rows count in ``fmax``), as ``FIRE(FrechetCellFilter(atoms))`` would; other
-structures relax their positions only (that path keeps each structure's state on the host). A structure
-that cannot be evaluated (``BatchStructureError``: unknown element, NaN, overlapping atoms, no atoms; or NaN or
-inf from the model) finishes with status ``"failed"`` and its reason; the others go on.
+Each structure has its own state of ASE's FIRE (``FireState``: one vectorised step on the model's device); the
+batch is evaluated in one model call and refilled from the queue as structures finish. ``cell_filter`` relaxes
+3-D periodic cells through ASE's ``FrechetCellFilter``. A structure that cannot be evaluated finishes "failed".
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,10 +14,9 @@ import numpy as np
 import torch
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
-from ase.stress import full_3x3_to_voigt_6_stress
 from torch import Tensor
 
-from .batch import as_structure, potential_of, structures_of
+from .batch import as_structure, evaluate_batch, potential_of, structures_of
 from .calculator import Calculator
 from .runtime.batch import BatchStep, BatchStructureError, check_finite, check_shapes
 from .runtime.diagnosis import NonFiniteOutputError
@@ -45,10 +27,7 @@ __all__ = ["FireParameters", "Relaxed", "relax_batch"]
 
 @dataclass(frozen=True)
 class FireParameters:
-    """ASE's FIRE parameters, with its defaults (``ase.optimize.FIRE``): initial and largest time step (ASE
-    time units), the largest step (Å, on the norm of the whole structure's step), steps before the time step
-    grows, its growth and cut factors, the mixing coefficient at a reset (``astart``) and at the start (``a``),
-    and its decay."""
+    """ASE's FIRE parameters (``ase.optimize.FIRE``), with its defaults and names."""
 
     dt: float = 0.1
     maxstep: float = 0.2
@@ -69,11 +48,8 @@ class FireParameters:
 
 @dataclass
 class Relaxed:
-    """A finished structure: ``index`` in the input, ``status`` ("converged", "unconverged": ``steps``
-    reached, or "failed" with ``error``), the FIRE steps taken, and the final ``atoms`` (a copy of the
-    input with the relaxed positions and a single-point calculator holding energy, forces and, for a 3-D cell,
-    stress) with ``energy`` (eV) and ``fmax`` (eV/Å, the largest atomic force). A failed structure keeps the
-    positions it had when it failed, without results."""
+    """A finished structure: ``index`` in the input, ``status`` ("converged", "unconverged" or "failed" with
+    ``error``), FIRE ``steps``, the final ``atoms`` (results in a single-point calculator), ``energy``, ``fmax``."""
 
     index: int
     status: str
@@ -85,9 +61,8 @@ class Relaxed:
 
 
 class FireState:
-    """ASE's FIRE state of B structures at once (ASE's names): velocities [M, 3] of their M coordinates, and per
-    structure dt, a, the downhill counter ``Nsteps`` and whether it has taken a step (its first step does not
-    mix); float64 tensors on one device."""
+    """ASE's FIRE state of B structures at once: velocities [M, 3] of their M coordinates; per structure dt, a,
+    the downhill counter and whether it has stepped (float64 tensors on one device)."""
 
     def __init__(self, device: torch.device) -> None:
         f64 = {"dtype": torch.float64, "device": device}
@@ -99,10 +74,8 @@ class FireState:
     def append(self, rows: int, fire: FireParameters) -> None:
         """A new structure of ``rows`` coordinates: FIRE's initial state."""
         self.velocity = torch.cat([self.velocity, self.velocity.new_zeros(rows, 3)])
-        self.dt = torch.cat([self.dt, self.dt.new_full((1,), fire.dt)])
-        self.a = torch.cat([self.a, self.a.new_full((1,), fire.a)])
-        self.downhill = torch.cat([self.downhill, self.downhill.new_zeros(1)])
-        self.started = torch.cat([self.started, self.started.new_zeros(1)])
+        for name, value in (("dt", fire.dt), ("a", fire.a), ("downhill", 0), ("started", False)):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(self, name).new_full((1,), value)]))
 
     def keep(self, rows: Tensor, structures: Tensor) -> None:
         """Only the coordinates ``rows`` and the structures ``structures`` (bool masks) stay."""
@@ -111,8 +84,7 @@ class FireState:
         self.downhill, self.started = self.downhill[structures], self.started[structures]
 
     def step(self, x: Tensor, forces: Tensor, segment: Tensor, fire: FireParameters) -> None:
-        """One step of ASE's FIRE (``ase.optimize.FIRE.step``, without its downhill check) for every structure:
-        coordinates ``x`` [M, 3] (moved in place) with forces [M, 3], coordinate i in structure segment[i]."""
+        """ASE's ``FIRE.step`` (no downhill check) for every structure: ``x`` [M, 3] moved in place."""
         count = self.dt.shape[0]
 
         def per(values: Tensor) -> Tensor:  # ASE's np.vdot over one structure's coordinates
@@ -159,11 +131,8 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
                 steps: int = 1000, batch_size: int = 64, max_atoms: int | None = None,
                 fire: FireParameters | None = None, min_distance: float | None = 0.5,
                 cell_filter: bool = False) -> Iterator[Relaxed]:
-    """Relax the positions of every structure of ``structures`` (any iterable: read lazily, as the batch has
-    room) with FIRE, ``batch_size`` structures (and at most ``max_atoms`` atoms, beyond a single structure)
-    at a time; yields a ``Relaxed`` as each structure finishes (module doc), not in input order. The inputs
-    are not changed. ``min_distance``: as ``evaluate_batch``'s. ``cell_filter``: relax the cells of the 3-D
-    periodic structures too (module doc)."""
+    """Relax every structure of ``structures`` (read lazily) with FIRE, ``batch_size`` (and at most ``max_atoms``
+    atoms) at a time; yields a ``Relaxed`` as each finishes. The inputs are not changed (module doc)."""
     if not (isinstance(fmax, int | float) and np.isfinite(fmax) and fmax > 0):
         raise ValueError(f"fmax: expected a finite number > 0 (eV/Å), got {fmax!r}")
     for name, value in (("steps", steps), ("batch_size", batch_size)):
@@ -184,25 +153,24 @@ class _Queue:
 
     def __init__(self, source: Iterator[tuple[int, object]], batch_size: int, max_atoms: int | None) -> None:
         self.source, self.batch_size, self.max_atoms = source, batch_size, max_atoms
-        self.waiting: deque[tuple[int, object]] = deque()
+        self.waiting: tuple[int, object] | None = None  # the next structure, read but not yet admitted
 
     def take(self, active: list[_Slot]) -> Iterator[tuple[int, object]]:
-        """(index, structure) while ``active`` has room (a structure over ``max_atoms`` alone runs alone); the
-        caller appends what it admits before asking for the next."""
+        """(index, structure) while ``active`` has room (one over ``max_atoms`` runs alone)."""
         while len(active) < self.batch_size:
-            if not self.waiting:
-                nxt = next(self.source, None)
-                if nxt is None:
-                    return
-                self.waiting.append(nxt)
-            size = len(self.waiting[0][1]) if isinstance(self.waiting[0][1], Atoms) else 0
+            if self.waiting is None:
+                self.waiting = next(self.source, None)
+            if self.waiting is None:
+                return
+            size = len(self.waiting[1]) if isinstance(self.waiting[1], Atoms) else 0
             if self.max_atoms is not None and active and sum(len(s.atoms) for s in active) + size > self.max_atoms:
                 return
-            yield self.waiting.popleft()
+            item, self.waiting = self.waiting, None
+            yield item
 
 
 def _refused(index: int, atoms: object, err: BatchStructureError) -> Relaxed:
-    """A structure that failed before it entered the batch: a copy of it (an empty Atoms for what is none)."""
+    """A structure that failed before it entered the batch."""
     return Relaxed(index, "failed", 0, atoms.copy() if isinstance(atoms, Atoms) else Atoms(), error=err.reason)
 
 
@@ -216,8 +184,7 @@ def _copy(index: int, atoms: object) -> Atoms:
 
 def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fire: FireParameters
                      ) -> Iterator[Relaxed]:
-    """Positions only: the batch's coordinates, forces and FIRE state stay on the model's device; the host sees
-    each step's energies and largest forces per structure, and a structure's arrays when it finishes."""
+    """Positions only: coordinates, forces and FIRE state on the model's device."""
     device = step.adapter.device
     active: list[_Slot] = []
     x = torch.zeros(0, 3, dtype=torch.float64, device=device)
@@ -236,8 +203,7 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
             return
         sizes = [len(s.atoms) for s in active]
         ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        segment = torch.repeat_interleave(torch.arange(len(active), device=device),
-                                          torch.as_tensor(sizes, device=device))
+        segment = torch.arange(len(active), device=device).repeat_interleave(torch.as_tensor(sizes, device=device))
         try:
             out = step.run(x, np.stack([np.asarray(s.atoms.cell) for s in active]),
                            [tuple(bool(p) for p in s.atoms.pbc) for s in active], ptr,
@@ -254,13 +220,12 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
         bad = (host[2] > 0) | ~np.isfinite(host[0])
         done = bad | (host[1] < fmax) | (np.array([s.nsteps for s in active]) >= steps)
         if done.any():
-            yield from _finished(active, done, x, forces, ptr, host, bad,
-                                 "the model returned NaN or inf (check its atoms for overlaps and the model file)",
-                                 fmax)
+            yield from _finished(active, done, x, forces, ptr, host, bad, "the model returned NaN or inf (check its "
+                                 "atoms for overlaps and the model file)", fmax)
             x, active = _keep(active, done, x, state, segment)
             forces = forces[~torch.as_tensor(done, device=device).index_select(0, segment)]
-            sizes = torch.as_tensor([len(s.atoms) for s in active], dtype=torch.int64, device=device)
-            segment = torch.repeat_interleave(torch.arange(len(active), device=device), sizes)
+            segment = torch.arange(len(active), device=device).repeat_interleave(
+                torch.as_tensor([len(s.atoms) for s in active], dtype=torch.int64, device=device))
         if active:
             state.step(x, forces, segment, fire)
             for slot in active:
@@ -270,9 +235,8 @@ def _relax_positions(step: BatchStep, queue: _Queue, fmax: float, steps: int, fi
 def _admit(step: BatchStep, index: int, atoms: object) -> _Slot:
     """A structure entering the batch, checked alone (shapes, finite values, known elements, constraints)."""
     copy = _copy(index, atoms)
-    structure = as_structure(copy)
     try:
-        check_shapes(0, structure)
+        check_shapes(0, as_structure(copy))
         check_finite(np.asarray(copy.positions, dtype=np.float64), np.asarray(copy.cell)[None], [0, len(copy)])
         species = step.species(np.asarray(copy.numbers), [0, len(copy)])
     except BatchStructureError as err:
@@ -282,8 +246,7 @@ def _admit(step: BatchStep, index: int, atoms: object) -> _Slot:
 
 def _finished(active: list[_Slot], done: list | np.ndarray, x: Tensor, forces: Tensor | None, ptr: list,
               host: np.ndarray | None, bad: np.ndarray | None, reason: str, fmax: float = 0.0) -> Iterator[Relaxed]:
-    """The structures ``done`` leave: their final positions (and results) into their atoms, handed back;
-    ``host``: the step's energies and largest forces, ``bad``: which failed (with ``reason``)."""
+    """The structures ``done`` leave, with their final positions and results (``bad``: failed, ``reason``)."""
     for b, slot in enumerate(active):
         if not done[b]:
             continue
@@ -309,8 +272,7 @@ def _keep(active: list[_Slot], leaving: list | np.ndarray, x: Tensor, state: Fir
 
 def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, fire: FireParameters,
                  min_distance: float | None) -> Iterator[Relaxed]:
-    """With cells: each 3-D periodic structure moves through ASE's FrechetCellFilter, whose coordinates and
-    generalised forces live on the host; FIRE's step is ``FireState``'s, per structure, on the host."""
+    """With cells: each 3-D periodic structure through ASE's FrechetCellFilter, on the host."""
     from ase.filters import FrechetCellFilter
 
     active: list[_Slot] = []
@@ -328,8 +290,8 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
         if not active:
             return
         try:
-            outs = potential.evaluate_batch(structures_of([s.atoms for s in active]), stress=True,
-                                            min_distance=min_distance, keys=[s.index for s in active])
+            outs = evaluate_batch(potential, [s.atoms for s in active], min_distance=min_distance,
+                                  keys=[s.index for s in active])
         except (BatchStructureError, NonFiniteOutputError) as err:
             index = getattr(err, "index", None)
             if index is None:
@@ -340,7 +302,9 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
             continue
         finished = []
         for slot, out in zip(active, outs, strict=True):
-            _attach(slot.atoms, out)
+            stress = {} if out.stress is None else {"stress": out.stress}  # a cell filter reads the results here
+            slot.atoms.calc = SinglePointCalculator(slot.atoms, energy=out.energy, free_energy=out.energy,
+                                                    forces=out.forces, **stress)
             forces = out.forces if slot.optimizable is slot.atoms else slot.optimizable.get_forces()
             largest = float(np.sqrt((forces ** 2).sum(1).max()))
             if largest < fmax or slot.nsteps >= steps:
@@ -355,11 +319,3 @@ def _relax_cells(potential: Potential, queue: _Queue, fmax: float, steps: int, f
             slot.nsteps += 1
         active = [s for s in active if s not in finished]
 
-
-def _attach(atoms: Atoms, out: object) -> None:
-    """The batch's results for the atoms as they are, as their calculator (a cell filter reads them there)."""
-    results = {"energy": out.energy, "free_energy": out.energy, "forces": out.forces}
-    volume = abs(float(atoms.cell.volume))
-    if out.virial is not None and volume > 0:
-        results["stress"] = full_3x3_to_voigt_6_stress(out.virial / volume)
-    atoms.calc = SinglePointCalculator(atoms, **results)

@@ -1,5 +1,4 @@
-"""The command line: ``cgforge patch | unpatch | md | lammps-model | doctor`` (``commands``), the options of
-``cgforge md`` (``md``) and the environment check (``doctor``)."""
+"""The ``cgforge`` command line (``commands``; a module per larger subcommand: ``md``, ``relax``, ``doctor``...)."""
 
 from .commands import (
     EXIT_ERROR,

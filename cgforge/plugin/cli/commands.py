@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from .md import AUTO_ON_OFF, add_md_arguments
+
 EXIT_OK = 0
 EXIT_ERROR = 1  # bad input, unreadable or unwritable file, model that fails to load
 EXIT_USAGE = 2  # argparse: unknown flag, missing value, bad choice
@@ -16,8 +18,7 @@ EXIT_TERMINATED = 143  # SIGTERM, what batch schedulers send before they kill a 
 
 
 def _check_paths(src: str | None, dst: str, force: bool) -> None:
-    """Refuse before any work: IN must exist (src None: a bundled model), OUT must not be IN, OUT needs --force
-    to be replaced, and OUT's directory must exist and be writable (``cgforge.atomic.check_new_file``)."""
+    """Before any work: IN exists (None: a bundled model), OUT is not IN, new or --force, in a writable folder."""
     from cgforge.atomic import check_new_file
 
     if src is not None and not os.path.exists(src):
@@ -30,63 +31,37 @@ def _check_paths(src: str | None, dst: str, force: bool) -> None:
     check_new_file(dst, force=True, what="OUT")
 
 
-def _checkpoint(name: str) -> str:
-    """IN of ``patch``/``unpatch``: a bundled model's name ('mace', 'nequip', as ``cgforge md`` and
-    ``lammps-model`` take them) as its file, else the file name given."""
+def cmd_patch(args: argparse.Namespace) -> int:
+    """``cgforge patch IN OUT``: a copy of the checkpoint IN (or a bundled model) that runs cgforge's kernels;
+    ``cgforge unpatch IN OUT``: IN as a plain model that loads without cgforge (MACE only). IN is never modified."""
+    from cgforge.patches import families
     from cgforge.plugin.runtime.bundled import NAMES, model_path
 
-    return str(model_path(name.lower())) if name.lower() in NAMES else name
-
-
-def cmd_patch(args: argparse.Namespace) -> int:
-    """``cgforge patch IN OUT``: write a copy of the checkpoint IN (or a bundled model) that runs cgforge's
-    kernels (a MACE .model, a NequIP .nequip.zip package; ``families.Family.save``). IN is never modified; OUT is
-    named for IN's family and checked before anything is loaded; ``--device``/``--dtype`` as in
-    ``families.load``."""
-    from cgforge.patches import families
-
-    source = _checkpoint(args.input)
+    patched = args.command == "patch"
+    source = str(model_path(args.input.lower())) if args.input.lower() in NAMES else args.input  # a bundled model
     _check_paths(source, args.output, args.force)
     family = families.family_for_file(source)
-    family.check_output(args.output, what="OUT")
-    out = family.save(source, args.output, force=args.force, device=args.device, dtype=args.dtype)
-    print(f"cgforge: wrote patched {family.title} model to {out}")
-    return EXIT_OK
-
-
-def cmd_unpatch(args: argparse.Namespace) -> int:
-    """``cgforge unpatch IN OUT``: write the checkpoint IN as a plain model that loads without cgforge
-    (``families.Family.save(..., patched=False)``; MACE only). IN is never modified."""
-    from cgforge.patches import families
-
-    source = _checkpoint(args.input)
-    _check_paths(source, args.output, args.force)
-    family = families.family_for_file(source)
-    family.check_output(args.output, patched=False, what="OUT")
-    family.save(source, args.output, force=args.force, patched=False)
-    print(f"cgforge: wrote plain {family.title} model to {args.output}")
+    family.check_output(args.output, patched=patched, what="OUT")
+    out = family.save(source, args.output, force=args.force, patched=patched, device=getattr(args, "device", "cpu"),
+                      dtype=getattr(args, "dtype", None))
+    print(f"cgforge: wrote {'patched' if patched else 'plain'} {family.title} model to {out}")
     return EXIT_OK
 
 
 def cmd_lammps_model(args: argparse.Namespace) -> int:
-    """``cgforge lammps-model IN OUT``: write the file LAMMPS's ``pair_style mliap unified`` loads, holding the
-    checkpoint IN (or a bundled model: ``cgforge.plugin.runtime.bundled``) with the given options."""
+    """``cgforge lammps-model IN OUT``: the file LAMMPS's ``pair_style mliap unified`` loads, holding IN."""
     from cgforge.plugin.lammps import CgforgeMLIAP
     from cgforge.plugin.lammps.write import usage_lines, write_lammps_model
     from cgforge.plugin.runtime.bundled import NAMES
 
     _check_paths(None if args.input.lower() in NAMES else args.input, args.output, args.force)
-    patch = {"auto": None, "on": True, "off": False}[args.patch]
-    type_map = _parse_type_map(args.type_map)
-    cuda_graph = {"auto": None, "on": True, "off": False}[args.cuda_graph]
-    radial_table = {"auto": None, "on": True, "off": False}[args.radial_table]
-    obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=patch, head=args.head,
-                       type_map=type_map, mode=args.mode, cuda_graph=cuda_graph, radial_table=radial_table,
+    obj = CgforgeMLIAP(args.input, dtype=args.dtype, device=args.device, patch=AUTO_ON_OFF[args.patch],
+                       head=args.head, type_map=_parse_type_map(args.type_map), mode=args.mode,
+                       cuda_graph=AUTO_ON_OFF[args.cuda_graph], radial_table=AUTO_ON_OFF[args.radial_table],
                        timers=args.timers)
     out = write_lammps_model(obj, args.output, force=args.force)
     print(f"cgforge: wrote the LAMMPS ML-IAP model to {out} ({out.stat().st_size / 1e6:.2f} MB); in LAMMPS:")
-    for line in usage_lines(obj, out.name):
-        print(f"  {line}")
+    print("\n".join(f"  {line}" for line in usage_lines(obj, out.name)))
     return EXIT_OK
 
 
@@ -100,29 +75,15 @@ def _parse_type_map(text: str | None) -> dict[str, str] | None:
     return {a.strip(): b.strip() for a, b in pairs}
 
 
-def cmd_md(args: argparse.Namespace) -> int:
-    from .md import run_from_args
+def _run(module: str) -> Callable[[argparse.Namespace], int]:
+    """The subcommand ``cli.<module>``, imported when it runs (``--help`` loads nothing heavy)."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
 
-    run_from_args(args)
-    return EXIT_OK
-
-
-def cmd_relax(args: argparse.Namespace) -> int:
-    from .relax import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_md_batch(args: argparse.Namespace) -> int:
-    from .md_batch import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import main as doctor_main
-
-    return doctor_main()
+        code = importlib.import_module(f"{__package__}.{module}")
+        code = code.main() if module == "doctor" else code.run_from_args(args)
+        return code if isinstance(code, int) else EXIT_OK  # cgforge md returns its summary
+    return run
 
 
 def _add_io(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("unpatch", help="write a plain MACE model (loadable without cgforge)")
     _add_io(p)
-    p.set_defaults(func=cmd_unpatch)
+    p.set_defaults(func=cmd_patch)
 
     p = sub.add_parser("lammps-model", help="write the file LAMMPS's `pair_style mliap unified` loads (a MACE or "
                        "NequIP model inside; patched and compiled in the LAMMPS process)")
@@ -169,76 +130,57 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the model in this precision (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the device of LAMMPS's arrays: "
                    "CUDA with Kokkos on a GPU, else cpu)")
-    p.add_argument("--patch", choices=("auto", "on", "off"), default="auto",
-                   help="cgforge's kernels: auto (default, as the Calculator: on CUDA, or where --radial-table on "
-                   "needs them), on, off (the model's own code)")
     p.add_argument("--head", default=None, help="MACE head of a multi-head model")
     p.add_argument("--type-map", default=None, metavar="SYMBOL=TYPE,...",
                    help="NequIP: chemical symbol of each type whose name is not one")
     p.add_argument("--mode", choices=("auto", "ghost", "exchange"), default="auto",
-                   help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange), "
-                   "ghost or exchange")
-    p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
-                   help="ghost-mode steps, and exchange-mode steps of one MPI rank, padded and captured in a CUDA "
-                   "graph: auto (default: on CUDA, for a model whose edges beyond the cutoff contribute zero), on (an "
-                   "error where it cannot be), off (eager)")
-    p.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
-                   help="radial weights from a table of the edge length: auto (default, as the Calculator: on CUDA "
-                   "for a patched FP32 model that can), on, off (the radial MLP)")
-    p.add_argument("--timers", action="store_true",
-                   help="keep per-phase times of every call (arrays, model, exchanges, results, waits); the input "
-                   "prints their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
+                   help="auto (default: ghost neighbours when LAMMPS lists them, else the feature exchange)")
+    for flag, what in (("--patch", "cgforge's kernels (auto: as the Calculator; off: the model's own code)"),
+                       ("--cuda-graph", "capture ghost-mode and one-rank exchange-mode steps in a CUDA graph (auto: "
+                                        "on CUDA, for a model whose edges beyond the cutoff contribute zero)"),
+                       ("--radial-table", "radial weights from a table of the edge length (auto: as the Calculator, "
+                                          "on CUDA for a patched FP32 model that can)")):
+        p.add_argument(flag, choices=tuple(AUTO_ON_OFF), default="auto", help=what)
+    p.add_argument("--timers", action="store_true", help="keep per-phase times of every call; the input prints "
+                   "their table into LAMMPS's screen and log (docs/lammps.md, \"Timers\")")
     p.set_defaults(func=cmd_lammps_model)
 
-    from .md import add_md_arguments
-
-    p = sub.add_parser("md", help="run water-box (or any structure) MD with a MACE/NequIP model (on a GPU: "
-                       "cgforge's kernels, the integrator in cgforge's device engine; on a CPU: the model's own code, "
-                       "the faster path there, with ASE's dynamics): NVT, NVE or NPT, progress lines, a trajectory, "
-                       "restarts that continue the run's saved options, a plot",
-                       epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), "
-                              f"{EXIT_USAGE} usage, {EXIT_UNSTABLE} the run blew up (non-finite forces or energy, "
-                              f"temperature above --max-temperature), {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
-                              "trajectory ends with the last completed step; continue with --restart), "
-                              f"{EXIT_TERMINATED} terminated (SIGTERM, as a batch scheduler sends it: as Ctrl-C)")
-    add_md_arguments(p)
-    p.set_defaults(func=cmd_md)
-
+    from .md_batch import add_md_batch_arguments
     from .relax import add_relax_arguments
 
+    p = sub.add_parser("md", help="run MD of a water box or any structure with a MACE/NequIP model (on a GPU: "
+                       "cgforge's kernels and device engine; on a CPU: the model's own code, the faster path there, "
+                       "and ASE's dynamics): NVT, NVE or NPT, a trajectory, restarts, a plot",
+                       epilog=f"exit codes: {EXIT_OK} done, {EXIT_ERROR} error (bad input, file, model), {EXIT_USAGE} "
+                              f"usage, {EXIT_UNSTABLE} the run blew up, {EXIT_INTERRUPTED} interrupted (Ctrl-C: the "
+                              f"trajectory ends at the last complete step), {EXIT_TERMINATED} terminated (SIGTERM)")
+    add_md_arguments(p)
+    p.set_defaults(func=_run("md"))
+    batch_exits = (f"exit codes: {EXIT_OK} at least one structure done (bad ones are named and kept in OUT as failed), "
+                   f"{EXIT_ERROR} none, or bad input, {EXIT_USAGE} usage")
     p = sub.add_parser("relax", help="relax every structure of an extended XYZ file or ASE database with batched "
-                       "FIRE (many structures in one model call); writes a new file of the same format with "
-                       "energies, forces and a per-structure status",
-                       epilog=f"exit codes: {EXIT_OK} at least one structure relaxed (bad ones are skipped, named "
-                              f"and kept in OUT as failed), {EXIT_ERROR} none could be, or bad input, {EXIT_USAGE} "
-                              "usage")
+                       "FIRE; writes a new file of the same format with energies, forces and a status each",
+                       epilog=batch_exits)
     add_relax_arguments(p)
-    p.set_defaults(func=cmd_relax)
-
-    from .md_batch import add_md_batch_arguments
-
-    p = sub.add_parser("md-batch", help="MD (NVE, NVT with Langevin or CSVR, or NPT) of every structure of an "
-                       "extended XYZ file or ASE database, many structures in one model call; writes a new file of "
-                       "the same format with each structure's last state, energy, forces and status",
-                       epilog=f"exit codes: {EXIT_OK} at least one structure ran (bad ones are skipped, named and "
-                              f"kept in OUT as failed), {EXIT_ERROR} none could, or bad input, {EXIT_USAGE} usage")
+    p.set_defaults(func=_run("relax"))
+    p = sub.add_parser("md-batch", help="MD (NVE, NVT or NPT) of every structure of an extended XYZ file or ASE "
+                       "database, many in one model call; writes a new file of the same format with each last state",
+                       epilog=batch_exits)
     add_md_batch_arguments(p)
-    p.set_defaults(func=cmd_md_batch)
+    p.set_defaults(func=_run("md_batch"))
 
     p = sub.add_parser("doctor", help="print the environment and compile/run one small kernel end to end")
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=_run("doctor"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return run_guarded(lambda: args.func(args), f"cgforge {args.command}")
 
 
 def run_guarded(func: Callable[[], int], prog: str) -> int:
-    """``func()``'s exit code; a user-facing error is one line on stderr and an exit code, not a traceback.
-    SIGTERM unwinds like Ctrl-C (a run in progress stops after its step and writes its frame) and exits 143."""
+    """``func()``'s exit code; a user-facing error is one line on stderr; SIGTERM unwinds like Ctrl-C (143)."""
     import signal
 
     from cgforge.plugin.md.checks import sigterm_as_interrupt

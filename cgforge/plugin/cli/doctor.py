@@ -1,11 +1,6 @@
-"""`cgforge doctor`: what cgforge finds on this machine, and a compile (with a GPU, a launch) proving it.
-
-Prints versions, the NVRTC library, the GPU and the kernel cache directory, and which model families (MACE,
-NequIP) this environment can load and why not (the package, the e3nn it runs with, its own requirements); then
-compiles a small kernel for sm_80 (no GPU needed) and, where a GPU is present, compiles it for that GPU, runs it
-on a tensor and checks the result. Then the whole generator: a small tensor product (three irreps, l up to 2)
-rendered and compiled for sm_80, and with a GPU run forward and backward against the CPU reference.
-Returns 0 when every check passed.
+"""`cgforge doctor`: versions, the NVRTC library, the GPU, the kernel cache, which model families load (and
+why not), then a small kernel and a small tensor product compiled (with a GPU: run and checked). 0 when every
+check passed.
 """
 
 from __future__ import annotations
@@ -32,13 +27,11 @@ extern "C" __global__ void cgforge_doctor_axpy(double a, const double* __restric
 KERNEL = "cgforge_doctor_axpy"
 
 
-def _dist_version(*names: str) -> str:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "not installed"
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _cupy_distributions() -> list[str]:
@@ -48,9 +41,7 @@ def _cupy_distributions() -> list[str]:
 
 def _cupy_version() -> str:
     dists = _cupy_distributions()
-    if not dists:
-        return "not installed"
-    return ", ".join(f"{importlib.metadata.version(dist)} ({dist})" for dist in dists)
+    return ", ".join(f"{importlib.metadata.version(dist)} ({dist})" for dist in dists) or "not installed"
 
 
 # The install extras by CUDA major (pyproject.toml), and the wheels each brings.
@@ -73,12 +64,8 @@ def _install_hint(major: int | None) -> str:
 
 def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
                         nvrtc: tuple[int, int] | None) -> list[tuple[bool, str]]:
-    """(ok, detail) for the CUDA majors of torch (torch.version.cuda), CuPy (its wheel's name) and NVRTC.
-
-    cgforge compiles with NVRTC and launches through CuPy on torch's stream: all three should be built for
-    one CUDA major. A mix often works (the driver runs older CUDA code) but loads two CUDA runtimes into the
-    process and ties the newest GPUs to the older NVRTC; the fix is the extra of torch's major.
-    """
+    """(ok, detail) for the CUDA majors of torch, CuPy (its wheel's name) and NVRTC: all three should match (a mix
+    loads two CUDA runtimes and ties the newest GPUs to the older NVRTC)."""
     if torch_cuda is None:
         return [(True, "torch is a CPU build: NVRTC compiles here, the kernels run only with CUDA torch")]
     torch_major = int(torch_cuda.split(".")[0])
@@ -105,9 +92,8 @@ def cuda_version_checks(torch_cuda: str | None, cupy_dists: list[str],
     return checks
 
 
-# The model families' packages (pyproject.toml's extras): the tested version and the e3nn each runs with. mace-torch
-# 0.3.16 pins e3nn==0.4.4 in its metadata but runs with e3nn 0.4.4 to 0.6 (hence `pip install --no-deps`);
-# nequip 0.19 needs e3nn >= 0.6.
+# The model families' packages (pyproject.toml's extras): the tested version and the e3nn each runs with (mace-torch
+# pins e3nn==0.4.4 but runs with 0.4.4 to 0.6, hence `pip install --no-deps`; nequip needs e3nn >= 0.6).
 FAMILIES = {"MACE": ("mace-torch", "0.3.16", (0, 4, 4)), "NequIP": ("nequip", "0.19.1", (0, 6))}
 
 
@@ -128,9 +114,8 @@ def _requirements(dist: str) -> list[str]:
 
 def family_checks(version: Callable[[str], str] = _dist_version,
                   requirements: Callable[[str], list[str]] = _requirements) -> list[tuple[str, bool, str]]:
-    """(family, can load, why) for each model family: its package installed, the e3nn it runs with installed,
-    and the package's own requirements installed (mace-torch goes in with --no-deps). ``version(dist)`` is the
-    installed version or ``"not installed"``; ``requirements(dist)`` the names ``dist`` requires."""
+    """(family, can load, why) for each model family: its package, the e3nn it runs with and its own requirements
+    installed (``version(dist)``: the version or ``"not installed"``; ``requirements(dist)``: names)."""
     e3nn = version("e3nn")
     lines = []
     for family, (dist, tested, e3nn_min) in FAMILIES.items():
@@ -175,8 +160,7 @@ def _cache_dir_status() -> tuple[str, bool]:
 
 
 def _kernel_options(report: _Report) -> None:
-    """The kernels' effective tuning (the defaults: a model's comes from ``patch(model, tuning=...)``), and any
-    leftover ``CGFORGE_*`` variable no kernel reads any more (the compiler reads the three it names)."""
+    """The kernels' default tuning, and any ``CGFORGE_*`` variable nothing reads."""
     from cgforge.kernels import KernelTuning
     from cgforge.kernels.core.compiler import ENVIRONMENT
 
@@ -307,15 +291,10 @@ def main(out: Callable[[str], None] = print) -> int:
         import torch
     except ImportError:
         torch = None
-    if torch is None:
-        report.info("torch", "not installed")
-    else:
-        report.info("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
-    report.info("e3nn", _dist_version("e3nn"))
-    report.info("cupy", _cupy_version())
-    report.info("mace-torch", _dist_version("mace-torch"))
-    report.info("nequip", _dist_version("nequip"))
-    report.info("ase", _dist_version("ase"))
+    report.info("torch", "not installed" if torch is None else
+                f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
+    for name in ("e3nn", "cupy", "mace-torch", "nequip", "ase"):
+        report.info(name, _cupy_version() if name == "cupy" else _dist_version(name))
 
     from cgforge.kernels.core import compiler
 
@@ -334,8 +313,7 @@ def main(out: Callable[[str], None] = print) -> int:
         from cgforge.kernels.core.runtime import device_arch
 
         gpu_arch = device_arch()
-        count = torch.cuda.device_count()
-        report.info("gpu", f"{torch.cuda.get_device_name()} ({gpu_arch}), {count} visible")
+        report.info("gpu", f"{torch.cuda.get_device_name()} ({gpu_arch}), {torch.cuda.device_count()} visible")
     else:
         report.info("gpu", "no GPU")
     cache_text, cache_ok = _cache_dir_status()

@@ -4,37 +4,26 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-# Only light modules here (options, bundled names): `cgforge --help` and `--version` import this file and must
-# not load torch, e3nn, ASE or the patches (the rest is imported where it is used).
-from cgforge.plugin.md.options import (
-    OPTION_FIELDS,
-    PLOT_SUFFIXES,
-    add_arguments,
-    check_count,
-    check_number,
-    given_by_args,
-    refuse_on_restart,
-)
+# Only light modules here: `cgforge --help` imports this file (torch, ASE, the patches load where they are used)
+from cgforge.plugin.md.options import OPTION_FIELDS, PLOT_SUFFIXES, add_arguments, given_by_args, refuse_on_restart
 from cgforge.plugin.runtime.bundled import LISTED
 from cgforge.plugin.runtime.bundled import NAMES as BUNDLED
 
 if TYPE_CHECKING:
-
     from cgforge.plugin.md.files import Restart
     from cgforge.plugin.md.run import MDPlan, MDSummary
 
 __all__ = ["add_md_arguments", "prepare_md", "run_from_args", "MDSetup", "size_hint"]
 
 
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # a flag's choice as a keyword's value
 CPU_MOLECULES = 32  # a CPU-sized default box (96 atoms)
 GPU_MOLECULES = 1728  # the benchmarks' 5184-atom box
 DEFAULT_RELAX = 100  # FIRE steps for a generated box
-# A box this large on a CPU gets a hint first: an estimate of one energy + forces call's time and memory
-# (per atom, measured: docs/measured-constants.md).
+# A box this large on a CPU gets a hint first: a step's time and memory per atom (docs/measured-constants.md)
 CPU_HINT_ATOMS = 20_000
 CPU_SECONDS_PER_ATOM = 1e-3
 CPU_BYTES_PER_ATOM = 0.25e6
@@ -50,9 +39,8 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"water molecules in the box (default {GPU_MOLECULES} on a GPU, {CPU_MOLECULES} on CPU)")
     what.add_argument("--structure", default=None, help="read the structure from this file (any ase.io format)")
     what.add_argument("--restart", default=None, metavar="TRAJ",
-                      help="continue this trajectory's run from its last frame (velocities, random state, step, "
-                           "its saved options, engine and model) for --steps more steps into a new -o file; a flag "
-                           "that contradicts a saved option is refused (--structure TRAJ starts a new run instead)")
+                      help="continue this trajectory's run from its last frame with its saved options, engine and "
+                           "model for --steps more steps into a new -o file (--structure TRAJ starts a new run)")
     parser.add_argument("--model", default=None,
                         help=f"{LISTED} (bundled water models; default 'mace'), or a .model/.ckpt/.nequip.zip "
                              "file; after --restart: the run's")
@@ -61,47 +49,36 @@ def add_md_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trajectory file to write, .traj or .xyz (default: a new md-<date>-<time>.traj)")
     parser.add_argument("--log", default=None, metavar="FILE",
                         help="also write the progress lines (and the model and relaxation lines) to this new file")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="at the end (also of a run that blew up or was interrupted) plot temperature, energy, "
-                             "pressure and volume (NPT) and ns/day against time from the progress lines into this "
-                             f"new file ({', '.join(PLOT_SUFFIXES)}); a plot that cannot be written is a warning")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="at the end (also after a blow-up or Ctrl-C) "
+                        f"plot the progress lines against time into this new file ({', '.join(PLOT_SUFFIXES)})")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
                         help="model precision (default: the model's)")
-    # 2 Å: with the engine's pipelined rebuilds a list that lasts longer costs less than the edges it adds
-    # (measured: docs/measured-constants.md)
+    # 2 Å: with pipelined rebuilds a longer-lived list costs less than its extra edges (docs/measured-constants.md)
     parser.add_argument("--skin", type=float, default=2.0, help="neighbour-list skin in Å (default 2.0)")
     parser.add_argument("--radial-precision", choices=("fp32", "tf32", "3xtf32"), default="fp32",
                         help="radial-MLP products: fp32 (default), tf32 or 3xtf32 on tensor cores (CUDA, FP32 "
-                             "models; kept only if the first structure's forces change by <= 1e-4 relative, "
-                             "which is printed)")
+                             "models; kept only if the first structure's forces change by <= 1e-4 relative)")
     parser.add_argument("--radial-table", choices=("auto", "on", "off"), default="auto",
                         help="read each layer's weights from a table of the edge length instead of the radial MLP "
                              "(MACE, NequIP; fitted at start, relative error <= 1e-7); auto (default): on for FP32 "
                              "MACE and NequIP models on CUDA when the model allows it")
-    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json",
-                        help='the kernels\' tuning (cgforge.kernels.KernelTuning): a JSON object {"tp": {...}, '
-                             '"sc": {...}} of TPTuning and SCTuning fields, the rest at their measured defaults; '
-                             "the model then runs cgforge's kernels also on a CPU (printed on the options line)")
-    parser.add_argument("--workspace", choices=("auto", "whole", "tiled"), default="auto",
-                        help="evaluate the system as one graph (whole), in tiles with a fixed working set (tiled: "
-                             "memory grows with the atoms only; ASE's integrator drives it), or auto: tiles where one "
-                             "graph would not fit the GPU (default)")
+    parser.add_argument("--kernel-tuning", default=None, metavar="FILE.json", help='the kernels\' tuning: a JSON '
+                        'object {"tp": {...}, "sc": {...}} of TPTuning and SCTuning fields (docs/md.md)')
+    parser.add_argument("--workspace", choices=("auto", "whole", "tiled"), default="auto", help="the system as one "
+                        "graph, in tiles with a fixed working set, auto: tiles where one graph would not fit the GPU")
 
 
-@dataclass
-class MDSetup:
-    """What ``cgforge md`` checked and prepared before loading the model: the checked run (``plan``: structure,
-    options, output files, the log, the restart, the model's name), the device, the ``--kernel-tuning``."""
+class MDSetup(NamedTuple):
+    """What ``cgforge md`` checked before loading the model: the run's ``plan``, the device, the kernel tuning."""
 
     plan: MDPlan
     device: Any
-    tuning: Any = None  # a KernelTuning, or None
+    tuning: Any = None
 
 
 def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Path | None]:
-    """``--model``, else the model a restart's frames name (``md_model``: the name given, then the family in
-    brackets), else mace; and its file (None for a bundled name, whose file is checked at load)."""
+    """``--model``, else the restart's model (``md_model``), else mace; and its file (None for a bundled name)."""
     saved = restart.model if restart is not None else None
     name = model or (saved.rsplit(" (", 1)[0] if saved and saved.endswith(")") else saved) or "mace"
     if name.lower() in BUNDLED:
@@ -114,9 +91,7 @@ def model_of(model: str | None, restart: Restart | None = None) -> tuple[str, Pa
 
 
 def read_kernel_tuning(path: str | None) -> Any:
-    """The ``KernelTuning`` of ``--kernel-tuning FILE.json`` (None without the flag): ValueError naming the flag,
-    the file and the key for a missing or unreadable file, bad JSON, an unknown key or a value a field refuses
-    (``KernelTuning.from_dict``)."""
+    """The ``KernelTuning`` of ``--kernel-tuning FILE.json`` (None without it); errors name the flag and file."""
     if path is None:
         return None
     import json
@@ -124,8 +99,7 @@ def read_kernel_tuning(path: str | None) -> Any:
     from cgforge.kernels.core.tuning import KernelTuning
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--kernel-tuning: {path} not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -137,8 +111,7 @@ def read_kernel_tuning(path: str | None) -> Any:
 
 
 def size_hint(n_atoms: int, device: Any, above_atoms: int = CPU_HINT_ATOMS) -> str | None:
-    """A hint before a box far too large for a CPU (more than ``above_atoms``: its expected cost; a GPU
-    suggested), else None."""
+    """A hint before a box of more than ``above_atoms`` on a CPU (its expected cost), else None."""
     if getattr(device, "type", str(device)) != "cpu" or n_atoms <= above_atoms:
         return None
     seconds, gigabytes = n_atoms * CPU_SECONDS_PER_ATOM, n_atoms * CPU_BYTES_PER_ATOM / 1e9
@@ -149,11 +122,11 @@ def size_hint(n_atoms: int, device: Any, above_atoms: int = CPU_HINT_ATOMS) -> s
 
 
 def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
-    """The flags only ``cgforge md`` has (errors name the flag), the structure read or built, then the run's
-    options, files and structure checked once by :func:`cgforge.plugin.md.run.plan_md`: all before any model
-    is loaded. The log file exists from here on (``setup.plan.close()`` closes it)."""
+    """``cgforge md``'s own flags, the structure, then :func:`~cgforge.plugin.md.run.plan_md`: all before the
+    model loads. The log file exists from here on (``setup.plan.close()`` closes it)."""
     from cgforge.plugin.calculator import resolve_device
     from cgforge.plugin.md.files import check_distinct, default_trajectory_path, read_restart
+    from cgforge.plugin.md.options import check_count, check_number
     from cgforge.plugin.md.run import plan_md
 
     check_number("--skin", args.skin, strict=False)
@@ -185,21 +158,17 @@ def prepare_md(args: argparse.Namespace, stem: str = "md") -> MDSetup:
     if structure is None and restart is None:
         from cgforge.plugin.water import water_box
 
-        n = args.molecules if args.molecules is not None else (GPU_MOLECULES if device.type == "cuda"
-                                                               else CPU_MOLECULES)
+        n = args.molecules if args.molecules is not None else GPU_MOLECULES if device.type == "cuda" else CPU_MOLECULES
         seed = check_count("--seed", args.seed, 0) if args.seed is not None else OPTION_FIELDS["seed"]["value"]
         atoms = water_box(n, seed=seed)  # the box's seed too
         given.setdefault("relax", DEFAULT_RELAX)  # a generated box is far from the model's equilibrium
     names = {**NAMES, "atoms": "--structure" if structure is not None else "--molecules"}
-    plan = plan_md(
-        atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
-        prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
-        trajectory=trajectory, restart=restart,
-        log=[print, args.log] if args.log is not None else print, plot=getattr(args, "plot", None),
-        **given)
+    plan = plan_md(atoms, names=names, inputs={"--model": model_file}, structure=structure, calculator_later=True,
+                   prog="cgforge md", new_run=f"--structure {args.restart}" if restart is not None else None,
+                   trajectory=trajectory, restart=restart, log=[print, args.log] if args.log is not None else print,
+                   plot=getattr(args, "plot", None), **given)
     plan.model, plan.errors_to_caller = model, True
-    hint = size_hint(len(plan.atoms), device)
-    if hint:
+    if hint := size_hint(len(plan.atoms), device):
         plan.out(hint)
     return MDSetup(plan, device, tuning)
 
@@ -222,32 +191,27 @@ def flag_spelling(message: str) -> str:
     return message
 
 
-def run_from_args(args: argparse.Namespace, stem: str = "md") -> MDSummary:
-    """``cgforge md``: check everything, load the model, check it against the structure, relax if asked, run;
-    lines to stdout (and --log). An error's message names flags, not the library's keywords."""
+def run_from_args(args: argparse.Namespace) -> MDSummary:
+    """``cgforge md``: check, load the model, run (:meth:`MDPlan.run`); an error's message names flags."""
+    from cgforge.plugin import calculator as calculator_module
+
     try:
-        return _run_from_args(args, stem)
+        setup = prepare_md(args)  # bad input fails here, before the model is loaded and compiled
+        plan = setup.plan
+        try:
+            t = time.perf_counter()
+            calc = calculator_module.Calculator(
+                plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
+                radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
+                radial_table=AUTO_ON_OFF[getattr(args, "radial_table", "auto")],
+                **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
+                **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
+                **({"tuning": setup.tuning} if setup.tuning is not None else {}))
+        except BaseException as err:
+            plan.close(err)
+            raise
+        return plan.run(calc, seconds=time.perf_counter() - t)  # the model line, relax, compile, options, steps
     except (ValueError, TypeError, OSError) as err:
         if len(err.args) == 1 and isinstance(err.args[0], str):
             err.args = (flag_spelling(err.args[0]),)
         raise
-
-
-def _run_from_args(args: argparse.Namespace, stem: str) -> MDSummary:
-    from cgforge.plugin import calculator as calculator_module
-
-    setup = prepare_md(args, stem)  # bad input fails here, before the model is loaded and compiled
-    plan = setup.plan
-    try:
-        t = time.perf_counter()
-        calc = calculator_module.Calculator(
-            plan.model, device=setup.device, dtype=args.dtype, skin=args.skin,
-            radial_precision=args.radial_precision, stress_with_forces=plan.o["ensemble"] == "npt",
-            radial_table={"auto": None, "on": True, "off": False}[getattr(args, "radial_table", "auto")],
-            **({"workspace": args.workspace} if getattr(args, "workspace", "auto") != "auto" else {}),
-            **({"compile": plan.o.compile} if plan.o.compile not in ("auto", "off") else {}),
-            **({"tuning": setup.tuning} if setup.tuning is not None else {}))
-    except BaseException as err:
-        plan.close(err)
-        raise
-    return plan.run(calc, seconds=time.perf_counter() - t)  # the model line, relax, compile, options, the steps

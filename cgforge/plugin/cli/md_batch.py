@@ -1,18 +1,7 @@
-"""``cgforge md-batch IN``: MD of every structure of a file, in batches (``plugin.batch_md.run_md_batch``).
-
-IN and OUT as ``cgforge relax`` takes them (``cli.relax``: extended XYZ or an ASE database; OUT, default IN's
-name with ``.md`` before the suffix, a new file of the same format, never IN). Each structure runs --steps
-steps of NVE, NVT (Langevin or CSVR) or NPT on its own: structure i (its frame or row in IN, from 0) draws its
-initial velocities (when asked, or when it is at rest) and its thermostat noise from the seed ``--seed + i``,
-which is what ``cgforge md --engine device --seed <that>`` draws for it alone, so its run does not depend on the
-batch it ran in. OUT holds, as each batch finishes, every structure's last state (positions, velocities,
-energy, forces; the cell after NPT) with ``md_index`` (i), ``md_status`` (done or failed), ``md_steps``, the
-run's options as ``cgforge md`` saves them (``md_ensemble``, ``md_temperature_K``, ``md_timestep_fs``, the
-thermostat's and barostat's, and ``md_seed``: the structure's own), and for a failed one ``md_error`` and its
-input state. A bad structure (unknown element, NaN, overlapping atoms, no atoms, a cell NPT cannot take, or one
-that blows up) gets one line on stderr naming its index and is skipped; its batch runs again without it (the
-others' runs are unchanged: their noise is their own). Exit 0 when at least one structure ran, 1 when none
-could (or IN unreadable).
+"""``cgforge md-batch IN``: MD of every structure of a file, in batches (``plugin.batch_md.run_md_batch``;
+docs/batch.md). Structure i draws its velocities and noise from the seed ``--seed + i``, as ``cgforge md --engine
+device`` would alone; a bad structure is named on stderr, written as failed, and its batch runs again without it.
+Exit 0 when at least one structure ran, 1 when none could.
 """
 
 from __future__ import annotations
@@ -22,8 +11,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from cgforge.plugin.md.options import OPTION_FIELDS, add_arguments
+from cgforge.plugin.md.options import MDOptions, add_arguments, given_by_args
 
+from .md import NAMES
 from .relax import Writer, add_file_arguments, check_file_arguments, open_run
 
 if TYPE_CHECKING:
@@ -42,10 +32,6 @@ def add_md_batch_arguments(parser: argparse.ArgumentParser) -> None:
         "structure i's velocities and thermostat noise come from the seed SEED + i (default 0)")}})
 
 
-def _flag(key: str) -> str:
-    return OPTION_FIELDS[key]["flag"] if key in OPTION_FIELDS else key
-
-
 def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, failed: dict[int, str]
                ) -> list[tuple[int, Atoms]]:
     """Run ``batch`` (index in IN, atoms); a structure that fails is put in ``failed`` and the rest run again."""
@@ -54,12 +40,9 @@ def _run_batch(calc, batch: list[tuple[int, Atoms]], o, min_distance: float, fai
 
     while batch:
         try:
-            final = run_md_batch(calc, [a for _, a in batch], ensemble=o.ensemble, timestep_fs=o.timestep_fs,
-                                 steps=o.steps, temperature_K=None if o.ensemble == "nve" else o.temperature_K,
-                                 thermostat=o.thermostat, friction=o.friction, taut_fs=o.taut_fs,
-                                 pressure_bar=o.pressure_bar, taup_fs=o.taup_fs,
-                                 compressibility_per_bar=o.compressibility_per_bar,
-                                 seed=[o.seed + i for i, _ in batch], min_distance=min_distance)
+            final = run_md_batch(calc, [a for _, a in batch], seed=[o.seed + i for i, _ in batch],
+                                 temperature_K=None if o.ensemble == "nve" else o.temperature_K,
+                                 min_distance=min_distance, **{k: o[k] for k in MD_FIELDS[:10] if k != "temperature_K"})
         except BatchStructureError as err:
             index, _ = batch.pop(err.index)
             failed[index] = err.reason
@@ -73,10 +56,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     import numpy as np
 
     from cgforge.plugin.md.dynamics import thermalize
-    from cgforge.plugin.md.options import MDOptions, given_by_args
 
     check_file_arguments(args)
-    o = MDOptions(**given_by_args(args), names=_flag)
+    o = MDOptions(**given_by_args(args), names=lambda key: NAMES.get(key, key))
     source, out, structures, calc = open_run(args, "cgforge md-batch")
     print(f"cgforge md-batch: {len(structures)} structures from {source} -> {out} ({o.describe()}, {o.steps} steps, "
           f"{args.batch_size} at a time)", flush=True)
@@ -110,5 +92,4 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"cgforge md-batch: wrote {len(structures)} structures to {out}", flush=True)
     if not done:
         print(f"cgforge md-batch: error: none of the {len(structures)} structures could be run", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if done else 1

@@ -1,13 +1,6 @@
-"""``cgforge relax IN``: relax every structure of a file in batches (``plugin.relax.relax_batch``).
-
-IN is an extended XYZ file (.xyz, .extxyz: every frame) or an ASE database (.db: every row). OUT (default:
-IN's name with ``.relaxed`` before the suffix) is a new file of the same format, never IN, written as each
-structure finishes (so in the order they finish): the relaxed structure with its energy, forces (stress for a
-3-D cell), and ``relax_index`` (its frame or row in IN, from 0), ``relax_status`` (converged, unconverged,
-failed), ``relax_steps``, ``relax_fmax``, and for a failed one ``relax_error`` and its input positions. A bad
-structure (unknown element, NaN, overlapping atoms, no atoms) gets one line on stderr naming its index and is
-skipped; nothing else is lost. Exit 0 when at least one structure was relaxed (converged or not), 1 when none
-could be (every one failed, or IN unreadable).
+"""``cgforge relax IN``: relax every structure of a file in batches (``plugin.relax.relax_batch``; docs/batch.md).
+IN and OUT (a new file of IN's format: extended XYZ or an ASE database) and the model flags are shared with
+``cgforge md-batch``. Exit 0 when at least one structure was relaxed, 1 when none could be.
 """
 
 from __future__ import annotations
@@ -17,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from cgforge.plugin.md.options import check_count, check_number
+from cgforge.plugin.runtime.bundled import LISTED
 
 if TYPE_CHECKING:  # ase loads at run time only: `cgforge --help` imports nothing heavy
     from ase import Atoms
@@ -28,15 +24,12 @@ DB = (".db",)
 
 
 def add_file_arguments(parser: argparse.ArgumentParser, verb: str, tag: str) -> None:
-    """IN, OUT (default: IN with ``.<tag>`` before the suffix), --force, the model, --batch-size and
-    --min-distance: what ``cgforge relax`` and ``cgforge md-batch`` share."""
+    """IN, OUT, --force, the model, --batch-size, --min-distance: what ``relax`` and ``md-batch`` share."""
     parser.add_argument("input", metavar="IN", help=f"structures to {verb}: extended XYZ (.xyz, .extxyz) or an ASE "
                         "database (.db); never modified")
     parser.add_argument("-o", "--output", metavar="OUT", default=None,
                         help=f"new file of the same format (default: IN with .{tag} before the suffix)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists (never IN)")
-    from cgforge.plugin.runtime.bundled import LISTED
-
     parser.add_argument("--model", default="mace",
                         help=f"{LISTED} (bundled water models), or a .model/.ckpt/.nequip.zip file")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -61,15 +54,12 @@ def add_relax_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_file_arguments(args: argparse.Namespace) -> None:
     """--batch-size and --min-distance (``add_file_arguments``) in range."""
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size: expected an integer >= 1, got {args.batch_size}")
-    if not 0 <= args.min_distance < float("inf"):
-        raise ValueError(f"--min-distance: expected a number >= 0 (Å), got {args.min_distance}")
+    check_count("--batch-size", args.batch_size, 1)
+    check_number("--min-distance", args.min_distance, strict=False)
 
 
 def output_path(args: argparse.Namespace) -> tuple[Path, Path]:
-    """(IN, OUT) checked before the model loads: IN exists with a known suffix, OUT is new (or --force), of
-    IN's format, and not IN."""
+    """(IN, OUT) checked before the model loads: IN exists, OUT is new (or --force), of IN's format, not IN."""
     from cgforge.plugin.md.files import check_distinct, check_new_path
 
     source = Path(args.input)
@@ -104,8 +94,7 @@ class Writer:
     """Appends each finished structure to OUT (created at the first one)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.db = None
+        self.path, self.db = path, None
         if path.suffix.lower() in DB:
             from ase.db import connect
 
@@ -125,8 +114,7 @@ class Writer:
 
 
 def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atoms], Calculator]:
-    """(IN, OUT, IN's structures, the model's calculator) after the checks of ``output_path``; the model's
-    banner printed."""
+    """(IN, OUT, IN's structures, the model's calculator); the model's banner printed."""
     from cgforge.plugin import Calculator
     from cgforge.plugin.md.run import model_banner
 
@@ -142,15 +130,15 @@ def open_run(args: argparse.Namespace, prog: str) -> tuple[Path, Path, list[Atom
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``cgforge relax``: check, read, load the model, relax, write; the exit code (module doc)."""
+    from ase import Atoms
+
     from cgforge.plugin.relax import relax_batch
 
     check_file_arguments(args)
-    if args.steps < 0:
-        raise ValueError(f"--steps: expected an integer >= 0, got {args.steps}")
-    if not args.fmax > 0:
-        raise ValueError(f"--fmax: expected a number > 0, got {args.fmax}")
-    if args.max_atoms is not None and args.max_atoms < 1:
-        raise ValueError(f"--max-atoms: expected an integer >= 1, got {args.max_atoms}")
+    check_count("--steps", args.steps, 0)
+    check_number("--fmax", args.fmax)
+    if args.max_atoms is not None:
+        check_count("--max-atoms", args.max_atoms, 1)
     source, out, structures, calc = open_run(args, "cgforge relax")
     what = "positions and cells" if args.cell else "positions"
     print(f"cgforge relax: {len(structures)} structures from {source} -> {out} (FIRE on {what} to fmax "
@@ -162,12 +150,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     for done in relax_batch(calc, structures, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size,
                             max_atoms=args.max_atoms, min_distance=args.min_distance, cell_filter=args.cell):
         counts[done.status] += 1
-        info = {"relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
-                "relax_fmax": done.fmax, "relax_error": done.error}
-        from ase import Atoms
-
-        atoms = done.atoms if isinstance(done.atoms, Atoms) else Atoms()
-        writer.write(atoms, info)
+        writer.write(done.atoms if isinstance(done.atoms, Atoms) else Atoms(), {
+            "relax_index": done.index, "relax_status": done.status, "relax_steps": done.steps,
+            "relax_fmax": done.fmax, "relax_error": done.error})
         if done.status == "failed":
             print(f"cgforge relax: structure {done.index} skipped: {done.error}", file=sys.stderr, flush=True)
         finished = sum(counts.values())
@@ -179,5 +164,4 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"cgforge relax: wrote {sum(counts.values())} structures to {out}", flush=True)
     if counts["failed"] == len(structures):
         print(f"cgforge relax: error: none of the {len(structures)} structures could be relaxed", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if counts["failed"] == len(structures) else 0

@@ -1,40 +1,11 @@
 """The MD engine: integrator and model step on the device, the host sees the state only between blocks.
 
-    from cgforge.plugin import Calculator
-    from cgforge.plugin.md.engine import Engine
-    from cgforge.plugin.md.integrators import Langevin
-
-    calc = Calculator("mace")
-    engine = Engine(calc, atoms, Langevin(timestep_fs=0.5, temperature_K=300, friction_per_fs=0.01), seed=1)
-    engine.run(1000, every=10, callback=lambda e: print(e.step, e.atoms.get_temperature()))
-
-The engine evaluates the model through the calculator's runtime (``calc.potential``). State (positions,
-momenta, forces, energy, virial, cell, integrator scalars, step counter) lives in float64 tensors on its
-device. A *block* of ``block`` steps runs without a host sync: on CUDA as
-replays of a CUDA graph that holds ``steps_per_graph`` whole steps (integrator + edge cut + model + backward),
-then one device-to-host copy of a small report (and of the state when an observer is due). ``atoms`` is
-written (positions, momenta, cell; energy, forces, stress as the calculator's results; the engine state in
-``atoms.info['cgforge_engine']``) every ``every`` steps, before ``callback(engine)``.
-
-Correctness inside a block, checked per step on the device (``commit``): a step whose positions went beyond
-the Verlet list's reach (``stale``), whose edges overflowed the captured buffers (``overflow``), or that blew up
-(non-finite energy or forces, temperature above ``max_temperature_K``) is not committed: the state goes back to
-the step's start, and the block's later steps are computed but not committed either. Between blocks the host
-rebuilds the list or grows the buffers (a new capture) and carries on from the last committed step, or raises
-``MDBlowUp`` naming the step and the value. So that discarded steps stay rare, a block is no longer than the
-steps the list's slack (how far atoms may still move, read with the report) should last at ``rebuild_margin``
-times the fastest use of slack per step seen, and the list is rebuilt first when not one step is left.
-
-Pipelined rebuilds (on by default on CUDA): the list's last steps (at most ``_HIDE_STEPS``) run as a block of
-their own, and during it the next list is searched on a side stream for the block's start state (a copy
-queued before its steps); the host's waits of that search then overlap the block's GPU work instead of
-leaving the GPU idle. The list is installed after the block with that start state as the staleness
-reference: it holds every pair within cutoff + skin of those positions, so it stays valid while no atom
-has moved skin/2 from them, and the steps since only use up some of its slack (measured on the next step).
-
-Random numbers are a function of (seed, step) (``noise``): a discarded and redone step draws the same
-numbers, a run does not depend on when the list was rebuilt, and a restart (``state_dict`` / ``save`` /
-``load_state``, read and written by ``state``) continues exactly as an uninterrupted run.
+State lives in float64 tensors on the device. A *block* of ``block`` steps runs without a host sync (on CUDA as
+replays of a graph of ``steps_per_graph`` steps), then one copy of a small report. A step that went stale,
+overflowed the edge buffers or blew up is not committed (``commit``): the host rebuilds or grows and carries on
+from the last committed step, or raises ``MDBlowUp``. Blocks are sized by the list's slack (``rebuild_margin``);
+pipelined rebuilds search the next list on a side stream during the list's last ``_HIDE_STEPS`` steps. Random
+numbers are a function of (seed, step) (``noise``), so redone steps and restarts draw the same (docs/md.md).
 """
 
 from __future__ import annotations
@@ -61,37 +32,21 @@ from ..runtime.potential import Potential
 from .commit import BLOW_KINDS, REPORT, MDBlowUp, commit_step
 from .forces import EnergyFunctionForces, ForceResult, ModelForces
 from .integrators import Integrator, MDState, NoiseSource, kinetic_energy
-from .options import EngineOptions
+from .options import EngineOptions, check_count
 from .state import ENGINE_INFO_KEY, read_state, write_atoms
 
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
 _FORMAT = 1
-# Steps in the block that hides a pipelined search: enough GPU work to cover the search's host waits (a search
-# takes about one to two steps), and few, because the new list is as old as this block when it is installed.
+# Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile)
 _HIDE_STEPS = 2
 
 
-def _count(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class Engine:
-    """MD on the device; see the module doc.
-
-    forces: a cgforge ``Calculator`` or the ``Potential`` of one (``calc.potential``: its model step, neighbour
-    list and device are used), or a force provider (``forces.EnergyFunctionForces`` or anything with its
-    interface). atoms: the structure (positions,
-    momenta, cell, masses, pbc; no constraints); written back every ``every`` steps and by ``sync_atoms()``.
-    integrator: ``integrators.VelocityVerlet``, ``Langevin``, ``CSVR`` or ``StochasticCellRescaling``.
-    seed: the noise's seed. max_temperature_K: blow-up limit (None: 5 times the target or initial temperature, at
-    least 2000 K; inf turns it off). engine_options: the ``options.EngineOptions`` (block, steps_per_graph,
-    cuda_graph, rebuild_margin, pipelined_rebuild, fuse_integrator), or its fields as keywords (``settings``).
-    A fused integrator (``Integrator.fuse``) is compiled with the provider's ``options.compile_backend`` and set
-    on ``integrator``.
-    """
+    """MD on the device (module doc). forces: a cgforge ``Calculator``, its ``Potential`` or a force provider
+    (``forces.EnergyFunctionForces``'s interface); atoms: no constraints, written back every ``every`` steps;
+    max_temperature_K: blow-up limit (None: 5x the target or initial temperature, at least 2000 K; inf: off);
+    engine_options: an ``EngineOptions`` or its fields as keywords (``settings``)."""
 
     def __init__(self, forces: object, atoms: Atoms, integrator: Integrator, *, seed: int = 0,
                  max_temperature_K: float | None = None, engine_options: EngineOptions | None = None,
@@ -109,14 +64,13 @@ class Engine:
         if not isinstance(integrator, Integrator):
             raise TypeError(f"integrator: expected a cgforge.plugin.md.integrators integrator, got "
                             f"{type(integrator).__name__}")
-        potential = forces if isinstance(forces, Potential) else getattr(forces, "potential", None)  # a Calculator's
+        potential = forces if isinstance(forces, Potential) else getattr(forces, "potential", None)
         provider = callable(getattr(forces, "compute", None))  # a provider (ModelForces has a potential too)
         self.provider = ModelForces(potential) if isinstance(potential, Potential) and not provider else forces
         if not callable(getattr(self.provider, "compute", None)):
             raise TypeError(f"forces: expected a cgforge Calculator or a force provider, got {type(forces).__name__}")
-        self.atoms = atoms
-        self.integrator = integrator
-        self.seed = _count("seed", seed, 0)
+        self.atoms, self.integrator = atoms, integrator
+        self.seed = check_count("seed", seed, 0)
         self.block = o.block if o.block is not None else 10
         self.steps_per_graph, self.rebuild_margin = o.steps_per_graph, o.rebuild_margin
         self.pbc = tuple(bool(p) for p in atoms.pbc)
@@ -130,10 +84,7 @@ class Engine:
         self.fuse_integrator = self._want_fused(o.fuse_integrator)
         options = getattr(self.provider, "options", None)
         backend = "inductor" if options is None else options.compile_backend
-
-        def fused(fn: Callable) -> Callable:
-            return compile_or_eager(fn, backend)
-
+        fused = lambda fn: compile_or_eager(fn, backend)
         integrator.fuse(fused if self.fuse_integrator else None)
         self._commit = fused(commit_step) if self.fuse_integrator else commit_step
         self.capture_error: str | None = None
@@ -142,8 +93,7 @@ class Engine:
         masses = torch.as_tensor(atoms.get_masses(), **f64).reshape(n, 1)
         integrator.bind(masses)
         extra = integrator.initial_extra(self.device)
-        # One flat buffer holds everything a step changes, the fields are views of it: saving and restoring a
-        # step is one copy each, and a snapshot for the host one transfer.
+        # One flat buffer holds what a step changes (the fields are views): save, restore, snapshot are one copy each
         shapes = {"positions": (n, 3), "momenta": (n, 3), "forces": (n, 3), "energy": (), "virial": (3, 3),
                   "cell": (3, 3), **{f"extra.{k}": () for k in extra}}
         self._flat = torch.zeros(sum(math.prod(v) for v in shapes.values()), **f64)
@@ -153,9 +103,9 @@ class Engine:
                              step=torch.zeros((), dtype=torch.int64, device=self.device),
                              extra={k: views[f"extra.{k}"] for k in extra})
         with torch.no_grad():
-            self.state.positions.copy_(torch.as_tensor(atoms.get_positions(), **f64))
-            self.state.momenta.copy_(torch.as_tensor(atoms.get_momenta(), **f64))
-            self.state.cell.copy_(torch.as_tensor(np.array(atoms.cell), **f64))
+            for name, value in (("positions", atoms.get_positions()), ("momenta", atoms.get_momenta()),
+                                ("cell", np.array(atoms.cell))):
+                getattr(self.state, name).copy_(torch.as_tensor(value, **f64))
             for k, v in extra.items():
                 self.state.extra[k].copy_(v)
         self.noise = NoiseSource(self.seed, self.state.step)
@@ -165,8 +115,7 @@ class Engine:
         if not self.max_temperature_K > 0:
             raise ValueError(f"max_temperature_K: expected a number > 0, got {max_temperature_K!r}")
         self._step = 0  # host mirror of state.step
-        self._forces_known = False
-        self._started = False
+        self._forces_known = self._started = False
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_generation: int | None = None
         self._pool = None
@@ -174,8 +123,7 @@ class Engine:
         self._report_values = torch.zeros(len(REPORT), dtype=torch.float64, device=self.device)
         self._report_start = torch.tensor([float("nan") if name == "slack" else 0.0 for name in REPORT],
                                           dtype=torch.float64, device=self.device)
-        pinned = self.device.type == "cuda"
-        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=pinned)
+        self._host_report = torch.zeros(len(REPORT), dtype=torch.float64, pin_memory=self.device.type == "cuda")
         self._host_snapshot: Tensor | None = None
         self._snapshot_step: int | None = None
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
@@ -186,18 +134,14 @@ class Engine:
                       "grows": 0, "wall_s": 0.0}
         self._follow_memory_plan()  # run_md has planned this box already: the header says what will run
 
-    # --- public ------------------------------------------------------------------------------------------
-
     @property
     def step(self) -> int:
         """Steps committed since the start (continued across a restart)."""
         return self._step
 
     def run(self, steps: int, every: int = 0, callback: Callable[[Engine], None] | None = None) -> None:
-        """Advance ``steps`` steps; every ``every`` steps (counted from step 0) write ``atoms`` and call
-        ``callback(self)``. Raises ``MDBlowUp`` when the run blows up."""
-        steps = _count("steps", steps, 0)
-        every = _count("every", every, 0)
+        """Advance ``steps`` steps; every ``every`` steps write ``atoms`` and call ``callback(self)``."""
+        steps, every = check_count("steps", steps, 0), check_count("every", every, 0)
         start = time.perf_counter()
         self._start()
         target = self._step + steps
@@ -263,9 +207,7 @@ class Engine:
         return path
 
     def load_state(self, source: dict | str | os.PathLike | Atoms) -> None:
-        """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine (a
-        trajectory frame: positions, momenta, cell; forces and energy from its calculator results when present,
-        else computed; step and integrator scalars from ``atoms.info['cgforge_engine']``)."""
+        """Continue from a ``state_dict``, a .npz written by ``save``, or an Atoms written by this engine."""
         d = read_state(source, self.integrator.needs_virial)
         n = len(self.atoms)
         if np.asarray(d["positions"]).shape != (n, 3):
@@ -301,8 +243,6 @@ class Engine:
         self._started = False  # the list is rebuilt at the restored positions
         self._snapshot_step = None
 
-    # --- setup -------------------------------------------------------------------------------------------
-
     def _want_graph(self, cuda_graph: bool | None) -> bool:
         capturable = self.device.type == "cuda" and getattr(self.provider, "capturable", True)
         if cuda_graph is None:
@@ -313,10 +253,9 @@ class Engine:
         return bool(cuda_graph)
 
     def _want_fused(self, fuse: bool | None) -> bool:
-        if fuse is not None:
-            return bool(fuse)
-        # with the model compiled, Inductor is known to work here; its compilation is paid at the first step
-        return self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
+        # default: with the model compiled, Inductor is known to work here (its compilation is paid at the first step)
+        compiled = self.device.type == "cuda" and bool(getattr(self.provider, "compiled", False))
+        return bool(fuse) if fuse is not None else compiled
 
     def _want_pipelined(self, pipelined: bool | None) -> bool:
         able = callable(getattr(self.provider, "snapshot", None))
@@ -328,9 +267,7 @@ class Engine:
         return pipelined
 
     def _follow_memory_plan(self) -> None:
-        """As the calculator does for a box near a full device: no CUDA graph and no side-stream search unless
-        asked for (steps of seconds gain nothing from a graph, whose pool, and a second list searched beside the
-        steps, is memory such a box does not have). Before the start when run_md planned already, at it else."""
+        """A box near a full device: no CUDA graph and no side-stream search unless asked for (memory it lacks)."""
         near_full = getattr(self.provider, "near_full_device", None)
         if not callable(near_full) or not near_full(len(self.atoms)):
             return
@@ -345,11 +282,8 @@ class Engine:
         s = self.state
         self.provider.start(s.positions, s.cell, self.pbc, self.atoms.numbers, self.integrator.changes_cell)
         self._follow_memory_plan()
-        self.stats["rebuilds"] += 1
-        self._fresh_list = True
         self._slack_per_step = 0.0
-        initial = getattr(self.provider, "initial_slack", None)
-        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
+        self._fresh()
         if not self._forces_known:
             for _ in range(4):
                 result = self.provider.compute(s.positions, s.cell, virial=self.integrator.needs_virial)
@@ -369,32 +303,25 @@ class Engine:
         if result.virial is not None:
             s.virial.copy_(result.virial)
 
-    # --- the step (capture-safe: no host reads) ------------------------------------------------------------
-
-    def _one_step(self) -> None:
-        s, integrator = self.state, self.integrator
-        saved = self._flat.clone()
-        integrator.before_forces(s, self.noise)
-        result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
-        self._store(result)
-        integrator.after_forces(s, self.noise)
-        bad, step, report = self._commit(s.energy, s.forces, s.momenta, s.masses, s.step, result.stale,
-                                         result.overflow, result.count, result.slack, self.max_temperature_K,
-                                         self._report_values)
-        self._flat.copy_(torch.where(bad, saved, self._flat))
-        s.step.copy_(step)
-        self._report_values.copy_(report)
-
     def _steps(self, count: int) -> None:
+        """``count`` steps, capture-safe (no host reads)."""
+        s, integrator = self.state, self.integrator
         for _ in range(count):
-            self._one_step()
-
-    # --- blocks ------------------------------------------------------------------------------------------
+            saved = self._flat.clone()
+            integrator.before_forces(s, self.noise)
+            result = self.provider.compute(s.positions, s.cell, virial=integrator.needs_virial)
+            self._store(result)
+            integrator.after_forces(s, self.noise)
+            bad, step, report = self._commit(s.energy, s.forces, s.momenta, s.masses, s.step, result.stale,
+                                             result.overflow, result.count, result.slack, self.max_temperature_K,
+                                             self._report_values)
+            self._flat.copy_(torch.where(bad, saved, self._flat))
+            s.step.copy_(step)
+            self._report_values.copy_(report)
 
     def _run_block(self, size: int, observe: bool) -> int:
         self._report_values.copy_(self._report_start)
-        # Pipelined rebuild: in the list's last block (``_plan_block``) the next list is searched at the block's
-        # start state on a side stream while the block runs, and installed after it.
+        # pipelined: in the list's last block the next list is searched from its start state while it runs
         pending = self.provider.snapshot(self.state.positions, self.state.cell) if self._search_next else None
         if self.cuda_graph:
             self._replay(size)
@@ -408,9 +335,8 @@ class Engine:
         host = self._read_report()
         committed = int(host["committed"])
         self._step += committed
-        self.stats["blocks"] += 1
-        self.stats["steps"] += committed
-        self.stats["discarded"] += size - committed
+        for key, count in (("blocks", 1), ("steps", committed), ("discarded", size - committed)):
+            self.stats[key] += count
         if observe and committed == size:
             self._snapshot_step = self._step
         if host["blow_kind"]:
@@ -440,9 +366,7 @@ class Engine:
         return committed
 
     def _plan_block(self, size: int) -> int:
-        """The block's length: no longer than the steps the list's slack should last (at ``rebuild_margin`` times
-        the fastest use of slack seen); a rebuild first when not one step is left. Pipelined, the list's last
-        (at most ``_HIDE_STEPS``) steps are a block of their own, during which the next list is searched."""
+        """The block's length: what the list's slack should last; pipelined, its last steps are a block alone."""
         self._search_next = False
         if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
@@ -462,19 +386,20 @@ class Engine:
     def _install(self, pending, committed: int) -> None:
         """Take the list searched at this block's start; its slack is what is left after the committed steps."""
         self.provider.install(pending)
-        self.stats["rebuilds"] += 1
         self.stats["overlapped_rebuilds"] += 1
+        self._fresh(committed)
+
+    def _rebuild(self) -> None:
+        self.provider.rebuild(self.state.positions, self.state.cell)
+        self._fresh()
+
+    def _fresh(self, committed: int = 0) -> None:
+        """A new list: its slack is a fresh list's less what the ``committed`` steps since its state used."""
+        self.stats["rebuilds"] += 1
         self._fresh_list = committed == 0  # then the list is at the current state
         initial = getattr(self.provider, "initial_slack", None)
         self._last_slack = (None if initial is None or not math.isfinite(initial)
                             else initial - committed * self._slack_per_step)
-
-    def _rebuild(self) -> None:
-        self.provider.rebuild(self.state.positions, self.state.cell)
-        self.stats["rebuilds"] += 1
-        self._fresh_list = True
-        initial = getattr(self.provider, "initial_slack", None)  # the slack of a fresh list (no atom moved)
-        self._last_slack = initial if initial is not None and math.isfinite(initial) else None
 
     def _read_report(self) -> dict[str, float]:
         self._host_report.copy_(self._report_values, non_blocking=True)
@@ -485,8 +410,7 @@ class Engine:
     def _replay(self, size: int) -> None:
         generation = getattr(self.provider, "generation", 0)
         if generation != self._graph_generation:
-            self._graphs.clear()
-            self._pool = None
+            self.invalidate()
             self._graph_generation = generation
         k = self.steps_per_graph
         for count, times in ((k, size // k), (1, size % k)):
@@ -507,13 +431,11 @@ class Engine:
 
     def _capture(self, count: int) -> torch.cuda.CUDAGraph | None:
         """A graph of ``count`` steps (None when the capture failed: eager from now on); the state is as before."""
-        backup = (self._flat.clone(), self.state.step.clone())
-        report = self._report_values.clone()
+        saved = [(t, t.clone()) for t in (self._flat, self.state.step, self._report_values)]
 
         def restore() -> None:
-            self._flat.copy_(backup[0])
-            self.state.step.copy_(backup[1])
-            self._report_values.copy_(report)
+            for live, copy in saved:
+                live.copy_(copy)
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -526,8 +448,6 @@ class Engine:
         self.stats["captures"] += 1
         return entry[0]
 
-    # --- host copies ---------------------------------------------------------------------------------------
-
     def _take_snapshot(self) -> None:
         """Queue a copy of the state into a pinned host buffer (read after the block's sync)."""
         if self._host_snapshot is None:
@@ -538,15 +458,12 @@ class Engine:
 
     def _write_atoms(self) -> None:
         info = {"step": self._step, "seed": self.seed, "integrator": self.integrator.name}
-        write_atoms(self.atoms, self._host_snapshot.numpy(), list(self.state.extra), info,
-                    self.integrator.needs_virial)
+        write_atoms(self.atoms, self._host_snapshot.numpy(), list(self.state.extra), info, self.integrator.needs_virial)
 
 
 def energy_function_engine(energy_fn: Callable[[Tensor, Tensor], Tensor], atoms: Atoms, integrator: Integrator,
                            **kwargs) -> Engine:
-    """An engine over a torch energy function ``energy_fn(positions, cell) -> energy`` (float64, CPU unless
-    ``device=`` is given; ``options=``: the ``RuntimeOptions`` whose compile backend a fused integrator uses);
-    other keywords are the ``Engine``'s."""
+    """An engine over ``energy_fn(positions, cell) -> energy`` (``device=``, ``options=``; the rest the Engine's)."""
     device = kwargs.pop("device", "cpu")
     options = kwargs.pop("options", None)
     return Engine(EnergyFunctionForces(energy_fn, device=device, options=options), atoms, integrator, **kwargs)

@@ -1,30 +1,25 @@
 """The options of :func:`cgforge.plugin.md.run_md` and ``cgforge md``, declared once: :class:`MDOptions`, whose
-fields carry default, check, flag, help and restart rule. From them come ``cgforge md``'s flags
-(:func:`add_arguments`), run_md's keywords, a restart's defaults, the banner (:meth:`MDOptions.describe`) and
-docs/md.md's table (:func:`options_table`). Checks name what the user typed (a keyword or a flag: ``names``)."""
+fields carry default, check, flag, help and restart rule; ``cgforge md``'s flags (:func:`add_arguments`), run_md's
+keywords, a restart's defaults, the banner and docs/md.md's table (:func:`options_table`) come from them."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field, fields
 from functools import partial
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # numpy and ASE load on use: `cgforge --help` reads this module
-    from ase import Atoms
+from typing import Any
 
 ENSEMBLES = ("nvt", "nve", "npt")
 ENGINES = ("auto", "device", "ase")  # auto: the device engine when the calculator runs on CUDA, else ASE's
 THERMOSTATS = ("langevin", "csvr")  # NVT; NPT uses CSVR in the engine, Berendsen's in ASE's dynamics
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-# Blow-up limit when none is given: far above any liquid or solid a user runs, far below what a run that
-# exploded reaches (1e5-1e6 K within a few steps); 10x the target for hot runs.
+# Blow-up limit when none is given: far above any liquid or solid, far below an exploded run; 10x hot targets
 MAX_TEMPERATURE_FLOOR_K = 5000.0
 MAX_TEMPERATURE_FACTOR = 10.0
-# compile auto: the shortest run compiled, where the compiled engine's saving per step has paid back its
-# first-process compilation (measured: docs/measured-constants.md).
+# compile auto: the shortest run whose savings pay back the compilation (docs/measured-constants.md)
 COMPILE_AUTO_MIN_STEPS = 50_000
 
 # A run's mode: the ensemble, and for NVT its thermostat. A field with ``modes`` is refused in the others.
@@ -41,9 +36,7 @@ RESTART_RULES = {KEPT: "the run's; another value is refused", FOLLOWS: "the run'
 def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: bool = True,
                  allow_inf: bool = False) -> float:
     """A float; > minimum (strict) or >= minimum; finite unless ``allow_inf``."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers too
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
     value = float(value)
     ok = not math.isnan(value) and (math.isfinite(value) or (allow_inf and value > 0))
@@ -57,9 +50,7 @@ def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strict: 
 
 def check_count(name: str, value: Any, minimum: int) -> int:
     """An int >= minimum."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -113,10 +104,8 @@ _COUNT_0, _COUNT_1 = partial(check_count, minimum=0), partial(check_count, minim
 
 @dataclass(frozen=True)
 class MDOptions:
-    """A run's options, checked once where they are made: ``MDOptions(**keywords, names=...)`` fills what was
-    not given (None) with its default (:meth:`given` first takes a restart's saved values) and checks every
-    field and the rules between them (an option of another ensemble or thermostat is refused). ``names`` maps
-    a keyword to what the user typed (a flag). Fields that do not apply to the run's mode are None."""
+    """A run's options, checked once where made: what was not given (None) gets its default; an option of another
+    mode is refused, one that does not apply is None. ``names`` maps a keyword to what the user typed."""
 
     ensemble: str | None = option(None, partial(check_choice, choices=ENSEMBLES), "--ensemble", (
         "nvt (Langevin), nve (velocity Verlet) or npt (isotropic; needs a periodic cell: stochastic cell "
@@ -145,10 +134,9 @@ class MDOptions:
     seed: int | None = option(None, _COUNT_0, "--seed", "velocities, thermostat noise and box", KEPT, value=0,
                               type=int)
     engine: str | None = option(None, partial(check_choice, choices=ENGINES), "--engine", (
-        "auto: cgforge's device engine (integrator and model on the GPU, the host sees the state only at log and "
-        "trajectory steps) when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also on a CPU; "
-        "ase: ASE's dynamics. A restart continues on the engine that wrote it (another one is said: its random "
-        "numbers differ)"), FOLLOWS, value="auto", type=str.lower, choices=ENGINES)
+        "auto: cgforge's device engine when the model runs on CUDA, ASE's dynamics otherwise; device: the engine also "
+        "on a CPU; ase: ASE's dynamics (a restart continues on the engine that wrote it)"), FOLLOWS, value="auto",
+        type=str.lower, choices=ENGINES)
     max_temperature_K: float | None = option(None, _ABOVE_0_OR_INF, "--max-temperature", (
         "stop (exit code 3) when the temperature exceeds this, in K ('inf' turns it off); non-finite forces or "
         "energy always stop the run"), shown=f"max({MAX_TEMPERATURE_FLOOR_K:g}, {MAX_TEMPERATURE_FACTOR:g} x the "
@@ -165,10 +153,9 @@ class MDOptions:
         "otherwise heat to ~1500 K; a restart takes 0 only"), REFUSED, value=0,
         shown="0; cgforge md: 100 for a generated box", type=int)
     compile: str | None = option(None, _check_compile, "--compile", (
-        "compile the model's forward and backward with torch.compile (Inductor) inside the captured step; MODE: "
-        "default (the flag alone), max-autotune-no-cudagraphs, off, or auto: on for runs of at least "
-        f"{COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room, i.e. where the ~20 s the first step "
-        "pays is paid back"), value="auto", type=str, nargs="?", const="default", metavar="MODE")
+        "compile the model with torch.compile (Inductor); MODE: default (the flag alone), max-autotune-no-cudagraphs, "
+        f"off, or auto: on for runs of at least {COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room"),
+        value="auto", type=str, nargs="?", const="default", metavar="MODE")
     force: bool = option(False, check_flag, "--force", (
         "overwrite the trajectory, log and plot files if they exist (never the input files)"), action="store_true")
     names: InitVar[Callable[[str], str] | None] = None
@@ -206,9 +193,7 @@ class MDOptions:
     @classmethod
     def given(cls, given: Mapping[str, Any], names: Callable[[str], str] | None = None,
               saved: Mapping[str, Any] | None = None, source: str = "", new_run: str = "") -> MDOptions:
-        """The options of ``given`` (None: not given); after a restart (``saved``: its saved options, from
-        ``source``) a kept option not given is the saved one, and another value is refused (``new_run``: how to
-        start a new run with other settings instead)."""
+        """``given``'s options; after a restart a kept option not given is the ``saved`` one, another is refused."""
         name = names or str
         o = dict(given)
         for key, value in (saved or {}).items():
@@ -228,8 +213,7 @@ class MDOptions:
         return cls(**o, names=names)
 
     def saved(self) -> dict[str, Any]:
-        """What a frame saves for a restart (``md_<name>`` in ``atoms.info``): the kept options of the run's
-        mode (NVE's temperature too: that of its first velocities, the blow-up limit's reference)."""
+        """What a frame saves for a restart (``md_<name>``): the kept options of the run's mode."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.metadata["restart"] == KEPT and getattr(self, f.name) is not None}
 
@@ -246,16 +230,10 @@ class MDOptions:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the device engine (``engine.Engine``) runs, checked once where it is made; ``run_md(engine_options=)``
-    and ``Engine(engine_options=)`` take one (or its fields as keywords).
-
-    block: steps between host syncs (None: 10; run_md: ``dynamics.ENGINE_BLOCK`` by device). steps_per_graph:
-    steps unrolled in one CUDA graph (blocks replay it; a remainder replays a one-step graph). cuda_graph: None
-    captures on CUDA when the force provider allows it. rebuild_margin: how much faster than seen so far the list's
-    slack is assumed to shrink (``engine`` module doc). pipelined_rebuild: search the next neighbour list on a side
-    stream while a block runs (None: on CUDA with a calculator). fuse_integrator: compile the integrator's
-    arithmetic into the captured step (None: on CUDA when the model is compiled). Left at None, ``cuda_graph`` and
-    ``pipelined_rebuild`` turn off for a box near a full device (``RuntimeOptions.uncaptured_above_fraction``)."""
+    """How the device engine runs (``Engine(engine_options=)``, ``run_md(engine_options=)``), checked where made.
+    block: steps between host syncs (None: 10; run_md: by device); steps_per_graph: steps in one CUDA graph;
+    rebuild_margin: how much faster than seen the list's slack is assumed to shrink; cuda_graph, pipelined_rebuild
+    (the next list searched on a side stream), fuse_integrator (the integrator compiled): None decides by device."""
 
     block: int | None = None
     steps_per_graph: int = 1
@@ -265,8 +243,7 @@ class EngineOptions:
     fuse_integrator: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.block is not None:
-            object.__setattr__(self, "block", check_count("block", self.block, 1))
+        object.__setattr__(self, "block", None if self.block is None else check_count("block", self.block, 1))
         object.__setattr__(self, "steps_per_graph", check_count("steps_per_graph", self.steps_per_graph, 1))
         object.__setattr__(self, "rebuild_margin", _AT_LEAST_0("rebuild_margin", self.rebuild_margin))
         for name in ("cuda_graph", "pipelined_rebuild", "fuse_integrator"):
@@ -275,15 +252,13 @@ class EngineOptions:
 
     @classmethod
     def of(cls, value: EngineOptions | Mapping[str, Any] | None, name: str = "engine_options") -> EngineOptions:
-        """``value`` as EngineOptions: one as it is, a dict of its fields (an unknown key is a ValueError naming
-        ``name``), None the defaults."""
+        """``value`` (EngineOptions, a dict of its fields or None: the defaults) as EngineOptions."""
         if value is None or isinstance(value, cls):
             return cls() if value is None else value
         if not isinstance(value, Mapping):
             raise TypeError(f"{name}: expected EngineOptions, a dict or None, got {type(value).__name__}")
         known = [f.name for f in fields(cls)]
-        unknown = sorted(map(str, set(value) - set(known)))
-        if unknown:
+        if unknown := sorted(map(str, set(value) - set(known))):
             raise ValueError(f"{name}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
         return cls(**value)
 
@@ -308,8 +283,7 @@ OPTION_FIELDS = {f.name: f.metadata for f in fields(MDOptions)}
 
 
 def refuse_on_restart(given: Mapping[str, Any], names: Callable[[str], str]) -> None:
-    """Before a restart's file is read: a given option a restart refuses (it continues the saved state), unless
-    it is the value that does nothing (``--relax 0``)."""
+    """Before a restart's file is read: refuse a given option a restart refuses (unless it does nothing)."""
     for key, meta in OPTION_FIELDS.items():
         if meta["restart"] == REFUSED and given.get(key) is not None and given[key] != meta["value"]:
             raise ValueError(f"{names(key)}: a restart continues the saved state (velocities, random state); leave "
@@ -324,9 +298,7 @@ def read_saved(info: Mapping[str, Any]) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None,
                   override: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """One flag per :class:`MDOptions` field (its keyword the destination, None when not given). For another
-    command: ``keys`` only these fields' flags (then without cgforge md's restart notes), ``override`` argparse
-    keywords (help, choices) replacing a field's own."""
+    """One flag per :class:`MDOptions` field (None when not given); ``keys``: only these; ``override``: argparse's."""
     for key, meta in OPTION_FIELDS.items():
         if keys is not None and key not in keys:
             continue
@@ -355,32 +327,3 @@ def options_table() -> str:
                     f"{meta['help']} |")
     return "\n".join(rows)
 
-
-def check_atoms_for(ensemble: str, atoms: Atoms, name: Callable[[str], str]) -> None:
-    if ensemble == "npt" and not (atoms.pbc.all() and abs(atoms.cell.volume) > 0):
-        raise ValueError(f"{name('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
-                         f"has pbc={atoms.pbc.tolist()} and volume {abs(atoms.cell.volume):g} Å^3")
-
-
-def check_structure(atoms: Atoms, what: str) -> None:
-    """What needs no model: finite positions and cell, a periodic cell that spans its periodic directions."""
-    import numpy as np
-
-    positions = atoms.get_positions()
-    bad = ~np.isfinite(positions).all(axis=1)
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{what}: {int(bad.sum())} of {len(atoms)} atoms have non-finite positions (first: atom "
-                         f"{first}, {atoms.get_chemical_symbols()[first]}, {positions[first].tolist()})")
-    cell = np.asarray(atoms.cell, dtype=float)
-    if not np.isfinite(cell).all():
-        raise ValueError(f"{what}: the cell is not finite: {cell.tolist()}")
-    pbc = np.asarray(atoms.pbc, dtype=bool)
-    if pbc.any():
-        vectors = cell[pbc]
-        lengths = np.linalg.norm(vectors, axis=1)
-        gram = float(np.linalg.det(vectors @ vectors.T))
-        if (lengths <= 1e-6).any() or gram <= 1e-12 * float(np.prod(lengths**2)):
-            raise ValueError(f"{what}: the cell is singular along its periodic directions (pbc={pbc.tolist()}, cell "
-                             f"{np.round(cell, 6).tolist()}): give each periodic direction a cell vector, the "
-                             "vectors independent")

@@ -1,29 +1,10 @@
-"""Molecular dynamics: NVT (Langevin or CSVR), NVE (velocity Verlet) or NPT, with progress lines, a
-trajectory, blow-up detection, restarts, a clean Ctrl-C and a plot at the end (:func:`run_md`).
+"""Molecular dynamics: NVT (Langevin or CSVR), NVE or NPT with progress lines, a trajectory, blow-up
+detection, restarts, a clean Ctrl-C and a plot (:func:`run_md`; docs/md.md).
 
-    from cgforge.plugin import Calculator, run_md, water_box
-    atoms = water_box(1728)
-    atoms.calc = Calculator("mace")
-    summary = run_md(atoms, ensemble="nvt", temperature_K=300, timestep_fs=0.5, steps=1000,
-                     trajectory="water.traj", log="water.log", plot="water.png")
-    run_md(None, Calculator("mace"), restart="water.traj", steps=1000, trajectory="water-2.traj")
-
-:func:`plan_md` checks every argument, output file and the structure once (``cgforge md`` calls it before it
-loads the model); :meth:`MDPlan.run` runs. Two integrator paths (``dynamics.py`` has the table): cgforge's
-device engine (``engine.py``: integrator and model step on the calculator's device, a CUDA graph on a GPU; the
-host sees the state only at log and trajectory steps), the default for a cgforge Calculator on CUDA, and ASE's
-dynamics (any ASE calculator), the default otherwise. Both write the same frames and lines.
-
-Progress lines: step, simulated time, ns/day since the previous line, temperature, the drift of the total
-energy since step 0 in meV/atom (conservation in NVE, a trend in NVT and NPT). Trajectories (.traj, or extended
-XYZ) are new files, reserved (created empty) when the run is planned and filled at the first frame (a hidden
-temporary file renamed over the reservation): concurrent runs never share one. Each frame's
-``atoms.info`` holds what a restart continues: ``md_step``, ``md_time_fs``, ``md_etot0``, the random state
-(``md_rng``: ASE's generator; ``md_engine``: the engine's seed and thermostat scalars), the run's kept options
-(``md_<keyword>``: :meth:`MDOptions.saved`), the potential energy (``md_epot``) and the model (``md_model``).
-From a .traj file a restart repeats the uninterrupted run bit for bit (extended XYZ: closely); a value that
-contradicts a saved option, or a model that gives the frame another energy (``MODEL_MISMATCH_MEV_PER_ATOM``), is
-refused before any step.
+:func:`plan_md` checks every argument, output file and the structure once; :meth:`MDPlan.run` runs, on
+cgforge's device engine (``engine.py``) or ASE's dynamics (``dynamics.py``). Each frame's ``atoms.info`` holds
+what a restart continues (``md_step``, ``md_time_fs``, ``md_etot0``, ``md_rng``/``md_engine``, ``md_<keyword>``
+of :meth:`MDOptions.saved`, ``md_epot``, ``md_model``).
 """
 
 from __future__ import annotations
@@ -43,13 +24,7 @@ import numpy as np
 from ase import Atoms
 
 from .checks import CtrlC, Guard, MDInstabilityError, MDSummary, Progress, summarize, total_energy
-from .dynamics import (
-    AseDynamics,
-    ase_dynamics,
-    choose_engine,
-    engine_dynamics,
-    thermalize,
-)
+from .dynamics import AseDynamics, ase_dynamics, choose_engine, engine_dynamics, thermalize
 from .files import (
     MODEL_MISMATCH_MEV_PER_ATOM,
     PLOT_SUFFIXES,
@@ -69,24 +44,15 @@ from .files import (
     read_restart,
     read_structure,
 )
-from .options import (
-    COMPILE_AUTO_MIN_STEPS,
-    OPTION_FIELDS,
-    EngineOptions,
-    MDOptions,
-    check_atoms_for,
-    check_structure,
-    refuse_on_restart,
-)
+from .options import COMPILE_AUTO_MIN_STEPS, OPTION_FIELDS, EngineOptions, MDOptions, refuse_on_restart
 from .plot import check_matplotlib, plot_run
 
 __all__ = ["run_md", "plan_md", "MDPlan", "MDSummary", "MDInstabilityError", "MDInterrupted", "Restart",
            "read_restart", "read_structure", "check_new_path", "default_trajectory_path", "MODEL_MISMATCH_MEV_PER_ATOM",
-           "relax_structure", "model_banner", "options_banner", "auto_compile"]
+           "model_banner", "options_banner", "auto_compile"]
 
 class MDInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: the run stopped cleanly after ``step``; ``summary``
-    describes it."""
+    """Ctrl-C or SIGTERM (``signum``) during :func:`run_md`: stopped cleanly after ``step`` (``summary``)."""
 
     def __init__(self, message: str, step: int, summary: MDSummary, signum: int = signal.SIGINT) -> None:
         super().__init__(message)
@@ -94,17 +60,7 @@ class MDInterrupted(KeyboardInterrupt):
 
 
 class _StopRequested(Exception):
-    """The first Ctrl-C, acted on between steps (the state is that of a completed step)."""
-
-
-def _unknown_arguments(unknown: dict[str, Any]) -> None:
-    if not unknown:
-        return
-    known = [p.name for p in inspect.signature(run_md).parameters.values() if p.kind != p.VAR_KEYWORD]
-    name = sorted(unknown)[0]
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
-    raise TypeError(f"run_md: unknown argument {name!r}{hint}")
+    """The first Ctrl-C, acted on between steps."""
 
 
 def _check_calculator(calculator: Any) -> None:
@@ -137,21 +93,11 @@ def run_md(
     **options: Any,
 ) -> MDSummary:
     """Run MD on ``atoms`` in place with the ``options`` of :class:`MDOptions`, one keyword per field (docs/md.md
-    has the table; an unknown keyword is a TypeError naming the nearest). ``calculator`` replaces ``atoms.calc``.
-    ``trajectory``: a new .traj/.xyz/.extxyz file (frames every ``trajectory_interval`` steps and at the last).
-    ``log``: print (default), a callable taking a line, a stream, a file name (instead of stdout), a list of these
-    or None. ``plot``: a new .png/.pdf/.svg file drawn at the end, also after a blow-up or Ctrl-C (a plot that
-    fails is a warning line). ``engine_options``: the engine's :class:`EngineOptions` (or a dict of its
-    fields). ``restart``: a trajectory written by run_md (or a :class:`Restart`), continued from its
-    last frame (positions, momenta, cell, step counter, random state) for ``steps`` more steps with its saved
-    options, engine and model (another model is a ValueError); ``atoms`` may then be None.
-
-    Everything is checked before anything runs (:func:`plan_md`); the ``relax`` FIRE steps and the ``compile``
-    decision come before the first step, as in ``cgforge md`` (:meth:`MDPlan.start`). A blow-up raises
-    :class:`MDInstabilityError`; Ctrl-C, and SIGTERM over its default handler, stop after the current step and
-    raise :class:`MDInterrupted` (a KeyboardInterrupt; ``signum`` says which) once the trajectory is closed. The
-    output files are created when they are checked, so a concurrent run in the same folder gets others.
-    """
+    has the table). ``calculator`` replaces ``atoms.calc``; ``trajectory``: a new .traj/.xyz/.extxyz file;
+    ``log``: print, a callable, a stream, a file name, a list of these or None; ``plot``: a new .png/.pdf/.svg;
+    ``restart``: a trajectory written by run_md (or a :class:`Restart`) continued for ``steps`` more steps with
+    its saved options (``atoms`` may then be None). A blow-up raises :class:`MDInstabilityError`; Ctrl-C and
+    SIGTERM stop after the current step and raise :class:`MDInterrupted`."""
     plan = plan_md(atoms, calculator, restart=restart, trajectory=trajectory, log=log, plot=plot,
                    engine_options=engine_options, **options)
     return plan.run()
@@ -168,19 +114,17 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
             inputs: dict[str, Path | None] | None = None, structure: Path | None = None,
             calculator_later: bool = False, new_run: str | None = None, prog: str = "run_md",
             **arguments: Any) -> MDPlan:
-    """Check :func:`run_md`'s ``arguments`` (its keywords), its output files and the structure, read the
-    restart and create the log file: the :class:`MDPlan` whose ``run()`` runs them. Nothing is checked twice.
-
-    ``names``: what the user typed for an argument where that is not its name (``cgforge md`` passes its flags,
-    ``atoms`` included: the flag the structure came from); ``inputs``: more
-    input files no output may name ({name: path}); ``structure``: a structure file to read as ``atoms`` (after
-    the outputs were checked against it); ``calculator_later``: the calculator comes with
-    :meth:`MDPlan.attach`; ``new_run``: how to start a new run from a restart's last frame (for the messages);
-    ``prog``: who speaks in the Ctrl-C notice."""
-    unknown = {k: v for k, v in arguments.items() if k not in _RUN_MD_DEFAULTS}
-    _unknown_arguments(unknown)
+    """Check :func:`run_md`'s ``arguments``, its output files and the structure once, read the restart, create the
+    outputs: the :class:`MDPlan` whose ``run()`` runs. ``names``: what the user typed for an argument (flags);
+    ``inputs``: more files no output may name; ``structure``: a file to read as ``atoms``; ``calculator_later``:
+    it comes with :meth:`MDPlan.attach`; ``new_run``, ``prog``: for the messages."""
+    if unknown := sorted(k for k in arguments if k not in _RUN_MD_DEFAULTS):
+        known = [p.name for p in inspect.signature(run_md).parameters.values() if p.kind != p.VAR_KEYWORD]
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+        raise TypeError(f"run_md: unknown argument {unknown[0]!r}{hint}")
     # one lookup for every check (a dict's own method: the checks never call back into the caller's code)
-    names = {**{k: k for k in (*_RUN_MD_DEFAULTS, *_OTHER_NAMES)}, **(names or {})}.__getitem__
+    names = {**{k: k for k in (*_RUN_MD_DEFAULTS, "atoms", "calculator", "structure")}, **(names or {})}.__getitem__
     a = {**_RUN_MD_DEFAULTS, **arguments}
     restart = a["restart"]
     if atoms is None and restart is None and structure is None:
@@ -192,9 +136,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     if restart is not None and not isinstance(restart, str | os.PathLike | Restart):
         raise TypeError(f"{names('restart')}: expected a trajectory file name or a Restart, got "
                         f"{type(restart).__name__}")
-    if calculator is not None:
-        _check_calculator(calculator)
-    elif not calculator_later and (atoms is None or atoms.calc is None) and structure is None:
+    if calculator is None and not calculator_later and (atoms is None or atoms.calc is None) and structure is None:
         raise ValueError("calculator: atoms has no calculator; pass one (e.g. cgforge.plugin.Calculator('mace'))")
     # outputs: never an input (force or not), then new (or --force), in a folder that takes them
     named_logs = [x for x in (a["log"] if isinstance(a["log"], list | tuple) else [a["log"]])
@@ -207,14 +149,13 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     if structure is not None:
         atoms = read_structure(structure, names("structure"))
     given = {k: a[k] for k in OPTION_FIELDS}
-    if restart is not None:
+    if restart is None:
+        state, o = None, MDOptions.given(given, names)
+    else:
         refuse_on_restart(given, names)
-    state = read_restart(restart, names("restart")) if restart is not None else None
-    if state is not None:
+        state = read_restart(restart, names("restart"))
         new_run = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
         o = MDOptions.given(given, names, {**state.options, "engine": _engine_of(state)}, str(state.path), new_run)
-    else:
-        o = MDOptions.given(given, names)
     engine_options = EngineOptions.of(a["engine_options"], names("engine_options"))
     force = o.force
     path, log_path, plot_path = outputs.values()
@@ -227,12 +168,15 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         check_matplotlib(names("plot"))
     if state is not None:  # the frame's positions and cell are the ones that run
         check_same_system(atoms, state)
-        check_structure(state.atoms, f"{names('restart')}: {state.path}")
+        _check_structure(state.atoms, f"{names('restart')}: {state.path}")
     else:
-        check_structure(atoms, names("atoms"))
+        _check_structure(atoms, names("atoms"))
         for key in [k for k in atoms.info if k.startswith("md_")]:  # a run's own records (a frame read as a
             del atoms.info[key]  # structure): a new run writes its own, never another run's random state
-    check_atoms_for(o.ensemble, atoms if atoms is not None else state.atoms, names)
+    system = atoms if atoms is not None else state.atoms
+    if o.ensemble == "npt" and not (system.pbc.all() and abs(system.cell.volume) > 0):
+        raise ValueError(f"{names('ensemble')}: NPT changes the cell and needs a periodic 3-D cell; this structure "
+                         f"has pbc={system.pbc.tolist()} and volume {abs(system.cell.volume):g} Å^3")
     reserved = Reservations()  # the last checks: the output files are created (a concurrent run gets others)
     try:
         path = reserved.take(a["trajectory"] if free else path, force, names("trajectory")) if path else None
@@ -256,22 +200,41 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
     return plan
 
 
+def _check_structure(atoms: Atoms, what: str) -> None:
+    """What needs no model: finite positions and cell, a periodic cell that spans its periodic directions."""
+    positions = atoms.get_positions()
+    bad = ~np.isfinite(positions).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{what}: {int(bad.sum())} of {len(atoms)} atoms have non-finite positions (first: atom "
+                         f"{first}, {atoms.get_chemical_symbols()[first]}, {positions[first].tolist()})")
+    cell = np.asarray(atoms.cell, dtype=float)
+    if not np.isfinite(cell).all():
+        raise ValueError(f"{what}: the cell is not finite: {cell.tolist()}")
+    pbc = np.asarray(atoms.pbc, dtype=bool)
+    if pbc.any():
+        vectors = cell[pbc]
+        lengths = np.linalg.norm(vectors, axis=1)
+        gram = float(np.linalg.det(vectors @ vectors.T))
+        if (lengths <= 1e-6).any() or gram <= 1e-12 * float(np.prod(lengths**2)):
+            raise ValueError(f"{what}: the cell is singular along its periodic directions (pbc={pbc.tolist()}, cell "
+                             f"{np.round(cell, 6).tolist()}): give each periodic direction a cell vector, the "
+                             "vectors independent")
+
+
 _RUN_MD_DEFAULTS = {p.name: p.default for p in inspect.signature(run_md).parameters.values()
                     if p.kind == p.KEYWORD_ONLY}
-_OTHER_NAMES = ("atoms", "calculator", "structure")  # what else a message may name
 _PATHS = {"device": "cgforge's device engine", "ase": "ASE's dynamics"}
 
 
 def _engine_of(state: Restart) -> str:
-    """The engine that wrote a restart's frame: its random state says (``md_engine``: the device engine)."""
+    """The engine that wrote a restart's frame (``md_engine``: the device engine)."""
     return "device" if state.engine_state is not None else "ase"
 
 
 @dataclass
 class MDPlan:
-    """A run checked by :func:`plan_md`: the structure (``atoms``, the restart frame's after a restart), the
-    checked options ``o``, the output files, the log's :class:`Printer` (``out``: write a line), the restart.
-    ``attach(calc)`` checks the calculator against the structure; ``run()`` runs and closes the log."""
+    """A run checked by :func:`plan_md`: structure, options ``o``, output files, the log's :class:`Printer`."""
 
     atoms: Atoms
     o: MDOptions
@@ -294,8 +257,7 @@ class MDPlan:
         return self.printer.write
 
     def attach(self, calc: Any) -> None:
-        """``calc`` becomes the run's calculator, checked now: an ASE calculator, (a cgforge Calculator) a model
-        that knows every element of the structure, and one the chosen integrator path (``engine``) can run."""
+        """``calc`` becomes the run's calculator, checked against the structure and the integrator path."""
         _check_calculator(calc)
         adapter = getattr(calc, "adapter", None)
         if callable(getattr(adapter, "species", None)):
@@ -309,10 +271,8 @@ class MDPlan:
         self.atoms.calc = calc
 
     def start(self, calc: Any = None, seconds: float | None = None) -> None:
-        """What runs between a loaded calculator and the first step: ``calc`` (None: the attached one) attached,
-        the radial-precision decision said, the ``relax`` FIRE steps, the ``compile`` decision. ``seconds``: the
-        model's load time when the caller loaded it for this run (``cgforge md``): then the model line, the
-        compile line (else only one that compiled) and the options line are said too."""
+        """Before the first step: ``calc`` attached, the radial-precision line, ``relax``, the ``compile`` decision.
+        ``seconds``: the model's load time when the caller loaded it (then the model and options lines too)."""
         calc = calc if calc is not None else self.atoms.calc
         if calc is None:
             raise ValueError("calculator: none attached; pass one (e.g. cgforge.plugin.Calculator('mace'))")
@@ -332,8 +292,15 @@ class MDPlan:
                 raise ValueError(f"{self.names('compile')}: {type(calc).__name__} cannot be compiled (a cgforge "
                                  "Calculator can)")
             calc.set_compile(self.o.compile)
-        if self.o.relax:
-            relax_structure(self.atoms, calc, self.o.relax, self.out)
+        if self.o.relax:  # FIRE towards 0.1 eV/Å
+            from ase.optimize import FIRE
+
+            before = self.atoms.get_potential_energy()
+            optimizer = FIRE(self.atoms, logfile=None)
+            optimizer.run(fmax=0.1, steps=self.o.relax)
+            self.out(f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> "
+                     f"{self.atoms.get_potential_energy():.4f} eV, max force "
+                     f"{float(np.linalg.norm(self.atoms.get_forces(), axis=1).max()):.3f} eV/Å")
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
             line = auto_compile(calc, self.atoms, self.o.steps)
             if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
@@ -342,9 +309,7 @@ class MDPlan:
             self.out(options_banner(calc, self.engine, self.o.engine, calc.neighbours.skin))
 
     def run(self, calc: Any = None, *, seconds: float | None = None, close: bool = True) -> MDSummary:
-        """:meth:`start` with ``calc`` and ``seconds``, then the steps (see :func:`run_md`). The log file is closed
-        at the end unless ``close`` is False, and after an error before the first step (said in the log file when
-        the caller prints errors: :meth:`close`)."""
+        """:meth:`start`, then the steps (:func:`run_md`); the log closed at the end unless ``close`` is False."""
         try:
             self.start(calc, seconds)
         except BaseException as err:
@@ -357,9 +322,7 @@ class MDPlan:
                 self.close()
 
     def close(self, error: BaseException | None = None) -> None:
-        """Close the log and release the outputs no frame or plot was written to; ``error``, raised before the
-        first step, goes to the log file first as "error: ..." when the caller prints errors (``errors_to_caller``;
-        from the first step on the run writes its own "stopped" line)."""
+        """Close the log, release unused outputs; ``error`` (before the first step) goes to the log file first."""
         if error is not None and self.errors_to_caller and not isinstance(error, KeyboardInterrupt):
             self.printer.to_file(f"error: {error}")
         self.printer.close()
@@ -367,23 +330,8 @@ class MDPlan:
             self.reserved.release()  # the outputs no frame or plot was written to
 
 
-def relax_structure(atoms: Atoms, calc: Any, steps: int, out: Callable[[str], None], fmax: float = 0.1) -> None:
-    """At most ``steps`` FIRE steps towards ``fmax`` (eV/Å); ``out`` gets the energy before and after."""
-    from ase.optimize import FIRE
-
-    atoms.calc = calc
-    before = atoms.get_potential_energy()
-    optimizer = FIRE(atoms, logfile=None)
-    optimizer.run(fmax=fmax, steps=steps)
-    after = atoms.get_potential_energy()
-    line = (f"relaxed {optimizer.nsteps} FIRE steps: energy {before:.4f} -> {after:.4f} eV, "
-            f"max force {float(np.linalg.norm(atoms.get_forces(), axis=1).max()):.3f} eV/Å")
-    out(line)
-
-
 def model_banner(name: str, calc: Any, seconds: float) -> str:
-    """One line about the loaded model: kind, cutoff, device, the dtype of its parameters, which code runs it
-    (cgforge's kernels or the model's own), load time."""
+    """One line about the loaded model: kind, cutoff, device, dtype, which code runs it, load time."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in calc.model.parameters() if p.is_floating_point()})
     dtype = "/".join(dtypes) if dtypes else str(calc.dtype).removeprefix("torch.")
     compiled = " (kernels compiled)" if calc.device.type == "cuda" and getattr(calc, "patched", False) else ""
@@ -399,25 +347,21 @@ def model_banner(name: str, calc: Any, seconds: float) -> str:
 
 
 def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
-    """The effective run options in one line: the integrator path (and why, for auto), torch.compile, CUDA graph,
-    radial tables, the memory policy (tiles, streaming), the skin and the kernel tuning when it is not the default."""
+    """The effective run options in one line: integrator path, compile, CUDA graph, tables, memory, skin, tuning."""
     why = ""
     if requested == "auto":
         why = " (auto: the device engine runs a cgforge Calculator on CUDA)" if engine == "device" else \
               f" (auto: ASE's dynamics {'on a CPU' if calc.device.type != 'cuda' else 'for this box'})"
-    path = "cgforge's device engine" if engine == "device" else "ASE's dynamics"
-    mode = getattr(calc, "compile", None)
-    streaming = getattr(calc, "streaming", False)
-    requested_streaming = getattr(calc, "streaming_requested", None)
-    memory = ("streamed edges" if streaming else "stored edges") + (
-        " (streaming auto: on when the box would not fit)" if requested_streaming is None
+    memory = ("streamed edges" if getattr(calc, "streaming", False) else "stored edges") + (
+        " (streaming auto: on when the box would not fit)" if getattr(calc, "streaming_requested", None) is None
         and calc.device.type == "cuda" else "")
     workspace = getattr(getattr(calc, "potential", None), "workspace", None)
     tiles = workspace is not None and workspace.tiles_chosen
     if tiles:
         memory = "tiles with a fixed working set (workspace " + workspace.mode + ")"
     graph = "off (tiles run eagerly)" if tiles else "on" if getattr(calc, "cuda_graph", False) else "off"
-    parts = [f"engine {path}{why}", f"torch.compile {mode or 'off'}", f"CUDA graph {graph}",
+    parts = [f"engine {_PATHS[engine]}{why}", f"torch.compile {getattr(calc, 'compile', None) or 'off'}",
+             f"CUDA graph {graph}",
              f"radial tables {'on' if getattr(calc, 'radial_table', False) else 'off'}",
              f"memory: {memory}", f"skin {skin:g} Å"]
     tuning = getattr(calc, "tuning", None)  # a KernelTuning value; no environment variable changes a kernel
@@ -427,9 +371,7 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
 
 
 def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
-    """compile auto: compile the model (``calc.set_compile``) for a run of ``min_steps`` or more on CUDA when
-    the compiled model fits (``calc.compiled_fits``); the line that says what was chosen (None off CUDA, where
-    nothing is compiled unless asked)."""
+    """compile auto: compile for a run of ``min_steps`` or more on CUDA when the model fits; the line saying so."""
     if getattr(getattr(calc, "device", None), "type", None) != "cuda":
         return None
     if steps < min_steps:
@@ -514,8 +456,7 @@ def _run(plan: MDPlan, which: str) -> MDSummary:
                 if progress is None:
                     if state is not None:
                         check_restart_model(state, atoms, model, plan.names("restart"), plan.new_run)
-                    etot0 = (state.etot0 if state is not None and state.etot0 is not None
-                             else total_energy(atoms))
+                    etot0 = state.etot0 if state is not None and state.etot0 is not None else total_energy(atoms)
                     progress = Progress(atoms, out, etot0, start, time_fs(start))
                     progress.header()
                 if writer is not None and (step == end or (step % o["trajectory_interval"] == 0
