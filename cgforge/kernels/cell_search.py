@@ -1,11 +1,8 @@
 """The candidate loop of the cell-list neighbour search as two CUDA kernels (a warp per receiver atom), beside
-its torch reference.
+its torch reference (``candidate_pairs_reference``: the CPU path); ``candidate_pairs`` picks one.
 
-The binning (which bin each atom is in, the atoms of each bin in order, how many bins each side a neighbour can
-be: a ``Bins`` value) is done by the caller, the torch search of ``cgforge.plugin.runtime.neighbours``. The
-candidate loop in torch (``candidate_pairs_reference``, in chunks of receivers) is the reference and the CPU
-path; ``candidate_pairs`` runs the kernels on a CUDA device, the reference elsewhere. For receiver ``a`` in bin
-``coord[a]`` the candidates are, in this order,
+The binning (a ``Bins`` value) is the caller's (``cgforge.plugin.runtime.neighbours``). For receiver ``a`` in
+bin ``coord[a]`` the candidates are, in this order,
 
     for each bin offset o in [-reach, reach]^3 (lexicographic), the bin t = coord[a] + o brought into the box
     along periodic directions by the image I = floor(t / bins) (t outside the box along a non-periodic one: no
@@ -13,10 +10,8 @@ path; ``candidate_pairs`` runs the kernels on a CUDA device, the reference elsew
         vector = (wrapped[a] - I @ cell) - wrapped[c]      kept when |vector|^2 < cutoff^2, and not c == a, I == 0
         shift  = wrap[a] - wrap[c] - I                     (the image back to the positions as given)
 
-A warp per receiver, its lanes over a bin's atoms. Pass 1 counts each receiver's kept candidates; a prefix sum
-gives the rows; pass 2 writes each row in the order above; a stable sort by (receiver, sender) then orders each
-row by sender, as the torch search does, so both give the same list. Memory is the output and O(N), where the
-torch loop needs ~60 bytes per candidate.
+Pass 1 counts each receiver's kept candidates, a prefix sum gives the rows, pass 2 writes them; a stable sort by
+(receiver, sender) then gives the torch search's list. Memory is O(N) and the output.
 """
 
 from __future__ import annotations

@@ -1,49 +1,22 @@
 """Model edges in a fixed-capacity, receiver-sorted layout, built on the device without a host sync: the torch
-expressions (the reference, and the CPU path) and three CUDA kernels that make the same layout.
+expressions (``edges_within``, ``layout_edges``: the reference and the CPU path) and CUDA kernels
+(``padded_layout_cuda``) that make the same layout.
 
-A Verlet list holds the pairs within ``cutoff + skin``. The model gets the pairs selected by a mask (within the
-cutoff now, ``edges_within``, or all of them), laid out in ``capacity`` slots:
+The edges selected by a mask keep their (receiver, sender) order in ``capacity`` slots; the free slots hold padding
+self-edges (k, k) of vector ``pad_offset`` (beyond the cutoff), spread evenly over the atoms at the end of their
+rows, so the array stays receiver-sorted. No ``nonzero``, no ``.item()``: capture-safe. ``count`` is a device
+scalar; an overflow (``count > capacity``) leaves an in-bounds layout the caller redoes with more room. With an
+``EdgeTopology`` (row pointers and each edge's reverse, made per neighbour-list rebuild) an edge is kept with its
+reverse (its vector is the exact negation), so the transpose has the layout's rows and its permutation is the slot
+of each slot's reverse. Over a pair list of V entries sorted by receiver:
 
-- the selected edges keep their (receiver, sender) order;
-- the ``capacity - count`` free slots hold *padding edges*: self-edges (k, k) whose vector is
-  ``pad_offset`` (longer than the cutoff), spread evenly over the atoms and placed at the end of their
-  atom's row, so the whole array stays sorted by receiver and no row grows long. For a model whose edges
-  beyond the cutoff contribute exactly zero, padding changes nothing.
-
-Every index is computed with device arithmetic (cumsum, index_copy, and without a topology index_add and
-a stable sort for the transpose), no ``nonzero`` and no ``.item()``: the layout can run inside a captured
-CUDA graph, where the number of selected edges is known only on the device. ``count`` comes back as a
-device scalar; a count above the capacity (overflow) leaves a garbage layout that stays in bounds, and the
-caller recomputes with more room.
-
-``conv_graph`` wraps the layout's graph tensors in a ``ConvGraph`` without the constructor's checks (which
-read device values): the layout is valid by construction, and a test checks it field by field against
-``ConvGraph``'s own constructor.
-
-With an ``EdgeTopology`` of the list (built once per neighbour-list rebuild: its row pointers and the reverse
-of every edge, ``pair_reverse``) a step needs no sort and no atomics: kept edges per row come from the row
-pointers, and since the kept set is symmetric (an edge is kept with its reverse) every node sends as many edges
-as it receives, so the transpose's row pointers are the layout's own and its permutation is "the slot of my
-reverse edge".
-
-``layout_within`` cuts a step's edges from the list and lays them out: on CUDA with a topology in three kernels
-(``padded_layout_cuda``: the mask, a prefix sum, every slot), where ``edges_within`` and ``layout_edges`` are
-~70 torch kernels; elsewhere those two (the reference). The kernels' input: a pair list of ``V`` entries
-(sender, receiver, integer image shifts [V, 3] as floats, ``valid``), sorted by receiver, whose every valid pair
-(s -> r, S) has its reverse (r -> s, -S) at ``reverse``, with ``rowptr`` [N + 1] its receiver rows; positions
-[N, 3] and the cell [3, 3] (rows) of this step. Their output is ``layout_edges``'s:
-
-    keep[e]   = valid[e] and |pos[r] - pos[s] + S @ cell| < cutoff       (kernel 1, a thread per pair)
-    rank      = the inclusive prefix sum of keep                          (torch.cumsum: one scan)
-    slot[e]   = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
+    keep[e]    = valid[e] and |pos[r] - pos[s] + S @ cell| < cutoff
+    rank       = the inclusive prefix sum of keep
+    slot[e]    = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
     padding j < free sits on atom floor(j * N / free), in slot j + (pairs kept in rows up to that atom)
-    rowptr'[r] = (pairs kept before row r) + pads_before(r)               (kernel 2 writes all of it)
+    rowptr'[r] = (pairs kept before row r) + pads_before(r)
 
-A pair's vector is computed so that its reverse's is its exact negation (the same operations on negated
-operands), so a pair is kept together with its reverse and ``perm_t`` (the transpose's order) is the slot of
-each slot's reverse: the transpose has the same rows. More kept pairs than slots (``count > capacity``, an
-overflow the caller detects from ``count``) leaves a layout that stays in bounds. As torch operations the cut
-and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
+As torch operations the cut and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
 """
 
 from __future__ import annotations

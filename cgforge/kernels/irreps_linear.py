@@ -2,21 +2,12 @@
 
     out[n, q, w, i] = sum over paths p = (j -> q) of  sum_u  x[n, j, u, i] * B_p[u, w]
 
-x and out in e3nn's layout: irrep after irrep, each [mul, 2l + 1] with the channel outermost; B_p a [mul_in,
-mul_out] block per path (its path weight folded in). cuBLAS wants the channel innermost (or outermost over all
-rows), so a GEMM per path moves each l > 0 block twice ([n, u, i] -> [n * i, u] and back) and concatenates the
-outputs: ~4 kernels per path forward and as many backward, each short next to its launch on MD-sized inputs.
-Here one kernel writes whole output rows: a block stages ``R`` rows of x in shared memory, channel-major with the
-R rows side by side (so one vector load gives a value of all R rows), and the map's blocks where they fit; a warp
-takes an output component (q, i) and 32 channels w of it, each lane accumulating its channel's R rows over q's
-paths and their channels u: each B entry is read once per R rows, and a warp's lanes read one x value (a
-broadcast) and consecutive B entries.
-
-Rows can be a subset in any order (``row_index``): the per-species self-connection runs one launch per species
-over that species' rows, each with its own B. The backward (grad x) is the same kernel on the transposed map
-(``IrrepsMap.transpose``, blocks ``transpose_blocks``): the map is linear, so each derivative is one more call,
-to any order. B is frozen (inference: no grad for the weights). FP32 and FP64 on CUDA; ``map_reference`` (torch)
-elsewhere and as the oracle.
+x and out in e3nn's layout (irrep after irrep, each [mul, 2l + 1], channel outermost); B_p a [mul_in, mul_out]
+block per path, its path weight folded in. A block stages ``R`` rows of x in shared memory, channel-major; a warp
+takes an output component (q, i) and 32 channels w of it. Rows can be a subset in any order (``row_index``: one
+launch per species). The backward (grad x) is the same kernel on the transposed map (``IrrepsMap.transpose``,
+``transpose_blocks``), to any order; B is frozen. FP32 and FP64 on CUDA; ``map_reference`` (torch) elsewhere and
+as the oracle.
 """
 
 from __future__ import annotations

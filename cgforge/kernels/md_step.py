@@ -1,26 +1,17 @@
 """The MD engine's arithmetic around the force call as CUDA kernels: ASE's Langevin halves (one elementwise
-kernel each) and the engine's commit check (two kernels: partial sums per warp, then one warp that finishes).
+kernel each) and the engine's commit check (partial sums per warp, then one warp that finishes).
 
-As torch operations they are ~90 tiny kernels a step (the commit check alone ~60: three reductions, then a
-chain of 0-d ``where``/``or``/``and``), and inside the engine's captured CUDA graph each costs a few
-microseconds however little it does. The torch expressions (``langevin_first_reference``,
-``langevin_second_reference``, ``commit_check_reference``) are the references, the CPU path and what
-torch.compile traces; ``langevin_first``, ``langevin_second`` and ``commit_check`` call the kernels where their
-tensors are on a CUDA device and torch.compile is not tracing them, the references elsewhere. All arrays are
-float64, as the engine's state: positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4,
-c5 [N, 1].
-
-Langevin (ASE's scheme, per element, xi and eta the step's standard normals):
+The torch expressions (``*_reference``) are the references, the CPU path and what torch.compile traces; as torch
+operations they are ~90 tiny kernels a step in the engine's captured graph. ``langevin_first``,
+``langevin_second`` and ``commit_check`` take the kernels on CUDA outside torch.compile. All arrays are float64:
+positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4, c5 [N, 1]. Per element, xi and
+eta the step's standard normals:
 
     first:  v = p/m + (c1 F/m - c2 p/m + c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta)/dt
     second: p = (v + (c1 F/m - c2 v + rnd_vel)) m          (rnd_vel = c3 xi - c4 eta, kept from the first)
 
-The commit check (``commit_check``'s doc): the temperature sum p^2/m / (3 N kB), whether the energy and the
-forces are finite, max |F| (NaN where any force is NaN, as ``amax``), then the block's report updated in the
-order ``COMMIT_REPORT`` names. The partial sums are made in a fixed order for a given N (a warp per slice of
-the flat arrays, a butterfly over its lanes; the finishing warp the same over the slices), so the bits repeat
-from run to run; they differ from torch's ``sum`` in the last bits only. The C operators may contract to
-fused multiply-adds: the kernels agree with the torch expressions to rounding, not bit for bit.
+The commit check's partial sums run in a fixed order for a given N (bits repeat from run to run); the kernels
+agree with the torch expressions to rounding (fused multiply-adds), not bit for bit.
 """
 
 from __future__ import annotations

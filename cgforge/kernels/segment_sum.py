@@ -2,15 +2,10 @@
 
     out[i] = values[rowptr[i]] + ... + values[rowptr[i + 1] - 1]        values [C, K] -> out [N, K]
 
-The forces are such sums (the backward of the edge vectors over the CSR layout). Atomics, and the parallel
-prefix sums of CUB (decoupled look-back: a tile adds its predecessors' partial sums in whatever order they
-happen to be ready), change the order of floating-point additions from run to run, so the last bits of the
-forces move. Here one warp owns a row: lane l adds elements l, l + 32, ... in order, then the 32 partial sums
-meet in a fixed butterfly. Accumulation is in FP64 for FP32 and FP64 values alike.
-
-On CUDA the sum runs as this kernel; on the CPU (and as the oracle in tests) as differences of one FP64 prefix
-sum, which is serial there and so deterministic too. The backward of a segment sum is a gather (every element
-of row i receives out's gradient of row i): differentiable again, so double backward works.
+The forces are such sums; atomics and CUB's prefix sums change the order of the additions from run to run. On
+CUDA a warp owns a row (lane l adds elements l, l + 32, ... in order, then a fixed butterfly), accumulating in
+FP64; on the CPU (and as the tests' oracle) differences of one FP64 prefix sum. The backward is a gather:
+differentiable again.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""Plain-torch stand-ins for two e3nn layers whose autograd costs more memory traffic than their math.
+"""Plain-torch stand-ins for two e3nn layers whose autograd costs more memory traffic than their math, computed from
+the e3nn module's own parameters and buffers (the same state_dict); the original is kept for ``restore``.
 
-Both compute what the e3nn module computes, from the e3nn module's own parameters and buffers (same
-names, so the state_dict is unchanged), and keep the original for ``restore``.
-- ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and autograd
-  turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per extra irrep: after
-  MACE's convolution (10 irreps, [5184, 5120]) a measurable part of a step (docs/measured-constants.md). One
-  ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to ``kernel_max_channels``
-  channels a block (``KernelTuning.linear_kernel_max_channels``) run as cgforge's ``irreps_linear`` kernel: one
-  launch each way.
-- ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet`` (MACE's radial MLP): e3nn scales every hidden
-  activation twice (the normalising constant of ``normalize2mom`` and ``sqrt(var_out)``), each a full pass
-  over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
-  (tiny) weight matrix: only the GEMMs and the bare activation touch edge-sized tensors.
+- ``SplitLinear`` for ``o3.Linear``: the input ``split`` once (e3nn's ``narrow`` per irrep makes a zero-filled
+  full-width gradient each: docs/measured-constants.md). With frozen weights on CUDA, maps of up to
+  ``kernel_max_channels`` channels a block run as the ``irreps_linear`` kernel; wide inputs of many rows are
+  mapped in row chunks (``_RowChunkedMap``, ``KernelTuning.rows``).
+- ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet``: the activations' two scale factors folded into the next
+  layer's weights, so only the GEMMs and the bare activations touch edge-sized tensors.
 
-  With frozen weights (inference) and a wide input of many rows, ``SplitLinear`` maps its rows in chunks
-  (``_RowChunkedMap``; when: its ``rows``, ``KernelTuning.rows``): the split, the transposes and the GEMM's
-  output of MACE-MP-medium's [N, 5120] convolution output took ~22 KB per atom at once, the largest part of a
-  500k-atom step's peak.
-
-``wrap`` returns ``None`` (the caller keeps the e3nn module) if the layer has a feature not handled here,
-or if the stand-in fails the self-check of ``stand_in.checked`` (with a warning).
+``wrap`` returns ``None`` (keep the e3nn module) for a layer it does not handle or whose stand-in fails
+``stand_in.checked``.
 """
 
 from __future__ import annotations
