@@ -126,16 +126,18 @@ class SplitLinear(torch.nn.Module, StandIn):
         state.pop("_kernel_plan", None)
         return state
 
+    def frozen(self) -> bool:
+        """Whether this call needs no weight gradient and torch.compile is not tracing it."""
+        return not (self.weight.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+
     def irreps_map(self) -> IrrepsMap:
         """The map's shape for the irreps_linear kernel (its blocks: ``_scaled_blocks`` end to end)."""
         return IrrepsMap.of(self.irreps_in, self.irreps_out, self.paths)
 
     def kernel_plan(self, x: torch.Tensor) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """The irreps_linear kernel's map and launches (rows to be set) for ``x`` [rows, dim], or None where the
-        map runs as GEMMs: off CUDA, trainable weights, under torch.compile, maps above
-        ``kernel_max_channels``, dtypes or widths the kernel does not take."""
-        if (x.device.type != "cuda" or (self.weight.requires_grad and torch.is_grad_enabled())
-                or torch.compiler.is_compiling()):
+        map runs as GEMMs (off CUDA, not ``frozen``, maps or dtypes the kernel does not take)."""
+        if x.device.type != "cuda" or not self.frozen():
             return None
         w = self.weight
         key = (w.data_ptr(), tensor_version(w), w.dtype, x.dtype, x.device)
@@ -156,14 +158,11 @@ class SplitLinear(torch.nn.Module, StandIn):
                 LinearLaunch(t.arrays(device), transpose_blocks(m, blocks), None, 0))
 
     def chunk_rows(self, x: torch.Tensor) -> int | None:
-        """Rows per ``map_into`` chunk for ``x`` [rows, dim] (None: ``_map``, all rows at once, with autograd):
-        only where the weights are frozen (their gradient would need every row) and not under torch.compile
-        (Inductor plans the memory of the traced ops itself); all rows in one chunk from ``rows.map_into_above_bytes``,
-        chunks of ``rows.chunk_bytes`` above ``rows.chunked_above_bytes``."""
+        """Rows per ``map_into`` chunk for ``x`` [rows, dim] by ``self.rows`` (None: ``_map``, all rows with
+        autograd), only where ``frozen`` (a weight gradient needs every row; Inductor plans its own memory)."""
         row_bytes = max(sum(self.in_dims), sum(self.out_dims)) * x.element_size()
         total, rows = x.shape[0] * row_bytes, self.rows
-        if (total < rows.map_into_above_bytes or (self.weight.requires_grad and torch.is_grad_enabled())
-                or torch.compiler.is_compiling()):
+        if total < rows.map_into_above_bytes or not self.frozen():
             return None
         return max(x.shape[0], 1) if total <= rows.chunked_above_bytes else max(rows.chunk_bytes // row_bytes, 1)
 
@@ -178,17 +177,9 @@ class SplitLinear(torch.nn.Module, StandIn):
                 self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight)
             if transpose:
                 i_in, i_out, mul_in, mul_out, w = i_out, i_in, mul_out, mul_in, w.t()
-            xi = pieces[i_in].reshape(x.shape[0], mul_in, -1)
-            if xi.shape[2] == 1:
-                y = xi.reshape(x.shape[0], mul_in) @ w
-            else:  # [z, u, i] -> [z*i, u] @ [u, w] -> [z, w, i]: one GEMM, as e3nn's optimised einsum
-                dim = xi.shape[2]
-                y = (xi.transpose(1, 2).reshape(-1, mul_in) @ w).reshape(x.shape[0], dim, mul_out)
-                y = y.transpose(1, 2).reshape(x.shape[0], mul_out * dim)
+            y = path_matmul(pieces[i_in], mul_in, w, mul_out)
             outs[i_out] = y if outs[i_out] is None else outs[i_out] + y
-        return torch.cat(
-            [o if o is not None else x.new_zeros(x.shape[0], d) for o, d in zip(outs, out_dims)], dim=-1
-        )
+        return cat_irreps(outs, out_dims, x)
 
     @property
     def out_width(self) -> int:
@@ -196,8 +187,7 @@ class SplitLinear(torch.nn.Module, StandIn):
         return sum(self.out_dims)
 
     def _scaled_blocks(self) -> list[torch.Tensor]:
-        """Each path's [mul_in, mul_out] block times its path weight, made once per weight version (map_into
-        runs per chunk of rows: a multiply per path and chunk was thousands of small launches a step)."""
+        """Each path's [mul_in, mul_out] block times its path weight, made once per weight version."""
         w = self.weight
         key = (w.data_ptr(), tensor_version(w), w.dtype, w.device)
         if self._scaled[0] != key:
@@ -208,18 +198,14 @@ class SplitLinear(torch.nn.Module, StandIn):
         return self._scaled[1]
 
     def _path_blocks(self) -> list[torch.Tensor | None]:
-        """``_scaled_blocks`` where the weights are frozen (a multiply per path and call was a kernel each in every
-        MD step), else None per path: ``_map`` scales the blocks in the call, where autograd sees it."""
-        if (self.weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        """``_scaled_blocks`` where ``frozen``, else None per path (``_map`` scales them where autograd sees it)."""
+        if not self.frozen():
             return [None] * len(self.paths)
         return self._scaled_blocks()
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
-        """``out[:] = _map(x, transpose)`` without autograd (a first-order pass over frozen weights), written
-        into ``out`` [rows, width], which may be rows of a wider tensor: a scalar output irrep is summed by GEMMs
-        straight in ``out``'s columns; the l > 0 irreps go through component-major segments (``Segments``): the
-        inputs' blocks moved once (one launch on CUDA, each input once however many paths read it), each output
-        summed by GEMMs in its [rows * dim, mul] segment, the segments moved into ``out`` once (one launch)."""
+        """``out[:] = _map(x, transpose)`` without autograd, written into ``out`` [rows, width] (rows of a wider
+        tensor may do): scalar irreps by GEMMs in ``out``'s columns, l > 0 ones through component-major ``Segments``."""
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         if x.dim() != 2 or out.dim() != 2 or x.shape[1] != sum(in_dims) or out.shape != (x.shape[0], sum(out_dims)):
             raise ValueError(f"map_into: x {tuple(x.shape)} and out {tuple(out.shape)} for a map "
@@ -333,6 +319,23 @@ def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MA
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
     """Put the e3nn originals of the ``kinds`` stand-ins back. In place; returns how many."""
     return stand_in.swap_out(model, kinds)
+
+
+def path_matmul(piece: torch.Tensor, mul_in: int, w: torch.Tensor, mul_out: int) -> torch.Tensor:
+    """``piece`` [rows, mul_in * dim] (an irrep, channel outermost) times the [mul_in, mul_out] block ``w`` per
+    component: [rows, mul_out * dim]."""
+    rows = piece.shape[0]
+    xi = piece.reshape(rows, mul_in, -1)
+    if xi.shape[2] == 1:
+        return xi.reshape(rows, mul_in) @ w
+    dim = xi.shape[2]  # [z, u, i] -> [z*i, u] @ [u, w] -> [z, w, i]: one GEMM, as e3nn's optimised einsum
+    y = (xi.transpose(1, 2).reshape(-1, mul_in) @ w).reshape(rows, dim, mul_out)
+    return y.transpose(1, 2).reshape(rows, mul_out * dim)
+
+
+def cat_irreps(outs: list[torch.Tensor | None], dims: list[int], like: torch.Tensor) -> torch.Tensor:
+    """The irreps ``outs`` side by side, zeros ([rows, dim] of ``like``'s rows) for those never written (None)."""
+    return torch.cat([o if o is not None else like.new_zeros(like.shape[0], d) for o, d in zip(outs, dims)], dim=-1)
 
 
 def _vector_segments(dims: list[int], used: list[tuple[int, int]]) -> tuple[Segments, dict[int, int]]:

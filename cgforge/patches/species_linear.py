@@ -187,16 +187,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
             pieces = xk.split(self.in1_dims, dim=1) if len(self.in1_dims) > 1 else (xk,)
             blocks: list[torch.Tensor | None] = [None] * len(self.out_dims)
             for (i_in1, i_out, _, _, (u, _, w), _), mat in zip(self.paths, mats):
-                xi = pieces[i_in1].reshape(xk.shape[0], u, -1)
-                dim = xi.shape[2]
-                if dim == 1:
-                    y = xi.reshape(xk.shape[0], u) @ mat[k]
-                else:  # [n, u, i] -> [n*i, u] @ [u, w] -> [n, w, i]
-                    y = (xi.transpose(1, 2).reshape(-1, u) @ mat[k]).reshape(xk.shape[0], dim, w)
-                    y = y.transpose(1, 2).reshape(xk.shape[0], w * dim)
+                y = e3nn_layers.path_matmul(pieces[i_in1], u, mat[k], w)
                 blocks[i_out] = y if blocks[i_out] is None else blocks[i_out] + y
-            outs.append(torch.cat([b if b is not None else xk.new_zeros(xk.shape[0], d)
-                                   for b, d in zip(blocks, self.out_dims)], dim=1))
+            outs.append(e3nn_layers.cat_irreps(blocks, self.out_dims, xk))
         return torch.cat(outs).index_select(0, groups.inverse)
 
     def __getstate__(self) -> dict:
