@@ -232,8 +232,7 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
     cumulative = torch.cumsum(per_atom, 0)
     total = int(cumulative[-1])
     n_chunks = max(1, math.ceil(total / candidates_per_chunk))
-    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk,
-                              right=True)
+    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk, right=True)
     bounds = sorted({0, n_atoms, *cuts.tolist()})
     ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
 
@@ -254,8 +253,7 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
         pair_base = wrapped[begin:end, None, :] - image_vector
         pair_rows = pair_base.reshape(-1, 3).T.contiguous()
         counts = pair_count.index_select(0, pairs)
-        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts,
-                                       output_size=chunk_total)
+        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts, output_size=chunk_total)
         pair_offset = pair_first.index_select(0, pairs) - torch.cumsum(counts, 0) + counts
         sorted_index = torch.arange(chunk_total, device=device).add_(pair_offset.index_select(0, slot))
         distance_sq = torch.zeros(chunk_total, dtype=dtype, device=device)

@@ -276,8 +276,7 @@ def map_reference(x: Tensor, m: IrrepsMap, blocks: Tensor) -> Tensor:
 def tile_rows(m: IrrepsMap, dtype: torch.dtype) -> int | None:
     """Rows a block stages for ``m`` in ``dtype`` (the largest tile whose rows fit ``MAX_STAGED_BYTES``), None if
     the kernel does not take this dtype or even the smallest tile's rows do not fit."""
-    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * dtype.itemsize <= MAX_STAGED_BYTES),
-                None)
+    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * dtype.itemsize <= MAX_STAGED_BYTES), None)
 
 
 class LinearLaunch(NamedTuple):

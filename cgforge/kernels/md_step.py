@@ -187,8 +187,7 @@ def langevin_first_cuda(positions: Tensor, momenta: Tensor, forces: Tensor, mass
     return out[0], out[1], out[2], out[3]
 
 
-def langevin_second_cuda(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float
-                         ) -> Tensor:
+def langevin_second_cuda(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float) -> Tensor:
     """ASE's Langevin second half in one kernel: the momenta after the force call."""
     _state_arrays("langevin_second_cuda", v, forces, masses, rnd_vel)
     n3 = v.numel()

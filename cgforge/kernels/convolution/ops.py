@@ -29,8 +29,7 @@ def _reference_conv(p, x, y, w, sender, receiver, rows):
 
 
 def _reference_conv_backward(p, x, y, w, g, sender, receiver):
-    gxe, gy, gw = reference_tp_backward(p, x.index_select(0, sender.long()), y, w,
-                                        g.index_select(0, receiver.long()))
+    gxe, gy, gw = reference_tp_backward(p, x.index_select(0, sender.long()), y, w, g.index_select(0, receiver.long()))
     return torch.zeros_like(x).index_add(0, sender.long(), gxe), gy, gw
 
 

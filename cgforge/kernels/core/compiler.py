@@ -235,8 +235,7 @@ class _Nvrtc:
             lowered = {}
             for expr in name_expressions:
                 out = ctypes.c_char_p()
-                self._check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
-                            "nvrtcGetLoweredName")
+                self._check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
                 lowered[expr] = out.value.decode()
             return code, log, cubin_buf.raw, lowered
         finally:
@@ -342,8 +341,7 @@ def _error_context(source: str, name: str, log: str, radius: int = 2, max_errors
     width = len(str(len(lines)))
     for ln in error_lines:
         lo, hi = max(1, ln - radius), min(len(lines), ln + radius)
-        blocks.append("\n".join(f"{'>' if i == ln else ' '} {i:>{width}} | {lines[i - 1]}"
-                                for i in range(lo, hi + 1)))
+        blocks.append("\n".join(f"{'>' if i == ln else ' '} {i:>{width}} | {lines[i - 1]}" for i in range(lo, hi + 1)))
     return "\n...\n".join(blocks)
 
 
@@ -384,8 +382,7 @@ def cache_key(source: str, *, arch: str, options: Sequence[str] = (), name: str 
     return _cache_key(source, arch, _full_options(arch, opts), name, exprs)
 
 
-def _cache_key(source: str, arch: str, full_options: Sequence[str], name: str,
-               name_expressions: Sequence[str]) -> str:
+def _cache_key(source: str, arch: str, full_options: Sequence[str], name: str, name_expressions: Sequence[str]) -> str:
     material = json.dumps([CACHE_FORMAT_VERSION, _load_nvrtc().fingerprint, arch, list(full_options), name,
                            list(name_expressions), source])
     return hashlib.sha256(material.encode()).hexdigest()

@@ -164,8 +164,7 @@ class KernelHandle:
         fn = self._function(torch.cuda.current_device() if device is None else device)
         return driver.funcGetAttribute(attribute, fn.ptr)
 
-    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
-               shared_mem: int = 0) -> None:
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0) -> None:
         """Enqueue the kernel on torch's current stream of torch's current device."""
         gx, gy, gz = _dims("grid", grid)
         bx, by, bz = _dims("block", block)

@@ -281,6 +281,5 @@ def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tenso
         if not layout.atomic:
             kernel.store(everyone, kernel.smem[everyone], state[0], sc, gx, everyone, atomic=False)
 
-    _loop(kernel, program, init, edge, finish,
-          (lambda sc: kernel.stage_row_grad(sc, grad)) if row_grad_once else None)
+    _loop(kernel, program, init, edge, finish, (lambda sc: kernel.stage_row_grad(sc, grad)) if row_grad_once else None)
     return gx, gy, (gw[0] if p.shared_weights else gw)

@@ -62,9 +62,7 @@ _SHIMS: dict[type, type] = {}
 
 def _shim_for(target: type) -> type:
     if target not in _SHIMS:
-        _SHIMS[target] = type(
-            f"Legacy{target.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": target}
-        )
+        _SHIMS[target] = type(f"Legacy{target.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": target})
     return _SHIMS[target]
 
 
@@ -80,9 +78,7 @@ def _is_current_format(target: type, state: dict) -> bool:
 
 
 def _needs_shim(cls: Any) -> bool:
-    return isinstance(cls, type) and issubclass(
-        cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation)
-    )
+    return isinstance(cls, type) and issubclass(cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation))
 
 
 class _ScopedUnpickler(pickle.Unpickler):
