@@ -128,10 +128,9 @@ _THREADS = 128  # four receivers a block
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor,
-                    atoms_in_bin: Tensor, cell: Tensor, wrap: Tensor, bins: tuple[int, int, int],
-                    reach: tuple[int, int, int], pbc: tuple[bool, bool, bool], cutoff: float
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor, atoms_in_bin: Tensor,
+                    cell: Tensor, wrap: Tensor, bins: tuple[int, int, int], reach: tuple[int, int, int],
+                    pbc: tuple[bool, bool, bool], cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
     """The pairs of the module doc: (sender, receiver, shifts), int64 [E], [E], [E, 3], sorted by (receiver,
     sender). One host read (the number of pairs, to size the output).
 
@@ -211,9 +210,8 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
     row_of_bin = torch.full_like(atoms_in_bin, -1)
     row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
     row_of_atom = row_of_bin[binned.bin_of_atom]
-    occupied_coord = torch.stack(
-        [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
-    )
+    occupied_coord = torch.stack([occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]],
+                                 dim=1)
     axes = [torch.arange(-r, r + 1, device=device) for r in reach]
     offsets = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
     target = occupied_coord[:, None, :] + offsets[None, :, :]

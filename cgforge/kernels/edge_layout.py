@@ -237,9 +237,8 @@ def edges_within(
     return vectors, lengths, lengths < cutoff
 
 
-def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int,
-                 capacity: int, pad_vector: Tensor, with_graph: bool,
-                 topology: EdgeTopology | None = None) -> EdgeLayout:
+def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int, capacity: int,
+                 pad_vector: Tensor, with_graph: bool, topology: EdgeTopology | None = None) -> EdgeLayout:
     """The edges where ``keep`` is set, receiver-sorted, padded to ``capacity`` slots (see the module doc).
 
     keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];

@@ -311,16 +311,13 @@ def commit_check_reference(energy: Tensor, forces: Tensor, momenta: Tensor, mass
     bad = stopped | invalid | blow
     new_blow = blow & fresh
     good = ~bad
-    new = {
-        "committed": rep["committed"] + good.to(report.dtype),
-        "stopped": bad.to(report.dtype),
-        "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
-        "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
-        "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
-        "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
-        "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
-        "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
-        "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
-        "temperature": torch.where(good, temperature, rep["temperature"]),
-    }
+    new = {"committed": rep["committed"] + good.to(report.dtype), "stopped": bad.to(report.dtype),
+           "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
+           "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
+           "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
+           "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
+           "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
+           "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
+           "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
+           "temperature": torch.where(good, temperature, rep["temperature"])}
     return bad, step + good.to(step.dtype), torch.stack([new[name] for name in COMMIT_REPORT])

@@ -99,9 +99,8 @@ class SplitLinear(torch.nn.Module, StandIn):
         )
 
     @classmethod
-    def wrap(cls, linear: torch.nn.Module, where: str = "",
-             kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS, rows: RowPolicy = DEFAULT_ROWS
-             ) -> SplitLinear | None:
+    def wrap(cls, linear: torch.nn.Module, where: str = "", kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
+             rows: RowPolicy = DEFAULT_ROWS) -> SplitLinear | None:
         return checked(cls(linear, kernel_max_channels, rows), where) if cls.supports(linear) else None
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,9 +67,8 @@ class Family:
 
     # -- the family's code (imports its package) ------------------------------------------------
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """The model in the checkpoint ``path`` (zip checksums checked first), in eval mode on ``device``, patched
         (``patch``) or as the family builds it, in ``dtype`` (None: the file's). ``tuning``: the kernels'
         ``KernelTuning`` (a file saved patched is patched again with it)."""
@@ -103,8 +102,7 @@ class Family:
                              f"models as {self.written_as})")
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
         """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, loaded
         on ``device`` in ``dtype`` and never modified) to ``path`` atomically; refuses to overwrite unless
         ``force``. Returns the path."""
@@ -141,9 +139,8 @@ class _MaceFamily(Family):
         names = zip_names(path)
         return any(n.endswith("/data.pkl") for n in names) and not is_nequip_package(names)
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A MACE ``.model`` (mace-torch 0.3.x; e3nn 0.4 pickles and older attributes upgraded in memory)."""
         quiet_mace_import()
         from .mace import load_mace
@@ -165,8 +162,7 @@ class _MaceFamily(Family):
         return model.to(parse_device(device))
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
         """A whole-model pickle, which ``torch.load``, mace-torch's tools and MACECalculator load."""
         from cgforge.atomic import atomic_save
 
@@ -192,9 +188,8 @@ class _NequipFamily(Family):
         """A nequip-package archive (a zip holding ``model/package_metadata.txt``)."""
         return is_nequip_package(zip_names(path))
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model, checked against the plain one once patched); another
         ``dtype`` than its ``model_dtype`` raises ValueError; ``tuning.sc`` does not apply."""
         from .nequip import load_nequip
@@ -212,8 +207,7 @@ class _NequipFamily(Family):
         return patch_model(model, tuning=tuning) if patch else model
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
         """A patched ``.nequip.zip`` package (every model of a file patched and checked), written from the CPU in
         the model's ``model_dtype`` (``device`` unused; a ``dtype`` raises ValueError)."""
         self.check_output(path, patched=patched)

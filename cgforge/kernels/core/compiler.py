@@ -119,11 +119,9 @@ def _version_sort_key(path: str) -> tuple[int, ...]:
 
 
 # The only environment variables the kernels read: where the disk cache lives, turning it off, which libnvrtc.
-ENVIRONMENT = {
-    "CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
-    "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
-    "CGFORGE_NVRTC_PATH": "the libnvrtc.so to load first",
-}
+ENVIRONMENT = {"CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
+               "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
+               "CGFORGE_NVRTC_PATH": "the libnvrtc.so to load first"}
 
 _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, not libnvrtc.alt
 
@@ -163,18 +161,12 @@ class _Nvrtc:
         self.path = path
         self._lib = lib
         P, S, I, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
-        decl = {
-            "nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
-            "nvrtcCreateProgram": [ctypes.POINTER(P), C, C, I, ctypes.POINTER(C), ctypes.POINTER(C)],
-            "nvrtcDestroyProgram": [ctypes.POINTER(P)],
-            "nvrtcCompileProgram": [P, I, ctypes.POINTER(C)],
-            "nvrtcGetProgramLogSize": [P, ctypes.POINTER(S)],
-            "nvrtcGetProgramLog": [P, C],
-            "nvrtcGetCUBINSize": [P, ctypes.POINTER(S)],
-            "nvrtcGetCUBIN": [P, C],
-            "nvrtcAddNameExpression": [P, C],
-            "nvrtcGetLoweredName": [P, C, ctypes.POINTER(C)],
-        }
+        decl = {"nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
+                "nvrtcCreateProgram": [ctypes.POINTER(P), C, C, I, ctypes.POINTER(C), ctypes.POINTER(C)],
+                "nvrtcDestroyProgram": [ctypes.POINTER(P)], "nvrtcCompileProgram": [P, I, ctypes.POINTER(C)],
+                "nvrtcGetProgramLogSize": [P, ctypes.POINTER(S)], "nvrtcGetProgramLog": [P, C],
+                "nvrtcGetCUBINSize": [P, ctypes.POINTER(S)], "nvrtcGetCUBIN": [P, C], "nvrtcAddNameExpression": [P, C],
+                "nvrtcGetLoweredName": [P, C, ctypes.POINTER(C)]}
         for fn, argtypes in decl.items():
             f = getattr(lib, fn)
             f.argtypes, f.restype = argtypes, I
@@ -290,17 +282,11 @@ def supported_archs() -> tuple[str, ...]:
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
-_FIELDS = {
-    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
-    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
-    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
-}
-_USED_FIELDS = {
-    "registers": re.compile(r"Used (\d+) registers"),
-    "barriers": re.compile(r"used (\d+) barriers"),
-    "shared_mem": re.compile(r"(\d+) bytes smem"),
-    "const_mem": re.compile(r"(\d+) bytes cmem\[0\]"),
-}
+_FIELDS = {"stack_frame": re.compile(r"(\d+) bytes stack frame"),
+           "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+           "spill_loads": re.compile(r"(\d+) bytes spill loads")}
+_USED_FIELDS = {"registers": re.compile(r"Used (\d+) registers"), "barriers": re.compile(r"used (\d+) barriers"),
+                "shared_mem": re.compile(r"(\d+) bytes smem"), "const_mem": re.compile(r"(\d+) bytes cmem\[0\]")}
 
 
 def parse_ptxas_report(log: str) -> dict[str, KernelResources]:

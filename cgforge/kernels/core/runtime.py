@@ -55,14 +55,8 @@ class F64(_Scalar):
     _CTYPE = ctypes.c_double
 
 
-_NUMPY_CTYPES: dict[type, type] = {
-    np.int32: ctypes.c_int32,
-    np.int64: ctypes.c_int64,
-    np.uint32: ctypes.c_uint32,
-    np.uint64: ctypes.c_uint64,
-    np.float32: ctypes.c_float,
-    np.float64: ctypes.c_double,
-}
+_NUMPY_CTYPES: dict[type, type] = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32,
+                                   np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
 def device_arch(device: torch.device | int | str | None = None) -> str:

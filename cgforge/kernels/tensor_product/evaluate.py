@@ -237,11 +237,10 @@ def _backward_term(kernel: _Kernel, sm, wr, gwr, tc: TermCode, c, xv, gxa, gya, 
     return gxa, gya
 
 
-def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                 grad: torch.Tensor, layout: Layout = TP_LAYOUT, rows: int | None = None,
-                 rowptr: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                 xidx: torch.Tensor | None = None, gidx: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, grad: torch.Tensor,
+                 layout: Layout = TP_LAYOUT, rows: int | None = None, rowptr: torch.Tensor | None = None,
+                 perm: torch.Tensor | None = None, xidx: torch.Tensor | None = None,
+                 gidx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernel of `layout` on CPU tensors: (grad x, grad y, grad weight)."""
     program = schedule if isinstance(schedule, TPProgram) else build_program(schedule, backward=True)
     p = program.schedule.problem

@@ -296,9 +296,8 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
 
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
-                   warps_per_block: int = 4, max_chunk: int | None = None,
-                   max_chunk_backward: int | None = None, *, tuning: TPTuning | None = None,
-                   rows_are_nodes: bool = False) -> Schedule:
+                   warps_per_block: int = 4, max_chunk: int | None = None, max_chunk_backward: int | None = None, *,
+                   tuning: TPTuning | None = None, rows_are_nodes: bool = False) -> Schedule:
     """Each direction's channel chunk: the largest multiple of 32 up to ``max_chunk`` / ``max_chunk_backward`` (else the
     tuning's, else ``default_chunks``) whose window fits the block budget."""
     problem.validate()

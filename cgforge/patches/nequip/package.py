@@ -198,11 +198,8 @@ def _write_package(out: Path, contents: _PackageContents) -> None:
     devices = {name: _device_of(m) for name, m in contents.models.items()}
     try:
         importers = contents.importers + (torch.package.importer.sys_importer,)
-        with (
-            atomic_path(out) as tmp,
-            _package_warnings_suppressed(loading=False),
-            torch.package.PackageExporter(tmp, importer=importers) as exp,
-        ):
+        with (atomic_path(out) as tmp, _package_warnings_suppressed(loading=False),
+              torch.package.PackageExporter(tmp, importer=importers) as exp):
             exp.mock([f"{m}.**" for m in sorted(_MOCK_MODULES)])
             exp.extern([f"{m}.**" for m in sorted(external)])
             exp.intern([f"{m}.**" for m in sorted(internal)])
