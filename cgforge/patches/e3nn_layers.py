@@ -35,10 +35,8 @@ DEFAULT_ROWS = RowPolicy()  # when frozen maps run in row chunks: ``KernelTuning
 
 
 class _RowChunkedMap(torch.autograd.Function):
-    """``layer``'s linear map (or its transpose) of ``x``, written chunk by chunk of rows into one output.
-
-    The map is linear in ``x`` with frozen weights, so its backward is the transposed map, again row-chunked:
-    differentiable to any order, and no chunk's temporaries outlive it."""
+    """``layer``'s linear map (or its transpose) of ``x``, chunk by chunk of rows into one output; its backward is
+    the transposed map (frozen weights), again row-chunked: differentiable to any order."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: SplitLinear, transpose: bool, rows: int) -> torch.Tensor:
@@ -241,8 +239,7 @@ class SplitLinear(torch.nn.Module, StandIn):
 
 class FoldedMLP(torch.nn.Module, StandIn):
     """``e3nn.nn.FullyConnectedNet`` with the activations' scale factors folded into the next weights.
-
-    ``precision``: how its products run (``radial_precision.MODES``; FP32 unless asked for)."""
+    ``precision``: how its products run (``radial_precision.MODES``)."""
 
     precision = "fp32"  # a class default: models pickled before the attribute existed read it too
 
@@ -296,12 +293,8 @@ class FoldedMLP(torch.nn.Module, StandIn):
 
 def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
             rows: RowPolicy = DEFAULT_ROWS) -> int:
-    """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its stand-in. In place.
-    ``kernel_max_channels`` and ``rows``: the linears' rules for the irreps_linear kernel and for row chunks
-    (``KernelTuning``'s).
-
-    Returns how many were replaced; a layer whose stand-in is unsupported or differs stays as it is.
-    """
+    """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its checked stand-in, in place
+    (``kernel_max_channels``, ``rows``: ``KernelTuning``'s); returns how many."""
     from e3nn import o3
     from e3nn.nn import FullyConnectedNet
 

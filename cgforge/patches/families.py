@@ -36,10 +36,8 @@ COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
 @dataclass(frozen=True)
 class Family:
     """One model family: how to recognise its modules and files, and its load, patch, unpatch, save, adapter.
-
-    ``name``: the key (``"mace"``); ``title``: the name in messages; ``package``: its code (imported on first use);
-    ``suffixes``: the file names it reads; ``writes``: those ``save`` writes, ``written_as`` what they are;
-    ``adapter_options``: its keyword options of ``adapter``."""
+    ``package``: its code (imported on first use); ``suffixes``: the file names it reads, ``writes`` those ``save``
+    writes."""
 
     name: str
     title: str
@@ -272,11 +270,9 @@ def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device
          dtype: str | torch.dtype | None = None, *, patch: bool = True,
          tuning: KernelTuning | None = None) -> torch.nn.Module:
     """A MACE or NequIP model ready to run, from a checkpoint path (``Family.load``) or a module of either family
-    (``Family.prepare``, patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device;
-    ``dtype``: None (the model's) or float32/float64 (NequIP: its ``model_dtype`` only); ``patch``: cgforge's kernels
-    or the family's code; ``tuning``: ``check_tuning``'s, not other than the defaults for a module already patched. A
-    file that fails to load raises ValueError naming it; warnings while loading it name the file.
-    """
+    (``Family.prepare``, patched in place). ``dtype``: None (the model's) or float32/float64 (NequIP: its
+    ``model_dtype`` only); ``tuning``: the defaults for a module already patched. A file that fails to load raises
+    ValueError naming it."""
     check_tuning(tuning, patch)
     device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(source, torch.nn.Module):

@@ -25,9 +25,8 @@ from .torch_internals import adopt, give_back, tensor_version
 @dataclass(frozen=True)
 class SpeciesGroups:
     """Nodes grouped by species: ``order`` lists node indices species by species (``counts[k]`` of the k-th
-    species present), ``inverse[n]`` is the place of node n in ``order``, ``representatives[k]`` one node of
-    the k-th species. Built once per structure (it reads the counts back to the host), or with a fixed room per
-    species by ``SpeciesRoom`` (``counts`` are then the rooms, and unused places repeat node 0)."""
+    present), ``inverse[n]`` the place of node n in ``order``, ``representatives[k]`` one node of the k-th species.
+    From ``from_species`` (a host read) or ``SpeciesRoom`` (``counts``: the rooms; unused places repeat node 0)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
@@ -210,11 +209,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
 
     def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups
                          ) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
-        """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
-        run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
-        (``kernel_max_channels``: ``KernelTuning.linear_kernel_max_channels``), dtypes or widths the kernel does not
-        take. Kept in ``groups.launch_cache`` per weight and attribute version (not while a CUDA graph is being
-        captured, whose kernels do not run then)."""
+        """The irreps_linear kernel's launches, one per species each way, or None where the GEMMs run (off CUDA,
+        gradients, torch.compile, padded groups, maps or dtypes the kernel does not take). Kept in
+        ``groups.launch_cache`` per weight and attribute version (not while capturing: its kernels do not run)."""
         if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not self.paths
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
@@ -264,9 +261,8 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
 
 def swap_in(model: torch.nn.Module, attribute: str, graphs: object,
             kernel_max_channels: int = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS) -> int:
-    """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its stand-in, when
-    supported and checked (``stand_in.checked``). In place; returns how many were replaced. ``kernel_max_channels``:
-    the rule for the irreps_linear kernel (``KernelTuning.linear_kernel_max_channels``)."""
+    """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its checked stand-in,
+    in place; returns how many."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if where.rpartition(".")[2] != attribute:

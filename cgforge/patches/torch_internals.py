@@ -52,10 +52,8 @@ def adopt(stand_in: torch.nn.Module, original: torch.nn.Module, *, children: boo
 
 
 def give_back(stand_in: torch.nn.Module, original: torch.nn.Module, *, deep: bool = True) -> torch.nn.Module:
-    """The original with the stand-in's current tensors, module by module along equal paths (``.to()`` and
-    ``load_state_dict(assign=True)`` replace tensors in the stand-in only). Submodules the stand-in adopted
-    are the same objects: they need nothing. ``deep=False``: the two modules' own tensors only (cheap
-    enough per call). Writes ``_parameters`` and ``_buffers``."""
+    """The original with the stand-in's current tensors (``.to()`` and ``load_state_dict(assign=True)`` replace them
+    in the stand-in only), module by module along equal paths; ``deep=False``: the two modules' own tensors only."""
     mine = dict(stand_in.named_modules()) if deep else {"": stand_in}
     for path, theirs in (original.named_modules() if deep else [("", original)]):
         own = mine.get(path)

@@ -100,10 +100,7 @@ class NequipAdapter:
         return inert_beyond_cutoff(self.energy_model)
 
     def stored_edge_bytes(self, n_atoms: int | None = None) -> int:
-        """Peak bytes per edge of a stored-path force call: every layer's weight rows about 2.3 times (as
-        measured for MACE; NequIP's weights are a smaller part of its per-edge memory); with every block's table
-        read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS`` (measured for MACE). Any ``n_atoms``:
-        NequIP has no row chunks."""
+        """Peak bytes per edge of a stored-path force call, as ``MaceAdapter``'s (NequIP has no row chunks)."""
         itemsize = torch.finfo(self.dtype).bits // 8
         layers = streaming.streaming_layers(self.energy_model)
         fused = fused_edge_bytes(radial_table.radial_tables(self.energy_model), len(layers), itemsize)
