@@ -131,13 +131,9 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor, atoms_in_bin: Tensor,
                     cell: Tensor, wrap: Tensor, bins: tuple[int, int, int], reach: tuple[int, int, int],
                     pbc: tuple[bool, bool, bool], cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The pairs of the module doc: (sender, receiver, shifts), int64 [E], [E], [E, 3], sorted by (receiver,
-    sender). One host read (the number of pairs, to size the output).
-
-    wrapped [N, 3] (float32/float64, on CUDA): the positions wrapped into the cell; cell [3, 3] (rows) in that
-    dtype; atoms_by_bin [N], coord [N, 3] (each atom's bin coordinates), first_in_bin and atoms_in_bin [B] (B =
-    the product of ``bins``), wrap [N, 3] (the integer images that wrapped the positions): int64.
-    """
+    """The pairs of the module doc: (sender, receiver, shifts) int64 [E], [E], [E, 3], sorted by (receiver, sender);
+    one host read (the count). wrapped [N, 3] (float, CUDA) and cell [3, 3] (rows) in one dtype; int64
+    atoms_by_bin [N], coord [N, 3], first_in_bin and atoms_in_bin [prod(bins)], wrap [N, 3] (the wrapping images)."""
     dtype, device = wrapped.dtype, wrapped.device
     suffix = _SUFFIX.get(dtype)
     if suffix is None or not wrapped.is_cuda:

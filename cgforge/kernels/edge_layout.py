@@ -200,9 +200,7 @@ class EdgeTopology:
 def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: int,
                   capacity: int | None = None) -> EdgeTopology | None:
     """The topology of a (receiver, sender)-sorted list of ``V`` edges with integer image shifts [V, 3], padded
-    to ``capacity`` entries; None when an edge has no reverse in the list. The reverses are ``pair_reverse``'s
-    (on CUDA one kernel and a host read, elsewhere a sort and host reads): for a neighbour-list rebuild, not for
-    a step."""
+    to ``capacity`` entries (``pair_reverse``: host reads); None when an edge has no reverse in the list."""
     n, count = int(num_nodes), int(sender.shape[0])
     capacity = count if capacity is None else int(capacity)
     device = sender.device
@@ -217,20 +215,16 @@ def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: i
 
 
 def pad_offset_vector(cutoff: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The vector of a padding edge: well beyond the cutoff, never zero (spherical harmonics normalise it).
-
-    Made once, outside any capture (a tensor from host values is a host-to-device copy)."""
+    """The vector of a padding edge: well beyond the cutoff, never zero (harmonics normalise it); made outside any
+    capture (a host-to-device copy)."""
     return torch.tensor([2.0 * float(cutoff) + 1.0, 0.0, 0.0], dtype=dtype, device=device)
 
 
 def edges_within(
     positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, cutoff: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list.
-
-    Differentiable with respect to positions and cell (the stress path goes through ``shifts @ cell``,
-    a matmul, never a gather). No device sync: apply the mask as a weight, or index with it when needed.
-    """
+    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list, no device
+    sync; differentiable in positions and cell (through ``shifts @ cell``, a matmul, never a gather)."""
     vectors = (positions.index_select(0, receiver) - positions.index_select(0, sender)
                + shifts.to(positions.dtype) @ cell)
     lengths = torch.linalg.vector_norm(vectors, dim=-1)
@@ -239,14 +233,9 @@ def edges_within(
 
 def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int, capacity: int,
                  pad_vector: Tensor, with_graph: bool, topology: EdgeTopology | None = None) -> EdgeLayout:
-    """The edges where ``keep`` is set, receiver-sorted, padded to ``capacity`` slots (see the module doc).
-
-    keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];
-    pad_vector: float [3] on the same device. Edges not kept may be anything (in range). With ``topology``
-    an edge is kept only together with its reverse. ``slot`` of the result maps each input edge to its slot
-    (gradients per slot gather back to the input edges through it). Allocates its outputs; reads nothing back
-    to the host and copies nothing from it.
-    """
+    """The edges where ``keep`` (bool [V]) is set, receiver-sorted, padded to ``capacity`` slots (module doc), no
+    host transfer. sender, receiver: int64 [V], receiver ascending; unit_shifts float [V, 3]; pad_vector float [3].
+    With ``topology`` an edge is kept only with its reverse. The result's ``slot``: each input edge's slot."""
     n, cap, device = int(num_nodes), int(capacity), sender.device
     if n < 1 or cap < 0:
         raise ValueError(f"layout_edges: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
@@ -369,10 +358,8 @@ def _on_layout_kernels(positions: Tensor, topology: EdgeTopology | None) -> bool
 def layout_within(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor,
                   valid: Tensor, cutoff: float, num_nodes: int, capacity: int, pad_vector: Tensor, with_graph: bool,
                   topology: EdgeTopology | None) -> EdgeLayout:
-    """The valid list entries within ``cutoff`` at these positions, laid out as ``layout_edges`` does (``keep``
-    = ``edges_within``'s mask and ``valid``): one layout of ``capacity`` slots, nothing read back to the host. On
-    CUDA with a ``topology`` the kernels (``padded_layout_cuda``; an edge at the cutoff to rounding may fall the
-    other way than in the torch expression, its contribution is zero there)."""
+    """``layout_edges`` of the ``valid`` entries within ``cutoff`` (``edges_within``); on CUDA with a ``topology``
+    the kernels (``padded_layout_cuda``: an edge at the cutoff to rounding may fall the other way; it adds zero)."""
     if _on_layout_kernels(positions, topology):
         dtype = positions.dtype
         return padded_layout_cuda(positions.contiguous(), cell.to(dtype).contiguous(), sender, receiver,

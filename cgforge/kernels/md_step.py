@@ -281,10 +281,8 @@ _COMMIT_DTYPES = (torch.float64,) * 5 + (torch.int64, torch.bool, torch.bool, to
 def commit_check(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
                  overflow: Tensor, count: Tensor, slack: Tensor, report: Tensor, temperature_denominator: float,
                  max_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """After a step: (bad, step, report). bad: the step ran on a stale list or overflowed buffers, blew up, or an
-    earlier step of the block stopped it (the caller restores the state); step + 1 if not; the block's report
-    (float64 [len(COMMIT_REPORT)], flags 0/1) updated. Pure. On CUDA and not under torch.compile two kernels
-    (``commit_check_cuda``) where the torch expression (``commit_check_reference``) is ~60."""
+    """After a step: (bad, step, report). bad: a stale list, overflowed buffers, a blow-up, or an earlier step of
+    the block stopped it; step + 1 if not; the block's report (float64 [len(COMMIT_REPORT)]) updated. Pure."""
     if _on_step_kernels(energy, forces, momenta, masses, report, step, stale, overflow, count, slack,
                         dtypes=_COMMIT_DTYPES):
         return commit_check_cuda(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
