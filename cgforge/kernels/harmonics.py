@@ -329,9 +329,8 @@ def harmonics_vjp(vectors: Tensor, grad: Tensor, key: str) -> Tensor:
 
 
 def harmonics(vectors: Tensor, polys: HarmonicsPolynomials, key: str | None = None) -> Tensor:
-    """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernels on CUDA for FP32 and FP64 (torch custom ops:
-    opaque to torch.compile), else ``harmonics_reference``. Differentiable twice. key: ``register(polys)``, made
-    beforehand by callers that torch.compile traces (None: registered here)."""
+    """[E, D] harmonics of edge vectors [E, 3]: the kernels on CUDA (custom ops), else ``harmonics_reference``;
+    differentiable twice. key: ``register(polys)`` (None: registered here; torch.compile callers register first)."""
     if vectors.dim() != 2 or vectors.shape[1] != 3:
         raise ValueError(f"vectors: expected an [E, 3] tensor, got shape {tuple(vectors.shape)}")
     if vectors.device.type != "cuda" or vectors.dtype not in _SUFFIX:

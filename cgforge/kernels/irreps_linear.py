@@ -353,9 +353,8 @@ class _Map(torch.autograd.Function):
 
 
 def apply_map(x: Tensor, m: IrrepsMap, forward: Sequence[LinearLaunch], backward: Sequence[LinearLaunch]) -> Tensor:
-    """The map ``m`` of ``x`` [rows, m.in_width] on CUDA: ``forward``'s launches write every row of the output,
-    ``backward``'s (of ``m.transpose()``, its blocks ``transpose_blocks``) every row of grad x. The caller checks
-    ``tile_rows(m, x.dtype)`` first."""
+    """The map ``m`` of ``x`` [rows, m.in_width] on CUDA by ``forward``'s launches, grad x by ``backward``'s (of
+    ``m.transpose()``); the caller checks ``tile_rows(m, x.dtype)`` first."""
     if x.dim() != 2 or x.shape[1] != m.in_width:
         raise ValueError(f"apply_map: expected x of shape [rows, {m.in_width}], got {tuple(x.shape)}")
     return _Map.apply(x.contiguous(), (m, m.transpose()), (tuple(forward), tuple(backward)))

@@ -78,8 +78,7 @@ def _on_reverse_kernel(sender: Tensor) -> bool:
 
 def pair_reverse(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: Tensor) -> Tensor | None:
     """reverse int64 [V] of the module doc for V >= 1 pairs sorted by (receiver, sender) with integer image shifts
-    [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse. On CUDA one kernel and a host
-    read, elsewhere ``pair_reverse_reference``."""
+    [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse."""
     if _on_reverse_kernel(sender):
         found, missing = pair_reverse_cuda(sender.contiguous(), receiver.contiguous(),
                                            shifts.to(torch.int64).contiguous(), rowptr)

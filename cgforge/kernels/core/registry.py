@@ -74,9 +74,8 @@ def compile_source(source: str, function: str, arch: str, *, name_expressions: S
 
 def load_source(source: str, names: Sequence[str], *, stem: str = "kernel", options: Sequence[str] = (),
                 device: torch.device | int | None = None) -> dict[str, Any]:
-    """Compile `source` for a device's architecture (torch's current one if None; cached) and load kernels
-    `names`: extern "C" names or C++ name expressions such as 'tp_fwd<float, 32>'. Handles keyed by the names as
-    given; they launch on whichever device is current (loading there on first use)."""
+    """Compile `source` for a device's architecture (None: torch's current; cached) and load kernels `names` (extern
+    "C" names or C++ name expressions such as 'tp_fwd<float, 32>'); they launch on the current device."""
     from . import runtime
 
     names = list(names)
