@@ -68,8 +68,7 @@ class Family:
     def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
              *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """The model in the checkpoint ``path`` (zip checksums checked first), in eval mode on ``device``, patched
-        (``patch``) or as the family builds it, in ``dtype`` (None: the file's). ``tuning``: the kernels'
-        ``KernelTuning`` (a file saved patched is patched again with it)."""
+        (``patch``, with ``tuning``) or as the family builds it, in ``dtype`` (None: the file's)."""
         raise NotImplementedError
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
@@ -101,9 +100,8 @@ class Family:
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
              patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
-        """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, loaded
-        on ``device`` in ``dtype`` and never modified) to ``path`` atomically; refuses to overwrite unless
-        ``force``. Returns the path."""
+        """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, never
+        modified) to ``path`` atomically, not over a file unless ``force``; returns the path."""
         raise NotImplementedError
 
     def adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:

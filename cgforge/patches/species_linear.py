@@ -56,9 +56,8 @@ class SpeciesGroups:
 
 
 class SpeciesRoom:
-    """Fixed room per species, for grouping nodes inside a captured CUDA graph (where ``from_species``, a host read,
-    cannot run): ``capacities[k]`` slots for species k (0: no group), each group padded with node 0 (whose outputs
-    nobody gathers); nodes past ``num_valid`` belong to no group."""
+    """Fixed room per species, for grouping nodes inside a captured CUDA graph (no host read): ``capacities[k]``
+    slots for species k (0: no group), padded with node 0; nodes past ``num_valid`` belong to no group."""
 
     def __init__(self, capacities: Sequence[int], device: torch.device | str) -> None:
         self.capacities = tuple(int(c) for c in capacities)
@@ -79,9 +78,8 @@ class SpeciesRoom:
         return len(counts) == len(self.capacities) and all(n <= c for n, c in zip(counts, self.capacities))
 
     def groups(self, species: torch.Tensor, num_valid: torch.Tensor) -> tuple[SpeciesGroups, torch.Tensor]:
-        """The groups of the first ``num_valid`` (a device scalar) of [N] species indices, and the count of each
-        species among them (int64 [len(capacities)]; a count above its room leaves that group's overflow out, so
-        the caller checks ``fits`` and runs again with more room). No host reads, no sort."""
+        """The groups of the first ``num_valid`` (a device scalar) of [N] species indices and each species' count
+        (int64; one above its room leaves the overflow out: the caller checks ``fits``). No host reads, no sort."""
         n, device, k = species.shape[0], species.device, len(self.capacities)
         node = torch.arange(n, device=device)
         index = torch.where(node < num_valid, species.long(), k)  # padding nodes: past every species

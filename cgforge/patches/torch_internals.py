@@ -39,9 +39,8 @@ def children_dict(module: torch.nn.Module) -> MutableMapping[str, Any]:
 
 
 def adopt(stand_in: torch.nn.Module, original: torch.nn.Module, *, children: bool = False) -> None:
-    """Register the original's own parameters (``None`` slots too) and buffers (same persistence) in the
-    stand-in under the same names, and with ``children`` its submodules: the same objects, so the stand-in's
-    state_dict is the original's."""
+    """Register the original's own parameters (``None`` slots too), buffers (same persistence) and, with
+    ``children``, submodules in the stand-in under the same names: the same objects and state_dict."""
     for name, param in parameter_slots(original):
         stand_in.register_parameter(name, param)
     for name, buf in original.named_buffers(recurse=False):

@@ -84,7 +84,6 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
 
 
 def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
-    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
-    convolution is cgforge's), or evaluate each table into [E, weight_numel] weights first (for comparisons)."""
+    """``fuse_tables`` for every tabulated block (on by default where every block's convolution is cgforge's)."""
     layers = [(f"interactions.{i}", block.conv_tp_weights, block.conv_tp) for i, block in enumerate(model.interactions)]
     fuse_tables([layer for layer in layers if isinstance(layer[1], TabulatedRadial)], on)

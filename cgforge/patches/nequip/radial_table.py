@@ -162,9 +162,7 @@ def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
 
 
 def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
-    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
-    convolution is cgforge's ``CgforgeTensorProductScatter``), or evaluate each table into [E, weight_numel]
-    weights first (for comparisons). Streaming blocks evaluate their table per chunk either way."""
+    """``fuse_tables`` for every tabulated block (streaming blocks evaluate their table per chunk either way)."""
     fuse_tables(_tabulated_blocks(model), on)
 
 
