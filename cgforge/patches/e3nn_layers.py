@@ -249,15 +249,6 @@ class FoldedMLP(torch.nn.Module, StandIn):
         self.hs = list(net.hs)
         self.original = (net,)
 
-    @staticmethod
-    def _activation(act: Any) -> tuple[Any, float]:
-        """(bare function, its output scale) of e3nn's ``normalize2mom(f)`` (or of a plain function)."""
-        if act is None:
-            return None, 1.0
-        if hasattr(act, "f") and hasattr(act, "cst"):
-            return act.f, 1.0 if getattr(act, "_is_id", False) else float(act.cst)
-        return act, 1.0
-
     @classmethod
     def supports(cls, net: torch.nn.Module) -> bool:
         layers = list(net.children())
@@ -278,7 +269,7 @@ class FoldedMLP(torch.nn.Module, StandIn):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0  # the previous activation's output scale, not yet applied
         for layer in self.children():
-            f, cst = self._activation(layer.act)
+            f, cst = bare_activation(layer.act)
             if f is None:
                 w = layer.weight * (scale / math.sqrt(layer.h_in * layer.var_in / layer.var_out))
                 x, scale = radial_matmul(x, w, self.precision), 1.0
@@ -311,6 +302,13 @@ def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MA
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
     """Put the e3nn originals of the ``kinds`` stand-ins back. In place; returns how many."""
     return stand_in.swap_out(model, kinds)
+
+
+def bare_activation(act: Any) -> tuple[Any, float]:
+    """(bare function, its output scale) of e3nn's ``normalize2mom(f)`` (or of a plain function or None)."""
+    if act is not None and hasattr(act, "f") and hasattr(act, "cst"):
+        return act.f, 1.0 if getattr(act, "_is_id", False) else float(act.cst)
+    return act, 1.0
 
 
 def path_matmul(piece: torch.Tensor, mul_in: int, w: torch.Tensor, mul_out: int) -> torch.Tensor:
