@@ -232,8 +232,7 @@ def _dot_grad(ctx, gs):
 
 @custom_op("radial_table_dot", _dot_fake, _dot_grad)
 def radial_table_dot(r: Tensor, coeffs: Tensor, g: Tensor, r_max: float, order: int, by_length: int = -1) -> Tensor:
-    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]. ``by_length``: see
-    ``sorts_by_length``."""
+    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]. ``by_length``: see ``sorts_by_length``."""
     if r.device.type != "cuda" or order > _MAX_ORDER:
         return (g * radial_table_reference(r, coeffs, r_max, order)).sum(1)
     out = r.new_empty(r.shape[0])

@@ -70,8 +70,7 @@ def row_chunk_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def chunk_rows_for(model: torch.nn.Module, n_atoms: int, dtype: torch.dtype) -> int | None:
-    """Rows per chunk for ``n_atoms`` atoms by the blocks' ``RowPolicy`` (None: not worth chunking, or no block
-    can)."""
+    """Rows per chunk for ``n_atoms`` atoms by the blocks' ``RowPolicy`` (None: not worth chunking, or no block can)."""
     blocks = row_chunk_blocks(model)
     if not blocks:
         return None
