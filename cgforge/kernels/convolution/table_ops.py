@@ -116,9 +116,9 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     ggx = ggx if grad_x else None  # no grad x was formed: nothing flows back through it
     w = radial_table_eval(r, coeffs, r_max, 0)
     ggw = None if ggr is None else ggr.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, 1)
-    dx, dy, dw, dg = trilinear_double_backward(lambda a, b, c: conv_forward(a, b, c, *graph, key, det), lambda a, b, c,
-                                               d: conv_backward(a, b, c, d, *graph, key, det), x, y, w, g, ggx, ggy,
-                                               ggw, has_unweighted_paths(key))
+    dx, dy, dw, dg = trilinear_double_backward(lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
+                                               lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
+                                               x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
     dr = None if dw is None else radial_table_dot(r, coeffs, dw, r_max, 1)
     if ggr is not None:
         gw = conv_backward(x, y, w, g, *graph, key, det)[2]

@@ -5,17 +5,17 @@ over cgforge's kernels). The class paths patched pickles name: ``cgforge._moved.
 """
 
 from .patch import (
-                    SUPPORTED_INTERACTIONS,
-                    FusedConvTP,
-                    FusedSymmetricContraction,
-                    GraphCache,
-                    UnsupportedModelError,
-                    is_mace_model,
-                    is_patched,
-                    load_mace,
-                    patch,
-                    unpatch,
-                    upgrade_old_attributes,
+    SUPPORTED_INTERACTIONS,
+    FusedConvTP,
+    FusedSymmetricContraction,
+    GraphCache,
+    UnsupportedModelError,
+    is_mace_model,
+    is_patched,
+    load_mace,
+    patch,
+    unpatch,
+    upgrade_old_attributes,
 )
 from .radial_table import set_radial_table
 from .streaming import set_streaming
