@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .core.launch import thread_blocks
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 __all__ = ["CELL_SEARCH_SOURCE", "Bins", "candidate_pairs", "candidate_pairs_reference", "cell_pairs_cuda",
            "empty_pairs"]
@@ -125,7 +125,6 @@ class Bins(NamedTuple):
 
 _KERNELS = SourceKernels(CELL_SEARCH_SOURCE, ["cell_pairs_f32", "cell_pairs_f64"], "cell_search")
 _THREADS = 128  # four receivers a block
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor, atoms_in_bin: Tensor,
@@ -135,7 +134,7 @@ def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_
     one host read (the count). wrapped [N, 3] (float, CUDA) and cell [3, 3] (rows) in one dtype; int64
     atoms_by_bin [N], coord [N, 3], first_in_bin and atoms_in_bin [prod(bins)], wrap [N, 3] (the wrapping images)."""
     dtype, device = wrapped.dtype, wrapped.device
-    suffix = _SUFFIX.get(dtype)
+    suffix = DTYPE_SUFFIX.get(dtype)
     if suffix is None or not wrapped.is_cuda:
         raise ValueError(f"cell_pairs_cuda: positions must be float32 or float64 on a CUDA device, got {dtype} on "
                          f"{device}")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .convolution import ConvGraph, GraphTensors
 from .core.launch import thread_blocks
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 from .pair_reverse import pair_reverse
 
 __all__ = ["EDGE_LAYOUT_SOURCE", "EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "edges_within",
@@ -146,7 +146,6 @@ EDGE_LAYOUT_KERNELS(double, f64)
 _KERNELS = SourceKernels(EDGE_LAYOUT_SOURCE, ["edge_keep_f32", "edge_keep_f64", "edge_place_f32", "edge_place_f64"],
                          "edge_layout")
 _THREADS = 256
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _grid(items: int) -> tuple[int]:
@@ -305,7 +304,7 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
     pos, cell, shifts, pad_vector: one float dtype; sender, receiver, rowptr, reverse: int64; valid: bool. Reads
     nothing back to the host: capture-safe."""
     dtype, device = pos.dtype, pos.device
-    suffix = _SUFFIX.get(dtype)
+    suffix = DTYPE_SUFFIX.get(dtype)
     if suffix is None or not pos.is_cuda:
         raise ValueError(f"padded_layout_cuda: positions must be float32 or float64 on a CUDA device, got {dtype} "
                          f"on {device}")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 __all__ = ["IRREPS_LINEAR_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "apply_map", "launch_shape",
            "map_reference", "tile_rows", "transpose_blocks"]
@@ -143,10 +143,9 @@ CG_IRREPS_LINEAR(double, f64, 8)
 CG_IRREPS_LINEAR(double, f64, 2)
 """
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _TILES = {torch.float32: (8, 4), torch.float64: (8, 2)}  # rows per block, largest first
-_KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
-                         [f"irreps_linear_{_SUFFIX[t]}_r{r}" for t, rs in _TILES.items() for r in rs], "irreps_linear")
+_KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE, [f"irreps_linear_{DTYPE_SUFFIX[t]}_r{r}" for t, rs in _TILES.items()
+                                               for r in rs], "irreps_linear")
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
 MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited on it)
@@ -324,7 +323,7 @@ def _launch(x: Tensor, out: Tensor, m: IrrepsMap, launch: LinearLaunch) -> None:
     tile = _block_shape(m, x.dtype)[0]
     blocks, warps, smem, stage = launch_shape(m, launch.count, x.dtype, sm_count(x.device))
     a = launch.arrays
-    _KERNELS.get(f"irreps_linear_{_SUFFIX[x.dtype]}_r{tile}", x.device).launch(
+    _KERNELS.get(f"irreps_linear_{DTYPE_SUFFIX[x.dtype]}_r{tile}", x.device).launch(
         (blocks,), (warps * WARP,),
         [x, out, launch.blocks, launch.row_index, a.task_info, I32(a.task_info.numel() // 3), a.irrep_info,
          a.path_ptr, a.path_info, I64(launch.count), I32(m.in_width), I32(m.out_width), I32(m.numel),

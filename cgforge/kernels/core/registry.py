@@ -18,6 +18,7 @@ from . import compiler
 from .errors import UnknownKernelKeyError
 
 _SCALAR = {torch.float32: "float", torch.float64: "double"}
+DTYPE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}  # the fixed sources' kernel names per dtype
 
 P = TypeVar("P")
 
