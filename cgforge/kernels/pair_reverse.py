@@ -71,8 +71,7 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
 
 
 def _on_reverse_kernel(sender: Tensor) -> bool:
-    """Whether ``pair_reverse`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA;
-    elsewhere the reference)."""
+    """Whether ``pair_reverse`` takes ``pair_reverse_cuda`` (on CUDA; elsewhere the reference)."""
     return sender.is_cuda
 
 

@@ -144,8 +144,7 @@ def is_e3nn_gate(module: torch.nn.Module) -> bool:
 
 
 def swap_in(model: torch.nn.Module) -> int:
-    """Replace every e3nn ``Gate`` of ``model`` the kernels can evaluate by a ``FusedGate``. In place; returns how
-    many were replaced."""
+    """Replace every e3nn ``Gate`` of ``model`` the kernels can evaluate by a ``FusedGate``, in place; how many."""
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if not is_e3nn_gate(child):
             return None
