@@ -12,6 +12,5 @@ from .symmetric_contraction import SCProblem, SymmetricContractionBase
 from .tensor_product import Instruction, TensorProduct, TPProblem
 
 __all__ = ["ConvGraph", "Convolution", "Instruction", "KernelError", "KernelTuning", "RowPolicy", "SCProblem",
-           "SCTuning",
-           "SharedMemoryError", "SymmetricContractionBase", "TPProblem", "TPTuning", "TensorProduct",
+           "SCTuning", "SharedMemoryError", "SymmetricContractionBase", "TPProblem", "TPTuning", "TensorProduct",
            "UnknownKernelKeyError", "UnsupportedProblemError", "streaming_convolution", "streaming_edge_convolution"]

@@ -1,11 +1,8 @@
 """The candidate loop of the cell-list neighbour search as two CUDA kernels (a warp per receiver atom), beside
-its torch reference.
+its torch reference (``candidate_pairs_reference``: the CPU path); ``candidate_pairs`` picks one.
 
-The binning (which bin each atom is in, the atoms of each bin in order, how many bins each side a neighbour can
-be: a ``Bins`` value) is done by the caller, the torch search of ``cgforge.plugin.runtime.neighbours``. The
-candidate loop in torch (``candidate_pairs_reference``, in chunks of receivers) is the reference and the CPU
-path; ``candidate_pairs`` runs the kernels on a CUDA device, the reference elsewhere. For receiver ``a`` in bin
-``coord[a]`` the candidates are, in this order,
+The binning (a ``Bins`` value) is the caller's (``cgforge.plugin.runtime.neighbours``). For receiver ``a`` in
+bin ``coord[a]`` the candidates are, in this order,
 
     for each bin offset o in [-reach, reach]^3 (lexicographic), the bin t = coord[a] + o brought into the box
     along periodic directions by the image I = floor(t / bins) (t outside the box along a non-periodic one: no
@@ -13,10 +10,8 @@ path; ``candidate_pairs`` runs the kernels on a CUDA device, the reference elsew
         vector = (wrapped[a] - I @ cell) - wrapped[c]      kept when |vector|^2 < cutoff^2, and not c == a, I == 0
         shift  = wrap[a] - wrap[c] - I                     (the image back to the positions as given)
 
-A warp per receiver, its lanes over a bin's atoms. Pass 1 counts each receiver's kept candidates; a prefix sum
-gives the rows; pass 2 writes each row in the order above; a stable sort by (receiver, sender) then orders each
-row by sender, as the torch search does, so both give the same list. Memory is the output and O(N), where the
-torch loop needs ~60 bytes per candidate.
+Pass 1 counts each receiver's kept candidates, a prefix sum gives the rows, pass 2 writes them; a stable sort by
+(receiver, sender) then gives the torch search's list. Memory is O(N) and the output.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .core.launch import thread_blocks
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 __all__ = ["CELL_SEARCH_SOURCE", "Bins", "candidate_pairs", "candidate_pairs_reference", "cell_pairs_cuda",
            "empty_pairs"]
@@ -130,22 +125,16 @@ class Bins(NamedTuple):
 
 _KERNELS = SourceKernels(CELL_SEARCH_SOURCE, ["cell_pairs_f32", "cell_pairs_f64"], "cell_search")
 _THREADS = 128  # four receivers a block
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor,
-                    atoms_in_bin: Tensor, cell: Tensor, wrap: Tensor, bins: tuple[int, int, int],
-                    reach: tuple[int, int, int], pbc: tuple[bool, bool, bool], cutoff: float
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """The pairs of the module doc: (sender, receiver, shifts), int64 [E], [E], [E, 3], sorted by (receiver,
-    sender). One host read (the number of pairs, to size the output).
-
-    wrapped [N, 3] (float32/float64, on CUDA): the positions wrapped into the cell; cell [3, 3] (rows) in that
-    dtype; atoms_by_bin [N], coord [N, 3] (each atom's bin coordinates), first_in_bin and atoms_in_bin [B] (B =
-    the product of ``bins``), wrap [N, 3] (the integer images that wrapped the positions): int64.
-    """
+def cell_pairs_cuda(wrapped: Tensor, atoms_by_bin: Tensor, coord: Tensor, first_in_bin: Tensor, atoms_in_bin: Tensor,
+                    cell: Tensor, wrap: Tensor, bins: tuple[int, int, int], reach: tuple[int, int, int],
+                    pbc: tuple[bool, bool, bool], cutoff: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The pairs of the module doc: (sender, receiver, shifts) int64 [E], [E], [E, 3], sorted by (receiver, sender);
+    one host read (the count). wrapped [N, 3] (float, CUDA) and cell [3, 3] (rows) in one dtype; int64
+    atoms_by_bin [N], coord [N, 3], first_in_bin and atoms_in_bin [prod(bins)], wrap [N, 3] (the wrapping images)."""
     dtype, device = wrapped.dtype, wrapped.device
-    suffix = _SUFFIX.get(dtype)
+    suffix = DTYPE_SUFFIX.get(dtype)
     if suffix is None or not wrapped.is_cuda:
         raise ValueError(f"cell_pairs_cuda: positions must be float32 or float64 on a CUDA device, got {dtype} on "
                          f"{device}")
@@ -216,9 +205,8 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
     row_of_bin = torch.full_like(atoms_in_bin, -1)
     row_of_bin[occupied] = torch.arange(occupied.numel(), device=device)
     row_of_atom = row_of_bin[binned.bin_of_atom]
-    occupied_coord = torch.stack(
-        [occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]], dim=1
-    )
+    occupied_coord = torch.stack([occupied // (bins[1] * bins[2]), (occupied // bins[2]) % bins[1], occupied % bins[2]],
+                                 dim=1)
     axes = [torch.arange(-r, r + 1, device=device) for r in reach]
     offsets = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
     target = occupied_coord[:, None, :] + offsets[None, :, :]
@@ -237,8 +225,7 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
     cumulative = torch.cumsum(per_atom, 0)
     total = int(cumulative[-1])
     n_chunks = max(1, math.ceil(total / candidates_per_chunk))
-    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk,
-                              right=True)
+    cuts = torch.searchsorted(cumulative, torch.arange(1, n_chunks, device=device) * candidates_per_chunk, right=True)
     bounds = sorted({0, n_atoms, *cuts.tolist()})
     ends = cumulative[torch.tensor(bounds[1:], device=device) - 1].tolist()
 
@@ -259,8 +246,7 @@ def candidate_pairs_reference(binned: Bins, cell: Tensor, pbc: tuple[bool, bool,
         pair_base = wrapped[begin:end, None, :] - image_vector
         pair_rows = pair_base.reshape(-1, 3).T.contiguous()
         counts = pair_count.index_select(0, pairs)
-        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts,
-                                       output_size=chunk_total)
+        slot = torch.repeat_interleave(torch.arange(pairs.numel(), device=device), counts, output_size=chunk_total)
         pair_offset = pair_first.index_select(0, pairs) - torch.cumsum(counts, 0) + counts
         sorted_index = torch.arange(chunk_total, device=device).add_(pair_offset.index_select(0, slot))
         distance_sq = torch.zeros(chunk_total, dtype=dtype, device=device)

@@ -1,49 +1,22 @@
 """Model edges in a fixed-capacity, receiver-sorted layout, built on the device without a host sync: the torch
-expressions (the reference, and the CPU path) and three CUDA kernels that make the same layout.
+expressions (``edges_within``, ``layout_edges``: the reference and the CPU path) and CUDA kernels
+(``padded_layout_cuda``) that make the same layout.
 
-A Verlet list holds the pairs within ``cutoff + skin``. The model gets the pairs selected by a mask (within the
-cutoff now, ``edges_within``, or all of them), laid out in ``capacity`` slots:
+The edges selected by a mask keep their (receiver, sender) order in ``capacity`` slots; the free slots hold padding
+self-edges (k, k) of vector ``pad_offset`` (beyond the cutoff), spread evenly over the atoms at the end of their
+rows, so the array stays receiver-sorted. No ``nonzero``, no ``.item()``: capture-safe. ``count`` is a device
+scalar; an overflow (``count > capacity``) leaves an in-bounds layout the caller redoes with more room. With an
+``EdgeTopology`` (row pointers and each edge's reverse, made per neighbour-list rebuild) an edge is kept with its
+reverse (its vector is the exact negation), so the transpose has the layout's rows and its permutation is the slot
+of each slot's reverse. Over a pair list of V entries sorted by receiver:
 
-- the selected edges keep their (receiver, sender) order;
-- the ``capacity - count`` free slots hold *padding edges*: self-edges (k, k) whose vector is
-  ``pad_offset`` (longer than the cutoff), spread evenly over the atoms and placed at the end of their
-  atom's row, so the whole array stays sorted by receiver and no row grows long. For a model whose edges
-  beyond the cutoff contribute exactly zero, padding changes nothing.
-
-Every index is computed with device arithmetic (cumsum, index_copy, and without a topology index_add and
-a stable sort for the transpose), no ``nonzero`` and no ``.item()``: the layout can run inside a captured
-CUDA graph, where the number of selected edges is known only on the device. ``count`` comes back as a
-device scalar; a count above the capacity (overflow) leaves a garbage layout that stays in bounds, and the
-caller recomputes with more room.
-
-``conv_graph`` wraps the layout's graph tensors in a ``ConvGraph`` without the constructor's checks (which
-read device values): the layout is valid by construction, and a test checks it field by field against
-``ConvGraph``'s own constructor.
-
-With an ``EdgeTopology`` of the list (built once per neighbour-list rebuild: its row pointers and the reverse
-of every edge, ``pair_reverse``) a step needs no sort and no atomics: kept edges per row come from the row
-pointers, and since the kept set is symmetric (an edge is kept with its reverse) every node sends as many edges
-as it receives, so the transpose's row pointers are the layout's own and its permutation is "the slot of my
-reverse edge".
-
-``layout_within`` cuts a step's edges from the list and lays them out: on CUDA with a topology in three kernels
-(``padded_layout_cuda``: the mask, a prefix sum, every slot), where ``edges_within`` and ``layout_edges`` are
-~70 torch kernels; elsewhere those two (the reference). The kernels' input: a pair list of ``V`` entries
-(sender, receiver, integer image shifts [V, 3] as floats, ``valid``), sorted by receiver, whose every valid pair
-(s -> r, S) has its reverse (r -> s, -S) at ``reverse``, with ``rowptr`` [N + 1] its receiver rows; positions
-[N, 3] and the cell [3, 3] (rows) of this step. Their output is ``layout_edges``'s:
-
-    keep[e]   = valid[e] and |pos[r] - pos[s] + S @ cell| < cutoff       (kernel 1, a thread per pair)
-    rank      = the inclusive prefix sum of keep                          (torch.cumsum: one scan)
-    slot[e]   = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
+    keep[e]    = valid[e] and |pos[r] - pos[s] + S @ cell| < cutoff
+    rank       = the inclusive prefix sum of keep
+    slot[e]    = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
     padding j < free sits on atom floor(j * N / free), in slot j + (pairs kept in rows up to that atom)
-    rowptr'[r] = (pairs kept before row r) + pads_before(r)               (kernel 2 writes all of it)
+    rowptr'[r] = (pairs kept before row r) + pads_before(r)
 
-A pair's vector is computed so that its reverse's is its exact negation (the same operations on negated
-operands), so a pair is kept together with its reverse and ``perm_t`` (the transpose's order) is the slot of
-each slot's reverse: the transpose has the same rows. More kept pairs than slots (``count > capacity``, an
-overflow the caller detects from ``count``) leaves a layout that stays in bounds. As torch operations the cut
-and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
+As torch operations the cut and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
 """
 
 from __future__ import annotations
@@ -56,7 +29,7 @@ from torch import Tensor
 
 from .convolution import ConvGraph, GraphTensors
 from .core.launch import thread_blocks
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 from .pair_reverse import pair_reverse
 
 __all__ = ["EDGE_LAYOUT_SOURCE", "EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "edges_within",
@@ -173,7 +146,6 @@ EDGE_LAYOUT_KERNELS(double, f64)
 _KERNELS = SourceKernels(EDGE_LAYOUT_SOURCE, ["edge_keep_f32", "edge_keep_f64", "edge_place_f32", "edge_place_f64"],
                          "edge_layout")
 _THREADS = 256
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _grid(items: int) -> tuple[int]:
@@ -227,9 +199,7 @@ class EdgeTopology:
 def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: int,
                   capacity: int | None = None) -> EdgeTopology | None:
     """The topology of a (receiver, sender)-sorted list of ``V`` edges with integer image shifts [V, 3], padded
-    to ``capacity`` entries; None when an edge has no reverse in the list. The reverses are ``pair_reverse``'s
-    (on CUDA one kernel and a host read, elsewhere a sort and host reads): for a neighbour-list rebuild, not for
-    a step."""
+    to ``capacity`` entries (``pair_reverse``: host reads); None when an edge has no reverse in the list."""
     n, count = int(num_nodes), int(sender.shape[0])
     capacity = count if capacity is None else int(capacity)
     device = sender.device
@@ -244,37 +214,27 @@ def edge_topology(sender: Tensor, receiver: Tensor, shifts: Tensor, num_nodes: i
 
 
 def pad_offset_vector(cutoff: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The vector of a padding edge: well beyond the cutoff, never zero (spherical harmonics normalise it).
-
-    Made once, outside any capture (a tensor from host values is a host-to-device copy)."""
+    """The vector of a padding edge: well beyond the cutoff, never zero (harmonics normalise it); made outside any
+    capture (a host-to-device copy)."""
     return torch.tensor([2.0 * float(cutoff) + 1.0, 0.0, 0.0], dtype=dtype, device=device)
 
 
 def edges_within(
     positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, cutoff: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list.
-
-    Differentiable with respect to positions and cell (the stress path goes through ``shifts @ cell``,
-    a matmul, never a gather). No device sync: apply the mask as a weight, or index with it when needed.
-    """
+    """Edge vectors, lengths and the mask ``lengths < cutoff`` for a (possibly skin-padded) edge list, no device
+    sync; differentiable in positions and cell (through ``shifts @ cell``, a matmul, never a gather)."""
     vectors = (positions.index_select(0, receiver) - positions.index_select(0, sender)
                + shifts.to(positions.dtype) @ cell)
     lengths = torch.linalg.vector_norm(vectors, dim=-1)
     return vectors, lengths, lengths < cutoff
 
 
-def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int,
-                 capacity: int, pad_vector: Tensor, with_graph: bool,
-                 topology: EdgeTopology | None = None) -> EdgeLayout:
-    """The edges where ``keep`` is set, receiver-sorted, padded to ``capacity`` slots (see the module doc).
-
-    keep: bool [V]; sender, receiver: int64 [V] with receiver ascending; unit_shifts: float [V, 3];
-    pad_vector: float [3] on the same device. Edges not kept may be anything (in range). With ``topology``
-    an edge is kept only together with its reverse. ``slot`` of the result maps each input edge to its slot
-    (gradients per slot gather back to the input edges through it). Allocates its outputs; reads nothing back
-    to the host and copies nothing from it.
-    """
+def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor, num_nodes: int, capacity: int,
+                 pad_vector: Tensor, with_graph: bool, topology: EdgeTopology | None = None) -> EdgeLayout:
+    """The edges where ``keep`` (bool [V]) is set, receiver-sorted, padded to ``capacity`` slots (module doc), no
+    host transfer. sender, receiver: int64 [V], receiver ascending; unit_shifts float [V, 3]; pad_vector float [3].
+    With ``topology`` an edge is kept only with its reverse. The result's ``slot``: each input edge's slot."""
     n, cap, device = int(num_nodes), int(capacity), sender.device
     if n < 1 or cap < 0:
         raise ValueError(f"layout_edges: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
@@ -344,7 +304,7 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
     pos, cell, shifts, pad_vector: one float dtype; sender, receiver, rowptr, reverse: int64; valid: bool. Reads
     nothing back to the host: capture-safe."""
     dtype, device = pos.dtype, pos.device
-    suffix = _SUFFIX.get(dtype)
+    suffix = DTYPE_SUFFIX.get(dtype)
     if suffix is None or not pos.is_cuda:
         raise ValueError(f"padded_layout_cuda: positions must be float32 or float64 on a CUDA device, got {dtype} "
                          f"on {device}")
@@ -397,10 +357,8 @@ def _on_layout_kernels(positions: Tensor, topology: EdgeTopology | None) -> bool
 def layout_within(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor,
                   valid: Tensor, cutoff: float, num_nodes: int, capacity: int, pad_vector: Tensor, with_graph: bool,
                   topology: EdgeTopology | None) -> EdgeLayout:
-    """The valid list entries within ``cutoff`` at these positions, laid out as ``layout_edges`` does (``keep``
-    = ``edges_within``'s mask and ``valid``): one layout of ``capacity`` slots, nothing read back to the host. On
-    CUDA with a ``topology`` the kernels (``padded_layout_cuda``; an edge at the cutoff to rounding may fall the
-    other way than in the torch expression, its contribution is zero there)."""
+    """``layout_edges`` of the ``valid`` entries within ``cutoff`` (``edges_within``); on CUDA with a ``topology``
+    the kernels (``padded_layout_cuda``: an edge at the cutoff to rounding may fall the other way; it adds zero)."""
     if _on_layout_kernels(positions, topology):
         dtype = positions.dtype
         return padded_layout_cuda(positions.contiguous(), cell.to(dtype).contiguous(), sender, receiver,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 # The activations the kernels evaluate, by code (the table's ``code`` entries).
 ACTIVATIONS = ("identity", "silu", "tanh", "sigmoid")
@@ -108,8 +108,7 @@ CG_GATE_KERNELS(float, f32)
 CG_GATE_KERNELS(double, f64)
 """
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_KERNELS = SourceKernels(GATE_SOURCE, [f"gate_{d}_{s}" for s in _SUFFIX.values() for d in ("forward", "backward")],
+_KERNELS = SourceKernels(GATE_SOURCE, [f"gate_{d}_{s}" for s in DTYPE_SUFFIX.values() for d in ("forward", "backward")],
                          "gate")
 _THREADS = 256
 
@@ -235,7 +234,7 @@ def _launch(direction: str, x: Tensor, t: GateArrays, grad_out: Tensor | None = 
     if rows:
         head = [x, out] if grad_out is None else [x, grad_out, out]
         tail = [] if grad_out is None else [t.reader_ptr, t.reader_col, t.reader_role]
-        _KERNELS.get(f"gate_{direction}_{_SUFFIX[x.dtype]}", x.device).launch(
+        _KERNELS.get(f"gate_{direction}_{DTYPE_SUFFIX[x.dtype]}", x.device).launch(
             (-(-rows * width // _THREADS),), (_THREADS,),
             [*head, t.src, t.gate, t.code, t.scale, *tail, I64(rows), I32(t.in_width), I32(t.out_width)])
     return out
@@ -264,7 +263,7 @@ def gate(x: Tensor, t: GateArrays) -> Tensor:
         raise ValueError(f"gate: expected x of shape [rows, {t.in_width}], got {tuple(x.shape)}")
     if t.src.device != x.device:
         raise ValueError(f"gate: the table is on {t.src.device}, x on {x.device}")
-    if x.device.type != "cuda" or x.dtype not in _SUFFIX or torch.compiler.is_compiling():
+    if x.device.type != "cuda" or x.dtype not in DTYPE_SUFFIX or torch.compiler.is_compiling():
         return gate_reference(x, t)
     if t.scale.dtype != x.dtype:
         raise ValueError(f"gate: the table's scale is {t.scale.dtype}, x is {x.dtype}")

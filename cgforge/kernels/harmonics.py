@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .core.custom_op import custom_op
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's default, which e3nn's SphericalHarmonics uses
 _THREADS = 128
@@ -251,8 +251,7 @@ extern "C" __global__ void harmonics_bwd_f64(const double* v, const double* g, d
 """
 
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_NAMES = [f"harmonics_{d}_{s}" for d in ("fwd", "bwd") for s in _SUFFIX.values()]
+_NAMES = [f"harmonics_{d}_{s}" for d in ("fwd", "bwd") for s in DTYPE_SUFFIX.values()]
 _REGISTERED: dict[str, HarmonicsPolynomials] = {}  # the ops' ``key`` -> its polynomials (ops take plain values)
 
 
@@ -275,8 +274,9 @@ def _launch(polys: HarmonicsPolynomials, direction: str, vectors: Tensor, args: 
 
     n = vectors.shape[0]
     if n:
-        _kernels(harmonics_source(polys)).get(f"harmonics_{direction}_{_SUFFIX[vectors.dtype]}", vectors.device).launch(
-            (-(-n // _THREADS),), (_THREADS,), args + [I64(n)])
+        kernel = _kernels(harmonics_source(polys)).get(f"harmonics_{direction}_{DTYPE_SUFFIX[vectors.dtype]}",
+                                                       vectors.device)
+        kernel.launch((-(-n // _THREADS),), (_THREADS,), args + [I64(n)])
 
 
 def _eval_fake(vectors, key):  # noqa: ANN001, ANN202
@@ -329,11 +329,10 @@ def harmonics_vjp(vectors: Tensor, grad: Tensor, key: str) -> Tensor:
 
 
 def harmonics(vectors: Tensor, polys: HarmonicsPolynomials, key: str | None = None) -> Tensor:
-    """[E, D] harmonics of edge vectors [E, 3] (module doc): the kernels on CUDA for FP32 and FP64 (torch custom ops:
-    opaque to torch.compile), else ``harmonics_reference``. Differentiable twice. key: ``register(polys)``, made
-    beforehand by callers that torch.compile traces (None: registered here)."""
+    """[E, D] harmonics of edge vectors [E, 3]: the kernels on CUDA (custom ops), else ``harmonics_reference``;
+    differentiable twice. key: ``register(polys)`` (None: registered here; torch.compile callers register first)."""
     if vectors.dim() != 2 or vectors.shape[1] != 3:
         raise ValueError(f"vectors: expected an [E, 3] tensor, got shape {tuple(vectors.shape)}")
-    if vectors.device.type != "cuda" or vectors.dtype not in _SUFFIX:
+    if vectors.device.type != "cuda" or vectors.dtype not in DTYPE_SUFFIX:
         return harmonics_reference(vectors, polys)
     return harmonics_eval(vectors.contiguous(), register(polys) if key is None else key)

@@ -2,21 +2,12 @@
 
     out[n, q, w, i] = sum over paths p = (j -> q) of  sum_u  x[n, j, u, i] * B_p[u, w]
 
-x and out in e3nn's layout: irrep after irrep, each [mul, 2l + 1] with the channel outermost; B_p a [mul_in,
-mul_out] block per path (its path weight folded in). cuBLAS wants the channel innermost (or outermost over all
-rows), so a GEMM per path moves each l > 0 block twice ([n, u, i] -> [n * i, u] and back) and concatenates the
-outputs: ~4 kernels per path forward and as many backward, each short next to its launch on MD-sized inputs.
-Here one kernel writes whole output rows: a block stages ``R`` rows of x in shared memory, channel-major with the
-R rows side by side (so one vector load gives a value of all R rows), and the map's blocks where they fit; a warp
-takes an output component (q, i) and 32 channels w of it, each lane accumulating its channel's R rows over q's
-paths and their channels u: each B entry is read once per R rows, and a warp's lanes read one x value (a
-broadcast) and consecutive B entries.
-
-Rows can be a subset in any order (``row_index``): the per-species self-connection runs one launch per species
-over that species' rows, each with its own B. The backward (grad x) is the same kernel on the transposed map
-(``IrrepsMap.transpose``, blocks ``transpose_blocks``): the map is linear, so each derivative is one more call,
-to any order. B is frozen (inference: no grad for the weights). FP32 and FP64 on CUDA; ``map_reference`` (torch)
-elsewhere and as the oracle.
+x and out in e3nn's layout (irrep after irrep, each [mul, 2l + 1], channel outermost); B_p a [mul_in, mul_out]
+block per path, its path weight folded in. A block stages ``R`` rows of x in shared memory, channel-major; a warp
+takes an output component (q, i) and 32 channels w of it. Rows can be a subset in any order (``row_index``: one
+launch per species). The backward (grad x) is the same kernel on the transposed map (``IrrepsMap.transpose``,
+``transpose_blocks``), to any order; B is frozen. FP32 and FP64 on CUDA; ``map_reference`` (torch) elsewhere and
+as the oracle.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .core.registry import SourceKernels
+from .core.registry import DTYPE_SUFFIX, SourceKernels
 
 __all__ = ["IRREPS_LINEAR_SOURCE", "IrrepsMap", "LinearLaunch", "MapArrays", "apply_map", "launch_shape",
            "map_reference", "tile_rows", "transpose_blocks"]
@@ -152,10 +143,9 @@ CG_IRREPS_LINEAR(double, f64, 8)
 CG_IRREPS_LINEAR(double, f64, 2)
 """
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _TILES = {torch.float32: (8, 4), torch.float64: (8, 2)}  # rows per block, largest first
-_KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE,
-                         [f"irreps_linear_{_SUFFIX[t]}_r{r}" for t, rs in _TILES.items() for r in rs], "irreps_linear")
+_KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE, [f"irreps_linear_{DTYPE_SUFFIX[t]}_r{r}" for t, rs in _TILES.items()
+                                               for r in rs], "irreps_linear")
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
 MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited on it)
@@ -285,8 +275,7 @@ def map_reference(x: Tensor, m: IrrepsMap, blocks: Tensor) -> Tensor:
 def tile_rows(m: IrrepsMap, dtype: torch.dtype) -> int | None:
     """Rows a block stages for ``m`` in ``dtype`` (the largest tile whose rows fit ``MAX_STAGED_BYTES``), None if
     the kernel does not take this dtype or even the smallest tile's rows do not fit."""
-    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * dtype.itemsize <= MAX_STAGED_BYTES),
-                None)
+    return next((r for r in _TILES.get(dtype, ()) if r * max(m.in_width, 1) * dtype.itemsize <= MAX_STAGED_BYTES), None)
 
 
 class LinearLaunch(NamedTuple):
@@ -334,7 +323,7 @@ def _launch(x: Tensor, out: Tensor, m: IrrepsMap, launch: LinearLaunch) -> None:
     tile = _block_shape(m, x.dtype)[0]
     blocks, warps, smem, stage = launch_shape(m, launch.count, x.dtype, sm_count(x.device))
     a = launch.arrays
-    _KERNELS.get(f"irreps_linear_{_SUFFIX[x.dtype]}_r{tile}", x.device).launch(
+    _KERNELS.get(f"irreps_linear_{DTYPE_SUFFIX[x.dtype]}_r{tile}", x.device).launch(
         (blocks,), (warps * WARP,),
         [x, out, launch.blocks, launch.row_index, a.task_info, I32(a.task_info.numel() // 3), a.irrep_info,
          a.path_ptr, a.path_info, I64(launch.count), I32(m.in_width), I32(m.out_width), I32(m.numel),
@@ -363,9 +352,8 @@ class _Map(torch.autograd.Function):
 
 
 def apply_map(x: Tensor, m: IrrepsMap, forward: Sequence[LinearLaunch], backward: Sequence[LinearLaunch]) -> Tensor:
-    """The map ``m`` of ``x`` [rows, m.in_width] on CUDA: ``forward``'s launches write every row of the output,
-    ``backward``'s (of ``m.transpose()``, its blocks ``transpose_blocks``) every row of grad x. The caller checks
-    ``tile_rows(m, x.dtype)`` first."""
+    """The map ``m`` of ``x`` [rows, m.in_width] on CUDA by ``forward``'s launches, grad x by ``backward``'s (of
+    ``m.transpose()``); the caller checks ``tile_rows(m, x.dtype)`` first."""
     if x.dim() != 2 or x.shape[1] != m.in_width:
         raise ValueError(f"apply_map: expected x of shape [rows, {m.in_width}], got {tuple(x.shape)}")
     return _Map.apply(x.contiguous(), (m, m.transpose()), (tuple(forward), tuple(backward)))

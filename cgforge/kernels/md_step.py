@@ -1,26 +1,17 @@
 """The MD engine's arithmetic around the force call as CUDA kernels: ASE's Langevin halves (one elementwise
-kernel each) and the engine's commit check (two kernels: partial sums per warp, then one warp that finishes).
+kernel each) and the engine's commit check (partial sums per warp, then one warp that finishes).
 
-As torch operations they are ~90 tiny kernels a step (the commit check alone ~60: three reductions, then a
-chain of 0-d ``where``/``or``/``and``), and inside the engine's captured CUDA graph each costs a few
-microseconds however little it does. The torch expressions (``langevin_first_reference``,
-``langevin_second_reference``, ``commit_check_reference``) are the references, the CPU path and what
-torch.compile traces; ``langevin_first``, ``langevin_second`` and ``commit_check`` call the kernels where their
-tensors are on a CUDA device and torch.compile is not tracing them, the references elsewhere. All arrays are
-float64, as the engine's state: positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4,
-c5 [N, 1].
-
-Langevin (ASE's scheme, per element, xi and eta the step's standard normals):
+The torch expressions (``*_reference``) are the references, the CPU path and what torch.compile traces; as torch
+operations they are ~90 tiny kernels a step in the engine's captured graph. ``langevin_first``,
+``langevin_second`` and ``commit_check`` take the kernels on CUDA outside torch.compile. All arrays are float64:
+positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4, c5 [N, 1]. Per element, xi and
+eta the step's standard normals:
 
     first:  v = p/m + (c1 F/m - c2 p/m + c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta)/dt
     second: p = (v + (c1 F/m - c2 v + rnd_vel)) m          (rnd_vel = c3 xi - c4 eta, kept from the first)
 
-The commit check (``commit_check``'s doc): the temperature sum p^2/m / (3 N kB), whether the energy and the
-forces are finite, max |F| (NaN where any force is NaN, as ``amax``), then the block's report updated in the
-order ``COMMIT_REPORT`` names. The partial sums are made in a fixed order for a given N (a warp per slice of
-the flat arrays, a butterfly over its lanes; the finishing warp the same over the slices), so the bits repeat
-from run to run; they differ from torch's ``sum`` in the last bits only. The C operators may contract to
-fused multiply-adds: the kernels agree with the torch expressions to rounding, not bit for bit.
+The commit check's partial sums run in a fixed order for a given N (bits repeat from run to run); the kernels
+agree with the torch expressions to rounding (fused multiply-adds), not bit for bit.
 """
 
 from __future__ import annotations
@@ -196,8 +187,7 @@ def langevin_first_cuda(positions: Tensor, momenta: Tensor, forces: Tensor, mass
     return out[0], out[1], out[2], out[3]
 
 
-def langevin_second_cuda(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float
-                         ) -> Tensor:
+def langevin_second_cuda(v: Tensor, forces: Tensor, masses: Tensor, rnd_vel: Tensor, c1: float, c2: float) -> Tensor:
     """ASE's Langevin second half in one kernel: the momenta after the force call."""
     _state_arrays("langevin_second_cuda", v, forces, masses, rnd_vel)
     n3 = v.numel()
@@ -291,10 +281,8 @@ _COMMIT_DTYPES = (torch.float64,) * 5 + (torch.int64, torch.bool, torch.bool, to
 def commit_check(energy: Tensor, forces: Tensor, momenta: Tensor, masses: Tensor, step: Tensor, stale: Tensor,
                  overflow: Tensor, count: Tensor, slack: Tensor, report: Tensor, temperature_denominator: float,
                  max_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """After a step: (bad, step, report). bad: the step ran on a stale list or overflowed buffers, blew up, or an
-    earlier step of the block stopped it (the caller restores the state); step + 1 if not; the block's report
-    (float64 [len(COMMIT_REPORT)], flags 0/1) updated. Pure. On CUDA and not under torch.compile two kernels
-    (``commit_check_cuda``) where the torch expression (``commit_check_reference``) is ~60."""
+    """After a step: (bad, step, report). bad: a stale list, overflowed buffers, a blow-up, or an earlier step of
+    the block stopped it; step + 1 if not; the block's report (float64 [len(COMMIT_REPORT)]) updated. Pure."""
     if _on_step_kernels(energy, forces, momenta, masses, report, step, stale, overflow, count, slack,
                         dtypes=_COMMIT_DTYPES):
         return commit_check_cuda(energy, forces, momenta, masses, step, stale, overflow, count, slack, report,
@@ -321,16 +309,13 @@ def commit_check_reference(energy: Tensor, forces: Tensor, momenta: Tensor, mass
     bad = stopped | invalid | blow
     new_blow = blow & fresh
     good = ~bad
-    new = {
-        "committed": rep["committed"] + good.to(report.dtype),
-        "stopped": bad.to(report.dtype),
-        "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
-        "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
-        "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
-        "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
-        "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
-        "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
-        "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
-        "temperature": torch.where(good, temperature, rep["temperature"]),
-    }
+    new = {"committed": rep["committed"] + good.to(report.dtype), "stopped": bad.to(report.dtype),
+           "stale": ((rep["stale"] > 0) | (stale & fresh)).to(report.dtype),
+           "overflow": ((rep["overflow"] > 0) | (overflow & fresh)).to(report.dtype),
+           "blow_kind": torch.where(new_blow, kind, rep["blow_kind"]),
+           "blow_step": torch.where(new_blow, (step + 1).to(report.dtype), rep["blow_step"]),
+           "blow_value": torch.where(new_blow, value.to(report.dtype), rep["blow_value"]),
+           "count_max": torch.maximum(rep["count_max"], torch.where(fresh, count.to(report.dtype), 0.0)),
+           "slack": torch.where(good, slack.to(report.dtype), rep["slack"]),
+           "temperature": torch.where(good, temperature, rep["temperature"])}
     return bad, step + good.to(step.dtype), torch.stack([new[name] for name in COMMIT_REPORT])

@@ -1,24 +1,12 @@
 """Counter-based Gaussian noise for the MD engine: the draws are a function of (seed, step, stream, index), as
-torch operations (the reference, and the CPU path) and as one CUDA kernel that draws the same numbers.
+torch operations (``normal_noise_reference``: the reference and the CPU path) and as one CUDA kernel that draws
+the same numbers (``normal_noise_cuda``); ``normal_noise`` picks one.
 
-Why not a ``torch.Generator``: a generator's state advances with every replay of a captured step, also of a
-step the engine throws away (a neighbour list went stale inside a block, the edge buffers overflowed) and
-redoes. Noise keyed by the committed step number makes a run independent of when rebuilds happened, a restart
-needs only (seed, step), and CPU and CUDA draw the same numbers (integer arithmetic, then float64).
-
-The hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64), keyed
-per step and stream, three rounds per draw with independent round keys. A product of two 32-bit words can pass
-2^63: torch's int64 multiply wraps (two's complement) on CPU and CUDA, and only the low 32 bits are kept, so the
-result is exact; the safe 16-bit split (``_mul32_exact``) is the test's reference, and a CUDA test checks that
-both devices draw the same numbers.
-Uniforms become normals by Box-Muller. Statistics are tested in tests/md/test_engine_rng.py (moments, a
-Kolmogorov-Smirnov test, independence across steps, streams and seeds).
-
-The kernel (``normal_noise_cuda``, compiled through the kernels' one compile path) replaces the torch
-expression's ~60 tiny kernels per call: inside the engine's CUDA graph each costs a few microseconds however
-little it does (an NPT step draws three times). uint32 arithmetic wraps as the int64 expression's low 32 bits
-do; one thread makes a Box-Muller pair. ``normal_noise`` takes the kernel on a CUDA device, the reference
-(``normal_noise_reference``) elsewhere.
+Keyed by the committed step, not a ``torch.Generator`` whose state advances with every replay: a run does not
+depend on when rebuilds happened, a restart needs only (seed, step), and CPU and CUDA draw the same numbers. The
+hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64; the int64
+multiply wraps and only the low 32 bits are kept, so it is exact: ``_mul32_exact`` is the test's reference),
+three rounds per draw with independent keys; uniforms become normals by Box-Muller.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The reverse of every pair of a neighbour list, as one CUDA kernel: a thread per pair, a binary search in a row.
 
 Input: ``V`` pairs (sender s, receiver r, integer image shifts S [V, 3]) sorted by (receiver, sender), with
-``rowptr`` [N + 1] their receiver rows. The reverse of pair (s -> r, S) is (r -> s, -S): it lies in row s, among
-the pairs whose sender is r (found by a binary search, the row being sorted by sender), the one whose shift is -S:
+``rowptr`` [N + 1] their receiver rows. The reverse of (s -> r, S) is (r -> s, -S), in row s:
 
     reverse[v] = that pair's index,    or v and missing = 1 when the list lacks it
 
-A list has each (s, r, S) once, so the first match is the reverse. This replaces a sort of V int64 keys, two
-searches and host reads per neighbour-list rebuild (``pair_reverse_reference``, the reference and the CPU path);
-``pair_reverse`` takes the kernel on a CUDA device, the reference elsewhere.
+``pair_reverse_reference`` (a sort and host reads) is the reference and the CPU path; ``pair_reverse`` picks one.
 """
 
 from __future__ import annotations
@@ -74,15 +71,13 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
 
 
 def _on_reverse_kernel(sender: Tensor) -> bool:
-    """Whether ``pair_reverse`` finds the reverse pairs with ``pair_reverse_cuda`` (on CUDA;
-    elsewhere the reference)."""
+    """Whether ``pair_reverse`` takes ``pair_reverse_cuda`` (on CUDA; elsewhere the reference)."""
     return sender.is_cuda
 
 
 def pair_reverse(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: Tensor) -> Tensor | None:
     """reverse int64 [V] of the module doc for V >= 1 pairs sorted by (receiver, sender) with integer image shifts
-    [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse. On CUDA one kernel and a host
-    read, elsewhere ``pair_reverse_reference``."""
+    [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse."""
     if _on_reverse_kernel(sender):
         found, missing = pair_reverse_cuda(sender.contiguous(), receiver.contiguous(),
                                            shifts.to(torch.int64).contiguous(), rowptr)

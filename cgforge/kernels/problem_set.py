@@ -50,8 +50,6 @@ PROBLEMS = {
 # Convolutions of real models as they build them, for the per-layer benchmark (not in the test matrix: the
 # model tests run them): MACE-MP-medium's two interactions, every path into 0e+1o+2e+3o; the bundled water MACE's
 # second (cgforge/models/water-mace.model).
-MODEL_LAYERS = {
-    "mace-water-l2": channelwise("32x0e+32x1o", "1x0e+1x1o+1x2e", "32x0e+32x1o+32x2e"),
-    "mace-mp-medium-l1": channelwise("128x0e", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o"),
-    "mace-mp-medium-l2": channelwise("128x0e+128x1o", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o"),
-}
+MODEL_LAYERS = {"mace-water-l2": channelwise("32x0e+32x1o", "1x0e+1x1o+1x2e", "32x0e+32x1o+32x2e"),
+                "mace-mp-medium-l1": channelwise("128x0e", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o"),
+                "mace-mp-medium-l2": channelwise("128x0e+128x1o", "1x0e+1x1o+1x2e+1x3o", "128x0e+128x1o+128x2e+128x3o")}

@@ -2,15 +2,10 @@
 
     out[i] = values[rowptr[i]] + ... + values[rowptr[i + 1] - 1]        values [C, K] -> out [N, K]
 
-The forces are such sums (the backward of the edge vectors over the CSR layout). Atomics, and the parallel
-prefix sums of CUB (decoupled look-back: a tile adds its predecessors' partial sums in whatever order they
-happen to be ready), change the order of floating-point additions from run to run, so the last bits of the
-forces move. Here one warp owns a row: lane l adds elements l, l + 32, ... in order, then the 32 partial sums
-meet in a fixed butterfly. Accumulation is in FP64 for FP32 and FP64 values alike.
-
-On CUDA the sum runs as this kernel; on the CPU (and as the oracle in tests) as differences of one FP64 prefix
-sum, which is serial there and so deterministic too. The backward of a segment sum is a gather (every element
-of row i receives out's gradient of row i): differentiable again, so double backward works.
+The forces are such sums; atomics and CUB's prefix sums change the order of the additions from run to run. On
+CUDA a warp owns a row (lane l adds elements l, l + 32, ... in order, then a fixed butterfly), accumulating in
+FP64; on the CPU (and as the tests' oracle) differences of one FP64 prefix sum. The backward is a gather:
+differentiable again.
 """
 
 from __future__ import annotations
@@ -56,10 +51,8 @@ _KERNELS = SourceKernels(SEGMENT_SUM_SOURCE, list(_KERNEL_NAMES.values()), "segm
 
 
 def segment_sum_reference(values: Tensor, rowptr: Tensor) -> Tensor:
-    """The same sums from one FP64 prefix sum over the columns laid end to end (any device, differentiable).
-
-    A 1-D scan is one parallel pass, where a scan along dim 0 of a [C, 3] tensor would run each column serially;
-    a column's carry cancels in the differences."""
+    """The same sums from one FP64 prefix sum over the columns laid end to end (one parallel 1-D scan; a column's
+    carry cancels in the differences): any device, differentiable."""
     rows, width = values.shape
     flat = values.t().to(torch.float64).reshape(-1)
     prefix = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
@@ -107,9 +100,8 @@ class _SegmentSum(torch.autograd.Function):
 
 
 def segment_sum(values: Tensor, rowptr: Tensor) -> Tensor:
-    """[N, K] sums of the rows rowptr[i] .. rowptr[i + 1] - 1 of ``values`` [C, K], in a fixed order (module doc).
-
-    rowptr: [N + 1] non-decreasing, with rowptr[-1] <= C (not checked: it lives on the device). FP32 or FP64."""
+    """[N, K] sums of the rows rowptr[i] .. rowptr[i + 1] - 1 of ``values`` [C, K] (FP32, FP64) in a fixed order;
+    rowptr [N + 1] non-decreasing, rowptr[-1] <= C (not checked: it lives on the device)."""
     if values.dim() != 2:
         raise ValueError(f"values: expected a [C, K] tensor, got shape {tuple(values.shape)}")
     if rowptr.dim() != 1 or rowptr.shape[0] < 1:

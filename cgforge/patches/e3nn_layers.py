@@ -1,25 +1,15 @@
-"""Plain-torch stand-ins for two e3nn layers whose autograd costs more memory traffic than their math.
+"""Plain-torch stand-ins for two e3nn layers whose autograd costs more memory traffic than their math, computed from
+the e3nn module's own parameters and buffers (the same state_dict); the original is kept for ``restore``.
 
-Both compute what the e3nn module computes, from the e3nn module's own parameters and buffers (same
-names, so the state_dict is unchanged), and keep the original for ``restore``.
-- ``SplitLinear`` for ``o3.Linear``: e3nn's generated code takes each input irrep with ``narrow``, and autograd
-  turns every ``narrow`` into a zero-filled full-width gradient plus one full-width ``add_`` per extra irrep: after
-  MACE's convolution (10 irreps, [5184, 5120]) a measurable part of a step (docs/measured-constants.md). One
-  ``split`` has a single backward (a ``cat``). With frozen weights on CUDA, maps of up to ``kernel_max_channels``
-  channels a block (``KernelTuning.linear_kernel_max_channels``) run as cgforge's ``irreps_linear`` kernel: one
-  launch each way.
-- ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet`` (MACE's radial MLP): e3nn scales every hidden
-  activation twice (the normalising constant of ``normalize2mom`` and ``sqrt(var_out)``), each a full pass
-  over a [num_edges, width] tensor forward and backward. Those constants fold into the next layer's
-  (tiny) weight matrix: only the GEMMs and the bare activation touch edge-sized tensors.
+- ``SplitLinear`` for ``o3.Linear``: the input ``split`` once (e3nn's ``narrow`` per irrep makes a zero-filled
+  full-width gradient each: docs/measured-constants.md). With frozen weights on CUDA, maps of up to
+  ``kernel_max_channels`` channels a block run as the ``irreps_linear`` kernel; wide inputs of many rows are
+  mapped in row chunks (``_RowChunkedMap``, ``KernelTuning.rows``).
+- ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet``: the activations' two scale factors folded into the next
+  layer's weights, so only the GEMMs and the bare activations touch edge-sized tensors.
 
-  With frozen weights (inference) and a wide input of many rows, ``SplitLinear`` maps its rows in chunks
-  (``_RowChunkedMap``; when: its ``rows``, ``KernelTuning.rows``): the split, the transposes and the GEMM's
-  output of MACE-MP-medium's [N, 5120] convolution output took ~22 KB per atom at once, the largest part of a
-  500k-atom step's peak.
-
-``wrap`` returns ``None`` (the caller keeps the e3nn module) if the layer has a feature not handled here,
-or if the stand-in fails the self-check of ``stand_in.checked`` (with a warning).
+``wrap`` returns ``None`` (keep the e3nn module) for a layer it does not handle or whose stand-in fails
+``stand_in.checked``.
 """
 
 from __future__ import annotations
@@ -45,10 +35,8 @@ DEFAULT_ROWS = RowPolicy()  # when frozen maps run in row chunks: ``KernelTuning
 
 
 class _RowChunkedMap(torch.autograd.Function):
-    """``layer``'s linear map (or its transpose) of ``x``, written chunk by chunk of rows into one output.
-
-    The map is linear in ``x`` with frozen weights, so its backward is the transposed map, again row-chunked:
-    differentiable to any order, and no chunk's temporaries outlive it."""
+    """``layer``'s linear map (or its transpose) of ``x``, chunk by chunk of rows into one output; its backward is
+    the transposed map (frozen weights), again row-chunked: differentiable to any order."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: SplitLinear, transpose: bool, rows: int) -> torch.Tensor:
@@ -109,9 +97,8 @@ class SplitLinear(torch.nn.Module, StandIn):
         )
 
     @classmethod
-    def wrap(cls, linear: torch.nn.Module, where: str = "",
-             kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS, rows: RowPolicy = DEFAULT_ROWS
-             ) -> SplitLinear | None:
+    def wrap(cls, linear: torch.nn.Module, where: str = "", kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
+             rows: RowPolicy = DEFAULT_ROWS) -> SplitLinear | None:
         return checked(cls(linear, kernel_max_channels, rows), where) if cls.supports(linear) else None
 
     def self_check(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,16 +123,18 @@ class SplitLinear(torch.nn.Module, StandIn):
         state.pop("_kernel_plan", None)
         return state
 
+    def frozen(self) -> bool:
+        """Whether this call needs no weight gradient and torch.compile is not tracing it."""
+        return not (self.weight.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+
     def irreps_map(self) -> IrrepsMap:
         """The map's shape for the irreps_linear kernel (its blocks: ``_scaled_blocks`` end to end)."""
         return IrrepsMap.of(self.irreps_in, self.irreps_out, self.paths)
 
     def kernel_plan(self, x: torch.Tensor) -> tuple[IrrepsMap, LinearLaunch, LinearLaunch] | None:
         """The irreps_linear kernel's map and launches (rows to be set) for ``x`` [rows, dim], or None where the
-        map runs as GEMMs: off CUDA, trainable weights, under torch.compile, maps above
-        ``kernel_max_channels``, dtypes or widths the kernel does not take."""
-        if (x.device.type != "cuda" or (self.weight.requires_grad and torch.is_grad_enabled())
-                or torch.compiler.is_compiling()):
+        map runs as GEMMs (off CUDA, not ``frozen``, maps or dtypes the kernel does not take)."""
+        if x.device.type != "cuda" or not self.frozen():
             return None
         w = self.weight
         key = (w.data_ptr(), tensor_version(w), w.dtype, x.dtype, x.device)
@@ -166,14 +155,11 @@ class SplitLinear(torch.nn.Module, StandIn):
                 LinearLaunch(t.arrays(device), transpose_blocks(m, blocks), None, 0))
 
     def chunk_rows(self, x: torch.Tensor) -> int | None:
-        """Rows per ``map_into`` chunk for ``x`` [rows, dim] (None: ``_map``, all rows at once, with autograd):
-        only where the weights are frozen (their gradient would need every row) and not under torch.compile
-        (Inductor plans the memory of the traced ops itself); all rows in one chunk from ``rows.map_into_above_bytes``,
-        chunks of ``rows.chunk_bytes`` above ``rows.chunked_above_bytes``."""
+        """Rows per ``map_into`` chunk for ``x`` [rows, dim] by ``self.rows`` (None: ``_map``, all rows with
+        autograd), only where ``frozen`` (a weight gradient needs every row; Inductor plans its own memory)."""
         row_bytes = max(sum(self.in_dims), sum(self.out_dims)) * x.element_size()
         total, rows = x.shape[0] * row_bytes, self.rows
-        if (total < rows.map_into_above_bytes or (self.weight.requires_grad and torch.is_grad_enabled())
-                or torch.compiler.is_compiling()):
+        if total < rows.map_into_above_bytes or not self.frozen():
             return None
         return max(x.shape[0], 1) if total <= rows.chunked_above_bytes else max(rows.chunk_bytes // row_bytes, 1)
 
@@ -188,17 +174,9 @@ class SplitLinear(torch.nn.Module, StandIn):
                 self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight)
             if transpose:
                 i_in, i_out, mul_in, mul_out, w = i_out, i_in, mul_out, mul_in, w.t()
-            xi = pieces[i_in].reshape(x.shape[0], mul_in, -1)
-            if xi.shape[2] == 1:
-                y = xi.reshape(x.shape[0], mul_in) @ w
-            else:  # [z, u, i] -> [z*i, u] @ [u, w] -> [z, w, i]: one GEMM, as e3nn's optimised einsum
-                dim = xi.shape[2]
-                y = (xi.transpose(1, 2).reshape(-1, mul_in) @ w).reshape(x.shape[0], dim, mul_out)
-                y = y.transpose(1, 2).reshape(x.shape[0], mul_out * dim)
+            y = path_matmul(pieces[i_in], mul_in, w, mul_out)
             outs[i_out] = y if outs[i_out] is None else outs[i_out] + y
-        return torch.cat(
-            [o if o is not None else x.new_zeros(x.shape[0], d) for o, d in zip(outs, out_dims)], dim=-1
-        )
+        return cat_irreps(outs, out_dims, x)
 
     @property
     def out_width(self) -> int:
@@ -206,8 +184,7 @@ class SplitLinear(torch.nn.Module, StandIn):
         return sum(self.out_dims)
 
     def _scaled_blocks(self) -> list[torch.Tensor]:
-        """Each path's [mul_in, mul_out] block times its path weight, made once per weight version (map_into
-        runs per chunk of rows: a multiply per path and chunk was thousands of small launches a step)."""
+        """Each path's [mul_in, mul_out] block times its path weight, made once per weight version."""
         w = self.weight
         key = (w.data_ptr(), tensor_version(w), w.dtype, w.device)
         if self._scaled[0] != key:
@@ -218,18 +195,14 @@ class SplitLinear(torch.nn.Module, StandIn):
         return self._scaled[1]
 
     def _path_blocks(self) -> list[torch.Tensor | None]:
-        """``_scaled_blocks`` where the weights are frozen (a multiply per path and call was a kernel each in every
-        MD step), else None per path: ``_map`` scales the blocks in the call, where autograd sees it."""
-        if (self.weight.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        """``_scaled_blocks`` where ``frozen``, else None per path (``_map`` scales them where autograd sees it)."""
+        if not self.frozen():
             return [None] * len(self.paths)
         return self._scaled_blocks()
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
-        """``out[:] = _map(x, transpose)`` without autograd (a first-order pass over frozen weights), written
-        into ``out`` [rows, width], which may be rows of a wider tensor: a scalar output irrep is summed by GEMMs
-        straight in ``out``'s columns; the l > 0 irreps go through component-major segments (``Segments``): the
-        inputs' blocks moved once (one launch on CUDA, each input once however many paths read it), each output
-        summed by GEMMs in its [rows * dim, mul] segment, the segments moved into ``out`` once (one launch)."""
+        """``out[:] = _map(x, transpose)`` without autograd, written into ``out`` [rows, width] (rows of a wider
+        tensor may do): scalar irreps by GEMMs in ``out``'s columns, l > 0 ones through component-major ``Segments``."""
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         if x.dim() != 2 or out.dim() != 2 or x.shape[1] != sum(in_dims) or out.shape != (x.shape[0], sum(out_dims)):
             raise ValueError(f"map_into: x {tuple(x.shape)} and out {tuple(out.shape)} for a map "
@@ -266,8 +239,7 @@ class SplitLinear(torch.nn.Module, StandIn):
 
 class FoldedMLP(torch.nn.Module, StandIn):
     """``e3nn.nn.FullyConnectedNet`` with the activations' scale factors folded into the next weights.
-
-    ``precision``: how its products run (``radial_precision.MODES``; FP32 unless asked for)."""
+    ``precision``: how its products run (``radial_precision.MODES``)."""
 
     precision = "fp32"  # a class default: models pickled before the attribute existed read it too
 
@@ -276,15 +248,6 @@ class FoldedMLP(torch.nn.Module, StandIn):
         adopt(self, net, children=True)  # layer0, layer1, ...: the same state_dict keys
         self.hs = list(net.hs)
         self.original = (net,)
-
-    @staticmethod
-    def _activation(act: Any) -> tuple[Any, float]:
-        """(bare function, its output scale) of e3nn's ``normalize2mom(f)`` (or of a plain function)."""
-        if act is None:
-            return None, 1.0
-        if hasattr(act, "f") and hasattr(act, "cst"):
-            return act.f, 1.0 if getattr(act, "_is_id", False) else float(act.cst)
-        return act, 1.0
 
     @classmethod
     def supports(cls, net: torch.nn.Module) -> bool:
@@ -306,7 +269,7 @@ class FoldedMLP(torch.nn.Module, StandIn):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0  # the previous activation's output scale, not yet applied
         for layer in self.children():
-            f, cst = self._activation(layer.act)
+            f, cst = bare_activation(layer.act)
             if f is None:
                 w = layer.weight * (scale / math.sqrt(layer.h_in * layer.var_in / layer.var_out))
                 x, scale = radial_matmul(x, w, self.precision), 1.0
@@ -321,12 +284,8 @@ class FoldedMLP(torch.nn.Module, StandIn):
 
 def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MAX_CHANNELS,
             rows: RowPolicy = DEFAULT_ROWS) -> int:
-    """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its stand-in. In place.
-    ``kernel_max_channels`` and ``rows``: the linears' rules for the irreps_linear kernel and for row chunks
-    (``KernelTuning``'s).
-
-    Returns how many were replaced; a layer whose stand-in is unsupported or differs stays as it is.
-    """
+    """Replace every e3nn ``o3.Linear`` and ``FullyConnectedNet`` in ``model`` by its checked stand-in, in place
+    (``kernel_max_channels``, ``rows``: ``KernelTuning``'s); returns how many."""
     from e3nn import o3
     from e3nn.nn import FullyConnectedNet
 
@@ -343,6 +302,30 @@ def swap_in(model: torch.nn.Module, kernel_max_channels: int = DEFAULT_KERNEL_MA
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...] = (SplitLinear, FoldedMLP)) -> int:
     """Put the e3nn originals of the ``kinds`` stand-ins back. In place; returns how many."""
     return stand_in.swap_out(model, kinds)
+
+
+def bare_activation(act: Any) -> tuple[Any, float]:
+    """(bare function, its output scale) of e3nn's ``normalize2mom(f)`` (or of a plain function or None)."""
+    if act is not None and hasattr(act, "f") and hasattr(act, "cst"):
+        return act.f, 1.0 if getattr(act, "_is_id", False) else float(act.cst)
+    return act, 1.0
+
+
+def path_matmul(piece: torch.Tensor, mul_in: int, w: torch.Tensor, mul_out: int) -> torch.Tensor:
+    """``piece`` [rows, mul_in * dim] (an irrep, channel outermost) times the [mul_in, mul_out] block ``w`` per
+    component: [rows, mul_out * dim]."""
+    rows = piece.shape[0]
+    xi = piece.reshape(rows, mul_in, -1)
+    if xi.shape[2] == 1:
+        return xi.reshape(rows, mul_in) @ w
+    dim = xi.shape[2]  # [z, u, i] -> [z*i, u] @ [u, w] -> [z, w, i]: one GEMM, as e3nn's optimised einsum
+    y = (xi.transpose(1, 2).reshape(-1, mul_in) @ w).reshape(rows, dim, mul_out)
+    return y.transpose(1, 2).reshape(rows, mul_out * dim)
+
+
+def cat_irreps(outs: list[torch.Tensor | None], dims: list[int], like: torch.Tensor) -> torch.Tensor:
+    """The irreps ``outs`` side by side, zeros ([rows, dim] of ``like``'s rows) for those never written (None)."""
+    return torch.cat([o if o is not None else like.new_zeros(like.shape[0], d) for o, d in zip(outs, dims)], dim=-1)
 
 
 def _vector_segments(dims: list[int], used: list[tuple[int, int]]) -> tuple[Segments, dict[int, int]]:

@@ -36,10 +36,8 @@ COMPILED_SUFFIXES = (".nequip.pth", ".nequip.pt2", ".pt2")
 @dataclass(frozen=True)
 class Family:
     """One model family: how to recognise its modules and files, and its load, patch, unpatch, save, adapter.
-
-    ``name``: the key (``"mace"``); ``title``: the name in messages; ``package``: its code (imported on first use);
-    ``suffixes``: the file names it reads; ``writes``: those ``save`` writes, ``written_as`` what they are;
-    ``adapter_options``: its keyword options of ``adapter``."""
+    ``package``: its code (imported on first use); ``suffixes``: the file names it reads, ``writes`` those ``save``
+    writes."""
 
     name: str
     title: str
@@ -67,12 +65,10 @@ class Family:
 
     # -- the family's code (imports its package) ------------------------------------------------
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """The model in the checkpoint ``path`` (zip checksums checked first), in eval mode on ``device``, patched
-        (``patch``) or as the family builds it, in ``dtype`` (None: the file's). ``tuning``: the kernels'
-        ``KernelTuning`` (a file saved patched is patched again with it)."""
+        (``patch``, with ``tuning``) or as the family builds it, in ``dtype`` (None: the file's)."""
         raise NotImplementedError
 
     def prepare(self, model: torch.nn.Module, device: str | torch.device = "cpu",
@@ -103,11 +99,9 @@ class Family:
                              f"models as {self.written_as})")
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
-        """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, loaded
-        on ``device`` in ``dtype`` and never modified) to ``path`` atomically; refuses to overwrite unless
-        ``force``. Returns the path."""
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
+        """Write ``source`` (a model, patched or unpatched in place as ``patched`` says, or a checkpoint file, never
+        modified) to ``path`` atomically, not over a file unless ``force``; returns the path."""
         raise NotImplementedError
 
     def adapter(self, model: torch.nn.Module, device: torch.device, **options: Any) -> Any:
@@ -141,9 +135,8 @@ class _MaceFamily(Family):
         names = zip_names(path)
         return any(n.endswith("/data.pkl") for n in names) and not is_nequip_package(names)
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A MACE ``.model`` (mace-torch 0.3.x; e3nn 0.4 pickles and older attributes upgraded in memory)."""
         quiet_mace_import()
         from .mace import load_mace
@@ -165,8 +158,7 @@ class _MaceFamily(Family):
         return model.to(parse_device(device))
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
         """A whole-model pickle, which ``torch.load``, mace-torch's tools and MACECalculator load."""
         from cgforge.atomic import atomic_save
 
@@ -192,9 +184,8 @@ class _NequipFamily(Family):
         """A nequip-package archive (a zip holding ``model/package_metadata.txt``)."""
         return is_nequip_package(zip_names(path))
 
-    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, *, patch: bool = True,
-             tuning: KernelTuning | None = None) -> torch.nn.Module:
+    def load(self, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+             *, patch: bool = True, tuning: KernelTuning | None = None) -> torch.nn.Module:
         """A NequIP ``.ckpt`` or ``.nequip.zip`` (its sole model, checked against the plain one once patched); another
         ``dtype`` than its ``model_dtype`` raises ValueError; ``tuning.sc`` does not apply."""
         from .nequip import load_nequip
@@ -212,8 +203,7 @@ class _NequipFamily(Family):
         return patch_model(model, tuning=tuning) if patch else model
 
     def save(self, source: torch.nn.Module | str | os.PathLike, path: str | os.PathLike, *, force: bool = False,
-             patched: bool = True, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None) -> Path:
+             patched: bool = True, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> Path:
         """A patched ``.nequip.zip`` package (every model of a file patched and checked), written from the CPU in
         the model's ``model_dtype`` (``device`` unused; a ``dtype`` raises ValueError)."""
         self.check_output(path, patched=patched)
@@ -278,11 +268,9 @@ def load(source: str | os.PathLike | torch.nn.Module, device: str | torch.device
          dtype: str | torch.dtype | None = None, *, patch: bool = True,
          tuning: KernelTuning | None = None) -> torch.nn.Module:
     """A MACE or NequIP model ready to run, from a checkpoint path (``Family.load``) or a module of either family
-    (``Family.prepare``, patched in place). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a torch.device;
-    ``dtype``: None (the model's) or float32/float64 (NequIP: its ``model_dtype`` only); ``patch``: cgforge's kernels
-    or the family's code; ``tuning``: ``check_tuning``'s, not other than the defaults for a module already patched. A
-    file that fails to load raises ValueError naming it; warnings while loading it name the file.
-    """
+    (``Family.prepare``, patched in place). ``dtype``: None (the model's) or float32/float64 (NequIP: its
+    ``model_dtype`` only); ``tuning``: the defaults for a module already patched. A file that fails to load raises
+    ValueError naming it."""
     check_tuning(tuning, patch)
     device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(source, torch.nn.Module):

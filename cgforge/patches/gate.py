@@ -15,6 +15,7 @@ import torch
 from cgforge.kernels.gate import ACTIVATIONS, GateArrays, GateTable, gate
 
 from . import stand_in
+from .e3nn_layers import bare_activation
 from .stand_in import StandIn, checked
 from .torch_internals import adopt
 
@@ -26,9 +27,7 @@ def _activation_code(act: Any) -> tuple[int, float] | None:
     None: identity), or None where the kernels have no such function."""
     if act is None:
         return 0, 1.0
-    f, scale = act, 1.0
-    if hasattr(act, "f") and hasattr(act, "cst"):
-        f, scale = act.f, 1.0 if getattr(act, "_is_id", False) else float(act.cst)
+    f, scale = bare_activation(act)
     names = {torch.nn.functional.silu: "silu", torch.nn.SiLU: "silu", torch.tanh: "tanh",
              torch.nn.functional.tanh: "tanh", torch.nn.Tanh: "tanh", torch.sigmoid: "sigmoid",
              torch.nn.functional.sigmoid: "sigmoid", torch.nn.Sigmoid: "sigmoid"}
@@ -145,8 +144,7 @@ def is_e3nn_gate(module: torch.nn.Module) -> bool:
 
 
 def swap_in(model: torch.nn.Module) -> int:
-    """Replace every e3nn ``Gate`` of ``model`` the kernels can evaluate by a ``FusedGate``. In place; returns how
-    many were replaced."""
+    """Replace every e3nn ``Gate`` of ``model`` the kernels can evaluate by a ``FusedGate``, in place; how many."""
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if not is_e3nn_gate(child):
             return None

@@ -17,12 +17,9 @@ MODIFIER_NAME = "enable_cgforge"
 
 
 def _enable_cgforge(cls: type, model: Any) -> Any:
-    """
-    Use cgforge's fused convolution (JIT-generated CUDA kernels for the e3nn tensor product + scatter;
-    a torch reference on CPU) in every NequIP convolution. Same weights and state_dict, same energies and
-    forces. Eager models only: cgforge's kernels are launched from Python, so `nequip-compile`
-    (TorchScript / AOTInductor) cannot hold them; run the eager model or package (e.g. with
-    `cgforge patch IN OUT.nequip.zip` and the cgforge ASE calculator)."""
+    """Use cgforge's fused convolution (JIT CUDA kernels for the e3nn tensor product + scatter; a torch reference on
+    CPU) in every NequIP convolution: same state_dict, energies and forces. Eager models only: `nequip-compile`
+    cannot hold kernels launched from Python; run the eager model or a package (`cgforge patch IN OUT.nequip.zip`)."""
     from .nequip import enable_cgforge  # lazy: keeps `import nequip` light
 
     return enable_cgforge(model)

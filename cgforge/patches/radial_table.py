@@ -96,9 +96,8 @@ def tabulate(mlp: torch.nn.Module, fn: Callable[[Tensor], Tensor], r_max: float,
 
 
 def fuse_tables(layers: list[tuple[str, TabulatedRadial, torch.nn.Module]], on: bool) -> None:
-    """Have each layer's convolution read its table inside the kernels (``on``: the table returns
-    ``TableWeights``), or evaluate the table into [E, weight_numel] weights first. ``layers``: (where, table,
-    convolution); every convolution must read tables (``reads_tables``: cgforge's) before any flag changes."""
+    """Have each (where, table, convolution) of ``layers`` read its table inside the kernels (``on``: ``TableWeights``;
+    every convolution must be cgforge's, checked first), or evaluate it into [E, weight_numel] weights first."""
     if on:
         for where, _, conv in layers:
             if not getattr(conv, "reads_tables", False):

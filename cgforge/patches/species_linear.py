@@ -25,9 +25,8 @@ from .torch_internals import adopt, give_back, tensor_version
 @dataclass(frozen=True)
 class SpeciesGroups:
     """Nodes grouped by species: ``order`` lists node indices species by species (``counts[k]`` of the k-th
-    species present), ``inverse[n]`` is the place of node n in ``order``, ``representatives[k]`` one node of
-    the k-th species. Built once per structure (it reads the counts back to the host), or with a fixed room per
-    species by ``SpeciesRoom`` (``counts`` are then the rooms, and unused places repeat node 0)."""
+    present), ``inverse[n]`` the place of node n in ``order``, ``representatives[k]`` one node of the k-th species.
+    From ``from_species`` (a host read) or ``SpeciesRoom`` (``counts``: the rooms; unused places repeat node 0)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
@@ -57,9 +56,8 @@ class SpeciesGroups:
 
 
 class SpeciesRoom:
-    """Fixed room per species, for grouping nodes inside a captured CUDA graph (where ``from_species``, a host read,
-    cannot run): ``capacities[k]`` slots for species k (0: no group), each group padded with node 0 (whose outputs
-    nobody gathers); nodes past ``num_valid`` belong to no group."""
+    """Fixed room per species, for grouping nodes inside a captured CUDA graph (no host read): ``capacities[k]``
+    slots for species k (0: no group), padded with node 0; nodes past ``num_valid`` belong to no group."""
 
     def __init__(self, capacities: Sequence[int], device: torch.device | str) -> None:
         self.capacities = tuple(int(c) for c in capacities)
@@ -80,9 +78,8 @@ class SpeciesRoom:
         return len(counts) == len(self.capacities) and all(n <= c for n, c in zip(counts, self.capacities))
 
     def groups(self, species: torch.Tensor, num_valid: torch.Tensor) -> tuple[SpeciesGroups, torch.Tensor]:
-        """The groups of the first ``num_valid`` (a device scalar) of [N] species indices, and the count of each
-        species among them (int64 [len(capacities)]; a count above its room leaves that group's overflow out, so
-        the caller checks ``fits`` and runs again with more room). No host reads, no sort."""
+        """The groups of the first ``num_valid`` (a device scalar) of [N] species indices and each species' count
+        (int64; one above its room leaves the overflow out: the caller checks ``fits``). No host reads, no sort."""
         n, device, k = species.shape[0], species.device, len(self.capacities)
         node = torch.arange(n, device=device)
         index = torch.where(node < num_valid, species.long(), k)  # padding nodes: past every species
@@ -187,16 +184,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
             pieces = xk.split(self.in1_dims, dim=1) if len(self.in1_dims) > 1 else (xk,)
             blocks: list[torch.Tensor | None] = [None] * len(self.out_dims)
             for (i_in1, i_out, _, _, (u, _, w), _), mat in zip(self.paths, mats):
-                xi = pieces[i_in1].reshape(xk.shape[0], u, -1)
-                dim = xi.shape[2]
-                if dim == 1:
-                    y = xi.reshape(xk.shape[0], u) @ mat[k]
-                else:  # [n, u, i] -> [n*i, u] @ [u, w] -> [n, w, i]
-                    y = (xi.transpose(1, 2).reshape(-1, u) @ mat[k]).reshape(xk.shape[0], dim, w)
-                    y = y.transpose(1, 2).reshape(xk.shape[0], w * dim)
+                y = e3nn_layers.path_matmul(pieces[i_in1], u, mat[k], w)
                 blocks[i_out] = y if blocks[i_out] is None else blocks[i_out] + y
-            outs.append(torch.cat([b if b is not None else xk.new_zeros(xk.shape[0], d)
-                                   for b, d in zip(blocks, self.out_dims)], dim=1))
+            outs.append(e3nn_layers.cat_irreps(blocks, self.out_dims, xk))
         return torch.cat(outs).index_select(0, groups.inverse)
 
     def __getstate__(self) -> dict:
@@ -217,11 +207,9 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
 
     def _kernel_launches(self, x: torch.Tensor, attrs: torch.Tensor, groups: SpeciesGroups
                          ) -> tuple[list[LinearLaunch], list[LinearLaunch]] | None:
-        """The irreps_linear kernel's launches, one per species over its rows each way, or None where the GEMMs
-        run: off CUDA, trainable weights or attributes, torch.compile, padded groups, large maps
-        (``kernel_max_channels``: ``KernelTuning.linear_kernel_max_channels``), dtypes or widths the kernel does not
-        take. Kept in ``groups.launch_cache`` per weight and attribute version (not while a CUDA graph is being
-        captured, whose kernels do not run then)."""
+        """The irreps_linear kernel's launches, one per species each way, or None where the GEMMs run (off CUDA,
+        gradients, torch.compile, padded groups, maps or dtypes the kernel does not take). Kept in
+        ``groups.launch_cache`` per weight and attribute version (not while capturing: its kernels do not run)."""
         if (x.device.type != "cuda" or groups.padded or torch.compiler.is_compiling() or not self.paths
                 or (torch.is_grad_enabled() and (self.weight.requires_grad or attrs.requires_grad))):
             return None
@@ -271,9 +259,8 @@ class SpeciesSelfConnection(torch.nn.Module, StandIn):
 
 def swap_in(model: torch.nn.Module, attribute: str, graphs: object,
             kernel_max_channels: int = e3nn_layers.DEFAULT_KERNEL_MAX_CHANNELS) -> int:
-    """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its stand-in, when
-    supported and checked (``stand_in.checked``). In place; returns how many were replaced. ``kernel_max_channels``:
-    the rule for the irreps_linear kernel (``KernelTuning.linear_kernel_max_channels``)."""
+    """Replace the ``attribute`` child (``skip_tp``, ``sc``) of every module of ``model`` by its checked stand-in,
+    in place; returns how many."""
 
     def make(where: str, child: torch.nn.Module) -> StandIn | None:
         if where.rpartition(".")[2] != attribute:

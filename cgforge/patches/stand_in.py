@@ -124,8 +124,7 @@ def swap_in(model: torch.nn.Module, make: Maker) -> list[str]:
 
 
 def swap_out(model: torch.nn.Module, kinds: tuple[type, ...]) -> int:
-    """Put the originals of the ``kinds`` stand-ins back (with the tensors as moved/converted since).
-    In place; returns how many."""
+    """Put the originals of the ``kinds`` stand-ins back (tensors as moved/converted since), in place; how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -74,9 +74,8 @@ class DeferredWeights:
 
 def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: DeferredWeights,
            graph: kernels.ConvGraph, chunk_edges: int, out_fn: torch.nn.Module | None = None) -> Tensor:
-    """``conv(x, y, weights)`` by ``kernels.streaming_edge_convolution``: the per-edge tensors behind y, the
-    radial input and the scale (each input once) are the edge inputs; (y, weights) are made per chunk.
-    ``out_fn``: the linear layer that follows, applied per chunk of output rows (see the kernel's doc)."""
+    """``conv(x, y, weights)`` by ``kernels.streaming_edge_convolution``, (y, weights) made per chunk from the edge
+    inputs behind them; ``out_fn``: the linear layer that follows, per chunk of output rows."""
     parts = [_rows(y), _rows(weights.radial_in)] + ([] if weights.scale is None else [_rows(weights.scale)])
     inputs: list[Tensor] = []
     where: list[list[int]] = []  # per part: the positions of its inputs in `inputs`
@@ -103,9 +102,8 @@ def stream(conv: kernels.Convolution, x: Tensor, y: Tensor | EdgeRows, weights: 
 
 
 class Deferred(torch.nn.Module):
-    """Base of the stand-ins that return deferred values while streaming: holds ``module`` (the original)
-    and adopts its submodules, parameters and buffers under their own names (same state_dict); other
-    attributes are read from the original."""
+    """Base of the stand-ins that return deferred values while streaming: holds ``module`` (the original), adopts
+    its submodules and tensors (same state_dict), and reads other attributes from it."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
@@ -155,9 +153,8 @@ def chunk_edges_for(layers: list[tuple[torch.nn.Module, int]], budget_bytes: int
 
 
 def defer_radial(layers: list[torch.nn.Module], mlp_attr: str, conv_attr: str, chunk_edges: int | None) -> int:
-    """Swap each layer's radial MLP (``layer.<mlp_attr>``) for a ``DeferredRadial`` and tell its convolution
-    (``layer.<conv_attr>``) the chunk size; None swaps the MLPs back. Returns the number of streaming layers.
-    The MLPs' parameters stop requiring grad: the streaming path is for inference."""
+    """Swap each layer's radial MLP (``layer.<mlp_attr>``) for a ``DeferredRadial`` and tell its convolution the chunk
+    size (None: swap back); the number of streaming layers. The MLPs' parameters stop requiring grad (inference)."""
     if chunk_edges is not None and (isinstance(chunk_edges, bool) or not isinstance(chunk_edges, int)
                                     or chunk_edges < 1):
         raise ValueError(f"chunk_edges must be a positive int or None, got {chunk_edges!r}")

@@ -39,9 +39,8 @@ def children_dict(module: torch.nn.Module) -> MutableMapping[str, Any]:
 
 
 def adopt(stand_in: torch.nn.Module, original: torch.nn.Module, *, children: bool = False) -> None:
-    """Register the original's own parameters (``None`` slots too) and buffers (same persistence) in the
-    stand-in under the same names, and with ``children`` its submodules: the same objects, so the stand-in's
-    state_dict is the original's."""
+    """Register the original's own parameters (``None`` slots too), buffers (same persistence) and, with
+    ``children``, submodules in the stand-in under the same names: the same objects and state_dict."""
     for name, param in parameter_slots(original):
         stand_in.register_parameter(name, param)
     for name, buf in original.named_buffers(recurse=False):
@@ -52,10 +51,8 @@ def adopt(stand_in: torch.nn.Module, original: torch.nn.Module, *, children: boo
 
 
 def give_back(stand_in: torch.nn.Module, original: torch.nn.Module, *, deep: bool = True) -> torch.nn.Module:
-    """The original with the stand-in's current tensors, module by module along equal paths (``.to()`` and
-    ``load_state_dict(assign=True)`` replace tensors in the stand-in only). Submodules the stand-in adopted
-    are the same objects: they need nothing. ``deep=False``: the two modules' own tensors only (cheap
-    enough per call). Writes ``_parameters`` and ``_buffers``."""
+    """The original with the stand-in's current tensors (``.to()`` and ``load_state_dict(assign=True)`` replace them
+    in the stand-in only), module by module along equal paths; ``deep=False``: the two modules' own tensors only."""
     mine = dict(stand_in.named_modules()) if deep else {"": stand_in}
     for path, theirs in (original.named_modules() if deep else [("", original)]):
         own = mine.get(path)

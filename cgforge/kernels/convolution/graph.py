@@ -65,8 +65,7 @@ class ConvGraph:
             raise ValueError(f"sender is on {sender.device} but receiver on {receiver.device}")
         num_nodes = int(num_nodes)
         if num_nodes < 0 or num_nodes >= 2**31 or sender.shape[0] >= 2**31:
-            raise ValueError(f"num_nodes ({num_nodes}) and the edge count ({sender.shape[0]}) must be in "
-                             "[0, 2^31)")
+            raise ValueError(f"num_nodes ({num_nodes}) and the edge count ({sender.shape[0]}) must be in [0, 2^31)")
         if sender.numel():
             lo = torch.minimum(sender.min(), receiver.min()).item()
             hi = torch.maximum(sender.max(), receiver.max()).item()

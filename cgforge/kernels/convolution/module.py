@@ -64,8 +64,7 @@ class Convolution(TensorProduct):
     def forward_table_rows(self, x: torch.Tensor, y: torch.Tensor, lengths: torch.Tensor, coeffs: torch.Tensor,
                            r_max: float, graph: ConvGraph, out_fn: table_rows.RowMap, chunk_rows: int) -> torch.Tensor:
         """``out_fn(forward_table(x, y, lengths, coeffs, r_max, graph))`` made ``chunk_rows`` receiver rows at a time
-        (``table_rows``); ``out_fn``: an affine row map (e.g. a linear layer) whose parameters are constants. Needs a
-        deterministic graph."""
+        (``table_rows``); ``out_fn``: an affine row map with constant parameters; a deterministic graph."""
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         if not callable(out_fn):

@@ -29,8 +29,7 @@ def _reference_conv(p, x, y, w, sender, receiver, rows):
 
 
 def _reference_conv_backward(p, x, y, w, g, sender, receiver):
-    gxe, gy, gw = reference_tp_backward(p, x.index_select(0, sender.long()), y, w,
-                                        g.index_select(0, receiver.long()))
+    gxe, gy, gw = reference_tp_backward(p, x.index_select(0, sender.long()), y, w, g.index_select(0, receiver.long()))
     return torch.zeros_like(x).index_add(0, sender.long(), gxe), gy, gw
 
 
@@ -75,10 +74,9 @@ def _conv_bwd_fake(x, y, w, g, sender, receiver, rowptr, perm, rowptr_t, perm_t,
 def _conv_bwd_grad(ctx, ggx, ggy, ggw):
     x, y, w, g, *graph = ctx.saved_tensors
     key, det = ctx.args
-    dx, dy, dw, dg = trilinear_double_backward(
-        lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
-        lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
-        x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
+    dx, dy, dw, dg = trilinear_double_backward(lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
+                                               lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
+                                               x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
     return (dx, dy, dw, dg) + (None,) * 8
 
 

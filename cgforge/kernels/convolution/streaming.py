@@ -145,13 +145,10 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
                                edge_fn: EdgeFunction, graph: ConvGraph, chunk_edges: int,
                                min_rows: int | None = None, constants: Iterable[torch.nn.Module] = (),
                                out_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``conv(x, y, w, graph)`` (with ``out_fn``: ``out_fn(conv(...))``) where ``(y, w) = edge_fn(*edge_inputs)`` is
-    made per chunk of edges and remade in the backward; gradients flow to x and to every edge input that requires
-    grad. ``edge_fn`` maps a chunk's rows of the per-edge inputs to y [C, irreps_in2] and w [C, weight_numel], row by
-    row. ``constants``: modules of ``edge_fn`` whose parameters are constants (refused when they require grad while
-    grad is on); ``out_fn``: an affine row map applied per chunk of rows, its parameters constants too. Needs a
-    deterministic graph. A chunk holds at most ``chunk_edges`` edges or at least ``min_rows`` rows (default:
-    ``RowPolicy.min_chunk_rows`` on CUDA, 1 on a CPU)."""
+    """``conv(x, y, w, graph)`` (or ``out_fn(conv(...))``, an affine row map per chunk of rows) where ``(y, w) =
+    edge_fn(*edge_inputs)`` is made row by row per chunk of edges and remade in the backward; gradients reach x and
+    the edge inputs. ``constants``: modules whose parameters must not require grad. Needs a deterministic graph. A
+    chunk: at most ``chunk_edges`` edges or at least ``min_rows`` rows (``RowPolicy.min_chunk_rows`` on CUDA)."""
     if not isinstance(conv, Convolution):
         raise TypeError(f"conv must be a cgforge Convolution, got {type(conv).__name__}")
     if not isinstance(graph, ConvGraph):
@@ -188,10 +185,8 @@ def streaming_edge_convolution(conv: Convolution, x: torch.Tensor, edge_inputs: 
 def streaming_convolution(conv: Convolution, x: torch.Tensor, y: torch.Tensor, radial_in: torch.Tensor,
                           radial: Callable[[torch.Tensor], torch.Tensor], graph: ConvGraph, chunk_edges: int,
                           scale: torch.Tensor | None = None, min_rows: int | None = None) -> torch.Tensor:
-    """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges.
-
-    x [N, irreps_in1]; y [E, irreps_in2]; radial_in [E, F]; ``radial`` maps [C, F] rows to [C, weight_numel] rows
-    independently; scale None or [E, 1]. Gradients flow to x, y, radial_in and scale."""
+    """``conv(x, y, radial(radial_in) * scale, graph)`` with the weights made and used per chunk of edges: radial_in
+    [E, F] -> [E, weight_numel] row by row; scale None or [E, 1]. Gradients reach x, y, radial_in and scale."""
     edges = graph.num_edges if isinstance(graph, ConvGraph) else None
     for name, t, width in (("y", y, conv.irreps_in2.dim), ("radial_in", radial_in, None), ("scale", scale, 1)):
         if t is None or edges is None:

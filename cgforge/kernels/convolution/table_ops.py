@@ -74,10 +74,9 @@ def _fwd_grad(ctx, g):
 
 
 @custom_op("conv_table_forward", _fwd_fake, _fwd_grad)
-def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor,
-                       sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
-                       rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str,
-                       deterministic: bool) -> torch.Tensor:
+def conv_table_forward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor, sender: torch.Tensor,
+                       receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor, rowptr_t: torch.Tensor,
+                       perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool) -> torch.Tensor:
     p = plans.get(key).problem
     rows = _output_rows(x, rowptr)
     if x.device.type != "cuda":
@@ -117,10 +116,9 @@ def _bwd_grad(ctx, ggx, ggy, ggr):
     ggx = ggx if grad_x else None  # no grad x was formed: nothing flows back through it
     w = radial_table_eval(r, coeffs, r_max, 0)
     ggw = None if ggr is None else ggr.unsqueeze(1) * radial_table_eval(r, coeffs, r_max, 1)
-    dx, dy, dw, dg = trilinear_double_backward(
-        lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
-        lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
-        x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
+    dx, dy, dw, dg = trilinear_double_backward(lambda a, b, c: conv_forward(a, b, c, *graph, key, det),
+                                               lambda a, b, c, d: conv_backward(a, b, c, d, *graph, key, det),
+                                               x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
     dr = None if dw is None else radial_table_dot(r, coeffs, dw, r_max, 1)
     if ggr is not None:
         gw = conv_backward(x, y, w, g, *graph, key, det)[2]
@@ -146,9 +144,8 @@ def fixed_point_grad_x(key: str, x: torch.Tensor, g: torch.Tensor) -> bool:
 
 def _receiver_backward(x, y, r, coeffs, g, sender, rowptr, perm, rowptr_t, r_max: float, key: str, grad_x: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward over the forward's rows (receivers): x read through the sender index, the row's grad-out
-    block staged once; grad x not formed, or added by atomics: in fixed point (``fixed_point``, the same bits every
-    run) or in floating point (``TPTuning.receiver_backward_atomic``)."""
+    """The backward over the forward's rows (receivers), each grad-out block staged once; grad x not formed, or added
+    by atomics in fixed point (``fixed_point``) or floating point (``TPTuning.receiver_backward_atomic``)."""
     fixed = grad_x and fixed_point_grad_x(key, x, g)
     gy, gr = torch.zeros_like(y), torch.zeros_like(r)
     sorted_edges = not perm.numel()
@@ -178,9 +175,8 @@ def conv_table_backward(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeff
                         sender: torch.Tensor, receiver: torch.Tensor, rowptr: torch.Tensor, perm: torch.Tensor,
                         rowptr_t: torch.Tensor, perm_t: torch.Tensor, r_max: float, key: str, deterministic: bool,
                         grad_x: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``. ``grad_x`` False: grad x is not
-    formed (an empty tensor) and a deterministic graph's kernel walks the forward's rows, each grad-out row read once
-    (so also where grad x is added by atomics: ``TPTuning.receiver_backward_fixed_point`` / ``_atomic``)."""
+    """(grad x, grad y, grad r) of ``conv_table_forward`` for the output gradient ``g``; ``grad_x`` False: grad x is
+    empty and a deterministic graph's kernel walks the forward's rows (``_receiver_backward``)."""
     p = plans.get(key).problem
     if x.device.type != "cuda":
         w = radial_table_reference(r, coeffs, r_max)

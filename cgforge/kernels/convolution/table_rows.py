@@ -59,9 +59,8 @@ def map_rows(out_fn: RowMap, rows: torch.Tensor, out: torch.Tensor | None, r0: i
 
 
 def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The gradient of an affine row map's ``width``-wide input rows from ``g``, that of its output rows, range by
-    range: its vector-Jacobian product at zero rows (differentiable in g under grad mode), or with ``map_into`` its
-    transpose applied directly in a first-order backward. Shared with the streaming convolution."""
+    """The gradient of an affine row map's ``width``-wide input rows from ``g``, its output rows', range by range: the
+    vector-Jacobian product at zero rows, or ``map_into``'s transpose in a first-order backward."""
     keep_graph = torch.is_grad_enabled()  # a double backward: gc stays a function of g
     gc = g.new_empty(g.shape[0], width)
     into = None if keep_graph else getattr(out_fn, "map_into", None)
@@ -77,9 +76,8 @@ def row_map_transpose(out_fn: RowMap, g: torch.Tensor, width: int, ranges: list[
 
 def transposed_range(rowptr_t: torch.Tensor, perm_t: torch.Tensor, receiver: torch.Tensor, r0: int, r1: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sender-major CSR (row pointer int64 [N + 1], edge ids int32 [E + 1]) of the edges whose receiver is in
-    [r0, r1), in the whole transposed CSR's order: what the backward kernel walks for one range of receiver rows.
-    Built on the device without host reads; the ids' last slot collects the other edges and is never read."""
+    """The sender-major CSR (row pointer int64 [N + 1], edge ids int32 [E + 1], the last a dump) of the edges whose
+    receiver is in [r0, r1), in the transposed CSR's order; no host reads."""
     edges = receiver.shape[0]
     ids = perm_t if perm_t.numel() else torch.arange(edges, dtype=torch.int32, device=receiver.device)
     rec = receiver.index_select(0, ids)
@@ -99,8 +97,7 @@ def conv_table_backward_by_ranges(x: torch.Tensor, y: torch.Tensor, r: torch.Ten
                                   ranges: list[tuple[int, int]], r_max: float, key: str
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad y, grad r) of the deterministic table convolution, its output gradient made one range of
-    receiver rows at a time by ``grad_rows(r0, r1)``: no gradient of all the output rows at once. First order only
-    (not differentiable: the caller keeps the whole-graph backward when a graph is to be kept)."""
+    receiver rows at a time by ``grad_rows(r0, r1)``. First order only."""
     sender, receiver, _, _, rowptr_t, perm_t = graph
     p = plans.get(key).problem
     x, y, r, coeffs = x.contiguous(), y.contiguous(), r.contiguous(), coeffs.contiguous()
@@ -163,7 +160,6 @@ class _TableConvRows(torch.autograd.Function):
 
 def conv_table_rows(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, coeffs: torch.Tensor, graph: tuple,
                     r_max: float, key: str, width: int, out_fn: RowMap, chunk_rows: int) -> torch.Tensor:
-    """``out_fn(conv_table_forward(x, y, r, coeffs, *graph, r_max, key, True))`` with the convolution's rows
-    (``width`` wide) made and mapped ``chunk_rows`` at a time. ``graph``: the six ``GraphTensors`` of a
-    deterministic graph. ``out_fn``'s parameters are constants (no gradient reaches them)."""
+    """``out_fn(conv_table_forward(x, y, r, coeffs, *graph, r_max, key, True))`` with the ``width``-wide rows made
+    and mapped ``chunk_rows`` at a time (a deterministic graph; ``out_fn``'s parameters are constants)."""
     return _TableConvRows.apply(x, y, r, coeffs, out_fn, int(chunk_rows), int(width), float(r_max), key, *graph)

@@ -7,11 +7,15 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
-def check_features(name: str, t: torch.Tensor, dim: int, rows: int | None = None) -> None:
+def check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
+
+
+def check_features(name: str, t: torch.Tensor, dim: int, rows: int | None = None) -> None:
+    check_float(name, t)
     if t.dim() != 2 or t.shape[1] != dim:
         raise ValueError(f"{name} must have shape [rows, {dim}], got {list(t.shape)}")
     if rows is not None and t.shape[0] != rows:
@@ -19,10 +23,7 @@ def check_features(name: str, t: torch.Tensor, dim: int, rows: int | None = None
 
 
 def check_weights(w: torch.Tensor, numel: int, shared: bool, rows: int) -> None:
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(w).__name__}")
-    if w.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"weight must be float32 or float64, got {w.dtype}")
+    check_float("weight", w)
     expected = [numel] if shared else [rows, numel]
     if list(w.shape) != expected:
         kind = "shared weights" if shared else "per-row weights"

@@ -119,11 +119,9 @@ def _version_sort_key(path: str) -> tuple[int, ...]:
 
 
 # The only environment variables the kernels read: where the disk cache lives, turning it off, which libnvrtc.
-ENVIRONMENT = {
-    "CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
-    "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
-    "CGFORGE_NVRTC_PATH": "the libnvrtc.so to load first",
-}
+ENVIRONMENT = {"CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
+               "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
+               "CGFORGE_NVRTC_PATH": "the libnvrtc.so to load first"}
 
 _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, not libnvrtc.alt
 
@@ -163,18 +161,12 @@ class _Nvrtc:
         self.path = path
         self._lib = lib
         P, S, I, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p
-        decl = {
-            "nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
-            "nvrtcCreateProgram": [ctypes.POINTER(P), C, C, I, ctypes.POINTER(C), ctypes.POINTER(C)],
-            "nvrtcDestroyProgram": [ctypes.POINTER(P)],
-            "nvrtcCompileProgram": [P, I, ctypes.POINTER(C)],
-            "nvrtcGetProgramLogSize": [P, ctypes.POINTER(S)],
-            "nvrtcGetProgramLog": [P, C],
-            "nvrtcGetCUBINSize": [P, ctypes.POINTER(S)],
-            "nvrtcGetCUBIN": [P, C],
-            "nvrtcAddNameExpression": [P, C],
-            "nvrtcGetLoweredName": [P, C, ctypes.POINTER(C)],
-        }
+        decl = {"nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
+                "nvrtcCreateProgram": [ctypes.POINTER(P), C, C, I, ctypes.POINTER(C), ctypes.POINTER(C)],
+                "nvrtcDestroyProgram": [ctypes.POINTER(P)], "nvrtcCompileProgram": [P, I, ctypes.POINTER(C)],
+                "nvrtcGetProgramLogSize": [P, ctypes.POINTER(S)], "nvrtcGetProgramLog": [P, C],
+                "nvrtcGetCUBINSize": [P, ctypes.POINTER(S)], "nvrtcGetCUBIN": [P, C], "nvrtcAddNameExpression": [P, C],
+                "nvrtcGetLoweredName": [P, C, ctypes.POINTER(C)]}
         for fn, argtypes in decl.items():
             f = getattr(lib, fn)
             f.argtypes, f.restype = argtypes, I
@@ -235,8 +227,7 @@ class _Nvrtc:
             lowered = {}
             for expr in name_expressions:
                 out = ctypes.c_char_p()
-                self._check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
-                            "nvrtcGetLoweredName")
+                self._check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
                 lowered[expr] = out.value.decode()
             return code, log, cubin_buf.raw, lowered
         finally:
@@ -291,17 +282,11 @@ def supported_archs() -> tuple[str, ...]:
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
-_FIELDS = {
-    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
-    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
-    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
-}
-_USED_FIELDS = {
-    "registers": re.compile(r"Used (\d+) registers"),
-    "barriers": re.compile(r"used (\d+) barriers"),
-    "shared_mem": re.compile(r"(\d+) bytes smem"),
-    "const_mem": re.compile(r"(\d+) bytes cmem\[0\]"),
-}
+_FIELDS = {"stack_frame": re.compile(r"(\d+) bytes stack frame"),
+           "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+           "spill_loads": re.compile(r"(\d+) bytes spill loads")}
+_USED_FIELDS = {"registers": re.compile(r"Used (\d+) registers"), "barriers": re.compile(r"used (\d+) barriers"),
+                "shared_mem": re.compile(r"(\d+) bytes smem"), "const_mem": re.compile(r"(\d+) bytes cmem\[0\]")}
 
 
 def parse_ptxas_report(log: str) -> dict[str, KernelResources]:
@@ -342,8 +327,7 @@ def _error_context(source: str, name: str, log: str, radius: int = 2, max_errors
     width = len(str(len(lines)))
     for ln in error_lines:
         lo, hi = max(1, ln - radius), min(len(lines), ln + radius)
-        blocks.append("\n".join(f"{'>' if i == ln else ' '} {i:>{width}} | {lines[i - 1]}"
-                                for i in range(lo, hi + 1)))
+        blocks.append("\n".join(f"{'>' if i == ln else ' '} {i:>{width}} | {lines[i - 1]}" for i in range(lo, hi + 1)))
     return "\n...\n".join(blocks)
 
 
@@ -384,8 +368,7 @@ def cache_key(source: str, *, arch: str, options: Sequence[str] = (), name: str 
     return _cache_key(source, arch, _full_options(arch, opts), name, exprs)
 
 
-def _cache_key(source: str, arch: str, full_options: Sequence[str], name: str,
-               name_expressions: Sequence[str]) -> str:
+def _cache_key(source: str, arch: str, full_options: Sequence[str], name: str, name_expressions: Sequence[str]) -> str:
     material = json.dumps([CACHE_FORMAT_VERSION, _load_nvrtc().fingerprint, arch, list(full_options), name,
                            list(name_expressions), source])
     return hashlib.sha256(material.encode()).hexdigest()

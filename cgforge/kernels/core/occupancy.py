@@ -48,12 +48,10 @@ class SMLimits:
 
 
 # By cubin architecture; an architecture not listed gets no launch bound (nothing is guessed).
-SM_LIMITS: dict[str, SMLimits] = {
-    "sm_80": SMLimits(shared_memory=164 * 1024),
-    "sm_86": SMLimits(max_warps=48, max_blocks=16, shared_memory=100 * 1024),
-    "sm_89": SMLimits(max_warps=48, max_blocks=24, shared_memory=100 * 1024),
-    "sm_90": SMLimits(),
-}
+SM_LIMITS: dict[str, SMLimits] = {"sm_80": SMLimits(shared_memory=164 * 1024),
+                                  "sm_86": SMLimits(max_warps=48, max_blocks=16, shared_memory=100 * 1024),
+                                  "sm_89": SMLimits(max_warps=48, max_blocks=24, shared_memory=100 * 1024),
+                                  "sm_90": SMLimits()}
 
 
 def sm_limits(arch: str) -> SMLimits | None:

@@ -18,6 +18,7 @@ from . import compiler
 from .errors import UnknownKernelKeyError
 
 _SCALAR = {torch.float32: "float", torch.float64: "double"}
+DTYPE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}  # the fixed sources' kernel names per dtype
 
 P = TypeVar("P")
 
@@ -74,9 +75,8 @@ def compile_source(source: str, function: str, arch: str, *, name_expressions: S
 
 def load_source(source: str, names: Sequence[str], *, stem: str = "kernel", options: Sequence[str] = (),
                 device: torch.device | int | None = None) -> dict[str, Any]:
-    """Compile `source` for a device's architecture (torch's current one if None; cached) and load kernels
-    `names`: extern "C" names or C++ name expressions such as 'tp_fwd<float, 32>'. Handles keyed by the names as
-    given; they launch on whichever device is current (loading there on first use)."""
+    """Compile `source` for a device's architecture (None: torch's current; cached) and load kernels `names` (extern
+    "C" names or C++ name expressions such as 'tp_fwd<float, 32>'); they launch on the current device."""
     from . import runtime
 
     names = list(names)

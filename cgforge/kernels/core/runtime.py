@@ -55,14 +55,8 @@ class F64(_Scalar):
     _CTYPE = ctypes.c_double
 
 
-_NUMPY_CTYPES: dict[type, type] = {
-    np.int32: ctypes.c_int32,
-    np.int64: ctypes.c_int64,
-    np.uint32: ctypes.c_uint32,
-    np.uint64: ctypes.c_uint64,
-    np.float32: ctypes.c_float,
-    np.float64: ctypes.c_double,
-}
+_NUMPY_CTYPES: dict[type, type] = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32,
+                                   np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
 def device_arch(device: torch.device | int | str | None = None) -> str:
@@ -164,8 +158,7 @@ class KernelHandle:
         fn = self._function(torch.cuda.current_device() if device is None else device)
         return driver.funcGetAttribute(attribute, fn.ptr)
 
-    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
-               shared_mem: int = 0) -> None:
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], shared_mem: int = 0) -> None:
         """Enqueue the kernel on torch's current stream of torch's current device."""
         gx, gy, gz = _dims("grid", grid)
         bx, by, bz = _dims("block", block)

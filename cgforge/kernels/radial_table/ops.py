@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..core.custom_op import custom_op
-from ..core.registry import SourceKernels
+from ..core.registry import DTYPE_SUFFIX, SourceKernels
 
 _MAX_ORDER = 3  # a cubic's fourth derivative is zero
 
@@ -133,7 +133,6 @@ RADIAL_TABLE_KERNELS(float, f32)
 RADIAL_TABLE_KERNELS(double, f64)
 """
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _WARPS = 8
 _BLOCKS_PER_SM = 8  # runs of edges per SM: long runs share intervals, enough blocks to balance the SMs
 SORT_MIN_EDGES = 16384
@@ -163,8 +162,8 @@ def radial_table_reference(r: Tensor, coeffs: Tensor, r_max: float, order: int =
     return torch.where(r.isnan().unsqueeze(1), r.unsqueeze(1), v)
 
 
-_KERNELS = SourceKernels(RADIAL_TABLE_SOURCE,
-                         [f"radial_table_{op}_{s}" for op in ("eval", "dot") for s in _SUFFIX.values()], "radial_table")
+_KERNELS = SourceKernels(RADIAL_TABLE_SOURCE, [f"radial_table_{op}_{s}" for op in ("eval", "dot")
+                                               for s in DTYPE_SUFFIX.values()], "radial_table")
 
 
 def sorts_by_length(edges: int, columns: int, by_length: int = -1) -> bool:
@@ -194,7 +193,7 @@ def _launch(op: str, r: Tensor, coeffs: Tensor, g: Tensor | None, out: Tensor, r
     blocks = -(-edges // per_block)
     threads = 32 * _WARPS
     tensors = [r, order_by_length, coeffs, out] if op == "eval" else [r, order_by_length, coeffs, g, out]
-    kernel = _KERNELS.get(f"radial_table_{op}_{_SUFFIX[r.dtype]}", r.device)
+    kernel = _KERNELS.get(f"radial_table_{op}_{DTYPE_SUFFIX[r.dtype]}", r.device)
     kernel.launch((blocks,), (threads,), [*tensors, I64(edges), I64(per_block), I32(n), I32(cols), real(n / r_max),
                                           real(r_max), I32(order)])
 
@@ -232,8 +231,7 @@ def _dot_grad(ctx, gs):
 
 @custom_op("radial_table_dot", _dot_fake, _dot_grad)
 def radial_table_dot(r: Tensor, coeffs: Tensor, g: Tensor, r_max: float, order: int, by_length: int = -1) -> Tensor:
-    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]. ``by_length``: see
-    ``sorts_by_length``."""
+    """sum_j g[e, j] times the table's order-th derivative in r at r_e: [E]. ``by_length``: see ``sorts_by_length``."""
     if r.device.type != "cuda" or order > _MAX_ORDER:
         return (g * radial_table_reference(r, coeffs, r_max, order)).sum(1)
     out = r.new_empty(r.shape[0])
@@ -252,7 +250,7 @@ def radial_table(r: Tensor, coeffs: Tensor, r_max: float, *, by_length: int = -1
     if r.dim() != 1:
         raise ValueError(f"r: expected edge lengths [E] or [E, 1], got shape {list(r.shape)}")
     check_table(coeffs, r_max)
-    if r.dtype not in _SUFFIX or coeffs.dtype != r.dtype:
+    if r.dtype not in DTYPE_SUFFIX or coeffs.dtype != r.dtype:
         raise ValueError(f"r and coeffs must both be float32 or both float64, got {r.dtype} and {coeffs.dtype}")
     if r.device != coeffs.device:
         raise ValueError(f"r is on {r.device}, coeffs on {coeffs.device}")

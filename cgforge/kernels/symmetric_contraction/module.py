@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.checks import FLOAT_DTYPES
+from ..core.checks import check_float
 from ..core.tuning import SCTuning
 from . import ops as sc_ops
 from .problem import SCProblem
@@ -91,10 +91,7 @@ class SymmetricContractionBase(torch.nn.Module):
 
 
 def _check_x(x: torch.Tensor, channels: int, dim: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be float32 or float64, got {x.dtype}")
+    check_float("x", x)
     if x.dim() != 3 or x.shape[1] != channels or x.shape[2] != dim:
         raise ValueError(f"x must have shape [N, {channels}, {dim}] (channels, then the irreps of one channel), "
                          f"got {list(x.shape)}")

@@ -71,11 +71,8 @@ def _bilinear(w: _Writer, terms: list[tuple[str, str, str, float]]) -> None:
     terms = [t for t in terms if t[0] in w.live and t[1] in w.live]
     if not terms:
         return
-    distinct = {
-        "pq": len({(p, q) for p, q, _, _ in terms}),
-        "pd": len({(p, d) for p, _, d, _ in terms}),
-        "qd": len({(q, d) for _, q, d, _ in terms}),
-    }
+    distinct = {"pq": len({(p, q) for p, q, _, _ in terms}), "pd": len({(p, d) for p, _, d, _ in terms}),
+                "qd": len({(q, d) for _, q, d, _ in terms})}
     mode = min(w.pairings, key=lambda m: distinct[m])
     if mode == "pq":
         for p, q, d, v in terms:

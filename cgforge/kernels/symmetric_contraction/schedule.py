@@ -133,8 +133,7 @@ class SCSchedule:
 
     def forward_cost(self) -> dict[str, int]:
         """Multiply-adds per (atom, channel): nodes, weight mixing, last couplings, degree-1 terms."""
-        cost = {"nodes": sum(_coupling_cost(n.cg) for n in self.nodes), "mixing": 0, "couplings": 0,
-                "linear": 0}
+        cost = {"nodes": sum(_coupling_cost(n.cg) for n in self.nodes), "mixing": 0, "couplings": 0, "linear": 0}
         for out in self.outputs:
             cost["linear"] += out.dim * len(out.linear)
             for g in out.groups:
@@ -353,8 +352,7 @@ class _Builder:
         _, left, i = cand
         ll, lp = self._irrep_of(left)
         ref = self.make(left)
-        group = self.groups.setdefault(
-            (o, ll, lp, i), {"cg": sparse_cg(ll, self.coupling[i].l, ir_out.l), "terms": []})
+        group = self.groups.setdefault((o, ll, lp, i), {"cg": sparse_cg(ll, self.coupling[i].l, ir_out.l), "terms": []})
         group["terms"].append(Term(slot, ref))
 
 

@@ -237,11 +237,10 @@ def _backward_term(kernel: _Kernel, sm, wr, gwr, tc: TermCode, c, xv, gxa, gya, 
     return gxa, gya
 
 
-def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                 grad: torch.Tensor, layout: Layout = TP_LAYOUT, rows: int | None = None,
-                 rowptr: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                 xidx: torch.Tensor | None = None, gidx: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, grad: torch.Tensor,
+                 layout: Layout = TP_LAYOUT, rows: int | None = None, rowptr: torch.Tensor | None = None,
+                 perm: torch.Tensor | None = None, xidx: torch.Tensor | None = None,
+                 gidx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernel of `layout` on CPU tensors: (grad x, grad y, grad weight)."""
     program = schedule if isinstance(schedule, TPProgram) else build_program(schedule, backward=True)
     p = program.schedule.problem
@@ -281,6 +280,5 @@ def run_backward(schedule: Schedule | TPProgram, x: torch.Tensor, y: torch.Tenso
         if not layout.atomic:
             kernel.store(everyone, kernel.smem[everyone], state[0], sc, gx, everyone, atomic=False)
 
-    _loop(kernel, program, init, edge, finish,
-          (lambda sc: kernel.stage_row_grad(sc, grad)) if row_grad_once else None)
+    _loop(kernel, program, init, edge, finish, (lambda sc: kernel.stage_row_grad(sc, grad)) if row_grad_once else None)
     return gx, gy, (gw[0] if p.shared_weights else gw)

@@ -20,9 +20,8 @@ def _grid(rows: int, warps: int, device: torch.device, shared_weights: bool, max
 
 
 def backward_launches(schedule: Schedule, rows: int, device: torch.device) -> list[int]:
-    """The group_pass argument of each launch of a backward kernel: one per channel chunk (in order) where the
-    schedule allows it (``Schedule.backward_passes``) and the grad-out rows (``rows`` x out width) exceed the L2,
-    else [-1]: one launch, every chunk."""
+    """The group_pass argument of each backward launch: one per channel chunk where ``Schedule.backward_passes``
+    allows it and the grad-out rows exceed the L2, else [-1] (one launch, every chunk)."""
     passes = schedule.backward_passes()
     if passes > 1 and rows * schedule.problem.irreps_out.dim * schedule.itemsize > l2_bytes(device):
         return list(range(passes))

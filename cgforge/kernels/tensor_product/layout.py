@@ -7,12 +7,10 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Layout:
-    """csr: a row walks the edges rowptr[row]..rowptr[row+1]; otherwise row == edge. perm: edge position -> edge id (y,
-    W and grad-y rows are read at the id). xidx / gidx: an edge's in1 row / grad-out row (backward) is xidx[eid] /
-    gidx[eid] (else the row itself). atomic: results are added with atomics to oidx[eid] (forward) / xidx[eid]
-    (grad x). table: the weights are a radial table at each edge's length (grad r written instead of grad W). fixed:
-    backward with atomic and csr, grad x added in 64-bit fixed point (order-independent bits). grad_x: backward only;
-    False: no grad x formed, so the backward may walk the forward's rows (grad-out row read once per row)."""
+    """csr: a row walks the edges rowptr[row]..rowptr[row+1], else row == edge. perm: edge position -> edge id. xidx /
+    gidx: an edge's in1 / grad-out row (else the row). atomic: results added to oidx[eid] / xidx[eid] (grad x). table:
+    weights from a radial table (grad r, not grad W). fixed: grad x added in 64-bit fixed point (atomic and csr).
+    grad_x False: no grad x formed (the backward may walk the forward's rows)."""
 
     csr: bool = False
     perm: bool = False

@@ -46,8 +46,7 @@ class TensorProduct(torch.nn.Module):
         self.problem = problem
         self.key = plans.register(problem, tuning)
         # plain ints for the checks, so torch.compile guards on nothing but these
-        self._dims = (problem.irreps_in1.dim, problem.irreps_in2.dim, problem.weight_numel,
-                      problem.shared_weights)
+        self._dims = (problem.irreps_in1.dim, problem.irreps_in2.dim, problem.weight_numel, problem.shared_weights)
 
     @classmethod
     def from_e3nn(cls, tp: Any, tuning: TPTuning | None = None) -> TensorProduct:

@@ -46,10 +46,9 @@ def _tp_bwd_fake(x, y, w, g, key):
 def _tp_bwd_grad(ctx, ggx, ggy, ggw):
     x, y, w, g = ctx.saved_tensors
     (key,) = ctx.args
-    dx, dy, dw, dg = trilinear_double_backward(
-        lambda a, b, c: tp_forward(a, b, c, key),
-        lambda a, b, c, d: tp_backward(a, b, c, d, key),
-        x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
+    dx, dy, dw, dg = trilinear_double_backward(lambda a, b, c: tp_forward(a, b, c, key),
+                                               lambda a, b, c, d: tp_backward(a, b, c, d, key),
+                                               x, y, w, g, ggx, ggy, ggw, has_unweighted_paths(key))
     return dx, dy, dw, dg, None
 
 

@@ -104,9 +104,8 @@ class Schedule:
         return layout.csr and not layout.gidx and (self.loop_order(True) == "segments" or self.stacked_backward)
 
     def backward_passes(self) -> int:
-        """Channel chunks the backward kernel can run as separate launches (its group_pass argument): those of
-        the chunks order over CSR rows where the tuning's ``backward_chunk_passes`` allows it (see the
-        comment on the per-chunk launches below); else 1."""
+        """Channel chunks the backward kernel can run as separate launches (group_pass): the chunks order's over CSR
+        rows where ``backward_chunk_passes`` allows it; else 1."""
         if not (self.tuning.backward_chunk_passes and self.rows_are_nodes and self.loop_order(True) == "chunks"):
             return 1
         return len({(seg.c0, seg.c1) for seg in self.backward})
@@ -149,9 +148,8 @@ def _offsets(irreps) -> list[int]:
 
 
 def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
-    """Segment for channels [c0, c1) of irrep `i` (out irrep forward, in1 irrep backward), its window from `base`: the
-    terms of every instruction writing (forward) or reading (backward) those channels, with their operands staged.
-    Returns it and its window's end."""
+    """(segment, its window's end) for channels [c0, c1) of irrep `i` (out forward, in1 backward), its window from
+    `base`: the terms of every instruction writing (forward) or reading (backward) them, operands staged."""
     p = problem
     off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
     own, own_offsets = (p.irreps_in1, off1) if backward else (p.irreps_out, offo)
@@ -296,9 +294,8 @@ def default_chunks(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
 
 
 def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: int = 96 * 1024,
-                   warps_per_block: int = 4, max_chunk: int | None = None,
-                   max_chunk_backward: int | None = None, *, tuning: TPTuning | None = None,
-                   rows_are_nodes: bool = False) -> Schedule:
+                   warps_per_block: int = 4, max_chunk: int | None = None, max_chunk_backward: int | None = None, *,
+                   tuning: TPTuning | None = None, rows_are_nodes: bool = False) -> Schedule:
     """Each direction's channel chunk: the largest multiple of 32 up to ``max_chunk`` / ``max_chunk_backward`` (else the
     tuning's, else ``default_chunks``) whose window fits the block budget."""
     problem.validate()

@@ -62,9 +62,7 @@ _SHIMS: dict[type, type] = {}
 
 def _shim_for(target: type) -> type:
     if target not in _SHIMS:
-        _SHIMS[target] = type(
-            f"Legacy{target.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": target}
-        )
+        _SHIMS[target] = type(f"Legacy{target.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": target})
     return _SHIMS[target]
 
 
@@ -80,9 +78,7 @@ def _is_current_format(target: type, state: dict) -> bool:
 
 
 def _needs_shim(cls: Any) -> bool:
-    return isinstance(cls, type) and issubclass(
-        cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation)
-    )
+    return isinstance(cls, type) and issubclass(cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation))
 
 
 class _ScopedUnpickler(pickle.Unpickler):
@@ -296,12 +292,10 @@ def _rebuild_activation(old: Any) -> torch.nn.Module:
     return new
 
 
-_BUILDERS: list[tuple[type, Callable[[Any], torch.nn.Module]]] = [
-    (o3.TensorProduct, _rebuild_tensor_product),
-    (o3.Linear, _rebuild_linear),
-    (o3.SphericalHarmonics, _rebuild_spherical_harmonics),
-    (e3nn_nn.Activation, _rebuild_activation),
-]
+_BUILDERS: list[tuple[type, Callable[[Any], torch.nn.Module]]] = [(o3.TensorProduct, _rebuild_tensor_product),
+                                                                  (o3.Linear, _rebuild_linear),
+                                                                  (o3.SphericalHarmonics, _rebuild_spherical_harmonics),
+                                                                  (e3nn_nn.Activation, _rebuild_activation)]
 
 
 # Checking a rebuilt module against the TorchScript that e3nn 0.4 generated and pickled
@@ -366,7 +360,5 @@ def _linear_inputs(lin: Any, gen: torch.Generator) -> tuple:
 
 
 # Generated function name -> inputs for it; the same signature in e3nn 0.4 and 0.6.
-_PROBES: dict[str, Callable[[Any, torch.Generator], tuple]] = {
-    "_compiled_main_left_right": _tp_inputs,
-    "_compiled_main": _linear_inputs,
-}
+_PROBES: dict[str, Callable[[Any, torch.Generator], tuple]] = {"_compiled_main_left_right": _tp_inputs,
+                                                               "_compiled_main": _linear_inputs}

@@ -177,9 +177,8 @@ def _check_block(where: str, block: torch.nn.Module) -> None:
 
 
 def patch(model: torch.nn.Module, *, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
-    """Swap every interaction block's convolution (and the other stand-ins) in, in place, idempotent. ``tuning``: the
-    kernels built now (None: the defaults; blocks patched before keep theirs). ``TypeError`` for a non-MACE object,
-    ``UnsupportedModelError`` naming the first unsupported block; the model is then untouched."""
+    """Swap every interaction block's convolution (and the other stand-ins) in, in place, idempotent (blocks patched
+    before keep their ``tuning``). ``UnsupportedModelError`` names the first unsupported block (model untouched)."""
     blocks = interaction_blocks(model)
     graphs = _graph_cache(model) or GraphCache()
     tuning = tuning if tuning is not None else kernels.KernelTuning()
@@ -305,9 +304,8 @@ def upgrade_old_attributes(model: torch.nn.Module) -> list[str]:
 
 def load_mace(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
               *, patched: bool = True, tuning: kernels.KernelTuning | None = None) -> torch.nn.Module:
-    """Load a MACE ``.model`` (whole pickled model, mace-torch 0.3.x, e3nn 0.4 or newer inside), patched (default) or
-    plain, on ``device``, in ``dtype`` (None: the file's). With ``tuning`` a file saved patched is patched again with
-    it (None: it keeps the kernels it was saved with)."""
+    """Load a MACE ``.model`` (a whole pickled model, mace-torch 0.3.x), patched or plain, on ``device``, in ``dtype``
+    (None: the file's); with ``tuning`` a file saved patched is patched again (None: it keeps its kernels)."""
     device = parse_device(device)
     dtype = parse_dtype(dtype)
     if os.path.isfile(path):

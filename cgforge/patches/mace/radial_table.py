@@ -58,9 +58,8 @@ def why_not_tabulated(model: torch.nn.Module) -> str | None:
 
 
 def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL) -> int:
-    """Tabulate every block's weights as a function of r (``on``), or give the MLPs back. Returns the number of
-    tabulated blocks. Raises ValueError naming the reason when the model cannot (``why_not_tabulated``) or a
-    block's weights cannot be tabulated within ``tol``. In place."""
+    """Tabulate every block's weights as a function of r (``on``), or give the MLPs back, in place; the number of
+    tabulated blocks. ValueError with the reason (``why_not_tabulated``, or a table that misses ``tol``)."""
     if not on:
         for block in model.interactions:
             if isinstance(block.conv_tp_weights, TabulatedRadial):
@@ -85,7 +84,6 @@ def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL)
 
 
 def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
-    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
-    convolution is cgforge's), or evaluate each table into [E, weight_numel] weights first (for comparisons)."""
+    """``fuse_tables`` for every tabulated block (on by default where every block's convolution is cgforge's)."""
     layers = [(f"interactions.{i}", block.conv_tp_weights, block.conv_tp) for i, block in enumerate(model.interactions)]
     fuse_tables([layer for layer in layers if isinstance(layer[1], TabulatedRadial)], on)

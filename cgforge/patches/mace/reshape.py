@@ -109,8 +109,7 @@ class BlockReshape(torch.nn.Module, StandIn):
 
 
 def swap_in(model: torch.nn.Module) -> int:
-    """Replace every MACE ``reshape_irreps`` of ``model`` that ``BlockReshape`` supports. In place; returns
-    how many."""
+    """Replace every MACE ``reshape_irreps`` of ``model`` that ``BlockReshape`` supports. In place; returns how many."""
     return len(stand_in.swap_in(
         model, lambda where, child: BlockReshape(child) if BlockReshape.supports(child) else None))
 

@@ -3,19 +3,11 @@
 Without them (MACE-MP-medium shape, FP32, stored path with the radial tables read in the kernels) the force
 call's peak is in the forward, at the second block's linear, where its [N, 5120] convolution output, the
 linear's [N, 2048] output and ``/ avg_num_neighbors`` of it are all alive; a million atoms ran out of memory
-there (docs/measured-constants.md). With row chunks on, a
-block's ``conv_tp`` makes its rows ``chunk_rows`` at a time and maps each range through the block's ``linear``
-at once (``kernels.Convolution.forward_table_rows``); the block's ``linear`` becomes ``AppliedLinear`` (the
-streaming path's: it passes the tagged result through). The convolution output's gradient is still formed
-whole in the backward, when the forward's wide tensors are gone.
-
-The model's spherical harmonics keep only their input for the backward (``RecomputedHarmonics``: the backward
-evaluates them again), not e3nn's intermediates and normalised vectors.
-
-Only blocks that read their radial table inside the kernels chunk (the others keep their path); the calculator
-turns chunks on per system size where the widest convolution output exceeds the blocks' ``RowPolicy`` (the
-``KernelTuning.rows`` they were patched with: ``chunked_above_bytes``, ``chunk_bytes``, ``min_chunk_rows``), never
-while streaming (which applies the linear per chunk itself) or under torch.compile.
+there (docs/measured-constants.md). With row chunks on, a block's ``conv_tp`` makes its rows ``chunk_rows`` at a
+time through the block's ``linear`` (``kernels.Convolution.forward_table_rows``), which becomes ``AppliedLinear``;
+the harmonics keep only their input for the backward (``RecomputedHarmonics``). Only blocks that read their radial
+table inside the kernels chunk, per system size by the blocks' ``RowPolicy``, never while streaming or under
+torch.compile.
 """
 
 from __future__ import annotations
@@ -78,8 +70,7 @@ def row_chunk_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def chunk_rows_for(model: torch.nn.Module, n_atoms: int, dtype: torch.dtype) -> int | None:
-    """Rows per chunk for ``n_atoms`` atoms by the blocks' ``RowPolicy`` (None: not worth chunking, or no block
-    can)."""
+    """Rows per chunk for ``n_atoms`` atoms by the blocks' ``RowPolicy`` (None: not worth chunking, or no block can)."""
     blocks = row_chunk_blocks(model)
     if not blocks:
         return None

@@ -97,8 +97,7 @@ class SymmetricContraction(SymmetricContractionBase):
 
     def _build(self, only_if_changed: bool = False) -> None:
         correlation = tuple(c.correlation for c in self.contractions)
-        problem = SCProblem.build(self.irreps_in, self.irreps_out, correlation, self.num_elements,
-                                  u=self._u_tensors())
+        problem = SCProblem.build(self.irreps_in, self.irreps_out, correlation, self.num_elements, u=self._u_tensors())
         if only_if_changed and problem.key() == self.problem.key():
             return
         shapes = [[tuple(c.weight(nu).shape) for nu in range(1, c.correlation + 1)] for c in self.contractions]
@@ -168,8 +167,7 @@ def _fresh_contraction(problem: SCProblem, o: int) -> _Contraction:
     return _Contraction([("weights_max", weights_max)], buffers, torch.nn.ParameterList(weights), corr)
 
 
-def mace_problem(irreps_in: Any, irreps_out: Any, correlation: int | tuple[int, ...], num_elements: int
-                 ) -> SCProblem:
+def mace_problem(irreps_in: Any, irreps_out: Any, correlation: int | tuple[int, ...], num_elements: int) -> SCProblem:
     """The problem of a MACE SymmetricContraction built from scratch: MACE's U tensors from their definition."""
     irreps_in, irreps_out, correlation, num_elements = SCProblem.check_arguments(
         irreps_in, irreps_out, correlation, num_elements)  # before the (slow) U tensors

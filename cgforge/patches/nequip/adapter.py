@@ -26,8 +26,7 @@ class NequipAdapter:
     kind = "nequip"
     sender_row = 1  # nequip: edge_index[0] is the centre (receives messages), edge_index[1] the neighbour
 
-    def __init__(self, model: torch.nn.Module, device: torch.device,
-                 type_map: dict[str, str] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, type_map: dict[str, str] | None = None) -> None:
         metadata = model.metadata
         self.model = model
         self.device = device
@@ -101,15 +100,11 @@ class NequipAdapter:
         return inert_beyond_cutoff(self.energy_model)
 
     def stored_edge_bytes(self, n_atoms: int | None = None) -> int:
-        """Peak bytes per edge of a stored-path force call: every layer's weight rows about 2.3 times (as
-        measured for MACE; NequIP's weights are a smaller part of its per-edge memory); with every block's table
-        read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS`` (measured for MACE). Any ``n_atoms``:
-        NequIP has no row chunks."""
+        """Peak bytes per edge of a stored-path force call, as ``MaceAdapter``'s (NequIP has no row chunks)."""
         itemsize = torch.finfo(self.dtype).bits // 8
         layers = streaming.streaming_layers(self.energy_model)
         fused = fused_edge_bytes(radial_table.radial_tables(self.energy_model), len(layers), itemsize)
-        return fused if fused is not None else int(2.3 * itemsize * sum(m.tp_scatter.conv.weight_numel
-                                                                        for m in layers))
+        return fused if fused is not None else int(2.3 * itemsize * sum(m.tp_scatter.conv.weight_numel for m in layers))
 
     def set_streaming(self, budget_bytes: int | None) -> int:
         """Stream every layer that can, chunks sized to ``budget_bytes`` (None: stop); how many stream."""

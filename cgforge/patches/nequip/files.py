@@ -32,9 +32,8 @@ class CompiledModelError(ValueError):
 
 
 def check_input(path: str | os.PathLike) -> Path:
-    """``path`` as a Path when it names a NequIP file ``load_models`` reads (a ``.ckpt`` holding a torch
-    checkpoint or a ``.nequip.zip`` holding a package), else the error saying what it is: TypeError (not a
-    path), CompiledModelError, FileNotFoundError, IsADirectoryError, ValueError (a wrong suffix or contents)."""
+    """``path`` as a Path when it names a NequIP ``.ckpt`` or ``.nequip.zip`` that ``load_models`` reads, else the
+    error saying what it is (TypeError, CompiledModelError, FileNotFoundError, IsADirectoryError, ValueError)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)

@@ -19,11 +19,9 @@ if TYPE_CHECKING:  # the kernels load when a model is patched, not when this mod
 def load_nequip(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                 *, model_name: str = SOLE_MODEL, verify: bool = True, patched: bool = True,
                 tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """Load a NequIP ``.ckpt`` or ``.nequip.zip`` (checksums checked first) and return its model patched, in eval mode,
-    on ``device``. ``dtype``: None or the ``model_dtype`` it was built for (else ValueError). ``model_name`` picks a
-    model of a multi-model file; ``verify`` compares patched and plain energies and forces on a small structure;
-    ``patched=False`` returns the model as nequip builds it; ``tuning``: its ``tp`` builds the kernels (a file saved
-    patched is patched again). Initialises nequip's global state, as nequip's loaders do."""
+    """A NequIP ``.ckpt`` or ``.nequip.zip`` (checksums checked first) as its model, patched (``patched``), in eval
+    mode on ``device``. ``dtype``: None or its ``model_dtype``; ``model_name`` picks one of several; ``verify``
+    compares patched and plain on a small structure. Initialises nequip's global state, as nequip's loaders do."""
     p = check_input(path)
     verify_checksums(p)  # nequip's loaders would not notice a damaged weight tensor
     device = parse_device(device)

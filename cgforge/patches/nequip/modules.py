@@ -7,8 +7,7 @@ from __future__ import annotations
 
 NODE_MODULES = ("NodeTypeEmbed", "ApplyFactor", "ScalarMLP", "AtomwiseLinear", "PerTypeScaleShift",
                 "AtomwiseReduce", "AtomwiseOperation", "SphericalHarmonicEdgeAttrs", "EdgeLengthNormalizer")
-CUTOFF_MODULES = ("BesselEdgeLengthEncoding", "AddRadialCutoffToData", "ZBL", "LennardJones",
-                  "SimpleLennardJones")
+CUTOFF_MODULES = ("BesselEdgeLengthEncoding", "AddRadialCutoffToData", "ZBL", "LennardJones", "SimpleLennardJones")
 
 
 def class_name(module: object) -> str:

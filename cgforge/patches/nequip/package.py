@@ -28,11 +28,9 @@ log = logging.getLogger(__name__)
 
 def save_patched_nequip(model_or_path: torch.nn.Module | str | os.PathLike, out_path: str | os.PathLike, *,
                         force: bool = False) -> Path:
-    """Write a patched NequIP package (``.nequip.zip``) and return its path; the input is never touched.
-
-    ``model_or_path``: a ``.ckpt``/``.nequip.zip`` path (every model in it patched and checked against the
-    unpatched one), or a NequIP GraphModel / ModuleDict (patched in place if not yet). The package holds the eager
-    model with cgforge as an external module (it cannot be ``nequip-compile``d)."""
+    """Write a patched NequIP package (``.nequip.zip``, cgforge an external module) and return its path.
+    ``model_or_path``: a ``.ckpt``/``.nequip.zip`` path (never touched; every model patched and checked against the
+    unpatched one), or a NequIP GraphModel / ModuleDict (patched in place if not yet)."""
     out = _check_output(out_path, force)
     if isinstance(model_or_path, (str, os.PathLike)):
         src = check_input(model_or_path)
@@ -198,11 +196,8 @@ def _write_package(out: Path, contents: _PackageContents) -> None:
     devices = {name: _device_of(m) for name, m in contents.models.items()}
     try:
         importers = contents.importers + (torch.package.importer.sys_importer,)
-        with (
-            atomic_path(out) as tmp,
-            _package_warnings_suppressed(loading=False),
-            torch.package.PackageExporter(tmp, importer=importers) as exp,
-        ):
+        with (atomic_path(out) as tmp, _package_warnings_suppressed(loading=False),
+              torch.package.PackageExporter(tmp, importer=importers) as exp):
             exp.mock([f"{m}.**" for m in sorted(_MOCK_MODULES)])
             exp.extern([f"{m}.**" for m in sorted(external)])
             exp.intern([f"{m}.**" for m in sorted(internal)])

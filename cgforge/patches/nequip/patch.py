@@ -40,10 +40,8 @@ def _roots(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torch.nn.Module:
-    """Swap every NequIP convolution (of a GraphModel or nequip's ModuleDict of them, installed or packaged) for
-    cgforge's fused one, in place, idempotent; returns ``model``. ``tuning``: the kernels built now (None: the
-    defaults). Everything is checked first: ``UnsupportedModelError`` names the first module cgforge cannot take,
-    with the model unchanged."""
+    """Swap every NequIP convolution (of a GraphModel or a ModuleDict of them) for cgforge's fused one, in place,
+    idempotent; returns ``model``. ``UnsupportedModelError`` names the first module it cannot take (model unchanged)."""
     plans = []
     for root in _roots(model):
         sites = scatter_sites(root)  # checks every convolution first: raises with the model unchanged

@@ -85,10 +85,8 @@ def _check_block(name: str, layer: torch.nn.Module) -> str | None:
 
 
 def _plan(model: torch.nn.Module) -> tuple[torch.nn.Module, list[_Block]] | str:
-    """(the SequentialGraphNetwork, its blocks with the embedding modules each reads through), or why not.
-
-    Walks the network's modules in order: the embedding (one BesselEdgeLengthEncoding), the factors applied to
-    it, the ConvNetLayers' blocks, and modules known not to touch it; anything else is refused."""
+    """(the SequentialGraphNetwork, its blocks with the embedding modules each reads through), or why not: one
+    BesselEdgeLengthEncoding, factors applied to it, ConvNetLayers and modules known not to touch it."""
     seq = _sequence(model)
     if isinstance(seq, str):
         return seq
@@ -164,9 +162,7 @@ def radial_tables(model: torch.nn.Module) -> list[TabulatedRadial]:
 
 
 def set_table_fusion(model: torch.nn.Module, on: bool) -> None:
-    """Have the blocks' convolutions read their tables inside the kernels (``on``; the default where every block's
-    convolution is cgforge's ``CgforgeTensorProductScatter``), or evaluate each table into [E, weight_numel]
-    weights first (for comparisons). Streaming blocks evaluate their table per chunk either way."""
+    """``fuse_tables`` for every tabulated block (streaming blocks evaluate their table per chunk either way)."""
     fuse_tables(_tabulated_blocks(model), on)
 
 
@@ -193,10 +189,9 @@ def _tables_off(model: torch.nn.Module) -> None:
 
 
 def set_radial_table(model: torch.nn.Module, on: bool, tol: float = DEFAULT_TOL) -> int:
-    """Tabulate every block's weights as a function of the normalised edge length (``on``), or give the MLPs
-    and the embedding back. ``model``: a patched NequIP GraphModel (or the energy model inside it). Returns the
-    number of tabulated blocks. Raises ValueError naming the reason when the model cannot
-    (``why_not_tabulated``) or a block's weights cannot be tabulated within ``tol``. In place."""
+    """Tabulate every block's weights as a function of the normalised edge length (``on``), or give the MLPs and the
+    embedding back, in place; the number of tabulated blocks. ValueError with the reason (``why_not_tabulated``,
+    or a table that misses ``tol``)."""
     if not on:
         with _streaming_paused(model):
             _tables_off(model)
