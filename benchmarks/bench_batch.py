@@ -45,6 +45,7 @@ from shapes import mace_mp_file  # noqa: E402
 
 # cgforge is imported where it is used: a bad flag is named before any of it loads.
 PEERS = ("loop", "batch", "mace-cueq", "torchsim-mace", "torchsim-cgforge")
+MIN_DISTANCE = 0.8  # Å: no two atoms of a generated structure closer (the batch refuses overlapping atoms)
 # (name, numerator row, denominator row, value, target): the targets and what cgforge gives TorchSim
 RATIOS = (("md: batch / torchsim-mace", "md-batch-nvt", "md-torchsim-mace-nvt", "atom_steps_per_s", 3.0),
           ("md: batch / loop", "md-batch-nvt", "md-loop-nve", "atom_steps_per_s", 10.0),
@@ -63,9 +64,17 @@ def structures(count: int, seed: int = 0, rattle: float = 0.0) -> list:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
-        atoms = water_box(int(rng.integers(8, 101)), seed=seed * 100_003 + i)
-        if i % 2:
-            atoms.pbc, atoms.cell = False, None
+        molecules = int(rng.integers(8, 101))
+        for attempt in range(100):  # a small periodic box can put two images of its grid too close: draw again
+            atoms = water_box(molecules, seed=(seed * 100_003 + i) * 101 + attempt)
+            if i % 2:
+                atoms.pbc, atoms.cell = False, None
+            distances = atoms.get_all_distances(mic=bool(atoms.pbc.any()))
+            if distances[np.triu_indices(len(atoms), 1)].min() >= MIN_DISTANCE:
+                break
+        else:
+            raise RuntimeError(f"structure {i}: no water box of {molecules} molecules without atoms closer than "
+                               f"{MIN_DISTANCE} Å in 100 draws")
         if rattle:
             atoms.rattle(rattle, seed=seed + i)
         out.append(atoms)
