@@ -65,6 +65,22 @@ PICKLED_CLASSES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Packages the layout moved into the plugin (0.2.0): an ML-IAP file written before names cgforge.lammps.unified, and
+# importing it should say what to do, not only "No module named"
+MOVED_PACKAGES = {"cgforge.lammps": "cgforge.plugin.lammps", "cgforge.cli": "cgforge.plugin.cli"}
+
+
+class MovedPackageFinder:
+    """The last meta path finder: an import of a moved package (nothing else found it) fails naming where it went."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        for old, new in MOVED_PACKAGES.items():
+            if name == old or name.startswith(f"{old}."):
+                raise ModuleNotFoundError(f"No module named {name!r}: {old} moved to {new}; a LAMMPS ML-IAP file that "
+                                          "names it was written by an older `cgforge lammps-model`: write it again",
+                                          name=name)
+
+
 def pickled_paths() -> frozenset[str]:
     """Every path of ``PICKLED_CLASSES``, of all families and states."""
     return frozenset(path for paths in PICKLED_CLASSES.values() for path in paths)

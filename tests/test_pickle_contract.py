@@ -173,3 +173,13 @@ def test_a_lammps_model_file_names_only_listed_paths(tmp_path: Path) -> None:
     named = {n for n in pickled_globals(out.read_bytes()) if n.startswith("cgforge")}
     assert "cgforge.plugin.lammps.unified.CgforgeMLIAP" in named
     assert named <= allowed
+
+
+def test_a_lammps_file_of_the_old_layout_says_to_write_it_again() -> None:
+    import pickle
+
+    old = b"ccgforge.lammps.unified\nCgforgeMLIAP\n."  # what an ML-IAP file of the earlier layout names
+    with pytest.raises(ModuleNotFoundError, match=r"cgforge\.lammps moved to cgforge\.plugin\.lammps.*write it again"):
+        pickle.loads(old)
+    with pytest.raises(ModuleNotFoundError, match=r"cgforge\.cli moved to cgforge\.plugin\.cli"):
+        importlib.import_module("cgforge.cli.commands")
