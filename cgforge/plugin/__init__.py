@@ -19,7 +19,6 @@ _EXPORTS = {
     "BatchStructureError": "batch",
     "relax_batch": "relax",
     "run_md_batch": "batch_md",
-    "run_nve_batch": "batch_md",
     "torchsim_model": "torchsim",
     "FireParameters": "relax",
     "NonFiniteOutputError": "calculator",

@@ -38,7 +38,7 @@ from .runtime.batch import BatchStructureError, check_finite
 from .runtime.potential import Potential
 
 _AT_LEAST_0 = partial(check_number, strict=False)
-__all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch", "run_nve_batch"]
+__all__ = ["BatchCellRescaling", "BatchCSVR", "BatchLangevin", "ENSEMBLES", "run_md_batch"]
 
 
 class BatchLangevin(Langevin):
@@ -264,9 +264,3 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
         final.append(copy)
     return final
 
-
-def run_nve_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, timestep_fs: float, steps: int,
-                  min_distance: float | None = 0.5) -> list[Atoms]:
-    """``run_md_batch`` with ``ensemble="nve"``."""
-    return run_md_batch(model, atoms_list, ensemble="nve", timestep_fs=timestep_fs, steps=steps,
-                        min_distance=min_distance)

@@ -129,13 +129,13 @@ def test_batched_nve_on_cuda_equals_ases_velocity_verlet() -> None:
 def nve_matches_ase(calc) -> None:
     from ase.md.verlet import VelocityVerlet
 
-    from cgforge.plugin import run_nve_batch
+    from cgforge.plugin import run_md_batch
 
     inputs = structures()
     for seed, atoms in enumerate(inputs):  # thermal-sized momenta (~300 K)
         noise = np.random.default_rng(seed).normal(size=(len(atoms), 3))
         atoms.set_momenta(noise * np.sqrt(atoms.get_masses() * units.kB * 300)[:, None])
-    final = run_nve_batch(calc, inputs, timestep_fs=0.5, steps=4)
+    final = run_md_batch(calc, inputs, ensemble="nve", timestep_fs=0.5, steps=4)
     for atoms, got in zip(inputs, final, strict=True):
         reference = atoms.copy()
         reference.calc = calc
