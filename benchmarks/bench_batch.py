@@ -20,9 +20,8 @@ structures per second (atom-steps per second for MD and relaxation):
 - ``torchsim-cgforge``: the same TorchSim runs over cgforge's model (``cgforge.plugin.torchsim``).
 
 A TorchSim state holds one pbc for all its systems: the TorchSim rows run the periodic cells and the clusters as
-two sets, one after the other, each with TorchSim's autobatcher (its memory estimate, made once per model and
-set, is reported apart as ``setup_s``). cgforge's batched MD is NVE (its batched NVT is not built yet), TorchSim's
-NVT Langevin: the force call dominates both. The relaxation rows give the largest final-energy difference per atom
+two sets, one after the other, each as one batch of TorchSim's autobatcher (``TorchSim.scaler``).
+The relaxation rows give the largest final-energy difference per atom
 against ``relax-batch`` over the structures both converged. A peer that cannot run (an import missing,
 cuEquivariance not importable) gives a row saying why. The ratios the issue's targets name are printed at the end
 and kept in the JSON, which goes to $OUT (``common.write_json``).
@@ -272,20 +271,16 @@ class TorchSim:
         return [(name, idx) for name, idx in (("periodic", periodic), ("clusters", rest)) if idx]
 
     def scaler(self, name: str, systems: list) -> float:
-        """TorchSim's memory estimate for a set (its autobatcher's), made once, at most the set's whole size."""
+        """The autobatcher's memory limit for a set: the whole set's memory scaler, so each set runs as one batch
+        (as large as cgforge's batches or larger). TorchSim's own estimate (a ramp of forward passes up to
+        the set's size) is not run: it took minutes per set and model on the GPU."""
         if name not in self.scalers:
             ts = self.ts
-            state = ts.io.atoms_to_state(systems, device=self.device, dtype=self.dtype)
-            if self.device.type == "cpu":  # TorchSim estimates GPU memory only: the whole set as one batch
-                metrics = ts.autobatching.calculate_memory_scalers(state, self.model.memory_scales_with)
-                self.scalers[name] = 1.01 * sum(metrics)
-                return self.scalers[name]
             start = time.perf_counter()
-            batcher = ts.BinningAutoBatcher(model=self.model, memory_scales_with=self.model.memory_scales_with,
-                                            max_atoms_to_try=max(state.n_atoms, 1000), max_memory_padding=0.9)
-            batcher.load_states(state)
+            state = ts.io.atoms_to_state(systems, device=self.device, dtype=self.dtype)
+            metrics = ts.autobatching.calculate_memory_scalers(state, self.model.memory_scales_with)
+            self.scalers[name] = 1.01 * float(sum(metrics))
             self.setup_s += time.perf_counter() - start
-            self.scalers[name] = float(batcher.max_memory_scaler)
         return self.scalers[name]
 
     def row(self, seconds: float, systems: list, steps: int | None = None) -> dict:
@@ -346,14 +341,16 @@ class TorchSim:
         return row, energies
 
 
-def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference: dict, args) -> dict:
-    """The ``eval-``, ``relax-`` and ``md-torchsim-KIND(-nvt)`` rows; each one that cannot run says why."""
+def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference: dict, args, rows: dict) -> None:
+    """Into ``rows``: the ``eval-``, ``relax-`` and ``md-torchsim-KIND(-nvt)`` rows; each one that cannot run says
+    why."""
     names = [f"eval-torchsim-{kind}", f"relax-torchsim-{kind}", f"md-torchsim-{kind}-nvt"]
     try:
         runner = TorchSim(kind, raw, calc, args)
     except Exception as err:
-        return dict.fromkeys(names, failed(err))
-    rows = {}
+        for name in names:
+            rows[name] = failed(err)
+        return
     for name, job in zip(names, (lambda: runner.evaluate(systems), lambda: runner.relax(rattled),
                                  lambda: runner.md(systems))):
         if (name.startswith("relax") and not rattled) or (name.startswith("md") and not args.md_steps):
@@ -367,17 +364,31 @@ def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference:
             out, energies = out
             compare(out, energies, reference, rattled, "batch")
         rows[name] = out
-    return rows
 
 
 # ------------------------------------------------------------------------------------------------------- main
 
-def model_rows(name: str, file: Path, systems: list, rattled: list, args) -> dict:
+class Rows(dict):
+    """A model's rows, each printed (with the time it took) and the JSON written again as it is set: a run stopped
+    by a time limit keeps what it measured."""
+
+    def __init__(self, model: str, save) -> None:
+        super().__init__()
+        self.model, self.save, self.since = model, save, time.perf_counter()
+
+    def __setitem__(self, row: str, values: dict) -> None:
+        super().__setitem__(row, values)
+        took, self.since = time.perf_counter() - self.since, time.perf_counter()
+        print(f"{self.model:15s} {row:24s} {values}  [{took:.0f} s]", flush=True)
+        self.save()
+
+
+def model_rows(name: str, file: Path, systems: list, rattled: list, args, rows: Rows) -> None:
     from cgforge.plugin import Calculator
 
     device, peers = args.device, set(args.peers)
     calc = Calculator(str(file), device=device, dtype=args.dtype)
-    rows, reference, loop = {}, {}, {}
+    reference, loop = {}, {}
     if "loop" in peers:
         rows["eval-loop"] = eval_loop(calc, systems[:args.loop_eval], device)
     if "batch" in peers:
@@ -397,8 +408,7 @@ def model_rows(name: str, file: Path, systems: list, rattled: list, args) -> dic
     for kind in ("mace", "cgforge"):
         if f"torchsim-{kind}" in peers:  # TorchSim's MACE model converts the plain module of the file
             raw = torch.load(file, map_location=device, weights_only=False).to(getattr(torch, args.dtype))
-            rows.update(torchsim_rows(kind, raw, calc, systems, rattled, reference, args))
-    return rows
+            torchsim_rows(kind, raw, calc, systems, rattled, reference, args, rows)
 
 
 def ratios(rows: dict) -> dict:
@@ -461,13 +471,17 @@ def main() -> None:
     payload = {"args": vars(args), "environment": environment(), "atoms": sum(len(a) for a in systems),
                "rows": {}, "ratios": {}}
     path = None
+
+    def save() -> None:
+        nonlocal path
+        path = write_json("bench_batch", payload, path)
+
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             file = model_path("mace") if name == "bundled" else mace_mp_file(Path(folder), args.dtype)
-            rows = model_rows(name, file, systems, rattled, args)
-            payload["rows"][name], payload["ratios"][name] = rows, ratios(rows)
-            for row, values in rows.items():
-                print(f"{name:15s} {row:24s} {values}", flush=True)
+            rows = payload["rows"][name] = Rows(name, save)
+            model_rows(name, file, systems, rattled, args, rows)
+            payload["ratios"][name] = ratios(rows)
             for ratio, values in payload["ratios"][name].items():
                 if "ratio" in values:
                     target = "" if values["target"] is None else f" (target >= {values['target']:g})"
@@ -475,7 +489,7 @@ def main() -> None:
                 else:
                     print(f"{name:15s} {ratio:40s} max {values['max_ev_per_atom']:.2e} eV/atom over "
                           f"{values['structures']} structures (target <= 1e-4)", flush=True)
-            path = write_json("bench_batch", payload, path)
+            save()
     print(f"wrote {path}")
 
 
