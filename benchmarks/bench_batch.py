@@ -344,15 +344,15 @@ class TorchSim:
 def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference: dict, args, rows: dict) -> None:
     """Into ``rows``: the ``eval-``, ``relax-`` and ``md-torchsim-KIND(-nvt)`` rows; each one that cannot run says
     why."""
-    names = [f"eval-torchsim-{kind}", f"relax-torchsim-{kind}", f"md-torchsim-{kind}-nvt"]
+    names = [f"eval-torchsim-{kind}", f"md-torchsim-{kind}-nvt", f"relax-torchsim-{kind}"]
     try:
         runner = TorchSim(kind, raw, calc, args)
     except Exception as err:
         for name in names:
             rows[name] = failed(err)
         return
-    for name, job in zip(names, (lambda: runner.evaluate(systems), lambda: runner.relax(rattled),
-                                 lambda: runner.md(systems))):
+    for name, job in zip(names, (lambda: runner.evaluate(systems), lambda: runner.md(systems),
+                                 lambda: runner.relax(rattled))):
         if (name.startswith("relax") and not rattled) or (name.startswith("md") and not args.md_steps):
             continue
         try:
