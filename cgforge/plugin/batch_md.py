@@ -237,10 +237,14 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     host_positions = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
     check_finite(host_positions, cells, ptr)
     species = step.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
+    host_momenta = np.concatenate([a.get_momenta() for a in atoms_list])
+    if not np.isfinite(host_momenta).all():
+        b = int(np.searchsorted(ptr, int(np.argmax(~np.isfinite(host_momenta).all(1))), side="right")) - 1
+        raise BatchStructureError(b, "momenta contain NaN or inf")
     f64 = {"dtype": torch.float64, "device": device}
     count = len(structures)
     state = MDState(positions=torch.as_tensor(host_positions, **f64),
-                    momenta=torch.as_tensor(np.concatenate([a.get_momenta() for a in atoms_list]), **f64),
+                    momenta=torch.as_tensor(host_momenta, **f64),
                     forces=torch.zeros(ptr[-1], 3, **f64), energy=torch.zeros(count, **f64),
                     virial=torch.zeros(count, 3, 3, **f64), cell=torch.as_tensor(cells, **f64),
                     masses=torch.as_tensor(np.concatenate([a.get_masses() for a in atoms_list]), **f64)[:, None],
