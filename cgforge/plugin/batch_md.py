@@ -290,7 +290,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
                 state.step.add_(1)
     finally:
         if step.padded is not None:
-            step.padded.invalidate()  # its graph's memory goes; its counts and capture_error stay
+            step.padded.release()  # its graph's and buffers' memory goes; its counts and capture_error stay
     energies, x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (
         state.energy, state.positions, state.momenta, state.forces, state.cell))
     final = []

@@ -1,6 +1,7 @@
 """Batched MD (``plugin.batch_md.run_md_batch``): each structure of a batch moves as the device engine moves it
 alone (NVE, NVT Langevin with its own temperature, friction and seed), its noise is its own whatever the batch,
-and bad input is refused early with the argument named."""
+bad input is refused early with the argument named, and the padded force call (``runtime.batch_capture``,
+captured on CUDA) gives what the eager batch step gives."""
 
 from __future__ import annotations
 
@@ -304,12 +305,12 @@ def test_padded_nve_equals_the_eager_batch_step(mace_calc) -> None:
 @pytest.mark.parametrize("ensemble", ["nve", "nvt"])
 def test_the_captured_batch_md_equals_the_eager_one_on_cuda(ensemble: str) -> None:
     """FP32, the bundled MACE: the captured force call (the default on CUDA) and the eager one agree to FP32
-    rounding over a run whose lists are searched again several times, with one capture."""
+    rounding over a run whose lists are searched again several times (a dozen on a CPU), with one capture."""
     from cgforge.plugin import Calculator
 
     calc = Calculator("mace", device="cuda", dtype="float32", skin=0.5)
-    inputs = structures() + [water_cluster(1.0)]
-    kwargs = {"ensemble": ensemble, "timestep_fs": 1.0, "steps": 40, "seed": 2,
+    inputs = structures() + periodic_structures()[1:]
+    kwargs = {"ensemble": ensemble, "timestep_fs": 1.0, "steps": 20, "seed": 2,
               "temperature_K": 300.0 if ensemble == "nvt" else None}
     captured = run_md_batch(calc, inputs, **kwargs)
     step = calc.potential.batch_step().padded
@@ -317,8 +318,9 @@ def test_the_captured_batch_md_equals_the_eager_one_on_cuda(ensemble: str) -> No
     assert step.n_captures == 1 and step.n_rebuilds > 3
     eager = run_md_batch(calc, inputs, cuda_graph=False, **kwargs)
     assert calc.potential.batch_step().padded is None
+    # FP32 on a CPU, padded against eager: ~3e-7 Å, ~5e-6 of the largest force, ~3e-6 eV after these 20 steps
+    scale = max(np.abs(a.get_forces()).max() for a in eager)
     for got, want in zip(captured, eager, strict=True):
         np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-4)
-        np.testing.assert_allclose(got.get_forces(), want.get_forces(), rtol=0,
-                                   atol=1e-3 * np.abs(want.get_forces()).max())
-        assert got.get_potential_energy() == pytest.approx(want.get_potential_energy(), rel=1e-5, abs=1e-4)
+        np.testing.assert_allclose(got.get_forces(), want.get_forces(), rtol=0, atol=1e-3 * scale)
+        assert got.get_potential_energy() == pytest.approx(want.get_potential_energy(), abs=1e-4)

@@ -102,6 +102,12 @@ class PaddedBatchStep:
         self._graph = self._out = self._pool = None
         self.step.unpin()
 
+    def release(self) -> None:
+        """Drop the graph and the list's buffers (the counts and ``capture_error`` stay); a later ``run`` searches
+        and sizes them again."""
+        self.invalidate()
+        self._list, self.capacity = None, 0
+
     def run(self, positions: Tensor) -> StepOutput:
         """Energy [B] and forces [N, 3] (device tensors in the model's dtype, valid until the next ``run``) at
         ``positions`` ([N, 3], on the model's device); two atoms closer than ``min_distance`` raise
