@@ -273,21 +273,23 @@ def test_the_padded_step_equals_the_batch_step_through_rebuilds_and_growths(mace
 
     x0 = np.concatenate([a.positions for a in batch])
     check(x0)
-    assert (padded.n_rebuilds, padded.n_growths) == (1, 0)
-    x1 = x0 + np.random.default_rng(0).normal(scale=0.05, size=x0.shape)  # within skin / 2: the list stands
+    assert (padded.n_rebuilds, padded.n_growths, padded.n_reruns) == (1, 0, 0)
+    x1 = x0 + np.random.default_rng(0).normal(scale=0.01, size=x0.shape)  # far within skin / 2: the list stands
     check(x1)
     assert padded.n_rebuilds == 1
     x2 = x1.copy()
-    x2[ptr[1] + 2] += [0.3, 0.0, 0.0]  # one atom of the box 0.3 Å away: searched again, the buffers hold
+    x2[ptr[1] + 2] += [0.3, 0.0, 0.0]  # an atom of the box 0.3 Å away, unforeseen: searched again, step run again
     check(x2)
-    assert (padded.n_rebuilds, padded.n_growths) == (2, 0)
+    assert (padded.n_rebuilds, padded.n_growths, padded.n_reruns) == (2, 0, 1)
     x3 = x2.copy()
     x3[:ptr[1]] = water_cluster(1.0).positions  # the molecules together: the list and the edges outgrow their room
-    check(x3)
-    assert padded.n_rebuilds == 3 and padded.n_growths >= 1
-    growths, padded.capacity = padded.n_growths, 64  # as if edges had come within the cutoff since the search
+    check(x3)  # searched before the step (after a jump of 0.3 Å every list was due), not run again
+    assert padded.n_rebuilds == 3 and padded.n_growths >= 1 and padded.n_reruns == 1
+    check(x3)  # searched again: the cluster jumped; nothing moved since
+    rebuilds, growths = padded.n_rebuilds, padded.n_growths
+    padded.capacity = 64  # as if edges had come within the cutoff since the search
     check(x3)  # the layout overflowed: grown, and the step run again
-    assert padded.n_growths == growths + 1 and padded.capacity > 64 and padded.n_rebuilds == 3
+    assert padded.n_growths == growths + 1 and padded.capacity > 64 and padded.n_rebuilds == rebuilds
 
 
 def test_padded_nve_equals_the_eager_batch_step(mace_calc) -> None:
@@ -297,6 +299,7 @@ def test_padded_nve_equals_the_eager_batch_step(mace_calc) -> None:
     padded = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20, padded=True)
     step = mace_calc.potential.batch_step().padded
     assert step.n_rebuilds > 2 and step.n_captures == 0  # the lists moved on; nothing captured on a CPU
+    assert step.n_reruns <= step.n_rebuilds // 3  # most searches foreseen: before their step, not after it
     for got, want in zip(padded, eager, strict=True):
         assert_same_run(got, want)
 

@@ -13,7 +13,7 @@ edge counts, host reads); batched MD's fixed-cell steps run padded and captured 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -234,9 +234,10 @@ class BatchNeighbours:
         self._order: tuple | None = None
 
     def update(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
-               keys: Sequence[Hashable] | None = None) -> int:
+               keys: Sequence[Hashable] | None = None, search: Collection[int] = ()) -> int:
         """Bring the list up to date for these structures (``keys``: one per structure, naming it from call
-        to call; None: its place in the batch); the number of structures searched."""
+        to call; None: its place in the batch; ``search``: structures searched again whatever they moved); the
+        number of structures searched."""
         count = len(pbcs)
         keys = tuple(range(count)) if keys is None else tuple(keys)
         if len(keys) != count or len(set(keys)) != count:
@@ -244,7 +245,7 @@ class BatchNeighbours:
                              f"({len(set(keys))} distinct)")
         kept = [self._kept.get(k) for k in keys]
         usable = [k is not None and k.positions.shape[0] == ptr[b + 1] - ptr[b] and k.pbc == pbcs[b]
-                  and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b])
+                  and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b]) and b not in search
                   for b, k in enumerate(kept)]
         if any(usable):
             reference = torch.cat([k.positions if use else positions[ptr[b]:ptr[b + 1]]

@@ -9,12 +9,15 @@ buffers a CUDA graph replays (``cuda_graph``; else the same body runs eagerly, w
    drops the graph;
 2. the body, which reads nothing back, cuts the list to the cutoff, lays the edges out in ``capacity`` slots with
    padding edges beyond the cutoff (``layout_edges``: exact for a model ``inert_beyond_cutoff`` only) and takes
-   energies and forces (``BatchStep.derivatives``), with one status row: the list is stale (an atom moved more than
-   skin/2 since its structure was searched), energy or forces are not finite, two atoms of a structure are closer
-   than ``min_distance``, and the count of edges laid out;
-3. the host reads that row, its one sync per step: a stale list is searched again and the step run again; an edge
-   count past ``capacity`` grows it (the graph is dropped) and runs the step again; a pair too close is named by
-   ``BatchStep.check_distances`` (eagerly, on that error path only).
+   energies and forces (``BatchStep.derivatives``), with one status row: how far each structure's atoms moved at
+   most since it was searched, how far any atom moved since the last call, whether energy or forces are not
+   finite, whether two atoms of a structure are closer than ``min_distance``, and the count of edges laid out;
+3. the host reads that row, its one sync per step: a stale list (an atom moved more than skin/2) is searched again
+   and the step run again; an edge count past ``capacity`` grows it (the graph is dropped) and runs the step
+   again; a pair too close is named by ``BatchStep.check_distances`` (eagerly, on that error path only);
+4. a structure whose atoms would pass skin/2 if they moved twice as far as the farthest atom moved in this call
+   is searched again at the start of the next call, before its step: with many structures some list goes stale
+   at almost every step, and this spares the step run twice.
 
 Cells, pbcs, species and atom counts stay as given for the step's life (NVE and NVT; NPT changes every cell every
 step and runs ``BatchStep.run``).
@@ -22,6 +25,7 @@ step and runs ``BatchStep.run``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -63,7 +67,8 @@ class PaddedBatchStep:
     (on CUDA); else eager on the same buffers. ``keys``: as ``BatchNeighbours.update`` takes them.
 
     ``finite`` says whether the last ``run``'s energy and forces were finite; ``capture_error`` why a capture failed;
-    ``n_captures``, ``n_growths`` (buffers grown after their first sizing) and ``n_rebuilds`` (list searches) count.
+    ``n_captures``, ``n_growths`` (buffers grown after their first sizing), ``n_rebuilds`` (list searches) and
+    ``n_reruns`` (steps run again on a list found stale) count.
     """
 
     def __init__(self, step: BatchStep, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int], species: Tensor,
@@ -74,12 +79,13 @@ class PaddedBatchStep:
         self.step, self.adapter = step, step.adapter
         self.cuda_graph = bool(cuda_graph)
         self.capture_error: str | None = None
-        self.n_captures = self.n_growths = self.n_rebuilds = 0
+        self.n_captures = self.n_growths = self.n_rebuilds = self.n_reruns = 0
         self.finite = True
         self.ptr, self.pbcs, self.keys = list(ptr), [tuple(p) for p in pbcs], keys
         self.cells_host = np.asarray(cells, dtype=np.float64)
         dev, dtype = self.adapter.device, self.adapter.dtype
         self.positions = torch.zeros(self.ptr[-1], 3, dtype=dtype, device=dev)
+        self._previous = torch.zeros_like(self.positions)  # the last call's positions
         self.cells = torch.as_tensor(self.cells_host, dtype=dtype, device=dev)
         self.structure = torch.repeat_interleave(torch.arange(len(self.pbcs), device=dev),
                                                  torch.as_tensor(np.diff(self.ptr), device=dev))
@@ -87,7 +93,8 @@ class PaddedBatchStep:
         self.groups = step.groups(species)
         self.min_distance = step.min_distance  # the captured body holds it
         self.capacity = 0  # model edge slots
-        self._half_skin2 = (0.5 * step.neighbours.skin) ** 2
+        self._half_skin = 0.5 * step.neighbours.skin
+        self._due: list[int] = []  # structures to search again before the next step
         self._list: _List | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[StepOutput, Tensor] | None = None
@@ -106,19 +113,26 @@ class PaddedBatchStep:
         """Drop the graph and the list's buffers (the counts and ``capture_error`` stay); a later ``run`` searches
         and sizes them again."""
         self.invalidate()
-        self._list, self.capacity = None, 0
+        self._list, self.capacity, self._due = None, 0, []
 
     def run(self, positions: Tensor) -> StepOutput:
         """Energy [B] and forces [N, 3] (device tensors in the model's dtype, valid until the next ``run``) at
         ``positions`` ([N, 3], on the model's device); two atoms closer than ``min_distance`` raise
         ``BatchStructureError``; NaN or inf in the results sets ``finite`` False."""
+        self._previous.copy_(self.positions)
         self.positions.copy_(positions.detach())
         if self._list is None:
+            self._previous.copy_(self.positions)
             self._rebuild()
+        elif self._due:
+            self._rebuild(self._due)
+        count_b = len(self.pbcs)
         for _ in range(_TRIES):
             out, status = replay_or_capture(self, self._compute, "the batched MD step")
-            stale, bad, close, count = status.cpu().tolist()  # the step's one sync
-            if stale:
+            host = status.cpu().numpy()  # the step's one sync
+            moved, stepped, (bad, close, count) = np.sqrt(host[:count_b]), math.sqrt(host[count_b]), host[-3:]
+            if not (moved <= self._half_skin).all():  # "not <=": NaN counts as moved
+                self.n_reruns += 1
                 self._rebuild()
             elif count > self.capacity:
                 self._grow(int(count))
@@ -130,15 +144,18 @@ class PaddedBatchStep:
         if close:
             self._name_close()
         self.finite = not bad
+        self._due = np.nonzero(~(moved + 2 * stepped <= self._half_skin))[0].tolist()
         return out
 
     # --- the host's part: the list and the capacities ----------------------------------------------------------
 
-    def _rebuild(self) -> None:
-        """The Verlet lists of the structures that need one searched again, and loaded into the buffers."""
+    def _rebuild(self, search: Sequence[int] = ()) -> None:
+        """The Verlet lists of the structures that need one (and of ``search``) searched again, and loaded into the
+        buffers."""
         check_finite(self.positions.cpu().numpy(), self.cells_host, self.ptr)  # NaN named before it is searched
         nl = self.step.neighbours
-        nl.update(self.positions, self.cells_host, self.pbcs, self.ptr, self.keys)
+        nl.update(self.positions, self.cells_host, self.pbcs, self.ptr, self.keys, search=set(search))
+        self._due = []
         self.n_rebuilds += 1
         pairs, lst = nl.sender.shape[0], self._list
         if lst is None or pairs > lst.capacity:
@@ -201,13 +218,15 @@ class PaddedBatchStep:
                                   self.positions.shape[0], self.capacity, step.pad_vector,
                                   with_graph=bool(step.caches), topology=lst.topology)
             moved = (self.positions - lst.reference).square().sum(-1)
-            stale = ~(moved <= self._half_skin2).all()  # "not <=": NaN counts as moved, as in the list's update
+            moved = torch.where(torch.isnan(moved), torch.inf, moved)  # NaN: moved past any skin
+            worst = moved.new_zeros(len(self.pbcs)).scatter_reduce(0, self.structure, moved, "amax")
+            stepped = (self.positions - self._previous).square().sum(-1).max()
             close = (torch.zeros((), dtype=torch.bool, device=self.device) if self.min_distance is None
                      else (lst.valid & (lengths < self.min_distance)).any())
         out = step.derivatives(layout, self.positions, self.cells, self.structure, self.species, self.groups,
                                (True, False, False))
         with torch.no_grad():
             bad = ~(torch.isfinite(out.energy).all() & torch.isfinite(out.forces).all())
-            status = torch.cat([torch.stack([stale, bad, close]).to(torch.float64),
-                                out.count.reshape(1).to(torch.float64)])
+            status = torch.cat([worst.to(torch.float64), torch.stack([stepped.to(torch.float64), bad.to(torch.float64),
+                                close.to(torch.float64), out.count.reshape(()).to(torch.float64)])])
         return out, status
