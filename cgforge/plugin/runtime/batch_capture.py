@@ -5,9 +5,11 @@ CUDA graph (``PaddedBatchStep``; docs/batch.md).
 buffers a CUDA graph replays (``cuda_graph``; else the same body runs eagerly, which is how a CPU checks it):
 
 1. at a Verlet-list rebuild (``BatchNeighbours.update``, on the host) the list is copied into buffers of
-   ``room(pairs, MARGIN)`` entries, the entries past it marked invalid; a list past the capacity grows them and
-   drops the graph;
-2. the body, which reads nothing back, cuts the list to the cutoff, lays the edges out in ``capacity`` slots with
+   ``room(pairs, LIST_MARGIN)`` entries, the entries past it marked invalid; a list past the capacity grows them
+   and drops the graph;
+2. the body, which reads nothing back, cuts the list to the cutoff, lays the edges out in ``capacity`` slots
+   (``room(edges, margin)``: padding edges cost what real ones cost, so the margin starts at ``EDGE_MARGIN`` and
+   doubles at each growth, up to ``step_graph.MAX_GROW_MARGIN``, as the single structure's step grows) with
    padding edges beyond the cutoff (``layout_edges``: exact for a model ``inert_beyond_cutoff`` only) and takes
    energies and forces (``BatchStep.derivatives``), with one status row: how far each structure's atoms moved at
    most since it was searched, how far any atom moved since the last call, whether energy or forces are not
@@ -37,11 +39,12 @@ from cgforge.kernels.edge_layout import EdgeTopology, layout_edges
 
 from .batch import BatchStep, Pbc, check_finite, pair_lengths
 from .capture import replay_or_capture, room
-from .step_graph import StepOutput
+from .step_graph import MAX_GROW_MARGIN, StepOutput
 
-__all__ = ["MARGIN", "PaddedBatchStep"]
+__all__ = ["EDGE_MARGIN", "LIST_MARGIN", "PaddedBatchStep"]
 
-MARGIN = 0.1  # spare capacity given to the list and edge buffers when they are sized (``room``)
+LIST_MARGIN = 0.1  # spare capacity of the list's buffers (``room``): a padding pair costs a length, not a model edge
+EDGE_MARGIN = 0.02  # of the model edges at first
 _TRIES = 4  # step calls per ``run`` at most: a rebuild and a growth each run the step again
 
 
@@ -93,6 +96,7 @@ class PaddedBatchStep:
         self.groups = step.groups(species)
         self.min_distance = step.min_distance  # the captured body holds it
         self.capacity = 0  # model edge slots
+        self._edge_margin = EDGE_MARGIN
         self._half_skin = 0.5 * step.neighbours.skin
         self._due: list[int] = []  # structures to search again before the next step
         self._list: _List | None = None
@@ -160,7 +164,7 @@ class PaddedBatchStep:
         pairs, lst = nl.sender.shape[0], self._list
         if lst is None or pairs > lst.capacity:
             self.n_growths += lst is not None
-            capacity, dev = room(pairs, MARGIN), self.device
+            capacity, dev = room(pairs, LIST_MARGIN), self.device
             ints = {"dtype": torch.int64, "device": dev}
             lst = self._list = _List(torch.zeros(capacity, **ints), torch.zeros(capacity, **ints),
                                      torch.zeros(capacity, 3, dtype=self.positions.dtype, device=dev),
@@ -189,9 +193,11 @@ class PaddedBatchStep:
             self._grow(within)
 
     def _grow(self, count: int) -> None:
-        """Room for ``count`` model edges; the graph goes."""
-        self.n_growths += self.capacity > 0
-        self.capacity = room(count, MARGIN)
+        """Room for ``count`` model edges (with more to spare after each growth); the graph goes."""
+        if self.capacity > 0:
+            self.n_growths += 1
+            self._edge_margin = min(2 * self._edge_margin, MAX_GROW_MARGIN)
+        self.capacity = room(count, self._edge_margin)
         self.invalidate()
 
     def _name_close(self) -> None:
