@@ -193,7 +193,12 @@ def md_batch(calc, systems: list, args, device: str) -> dict:
         run_md_batch(calc, systems[first:first + args.batch_size], ensemble="nvt", thermostat="langevin",
                      temperature_K=args.temperature, timestep_fs=args.timestep_fs, steps=args.md_steps)
     sync(device)
-    return rate(time.perf_counter() - start, systems, args.md_steps * sum(len(a) for a in systems))
+    row = rate(time.perf_counter() - start, systems, args.md_steps * sum(len(a) for a in systems))
+    padded = calc.potential.batch_step().padded  # the last batch's force call: captured, or why not
+    row["captured"] = padded is not None and padded.cuda_graph
+    if padded is not None and padded.capture_error:
+        row["capture_error"] = padded.capture_error
+    return row
 
 
 def compare(row: dict, energies: dict, reference: dict, systems: list, against: str) -> None:

@@ -2,8 +2,10 @@
 
 Every structure moves by the engine's integrators (``md.integrators``) applied to the batch at once, with its own
 masses, temperature, cell and noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])``
-draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step
-(``runtime.batch.BatchStep``); no CUDA graph. A bad structure raises ``BatchStructureError`` naming it.
+draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step: NVE
+and NVT through the padded step captured in a CUDA graph (``runtime.batch_capture.PaddedBatchStep``, by the
+runtime's rule), NPT (every cell changes every step) eagerly through ``runtime.batch.BatchStep``. A bad structure
+raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from .md.integrators import (
 )
 from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choice, check_count, check_number
 from .runtime.batch import BatchStructureError, check_finite
+from .runtime.batch_capture import PaddedBatchStep
+from .runtime.capture import resolve_cuda_graph
 from .runtime.potential import Potential
 
 _AT_LEAST_0 = partial(check_number, strict=False)
@@ -177,16 +181,38 @@ def _integrator(ensemble: str, given: dict, timestep_fs: float, ptr: list[int]) 
     return BatchLangevin(timestep_fs, per_atom(temperatures), per_atom(frictions))
 
 
+def _padded_choice(cuda_graph: bool | None, padded: bool | None, potential: Potential, changes_cell: bool
+                   ) -> tuple[bool, bool]:
+    """(capture, padded) of a run: cuda_graph by the runtime's rule (``resolve_cuda_graph``); the padded step
+    needs fixed cells and a step that reads no chunk ranges on the host (no streaming)."""
+    for name, value in (("cuda_graph", cuda_graph), ("padded", padded)):
+        if value is not None and not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name}: expected None, True or False, got {type(value).__name__} {value!r}")
+    why_not = ("NPT changes every cell every step, so its steps run eagerly" if changes_cell else
+               "a streaming potential reads its chunk ranges on the host, so its steps run eagerly"
+               if potential.streaming else None)
+    if why_not is not None:
+        for name, value in (("cuda_graph", cuda_graph), ("padded", padded)):
+            if value:
+                raise ValueError(f"{name}=True: {why_not}")
+        return False, False
+    use_graph = resolve_cuda_graph(cuda_graph, potential.device, potential.inert_edges_reason)
+    return use_graph, use_graph if padded is None else bool(padded) or use_graph
+
+
 def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, ensemble: str = "nve",
                  timestep_fs: float, steps: int, temperature_K: float | Sequence[float] | None = None,
                  thermostat: str | None = None, friction: float | Sequence[float] | None = None,
                  taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
                  taup_fs: float | None = None, compressibility_per_bar: float | None = None,
-                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5) -> list[Atoms]:
+                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5, cuda_graph: bool | None = None,
+                 padded: bool | None = None) -> list[Atoms]:
     """``steps`` MD steps for every structure of ``atoms_list`` in one batch; copies at the end with momenta and
     a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
     (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
-    seed is ``seed + b``, or ``seed[b]`` for a sequence."""
+    seed is ``seed + b``, or ``seed[b]`` for a sequence. cuda_graph: capture the force call (NVE, NVT) in a CUDA
+    graph (None: on CUDA for a model inert beyond its cutoff); padded: its padded step without the capture (None:
+    as cuda_graph)."""
     ensemble = check_choice("ensemble", ensemble, ENSEMBLES)
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
@@ -202,17 +228,23 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     integrator = _integrator(ensemble, given, timestep_fs, ptr)
     seeds = _per_system("seed", seed, len(structures), partial(check_count, minimum=0), "an int")
     seeds = seeds if isinstance(seed, Sequence | np.ndarray) else [s + b for b, s in enumerate(seeds)]
-    step = potential_of(model).batch_step(min_distance)
+    potential = potential_of(model)
+    step = potential.batch_step(min_distance)
     device = step.adapter.device
+    use_graph, padded = _padded_choice(cuda_graph, padded, potential, integrator.changes_cell)
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
     pbcs = [s.pbc for s in structures]
     host_positions = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])
     check_finite(host_positions, cells, ptr)
     species = step.species(np.concatenate([np.asarray(s.numbers) for s in structures]), ptr)
+    host_momenta = np.concatenate([a.get_momenta() for a in atoms_list])
+    if not np.isfinite(host_momenta).all():
+        b = int(np.searchsorted(ptr, int(np.argmax(~np.isfinite(host_momenta).all(1))), side="right")) - 1
+        raise BatchStructureError(b, "momenta contain NaN or inf")
     f64 = {"dtype": torch.float64, "device": device}
     count = len(structures)
     state = MDState(positions=torch.as_tensor(host_positions, **f64),
-                    momenta=torch.as_tensor(np.concatenate([a.get_momenta() for a in atoms_list]), **f64),
+                    momenta=torch.as_tensor(host_momenta, **f64),
                     forces=torch.zeros(ptr[-1], 3, **f64), energy=torch.zeros(count, **f64),
                     virial=torch.zeros(count, 3, 3, **f64), cell=torch.as_tensor(cells, **f64),
                     masses=torch.as_tensor(np.concatenate([a.get_masses() for a in atoms_list]), **f64)[:, None],
@@ -226,29 +258,39 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     state.extra = integrator.initial_extra(device)
     noise = SystemNoise(seeds, ptr, state.step)
     keys = list(range(count))
+    step.padded = None if not padded else PaddedBatchStep(
+        step, cells, pbcs, ptr, species, cuda_graph=use_graph, inert_edges_reason=potential.inert_edges_reason,
+        keys=keys)
 
     def forces(at: int) -> None:
-        # the barostat's cells on the host for the neighbour search (which searches a changed cell again)
-        host_cells = state.cell.cpu().numpy() if integrator.changes_cell else cells
-        out = step.run(state.positions, host_cells, pbcs, ptr, species, stress=integrator.needs_virial, keys=keys)
+        if step.padded is not None:  # its one host read per step says whether the results are finite
+            out = step.padded.run(state.positions)
+        else:  # the barostat's cells on the host for the neighbour search (which searches a changed cell again)
+            host_cells = state.cell.cpu().numpy() if integrator.changes_cell else cells
+            out = step.run(state.positions, host_cells, pbcs, ptr, species, stress=integrator.needs_virial, keys=keys)
         state.forces.copy_(out.forces.detach())
         state.energy.copy_(out.energy.detach())
         if integrator.needs_virial:
             state.virial.copy_(out.virial.detach())
-        # one host read per step (the batch step reads the host more already): a blown-up structure is named
-        # before its coordinates reach the next neighbour search
-        if not bool(torch.isfinite(state.energy).all() & torch.isfinite(state.forces).all()):
+        # a blown-up structure is named before its coordinates reach the next neighbour search
+        finite = step.padded.finite if step.padded is not None else bool(
+            torch.isfinite(state.energy).all() & torch.isfinite(state.forces).all())
+        if not finite:
             rows = (~torch.isfinite(state.forces)).any(1).to(torch.int64).cpu().numpy()
             bad = ~np.isfinite(state.energy.cpu().numpy()) | (np.add.reduceat(rows, ptr[:-1]) > 0)
             raise BatchStructureError(int(np.argmax(bad)), f"the model returned NaN or inf at step {at}")
 
-    with torch.no_grad():
-        forces(0)
-        for at in range(1, steps + 1):
-            integrator.before_forces(state, noise)
-            forces(at)
-            integrator.after_forces(state, noise)
-            state.step.add_(1)
+    try:
+        with torch.no_grad():
+            forces(0)
+            for at in range(1, steps + 1):
+                integrator.before_forces(state, noise)
+                forces(at)
+                integrator.after_forces(state, noise)
+                state.step.add_(1)
+    finally:
+        if step.padded is not None:
+            step.padded.release()  # its graph's and buffers' memory goes; its counts and capture_error stay
     energies, x_host, p_host, f_host, cell_host = (t.cpu().numpy() for t in (
         state.energy, state.positions, state.momenta, state.forces, state.cell))
     final = []

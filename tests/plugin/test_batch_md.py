@@ -1,6 +1,7 @@
 """Batched MD (``plugin.batch_md.run_md_batch``): each structure of a batch moves as the device engine moves it
 alone (NVE, NVT Langevin with its own temperature, friction and seed), its noise is its own whatever the batch,
-and bad input is refused early with the argument named."""
+bad input is refused early with the argument named, and the padded force call (``runtime.batch_capture``,
+captured on CUDA) gives what the eager batch step gives."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import test_batch
 import torch
-from ase import units
+from ase import Atoms, units
 from ase.build import molecule
 
 from cgforge.plugin import BatchStructureError, run_md_batch
@@ -172,19 +173,38 @@ def test_each_systems_noise_is_what_it_draws_alone() -> None:
     ({"seed": [1, 2, 3]}, "seed: expected an int or one per structure"),
     ({"timestep_fs": 0.0}, "timestep_fs: expected a finite number > 0"),
     ({"steps": -2}, "steps: expected an int >= 0"),
+    ({"cuda_graph": True}, "cuda_graph=True needs a CUDA device, got cpu"),
+    ({"cuda_graph": "on"}, "cuda_graph: expected None, True or False"),
+    ({"ensemble": "npt", "temperature_K": 300.0, "padded": True}, "padded=True: NPT changes every cell"),
 ])
 def test_bad_arguments_are_named(mace_calc, kwargs, match) -> None:
     options = {"timestep_fs": 0.5, "steps": 1, **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         run_md_batch(mace_calc, [molecule("H2O"), molecule("H2")], **options)
 
 
-def test_a_structure_that_blows_up_is_named(mace_calc) -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_structure_that_blows_up_is_named(mace_calc, padded: bool) -> None:
     inputs = structures()
     inputs[1].set_momenta([[0, 0, -1.5], [0, 0, 1.5]])  # H2's atoms (0 above 1) thrown at each other
     with pytest.raises(BatchStructureError, match="structure 1: atoms 0 and 1 are") as err:
-        run_md_batch(mace_calc, inputs, timestep_fs=1.0, steps=5)
+        run_md_batch(mace_calc, inputs, timestep_fs=1.0, steps=5, padded=padded)
     assert err.value.index == 1
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_nan_from_the_model_or_in_the_momenta_is_named(mace_calc, padded: bool) -> None:
+    inputs = structures()
+    inputs[1].positions[1] = inputs[1].positions[0]  # a zero-length edge: NaN (min_distance off lets it through)
+    with pytest.raises(BatchStructureError, match="structure 1: the model returned NaN or inf at step 0") as err:
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, min_distance=None, padded=padded)
+    assert err.value.index == 1
+    inputs = structures()
+    momenta = inputs[2].get_momenta()
+    momenta[3, 1] = np.nan
+    inputs[2].set_momenta(momenta)
+    with pytest.raises(BatchStructureError, match="structure 2: momenta contain NaN"):
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, padded=padded)
 
 
 @pytest.mark.cuda
@@ -211,3 +231,99 @@ def test_batched_npt_on_cuda_equals_the_engine_on_each_structure() -> None:
     from cgforge.plugin import Calculator
 
     npt_matches_the_engine(Calculator("mace", device="cuda", dtype="float64", skin=0.5), 1e-10)
+
+
+# --- the padded (captured on CUDA) force call ----------------------------------------------------------------------
+
+def water_cluster(spread: float) -> Atoms:
+    """Six water molecules without a cell, their centres ``spread`` times their places in a small box apart."""
+    box = water_box(6, seed=2)
+    positions = box.positions.reshape(6, 3, 3)
+    centres = positions[:, :1]
+    cluster = Atoms(box.numbers, positions=(positions + (spread - 1) * centres).reshape(-1, 3))
+    cluster.rattle(0.02, seed=1)
+    return cluster
+
+
+def test_the_padded_step_equals_the_batch_step_through_rebuilds_and_growths(mace_calc) -> None:
+    from cgforge.plugin.batch import as_structure
+    from cgforge.plugin.runtime.batch import BatchStep
+    from cgforge.plugin.runtime.batch_capture import PaddedBatchStep
+
+    potential = mace_calc.potential
+    box = structures()[2]
+    batch = [water_cluster(3.0), box]  # molecules 9 Å apart (no edge between them), a small periodic cell
+    parts = [as_structure(a) for a in batch]
+    ptr = np.cumsum([0, *(len(a) for a in batch)]).tolist()
+    cells, pbcs = np.stack([p.cell for p in parts]), [p.pbc for p in parts]
+    numbers = np.concatenate([p.numbers for p in parts])
+    eager = BatchStep(potential.adapter, 0.5)  # its own lists: the reference
+    padded = PaddedBatchStep(BatchStep(potential.adapter, 0.5), cells, pbcs, ptr, eager.species(numbers, ptr),
+                             cuda_graph=False, inert_edges_reason=None)
+
+    def check(positions: np.ndarray) -> None:
+        x = torch.as_tensor(positions)
+        got = padded.run(x)
+        want = eager.run(x, cells, pbcs, ptr, eager.species(numbers, ptr))
+        assert padded.finite
+        np.testing.assert_allclose(got.energy.numpy(), want.energy.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got.forces.numpy(), want.forces.numpy(), rtol=0,
+                                   atol=1e-12 * float(want.forces.abs().max()))
+        assert padded.capacity >= eager.n_edges  # the padded layout holds every edge, and more slots
+
+    x0 = np.concatenate([a.positions for a in batch])
+    check(x0)
+    assert (padded.n_rebuilds, padded.n_growths, padded.n_reruns) == (1, 0, 0)
+    x1 = x0 + np.random.default_rng(0).normal(scale=0.01, size=x0.shape)  # far within skin / 2: the list stands
+    check(x1)
+    assert padded.n_rebuilds == 1
+    x2 = x1.copy()
+    x2[ptr[1] + 2] += [0.3, 0.0, 0.0]  # an atom of the box 0.3 Å away, unforeseen: searched again, step run again
+    check(x2)
+    assert (padded.n_rebuilds, padded.n_growths, padded.n_reruns) == (2, 0, 1)
+    x3 = x2.copy()
+    x3[:ptr[1]] = water_cluster(1.0).positions  # the molecules together: the list and the edges outgrow their room
+    check(x3)  # searched before the step (after a jump of 0.3 Å every list was due), not run again
+    assert padded.n_rebuilds == 3 and padded.n_growths >= 1 and padded.n_reruns == 1
+    check(x3)  # searched again: the cluster jumped; nothing moved since
+    rebuilds, growths = padded.n_rebuilds, padded.n_growths
+    padded.capacity = 64  # as if edges had come within the cutoff since the search
+    check(x3)  # the layout overflowed: grown, and the step run again
+    assert padded.n_growths == growths + 1 and padded.capacity > 64 and padded.n_rebuilds == rebuilds
+
+
+def test_padded_nve_equals_the_eager_batch_step(mace_calc) -> None:
+    inputs = structures()
+    eager = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20)
+    assert mace_calc.potential.batch_step().padded is None  # on a CPU: eager unless asked for
+    padded = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20, padded=True)
+    step = mace_calc.potential.batch_step().padded
+    assert step.n_rebuilds > 2 and step.n_captures == 0  # the lists moved on; nothing captured on a CPU
+    assert step.n_reruns <= step.n_rebuilds // 3  # most searches foreseen: before their step, not after it
+    for got, want in zip(padded, eager, strict=True):
+        assert_same_run(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ensemble", ["nve", "nvt"])
+def test_the_captured_batch_md_equals_the_eager_one_on_cuda(ensemble: str) -> None:
+    """FP32, the bundled MACE: the captured force call (the default on CUDA) and the eager one agree to FP32
+    rounding over a run whose lists are searched again several times (a dozen on a CPU), with one capture."""
+    from cgforge.plugin import Calculator
+
+    calc = Calculator("mace", device="cuda", dtype="float32", skin=0.5)
+    inputs = structures() + periodic_structures()[1:]
+    kwargs = {"ensemble": ensemble, "timestep_fs": 1.0, "steps": 20, "seed": 2,
+              "temperature_K": 300.0 if ensemble == "nvt" else None}
+    captured = run_md_batch(calc, inputs, **kwargs)
+    step = calc.potential.batch_step().padded
+    assert step.cuda_graph and step.capture_error is None
+    assert step.n_captures == 1 and step.n_rebuilds > 3
+    eager = run_md_batch(calc, inputs, cuda_graph=False, **kwargs)
+    assert calc.potential.batch_step().padded is None
+    # FP32 on a CPU, padded against eager: ~3e-7 Å, ~5e-6 of the largest force, ~3e-6 eV after these 20 steps
+    scale = max(np.abs(a.get_forces()).max() for a in eager)
+    for got, want in zip(captured, eager, strict=True):
+        np.testing.assert_allclose(got.positions, want.positions, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got.get_forces(), want.get_forces(), rtol=0, atol=1e-3 * scale)
+        assert got.get_potential_energy() == pytest.approx(want.get_potential_energy(), abs=1e-4)

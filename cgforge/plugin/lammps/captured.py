@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from cgforge.plugin.runtime.capture import capture_or_fall_back, conv_graph, layout_edges, pad_offset_vector, room
+from cgforge.plugin.runtime.capture import conv_graph, layout_edges, pad_offset_vector, replay_or_capture, room
 
 from .arrays import LammpsArrays, write_results
 from .timers import OFF
@@ -189,17 +189,7 @@ class PaddedStep:
             b.moved.copy_(moved)  # on the device: no read here
 
     def _execute(self) -> _Outputs:
-        if not self.cuda_graph:
-            return self._compute()
-        if self._graph is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            entry = capture_or_fall_back(self, self._compute, self._pool, "the LAMMPS step")
-            if entry is None:  # eager from now on (the reason is in capture_error)
-                return self._compute()
-            self._graph, self._out = entry
-            self.n_captures += 1
-        self._graph.replay()
-        return self._out
+        return replay_or_capture(self, self._compute, "the LAMMPS step")
 
     # --- the step (capture-safe: no host reads) ----------------------------------------------------------
 

@@ -6,13 +6,14 @@
 The atoms lie end to end (structure b owns atoms ptr[b] .. ptr[b + 1] - 1) in one graph whose edges never join two
 structures; one neighbour search (``batch_neighbour_list``), a Verlet list kept per structure (``BatchNeighbours``)
 and one model call, with one strain per structure for its virial (``step_graph.graph_derivatives``). docs/batch.md
-says how; a bad structure raises ``BatchStructureError`` naming its index. The steps run eagerly (no CUDA graph).
+says how; a bad structure raises ``BatchStructureError`` naming its index. ``BatchStep.run`` runs eagerly (exact
+edge counts, host reads); batched MD's fixed-cell steps run padded and captured (``batch_capture``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cgforge.kernels.edge_layout import EdgeTopology, edge_topology, layout_edges, pad_offset_vector
+from cgforge.kernels.edge_layout import EdgeLayout, EdgeTopology, edge_topology, layout_edges, pad_offset_vector
 from cgforge.patches.graph_cache import graph_caches
 from cgforge.patches.species_linear import SpeciesGroups
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from .adapters import ModelAdapter
 
 __all__ = ["BatchStructure", "BatchStructureError", "BatchNeighbours", "BatchStep", "batch_neighbour_list",
-           "check_finite", "check_shapes", "non_finite"]
+           "check_finite", "check_shapes", "non_finite", "pair_lengths"]
 
 Pbc = tuple[bool, bool, bool]
 # Images of a cell the search may need per atom, at most (a cell far thinner than the cutoff).
@@ -186,6 +187,14 @@ def batch_neighbour_list(positions: Tensor, cells: Tensor, pbcs: Sequence[Pbc], 
     return _sorted(atom, receiver, shifts, n)
 
 
+def pair_lengths(positions: Tensor, cells: Tensor, structure: Tensor, sender: Tensor, receiver: Tensor,
+                 shifts: Tensor) -> Tensor:
+    """|pos[r] - pos[s] + S @ cell of r's structure| of each listed pair (``structure`` [N]: each atom's)."""
+    vectors = (positions.index_select(0, receiver) - positions.index_select(0, sender)
+               + (shifts.unsqueeze(1) @ cells.index_select(0, structure.index_select(0, receiver))).squeeze(1))
+    return torch.linalg.vector_norm(vectors, dim=-1)
+
+
 def _sorted(sender: Tensor, receiver: Tensor, shifts: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """The pairs in (receiver, sender, shift) order: a fixed order, whatever the search's."""
     if sender.numel() == 0:
@@ -225,9 +234,10 @@ class BatchNeighbours:
         self._order: tuple | None = None
 
     def update(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
-               keys: Sequence[Hashable] | None = None) -> int:
+               keys: Sequence[Hashable] | None = None, search: Collection[int] = ()) -> int:
         """Bring the list up to date for these structures (``keys``: one per structure, naming it from call
-        to call; None: its place in the batch); the number of structures searched."""
+        to call; None: its place in the batch; ``search``: structures searched again whatever they moved); the
+        number of structures searched."""
         count = len(pbcs)
         keys = tuple(range(count)) if keys is None else tuple(keys)
         if len(keys) != count or len(set(keys)) != count:
@@ -235,7 +245,7 @@ class BatchNeighbours:
                              f"({len(set(keys))} distinct)")
         kept = [self._kept.get(k) for k in keys]
         usable = [k is not None and k.positions.shape[0] == ptr[b + 1] - ptr[b] and k.pbc == pbcs[b]
-                  and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b])
+                  and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b]) and b not in search
                   for b, k in enumerate(kept)]
         if any(usable):
             reference = torch.cat([k.positions if use else positions[ptr[b]:ptr[b + 1]]
@@ -259,6 +269,10 @@ class BatchNeighbours:
         self.shifts = torch.cat([k.shifts for k in parts])
         self.topology = edge_topology(self.sender, self.receiver, self.shifts, ptr[-1])
         return len(stale)
+
+    def built_at(self) -> Tensor:
+        """[N, 3]: where the atoms of the batch of the last ``update`` were when their lists were searched."""
+        return torch.cat([self._kept[k].positions for k in self._order])
 
     def _search(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
                 keys: tuple, stale: list[int]) -> None:
@@ -294,6 +308,8 @@ class BatchStep:
         self.caches = graph_caches(adapter.model)
         self.pad_vector = pad_offset_vector(self.cutoff, adapter.dtype, adapter.device)
         self.n_edges = 0
+        # the padded step of the last batched MD run (``batch_capture.PaddedBatchStep``): its captures, its error
+        self.padded = None
 
     def species(self, numbers: np.ndarray, ptr: Sequence[int]) -> Tensor:
         """The model's species input of every atom of the batch (``numbers`` end to end), in one call; an unknown
@@ -360,11 +376,8 @@ class BatchStep:
         nl.update(positions, cells_host, pbcs, ptr, keys)
         shifts = nl.shifts.to(dtype)
         with torch.no_grad():
-            vectors = (positions.index_select(0, nl.receiver) - positions.index_select(0, nl.sender)
-                       + (shifts.unsqueeze(1) @ cells.index_select(0, structure.index_select(0, nl.receiver))
-                          ).squeeze(1))
-            lengths = torch.linalg.vector_norm(vectors, dim=-1)
-        self._check_distances(lengths, structure.index_select(0, nl.receiver), nl.sender, nl.receiver, ptr)
+            lengths = pair_lengths(positions, cells, structure, nl.sender, nl.receiver, shifts)
+        self.check_distances(lengths, structure.index_select(0, nl.receiver), nl.sender, nl.receiver, ptr)
         keep = lengths < self.cutoff
         if nl.topology is not None:
             keep = keep & keep.index_select(0, nl.topology.reverse)
@@ -372,21 +385,33 @@ class BatchStep:
         layout = layout_edges(keep, nl.sender, nl.receiver, shifts, n, count, self.pad_vector,
                               with_graph=bool(self.caches), topology=nl.topology)
         self.n_edges = count
-        groups = SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None
+        key = (bool(forces or stress), bool(stress), bool(per_atom))
+        try:
+            return self.derivatives(layout, positions, cells, structure, species, self.groups(species), key)
+        finally:
+            self.unpin()
+
+    def groups(self, species: Tensor) -> SpeciesGroups | None:
+        """The atoms grouped by species for the model's per-species layers (one host read; None: no caches)."""
+        return SpeciesGroups.from_species(self.adapter.species_index(species)) if self.caches else None
+
+    def derivatives(self, layout: EdgeLayout, positions: Tensor, cells: Tensor, structure: Tensor, species: Tensor,
+                    groups: SpeciesGroups | None, key: tuple[bool, bool, bool]) -> StepOutput:
+        """``graph_derivatives`` of the batch laid out in ``layout`` (capture-safe: no host reads)."""
 
         def energy(pos: Tensor, vec: Tensor, edge_index: Tensor, atoms: bool) -> tuple[Tensor, Tensor | None]:
             return self.adapter.energy(pos, vec, species, edge_index, atoms)
 
-        key = (bool(forces or stress), bool(stress), bool(per_atom))
-        try:
-            return graph_derivatives(self.adapter, self.caches, layout, n, positions, cells, energy, key,
-                                     groups=groups, structure=structure)
-        finally:
-            for cache in self.caches:
-                cache.unpin()  # the potential's own step pins its graph again when it runs
+        return graph_derivatives(self.adapter, self.caches, layout, positions.shape[0], positions, cells, energy, key,
+                                 groups=groups, structure=structure)
 
-    def _check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
-                         ptr: Sequence[int]) -> None:
+    def unpin(self) -> None:
+        """Release the edge graph pinned in the model's caches (the potential's own step pins its graph again)."""
+        for cache in self.caches:
+            cache.unpin()
+
+    def check_distances(self, lengths: Tensor, edge_structure: Tensor, sender: Tensor, receiver: Tensor,
+                        ptr: Sequence[int]) -> None:
         """Two atoms of one structure closer than ``min_distance`` (an atom and its own image too) raise."""
         if self.min_distance is None or lengths.numel() == 0:
             return

@@ -2,7 +2,8 @@
 model step, the MD engine and the LAMMPS step.
 
 ``capture_graph`` is the one capture routine: warm-up calls on a side stream, then the capture into a given memory
-pool. ``capture_or_fall_back`` turns a failure into eager steps with the reason kept. ``resolve_cuda_graph`` is the
+pool. ``capture_or_fall_back`` turns a failure into eager steps with the reason kept; ``replay_or_capture`` is the
+call of a step with one graph (the LAMMPS step's, the batched MD step's). ``resolve_cuda_graph`` is the
 one rule of whether a step is captured (the potential's and LAMMPS's). ``room`` is the one capacity rounding of static
 buffers. The fixed-shape edge layout a captured step reads (``kernels.edge_layout``) is passed on from here to the
 runtime's users (LAMMPS's padded step).
@@ -91,3 +92,20 @@ def capture_or_fall_back(owner: Any, compute: Callable[[], T], pool: object, wha
         warnings.warn(f"cgforge: CUDA-graph capture of {what} failed, running it eagerly ({owner.capture_error})",
                       RuntimeWarning, stacklevel=4)
         return None
+
+
+def replay_or_capture(owner: Any, compute: Callable[[], T], what: str) -> T:
+    """``compute()`` eagerly unless ``owner.cuda_graph``; else the replay of ``owner``'s one graph of it, captured in a
+    new pool at the first call after ``owner.invalidate()`` (which sets ``_graph`` None) and kept in ``owner._graph``,
+    ``_out``, ``_pool`` (``n_captures`` counts captures); a failed capture runs eagerly (``capture_or_fall_back``)."""
+    if not owner.cuda_graph:
+        return compute()
+    if owner._graph is None:
+        owner._pool = torch.cuda.graph_pool_handle()
+        entry = capture_or_fall_back(owner, compute, owner._pool, what)
+        if entry is None:  # eager from now on (the reason is in capture_error)
+            return compute()
+        owner._graph, owner._out = entry
+        owner.n_captures += 1
+    owner._graph.replay()
+    return owner._out
