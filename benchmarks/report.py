@@ -467,13 +467,21 @@ def batch_section(results: Path) -> list[str]:
                 if row is None:
                     continue
                 note = row.get("error") or row.get("note") or ""
-                value = f"{row[key]:,.0f} {unit}" if isinstance(row.get(key), int | float) else "-"
+                number = row.get(key)
+                value = "-" if not isinstance(number, int | float) else (
+                    f"{number:,.0f} {unit}" if number >= 100 else f"{number:.3g} {unit}")
                 out.append(f"| {model} | {workload} | {name} | {value} | {str(note)[:120]} |")
     out += ["", f"Structures: {args.get('structures')} (relaxed: {args.get('relax_structures')}, MD steps: "
             f"{args.get('md_steps')}); ratios (cgforge / peer):", ""]
     for model, ratios in (data.get("ratios") or {}).items():
         for name, values in ratios.items():
-            out.append(f"- {model}, {name}: {values}")
+            target = values.get("target")
+            if "ratio" in values:
+                said = f"{values['ratio']:.2f}x" + ("" if target is None else f" (target >= {target:g})")
+            else:
+                said = (f"max {values['max_ev_per_atom']:.2e} eV/atom over {values['structures']} structures "
+                        f"converged in both (target <= {target:g})")
+            out.append(f"- {model}, {name}: {said}")
     return out + [""]
 
 
