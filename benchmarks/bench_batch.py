@@ -18,6 +18,8 @@ structures per second (atom-steps per second for MD and relaxation):
 - ``torchsim-mace``: TorchSim with its MACE model (cuEquivariance): ``eval-``, ``relax-`` (its batched FIRE, same
   ``--fmax``) and ``md-torchsim-mace-nvt`` (``--md-steps`` of NVT Langevin at ``--temperature``).
 - ``torchsim-cgforge``: the same TorchSim runs over cgforge's model (``cgforge.plugin.torchsim``).
+- ``--peer-md-steps`` and ``--peer-relax-structures`` shorten both TorchSim sets of rows (a slow peer's rate compares
+  as well over fewer steps or structures; the final energies compare over the structures both relaxed).
 
 A TorchSim state holds one pbc for all its systems: the TorchSim rows run the periodic cells and the clusters as
 two sets, one after the other, each as one batch of TorchSim's autobatcher (``TorchSim.scaler``).
@@ -319,11 +321,11 @@ class TorchSim:
                                             max_memory_scaler=self.scaler(name, group))
             sync(args.device)
             start = time.perf_counter()
-            ts.integrate(system=group, model=self.model, integrator=ts.Integrator.nvt_langevin, n_steps=args.md_steps,
+            ts.integrate(system=group, model=self.model, integrator=ts.Integrator.nvt_langevin, n_steps=args.peer_md_steps,
                          temperature=args.temperature, timestep=args.timestep_fs * 1e-3, autobatcher=batcher)
             sync(args.device)
             seconds += time.perf_counter() - start
-        return self.row(seconds, systems, args.md_steps * sum(len(a) for a in systems))
+        return self.row(seconds, systems, args.peer_md_steps * sum(len(a) for a in systems))
 
     def relax(self, systems: list) -> tuple[dict, dict]:
         """The row and each converged structure's final energy (eV, by index)."""
@@ -354,6 +356,7 @@ def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference:
     why. ``relaxed`` keeps each kind's final energies: TorchSim's FIRE over cgforge's model is compared with its FIRE
     over MACE's (the same optimizer: a difference there is the models', not the optimizers')."""
     names = [f"eval-torchsim-{kind}", f"md-torchsim-{kind}-nvt", f"relax-torchsim-{kind}"]
+    peer_rattled = rattled[:args.peer_relax_structures]
     try:
         runner = TorchSim(kind, raw, calc, args)
     except Exception as err:
@@ -361,8 +364,8 @@ def torchsim_rows(kind: str, raw, calc, systems: list, rattled: list, reference:
             rows[name] = failed(err)
         return
     for name, job in zip(names, (lambda: runner.evaluate(systems), lambda: runner.md(systems),
-                                 lambda: runner.relax(rattled))):
-        if (name.startswith("relax") and not rattled) or (name.startswith("md") and not args.md_steps):
+                                 lambda: runner.relax(peer_rattled))):
+        if (name.startswith("relax") and not peer_rattled) or (name.startswith("md") and not args.peer_md_steps):
             continue
         try:
             out = job()
@@ -456,15 +459,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fmax", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most")
     parser.add_argument("--md-steps", type=int, default=1000, help="steps of the batched MD rows (0: no MD rows)")
+    parser.add_argument("--peer-md-steps", type=int, default=None,
+                        help="steps of TorchSim's MD rows (default: --md-steps; its rate is what compares; 0: none)")
+    parser.add_argument("--peer-relax-structures", type=int, default=None,
+                        help="the first structures TorchSim relaxes (default: all --relax-structures; 0: none)")
     parser.add_argument("--loop-md", type=int, default=8, help="structures the velocity-Verlet loop runs")
     parser.add_argument("--loop-md-steps", type=int, default=100, help="steps of the velocity-Verlet loop")
     parser.add_argument("--timestep-fs", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=300.0, help="K, the batched NVT Langevin rows (cgforge's and TorchSim's)")
     args = parser.parse_args(argv)
+    args.peer_md_steps = args.md_steps if args.peer_md_steps is None else args.peer_md_steps
+    args.peer_relax_structures = (args.relax_structures if args.peer_relax_structures is None
+                                  else args.peer_relax_structures)
     for flag, value, least in (("--structures", args.structures, 1), ("--relax-structures", args.relax_structures, 0),
                                ("--loop-eval", args.loop_eval, 1), ("--loop-relax", args.loop_relax, 0),
                                ("--batch-size", args.batch_size, 1), ("--steps", args.steps, 0),
                                ("--md-steps", args.md_steps, 0), ("--loop-md", args.loop_md, 0),
+                               ("--peer-md-steps", args.peer_md_steps, 0), ("--peer-relax-structures",
+                                                                            args.peer_relax_structures, 0),
                                ("--loop-md-steps", args.loop_md_steps, 1)):
         if value < least:
             parser.error(f"{flag}: expected an integer >= {least}, got {value}")
