@@ -1,18 +1,12 @@
 """The padded LAMMPS step: each call's pair list on static buffers, laid out without a sort, captured on CUDA.
 
 ``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain whose
-ghosts are all images of its local atoms (``owners``: each pair's neighbour is its owner, the nodes the local atoms).
-The host grows the buffers (with a margin; a growth drops the captured graph) when LAMMPS's counts exceed them and
-copies its arrays in; the step, which reads nothing back (capture-safe), then
-
-1. lays the pairs out as edges ``pair_j -> pair_i`` with vector ``-rij`` in their own order, the other slots filled
-   with padding self-edges longer than the cutoff (zero contribution: the model must be ``inert_beyond_cutoff``);
-2. pins a ``ConvGraph.trusted`` with no sort: LAMMPS lists pairs by ascending centre, so the layout is already in
-   receiver order. A device flag says when it is not; the caller then runs the call, and later ones, eagerly;
-3. groups the species in fixed rooms (``Potential.species_room``): a call whose species overflowed their room runs
-   again with more;
-4. returns the per-atom energies, ``fij = dE/drij`` and one status row (energy, the flags, species counts) that the
-   host reads in one copy.
+ghosts are all images of its local atoms (``owners``). The host grows the buffers (a growth drops the captured
+graph) and copies LAMMPS's arrays in; the step, which reads nothing back, lays the pairs out as edges ``pair_j ->
+pair_i`` in their own order (padding self-edges beyond the cutoff: the model must be ``inert_beyond_cutoff``), pins
+a ``ConvGraph.trusted`` without a sort (LAMMPS lists pairs by ascending centre; a device flag says when not, and the
+caller then runs eagerly), groups the species in fixed rooms (``Potential.species_room``; an overflow runs again
+with more) and returns per-atom energies, ``fij = dE/drij`` and one status row the host reads in one copy.
 """
 
 from __future__ import annotations

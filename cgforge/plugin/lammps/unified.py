@@ -5,14 +5,10 @@ its pairs within the cutoff (``pair_i`` the centre, ``rij = x_j - x_i``) and eac
 edge ``pair_j -> pair_i`` with vector ``-rij``; the domain's energy sums its listed atoms' energies, and
 ``fij = dE/drij`` goes back through ``update_pair_forces(_gpu)`` (LAMMPS adds it to both atoms and tallies the virial).
 
-Modes (docs/lammps.md, section 2): ghost-neighbour (``pair_style ... 1``: every layer over local atoms and ghosts,
-``comm_modify cutoff`` >= layers x cutoff + skin) and exchange (``... 0``: one cutoff of ghosts, their features sent
-from their owners before every layer but the first, ``exchange``; on one rank the ghosts are rewired to their
-owners, ``owners``, and no exchange is left inside the model). Ghost-mode calls on CUDA and one-rank exchange-mode
-calls run the padded step (``captured``), captured in a CUDA graph; other calls run eagerly.
-
-The object pickles small (the model file's bytes and the options); the model is loaded as a ``Potential``
-(``runtime.load``) at the first call, in the LAMMPS process.
+Modes: ghost-neighbour (``pair_style ... 1``) and exchange (``... 0``), docs/lammps.md section 2. Ghost-mode calls
+on CUDA and one-rank exchange-mode calls run the padded step (``captured``), captured in a CUDA graph; other calls
+run eagerly. The object pickles small (the model file's bytes and the options); the model is loaded as a
+``Potential`` (``runtime.load``) at the first call, in the LAMMPS process.
 """
 
 from __future__ import annotations
@@ -60,16 +56,11 @@ def _mliap_base() -> type:
 
 
 class CgforgeMLIAP(_mliap_base()):
-    """A MACE or NequIP model for ``pair_style mliap unified`` (written by ``cgforge lammps-model``, whose flags
-    docs/lammps.md's table explains).
+    """A MACE or NequIP model for ``pair_style mliap unified`` (written by ``cgforge lammps-model``, whose flags,
+    the keywords here, docs/lammps.md's table explains; ``type_map`` also names the LAMMPS elements).
 
-    model: ``"mace"`` / ``"nequip"`` or a checkpoint path, whose bytes travel inside this object. dtype: None keeps
-    the model's. device: None picks the device of LAMMPS's arrays. patch, radial_table: as ``runtime.load`` takes
-    them. head: MACE head; type_map: NequIP {chemical symbol: type name}, which also names the LAMMPS elements.
-    mode: "auto", "ghost" or "exchange". cuda_graph: capture the padded step (None: the runtime's rule; True where
-    it cannot be is an error; False: eager). timers: per-phase times of every call (``timers``). _padded: internal,
-    runs the padded step uncaptured (CPU tests). ``capture_error`` says why a capture failed; ``last_path`` which
-    path the last call took ("captured", "padded" or "eager").
+    _padded: internal, runs the padded step uncaptured (CPU tests). ``capture_error`` says why a capture failed;
+    ``last_path`` which path the last call took ("captured", "padded" or "eager").
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,

@@ -2,27 +2,10 @@
 CUDA graph (``PaddedBatchStep``; docs/batch.md).
 
 ``PaddedBatchStep.run(positions)`` gives the batch's energies [B] and forces [N, 3] as ``BatchStep.run`` does, on
-buffers a CUDA graph replays (``cuda_graph``; else the same body runs eagerly, which is how a CPU checks it):
-
-1. at a Verlet-list rebuild (``BatchNeighbours.update``, on the host) the list is copied into buffers of
-   ``room(pairs, LIST_MARGIN)`` entries, the entries past it marked invalid; a list past the capacity grows them
-   and drops the graph;
-2. the body, which reads nothing back, cuts the list to the cutoff, lays the edges out in ``capacity`` slots
-   (``room(edges, margin)``: padding edges cost what real ones cost, so the margin starts at ``EDGE_MARGIN`` and
-   doubles at each growth, up to ``step_graph.MAX_GROW_MARGIN``, as the single structure's step grows) with
-   padding edges beyond the cutoff (``layout_edges``: exact for a model ``inert_beyond_cutoff`` only) and takes
-   energies and forces (``BatchStep.derivatives``), with one status row: how far each structure's atoms moved at
-   most since it was searched, how far any atom moved since the last call, whether energy or forces are not
-   finite, whether two atoms of a structure are closer than ``min_distance``, and the count of edges laid out;
-3. the host reads that row, its one sync per step: a stale list (an atom moved more than skin/2) is searched again
-   and the step run again; an edge count past ``capacity`` grows it (the graph is dropped) and runs the step
-   again; a pair too close is named by ``BatchStep.check_distances`` (eagerly, on that error path only);
-4. a structure whose atoms would pass skin/2 if they moved twice as far as the farthest atom moved in this call
-   is searched again at the start of the next call, before its step: with many structures some list goes stale
-   at almost every step, and this spares the step run twice.
-
-Cells, pbcs, species and atom counts stay as given for the step's life (NVE and NVT; NPT changes every cell every
-step and runs ``BatchStep.run``).
+buffers a CUDA graph replays (``cuda_graph``; else the same body runs eagerly, which is how a CPU checks it). The
+list buffers, the edge slots, the status row the host reads once per step and the early searches: docs/batch.md,
+"One model call per step". Cells, pbcs, species and atom counts stay as given for the step's life (NVE and NVT;
+NPT changes every cell every step and runs ``BatchStep.run``).
 """
 
 from __future__ import annotations
