@@ -317,16 +317,11 @@ class ModelStep:
             # the static buffers (model dtype) that ``compute`` reads: written in place
             self.positions = torch.zeros(n, 3, dtype=self.dtype, device=self.device)
             self.cell = torch.zeros(3, 3, dtype=self.dtype, device=self.device)
-            self._host_cell = None
+            self._host_cell = self._verlet = self._topology = self._layout = self._capacity = None
             self._species = species.clone()
             self._species_source = species
             self._groups = self._species_groups()
-            self._verlet = None
-            self._topology = None
-            self._layout = None
-            self._capacity = None
-            pinned = self.device.type == "cuda"
-            self._host_pos = torch.zeros(n, 3, dtype=self.dtype, pin_memory=pinned)
+            self._host_pos = torch.zeros(n, 3, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         if species is not self._species_source:
             if species.shape != self._species.shape or species.dtype != self._species.dtype:
                 raise ValueError(f"species: expected shape {tuple(self._species.shape)} for {n} atoms, got "
@@ -340,9 +335,7 @@ class ModelStep:
 
     def _species_groups(self) -> SpeciesGroups | None:
         # the model's node attributes are a function of the species index (the adapter builds them)
-        if not self.caches:
-            return None
-        return SpeciesGroups.from_species(self.adapter.species_index(self._species))
+        return SpeciesGroups.from_species(self.adapter.species_index(self._species)) if self.caches else None
 
     def _fit(self, current: int | None, needed: int) -> int:
         """Capacity for `needed` edges: kept while it fits and is not far too large; grown with room when outgrown;
@@ -357,9 +350,8 @@ class ModelStep:
 
     def _grown(self, count: int) -> int:
         """Model-edge capacity after ``count`` edges overflowed it. Each growth doubles the room it leaves (from
-        ``margin`` up to ``MAX_GROW_MARGIN``; the Verlet list's buffers share it), and ``_fit`` keeps that room:
-        a box whose edge count drifts up (a liquid forming from a grid-built box, a compressing NPT box) stops
-        overflowing after a few growths, each of which costs a recapture and, in the engine, a redone block."""
+        ``margin`` up to ``MAX_GROW_MARGIN``; the Verlet list's buffers share it), and ``_fit`` keeps that room: a box
+        whose edge count drifts up stops overflowing (and recapturing) after a few growths."""
         self._grow_margin = self._next_room()
         return room(count, self._grow_margin)
 
@@ -424,11 +416,8 @@ class ModelStep:
     def _load_topology(self, capacity: int, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
         """The Verlet list's row pointers and reverse edges, into static buffers (a capture reads them)."""
         nl = self.neighbours
-        if prepared is not None:
-            topology = prepared[1]
-        else:
-            topology = (edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology
-                        else None)
+        topology = (prepared[1] if prepared is not None else
+                    edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology else None)
         if topology is None or self._topology is None:
             if (topology is None) != (self._topology is None):
                 self.invalidate("edge topology path")  # the other layout path from now on

@@ -55,8 +55,7 @@ class Frame:
         periodic = torch.tensor(pbc, device=positions.device)
         shift = torch.where(periodic, torch.floor(frac), torch.zeros_like(frac))
         frac = frac - shift
-        low = np.zeros(3)
-        span = np.ones(3)
+        low, span = np.zeros(3), np.ones(3)
         if not all(pbc):
             lo, hi = frac.min(0).values.cpu().numpy(), frac.max(0).values.cpu().numpy()
             for d in range(3):
@@ -192,13 +191,9 @@ class TiledEvaluation:
             layout = layout_edges(keep, cluster.sender, cluster.receiver, zero_cell.new_zeros(count, 3), m, count,
                                   self.pad_vector, with_graph=bool(self.caches))
         groups = SpeciesGroups.from_species(kind) if self.caches else None
-
-        def energy(positions: Tensor, vectors: Tensor, edge_index: Tensor, per_atom: bool
-                   ) -> tuple[Tensor, Tensor | None]:
-            return adapter.energy(positions, vectors, species, edge_index, per_atom)
-
         weights = cluster.owned.to(cluster.positions.dtype)
-        return graph_derivatives(adapter, self.caches, layout, m, cluster.positions, zero_cell, energy,
+        return graph_derivatives(adapter, self.caches, layout, m, cluster.positions, zero_cell,
+                                 lambda p, v, e, per_atom: adapter.energy(p, v, species, e, per_atom),
                                  (key[0], key[1], True), groups=groups, weights=weights)
 
 
@@ -328,11 +323,10 @@ class Workspace:
         if self._decided is not None and self._decided[0] == n:
             return self._decided[1]
         tiles = False
-        device = self.adapter.device
-        if device.type == "cuda":
+        if self.adapter.device.type == "cuda":
             self.edges_per_atom = self._sample(positions, cell, pbc)
-            tiles = tiles_needed(n, self.edges_per_atom, self.adapter.stored_edge_bytes(n), _free_bytes(device),
-                                 self._options_of().streaming_auto_fraction)
+            tiles = tiles_needed(n, self.edges_per_atom, self.adapter.stored_edge_bytes(n),
+                                 _free_bytes(self.adapter.device), self._options_of().streaming_auto_fraction)
         self._decided = (n, tiles)
         return tiles
 
