@@ -2,10 +2,8 @@
 
 Every structure moves by the engine's integrators (``md.integrators``) applied to the batch at once, with its own
 masses, temperature, cell and noise: system b draws what ``Engine(calc, atoms_b, integrator, seed=seeds[b])``
-draws alone (``noise.SystemNoise``), so its trajectory does not depend on its batch. One model call per step: NVE
-and NVT through the padded step captured in a CUDA graph (``runtime.batch_capture.PaddedBatchStep``, by the
-runtime's rule), NPT (every cell changes every step) eagerly through ``runtime.batch.BatchStep``. A bad structure
-raises ``BatchStructureError`` naming it.
+draws alone (``noise.SystemNoise``). NVE and NVT run ``runtime.batch_capture.PaddedBatchStep``, NPT
+``runtime.batch.BatchStep``. A bad structure raises ``BatchStructureError`` naming it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
     atoms.calc = Calculator("mace")                 # the bundled water model; or a .model/.ckpt/.nequip.zip path
     atoms.calc = Calculator("my.model", device="cuda", dtype="float32")
 
-A thin ASE layer over the model runtime (``runtime.potential.Potential``, ``calc.potential``): the
-calculator maps ASE's ``calculate`` to one ``Potential.evaluate`` (energy and forces from one model run,
-stress from the virial and the cell's volume) and ASE's keyword spellings to the runtime's arguments.
+A thin ASE layer over ``runtime.potential.Potential`` (``calc.potential``): ``calculate`` is one
+``Potential.evaluate`` (stress from the virial and the cell's volume), ASE's keywords the runtime's arguments.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Node features sent between message-passing layers: LAMMPS's ``forward_exchange`` / ``reverse_exchange``.
 
-In exchange mode each domain has one cutoff of ghosts and pairs centred on its local atoms only, so before every
-layer but the first the ghosts' node features are replaced by their owners' (forward pre-hooks on the model's
-``adapter.message_layers()[1:]``, active only inside ``ExchangeHooks.active``; never pickled):
+In exchange mode, before every layer but the first, the ghosts' node features are replaced by their owners'
+(forward pre-hooks on ``adapter.message_layers()[1:]``, active only inside ``ExchangeHooks.active``; never pickled):
 
     data.forward_exchange(feats, out, width)            # out[ghost] = its owner's row; only local rows are read
     backward: data.reverse_exchange(grad, gout, width)  # gout[local] = grad[local] + grads of its ghost copies
 
-LAMMPS's host communication buffers hold ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH`` values per atom and are
-not grown inside the exchange (docs/lammps.md, section 4), so host exchanges go in column blocks; device ones go
-whole. Float32 features go forward packed two to a float64 word (LAMMPS's buffers are doubles). On one MPI rank
-``ghost_map`` finds each ghost's owner with one exchange, and the caller rewires pairs to the owners so that no
-exchange is left inside the model; several ranks keep every ghost a node (``GhostMap.every_ghost``: the owner
-exchange cost more than it saved, docs/lammps.md section 6).
+Host exchanges go in column blocks of ``HOST_FORWARD_WIDTH`` / ``HOST_REVERSE_WIDTH`` (LAMMPS's buffers are not
+grown inside an exchange), device ones whole; float32 features go forward two to a float64 word. ``ghost_map``
+finds each ghost's owner on one rank; ``GhostMap.every_ghost`` keeps every ghost a node (docs/lammps.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The ghosts' owners of one-rank exchange mode, found by one exchange and kept while LAMMPS's ghosts stand.
 
-Between re-neighbourings LAMMPS moves each ghost with its owner, ``x[ghost] = x[owner] + s`` with a fixed periodic
-shift ``s``, so a map found by ``exchange.ghost_map`` stays right while ``x[a] - x[node_of[a]] == shift[a]`` holds
-for every atom to ``TOLERANCE``. ``GhostMapCache.lookup`` returns the kept map with that check as a device flag (not
-read: a captured step reads it with its energy); a call whose flag is set runs again on a map found afresh
-(``refresh``). Without the data object's ``x``, or after the atom counts changed, every call exchanges; so does a
-box that changes (``fix npt``): a refresh that finds the very map it replaced keeps nothing from then on
-(``box_changes``).
+A map found by ``exchange.ghost_map`` stays right while ``x[a] - x[node_of[a]] == shift[a]`` holds for every atom
+to ``TOLERANCE``; ``GhostMapCache.lookup`` returns the kept map with that check as an unread device flag, and a call
+whose flag is set runs again on a map found afresh (``refresh``). When and why: docs/lammps.md, section 2.
 """
 
 from __future__ import annotations

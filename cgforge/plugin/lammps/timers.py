@@ -1,10 +1,8 @@
 """Where a LAMMPS step's time goes inside cgforge's ML-IAP calls: per-phase times, and their table in LAMMPS's
 screen and log output (docs/lammps.md, "Timers", says what each phase times and how the input prints the table).
 
-On from the model file (``CgforgeMLIAP.timers``) or the input (``switch``); off, every phase is ``OFF``'s shared no-op.
-On CUDA the device phases (``DEVICE_PHASES``) are bracketed by CUDA events read once complete (no synchronisation is
-added to a step), the others timed by the host clock. ``report`` prints every rank's table through LAMMPS's ``print``;
-tables never reported go to standard error at exit (LAMMPS has closed its log by then).
+On from the model file (``CgforgeMLIAP.timers``) or the input (``switch``); off, every phase is ``OFF``'s shared
+no-op. On CUDA the ``DEVICE_PHASES`` are timed by CUDA events read once complete, the others by the host clock.
 """
 
 from __future__ import annotations

@@ -398,11 +398,8 @@ class BatchStep:
     def derivatives(self, layout: EdgeLayout, positions: Tensor, cells: Tensor, structure: Tensor, species: Tensor,
                     groups: SpeciesGroups | None, key: tuple[bool, bool, bool]) -> StepOutput:
         """``graph_derivatives`` of the batch laid out in ``layout`` (capture-safe: no host reads)."""
-
-        def energy(pos: Tensor, vec: Tensor, edge_index: Tensor, atoms: bool) -> tuple[Tensor, Tensor | None]:
-            return self.adapter.energy(pos, vec, species, edge_index, atoms)
-
-        return graph_derivatives(self.adapter, self.caches, layout, positions.shape[0], positions, cells, energy, key,
+        return graph_derivatives(self.adapter, self.caches, layout, positions.shape[0], positions, cells,
+                                 lambda p, v, e, atoms: self.adapter.energy(p, v, species, e, atoms), key,
                                  groups=groups, structure=structure)
 
     def unpin(self) -> None:

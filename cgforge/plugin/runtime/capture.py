@@ -1,15 +1,10 @@
 """CUDA-graph capture (``capture_graph``, ``capture_or_fall_back``) and buffer capacities (``room``), shared by the
 model step, the MD engine and the LAMMPS step.
 
-``capture_graph`` is the one capture routine: warm-up calls on a side stream, then the capture into a given memory
-pool. ``capture_or_fall_back`` turns a failure into eager steps with the reason kept; ``replay_or_capture`` is the
-call of a step with one graph (the LAMMPS step's, the batched MD step's). ``resolve_cuda_graph`` is the
-one rule of whether a step is captured (the potential's and LAMMPS's). ``room`` is the one capacity rounding of static
-buffers. The fixed-shape edge layout a captured step reads (``kernels.edge_layout``) is passed on from here to the
-runtime's users (LAMMPS's padded step).
-
-The cyclic garbage collector is off during a capture: a collection there could destroy an earlier CUDA graph held
-in a dead cycle, which invalidates the capture (docs/measured-constants.md).
+``capture_graph`` is the one capture routine (warm-up calls on a side stream, then the capture into a given memory
+pool), ``resolve_cuda_graph`` the one rule of whether a step is captured, ``room`` the one capacity rounding of
+static buffers. The cyclic garbage collector is off during a capture: a collection there could destroy an earlier
+CUDA graph held in a dead cycle, which invalidates the capture (docs/measured-constants.md).
 """
 
 from __future__ import annotations
