@@ -84,11 +84,9 @@ def _delegate(name: str, doc: str, writable: bool = False) -> property:
 
 class Calculator(AseCalculator):
     """ASE calculator for MACE and NequIP models running on cgforge's kernels; docs/calculator.md defines every
-    argument. model: ``"mace"`` / ``"nequip"`` (the bundled water models), a MACE ``.model`` or NequIP ``.ckpt`` /
-    ``.nequip.zip`` path, or a MACE / NequIP module (patched in place). forces_with_energy: an energy call also
-    computes the forces; stress_with_forces: a forces call also the stress; the others: ``runtime.potential.load``'s.
-    MACECalculator's ``model_paths=`` and ``default_dtype=`` mean ``model=`` and ``dtype=``. Stress is
-    sym(dE/d eps) / V, V the volume of ``atoms.cell``; a NaN or inf output raises ``NonFiniteOutputError``."""
+    argument. model: as ``runtime.potential.load`` takes it. forces_with_energy: an energy call also computes the
+    forces; stress_with_forces: a forces call also the stress. MACECalculator's ``model_paths=`` and
+    ``default_dtype=`` mean ``model=`` and ``dtype=``. Stress is sym(dE/d eps) / V (the volume of ``atoms.cell``)."""
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 

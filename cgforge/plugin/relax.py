@@ -143,9 +143,8 @@ def relax_batch(model: Potential | Calculator, structures: Iterable[Atoms], *, f
     fire = FireParameters() if fire is None else fire
     potential = potential_of(model)
     queue = _Queue(iter(enumerate(structures)), batch_size, max_atoms)
-    if cell_filter:
-        return _relax_cells(potential, queue, fmax, steps, fire, min_distance)
-    return _relax_positions(potential.batch_step(min_distance), queue, fmax, steps, fire)
+    return (_relax_cells(potential, queue, fmax, steps, fire, min_distance) if cell_filter else
+            _relax_positions(potential.batch_step(min_distance), queue, fmax, steps, fire))
 
 
 class _Queue:

@@ -1,5 +1,5 @@
 """cgforge's ``Potential`` behind TorchSim's model interface: TorchSim's integrators, optimisers and autobatching
-over cgforge's batch step.
+over cgforge's batch step (docs/batch.md, "TorchSim's integrators and optimisers").
 
     import torch_sim as ts
     from cgforge.plugin.torchsim import torchsim_model
@@ -7,10 +7,8 @@ over cgforge's batch step.
     final = ts.integrate(system=atoms_list, model=model, integrator=ts.Integrator.nvt_langevin, n_steps=1000,
                          temperature=300.0, timestep=0.0005)
 
-``forward(state)`` runs the potential's ``runtime.batch.BatchStep`` on the ``SimState``'s device tensors and returns,
-detached: energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell| (eV/Å^3; zero for a cell of
-zero volume), as docs/batch.md says. torch-sim-atomistic (Python >= 3.12) is imported when a model is made; it is
-not a dependency of cgforge.
+``forward(state)`` returns, detached: energy [B] (eV), forces [N, 3] (eV/Å), stress [B, 3, 3] = virial / |det cell|.
+torch-sim-atomistic is imported when a model is made; it is not a dependency of cgforge.
 """
 
 from __future__ import annotations

@@ -27,9 +27,7 @@ def engine_unfit(calc: Any, atoms: Atoms) -> str | None:
     if not all(hasattr(calc, name) for name in ("step", "adapter", "neighbours", "device")):
         return (f"the device engine runs the model step of a cgforge Calculator; {type(calc).__name__} is not one "
                 "(ASE's dynamics run any ASE calculator)")
-    if atoms.constraints:
-        return f"the device engine does not apply constraints ({atoms.constraints})"
-    return None
+    return f"the device engine does not apply constraints ({atoms.constraints})" if atoms.constraints else None
 
 
 def choose_engine(choice: str, calc: Any, atoms: Atoms, name: str = "engine", restart: Any = None) -> str:

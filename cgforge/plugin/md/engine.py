@@ -1,10 +1,8 @@
 """The MD engine: integrator and model step on the device, the host sees the state only between blocks.
 
-State lives in float64 tensors on the device. A *block* of ``block`` steps runs without a host sync (on CUDA as
-replays of a graph of ``steps_per_graph`` steps), then one copy of a small report. A step that went stale,
-overflowed the edge buffers or blew up is not committed (``commit``): the host rebuilds or grows and carries on
-from the last committed step, or raises ``MDBlowUp``. Blocks are sized by the list's slack (``rebuild_margin``);
-pipelined rebuilds search the next list on a side stream during the list's last ``_HIDE_STEPS`` steps. Random
+A *block* of ``block`` steps runs without a host sync (on CUDA as replays of a graph of ``steps_per_graph``
+steps), then one copy of a small report; a step not committed (``commit``) is redone after a rebuild or growth, or
+raises ``MDBlowUp``. Pipelined rebuilds search the next list during the list's last ``_HIDE_STEPS`` steps; random
 numbers are a function of (seed, step) (``noise``), so redone steps and restarts draw the same (docs/md.md).
 """
 

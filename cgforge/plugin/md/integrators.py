@@ -2,11 +2,9 @@
 
 Each splits a step around the force call (``before_forces``, forces and, with ``needs_virial``, the virial,
 ``after_forces``), works in place on an ``MDState`` (float64, ASE units) and draws random numbers only through
-the ``noise(stream, shape)`` it is given (tests feed ASE's draws). ``VelocityVerlet`` and ``Langevin`` are ASE's
-schemes operation for operation; ``CSVR`` is Bussi's stochastic velocity rescaling, ``StochasticCellRescaling``
-Bernetti & Bussi's barostat with it. The arithmetic between draws and updates is pure functions (``_*``), which
-``Integrator.fuse(compile)`` compiles (one fused kernel instead of many tiny graph nodes); unfused, Langevin's
-halves run as ``cgforge.kernels.md_step`` kernels on CUDA.
+the ``noise(stream, shape)`` it is given (tests feed ASE's draws). The arithmetic between draws and updates is
+pure functions (``_*``), which ``Integrator.fuse(compile)`` compiles; unfused, Langevin's halves run as
+``cgforge.kernels.md_step`` kernels on CUDA.
 """
 
 from __future__ import annotations

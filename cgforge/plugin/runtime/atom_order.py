@@ -1,8 +1,7 @@
 """A spatial order of a large system's atoms, in which the model runs: results go back in the user's order.
 
-Atoms close in space made close in memory (a Z/Morton curve of their positions) share cache lines when the
-convolutions gather neighbour rows. Made once per system; atoms that diffuse keep it (locality, not correctness).
-Small systems keep the user's order (``RuntimeOptions.order_above_atoms``).
+A Z/Morton curve of the positions, made once per system (locality, not correctness), for systems above
+``RuntimeOptions.order_above_atoms`` atoms (docs/calculator.md, "Atom order").
 """
 
 from __future__ import annotations

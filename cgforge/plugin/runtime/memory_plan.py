@@ -1,8 +1,6 @@
 """How a structure's force call will use the GPU's memory: stored path or streaming, and the allocator's mode.
 
-The stored path is taken wherever its estimated peak fits ``RuntimeOptions.streaming_auto_fraction`` of the free
-memory (an out-of-memory retry streams); above ``expandable_above_fraction`` torch's expandable segments are
-turned on for the process unless the user configured the allocator (docs/calculator.md).
+The thresholds are ``RuntimeOptions`` fractions of the free memory (docs/calculator.md).
 """
 
 from __future__ import annotations

@@ -59,9 +59,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """None: cuda when available, else cpu. A cuda device on a machine without one is a clear error."""
     from cgforge.patches.common import parse_device
 
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return parse_device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else parse_device(device)
 
 
 def default_patch(patch: bool | None, device: torch.device, radial_precision: str, compile_mode: str | None,
@@ -176,10 +174,8 @@ class Potential:
     """Energy, forces, virial and per-atom energies of structures for one model on one device (module doc).
 
     model: a loaded MACE or NequIP module (``load`` makes one), its parameters frozen here. device: where it runs.
-    The other arguments are the Calculator's, which docs/calculator.md's table explains: skin (Å), head, type_map,
-    warmup (``warm_up``), cuda_graph, filter_edges, radial_precision (TF32 kept only within
-    ``options.radial_tf32_tol``), radial_table, streaming, compile (``compiled.MODES``), options (the
-    ``RuntimeOptions``, read when the next plan is made) and workspace (``runtime.tiled``).
+    The other arguments are the Calculator's (docs/calculator.md's table); options: the ``RuntimeOptions``, read
+    when the next plan is made.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, skin: float = 1.0, head: str | None = None,

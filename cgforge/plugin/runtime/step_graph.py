@@ -140,9 +140,7 @@ def _per_structure(values: Tensor, structure: Tensor, count: int) -> Tensor:
 
 def _times(rows: Tensor, matrix: Tensor, index: Tensor | None) -> Tensor:
     """rows @ matrix ([M, 3] x [3, 3]), or with ``index`` each row times its own matrix[index] ([B, 3, 3])."""
-    if index is None:
-        return rows @ matrix
-    return (rows.unsqueeze(1) @ matrix.index_select(0, index)).squeeze(1)
+    return rows @ matrix if index is None else (rows.unsqueeze(1) @ matrix.index_select(0, index)).squeeze(1)
 
 
 class ModelStep:
@@ -287,9 +285,7 @@ class ModelStep:
         another stream while the current list is still in use); nothing of the step changes."""
         sender, receiver, shifts = lists
         capacity, _ = self._list_capacity(sender.shape[0])
-        if not self.use_topology:
-            return capacity, None
-        return capacity, edge_topology(sender, receiver, shifts, self._n, capacity)
+        return capacity, edge_topology(sender, receiver, shifts, self._n, capacity) if self.use_topology else None
 
     def grow(self, count: int) -> None:
         """Room for ``count`` model edges (after a step whose edge count exceeded the capacity)."""
