@@ -35,10 +35,8 @@ _ASE_KEYWORDS = ("atoms", "directory", "label")  # handed on to ase's Calculator
 
 
 def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[object, object, dict]:
-    """(model, dtype, ase's keywords): MACECalculator's spellings mapped to ours, anything unknown refused.
-
-    ase's Calculator would keep unknown keywords as parameters that do nothing (a typo, or
-    ``default_dtype="float64"``, would pass unnoticed)."""
+    """(model, dtype, ase's keywords): MACECalculator's spellings mapped to ours, anything unknown refused (ase's
+    Calculator would keep a typo as a parameter that does nothing)."""
     kwargs = dict(kwargs)
     if "model_paths" in kwargs:  # MACECalculator: a path or a list of paths (a committee)
         paths = kwargs.pop("model_paths")
@@ -72,14 +70,8 @@ def _keyword_arguments(model: object, dtype: object, kwargs: dict) -> tuple[obje
 
 def _delegate(name: str, doc: str, writable: bool = False) -> property:
     """A property of the calculator that is ``self.potential.<name>``."""
-
-    def get(self: Calculator) -> object:
-        return getattr(self.potential, name)
-
-    def put(self: Calculator, value: object) -> None:
-        setattr(self.potential, name, value)
-
-    return property(get, put if writable else None, doc=doc)
+    return property(lambda self: getattr(self.potential, name),
+                    (lambda self, value: setattr(self.potential, name, value)) if writable else None, doc=doc)
 
 
 class Calculator(AseCalculator):

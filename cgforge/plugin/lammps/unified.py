@@ -84,8 +84,7 @@ class CgforgeMLIAP(_mliap_base()):
         if cuda_graph and device is not None and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got device={device!r}")
         path = checkpoint_path(model)
-        self.model_name = path.name
-        self.model_bytes = path.read_bytes()
+        self.model_name, self.model_bytes = path.name, path.read_bytes()
         self.dtype = None if dtype is None else str(dtype).replace("torch.", "")
         self.device = None if device is None else str(device)
         self.patch, self.head, self.mode, self.cuda_graph = patch, head, mode, cuda_graph
@@ -110,8 +109,6 @@ class CgforgeMLIAP(_mliap_base()):
         self.last_mode: str | None = None
         self.last_path: str | None = None
         self._clear_runtime()
-
-    # --- pickling: options and bytes only ----------------------------------------------------------
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
@@ -153,8 +150,6 @@ class CgforgeMLIAP(_mliap_base()):
     def ghost_cutoff(self) -> float:
         """The ghost shell ghost-neighbour mode needs (add the neighbour skin): layers x cutoff."""
         return self.layers * self.cutoff
-
-    # --- the lazy set-up in the LAMMPS process -----------------------------------------------------
 
     def _device_for(self, data: Any) -> torch.device:
         from cgforge.plugin.runtime.potential import resolve_device
@@ -209,8 +204,6 @@ class CgforgeMLIAP(_mliap_base()):
             hook_exit()
         if self._step is not None:
             self._step.timers = self._timers
-
-    # --- the ML-IAP interface ---------------------------------------------------------------------
 
     def compute_descriptors(self, data: Any) -> None:
         pass

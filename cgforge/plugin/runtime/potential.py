@@ -238,8 +238,6 @@ class Potential:
         if warmup:
             self.warm_up()
 
-    # --- what a structure needs -------------------------------------------------------------------------
-
     def species(self, numbers: np.ndarray) -> Tensor:
         """The model's species input for atomic ``numbers``, on the device, in the order given (unknown
         elements raise ``UnknownElementError``)."""
@@ -361,8 +359,6 @@ class Potential:
             if callable(compile_kernels) and type(module).__module__.startswith("cgforge."):
                 compile_kernels(self.device, model_dtype)
 
-    # --- for a step over pairs listed elsewhere (LAMMPS's) -----------------------------------------------
-
     @property
     def graph_caches(self) -> list:
         """The model's graph caches (empty for a model cgforge did not patch): a step that lays out its own edges
@@ -377,8 +373,6 @@ class Potential:
     def species_room(self, capacities: Sequence[int]) -> SpeciesRoom:
         """Groups with a fixed room per species (``capacities``), made inside a captured step without host reads."""
         return SpeciesRoom(capacities, self.device)
-
-    # --- memory, rows, compile ----------------------------------------------------------------------------
 
     def plan_memory(self, n_atoms: int, count_edges: Callable[[], int], streaming: bool = True
                     ) -> MemoryPlan | None:
@@ -445,8 +439,6 @@ class Potential:
         self.step.set_compile(mode)
         self._memory_planned = self._rows_planned = -1
 
-    # --- what the step did ------------------------------------------------------------------------------
-
     @property
     def n_edges(self) -> int:
         """Edges the model saw at the last step within the cutoff (all Verlet edges when not filtering; in tiles, the
@@ -463,8 +455,6 @@ class Potential:
         then model (a replay) or edges / forward / backward (the eager step), and copy_out."""
         self.timings = Timings(self.device) if enabled else None
         self.step.phase = self.timings.phase if enabled else _no_phase
-
-    # --- setup --------------------------------------------------------------------------------------------
 
     def _filter_edges(self, filter_edges: bool | None) -> bool:
         if filter_edges is None:
