@@ -1,7 +1,5 @@
-"""The ASE side of cgforge, by job: ``runtime/`` (a model's adapter, neighbour list, captured step, memory
-plan), ``calculator.py`` (the ASE calculator over the runtime), ``md/`` (run_md, the engine, integrators,
-trajectories), ``water.py`` (water boxes), ``cli/`` (the ``cgforge`` command line) and ``lammps/`` (LAMMPS's
-``pair_style mliap unified``).
+"""The ASE side of cgforge: the runtime, the ASE calculator, MD, water boxes, the ``cgforge`` command line and
+LAMMPS (docs/architecture.md's package table).
 
     from cgforge.plugin import Calculator, run_md, water_box
 

@@ -1,11 +1,9 @@
 """Reading LAMMPS's ML-IAP data object into torch tensors and writing the results back, for both couples.
 
-The host couple (``mliap_unified_couple``) gives numpy views of LAMMPS's memory; the Kokkos couple
-(``mliap_unified_couple_kokkos``) gives device arrays (DLPack, zero-copy) on its own stream, so the device is
-synchronised before torch reads them and before LAMMPS reads the forces. Both name their class ``MLIAPDataPy``: the
-couple is told by the class's module (docs/lammps.md, section 4). ``pair_i`` is the centre, ``rij = x[j] - x[i]``,
-``iatoms[:nlistatoms]`` the listed atoms, and ``update_pair_forces(fij)`` adds ``fij`` to f[i], ``-fij`` to f[j] and
-``-rij (x) fij`` to the virial: so ``fij = dE/drij``.
+The host couple gives numpy views of LAMMPS's memory, the Kokkos couple device arrays (DLPack, zero-copy) on its
+own stream, synchronised around torch's use (docs/lammps.md, section 4). ``pair_i`` is the centre, ``rij = x[j] -
+x[i]``, and ``update_pair_forces(fij)`` adds ``fij`` to f[i], ``-fij`` to f[j] and ``-rij (x) fij`` to the
+virial: so ``fij = dE/drij``.
 """
 
 from __future__ import annotations

@@ -144,8 +144,7 @@ class ExchangeHooks:
     """Forward pre-hooks on layers 2..L of an adapter's model that exchange the ghosts' input features while active."""
 
     def __init__(self, adapter: Any) -> None:
-        self._data: Any = None
-        self._ghosts: GhostMap | None = None
+        self._data = self._ghosts = None  # LAMMPS's data object and the GhostMap while active
         self.calls = 0  # exchanges done (a test checks that they happen)
         self.timers: Any = OFF  # times each exchange (``timers.PhaseTimers``)
         mace = adapter.kind == "mace"

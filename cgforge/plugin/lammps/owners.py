@@ -40,8 +40,7 @@ class GhostMapCache:
         self.tolerance = float(tolerance)
         self.exchanges = self.reuses = self.refreshes = 0
         self.box_changes = False
-        self._map: GhostMap | None = None
-        self._shift: Tensor | None = None
+        self._map = self._shift = None  # the kept GhostMap and each atom's periodic shift
 
     def lookup(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> tuple[GhostMap, Tensor | None]:
         """This call's map and, for a kept one, a 0-d bool device tensor, True when some atom is no longer where the

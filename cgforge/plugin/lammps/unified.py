@@ -106,8 +106,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.element_types = _element_names(adapter, self.type_map)
         self.rcutfac = 0.5 * self.cutoff  # LAMMPS's pair cutoff is 2 x rcutfac (element radius 1)
         self.ndescriptors = self.nparams = 1  # required by the coupling; unused
-        self.last_mode: str | None = None
-        self.last_path: str | None = None
+        self.last_mode = self.last_path = None
         self._clear_runtime()
 
     def __getstate__(self) -> dict:

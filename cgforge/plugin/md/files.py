@@ -58,9 +58,8 @@ def check_new_path(path: str | os.PathLike, force: bool = False, what: str = "tr
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse, naming ``what`` and ``path``, a file that could not be written: a probe file is created and removed
-    in its folder (permissions, read-only file systems and root's rights all answer truly); an existing file must
-    be writable."""
+    """Refuse, naming ``what`` and ``path``, a file that could not be written: a probe file created and removed in
+    its folder answers for permissions, read-only file systems and root alike; an existing file must be writable."""
     probe = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.probe")
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -265,9 +264,8 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
     results = getattr(atoms.calc, "results", None) or {}
     epot = info.get("md_epot", results.get("energy"))
     model = str(info["md_model"]) if "md_model" in info else None
-    for key in list(info):
-        if key.startswith("md_"):
-            info.pop(key)
+    for key in [k for k in info if k.startswith("md_")]:
+        info.pop(key)
     atoms.calc = None  # the frame's stored results are not the calculator's
     return Restart(path=path, atoms=atoms, step=step, time_fs=time_fs, etot0=etot0, rng_state=rng,
                    engine_state=engine, options=options, epot=None if epot is None else float(epot), model=model,
@@ -286,14 +284,12 @@ def _ends_with_newline(path: Path) -> bool:
 def last_whole_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
     """The last whole frame of a .traj or extended-XYZ trajectory whose end was cut off: ``(frame, its index,
     the frames the file holds or began, the bytes after that frame)``, or None. The file is only read."""
+    suffix = path.suffix.lower()
+    find = _last_whole_traj_frame if suffix == ".traj" else _last_whole_xyz_frame if suffix in XYZ_SUFFIXES else None
     try:
-        if path.suffix.lower() == ".traj":
-            return _last_whole_traj_frame(path)
-        if path.suffix.lower() in XYZ_SUFFIXES:
-            return _last_whole_xyz_frame(path)
+        return None if find is None else find(path)
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 def _last_whole_traj_frame(path: Path) -> tuple[Atoms, int, int, int] | None:
@@ -394,7 +390,6 @@ def continue_from(atoms: Atoms | None, restart: Restart) -> Atoms:
     return atoms
 
 
-
 class TrajectoryWriter:
     """Frames to ``path``: the first goes to a hidden temporary file that then replaces ``path`` (if no other
     program wrote it since ``reserved`` took it), so a run that fails before its first frame leaves it untouched."""
@@ -459,8 +454,7 @@ class TrajectoryWriter:
 
 @dataclass
 class Printer:
-    """Where a run's lines go: ``write`` (all of them), ``to_file`` (only the log file, when there is one),
-    ``close`` and the log file's ``path``."""
+    """Where a run's lines go: ``write`` (all of them), ``to_file`` (only the log file, if any), ``close``, ``path``."""
 
     write: Callable[[str], None]
     close: Callable[[], None]

@@ -60,13 +60,11 @@ class NoiseSource:
 
 class SystemNoise:
     """The draws of a batch of independent systems, system b with its own seed ``seeds[b]``: each system gets
-    exactly the numbers that ``NoiseSource(seeds[b], step)`` gives it alone, whatever the batch's other members
-    (the torch expression of ``normal_noise_reference`` over the whole batch at once: one set of kernels
-    whatever the number of systems).
+    exactly the numbers that ``NoiseSource(seeds[b], step)`` gives it alone, whatever the batch's other members.
 
-    ``source(stream, shape)``, ``shape`` (..., N, 3) over the batch's N atoms laid end to end (system b owns
-    atoms ptr[b] .. ptr[b + 1] - 1): system b's ``(..., n_b, 3)`` draws at its atoms' rows.
-    ``source.per_system(stream, counts)``: system b's ``counts[b]`` draws, the systems' end to end."""
+    ``source(stream, shape)``, ``shape`` (..., N, 3) over the batch's atoms end to end (system b owns atoms
+    ptr[b] .. ptr[b + 1] - 1): system b's draws at its atoms' rows. ``source.per_system(stream, counts)``: system
+    b's ``counts[b]`` draws, the systems' end to end."""
 
     def __init__(self, seeds: list[int], ptr: list[int], step: Tensor) -> None:
         if len(seeds) != len(ptr) - 1:

@@ -190,13 +190,9 @@ class VerletNeighbourList:
     def __init__(self, cutoff: float, skin: float = 0.5) -> None:
         self.cutoff = _check_cutoff(cutoff)
         self.skin = check_skin(skin)
-        self.sender: Tensor | None = None
-        self.receiver: Tensor | None = None
-        self.shifts: Tensor | None = None
+        self.sender = self.receiver = self.shifts = None  # the list: [E], [E], [E, 3]
         self.n_builds = 0
-        self._positions: Tensor | None = None
-        self._cell: Tensor | None = None
-        self._pbc: tuple[bool, bool, bool] | None = None
+        self._positions = self._cell = self._pbc = None  # what the list was built for
 
     @property
     def list_cutoff(self) -> float:
