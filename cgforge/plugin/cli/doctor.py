@@ -124,25 +124,22 @@ def family_checks(version: Callable[[str], str] = _dist_version,
         if have == "not installed":
             lines.append((family, False, f"cannot load: {dist} is not installed (pip install {extra}; the "
                                          "README's install section)"))
-            continue
-        if e3nn == "not installed" or _release(e3nn) < e3nn_min:
+        elif e3nn == "not installed" or _release(e3nn) < e3nn_min:
             floor = ".".join(map(str, e3nn_min))
             lines.append((family, False, f"cannot load: {dist} {have} needs e3nn >= {floor}, this environment has "
                                          f"e3nn {e3nn} (pip install 'e3nn>={floor},<0.7': cgforge and mace-torch "
                                          "run with e3nn 0.6)"))
-            continue
-        missing = [name for name in requirements(dist)
-                   if name.lower() != "e3nn" and version(name) == "not installed"]
-        if missing:
+        elif missing := [name for name in requirements(dist)
+                         if name.lower() != "e3nn" and version(name) == "not installed"]:
             lines.append((family, False, f"cannot load: {dist} {have} needs {', '.join(missing)}, not installed "
                                          f"(pip install {' '.join(missing)})"))
-            continue
-        why = f"{dist} {have}, e3nn {e3nn}"
-        if dist == "mace-torch" and _release(e3nn) != (0, 4, 4):
-            why += " (mace-torch pins e3nn==0.4.4; cgforge runs MACE with either)"
-        if have != tested:
-            why += f"; cgforge is tested with {dist} {tested}"
-        lines.append((family, True, why))
+        else:
+            why = f"{dist} {have}, e3nn {e3nn}"
+            if dist == "mace-torch" and _release(e3nn) != (0, 4, 4):
+                why += " (mace-torch pins e3nn==0.4.4; cgforge runs MACE with either)"
+            if have != tested:
+                why += f"; cgforge is tested with {dist} {tested}"
+            lines.append((family, True, why))
     return lines
 
 

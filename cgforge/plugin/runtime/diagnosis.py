@@ -46,9 +46,11 @@ def non_finite_message(host: np.ndarray, positions: np.ndarray, cell: np.ndarray
         more = ", ..." if index.size > _SHOWN_ATOMS else ""
         lines.append(f"atoms {', '.join(map(str, index[:_SHOWN_ATOMS]))}{more}")
     lines.append(_closest_pair(positions, cell, pbc, cutoff))
-    broken = _non_finite_parameters(model)
+    broken = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+              if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if broken:
-        lines.append(f"the model's own parameters hold NaN/inf ({broken}): the model file is broken; "
+        shown = ", ".join(broken[:3]) + (f" and {len(broken) - 3} more" if len(broken) > 3 else "")
+        lines.append(f"the model's own parameters hold NaN/inf ({shown}): the model file is broken; "
                      "re-download or re-train it")
     else:
         lines.append("usual causes: atoms on top of each other (or an MD run that blew up before this step), "
@@ -73,10 +75,3 @@ def _closest_pair(positions: np.ndarray, cell: np.ndarray, pbc: tuple[bool, bool
     image = " (with its own periodic image)" if i[k] == j[k] else ""
     periodic = " (minimum image)" if any(pbc) else ""
     return f"closest pair: atoms {i[k]} and {j[k]}{image} at {d[k]:.3g} Å{periodic}"
-
-
-def _non_finite_parameters(model: torch.nn.Module) -> str:
-    """'name, name, ...' of the parameters and buffers holding NaN or inf ('' when none)."""
-    names = [name for name, t in (*model.named_parameters(), *model.named_buffers())
-             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

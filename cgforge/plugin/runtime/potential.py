@@ -41,7 +41,7 @@ from .memory_plan import MemoryPlan, plan_memory, use_expandable_segments
 from .neighbours import VerletNeighbourList, check_skin
 from .options import RuntimeOptions
 from .step_graph import ModelStep, _no_phase
-from .tiled import Workspace, check_workspace
+from .tiled import Workspace, _free_bytes, check_workspace
 
 if TYPE_CHECKING:
     from cgforge.kernels.core.tuning import KernelTuning
@@ -383,8 +383,7 @@ class Potential:
         if self.device.type != "cuda" or n_atoms == self._memory_planned:
             return self.memory_plan
         self._memory_planned = n_atoms
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's cache
+        free = _free_bytes(self.device)  # torch's cache counted as free
         edges = count_edges()
         chunkable = not self.streaming and self.step.compiled is None  # plan_rows' condition
         plan = plan_memory(edges, self.adapter.stored_edge_bytes(n_atoms if chunkable else None), free, n_atoms,
@@ -412,8 +411,8 @@ class Potential:
         plan = self.plan_for(positions, cell, pbc, numbers)
         if plan is None or self.streaming:
             return False
-        whole_rows = self.adapter.stored_edge_bytes(None)
-        return plan_memory(plan.edges, whole_rows, plan.free_bytes, len(numbers), self.options).capture
+        return plan_memory(plan.edges, self.adapter.stored_edge_bytes(None), plan.free_bytes, len(numbers),
+                           self.options).capture
 
     def plan_rows(self, n_atoms: int) -> None:
         """Per system size: make the stored path's widest per-atom rows in chunks where ``n_atoms`` need it
