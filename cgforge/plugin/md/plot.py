@@ -20,18 +20,6 @@ def check_matplotlib(what: str = "plot") -> None:
         raise ValueError(f"{what}: writing a plot needs matplotlib (pip install matplotlib, or cgforge[plot])")
 
 
-def _panels(history: list[dict[str, float]], npt: bool) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(y label, [(record key, legend)]) per panel; pressure and volume only for NPT (or when recorded)."""
-    panels = [("temperature [K]", [("temperature_K", "T")]),
-              ("energy [eV]", [("etot_eV", "total"), ("epot_eV", "potential")])]
-    if npt or any(math.isfinite(r["pressure_bar"]) for r in history):
-        panels.append(("pressure [bar]", [("pressure_bar", "P")]))
-    if npt:
-        panels.append(("volume [Å³]", [("volume_A3", "V")]))
-    panels.append(("ns/day", [("ns_per_day", "speed")]))
-    return panels
-
-
 def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: bool,
                targets: dict[str, float] | None = None) -> bool:
     """Write the figure to ``path`` atomically, ``targets`` (by record key) as dashed lines; False (nothing
@@ -41,7 +29,14 @@ def write_plot(path: Path, history: list[dict[str, float]], title: str, npt: boo
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    panels = _panels(history, npt)
+    # (y label, [(record key, legend)]) per panel; pressure and volume only for NPT (or when recorded)
+    panels = [("temperature [K]", [("temperature_K", "T")]),
+              ("energy [eV]", [("etot_eV", "total"), ("epot_eV", "potential")])]
+    if npt or any(math.isfinite(r["pressure_bar"]) for r in history):
+        panels.append(("pressure [bar]", [("pressure_bar", "P")]))
+    if npt:
+        panels.append(("volume [Å³]", [("volume_A3", "V")]))
+    panels.append(("ns/day", [("ns_per_day", "speed")]))
     fig = Figure(figsize=(7.0, 1.9 * len(panels) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]

@@ -33,10 +33,8 @@ EnergyFn = Callable[[Tensor, Tensor, Tensor, Tensor, bool], tuple[Tensor, Tensor
 def parse_compile(value: object, name: str = "compile", others: tuple[str, ...] = ()) -> str | None:
     """None (no compilation) for False/None, the Inductor mode for True ("default") or a mode name. ``others``:
     words the caller accepts besides (named in the error)."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "default"
+    if value is None or isinstance(value, bool):
+        return "default" if value else None
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected True, False or an Inductor mode ({', '.join(MODES)}), got "
                         f"{type(value).__name__} {value!r}")
