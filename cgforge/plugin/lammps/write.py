@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,13 +23,9 @@ TORCH_SUFFIXES = (".pt", ".pth")
 
 def write_lammps_model(obj: CgforgeMLIAP, path: str | os.PathLike, *, force: bool = False) -> Path:
     """Write ``obj`` to ``path`` (pickle, or torch.save for .pt/.pth) through a temporary file and a rename."""
-    def dump(o: CgforgeMLIAP, f: Any) -> None:
-        if Path(path).name.lower().endswith(TORCH_SUFFIXES):
-            torch.save(o, f)
-        else:
-            pickle.dump(o, f, protocol=pickle.HIGHEST_PROTOCOL)
-
-    return atomic_save(obj, path, force=force, dump=dump, what="OUT")
+    torch_file = Path(path).name.lower().endswith(TORCH_SUFFIXES)
+    return atomic_save(obj, path, force=force, what="OUT", dump=torch.save if torch_file else
+                       lambda o, f: pickle.dump(o, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def usage_lines(obj: CgforgeMLIAP, path: str | os.PathLike, skin: float = 1.0) -> list[str]:

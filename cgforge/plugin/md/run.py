@@ -63,16 +63,6 @@ class _StopRequested(Exception):
     """The first Ctrl-C, acted on between steps."""
 
 
-def _check_calculator(calculator: Any) -> None:
-    if isinstance(calculator, str | os.PathLike):
-        raise TypeError(f"calculator: expected an ASE calculator, got the {type(calculator).__name__} "
-                        f"{str(calculator)!r}; load the model first: Calculator({str(calculator)!r}) from "
-                        "cgforge.plugin")
-    if not callable(getattr(calculator, "get_forces", None)) and not callable(getattr(calculator, "calculate", None)):
-        raise TypeError(f"calculator: expected an ASE calculator (e.g. cgforge.plugin.Calculator('mace')), got "
-                        f"{type(calculator).__name__}")
-
-
 def _as_path(value: Any, what: str) -> Path | None:
     if value is None:
         return None
@@ -258,7 +248,12 @@ class MDPlan:
 
     def attach(self, calc: Any) -> None:
         """``calc`` becomes the run's calculator, checked against the structure and the integrator path."""
-        _check_calculator(calc)
+        if isinstance(calc, str | os.PathLike):
+            raise TypeError(f"calculator: expected an ASE calculator, got the {type(calc).__name__} {str(calc)!r}; "
+                            f"load the model first: Calculator({str(calc)!r}) from cgforge.plugin")
+        if not callable(getattr(calc, "get_forces", None)) and not callable(getattr(calc, "calculate", None)):
+            raise TypeError(f"calculator: expected an ASE calculator (e.g. cgforge.plugin.Calculator('mace')), got "
+                            f"{type(calc).__name__}")
         adapter = getattr(calc, "adapter", None)
         if callable(getattr(adapter, "species", None)):
             try:
