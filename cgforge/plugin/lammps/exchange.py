@@ -169,10 +169,8 @@ class ExchangeHooks:
         return args, dict(kwargs, node_feats=self._exchange(kwargs["node_feats"]))
 
     def _nequip_hook(self, module: torch.nn.Module, args: tuple) -> None:
-        if self._data is None:
-            return None
-        args[0][_NEQUIP_FEATURES] = self._exchange(args[0][_NEQUIP_FEATURES])
-        return None
+        if self._data is not None:
+            args[0][_NEQUIP_FEATURES] = self._exchange(args[0][_NEQUIP_FEATURES])
 
     def _exchange(self, feats: Tensor) -> Tensor:
         """``feats`` [nodes or more, ...] with the other ranks' ghosts' rows from their owners (differentiable)."""

@@ -71,8 +71,7 @@ class GhostMapCache:
     def _found(self, data: Any, nlocal: int, ntotal: int, device: torch.device, x: Tensor | None) -> GhostMap:
         ghosts = ghost_map(data, nlocal, ntotal, device)
         self.exchanges += 1
-        if x is None or not ghosts.one_domain or self.box_changes:  # nothing to check it by, ghosts of other ranks,
-            # or a box that moves: not kept
+        if x is None or not ghosts.one_domain or self.box_changes:  # not kept: no x, others' ghosts, a moving box
             self.clear()
         else:
             self._map, self._shift = ghosts, x - x.index_select(0, ghosts.node_of)
