@@ -131,8 +131,7 @@ class Calculator(AseCalculator):
 
     @property
     def system(self) -> System | None:
-        """What the potential keeps of the current system (species, the atom order it runs in), or None before
-        the first calculation."""
+        """What the potential keeps of the current system (``Potential.system``), or None before the first call."""
         return self._system
 
     def uses_tiles(self, atoms: Atoms) -> bool:

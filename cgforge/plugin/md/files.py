@@ -215,14 +215,6 @@ def _decode_info(text: Any, key: str, needs: str, what: str, path: Path) -> dict
     return state
 
 
-def _decode_rng(text: Any, what: str, path: Path) -> dict:
-    state = _decode_info(text, "md_rng", "bit_generator", what, path)
-    ours = type(np.random.default_rng(0).bit_generator).__name__
-    if state["bit_generator"] != ours:
-        raise ValueError(f"{what}: {path}: the saved random state is for {state['bit_generator']}; run_md uses {ours}")
-    return state
-
-
 def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Restart:
     """The last frame of a trajectory written by :func:`run_md`, with the step counter and random state."""
     if isinstance(path, Restart):
@@ -256,7 +248,10 @@ def read_restart(path: str | os.PathLike | Restart, what: str = "restart") -> Re
         raise ValueError(f"{what}: {path}: md_step is {step}, expected >= 0")
     if not atoms.has("momenta"):
         raise ValueError(f"{what}: {path}: the last frame has no momenta to continue from")
-    rng = _decode_rng(info["md_rng"], what, path) if "md_rng" in info else None
+    rng = _decode_info(info["md_rng"], "md_rng", "bit_generator", what, path) if "md_rng" in info else None
+    ours = type(np.random.default_rng(0).bit_generator).__name__
+    if rng is not None and rng["bit_generator"] != ours:
+        raise ValueError(f"{what}: {path}: the saved random state is for {rng['bit_generator']}; run_md uses {ours}")
     engine = _decode_info(info["md_engine"], "md_engine", "seed", what, path) if "md_engine" in info else None
     etot0 = float(info["md_etot0"]) if "md_etot0" in info else None
     time_fs = float(info.get("md_time_fs", float("nan")))

@@ -322,8 +322,7 @@ def given_by_args(args: argparse.Namespace) -> dict[str, Any]:
 def options_table() -> str:
     """docs/md.md's table of the options: flag, keyword, default, after a restart, meaning."""
     rows = ["| flag | `run_md` keyword | default | after `--restart` | meaning |", "|---|---|---|---|---|"]
-    for key, meta in OPTION_FIELDS.items():
-        rows.append(f"| `{meta['flag']}` | `{key}` | {meta['shown']} | {RESTART_RULES[meta['restart']]} | "
-                    f"{meta['help']} |")
+    rows += [f"| `{meta['flag']}` | `{key}` | {meta['shown']} | {RESTART_RULES[meta['restart']]} | {meta['help']} |"
+             for key, meta in OPTION_FIELDS.items()]
     return "\n".join(rows)
 

@@ -28,10 +28,7 @@ _MAX_BIN_OFFSETS = 1 << 20
 def _as_pbc(pbc: PbcLike) -> tuple[bool, bool, bool]:
     if isinstance(pbc, bool | np.bool_):
         return (bool(pbc),) * 3
-    if isinstance(pbc, Tensor):
-        values = pbc.detach().cpu().reshape(-1).tolist()
-    else:
-        values = np.asarray(pbc).reshape(-1)
+    values = pbc.detach().cpu().reshape(-1).tolist() if isinstance(pbc, Tensor) else np.asarray(pbc).reshape(-1)
     if len(values) != 3 or not all(v in (0, 1) for v in values):
         raise ValueError(f"pbc must be a bool or three bools, got {pbc!r}")
     return tuple(bool(v) for v in values)  # type: ignore[return-value]
