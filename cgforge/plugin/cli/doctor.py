@@ -174,8 +174,7 @@ def _kernel_options(report: _Report) -> None:
 
 class _Report:
     def __init__(self, out: Callable[[str], None]):
-        self.out = out
-        self.failed = False
+        self.out, self.failed = out, False
 
     def info(self, label: str, value: str) -> None:
         self.out(f"  {label:<16} {value}")

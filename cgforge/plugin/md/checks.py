@@ -59,8 +59,7 @@ class Progress:
         self.n_atoms = len(atoms)
         self.last_step, self.last_time_fs = start_step, start_time_fs
         self.last_time = time.perf_counter()
-        self.drift = 0.0
-        self.ns_per_day = float("nan")
+        self.drift, self.ns_per_day = 0.0, float("nan")
         self.history: list[dict[str, float]] = []  # the values of every line, for the plot
 
     def header(self) -> None:
@@ -146,10 +145,8 @@ class CtrlC:
 
     def __init__(self, notice: Callable[[str], str]) -> None:
         self.notice = notice
-        self.pressed = 0
-        self.signum = signal.SIGINT
-        self._writing = 0
-        self._pending = False
+        self.pressed, self.signum = 0, signal.SIGINT
+        self._writing, self._pending = 0, False  # inside writing(); a second signal waits for its end
 
     @property
     def how(self) -> str:

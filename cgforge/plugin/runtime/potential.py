@@ -483,7 +483,7 @@ class Potential:
         return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), self.dtype)
 
     def _radial_table(self, radial_table: bool | None) -> list[tuple[int, float]]:
-        """Turn the radial tables on or off as asked (None: see the class doc); their (intervals, error)."""
+        """Turn the radial tables on or off as asked (None: where model and device allow); their (intervals, error)."""
         if radial_table is None:  # the model's dtype: a NequIP adapter feeds FP64 positions to an FP32 model
             radial_table = (self.device.type == "cuda" and self._model_dtype() == torch.float32 and self.patched
                             and self.radial_precision_requested == "fp32" and self.adapter.why_not_tabulated() is None)
