@@ -84,21 +84,11 @@ class _Model:
         self._memory_scales_with = "n_atoms_x_density"  # a radial cutoff: edges grow with the density
         self._layout: tuple[Tensor, Tensor, list[int], Tensor] | None = None  # numbers, system_idx, ptr, species
 
-    @property
-    def compute_forces(self) -> bool:
-        return self._compute_forces
-
-    @compute_forces.setter
-    def compute_forces(self, value: bool) -> None:
-        self._compute_forces = bool(value)
-
-    @property
-    def compute_stress(self) -> bool:
-        return self._compute_stress
-
-    @compute_stress.setter
-    def compute_stress(self, value: bool) -> None:
-        self._compute_stress = bool(value)
+    # TorchSim's switches of what ``forward`` returns, kept as bools
+    compute_forces = property(lambda self: self._compute_forces,
+                              lambda self, value: setattr(self, "_compute_forces", bool(value)))
+    compute_stress = property(lambda self: self._compute_stress,
+                              lambda self, value: setattr(self, "_compute_stress", bool(value)))
 
     def batch_step(self) -> BatchStep:
         """The potential's batch step (its Verlet lists kept from call to call)."""
