@@ -15,8 +15,6 @@ of each slot's reverse. Over a pair list of V entries sorted by receiver:
     slot[e]    = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
     padding j < free sits on atom floor(j * N / free), in slot j + (pairs kept in rows up to that atom)
     rowptr'[r] = (pairs kept before row r) + pads_before(r)
-
-As torch operations the cut and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
 """
 
 from __future__ import annotations

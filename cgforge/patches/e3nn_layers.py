@@ -2,7 +2,7 @@
 the e3nn module's own parameters and buffers (the same state_dict); the original is kept for ``restore``.
 
 - ``SplitLinear`` for ``o3.Linear``: the input ``split`` once (e3nn's ``narrow`` per irrep makes a zero-filled
-  full-width gradient each: docs/measured-constants.md). With frozen weights on CUDA, maps of up to
+  full-width gradient each). With frozen weights on CUDA, maps of up to
   ``kernel_max_channels`` channels a block run as the ``irreps_linear`` kernel; wide inputs of many rows are
   mapped in row chunks (``_RowChunkedMap``, ``KernelTuning.rows``).
 - ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet``: the activations' two scale factors folded into the next
