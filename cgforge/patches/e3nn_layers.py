@@ -28,8 +28,6 @@ from .radial_precision import radial_matmul
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, tensor_version
 
-# Frozen maps whose weight blocks have at most ``kernel_max_channels`` channels (in and out) run on CUDA as cgforge's
-# irreps_linear kernel; the rule and its measurements: ``KernelTuning.linear_kernel_max_channels``.
 DEFAULT_KERNEL_MAX_CHANNELS = KernelTuning().linear_kernel_max_channels
 DEFAULT_ROWS = RowPolicy()  # when frozen maps run in row chunks: ``KernelTuning.rows``
 

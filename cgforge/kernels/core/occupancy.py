@@ -60,8 +60,7 @@ def proposed_min_blocks(sm: SMLimits, threads: int, shared_bytes: int, unbounded
     """The Bs to try for ``__launch_bounds__(threads, B)``, best first: where the unbounded kernel's registers are
     what stops the SM from holding more of its blocks (not shared memory, not the warp limit) and it holds less
     than ``MAX_BOUNDED_OCCUPANCY`` of the SM's warps, from the fewest blocks that reach that fraction down to one
-    more than it gets now; else none. (ptxas does not fit a budget monotonically: MACE-MP-medium's second
-    backward with the reduce-scatter of grad y, 168 registers unbounded, spills 32 B at B = 4 and none at 5.)"""
+    more than it gets now; else none (ptxas does not fit a budget monotonically: a larger B may spill less)."""
     now = sm.blocks(threads, unbounded.registers, shared_bytes)
     warps = -(-threads // 32)
     most = sm.blocks(threads, None, shared_bytes)

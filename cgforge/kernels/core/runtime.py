@@ -200,8 +200,7 @@ def _driver():
 
 
 _cupy_driver = None
-# torch's own fast paths (what torch.cuda.current_device/current_stream call after their checks), with
-# the public API as fallback: they cut the Python cost of a launch roughly in half.
+# torch's own fast paths (what torch.cuda.current_device/current_stream call after their checks), else the public API
 _raw_get_device = getattr(torch._C, "_cuda_getDevice", None)
 _raw_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
