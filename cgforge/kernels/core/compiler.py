@@ -171,23 +171,19 @@ class _Nvrtc:
         major, minor = I(), I()
         self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.version = (major.value, minor.value)
-        self.archs = self._query_archs()
+        self.archs: tuple[int, ...] = ()
+        if hasattr(lib, "nvrtcGetNumSupportedArchs"):  # NVRTC >= 11.2
+            n = I()
+            self._check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+            arr = (I * n.value)()
+            self._check(lib.nvrtcGetSupportedArchs(arr), "nvrtcGetSupportedArchs")
+            self.archs = tuple(arr)
         self.accepts_no_cache = self.compile('extern "C" __global__ void probe() {}', "probe.cu", [_NO_NVRTC_CACHE],
                                              [])[0] == 0
         real = os.path.realpath(path) if os.path.exists(path) else path
         size = os.path.getsize(real) if os.path.exists(real) else 0
         # nvrtcVersion gives only major.minor; the file size tells patch releases apart for the cache key.
         self.fingerprint = f"{major.value}.{minor.value}:{size}"
-
-    def _query_archs(self) -> tuple[int, ...]:
-        lib = self._lib
-        if not hasattr(lib, "nvrtcGetNumSupportedArchs"):  # NVRTC < 11.2
-            return ()
-        n = ctypes.c_int()
-        self._check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
-        arr = (ctypes.c_int * n.value)()
-        self._check(lib.nvrtcGetSupportedArchs(arr), "nvrtcGetSupportedArchs")
-        return tuple(arr)
 
     def error_string(self, code: int) -> str:
         return self._lib.nvrtcGetErrorString(code).decode(errors="replace")

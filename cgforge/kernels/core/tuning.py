@@ -10,9 +10,10 @@ LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
-def _describe(tuning: object) -> str:
-    """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-    return ", ".join(f"{f.name}={getattr(tuning, f.name)!r}" for f in fields(tuning))
+class _Knobs:
+    def describe(self) -> str:
+        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
 
 
 def _positive_int(value: object) -> bool:
@@ -20,7 +21,7 @@ def _positive_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class TPTuning:
+class TPTuning(_Knobs):
     """Tensor product and convolution kernels.
 
     forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the defaults of
@@ -93,8 +94,7 @@ class TPTuning:
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
     def order(self, backward: bool) -> str:
-        """The loop order set for one direction (the backward's own where set); ``auto`` is resolved by the
-        schedule (``Schedule.loop_order``)."""
+        """The loop order set for one direction (the backward's own where set; ``auto``: ``Schedule.loop_order``)."""
         return (self.backward_loop_order if backward else None) or self.loop_order
 
     def key(self) -> str:
@@ -105,12 +105,9 @@ class TPTuning:
                         if getattr(self, f.name) != f.default)
         return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}{later}"
 
-    def describe(self) -> str:
-        return _describe(self)
-
 
 @dataclass(frozen=True)
-class SCTuning:
+class SCTuning(_Knobs):
     """Symmetric contraction kernels: block, threads per block; chunk, atoms per thread in the grad-W' kernel;
     pairings, how bilinear sums share partial results (``pd``/``qd`` raise the register count: off by default)."""
 
@@ -129,12 +126,9 @@ class SCTuning:
     def key(self) -> str:
         return f"{self.block}|{self.chunk}|{','.join(self.pairings)}"
 
-    def describe(self) -> str:
-        return _describe(self)
-
 
 @dataclass(frozen=True)
-class RowPolicy:
+class RowPolicy(_Knobs):
     """When frozen per-atom maps run over their rows in chunks, which bounds their memory.
 
     chunked_above_bytes: rows of more bytes run in chunks of ``chunk_bytes`` (``e3nn_layers.SplitLinear`` with
@@ -156,9 +150,6 @@ class RowPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-
-    def describe(self) -> str:
-        return _describe(self)
 
 
 @dataclass(frozen=True)
