@@ -166,8 +166,8 @@ class SplitLinear(torch.nn.Module, StandIn):
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         pieces = x.split(in_dims, dim=-1) if len(in_dims) > 1 else (x,)
         outs: list[torch.Tensor | None] = [None] * len(out_dims)
-        for (i_in, i_out, offset, mul_in, mul_out, path_weight), block in zip(self.paths, self._path_blocks(),
-                                                                              strict=True):
+        blocks = self._scaled_blocks() if self.frozen() else [None] * len(self.paths)  # None: scaled below, in autograd
+        for (i_in, i_out, offset, mul_in, mul_out, path_weight), block in zip(self.paths, blocks, strict=True):
             w = block if block is not None else (
                 self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight)
             if transpose:
@@ -191,12 +191,6 @@ class SplitLinear(torch.nn.Module, StandIn):
                           for _, _, offset, mul_in, mul_out, path_weight in self.paths]
             self._scaled = (key, blocks)
         return self._scaled[1]
-
-    def _path_blocks(self) -> list[torch.Tensor | None]:
-        """``_scaled_blocks`` where ``frozen``, else None per path (``_map`` scales them where autograd sees it)."""
-        if not self.frozen():
-            return [None] * len(self.paths)
-        return self._scaled_blocks()
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
         """``out[:] = _map(x, transpose)`` without autograd, written into ``out`` [rows, width] (rows of a wider
