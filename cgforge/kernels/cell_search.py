@@ -173,16 +173,11 @@ def empty_pairs(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     return empty, empty.clone(), torch.zeros(0, 3, dtype=torch.int64, device=device)
 
 
-def _on_search_kernels(positions: Tensor) -> bool:
-    """Whether the candidate loop runs as ``cell_pairs_cuda`` (on CUDA; elsewhere the torch reference)."""
-    return positions.is_cuda
-
-
 def candidate_pairs(binned: Bins, cell: Tensor, pbc: tuple[bool, bool, bool], candidates_per_chunk: int
                     ) -> tuple[Tensor, Tensor, Tensor]:
     """The candidate loop: ``cell_pairs_cuda`` on a CUDA device, ``candidate_pairs_reference`` elsewhere (the
     same pairs in the same order)."""
-    if _on_search_kernels(binned.wrapped):
+    if binned.wrapped.is_cuda:
         return cell_pairs_cuda(binned.wrapped, binned.atoms_by_bin, binned.coord, binned.first_in_bin,
                                binned.atoms_in_bin, cell.contiguous(), binned.wrap, binned.bins, binned.reach, pbc,
                                binned.search_cutoff)

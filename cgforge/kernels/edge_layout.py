@@ -15,8 +15,6 @@ of each slot's reverse. Over a pair list of V entries sorted by receiver:
     slot[e]    = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
     padding j < free sits on atom floor(j * N / free), in slot j + (pairs kept in rows up to that atom)
     rowptr'[r] = (pairs kept before row r) + pads_before(r)
-
-As torch operations the cut and the layout were ~70 kernels a step (their time: docs/measured-constants.md).
 """
 
 from __future__ import annotations
@@ -321,9 +319,10 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
                          f"entries, got N = {n}, capacity {cap}, rowptr {tuple(rowptr.shape)}")
     keep = torch.empty(pairs, dtype=torch.int32, device=device)
     if pairs:
+        scalar = np.float32 if dtype == torch.float32 else np.float64
         _KERNELS.get(f"edge_keep_{suffix}", device).launch(
-            _grid(pairs), (_THREADS,), [pos, cell, sender, receiver, shifts, valid, _scalar(cutoff, dtype),
-                                        np.int64(pairs), keep])
+            _grid(pairs), (_THREADS,), [pos, cell, sender, receiver, shifts, valid, scalar(cutoff), np.int64(pairs),
+                                        keep])
     rank = torch.cumsum(keep, 0, dtype=torch.int64)
     count = rank[-1] if pairs else torch.zeros((), dtype=torch.int64, device=device)
     ints = {"dtype": torch.int32, "device": device}
@@ -345,21 +344,12 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
 
 
-def _scalar(value: float, dtype: torch.dtype) -> np.floating:
-    return np.float32(value) if dtype == torch.float32 else np.float64(value)
-
-
-def _on_layout_kernels(positions: Tensor, topology: EdgeTopology | None) -> bool:
-    """Whether ``layout_within`` takes the kernels: a topology, FP32/FP64 positions on CUDA."""
-    return topology is not None and positions.is_cuda and positions.dtype in (torch.float32, torch.float64)
-
-
 def layout_within(positions: Tensor, cell: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Tensor,
                   valid: Tensor, cutoff: float, num_nodes: int, capacity: int, pad_vector: Tensor, with_graph: bool,
                   topology: EdgeTopology | None) -> EdgeLayout:
     """``layout_edges`` of the ``valid`` entries within ``cutoff`` (``edges_within``); on CUDA with a ``topology``
     the kernels (``padded_layout_cuda``: an edge at the cutoff to rounding may fall the other way; it adds zero)."""
-    if _on_layout_kernels(positions, topology):
+    if topology is not None and positions.is_cuda and positions.dtype in (torch.float32, torch.float64):
         dtype = positions.dtype
         return padded_layout_cuda(positions.contiguous(), cell.to(dtype).contiguous(), sender, receiver,
                                   unit_shifts.to(dtype), valid, topology.rowptr, topology.reverse, cutoff, capacity,

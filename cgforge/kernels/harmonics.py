@@ -3,11 +3,9 @@
     Y[e, c] = P_c(u_e),    u_e = v_e / max(|v_e|, 1e-12)     (``torch.nn.functional.normalize``'s rule)
 
 P_c: the homogeneous polynomial of degree l(c) an e3nn ``SphericalHarmonics`` module (``normalize=True``) evaluates,
-fitted in FP64 on the unit sphere and checked at all lengths (``HarmonicsPolynomials.of``). A thread owns an edge,
-where e3nn stacks one tensor per column. That stack, twice a step (the chunked rows evaluate the harmonics again in
-the backward), was a sixth of a million-atom step (measured: docs/measured-constants.md).
-Backward: dL/dv = (dL/du - u (u . dL/du)) / |v|, dL/du =
-sum_c g_c grad P_c(u) (|v| clamped at 1e-12, u . dL/du then 0). Custom ops ``harmonics_eval`` / ``harmonics_vjp``
+fitted in FP64 on the unit sphere and checked at all lengths (``HarmonicsPolynomials.of``). A thread owns an edge.
+Backward: dL/dv = (dL/du - u (u . dL/du)) / |v|, dL/du = sum_c g_c grad P_c(u) (|v| clamped at 1e-12, u . dL/du
+then 0). Custom ops ``harmonics_eval`` / ``harmonics_vjp``
 keyed by ``register``; second derivatives, calls off CUDA and other dtypes go through ``harmonics_reference``.
 """
 

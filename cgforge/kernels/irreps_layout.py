@@ -3,10 +3,9 @@
 cuBLAS contracts the channel u of an l > 0 irrep block only with the rows and components folded into one dimension,
 [rows * (2l + 1), mul]; e3nn's rows hold [mul, 2l + 1], channel outermost. Row by row both layouts are one contiguous
 run of mul * (2l + 1) values, so one kernel moves every block of a map's side at once (``to_segments``,
-``from_segments``): runs read coalesced into shared memory, written coalesced in the other order, where torch's
-strided copies (one per block) read or write with a stride of 2l + 1 or mul values. ``permute_columns`` is the same
-for whole rows permuted column by column (MACE's ``reshape_irreps``: [N, mul * sum d] -> [N, mul, sum d]).
-FP32 and FP64 on CUDA; torch copies elsewhere (the reference the tests hold the kernels to).
+``from_segments``): runs read coalesced into shared memory, written coalesced in the other order.
+``permute_columns`` is the same for whole rows permuted column by column (MACE's ``reshape_irreps``:
+[N, mul * sum d] -> [N, mul, sum d]). FP32 and FP64 on CUDA; torch copies elsewhere (the tests' reference).
 """
 
 from __future__ import annotations

@@ -149,9 +149,8 @@ _KERNELS = SourceKernels(IRREPS_LINEAR_SOURCE, [f"irreps_linear_{DTYPE_SUFFIX[t]
 WARP = 32
 MAX_WARPS = 16  # a block's warps: its tasks in as few passes as 16 warps take, spread evenly over the warps
 MIN_WARPS = 4  # and at least 4, which share the staging (one warp staging a tile alone waited on it)
-# What a block may stage: 96 KiB leaves two blocks an SM on every GPU cgforge runs on. The rows first; the weight
-# blocks beside them where the two fit (the maps that take the kernel, <= 32 channels: 4 KiB a path in FP32), else
-# the blocks are read from global memory.
+# What a block may stage (96 KiB: two blocks an SM on every GPU cgforge runs on): the rows, and the weight blocks
+# beside them where the two fit, else the blocks are read from global memory.
 MAX_STAGED_BYTES = 96 << 10
 WARPS_PER_SM = 40  # the grid: about this many warps an SM, each block looping over row tiles beyond it
 

@@ -1,11 +1,10 @@
 """The MD engine's arithmetic around the force call as CUDA kernels: ASE's Langevin halves (one elementwise
 kernel each) and the engine's commit check (partial sums per warp, then one warp that finishes).
 
-The torch expressions (``*_reference``) are the references, the CPU path and what torch.compile traces; as torch
-operations they are ~90 tiny kernels a step in the engine's captured graph. ``langevin_first``,
-``langevin_second`` and ``commit_check`` take the kernels on CUDA outside torch.compile. All arrays are float64:
-positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4, c5 [N, 1]. Per element, xi and
-eta the step's standard normals:
+The torch expressions (``*_reference``) are the references, the CPU path and what torch.compile traces;
+``langevin_first``, ``langevin_second`` and ``commit_check`` take the kernels on CUDA outside torch.compile. All
+arrays are float64: positions, momenta, forces [N, 3]; masses and the Langevin coefficients c3, c4, c5 [N, 1]. Per
+element, xi and eta the step's standard normals:
 
     first:  v = p/m + (c1 F/m - c2 p/m + c3 xi - c4 eta);  r' = r + dt v + c5 eta;  v = (r' - r - c5 eta)/dt
     second: p = (v + (c1 F/m - c2 v + rnd_vel)) m          (rnd_vel = c3 xi - c4 eta, kept from the first)

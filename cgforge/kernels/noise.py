@@ -2,11 +2,10 @@
 torch operations (``normal_noise_reference``: the reference and the CPU path) and as one CUDA kernel that draws
 the same numbers (``normal_noise_cuda``); ``normal_noise`` picks one.
 
-Keyed by the committed step, not a ``torch.Generator`` whose state advances with every replay: a run does not
-depend on when rebuilds happened, a restart needs only (seed, step), and CPU and CUDA draw the same numbers. The
-hash is Chris Wellons' ``lowbias32`` (xor-shift / multiply rounds on 32-bit words held in int64; the int64
-multiply wraps and only the low 32 bits are kept, so it is exact: ``_mul32_exact`` is the test's reference),
-three rounds per draw with independent keys; uniforms become normals by Box-Muller.
+Keyed by the committed step, not a ``torch.Generator`` (why: docs/md.md). The hash is Chris Wellons' ``lowbias32``
+(xor-shift / multiply rounds on 32-bit words held in int64; the int64 multiply wraps and only the low 32 bits are
+kept, so it is exact: ``_mul32_exact`` is the test's reference), three rounds per draw with independent keys;
+uniforms become normals by Box-Muller.
 """
 
 from __future__ import annotations

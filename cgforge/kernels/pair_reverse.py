@@ -70,15 +70,10 @@ def pair_reverse_cuda(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: 
     return reverse, missing
 
 
-def _on_reverse_kernel(sender: Tensor) -> bool:
-    """Whether ``pair_reverse`` takes ``pair_reverse_cuda`` (on CUDA; elsewhere the reference)."""
-    return sender.is_cuda
-
-
 def pair_reverse(sender: Tensor, receiver: Tensor, shifts: Tensor, rowptr: Tensor) -> Tensor | None:
     """reverse int64 [V] of the module doc for V >= 1 pairs sorted by (receiver, sender) with integer image shifts
     [V, 3] and receiver rows ``rowptr`` [N + 1]; None when a pair has no reverse."""
-    if _on_reverse_kernel(sender):
+    if sender.is_cuda:
         found, missing = pair_reverse_cuda(sender.contiguous(), receiver.contiguous(),
                                            shifts.to(torch.int64).contiguous(), rowptr)
         return None if bool(missing[0]) else found

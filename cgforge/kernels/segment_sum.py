@@ -77,14 +77,6 @@ def _launch(values: Tensor, rowptr: Tensor) -> Tensor:
     return out
 
 
-def _row_of_element(rowptr: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """The row of every element 0..count-1 and whether it lies inside a row (device arithmetic, no sync)."""
-    element = torch.arange(count, device=rowptr.device, dtype=rowptr.dtype)
-    row = torch.searchsorted(rowptr, element, right=True) - 1
-    inside = (element >= rowptr[0]) & (element < rowptr[-1])
-    return row.clamp(0, max(rowptr.shape[0] - 2, 0)), inside
-
-
 class _SegmentSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values: Tensor, rowptr: Tensor) -> Tensor:
@@ -95,7 +87,10 @@ class _SegmentSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (rowptr,) = ctx.saved_tensors
-        row, inside = _row_of_element(rowptr, ctx.count)
+        # each element's row and whether it lies inside one (device arithmetic, no sync)
+        element = torch.arange(ctx.count, device=rowptr.device, dtype=rowptr.dtype)
+        row = (torch.searchsorted(rowptr, element, right=True) - 1).clamp(0, max(rowptr.shape[0] - 2, 0))
+        inside = (element >= rowptr[0]) & (element < rowptr[-1])
         return grad.index_select(0, row) * inside.unsqueeze(1).to(grad.dtype), None
 
 

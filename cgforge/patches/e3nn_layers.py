@@ -2,7 +2,7 @@
 the e3nn module's own parameters and buffers (the same state_dict); the original is kept for ``restore``.
 
 - ``SplitLinear`` for ``o3.Linear``: the input ``split`` once (e3nn's ``narrow`` per irrep makes a zero-filled
-  full-width gradient each: docs/measured-constants.md). With frozen weights on CUDA, maps of up to
+  full-width gradient each). With frozen weights on CUDA, maps of up to
   ``kernel_max_channels`` channels a block run as the ``irreps_linear`` kernel; wide inputs of many rows are
   mapped in row chunks (``_RowChunkedMap``, ``KernelTuning.rows``).
 - ``FoldedMLP`` for ``e3nn.nn.FullyConnectedNet``: the activations' two scale factors folded into the next
@@ -28,8 +28,6 @@ from .radial_precision import radial_matmul
 from .stand_in import StandIn, checked
 from .torch_internals import adopt, tensor_version
 
-# Frozen maps whose weight blocks have at most ``kernel_max_channels`` channels (in and out) run on CUDA as cgforge's
-# irreps_linear kernel; the rule and its measurements: ``KernelTuning.linear_kernel_max_channels``.
 DEFAULT_KERNEL_MAX_CHANNELS = KernelTuning().linear_kernel_max_channels
 DEFAULT_ROWS = RowPolicy()  # when frozen maps run in row chunks: ``KernelTuning.rows``
 
@@ -168,8 +166,8 @@ class SplitLinear(torch.nn.Module, StandIn):
         in_dims, out_dims = (self.out_dims, self.in_dims) if transpose else (self.in_dims, self.out_dims)
         pieces = x.split(in_dims, dim=-1) if len(in_dims) > 1 else (x,)
         outs: list[torch.Tensor | None] = [None] * len(out_dims)
-        for (i_in, i_out, offset, mul_in, mul_out, path_weight), block in zip(self.paths, self._path_blocks(),
-                                                                              strict=True):
+        blocks = self._scaled_blocks() if self.frozen() else [None] * len(self.paths)  # None: scaled below, in autograd
+        for (i_in, i_out, offset, mul_in, mul_out, path_weight), block in zip(self.paths, blocks, strict=True):
             w = block if block is not None else (
                 self.weight.narrow(0, offset, mul_in * mul_out).view(mul_in, mul_out) * path_weight)
             if transpose:
@@ -193,12 +191,6 @@ class SplitLinear(torch.nn.Module, StandIn):
                           for _, _, offset, mul_in, mul_out, path_weight in self.paths]
             self._scaled = (key, blocks)
         return self._scaled[1]
-
-    def _path_blocks(self) -> list[torch.Tensor | None]:
-        """``_scaled_blocks`` where ``frozen``, else None per path (``_map`` scales them where autograd sees it)."""
-        if not self.frozen():
-            return [None] * len(self.paths)
-        return self._scaled_blocks()
 
     def map_into(self, x: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> None:
         """``out[:] = _map(x, transpose)`` without autograd, written into ``out`` [rows, width] (rows of a wider

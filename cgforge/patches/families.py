@@ -127,7 +127,6 @@ class Family:
 
 class _MaceFamily(Family):
     def owns(self, module: Any) -> bool:
-        """A mace-torch model: a ``mace.*`` class with an ``interactions`` ModuleList."""
         return is_mace_model(module)
 
     def sniffs(self, path: str | os.PathLike) -> bool:
@@ -177,7 +176,6 @@ class _MaceFamily(Family):
 
 class _NequipFamily(Family):
     def owns(self, module: Any) -> bool:
-        """A nequip GraphModel (installed or packaged class): ``is_graph_model`` and type_names/r_max metadata."""
         return is_nequip_model(module)
 
     def sniffs(self, path: str | os.PathLike) -> bool:

@@ -129,7 +129,5 @@ def graph_caches(model: torch.nn.Module) -> list[CallGraphCache]:
     return list(found.values())
 
 
-
-
 def _layout(t: torch.Tensor) -> tuple:
     return t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device

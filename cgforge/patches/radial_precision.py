@@ -1,11 +1,9 @@
 """Optional TF32 tensor-core products in the radial MLPs (FP32 unless asked for).
 
-In FP32 without tensor cores these GEMMs are a large part of a step (docs/measured-constants.md). Two modes:
-``"tf32"``, both products on TF32 tensor cores: on the bundled water models (CPU emulation of TF32 rounding) that
-moves the forces by 3-5e-4 relative, more than the 1e-4 the calculator accepts; ``"3xtf32"``, the forward product
-as a_hi b_hi + a_hi b_lo + a_lo b_hi in one TF32 GEMM: FP32-level accuracy (3e-7 relative on the forces,
-emulated), only for compute-bound products (K >= 32, N >= 2K). The calculator measures the forces' change before
-keeping a mode; ``set_radial_precision`` sets every radial MLP layer of a patched model.
+Two modes (their accuracy: docs/calculator.md): ``"tf32"``, both products on TF32 tensor cores; ``"3xtf32"``, the
+forward product as a_hi b_hi + a_hi b_lo + a_lo b_hi in one TF32 GEMM (FP32-level accuracy), only for compute-bound
+products (K >= 32, N >= 2K). The calculator measures the forces' change before keeping a mode;
+``set_radial_precision`` sets every radial MLP layer of a patched model.
 """
 
 from __future__ import annotations

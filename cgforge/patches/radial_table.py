@@ -22,9 +22,7 @@ from .streaming import Deferred
 DEFAULT_TOL = 1e-7
 
 # Peak bytes per edge of a stored-path force call when every layer reads its table inside the convolution, in
-# items of the model's dtype: no [E, weight_numel] tensor, so what is left is the edge geometry, the spherical
-# harmonics and their gradients, the indices, and the atoms' share (measured: docs/measured-constants.md; the estimate
-# with weights would send every box to streaming).
+# items of the model's dtype: no [E, weight_numel] tensor (measured: docs/measured-constants.md).
 FUSED_EDGE_ITEMS = 280
 
 

@@ -99,8 +99,7 @@ class SpeciesRoom:
 
 def _running_counts(member: torch.Tensor) -> torch.Tensor:
     """``torch.cumsum(member, 0)`` of a bool [N, G] as int64, with one scan of the G*N entries laid out group by
-    group: torch scans a dim-0 cumsum of a few columns with one thread per column (slow at a million nodes:
-    docs/measured-constants.md), a flat cumsum with all of the GPU."""
+    group (torch scans a dim-0 cumsum of a few columns with one thread per column)."""
     n, g = member.shape
     if n == 0 or g == 0:
         return torch.zeros(n, g, dtype=torch.int64, device=member.device)

@@ -131,8 +131,7 @@ def fixed_point_grad_x(key: str, x: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether the backward adds grad x in fixed point over the receivers (``TPTuning.receiver_backward_fixed_point``:
     FP32 only; ``auto``: where the grad-out rows ``g`` exceed the device's L2, so that the sender-order backward
     would gather them from beyond it once per edge, and the int64 sums of ``x``'s shape take at most
-    ``TPTuning.fixed_point_max_bytes``). The L2 rule: it paid only where the grad-out rows exceed the L2
-    (measured: docs/measured-constants.md)."""
+    ``TPTuning.fixed_point_max_bytes``)."""
     tuning = plans.get(key).tuning
     setting = tuning.receiver_backward_fixed_point
     if x.dtype != torch.float32 or setting is False:

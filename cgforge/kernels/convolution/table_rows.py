@@ -32,11 +32,7 @@ def row_ranges(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
 
 
 def _backward_ranges(rows: int, width: int, itemsize: int, range_bytes: int | None) -> list[tuple[int, int]]:
-    """Receiver-row ranges of a first-order backward: ``range_bytes`` of gradient each (None: one range).
-
-    The tuning's ``backward_range_bytes`` (default None): ranges moved the call's peak to where the ranges'
-    transposes and other tensors are alive together, raising it, and slowed the step (measured:
-    docs/measured-constants.md)."""
+    """Receiver-row ranges of a first-order backward: ``range_bytes`` of gradient each (None: one range)."""
     if range_bytes is None:
         return [(0, rows)]
     return row_ranges(rows, max(range_bytes // max(width * itemsize, 1), 1))

@@ -7,6 +7,7 @@ same bytes). The environment (``ENVIRONMENT``) is read here only, at each call; 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -114,10 +115,6 @@ def _site_dirs() -> list[str]:
     return [d for d in dirs if d and not (d in seen or seen.add(d))]
 
 
-def _version_sort_key(path: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(path)))
-
-
 # The only environment variables the kernels read: where the disk cache lives, turning it off, which libnvrtc.
 ENVIRONMENT = {"CGFORGE_CACHE_DIR": "the kernel disk cache's directory (default ~/.cache/cgforge/kernels)",
                "CGFORGE_CACHE_DISABLE": "1, true or yes: compile in every process, no disk cache",
@@ -129,7 +126,7 @@ _LIB_NAME_RE = re.compile(r"^libnvrtc\.so(\.\d+)*$")  # not libnvrtc-builtins, n
 def _libraries(pattern: str) -> list[str]:
     """The libnvrtc files ``pattern`` matches, newest version first."""
     found = [p for p in glob.glob(pattern, recursive=True) if _LIB_NAME_RE.match(os.path.basename(p))]
-    return sorted(found, key=_version_sort_key, reverse=True)
+    return sorted(found, key=lambda p: tuple(int(x) for x in re.findall(r"\d+", os.path.basename(p))), reverse=True)
 
 
 def _candidate_library_paths() -> list[str]:
@@ -174,26 +171,19 @@ class _Nvrtc:
         major, minor = I(), I()
         self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.version = (major.value, minor.value)
-        self.archs = self._query_archs()
-        self.accepts_no_cache = self._accepts_option(_NO_NVRTC_CACHE)
+        self.archs: tuple[int, ...] = ()
+        if hasattr(lib, "nvrtcGetNumSupportedArchs"):  # NVRTC >= 11.2
+            n = I()
+            self._check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
+            arr = (I * n.value)()
+            self._check(lib.nvrtcGetSupportedArchs(arr), "nvrtcGetSupportedArchs")
+            self.archs = tuple(arr)
+        self.accepts_no_cache = self.compile('extern "C" __global__ void probe() {}', "probe.cu", [_NO_NVRTC_CACHE],
+                                             [])[0] == 0
         real = os.path.realpath(path) if os.path.exists(path) else path
         size = os.path.getsize(real) if os.path.exists(real) else 0
         # nvrtcVersion gives only major.minor; the file size tells patch releases apart for the cache key.
         self.fingerprint = f"{major.value}.{minor.value}:{size}"
-
-    def _query_archs(self) -> tuple[int, ...]:
-        lib = self._lib
-        if not hasattr(lib, "nvrtcGetNumSupportedArchs"):  # NVRTC < 11.2
-            return ()
-        n = ctypes.c_int()
-        self._check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)), "nvrtcGetNumSupportedArchs")
-        arr = (ctypes.c_int * n.value)()
-        self._check(lib.nvrtcGetSupportedArchs(arr), "nvrtcGetSupportedArchs")
-        return tuple(arr)
-
-    def _accepts_option(self, option: str) -> bool:
-        code, _, _, _ = self.compile('extern "C" __global__ void probe() {}', "probe.cu", [option], [])
-        return code == 0
 
     def error_string(self, code: int) -> str:
         return self._lib.nvrtcGetErrorString(code).decode(errors="replace")
@@ -500,10 +490,8 @@ def _read_entry(key: str, options: tuple[str, ...]) -> CompileResult | None:
     except (ValueError, KeyError, TypeError, struct.error) as e:  # json.JSONDecodeError is a ValueError
         warnings.warn(f"cgforge kernel cache entry {path} is damaged ({e}); deleting it and recompiling",
                       KernelCacheWarning, stacklevel=3)
-        try:
+        with contextlib.suppress(OSError):
             path.unlink()
-        except OSError:
-            pass
         return None
 
 
@@ -524,11 +512,9 @@ def _remove_stale_temp_files(directory: Path) -> None:
     """Temp files left by processes killed mid-write; old enough that no writer can still own them."""
     cutoff = time.time() - _STALE_TEMP_SECONDS
     for tmp in directory.glob(".*.tmp"):
-        try:
+        with contextlib.suppress(OSError):
             if tmp.stat().st_mtime < cutoff:
                 tmp.unlink()
-        except OSError:
-            pass
 
 
 def _warn_once(directory: Path, message: str) -> None:

@@ -1,11 +1,10 @@
 """How many blocks of a kernel one SM holds, and when a launch bound raises that number.
 
 ``__launch_bounds__(T, B)`` asks ptxas for at most 65536 / (B T) registers. That helps only where registers limit
-the blocks; below the budget ptxas fills it instead (measured:
-docs/measured-constants.md). So the kernel is compiled once unbounded, and a bound is proposed only where
-registers (not shared memory or the warp limit) hold it under 30 % of the SM's warps: B = the fewest blocks that
-reach 30 %, then fewer down to one more than now; the caller keeps a bounded compile only where it uses fewer
-registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
+the blocks; below the budget ptxas fills it instead. So the kernel is compiled once unbounded, and a bound is
+proposed only where registers (not shared memory or the warp limit) hold it under 30 % of the SM's warps: B = the
+fewest blocks that reach 30 %, then fewer down to one more than now; the caller keeps a bounded compile only where
+it uses fewer registers, reaches B blocks and spills at most ``MAX_BOUND_SPILL_BYTES`` more.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ from dataclasses import dataclass
 
 from .compiler import KernelResources
 
-# Only kernels below this fraction of the SM's warps are bounded: above it, more warps hide little more latency,
-# and fewer registers cost instructions (measured: docs/measured-constants.md).
+# Measured (docs/measured-constants.md): only kernels below this fraction of the SM's warps are bounded; the spill
+# traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's.
 MAX_BOUNDED_OCCUPANCY = 0.3
-# Spill traffic (stores + loads, bytes per thread) a bounded compile may add to the unbounded one's: the largest
-# spill of the bounds that paid (measured: docs/measured-constants.md).
 MAX_BOUND_SPILL_BYTES = 128
 
 
@@ -63,8 +60,7 @@ def proposed_min_blocks(sm: SMLimits, threads: int, shared_bytes: int, unbounded
     """The Bs to try for ``__launch_bounds__(threads, B)``, best first: where the unbounded kernel's registers are
     what stops the SM from holding more of its blocks (not shared memory, not the warp limit) and it holds less
     than ``MAX_BOUNDED_OCCUPANCY`` of the SM's warps, from the fewest blocks that reach that fraction down to one
-    more than it gets now; else none. (ptxas does not fit a budget monotonically: MACE-MP-medium's second
-    backward with the reduce-scatter of grad y, 168 registers unbounded, spills 32 B at B = 4 and none at 5.)"""
+    more than it gets now; else none (ptxas does not fit a budget monotonically: a larger B may spill less)."""
     now = sm.blocks(threads, unbounded.registers, shared_bytes)
     warps = -(-threads // 32)
     most = sm.blocks(threads, None, shared_bytes)

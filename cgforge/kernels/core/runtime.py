@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -190,18 +191,14 @@ class KernelHandle:
                             ctypes.addressof(params) if values else 0, 0)
 
 
+@functools.cache
 def _driver():
-    global _cupy_driver
-    if _cupy_driver is None:
-        from cupy.cuda import driver
+    from cupy.cuda import driver
 
-        _cupy_driver = driver
-    return _cupy_driver
+    return driver
 
 
-_cupy_driver = None
-# torch's own fast paths (what torch.cuda.current_device/current_stream call after their checks), with
-# the public API as fallback: they cut the Python cost of a launch roughly in half.
+# torch's own fast paths (what torch.cuda.current_device/current_stream call after their checks), else the public API
 _raw_get_device = getattr(torch._C, "_cuda_getDevice", None)
 _raw_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

@@ -10,9 +10,10 @@ LOOP_ORDERS = ("auto", "segments", "edges", "chunks")
 PAIRINGS = ("pq", "pd", "qd")
 
 
-def _describe(tuning: object) -> str:
-    """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-    return ", ".join(f"{f.name}={getattr(tuning, f.name)!r}" for f in fields(tuning))
+class _Knobs:
+    def describe(self) -> str:
+        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
 
 
 def _positive_int(value: object) -> bool:
@@ -20,31 +21,27 @@ def _positive_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class TPTuning:
+class TPTuning(_Knobs):
     """Tensor product and convolution kernels.
 
     forward_chunk / backward_chunk: largest channel chunk per segment (a multiple of 32; None: the defaults of
     ``schedule.default_chunks``). loop_order, in a row with several edges: ``segments`` walks the edges once per
-    segment, ``edges`` once for every segment (operands staged once per edge), ``chunks`` once per channel chunk;
-    ``auto`` picks per direction (``Schedule.loop_order``). backward_loop_order: the backward's own (None:
-    ``loop_order``'s). backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto`` (by
-    ``core.occupancy.choose_min_blocks``), 0 none, or that bound. single_irrep_backward_chunk: the backward chunk of an
-    FP32 CSR kernel whose in1 has one irrep (None: the general rule). backward_chunk_passes: a chunks-order CSR
-    backward may run one launch per chunk where the grad-out rows exceed the L2 (``Schedule.backward_passes``).
-    backward_range_bytes: gradient bytes per range of receiver rows in a first-order backward of
-    ``Convolution.forward_table_rows`` (None: all at once). max_blocks: the most blocks of one launch (None: CUDA's
-    limit; the kernels loop with a grid stride). Neither of the last two changes a kernel's source.
+    segment, ``edges`` once for every segment, ``chunks`` once per channel chunk; ``auto`` picks per direction
+    (``Schedule.loop_order``); backward_loop_order: the backward's own (None: ``loop_order``'s).
+    backward_min_blocks: the B of the CSR backward's ``__launch_bounds__(threads, B)``: ``auto``
+    (``core.occupancy.choose_min_blocks``), 0 none, or that bound. single_irrep_backward_chunk: the backward chunk of
+    an FP32 CSR kernel whose in1 has one irrep (None: the general rule). backward_chunk_passes: a chunks-order CSR
+    backward may run one launch per chunk (``Schedule.backward_passes``). backward_range_bytes: gradient bytes per
+    range of receiver rows in a first-order backward of ``Convolution.forward_table_rows`` (None: all at once).
+    max_blocks: the most blocks of one launch (None: CUDA's limit). Neither of the last two changes a kernel's source.
     receiver_backward_min_row_bytes: a table convolution whose x needs no gradient and whose grad-out rows are at least
-    this wide runs a backward that walks the forward's rows, each grad-out row read once (None: never). 4 KB: between
-    the 8 KB rows that gain and the 1.2 KB rows that do not (measured: docs/measured-constants.md).
-    receiver_backward_atomic: that walk also where x needs a gradient, grad x added with float atomics (its bits
-    vary from run to run; default False: the forces stay bitwise reproducible; what it gains:
-    docs/calculator.md). receiver_backward_fixed_point: the same walk
-    with grad x added in 64-bit fixed point (``convolution.fixed_point``: the same bits every run), FP32 only; ``auto``:
-    where the grad-out rows exceed the device's L2 and the int64 sums take at most fixed_point_max_bytes (1 GiB,
-    MACE-MP-medium's second layer at ~260k atoms, a choice). row_grad_once: a CSR backward walking the forward's rows
-    in the chunks or edges order stages a row's grad-out block once per edge loop, its segments' windows side by side
-    (``Schedule.row_grad_once``), where that window is at most stacked_window_bytes."""
+    this wide runs a backward that walks the forward's rows (None: never). receiver_backward_atomic: that walk also
+    where x needs a gradient, grad x added with float atomics (bits vary from run to run; docs/calculator.md).
+    receiver_backward_fixed_point: the same walk with grad x added in 64-bit fixed point (``convolution.fixed_point``),
+    FP32 only; ``auto``: where the grad-out rows exceed the device's L2 and the int64 sums take at most
+    fixed_point_max_bytes. row_grad_once: a CSR backward walking the forward's rows in the chunks or edges order
+    stages a row's grad-out block once per edge loop (``Schedule.row_grad_once``), where that window is at most
+    stacked_window_bytes."""
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
@@ -97,8 +94,7 @@ class TPTuning:
                 raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
     def order(self, backward: bool) -> str:
-        """The loop order set for one direction (the backward's own where set); ``auto`` is resolved by the
-        schedule (``Schedule.loop_order``)."""
+        """The loop order set for one direction (the backward's own where set; ``auto``: ``Schedule.loop_order``)."""
         return (self.backward_loop_order if backward else None) or self.loop_order
 
     def key(self) -> str:
@@ -109,16 +105,11 @@ class TPTuning:
                         if getattr(self, f.name) != f.default)
         return f"{self.forward_chunk}|{self.backward_chunk}|{self.loop_order}{bound}{order}{later}"
 
-    def describe(self) -> str:
-        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return _describe(self)
-
 
 @dataclass(frozen=True)
-class SCTuning:
+class SCTuning(_Knobs):
     """Symmetric contraction kernels: block, threads per block; chunk, atoms per thread in the grad-W' kernel;
-    pairings, how bilinear sums share partial results (``pq`` only: ``pd``/``qd`` save 3-5% of the statements on
-    MACE-MP shapes but raised ptxas's register count by 50-80%; off until measured on a GPU)."""
+    pairings, how bilinear sums share partial results (``pd``/``qd`` raise the register count: off by default)."""
 
     block: int = 128
     chunk: int = 16
@@ -135,13 +126,9 @@ class SCTuning:
     def key(self) -> str:
         return f"{self.block}|{self.chunk}|{','.join(self.pairings)}"
 
-    def describe(self) -> str:
-        """Every knob and its value, one line (what ``cgforge doctor`` prints)."""
-        return _describe(self)
-
 
 @dataclass(frozen=True)
-class RowPolicy:
+class RowPolicy(_Knobs):
     """When frozen per-atom maps run over their rows in chunks, which bounds their memory.
 
     chunked_above_bytes: rows of more bytes run in chunks of ``chunk_bytes`` (``e3nn_layers.SplitLinear`` with
@@ -151,9 +138,7 @@ class RowPolicy:
     copies). min_chunk_rows: the fewest rows of a chunk (MACE's row chunks; the edge-streaming convolution's on
     CUDA): a launch takes about one warp's latency however few rows it has, so fewer rows leave SMs idle."""
 
-    # Chunks from ~52k MACE-MP-medium atoms ([N, 5120] FP32): memory decides there, a few percent of time does not;
-    # map_into paid on MACE-MP-medium's 42-106 MB inputs, not on the bundled MACE's 6-17 MB ones (measured:
-    # docs/measured-constants.md)
+    # Measured defaults (docs/measured-constants.md).
     chunk_bytes: int = 256 << 20
     chunked_above_bytes: int = 1 << 30
     map_into_above_bytes: int = 32 << 20
@@ -166,18 +151,14 @@ class RowPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
-    def describe(self) -> str:
-        return _describe(self)
-
 
 @dataclass(frozen=True)
 class KernelTuning:
     """The tuning of every kernel of a model, what the patch functions take as ``tuning=``.
 
-    harmonics: the edge spherical harmonics by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module (True,
-    the default: faster at every size measured). linear_kernel_max_channels: frozen equivariant linear maps whose
-    weight blocks have at most this many channels in and out run on CUDA as the ``irreps_linear`` kernel, wider ones
-    as GEMMs (0: all GEMMs); 32: maps of 32 channels gain on the kernel, of 64-128 lose (both measured:
+    harmonics: the edge spherical harmonics by cgforge's kernel (``kernels.harmonics``) in place of e3nn's module.
+    linear_kernel_max_channels: frozen equivariant linear maps whose weight blocks have at most this many channels in
+    and out run on CUDA as the ``irreps_linear`` kernel, wider ones as GEMMs (0: all GEMMs; the default measured:
     docs/measured-constants.md). rows: when frozen per-atom maps run over their rows in chunks (``RowPolicy``)."""
 
     tp: TPTuning = TPTuning()
@@ -230,7 +211,8 @@ class KernelTuning:
                 raise ValueError(f"{name}.{unknown[0]}: unknown key; {part.__name__} has {', '.join(known)}")
             for key, value in given.items():
                 if isinstance(value, bool) and key not in _BOOL_FIELDS:  # True is an int to isinstance
-                    raise ValueError(f"{name}.{key}: expected {_expected(part, key)}, got {value!r}")
+                    expected = next(f.type for f in fields(part) if f.name == key)
+                    raise ValueError(f"{name}.{key}: expected {expected}, got {value!r}")
             try:
                 values[name] = part(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
             except (TypeError, ValueError) as err:
@@ -242,8 +224,3 @@ class KernelTuning:
 
 _BOOL_FIELDS = frozenset(f.name for cls in (TPTuning, SCTuning) for f in fields(cls)
                          if f.type in ("bool", bool) or "bool |" in str(f.type))
-
-
-def _expected(part: type, key: str) -> str:
-    """The declared type of the field ``key`` of ``part``, for a message."""
-    return str(next(f.type for f in fields(part) if f.name == key))

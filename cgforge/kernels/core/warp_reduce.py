@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 
 WARP = 32
-# Groups of at most 8: 17 partials in 8 + 8 + 1 (23 shuffles; 21 with a group of 16), and fewer values in flight:
-# with groups of 16 ptxas gave MACE-medium's FP64 receiver backward 16 B of spills and its FP32 one 168 registers
-# where groups of 8 compile to 138 and 128 without spills (NVRTC 12, sm_90).
+# Groups of at most 8: fewer values in flight than groups of 16, which spilled (docs/measured-constants.md).
 _WIDTHS = (1, 2, 4, 8)
 
 

@@ -54,12 +54,6 @@ def _values_and_slopes(fn: Callable[[Tensor], Tensor], r: Tensor) -> tuple[Tenso
     return torch.cat(values), torch.cat(slopes)
 
 
-def _hermite(f: Tensor, m: Tensor, h: float) -> Tensor:
-    """[N, C, 4] coefficients in t of the cubic through (f_i, f_i+1) with slopes (m_i, m_i+1) in r."""
-    f0, f1, m0, m1 = f[:-1], f[1:], m[:-1] * h, m[1:] * h
-    return torch.stack([f0, m0, 3 * (f1 - f0) - 2 * m0 - m1, 2 * (f0 - f1) + m0 + m1], dim=2)
-
-
 def _first_interval(fn: Callable[[Tensor], Tensor], h: float, f1: Tensor, m1: Tensor) -> Tensor:
     """[C, 4]: the cubic on [0, h] through fn at h/3 and 2h/3 with fn's value and slope at h, for a function that
     cannot be evaluated at 0 itself (a basis like sin(a r) / r is 0 / 0 there but smooth)."""
@@ -78,7 +72,8 @@ def _table(fn: Callable[[Tensor], Tensor], r_max: float, n: int) -> Tensor:
         raise ValueError(f"fn must map r [n] to [n, C]; for n = {n + 1} it gave shape {list(f.shape)}")
     if not (f[1:].isfinite().all() and m[1:].isfinite().all()):
         raise ValueError("fn is not finite on (0, r_max]: it cannot be tabulated")
-    coeffs = _hermite(f, m, h)
+    f0, f1, m0, m1 = f[:-1], f[1:], m[:-1] * h, m[1:] * h  # the cubic in t through (f_i, f_i+1), slopes (m_i, m_i+1)
+    coeffs = torch.stack([f0, m0, 3 * (f1 - f0) - 2 * m0 - m1, 2 * (f0 - f1) + m0 + m1], dim=2)
     if not (f[0].isfinite().all() and m[0].isfinite().all()):
         coeffs[0] = _first_interval(fn, h, f[1], m[1])
     return coeffs

@@ -6,9 +6,8 @@
 d^k W_j / dr^k (r_e), [E]: the backward), each differentiable again. r is clamped into [0, r_max] (end values
 outside, zero derivatives there; NaN stays NaN). CUDA: a warp per edge, lanes over columns, a column's four
 coefficients one 16-byte load. Wide tables (``SORT_MIN_COLUMNS``; ``by_length``: -1 this rule, 0 never, 1 always)
-visit the edges in order of length, so a block's edges share intervals in L1; for narrow tables the sort costs
-more than it saves (measured: docs/measured-constants.md). The dot
-product's partial sums meet in a fixed butterfly: the same result every run.
+visit the edges in order of length, so a block's edges share intervals in L1. The dot product's partial sums meet
+in a fixed butterfly: the same result every run.
 """
 
 from __future__ import annotations

@@ -72,7 +72,10 @@ class SymmetricContractionBase(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, species: torch.Tensor) -> torch.Tensor:
         channels, in_dim, num_elements = self._dims
-        _check_x(x, channels, in_dim)
+        check_float("x", x)
+        if x.dim() != 3 or x.shape[1] != channels or x.shape[2] != in_dim:
+            raise ValueError(f"x must have shape [N, {channels}, {in_dim}] (channels, then the irreps of one channel), "
+                             f"got {list(x.shape)}")
         index = _species_index(species, x.shape[0], num_elements, x.device)
         wp = self.transformed_weights(x.dtype, x.device)
         return sc_ops.contraction(x, index, wp, self.key)
@@ -88,13 +91,6 @@ class SymmetricContractionBase(torch.nn.Module):
     def extra_repr(self) -> str:
         p = self.problem
         return (f"{p.irreps_in} -> {p.irreps_out}, correlation={p.correlation}, num_elements={p.num_elements}")
-
-
-def _check_x(x: torch.Tensor, channels: int, dim: int) -> None:
-    check_float("x", x)
-    if x.dim() != 3 or x.shape[1] != channels or x.shape[2] != dim:
-        raise ValueError(f"x must have shape [N, {channels}, {dim}] (channels, then the irreps of one channel), "
-                         f"got {list(x.shape)}")
 
 
 def _species_index(species: torch.Tensor, n: int, num_elements: int, device: torch.device) -> torch.Tensor:

@@ -14,9 +14,6 @@ from .schedule import Ref, SCSchedule
 
 class _Writer:
     def __init__(self, pairings: tuple[str, ...], external: tuple[str, ...] = ()):
-        # Partial sums ("pd", "qd") save 3-5% of the statements on MACE-MP shapes but raised ptxas's
-        # register count by 50-80% (float32 forward, large: 72 -> 127; float64 backward spills 72 -> 364
-        # bytes): SCTuning keeps them off until measured on a GPU.
         self.pairings = pairings
         self.statements: list[Statement] = []
         self.live: set[str] = set(external)

@@ -1,8 +1,8 @@
 """The schedule of a symmetric contraction: a small basis of coupling chains and a weight transform.
 
-MACE's U columns are an overcomplete basis of symmetric polynomials (medium shape, 0e output: 23 columns at
-degree 3 span 8 dimensions). So each W_{o,nu} [E, K, C] is mapped to W'_{o,nu} = A_{o,nu} W_{o,nu} [E, R, C]
-(R = rank) and the kernel evaluates R basis polynomials, chains of sparse couplings with shared products:
+MACE's U columns are an overcomplete basis of symmetric polynomials. So each W_{o,nu} [E, K, C] is mapped to
+W'_{o,nu} = A_{o,nu} W_{o,nu} [E, R, C] (R = rank) and the kernel evaluates R basis polynomials, chains of sparse
+couplings with shared products:
 
     nodes:   n = CG(left (x) x_i -> ir)            left an input block x_i1 or an earlier node
     output:  out_o += sum_groups CG(Z (x) x_i -> L_o),  Z = sum_terms W'[slot] * left

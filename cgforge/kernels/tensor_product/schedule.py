@@ -112,9 +112,7 @@ class Schedule:
 
     def loop_order(self, backward: bool) -> str:
         """One direction's loop order: the tuning's, or for ``auto`` (after ``chunks_order``) edges outermost in a CSR
-        forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` registers per lane, else segments. Why: it
-        stages x and y once per edge rather than once per output segment: faster wide forwards, slower backwards
-        (measured: docs/measured-constants.md)."""
+        forward whose accumulators take at most ``EDGES_FORWARD_WORDS`` registers per lane, else segments."""
         if backward:
             return backward_order(self.problem, self.itemsize, self.rows_are_nodes, self.tuning)
         order = self.tuning.order(False)
@@ -210,41 +208,23 @@ def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
     return segments, peak
 
 
-# Default chunks, from a sweep (sweep_chunks.py, in git history at 16a1f98; measured: docs/measured-constants.md).
-# Forward, rows = nodes (deterministic convolution): every segment walks all edges of the node again,
-# so few wide segments win. Forward, rows = edges (tensor product, atomic convolution): 64. Backward: each
-# segment ends in warp reductions of grad y, so wide segments win until the window cuts occupancy: above
-# ~8 KiB per warp narrower wins.
-# ``auto`` loop order: a CSR forward keeps every segment's accumulators across its edge loop up to this many
-# 32-bit words per lane. MACE-MP-medium's second layer (5120 outputs, FP32: 160 words) compiles to 255
-# registers without spills and ran faster (see Schedule.loop_order); in FP64 (320) it spills 1.5 KB.
+# Default chunks and limits, measured: docs/measured-constants.md. Backward segments end in warp reductions of
+# grad y, so wide ones win until the window (BACKWARD_WINDOW_BYTES) cuts occupancy. EDGES_FORWARD_WORDS: the most
+# 32-bit accumulator words per lane of a CSR forward that ``auto`` runs in the edges order.
 EDGES_FORWARD_WORDS = 160
 NODE_FORWARD_CHUNK = 128
 EDGE_FORWARD_CHUNK = 64
 BACKWARD_CHUNK = 64
 BACKWARD_WINDOW_BYTES = 8 * 1024
 CHUNKS_ORDER_CHUNK = 32
-# The backward in the chunks order over CSR rows can run as one launch per channel chunk (``Schedule.backward_passes``,
-# ``launch.backward_launches``): each launch walks every row's edges for one chunk, so the grad-out rows its edges
-# gather are one chunk wide (MACE-MP-medium's second convolution: 5 KiB of a 20 KiB row) and the rows in flight
-# share the L2. The kernel is the same either way (its group_pass argument: -1 every chunk, else that chunk) and
-# each edge's grad y and grad r get the chunks' parts in the same order: the same bits. Taken where the grad-out
-# rows exceed the device's L2 (launch.backward_launches): it pays at a million atoms and beyond the L2, loses
-# inside it (measured: docs/measured-constants.md). TPTuning.backward_chunk_passes (default True); False: always
-# one launch.
-# One in1 irrep, FP32, CSR rows (MACE-MP-medium's first convolution, 128x0e x sh 0-3): the backward in one
-# 128-channel chunk walks each row's edges once instead of twice; its window (9.1 KiB) passes the
-# 8 KiB limit, which came from multi-irrep problems (measured: docs/measured-constants.md).
-# TPTuning.single_irrep_backward_chunk (default 128; None: off). The window may reach SINGLE_IRREP_WINDOW_BYTES.
+# One in1 irrep, FP32, CSR rows: TPTuning.single_irrep_backward_chunk's window may reach SINGLE_IRREP_WINDOW_BYTES.
 SINGLE_IRREP_WINDOW_BYTES = 10 * 1024
 
 
 def chunks_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, backward: bool) -> bool:
     """Whether ``auto`` runs one direction of an FP32 CSR kernel in the ``chunks`` order with
     ``CHUNKS_ORDER_CHUNK``-channel chunks: the forward where in1 has two or more irreps, the backward where they also
-    share one multiplicity (an edge's operands are staged and its grad y reduced once per chunk, not per segment).
-    Measured: docs/measured-constants.md (chunk 64 lost in every case). Not taken: one in1 irrep (the edges order
-    is faster there), FP64 (not measured)."""
+    share one multiplicity (an edge's operands are staged and its grad y reduced once per chunk, not per segment)."""
     if not (rows_are_nodes and itemsize == 4 and len(problem.irreps_in1) > 1):
         return False
     return not backward or len({mul for mul, _ in problem.irreps_in1}) == 1
@@ -262,11 +242,7 @@ def backward_order(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuni
 def stacked_windows(problem: TPProblem, itemsize: int, rows_are_nodes: bool, tuning: TPTuning) -> bool:
     """Whether the backward segments that share an edge loop may get shared-memory windows side by side, so that a
     walk over the forward's rows stages each row's grad-out block once per loop (``TPTuning.row_grad_once``; CSR rows,
-    chunks or edges order; ``build_schedule`` keeps them within ``TPTuning.stacked_window_bytes``). Its default, 16
-    KiB, holds the measured cases: MACE-MP-medium's second layer (6.2 KB), the bundled MACE's (3.7 KB) and
-    mace-large's (11.5 KB, three in1 irreps: faster although the wider window cuts its blocks per SM by shared
-    memory); the per-edge staging of that block was where the warps stalled most (measured:
-    docs/measured-constants.md)."""
+    chunks or edges order; ``build_schedule`` keeps them within ``TPTuning.stacked_window_bytes``)."""
     return (tuning.row_grad_once and rows_are_nodes
             and backward_order(problem, itemsize, rows_are_nodes, tuning) in ("chunks", "edges"))
 

@@ -113,8 +113,7 @@ class MaceAdapter:
 
     def stored_edge_bytes(self, n_atoms: int | None = None) -> int:
         """Peak bytes per edge of a stored-path force call, for choosing streaming: every layer's weight rows
-        about 2.3 times (weights, their gradient, the MLP's activations), which with the edge inputs and the
-        neighbour list matches the measured peaks of the MACE-MP-medium shape (docs/measured-constants.md); with
+        about 2.3 times (weights, their gradient, the MLP's activations; docs/measured-constants.md); with
         every block's table read inside its convolution, ``patches.radial_table.FUSED_EDGE_ITEMS``, or
         ``row_chunks.ROW_CHUNKED_EDGE_ITEMS`` where ``n_atoms`` atoms make their rows in chunks."""
         itemsize = torch.finfo(self.dtype).bits // 8

@@ -60,12 +60,6 @@ class _LegacyE3nnModule(torch.nn.Module):
 _SHIMS: dict[type, type] = {}
 
 
-def _shim_for(target: type) -> type:
-    if target not in _SHIMS:
-        _SHIMS[target] = type(f"Legacy{target.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": target})
-    return _SHIMS[target]
-
-
 def _is_current_format(target: type, state: dict) -> bool:
     if issubclass(target, CodeGenMixin):
         codegen = state.get("__codegen__")
@@ -77,16 +71,15 @@ def _is_current_format(target: type, state: dict) -> bool:
     return True
 
 
-def _needs_shim(cls: Any) -> bool:
-    return isinstance(cls, type) and issubclass(cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation))
-
-
 class _ScopedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         cls = super().find_class(module, name)
-        if module.startswith("e3nn.") and _needs_shim(cls):
-            return _shim_for(cls)
-        return cls
+        if not (module.startswith("e3nn.") and isinstance(cls, type)
+                and issubclass(cls, (CodeGenMixin, o3.SphericalHarmonics, e3nn_nn.Activation))):
+            return cls
+        if cls not in _SHIMS:
+            _SHIMS[cls] = type(f"Legacy{cls.__name__}", (_LegacyE3nnModule,), {"_cgforge_target": cls})
+        return _SHIMS[cls]
 
 
 def _pickle_module() -> types.ModuleType:
@@ -333,8 +326,7 @@ def _verify_against_legacy_code(name: str, old: _LegacyE3nnModule, new: torch.nn
 
 @contextlib.contextmanager
 def _torchscript_deprecation_quiet() -> Iterator[None]:
-    """No "torch.jit.load is deprecated" warning (with a line of torch's source under it) per rebuilt module: the
-    e3nn 0.4 code cgforge checks against is TorchScript by nature, and reading it is cgforge's business."""
+    """No "torch.jit.load is deprecated" warning per rebuilt module: the e3nn 0.4 code is TorchScript by nature."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         yield

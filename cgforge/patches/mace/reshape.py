@@ -1,8 +1,7 @@
 """MACE's ``reshape_irreps`` ([N, sum mul * d] in e3nn's mul_ir order -> [N, mul, sum d]) with a lean backward.
 
 The forward is MACE's concatenation; the backward writes each irrep's gradient block once (``IrrepsToColumns``
-and ``ColumnsToIrreps``, each the other's backward). A single ``index_select`` of the permuted columns was tried
-first: no gain at a million atoms (docs/measured-constants.md). On CUDA each way is one launch of
+and ``ColumnsToIrreps``, each the other's backward). On CUDA each way is one launch of
 ``kernels.irreps_layout.permute_columns``. Under torch.compile it is MACE's plain ops (``_to_columns``).
 """
 

@@ -1,13 +1,11 @@
 """The stored path's widest per-atom rows in chunks: each block's convolution and its next linear, by row ranges.
 
-Without them (MACE-MP-medium shape, FP32, stored path with the radial tables read in the kernels) the force
-call's peak is in the forward, at the second block's linear, where its [N, 5120] convolution output, the
-linear's [N, 2048] output and ``/ avg_num_neighbors`` of it are all alive; a million atoms ran out of memory
-there (docs/measured-constants.md). With row chunks on, a block's ``conv_tp`` makes its rows ``chunk_rows`` at a
-time through the block's ``linear`` (``kernels.Convolution.forward_table_rows``), which becomes ``AppliedLinear``;
-the harmonics keep only their input for the backward (``RecomputedHarmonics``). Only blocks that read their radial
-table inside the kernels chunk, per system size by the blocks' ``RowPolicy``, never while streaming or under
-torch.compile.
+Without them the force call's peak is in the forward, at a block's linear, where its convolution output, the
+linear's output and ``/ avg_num_neighbors`` of it are all alive. With row chunks on, a block's ``conv_tp`` makes
+its rows ``chunk_rows`` at a time through the block's ``linear`` (``kernels.Convolution.forward_table_rows``),
+which becomes ``AppliedLinear``; the harmonics keep only their input for the backward (``RecomputedHarmonics``).
+Only blocks that read their radial table inside the kernels chunk, per system size by the blocks' ``RowPolicy``,
+never while streaming or under torch.compile.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from .streaming import _fuse_linear, streaming_blocks
 __all__ = ["ROW_CHUNKED_EDGE_ITEMS", "RecomputedHarmonics", "chunk_rows_for", "row_chunk_blocks", "set_row_chunks"]
 
 # Peak bytes per edge of a stored-path force call with row chunks on (``radial_table.FUSED_EDGE_ITEMS`` without),
-# in items of the model's dtype (measured at a million atoms: docs/measured-constants.md). Chunked boxes are the
-# largest, so this is the number that decides whether the stored path fits near a full device.
+# in items of the model's dtype (measured: docs/measured-constants.md).
 ROW_CHUNKED_EDGE_ITEMS = 215
 
 class _Recomputed(torch.autograd.Function):

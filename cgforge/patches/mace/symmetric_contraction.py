@@ -90,14 +90,11 @@ class SymmetricContraction(SymmetricContractionBase):
             num_elements = int(c.weights_max.shape[0])
         return cls(module.irreps_in, module.irreps_out, 0, num_elements, tuning=tuning, _contractions=adopted)
 
-    def _u_tensors(self) -> list[list[torch.Tensor]]:
-        """The U buffers per output and degree, with the output axis MACE squeezes for scalars put back."""
-        return [[_with_output_axis(c.u(nu), nu, ir.dim) for nu in range(1, c.correlation + 1)]
-                for c, (_, ir) in zip(self.contractions, self.irreps_out)]
-
     def _build(self, only_if_changed: bool = False) -> None:
         correlation = tuple(c.correlation for c in self.contractions)
-        problem = SCProblem.build(self.irreps_in, self.irreps_out, correlation, self.num_elements, u=self._u_tensors())
+        u = [[_with_output_axis(c.u(nu), nu, ir.dim) for nu in range(1, c.correlation + 1)]
+             for c, (_, ir) in zip(self.contractions, self.irreps_out)]  # per output and degree
+        problem = SCProblem.build(self.irreps_in, self.irreps_out, correlation, self.num_elements, u=u)
         if only_if_changed and problem.key() == self.problem.key():
             return
         shapes = [[tuple(c.weight(nu).shape) for nu in range(1, c.correlation + 1)] for c in self.contractions]

@@ -36,18 +36,6 @@ def _is_scatter_class(cls: type) -> bool:
     return cls.__name__ == _SCATTER_CLASS and plain_module_name(cls.__module__) == _SCATTER_MODULE
 
 
-def _is_plain_scatter(module: torch.nn.Module) -> bool:
-    """The unmodified nequip convolution, from the installed nequip or from a package."""
-    return _is_scatter_class(type(module))
-
-
-def _is_other_scatter(module: torch.nn.Module) -> bool:
-    """Another acceleration's subclass (OpenEquivariance, cuEquivariance): not ours to replace."""
-    cls = type(module)
-    return (not _is_scatter_class(cls) and not isinstance(module, CgforgeTensorProductScatter)
-            and any(_is_scatter_class(base) for base in cls.__mro__[1:]))
-
-
 def _check_scatter(where: str, module: torch.nn.Module) -> None:
     """Structure of nequip 0.19's TensorProductScatter, so a look-alike is not replaced blindly."""
     cls = type(module)
@@ -78,14 +66,13 @@ def scatter_sites(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str
             where = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, CgforgeTensorProductScatter):
                 sites.append((where, parent, name, child))
-            elif _is_other_scatter(child):
-                cls = type(child)
-                raise UnsupportedModelError(f"{where}: already uses another convolution ({cls.__qualname__}); load "
-                                            "the model without that modifier (enable_OpenEquivariance/"
-                                            "enable_CuEquivariance) to use cgforge")
-            elif _is_plain_scatter(child):
+            elif _is_scatter_class(type(child)):  # the installed nequip's or a package's
                 _check_scatter(where, child)
                 sites.append((where, parent, name, child))
+            elif any(_is_scatter_class(base) for base in type(child).__mro__[1:]):  # OpenEquivariance, cuEquivariance
+                raise UnsupportedModelError(f"{where}: already uses another convolution ({type(child).__qualname__}); "
+                                            "load the model without that modifier (enable_OpenEquivariance/"
+                                            "enable_CuEquivariance) to use cgforge")
     return sites
 
 

@@ -48,15 +48,6 @@ class FactorInTable(Deferred):
 _Block = tuple[str, torch.nn.Module, list[torch.nn.Module]]  # (where, InteractionBlock, embedding modules before it)
 
 
-def _sequence(model: torch.nn.Module) -> torch.nn.Module | str:
-    """The model's SequentialGraphNetwork (the energy model inside ForceStressOutput), or why there is not one."""
-    found = [m for m in model.modules() if class_name(m) == "SequentialGraphNetwork"]
-    if len(found) != 1:
-        return (f"expected a nequip model with one SequentialGraphNetwork, found {len(found)} in "
-                f"{type(model).__qualname__}")
-    return found[0]
-
-
 def _names_embedding(module: torch.nn.Module) -> bool:
     """Whether a module is configured to read or write the edge embedding (a field name among its attributes)."""
     return any(value == _EMBEDDING for value in vars(module).values() if isinstance(value, str))
@@ -87,9 +78,11 @@ def _check_block(name: str, layer: torch.nn.Module) -> str | None:
 def _plan(model: torch.nn.Module) -> tuple[torch.nn.Module, list[_Block]] | str:
     """(the SequentialGraphNetwork, its blocks with the embedding modules each reads through), or why not: one
     BesselEdgeLengthEncoding, factors applied to it, ConvNetLayers and modules known not to touch it."""
-    seq = _sequence(model)
-    if isinstance(seq, str):
-        return seq
+    found = [m for m in model.modules() if class_name(m) == "SequentialGraphNetwork"]  # inside ForceStressOutput
+    if len(found) != 1:
+        return (f"expected a nequip model with one SequentialGraphNetwork, found {len(found)} in "
+                f"{type(model).__qualname__}")
+    seq = found[0]
     chain: list[torch.nn.Module] | None = None  # the modules that made the embedding so far
     blocks: list[_Block] = []
     for name, child in seq.named_children():
