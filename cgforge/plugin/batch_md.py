@@ -33,7 +33,16 @@ from .md.integrators import (
     cell_scaling_factor,
     csvr_alpha,
 )
-from .md.options import ENSEMBLES, MODES, OPTION_FIELDS, THERMOSTATS, check_choice, check_count, check_number
+from .md.options import (
+    ENSEMBLES,
+    MODES,
+    OPTION_FIELDS,
+    THERMOSTATS,
+    EngineOptions,
+    check_choice,
+    check_count,
+    check_number,
+)
 from .runtime.batch import BatchStructureError, check_finite
 from .runtime.batch_capture import PaddedBatchStep
 from .runtime.capture import resolve_cuda_graph
@@ -183,9 +192,6 @@ def _padded_choice(cuda_graph: bool | None, padded: bool | None, potential: Pote
                    ) -> tuple[bool, bool]:
     """(capture, padded) of a run: cuda_graph by the runtime's rule (``resolve_cuda_graph``); the padded step
     needs fixed cells and a step that reads no chunk ranges on the host (no streaming)."""
-    for name, value in (("cuda_graph", cuda_graph), ("padded", padded)):
-        if value is not None and not isinstance(value, bool | np.bool_):
-            raise TypeError(f"{name}: expected None, True or False, got {type(value).__name__} {value!r}")
     why_not = ("NPT changes every cell every step, so its steps run eagerly" if changes_cell else
                "a streaming potential reads its chunk ranges on the host, so its steps run eagerly"
                if potential.streaming else None)
@@ -203,17 +209,18 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
                  thermostat: str | None = None, friction: float | Sequence[float] | None = None,
                  taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
                  taup_fs: float | None = None, compressibility_per_bar: float | None = None,
-                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5, cuda_graph: bool | None = None,
-                 padded: bool | None = None) -> list[Atoms]:
+                 seed: int | Sequence[int] = 0, min_distance: float | None = 0.5,
+                 engine_options: EngineOptions | dict[str, Any] | None = None) -> list[Atoms]:
     """``steps`` MD steps for every structure of ``atoms_list`` in one batch; copies at the end with momenta and
     a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
     (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
-    seed is ``seed + b``, or ``seed[b]`` for a sequence. cuda_graph: capture the force call (NVE, NVT) in a CUDA
-    graph (None: on CUDA for a model inert beyond its cutoff); padded: its padded step without the capture (None:
-    as cuda_graph)."""
+    seed is ``seed + b``, or ``seed[b]`` for a sequence. engine_options (``EngineOptions`` or a dict of its
+    fields): its cuda_graph captures the force call (NVE, NVT) in a CUDA graph (None: on CUDA for a model inert
+    beyond its cutoff); its padded runs the padded step without the capture (None: as cuda_graph)."""
     ensemble = check_choice("ensemble", ensemble, ENSEMBLES)
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
+    options = EngineOptions.of(engine_options).only(("cuda_graph", "padded"), "run_md_batch")
     structures = structures_of(atoms_list)
     if not structures:
         raise ValueError("atoms_list: expected at least one structure, got none")
@@ -229,7 +236,7 @@ def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, 
     potential = potential_of(model)
     step = potential.batch_step(min_distance)
     device = step.adapter.device
-    use_graph, padded = _padded_choice(cuda_graph, padded, potential, integrator.changes_cell)
+    use_graph, padded = _padded_choice(options.cuda_graph, options.padded, potential, integrator.changes_cell)
     cells = np.stack([np.asarray(s.cell, dtype=np.float64) for s in structures])
     pbcs = [s.pbc for s in structures]
     host_positions = np.concatenate([np.asarray(s.positions, dtype=np.float64) for s in structures])

@@ -115,6 +115,8 @@ def test_pipelined_rebuild_needs_a_calculator():
         energy_function_engine(lambda p, c: p.square().sum(), atoms, VelocityVerlet(1.0), pipelined_rebuild=True)
     with pytest.raises(TypeError, match="pipelined_rebuild"):
         energy_function_engine(lambda p, c: p.square().sum(), atoms, VelocityVerlet(1.0), pipelined_rebuild="yes")
+    with pytest.raises(ValueError, match="engine_options: padded=False has no effect on Engine"):
+        energy_function_engine(lambda p, c: p.square().sum(), atoms, VelocityVerlet(1.0), padded=False)
 
 
 def test_atoms_carry_the_state_and_the_calculators_results(calc64, monkeypatch):

@@ -244,6 +244,8 @@ def _copper():
     ({"plot": "x.jpg"}, ValueError, r"plot: x.jpg must end with .png, .pdf or .svg"),
     ({"engine_options": {"blocks": 3}}, ValueError, "engine_options: unknown key 'blocks'"),
     ({"engine_options": {"block": 0}}, ValueError, "block: expected an int >= 1, got 0"),
+    ({"engine_options": {"padded": True}}, ValueError, "engine_options: padded=True has no effect on run_md, which "
+                                                      "reads block, steps_per_graph"),
     ({"engine_options": [("block", 3)]}, TypeError, "engine_options: expected EngineOptions, a dict or None"),
 ])
 def test_engine_and_thermostat_arguments_are_checked_first(tmp_path, kwargs, error, match):

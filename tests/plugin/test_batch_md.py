@@ -12,7 +12,7 @@ import torch
 from ase import Atoms, units
 from ase.build import molecule
 
-from cgforge.plugin import BatchStructureError, run_md_batch
+from cgforge.plugin import BatchStructureError, EngineOptions, run_md_batch
 from cgforge.plugin.md.engine import Engine
 from cgforge.plugin.md.integrators import (
     CSVR,
@@ -173,9 +173,12 @@ def test_each_systems_noise_is_what_it_draws_alone() -> None:
     ({"seed": [1, 2, 3]}, "seed: expected an int or one per structure"),
     ({"timestep_fs": 0.0}, "timestep_fs: expected a finite number > 0"),
     ({"steps": -2}, "steps: expected an int >= 0"),
-    ({"cuda_graph": True}, "cuda_graph=True needs a CUDA device, got cpu"),
-    ({"cuda_graph": "on"}, "cuda_graph: expected None, True or False"),
-    ({"ensemble": "npt", "temperature_K": 300.0, "padded": True}, "padded=True: NPT changes every cell"),
+    ({"engine_options": {"cuda_graph": True}}, "cuda_graph=True needs a CUDA device, got cpu"),
+    ({"engine_options": {"cuda_graph": "on"}}, "cuda_graph: expected None, True or False"),
+    ({"ensemble": "npt", "temperature_K": 300.0, "engine_options": {"padded": True}},
+     "padded=True: NPT changes every cell"),
+    ({"engine_options": {"block": 5}}, "engine_options: block=5 has no effect on run_md_batch, which reads cuda_graph"),
+    ({"engine_options": {"graph": True}}, "engine_options: unknown key 'graph'"),
 ])
 def test_bad_arguments_are_named(mace_calc, kwargs, match) -> None:
     options = {"timestep_fs": 0.5, "steps": 1, **kwargs}
@@ -188,7 +191,7 @@ def test_a_structure_that_blows_up_is_named(mace_calc, padded: bool) -> None:
     inputs = structures()
     inputs[1].set_momenta([[0, 0, -1.5], [0, 0, 1.5]])  # H2's atoms (0 above 1) thrown at each other
     with pytest.raises(BatchStructureError, match="structure 1: atoms 0 and 1 are") as err:
-        run_md_batch(mace_calc, inputs, timestep_fs=1.0, steps=5, padded=padded)
+        run_md_batch(mace_calc, inputs, timestep_fs=1.0, steps=5, engine_options={"padded": padded})
     assert err.value.index == 1
 
 
@@ -197,14 +200,15 @@ def test_nan_from_the_model_or_in_the_momenta_is_named(mace_calc, padded: bool) 
     inputs = structures()
     inputs[1].positions[1] = inputs[1].positions[0]  # a zero-length edge: NaN (min_distance off lets it through)
     with pytest.raises(BatchStructureError, match="structure 1: the model returned NaN or inf at step 0") as err:
-        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, min_distance=None, padded=padded)
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, min_distance=None,
+                     engine_options={"padded": padded})
     assert err.value.index == 1
     inputs = structures()
     momenta = inputs[2].get_momenta()
     momenta[3, 1] = np.nan
     inputs[2].set_momenta(momenta)
     with pytest.raises(BatchStructureError, match="structure 2: momenta contain NaN"):
-        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, padded=padded)
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=2, engine_options={"padded": padded})
 
 
 @pytest.mark.cuda
@@ -296,7 +300,7 @@ def test_padded_nve_equals_the_eager_batch_step(mace_calc) -> None:
     inputs = structures()
     eager = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20)
     assert mace_calc.potential.batch_step().padded is None  # on a CPU: eager unless asked for
-    padded = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20, padded=True)
+    padded = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=20, engine_options=EngineOptions(padded=True))
     step = mace_calc.potential.batch_step().padded
     assert step.n_rebuilds > 2 and step.n_captures == 0  # the lists moved on; nothing captured on a CPU
     assert step.n_reruns <= step.n_rebuilds // 3  # most searches foreseen: before their step, not after it
@@ -319,7 +323,7 @@ def test_the_captured_batch_md_equals_the_eager_one_on_cuda(ensemble: str) -> No
     step = calc.potential.batch_step().padded
     assert step.cuda_graph and step.capture_error is None
     assert step.n_captures == 1 and step.n_rebuilds > 3
-    eager = run_md_batch(calc, inputs, cuda_graph=False, **kwargs)
+    eager = run_md_batch(calc, inputs, engine_options={"cuda_graph": False}, **kwargs)
     assert calc.potential.batch_step().padded is None
     # FP32 on a CPU, padded against eager: ~3e-7 Å, ~5e-6 of the largest force, ~3e-6 eV after these 20 steps
     scale = max(np.abs(a.get_forces()).max() for a in eager)

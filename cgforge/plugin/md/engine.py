@@ -52,6 +52,7 @@ class Engine:
         if engine_options is not None and settings:
             raise TypeError(f"Engine: give engine_options or its fields as keywords, not both ({sorted(settings)})")
         o = EngineOptions.of(engine_options) if engine_options is not None else EngineOptions(**settings)
+        o.for_one_structure("Engine")
         if not isinstance(atoms, Atoms):
             raise TypeError(f"atoms: expected an ase.Atoms, got {type(atoms).__name__}")
         if len(atoms) == 0:

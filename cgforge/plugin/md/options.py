@@ -230,10 +230,12 @@ class MDOptions:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the device engine runs (``Engine(engine_options=)``, ``run_md(engine_options=)``), checked where made.
-    block: steps between host syncs (None: 10; run_md: by device); steps_per_graph: steps in one CUDA graph;
-    rebuild_margin: how much faster than seen the list's slack is assumed to shrink; cuda_graph, pipelined_rebuild
-    (the next list searched on a side stream), fuse_integrator (the integrator compiled): None decides by device."""
+    """How the device engine runs (``Engine(engine_options=)``, ``run_md(engine_options=)``,
+    ``run_md_batch(engine_options=)``), checked where made. block: steps between host syncs (None: 10; run_md: by
+    device); steps_per_graph: steps in one CUDA graph; rebuild_margin: how much faster than seen the list's slack is
+    assumed to shrink; cuda_graph, pipelined_rebuild (the next list searched on a side stream), fuse_integrator (the
+    integrator compiled): None decides by device; padded: run_md_batch's padded step without the capture (None: as
+    cuda_graph; how a CPU checks it). ``run_md_batch`` reads cuda_graph and padded only, ``Engine`` all but padded."""
 
     block: int | None = None
     steps_per_graph: int = 1
@@ -241,12 +243,13 @@ class EngineOptions:
     rebuild_margin: float = 1.5
     pipelined_rebuild: bool | None = None
     fuse_integrator: bool | None = None
+    padded: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block", None if self.block is None else check_count("block", self.block, 1))
         object.__setattr__(self, "steps_per_graph", check_count("steps_per_graph", self.steps_per_graph, 1))
         object.__setattr__(self, "rebuild_margin", _AT_LEAST_0("rebuild_margin", self.rebuild_margin))
-        for name in ("cuda_graph", "pipelined_rebuild", "fuse_integrator"):
+        for name in ("cuda_graph", "pipelined_rebuild", "fuse_integrator", "padded"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
 
@@ -261,6 +264,18 @@ class EngineOptions:
         if unknown := sorted(map(str, set(value) - set(known))):
             raise ValueError(f"{name}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
         return cls(**value)
+
+    def only(self, used: tuple[str, ...], user: str) -> EngineOptions:
+        """This value, refused where a field outside ``used`` is not its default (``user`` ignores it)."""
+        for f in fields(self):
+            if f.name not in used and getattr(self, f.name) != f.default:
+                raise ValueError(f"engine_options: {f.name}={getattr(self, f.name)!r} has no effect on {user}, which "
+                                 f"reads {', '.join(used)} only")
+        return self
+
+    def for_one_structure(self, user: str) -> EngineOptions:
+        """This value, refused where it sets what only a batch reads (padded)."""
+        return self.only(tuple(f.name for f in fields(self) if f.name != "padded"), user)
 
 
 def _not_for(name: str, meta: Mapping[str, Any], mode: str) -> None:

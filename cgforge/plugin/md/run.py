@@ -146,7 +146,7 @@ def plan_md(atoms: Atoms | None, calculator: Any = None, *, names: Mapping[str, 
         state = read_restart(restart, names("restart"))
         new_run = new_run or f"atoms=read_structure({str(state.path)!r}) without restart="
         o = MDOptions.given(given, names, {**state.options, "engine": _engine_of(state)}, str(state.path), new_run)
-    engine_options = EngineOptions.of(a["engine_options"], names("engine_options"))
+    engine_options = EngineOptions.of(a["engine_options"], names("engine_options")).for_one_structure("run_md")
     force = o.force
     path, log_path, plot_path = outputs.values()
     free = isinstance(a["trajectory"], FreeName)  # a default name: the next free one if it is taken meanwhile
