@@ -188,16 +188,21 @@ def md_loop(calc, systems: list, steps: int, device: str) -> dict:
     return rate(time.perf_counter() - start, systems, steps * sum(len(a) for a in systems))
 
 
-def md_batch(calc, systems: list, args, device: str) -> dict:
+def md_batch(calc, systems: list, args, device: str, shape: bool) -> dict:
+    """``shape``: the model's weights are random, its forces hold no molecule together, so atoms fly through each
+    other as a gas: the overlap check is off (TorchSim's rows have none either); the rate still compares."""
     from cgforge.plugin import run_md_batch
 
     sync(device)
     start = time.perf_counter()
     for first in range(0, len(systems), args.batch_size):  # NVT Langevin, as TorchSim's row
         run_md_batch(calc, systems[first:first + args.batch_size], ensemble="nvt", thermostat="langevin",
-                     temperature_K=args.temperature, timestep_fs=args.timestep_fs, steps=args.md_steps)
+                     temperature_K=args.temperature, timestep_fs=args.timestep_fs, steps=args.md_steps,
+                     min_distance=None if shape else 0.5)
     sync(device)
     row = rate(time.perf_counter() - start, systems, args.md_steps * sum(len(a) for a in systems))
+    if shape:
+        row["note"] = "random weights: min_distance off (atoms pass through each other)"
     padded = calc.potential.batch_step().padded  # the last batch's force call: captured, or why not
     row["captured"] = padded is not None and padded.cuda_graph
     if padded is not None and padded.capture_error:
@@ -206,11 +211,14 @@ def md_batch(calc, systems: list, args, device: str) -> dict:
 
 
 def compare(row: dict, energies: dict, reference: dict, systems: list, against: str) -> None:
-    """Into ``row``: the largest |E - E_ref| / atoms over the structures converged in both, and how many."""
+    """Into ``row``: over the structures converged in both, how many, the largest and the median
+    |E - E_ref| / atoms, and how many lie within the issue's 1e-4 eV/atom."""
     both = [i for i in energies if i in reference]
+    gaps = [abs(energies[i] - reference[i]) / len(systems[i]) for i in both]
     row[f"compared_with_{against}"] = len(both)
-    row[f"max_energy_difference_per_atom_vs_{against}"] = (
-        max(abs(energies[i] - reference[i]) / len(systems[i]) for i in both) if both else None)
+    row[f"max_energy_difference_per_atom_vs_{against}"] = max(gaps) if gaps else None
+    row[f"median_energy_difference_per_atom_vs_{against}"] = float(np.median(gaps)) if gaps else None
+    row[f"within_1e-4_vs_{against}"] = sum(g <= 1e-4 for g in gaps)
 
 
 # ---------------------------------------------------------------------------------------------------- the peers
@@ -414,10 +422,13 @@ def model_rows(name: str, file: Path, systems: list, rattled: list, args, rows: 
         rows["relax-batch"], reference = relax_batch_row(calc, rattled, args, device)
         if loop:
             compare(rows["relax-batch"], reference, loop, rattled, "loop")
+    for name in ("relax-loop", "relax-batch"):  # a shape's random weights can leave every force below fmax
+        if rows.get(name, {}).get("atom_steps_per_s") == 0:
+            rows[name] = {**rows[name], "note": "every structure converged at its start: no FIRE step ran"}
     if args.md_steps and "loop" in peers and args.loop_md:
         rows["md-loop-nve"] = md_loop(calc, systems[:args.loop_md], args.loop_md_steps, device)
     if args.md_steps and "batch" in peers:
-        rows["md-batch-nvt"] = md_batch(calc, systems, args, device)
+        rows["md-batch-nvt"] = md_batch(calc, systems, args, device, shape=name != "bundled")
     if "mace-cueq" in peers:
         rows["eval-mace-cueq"] = mace_cueq(file, systems[:args.loop_eval], device, args.dtype)
     relaxed = {}
@@ -440,6 +451,8 @@ def ratios(rows: dict) -> dict:
         if row.get(f"max_energy_difference_per_atom_vs_{against}") is not None:
             out[f"relax: torchsim-{kind} final energies vs {against.replace('_', '-')}"] = {
                 "max_ev_per_atom": row[f"max_energy_difference_per_atom_vs_{against}"],
+                "median_ev_per_atom": row.get(f"median_energy_difference_per_atom_vs_{against}"),
+                "within_target": row.get(f"within_1e-4_vs_{against}"),
                 "structures": row[f"compared_with_{against}"], "target": 1e-4}
     return out
 
@@ -512,8 +525,9 @@ def main() -> None:
                     target = "" if values["target"] is None else f" (target >= {values['target']:g})"
                     print(f"{name:15s} {ratio:40s} {values['ratio']:8.2f}x{target}", flush=True)
                 else:
-                    print(f"{name:15s} {ratio:40s} max {values['max_ev_per_atom']:.2e} eV/atom over "
-                          f"{values['structures']} structures (target <= 1e-4)", flush=True)
+                    print(f"{name:15s} {ratio:40s} max {values['max_ev_per_atom']:.2e}, median "
+                          f"{values['median_ev_per_atom']:.2e} eV/atom, {values['within_target']} of "
+                          f"{values['structures']} structures within 1e-4", flush=True)
             save()
     print(f"wrote {path}")
 

@@ -442,25 +442,31 @@ BATCH_ROWS = (("evaluation", "structures_per_s", "structures/s", ("eval-batch", 
 
 
 def batch_section(results: Path) -> list[str]:
-    """The newest ``bench_batch`` run of ``benchmarks/run.py batch``: each row's throughput, the issue's ratios."""
+    """Per model, the newest ``bench_batch`` run of ``benchmarks/run.py batch`` that holds it: each row's throughput,
+    the issue's ratios."""
     runs = []
     for path in sorted(results.rglob("bench_batch-*.json")):
         data, rel = json.loads(path.read_text()), path.relative_to(results).as_posix()
         env, known = data.get("environment") or {}, _commit(results, rel)
         if known is not None and env.get("date") and isinstance(data.get("rows"), dict):
             runs.append(Run(rel, env["date"], env.get("device", "unknown device"), *known, [data]))
-    run = max(runs, key=lambda r: r.date) if runs else None
-    out = _opening("Many structures at once vs a loop and TorchSim", run, "bench_batch run of benchmarks/run.py",
+    newest = {}  # model -> the newest run with rows for it
+    for run in sorted(runs, key=lambda r: r.date):
+        for model, rows in run.rows[0]["rows"].items():
+            if rows:
+                newest[model] = run
+    out = _opening("Many structures at once vs a loop and TorchSim", max(runs, key=lambda r: r.date) if runs else None,
+                   "bench_batch run of benchmarks/run.py",
                    "`benchmarks/bench_batch.py`: water cells and clusters of 24-300 atoms, FP32; cgforge's batched "
                    "paths (one graph per batch) against a loop over cgforge's Calculator, MACE's calculator "
                    "(cuEquivariance where it imports) and TorchSim with its MACE model and over cgforge's model, in "
-                   "the same run. A row a peer could not run says why.",
+                   "the same run. Each model's rows come from the newest run that holds it (named below the table). "
+                   "A row a peer could not run says why.",
                    ["model", "workload", "row", "throughput", "note"])
-    if run is None:
+    if not newest:
         return out
-    data = run.rows[0]
-    args = data.get("args", {})
-    for model, rows in data["rows"].items():
+    for model, run in newest.items():
+        rows = run.rows[0]["rows"][model]
         for workload, key, unit, names in BATCH_ROWS:
             for name in names:
                 row = rows.get(name)
@@ -471,18 +477,26 @@ def batch_section(results: Path) -> list[str]:
                 value = "-" if not isinstance(number, int | float) else (
                     f"{number:,.0f} {unit}" if number >= 100 else f"{number:.3g} {unit}")
                 out.append(f"| {model} | {workload} | {name} | {value} | {str(note)[:120]} |")
-    out += ["", f"Structures: {args.get('structures')} (relaxed: {args.get('relax_structures')}, MD steps: "
-            f"{args.get('md_steps')}); ratios (cgforge / peer):", ""]
-    for model, ratios in (data.get("ratios") or {}).items():
-        for name, values in ratios.items():
+    out.append("")
+    for model, run in newest.items():
+        args = run.rows[0].get("args", {})
+        out += [f"{model}: {run.cite()}; structures "
+                f"{args.get('structures')}, relaxed {args.get('relax_structures')} (TorchSim: "
+                f"{args.get('peer_relax_structures') or args.get('relax_structures')}), MD steps {args.get('md_steps')} "
+                f"(TorchSim: {args.get('peer_md_steps') or args.get('md_steps')}); ratios (cgforge / peer):", ""]
+        for name, values in (run.rows[0].get("ratios") or {}).get(model, {}).items():
             target = values.get("target")
             if "ratio" in values:
                 said = f"{values['ratio']:.2f}x" + ("" if target is None else f" (target >= {target:g})")
             else:
+                median = values.get("median_ev_per_atom")
                 said = (f"max {values['max_ev_per_atom']:.2e} eV/atom over {values['structures']} structures "
-                        f"converged in both (target <= {target:g})")
+                        f"converged in both" + ("" if median is None else
+                                                f", median {median:.2e}, {values['within_target']} within")
+                        + f" (target <= {target:g})")
             out.append(f"- {model}, {name}: {said}")
-    return out + [""]
+        out.append("")
+    return out
 
 
 def render(results: Path) -> str:
