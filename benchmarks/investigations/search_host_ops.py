@@ -462,6 +462,8 @@ def main() -> None:
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     path = args.path or ("native" if cuda else "both")
+    if args.atoms < 3 or args.cycles < 1:
+        parser.error(f"--atoms must be >= 3 (one water) and --cycles >= 1, got {args.atoms} and {args.cycles}")
     if cuda and path != "native":
         parser.error("--path cuda emulates the CUDA branch on a CPU: use --path native with --device cuda")
     if args.threads:
