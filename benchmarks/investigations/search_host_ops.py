@@ -2,7 +2,7 @@
 ``snapshot`` / ``search`` / ``install`` (``ModelForces``), phase by phase, with each sync's call site; runs on a CPU.
 
     python benchmarks/investigations/search_host_ops.py [--atoms 5184] [--device cpu|cuda] [--path native|cuda|both]
-                                                       [--cycles 3] [--results FOLDER]
+                                                       [--cycles 3] [--block-ms 2.5] [--results FOLDER]
 
 The bundled MACE ``Calculator`` (FP32, skin 1 Å) on ``water_box`` (``--atoms`` / 3 molecules), its ``ModelForces``
 made and started as ``Engine`` does, then ``--cycles`` rebuild cycles as the engine runs them (``snapshot`` before
@@ -18,9 +18,10 @@ under a TorchDispatchMode (every aten op, the new storages it allocates) and a T
          stream after it);
     shape: an output sized by device data (``nonzero``, ``masked_select``, ``unique``, indexing with a bool mask,
          ``repeat_interleave`` without ``output_size``);
-  and the host wall time of each phase (median of the cycles, outside the modes; on CUDA between
-  ``torch.cuda.synchronize()`` calls, with the phase's ``cudaStreamSynchronize`` / memcpy / launch calls counted by
-  ``torch.profiler``).
+  and the host wall time of each phase and part (the timed cycles, outside the modes; on CUDA from one
+  ``torch.cuda.synchronize()`` to the next, but the search: ``--block-ms`` of matmuls are queued on the main stream
+  before it, as the engine's block, and it is timed until it returns, its host time), with each phase's
+  ``cudaStreamSynchronize`` / memcpy / launch calls counted by ``torch.profiler`` on CUDA.
 
 ``--path cuda`` (CPU only) runs the CUDA branch's host code on the CPU: ``Tensor.is_cuda`` reads True, the step is
 padded (as a CUDA-graph step is), and the custom kernels' launches (``cell_pairs``, ``pair_reverse``) are replaced by
@@ -325,50 +326,80 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def cycle(engine, provider, rec: Recorder, times: dict | None, device: str, generator) -> None:
-    """One pipelined rebuild as the engine runs it: snapshot, (the block: the positions move), search, install;
-    ``times``: the phases' wall ms (less the kernels' CPU stand-ins) appended."""
+def block_stand_in(device: str, ms: float):
+    """A function queueing ~``ms`` ms of main-stream work that fills the device (FP32 matmuls): the block the
+    search hides behind in the engine (its side stream's kernels then wait for SMs, as there). None off CUDA."""
+    if not device.startswith("cuda") or ms <= 0:
+        return None
+    a = torch.randn(4096, 4096, device=device)
+    out = torch.empty_like(a)
+    for _ in range(3):
+        torch.mm(a, a, out=out)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        torch.mm(a, a, out=out)
+    end.record()
+    torch.cuda.synchronize()
+    count = max(1, round(ms / (start.elapsed_time(end) / 10)))
+
+    def run() -> None:
+        for _ in range(count):
+            torch.mm(a, a, out=out)
+
+    return run
+
+
+def cycle(engine, provider, rec: Recorder, times: dict | None, device: str, generator, block=None) -> None:
+    """One pipelined rebuild as the engine runs it: snapshot, (the block: the positions move, ``block()`` queues its
+    device work), search, install; ``times``: the phases' wall ms (less the kernels' CPU stand-ins) appended: from
+    a synced device to a synced device, but the search behind a block: until it returns (its host time)."""
     s = engine.state
 
-    def timed(name: str, fn):
-        sync(device)
+    def timed(name: str, fn, behind: bool = False):
+        if not behind:
+            sync(device)
         stand_in, start = rec.stand_in_s, time.perf_counter()
         with rec.phase(name):
             out = fn()
+        if not behind:
+            sync(device)
+        elapsed = time.perf_counter() - start - (rec.stand_in_s - stand_in)
         sync(device)
         if times is not None:
-            times[name].append(1e3 * (time.perf_counter() - start - (rec.stand_in_s - stand_in)))
+            times[name].append(1e3 * elapsed)
         return out
 
     pending = timed("snapshot", lambda: provider.snapshot(s.positions, s.cell))
     with torch.no_grad():  # the block the search hides behind
         s.positions.add_(0.02 * torch.randn(s.positions.shape, generator=generator, dtype=s.positions.dtype)
                          .to(s.positions.device))
-    timed("search", lambda: provider.search(pending))
+        if block is not None:
+            block()
+    timed("search", lambda: provider.search(pending), behind=block is not None)
     timed("install", lambda: provider.install(pending))
 
 
 def cuda_calls(engine, provider, device: str, generator) -> dict:
-    """Per phase, the CUDA runtime calls of one cycle (torch.profiler): syncs, copies, launches."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """Per phase, the CUDA runtime and driver calls of one cycle (torch.profiler's host events named cuda*/cu*:
+    cudaStreamSynchronize, cudaMemcpyAsync, cudaLaunchKernel, cuLaunchKernel, ...), by name."""
+    from torch.profiler import ProfilerActivity, profile
 
     s = engine.state
     found = {}
-    names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent",
-             "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cudaMalloc", "cudaFree")
     pending = None
     for name in PHASES:
+        sync(device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with record_function(name):
-                if name == "snapshot":
-                    pending = provider.snapshot(s.positions, s.cell)
-                elif name == "search":
-                    provider.search(pending)
-                else:
-                    provider.install(pending)
-            sync(device)
-        counts = Counter(e.name for e in prof.events() if e.name in names)
-        found[name] = dict(counts)
+            if name == "snapshot":
+                pending = provider.snapshot(s.positions, s.cell)
+            elif name == "search":
+                provider.search(pending)
+            else:
+                provider.install(pending)
+        sync(device)
+        found[name] = dict(Counter(e.name for e in prof.events() if e.device_type.name == "CPU"
+                                   and e.name.startswith("cu") and e.name[2:3].isalpha() and e.name[2:3] != "t"))
     return found
 
 
@@ -379,13 +410,14 @@ def run_path(path: str, args) -> dict:
     generator = torch.Generator().manual_seed(0)
     patches = label_parts(provider, rec)
     branches = cuda_branches(rec) if emulate else contextlib.nullcontext()
+    block = block_stand_in(args.device, args.block_ms)
     try:
         with branches:
-            cycle(engine, provider, rec, None, args.device, generator)  # warm-up (kernel loads, allocator)
+            cycle(engine, provider, rec, None, args.device, generator, block)  # warm-up (kernel loads, allocator)
             times: dict[str, list] = defaultdict(list)
             rec.timing = True
             for _ in range(args.cycles):
-                cycle(engine, provider, rec, times, args.device, generator)
+                cycle(engine, provider, rec, times, args.device, generator, block)
             rec.timing = False
             rec.recording = True
             with HostReads(rec), Ops(rec):
@@ -455,6 +487,8 @@ def main() -> None:
                              "both on a CPU, native on CUDA)")
     parser.add_argument("--cycles", type=int, default=3, help="timed rebuild cycles (after one warm-up)")
     parser.add_argument("--skin", type=float, default=1.0)
+    parser.add_argument("--block-ms", type=float, default=2.5, help="on CUDA: device ms of main-stream work queued "
+                        "before each timed search, as the engine's block (0: the search alone on an idle device)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: a CUDA host dispatches "
                                                                "from one thread; 0: torch's default)")
     parser.add_argument("--results", type=Path, default=None, help="folder for the JSON (default $OUT or "
