@@ -38,6 +38,8 @@ BAD_FLAGS = [
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
     ("bench_batch.py", ["--batch-size", "0"], "--batch-size"),
+    ("investigations/search_host_ops.py", ["--cycles", "0"], "--cycles"),
+    ("investigations/search_host_ops.py", ["--device", "cuda", "--path", "cuda"], "--path"),
     ("bench_batch.py", ["--models", "mace-huge"], "mace-huge"),
 ]
 

@@ -101,12 +101,21 @@ def _search(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutof
     return tuple(t.index_select(0, inside) for t in (sender, receiver, shift))
 
 
+def _to_device(values: object, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A few host values on ``device``: on CUDA a non-blocking copy from pinned memory (a pageable copy syncs)."""
+    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cutoff: float) -> Bins:
     """Bins at least ``cutoff`` wide over the cell (periodic directions) or the atoms' extent (others)."""
     n_atoms, device, dtype = positions.shape[0], positions.device, positions.dtype
-    if not bool(torch.isfinite(positions).all()):
+    # Two reads of the device (each a host sync on CUDA): the cell with the positions' finiteness, then the bounds.
+    head = torch.cat([cell.reshape(9).to(torch.float64), torch.isfinite(positions).all().to(torch.float64).reshape(1)])
+    head = head.cpu().numpy()
+    if not head[9]:
         raise ValueError("positions contain NaN or inf")
-    cell_host = cell.to("cpu", torch.float64).numpy()
+    cell_host = head[:9].reshape(3, 3)
     if not np.isfinite(cell_host).all():
         raise ValueError(f"cell contains NaN or inf: {cell_host.tolist()}")
 
@@ -114,11 +123,14 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
     basis = _binning_basis(cell_host, pbc)
     inverse = np.linalg.inv(basis)
     heights = 1.0 / np.linalg.norm(inverse, axis=0)  # spacing of lattice planes per direction, in Å
-    frac = positions.to(torch.float64) @ torch.as_tensor(inverse, device=device)
-    periodic = torch.tensor(pbc, device=device)
+    frac = positions.to(torch.float64) @ _to_device(inverse, torch.float64, device)
+    periodic = _to_device(pbc, torch.bool, device)
     wrap = torch.where(periodic, -torch.floor(frac), torch.zeros_like(frac))  # integer images into the cell
     frac = frac + wrap
-    low, high = torch.stack([frac.amin(0), frac.amax(0)]).cpu().numpy()
+    wrapped = positions.detach() + wrap.to(dtype) @ cell
+    scale = torch.maximum(positions.abs().max(), wrapped.abs().max()).to(torch.float64).reshape(1)
+    bounds = torch.cat([frac.amin(0), frac.amax(0), scale]).cpu().numpy()
+    low, high = bounds[:3], bounds[3:6]
     origin = np.where(pbc, 0.0, low)
     extent = np.where(pbc, 1.0, high - low)
 
@@ -132,8 +144,8 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
         raise ValueError(f"cutoff {cutoff} is too large for a cell with plane spacings {heights.tolist()} Å: "
                          f"the search would need {n_offsets} periodic images")
 
-    bins_t = torch.tensor(bins, device=device)
-    coord = (frac - torch.as_tensor(origin, device=device)) / torch.as_tensor(bin_width, device=device)
+    bins_t = _to_device(bins, torch.int64, device)
+    coord = (frac - _to_device(origin, torch.float64, device)) / _to_device(bin_width, torch.float64, device)
     # Clamped: a wrapped coordinate that rounds to exactly 1.0 stays in the last bin.
     coord = torch.minimum(torch.floor(coord).long().clamp_(min=0), bins_t - 1)
     bin_of_atom = (coord[:, 0] * bins[1] + coord[:, 1]) * bins[2] + coord[:, 2]
@@ -141,9 +153,7 @@ def _bin_atoms(positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool], cu
     atoms_in_bin = torch.bincount(bin_of_atom, minlength=math.prod(bins))
     first_in_bin = torch.cumsum(atoms_in_bin, 0) - atoms_in_bin
 
-    wrapped = positions.detach() + wrap.to(dtype) @ cell
-    scale = float(torch.maximum(positions.abs().max(), wrapped.abs().max()))
-    search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * scale
+    search_cutoff = cutoff * (1 + 1e-4) + 64 * torch.finfo(dtype).eps * float(bounds[6])
     return Bins(wrapped, wrap.long(), coord, bin_of_atom, atoms_by_bin, atoms_in_bin, first_in_bin,
                  (bins[0], bins[1], bins[2]), (reach[0], reach[1], reach[2]), search_cutoff)
 
