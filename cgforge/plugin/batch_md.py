@@ -9,6 +9,7 @@ draws alone (``noise.SystemNoise``). NVE and NVT run ``runtime.batch_capture.Pad
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -204,23 +205,38 @@ def _padded_choice(cuda_graph: bool | None, padded: bool | None, potential: Pote
     return use_graph, use_graph if padded is None else bool(padded) or use_graph
 
 
+def _renamed(engine_options: EngineOptions | dict[str, Any] | None, renamed: dict[str, Any]
+             ) -> EngineOptions | dict[str, Any] | None:
+    """engine_options with the keywords run_md_batch took before EngineOptions held them (cuda_graph, padded)."""
+    if unknown := sorted(set(renamed) - {"cuda_graph", "padded"}):
+        raise TypeError(f"run_md_batch() got an unexpected keyword argument {unknown[0]!r}")
+    if not renamed:
+        return engine_options
+    if engine_options is not None:
+        raise TypeError(f"run_md_batch: give {', '.join(sorted(renamed))} inside engine_options, not beside it")
+    warnings.warn(f"run_md_batch({', '.join(f'{k}=' for k in sorted(renamed))}) is now "
+                  f"run_md_batch(engine_options={renamed!r})", FutureWarning, stacklevel=3)
+    return renamed
+
+
 def run_md_batch(model: Potential | Calculator, atoms_list: Sequence[Atoms], *, ensemble: str = "nve",
                  timestep_fs: float, steps: int, temperature_K: float | Sequence[float] | None = None,
                  thermostat: str | None = None, friction: float | Sequence[float] | None = None,
                  taut_fs: float | Sequence[float] | None = None, pressure_bar: float | None = None,
                  taup_fs: float | None = None, compressibility_per_bar: float | None = None,
                  seed: int | Sequence[int] = 0, min_distance: float | None = 0.5,
-                 engine_options: EngineOptions | dict[str, Any] | None = None) -> list[Atoms]:
+                 engine_options: EngineOptions | dict[str, Any] | None = None, **renamed: Any) -> list[Atoms]:
     """``steps`` MD steps for every structure of ``atoms_list`` in one batch; copies at the end with momenta and
     a single-point calculator (energy, forces); the inputs are not changed. The keywords are ``run_md``'s
     (docs/batch.md's table); temperature_K, friction, taut_fs: one number or one per structure; structure b's
     seed is ``seed + b``, or ``seed[b]`` for a sequence. engine_options (``EngineOptions`` or a dict of its
     fields): its cuda_graph captures the force call (NVE, NVT) in a CUDA graph (None: on CUDA for a model inert
-    beyond its cutoff); its padded runs the padded step without the capture (None: as cuda_graph)."""
+    beyond its cutoff); its padded runs the padded step without the capture (None: as cuda_graph). The keywords
+    cuda_graph= and padded= of session 34 still work, with a FutureWarning."""
     ensemble = check_choice("ensemble", ensemble, ENSEMBLES)
     timestep_fs = check_number("timestep_fs", timestep_fs)
     steps = check_count("steps", steps, 0)
-    options = EngineOptions.of(engine_options).only(("cuda_graph", "padded"), "run_md_batch")
+    options = EngineOptions.of(_renamed(engine_options, renamed)).only(("cuda_graph", "padded"), "run_md_batch")
     structures = structures_of(atoms_list)
     if not structures:
         raise ValueError("atoms_list: expected at least one structure, got none")

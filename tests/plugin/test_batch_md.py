@@ -186,6 +186,20 @@ def test_bad_arguments_are_named(mace_calc, kwargs, match) -> None:
         run_md_batch(mace_calc, [molecule("H2O"), molecule("H2")], **options)
 
 
+def test_the_renamed_keywords_warn_and_still_work(mace_calc) -> None:
+    inputs = [molecule("H2O"), molecule("H2")]
+    with pytest.warns(FutureWarning, match=r"run_md_batch\(padded=\) is now run_md_batch\(engine_options="):
+        old = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=3, padded=True)
+    assert mace_calc.potential.batch_step().padded is not None  # the padded step ran
+    new = run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=3, engine_options={"padded": True})
+    for a, b in zip(old, new, strict=True):
+        assert np.array_equal(a.positions, b.positions)
+    with pytest.raises(TypeError, match="give cuda_graph inside engine_options, not beside it"):
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=1, cuda_graph=False, engine_options={})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'graph'"):
+        run_md_batch(mace_calc, inputs, timestep_fs=0.5, steps=1, graph=False)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_structure_that_blows_up_is_named(mace_calc, padded: bool) -> None:
     inputs = structures()
