@@ -126,6 +126,34 @@ def test_only_new_or_moved_structures_are_searched_again(mace_calc) -> None:
         potential.evaluate_batch([as_structure(a) for a in (skewed, box)], keys=["x", "x"])
 
 
+def test_a_few_new_lists_spliced_into_the_batch_equal_the_whole_list_joined_again() -> None:
+    """Batched MD's case: the same batch, a few structures searched again; their lists are spliced into the last
+    one (``BatchNeighbours._splice``), which must equal every kept list joined end to end (``_join``)."""
+    from cgforge.plugin.runtime.batch import BatchNeighbours
+
+    structures = batch_structures()
+    positions = torch.tensor(np.concatenate([a.positions for a in structures]))
+    cells = np.stack([np.asarray(a.cell) for a in structures])
+    pbcs = [tuple(bool(p) for p in a.pbc) for a in structures]
+    ptr = np.concatenate([[0], np.cumsum([len(a) for a in structures])]).tolist()
+    nl = BatchNeighbours(4.0, 0.5)
+    assert nl.update(positions, cells, pbcs, ptr) == len(structures)
+    rng = np.random.default_rng(4)
+    for stale in ([0], [2, 4], [1, 3]):  # atoms of these structures moved past skin/2, the others a little
+        for b in range(len(structures)):
+            step = 0.3 if b in stale else 0.02
+            positions[ptr[b]:ptr[b + 1]] += torch.tensor(rng.uniform(-step, step, (ptr[b + 1] - ptr[b], 3)))
+        for b in stale:
+            positions[ptr[b]] += torch.tensor([0.3, 0.0, 0.0])  # one atom past skin / 2 for certain
+        assert nl.update(positions, cells, pbcs, ptr) == len(stale)
+        joined = nl._join(nl._order, ptr)
+        for got, want in zip((nl.sender, nl.receiver, nl.shifts, nl.built_at()), joined, strict=True):
+            assert torch.equal(got, want)
+    searched = nl.n_searched
+    assert nl.update(positions, cells, pbcs, ptr, search={3}) == 1 and nl.n_searched == searched + 1
+    assert all(torch.equal(a, b) for a, b in zip((nl.sender, nl.receiver, nl.shifts), nl._join(nl._order, ptr)))
+
+
 def _bad(kind: str) -> Atoms:
     atoms = molecule("H2O")
     if kind == "unknown element":

@@ -232,6 +232,8 @@ class BatchNeighbours:
         self.n_searched = 0  # structures searched, over all updates
         self._kept: dict[Hashable, _Kept] = {}
         self._order: tuple | None = None
+        self._ptr: list[int] | None = None
+        self._reference: Tensor | None = None  # built_at() of the list in ``_order``
 
     def update(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
                keys: Sequence[Hashable] | None = None, search: Collection[int] = ()) -> int:
@@ -247,9 +249,11 @@ class BatchNeighbours:
         usable = [k is not None and k.positions.shape[0] == ptr[b + 1] - ptr[b] and k.pbc == pbcs[b]
                   and k.positions.dtype == positions.dtype and np.array_equal(k.cell, cells[b]) and b not in search
                   for b, k in enumerate(kept)]
+        same = keys == self._order and list(ptr) == self._ptr  # the batch of the last update, moved on
         if any(usable):
-            reference = torch.cat([k.positions if use else positions[ptr[b]:ptr[b + 1]]
-                                   for b, (k, use) in enumerate(zip(kept, usable))])
+            # a structure not usable is stale whatever it moved: its rows of the reference are never read
+            reference = self._reference if same else torch.cat([
+                k.positions if use else positions[ptr[b]:ptr[b + 1]] for b, (k, use) in enumerate(zip(kept, usable))])
             structure = torch.repeat_interleave(torch.arange(count, device=positions.device),
                                                 torch.as_tensor(np.diff(ptr), device=positions.device))
             moved = (positions.detach() - reference).square().sum(-1)
@@ -257,22 +261,46 @@ class BatchNeighbours:
             # "not <=": NaN counts as moved
             usable = [u and bool(w) for u, w in zip(usable, (worst <= (0.5 * self.skin) ** 2).tolist())]
         stale = [b for b in range(count) if not usable[b]]
-        if not stale and keys == self._order:
+        if not stale and same:
             return 0
         if stale:
             self._search(positions, cells, pbcs, ptr, keys, stale)
         self._kept = {k: self._kept[k] for k in keys}
-        self._order = keys
-        parts = [self._kept[k] for k in keys]
-        self.sender = torch.cat([k.sender + ptr[b] for b, k in enumerate(parts)])
-        self.receiver = torch.cat([k.receiver + ptr[b] for b, k in enumerate(parts)])
-        self.shifts = torch.cat([k.shifts for k in parts])
+        self._order, self._ptr = keys, list(ptr)
+        # the same batch with a few lists new (batched MD: most steps): splice them in, not re-join every structure
+        lists = self._splice(stale, ptr, keys) if same and len(stale) < len(keys) else self._join(keys, ptr)
+        self.sender, self.receiver, self.shifts, self._reference = lists
         self.topology = edge_topology(self.sender, self.receiver, self.shifts, ptr[-1])
         return len(stale)
 
     def built_at(self) -> Tensor:
         """[N, 3]: where the atoms of the batch of the last ``update`` were when their lists were searched."""
-        return torch.cat([self._kept[k].positions for k in self._order])
+        return self._reference
+
+    def _join(self, keys: tuple, ptr: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(sender, receiver, shifts, built_at) of the kept lists of ``keys`` end to end, in batch indices."""
+        parts = [self._kept[k] for k in keys]
+        return (torch.cat([k.sender + ptr[b] for b, k in enumerate(parts)]),
+                torch.cat([k.receiver + ptr[b] for b, k in enumerate(parts)]),
+                torch.cat([k.shifts for k in parts]), torch.cat([k.positions for k in parts]))
+
+    def _splice(self, stale: list[int], ptr: Sequence[int], keys: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``_join``'s result from the last list: the ``stale`` structures' edges dropped, their new ones added, one
+        stable sort by receiver (each structure's list is sorted by receiver and a receiver's edges come from one
+        list, so every receiver keeps its edges' order: equal to ``_join``)."""
+        n = ptr[-1]
+        replaced = torch.zeros(n, dtype=torch.bool, device=self.sender.device)
+        reference = self._reference.clone()
+        for b in stale:
+            replaced[ptr[b]:ptr[b + 1]] = True
+            reference[ptr[b]:ptr[b + 1]] = self._kept[keys[b]].positions
+        keep = ~replaced.index_select(0, self.receiver)
+        new = [(b, self._kept[keys[b]]) for b in stale]
+        sender = torch.cat([self.sender[keep], *(k.sender + ptr[b] for b, k in new)])
+        receiver = torch.cat([self.receiver[keep], *(k.receiver + ptr[b] for b, k in new)])
+        shifts = torch.cat([self.shifts[keep], *(k.shifts for _, k in new)])
+        order = torch.argsort(receiver, stable=True)
+        return sender[order], receiver[order], shifts[order], reference
 
     def _search(self, positions: Tensor, cells: np.ndarray, pbcs: Sequence[Pbc], ptr: Sequence[int],
                 keys: tuple, stale: list[int]) -> None:
