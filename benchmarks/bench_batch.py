@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
+from common import environment, sync, write_json  # noqa: E402
 from shapes import mace_mp_file  # noqa: E402
 
 # cgforge is imported where it is used: a bad flag is named before any of it loads.
@@ -82,11 +82,6 @@ def structures(count: int, seed: int = 0, rattle: float = 0.0) -> list:
             atoms.rattle(rattle, seed=seed + i)
         out.append(atoms)
     return out
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def rate(seconds: float, systems: list, steps: int | None = None) -> dict:
@@ -422,9 +417,9 @@ def model_rows(name: str, file: Path, systems: list, rattled: list, args, rows: 
         rows["relax-batch"], reference = relax_batch_row(calc, rattled, args, device)
         if loop:
             compare(rows["relax-batch"], reference, loop, rattled, "loop")
-    for name in ("relax-loop", "relax-batch"):  # a shape's random weights can leave every force below fmax
-        if rows.get(name, {}).get("atom_steps_per_s") == 0:
-            rows[name] = {**rows[name], "note": "every structure converged at its start: no FIRE step ran"}
+    for row in ("relax-loop", "relax-batch"):  # a shape's random weights can leave every force below fmax
+        if rows.get(row, {}).get("atom_steps_per_s") == 0:
+            rows[row] = {**rows[row], "note": "every structure converged at its start: no FIRE step ran"}
     if args.md_steps and "loop" in peers and args.loop_md:
         rows["md-loop-nve"] = md_loop(calc, systems[:args.loop_md], args.loop_md_steps, device)
     if args.md_steps and "batch" in peers:

@@ -103,6 +103,12 @@ def environment() -> dict:
     return info
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op off CUDA): before and after a timed region."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
     """``payload`` to ``$OUT/NAME-DATE-TIME.json`` (or, given, ``path`` again: a run rewrites its file after each row,
     so one cut short by a timeout keeps the rows it measured)."""

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BENCH = Path(__file__).resolve().parent.parent  # benchmarks/
 sys.path.insert(0, str(BENCH))
-from common import environment, write_json  # noqa: E402
+from common import environment, sync, write_json  # noqa: E402
 
 import cgforge  # noqa: E402
 
@@ -319,11 +319,6 @@ def make_provider(atoms_count: int, device: str, skin: float, padded: bool):
     s = engine.state
     provider.start(s.positions, s.cell, engine.pbc, atoms.numbers, engine.integrator.changes_cell)
     return engine, provider
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def block_stand_in(device: str, ms: float):

@@ -155,3 +155,19 @@ def test_device_timeline_counts_idle_time_and_kernels_per_step() -> None:
     assert line["idle_ms"] == pytest.approx(0.009) and line["kernels"] == 1.5 and line["activities"] == 2
     assert line["gaps_us"] == [8.0, 10.0]
     assert line["idle_by_pair_us"] == {("b", "Memcpy DtoH"): 10.0, ("Memcpy DtoH", "c"): 8.0}
+
+
+@pytest.mark.slow
+def test_bench_batch_keeps_the_overlap_check_for_a_trained_model(tmp_path, monkeypatch) -> None:
+    """Only a random-weight model's MD row runs without ``min_distance`` (and says so); the bundled model's keeps it."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_batch import model_rows, parse, structures
+
+    from cgforge.plugin.runtime.bundled import model_path
+
+    args = parse(["--models", "bundled", "--peers", "batch", "--structures", "2", "--md-steps", "1",
+                  "--device", "cpu", "--dtype", "float64"])
+    rows: dict = {}
+    model_rows("bundled", model_path("mace"), structures(2), [], args, rows)
+    assert rows["md-batch-nvt"]["atom_steps_per_s"] > 0 and "note" not in rows["md-batch-nvt"]
