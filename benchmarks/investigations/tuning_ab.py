@@ -4,9 +4,12 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
     python3 benchmarks/investigations/tuning_ab.py --models bundled-mace,mace-mp-medium,nequip-M \\
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
         [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
+        [--tuning layout-off={} --patch 'layout-off=cgforge.kernels.irreps_layout:_on_layout_kernel=lambda *a: False']
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
-kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. Per model: one Calculator
+kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. ``--patch
+NAME=MODULE:ATTRIBUTE=EXPRESSION`` sets a module attribute to a Python expression's value while tuning NAME's
+calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. Per model: one Calculator
 per variant (FP32, skin 1 A), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
 Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
 profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
@@ -17,7 +20,9 @@ benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -52,6 +57,40 @@ def parse_tuning(spec: str) -> tuple[str, KernelTuning]:
         raise SystemExit(f"--tuning {name}: {error}") from None
 
 
+def parse_patch(spec: str, names: set[str]) -> tuple[str, str, str, object]:
+    """``NAME=MODULE:ATTRIBUTE=EXPRESSION`` -> (NAME, MODULE, ATTRIBUTE, value); the module must have it."""
+    name, sep, rest = spec.partition("=")
+    target, sep2, expression = rest.partition("=")
+    module, sep3, attribute = target.partition(":")
+    if not (sep and sep2 and sep3 and name and module and attribute):
+        raise SystemExit(f"--patch wants NAME=MODULE:ATTRIBUTE=EXPRESSION, got {spec!r}")
+    if name not in names:
+        raise SystemExit(f"--patch {name}: no --tuning of that NAME")
+    try:
+        if not hasattr(importlib.import_module(module), attribute):
+            raise SystemExit(f"--patch {name}: {module} has no attribute {attribute!r}")
+        value = eval(expression, {})  # an investigation script's own command line
+    except (ImportError, SyntaxError, NameError) as error:
+        raise SystemExit(f"--patch {name}: {error}") from None
+    return name, module, attribute, value
+
+
+@contextlib.contextmanager
+def patched(patches: list[tuple[str, str, str, object]], name: str):
+    """The module attributes of tuning ``name``'s patches set for the block."""
+    saved = []
+    try:
+        for owner, module, attribute, value in patches:
+            if owner == name:
+                target = importlib.import_module(module)
+                saved.append((target, attribute, getattr(target, attribute)))
+                setattr(target, attribute, value)
+        yield
+    finally:
+        for target, attribute, value in reversed(saved):
+            setattr(target, attribute, value)
+
+
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> tuple[float, dict]:
     """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
     engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
@@ -67,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mace-mp-medium")
     parser.add_argument("--tuning", action="append", required=True, metavar="NAME=JSON")
+    parser.add_argument("--patch", action="append", default=[], metavar="NAME=MODULE:ATTRIBUTE=EXPRESSION")
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
@@ -79,6 +119,7 @@ def main() -> None:
     tunings = [parse_tuning(spec) for spec in args.tuning]
     if len({name for name, _ in tunings}) < len(tunings):
         sys.exit("tuning_ab.py: two --tuning values have the same NAME")
+    patches = [parse_patch(spec, {name for name, _ in tunings}) for spec in args.patch]
     if not torch.cuda.is_available():
         sys.exit("tuning_ab.py needs a CUDA GPU")
     atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
@@ -89,15 +130,17 @@ def main() -> None:
             calcs = {}
             for name, tuning in tunings:
                 t = time.perf_counter()  # a module is patched in place: each tuning gets its own
-                calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
-                                         dtype=None if model.startswith("nequip-") else "float32", skin=1.0,
-                                         tuning=tuning)
+                with patched(patches, name):
+                    calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
+                                             dtype=None if model.startswith("nequip-") else "float32",
+                                             skin=1.0, tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
             device: dict[str, list[dict]] = {name: [] for name, _ in tunings}
             for r in range(args.rounds):
                 for name, _ in tunings:
-                    ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
+                    with patched(patches, name):
+                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
                     times[name].append(ms)
                     device[name].append(use)
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
@@ -106,7 +149,8 @@ def main() -> None:
             for name, tuning in tunings:
                 median = float(np.median(times[name]))
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
-                                "tuning": dataclasses.asdict(tuning), "ms_per_step": times[name], "median_ms": median,
+                                "tuning": dataclasses.asdict(tuning),
+                                "patches": [p[1:3] + (repr(p[3]),) for p in patches if p[0] == name], "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference, "device": device[name],
                                 "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),
                                 "median_kernels": float(np.median([u["kernels"] for u in device[name]]))})
