@@ -36,8 +36,12 @@ from .state import ENGINE_INFO_KEY, read_state, write_atoms
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
 _FORMAT = 1
-# Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile)
+# Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile).
+# When the list has at most twice that left, all of it hides the search: a block boundary costs the device a few
+# tenths of a ms idle, so the tail of a list's slack is not cut into one- and two-step blocks.
 _HIDE_STEPS = 2
+_HIDE_CAP = 2
+_SPLIT_ONCE = True  # A/B switch (issue 62): False plans blocks as before (the tail of the slack in 1-2 step blocks)
 
 
 class Engine:
@@ -128,6 +132,7 @@ class Engine:
         self._slack_per_step = 0.0  # the largest slack used per step, seen so far (for early rebuilds)
         self._last_slack: float | None = None
         self._fresh_list = True
+        self._list_ending = False  # the list's last block before its hiding block has been planned
         self._search_next = False  # this block searches the next list (pipelined rebuild; set by _plan_block)
         self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
                       "grows": 0, "wall_s": 0.0}
@@ -365,7 +370,8 @@ class Engine:
         return committed
 
     def _plan_block(self, size: int) -> int:
-        """The block's length: what the list's slack should last; pipelined, its last steps are a block alone."""
+        """The block's length: what the list's slack should last; pipelined, its last steps (``_HIDE_STEPS`` to twice
+        that) are a block alone, during which the next list is searched."""
         self._search_next = False
         if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
@@ -377,9 +383,11 @@ class Engine:
             self._rebuild()
             safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
         if self.pipelined_rebuild and safe >= 1:
-            if safe > _HIDE_STEPS:
+            if safe > _HIDE_STEPS and not (_SPLIT_ONCE and self._list_ending):
+                self._list_ending = safe - _HIDE_STEPS <= size  # this block runs to the list's last steps
                 return min(size, safe - _HIDE_STEPS)
             self._search_next = True
+            return max(1, min(size, safe, _HIDE_CAP if _SPLIT_ONCE else safe))
         return max(1, min(size, safe))
 
     def _install(self, pending, committed: int) -> None:
@@ -396,6 +404,7 @@ class Engine:
         """A new list: its slack is a fresh list's less what the ``committed`` steps since its state used."""
         self.stats["rebuilds"] += 1
         self._fresh_list = committed == 0  # then the list is at the current state
+        self._list_ending = False
         initial = getattr(self.provider, "initial_slack", None)
         self._last_slack = (None if initial is None or not math.isfinite(initial)
                             else initial - committed * self._slack_per_step)
