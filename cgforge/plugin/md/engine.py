@@ -37,12 +37,9 @@ __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
 _FORMAT = 1
 # Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile).
-# When the list has at most twice that left, all of it hides the search: a block boundary costs the device a few
-# tenths of a ms idle, so the tail of a list's slack is not cut into one- and two-step blocks.
+# A list gets one block before its hiding block, which then runs up to twice that: a block boundary costs the device
+# a few tenths of a ms idle, so the tail of a list's slack is not cut into one- and two-step blocks (issue 62).
 _HIDE_STEPS = 2
-_HIDE_CAP = 2
-_SPLIT_ONCE = True  # A/B switch (issue 62): False plans blocks as before (the tail of the slack in 1-2 step blocks)
-
 
 class Engine:
     """MD on the device (module doc). forces: a cgforge ``Calculator``, its ``Potential`` or a force provider
@@ -383,11 +380,11 @@ class Engine:
             self._rebuild()
             safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
         if self.pipelined_rebuild and safe >= 1:
-            if safe > _HIDE_STEPS and not (_SPLIT_ONCE and self._list_ending):
+            if safe > _HIDE_STEPS and not self._list_ending:
                 self._list_ending = safe - _HIDE_STEPS <= size  # this block runs to the list's last steps
                 return min(size, safe - _HIDE_STEPS)
             self._search_next = True
-            return max(1, min(size, safe, _HIDE_CAP if _SPLIT_ONCE else safe))
+            return max(1, min(size, safe, 2 * _HIDE_STEPS))
         return max(1, min(size, safe))
 
     def _install(self, pending, committed: int) -> None:

@@ -49,11 +49,6 @@ class PendingList:
     ready: torch.cuda.Event | None = None
 
 
-# The pipelined search's stream outranks the main stream (negative is higher in torch): its host syncs wait for its
-# own few kernels, which a default-priority stream would queue behind the block of MD steps launched just before.
-SEARCH_STREAM_PRIORITY = -1
-
-
 def _false(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.bool, device=device)
 
@@ -194,7 +189,7 @@ class ModelForces:
         cuda = self.device.type == "cuda"
         if cuda:
             if self._side is None:
-                self._side = torch.cuda.Stream(self.device, priority=SEARCH_STREAM_PRIORITY)
+                self._side = torch.cuda.Stream(self.device)
             self._side.wait_event(pending.ready)
             self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
         with torch.cuda.stream(self._side) if cuda else nullcontext():  # the casts too: the main stream runs MD
