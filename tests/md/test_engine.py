@@ -76,6 +76,62 @@ def test_pipelined_rebuild_under_a_changing_cell_equals_synchronous_rebuilds(cal
     assert (plain.state.positions - pipelined.state.positions).abs().max() <= 1e-10
 
 
+@pytest.mark.slow
+def test_installing_the_searched_list_behind_its_block_changes_nothing(monkeypatch):
+    """Issue 62's candidate (``engine._INSTALL_AHEAD``): the searched list installed before the hiding block's
+    report is read gives the trajectory of installing it after, on a padded step (whose list buffers keep their
+    capacity, so the candidate applies), with edge overflows in hiding blocks (their growth then follows the
+    install). On a CPU the block has run when the install is queued: what this checks is the engine's logic."""
+    import cgforge.plugin.md.engine as engine_module
+    from cgforge.plugin.runtime import step_graph
+
+    atoms = thermal_water(8, 600.0)
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(engine_module, "_INSTALL_AHEAD", ahead)
+        calc = Calculator("mace", device="cpu", dtype="float64", skin=0.5)
+        potential = calc.potential
+        potential.step = step_graph.ModelStep(potential.adapter, potential.neighbours, padded=True, margin=0.0)
+        a = atoms.copy()
+        a.calc = calc
+        engine = Engine(calc, a, Langevin(1.0, 600.0, 0.05), block=6, seed=2, pipelined_rebuild=True)
+        provider, counts = engine.provider, {"ahead": 0, "snapshots": 0}
+        can, snapshot = provider.can_install_ahead, provider.snapshot
+
+        def counted(pending, can=can, counts=counts):
+            ok = can(pending)
+            counts["ahead"] += ok
+            return ok
+
+        def squeezed(positions, cell, snapshot=snapshot, counts=counts, step=potential.step):
+            counts["snapshots"] += 1
+            if counts["snapshots"] % 2:  # this hiding block overflows its model edges
+                step._capacity = max(1, step.n_edges - 5)
+            return snapshot(positions, cell)
+
+        references = []  # the list's reference positions after each block: which list is in use
+
+        def block(size, observe, run_block=engine._run_block, references=references, provider=provider):
+            committed = run_block(size, observe)
+            references.append(provider._ref_positions.clone())
+            return committed
+
+        monkeypatch.setattr(provider, "can_install_ahead", counted)
+        monkeypatch.setattr(provider, "snapshot", squeezed)
+        monkeypatch.setattr(engine, "_run_block", block)
+        engine.run(30)
+        runs.append((engine, counts, references))
+    (waiting, _, theirs), (ahead, counts, mine) = runs
+    assert counts["ahead"] >= 5 and ahead.stats["grows"] >= 2, (counts, ahead.stats)
+    assert {k: v for k, v in ahead.stats.items() if k != "wall_s"} == {
+        k: v for k, v in waiting.stats.items() if k != "wall_s"}
+    assert (ahead.state.positions - waiting.state.positions).abs().max() <= 1e-10
+    assert (ahead.state.momenta - waiting.state.momenta).abs().max() <= 1e-10
+    # after every block the same list is in use (a list left uninstalled would still give the same trajectory: the
+    # engine's staleness check would rebuild it)
+    assert len(mine) == len(theirs) and all(torch.equal(m, t) for m, t in zip(mine, theirs, strict=True))
+
+
 @pytest.mark.parametrize("asked", [None, True])
 def test_a_box_near_a_full_device_runs_without_graph_or_side_search_unless_asked(monkeypatch, calc64, asked):
     """The calculator's memory plan at the engine's start says no CUDA graph (steps of seconds, memory short): the

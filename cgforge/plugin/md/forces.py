@@ -200,6 +200,11 @@ class ModelForces:
                 pending.ready = torch.cuda.Event()
                 pending.ready.record()
 
+    def can_install_ahead(self, pending: PendingList) -> bool:
+        """Whether ``install`` may be queued behind the block still running: the list keeps its buffers' capacity
+        (installing it drops no captured graph)."""
+        return pending.topology is not None and self.step.keeps_list_capacity(pending.topology[0])
+
     def install(self, pending: PendingList) -> None:
         """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""
         positions, cell, lists, topology = pending.positions, pending.cell, pending.lists, pending.topology

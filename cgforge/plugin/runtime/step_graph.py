@@ -287,6 +287,10 @@ class ModelStep:
         capacity, _ = self._list_capacity(sender.shape[0])
         return capacity, edge_topology(sender, receiver, shifts, self._n, capacity) if self.use_topology else None
 
+    def keeps_list_capacity(self, capacity: int) -> bool:
+        """Whether loading a list made for ``capacity`` (``list_topology``'s first value) keeps the Verlet buffers."""
+        return self._verlet is not None and self._verlet[0].shape[0] == capacity
+
     def grow(self, count: int) -> None:
         """Room for ``count`` model edges (after a step whose edge count exceeded the capacity)."""
         if self.padded and self.filter_edges and count > self._capacity:
