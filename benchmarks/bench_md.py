@@ -85,6 +85,7 @@ CALCULATOR: dict = {}  # --calculator KEY=VALUE: keywords of every cgforge Calcu
 ENGINE: dict = {}  # --engine KEY=VALUE: keywords of every Engine
 SKIN = 1.0
 DEVICE_STEPS = 40  # engine steps profiled after the timed ones, for the device's idle time and kernels per step
+LONG_GAP_US = 20.0  # an idle gap this long is a host wait (a graph's own launch gaps are a few us)
 PROFILE = False
 NVT_ONLY = False  # --nvt-only: energy + forces steps and peak memory only (capacity runs of large boxes)
 TUNING = None  # --kernel-tuning FILE.json: the cgforge backends' KernelTuning (None: the defaults)
@@ -391,7 +392,8 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
 
 def device_use(engine, steps: int) -> dict:
     """The device's idle time and kernels per step over ``steps`` more engine steps, profiled (torch.profiler's
-    CUDA activity; ``common.device_timeline``): idle = no kernel or copy running between the first and the last."""
+    CUDA activity; ``common.device_timeline``): idle = no kernel or copy running between the first and the last;
+    gap_idle of it in gaps of at least ``LONG_GAP_US`` (the host's waits: block boundaries, not launch gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -399,7 +401,8 @@ def device_use(engine, steps: int) -> dict:
         engine.run(steps)
         sync()
     line = device_timeline(device_spans(prof), steps)
-    return {k: line[k] for k in ("wall_ms", "busy_ms", "idle_ms", "kernels", "activities")}
+    long_gaps = sum(gap for gap in line["gaps_us"] if gap >= LONG_GAP_US) / steps / 1e3
+    return {**{k: line[k] for k in ("wall_ms", "busy_ms", "idle_ms", "kernels", "activities")}, "gap_idle_ms": long_gaps}
 
 
 def fastmace_md(model_name: str, dtype: str, atoms, files: dict) -> dict:
@@ -794,7 +797,8 @@ def md_details(r: dict) -> str:
                          f"{stats['captures']})")
             use = r.get(f"{ensemble}_device")
             if use:
-                text += f" device idle {use['idle_ms']:.3f} ms/step, {use['kernels']:.0f} kernels/step"
+                text += (f" device idle {use['idle_ms']:.3f} ms/step ({use['gap_idle_ms']:.3f} in gaps of "
+                         f">= {LONG_GAP_US:g} us), {use['kernels']:.0f} kernels/step")
             if f"{ensemble}_setup_s" in r:
                 text += f" setup {r[f'{ensemble}_setup_s']:.0f} s"
             if f"{ensemble}_first_step_s" in r:

@@ -153,6 +153,7 @@ def main() -> None:
                                 "patches": [p[1:3] + (repr(p[3]),) for p in patches if p[0] == name], "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference, "device": device[name],
                                 "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),
+                                "median_gap_idle_ms": float(np.median([u["gap_idle_ms"] for u in device[name]])),
                                 "median_kernels": float(np.median([u["kernels"] for u in device[name]]))})
             del calcs
             torch.cuda.empty_cache()
@@ -160,11 +161,12 @@ def main() -> None:
                               path)
     print(f"\n{len(atoms)} atoms, NVT Langevin FP32, {args.steps} steps after {args.warmup}, "
           f"{args.rounds} interleaved rounds; JSON: {path}")
-    print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s} {'idle ms':>8s} {'kernels':>8s}  rounds "
-          "(idle: the device's, per step, over 40 profiled steps after each round's timed ones)")
+    print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s} {'idle ms':>8s} {'in gaps':>8s} "
+          f"{'kernels':>8s}  rounds (idle: the device's, per step, over 40 profiled steps after each round's timed "
+          f"ones; in gaps: of it in gaps >= {bench_md.LONG_GAP_US:g} us, the host's waits)")
     for row in results:
         print(f"{row['model']:16s} {row['tuning_name']:12s} {row['median_ms']:10.3f} {row['vs_reference']:8.3f}x "
-              f"{row['median_idle_ms']:8.3f} {row['median_kernels']:8.0f}  "
+              f"{row['median_idle_ms']:8.3f} {row['median_gap_idle_ms']:8.3f} {row['median_kernels']:8.0f}  "
               + " ".join(f"{v:.3f}" for v in row["ms_per_step"]))
 
 

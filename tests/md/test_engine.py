@@ -77,6 +77,41 @@ def test_pipelined_rebuild_under_a_changing_cell_equals_synchronous_rebuilds(cal
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("integrator", ["nvt", "npt"])
+def test_hiding_steps_merged_into_the_lists_last_block_change_nothing(monkeypatch, integrator):
+    """Issue 62's candidate (``engine._MERGE_HIDING``): the next list searched from a snapshot queued between the
+    steps of the list's last block (one block boundary a list instead of two) gives the trajectory of synchronous
+    rebuilds, with the cell moving under NPT, and fewer blocks than the hiding block alone."""
+    import cgforge.plugin.md.engine as engine_module
+
+    atoms = thermal_water(8, 300.0)
+    calc = Calculator("mace", device="cpu", dtype="float64", skin=1.0)  # lists of ~10 steps
+    runs, mid_block = {}, []
+    for name, pipelined, merged in (("sync", False, False), ("split", True, False), ("merged", True, True)):
+        monkeypatch.setattr(engine_module, "_MERGE_HIDING", merged)
+        a = atoms.copy()
+        a.calc = calc
+        dynamics = (Langevin(0.5, 300.0, 0.05) if integrator == "nvt"
+                    else StochasticCellRescaling(0.5, 300.0, 0.1, tau_p_fs=500.0))
+        engine = Engine(calc, a, dynamics, seed=4, block=10, pipelined_rebuild=pipelined)
+        snapshot = engine.provider.snapshot
+
+        def recorded(positions, cell, snapshot=snapshot, engine=engine, merged=merged):
+            if merged:
+                mid_block.append(engine._search_after)
+            return snapshot(positions, cell)
+
+        monkeypatch.setattr(engine.provider, "snapshot", recorded)
+        engine.run(60)
+        runs[name] = engine
+    sync, split, merged = runs["sync"], runs["split"], runs["merged"]
+    assert merged.stats["overlapped_rebuilds"] >= 3 and any(k > 0 for k in mid_block), (merged.stats, mid_block)
+    assert merged.stats["blocks"] < split.stats["blocks"], (merged.stats, split.stats)
+    for field in ("positions", "momenta", "cell"):
+        assert (getattr(merged.state, field) - getattr(sync.state, field)).abs().max() <= 1e-10, field
+
+
+@pytest.mark.slow
 def test_installing_the_searched_list_behind_its_block_changes_nothing(monkeypatch):
     """Issue 62's candidate (``engine._INSTALL_AHEAD``): the searched list installed before the hiding block's
     report is read gives the trajectory of installing it after, on a padded step (whose list buffers keep their
