@@ -163,8 +163,10 @@ def test_installing_the_searched_list_behind_its_block_changes_nothing(monkeypat
     assert (ahead.state.positions - waiting.state.positions).abs().max() <= 1e-10
     assert (ahead.state.momenta - waiting.state.momenta).abs().max() <= 1e-10
     # after every block the same list is in use (a list left uninstalled would still give the same trajectory: the
-    # engine's staleness check would rebuild it)
-    assert len(mine) == len(theirs) and all(torch.equal(m, t) for m, t in zip(mine, theirs, strict=True))
+    # engine's staleness check would rebuild it), to rounding: the two orders may refit the model-edge capacity
+    # differently, and the padding changes sums
+    assert len(mine) == len(theirs)
+    assert max(float((m - t).abs().max()) for m, t in zip(mine, theirs, strict=True)) <= 1e-10
 
 
 @pytest.mark.parametrize("asked", [None, True])

@@ -45,7 +45,7 @@ class PendingList:
     positions: Tensor
     cell: Tensor
     lists: tuple[Tensor, Tensor, Tensor] | None = None
-    topology: tuple | None = None  # ModelStep.list_topology of the lists
+    topology: tuple | None = None  # ModelStep.list_topology of the lists (a PreparedList)
     ready: torch.cuda.Event | None = None
 
 
@@ -193,9 +193,9 @@ class ModelForces:
             self._side.wait_event(pending.ready)
             self._retired = None  # the last list's side-stream memory: this stream now waits for its copies
         with torch.cuda.stream(self._side) if cuda else nullcontext():  # the casts too: the main stream runs MD
-            pending.lists = neighbour_list(pending.positions.to(self.dtype), pending.cell.to(self.dtype), self.pbc,
-                                           self.potential.neighbours.list_cutoff)
-            pending.topology = self.step.list_topology(pending.lists)
+            positions, cell = pending.positions.to(self.dtype), pending.cell.to(self.dtype)
+            pending.lists = neighbour_list(positions, cell, self.pbc, self.potential.neighbours.list_cutoff)
+            pending.topology = self.step.list_topology(pending.lists, positions, cell)
             if cuda:
                 pending.ready = torch.cuda.Event()
                 pending.ready.record()
@@ -203,7 +203,7 @@ class ModelForces:
     def can_install_ahead(self, pending: PendingList) -> bool:
         """Whether ``install`` may be queued behind the block still running: the list keeps its buffers' capacity
         (installing it drops no captured graph)."""
-        return pending.topology is not None and self.step.keeps_list_capacity(pending.topology[0])
+        return pending.topology is not None and self.step.keeps_list_capacity(pending.topology.capacity)
 
     def install(self, pending: PendingList) -> None:
         """Load the list found by ``search`` (between blocks); its snapshot becomes the staleness reference."""
@@ -213,9 +213,9 @@ class ModelForces:
             # originals stay referenced until the next search, whose stream waits for these copies.
             torch.cuda.current_stream(self.device).wait_event(pending.ready)
             lists = tuple(t.clone() for t in lists)
-            if topology is not None and topology[1] is not None:
-                made = topology[1]
-                topology = (topology[0], EdgeTopology(made.rowptr.clone(), made.reverse.clone()))
+            if topology is not None and topology.topology is not None:
+                made = topology.topology
+                topology = topology._replace(topology=EdgeTopology(made.rowptr.clone(), made.reverse.clone()))
             self._retired = pending
         self.step.install_list(positions.to(self.dtype), cell.to(self.dtype), self.pbc, lists, topology)
         self._set_reference(positions, cell)

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +44,16 @@ from .neighbours import VerletNeighbourList
 Phase = Callable[[str], AbstractContextManager]
 MAX_GROW_MARGIN = 0.08  # the most room an overflow leaves: padding edges are computed like real ones
 LIST_ROOM = 0.04  # the least room the Verlet list's buffers keep: padding pairs are cheap, recaptures are not
+
+
+class PreparedList(NamedTuple):
+    """What loading a searched Verlet list needs, made ahead on the search's stream (``ModelStep.list_topology``):
+    the list buffers' capacity, its topology, and (padded, filtering) its pairs within the cutoff at the positions
+    it was searched for, which refit the model-edge capacity (read there, so that loading it reads nothing)."""
+
+    capacity: int
+    topology: EdgeTopology | None
+    within: int | None
 
 
 def _no_phase(name: str) -> AbstractContextManager:
@@ -273,19 +284,23 @@ class ModelStep:
         self._load_verlet()
 
     def install_list(self, positions: Tensor, cell: Tensor, pbc: tuple[bool, bool, bool],
-                     lists: tuple[Tensor, Tensor, Tensor], topology: tuple[int, EdgeTopology | None] | None = None
-                     ) -> None:
+                     lists: tuple[Tensor, Tensor, Tensor], topology: PreparedList | None = None) -> None:
         """Load a Verlet list found at ``positions`` and ``cell`` (not the buffers', which stay as they are), with
         its ``list_topology`` when that was made."""
         self.neighbours.install(positions, cell, pbc, lists)
         self._load_verlet(topology)
 
-    def list_topology(self, lists: tuple[Tensor, Tensor, Tensor]) -> tuple[int, EdgeTopology | None]:
-        """(list capacity, topology) that loading ``lists`` needs, made ahead (its sort and host reads can run on
-        another stream while the current list is still in use); nothing of the step changes."""
+    def list_topology(self, lists: tuple[Tensor, Tensor, Tensor], positions: Tensor | None = None,
+                      cell: Tensor | None = None) -> PreparedList:
+        """What loading ``lists`` (found at ``positions`` and ``cell``, model dtype) needs, made ahead: its sort and
+        host reads can run on another stream while the current list is still in use; nothing of the step changes."""
         sender, receiver, shifts = lists
         capacity, _ = self._list_capacity(sender.shape[0])
-        return capacity, edge_topology(sender, receiver, shifts, self._n, capacity) if self.use_topology else None
+        topology = edge_topology(sender, receiver, shifts, self._n, capacity) if self.use_topology else None
+        within = None
+        if self.padded and self.filter_edges and positions is not None:
+            within = int(edges_within(positions, cell, sender, receiver, shifts, self.cutoff)[2].sum())
+        return PreparedList(capacity, topology, within)
 
     def keeps_list_capacity(self, capacity: int) -> bool:
         """Whether loading a list made for ``capacity`` (``list_topology``'s first value) keeps the Verlet buffers."""
@@ -372,14 +387,14 @@ class ModelStep:
             return room(count, max(grown, LIST_ROOM)), grown
         return room(count, spare), self._grow_margin
 
-    def _load_verlet(self, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
+    def _load_verlet(self, prepared: PreparedList | None = None) -> None:
         """Copy a freshly built Verlet list into the static buffers (and lay it out when not filtering);
         ``prepared``: ``list_topology`` of it, used when made for the capacity chosen now."""
         nl = self.neighbours
         count = nl.sender.shape[0]
         old = self._verlet
         capacity, self._grow_margin = self._list_capacity(count)
-        if prepared is not None and prepared[0] != capacity:
+        if prepared is not None and prepared.capacity != capacity:
             prepared = None
         if old is None or old[0].shape[0] != capacity:
             self.invalidate("Verlet list capacity")
@@ -407,16 +422,18 @@ class ModelStep:
                     self.invalidate("Verlet list capacity")
                     self._layout = layout
             elif self.padded:
-                within = int(self._keep().sum())  # a rebuild syncs anyway
+                # a rebuild syncs anyway; a list searched ahead counted its pairs within where it was found
+                within = prepared.within if prepared is not None and prepared.within is not None else int(
+                    self._keep().sum())
                 capacity = self._fit(self._capacity, within)
                 if capacity != self._capacity:
                     self.invalidate("model edge capacity refit")
                     self._capacity = capacity
 
-    def _load_topology(self, capacity: int, prepared: tuple[int, EdgeTopology | None] | None = None) -> None:
+    def _load_topology(self, capacity: int, prepared: PreparedList | None = None) -> None:
         """The Verlet list's row pointers and reverse edges, into static buffers (a capture reads them)."""
         nl = self.neighbours
-        topology = (prepared[1] if prepared is not None else
+        topology = (prepared.topology if prepared is not None else
                     edge_topology(nl.sender, nl.receiver, nl.shifts, self._n, capacity) if self.use_topology else None)
         if topology is None or self._topology is None:
             if (topology is None) != (self._topology is None):
