@@ -4,7 +4,7 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
     python3 benchmarks/investigations/tuning_ab.py --models bundled-mace,mace-mp-medium,nequip-M \\
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
         [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
-        [--tuning layout-off={} --patch 'layout-off=cgforge.kernels.irreps_layout:_on_layout_kernel=lambda *a: False']
+        [--tuning ahead-off={} --patch 'ahead-off=cgforge.plugin.md.engine:_INSTALL_AHEAD=False']
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
 kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. ``--patch

@@ -15,12 +15,12 @@ the e3nn module's own parameters and buffers (the same state_dict); the original
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cgforge.kernels import KernelTuning, RowPolicy
-from cgforge.kernels.irreps_layout import Segments, from_segments, to_segments
 from cgforge.kernels.irreps_linear import IrrepsMap, LinearLaunch, apply_map, tile_rows, transpose_blocks
 
 from . import stand_in
@@ -318,6 +318,50 @@ def path_matmul(piece: torch.Tensor, mul_in: int, w: torch.Tensor, mul_out: int)
 def cat_irreps(outs: list[torch.Tensor | None], dims: list[int], like: torch.Tensor) -> torch.Tensor:
     """The irreps ``outs`` side by side, zeros ([rows, dim] of ``like``'s rows) for those never written (None)."""
     return torch.cat([o if o is not None else like.new_zeros(like.shape[0], d) for o, d in zip(outs, dims)], dim=-1)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Irrep blocks of one side of a map, each (first column, mul, 2l + 1), as component-major segments: for
+    ``rows`` rows, block k's [rows * (2l + 1), mul] matrix (what a GEMM over its channels reads) starts at element
+    ``rows * offsets[k]`` of one buffer of ``rows * width`` values."""
+
+    blocks: tuple[tuple[int, int, int], ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        at, out = 0, []
+        for _, m, d in self.blocks:
+            out.append(at)
+            at += m * d
+        return tuple(out)
+
+    @property
+    def width(self) -> int:
+        return sum(m * d for _, m, d in self.blocks)
+
+    def views(self, buffer: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """Each block's [rows * (2l + 1), mul] matrix in ``buffer`` [rows * width]."""
+        return [buffer.narrow(0, rows * o, rows * m * d).view(rows * d, m)
+                for (_, m, d), o in zip(self.blocks, self.offsets, strict=True)]
+
+
+def to_segments(x: torch.Tensor, segments: Segments) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``x`` [rows, width] (rows may be strided) -> (buffer, ``segments.views``): each block transposed to [rows *
+    (2l + 1), mul], one copy a block."""
+    rows = x.shape[0]
+    buffer = x.new_empty(rows * segments.width)
+    views = segments.views(buffer, rows)
+    for (c, m, d), v in zip(segments.blocks, views, strict=True):
+        v.view(rows, d, m).copy_(x.narrow(1, c, m * d).view(rows, m, d).transpose(1, 2))
+    return buffer, views
+
+
+def from_segments(buffer: torch.Tensor, segments: Segments, out: torch.Tensor) -> None:
+    """Write ``buffer``'s segments into ``out`` [rows, width]'s columns (e3nn's layout; rows may be strided)."""
+    rows = out.shape[0]
+    for (c, m, d), v in zip(segments.blocks, segments.views(buffer, rows), strict=True):
+        out.narrow(1, c, m * d).view(rows, m, d).copy_(v.view(rows, d, m).transpose(1, 2))
 
 
 def _vector_segments(dims: list[int], used: list[tuple[int, int]]) -> tuple[Segments, dict[int, int]]:

@@ -8,7 +8,15 @@ from e3nn import o3
 from e3nn.nn import FullyConnectedNet
 
 from cgforge.kernels import RowPolicy
-from cgforge.patches.e3nn_layers import FoldedMLP, SplitLinear, swap_in, swap_out
+from cgforge.patches.e3nn_layers import (
+    FoldedMLP,
+    Segments,
+    SplitLinear,
+    from_segments,
+    swap_in,
+    swap_out,
+    to_segments,
+)
 
 LINEARS = [
     ("8x0e+8x1o+4x2e", "8x0e+8x1o+4x3o"),  # 4x3o has no input: zeros
@@ -216,6 +224,34 @@ def test_split_linear_map_into_writes_the_map_and_its_transpose_in_place(irreps_
     torch.testing.assert_close(wide[:, 2:2 + d_out], stand_in(x), rtol=1e-12, atol=1e-12)
 
 
+# MACE's second linear's sides in small: 1o, 2e, 3o blocks of several muls at shuffled columns; columns 0-1, 36-39
+# and 108-109 are no block's
+SEGMENTS = Segments(((2, 3, 3), (11, 2, 5), (40, 4, 7), (68, 8, 5), (21, 5, 3)))
+SEGMENT_WIDTH = 110
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segments_move_each_block_to_its_component_major_matrix_and_back(dtype: torch.dtype) -> None:
+    """to_segments: block k's [rows * d, mul] matrix holds x[n, c + u * d + i] at (n * d + i, u), in one buffer
+    at rows * offsets[k]; from_segments puts every value back into strided rows and touches no other column."""
+    rows = 6
+    x = torch.randn(rows, SEGMENT_WIDTH + 3, dtype=dtype)[:, 2:2 + SEGMENT_WIDTH]  # strided rows
+    buffer, views = to_segments(x, SEGMENTS)
+    assert buffer.shape == (rows * SEGMENTS.width,) and SEGMENTS.width == 9 + 10 + 28 + 40 + 15
+    for (c, m, d), v, o in zip(SEGMENTS.blocks, views, SEGMENTS.offsets, strict=True):
+        assert v.data_ptr() == buffer[rows * o:].data_ptr() and v.shape == (rows * d, m)
+        want = torch.stack([torch.stack([x[n, c + u * d + i] for u in range(m)]) for n in range(rows)
+                            for i in range(d)])
+        torch.testing.assert_close(v, want, rtol=0, atol=0)
+    wide = torch.full((rows, SEGMENT_WIDTH + 3), float("nan"), dtype=dtype)
+    from_segments(buffer, SEGMENTS, wide[:, 1:1 + SEGMENT_WIDTH])
+    covered = torch.zeros(SEGMENT_WIDTH + 3, dtype=torch.bool)
+    for c, m, d in SEGMENTS.blocks:
+        covered[1 + c:1 + c + m * d] = True
+    torch.testing.assert_close(wide[:, covered], x[:, covered[1:1 + SEGMENT_WIDTH]], rtol=0, atol=0)
+    assert wide[:, ~covered].isnan().all() and Segments(()).width == 0
+
+
 # MACE's interaction linear in small: the convolution's 10 irreps (several of each l > 0) -> one of each l
 MACE_LIKE = ("4x0e+4x1o+4x2e+4x3o+4x1o+4x0e+4x2e+4x1o+4x3o+4x2e", "4x0e+4x1o+4x2e+4x3o")
 
@@ -233,7 +269,6 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
     """Through map_into (every frozen input, rows in chunks) the MACE-shaped linear gives e3nn's values, grad x
     and second derivative in FP64; each side's l > 0 irreps move once per call, however many paths read them
     (the transposed map reads each of the 3 output vector irreps by 2-3 paths)."""
-    import cgforge.kernels.irreps_layout as kernels
     import cgforge.patches.e3nn_layers as layers
 
     torch.manual_seed(8)
@@ -241,11 +276,11 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
     # 4 rows of 160 a chunk: 11 rows in 3 chunks
     stand_in = SplitLinear.wrap(linear, rows=RowPolicy(chunk_bytes=4 * 160 * 8, chunked_above_bytes=0,
                                                        map_into_above_bytes=0))
-    moved: list[kernels.Segments] = []
+    moved: list[Segments] = []
 
-    def recording(x: torch.Tensor, segments: kernels.Segments):  # noqa: ANN202
+    def recording(x: torch.Tensor, segments: Segments):  # noqa: ANN202
         moved.append(segments)
-        return kernels.to_segments(x, segments)
+        return to_segments(x, segments)
 
     monkeypatch.setattr(layers, "to_segments", recording)
     x = _inputs(o3.Irreps(MACE_LIKE[0]).dim, seed=3)
@@ -263,10 +298,10 @@ def test_map_into_moves_each_vector_irrep_once_and_equals_e3nn_to_second_derivat
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_map_into_with_the_layout_kernel_equals_e3nn(dtype: torch.dtype) -> None:
+def test_cuda_map_into_equals_e3nn(dtype: torch.dtype) -> None:
     """On CUDA a frozen 128-channel SplitLinear (GEMMs, not the irreps_linear kernel) above the map_into size
-    (RowPolicy.map_into_above_bytes) moves its vector irreps with the layout kernel: e3nn's values, grad x and
-    second derivative, also written into columns of a wider tensor."""
+    (RowPolicy.map_into_above_bytes) moves its vector irreps through segments: e3nn's values, grad x and second
+    derivative, also written into columns of a wider tensor."""
 
     torch.manual_seed(6)
     wide_irreps = tuple(" + ".join(f"128x{ir}" for ir in side.replace("4x", "").split("+")) for side in MACE_LIKE)

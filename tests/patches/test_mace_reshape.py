@@ -59,8 +59,8 @@ def test_patch_swaps_reshape_in_and_unpatch_out() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_block_reshape_equals_maces_to_second_order(dtype: torch.dtype) -> None:
-    """On CUDA both ways are one permute_columns launch: MACE's values and gradient exactly (a non-contiguous
-    gradient and input too), and the gradient's derivative in the incoming gradient is the forward map again."""
+    """On CUDA, MACE-MP-medium's width: MACE's values and gradient exactly (a non-contiguous gradient and input
+    too), and the gradient's derivative in the incoming gradient is the forward map again."""
     irreps = "128x0e+128x1o+128x2e+128x3o"  # MACE-MP-medium's message
     original = mace_tools.reshape_irreps(o3.Irreps(irreps))
     stand_in = BlockReshape.wrap(original)

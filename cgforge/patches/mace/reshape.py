@@ -1,15 +1,13 @@
 """MACE's ``reshape_irreps`` ([N, sum mul * d] in e3nn's mul_ir order -> [N, mul, sum d]) with a lean backward.
 
 The forward is MACE's concatenation; the backward writes each irrep's gradient block once (``IrrepsToColumns``
-and ``ColumnsToIrreps``, each the other's backward). On CUDA each way is one launch of
-``kernels.irreps_layout.permute_columns``. Under torch.compile it is MACE's plain ops (``_to_columns``).
+and ``ColumnsToIrreps``, each the other's backward). Under torch.compile it is MACE's plain ops (``_to_columns``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels.irreps_layout import columns_permutation, permute_columns
 from .. import stand_in
 from ..stand_in import StandIn, checked
 
@@ -28,21 +26,12 @@ def _to_columns(x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:
     return torch.cat(_blocks(x.contiguous(), mul, dims), dim=-1)  # views need unit-stride rows
 
 
-def _permuted(x: torch.Tensor, mul: int, dims: list[int], to_columns: bool) -> torch.Tensor:
-    """x's rows [N, mul * sum d] in the other layout, as [N, mul * sum d] (one launch: ``permute_columns``)."""
-    out = x.new_empty(x.shape[0], mul * sum(dims))
-    permute_columns(x, columns_permutation(mul, tuple(dims), to_columns, x.device), out)
-    return out
-
-
 class IrrepsToColumns(torch.autograd.Function):
     """x [N, sum mul * d] (mul_ir) -> [N, mul, sum d]: the irreps' [N, mul, d] blocks side by side."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
-        if x.is_cuda:
-            return _permuted(x, mul, dims, True).view(x.shape[0], mul, sum(dims))
         return _to_columns(x, mul, dims)
 
     @staticmethod
@@ -56,8 +45,6 @@ class ColumnsToIrreps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, mul: int, dims: list[int]) -> torch.Tensor:  # noqa: D102
         ctx.mul, ctx.dims = mul, dims
-        if y.is_cuda:
-            return _permuted(y.reshape(y.shape[0], -1), mul, dims, False)
         x = y.new_empty(y.shape[0], mul * sum(dims))
         column = 0
         for block, d in zip(_blocks(x, mul, dims), dims, strict=True):
