@@ -40,11 +40,6 @@ _FORMAT = 1
 # A list gets one block before its hiding block, which then runs up to twice that: a block boundary costs the device
 # a few tenths of a ms idle, so the tail of a list's slack is not cut into one- and two-step blocks (issue 62).
 _HIDE_STEPS = 2
-# The searched list's install is queued on the main stream right behind its hiding block, before the block's report
-# is read, so that the install's host work (~0.8 ms, ~40 ops) runs while the block does instead of with the device
-# idle (H200 A/B, 5 rounds: bundled MACE 1.510 vs 1.560 ms a step, NequIP M 6.83 vs 6.95). Only when the list keeps
-# its buffers' capacity (no graph is dropped while the block runs); an overflow's growth then follows the install.
-_INSTALL_AHEAD = True
 # Issue 62 candidate, off until its GPU A/B: the list's last block and its hiding block are one block, the search's
 # snapshot queued between their steps, so that a list costs one block boundary (an idle device) instead of two.
 _MERGE_HIDING = False
@@ -341,7 +336,9 @@ class Engine:
         ahead = False
         if pending is not None:
             self.provider.search(pending)
-            ahead = _INSTALL_AHEAD and self.provider.can_install_ahead(pending)
+            # queued behind the block before its report is read: the install's host work runs while the block does,
+            # not with the device idle; only a list that keeps its buffers (no captured graph dropped mid-block)
+            ahead = self.provider.can_install_ahead(pending)
             if ahead:
                 self.provider.install(pending)
         if observe:
