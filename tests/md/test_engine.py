@@ -114,9 +114,9 @@ def test_hiding_steps_merged_into_the_lists_last_block_change_nothing(monkeypatc
 @pytest.mark.slow
 def test_installing_the_searched_list_behind_its_block_changes_nothing(monkeypatch):
     """The searched list installed before the hiding block's report is read (issue 62) gives the trajectory of
-    installing it after (what the engine does when the list's buffers must grow), on a padded step (whose list buffers keep their
-    capacity, so the candidate applies), with edge overflows in hiding blocks (their growth then follows the
-    install). On a CPU the block has run when the install is queued: what this checks is the engine's logic."""
+    installing it after (the engine's order when the list's buffers must grow), on a padded step (whose list buffers
+    keep their capacity, so installing ahead applies), with edge overflows in hiding blocks (their growth then
+    follows the install). On a CPU the block has run when the install is queued: this checks the engine's logic."""
     from cgforge.plugin.runtime import step_graph
 
     atoms = thermal_water(8, 600.0)
