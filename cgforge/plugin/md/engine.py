@@ -36,14 +36,10 @@ from .state import ENGINE_INFO_KEY, read_state, write_atoms
 __all__ = ["Engine", "MDBlowUp", "ENGINE_INFO_KEY"]
 
 _FORMAT = 1
-# Steps of the block that hides a pipelined search: enough to cover its host waits, few (the list ages meanwhile).
-# A list gets one block before its hiding block, which then runs up to twice that: a block boundary costs the device
-# a few tenths of a ms idle, so the tail of a list's slack is not cut into one- and two-step blocks (issue 62).
-_HIDE_STEPS = 2
-# Issue 62 candidate, off until its GPU A/B: the list's last block and its hiding block are one block, the search's
-# snapshot queued between their steps, so that a list costs one block boundary (an idle device) instead of two.
-_MERGE_HIDING = False
-_MERGED_HIDE_STEPS = 2 * _HIDE_STEPS  # ... searched from the state before this many steps of the block's end
+# Pipelined, the next list is searched from a snapshot queued this many steps before the end of the list's last block
+# (enough to cover the search's host work; few, as the list ages meanwhile): one block boundary a list, each an idle
+# device while the host reads the report (issue 62).
+_HIDE_STEPS = 3
 
 class Engine:
     """MD on the device (module doc). forces: a cgforge ``Calculator``, its ``Potential`` or a force provider
@@ -134,7 +130,6 @@ class Engine:
         self._last_slack: float | None = None  # the list's slack (Å) when last known ...
         self._unseen = 0  # ... and the committed steps since, which used some of it
         self._fresh_list = True
-        self._list_ending = False  # the list's last block before its hiding block has been planned
         self._search_next = False  # this block searches the next list (pipelined rebuild; set by _plan_block)
         self._search_after = 0  # ... from the state after this many of its steps
         self.stats = {"steps": 0, "blocks": 0, "discarded": 0, "rebuilds": 0, "overlapped_rebuilds": 0, "captures": 0,
@@ -377,9 +372,8 @@ class Engine:
         return committed
 
     def _plan_block(self, size: int) -> int:
-        """The block's length: what the list's slack should last; pipelined, the next list is searched during its
-        last steps (``_HIDE_STEPS`` to twice that): a block alone, or (``_MERGE_HIDING``) the end of the list's last
-        block, from a snapshot queued between its steps."""
+        """The block's length: what the list's slack should last; pipelined, the next list is searched during the
+        last ``_HIDE_STEPS`` steps of the list's last block, from a snapshot queued between its steps."""
         self._search_next, self._search_after = False, 0
         if getattr(self.provider, "foreign_rebuild", False):
             self._rebuild()
@@ -391,19 +385,13 @@ class Engine:
         if safe < 1:
             self._rebuild()
             safe = math.floor(self._last_slack / rate) if self._last_slack is not None else size
-        if self.pipelined_rebuild and safe >= 1 and _MERGE_HIDING:
-            hide = min(safe, _MERGED_HIDE_STEPS)
+        if self.pipelined_rebuild and safe >= 1:
+            hide = min(safe, _HIDE_STEPS)
             if safe - hide >= size:  # the list outlives this block by its hiding steps
                 return size
             length = min(size, safe)
             self._search_next, self._search_after = True, max(0, length - hide)
             return length
-        if self.pipelined_rebuild and safe >= 1:
-            if safe > _HIDE_STEPS and not self._list_ending:
-                self._list_ending = safe - _HIDE_STEPS <= size  # this block runs to the list's last steps
-                return min(size, safe - _HIDE_STEPS)
-            self._search_next = True
-            return max(1, min(size, safe, 2 * _HIDE_STEPS))
         return max(1, min(size, safe))
 
     def _install(self, pending, committed: int, done: bool = False) -> None:
@@ -422,7 +410,6 @@ class Engine:
         """A new list: its slack is a fresh list's less what the ``committed`` steps since its state used."""
         self.stats["rebuilds"] += 1
         self._fresh_list = committed == 0  # then the list is at the current state
-        self._list_ending = False
         initial = getattr(self.provider, "initial_slack", None)
         self._last_slack = None if initial is None or not math.isfinite(initial) else initial
         self._unseen = committed
