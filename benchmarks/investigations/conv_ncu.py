@@ -2,7 +2,6 @@
 
     ncu --profile-from-start off --cache-control none --set full -o $OUT/conv \\
         python3 benchmarks/investigations/conv_ncu.py mace-mp-medium-l2 [--warmup 3]
-    python3 benchmarks/investigations/conv_ncu.py mace-mp-medium-l2 --forward-min-blocks 0,5,6,7   (no ncu)
 
 Issue 62: the convolution's forward read ~9.9 GB of radial table a call and took what an L2-bandwidth bound
 predicts, yet 25 % fewer table bytes (the packed table) did not make it faster, while visiting each receiver's
@@ -11,9 +10,8 @@ re-predicted with the kernels' real limiter: this runs the layer as ``bench_laye
 it (the 5,184-atom water box, MACE's radial MLP shape with random weights fitted to a 1e-7 table, gradients to x,
 y and the lengths) ``--warmup`` times outside the range, then once inside it (``--by-length``: each receiver's edges
 shortest first). Prints the kernels' CUDA-event times beside, so the profile's kernels can be matched to the
-benchmark's. ``--forward-min-blocks B,...``: no profile range; instead the forward and forward + backward timed
-(CUDA events, medians of 30) under each ``TPTuning(forward_min_blocks=B)``, interleaved over 5 rounds, with each
-forward's largest difference from the first's. Needs a CUDA GPU.
+benchmark's. Needs a CUDA GPU. (Its ``--forward-min-blocks`` timing of forward launch bounds, with the
+``TPTuning.forward_min_blocks`` knob it measured, is in commit 3643ef5: a bound of 6 blocks made the forward slower.)
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from bench_layer import edge_lengths  # noqa: E402
 from bench_radial_table import R_MAX, mlp_of_r  # noqa: E402
 from common import cuda_time  # noqa: E402
 
-from cgforge.kernels import ConvGraph, Convolution, TPTuning  # noqa: E402
+from cgforge.kernels import ConvGraph, Convolution  # noqa: E402
 from cgforge.kernels.problem_set import MODEL_LAYERS, PROBLEMS  # noqa: E402
 from cgforge.kernels.radial_table import fit_radial_table  # noqa: E402
 
@@ -41,8 +39,6 @@ def main() -> None:
     parser.add_argument("problem", nargs="?", default="mace-mp-medium-l2")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--by-length", action="store_true", help="each receiver's edges shortest first")
-    parser.add_argument("--forward-min-blocks", default=None, metavar="B,...",
-                        help="time the layer under these forward launch bounds instead of profiling it")
     args = parser.parse_args()
     known = PROBLEMS | MODEL_LAYERS
     if args.problem not in known:
@@ -68,29 +64,10 @@ def main() -> None:
     y = torch.randn(sender.shape[0], i2.dim, device="cuda", requires_grad=True)
     r = lengths.clone().requires_grad_()
 
-    def forward(c: Convolution = conv) -> torch.Tensor:
-        return c.forward_table(x, y, r, coeffs, R_MAX, graph)
+    def forward() -> torch.Tensor:
+        return conv.forward_table(x, y, r, coeffs, R_MAX, graph)
 
     g = torch.randn_like(forward())
-    if args.forward_min_blocks is not None:
-        bounds = [int(b) for b in args.forward_min_blocks.split(",")]
-        convs = {b: Convolution.from_e3nn(e3, tuning=TPTuning(forward_min_blocks=b)).to("cuda") for b in bounds}
-        times: dict[int, list[tuple[float, float]]] = {b: [] for b in bounds}
-        with torch.no_grad():
-            first = forward(convs[bounds[0]])
-            diffs = {b: float((forward(c) - first).abs().max()) for b, c in convs.items()}
-        for _ in range(5):
-            for b, c in convs.items():
-                times[b].append((cuda_time(lambda c=c: forward(c), iters=30, warmup=3),
-                                 cuda_time(lambda c=c: torch.autograd.grad(forward(c), (x, y, r), g), iters=30,
-                                           warmup=3)))
-        print(f"{args.problem}: {n} nodes, {sender.shape[0]} edges; ms, median of 5 rounds")
-        print(f"{'forward_min_blocks':>18} {'forward':>8} {'fwd+bwd':>8} {'max |diff|':>10}")
-        for b in bounds:
-            fwd = sorted(t[0] for t in times[b])[2]
-            both_ = sorted(t[1] for t in times[b])[2]
-            print(f"{b:18d} {fwd:8.3f} {both_:8.3f} {diffs[b]:10.2e}")
-        return
 
     def both() -> None:
         torch.autograd.grad(forward(), (x, y, r), g)

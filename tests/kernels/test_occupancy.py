@@ -116,18 +116,3 @@ def test_mace_layer2_backward_gets_a_bound_that_lowers_its_registers():
     assert H100.blocks(128, reports[bound].registers, shared) == bound > H100.blocks(128, reports[None].registers,
                                                                                       shared)
     assert plan.source(torch.float32, CONV_FORWARD, False, None)[1].endswith("_forward")
-
-
-def test_forward_bound_is_the_tunings_and_off_by_default():
-    layout = CONV_FORWARD.with_table()
-    for bad in (-1, 33, "auto", True, 2.0):
-        with pytest.raises(ValueError, match="forward_min_blocks"):
-            TPTuning(forward_min_blocks=bad)
-    default = _mace_layer2(TPTuning()).source(torch.float32, layout, False)[0]
-    assert "__launch_bounds__(4 * 32)" in default  # the default sources keep no bound
-    assert TPTuning(forward_min_blocks=6).key().endswith("|forward_min_blocks=6")
-    bounded = _mace_layer2(TPTuning(forward_min_blocks=6)).source(torch.float32, layout, False)[0]
-    assert "__launch_bounds__(4 * 32, 6)" in bounded
-    unbounded = "\n".join(line for line in bounded.splitlines() if "TPTuning.forward_min_blocks" not in line)
-    same = unbounded.replace("__launch_bounds__(4 * 32, 6)", "__launch_bounds__(4 * 32)")
-    assert same == "\n".join(default.splitlines())  # the bound and its comment are all that change

@@ -41,7 +41,7 @@ class TPTuning(_Knobs):
     FP32 only; ``auto``: where the grad-out rows exceed the device's L2 and the int64 sums take at most
     fixed_point_max_bytes. row_grad_once: a CSR backward walking the forward's rows in the chunks or edges order
     stages a row's grad-out block once per edge loop (``Schedule.row_grad_once``), where that window is at most
-    stacked_window_bytes. forward_min_blocks: the B of the forward's ``__launch_bounds__(threads, B)`` (0: none)."""
+    stacked_window_bytes."""
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
@@ -60,7 +60,6 @@ class TPTuning(_Knobs):
     grad_y_reduce_scatter: bool = True
     row_grad_once: bool = True
     stacked_window_bytes: int = 16 * 1024
-    forward_min_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -85,9 +84,6 @@ class TPTuning(_Knobs):
         if not (isinstance(fixed, bool) or fixed == "auto"):
             raise ValueError(f"receiver_backward_fixed_point must be 'auto', True or False, got "
                              f"{self.receiver_backward_fixed_point!r}")
-        forward_bound = self.forward_min_blocks
-        if not isinstance(forward_bound, int) or isinstance(forward_bound, bool) or not 0 <= forward_bound <= 32:
-            raise ValueError(f"forward_min_blocks must be an int in [0, 32], got {forward_bound!r}")
         if not _positive_int(self.stacked_window_bytes):
             raise ValueError(f"stacked_window_bytes must be a positive int, got {self.stacked_window_bytes!r}")
         if not _positive_int(self.fixed_point_max_bytes):

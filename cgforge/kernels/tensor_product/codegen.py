@@ -64,10 +64,9 @@ def grad_y_groups(slots: tuple[int, ...], table: bool, scatter: bool = True) -> 
 
 
 def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backward: bool,
-           backward_min_blocks: int | None = None, forward_min_blocks: int | None = None) -> tuple[str, str]:
-    """CUDA source and the kernel base name (`<name>_forward`, `<name>_backward`). `backward_min_blocks`,
-    `forward_min_blocks`: the B of that direction's ``__launch_bounds__(threads, B)`` (None: threads only); the
-    name stays the same."""
+           backward_min_blocks: int | None = None) -> tuple[str, str]:
+    """CUDA source and the kernel base name (`<name>_forward`, `<name>_backward`). `backward_min_blocks`: the
+    B of the backward's ``__launch_bounds__(threads, B)`` (None: threads only); the name stays the same."""
     literal(scalar, 0.0)  # checks the scalar type
     p = schedule.problem
     name = kernel_name(schedule, scalar, layout)
@@ -75,7 +74,6 @@ def render(schedule: Schedule, scalar: str, layout: Layout, forward: bool, backw
         title=f"{p.irreps_in1} x {p.irreps_in2} -> {p.irreps_out} ({scalar}, layout {layout.tag()})",
         name=name, scalar=scalar, c=lambda group: c_group(group, scalar),
         fwd=schedule.forward_launch, bwd=schedule.backward_launch, bwd_min_blocks=backward_min_blocks,
-        fwd_min_blocks=forward_min_blocks,
         in1_dim=p.irreps_in1.dim, in2_dim=p.irreps_in2.dim, out_dim=p.irreps_out.dim,
         wnumel=max(p.weight_numel, 1), shared_weights=p.shared_weights, y_smem=schedule.y_smem,
         gw_op="+=" if p.shared_weights else "=",  # shared weights: per-warp partial sums

@@ -33,10 +33,9 @@ class Plan:
     def source(self, dtype: torch.dtype, layout: Layout, backward: bool,
                min_blocks: int | None = None) -> tuple[str, str]:
         """CUDA source of the forward or backward kernel of this layout, and its function name; `min_blocks`:
-        the backward's launch bound (``backward_min_blocks``); the forward's is the tuning's ``forward_min_blocks``."""
-        forward_bound = None if backward else self.tuning.forward_min_blocks or None
-        source, name = render(self.schedule(dtype, layout.csr), scalar_name(dtype), layout, forward=not backward,
-                              backward=backward, backward_min_blocks=min_blocks, forward_min_blocks=forward_bound)
+        the backward's launch bound (``backward_min_blocks``)."""
+        source, name = render(self.schedule(dtype, layout.csr), scalar_name(dtype), layout,
+                              forward=not backward, backward=backward, backward_min_blocks=min_blocks)
         return source, f"{name}_{'backward' if backward else 'forward'}"
 
     def backward_min_blocks(self, dtype: torch.dtype, layout: Layout, arch: str) -> int | None:
