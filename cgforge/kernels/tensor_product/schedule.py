@@ -299,8 +299,8 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
             stacked = True
     schedule = Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
                         itemsize, stacked)
-    order = schedule.loop_order(False)
-    if tuning.forward_stage_once and rows_are_nodes and order in ("chunks", "edges"):
+    order = schedule.loop_order(False) if tuning.forward_stage_once and rows_are_nodes else None
+    if order in ("chunks", "edges"):
         # one stacked window per edge loop: each x block staged once per edge, not once per segment that reads it
         segments, peak = _segments(problem, f_launch.chunk, y_dim, False, order, share_loads=True)
         window = max(peak, y_dim)
