@@ -35,8 +35,9 @@ After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA ac
 device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``) and the kernels
 per step (``<ensemble>_device`` in the JSON).
 Beside each FP32 row of a water system and a model ``step_floor.py`` knows (not nequip-l1), the table prints
-that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the H100
-SXM's DRAM bandwidth, L2 bandwidth (step_floor.py's estimate) and FP32 peak, counted on the CPU once per model and
+that model's floor at the row's atom count (``floor_ms``: the lower bound of one energy + forces step at the measured
+GPU's DRAM bandwidth, L2 bandwidth (step_floor.py's estimate) and FP32 peak (``step_floor.device_rates``; the H100
+SXM's on a CPU), counted on the CPU once per model and
 atom count) and ``floor_fraction`` = floor_ms / the measured NVT step (1 would be the hardware's limit); --no-floor skips them.
 The table is printed last; JSON goes to benchmarks/results/ (or $OUT).
 """
@@ -67,6 +68,7 @@ from common import (  # noqa: E402
 from shapes import dhfr_atoms, mace_mp_file, nequip_shape  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
+from cgforge.plugin.cli.md import MD_SKIN  # noqa: E402
 from cgforge.plugin.runtime.neighbours import neighbour_list  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
@@ -83,7 +85,7 @@ MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-compiled": {"compile": True}}
 CALCULATOR: dict = {}  # --calculator KEY=VALUE: keywords of every cgforge Calculator (ablations)
 ENGINE: dict = {}  # --engine KEY=VALUE: keywords of every Engine
-SKIN = 1.0
+SKIN = MD_SKIN  # `cgforge md`'s: the step a user's run takes
 DEVICE_STEPS = 40  # engine steps profiled after the timed ones, for the device's idle time and kernels per step
 LONG_GAP_US = 20.0  # an idle gap this long is a host wait (a graph's own launch gaps are a few us)
 PROFILE = False
@@ -542,13 +544,17 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
-def floor_settings() -> dict | None:
-    """What the floors assume: step_floor.py's H100 SXM defaults; None (and a note) when it cannot be imported."""
+def floor_settings(device: str) -> dict | None:
+    """What the floors assume: the rates of the GPU the run measures (``step_floor.device_rates``: what it reports,
+    else its data sheet's) on CUDA, the H100 SXM's otherwise; None (and a note) when step_floor cannot be imported."""
     try:  # imported here: a broken step_floor.py costs the floors, never the run
         import step_floor
 
-        return {"bandwidth_gbs": step_floor.H100_SXM_GBS, "tflops": step_floor.FP32_PEAK_TFLOPS["H100"],
-                "l2_gbs": step_floor.KNOWN_RATES["h100"].l2_gbs, "radial": "table", "dtype": "float32",
+        rates = step_floor.KNOWN_RATES["h100"]
+        if device.startswith("cuda") and torch.cuda.is_available():
+            rates = step_floor.device_rates(torch.device(device).index or 0)
+        return {"bandwidth_gbs": rates.hbm_gbs, "tflops": rates.tflops, "l2_gbs": rates.l2_gbs,
+                "rates": rates.name, "sources": dict(rates.sources), "radial": "table", "dtype": "float32",
                 "system": "water_box(n_molecules=atoms // 3)"}
     except Exception as err:
         print(f"no step floors: {_one_line(err)}", flush=True)
@@ -644,7 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
-    parser.add_argument("--skin", type=float, default=1.0, help="Verlet skin (Å) of cgforge's calculator")
+    parser.add_argument("--skin", type=float, default=MD_SKIN,
+                        help=f"Verlet skin (Å) of cgforge's calculator (default {MD_SKIN:g}, `cgforge md`'s)")
     parser.add_argument("--profile", action="store_true", help="profile cgforge's NVT step (torch.profiler)")
     parser.add_argument("--nvt-only", action="store_true",
                         help="energy + forces steps and peak memory only (no breakdown, no NPT): large boxes")
@@ -697,7 +704,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in models:
         if m not in MODELS:
             sys.exit(f"--models: unknown {m!r}; choose from {MODELS}")
-    floors = None if args.no_floor else floor_settings()
+    floors = None if args.no_floor else floor_settings(args.device)
     tmp = Path(tempfile.mkdtemp())
     files = {}
     rows = []
@@ -744,9 +751,8 @@ def print_table(rows: list[dict], env: dict, path: Path, floors: dict | None = N
           f"mean over {MD['steps']} steps; the others: one force call through ASE")
     if floors is not None:
         print(f"floor: step_floor.py's lower bound of the energy + forces step (FP32, radial {floors['radial']}, "
-              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s, L2 {floors['l2_gbs']:.0f} GB/s and {floors['tflops']} "
-              "TFLOP/s (H100 SXM), ms; "
-              "reached = floor / NVT s")
+              f"water box) at {floors['bandwidth_gbs']:.0f} GB/s, L2 {floors['l2_gbs']:.0f} GB/s and "
+              f"{floors['tflops']:.1f} TFLOP/s ({floors.get('rates', 'H100 SXM')}), ms; reached = floor / NVT s")
     head = (f"{'system':7s} {'atoms':>6s} {'model':15s} {'dtype':7s} {'backend':18s} {'NVT s':>8s} {'NPT s':>8s} "
             f"{'peak GB':>8s} {'floor ms':>9s} {'reached':>7s}  breakdown")
     print(head)

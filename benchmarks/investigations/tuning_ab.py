@@ -5,12 +5,15 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
         [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
         [--tuning ahead-off={} --patch 'ahead-off=cgforge.plugin.md.engine:_INSTALL_AHEAD=False']
+        [--tuning m125={} --engine 'm125={"rebuild_margin": 1.25}'] [--tuning s2={} --skin s2=2.0]
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
 kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. ``--patch
 NAME=MODULE:ATTRIBUTE=EXPRESSION`` sets a module attribute to a Python expression's value while tuning NAME's
-calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. Per model: one Calculator
-per variant (FP32, skin 1 A), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
+calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. ``--engine NAME=JSON``
+gives tuning NAME's engines these ``EngineOptions`` fields (an A/B of an engine option); ``--skin NAME=Å`` builds
+tuning NAME's calculator with that Verlet skin (default bench_md's, `cgforge md`'s). Per model: one Calculator
+per variant (FP32), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
 Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
 profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
 the median per tuning, its ratio to the reference and the median idle time and kernels; JSON goes to
@@ -41,6 +44,7 @@ from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.integrators import Langevin  # noqa: E402
+from cgforge.plugin.md.options import EngineOptions  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
@@ -91,9 +95,33 @@ def patched(patches: list[tuple[str, str, str, object]], name: str):
             setattr(target, attribute, value)
 
 
-def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int) -> tuple[float, dict]:
+def parse_engine(spec: str, names: set[str]) -> tuple[str, EngineOptions]:
+    """``NAME=JSON`` -> (NAME, EngineOptions of the JSON object's fields)."""
+    name, sep, text = spec.partition("=")
+    if not sep or name not in names:
+        raise SystemExit(f"--engine wants NAME=JSON with the NAME of a --tuning, got {spec!r}")
+    try:
+        return name, EngineOptions.of(json.loads(text), f"--engine {name}")
+    except (ValueError, TypeError) as error:
+        raise SystemExit(str(error)) from None
+
+
+def parse_skin(spec: str, names: set[str]) -> tuple[str, float]:
+    """``NAME=ANGSTROM`` -> (NAME, skin)."""
+    name, sep, text = spec.partition("=")
+    if not sep or name not in names:
+        raise SystemExit(f"--skin wants NAME=ANGSTROM with the NAME of a --tuning, got {spec!r}")
+    try:
+        return name, float(text)
+    except ValueError:
+        raise SystemExit(f"--skin {name}: expected a number of Å, got {text!r}") from None
+
+
+def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int,
+                options: EngineOptions | None = None) -> tuple[float, dict]:
     """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
-    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
+    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"),
+                    engine_options=options)
     engine.run(warmup)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -107,6 +135,8 @@ def main() -> None:
     parser.add_argument("--models", default="mace-mp-medium")
     parser.add_argument("--tuning", action="append", required=True, metavar="NAME=JSON")
     parser.add_argument("--patch", action="append", default=[], metavar="NAME=MODULE:ATTRIBUTE=EXPRESSION")
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=JSON")
+    parser.add_argument("--skin", action="append", default=[], metavar="NAME=ANGSTROM")
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
@@ -120,6 +150,8 @@ def main() -> None:
     if len({name for name, _ in tunings}) < len(tunings):
         sys.exit("tuning_ab.py: two --tuning values have the same NAME")
     patches = [parse_patch(spec, {name for name, _ in tunings}) for spec in args.patch]
+    engines = dict(parse_engine(spec, {name for name, _ in tunings}) for spec in args.engine)
+    skins = dict(parse_skin(spec, {name for name, _ in tunings}) for spec in args.skin)
     if not torch.cuda.is_available():
         sys.exit("tuning_ab.py needs a CUDA GPU")
     atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
@@ -133,14 +165,14 @@ def main() -> None:
                 with patched(patches, name):
                     calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
                                              dtype=None if model.startswith("nequip-") else "float32",
-                                             skin=1.0, tuning=tuning)
+                                             skin=skins.get(name, bench_md.SKIN), tuning=tuning)
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
             device: dict[str, list[dict]] = {name: [] for name, _ in tunings}
             for r in range(args.rounds):
                 for name, _ in tunings:
                     with patched(patches, name):
-                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps)
+                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps, engines.get(name))
                     times[name].append(ms)
                     device[name].append(use)
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
@@ -150,7 +182,10 @@ def main() -> None:
                 median = float(np.median(times[name]))
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
                                 "tuning": dataclasses.asdict(tuning),
-                                "patches": [p[1:3] + (repr(p[3]),) for p in patches if p[0] == name], "ms_per_step": times[name], "median_ms": median,
+                                "patches": [p[1:3] + (repr(p[3]),) for p in patches if p[0] == name],
+                                "skin": skins.get(name, bench_md.SKIN),
+                                "engine_options": dataclasses.asdict(engines[name]) if name in engines else None,
+                                "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference, "device": device[name],
                                 "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),
                                 "median_gap_idle_ms": float(np.median([u["gap_idle_ms"] for u in device[name]])),

@@ -53,20 +53,32 @@ def test_model_names_map_onto_step_floor_models() -> None:
 
 
 def test_a_floor_is_counted_once_per_model_and_atoms(fake: FakeFloor) -> None:
-    settings = bench_md.floor_settings()
+    settings = bench_md.floor_settings("cpu")
     rows = [row(backend=b) for b in ("cgforge", "e3nn", "cgforge-engine")] + [row(atoms=1029), row(atoms=1029)]
     systems = ["5k", "5k", "5k", "1k", "1k"]
     for r, name in zip(rows, systems):
         bench_md.add_floor(r, name, settings)
     assert [c[:2] for c in fake.calls] == [("mace-mp-medium", 5184), ("mace-mp-medium", 1029)]
-    # step_floor's H100 SXM defaults, in B/s and TFLOP/s, radial tables
+    # off a GPU: step_floor's H100 SXM rates, in B/s and TFLOP/s, radial tables
     assert fake.calls[0][2:] == (3350e9, 66.9, "table", step_floor.KNOWN_RATES["h100"].l2_gbs * 1e9)
     assert settings["bandwidth_gbs"] == 3350.0 and settings["tflops"] == 66.9
+    assert settings["rates"] == "H100 SXM"
     assert all(r["floor_ms"] == 2.0 for r in rows)
 
 
+def test_on_a_gpu_the_floor_takes_that_gpus_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    h200 = step_floor.KNOWN_RATES["h200"]
+    seen = []
+    monkeypatch.setattr(bench_md.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(step_floor, "device_rates", lambda index=0: seen.append(index) or h200)
+    settings = bench_md.floor_settings("cuda:1")
+    assert seen == [1]
+    assert (settings["bandwidth_gbs"], settings["l2_gbs"], settings["tflops"], settings["rates"]) == (
+        4800.0, h200.l2_gbs, h200.tflops, "H200 SXM")
+
+
 def test_fraction_is_floor_over_measured_step(fake: FakeFloor) -> None:
-    settings = bench_md.floor_settings()
+    settings = bench_md.floor_settings("cpu")
     r = row(nvt_s=0.008)  # 8 ms measured, 2 ms floor
     bench_md.add_floor(r, "5k", settings)
     assert r["floor_ms"] == 2.0 and r["floor_fraction"] == pytest.approx(0.25)
@@ -84,14 +96,14 @@ def test_fraction_is_floor_over_measured_step(fake: FakeFloor) -> None:
     ({**row(), "error": "out of GPU memory in the NVT steps"}, "5k"),  # nothing measured
 ])
 def test_rows_without_a_floor(fake: FakeFloor, r: dict, system: str) -> None:
-    bench_md.add_floor(r, system, bench_md.floor_settings())
+    bench_md.add_floor(r, system, bench_md.floor_settings("cpu"))
     assert "floor_ms" not in r and "floor_fraction" not in r
     assert fake.calls == []
 
 
 def test_a_raising_floor_leaves_the_row_without_one(fake: FakeFloor, capsys: pytest.CaptureFixture) -> None:
     fake.error = ValueError("no convolutions\nfound")
-    settings = bench_md.floor_settings()
+    settings = bench_md.floor_settings("cpu")
     first, second = row(), row(backend="e3nn")
     bench_md.add_floor(first, "5k", settings)
     bench_md.add_floor(second, "5k", settings)  # the failure is cached too: one note, one try
@@ -157,7 +169,7 @@ def test_real_floor_of_a_small_box(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real count through bench_md's call (bundled NequIP, 30 atoms: ~2 s): positive, the fraction from it."""
     monkeypatch.setattr(bench_md, "_FLOORS", {})
     r = row("bundled-nequip", 30, nvt_s=0.001)
-    bench_md.add_floor(r, "10", bench_md.floor_settings())
+    bench_md.add_floor(r, "10", bench_md.floor_settings("cpu"))
     assert 0 < r["floor_ms"] < 1 and r["floor_fraction"] == pytest.approx(r["floor_ms"])
 
 

@@ -69,7 +69,6 @@ def calls(monkeypatch) -> list[dict]:
                                                       "got 0"),
     ({"tp": {"receiver_backward_atomic": "yes"}}, "tp.receiver_backward_atomic: receiver_backward_atomic must be a "
                                                   "bool, got 'yes'"),
-    ({"tp": {"forward_stage_once": "yes"}}, "tp.forward_stage_once: forward_stage_once must be a bool, got 'yes'"),
     ({"tp": {"receiver_backward_fixed_point": "yes"}}, "tp.receiver_backward_fixed_point: "
                                                        "receiver_backward_fixed_point must be 'auto', True or False, "
                                                        "got 'yes'"),

@@ -105,26 +105,3 @@ def test_generated_kernels_run_as_cpp_equal_the_cpu_path(problem: str, dtype: to
         close(gr, want_gr)
         if layout.grad_x:
             close(gx, want_gx)
-
-
-@pytest.mark.slow  # a C++ build a case
-@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water"])
-def test_forward_staging_each_block_once_runs_as_cpp_equal_the_cpu_path(problem: str, tmp_path: Path) -> None:
-    """``TPTuning.forward_stage_once``: the FP32 forward (chunks order) stages each in1 block once per edge and its
-    segments read it where the first one staged it; the generated source, run as C++, equals the CPU path."""
-    conv, graph, x, y, r, coeffs = _case(problem, TPTuning(forward_stage_once=True), seed=5)
-    plan = plans.get(conv.key)
-    schedule = plan.schedule(torch.float32, True)
-    assert schedule.loop_order(False) == "chunks"
-    default = plans.get(Convolution.from_e3nn(e3nn_tp(PROBLEMS[problem])).key).schedule(torch.float32, True)
-    staged = [sum(ld.count for seg in s.forward for ld in seg.loads) for s in (schedule, default)]
-    assert staged[0] < staged[1]  # fewer words staged an edge than the default
-    out = conv.forward_table(x, y, r, coeffs, R_MAX, graph)
-    t = graph.tensors()
-    xs, ys, rs, cs = (v.detach().numpy().astype(np.float32) for v in (x, y, r, coeffs))
-    got = np.zeros(out.shape, np.float32)
-    scalars = [ctypes.c_int(INTERVALS), ctypes.c_float(INTERVALS / R_MAX), ctypes.c_float(R_MAX)]
-    call(_kernel(plan, torch.float32, CONV_FORWARD, False, tmp_path),
-         [xs, ys, got, t.rowptr.numpy(), t.perm.numpy(), t.sender.numpy(), cs, rs, *scalars, x.shape[0]])
-    want = out.detach().numpy()
-    assert np.abs(got - want).max() <= 2e-4 * max(np.abs(want).max(), 1.0) and np.abs(want).max() > 0

@@ -436,22 +436,6 @@ def test_cuda_equals_the_convolution_of_the_table_values(problem: str, dtype: to
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("problem", ["mace-medium", "nequip-water"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_forward_staging_each_block_once_equals_the_default(problem: str, dtype: torch.dtype) -> None:
-    """``TPTuning.forward_stage_once`` (each in1 block staged once per edge for the loop's segments): the CUDA
-    forward equals the default kernel's (FP64 to rounding, FP32 to FP32's) and the convolution of the table values."""
-    conv, graph, x, y, lengths, coeffs = _case(problem, 200, 3000, dtype=dtype, device="cuda", seed=7)
-    once = Convolution(None, None, None, [], problem=conv.problem, tuning=TPTuning(forward_stage_once=True)).to("cuda")
-    with torch.no_grad():
-        want = conv.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-        got = once.forward_table(x, y, lengths, coeffs, R_MAX, graph)
-        plain = conv(x, y, radial_table(lengths, coeffs, R_MAX), graph)
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    assert rel(got, want) < tol and rel(got, plain) < tol and want.abs().max() > 0
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("problem", ["mace-medium", "nequip-water", "diffdock-L2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sorted_edges", [False, True])

@@ -8,7 +8,6 @@ tensors, exception classes, old import paths (pickles) and the explain walkthrou
 from __future__ import annotations
 
 import importlib
-import itertools
 import subprocess
 import sys
 
@@ -72,20 +71,15 @@ def _check_conv_kernels(name: str, shared: bool, loop_order: str) -> None:
     # chunk 32: several segments per irrep (the edges order keeps them all live)
     nodes = build_schedule(problem, itemsize=8, max_chunk=32, tuning=TPTuning(loop_order=loop_order),
                            rows_are_nodes=True)
-    # forward_stage_once: each in1 block staged once per edge for all segments of the loop (windows side by side)
-    once = build_schedule(problem, itemsize=8, max_chunk=32, rows_are_nodes=True,
-                          tuning=TPTuning(loop_order=loop_order, forward_stage_once=True))
-    for schedule, (layout, perm) in itertools.product((nodes, once), ((layouts.CONV_FORWARD, t.perm),
-                                                                        (layouts.CONV_FORWARD_SORTED, None))):
+    for layout, perm in ((layouts.CONV_FORWARD, t.perm), (layouts.CONV_FORWARD_SORTED, None)):
         if perm is None:  # the sorted-edges kernel: give it edges sorted by receiver
             order = torch.argsort(t.receiver.long(), stable=True)
             sorted_graph = ConvGraph(t.sender[order], t.receiver[order], n)
             ts = sorted_graph.tensors()
-            out = run_forward(schedule, x, y[order], w if shared else w[order], layout, n, ts.rowptr, None,
-                              ts.sender)
+            out = run_forward(nodes, x, y[order], w if shared else w[order], layout, n, ts.rowptr, None, ts.sender)
         else:
-            out = run_forward(schedule, x, y, w, layout, n, t.rowptr, t.perm, t.sender)
-        assert rel(out, ref) < 1e-12, (layout, "forward", schedule.tuning.forward_stage_once)
+            out = run_forward(nodes, x, y, w, layout, n, t.rowptr, t.perm, t.sender)
+        assert rel(out, ref) < 1e-12, (layout, "forward")
     res = run_backward(nodes, x, y, w, g, layouts.CONV_BACKWARD, n, t.rowptr_t, t.perm_t, None, t.receiver)
     for a, b in zip(res, grads):
         assert rel(a, b) < 1e-12

@@ -41,9 +41,7 @@ class TPTuning(_Knobs):
     FP32 only; ``auto``: where the grad-out rows exceed the device's L2 and the int64 sums take at most
     fixed_point_max_bytes. row_grad_once: a CSR backward walking the forward's rows in the chunks or edges order
     stages a row's grad-out block once per edge loop (``Schedule.row_grad_once``), where that window is at most
-    stacked_window_bytes. forward_stage_once: a CSR forward in the chunks or edges order stages each in1 block once per
-    edge for every segment of its loop (windows side by side, at most stacked_window_bytes) instead of once per
-    segment that reads it."""
+    stacked_window_bytes."""
 
     forward_chunk: int | None = None
     backward_chunk: int | None = None
@@ -62,7 +60,6 @@ class TPTuning(_Knobs):
     grad_y_reduce_scatter: bool = True
     row_grad_once: bool = True
     stacked_window_bytes: int = 16 * 1024
-    forward_stage_once: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward_chunk", "backward_chunk"):
@@ -80,8 +77,7 @@ class TPTuning(_Knobs):
         single = self.single_irrep_backward_chunk
         if single is not None and (not _positive_int(single) or single % 32):
             raise ValueError(f"single_irrep_backward_chunk must be None or a positive multiple of 32, got {single!r}")
-        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter", "row_grad_once",
-                     "forward_stage_once"):
+        for name in ("backward_chunk_passes", "receiver_backward_atomic", "grad_y_reduce_scatter", "row_grad_once"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         fixed = self.receiver_backward_fixed_point

@@ -8,7 +8,7 @@ in shared memory (``Load``); offsets are in elements of one warp's window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..core.cg import sparse_cg
 from ..core.errors import SharedMemoryError
@@ -145,12 +145,9 @@ def _offsets(irreps) -> list[int]:
     return list(running_offsets(mul * ir.dim for mul, ir in irreps))
 
 
-def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base: int,
-             staged: dict[tuple[int, int, int], int] | None = None) -> tuple[Segment, int]:
+def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base: int) -> tuple[Segment, int]:
     """(segment, its window's end) for channels [c0, c1) of irrep `i` (out forward, in1 backward), its window from
-    `base`: the terms of every instruction writing (forward) or reading (backward) them, operands staged. `staged`:
-    the operand blocks already staged by earlier segments of the same edge loop (their windows kept), which this
-    one reads where they are instead of staging them again; it adds its own."""
+    `base`: the terms of every instruction writing (forward) or reading (backward) them, operands staged."""
     p = problem
     off1, off2, offo = _offsets(p.irreps_in1), _offsets(p.irreps_in2), _offsets(p.irreps_out)
     own, own_offsets = (p.irreps_in1, off1) if backward else (p.irreps_out, offo)
@@ -160,7 +157,7 @@ def _segment(problem: TPProblem, backward: bool, i: int, c0: int, c1: int, base:
     if backward:
         loads.append(Load("x", off1[i] + c0 * dim, cursor, (c1 - c0) * dim))
         cursor += (c1 - c0) * dim
-    staged = {} if staged is None else staged  # (irrep, first channel, count) -> smem offset
+    staged: dict[tuple[int, int, int], int] = {}  # (irrep, first channel, count) -> smem offset
     terms = []
     for k, (ins, woff) in enumerate(zip(p.instructions, p.weight_offsets)):
         if (ins.i_in1 if backward else ins.i_out) != i:
@@ -190,23 +187,20 @@ def loop_group(order: str, index: int, c0: int, c1: int) -> object:
 
 
 def _segments(problem: TPProblem, chunk: int, base: int, backward: bool,
-              stacked_order: str | None = None, share_loads: bool = False) -> tuple[list[Segment], int]:
+              stacked_order: str | None = None) -> tuple[list[Segment], int]:
     """The segments of one direction and the end of the largest window; with ``stacked_order`` the segments sharing an
-    edge loop get windows side by side, else every window starts at ``base``; ``share_loads`` (stacked only): an
-    operand block is staged by the first segment of the loop that reads it, and read there by the others."""
+    edge loop get windows side by side, else every window starts at ``base``."""
     irreps = problem.irreps_in1 if backward else problem.irreps_out
     used = {(ins.i_in1 if backward else ins.i_out) for ins in problem.instructions}
     segments, peak = [], base
     ends: dict[object, int] = {}  # loop group -> end of its windows so far (stacked)
-    staged: dict[object, dict] = {}  # loop group -> its operand blocks staged so far (share_loads)
     for i, (mul, _) in enumerate(irreps):
         if i not in used:
             continue  # never written: the op zero-fills these (forward) or they get no gradient
         for c0 in range(0, mul, chunk):
             c1 = min(mul, c0 + chunk)
             group = None if stacked_order is None else loop_group(stacked_order, len(segments), c0, c1)
-            shared = staged.setdefault(group, {}) if share_loads and group is not None else None
-            seg, end = _segment(problem, backward, i, c0, c1, ends.get(group, base), shared)
+            seg, end = _segment(problem, backward, i, c0, c1, ends.get(group, base))
             if group is not None:
                 ends[group] = end
             segments.append(seg)
@@ -297,18 +291,8 @@ def build_schedule(problem: TPProblem, itemsize: int = 4, smem_bytes_per_block: 
                 and window * itemsize * b_launch.warps_per_block <= smem_bytes_per_block):
             backward, b_launch = segments, Launch(b_launch.chunk, window, b_launch.warps_per_block)
             stacked = True
-    schedule = Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
-                        itemsize, stacked)
-    order = schedule.loop_order(False) if tuning.forward_stage_once and rows_are_nodes else None
-    if order in ("chunks", "edges"):
-        # one stacked window per edge loop: each x block staged once per edge, not once per segment that reads it
-        segments, peak = _segments(problem, f_launch.chunk, y_dim, False, order, share_loads=True)
-        window = max(peak, y_dim)
-        if (window * itemsize <= tuning.stacked_window_bytes
-                and window * itemsize * f_launch.warps_per_block <= smem_bytes_per_block):
-            schedule = replace(schedule, forward=tuple(segments),
-                               forward_launch=Launch(f_launch.chunk, window, f_launch.warps_per_block))
-    return schedule
+    return Schedule(problem, tuple(forward), tuple(backward), 0, f_launch, b_launch, tuning, rows_are_nodes,
+                    itemsize, stacked)
 
 
 def _fit(problem: TPProblem, chunk: int, y_dim: int, backward: bool, itemsize: int, smem_bytes_per_block: int,
