@@ -75,6 +75,8 @@ TREES = {
     "issue38-h200-20261129b/md-20261129-122559.json": ("c59c1dd", "README, call 6"),
     "issue38-h200-20261129b/engine-profile-20261129-122627.json": ("c59c1dd", "README, call 6"),
     "issue38-h200-20261129b/engine-profile-20261129-122659.json": ("c59c1dd", "README, call 6"),
+    "session39-h200-20261203/md-20261203-100142.json": ("1dcf488", "README, call 4 (1dcf488's package)"),
+    "session39-h200-20261203/md-20261203-100607.json": ("1dcf488", "README, call 5 (1dcf488's package)"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -270,10 +272,13 @@ def engine_section(runs: list[Run]) -> list[str]:
         "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
         "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
         "cuEquivariance convolution; MACE models only), FastMACE timed in the same run as the engine, the compiled "
-        "engine in that run or in a call beside it on the same machine. The floor is `benchmarks/step_floor.py`'s "
-        "lower bound of the energy + forces call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s; from issue 62 on also the "
-        "L2 bytes, the radial tables' cubics read per weight per edge, at step_floor's L2 estimate, 12,390 GB/s, which "
-        "raises the floor: rows measured before it used the floor without it). Lower is better.",
+        "engine in that run or in a call beside it on the same machine. cgforge's Verlet skin is `cgforge md`'s, 2 Å, "
+        "from 2026-12-03 on (1 Å before: the bundled MACE's step 1.565 -> 1.375 ms, measured side by side in "
+        "`session39-h200-20261203`). The floor is `benchmarks/step_floor.py`'s lower bound of the energy + forces "
+        "call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s; from issue 62 on also the L2 bytes, the radial tables' "
+        "cubics read per weight per edge, at step_floor's L2 estimate, 12,390 GB/s, which raises the floor: rows "
+        "measured before it used the floor without it; runs after 2026-12-03 10:10 at the measured GPU's rates, "
+        "`step_floor.device_rates`). Lower is better.",
         ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE", "engine / FastMACE",
          "floor", "runs (engine, compiled)"])
     if not chosen:
