@@ -77,6 +77,7 @@ TREES = {
     "issue38-h200-20261129b/engine-profile-20261129-122659.json": ("c59c1dd", "README, call 6"),
     "session39-h200-20261203/md-20261203-100142.json": ("1dcf488", "README, call 4 (1dcf488's package)"),
     "session39-h200-20261203/md-20261203-100607.json": ("1dcf488", "README, call 5 (1dcf488's package)"),
+    "session39-h200-20261203/md-20261203-102609.json": ("1dcf488", "README, call 6 (1dcf488's package)"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
