@@ -44,8 +44,9 @@ def make(molecules: int):
 
 
 def calculator(model: str, folder: str, compile_mode: str | None) -> Calculator:
-    """The FP32 Calculator of one of ``MODELS`` (NequIP's presets are built in FP32)."""
-    return Calculator(bench_md.fp32_source(model, Path(folder)), device="cuda",
+    """The FP32 Calculator of one of ``MODELS`` (NequIP's presets are built in FP32), at bench_md's skin
+    (``cgforge md``'s)."""
+    return Calculator(bench_md.fp32_source(model, Path(folder)), device="cuda", skin=bench_md.SKIN,
                       dtype=None if model == "nequip-M" else "float32", compile=compile_mode or False)
 
 
