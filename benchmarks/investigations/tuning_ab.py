@@ -45,6 +45,7 @@ from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.md.options import EngineOptions  # noqa: E402
+from cgforge.plugin.runtime.neighbours import check_skin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
@@ -95,11 +96,17 @@ def patched(patches: list[tuple[str, str, str, object]], name: str):
             setattr(target, attribute, value)
 
 
-def parse_engine(spec: str, names: set[str]) -> tuple[str, EngineOptions]:
-    """``NAME=JSON`` -> (NAME, EngineOptions of the JSON object's fields)."""
+def _named(spec: str, names: set[str], flag: str, form: str) -> tuple[str, str]:
+    """``NAME=VALUE`` of a per-tuning flag -> (NAME, VALUE text); NAME must be a --tuning's."""
     name, sep, text = spec.partition("=")
     if not sep or name not in names:
-        raise SystemExit(f"--engine wants NAME=JSON with the NAME of a --tuning, got {spec!r}")
+        raise SystemExit(f"{flag} wants NAME={form} with the NAME of a --tuning, got {spec!r}")
+    return name, text
+
+
+def parse_engine(spec: str, names: set[str]) -> tuple[str, EngineOptions]:
+    """``NAME=JSON`` -> (NAME, EngineOptions of the JSON object's fields)."""
+    name, text = _named(spec, names, "--engine", "JSON")
     try:
         return name, EngineOptions.of(json.loads(text), f"--engine {name}")
     except (ValueError, TypeError) as error:
@@ -107,14 +114,12 @@ def parse_engine(spec: str, names: set[str]) -> tuple[str, EngineOptions]:
 
 
 def parse_skin(spec: str, names: set[str]) -> tuple[str, float]:
-    """``NAME=ANGSTROM`` -> (NAME, skin)."""
-    name, sep, text = spec.partition("=")
-    if not sep or name not in names:
-        raise SystemExit(f"--skin wants NAME=ANGSTROM with the NAME of a --tuning, got {spec!r}")
+    """``NAME=ANGSTROM`` -> (NAME, skin), checked as the Calculator checks it."""
+    name, text = _named(spec, names, "--skin", "ANGSTROM")
     try:
-        return name, float(text)
-    except ValueError:
-        raise SystemExit(f"--skin {name}: expected a number of Å, got {text!r}") from None
+        return name, check_skin(float(text))
+    except ValueError as error:
+        raise SystemExit(f"--skin {name}: expected a number of Å >= 0, got {text!r} ({error})") from None
 
 
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int,

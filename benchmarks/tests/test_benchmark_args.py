@@ -41,6 +41,7 @@ BAD_FLAGS = [
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--engine", 'a={"blocks": 5}'], "'blocks'"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "b=2"], "--skin"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=wide"], "'wide'"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=-1"], "'-1'"),
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
