@@ -1,9 +1,10 @@
 """Where the MD engine's step goes (one GPU): ms per step over engine settings, then the kernels of one step.
 
     python benchmarks/profile_engine.py [--model bundled-mace|bundled-nequip|mace-mp-medium|nequip-M] [--molecules 1728]
-                                        [--steps 200] [--no-sweep] [--compile [MODE]]
+                                        [--steps 200] [--ensemble nvt|npt] [--no-sweep] [--compile [MODE]]
 
-Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, FP32, 0.5 fs; ``--no-sweep``: the engine's defaults only),
+Sweeps ``steps_per_graph`` and ``block`` (NVT Langevin, or with ``--ensemble npt`` bench_md's NPT: stochastic cell
+rescaling; FP32, 0.5 fs; ``--no-sweep``: the engine's defaults only),
 then profiles the engine's default setting twice: eagerly (kernels by name, count per step, so the integrator's
 small kernels show apart from the model's) and as the CUDA graphs it replays (the kernels' own times in the
 captured step: what the step's wall time is made of, apart from the gaps between kernels). Kernels are grouped
@@ -32,7 +33,7 @@ from common import environment, write_json  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
-from cgforge.plugin.md.integrators import Langevin  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
@@ -50,9 +51,16 @@ def calculator(model: str, folder: str, compile_mode: str | None) -> Calculator:
                       dtype=None if model == "nequip-M" else "float32", compile=compile_mode or False)
 
 
-def first_step_s(calc, atoms) -> float:
+def integrator(ensemble: str):
+    """bench_md's integrator of ``ensemble`` (nvt: Langevin; npt: stochastic cell rescaling, 1 bar), 0.5 fs, 300 K."""
+    if ensemble == "nvt":
+        return Langevin(0.5, 300.0, 0.01)
+    return StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=1000.0)
+
+
+def first_step_s(calc, atoms, ensemble: str) -> float:
     """Seconds of the engine's first step with this calculator: capture, and torch.compile when asked for."""
-    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
+    engine = Engine(calc, atoms.copy(), integrator(ensemble), seed=1, max_temperature_K=float("inf"))
     torch.cuda.synchronize()
     t = time.perf_counter()
     engine.run(1)
@@ -60,9 +68,9 @@ def first_step_s(calc, atoms) -> float:
     return time.perf_counter() - t
 
 
-def ms_per_step(calc, atoms, steps: int, **engine_kw) -> float:
+def ms_per_step(calc, atoms, steps: int, ensemble: str, **engine_kw) -> float:
     a = atoms.copy()
-    engine = Engine(calc, a, Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"), **engine_kw)
+    engine = Engine(calc, a, integrator(ensemble), seed=1, max_temperature_K=float("inf"), **engine_kw)
     engine.run(40)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -73,13 +81,12 @@ def ms_per_step(calc, atoms, steps: int, **engine_kw) -> float:
     return 1000 * (time.perf_counter() - t) / steps
 
 
-def kernel_table(calc, atoms, steps: int = 10, integrator=None, cuda_graph: bool = False
+def kernel_table(calc, atoms, ensemble: str, steps: int = 10, cuda_graph: bool = False
                  ) -> tuple[list[tuple[str, float, int]], int]:
-    """(name, ms per step, calls per step) of every kernel of engine steps, slowest first, and kernels per step;
-    eager steps, or with ``cuda_graph`` the captured graphs' replays; ``integrator`` default NVT Langevin."""
+    """(name, ms per step, calls per step) of every kernel of engine steps of ``ensemble``, slowest first, and
+    kernels per step; eager steps, or with ``cuda_graph`` the captured graphs' replays."""
     a = atoms.copy()
-    integrator = integrator if integrator is not None else Langevin(0.5, 300.0, 0.01)
-    engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"), cuda_graph=cuda_graph)
+    engine = Engine(calc, a, integrator(ensemble), seed=1, max_temperature_K=float("inf"), cuda_graph=cuda_graph)
     engine.run(20 if cuda_graph else 5)  # captured graphs before the profile
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
@@ -102,6 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default="bundled-mace", choices=MODELS)
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
     parser.add_argument("--no-sweep", action="store_true", help="the engine's default setting only")
     parser.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                         help="also measure Calculator(compile=MODE) (default mode when MODE is left out)")
@@ -115,18 +123,18 @@ def main() -> None:
         t = time.perf_counter()
         calc = calculator(args.model, folder, mode)
         setup = time.perf_counter() - t
-        first = first_step_s(calc, atoms)
+        first = first_step_s(calc, atoms, args.ensemble)
         sweep = []
         settings = [{}] if args.no_sweep else [{"steps_per_graph": spg, "block": block} for spg, block in
                                                ((1, 10), (1, 50), (4, 20), (10, 50), (25, 50))]
         for setting in settings:
-            ms = ms_per_step(calc, atoms, args.steps, **setting)
+            ms = ms_per_step(calc, atoms, args.steps, args.ensemble, **setting)
             sweep.append(setting | {"ms_per_step": ms})
             print(sweep[-1], flush=True)
         result = {"compile": mode, "compile_error": calc.step.compile_error, "setup_s": setup,
                   "first_step_s": first, "sweep": sweep}
         for label, graph in (("eager", False), ("captured", True)):
-            kernels, per_step = kernel_table(calc, atoms, cuda_graph=graph)
+            kernels, per_step = kernel_table(calc, atoms, args.ensemble, cuda_graph=graph)
             categories: dict[str, float] = defaultdict(float)
             for name, ms, _ in kernels:
                 categories[bench_md.kernel_category(name)] += ms
@@ -136,7 +144,8 @@ def main() -> None:
         results.append(result)
         del calc
     path = write_json("engine-profile", {"environment": environment(), "args": vars(args), "results": results})
-    print(f"\n{args.model}, {len(atoms)} atoms, NVT Langevin FP32; JSON: {path}")
+    what = "NVT Langevin" if args.ensemble == "nvt" else "NPT stochastic cell rescaling"
+    print(f"\n{args.model}, {len(atoms)} atoms, {what} FP32; JSON: {path}")
     for res in results:
         print(f"\ncompile={res['compile']}: calculator {res['setup_s']:.1f} s, first engine step {res['first_step_s']:.1f} s"
               f" (capture{', torch.compile' if res['compile'] else ''})"

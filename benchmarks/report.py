@@ -414,7 +414,8 @@ def profile_section(results: Path) -> list[str]:
         plain = next((r for r in data.get("results", []) if isinstance(r, dict) and r.get("compile") is None
                       and "captured" in r), None)
         env, model = data.get("environment", {}), data.get("args", {}).get("model")
-        if known is None or plain is None or not model or not env.get("date"):
+        nvt = data.get("args", {}).get("ensemble", "nvt") == "nvt"  # the section's step; NPT profiles are read apart
+        if known is None or plain is None or not model or not env.get("date") or not nvt:
             continue
         if model not in picked or env["date"] > picked[model][1]["date"]:
             picked[model] = (rel, env, plain, *known)

@@ -43,6 +43,7 @@ BAD_FLAGS = [
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=wide"], "'wide'"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=-1"], "'-1'"),
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
+    ("profile_engine.py", ["--ensemble", "nph"], "nph"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
     ("investigations/ptx_mix.py", ["--tuning", '{"loop_order": "rows"}'], "loop_order"),
     ("bench_batch.py", ["--batch-size", "0"], "--batch-size"),
