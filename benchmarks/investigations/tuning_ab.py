@@ -5,14 +5,15 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
         --tuning default={} --tuning atomic='{"tp": {"receiver_backward_atomic": true}}' [--rounds 3] [--steps 200]
         [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
         [--tuning ahead-off={} --patch 'ahead-off=cgforge.plugin.md.engine:_INSTALL_AHEAD=False']
-        [--tuning m125={} --engine 'm125={"rebuild_margin": 1.25}'] [--tuning s2={} --skin s2=2.0]
+        [--tuning m125={} --engine 'm125={"rebuild_margin": 1.25}'] [--tuning s2={} --skin s2=2.0] [--ensemble npt]
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
 kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. ``--patch
 NAME=MODULE:ATTRIBUTE=EXPRESSION`` sets a module attribute to a Python expression's value while tuning NAME's
 calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. ``--engine NAME=JSON``
 gives tuning NAME's engines these ``EngineOptions`` fields (an A/B of an engine option); ``--skin NAME=Å`` builds
-tuning NAME's calculator with that Verlet skin (default bench_md's, `cgforge md`'s). Per model: one Calculator
+tuning NAME's calculator with that Verlet skin (default bench_md's, `cgforge md`'s). ``--ensemble npt`` steps
+bench_md's NPT (stochastic cell rescaling) instead of NVT Langevin. Per model: one Calculator
 per variant (FP32), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
 Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
 profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
@@ -38,12 +39,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import bench_md  # noqa: E402
+import profile_engine  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
-from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 from cgforge.plugin.md.options import EngineOptions  # noqa: E402
 from cgforge.plugin.runtime.neighbours import check_skin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
@@ -122,10 +123,10 @@ def parse_skin(spec: str, names: set[str]) -> tuple[str, float]:
         raise SystemExit(f"--skin {name}: expected a number of Å >= 0, got {text!r} ({error})") from None
 
 
-def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int,
-                options: EngineOptions | None = None) -> tuple[float, dict]:
+def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int, options: EngineOptions | None = None,
+                ensemble: str = "nvt") -> tuple[float, dict]:
     """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
-    engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"),
+    engine = Engine(calc, atoms.copy(), profile_engine.integrator(ensemble), seed=1, max_temperature_K=float("inf"),
                     engine_options=options)
     engine.run(warmup)
     torch.cuda.synchronize()
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--patch", action="append", default=[], metavar="NAME=MODULE:ATTRIBUTE=EXPRESSION")
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=JSON")
     parser.add_argument("--skin", action="append", default=[], metavar="NAME=ANGSTROM")
+    parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
@@ -177,7 +179,8 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, _ in tunings:
                     with patched(patches, name):
-                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps, engines.get(name))
+                        ms, use = ms_per_step(calcs[name], atoms, args.warmup, args.steps, engines.get(name),
+                                              args.ensemble)
                     times[name].append(ms)
                     device[name].append(use)
                 print(f"{model} round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f}" for n, v in times.items()),
@@ -199,7 +202,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             path = write_json("tuning-ab", {"environment": environment(), "args": vars(args), "results": results},
                               path)
-    print(f"\n{len(atoms)} atoms, NVT Langevin FP32, {args.steps} steps after {args.warmup}, "
+    what = "NVT Langevin" if args.ensemble == "nvt" else "NPT stochastic cell rescaling"
+    print(f"\n{len(atoms)} atoms, {what} FP32, {args.steps} steps after {args.warmup}, "
           f"{args.rounds} interleaved rounds; JSON: {path}")
     print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s} {'idle ms':>8s} {'in gaps':>8s} "
           f"{'kernels':>8s}  rounds (idle: the device's, per step, over 40 profiled steps after each round's timed "

@@ -4,7 +4,8 @@ Each splits a step around the force call (``before_forces``, forces and, with ``
 ``after_forces``), works in place on an ``MDState`` (float64, ASE units) and draws random numbers only through
 the ``noise(stream, shape)`` it is given (tests feed ASE's draws). The arithmetic between draws and updates is
 pure functions (``_*``), which ``Integrator.fuse(compile)`` compiles; unfused, Langevin's halves run as
-``cgforge.kernels.md_step`` kernels on CUDA.
+``cgforge.kernels.md_step`` kernels on CUDA, CSVR's and stochastic cell rescaling's as ``cgforge.kernels.md_rescale``
+kernels (three launches a half step instead of about fifty scalar torch kernels).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ase import units
 from torch import Tensor
 
+from cgforge.kernels.md_rescale import BussiTerms, CellRescalingTerms, bussi_first_cuda, bussi_second_cuda
 from cgforge.kernels.md_step import (
     kinetic,
     langevin_first,
@@ -168,6 +170,16 @@ def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rat
     return mu[..., None].expand(*draws.shape[:-1], 3)
 
 
+def _rescale_kernels(integrator: Integrator, s: MDState) -> bool:
+    """Whether CSVR's halves take the ``md_rescale`` kernels: on CUDA, unless fused (torch.compile traces the
+    torch expressions instead)."""
+    return not integrator.fused and s.momenta.is_cuda and not torch.compiler.is_compiling()
+
+
+def _draws(noise, stream: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    return noise(stream, shape).to(device=like.device, dtype=torch.float64).contiguous()
+
+
 class Integrator:
     """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step; these are
     velocity Verlet's (p += dt/2 F; r += dt p/m | forces | p += dt/2 F), which the thermostats wrap."""
@@ -289,6 +301,7 @@ class CSVR(Integrator):
         self.dof = self.dof_requested or max(3 * self.n_atoms - 3, 2)
         self.target_kinetic = 0.5 * self.dof * units.kB * self.temperature_K
         self.c = math.exp(-0.5 * self.timestep_fs / self.tau_fs)
+        self.bussi = BussiTerms(self.c, self.target_kinetic / self.dof)
 
     def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
         return {"heat": torch.zeros((), dtype=torch.float64, device=device)}
@@ -300,10 +313,18 @@ class CSVR(Integrator):
         s.extra["heat"].add_(heat)
 
     def before_forces(self, s: MDState, noise) -> None:
+        if _rescale_kernels(self, s):
+            bussi_first_cuda(s.positions, s.momenta, s.forces, s.masses, s.extra["heat"],
+                             _draws(noise, 0, (self.dof,), s.momenta), self.bussi, self.dt)
+            return
         self._rescale(s, noise, 0)
         super().before_forces(s, noise)
 
     def after_forces(self, s: MDState, noise) -> None:
+        if _rescale_kernels(self, s):
+            bussi_second_cuda(s.momenta, s.forces, s.masses, s.extra["heat"], _draws(noise, 1, (self.dof,), s.momenta),
+                              self.bussi, self.dt)
+            return
         super().after_forces(s, noise)
         self._rescale(s, noise, 1)
 
@@ -348,8 +369,15 @@ class StochasticCellRescaling(CSVR):
         self.beta = self.compressibility_per_GPa / units.GPa
         self.kt = units.kB * self.temperature_K
         self.rate = self.beta / (self.tau_p_fs * units.fs)  # beta / tau_p, Å^3 / (eV ASE-time)
+        self.barostat = CellRescalingTerms(self.rate, self.kt, self.dt, self.p0, self.anisotropic)
 
     def before_forces(self, s: MDState, noise) -> None:
+        if _rescale_kernels(self, s):
+            cell_draws = _draws(noise, 2, (3,) if self.anisotropic else (1,), s.momenta)
+            bussi_first_cuda(s.positions, s.momenta, s.forces, s.masses, s.extra["heat"],
+                             _draws(noise, 0, (self.dof,), s.momenta), self.bussi, self.dt, s.cell, s.virial,
+                             cell_draws, self.barostat)
+            return
         # mu from the state at the step's start (pressure and volume), applied after the thermostat and the drift
         mu = self._math["_cell_scaling"](s.momenta, s.masses, s.virial, s.cell,
                                          noise(2, (3,) if self.anisotropic else (1,)), self.rate, self.kt, self.dt,
