@@ -31,6 +31,7 @@ PAGE = ROOT / "docs" / "performance.md"
 
 # Runs made before benchmarks/run.py: the tree each ran, from the run folder's README (its "tree" column or text).
 TREES = {
+    "session40-h200-20261203/engine-profile-20261203-121530.json": ("1728c0e", "README, call 3"),
     "spatial-order-h100-20261126/layer-20261126-135747.json": ("ce8f013", "README, call 9"),
     "spatial-order-h100-20261126/md-20261126-134824.json": ("7e63b3b", "README, call 7"),
     "spatial-order-h100-20261126/md-20261126-134850.json": ("7e63b3b", "README, call 7"),
