@@ -5,6 +5,8 @@ nothing."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -371,3 +373,38 @@ def test_fp32_npt_expands_an_overpressured_box():
     assert p0 > 1e4 and atoms.get_volume() > v0, (p0, v0, atoms.get_volume())
     assert abs(pressure_bar()) < p0
     assert "stress" in atoms.calc.results
+
+
+def test_the_cell_inverse_is_linalg_inv() -> None:
+    """The staleness reference's cell inverse (``forces.inverse_3x3``, cross products) equals torch's for a skewed
+    cell, in float64 and float32."""
+    from cgforge.plugin.md.forces import inverse_3x3
+
+    cell = torch.tensor([[12.0, 0.7, -0.3], [1.1, 10.5, 0.4], [-0.6, 2.0, 14.2]], dtype=torch.float64)
+    torch.testing.assert_close(inverse_3x3(cell), torch.linalg.inv(cell), rtol=1e-14, atol=1e-16)
+    torch.testing.assert_close(inverse_3x3(cell.float()), torch.linalg.inv(cell.float()), rtol=1e-6, atol=1e-8)
+
+
+@cuda
+def test_cuda_installing_a_list_under_npt_waits_for_nothing(cuda_calc):
+    """Under NPT the staleness reference keeps the cell's inverse: installing a searched list queues it without a
+    host sync, so the install may sit behind the running block (the engine's order on CUDA)."""
+    atoms = thermal_water(64)
+    atoms.calc = cuda_calc
+    engine = Engine(cuda_calc, atoms, StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=100.0), seed=1, block=5)
+    engine.run(5)
+    provider, s = engine.provider, engine.state
+    pending = provider.snapshot(s.positions, s.cell)
+    provider.search(pending)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            provider.install(pending)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert not syncs, syncs
+    engine.run(5)  # and the engine goes on from the installed list
+    assert engine.stats["steps"] >= 10

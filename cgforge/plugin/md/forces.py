@@ -49,6 +49,16 @@ class PendingList:
     ready: torch.cuda.Event | None = None
 
 
+def inverse_3x3(cell: Tensor) -> Tensor:
+    """cell^-1 of a [3, 3] cell (rows) as its adjugate over its determinant, from cross products: element-wise work
+    that queues on the device without a host sync (``torch.linalg.inv`` waits for its singularity check on CUDA:
+    a list installed behind the running block would wait for that block)."""
+    a0, a1, a2 = cell.unbind(0)
+    first = torch.linalg.cross(a1, a2)
+    adjugate = torch.stack([first, torch.linalg.cross(a2, a0), torch.linalg.cross(a0, a1)], dim=1)
+    return adjugate / torch.dot(a0, first)
+
+
 def _false(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.bool, device=device)
 
@@ -222,7 +232,7 @@ class ModelForces:
 
     def _set_reference(self, positions: Tensor, cell: Tensor) -> None:
         self._ref_positions = self._keep(self._ref_positions, positions.detach())
-        inverse = torch.linalg.inv(cell.detach()) if self.changes_cell else None
+        inverse = inverse_3x3(cell.detach()) if self.changes_cell else None
         self._ref_cell_inverse = None if inverse is None else self._keep(self._ref_cell_inverse, inverse)
         self._builds = self.potential.neighbours.n_builds
 
