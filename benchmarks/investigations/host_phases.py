@@ -1,13 +1,14 @@
 """What the host does in the engine's blocks: its time in each phase, and how often the list is searched.
 
-    python3 benchmarks/investigations/host_phases.py [--model bundled-mace] [--steps 300]
+    python3 benchmarks/investigations/host_phases.py [--model bundled-mace] [--steps 300] [--ensemble npt]
 
 The device idles in gaps of the step when the host has queued nothing (issue 62): at a list's last block the host
 searches the next list (host ops, and reads of the device that wait for the search's kernels), queues its install
-and reads the block's report. This runs ``--steps`` engine steps (NVT Langevin, FP32, the engine's defaults, the
-graphs captured first) with the engine's, the force provider's and the search's methods wrapped in timers, and
-prints the host's ms per step in each (phases nest: ``_run_block`` holds the others), calls per step, the engine's
-stats (rebuilds, discarded steps) and the mean steps a list lived. Needs a CUDA GPU.
+and reads the block's report. This runs ``--steps`` engine steps (NVT Langevin, or bench_md's NPT with ``--ensemble
+npt``; FP32, the engine's defaults, the graphs captured first) with the engine's, the force provider's and the
+search's methods wrapped in timers, and prints the host's ms per step in each (phases nest: ``_run_block`` holds the
+others), calls per step, the engine's stats (rebuilds, discarded steps) and the mean steps a list lived. Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import profile_engine  # noqa: E402
 
 from cgforge.plugin.md.engine import Engine  # noqa: E402
-from cgforge.plugin.md.integrators import Langevin  # noqa: E402
 
 ENGINE_PHASES = ("_run_block", "_read_report", "_plan_block", "_replay", "_install", "_rebuild", "_take_snapshot")
 PROVIDER_PHASES = ("snapshot", "search", "can_install_ahead", "install")
@@ -84,13 +84,15 @@ def main() -> None:
     parser.add_argument("--model", default="bundled-mace", choices=profile_engine.MODELS)
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("host_phases: needs a CUDA GPU")
     atoms = profile_engine.make(args.molecules)
     with tempfile.TemporaryDirectory() as folder:
         calc = profile_engine.calculator(args.model, folder, None)
-        engine = Engine(calc, atoms.copy(), Langevin(0.5, 300.0, 0.01), seed=1, max_temperature_K=float("inf"))
+        engine = Engine(calc, atoms.copy(), profile_engine.integrator(args.ensemble), seed=1,
+                        max_temperature_K=float("inf"))
         engine.run(40)  # the graphs captured first
         before = dict(engine.stats)
         wall, phases = host_phases(engine, args.steps)
