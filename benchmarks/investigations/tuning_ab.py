@@ -6,19 +6,21 @@ tunings' runs interleaved round by round so that drift of the machine (clocks, o
         [--tuning all='{"rows": {"map_into_above_bytes": 0}}']
         [--tuning ahead-off={} --patch 'ahead-off=cgforge.plugin.md.engine:_INSTALL_AHEAD=False']
         [--tuning m125={} --engine 'm125={"rebuild_margin": 1.25}'] [--tuning s2={} --skin s2=2.0] [--ensemble npt]
+        [--tuning compiled={} --compile compiled=default]
 
 Each ``--tuning NAME=JSON`` is a ``KernelTuning.from_dict`` value (``cgforge md --kernel-tuning``'s file format:
 kernel knobs, the linear-kernel rule, the row-chunk policy ``rows``); the first is the reference. ``--patch
 NAME=MODULE:ATTRIBUTE=EXPRESSION`` sets a module attribute to a Python expression's value while tuning NAME's
-calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. ``--engine NAME=JSON``
-gives tuning NAME's engines these ``EngineOptions`` fields (an A/B of an engine option); ``--skin NAME=Å`` builds
-tuning NAME's calculator with that Verlet skin (default bench_md's, `cgforge md`'s). ``--ensemble npt`` steps
-bench_md's NPT (stochastic cell rescaling) instead of NVT Langevin. Per model: one Calculator
-per variant (FP32), the box relaxed once by bench_md's ``md_atoms``, then per round and variant a fresh
-Engine (NVT Langevin, 0.5 fs, 300 K) that runs ``--warmup`` steps and is timed over ``--steps``, then 40 steps
-profiled (``bench_md.device_use``: the device's idle time and kernels per step). Prints ms per step of every round,
-the median per tuning, its ratio to the reference and the median idle time and kernels; JSON goes to
-benchmarks/results/ (or $OUT). Needs a CUDA GPU.
+calculator is built and runs (restored after): an A/B of a code path that is not a kernel knob. ``--engine
+NAME=JSON`` gives tuning NAME's engines these ``EngineOptions`` fields (an A/B of an engine option); ``--skin
+NAME=Å`` builds tuning NAME's calculator with that Verlet skin (default bench_md's, `cgforge md`'s); ``--compile
+NAME=MODE`` with torch.compile in that mode (``Calculator(compile=)``; its first step, the compilation, falls in the
+first round's warm-up: give ``--warmup`` room). ``--ensemble npt`` steps bench_md's NPT (stochastic cell rescaling)
+instead of NVT Langevin. Per model: one Calculator per variant (FP32), the box relaxed once by bench_md's
+``md_atoms``, then per round and variant a fresh Engine (NVT Langevin or NPT, 0.5 fs, 300 K) that runs ``--warmup``
+steps and is timed over ``--steps``, then 40 steps profiled (``bench_md.device_use``: the device's idle time and
+kernels per step). Prints ms per step of every round, the median per tuning, its ratio to the reference and the
+median idle time and kernels; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from cgforge.kernels import KernelTuning  # noqa: E402
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.options import EngineOptions  # noqa: E402
+from cgforge.plugin.runtime.compiled import MODES as COMPILE_MODES  # noqa: E402
 from cgforge.plugin.runtime.neighbours import check_skin  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
@@ -123,6 +126,14 @@ def parse_skin(spec: str, names: set[str]) -> tuple[str, float]:
         raise SystemExit(f"--skin {name}: expected a number of Å >= 0, got {text!r} ({error})") from None
 
 
+def parse_compile(spec: str, names: set[str]) -> tuple[str, str]:
+    """``NAME=MODE`` -> (NAME, MODE), a torch.compile mode the Calculator takes."""
+    name, mode = _named(spec, names, "--compile", "MODE")
+    if mode not in COMPILE_MODES:
+        raise SystemExit(f"--compile {name}: expected one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return name, mode
+
+
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int, options: EngineOptions | None = None,
                 ensemble: str = "nvt") -> tuple[float, dict]:
     """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
@@ -143,6 +154,7 @@ def main() -> None:
     parser.add_argument("--patch", action="append", default=[], metavar="NAME=MODULE:ATTRIBUTE=EXPRESSION")
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=JSON")
     parser.add_argument("--skin", action="append", default=[], metavar="NAME=ANGSTROM")
+    parser.add_argument("--compile", action="append", default=[], metavar="NAME=MODE")
     parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--rounds", type=int, default=3)
@@ -159,6 +171,7 @@ def main() -> None:
     patches = [parse_patch(spec, {name for name, _ in tunings}) for spec in args.patch]
     engines = dict(parse_engine(spec, {name for name, _ in tunings}) for spec in args.engine)
     skins = dict(parse_skin(spec, {name for name, _ in tunings}) for spec in args.skin)
+    compiles = dict(parse_compile(spec, {name for name, _ in tunings}) for spec in args.compile)
     if not torch.cuda.is_available():
         sys.exit("tuning_ab.py needs a CUDA GPU")
     atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
@@ -172,7 +185,8 @@ def main() -> None:
                 with patched(patches, name):
                     calcs[name] = Calculator(bench_md.fp32_source(model, Path(tmp)), device="cuda",
                                              dtype=None if model.startswith("nequip-") else "float32",
-                                             skin=skins.get(name, bench_md.SKIN), tuning=tuning)
+                                             skin=skins.get(name, bench_md.SKIN), tuning=tuning,
+                                             compile=compiles.get(name, False))
                 print(f"{model} {name}: calculator {time.perf_counter() - t:.1f} s", flush=True)
             times: dict[str, list[float]] = {name: [] for name, _ in tunings}
             device: dict[str, list[dict]] = {name: [] for name, _ in tunings}
@@ -191,7 +205,7 @@ def main() -> None:
                 results.append({"model": model, "atoms": len(atoms), "tuning_name": name,
                                 "tuning": dataclasses.asdict(tuning),
                                 "patches": [p[1:3] + (repr(p[3]),) for p in patches if p[0] == name],
-                                "skin": skins.get(name, bench_md.SKIN),
+                                "skin": skins.get(name, bench_md.SKIN), "compile": compiles.get(name),
                                 "engine_options": dataclasses.asdict(engines[name]) if name in engines else None,
                                 "ms_per_step": times[name], "median_ms": median,
                                 "vs_reference": median / reference, "device": device[name],

@@ -42,6 +42,8 @@ BAD_FLAGS = [
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "b=2"], "--skin"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=wide"], "'wide'"),
     ("investigations/tuning_ab.py", ["--tuning", "a={}", "--skin", "a=-1"], "'-1'"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--compile", "b=default"], "--compile"),
+    ("investigations/tuning_ab.py", ["--tuning", "a={}", "--compile", "a=fast"], "'fast'"),
     ("profile_engine.py", ["--model", "mace-huge"], "mace-huge"),
     ("profile_engine.py", ["--ensemble", "nph"], "nph"),
     ("investigations/ptx_mix.py", ["--layers", "mace-huge"], "mace-huge"),
