@@ -29,7 +29,7 @@ Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword
 ``filter_edges=false``, ...), ``--engine KEY=VALUE`` a field of every Engine's ``EngineOptions`` (``fuse_integrator=true``), and
 ``--kernel-tuning FILE.json`` the kernels' ``KernelTuning`` (row chunks too: ``{"rows": {...}}``); the JSON records
 them.
---md-steps / --md-warmup / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
+--md-steps / --md-warmup (default 100 steps, every backend alike) / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
 device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``) and the kernels
@@ -80,7 +80,9 @@ BACKENDS = ("cgforge", "cgforge-compiled", "e3nn", "cueq", "oeq", "cgforge-engin
             "cgforge-ase", "fastmace")
 MD_BACKENDS = ("cgforge-engine", "cgforge-engine-compiled", "cgforge-ase", "fastmace")  # whole MD steps
 ENGINE_BACKENDS = {"cgforge-engine": {}, "cgforge-engine-compiled": {"compile": True}}
-MD = {"steps": 200, "warmup": 20, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
+# warm-up: past a run's start (captures, the first capacity growths of the edge buffers: MACE-MP-medium's NVT
+# discarded 11 steps to them inside a 20-step warm-up's timed window), for every backend alike
+MD = {"steps": 200, "warmup": 100, "ensembles": ("nvt", "npt"), "timestep_fs": 0.5, "temperature_K": 300.0,
       "friction_per_fs": 0.01}
 CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-compiled": {"compile": True}}
 CALCULATOR: dict = {}  # --calculator KEY=VALUE: keywords of every cgforge Calculator (ablations)

@@ -270,7 +270,8 @@ def engine_section(runs: list[Run]) -> list[str]:
     chosen = sorted({run.path: run for run in cited}.values(), key=lambda r: r.date)
     out = _opening(
         "Whole MD steps vs FastMACE", chosen[-1] if chosen else None, "bench_md run with FastMACE rows",
-        "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after 20) on the 5184-atom water "
+        "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after a warm-up of 20 steps, 100 in "
+        "runs after 2026-12-03 12:45: past a run's first capacity growths) on the 5184-atom water "
         "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
         "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
         "cuEquivariance convolution; MACE models only), FastMACE timed in the same run as the engine, the compiled "

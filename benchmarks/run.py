@@ -59,7 +59,7 @@ SUITES: dict[str, Suite] = {
     "engine": Suite("whole MD steps at 5184 atoms: cgforge's engine (plain, compiled) vs FastMACE 1.0",
                     (("bench_md.py", "--systems", "5k", "--models", "bundled-mace,mace-mp-medium", "--dtypes", "float32",
                       "--backends", "cgforge-engine,cgforge-engine-compiled,fastmace", "--ensembles", "nvt",
-                      "--md-steps", "200", "--md-warmup", "20"),)),
+                      "--md-steps", "200", "--md-warmup", "100"),)),
     "capacity": Suite("largest boxes: one force call at 5k, 500k and 1.03M atoms (MACE-MP-medium, NequIP M); no floor "
                       "(its CPU neighbour count of 1 M atoms takes minutes of the device call)",
                       (("bench_md.py", "--systems", "5k,500k,1m", "--models", "mace-mp-medium", "--dtypes", "float32",
