@@ -1,12 +1,19 @@
-"""Bussi's stochastic velocity rescaling (CSVR) and Bernetti-Bussi stochastic cell rescaling as CUDA kernels: each
-half step of the engine's CSVR and NPT integrators in three launches instead of a hundred scalar torch kernels.
+"""Bussi's stochastic velocity rescaling (CSVR) and Bernetti-Bussi stochastic cell rescaling: the half steps of the
+engine's CSVR and NPT integrators (``cgforge.plugin.md.integrators``) as torch expressions (``*_reference``: the CPU
+path, what torch.compile traces and what the kernels are tested against) and as three CUDA kernels a half step,
+where the torch expressions are about fifty scalar kernels; ``bussi_first`` and ``bussi_second`` pick one. In
+place, on float64 arrays (momenta, forces, positions [N, 3], masses [N, 1], heat and the cell's [3, 3]):
 
-The torch expressions in ``cgforge.plugin.md.integrators`` (``CSVR``, ``StochasticCellRescaling``) are the
-references and the CPU path; the kernels do the same arithmetic on float64 arrays, in place:
+    first:  mu from the step's start (with a barostat), p *= alpha, heat += (alpha^2 - 1) K, p += dt/2 F,
+            r += dt p / m, then r *= mu, cell *= mu (columns), p /= mu;
+    second: p += dt/2 F, then p *= alpha, heat += (alpha^2 - 1) K.
+
+alpha is Bussi's factor from K = sum p^2 / 2m and the draws (``csvr_alpha``), mu the cell scaling from the pressure
+tensor's diagonal (``cell_scaling_factor``). The kernels:
 
     sums:   S_a = sum over atoms of p_a^2 / m (a = x, y, z; after an optional kick p += kick F) and
             R = sum of draws[1:]^2, as partial sums per warp (a fixed order for a given N: bits repeat);
-    finish: one warp: K = (S_x + S_y + S_z) / 2, Bussi's alpha from K, draws[0] and R, heat += (alpha^2 - 1) K;
+    finish: one warp: K = (S_x + S_y + S_z) / 2, alpha from K, draws[0] and R, heat += (alpha^2 - 1) K;
             with a barostat, from the same S (the step's start) the pressure's diagonal P_aa = (S_a - W_aa) / V and
             mu [3] (isotropic or per axis), cell columns scaled by mu; writes (alpha, mu_x, mu_y, mu_z);
     apply:  per element p *= alpha, then optionally p += kick F and r += dt p / m, then r *= mu_a, p /= mu_a.
@@ -16,6 +23,8 @@ They agree with the torch expressions to rounding (fused multiply-adds, the sums
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +33,11 @@ from torch import Tensor
 
 from .core.launch import thread_blocks
 from .core.registry import SourceKernels
-from .md_step import commit_plan
+from .md_step import commit_plan, kinetic
 
-__all__ = ["BussiTerms", "CellRescalingTerms", "MD_RESCALE_SOURCE", "bussi_first_cuda", "bussi_second_cuda"]
+__all__ = ["BussiTerms", "CellRescalingTerms", "MD_RESCALE_SOURCE", "bussi_first", "bussi_first_cuda",
+           "bussi_first_reference", "bussi_second", "bussi_second_cuda", "bussi_second_reference", "cell_scaling",
+           "cell_scaling_factor", "cell_volume", "csvr_alpha", "csvr_factor", "pressure_tensor"]
 
 MD_RESCALE_SOURCE = r"""
 // Warp w sums elements [w * per_warp, (w + 1) * per_warp) of the flat [n, 3] momenta, each kicked first when
@@ -233,3 +244,116 @@ def bussi_second_cuda(momenta: Tensor, forces: Tensor, masses: Tensor, heat: Ten
     rescaled by Bussi's alpha (``draws`` [dof]) and heat += (alpha^2 - 1) K. Three kernels."""
     _float64_cuda("bussi_second_cuda", momenta=momenta, forces=forces, masses=masses, heat=heat, draws=draws)
     _rescale(momenta, momenta, forces, masses, heat, draws, bussi, 0.5 * dt, 0.0, 0.0)
+
+
+# The torch expressions: the references, the CPU path, and what torch.compile fuses.
+
+
+def cell_volume(cell: Tensor) -> Tensor:
+    """|det(cell)| as a triple product (elementwise ops: safe in a CUDA-graph capture, unlike an LU)."""
+    return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
+
+
+def pressure_tensor(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
+    """The pressure tensor (sum p (x) p / m - W) / V."""
+    return ((momenta / masses).T @ momenta - virial) / volume
+
+
+def csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
+                ) -> tuple[Tensor, Tensor]:
+    """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K."""
+    return csvr_alpha(kinetic(momenta, masses), draws[0], draws[1:].square().sum(), c, kt_per_dof,
+                      math.sqrt(c), math.sqrt((1 - c) * kt_per_dof))
+
+
+def csvr_alpha(kinetic_now: Tensor, r1: Tensor, rest: Tensor, c: float | Tensor, kt_per_dof: float | Tensor,
+               sqrt_c: float | Tensor, sqrt_kick: float | Tensor) -> tuple[Tensor, Tensor]:
+    """``csvr_factor`` from the kinetic energy K, the first draw R1 and the sum S of the other draws' squares,
+    elementwise: of one system, or of a batch's systems ([B] tensors, with c, kt_per_dof and the square roots
+    sqrt(c), sqrt((1 - c) kt_per_dof) per system)."""
+    new = (c * kinetic_now + (1 - c) * kt_per_dof * (r1 * r1 + rest)
+           + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic_now * kt_per_dof))
+    sign = torch.sign(sqrt_c * torch.sqrt(kinetic_now) + sqrt_kick * r1)
+    alpha = torch.where(kinetic_now > 0, sign * torch.sqrt(new / kinetic_now.clamp(min=1e-300)), 1.0)
+    return alpha, (alpha * alpha - 1) * kinetic_now
+
+
+def cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor, draws: Tensor, rate: float,
+                 kt: float, dt: float, p0: float, anisotropic: bool) -> Tensor:
+    """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state; ``draws`` [3]
+    standard normals (the isotropic scheme reads the first)."""
+    v = cell_volume(cell)
+    return cell_scaling_factor(torch.diagonal(pressure_tensor(momenta, masses, virial, v)), v, draws, rate, kt, dt,
+                               p0, anisotropic)
+
+
+def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rate: float, kt: float | Tensor,
+                        dt: float, p0: float, anisotropic: bool) -> Tensor:
+    """``cell_scaling`` from the pressure tensor's diagonal [..., 3] and the volume [...]: of one system, or of
+    a batch's systems ([B, 3], [B], with ``kt`` and ``draws`` [B, 3] or [B, 1] per system); mu [..., 3]."""
+    if anisotropic:
+        drift = (rate / 3) * (pressure_diagonal - p0) * dt
+        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v))[..., None] * draws)
+    drift = rate * (pressure_diagonal.mean(-1) - p0) * dt
+    mu = torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[..., 0]) / 3)
+    return mu[..., None].expand(*draws.shape[:-1], 3)
+
+
+Factor = Callable[..., tuple[Tensor, Tensor]]
+
+
+def bussi_first_reference(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor,
+                          draws: Tensor, bussi: BussiTerms, dt: float, cell: Tensor | None = None,
+                          virial: Tensor | None = None, cell_draws: Tensor | None = None,
+                          barostat: CellRescalingTerms | None = None, *, factor: Factor = csvr_factor,
+                          scaling: Callable[..., Tensor] = cell_scaling) -> None:
+    """``bussi_first_cuda``'s half step as torch operations, in place; ``factor`` and ``scaling`` the arithmetic
+    (``csvr_factor``, ``cell_scaling``, or those compiled)."""
+    mu = None
+    if barostat is not None:  # from the step's start state
+        b = barostat
+        mu = scaling(momenta, masses, virial, cell, cell_draws, b.rate, b.kt, b.dt, b.p0, b.anisotropic)
+    alpha, heat_in = factor(momenta, masses, draws, bussi.c, bussi.kt_per_dof)
+    momenta.mul_(alpha)
+    heat.add_(heat_in)
+    momenta.add_(0.5 * dt * forces)
+    positions.add_(dt * momenta / masses)
+    if mu is not None:
+        positions.mul_(mu)
+        cell.mul_(mu)
+        momenta.div_(mu)
+
+
+def bussi_second_reference(momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor, draws: Tensor,
+                           bussi: BussiTerms, dt: float, *, factor: Factor = csvr_factor) -> None:
+    """``bussi_second_cuda``'s half step as torch operations, in place."""
+    momenta.add_(0.5 * dt * forces)
+    alpha, heat_in = factor(momenta, masses, draws, bussi.c, bussi.kt_per_dof)
+    momenta.mul_(alpha)
+    heat.add_(heat_in)
+
+
+def _on_kernels(*tensors: Tensor | None) -> bool:
+    """Whether the kernels take the half step: contiguous float64 CUDA arrays, no tracing."""
+    return not torch.compiler.is_compiling() and all(
+        t is None or (t.is_cuda and t.dtype == torch.float64 and t.is_contiguous()) for t in tensors)
+
+
+def bussi_first(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor, draws: Tensor,
+                bussi: BussiTerms, dt: float, cell: Tensor | None = None, virial: Tensor | None = None,
+                cell_draws: Tensor | None = None, barostat: CellRescalingTerms | None = None) -> None:
+    """``bussi_first_reference``, three kernels on CUDA."""
+    args = (positions, momenta, forces, masses, heat, draws, bussi, dt, cell, virial, cell_draws, barostat)
+    if _on_kernels(positions, momenta, forces, masses, heat, draws, cell, virial, cell_draws):
+        bussi_first_cuda(*args)
+    else:
+        bussi_first_reference(*args)
+
+
+def bussi_second(momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor, draws: Tensor, bussi: BussiTerms,
+                 dt: float) -> None:
+    """``bussi_second_reference``, three kernels on CUDA."""
+    if _on_kernels(momenta, forces, masses, heat, draws):
+        bussi_second_cuda(momenta, forces, masses, heat, draws, bussi, dt)
+    else:
+        bussi_second_reference(momenta, forces, masses, heat, draws, bussi, dt)

@@ -20,6 +20,7 @@ from ase import Atoms, units
 from ase.calculators.singlepoint import SinglePointCalculator
 from torch import Tensor
 
+from cgforge.kernels.md_rescale import cell_scaling_factor, csvr_alpha
 from cgforge.kernels.md_step import langevin_first_reference, langevin_second_reference
 
 from .batch import potential_of, structures_of
@@ -31,8 +32,6 @@ from .md.integrators import (
     MDState,
     SystemNoise,
     VelocityVerlet,
-    cell_scaling_factor,
-    csvr_alpha,
 )
 from .md.options import (
     ENSEMBLES,
@@ -98,6 +97,14 @@ class BatchCSVR(CSVR):
 
     def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
         return {"heat": torch.zeros(len(self.dofs), dtype=torch.float64, device=device)}
+
+    def before_forces(self, s: MDState, noise: SystemNoise) -> None:
+        self._rescale(s, noise, 0)  # CSVR's order: the half rescale, then velocity Verlet's kick and drift
+        Integrator.before_forces(self, s, noise)
+
+    def after_forces(self, s: MDState, noise: SystemNoise) -> None:
+        Integrator.after_forces(self, s, noise)
+        self._rescale(s, noise, 1)
 
     def _rescale(self, s: MDState, noise: SystemNoise, stream: int) -> None:
         draws = noise.per_system(stream, self.dofs)

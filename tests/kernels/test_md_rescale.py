@@ -1,7 +1,7 @@
 """CSVR's and stochastic cell rescaling's kernels (cgforge.kernels.md_rescale): the CUDA source compiles (NVRTC, no
-GPU needed) and runs on the CPU as C++ (``host_cuda``) equal to the integrators' torch expressions (the CPU path of
-``CSVR`` and ``StochasticCellRescaling``, isotropic and per axis), both half steps; on a GPU the integrators take
-the kernels, which equal the torch expressions and repeat bitwise."""
+GPU needed) and runs on the CPU as C++ (``host_cuda``) equal to the torch references, reached through the
+integrators' CPU path (``CSVR`` and ``StochasticCellRescaling``, isotropic and per axis), both half steps; on a GPU
+the integrators take the kernels, which equal the references and repeat bitwise."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from engine_potentials import (  # noqa: E402
     zero_energy,
 )
 
+from cgforge.kernels.md_rescale import cell_volume, pressure_tensor  # noqa: E402
 from cgforge.plugin.md.engine import Engine, MDBlowUp, energy_function_engine  # noqa: E402
 from cgforge.plugin.md.forces import EnergyFunctionForces  # noqa: E402
 from cgforge.plugin.md.integrators import (  # noqa: E402
@@ -30,8 +31,6 @@ from cgforge.plugin.md.integrators import (  # noqa: E402
     Langevin,
     StochasticCellRescaling,
     VelocityVerlet,
-    _pressure,
-    volume,
 )
 from cgforge.plugin.runtime.options import RuntimeOptions  # noqa: E402
 
@@ -191,8 +190,8 @@ def test_stochastic_cell_rescaling_reaches_the_target_pressure():
 
     def observe(e: Engine) -> None:
         s = e.state
-        pressures.append(float(torch.diagonal(_pressure(s.momenta, s.masses, s.virial, volume(s.cell))).mean())
-                         / units.GPa)
+        pressure = pressure_tensor(s.momenta, s.masses, s.virial, cell_volume(s.cell))
+        pressures.append(float(torch.diagonal(pressure).mean()) / units.GPa)
         volumes.append(e.atoms.get_volume())
 
     engine.run(3000, every=10, callback=observe)

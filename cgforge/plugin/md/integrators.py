@@ -3,9 +3,9 @@
 Each splits a step around the force call (``before_forces``, forces and, with ``needs_virial``, the virial,
 ``after_forces``), works in place on an ``MDState`` (float64, ASE units) and draws random numbers only through
 the ``noise(stream, shape)`` it is given (tests feed ASE's draws). The arithmetic between draws and updates is
-pure functions (``_*``), which ``Integrator.fuse(compile)`` compiles; unfused, Langevin's halves run as
-``cgforge.kernels.md_step`` kernels on CUDA, CSVR's and stochastic cell rescaling's as ``cgforge.kernels.md_rescale``
-kernels (three launches a half step instead of about fifty scalar torch kernels).
+pure functions (Langevin's halves in ``cgforge.kernels.md_step``, CSVR's factor and the cell scaling in
+``cgforge.kernels.md_rescale``), which ``Integrator.fuse(compile)`` compiles; unfused, on CUDA, those modules' kernels
+take the half steps (three launches a half step for CSVR and NPT instead of about fifty scalar torch kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +18,17 @@ import torch
 from ase import units
 from torch import Tensor
 
-from cgforge.kernels.md_rescale import BussiTerms, CellRescalingTerms, bussi_first_cuda, bussi_second_cuda
+from cgforge.kernels.md_rescale import (
+    BussiTerms,
+    CellRescalingTerms,
+    bussi_first,
+    bussi_first_reference,
+    bussi_second,
+    bussi_second_reference,
+    cell_scaling,
+    cell_volume,
+    csvr_factor,
+)
 from cgforge.kernels.md_step import (
     kinetic,
     langevin_first,
@@ -120,66 +130,6 @@ def kinetic_energy(state: MDState) -> Tensor:
     return kinetic(state.momenta, state.masses)
 
 
-def volume(cell: Tensor) -> Tensor:
-    """|det(cell)| as a triple product (elementwise ops: safe in a CUDA-graph capture, unlike an LU)."""
-    return torch.dot(cell[0], torch.linalg.cross(cell[1], cell[2])).abs()
-
-
-def _pressure(momenta: Tensor, masses: Tensor, virial: Tensor, volume: Tensor) -> Tensor:
-    """The pressure tensor (sum p (x) p / m - W) / V."""
-    return ((momenta / masses).T @ momenta - virial) / volume
-
-
-def _csvr_factor(momenta: Tensor, masses: Tensor, draws: Tensor, c: float, kt_per_dof: float
-                 ) -> tuple[Tensor, Tensor]:
-    """Bussi's rescaling factor alpha for the momenta and the heat it puts in, (alpha^2 - 1) K (see ``CSVR``)."""
-    return csvr_alpha(kinetic(momenta, masses), draws[0], draws[1:].square().sum(), c, kt_per_dof,
-                      math.sqrt(c), math.sqrt((1 - c) * kt_per_dof))
-
-
-def csvr_alpha(kinetic_now: Tensor, r1: Tensor, rest: Tensor, c: float | Tensor, kt_per_dof: float | Tensor,
-               sqrt_c: float | Tensor, sqrt_kick: float | Tensor) -> tuple[Tensor, Tensor]:
-    """``_csvr_factor`` from the kinetic energy K, the first draw R1 and the sum S of the other draws' squares,
-    elementwise: of one system, or of a batch's systems ([B] tensors, with c, kt_per_dof and the square roots
-    sqrt(c), sqrt((1 - c) kt_per_dof) per system)."""
-    new = (c * kinetic_now + (1 - c) * kt_per_dof * (r1 * r1 + rest)
-           + 2 * r1 * torch.sqrt(c * (1 - c) * kinetic_now * kt_per_dof))
-    sign = torch.sign(sqrt_c * torch.sqrt(kinetic_now) + sqrt_kick * r1)
-    alpha = torch.where(kinetic_now > 0, sign * torch.sqrt(new / kinetic_now.clamp(min=1e-300)), 1.0)
-    return alpha, (alpha * alpha - 1) * kinetic_now
-
-
-def _cell_scaling(momenta: Tensor, masses: Tensor, virial: Tensor, cell: Tensor, draws: Tensor, rate: float,
-                  kt: float, dt: float, p0: float, anisotropic: bool) -> Tensor:
-    """Stochastic cell rescaling's factor mu [3] per Cartesian axis from the step's start state (see
-    ``StochasticCellRescaling``); ``draws`` [3] standard normals (the isotropic scheme reads the first)."""
-    v = volume(cell)
-    return cell_scaling_factor(torch.diagonal(_pressure(momenta, masses, virial, v)), v, draws, rate, kt, dt, p0,
-                               anisotropic)
-
-
-def cell_scaling_factor(pressure_diagonal: Tensor, v: Tensor, draws: Tensor, rate: float, kt: float | Tensor,
-                        dt: float, p0: float, anisotropic: bool) -> Tensor:
-    """``_cell_scaling`` from the pressure tensor's diagonal [..., 3] and the volume [...]: of one system, or of
-    a batch's systems ([B, 3], [B], with ``kt`` and ``draws`` [B, 3] or [B, 1] per system); mu [..., 3]."""
-    if anisotropic:
-        drift = (rate / 3) * (pressure_diagonal - p0) * dt
-        return torch.exp(drift + torch.sqrt(2 * kt * rate * dt / (3 * v))[..., None] * draws)
-    drift = rate * (pressure_diagonal.mean(-1) - p0) * dt
-    mu = torch.exp((drift + torch.sqrt(2 * kt * rate * dt / v) * draws[..., 0]) / 3)
-    return mu[..., None].expand(*draws.shape[:-1], 3)
-
-
-def _rescale_kernels(integrator: Integrator, s: MDState) -> bool:
-    """Whether CSVR's halves take the ``md_rescale`` kernels: on CUDA, unless fused (torch.compile traces the
-    torch expressions instead)."""
-    return not integrator.fused and s.momenta.is_cuda and not torch.compiler.is_compiling()
-
-
-def _draws(noise, stream: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    return noise(stream, shape).to(device=like.device, dtype=torch.float64).contiguous()
-
-
 class Integrator:
     """Base: ``bind`` once per run (masses known), then ``before_forces`` / ``after_forces`` per step; these are
     velocity Verlet's (p += dt/2 F; r += dt p/m | forces | p += dt/2 F), which the thermostats wrap."""
@@ -199,7 +149,7 @@ class Integrator:
         if compile is not None and not callable(compile):
             raise TypeError(f"compile: expected None or a callable such as torch.compile, got {compile!r}")
         self.fused = compile is not None
-        self._math = {"_csvr_factor": _csvr_factor, "_cell_scaling": _cell_scaling,  # as written, or compiled
+        self._math = {"_csvr_factor": csvr_factor, "_cell_scaling": cell_scaling,  # as written, or compiled
                       "_langevin_first": langevin_first_reference if compile else langevin_first,
                       "_langevin_second": langevin_second_reference if compile else langevin_second}
         if compile is not None:
@@ -306,27 +256,19 @@ class CSVR(Integrator):
     def initial_extra(self, device: torch.device) -> dict[str, Tensor]:
         return {"heat": torch.zeros((), dtype=torch.float64, device=device)}
 
-    def _rescale(self, s: MDState, noise, stream: int) -> None:
-        alpha, heat = self._math["_csvr_factor"](s.momenta, s.masses, noise(stream, (self.dof,)), self.c,
-                                                 self.target_kinetic / self.dof)
-        s.momenta.mul_(alpha)
-        s.extra["heat"].add_(heat)
-
     def before_forces(self, s: MDState, noise) -> None:
-        if _rescale_kernels(self, s):
-            bussi_first_cuda(s.positions, s.momenta, s.forces, s.masses, s.extra["heat"],
-                             _draws(noise, 0, (self.dof,), s.momenta), self.bussi, self.dt)
-            return
-        self._rescale(s, noise, 0)
-        super().before_forces(s, noise)
+        args = (s.positions, s.momenta, s.forces, s.masses, s.extra["heat"], noise(0, (self.dof,)), self.bussi, self.dt)
+        if self.fused:
+            bussi_first_reference(*args, factor=self._math["_csvr_factor"])
+        else:
+            bussi_first(*args)
 
     def after_forces(self, s: MDState, noise) -> None:
-        if _rescale_kernels(self, s):
-            bussi_second_cuda(s.momenta, s.forces, s.masses, s.extra["heat"], _draws(noise, 1, (self.dof,), s.momenta),
-                              self.bussi, self.dt)
-            return
-        super().after_forces(s, noise)
-        self._rescale(s, noise, 1)
+        args = (s.momenta, s.forces, s.masses, s.extra["heat"], noise(1, (self.dof,)), self.bussi, self.dt)
+        if self.fused:
+            bussi_second_reference(*args, factor=self._math["_csvr_factor"])
+        else:
+            bussi_second(*args)
 
     def conserved(self, s: MDState) -> Tensor:
         return s.energy + kinetic_energy(s) - s.extra["heat"]
@@ -372,21 +314,15 @@ class StochasticCellRescaling(CSVR):
         self.barostat = CellRescalingTerms(self.rate, self.kt, self.dt, self.p0, self.anisotropic)
 
     def before_forces(self, s: MDState, noise) -> None:
-        if _rescale_kernels(self, s):
-            cell_draws = _draws(noise, 2, (3,) if self.anisotropic else (1,), s.momenta)
-            bussi_first_cuda(s.positions, s.momenta, s.forces, s.masses, s.extra["heat"],
-                             _draws(noise, 0, (self.dof,), s.momenta), self.bussi, self.dt, s.cell, s.virial,
-                             cell_draws, self.barostat)
-            return
         # mu from the state at the step's start (pressure and volume), applied after the thermostat and the drift
-        mu = self._math["_cell_scaling"](s.momenta, s.masses, s.virial, s.cell,
-                                         noise(2, (3,) if self.anisotropic else (1,)), self.rate, self.kt, self.dt,
-                                         self.p0, self.anisotropic)
-        super().before_forces(s, noise)  # CSVR's: rescale, kick, drift
-        s.positions.mul_(mu)
-        s.cell.mul_(mu)
-        s.momenta.div_(mu)
+        cell_draws = noise(2, (3,) if self.anisotropic else (1,))
+        args = (s.positions, s.momenta, s.forces, s.masses, s.extra["heat"], noise(0, (self.dof,)), self.bussi, self.dt,
+                s.cell, s.virial, cell_draws, self.barostat)
+        if self.fused:
+            bussi_first_reference(*args, factor=self._math["_csvr_factor"], scaling=self._math["_cell_scaling"])
+        else:
+            bussi_first(*args)
 
     def conserved(self, s: MDState) -> Tensor:
         """E_pot + E_kin + P0 V - heat (the barostat's own work is not tracked: not a conserved quantity)."""
-        return super().conserved(s) + self.p0 * volume(s.cell)
+        return super().conserved(s) + self.p0 * cell_volume(s.cell)
