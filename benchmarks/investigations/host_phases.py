@@ -1,19 +1,22 @@
 """What the host does in the engine's blocks: its time in each phase, and how often the list is searched.
 
-    python3 benchmarks/investigations/host_phases.py [--model bundled-mace] [--steps 300] [--ensemble npt]
+    python3 benchmarks/investigations/host_phases.py [--model bundled-mace] [--steps 300] [--ensemble npt] [--attribute]
 
 The device idles in gaps of the step when the host has queued nothing (issue 62): at a list's last block the host
 searches the next list (host ops, and reads of the device that wait for the search's kernels), queues its install
 and reads the block's report. This runs ``--steps`` engine steps (NVT Langevin, or bench_md's NPT with ``--ensemble
 npt``; FP32, the engine's defaults, the graphs captured first) with the engine's, the force provider's and the
 search's methods wrapped in timers, and prints the host's ms per step in each (phases nest: ``_run_block`` holds the
-others), calls per step, the engine's stats (rebuilds, discarded steps) and the mean steps a list lived. Needs a
-CUDA GPU.
+others), calls per step, the engine's stats (rebuilds, discarded steps) and the mean steps a list lived. With
+``--attribute`` the steps run under torch.profiler, each phase a ``record_function`` range, and the device's idle time
+in gaps of at least bench_md's ``LONG_GAP_US`` is charged to the innermost host phase running through it
+(``idle_by_phase``): what the host was doing while the device waited. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -25,7 +28,9 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import bench_md  # noqa: E402
 import profile_engine  # noqa: E402
+from common import device_spans  # noqa: E402
 
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 
@@ -37,8 +42,34 @@ FUNCTIONS = (("cgforge.plugin.md.forces", "neighbour_list"), ("cgforge.plugin.ru
              ("cgforge.plugin.runtime.neighbours", "edges_within"))
 
 
-def host_phases(engine: Engine, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Wall seconds of ``steps`` engine steps and, per phase, (host seconds, calls), each phase wrapped in a timer."""
+NO_PHASE = "(no wrapped phase: the engine loop)"
+
+
+def idle_by_phase(spans: list[tuple[float, float, str]], ranges: list[tuple[float, float, str]],
+                  min_gap_us: float = bench_md.LONG_GAP_US) -> dict[str, float]:
+    """The device's idle time (us) in gaps of at least ``min_gap_us`` between its activities ``spans`` ((start, end,
+    name), by start, as ``common.device_spans``), charged piece by piece to the innermost host range of ``ranges``
+    ((start, end, label) on the same clock; nested phases: the shortest that holds the piece) running through it, or
+    to ``NO_PHASE``."""
+    gaps, end = [], None
+    for start, stop, _ in spans:
+        if end is not None and start - end >= min_gap_us:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    out: dict[str, float] = defaultdict(float)
+    for g0, g1 in gaps:
+        cuts = sorted({g0, g1, *(t for r0, r1, _ in ranges for t in (r0, r1) if g0 < t < g1)})
+        for a, b in zip(cuts, cuts[1:]):
+            mid = 0.5 * (a + b)
+            active = [(r1 - r0, label) for r0, r1, label in ranges if r0 <= mid < r1]
+            out[min(active)[1] if active else NO_PHASE] += b - a
+    return dict(out)
+
+
+def host_phases(engine: Engine, steps: int, attribute: bool = False
+                ) -> tuple[float, dict[str, tuple[float, int]], dict[str, float] | None]:
+    """Wall seconds of ``steps`` engine steps, per phase (host seconds, calls), each phase wrapped in a timer, and
+    with ``attribute`` the device's idle us in long gaps by host phase (``idle_by_phase``; else None)."""
     total: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
 
@@ -46,7 +77,8 @@ def host_phases(engine: Engine, steps: int) -> tuple[float, dict[str, tuple[floa
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
-                return fn(*a, **k)
+                with torch.profiler.record_function(label) if attribute else contextlib.nullcontext():
+                    return fn(*a, **k)
             finally:
                 total[label] += time.perf_counter() - t
                 calls[label] += 1
@@ -63,12 +95,14 @@ def host_phases(engine: Engine, steps: int) -> tuple[float, dict[str, tuple[floa
         undo.append((owner, name, original))
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = timed("CUDAGraph.replay", replay)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     try:
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.run(steps)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
+        with torch.profiler.profile(activities=activities) if attribute else contextlib.nullcontext() as prof:
+            t = time.perf_counter()
+            engine.run(steps)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
     finally:
         torch.cuda.CUDAGraph.replay = replay
         for owner, name, original in undo:
@@ -76,7 +110,12 @@ def host_phases(engine: Engine, steps: int) -> tuple[float, dict[str, tuple[floa
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute shadowed the class's method
-    return wall, {k: (v, calls[k]) for k, v in total.items()}
+    idle = None
+    if attribute:
+        ranges = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type.name == "CPU" and e.name in total]
+        idle = idle_by_phase(device_spans(prof), ranges)
+    return wall, {k: (v, calls[k]) for k, v in total.items()}, idle
 
 
 def main() -> None:
@@ -85,6 +124,7 @@ def main() -> None:
     parser.add_argument("--molecules", type=int, default=1728)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
+    parser.add_argument("--attribute", action="store_true", help="charge the device's idle gaps to host phases")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("host_phases: needs a CUDA GPU")
@@ -95,7 +135,7 @@ def main() -> None:
                         max_temperature_K=float("inf"))
         engine.run(40)  # the graphs captured first
         before = dict(engine.stats)
-        wall, phases = host_phases(engine, args.steps)
+        wall, phases, idle = host_phases(engine, args.steps, args.attribute)
     stats = {k: engine.stats[k] - before[k] for k in ("steps", "blocks", "discarded", "rebuilds",
                                                         "overlapped_rebuilds", "captures", "grows")}
     n = stats["steps"]
@@ -104,6 +144,12 @@ def main() -> None:
     print(f"{'phase':34} {'host ms/step':>12} {'calls/step':>10} {'ms/call':>8}")
     for name, (seconds, count) in sorted(phases.items(), key=lambda kv: -kv[1][0]):
         print(f"  {name:32} {1e3 * seconds / n:12.3f} {count / n:10.3f} {1e3 * seconds / count:8.3f}")
+
+    if idle is not None:
+        print(f"device idle in gaps >= {bench_md.LONG_GAP_US:g} us, ms a step, by the host phase running through it "
+              f"(innermost): {1e-3 * sum(idle.values()) / n:.3f} in all")
+        for name, us in sorted(idle.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:40} {1e-3 * us / n:8.3f}")
 
 
 if __name__ == "__main__":
