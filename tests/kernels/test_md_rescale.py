@@ -191,3 +191,27 @@ def test_cuda_integrators_launch_three_kernels_a_half_step() -> None:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert sorted(names) == sorted(["rescale_partials", "rescale_finish", "rescale_apply"] * 2), names
+
+
+@pytest.mark.parametrize("name", ["csvr", "npt", "npt-aniso"])
+def test_the_engine_hands_the_kernels_arrays_they_take(monkeypatch, name: str) -> None:
+    """On CUDA a half step takes the kernels when every array it is given is contiguous float64 (``_on_kernels``):
+    the engine's state views and draws are, checked on a CPU run of the engine (the same views as on CUDA), every
+    half step asked; the reference then runs as on a CPU."""
+    from engine_potentials import argon_box, lennard_jones
+
+    from cgforge.plugin.md.engine import energy_function_engine
+
+    asked = []
+
+    def takes(*tensors: torch.Tensor | None) -> bool:
+        asked.append(all(t is None or (t.dtype == torch.float64 and t.is_contiguous()) for t in tensors))
+        return False
+
+    monkeypatch.setattr(md_rescale, "_on_kernels", takes)
+    scheme = {"csvr": lambda: CSVR(4.0, 120.0, 50.0),
+              "npt": lambda: StochasticCellRescaling(4.0, 120.0, 0.05, tau_p_fs=200.0),
+              "npt-aniso": lambda: StochasticCellRescaling(4.0, 120.0, 0.05, tau_p_fs=200.0, anisotropic=True)}[name]
+    engine = energy_function_engine(lennard_jones(), argon_box(seed=3), scheme(), seed=9, block=4)
+    engine.run(4)
+    assert len(asked) >= 8 and all(asked), asked
