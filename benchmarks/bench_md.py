@@ -330,8 +330,6 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     from ase.md.langevin import Langevin as AseLangevin
 
     from cgforge.plugin.md.engine import Engine
-    from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling
-
     reset_memory()
     options = calculator_options(ENGINE_BACKENDS.get(backend, {}))
     if options.get("compile") or ENGINE.get("fuse_integrator"):
@@ -354,8 +352,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             dyn.run(MD["warmup"])
             run = dyn.run
         else:
-            integrator = (Langevin(dt, temp, fr) if ensemble == "nvt"
-                          else StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0))
+            integrator = md_integrator(ensemble)
             invalidated = Counter(calc.step.invalidations)
             engine = Engine(calc, a, integrator, seed=1, max_temperature_K=float("inf"), **ENGINE)
             sync()
@@ -392,6 +389,17 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
     gc.collect()
     reset_memory()
     return row
+
+
+def md_integrator(ensemble: str):
+    """The engine integrator of an ``ensemble`` of the whole-MD runs (``MD``'s timestep, temperature, friction):
+    nvt ASE's Langevin scheme, npt CSVR + stochastic cell rescaling at 1 bar (tau_p 1,000 fs)."""
+    from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling
+
+    dt, temp = MD["timestep_fs"], MD["temperature_K"]
+    if ensemble == "nvt":
+        return Langevin(dt, temp, MD["friction_per_fs"])
+    return StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0)
 
 
 def device_use(engine, steps: int) -> dict:

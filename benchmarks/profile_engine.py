@@ -33,7 +33,6 @@ from common import environment, write_json  # noqa: E402
 
 from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
-from cgforge.plugin.md.integrators import Langevin, StochasticCellRescaling  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
@@ -51,16 +50,9 @@ def calculator(model: str, folder: str, compile_mode: str | None) -> Calculator:
                       dtype=None if model == "nequip-M" else "float32", compile=compile_mode or False)
 
 
-def integrator(ensemble: str):
-    """bench_md's integrator of ``ensemble`` (nvt: Langevin; npt: stochastic cell rescaling, 1 bar), 0.5 fs, 300 K."""
-    if ensemble == "nvt":
-        return Langevin(0.5, 300.0, 0.01)
-    return StochasticCellRescaling(0.5, 300.0, 1e-4, tau_p_fs=1000.0)
-
-
 def first_step_s(calc, atoms, ensemble: str) -> float:
     """Seconds of the engine's first step with this calculator: capture, and torch.compile when asked for."""
-    engine = Engine(calc, atoms.copy(), integrator(ensemble), seed=1, max_temperature_K=float("inf"))
+    engine = Engine(calc, atoms.copy(), bench_md.md_integrator(ensemble), seed=1, max_temperature_K=float("inf"))
     torch.cuda.synchronize()
     t = time.perf_counter()
     engine.run(1)
@@ -70,7 +62,7 @@ def first_step_s(calc, atoms, ensemble: str) -> float:
 
 def ms_per_step(calc, atoms, steps: int, ensemble: str, **engine_kw) -> float:
     a = atoms.copy()
-    engine = Engine(calc, a, integrator(ensemble), seed=1, max_temperature_K=float("inf"), **engine_kw)
+    engine = Engine(calc, a, bench_md.md_integrator(ensemble), seed=1, max_temperature_K=float("inf"), **engine_kw)
     engine.run(40)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -86,7 +78,8 @@ def kernel_table(calc, atoms, ensemble: str, steps: int = 10, cuda_graph: bool =
     """(name, ms per step, calls per step) of every kernel of engine steps of ``ensemble``, slowest first, and
     kernels per step; eager steps, or with ``cuda_graph`` the captured graphs' replays."""
     a = atoms.copy()
-    engine = Engine(calc, a, integrator(ensemble), seed=1, max_temperature_K=float("inf"), cuda_graph=cuda_graph)
+    engine = Engine(calc, a, bench_md.md_integrator(ensemble), seed=1, max_temperature_K=float("inf"),
+                    cuda_graph=cuda_graph)
     engine.run(20 if cuda_graph else 5)  # captured graphs before the profile
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile

@@ -131,7 +131,7 @@ def main() -> None:
     atoms = profile_engine.make(args.molecules)
     with tempfile.TemporaryDirectory() as folder:
         calc = profile_engine.calculator(args.model, folder, None)
-        engine = Engine(calc, atoms.copy(), profile_engine.integrator(args.ensemble), seed=1,
+        engine = Engine(calc, atoms.copy(), bench_md.md_integrator(args.ensemble), seed=1,
                         max_temperature_K=float("inf"))
         engine.run(40)  # the graphs captured first
         before = dict(engine.stats)

@@ -41,7 +41,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import bench_md  # noqa: E402
-import profile_engine  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 from cgforge.kernels import KernelTuning  # noqa: E402
@@ -137,7 +136,7 @@ def parse_compile(spec: str, names: set[str]) -> tuple[str, str]:
 def ms_per_step(calc: Calculator, atoms, warmup: int, steps: int, options: EngineOptions | None = None,
                 ensemble: str = "nvt") -> tuple[float, dict]:
     """(ms per step, bench_md.device_use of 40 more steps: the device's idle time and kernels per step)."""
-    engine = Engine(calc, atoms.copy(), profile_engine.integrator(ensemble), seed=1, max_temperature_K=float("inf"),
+    engine = Engine(calc, atoms.copy(), bench_md.md_integrator(ensemble), seed=1, max_temperature_K=float("inf"),
                     engine_options=options)
     engine.run(warmup)
     torch.cuda.synchronize()

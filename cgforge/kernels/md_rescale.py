@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .core.launch import thread_blocks
 from .core.registry import SourceKernels
-from .md_step import commit_plan, kinetic
+from .md_step import _on_step_kernels, _state_arrays, commit_plan, kinetic
 
 __all__ = ["BussiTerms", "CellRescalingTerms", "MD_RESCALE_SOURCE", "bussi_first", "bussi_first_cuda",
            "bussi_first_reference", "bussi_second", "bussi_second_cuda", "bussi_second_reference", "cell_scaling",
@@ -178,13 +178,6 @@ class CellRescalingTerms:
     anisotropic: bool
 
 
-def _float64_cuda(name: str, **arrays: Tensor) -> None:
-    for key, a in arrays.items():
-        if a.dtype != torch.float64 or not a.is_cuda or not a.is_contiguous():
-            raise ValueError(f"{name}: {key} must be a contiguous float64 CUDA tensor, got {a.dtype} on "
-                             f"{a.device}{'' if a.is_contiguous() else ' (not contiguous)'}")
-
-
 def _rescale(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor, draws: Tensor,
              bussi: BussiTerms, sum_kick: float, apply_kick: float, drift: float, cell: Tensor | None = None,
              virial: Tensor | None = None, cell_draws: Tensor | None = None,
@@ -224,7 +217,7 @@ def bussi_first_cuda(positions: Tensor, momenta: Tensor, forces: Tensor, masses:
     (``StochasticCellRescaling.before_forces``) mu from the start state (``virial``, ``cell``, ``cell_draws`` [3]
     or [1]), then positions and cell scaled by mu, momenta by 1 / mu. Three kernels."""
     arrays = {"positions": positions, "momenta": momenta, "forces": forces, "masses": masses, "heat": heat,
-              "draws": draws}
+              "draws": draws}  # checked in this order (an error names the argument's position)
     if barostat is not None:
         if cell is None or virial is None or cell_draws is None:
             raise ValueError("bussi_first_cuda: a barostat needs cell, virial and cell_draws")
@@ -233,7 +226,7 @@ def bussi_first_cuda(positions: Tensor, momenta: Tensor, forces: Tensor, masses:
                              f"{3 if barostat.anisotropic else 1}, got {tuple(cell.shape)}, {tuple(virial.shape)}, "
                              f"{tuple(cell_draws.shape)}")
         arrays |= {"cell": cell, "virial": virial, "cell_draws": cell_draws}
-    _float64_cuda("bussi_first_cuda", **arrays)
+    _state_arrays("bussi_first_cuda", *arrays.values())
     _rescale(positions, momenta, forces, masses, heat, draws, bussi, 0.0, 0.5 * dt, dt, cell, virial, cell_draws,
              barostat)
 
@@ -242,7 +235,7 @@ def bussi_second_cuda(momenta: Tensor, forces: Tensor, masses: Tensor, heat: Ten
                       bussi: BussiTerms, dt: float) -> None:
     """CSVR's second half in place (``CSVR.after_forces``): velocity Verlet's kick (dt / 2), then the momenta
     rescaled by Bussi's alpha (``draws`` [dof]) and heat += (alpha^2 - 1) K. Three kernels."""
-    _float64_cuda("bussi_second_cuda", momenta=momenta, forces=forces, masses=masses, heat=heat, draws=draws)
+    _state_arrays("bussi_second_cuda", momenta, forces, masses, heat, draws)
     _rescale(momenta, momenta, forces, masses, heat, draws, bussi, 0.5 * dt, 0.0, 0.0)
 
 
@@ -334,9 +327,8 @@ def bussi_second_reference(momenta: Tensor, forces: Tensor, masses: Tensor, heat
 
 
 def _on_kernels(*tensors: Tensor | None) -> bool:
-    """Whether the kernels take the half step: contiguous float64 CUDA arrays, no tracing."""
-    return not torch.compiler.is_compiling() and all(
-        t is None or (t.is_cuda and t.dtype == torch.float64 and t.is_contiguous()) for t in tensors)
+    """md_step's rule (contiguous float64 CUDA arrays, no tracing) over the arrays a half step is given."""
+    return _on_step_kernels(*(t for t in tensors if t is not None))
 
 
 def bussi_first(positions: Tensor, momenta: Tensor, forces: Tensor, masses: Tensor, heat: Tensor, draws: Tensor,
