@@ -6,6 +6,7 @@ under test (tests/test_md.py runs the command with real models)."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import signal
@@ -141,49 +142,91 @@ class _StandInCalculator:
         return self.tiles
 
     def set_compile(self, mode) -> None:
-        if self.error is not None:
+        if self.error is not None and mode:
             raise self.error
         self.compile = mode
 
 
+class _Trial:
+    """A stand-in for the engine trial: the ms a step of the calculator as it is set (plain or compiled)."""
+
+    def __init__(self, calc: _StandInCalculator, plain_ms: float, compiled_ms: float):
+        self.calc, self.plain_ms, self.compiled_ms, self.calls = calc, plain_ms, compiled_ms, []
+
+    def __call__(self) -> tuple[float, float]:
+        self.calls.append(self.calc.compile)
+        return (self.compiled_ms, 21.0) if self.calc.compile else (self.plain_ms, 0.5)
+
+
 def test_compile_auto_rule():
-    from cgforge.plugin.md.run import COMPILE_AUTO_MIN_STEPS, auto_compile
+    from cgforge.plugin.md.compile_trial import KEEP_BELOW
+    from cgforge.plugin.md.options import COMPILE_AUTO_MIN_SECONDS, COMPILE_AUTO_MIN_STEPS
+    from cgforge.plugin.md.run import auto_compile
 
     atoms = Atoms("H2O", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]])
-    long_run = COMPILE_AUTO_MIN_STEPS
-    cpu = _StandInCalculator("cpu")
-    assert auto_compile(cpu, atoms, long_run) is None and cpu.compile is None  # nothing compiled off CUDA
-    short = _StandInCalculator("cuda")
-    assert "off (49,999 steps; auto compiles runs of 50,000 or more" in auto_compile(short, atoms, long_run - 1)
-    assert short.compile is None
-    assert auto_compile(short, atoms, 30, min_steps=30).startswith("torch.compile: on (30 steps")  # another rule
-    on = _StandInCalculator("cuda")
-    assert auto_compile(on, atoms, long_run).startswith("torch.compile: on (50,000 steps") and on.compile == "default"
-    full = _StandInCalculator("cuda", fits=False)
-    assert "off (the box leaves too little GPU memory)" in auto_compile(full, atoms, long_run) and full.compile is None
-    unpatched = _StandInCalculator("cuda", patched=False)
-    assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run)
-    tiled = _StandInCalculator("cuda", tiles=True)
-    assert "off (the system runs in tiles" in auto_compile(tiled, atoms, long_run) and tiled.compile is None
-    no_triton = _StandInCalculator("cuda", error=RuntimeError("compile: Inductor needs Triton"))
-    assert auto_compile(no_triton, atoms, long_run) == "torch.compile: off (compile: Inductor needs Triton)"
+    long_run = 100_000  # 100 s a millisecond of step
+    assert long_run >= COMPILE_AUTO_MIN_STEPS and long_run * 2.0 / 1e3 >= COMPILE_AUTO_MIN_SECONDS
+
+    def calc_and_trial(device="cuda", plain_ms=2.0, compiled_ms=1.5, **kwargs):
+        calc = _StandInCalculator(device, **kwargs)
+        return calc, _Trial(calc, plain_ms, compiled_ms)
+
+    cpu, trial = calc_and_trial("cpu")
+    assert auto_compile(cpu, atoms, long_run, trial) is None and cpu.compile is None and not trial.calls
+    short, trial = calc_and_trial()
+    line = auto_compile(short, atoms, COMPILE_AUTO_MIN_STEPS - 1, trial)
+    assert f"off ({COMPILE_AUTO_MIN_STEPS - 1:,} steps; auto tries it for runs of {COMPILE_AUTO_MIN_STEPS:,}" in line
+    assert short.compile is None and not trial.calls  # too short for a trial at all
+    # long enough to try, but its plain steps take less than the minimum: timed plain once, never compiled
+    quick, trial = calc_and_trial(plain_ms=0.1)
+    line = auto_compile(quick, atoms, long_run, trial)
+    assert "off (100,000 steps of 0.10 ms take ~10 s; auto tries it for runs of 200 s" in line
+    assert quick.compile is None and trial.calls == [None]
+    faster, trial = calc_and_trial(plain_ms=2.0, compiled_ms=1.5)
+    line = auto_compile(faster, atoms, long_run, trial)
+    assert line == ("torch.compile: on (a trial on this system: 1.50 ms a step compiled, 2.00 plain; compiled in "
+                    "21 s)") and faster.compile == "default" and trial.calls == [None, "default"]
+    slower, trial = calc_and_trial(plain_ms=2.0, compiled_ms=2.2)
+    line = auto_compile(slower, atoms, long_run, trial)
+    assert line.startswith("torch.compile: off (a trial on this system: 2.20 ms a step compiled, 2.00 plain")
+    assert slower.compile is False and trial.calls == [None, "default"]  # compiled, timed, set back to plain
+    close, trial = calc_and_trial(plain_ms=2.0, compiled_ms=2.0 * KEEP_BELOW + 1e-3)  # within the trial's spread
+    assert "off (a trial" in auto_compile(close, atoms, long_run, trial) and close.compile is False
+    ase_path, _ = calc_and_trial()
+    line = auto_compile(ase_path, atoms, long_run, None)
+    assert "off (auto decides by a trial of the device engine" in line and ase_path.compile is None
+    full, trial = calc_and_trial(fits=False)
+    line = auto_compile(full, atoms, long_run, trial)
+    assert "off (the box leaves too little GPU memory)" in line and full.compile is None and not trial.calls
+    unpatched, trial = calc_and_trial(patched=False)
+    assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run, trial)
+    tiled, trial = calc_and_trial(tiles=True)
+    assert "off (the system runs in tiles" in auto_compile(tiled, atoms, long_run, trial) and tiled.compile is None
+    no_triton, trial = calc_and_trial(error=RuntimeError("compile: Inductor needs Triton"))
+    assert auto_compile(no_triton, atoms, long_run, trial) == "torch.compile: off (compile: Inductor needs Triton)"
+    assert not no_triton.compile
 
 
 @pytest.mark.cuda
 def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypatch):
-    """`cgforge md` on a GPU with the auto rule's threshold lowered to this run's length: the model is compiled
-    after loading, the engine fuses its integrator, the run ends well."""
+    """`cgforge md` on a GPU with the auto rule's thresholds lowered to this run's length and its keep rule set to
+    keep the compiled step whatever the trial measures: the trial times both engines on the GPU, the model stays
+    compiled, the engine fuses its integrator, the run ends well, from the structure as given."""
+    from cgforge.plugin.md import compile_trial
     from cgforge.plugin.md import run as md_run
 
     torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
-    monkeypatch.setattr(md_run, "auto_compile", functools.partial(md_run.auto_compile, min_steps=30))
+    monkeypatch.setattr(md_run, "auto_compile",
+                        functools.partial(md_run.auto_compile, min_steps=30, min_seconds=0.0))
+    monkeypatch.setattr(compile_trial, "KEEP_BELOW", math.inf)
     args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
             "-o", str(tmp_path / "out.traj")]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "torch.compile: on (30 steps" in out, out
-    assert len(read(tmp_path / "out.traj", ":")) >= 2
+    assert "torch.compile: on (a trial on this system: " in out, out
+    frames = read(tmp_path / "out.traj", ":")
+    assert len(frames) >= 2 and frames[0].info["md_step"] == 0
     assert main([*args[:-1], str(tmp_path / "short.traj"), "--steps", "29"]) == 0
     assert "torch.compile: off (29 steps" in capsys.readouterr().out
     torch._dynamo.reset()

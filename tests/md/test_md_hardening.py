@@ -226,7 +226,8 @@ def test_run_md_relaxes_and_compiles_as_cgforge_md_does():
     plan = plan_md(_copper(), gpu, steps=COMPILE_AUTO_MIN_STEPS, log=lines.append, engine="ase")
     plan.start()
     plan.close()
-    assert gpu.compile == "default" and lines[-1].startswith(f"torch.compile: on ({COMPILE_AUTO_MIN_STEPS:,} steps")
+    # ASE's dynamics: auto's trial times the device engine, so this run stays plain and says why
+    assert gpu.compile is None and lines[-1].startswith("torch.compile: off (auto decides by a trial of the device")
 
 
 # --- files ------------------------------------------------------------------------------------------------

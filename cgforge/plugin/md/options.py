@@ -19,8 +19,11 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # Blow-up limit when none is given: far above any liquid or solid, far below an exploded run; 10x hot targets
 MAX_TEMPERATURE_FLOOR_K = 5000.0
 MAX_TEMPERATURE_FACTOR = 10.0
-# compile auto: the shortest run whose savings pay back the compilation (docs/measured-constants.md)
-COMPILE_AUTO_MIN_STEPS = 50_000
+# compile auto (compile_trial.py): runs shorter than this are not tried (even the largest saving per step measured
+# would not repay the compilation), nor runs whose plain steps take less than this many seconds in all (a tenth off
+# the step would not repay it; docs/measured-constants.md)
+COMPILE_AUTO_MIN_STEPS = 10_000
+COMPILE_AUTO_MIN_SECONDS = 200.0
 
 # A run's mode: the ensemble, and for NVT its thermostat. A field with ``modes`` is refused in the others.
 MODES = {"nvt-langevin": "NVT (langevin)", "nvt-csvr": "NVT (csvr)", "nve": "NVE", "npt": "NPT"}
@@ -154,7 +157,9 @@ class MDOptions:
         shown="0; cgforge md: 100 for a generated box", type=int)
     compile: str | None = option(None, _check_compile, "--compile", (
         "compile the model with torch.compile (Inductor); MODE: default (the flag alone), max-autotune-no-cudagraphs, "
-        f"off, or auto: on for runs of at least {COMPILE_AUTO_MIN_STEPS:,} steps on a GPU when the box leaves room"),
+        f"off, or auto: on a GPU, for a run of at least {COMPILE_AUTO_MIN_STEPS:,} steps whose plain steps take "
+        f"{COMPILE_AUTO_MIN_SECONDS:.0f} s or more, a trial on its own system keeps the faster of the plain and the "
+        "compiled step"),
         value="auto", type=str, nargs="?", const="default", metavar="MODE")
     force: bool = option(False, check_flag, "--force", (
         "overwrite the trajectory, log and plot files if they exist (never the input files)"), action="store_true")

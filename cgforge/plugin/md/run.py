@@ -24,6 +24,7 @@ import numpy as np
 from ase import Atoms
 
 from .checks import CtrlC, Guard, MDInstabilityError, MDSummary, Progress, summarize, total_energy
+from .compile_trial import auto_compile, engine_trial
 from .dynamics import AseDynamics, ase_dynamics, choose_engine, engine_dynamics, thermalize
 from .files import (
     MODEL_MISMATCH_MEV_PER_ATOM,
@@ -297,8 +298,11 @@ class MDPlan:
                      f"{self.atoms.get_potential_energy():.4f} eV, max force "
                      f"{float(np.linalg.norm(self.atoms.get_forces(), axis=1).max()):.3f} eV/Å")
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
-            line = auto_compile(calc, self.atoms, self.o.steps)
-            if line and (loaded or getattr(calc, "compile", None)):  # a compiled model is always said
+            trial = (lambda: engine_trial(calc, self.atoms, self.o, self.engine_options)) if self.engine == "device" \
+                else None
+            line = auto_compile(calc, self.atoms, self.o.steps, trial)
+            # said when the caller loaded the model, and whenever auto may have run a trial or compiled
+            if line and (loaded or self.o.steps >= COMPILE_AUTO_MIN_STEPS):
                 self.out(line)
         if loaded:
             self.out(options_banner(calc, self.engine, self.o.engine, calc.neighbours.skin))
@@ -363,26 +367,6 @@ def options_banner(calc: Any, engine: str, requested: str, skin: float) -> str:
     if tuning is not None and tuning != type(tuning)() and getattr(calc, "patched", False):
         parts.append("kernel tuning: " + tuning.describe().replace("\n", ", "))
     return "options: " + ", ".join(parts)
-
-
-def auto_compile(calc: Any, atoms: Atoms, steps: int, min_steps: int = COMPILE_AUTO_MIN_STEPS) -> str | None:
-    """compile auto: compile for a run of ``min_steps`` or more on CUDA when the model fits; the line saying so."""
-    if getattr(getattr(calc, "device", None), "type", None) != "cuda":
-        return None
-    if steps < min_steps:
-        return (f"torch.compile: off ({steps:,} steps; auto compiles runs of {min_steps:,} or more, "
-                "--compile forces it)")
-    uses_tiles = getattr(calc, "uses_tiles", None)
-    if callable(uses_tiles) and uses_tiles(atoms):  # asked before compiled_fits, which builds the whole Verlet list
-        return "torch.compile: off (the system runs in tiles, eagerly)"
-    if not calc.patched or not calc.compiled_fits(atoms):
-        why = "the model is not patched by cgforge" if not calc.patched else "the box leaves too little GPU memory"
-        return f"torch.compile: off ({why})"
-    try:
-        calc.set_compile("default")
-    except (RuntimeError, ValueError) as err:  # no Triton, no dynamo: run eagerly and say why
-        return f"torch.compile: off ({err})"
-    return f"torch.compile: on ({steps:,} steps; the first step pays the compilation, ~20 s)"
 
 
 def _run(plan: MDPlan, which: str) -> MDSummary:
