@@ -96,6 +96,8 @@ SUITES: dict[str, Suite] = {
                    (("bench_batch.py",),)),
     "compile": Suite("torch.compile of a water model's step: a first and a second process sharing one cache",
                      (("bench_compile.py",),)),
+    "nve": Suite("energy conservation: NVE of a 1,536-atom water box at 1 fs for 50 ps on the device engine, the "
+                 "total energy's drift per model (bundled MACE and NequIP, FP32)", (("nve_drift.py",),)),
 }
 
 VERSIONS = {  # manifest key: distribution names, first found wins (nothing is imported: importing
