@@ -158,6 +158,19 @@ class _Trial:
         return (self.compiled_ms, 21.0) if self.calc.compile else (self.plain_ms, 0.5)
 
 
+def _blowing(trial: _Trial):
+    """``trial``, raising the engine's MDBlowUp where its time is the string 'blow'."""
+    from cgforge.plugin.md.commit import MDBlowUp
+
+    def run() -> tuple[float, float]:
+        ms, seconds = trial()
+        if ms == "blow":
+            raise MDBlowUp(7, "energy", float("nan"))
+        return ms, seconds
+
+    return run
+
+
 def test_compile_auto_rule():
     from cgforge.plugin.md.compile_trial import KEEP_BELOW
     from cgforge.plugin.md.options import COMPILE_AUTO_MIN_SECONDS, COMPILE_AUTO_MIN_STEPS
@@ -202,6 +215,15 @@ def test_compile_auto_rule():
     assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run, trial)
     tiled, trial = calc_and_trial(tiles=True)
     assert "off (the system runs in tiles" in auto_compile(tiled, atoms, long_run, trial) and tiled.compile is None
+    blown, trial = calc_and_trial()
+    trial.plain_ms = "blow"  # the trial's plain steps blow up: auto stays plain, the run reports the blow-up itself
+    line = auto_compile(blown, atoms, long_run, _blowing(trial))
+    assert line.startswith("torch.compile: off (the trial's plain steps blew up: MD blew up at step 7") and \
+        blown.compile is None
+    blown, trial = calc_and_trial()
+    trial.compiled_ms = "blow"
+    line = auto_compile(blown, atoms, long_run, _blowing(trial))
+    assert line.startswith("torch.compile: off (the trial's compiled steps blew up") and not blown.compile
     no_triton, trial = calc_and_trial(error=RuntimeError("compile: Inductor needs Triton"))
     assert auto_compile(no_triton, atoms, long_run, trial) == "torch.compile: off (compile: Inductor needs Triton)"
     assert not no_triton.compile

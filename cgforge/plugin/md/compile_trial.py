@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from ase import Atoms
 
+from .commit import MDBlowUp
 from .dynamics import engine_dynamics, thermalize
 from .options import COMPILE_AUTO_MIN_SECONDS, COMPILE_AUTO_MIN_STEPS, EngineOptions
 
@@ -77,7 +78,10 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_s
         return f"torch.compile: off ({why})"
     if trial is None:
         return "torch.compile: off (auto decides by a trial of the device engine; ASE's dynamics run plain)"
-    plain_ms, _ = trial()
+    try:
+        plain_ms, _ = trial()
+    except MDBlowUp as err:  # the run itself will meet it and report it as runs do (exit code 3)
+        return f"torch.compile: off (the trial's plain steps blew up: {err})"
     run_s = steps * plain_ms / 1e3
     if run_s < min_seconds:
         return (f"torch.compile: off ({steps:,} steps of {plain_ms:.2f} ms take ~{run_s:.0f} s; auto tries it for runs "
@@ -85,6 +89,9 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_s
     try:
         calc.set_compile("default")
         compiled_ms, compile_s = trial()
+    except MDBlowUp as err:
+        calc.set_compile(False)
+        return f"torch.compile: off (the trial's compiled steps blew up: {err})"
     except (RuntimeError, ValueError) as err:  # no Triton, no dynamo, a failed compilation: run eagerly, say why
         calc.set_compile(False)
         return f"torch.compile: off ({err})"
