@@ -14,6 +14,7 @@ from cgforge.plugin.water import water_box
 pytestmark = pytest.mark.usefixtures("fp64_one_thread")
 
 
+@pytest.mark.slow
 def test_the_trial_times_a_copy_and_leaves_the_run_as_it_was(tmp_path):
     atoms = water_box(8, seed=3)
     atoms.calc = calc = Calculator("mace", device="cpu", dtype="float64", skin=0.5)
