@@ -402,10 +402,69 @@ def md_integrator(ensemble: str):
     return StochasticCellRescaling(dt, temp, 1e-4, tau_p_fs=1000.0)
 
 
+# Where each mark is recorded (on the engine's stream, at the method's entry) and what it stands for: "start" before a
+# block (or an out-of-block rebuild) queues anything; "end" when a block's work is all queued (its report read);
+# "search" when the pipelined search begins (the block's steps queued); "install" before a list is installed.
+EVENT_MARKS = (("engine", "_run_block", "start"), ("engine", "_rebuild", "start"), ("engine", "_read_report", "end"),
+               ("provider", "search", "search"), ("provider", "install", "install"))
+
+
+def event_gaps(marks: list[tuple[str, object]]) -> dict[str, list[float]]:
+    """The device's idle ms between consecutive marks with nothing queued on the engine's stream between them
+    (``marks``: (kind, event) in the order recorded; ``event.elapsed_time(later)`` in ms): "boundary", from each "end"
+    to the next mark (the host reading the report and planning what comes next); "search", from each "search" to the
+    next mark (the engine's stream idle while the host searched, where the search outlasted the steps queued before
+    it; the search's own kernels may run meanwhile, on their stream)."""
+    gaps: dict[str, list[float]] = {"boundary": [], "search": []}
+    for (kind, event), (_, next_event) in zip(marks, marks[1:]):
+        if kind == "end":
+            gaps["boundary"].append(event.elapsed_time(next_event))
+        elif kind == "search":
+            gaps["search"].append(event.elapsed_time(next_event))
+    return gaps
+
+
+def event_idle(engine, steps: int, new_event=None) -> tuple[float, dict[str, list[float]]]:
+    """Wall seconds of ``steps`` engine steps with no profiler and no timers, and ``event_gaps`` of the CUDA events
+    recorded at ``EVENT_MARKS`` (``new_event``: makes a recordable event, a CUDA one by default)."""
+    new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+    marks: list[tuple[str, object]] = []
+
+    def marked(kind, fn):
+        def wrapper(*a, **k):
+            event = new_event()
+            event.record()
+            marks.append((kind, event))
+            return fn(*a, **k)
+        return wrapper
+
+    owners = {"engine": engine, "provider": engine.provider}
+    undo = []
+    for owner, name, kind in EVENT_MARKS:
+        target = owners[owner]
+        if callable(getattr(target, name, None)):
+            setattr(target, name, marked(kind, getattr(target, name)))
+            undo.append((target, name))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    try:
+        sync()
+        t = time.perf_counter()
+        engine.run(steps)
+        sync()
+        wall = time.perf_counter() - t
+    finally:
+        for target, name in undo:
+            delattr(target, name)  # the instance attribute shadowed the class's method
+    return wall, event_gaps(marks)
+
+
 def device_use(engine, steps: int) -> dict:
     """The device's idle time and kernels per step over ``steps`` more engine steps, profiled (torch.profiler's
     CUDA activity; ``common.device_timeline``): idle = no kernel or copy running between the first and the last;
-    gap_idle of it in gaps of at least ``LONG_GAP_US`` (the host's waits: block boundaries, not launch gaps)."""
+    gap_idle of it in gaps of at least ``LONG_GAP_US`` (the host's waits: block boundaries, not launch gaps). The
+    profiler slows the host's launches, so these are upper bounds; then ``steps`` more unprofiled with CUDA events
+    (``event_idle``): boundary_idle_ms and search_idle_ms, the device's idle a step at block boundaries and behind
+    the pipelined search, as a run without the profiler has them."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -414,7 +473,9 @@ def device_use(engine, steps: int) -> dict:
         sync()
     line = device_timeline(device_spans(prof), steps)
     long_gaps = sum(gap for gap in line["gaps_us"] if gap >= LONG_GAP_US) / steps / 1e3
-    return {**{k: line[k] for k in ("wall_ms", "busy_ms", "idle_ms", "kernels", "activities")}, "gap_idle_ms": long_gaps}
+    _, gaps = event_idle(engine, steps)
+    return {**{k: line[k] for k in ("wall_ms", "busy_ms", "idle_ms", "kernels", "activities")}, "gap_idle_ms": long_gaps,
+            "boundary_idle_ms": sum(gaps["boundary"]) / steps, "search_idle_ms": sum(gaps["search"]) / steps}
 
 
 def fastmace_md(model_name: str, dtype: str, atoms, files: dict) -> dict:
@@ -815,6 +876,9 @@ def md_details(r: dict) -> str:
             if use:
                 text += (f" device idle {use['idle_ms']:.3f} ms/step ({use['gap_idle_ms']:.3f} in gaps of "
                          f">= {LONG_GAP_US:g} us), {use['kernels']:.0f} kernels/step")
+                if "boundary_idle_ms" in use:  # rows before the events were measured lack it
+                    text += (f"; unprofiled idle {use['boundary_idle_ms']:.3f} ms/step at block boundaries, "
+                             f"{use['search_idle_ms']:.3f} behind searches")
             if f"{ensemble}_setup_s" in r:
                 text += f" setup {r[f'{ensemble}_setup_s']:.0f} s"
             if f"{ensemble}_first_step_s" in r:

@@ -13,7 +13,7 @@ others), calls per step, the engine's stats (rebuilds, discarded steps) and the 
 in gaps of at least bench_md's ``LONG_GAP_US`` is charged to the innermost host phase running through it
 (``idle_by_phase``): what the host was doing while the device waited; the profiler slows the host's launches, so
 these gaps are upper bounds. ``--events`` then runs ``--steps`` more with neither profiler nor timers and CUDA events
-recorded where the engine stops queueing and starts again (``event_idle``): the device's idle at each block boundary
+recorded where the engine stops queueing and starts again (``bench_md.event_idle``): the device's idle at each block boundary
 and behind a search that outlasts its hiding steps, as an unprofiled run has them. Needs a CUDA GPU.
 """
 
@@ -68,62 +68,6 @@ def idle_by_phase(spans: list[tuple[float, float, str]], ranges: list[tuple[floa
             active = [(r1 - r0, label) for r0, r1, label in ranges if r0 <= mid < r1]
             out[min(active)[1] if active else NO_PHASE] += b - a
     return dict(out)
-
-
-# Where each mark is recorded (on the engine's stream, at the method's entry) and what it stands for: "start" before a
-# block (or an out-of-block rebuild) queues anything; "end" when a block's work is all queued (its report read);
-# "search" when the pipelined search begins (the block's steps queued); "install" before a list is installed.
-EVENT_MARKS = (("engine", "_run_block", "start"), ("engine", "_rebuild", "start"), ("engine", "_read_report", "end"),
-               ("provider", "search", "search"), ("provider", "install", "install"))
-
-
-def event_gaps(marks: list[tuple[str, object]]) -> dict[str, list[float]]:
-    """The device's idle ms between consecutive marks with nothing queued on the engine's stream between them
-    (``marks``: (kind, event) in the order recorded; ``event.elapsed_time(later)`` in ms): "boundary", from each "end"
-    to the next mark (the host reading the report and planning what comes next); "search", from each "search" to the
-    next mark (the engine's stream idle while the host searched, where the search outlasted the steps queued before
-    it; the search's own kernels may run meanwhile, on their stream)."""
-    gaps: dict[str, list[float]] = {"boundary": [], "search": []}
-    for (kind, event), (_, next_event) in zip(marks, marks[1:]):
-        if kind == "end":
-            gaps["boundary"].append(event.elapsed_time(next_event))
-        elif kind == "search":
-            gaps["search"].append(event.elapsed_time(next_event))
-    return gaps
-
-
-def event_idle(engine: Engine, steps: int, new_event=None) -> tuple[float, dict[str, list[float]]]:
-    """Wall seconds of ``steps`` engine steps with no profiler and no timers, and ``event_gaps`` of the CUDA events
-    recorded at ``EVENT_MARKS`` (``new_event``: makes a recordable event, a CUDA one by default)."""
-    new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
-    marks: list[tuple[str, object]] = []
-
-    def marked(kind, fn):
-        def wrapper(*a, **k):
-            event = new_event()
-            event.record()
-            marks.append((kind, event))
-            return fn(*a, **k)
-        return wrapper
-
-    owners = {"engine": engine, "provider": engine.provider}
-    undo = []
-    for owner, name, kind in EVENT_MARKS:
-        target = owners[owner]
-        if callable(getattr(target, name, None)):
-            setattr(target, name, marked(kind, getattr(target, name)))
-            undo.append((target, name))
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    try:
-        sync()
-        t = time.perf_counter()
-        engine.run(steps)
-        sync()
-        wall = time.perf_counter() - t
-    finally:
-        for target, name in undo:
-            delattr(target, name)  # the instance attribute shadowed the class's method
-    return wall, event_gaps(marks)
 
 
 def host_phases(engine: Engine, steps: int, attribute: bool = False
@@ -200,7 +144,7 @@ def main() -> None:
         wall, phases, idle = host_phases(engine, args.steps, args.attribute)
         if args.events:
             marked_before = engine.stats["steps"]
-            events_wall, gaps = event_idle(engine, args.steps)
+            events_wall, gaps = bench_md.event_idle(engine, args.steps)
             events_steps = engine.stats["steps"] - marked_before
     stats = {k: engine.stats[k] - before[k] for k in ("steps", "blocks", "discarded", "rebuilds",
                                                         "overlapped_rebuilds", "captures", "grows")}

@@ -18,9 +18,10 @@ NAME=MODE`` with torch.compile in that mode (``Calculator(compile=)``; its first
 first round's warm-up: give ``--warmup`` room). ``--ensemble npt`` steps bench_md's NPT (stochastic cell rescaling)
 instead of NVT Langevin. Per model: one Calculator per variant (FP32), the box relaxed once by bench_md's
 ``md_atoms``, then per round and variant a fresh Engine (NVT Langevin or NPT, 0.5 fs, 300 K) that runs ``--warmup``
-steps and is timed over ``--steps``, then 40 steps profiled (``bench_md.device_use``: the device's idle time and
-kernels per step). Prints ms per step of every round, the median per tuning, its ratio to the reference and the
-median idle time and kernels; JSON goes to benchmarks/results/ (or $OUT). Needs a CUDA GPU.
+steps and is timed over ``--steps``, then 40 steps profiled and 40 with CUDA events (``bench_md.device_use``: the
+device's idle time, its idle at block boundaries unprofiled, kernels per step). Prints ms per step of every round,
+the median per tuning, its ratio to the reference and the median idle times and kernels; JSON goes to
+benchmarks/results/ (or $OUT). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ def main() -> None:
                                 "vs_reference": median / reference, "device": device[name],
                                 "median_idle_ms": float(np.median([u["idle_ms"] for u in device[name]])),
                                 "median_gap_idle_ms": float(np.median([u["gap_idle_ms"] for u in device[name]])),
+                                "median_boundary_idle_ms": float(np.median([u["boundary_idle_ms"]
+                                                                            for u in device[name]])),
                                 "median_kernels": float(np.median([u["kernels"] for u in device[name]]))})
             del calcs
             torch.cuda.empty_cache()
@@ -219,11 +222,13 @@ def main() -> None:
     print(f"\n{len(atoms)} atoms, {what} FP32, {args.steps} steps after {args.warmup}, "
           f"{args.rounds} interleaved rounds; JSON: {path}")
     print(f"{'model':16s} {'tuning':12s} {'median ms':>10s} {'vs first':>9s} {'idle ms':>8s} {'in gaps':>8s} "
-          f"{'kernels':>8s}  rounds (idle: the device's, per step, over 40 profiled steps after each round's timed "
-          f"ones; in gaps: of it in gaps >= {bench_md.LONG_GAP_US:g} us, the host's waits)")
+          f"{'boundary':>8s} {'kernels':>8s}  rounds (idle: the device's, per step, over 40 profiled steps after each "
+          f"round's timed ones; in gaps: of it in gaps >= {bench_md.LONG_GAP_US:g} us, the host's waits; boundary: "
+          "the idle at block boundaries over 40 more steps unprofiled, from CUDA events)")
     for row in results:
         print(f"{row['model']:16s} {row['tuning_name']:12s} {row['median_ms']:10.3f} {row['vs_reference']:8.3f}x "
-              f"{row['median_idle_ms']:8.3f} {row['median_gap_idle_ms']:8.3f} {row['median_kernels']:8.0f}  "
+              f"{row['median_idle_ms']:8.3f} {row['median_gap_idle_ms']:8.3f} {row['median_boundary_idle_ms']:8.3f} "
+              f"{row['median_kernels']:8.0f}  "
               + " ".join(f"{v:.3f}" for v in row["ms_per_step"]))
 
 

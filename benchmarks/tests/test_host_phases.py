@@ -1,5 +1,6 @@
-"""host_phases.py's attribution of the device's idle gaps to host phases (``idle_by_phase``), on synthetic
-timelines: no GPU needed. Run with ``.venv/bin/python -m pytest benchmarks/tests``."""
+"""host_phases.py's attribution of the device's idle gaps to host phases (``idle_by_phase``) and bench_md's idle
+from CUDA events (``event_gaps``, ``event_idle``, which host_phases --events prints), on synthetic timelines and a CPU
+engine: no GPU needed. Run with ``.venv/bin/python -m pytest benchmarks/tests``."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_event_gaps_take_the_idle_after_each_report_and_behind_each_search() -> 
         event = _Stamp(times)
         event.record()
         marks.append((kind, event))
-    gaps = host_phases.event_gaps(marks)
+    gaps = host_phases.bench_md.event_gaps(marks)
     assert gaps == {"boundary": [15.5], "search": [2.0]}  # the last report has nothing after it
 
 
@@ -83,7 +84,7 @@ def test_event_idle_marks_every_block_of_a_cpu_engine() -> None:
     engine = Engine(calc, atoms, VelocityVerlet(0.5), block=3)
     engine.run(2)
     blocks = engine.stats["blocks"]
-    wall, gaps = host_phases.event_idle(engine, 9, new_event=Clock)
+    wall, gaps = host_phases.bench_md.event_idle(engine, 9, new_event=Clock)
     ran = engine.stats["blocks"] - blocks  # 3 blocks of 3, or more where the list's slack shortened one
     assert ran >= 3 and len(gaps["boundary"]) == ran - 1
     assert all(0 <= g < 1e3 * wall for g in gaps["boundary"]) and "_run_block" not in vars(engine)
