@@ -37,3 +37,16 @@ def test_the_trial_times_a_copy_and_leaves_the_run_as_it_was(tmp_path):
     np.testing.assert_array_equal(atoms.get_positions(), again.get_positions())
     np.testing.assert_array_equal(np.array(atoms.cell), np.array(again.cell))
     assert after.steps == alone.steps == 6
+
+
+def test_trial_steps_fit_a_large_systems_trial_into_its_seconds():
+    from cgforge.plugin.md.compile_trial import trial_steps
+
+    # a small system's step: the whole warm-up (less the two probes) and all the timed steps
+    assert trial_steps(1.35, warmup=100, steps=100, seconds=5.0, probe=10) == (80, 100)
+    # 0.4 s a step: 12 steps fit 5 s; the probes are the whole warm-up
+    assert trial_steps(400.0, warmup=100, steps=100, seconds=5.0, probe=10) == (0, 12)
+    # 2 s a step: fewer than the probe's steps would fit, the probe's count is kept
+    assert trial_steps(2000.0, warmup=100, steps=100, seconds=5.0, probe=10) == (0, 10)
+    # a probe that measured nothing (a clock too coarse): no cut
+    assert trial_steps(0.0, warmup=100, steps=100, seconds=5.0, probe=10) == (80, 100)

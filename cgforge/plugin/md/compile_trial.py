@@ -7,7 +7,8 @@ spends tens of seconds compiling (docs/measured-constants.md). So ``auto`` does 
 1. off the GPU, for a structure evaluated in tiles, a model cgforge did not patch or a box that leaves the compiled
    model too little memory: off, said why;
 2. a run shorter than ``min_steps`` (``COMPILE_AUTO_MIN_STEPS``): off, no trial;
-3. the plain engine step timed on a copy of the structure (``engine_trial``); a run whose plain steps take less
+3. the plain engine step timed on a copy of the structure (``engine_trial``: ``TRIAL_WARMUP`` steps, then
+   ``TRIAL_STEPS`` timed, each cut to ``TRIAL_SECONDS`` for a large system); a run whose plain steps take less
    than ``min_seconds`` in all (``COMPILE_AUTO_MIN_SECONDS``: a tenth off its step would not repay the
    compilation) stays plain;
 4. the compiled step timed the same way; kept only when it is ``KEEP_BELOW`` of the plain step or faster.
@@ -30,33 +31,53 @@ from .commit import MDBlowUp
 from .dynamics import engine_dynamics, thermalize
 from .options import COMPILE_AUTO_MIN_SECONDS, COMPILE_AUTO_MIN_STEPS, EngineOptions
 
-__all__ = ["KEEP_BELOW", "TRIAL_STEPS", "TRIAL_WARMUP", "auto_compile", "engine_trial"]
+__all__ = ["KEEP_BELOW", "PROBE_STEPS", "TRIAL_SECONDS", "TRIAL_STEPS", "TRIAL_WARMUP", "auto_compile", "engine_trial",
+           "trial_steps"]
 
 TRIAL_WARMUP = 100  # steps before the timed ones: graph capture, the first rebuilds, the capacity refits (bench_md's)
 TRIAL_STEPS = 100  # timed steps per variant: two of the engine's blocks on CUDA
+# ... each at most this many seconds of steps (a large system's step is stable after a few; its trial stays short),
+# judged from a probe after the first steps (capture, compilation), and at least the probe's steps
+TRIAL_SECONDS = 5.0
+PROBE_STEPS = 10
 KEEP_BELOW = 0.97  # the compiled step is kept only 3 % faster or more: closer, the trial's own spread decides
 
 # () -> (ms a step, seconds of the warm-up): the step of whatever the calculator is set to (plain or compiled)
 Trial = Callable[[], tuple[float, float]]
 
 
+def trial_steps(probe_ms: float, warmup: int, steps: int, seconds: float = TRIAL_SECONDS,
+                probe: int = PROBE_STEPS) -> tuple[int, int]:
+    """(warm-up steps after the two probes, timed steps) for a step of ``probe_ms``: ``warmup`` and ``steps`` each
+    cut to what fits ``seconds``, never below ``probe`` (the two probes count towards the warm-up)."""
+    fit = max(probe, int(seconds * 1e3 / probe_ms)) if probe_ms > 0 else steps
+    return max(0, min(warmup, fit) - 2 * probe), max(1, min(steps, fit))
+
+
 def engine_trial(calc: Any, atoms: Atoms, o: Any, options: EngineOptions, warmup: int = TRIAL_WARMUP,
-                 steps: int = TRIAL_STEPS) -> tuple[float, float]:
-    """(ms a step over ``steps``, seconds of the ``warmup`` steps before them) of the device engine stepping a copy
-    of ``atoms`` with ``calc`` as the run ``o`` (its ``MDOptions``) would; momenta drawn at the run's temperature
-    (seeded) when the structure is at rest."""
+                 steps: int = TRIAL_STEPS, seconds: float = TRIAL_SECONDS) -> tuple[float, float]:
+    """(ms a step over the timed steps, seconds of the warm-up before them) of the device engine stepping a copy of
+    ``atoms`` with ``calc`` as the run ``o`` (its ``MDOptions``) would; momenta drawn at the run's temperature
+    (seeded) when the structure is at rest. Two probes of ``PROBE_STEPS`` (fewer for a short ``warmup``) time the
+    step first; ``trial_steps`` cuts the rest to ``seconds`` each."""
     trial = atoms.copy()
     if not np.any(trial.get_momenta()):
         thermalize(trial, o["temperature_K"], np.random.default_rng(o["seed"]))
     engine = engine_dynamics(trial, calc, o, None, options, ()).engine
     engine.max_temperature_K = math.inf  # timing only: a hot trial is the run's to report
+    probe = max(1, min(PROBE_STEPS, warmup // 2))
     try:
         start = time.perf_counter()
-        engine.run(warmup)
+        engine.run(probe)  # the first steps: graph capture, a compilation
+        t = time.perf_counter()
+        engine.run(probe)  # each run ends in a sync: its steps are done when it returns
+        probe_ms = (time.perf_counter() - t) * 1e3 / probe
+        more, timed = trial_steps(probe_ms, warmup, steps, seconds, probe)
+        engine.run(more)
         warm = time.perf_counter() - start
-        start = time.perf_counter()
-        engine.run(steps)  # each block ends in a sync: the steps are done when it returns
-        return (time.perf_counter() - start) * 1e3 / steps, warm
+        t = time.perf_counter()
+        engine.run(timed)
+        return (time.perf_counter() - t) * 1e3 / timed, warm
     finally:
         engine.invalidate()  # its graphs' memory back before the run's engine captures its own
 
