@@ -234,14 +234,12 @@ def test_compile_auto_compiles_a_long_run_on_the_gpu(tmp_path, capsys, monkeypat
     """`cgforge md` on a GPU with the auto rule's thresholds lowered to this run's length and its keep rule set to
     keep the compiled step whatever the trial measures: the trial times both engines on the GPU, the model stays
     compiled, the engine fuses its integrator, the run ends well, from the structure as given."""
-    from cgforge.plugin.md import compile_trial
     from cgforge.plugin.md import run as md_run
 
     torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
-    monkeypatch.setattr(md_run, "auto_compile",
-                        functools.partial(md_run.auto_compile, min_steps=30, min_seconds=0.0))
-    monkeypatch.setattr(compile_trial, "KEEP_BELOW", math.inf)
+    monkeypatch.setattr(md_run, "auto_compile", functools.partial(md_run.auto_compile, min_steps=30, min_seconds=0.0,
+                                                                  keep_below=math.inf))
     args = ["md", "--molecules", "64", "--device", "cuda", "--relax", "0", "--steps", "30",
             "-o", str(tmp_path / "out.traj")]
     assert main(args) == 0

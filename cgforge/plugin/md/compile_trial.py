@@ -83,9 +83,10 @@ def engine_trial(calc: Any, atoms: Atoms, o: Any, options: EngineOptions, warmup
 
 
 def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_steps: int = COMPILE_AUTO_MIN_STEPS,
-                 min_seconds: float = COMPILE_AUTO_MIN_SECONDS) -> str | None:
+                 min_seconds: float = COMPILE_AUTO_MIN_SECONDS, keep_below: float = KEEP_BELOW) -> str | None:
     """compile auto (the module doc): compiles ``calc`` or leaves it plain; the line saying which and why (None off
-    CUDA). ``trial``: times the engine's step as the calculator is set (None: the run uses ASE's dynamics)."""
+    CUDA). ``trial``: times the engine's step as the calculator is set (None: the run uses ASE's dynamics);
+    ``keep_below``: the compiled step is kept at this fraction of the plain one or less."""
     if getattr(getattr(calc, "device", None), "type", None) != "cuda":
         return None
     if steps < min_steps:
@@ -117,7 +118,7 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_s
         calc.set_compile(False)
         return f"torch.compile: off ({err})"
     measured = f"a trial on this system: {compiled_ms:.2f} ms a step compiled, {plain_ms:.2f} plain"
-    if compiled_ms > KEEP_BELOW * plain_ms:
+    if compiled_ms > keep_below * plain_ms:
         calc.set_compile(False)
         return f"torch.compile: off ({measured}; compiled in {compile_s:.0f} s)"
     return f"torch.compile: on ({measured}; compiled in {compile_s:.0f} s)"
