@@ -192,11 +192,15 @@ def test_compile_auto_rule():
     assert short.compile is None and not trial.calls  # too short for a trial at all
     # long enough to try, but its plain steps take less than the minimum: timed plain once, never compiled
     quick, trial = calc_and_trial(plain_ms=0.1)
-    line = auto_compile(quick, atoms, long_run, trial)
-    assert "off (100,000 steps of 0.10 ms take ~10 s; auto tries it for runs of 200 s" in line
+    said = []
+    line = auto_compile(quick, atoms, long_run, trial, say=said.append)
+    assert "off (100,000 steps of 0.10 ms take ~10 s; auto tries it for runs of 200 s" in line and not said
     assert quick.compile is None and trial.calls == [None]
     faster, trial = calc_and_trial(plain_ms=2.0, compiled_ms=1.5)
-    line = auto_compile(faster, atoms, long_run, trial)
+    said = []
+    line = auto_compile(faster, atoms, long_run, trial, say=said.append)
+    assert said == ["torch.compile auto: the plain step takes 2.00 ms here; compiling the model to time its compiled "
+                    "step (tens of seconds)"]  # before the compiled trial, which compiles
     assert line == ("torch.compile: on (a trial on this system: 1.50 ms a step compiled, 2.00 plain; compiled in "
                     "21 s)") and faster.compile == "default" and trial.calls == [None, "default"]
     slower, trial = calc_and_trial(plain_ms=2.0, compiled_ms=2.2)

@@ -83,10 +83,12 @@ def engine_trial(calc: Any, atoms: Atoms, o: Any, options: EngineOptions, warmup
 
 
 def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_steps: int = COMPILE_AUTO_MIN_STEPS,
-                 min_seconds: float = COMPILE_AUTO_MIN_SECONDS, keep_below: float = KEEP_BELOW) -> str | None:
+                 min_seconds: float = COMPILE_AUTO_MIN_SECONDS, keep_below: float = KEEP_BELOW,
+                 say: Callable[[str], None] | None = None) -> str | None:
     """compile auto (the module doc): compiles ``calc`` or leaves it plain; the line saying which and why (None off
     CUDA). ``trial``: times the engine's step as the calculator is set (None: the run uses ASE's dynamics);
-    ``keep_below``: the compiled step is kept at this fraction of the plain one or less."""
+    ``keep_below``: the compiled step is kept at this fraction of the plain one or less; ``say``: told before the
+    compiled trial starts (its compilation takes a while)."""
     if getattr(getattr(calc, "device", None), "type", None) != "cuda":
         return None
     if steps < min_steps:
@@ -108,6 +110,9 @@ def auto_compile(calc: Any, atoms: Atoms, steps: int, trial: Trial | None, min_s
     if run_s < min_seconds:
         return (f"torch.compile: off ({steps:,} steps of {plain_ms:.2f} ms take ~{run_s:.0f} s; auto tries it for runs "
                 f"of {min_seconds:.0f} s or more, where a tenth off the step repays the compilation)")
+    if say is not None:
+        say(f"torch.compile auto: the plain step takes {plain_ms:.2f} ms here; compiling the model to time its "
+            "compiled step (tens of seconds)")
     try:
         calc.set_compile("default")
         compiled_ms, compile_s = trial()

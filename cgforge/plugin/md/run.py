@@ -300,7 +300,7 @@ class MDPlan:
         if self.o.compile == "auto" and not getattr(calc, "compile", None):
             trial = (lambda: engine_trial(calc, self.atoms, self.o, self.engine_options)) if self.engine == "device" \
                 else None
-            line = auto_compile(calc, self.atoms, self.o.steps, trial)
+            line = auto_compile(calc, self.atoms, self.o.steps, trial, say=self.out)
             # said when the caller loaded the model, and whenever auto may have run a trial or compiled
             if line and (loaded or self.o.steps >= COMPILE_AUTO_MIN_STEPS):
                 self.out(line)
