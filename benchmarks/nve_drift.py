@@ -5,8 +5,8 @@
 
 Issue 62's conservation check: a ~1,500-atom water box (512 molecules), velocity Verlet at 1 fs for 50 ps on
 cgforge's device engine (the step a user's `cgforge md --ensemble nve` takes, CUDA graph and all), FP32 unless
-said. Per model: the box relaxed by 50 FIRE steps of the model itself, Maxwell-Boltzmann momenta at 300 K (seed 0,
-zero total momentum), then the total energy (kinetic + potential) read every ``--every`` steps. Printed and written
+said. Per model: bench_md's MD box (``md_atoms``: relaxed by 50 FIRE steps of the bundled MACE, Maxwell-Boltzmann
+momenta at 300 K, seed 0, zero total momentum), then the total energy (kinetic + potential) read every ``--every`` steps. Printed and written
 as JSON (benchmarks/results/ or $OUT): the largest |E(t) - E(0)| per atom, the drift rate (the slope of a least-
 squares line through E(t), meV per atom and ps), E's spread about that line, the mean temperature and the ms a
 step. A force that is not the energy's gradient drifts linearly; rounding in FP32 adds a random walk. ``--device
@@ -24,21 +24,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ase.optimize import FIRE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_md  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 from cgforge.plugin import Calculator  # noqa: E402
-from cgforge.plugin.md.dynamics import thermalize  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
 from cgforge.plugin.md.integrators import VelocityVerlet  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
-TEMPERATURE_K = 300.0
-RELAX_STEPS = 50
 
 
 def drift_stats(times_ps: np.ndarray, totals_ev: np.ndarray, n_atoms: int) -> dict[str, float]:
@@ -58,10 +54,7 @@ def run_model(model: str, args: argparse.Namespace, folder: Path) -> dict:
     dtype = None if "nequip" in model else args.dtype  # NequIP models run in the dtype they were built in (FP32)
     source = bench_md.fp32_source(model, folder) if args.dtype == "float32" else bench_md.bundled(model.split("-")[1])
     calc = Calculator(source, device=args.device, dtype=dtype, skin=bench_md.SKIN)
-    atoms = water_box(args.molecules, seed=0)
-    atoms.calc = calc
-    FIRE(atoms, logfile=None).run(fmax=0.2, steps=RELAX_STEPS)
-    thermalize(atoms, TEMPERATURE_K, np.random.default_rng(0))  # as `cgforge md`: zero total momentum
+    atoms = bench_md.md_atoms(water_box(args.molecules), args.dtype)
     steps = max(1, round(args.ps * 1000 / args.timestep))
     every = min(args.every, steps)
     engine = Engine(calc, atoms, VelocityVerlet(timestep_fs=args.timestep), seed=0,

@@ -2,7 +2,8 @@
 
     python3 benchmarks/investigations/compile_auto.py --model bundled-mace [--steps 1000000] [--ensemble nvt]
 
-Builds the model as ``tuning_ab.py`` does (FP32, bench_md's skin, the 5,184-atom box relaxed by ``bench_md.md_atoms``),
+Builds the model and the box as ``profile_engine.py`` does (FP32, bench_md's skin, the 5,184-atom box relaxed by
+``bench_md.md_atoms``),
 plans a ``run_md`` of ``--steps`` steps on the device engine and runs ``compile_trial.auto_compile`` with the run's
 engine trial, as ``cgforge md`` does before its first step: prints the line it prints (the plain and the compiled
 step it measured, the compilation's seconds), the decision and the trial's wall time. Set ``--steps`` high enough
@@ -22,18 +23,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import bench_md  # noqa: E402
-import tuning_ab  # noqa: E402
+import profile_engine  # noqa: E402
 
-from cgforge.plugin.calculator import Calculator  # noqa: E402
 from cgforge.plugin.md.compile_trial import auto_compile, engine_trial  # noqa: E402
 from cgforge.plugin.md.run import plan_md  # noqa: E402
-from cgforge.plugin.water import water_box  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="bundled-mace", choices=tuning_ab.MODELS)
+    parser.add_argument("--model", default="bundled-mace", choices=profile_engine.MODELS)
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--ensemble", default="nvt", choices=("nvt", "npt"))
     parser.add_argument("--molecules", type=int, default=1728)
@@ -41,9 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("compile_auto.py needs a CUDA GPU")
     with tempfile.TemporaryDirectory() as tmp:
-        calc = Calculator(bench_md.fp32_source(args.model, Path(tmp)), device="cuda",
-                          dtype=None if args.model.startswith("nequip-") else "float32", skin=bench_md.SKIN)
-        atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
+        calc = profile_engine.calculator(args.model, tmp, None)
+        atoms = profile_engine.make(args.molecules)
         atoms.calc = calc
         plan = plan_md(atoms, calc, steps=args.steps, engine="device", ensemble=args.ensemble, log=None,
                        trajectory=Path(tmp) / "run.traj")

@@ -148,27 +148,20 @@ class _StandInCalculator:
 
 
 class _Trial:
-    """A stand-in for the engine trial: the ms a step of the calculator as it is set (plain or compiled)."""
+    """A stand-in for the engine trial: the ms a step of the calculator as it is set (plain or compiled); a time of
+    None raises the engine's MDBlowUp (the trial's steps blew up)."""
 
-    def __init__(self, calc: _StandInCalculator, plain_ms: float, compiled_ms: float):
+    def __init__(self, calc: _StandInCalculator, plain_ms: float | None, compiled_ms: float | None):
         self.calc, self.plain_ms, self.compiled_ms, self.calls = calc, plain_ms, compiled_ms, []
 
     def __call__(self) -> tuple[float, float]:
+        from cgforge.plugin.md.commit import MDBlowUp
+
         self.calls.append(self.calc.compile)
-        return (self.compiled_ms, 21.0) if self.calc.compile else (self.plain_ms, 0.5)
-
-
-def _blowing(trial: _Trial):
-    """``trial``, raising the engine's MDBlowUp where its time is the string 'blow'."""
-    from cgforge.plugin.md.commit import MDBlowUp
-
-    def run() -> tuple[float, float]:
-        ms, seconds = trial()
-        if ms == "blow":
+        ms, seconds = (self.compiled_ms, 21.0) if self.calc.compile else (self.plain_ms, 0.5)
+        if ms is None:
             raise MDBlowUp(7, "energy", float("nan"))
         return ms, seconds
-
-    return run
 
 
 def test_compile_auto_rule():
@@ -219,14 +212,12 @@ def test_compile_auto_rule():
     assert "not patched by cgforge" in auto_compile(unpatched, atoms, long_run, trial)
     tiled, trial = calc_and_trial(tiles=True)
     assert "off (the system runs in tiles" in auto_compile(tiled, atoms, long_run, trial) and tiled.compile is None
-    blown, trial = calc_and_trial()
-    trial.plain_ms = "blow"  # the trial's plain steps blow up: auto stays plain, the run reports the blow-up itself
-    line = auto_compile(blown, atoms, long_run, _blowing(trial))
+    blown, trial = calc_and_trial(plain_ms=None)  # auto stays plain, the run reports the blow-up itself
+    line = auto_compile(blown, atoms, long_run, trial)
     assert line.startswith("torch.compile: off (the trial's plain steps blew up: MD blew up at step 7") and \
         blown.compile is None
-    blown, trial = calc_and_trial()
-    trial.compiled_ms = "blow"
-    line = auto_compile(blown, atoms, long_run, _blowing(trial))
+    blown, trial = calc_and_trial(compiled_ms=None)
+    line = auto_compile(blown, atoms, long_run, trial)
     assert line.startswith("torch.compile: off (the trial's compiled steps blew up") and not blown.compile
     no_triton, trial = calc_and_trial(error=RuntimeError("compile: Inductor needs Triton"))
     assert auto_compile(no_triton, atoms, long_run, trial) == "torch.compile: off (compile: Inductor needs Triton)"
