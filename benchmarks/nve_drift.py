@@ -1,13 +1,15 @@
 """Energy conservation of the device engine: NVE of a water box, the total energy's drift printed per model.
 
     python3 benchmarks/nve_drift.py [--models bundled-mace,bundled-nequip] [--molecules 512] [--ps 50]
-        [--timestep 1.0] [--dtype float32] [--every 100] [--device cuda]
+        [--equilibrate-ps 10] [--timestep 1.0] [--dtype float32] [--every 100] [--device cuda]
 
 Issue 62's conservation check: a ~1,500-atom water box (512 molecules), velocity Verlet at 1 fs for 50 ps on
 cgforge's device engine (the step a user's `cgforge md --ensemble nve` takes, CUDA graph and all), FP32 unless
 said. Per model: bench_md's MD box (``md_atoms``: relaxed by 50 FIRE steps of the bundled MACE, Maxwell-Boltzmann
-momenta at 300 K, seed 0, zero total momentum), then the total energy (kinetic + potential) read every ``--every`` steps. Printed and written
-as JSON (benchmarks/results/ or $OUT): the largest |E(t) - E(0)| per atom, the drift rate (the slope of a least-
+momenta at 300 K, seed 0, zero total momentum), then ``--equilibrate-ps`` of Langevin dynamics at 300 K on the same
+engine's step (50 FIRE steps leave the box far enough from the model's equilibrium that NVE from it heats to
+500-900 K), then NVE from where that ended, its total energy (kinetic + potential) read every ``--every`` steps.
+Printed and written as JSON (benchmarks/results/ or $OUT): the largest |E(t) - E(0)| per atom, the drift rate (the slope of a least-
 squares line through E(t), meV per atom and ps), E's spread about that line, the mean temperature and the ms a
 step. A force that is not the energy's gradient drifts linearly; rounding in FP32 adds a random walk. ``--device
 cpu`` is a smoke run of the script (use a few molecules and ``--ps 0.01``), not a measurement.
@@ -31,7 +33,7 @@ from common import environment, write_json  # noqa: E402
 
 from cgforge.plugin import Calculator  # noqa: E402
 from cgforge.plugin.md.engine import Engine  # noqa: E402
-from cgforge.plugin.md.integrators import VelocityVerlet  # noqa: E402
+from cgforge.plugin.md.integrators import Langevin, VelocityVerlet  # noqa: E402
 from cgforge.plugin.water import water_box  # noqa: E402
 
 MODELS = ("bundled-mace", "bundled-nequip", "mace-mp-medium", "nequip-M")
@@ -55,10 +57,17 @@ def run_model(model: str, args: argparse.Namespace, folder: Path) -> dict:
     source = bench_md.fp32_source(model, folder) if args.dtype == "float32" else bench_md.bundled(model.split("-")[1])
     calc = Calculator(source, device=args.device, dtype=dtype, skin=bench_md.SKIN)
     atoms = bench_md.md_atoms(water_box(args.molecules), args.dtype)
+    block = 50 if args.device == "cuda" else 10
+    settle = round(args.equilibrate_ps * 1000 / args.timestep)
+    if settle:
+        thermostat = Langevin(timestep_fs=args.timestep, temperature_K=bench_md.MD["temperature_K"],
+                              friction_per_fs=bench_md.MD["friction_per_fs"])
+        equilibration = Engine(calc, atoms, thermostat, seed=0, block=block)
+        equilibration.run(settle)
+        atoms = equilibration.sync_atoms().copy()  # positions and momenta where the thermostat left them
     steps = max(1, round(args.ps * 1000 / args.timestep))
     every = min(args.every, steps)
-    engine = Engine(calc, atoms, VelocityVerlet(timestep_fs=args.timestep), seed=0,
-                    block=50 if args.device == "cuda" else 10)
+    engine = Engine(calc, atoms, VelocityVerlet(timestep_fs=args.timestep), seed=0, block=block)
     times, totals, temperatures = [0.0], [engine.conserved_energy()], [engine.temperature()]
 
     def record(e: Engine) -> None:
@@ -69,7 +78,8 @@ def run_model(model: str, args: argparse.Namespace, folder: Path) -> dict:
     start = time.perf_counter()
     engine.run(steps, every=every, callback=record)
     wall = time.perf_counter() - start
-    row = {"model": model, "dtype": args.dtype, "atoms": len(atoms), "timestep_fs": args.timestep, "steps": steps,
+    row = {"model": model, "dtype": args.dtype, "atoms": len(atoms), "timestep_fs": args.timestep,
+           "equilibration_steps": settle, "steps": steps,
            "ps": steps * args.timestep / 1000, "ms_per_step": wall * 1e3 / steps,
            "mean_temperature_K": float(np.mean(temperatures)), "stats": dict(engine.stats),
            **drift_stats(np.array(times), np.array(totals), len(atoms)),
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="bundled-mace,bundled-nequip")
     parser.add_argument("--molecules", type=int, default=512)
     parser.add_argument("--ps", type=float, default=50.0)
+    parser.add_argument("--equilibrate-ps", type=float, default=10.0, help="Langevin at 300 K before the NVE")
     parser.add_argument("--timestep", type=float, default=1.0, help="fs")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--every", type=int, default=100, help="steps between energy reads")
@@ -94,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--dtype float64: the bundled MACE only (the NequIP models and the shapes are built in FP32)")
     if args.molecules < 1 or not args.ps > 0 or not args.timestep > 0 or args.every < 1:
         parser.error("--molecules, --ps, --timestep and --every must be positive")
+    if not args.equilibrate_ps >= 0:
+        parser.error("--equilibrate-ps must be zero or positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("nve_drift.py: no CUDA GPU (--device cpu runs a smoke test of the script)")
     bench_md.DEVICE = args.device
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         for model in models:
             rows.append(run_model(model, args, Path(tmp)))
             path = write_json("nve-drift", {"environment": env, "args": vars(args), "results": rows}, path)
-    print(f"NVE, velocity Verlet at {args.timestep:g} fs, {args.dtype}, device engine on {env.get('device', args.device)}; "
+    print(f"NVE, velocity Verlet at {args.timestep:g} fs after {args.equilibrate_ps:g} ps of Langevin at "
+          f"{bench_md.MD['temperature_K']:g} K, {args.dtype}, device engine on {env.get('device', args.device)}; "
           f"JSON: {path}")
     print(f"{'model':<16} {'atoms':>6} {'ps':>6} {'ms/step':>8} {'T mean K':>9} {'max|dE| meV/at':>15} "
           f"{'slope meV/at/ps':>16} {'spread meV/at':>14}")

@@ -32,12 +32,19 @@ def test_drift_stats_recover_a_line_and_its_spread():
 def test_a_short_cpu_run_prints_and_stores_its_row(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     nve_drift.main(["--models", "bundled-nequip", "--molecules", "8", "--ps", "0.004", "--every", "2",
-                    "--device", "cpu"])
+                    "--equilibrate-ps", "0.003", "--device", "cpu"])
     out = capsys.readouterr().out
     (path,) = tmp_path.glob("nve-drift-*.json")
     row = json.loads(path.read_text())["results"][0]
     assert row["model"] == "bundled-nequip" and row["atoms"] == 24 and row["steps"] == 4
+    assert row["equilibration_steps"] == 3  # Langevin first; the NVE's own counts start after it
     assert row["series"]["ps"] == pytest.approx([0.0, 0.002, 0.004])  # E(0) and every 2 steps
     assert row["stats"]["steps"] == 4 and np.isfinite(row["max_abs_mev_per_atom"])
     assert 0 < row["mean_temperature_K"] < 1000
     assert any(line.startswith("bundled-nequip") and " 24 " in line for line in out.splitlines())
+
+
+def test_a_negative_equilibration_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        nve_drift.main(["--equilibrate-ps", "-1", "--device", "cpu"])
+    assert "--equilibrate-ps" in capsys.readouterr().err
