@@ -79,6 +79,10 @@ TREES = {
     "session39-h200-20261203/md-20261203-100142.json": ("1dcf488", "README, call 4 (1dcf488's package)"),
     "session39-h200-20261203/md-20261203-100607.json": ("1dcf488", "README, call 5 (1dcf488's package)"),
     "session39-h200-20261203/md-20261203-102609.json": ("1dcf488", "README, call 6 (1dcf488's package)"),
+    "session42-h200-20261203/md-20261203-181222.json": ("2dde8e1", "README, call 4"),
+    "session42-h200-20261203/md-20261203-181737.json": ("2dde8e1", "README, call 5"),
+    "session42-h200-20261203/nve-drift-20261203-180835.json": ("52af3b5", "README, call 2"),
+    "session42-h200-20261203/nve-drift-20261203-181047.json": ("52af3b5", "README, call 2"),
 }
 
 # Rows printed in a run's log whose JSON was not kept: bench_md's row dicts, copied from the log (checked against it).
@@ -271,9 +275,11 @@ def engine_section(runs: list[Run]) -> list[str]:
     out = _opening(
         "Whole MD steps vs FastMACE", chosen[-1] if chosen else None, "bench_md run with FastMACE rows",
         "Whole NVT steps (integrator included; 0.5 fs, 300 K, mean over 200 steps after a warm-up of 20 steps, 100 in "
-        "runs after 2026-12-03 12:45: past a run's first capacity growths) on the 5184-atom water "
+        "runs after 2026-12-03 12:45: past a run's first capacity growths; 300 steps in runs after 2026-12-03 18:00) "
+        "on the 5184-atom water "
         "box, FP32: cgforge's MD engine (the step on the device, one CUDA graph; `compiled`: the model under "
-        "torch.compile, what `cgforge md` uses for long runs) against FastMACE 1.0 (its own process; "
+        "torch.compile, which `cgforge md --compile auto` keeps for a long run where its trial finds it faster) "
+        "against FastMACE 1.0 (its own process; "
         "cuEquivariance convolution; MACE models only), FastMACE timed in the same run as the engine, the compiled "
         "engine in that run or in a call beside it on the same machine. cgforge's Verlet skin is `cgforge md`'s, 2 Å, "
         "from 2026-12-03 on (1 Å before: the bundled MACE's step 1.565 -> 1.375 ms, measured side by side in "
@@ -281,9 +287,11 @@ def engine_section(runs: list[Run]) -> list[str]:
         "call (bytes at 3,350 GB/s, FLOPs at 66.9 TFLOP/s; from issue 62 on also the L2 bytes, the radial tables' "
         "cubics read per weight per edge, at step_floor's L2 estimate, 12,390 GB/s, which raises the floor: rows "
         "measured before it used the floor without it; runs after 2026-12-03 10:10 at the measured GPU's rates, "
-        "`step_floor.device_rates`). Lower is better.",
+        "`step_floor.device_rates`); reached = floor / the engine's step. Idle: the device's idle at the engine's "
+        "block boundaries, where the host waits on a block's report, from CUDA events with no profiler (runs after "
+        "2026-12-03 18:00). Kernels: the engine's kernels a step (profiled). Lower is better.",
         ["model", "cgforge engine", "engine compiled", "FastMACE 1.0", "compiled / FastMACE", "engine / FastMACE",
-         "floor", "runs (engine, compiled)"])
+         "floor", "reached", "idle", "kernels", "runs (engine, compiled)"])
     if not chosen:
         return out
     run_line = out.index(f"Run: {chosen[-1].cite()}.")
@@ -305,10 +313,14 @@ def engine_section(runs: list[Run]) -> list[str]:
         plain, fast = nvt(run, model, "cgforge-engine"), nvt(run, model, "fastmace")
         comp = nvt(compiled[model], model, "cgforge-engine-compiled")
         floor = nvt(run, model, "cgforge-engine", "floor_ms")
+        device = nvt(run, model, "cgforge-engine", "nvt_device") or {}
+        idle, kernels = device.get("boundary_idle_ms"), device.get("kernels")
+        reached = f"{floor / (plain * 1e3):.0%}" if isinstance(floor, float) and isinstance(plain, float) else "-"
         runs_cell = f"{number[run.path]}, {number[compiled[model].path]}" if compiled[model] else f"{number[run.path]}"
         out.append(f"| {MODEL_NAMES.get(model, model)} | {ms(plain)} | {ms(comp)} | {ms(fast)} | {ratio(comp, fast)} "
-                   f"| {ratio(plain, fast)} | {f'{floor:.3f} ms' if isinstance(floor, float) else '-'} "
-                   f"| {runs_cell} |")
+                   f"| {ratio(plain, fast)} | {f'{floor:.3f} ms' if isinstance(floor, float) else '-'} | {reached} "
+                   f"| {f'{idle:.3f} ms' if isinstance(idle, float) else '-'} "
+                   f"| {f'{kernels:.0f}' if isinstance(kernels, int | float) else '-'} | {runs_cell} |")
     last = max(run.date for run in chosen)
     def engine_nvt(run: Run) -> list[dict]:
         return [row for row in run.rows
@@ -442,6 +454,36 @@ def profile_section(results: Path) -> list[str]:
     return out + [""]
 
 
+def nve_section(results: Path) -> list[str]:
+    """Per model and dtype, the newest vetted ``nve_drift.py`` run that equilibrated before its NVE: the total
+    energy's drift, excursion and spread."""
+    picked: dict[tuple[str, str], tuple[Run, dict]] = {}
+    for path in sorted(results.rglob("nve-drift-*.json")):
+        data, rel = json.loads(path.read_text()), path.relative_to(results).as_posix()
+        env, known = data.get("environment") or {}, _commit(results, rel)
+        if known is None or not env.get("date") or not data.get("args", {}).get("equilibrate_ps"):
+            continue
+        run = Run(rel, env["date"], env.get("device", "unknown device"), *known, data.get("results", []))
+        for row in run.rows:
+            key = (row["model"], row["dtype"])
+            if key not in picked or run.date > picked[key][0].date:
+                picked[key] = (run, row)
+    newest_run = max((run for run, _ in picked.values()), key=lambda r: r.date, default=None)
+    out = _opening("Energy conservation (NVE)", newest_run, "nve_drift.py run that equilibrated first",
+                   "`benchmarks/nve_drift.py`: a water box of 1,536 atoms, Langevin at 300 K first (the run's "
+                   "`--equilibrate-ps`), then velocity Verlet on the device engine (the CUDA graph `cgforge md "
+                   "--ensemble nve` replays), the total energy read every 100 steps. Drift: the slope of a "
+                   "least-squares line through E(t); spread: E's RMS about that line; max: the largest "
+                   "|E(t) - E(0)|; all per atom. Each row from the newest such run of its model and dtype.",
+                   ["model", "dtype", "timestep", "ps", "mean T", "drift", "max", "spread", "ms a step", "run"])
+    for (model, dtype), (run, row) in sorted(picked.items()):
+        out.append(f"| {MODEL_NAMES.get(model, model)} | {dtype} | {row['timestep_fs']:g} fs | {row['ps']:g} "
+                   f"| {row['mean_temperature_K']:.0f} K | {row['slope_mev_per_atom_per_ps']:+.4f} meV/atom/ps "
+                   f"| {row['max_abs_mev_per_atom']:.3f} meV/atom | {row['spread_mev_per_atom']:.3f} meV/atom "
+                   f"| {row['ms_per_step']:.2f} | commit `{run.commit}`, [`{run.path}`](../benchmarks/results/{run.path}) |")
+    return out + [""]
+
+
 BATCH_ROWS = (("evaluation", "structures_per_s", "structures/s", ("eval-batch", "eval-loop", "eval-mace-cueq",
                                                                    "eval-torchsim-mace", "eval-torchsim-cgforge")),
               ("FIRE relaxation", "structures_per_s", "structures/s", ("relax-batch", "relax-loop",
@@ -518,6 +560,7 @@ def render(results: Path) -> str:
              "`python benchmarks/run.py layer engine md capacity ladder` on a GPU, then `python benchmarks/report.py`.", ""]
     lines += layer_section(layer) + engine_section(md) + force_section(md) + capacity_section(md)
     lines += ladder_section(load_runs(results, "capacity")) + batch_section(results) + profile_section(results)
+    lines += nve_section(results)
     lines += ["## Where the numbers come from", "",
               "- Runs made with `benchmarks/run.py` carry their commit in `manifest.json`. Older runs recorded the "
               "device copy's stale HEAD in their JSON; for those, the tree that ran is taken from the run folder's "

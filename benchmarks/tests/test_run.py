@@ -127,6 +127,30 @@ def test_the_report_quotes_the_newest_vetted_run(tmp_path: Path) -> None:
     assert "| 4.500 ms |" in page and "**2.00x**" in page and "stale00" not in page and "1111111" not in page
 
 
+def _nve_json(folder: Path, date: str, slope: float, equilibrate_ps: float | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    row = {"model": "bundled-mace", "dtype": "float32", "timestep_fs": 1.0, "ps": 50.0, "mean_temperature_K": 300.2,
+           "slope_mev_per_atom_per_ps": slope, "max_abs_mev_per_atom": 0.1, "spread_mev_per_atom": 0.03,
+           "ms_per_step": 0.9}
+    args = {} if equilibrate_ps is None else {"equilibrate_ps": equilibrate_ps}
+    (folder / f"nve-drift-{date[:10]}.json").write_text(json.dumps(
+        {"environment": {"date": date, "device": "NVIDIA H200"}, "args": args, "results": [row]}))
+    (folder / "manifest.json").write_text(json.dumps(
+        {"commit": {"sha": f"{folder.name[-7:]}aaaaa", "source": "git", "dirty": False}, "env": {}}))
+
+
+def test_the_nve_table_quotes_the_newest_equilibrated_run(tmp_path: Path) -> None:
+    report = _load("report")
+    results = tmp_path / "results"
+    _nve_json(results / "nve-20261201", "2026-12-01T10:00:00", -0.0021, 10.0)
+    _nve_json(results / "nve-20261202", "2026-12-02T10:00:00", -0.0013, 10.0)
+    _nve_json(results / "nve-20261203", "2026-12-03T10:00:00", -0.0334, None)  # NVE from an unequilibrated box
+    page = "\n".join(report.nve_section(results))
+    assert "| bundled MACE | float32 | 1 fs | 50 | 300 K | -0.0013 meV/atom/ps |" in page
+    assert "0261202aaaaa" in page and "-0.0021" not in page and "-0.0334" not in page
+    assert "No nve_drift.py run that equilibrated first" in "\n".join(report.nve_section(tmp_path / "empty"))
+
+
 @pytest.mark.parametrize("rel", list(_load("report").LOG_ROWS))
 def test_a_log_row_that_is_not_in_its_log_stops_the_report(tmp_path: Path, rel: str) -> None:
     report = _load("report")
@@ -141,14 +165,15 @@ def test_a_log_row_that_is_not_in_its_log_stops_the_report(tmp_path: Path, rel: 
         report.load_runs(tmp_path, "md")
 
 
-def _md_json(folder: Path, date: str, rows: list[tuple[str, str, float]]) -> None:
-    """A vetted bench_md run (manifest.json, commit abc1234) of (model, backend, NVT seconds) rows."""
+def _md_json(folder: Path, date: str, rows: list[tuple]) -> None:
+    """A vetted bench_md run (manifest.json, commit abc1234) of (model, backend, NVT seconds[, more keys]) rows."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "manifest.json").write_text(json.dumps({"commit": {"sha": "abc1234", "source": "git", "dirty": False},
                                                       "env": {}}))
     (folder / f"md-{date[:10]}.json").write_text(json.dumps(
         {"environment": {"date": date, "device": "NVIDIA H100 80GB HBM3"},
-         "rows": [{"model": m, "backend": b, "system": "5k", "nvt_s": t} for m, b, t in rows]}))
+         "rows": [{"model": m, "backend": b, "system": "5k", "nvt_s": t, **(more[0] if more else {})}
+                  for m, b, t, *more in rows]}))
 
 
 def test_the_engine_table_takes_each_model_from_its_newest_run_with_fastmace(tmp_path: Path,
@@ -156,15 +181,17 @@ def test_the_engine_table_takes_each_model_from_its_newest_run_with_fastmace(tmp
     """A newer run that timed one model beside FastMACE replaces that model's row only."""
     report = _load("report")
     monkeypatch.setattr(report, "LOG_ROWS", {})  # only this folder's runs
-    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+    device = {"boundary_idle_ms": 0.012, "kernels": 140.6}
+    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003,
+                                                       {"floor_ms": 0.6, "nvt_device": device}),
                                                       ("bundled-mace", "fastmace", 0.004),
                                                       ("mace-mp-medium", "cgforge-engine", 0.015),
                                                       ("mace-mp-medium", "fastmace", 0.020)])
     _md_json(tmp_path / "b", "2026-11-21T10:00:00", [("mace-mp-medium", "cgforge-engine", 0.010),
                                                       ("mace-mp-medium", "fastmace", 0.025)])
     page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
-    assert "| bundled MACE | 3.00 ms | - | 4.00 ms | - | 0.75 | - | 1 |" in page
-    assert "| MACE-MP-medium shape | 10.00 ms | - | 25.00 ms | - | 0.40 | - | 2 |" in page
+    assert "| bundled MACE | 3.00 ms | - | 4.00 ms | - | 0.75 | 0.600 ms | 20% | 0.012 ms | 141 | 1 |" in page
+    assert "| MACE-MP-medium shape | 10.00 ms | - | 25.00 ms | - | 0.40 | - | - | - | - | 2 |" in page
     assert "Run 1: " in page and "a/md-2026-11-20.json" in page and "Run 2: " in page
 
 
@@ -179,8 +206,8 @@ def test_the_engine_table_takes_compiled_and_nequip_rows_from_a_call_beside_the_
                                                       ("nequip-M", "cgforge-engine", 0.009)])
     _md_json(tmp_path / "b", "2026-11-19T10:00:00", [("nequip-M", "cgforge-engine-compiled", 0.001)])  # elsewhere
     page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
-    assert "| bundled MACE | 3.00 ms | 2.00 ms | 4.00 ms | 0.50 | 0.75 | - | 1, 2 |" in page
-    assert "| NequIP preset M | 9.00 ms | - | - | - | - | - | 2 |" in page
+    assert "| bundled MACE | 3.00 ms | 2.00 ms | 4.00 ms | 0.50 | 0.75 | - | - | - | - | 1, 2 |" in page
+    assert "| NequIP preset M | 9.00 ms | - | - | - | - | - | - | - | - | 2 |" in page
     assert "b/md-2026-11-19.json" not in page
 
 
