@@ -31,6 +31,8 @@ Ablations are options, not backends: ``--calculator KEY=VALUE`` passes a keyword
 them.
 --md-steps / --md-warmup (default 100 steps, every backend alike) / --ensembles set the whole-MD runs. --skin sets the Verlet skin of our calculator. --profile prints a torch.profiler summary of
 cgforge's NVT step (kernels by category, then the top kernels) for every cgforge backend measured.
+An engine row's ``<ensemble>_timed`` counts what its timed steps held (blocks, rebuilds, captures and why, growths,
+discarded steps): a capture inside them is a cost a steady step does not pay.
 After each engine run's timed steps, ``DEVICE_STEPS`` more are profiled (CUDA activity only): the row prints the
 device's idle time per step (no kernel or copy running on any stream; ``common.device_timeline``) and the kernels
 per step (``<ensemble>_device`` in the JSON).
@@ -88,6 +90,7 @@ CGFORGE_OPTIONS = {"cgforge": {}, "cgforge-compiled": {"compile": True}}
 CALCULATOR: dict = {}  # --calculator KEY=VALUE: keywords of every cgforge Calculator (ablations)
 ENGINE: dict = {}  # --engine KEY=VALUE: keywords of every Engine
 SKIN = MD_SKIN  # `cgforge md`'s: the step a user's run takes
+TIMED_STATS = ("blocks", "rebuilds", "captures", "grows", "discarded")  # engine.stats counted over the timed steps
 DEVICE_STEPS = 40  # engine steps profiled after the timed ones, for the device's idle time and kernels per step
 LONG_GAP_US = 20.0  # an idle gap this long is a host wait (a graph's own launch gaps are a few us)
 PROFILE = False
@@ -365,11 +368,16 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             run = engine.run
         sync()
         row[f"{ensemble}_warmup_s"] = time.perf_counter() - t
+        timed_from = None if backend == "cgforge-ase" else (dict(engine.stats), Counter(calc.step.invalidations))
         reset_memory()
         t = time.perf_counter()
         run(MD["steps"])
         sync()
         row[f"{ensemble}_s"] = (time.perf_counter() - t) / MD["steps"]
+        if timed_from is not None:  # what the timed steps held beyond steady steps: captures, rebuilds, growths
+            stats, invalidations = timed_from
+            row[f"{ensemble}_timed"] = {**{k: engine.stats[k] - stats[k] for k in TIMED_STATS},
+                                        "invalidations": dict(calc.step.invalidations - invalidations)}
         row[f"{ensemble}_ns_per_day"] = _ns_per_day(row[f"{ensemble}_s"])
         row["peak_gb"] = max(row.get("peak_gb", 0.0), peak_gb())
         if backend in ENGINE_BACKENDS:
@@ -872,6 +880,11 @@ def md_details(r: dict) -> str:
             if stats:
                 text += (f" (rebuilds {stats['rebuilds']}, discarded {stats['discarded']}, captures "
                          f"{stats['captures']})")
+            timed = r.get(f"{ensemble}_timed")
+            if timed:  # the timed steps' own share: a capture there costs a graph's capture, not a step
+                why = ", ".join(f"{k} {v}" for k, v in timed["invalidations"].items())
+                text += (f" [timed steps: captures {timed['captures']}, rebuilds {timed['rebuilds']}"
+                         + (f"; recaptured for {why}" if why else "") + "]")
             use = r.get(f"{ensemble}_device")
             if use:
                 text += (f" device idle {use['idle_ms']:.3f} ms/step ({use['gap_idle_ms']:.3f} in gaps of "
