@@ -55,6 +55,7 @@ BAD_FLAGS = [
     ("nve_drift.py", ["--models", "mace-huge", "--device", "cpu"], "mace-huge"),
     ("nve_drift.py", ["--models", "bundled-nequip", "--dtype", "float64", "--device", "cpu"], "--dtype float64"),
     ("nve_drift.py", ["--ps", "0", "--device", "cpu"], "--ps"),
+    ("investigations/hidden_table_accuracy.py", ["--width", "0"], "--width"),
 ]
 
 
@@ -185,3 +186,17 @@ def test_bench_batch_keeps_the_overlap_check_for_a_trained_model(tmp_path, monke
     rows: dict = {}
     model_rows("bundled", model_path("mace"), structures(2), [], args, rows)
     assert rows["md-batch-nvt"]["atom_steps_per_s"] > 0 and "note" not in rows["md-batch-nvt"]
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits_to_nearest() -> None:
+    """hidden_table_accuracy's TF32 emulation: 1 + 2^-10 stays, 1 + 2^-12 rounds down, 1 + 3 * 2^-12 up, the sign
+    and the exponent pass through."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS / "investigations"))
+    try:
+        from hidden_table_accuracy import tf32
+    finally:
+        sys.path.pop(0)
+    x = torch.tensor([1 + 2**-10, 1 + 2**-12, 1 + 3 * 2**-12, -(1 + 2**-12) * 2**40, 0.0])
+    assert tf32(x).tolist() == [1 + 2**-10, 1.0, 1 + 2**-10, -(2**40), 0.0]
