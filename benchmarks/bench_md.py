@@ -368,7 +368,7 @@ def measure_md(model_name: str, backend: str, dtype: str, atoms, files: dict) ->
             run = engine.run
         sync()
         row[f"{ensemble}_warmup_s"] = time.perf_counter() - t
-        timed_from = None if backend == "cgforge-ase" else (dict(engine.stats), Counter(calc.step.invalidations))
+        timed_from = (dict(engine.stats), Counter(calc.step.invalidations)) if backend in ENGINE_BACKENDS else None
         reset_memory()
         t = time.perf_counter()
         run(MD["steps"])

@@ -38,15 +38,17 @@ def mlp_of_r(width: int, generator: torch.Generator) -> torch.nn.Module:
                 for a, b in zip(sizes[:-1], sizes[1:], strict=True))
             self.register_buffer("freq", torch.arange(1, 9) * math.pi / R_MAX)
 
-        def forward(self, r: torch.Tensor) -> torch.Tensor:
+        def hidden(self, r: torch.Tensor) -> torch.Tensor:
+            """The last hidden layer [E, 64]: what the last linear layer (``weights[-1]``) maps to W."""
             x = r.unsqueeze(1)
             u = x / R_MAX
             h = torch.sin(self.freq * x) / x * (1 - 28 * u ** 6 + 48 * u ** 7 - 21 * u ** 8)
-            for k, w in enumerate(self.weights):
-                h = h @ w
-                if k < len(self.weights) - 1:
-                    h = torch.nn.functional.silu(h)
+            for w in self.weights[:-1]:
+                h = torch.nn.functional.silu(h @ w)
             return h
+
+        def forward(self, r: torch.Tensor) -> torch.Tensor:
+            return self.hidden(r) @ self.weights[-1]
 
     return Radial()
 

@@ -37,21 +37,6 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-def hidden_and_last(mlp: torch.nn.Module) -> tuple[callable, torch.Tensor]:
-    """(r -> the last hidden layer [n, 64], the last linear layer's matrix [64, width]) of ``mlp_of_r``'s module."""
-    *hidden, last = list(mlp.weights)
-
-    def h_of_r(r: torch.Tensor) -> torch.Tensor:
-        x = r.unsqueeze(1)
-        u = x / R_MAX
-        h = torch.sin(mlp.freq.to(r.dtype) * x) / x * (1 - 28 * u ** 6 + 48 * u ** 7 - 21 * u ** 8)
-        for w in hidden:
-            h = torch.nn.functional.silu(h @ w.to(r.dtype))
-        return h
-
-    return h_of_r, last.detach()
-
-
 def relative(err: torch.Tensor, scale: torch.Tensor) -> float:
     return float(err.abs().max() / scale.abs().max())
 
@@ -66,13 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--width and --points must be positive")
     g = torch.Generator().manual_seed(args.seed)
     mlp = mlp_of_r(args.width, g).double()
-    h_of_r, a = hidden_and_last(mlp)
-    w_of_r = lambda r: mlp(r)  # noqa: E731
-    w_table = fit_radial_table(w_of_r, R_MAX, tol=1e-7)
-    h_table = fit_radial_table(h_of_r, R_MAX, tol=1e-7)
+    a = mlp.weights[-1].detach()  # the last linear layer [64, width]
+    w_table = fit_radial_table(mlp, R_MAX, tol=1e-7)
+    h_table = fit_radial_table(mlp.hidden, R_MAX, tol=1e-7)
     r = (torch.rand(args.points, generator=g, dtype=torch.float64) * 0.999 + 0.001) * R_MAX
 
-    exact_w, exact_s = torch.func.jvp(w_of_r, (r,), (torch.ones_like(r),))
+    exact_w, exact_s = torch.func.jvp(mlp, (r,), (torch.ones_like(r),))
     r32 = r.float()
 
     def table(coeffs: torch.Tensor, order: int) -> torch.Tensor:  # the table's FP32 coefficients in FP32 arithmetic
