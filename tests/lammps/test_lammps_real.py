@@ -17,10 +17,10 @@ import json
 import os
 import pickle
 import re
-import resource
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -29,10 +29,12 @@ import pytest
 import torch
 from ase import units
 from ase.md.verlet import VelocityVerlet
+from watched import run_watched
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, DT_PS, EVERY = 10, 0.0005, 5
 TOL = 1e-10
+RERUN_PAUSE_S = 20  # before running again a run whose rank was SIGKILLed from outside
 
 
 # where each version's build is looked for: (variable naming another build, the one scripts/lammps.sh makes)
@@ -129,12 +131,14 @@ def _run_lammps(env: dict, mpirun: str | None, ranks: int, model: Path, data: Pa
         if mpirun is None:
             pytest.skip("no mpirun next to the LAMMPS build or on PATH")
         cmd = [mpirun, "-np", str(ranks)] + cmd
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=out.parent)
-    if _killed_from_outside(run):  # once (CI, 2026-11-28): a rank SIGKILLed with no error of its own; run it again
-        warnings.warn(f"LAMMPS run killed by SIGKILL and run again ({_memory_note()})", stacklevel=2)
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=out.parent)
+    run, memory = run_watched(cmd, timeout=1500, env=env, cwd=out.parent)
+    if _killed_from_outside(run):  # CI (2026-11-28, 2026-12-03): a rank SIGKILLed with no error of its own; again
+        warnings.warn(f"LAMMPS run killed by SIGKILL and run again in {RERUN_PAUSE_S} s ({memory.describe()})",
+                      stacklevel=2)
+        time.sleep(RERUN_PAUSE_S)  # the second kill of 2026-12-03 followed the first at once
+        run, memory = run_watched(cmd, timeout=1500, env=env, cwd=out.parent)
     # a run that corrupts memory may still write its numbers: its exit status is checked first
-    assert run.returncode == 0, f"LAMMPS failed ({_memory_note()}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"LAMMPS failed ({memory.describe()}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert "corrupted" not in run.stderr and "free()" not in run.stderr, run.stderr[-3000:]
     with open(out) as f:
         result = json.load(f)
@@ -155,20 +159,6 @@ def _killed_from_outside(run: subprocess.CompletedProcess) -> bool:
     """Whether a rank died of SIGKILL, which nothing in the run sends (the kernel's OOM killer does): mpirun
     (MPICH's hydra) reports it as exit code 9 with "Killed (signal 9)", a run without mpirun as -9."""
     return run.returncode == -9 or (run.returncode == 9 and "Killed (signal 9)" in run.stdout + run.stderr)
-
-
-def _memory_note() -> str:
-    """The machine's available memory now and the peak resident size of the largest finished child process, for
-    telling an out-of-memory kill from a crash."""
-    available = "unknown"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
-    return f"memory available now {available}, largest child's peak {peak:.2f} GiB"
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -395,4 +385,18 @@ def test_a_run_killed_from_outside_is_told_from_a_failing_one():
     hydra = subprocess.CompletedProcess([], 9, "TERMINATED WITH THE EXIT STRING: Killed (signal 9)", "")
     assert _killed_from_outside(killed) and _killed_from_outside(hydra)
     assert not _killed_from_outside(failed)
-    assert "GiB" in _memory_note()
+
+
+def test_a_watched_run_sees_its_grandchildren_memory():
+    """``run_watched`` counts a grandchild's resident memory (mpirun's ranks are grandchildren) and returns what
+    ``subprocess.run`` would: exit status and output."""
+    grandchild = "import time; b = bytearray(400 * 2**20); print('held', flush=True); time.sleep(2)"
+    child = f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {grandchild!r}]).returncode + 3)"
+    run, memory = run_watched([sys.executable, "-c", child], timeout=60, interval=0.1)
+    assert run.returncode == 3 and run.stdout == "held\n"
+    assert 0.39 < memory.peak_tree_gib < 2.0, memory  # the 400 MiB buffer and two interpreters
+    assert memory.least_available_gib is None or memory.least_available_gib > 0
+    assert memory.oom_kills in (None, 0)
+    assert "GiB resident" in memory.describe()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_watched([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
