@@ -44,24 +44,21 @@ def oom_kills() -> int | None:
 
 def tree_rss_gib(root: int) -> float:
     """Resident memory of ``root`` and all its living descendants, in GiB (0 where /proc cannot be read)."""
-    parent, rss = {}, {}
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}  # KiB
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "status").read_text().splitlines()
+            status = (entry / "status").read_text().splitlines()
         except OSError:  # the process ended while we looked
             continue
-        pid = int(entry.name)
-        for line in fields:
+        for line in status:
             if line.startswith("PPid:"):
-                parent[pid] = int(line.split()[1])
+                children.setdefault(int(line.split()[1]), []).append(int(entry.name))
             elif line.startswith("VmRSS:"):
-                rss[pid] = int(line.split()[1])
+                rss[int(entry.name)] = int(line.split()[1])
     total, frontier = 0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
     while frontier:
         pid = frontier.pop()
         total += rss.get(pid, 0)
@@ -80,11 +77,13 @@ class MemoryWatch:
 
     def describe(self) -> str:
         """One line for a warning or a failure message."""
-        least = "unknown" if self.least_available_gib is None else f"{self.least_available_gib:.1f} GiB"
+        def gib(value: float | None) -> str:
+            return "unknown" if value is None else f"{value:.1f} GiB"
+
         kills = "unknown" if self.oom_kills is None else str(self.oom_kills)
-        return (f"the run's processes peaked at {self.peak_tree_gib:.2f} GiB resident, the machine had {least} "
-                f"available at least, the kernel's OOM killer killed {kills} processes meanwhile; "
-                f"available now {available_gib() or 0:.1f} GiB")
+        return (f"the run's processes peaked at {self.peak_tree_gib:.2f} GiB resident, the machine had "
+                f"{gib(self.least_available_gib)} available at least, the kernel's OOM killer killed {kills} "
+                f"processes meanwhile; available now {gib(available_gib())}")
 
 
 def run_watched(cmd: list[str], timeout: float, interval: float = 0.5,
