@@ -129,6 +129,50 @@ def test_matches_calculator(kind, mode, n_domains, request):
         assert all(d.nlocal < len(atoms) for d in domains)
 
 
+@pytest.mark.parametrize("kind", ["mace", pytest.param("nequip", marks=pytest.mark.slow)])
+def test_ghost_mode_runs_the_listed_atoms_receptive_field(kind, request):
+    """Ghost mode's eager call runs the model on the pairs whose centre is within layers - 1 hops of a listed atom
+    (and the atoms they touch): fewer than LAMMPS gives on these domains, and the results (the left-out pairs' fij
+    zero) still equal the Calculator's."""
+    path = request.getfixturevalue(f"{kind}_file")
+    obj = CgforgeMLIAP(path, patch=False)
+    atoms = structure()
+    domains = build_domains(atoms, obj.element_types, obj.cutoff, obj.ghost_cutoff, n_domains=2,
+                            ghost_neighbours=True, exchange=False, flavour="host")
+    models = [pickle.loads(pickle.dumps(obj)) for _ in domains]
+    run_domains(models, domains)
+    for model, domain in zip(models, domains):
+        assert model.last_path == "eager"
+        (atoms_run, pairs_run), (atoms_given, pairs_given) = model.last_field
+        assert atoms_given == domain.ntotal > atoms_run >= domain.nlistatoms
+        assert pairs_given == domain.npairs > pairs_run > 0
+    assert_matches(combine(domains, len(atoms)), reference(path, atoms, patch=False))
+
+
+def test_receptive_field_of_a_chain():
+    """Atoms 0-1-2-3-4 in a line, pairs both ways, atom 0 listed: L layers keep the pairs centred within L - 1 hops
+    and the atoms they touch; all of them: nothing to cut."""
+    from cgforge.plugin.lammps.receptive import receptive_field
+
+    centre = torch.tensor([0, 1, 1, 2, 2, 3, 3, 4])
+    neighbour = torch.tensor([1, 0, 2, 1, 3, 2, 4, 3])
+    listed = torch.tensor([0])
+    one = receptive_field(centre, neighbour, listed, 5, layers=1)
+    assert one.pairs.tolist() == [0] and one.atoms.tolist() == [0, 1]
+    assert one.node_of.tolist() == [0, 1, -1, -1, -1]
+    two = receptive_field(centre, neighbour, listed, 5, layers=2)
+    assert two.pairs.tolist() == [0, 1, 2] and two.atoms.tolist() == [0, 1, 2]
+    four = receptive_field(centre, neighbour, listed, 5, layers=4)
+    assert four.pairs.tolist() == list(range(7)) and four.atoms.tolist() == list(range(5))
+    assert receptive_field(centre, neighbour, listed, 5, layers=5) is None
+    # an atom no pair reaches is left out however deep the model; listed atoms stay even without pairs
+    assert receptive_field(centre, neighbour, listed, 6, layers=5).atoms.tolist() == list(range(5))
+    alone = receptive_field(centre[:0], neighbour[:0], torch.tensor([2]), 5, layers=3)
+    assert alone.pairs.numel() == 0 and alone.atoms.tolist() == [2]
+    with pytest.raises(ValueError, match="layers"):
+        receptive_field(centre, neighbour, listed, 5, layers=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mace", "nequip"])
 def test_patched_kernels_exchange_two_domains(kind, request):

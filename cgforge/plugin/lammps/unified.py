@@ -22,18 +22,19 @@ from typing import Any
 
 import torch
 
-from .arrays import LammpsArrays, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
+from .arrays import LammpsArrays, PairData, is_device_flavour, lammps_arrays, read_pairs, to_tensor, write_results
 from .captured import STALE, UNSORTED, PaddedStep
 from .exchange import ExchangeHooks, GhostMap
 from .owners import GhostMapCache
 from .ranks import launcher_ranks
+from .receptive import ReceptiveField, receptive_field
 from .timers import OFF, PhaseTimers, hook_exit, register
 
 __all__ = ["CgforgeMLIAP", "MODES", "LammpsSetupError"]
 
 MODES = ("auto", "ghost", "exchange")
 _TRANSIENT = ("interface", "_potential", "_adapter", "_device", "_hooks", "_tmp", "_step", "padded_off", "ranks",
-              "_owners", "_timers")
+              "_owners", "_timers", "last_field")
 
 
 class LammpsSetupError(RuntimeError):
@@ -60,7 +61,8 @@ class CgforgeMLIAP(_mliap_base()):
     the keywords here, docs/lammps.md's table explains; ``type_map`` also names the LAMMPS elements).
 
     _padded: internal, runs the padded step uncaptured (CPU tests). ``capture_error`` says why a capture failed;
-    ``last_path`` which path the last call took ("captured", "padded" or "eager").
+    ``last_path`` which path the last call took ("captured", "padded" or "eager"); ``last_field``, for an eager
+    ghost-mode call, (atoms, pairs) its model ran on of (atoms, pairs) LAMMPS gave (``receptive``), else None.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
@@ -128,6 +130,7 @@ class CgforgeMLIAP(_mliap_base()):
         self.ranks = 0  # MPI ranks of the run (``launcher_ranks``, read at setup; 0: not set up)
         self.padded_off: str | None = None  # why ghost-mode calls left the padded step for good (None: they did not)
         self._timers = OFF  # the calls' phase times (``set_timers``, at setup)
+        self.last_field = None
         register(self)  # findable by the input's ``python`` command (``timers.report``, ``timers.switch``)
 
     @property
@@ -269,6 +272,9 @@ class CgforgeMLIAP(_mliap_base()):
         if pairs.listed.numel() == 0 and (ghosts is None or self.ranks == 1):  # nothing to count, no exchange owed
             write_results(data, pairs.rij.new_zeros(0), pairs.rij.new_zeros(()), pairs.rij.new_zeros(pairs.rij.shape))
             return
+        npairs, field, self.last_field = pairs.rij.shape[0], None, None
+        if ghosts is None:
+            pairs, field = self._receptive(pairs)
         neighbour, elems = pairs.neighbour, pairs.elems
         if ghosts is not None and not ghosts.identity:  # images of local atoms are those atoms, then others' ghosts
             neighbour = ghosts.node_of.index_select(0, neighbour)
@@ -293,7 +299,21 @@ class CgforgeMLIAP(_mliap_base()):
             grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0] if vectors.shape[0] else None
         with timers.phase("forces"):
             fij = -grad if grad is not None else torch.zeros_like(vectors)  # dE/drij = -dE/dvector
+            if field is not None:  # the pairs left out: exactly zero
+                fij = fij.new_zeros(npairs, 3).index_copy_(0, field.pairs, fij)
             write_results(data, eatoms.detach(), energy.detach(), fij, timers)
+
+    def _receptive(self, pairs: PairData) -> tuple[PairData, ReceptiveField | None]:
+        """Ghost mode: ``pairs`` cut to what the listed atoms' energies read (``receptive``) and the cut (None: nothing
+        left out); ``last_field`` says what the model runs on."""
+        given = (pairs.elems.shape[0], pairs.rij.shape[0])
+        field = receptive_field(pairs.centre, pairs.neighbour, pairs.listed, given[0], self.layers)
+        if field is not None:
+            node_of, kept = field.node_of, field.pairs
+            pairs = PairData(node_of[pairs.centre[kept]], node_of[pairs.neighbour[kept]], pairs.rij[kept],
+                             pairs.elems[field.atoms], node_of[pairs.listed])
+        self.last_field = ((pairs.elems.shape[0], pairs.rij.shape[0]), given)
+        return pairs, field
 
     def _exchanges_inside(self, ghosts: GhostMap) -> bool:
         """Whether an exchange-mode call sends features inside the model: on several ranks always (every rank alike),
