@@ -1,6 +1,7 @@
 """Model edges in a fixed-capacity, receiver-sorted layout, built on the device without a host sync: the torch
-expressions (``edges_within``, ``layout_edges``: the reference and the CPU path) and CUDA kernels
-(``padded_layout_cuda``) that make the same layout.
+expressions (``edges_within``, ``layout_edges``: the reference and the CPU path) and CUDA kernels that make the same
+layout: ``padded_layout_cuda`` for the MD engine's lists (with a topology) and ``layout_listed`` for lists that arrive
+receiver-sorted, cut to a device count and without reverses (LAMMPS's pairs), whose transpose is a sort of senders.
 
 The edges selected by a mask keep their (receiver, sender) order in ``capacity`` slots; the free slots hold padding
 self-edges (k, k) of vector ``pad_offset`` (beyond the cutoff), spread evenly over the atoms at the end of their
@@ -31,7 +32,7 @@ from .core.registry import DTYPE_SUFFIX, SourceKernels
 from .pair_reverse import pair_reverse
 
 __all__ = ["EDGE_LAYOUT_SOURCE", "EdgeLayout", "EdgeTopology", "conv_graph", "edge_topology", "edges_within",
-           "layout_edges", "layout_within", "pad_offset_vector", "padded_layout_cuda"]
+           "layout_edges", "layout_listed", "layout_within", "pad_offset_vector", "padded_layout_cuda"]
 
 EDGE_LAYOUT_SOURCE = r"""
 // keep[e] = 1 where pair e is valid and shorter than the cutoff. The vector is (pos[r] - pos[s]) + S @ cell in a
@@ -59,7 +60,8 @@ __device__ __forceinline__ void edge_keep(const T* __restrict__ pos, const T* __
 }
 
 // Every slot of the layout, a thread per item: pair i (i < pairs), padding edge i (i < free), row pointer i
-// (i <= n). rank: the inclusive prefix sum of keep; slots past the capacity are not written (overflow).
+// (i <= n). rank: the inclusive prefix sum of keep; slots past the capacity are not written (overflow). With
+// reverse == nullptr (a list without reverses) perm_t is not written: the caller sorts sender32 for the transpose.
 template <typename T>
 __device__ __forceinline__ void edge_place(
         const int* __restrict__ keep, const long long* __restrict__ rank, const long long* __restrict__ sender,
@@ -75,6 +77,7 @@ __device__ __forceinline__ void edge_place(
     // pairs kept before entry k of the list, and padding edges on atoms before row r
     #define KEPT_BEFORE(k) ((k) > 0 ? rank[(k) - 1] : 0LL)
     #define PADS_BEFORE(r) (((r) * free + n - 1) / n)
+    const bool symmetric = reverse != nullptr;
     if (i < pairs) {
         long long slot = capacity;
         if (keep[i]) {
@@ -88,11 +91,13 @@ __device__ __forceinline__ void edge_place(
                     out_pad[3 * s + k] = 0;
                 }
                 if (with_graph) {
-                    const long long back = reverse[i];
-                    const long long b = keep[back] ? rank[back] - 1 + PADS_BEFORE(receiver[back]) : capacity;
                     sender32[s] = (int)sender[i];
                     receiver32[s] = (int)receiver[i];
-                    perm_t[s] = (int)(b < capacity ? b : capacity - 1);
+                    if (symmetric) {
+                        const long long back = reverse[i];
+                        const long long b = keep[back] ? rank[back] - 1 + PADS_BEFORE(receiver[back]) : capacity;
+                        perm_t[s] = (int)(b < capacity ? b : capacity - 1);
+                    }
                 }
             }
         }
@@ -111,7 +116,7 @@ __device__ __forceinline__ void edge_place(
         if (with_graph) {
             sender32[s] = (int)row;
             receiver32[s] = (int)row;
-            perm_t[s] = (int)s;  // a padding self-edge is its own reverse
+            if (symmetric) perm_t[s] = (int)s;  // a padding self-edge is its own reverse
         }
     }
     if (with_graph && i <= n) {
@@ -325,22 +330,85 @@ def padded_layout_cuda(pos: Tensor, cell: Tensor, sender: Tensor, receiver: Tens
                                         keep])
     rank = torch.cumsum(keep, 0, dtype=torch.int64)
     count = rank[-1] if pairs else torch.zeros((), dtype=torch.int64, device=device)
+    out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, out_rowptr, perm_t = _place(
+        keep, rank, sender, receiver, shifts, rowptr, reverse, pad_vector, n, cap, with_graph)
+    graph = (GraphTensors(sender32, receiver32, out_rowptr, torch.zeros(0, dtype=torch.int32, device=device),
+                          out_rowptr, perm_t) if with_graph else None)  # receiver-sorted: no perm; symmetric: rows
+    return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
+
+
+def _place(keep: Tensor, rank: Tensor, sender: Tensor, receiver: Tensor, shifts: Tensor, list_rowptr: Tensor,
+           reverse: Tensor | None, pad_vector: Tensor, n: int, cap: int, with_graph: bool) -> tuple:
+    """``edge_place``'s outputs, allocated and written: out sender, receiver, shifts, pad, slot of each pair, and
+    with the graph sender32, receiver32, rowptr and (with ``reverse``) perm_t; the ones not made are None."""
+    device, dtype, pairs = sender.device, shifts.dtype, sender.shape[0]
     ints = {"dtype": torch.int32, "device": device}
     out_sender = torch.empty(cap, dtype=torch.int64, device=device)
     out_receiver = torch.empty(cap, dtype=torch.int64, device=device)
     out_shifts = torch.empty(cap, 3, dtype=dtype, device=device)
     out_pad = torch.empty(cap, 3, dtype=dtype, device=device)
     slot = torch.empty(pairs, dtype=torch.int64, device=device)
-    sender32, receiver32, out_rowptr, perm_t = (
-        (torch.empty(cap, **ints), torch.empty(cap, **ints), torch.empty(n + 1, dtype=torch.int64, device=device),
-         torch.empty(cap, **ints)) if with_graph else (None, None, None, None))
-    _KERNELS.get(f"edge_place_{suffix}", device).launch(
+    sender32, receiver32, rowptr = ((torch.empty(cap, **ints), torch.empty(cap, **ints),
+                                     torch.empty(n + 1, dtype=torch.int64, device=device))
+                                    if with_graph else (None, None, None))
+    perm_t = torch.empty(cap, **ints) if with_graph and reverse is not None else None
+    _KERNELS.get(f"edge_place_{DTYPE_SUFFIX[dtype]}", device).launch(
         _grid(max(pairs, cap, n + 1)), (_THREADS,),
-        [keep, rank, sender, receiver, shifts, rowptr, reverse, pad_vector, np.int64(pairs), np.int64(n),
+        [keep, rank, sender, receiver, shifts, list_rowptr, reverse, pad_vector, np.int64(pairs), np.int64(n),
          np.int64(cap), np.int32(bool(with_graph)), out_sender, out_receiver, out_shifts, out_pad, slot, sender32,
-         receiver32, out_rowptr, perm_t])
-    graph = (GraphTensors(sender32, receiver32, out_rowptr, torch.zeros(0, dtype=torch.int32, device=device),
-                          out_rowptr, perm_t) if with_graph else None)  # receiver-sorted: no perm; symmetric: rows
+         receiver32, rowptr, perm_t])
+    return out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, rowptr, perm_t
+
+
+def _listed_rank(receiver: Tensor, count: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``edge_place``'s keep (int32), rank and list row pointers of a list whose first ``count`` entries are kept."""
+    steps = torch.arange(receiver.shape[0], device=receiver.device)
+    kept = steps < count
+    rank = torch.minimum(steps + 1, count)  # the inclusive prefix sum of keep, without a scan
+    # kept entries of receiver < r (the stale tail sorts last, as row n)
+    list_rowptr = torch.searchsorted(torch.where(kept, receiver, n), torch.arange(n + 1, device=receiver.device))
+    return kept.to(torch.int32), rank, list_rowptr
+
+
+def _sender_transpose(sender32: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """rowptr_t (int64 [n + 1]) and perm_t (int32): the slots by sender, in a stable sort (int32 keys: half the
+    radix passes of the int64 argsort of ``layout_edges``)."""
+    senders, order = torch.sort(sender32, stable=True)
+    rowptr_t = torch.searchsorted(senders, torch.arange(n + 1, dtype=torch.int32, device=sender32.device))
+    return rowptr_t, order.to(torch.int32)
+
+
+def layout_listed(sender: Tensor, receiver: Tensor, vectors: Tensor, count: Tensor, num_nodes: int, capacity: int,
+                  pad_vector: Tensor, with_graph: bool) -> EdgeLayout:
+    """``layout_edges(arange(V) < count, sender, receiver, vectors, num_nodes, capacity, pad_vector, with_graph)``,
+    identical, for a list whose first ``count`` (int64 0-d, on the list's device) of V entries are the edges,
+    receiver-ascending, and whose later entries are anything in range (LAMMPS's pairs: no reverses). sender,
+    receiver: int64 [V]; vectors: float [V, 3]. On CUDA (float32/64) the ``edge_place`` kernel without reverses
+    and a stable sort of the int32 senders for the transpose; no host read: capture-safe. Elsewhere the torch one."""
+    n, cap, pairs, dtype, device = int(num_nodes), int(capacity), sender.shape[0], vectors.dtype, sender.device
+    suffix = DTYPE_SUFFIX.get(dtype)
+    if not sender.is_cuda or suffix is None:
+        return layout_edges(torch.arange(pairs, device=device) < count, sender, receiver, vectors, n, cap, pad_vector,
+                            with_graph)
+    if n < 1 or cap < 0:
+        raise ValueError(f"layout_listed: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
+    pad_vector = pad_vector.to(dtype).contiguous()
+    for name, t, want in (("sender", sender, torch.int64), ("receiver", receiver, torch.int64),
+                          ("vectors", vectors, dtype), ("count", count, torch.int64),
+                          ("pad_vector", pad_vector, dtype)):
+        if t.dtype != want or t.device != device:
+            raise ValueError(f"layout_listed: {name} must be a {want} tensor on {device}, got {t.dtype} on "
+                             f"{t.device}")
+    sender, receiver, vectors = sender.contiguous(), receiver.contiguous(), vectors.contiguous()
+    keep, rank, list_rowptr = _listed_rank(receiver, count, n)
+    out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, rowptr, _ = _place(
+        keep, rank, sender, receiver, vectors, list_rowptr, None, pad_vector, n, cap, with_graph)
+    graph = None
+    if with_graph:
+        rowptr_t, perm_t = _sender_transpose(sender32, n)
+        graph = GraphTensors(sender32, receiver32, rowptr, torch.zeros(0, dtype=torch.int32, device=device), rowptr_t,
+                             perm_t)
+    count = rank[-1] if pairs else torch.zeros((), dtype=torch.int64, device=device)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
 
 

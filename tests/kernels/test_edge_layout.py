@@ -1,7 +1,9 @@
 """The step's edge layout kernels (cgforge.kernels.edge_layout): the CUDA source compiles (NVRTC, no GPU needed) and
 runs on the CPU as C++ (``host_cuda``) equal to the torch expression it replaces (``edges_within`` and
 ``layout_edges`` with a topology, cgforge.plugin.runtime): the same mask, slots, padding, row pointers and
-transpose, with room to spare, with none and on overflow, on a list padded past its pairs; on a GPU the same."""
+transpose, with room to spare, with none and on overflow, on a list padded past its pairs; on a GPU the same. And
+``layout_listed`` (a receiver-sorted list cut to a device count, no reverses: LAMMPS's pairs) equal to
+``layout_edges`` without a topology: its ``edge_place`` without reverses as C++, on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -165,3 +167,116 @@ def test_cuda_kernels_equal_the_torch_expression(dtype, room, with_graph) -> Non
     topo = el.EdgeTopology(topology.rowptr.cuda(), topology.reverse.cuda())
     layout = el.layout_within(*cuda, CUTOFF, pos.shape[0], capacity, pad.cuda(), with_graph, topo)
     _assert_equal(_outputs(layout), want)
+
+
+LISTS = [(40, 23, 40), (40, 0, 40), (40, 40, 40), (40, 23, 61), (40, 30, 17), (0, 0, 6)]  # pairs, count, capacity
+
+
+def _listed(pairs: int, count: int, dtype: torch.dtype, n: int = 13, seed: int = 5):
+    """A receiver-ascending list of ``count`` pairs over ``n`` atoms (some rows empty, some repeated), then stale
+    in-range entries up to ``pairs``, as LAMMPS's pair arrays hold them."""
+    g = torch.Generator().manual_seed(seed)
+    receiver = torch.randint(0, n, (pairs,), generator=g)
+    receiver[:count] = receiver[:count].sort().values
+    sender = torch.randint(0, n, (pairs,), generator=g)
+    vectors = torch.randn(pairs, 3, generator=g, dtype=torch.float64).to(dtype)
+    return sender, receiver, vectors, torch.tensor(count), n
+
+
+def _listed_reference(sender, receiver, vectors, count, n, capacity, pad, with_graph) -> el.EdgeLayout:
+    keep = torch.arange(sender.shape[0]) < count
+    return el.layout_edges(keep, sender, receiver, vectors, n, capacity, pad, with_graph)
+
+
+def _full(layout: el.EdgeLayout) -> list[torch.Tensor]:
+    """Every tensor of the layout, the graph's empty perm and rowptr_t included."""
+    return [*_outputs(layout), *([] if layout.graph is None else [layout.graph.perm, layout.graph.rowptr_t])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_graph", [True, False])
+@pytest.mark.parametrize("pairs, count, capacity", LISTS)
+def test_cuda_source_without_reverses_run_as_cpp_equals_the_torch_expression(libraries, dtype, with_graph, pairs,
+                                                                              count, capacity) -> None:
+    sender, receiver, vectors, count_t, n = _listed(pairs, count, dtype)
+    pad = torch.tensor([2 * CUTOFF + 1, 0.0, 0.0], dtype=dtype)
+    keep, rank, list_rowptr = el._listed_rank(receiver, count_t, n)
+    suffix = "f64" if dtype == torch.float64 else "f32"
+    np_dtype = vectors.numpy().dtype
+    # sentinels everywhere: a slot the kernel leaves unwritten fails the comparison
+    outs = [np.full(capacity, -5, np.int64), np.full(capacity, -5, np.int64), np.full((capacity, 3), np.nan, np_dtype),
+            np.full((capacity, 3), np.nan, np_dtype), np.full(pairs, -5, np.int64)]
+    graph = ([np.full(capacity, -5, np.int32), np.full(capacity, -5, np.int32), np.full(n + 1, -5, np.int64)]
+             if with_graph else [None] * 3)
+    perm_t = np.full(capacity, -7, np.int32)
+    call(getattr(libraries[dtype], f"place_{suffix}"),
+         [keep.numpy(), rank.numpy(), sender.numpy(), receiver.numpy(), vectors.numpy(), list_rowptr.numpy(), None,
+          pad.numpy(), pairs, n, capacity, ctypes.c_int(int(with_graph)), *outs, *graph,
+          perm_t if with_graph else None])
+    assert (perm_t == -7).all(), "without reverses edge_place leaves perm_t to the caller"
+    t = [torch.from_numpy(a) for a in outs]
+    got = [*t[:4], rank[-1] if pairs else torch.tensor(0), t[4]]
+    if with_graph:
+        sender32 = torch.from_numpy(graph[0])
+        rowptr_t, perm = el._sender_transpose(sender32, n)
+        got += [sender32, torch.from_numpy(graph[1]), torch.from_numpy(graph[2]), perm,
+                torch.zeros(0, dtype=torch.int32), rowptr_t]
+    _assert_full(got, _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph)))
+
+
+def _assert_full(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    _assert_equal(got[:10], want[:10])
+    assert len(got) == len(want)
+    for name, a, b in zip(("perm", "rowptr_t"), got[10:], want[10:]):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("with_graph", [True, False])
+@pytest.mark.parametrize("pairs, count, capacity", LISTS)
+def test_layout_listed_on_the_cpu_is_the_torch_expression(with_graph, pairs, count, capacity) -> None:
+    sender, receiver, vectors, count_t, n = _listed(pairs, count, torch.float64)
+    pad = torch.tensor([7.4, 0.0, 0.0], dtype=torch.float64)
+    layout = el.layout_listed(sender, receiver, vectors, count_t, n, capacity, pad, with_graph)
+    _assert_full(_full(layout), _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad,
+                                                        with_graph)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_graph", [True, False])
+@pytest.mark.parametrize("pairs, count, capacity", LISTS)
+def test_layout_listed_on_cuda_equals_the_torch_expression(dtype, with_graph, pairs, count, capacity) -> None:
+    sender, receiver, vectors, count_t, n = _listed(pairs, count, dtype)
+    pad = torch.tensor([2 * CUTOFF + 1, 0.0, 0.0], dtype=dtype)
+    want = _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph))
+    cuda = [t.cuda() for t in (sender, receiver, vectors, count_t)]
+    layout = el.layout_listed(*cuda, n, capacity, pad.cuda(), with_graph)
+    assert layout.sender.is_cuda
+    _assert_full(_full(layout), want)
+    _assert_full(_full(el.layout_edges(torch.arange(pairs, device="cuda") < cuda[3], cuda[0], cuda[1], cuda[2], n,
+                                       capacity, pad.cuda(), with_graph)), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layout_listed_captures_in_a_cuda_graph(dtype) -> None:
+    pairs, capacity = 300, 300
+    sender, receiver, vectors, count_t, n = (t.cuda() if isinstance(t, torch.Tensor) else t
+                                             for t in _listed(pairs, 200, dtype, n=57))
+    pad = torch.tensor([2 * CUTOFF + 1, 0.0, 0.0], dtype=dtype, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: the kernel loads, the allocator has its blocks
+        el.layout_listed(sender, receiver, vectors, count_t, n, capacity, pad, True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layout = el.layout_listed(sender, receiver, vectors, count_t, n, capacity, pad, True)
+    for count, seed in ((250, 1), (0, 2), (300, 3), (120, 4)):
+        new = _listed(pairs, count, dtype, n=57, seed=seed)
+        for static, fresh in zip((sender, receiver, vectors, count_t), new[:4]):
+            static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_full(_full(layout), _full(_listed_reference(*new, capacity, pad.cpu(), True)))

@@ -22,6 +22,8 @@ from lammps_standin import HOST_COMM_WIDTH, StandInData, build_domains, combine,
 from cgforge.plugin import Calculator
 from cgforge.plugin.cli import main as cli_main
 from cgforge.plugin.lammps import CgforgeMLIAP, LammpsSetupError
+from cgforge.plugin.lammps.captured import PAIR_MARGIN
+from cgforge.plugin.runtime.capture import room
 from cgforge.plugin.water import water_box
 
 TOL = 1e-10
@@ -421,6 +423,7 @@ def test_padded_step_grows_and_shrinks(mace_file):
     (first, room0, _), (_, _, grown0), (third, room2, grown2), (fourth, _, grown3) = seen
     assert grown0 == 0 and grown2 >= 2 and grown3 == grown2  # the big box grew the buffers and the species rooms
     assert third[0] > first[0] and third[1] > first[1] and fourth == third  # pairs, nodes; never shrunk
+    assert padded._step._pair_margin == 2 * PAIR_MARGIN  # the pairs outgrew their room once: twice the room since
     assert all(b >= a for a, b in zip(room0, room2)) and room2 != room0  # a species overflowed: run again
 
 
@@ -606,7 +609,9 @@ def test_one_rank_exchange_runs_on_the_owners(kind, request):
     assert obj.last_mode == "exchange" and obj.last_path == "padded" and obj.ranks == 1
     assert obj.owner_exchanges == 1 and obj._hooks.calls == 0 and obj.exchanges == 1
     assert [w for _, w in data.exchange_log] == [3]  # the owners' exchange only
-    assert obj._step.capacities[1] < data.ntotal  # nodes: the local atoms (and room), not the ghosts
+    # nodes and listed atoms: exactly the local atoms, not the ghosts; pairs: the first, small room
+    assert obj._step.capacities[1:] == (data.nlocal, data.nlocal) < (data.ntotal, data.ntotal)
+    assert data.npairs <= obj._step.capacities[0] <= room(data.npairs, PAIR_MARGIN)
     got = combine([data], len(atoms))  # ghost forces summed into their owners, as LAMMPS's reverse comm does
     assert_matches(got, ref)
     eager, _ = run(CgforgeMLIAP(path, patch=True), atoms, mode="exchange", n_domains=1, path="eager")
@@ -688,7 +693,7 @@ def test_one_rank_owners_without_positions_are_found_every_call(mace_file):
 
 def test_owner_check_flags_any_displacement_and_nan():
     """``GhostMapCache``'s check: a ghost off its owner's image by more than the tolerance, or at NaN, is moved."""
-    from cgforge.plugin.lammps.owners import TOLERANCE, GhostMapCache
+    from cgforge.plugin.lammps.owners import TOLERANCE, GhostMapCache, displaced
 
     class Data:  # one local atom, two ghosts that are its images
         x = torch.tensor([[1.0, 2.0, 3.0], [11.0, 2.0, 3.0], [1.0, -8.0, 3.0]])
@@ -704,8 +709,14 @@ def test_owner_check_flags_any_displacement_and_nan():
         data.x[0] += 0.25  # the owner moves, its ghosts with it ...
         data.x[1:] += 0.25
         data.x[2, 1] += shift  # ... but one of them by `shift` more
-        kept, moved = cache.lookup(data, 1, 3, torch.device("cpu"))
-        assert kept is ghosts and bool(moved) is expect, shift
+        kept, check = cache.lookup(data, 1, 3, torch.device("cpu"))
+        assert kept is ghosts and bool(check.moved()) is expect, shift
+        # the padded step's form: buffers longer than the atoms, rows past the count stale and never read
+        stale = torch.full((2, 3), 99.0)
+        x, shift_rows = torch.cat([check.x, stale]), torch.cat([check.shift, -stale])
+        node_of = torch.cat([check.node_of, torch.tensor([0, 1])])
+        assert bool(displaced(x, node_of, shift_rows, TOLERANCE, torch.tensor(3))) is expect, shift
+        assert bool(displaced(x, node_of, shift_rows, TOLERANCE, torch.tensor(5)))  # the stale rows, read
     data.x = torch.cat([Data.x, Data.x[:1] + 10.0])  # one more ghost: the counts changed, found again
     ghosts, moved = cache.lookup(data, 1, 4, torch.device("cpu"))
     assert moved is None and cache.exchanges == 2 and ghosts.node_of.tolist() == [0, 0, 0, 0]

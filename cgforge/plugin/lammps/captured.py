@@ -2,11 +2,18 @@
 
 ``PaddedStep.run(data)`` does one ``compute_forces`` in ghost-neighbour mode, or in exchange mode on a domain whose
 ghosts are all images of its local atoms (``owners``). The host grows the buffers (a growth drops the captured
-graph) and copies LAMMPS's arrays in; the step, which reads nothing back, lays the pairs out as edges ``pair_j ->
-pair_i`` in their own order (padding self-edges beyond the cutoff: the model must be ``inert_beyond_cutoff``), pins
-a ``ConvGraph.trusted`` without a sort (LAMMPS lists pairs by ascending centre; a device flag says when not, and the
+graph), copies LAMMPS's arrays in as they are and the call's counts in one copy; the step, which reads nothing
+back, maps each neighbour to its node (exchange mode: its owner, a local atom; ghost mode: itself), checks a kept
+owners' map against the positions (``owners.displaced``), lays the pairs out as edges ``pair_j -> pair_i`` in their
+own order (``layout_listed``: padding self-edges beyond the cutoff, the model must be ``inert_beyond_cutoff``), pins a
+``ConvGraph.trusted`` without a sort (LAMMPS lists pairs by ascending centre; a device flag says when not, and the
 caller then runs eagerly), groups the species in fixed rooms (``Potential.species_room``; an overflow runs again
 with more) and returns per-atom energies, ``fij = dE/drij`` and one status row the host reads in one copy.
+
+Capacities: padding pairs are computed like real ones, so the pairs' room starts small and doubles at each growth
+(``PAIR_MARGIN`` to ``MAX_PAIR_MARGIN``, the engine's rule); exchange mode's nodes, listed atoms and species rooms
+are the local atoms' own counts (fixed while no atom is lost); ghost mode's, which change at every
+re-neighbouring, get ``MARGIN``.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from cgforge.plugin.runtime.capture import conv_graph, layout_edges, pad_offset_vector, replay_or_capture, room
+from cgforge.plugin.runtime.capture import conv_graph, layout_listed, pad_offset_vector, replay_or_capture, room
 
 from .arrays import LammpsArrays, write_results
+from .exchange import GhostMap
+from .owners import TOLERANCE, OwnerCheck, displaced
 from .timers import OFF
 
 if TYPE_CHECKING:
@@ -28,29 +37,36 @@ if TYPE_CHECKING:
 
 __all__ = ["PaddedStep", "STALE", "UNSORTED"]
 
-MARGIN = 0.1  # spare capacity given to every buffer when it grows (``room``)
+MARGIN = 0.1  # spare capacity of counts that change at every re-neighbouring (ghost mode's atoms, all atoms)
+PAIR_MARGIN = 0.02  # the pairs' first room; each growth doubles it up to MAX_PAIR_MARGIN
+MAX_PAIR_MARGIN = 0.08
 UNSORTED = "LAMMPS's pairs are not in ascending centre order"  # ``PaddedStep.run``'s reasons for writing nothing
 STALE = "the ghosts' owners given are stale"
+_COUNTS = ("npairs", "nodes", "nlist", "ntotal", "check")  # the call's counts, one int64 row on the device
 
 
 @dataclass
 class _Buffers:
-    """The step's static inputs; the counts are device scalars refilled per call."""
+    """The step's static inputs: LAMMPS's arrays as given (entries past the counts: earlier calls', in range)."""
 
-    pair_i: Tensor  # int64 [P]
-    pair_j: Tensor  # int64 [P]
-    vectors: Tensor  # [P, 3] model dtype: -rij
+    pair_i: Tensor  # int64 [P]: the centres (receivers)
+    pair_j: Tensor  # int64 [P]: the neighbours (atoms; their nodes are ``node_of[pair_j]``)
+    rij: Tensor  # [P, 3] model dtype
     elems: Tensor  # int64 [N]
     listed: Tensor  # int64 [L]
     positions: Tensor  # zeros [N, 3] (the adapters take positions for their shape)
-    npairs: Tensor  # int64 0-d
-    nodes: Tensor  # ntotal, or nlocal with owners
-    nlist: Tensor
-    moved: Tensor  # bool 0-d: the owners given were stale (``owners.GhostMapCache``), the results are not written
+    node_of: Tensor  # int64 [T]: each atom's node (exchange mode: its owner; ghost mode: itself)
+    x: Tensor  # float64 [T, 3]: the positions a kept owners' map is checked against
+    shift: Tensor  # float64 [T, 3]: each atom's shift from its owner when the map was found
+    counts: Tensor  # int64 [len(_COUNTS)]
 
     @property
     def capacities(self) -> tuple[int, int, int]:
         return self.pair_i.shape[0], self.elems.shape[0], self.listed.shape[0]
+
+    @property
+    def atoms(self) -> int:
+        return self.node_of.shape[0]
 
 
 @dataclass
@@ -84,6 +100,10 @@ class PaddedStep:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: _Outputs | None = None
         self._pool = None
+        self._pair_margin = PAIR_MARGIN
+        self._loaded: tuple[Any, Any] = (None, None)  # the (node map, shifts) in the buffers now
+        self._tolerance = TOLERANCE  # the owners' check's (``OwnerCheck.tolerance``), a constant of the capture
+        self._host_counts = torch.zeros(len(_COUNTS), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.timers: Any = OFF
 
     @property
@@ -104,17 +124,18 @@ class PaddedStep:
 
     # --- the call ------------------------------------------------------------------------------------
 
-    def run(self, data: Any, arrays: LammpsArrays, owners: Tensor | None = None,
-            moved: Tensor | None = None) -> str | None:
+    def run(self, data: Any, arrays: LammpsArrays, ghosts: GhostMap | None = None,
+            check: OwnerCheck | None = None) -> str | None:
         """One call into ``data`` (``arrays``: ``lammps_arrays``, at least one listed atom): ghost-neighbour mode, or
-        with ``owners`` ([ntotal] int64: the local atom each atom is an image of) one-domain exchange mode; ``moved``:
-        a 0-d bool device tensor, True when ``owners`` are stale. None when the results were written; else nothing
-        was: ``UNSORTED`` (run the call another way) or ``STALE`` (run it again on owners found afresh)."""
-        nodes = arrays.ntotal if owners is None else arrays.nlocal
+        with ``ghosts`` (a one-domain map: every ghost an image of a local atom) one-rank exchange mode; ``check``:
+        the kept map's check, made inside the step. None when the results were written; else nothing was:
+        ``UNSORTED`` (run the call another way) or ``STALE`` (run it again on owners found afresh)."""
+        exchange = ghosts is not None
+        nodes = arrays.nlocal if exchange else arrays.ntotal
         timers = self.timers
         with timers.phase("arrays"):
-            self._fit(arrays, nodes)
-            self._load(arrays, nodes, owners, moved)
+            self._fit(arrays, nodes, exchange)
+            self._load(arrays, nodes, ghosts, check)
         while True:
             with timers.phase("model"):
                 out = self._execute()
@@ -128,59 +149,79 @@ class PaddedStep:
             if self._room is None or self._room.fits(counts):
                 break
             # some species overflowed its room: again, with more
-            self._room = self.potential.species_room([self._grown(c, r) for c, r in zip(counts, self._room.capacities)])
+            self._room = self.potential.species_room([self._grown(c, r, MARGIN)
+                                                      for c, r in zip(counts, self._room.capacities)])
             self.n_growths += 1
             self.invalidate()
         with timers.phase("forces"):
             write_results(data, out.eatoms[:arrays.nlist], status[0], out.fij[:arrays.npairs], timers)
         return None
 
-    def _grown(self, count: int, current: int) -> int:
-        return current if count <= current else room(count, MARGIN)
+    @staticmethod
+    def _grown(count: int, current: int, margin: float | None) -> int:
+        """``current`` while ``count`` fits; else room for ``count`` with ``margin`` to spare (None: exactly)."""
+        if count <= current:
+            return current
+        return count if margin is None else room(count, margin)
 
-    def _fit(self, a: LammpsArrays, nodes: int) -> None:
-        """New buffers when a count exceeds its capacity (and species rooms at the first call)."""
-        wanted = (a.npairs, max(nodes, 1), a.nlist)
-        if self._buf is not None:
-            if all(n <= c for n, c in zip(wanted, self._buf.capacities)):
+    def _fit(self, a: LammpsArrays, nodes: int, exchange: bool) -> None:
+        """New buffers when a count exceeds its capacity (and species rooms at the first call): module doc."""
+        wanted = (a.npairs, max(nodes, 1), a.nlist, max(a.ntotal, 1))
+        old = None if self._buf is None else (*self._buf.capacities, self._buf.atoms)
+        if old is not None:
+            if all(n <= c for n, c in zip(wanted, old)):
                 return
             self.n_growths += 1
-        old = (0, 0, 0) if self._buf is None else self._buf.capacities
-        p, n, listed = (self._grown(w, c) for w, c in zip(wanted, old))
+            if a.npairs > old[0]:  # the pairs outgrew their room: leave more next time
+                self._pair_margin = min(2 * self._pair_margin, MAX_PAIR_MARGIN)
+        local = None if exchange else MARGIN  # exchange mode: the local atoms' counts exactly
+        margins = (self._pair_margin, local, local, MARGIN)
+        p, n, listed, t = (self._grown(w, c, m) for w, c, m in zip(wanted, old or (0, 0, 0, 0), margins))
         dev, dt = self.device, self.adapter.dtype
-        kw = {"dtype": torch.int64, "device": dev}
-        self._buf = _Buffers(torch.zeros(p, **kw), torch.zeros(p, **kw), torch.zeros(p, 3, dtype=dt, device=dev),
-                             torch.zeros(n, **kw), torch.zeros(listed, **kw), torch.zeros(n, 3, dtype=dt, device=dev),
-                             torch.zeros((), **kw), torch.zeros((), **kw), torch.zeros((), **kw),
-                             torch.zeros((), dtype=torch.bool, device=dev))
+        ints, f64 = {"dtype": torch.int64, "device": dev}, {"dtype": torch.float64, "device": dev}
+        self._buf = _Buffers(torch.zeros(p, **ints), torch.zeros(p, **ints), torch.zeros(p, 3, dtype=dt, device=dev),
+                             torch.zeros(n, **ints), torch.zeros(listed, **ints),
+                             torch.zeros(n, 3, dtype=dt, device=dev),
+                             torch.zeros(t, **ints), torch.zeros(t, 3, **f64), torch.zeros(t, 3, **f64),
+                             torch.zeros(len(_COUNTS), **ints))
+        self._loaded = (None, None)
         if self.caches and self._room is None:
             # the first call: rooms from its counts (one host read, outside any step)
             counts = torch.bincount(a.elems[:nodes].to(torch.int64).clamp(min=0), minlength=self.adapter.n_species)
-            self._room = self.potential.species_room([room(int(c), MARGIN) if c else 0 for c in counts.tolist()])
+            self._room = self.potential.species_room([self._grown(int(c), 0, local) if c else 0
+                                                      for c in counts.tolist()])
         # the widest rows in chunks where this many nodes need it (as the calculator plans them), before a capture
         self.adapter.set_row_chunks(n)
         self.invalidate()
 
-    def _load(self, a: LammpsArrays, nodes: int, owners: Tensor | None, moved: Tensor | None) -> None:
-        """LAMMPS's arrays into the buffers (entries past the counts keep earlier values: in range, unused)."""
+    def _load(self, a: LammpsArrays, nodes: int, ghosts: GhostMap | None, check: OwnerCheck | None) -> None:
+        """LAMMPS's arrays into the buffers as they are (the step converts them), the node map and shifts when they
+        changed, the counts in one copy."""
         b = self._buf
         b.pair_i[:a.npairs].copy_(a.pair_i[:a.npairs])
-        if owners is None:
-            b.pair_j[:a.npairs].copy_(a.pair_j[:a.npairs])
-        else:  # a ghost neighbour is its owner, a local atom
-            b.pair_j[:a.npairs].copy_(owners.index_select(0, a.pair_j[:a.npairs].to(owners.device, torch.int64)))
-        b.vectors[:a.npairs].copy_(a.rij[:a.npairs])
-        b.vectors[:a.npairs].neg_()  # pos[receiver] - pos[sender], receiver = pair_i
+        b.pair_j[:a.npairs].copy_(a.pair_j[:a.npairs])
+        b.rij[:a.npairs].copy_(a.rij[:a.npairs])
         b.elems[:nodes].copy_(a.elems[:nodes])
-        b.elems[nodes:].zero_()  # padding nodes: species 0
         b.listed[:a.nlist].copy_(a.iatoms[:a.nlist])
-        b.npairs.fill_(a.npairs)
-        b.nodes.fill_(nodes)
-        b.nlist.fill_(a.nlist)
-        if moved is None:
-            b.moved.fill_(False)
-        else:
-            b.moved.copy_(moved)  # on the device: no read here
+        node_map = "itself" if ghosts is None else ghosts
+        if self._loaded[0] is not node_map:
+            if ghosts is None:
+                b.node_of.copy_(torch.arange(b.atoms, device=self.device))
+            else:
+                b.node_of[:a.ntotal].copy_(ghosts.node_of)
+            self._loaded = (node_map, None)
+        if check is not None:
+            if check.tolerance != self._tolerance:
+                self._tolerance = check.tolerance
+                self.invalidate()
+            b.x[:a.ntotal].copy_(check.x)
+            if self._loaded[1] is not check.shift:
+                b.shift[:a.ntotal].copy_(check.shift)
+                self._loaded = (node_map, check.shift)
+        host = self._host_counts
+        for k, value in enumerate((a.npairs, nodes, a.nlist, a.ntotal, check is not None)):
+            host[k] = int(value)
+        b.counts.copy_(host, non_blocking=True)  # pinned: the last call's copy ended at its status read
 
     def _execute(self) -> _Outputs:
         return replay_or_capture(self, self._compute, "the LAMMPS step")
@@ -188,26 +229,31 @@ class PaddedStep:
     # --- the step (capture-safe: no host reads) ----------------------------------------------------------
 
     def _compute(self) -> _Outputs:
-        adapter, b = self.adapter, self._buf
+        adapter, b, device = self.adapter, self._buf, self.device
         p, n, listed_cap = b.capacities
+        npairs, nodes, nlist, ntotal, check = b.counts.unbind()
         with torch.no_grad():
-            slots = torch.arange(p, device=self.device)
-            keep = slots < b.npairs
+            keep = torch.arange(p, device=device) < npairs
             receiver = b.pair_i
-            unsorted = ((receiver[1:] < receiver[:-1]) & keep[1:]).any().reshape(1)
-            layout = layout_edges(keep, b.pair_j, receiver, b.vectors, n, p, self.pad_vector,
-                                  with_graph=bool(self.caches))
+            unsorted = ((receiver[1:] < receiver[:-1]) & keep[1:]).any()
+            moved = (check != 0) & displaced(b.x, b.node_of, b.shift, self._tolerance, ntotal)
+            sender = b.node_of.index_select(0, b.pair_j)
+            # unsorted pairs would make rows that are no CSR (the kernels would read out of bounds): lay out none,
+            # the call's results are not used
+            laid = torch.where(unsorted, 0, npairs)
+            layout = layout_listed(sender, receiver, -b.rij, laid, n, p, self.pad_vector, bool(self.caches))
             edge_index = adapter.edge_index(layout.sender, layout.receiver)
             if self.caches:
                 graph = conv_graph(layout, n)
                 src, dst = edge_index[adapter.sender_row], edge_index[1 - adapter.sender_row]
                 for cache in self.caches:
                     cache.pin(src, dst, graph)
-            elems = b.elems.clamp(min=0)  # NULL types (-1) as 0, as the eager path reads them
+            # NULL types (-1) as 0, as the eager path reads them; padding nodes species 0
+            elems = torch.where(torch.arange(n, device=device) < nodes, b.elems, 0).clamp(min=0)
             species = adapter.species_from_index(elems)
-            groups, counts = None, torch.zeros(0, dtype=torch.int64, device=self.device)
+            groups, counts = None, torch.zeros(0, dtype=torch.int64, device=device)
             if self._room is not None:
-                groups, counts = self._room.groups(elems, b.nodes)
+                groups, counts = self._room.groups(elems, nodes)
         with torch.enable_grad(), ExitStack() as stack:
             if groups is not None:
                 for cache in self.caches:
@@ -216,14 +262,14 @@ class PaddedStep:
             _, node_energy = adapter.energy(b.positions, vectors, species, edge_index, True)
             if node_energy is None:
                 raise ValueError("model: it returns no per-atom energies, which LAMMPS needs (eatoms)")
-            listed = torch.arange(listed_cap, device=self.device) < b.nlist
+            listed = torch.arange(listed_cap, device=device) < nlist
             eatoms = torch.where(listed, node_energy.reshape(-1).index_select(0, b.listed), 0.0)
             energy = eatoms.sum()
             grad = torch.autograd.grad(energy, vectors, allow_unused=True)[0]
         if grad is None:
             grad = torch.zeros_like(vectors)
         fij = -grad.index_select(0, layout.slot.clamp(max=p - 1))  # dE/drij = -dE/dvector, from slots to pairs
-        status = torch.cat([energy.detach().reshape(1).to(torch.float64), unsorted.to(torch.float64),
-                            b.moved.reshape(1).to(torch.float64), counts.to(torch.float64)])
+        status = torch.cat([energy.detach().reshape(1).to(torch.float64), unsorted.reshape(1).to(torch.float64),
+                            moved.reshape(1).to(torch.float64), counts.to(torch.float64)])
         # float64, as LAMMPS takes them: no conversion on the host side of the call
         return _Outputs(fij.detach().to(torch.float64), eatoms.detach().to(torch.float64), status)

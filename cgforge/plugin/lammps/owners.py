@@ -1,12 +1,14 @@
 """The ghosts' owners of one-rank exchange mode, found by one exchange and kept while LAMMPS's ghosts stand.
 
 A map found by ``exchange.ghost_map`` stays right while ``x[a] - x[node_of[a]] == shift[a]`` holds for every atom
-to ``TOLERANCE``; ``GhostMapCache.lookup`` returns the kept map with that check as an unread device flag, and a call
-whose flag is set runs again on a map found afresh (``refresh``). When and why: docs/lammps.md, section 2.
+to ``TOLERANCE`` (``displaced``); ``GhostMapCache.lookup`` returns the kept map with that check still to make
+(``OwnerCheck``: the eager path makes it at once, the padded step inside its captured graph), and a call whose check
+fails runs again on a map found afresh (``refresh``). When and why: docs/lammps.md, section 2.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from torch import Tensor
 from .arrays import to_tensor
 from .exchange import GhostMap, ghost_map
 
-__all__ = ["GhostMapCache", "TOLERANCE", "positions"]
+__all__ = ["GhostMapCache", "OwnerCheck", "TOLERANCE", "displaced", "positions"]
 
 TOLERANCE = 1e-6  # A: |x[a] - x[owner] - shift| of a ghost that is still the same image (rounding: ~1e-12)
 
@@ -32,6 +34,30 @@ def positions(data: Any, ntotal: int, device: torch.device) -> Tensor | None:
     return x[:ntotal].to(device=device, dtype=torch.float64)
 
 
+def displaced(x: Tensor, node_of: Tensor, shift: Tensor, tolerance: float, count: Tensor | None = None) -> Tensor:
+    """A 0-d bool tensor, True when some atom ``a`` (of the first ``count``, a device scalar; None: all) is off
+    ``x[node_of[a]] + shift[a]`` by more than ``tolerance`` in some coordinate, or at NaN. No host read."""
+    near = ((x - x.index_select(0, node_of) - shift).abs() <= tolerance).all(1)
+    if count is not None:  # rows past the count: stale buffer entries, not atoms
+        near = near | (torch.arange(x.shape[0], device=x.device) >= count)
+    return ~near.all()
+
+
+@dataclass(frozen=True)
+class OwnerCheck:
+    """A kept map's check, not yet made: this call's positions ``x`` [ntotal, 3] float64, the map's ``node_of`` and
+    each atom's ``shift`` from its owner when the map was found."""
+
+    x: Tensor
+    node_of: Tensor
+    shift: Tensor
+    tolerance: float
+
+    def moved(self) -> Tensor:
+        """The check made now (``displaced``): a 0-d bool device tensor, True when the map is stale."""
+        return displaced(self.x, self.node_of, self.shift, self.tolerance)
+
+
 class GhostMapCache:
     """One rank's ``GhostMap``, kept across calls while it stays right (module doc). ``exchanges``, ``reuses`` and
     ``refreshes`` count maps found, kept maps given and kept maps found stale; ``box_changes``: nothing is kept."""
@@ -42,17 +68,15 @@ class GhostMapCache:
         self.box_changes = False
         self._map = self._shift = None  # the kept GhostMap and each atom's periodic shift
 
-    def lookup(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> tuple[GhostMap, Tensor | None]:
-        """This call's map and, for a kept one, a 0-d bool device tensor, True when some atom is no longer where the
-        map puts it (None for a map found now); ``data``'s arrays synchronised (``arrays.lammps_arrays``)."""
+    def lookup(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> tuple[GhostMap, OwnerCheck | None]:
+        """This call's map and, for a kept one, the check it must pass (``OwnerCheck``; None for a map found now);
+        ``data``'s arrays synchronised (``arrays.lammps_arrays``)."""
         x = positions(data, ntotal, device)
         kept = self._map
         if x is None or kept is None or (kept.nlocal, kept.ntotal) != (nlocal, ntotal):
             return self._found(data, nlocal, ntotal, device, x), None
         self.reuses += 1
-        off = x - x.index_select(0, kept.node_of) - self._shift
-        moved = ~(off.abs() <= self.tolerance).all()  # NaN positions count as moved
-        return kept, moved
+        return kept, OwnerCheck(x, kept.node_of, self._shift, self.tolerance)
 
     def refresh(self, data: Any, nlocal: int, ntotal: int, device: torch.device) -> GhostMap:
         """A map found by an exchange now, for a kept one found stale (kept for later calls where it can be)."""

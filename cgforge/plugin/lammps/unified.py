@@ -226,11 +226,11 @@ class CgforgeMLIAP(_mliap_base()):
         mode = self._choose_mode(data, arrays.natomneigh > arrays.nlist, arrays.ntotal > arrays.nlocal)
         self.last_mode = mode
         step = self._step if self.padded_off is None and arrays.nlist else None
-        ghosts, moved = None, None
+        ghosts, check = None, None
         if mode == "exchange":
-            if self.ranks == 1:  # the owners: kept from an earlier call (``moved`` checks them) or found now
+            if self.ranks == 1:  # the owners: kept from an earlier call (``check`` still to make) or found now
                 with timers.phase("owners"):
-                    ghosts, moved = self._owners.lookup(data, arrays.nlocal, arrays.ntotal, self._device)
+                    ghosts, check = self._owners.lookup(data, arrays.nlocal, arrays.ntotal, self._device)
             else:  # every rank alike: no owner exchange (``exchange``'s module doc says why)
                 ghosts = GhostMap.every_ghost(arrays.nlocal, arrays.ntotal, self._device)
             if self._exchanges_inside(ghosts):
@@ -243,11 +243,11 @@ class CgforgeMLIAP(_mliap_base()):
                         + ". Use one rank, ghost mode (`pair_style mliap unified FILE 1`) or cuda_graph=None")
                 step = None
         if step is not None:
-            outcome = step.run(data, arrays, None if ghosts is None else ghosts.node_of, moved)
+            outcome = step.run(data, arrays, ghosts, check)
             if outcome == STALE:  # LAMMPS rebuilt its ghosts since the kept owners were found: find them, again
                 with timers.phase("owners"):
                     ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
-                outcome = step.run(data, arrays, ghosts.node_of) if ghosts.one_domain else STALE
+                outcome = step.run(data, arrays, ghosts) if ghosts.one_domain else STALE
             if outcome is None:
                 self.last_path = "captured" if step.cuda_graph else "padded"
                 return
@@ -257,7 +257,7 @@ class CgforgeMLIAP(_mliap_base()):
                                    "(it lays them out without a sort)")
                 warnings.warn(f"cgforge: {self.padded_off}; this and later calls run the eager step",
                               RuntimeWarning, stacklevel=2)
-        elif moved is not None and bool(moved):  # eager calls check the kept owners now (one read)
+        elif check is not None and bool(check.moved()):  # eager calls check the kept owners now (one read)
             with timers.phase("owners"):
                 ghosts = self._owners.refresh(data, arrays.nlocal, arrays.ntotal, self._device)
         self.last_path = "eager"

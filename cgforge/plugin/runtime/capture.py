@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cgforge.kernels.edge_layout import conv_graph, layout_edges, pad_offset_vector  # noqa: F401 (LAMMPS's)
+from cgforge.kernels.edge_layout import conv_graph, layout_listed, pad_offset_vector  # noqa: F401 (LAMMPS's)
 
 T = TypeVar("T")
 
