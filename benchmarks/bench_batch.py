@@ -13,7 +13,8 @@ structures per second (atom-steps per second for MD and relaxation):
   ``--loop-eval`` structures), ``relax-loop`` (ASE's FIRE, the first ``--loop-relax``), ``md-loop-nve`` (ASE's
   velocity Verlet, ``--loop-md-steps`` steps of the first ``--loop-md``). Loops are slow: their rate compares.
 - ``batch``: cgforge's batched paths: ``eval-batch`` (``evaluate_batch``, ``--batch-size`` structures a call),
-  ``relax-batch`` (``relax_batch``: FIRE to ``--fmax``), ``md-batch-nvt`` (``run_md_batch``: NVT Langevin at ``--temperature``, ``--md-steps``).
+  ``relax-batch`` (``relax_batch``: FIRE to ``--fmax``, ASE's step or with ``--fire-variant torchsim`` TorchSim's
+  order), ``md-batch-nvt`` (``run_md_batch``: NVT Langevin at ``--temperature``, ``--md-steps``).
 - ``mace-cueq``: ``eval-mace-cueq``, MACE's own calculator with cuEquivariance over the ``--loop-eval`` structures.
 - ``torchsim-mace``: TorchSim with its MACE model (cuEquivariance): ``eval-``, ``relax-`` (its batched FIRE, same
   ``--fmax``) and ``md-torchsim-mace-nvt`` (``--md-steps`` of NVT Langevin at ``--temperature``).
@@ -26,7 +27,8 @@ two sets, one after the other, each as one batch of TorchSim's autobatcher (``To
 The relaxation rows give the largest final-energy difference per atom
 against ``relax-batch`` over the structures both converged; ``relax-torchsim-cgforge`` also against
 ``relax-torchsim-mace`` (one optimizer, two models: TorchSim's FIRE is not ASE's step for step, so it can end a
-flat water relaxation in another minimum than ``relax-batch`` does). A peer that cannot run (an import missing,
+flat water relaxation in another minimum than ``relax-batch`` does, unless ``--fire-variant torchsim`` runs
+TorchSim's order in the batch too). A peer that cannot run (an import missing,
 cuEquivariance not importable) gives a row saying why. The ratios the issue's targets name are printed at the end
 and kept in the JSON, which goes to $OUT (``common.write_json``).
 """
@@ -158,11 +160,12 @@ def relax_loop(calc, systems: list, fmax: float, steps: int, device: str) -> tup
 
 def relax_batch_row(calc, systems: list, args, device: str) -> tuple[dict, dict]:
     """The row and each structure's final energy (eV, by index) where it converged."""
-    from cgforge.plugin import relax_batch
+    from cgforge.plugin import FireParameters, relax_batch
 
+    fire = FireParameters(variant=args.fire_variant)
     sync(device)
     start = time.perf_counter()
-    done = list(relax_batch(calc, systems, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size))
+    done = list(relax_batch(calc, systems, fmax=args.fmax, steps=args.steps, batch_size=args.batch_size, fire=fire))
     sync(device)
     row = rate(time.perf_counter() - start, systems, sum(d.steps * len(d.atoms) for d in done))
     row["statuses"] = {s: sum(d.status == s for d in done) for s in ("converged", "unconverged", "failed")}
@@ -466,6 +469,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256, help="structures per batch of cgforge's paths")
     parser.add_argument("--fmax", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=500, help="FIRE steps at most")
+    parser.add_argument("--fire-variant", choices=("ase", "torchsim"), default="ase",
+                        help="relax-batch's FIRE step: ASE's (as the relax-loop row), or TorchSim's order (as its "
+                             "batched FIRE: the endpoints then compare one algorithm)")
     parser.add_argument("--md-steps", type=int, default=1000, help="steps of the batched MD rows (0: no MD rows)")
     parser.add_argument("--peer-md-steps", type=int, default=None,
                         help="steps of TorchSim's MD rows (default: --md-steps; its rate is what compares; 0: none)")

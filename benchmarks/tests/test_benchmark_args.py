@@ -52,6 +52,7 @@ BAD_FLAGS = [
     ("investigations/search_host_ops.py", ["--cycles", "0"], "--cycles"),
     ("investigations/search_host_ops.py", ["--device", "cuda", "--path", "cuda"], "--path"),
     ("bench_batch.py", ["--models", "mace-huge"], "mace-huge"),
+    ("bench_batch.py", ["--fire-variant", "vv_fire"], "vv_fire"),
     ("nve_drift.py", ["--models", "mace-huge", "--device", "cpu"], "mace-huge"),
     ("nve_drift.py", ["--models", "bundled-nequip", "--dtype", "float64", "--device", "cpu"], "--dtype float64"),
     ("nve_drift.py", ["--ps", "0", "--device", "cpu"], "--ps"),

@@ -1,7 +1,8 @@
 """Batched FIRE relaxation of many structures: ``relax_batch`` (docs/batch.md).
 
-Each structure has its own state of ASE's FIRE (``FireState``: one vectorised step on the model's device); the
-batch is evaluated in one model call and refilled from the queue as structures finish. ``cell_filter`` relaxes
+Each structure has its own state of ASE's FIRE (``FireState``: one vectorised step on the model's device; with
+``FireParameters(variant="torchsim")`` TorchSim's ``ase_fire`` step instead); the batch is evaluated in one model
+call and refilled from the queue as structures finish. ``cell_filter`` relaxes
 3-D periodic cells through ASE's ``FrechetCellFilter``. A structure that cannot be evaluated finishes "failed".
 """
 
@@ -25,9 +26,15 @@ from .runtime.potential import Potential
 __all__ = ["FireParameters", "Relaxed", "relax_batch"]
 
 
+FIRE_VARIANTS = ("ase", "torchsim")
+
+
 @dataclass(frozen=True)
 class FireParameters:
-    """ASE's FIRE parameters (``ase.optimize.FIRE``), with its defaults and names."""
+    """ASE's FIRE parameters (``ase.optimize.FIRE``), with its defaults and names, and the ``variant`` of its step:
+    "ase", ASE's (a downhill step mixes the velocity with ``a``, then decays ``a`` and grows ``dt`` past ``Nmin``
+    downhill steps), or "torchsim", TorchSim's ``ase_fire`` (the same, ``a`` decayed and ``dt`` grown before the
+    mixing: positions relaxed as TorchSim's batched FIRE relaxes them; its cell filters are its own)."""
 
     dt: float = 0.1
     maxstep: float = 0.2
@@ -38,8 +45,12 @@ class FireParameters:
     astart: float = 0.1
     fa: float = 0.99
     a: float = 0.1
+    variant: str = "ase"
 
     def __post_init__(self) -> None:
+        if self.variant not in FIRE_VARIANTS:
+            raise ValueError(f"FireParameters.variant: expected one of {', '.join(FIRE_VARIANTS)}, got "
+                             f"{self.variant!r}")
         for name in ("dt", "maxstep", "dtmax", "finc", "fdec", "fa"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and np.isfinite(value) and value > 0):
@@ -84,7 +95,8 @@ class FireState:
         self.downhill, self.started = self.downhill[structures], self.started[structures]
 
     def step(self, x: Tensor, forces: Tensor, segment: Tensor, fire: FireParameters) -> None:
-        """ASE's ``FIRE.step`` (no downhill check) for every structure: ``x`` [M, 3] moved in place."""
+        """ASE's ``FIRE.step`` (no downhill check; or TorchSim's order, ``fire.variant``) for every structure: ``x``
+        [M, 3] moved in place."""
         count = self.dt.shape[0]
 
         def per(values: Tensor) -> Tensor:  # ASE's np.vdot over one structure's coordinates
@@ -94,12 +106,14 @@ class FireState:
         vf, grad2, vv = per((forces * v).sum(1)), per((forces * forces).sum(1)), per((v * v).sum(1))
         down = self.started & (vf > 0.0)
         up = self.started & ~(vf > 0.0)
-        scale = torch.where(down, self.a / grad2.clamp(min=torch.finfo(grad2.dtype).tiny).sqrt() * vv.sqrt(), 0.0)
-        mixed = (1.0 - self.a).index_select(0, segment)[:, None] * v + scale.index_select(0, segment)[:, None] * forces
-        v = torch.where(down.index_select(0, segment)[:, None], mixed, v)
         grow = down & (self.downhill > fire.Nmin)
+        decayed = torch.where(grow, self.a * fire.fa, self.a)
+        a = decayed if fire.variant == "torchsim" else self.a  # the mixing's alpha: after or before the decay
+        scale = torch.where(down, a / grad2.clamp(min=torch.finfo(grad2.dtype).tiny).sqrt() * vv.sqrt(), 0.0)
+        mixed = (1.0 - a).index_select(0, segment)[:, None] * v + scale.index_select(0, segment)[:, None] * forces
+        v = torch.where(down.index_select(0, segment)[:, None], mixed, v)
         self.dt = torch.where(grow, torch.clamp(self.dt * fire.finc, max=fire.dtmax), self.dt)
-        self.a = torch.where(grow, self.a * fire.fa, self.a)
+        self.a = decayed
         self.downhill = torch.where(down, self.downhill + 1, self.downhill)
         v = torch.where(up.index_select(0, segment)[:, None], 0.0, v)  # uphill: stop, smaller steps, mix again
         self.a = torch.where(up, torch.full_like(self.a, fire.astart), self.a)

@@ -54,6 +54,49 @@ def test_each_structure_relaxes_as_ases_fire_alone(mace_calc) -> None:
     assert statuses == {"converged", "unconverged"}
 
 
+def torchsim_order_fire(atoms, calc, steps: int, p: FireParameters) -> np.ndarray:
+    """The positions after ``steps`` FIRE steps in TorchSim's ``ase_fire`` order (alpha decayed and dt grown before
+    the velocity mixing), written out here in numpy as that step is defined."""
+    atoms = atoms.copy()
+    atoms.calc = calc
+    x, v, dt, a, downhill = atoms.positions.copy(), None, p.dt, p.a, 0
+    for _ in range(steps):
+        atoms.positions = x
+        f = atoms.get_forces()
+        if v is None:
+            v = np.zeros_like(x)
+        elif np.vdot(f, v) > 0.0:
+            if downhill > p.Nmin:
+                dt, a = min(dt * p.finc, p.dtmax), a * p.fa
+            downhill += 1
+            v = (1.0 - a) * v + a * f * np.linalg.norm(v) / np.linalg.norm(f)
+        else:
+            v, dt, a, downhill = np.zeros_like(x), dt * p.fdec, p.astart, 0
+        v = v + dt * f
+        dr = dt * v
+        dr *= min(1.0, p.maxstep / np.linalg.norm(dr))
+        x = x + dr
+    return x
+
+
+def test_the_torchsim_variant_steps_in_torchsims_order(mace_calc) -> None:
+    """``variant="torchsim"`` follows TorchSim's FIRE order step for step; ASE's order (the default) leaves another
+    path once alpha has decayed (after Nmin downhill steps), so the option is what differs."""
+    inputs, steps = [structures()[i] for i in (0, 2)], 30  # the bent water and the box (H2 converges to 1e-9)
+    torchsim = FireParameters(variant="torchsim")
+    ours = {d.index: d for d in relax_batch(mace_calc, inputs, fmax=1e-9, steps=steps, batch_size=2, fire=torchsim)}
+    default = {d.index: d for d in relax_batch(mace_calc, inputs, fmax=1e-9, steps=steps, batch_size=2)}
+    apart = 0.0
+    for i, atoms in enumerate(inputs):
+        assert ours[i].status == "unconverged" and ours[i].steps == steps
+        np.testing.assert_allclose(ours[i].atoms.positions, torchsim_order_fire(atoms, mace_calc, steps, torchsim),
+                                   atol=1e-9)
+        apart = max(apart, float(np.abs(default[i].atoms.positions - ours[i].atoms.positions).max()))
+    assert apart > 1e-6, apart
+    with pytest.raises(ValueError, match="FireParameters.variant: expected one of ase, torchsim"):
+        FireParameters(variant="vv_fire")
+
+
 def test_a_bad_structure_fails_alone_and_the_others_go_on(mace_calc) -> None:
     bad = molecule("H2O")
     bad.positions[2] = bad.positions[1] + 0.05
