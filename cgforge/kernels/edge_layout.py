@@ -360,13 +360,18 @@ def _place(keep: Tensor, rank: Tensor, sender: Tensor, receiver: Tensor, shifts:
     return out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, rowptr, perm_t
 
 
-def _listed_rank(receiver: Tensor, count: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``edge_place``'s keep (int32), rank and list row pointers of a list whose first ``count`` entries are kept."""
+def _listed_rank(receiver: Tensor, count: Tensor, n: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``edge_place``'s keep (int32), rank and list row pointers of a list whose first ``count`` entries are kept
+    (those of them ``keep`` selects, when given)."""
     steps = torch.arange(receiver.shape[0], device=receiver.device)
-    kept = steps < count
-    rank = torch.minimum(steps + 1, count)  # the inclusive prefix sum of keep, without a scan
-    # kept entries of receiver < r (the stale tail sorts last, as row n)
-    list_rowptr = torch.searchsorted(torch.where(kept, receiver, n), torch.arange(n + 1, device=receiver.device))
+    valid = steps < count
+    if keep is None:
+        kept, rank = valid, torch.minimum(steps + 1, count)  # the inclusive prefix sum of keep, without a scan
+    else:
+        kept = valid & keep
+        rank = torch.cumsum(kept, 0)
+    # entries of receiver < r (the stale tail sorts last, as row n)
+    list_rowptr = torch.searchsorted(torch.where(valid, receiver, n), torch.arange(n + 1, device=receiver.device))
     return kept.to(torch.int32), rank, list_rowptr
 
 
@@ -379,17 +384,19 @@ def _sender_transpose(sender32: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 def layout_listed(sender: Tensor, receiver: Tensor, vectors: Tensor, count: Tensor, num_nodes: int, capacity: int,
-                  pad_vector: Tensor, with_graph: bool) -> EdgeLayout:
-    """``layout_edges(arange(V) < count, sender, receiver, vectors, num_nodes, capacity, pad_vector, with_graph)``,
-    identical, for a list whose first ``count`` (int64 0-d, on the list's device) of V entries are the edges,
-    receiver-ascending, and whose later entries are anything in range (LAMMPS's pairs: no reverses). sender,
-    receiver: int64 [V]; vectors: float [V, 3]. On CUDA (float32/64) the ``edge_place`` kernel without reverses
-    and a stable sort of the int32 senders for the transpose; no host read: capture-safe. Elsewhere the torch one."""
+                  pad_vector: Tensor, with_graph: bool, keep: Tensor | None = None) -> EdgeLayout:
+    """``layout_edges((arange(V) < count) & keep, sender, receiver, vectors, num_nodes, capacity, pad_vector,
+    with_graph)``, identical, for a list whose first ``count`` (int64 0-d, on the list's device) of V entries are
+    receiver-ascending and are the edges (those ``keep``, bool [V], selects; None: all), and whose later entries are
+    anything in range (LAMMPS's pairs: no reverses). sender, receiver: int64 [V]; vectors: float [V, 3]. On CUDA
+    (float32/64) the ``edge_place`` kernel without reverses and a stable sort of the int32 senders for the transpose;
+    no host read: capture-safe. Elsewhere the torch one."""
     n, cap, pairs, dtype, device = int(num_nodes), int(capacity), sender.shape[0], vectors.dtype, sender.device
     suffix = DTYPE_SUFFIX.get(dtype)
     if not sender.is_cuda or suffix is None:
-        return layout_edges(torch.arange(pairs, device=device) < count, sender, receiver, vectors, n, cap, pad_vector,
-                            with_graph)
+        selected = torch.arange(pairs, device=device) < count
+        return layout_edges(selected if keep is None else selected & keep, sender, receiver, vectors, n, cap,
+                            pad_vector, with_graph)
     if n < 1 or cap < 0:
         raise ValueError(f"layout_listed: expected num_nodes >= 1 and capacity >= 0, got {num_nodes}, {capacity}")
     pad_vector = pad_vector.to(dtype).contiguous()
@@ -400,7 +407,7 @@ def layout_listed(sender: Tensor, receiver: Tensor, vectors: Tensor, count: Tens
             raise ValueError(f"layout_listed: {name} must be a {want} tensor on {device}, got {t.dtype} on "
                              f"{t.device}")
     sender, receiver, vectors = sender.contiguous(), receiver.contiguous(), vectors.contiguous()
-    keep, rank, list_rowptr = _listed_rank(receiver, count, n)
+    keep, rank, list_rowptr = _listed_rank(receiver, count, n, keep)
     out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, rowptr, _ = _place(
         keep, rank, sender, receiver, vectors, list_rowptr, None, pad_vector, n, cap, with_graph)
     graph = None

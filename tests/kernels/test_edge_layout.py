@@ -183,9 +183,15 @@ def _listed(pairs: int, count: int, dtype: torch.dtype, n: int = 13, seed: int =
     return sender, receiver, vectors, torch.tensor(count), n
 
 
-def _listed_reference(sender, receiver, vectors, count, n, capacity, pad, with_graph) -> el.EdgeLayout:
-    keep = torch.arange(sender.shape[0]) < count
-    return el.layout_edges(keep, sender, receiver, vectors, n, capacity, pad, with_graph)
+def _listed_reference(sender, receiver, vectors, count, n, capacity, pad, with_graph, keep=None) -> el.EdgeLayout:
+    selected = torch.arange(sender.shape[0]) < count
+    return el.layout_edges(selected if keep is None else selected & keep, sender, receiver, vectors, n, capacity, pad,
+                           with_graph)
+
+
+def _mask(pairs: int, masked: bool) -> torch.Tensor | None:
+    """None (every listed entry an edge), or a random selection of them (ghost mode's receptive field)."""
+    return torch.rand(pairs, generator=torch.Generator().manual_seed(pairs)) < 0.6 if masked else None
 
 
 def _full(layout: el.EdgeLayout) -> list[torch.Tensor]:
@@ -193,14 +199,16 @@ def _full(layout: el.EdgeLayout) -> list[torch.Tensor]:
     return [*_outputs(layout), *([] if layout.graph is None else [layout.graph.perm, layout.graph.rowptr_t])]
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("with_graph", [True, False])
 @pytest.mark.parametrize("pairs, count, capacity", LISTS)
 def test_cuda_source_without_reverses_run_as_cpp_equals_the_torch_expression(libraries, dtype, with_graph, pairs,
-                                                                              count, capacity) -> None:
+                                                                              count, capacity, masked) -> None:
     sender, receiver, vectors, count_t, n = _listed(pairs, count, dtype)
     pad = torch.tensor([2 * CUTOFF + 1, 0.0, 0.0], dtype=dtype)
-    keep, rank, list_rowptr = el._listed_rank(receiver, count_t, n)
+    mask = _mask(pairs, masked)
+    keep, rank, list_rowptr = el._listed_rank(receiver, count_t, n, mask)
     suffix = "f64" if dtype == torch.float64 else "f32"
     np_dtype = vectors.numpy().dtype
     # sentinels everywhere: a slot the kernel leaves unwritten fails the comparison
@@ -221,7 +229,7 @@ def test_cuda_source_without_reverses_run_as_cpp_equals_the_torch_expression(lib
         rowptr_t, perm = el._sender_transpose(sender32, n)
         got += [sender32, torch.from_numpy(graph[1]), torch.from_numpy(graph[2]), perm,
                 torch.zeros(0, dtype=torch.int32), rowptr_t]
-    _assert_full(got, _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph)))
+    _assert_full(got, _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph, mask)))
 
 
 def _assert_full(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -231,30 +239,36 @@ def _assert_full(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), name
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("with_graph", [True, False])
 @pytest.mark.parametrize("pairs, count, capacity", LISTS)
-def test_layout_listed_on_the_cpu_is_the_torch_expression(with_graph, pairs, count, capacity) -> None:
+def test_layout_listed_on_the_cpu_is_the_torch_expression(with_graph, pairs, count, capacity, masked) -> None:
     sender, receiver, vectors, count_t, n = _listed(pairs, count, torch.float64)
     pad = torch.tensor([7.4, 0.0, 0.0], dtype=torch.float64)
-    layout = el.layout_listed(sender, receiver, vectors, count_t, n, capacity, pad, with_graph)
+    mask = _mask(pairs, masked)
+    layout = el.layout_listed(sender, receiver, vectors, count_t, n, capacity, pad, with_graph, mask)
     _assert_full(_full(layout), _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad,
-                                                        with_graph)))
+                                                        with_graph, mask)))
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("with_graph", [True, False])
 @pytest.mark.parametrize("pairs, count, capacity", LISTS)
-def test_layout_listed_on_cuda_equals_the_torch_expression(dtype, with_graph, pairs, count, capacity) -> None:
+def test_layout_listed_on_cuda_equals_the_torch_expression(dtype, with_graph, pairs, count, capacity, masked) -> None:
     sender, receiver, vectors, count_t, n = _listed(pairs, count, dtype)
     pad = torch.tensor([2 * CUTOFF + 1, 0.0, 0.0], dtype=dtype)
-    want = _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph))
+    mask = _mask(pairs, masked)
+    want = _full(_listed_reference(sender, receiver, vectors, count_t, n, capacity, pad, with_graph, mask))
     cuda = [t.cuda() for t in (sender, receiver, vectors, count_t)]
-    layout = el.layout_listed(*cuda, n, capacity, pad.cuda(), with_graph)
+    layout = el.layout_listed(*cuda, n, capacity, pad.cuda(), with_graph, None if mask is None else mask.cuda())
     assert layout.sender.is_cuda
     _assert_full(_full(layout), want)
-    _assert_full(_full(el.layout_edges(torch.arange(pairs, device="cuda") < cuda[3], cuda[0], cuda[1], cuda[2], n,
-                                       capacity, pad.cuda(), with_graph)), want)
+    selected = torch.arange(pairs, device="cuda") < cuda[3]
+    selected = selected if mask is None else selected & mask.cuda()
+    _assert_full(_full(el.layout_edges(selected, cuda[0], cuda[1], cuda[2], n, capacity, pad.cuda(), with_graph)),
+                 want)
 
 
 @pytest.mark.cuda

@@ -405,26 +405,32 @@ def test_padded_step_matches(kind, n_domains, request):
 
 @pytest.mark.slow
 def test_padded_step_grows_and_shrinks(mace_file):
-    """One object over calls whose pair, atom and species counts grow and shrink: buffers grow (a new capture
-    on CUDA), stale entries past the counts change nothing, every call equals the eager path's."""
+    """One object over calls whose pair, atom and species counts grow and shrink: LAMMPS's buffers grow (a new
+    capture on CUDA) and never shrink, the receptive field's rooms follow the field (the first call runs on every
+    pair, later ones on the field: the eager path's field exactly), stale entries past the counts change nothing,
+    every call equals the eager path's."""
     padded = CgforgeMLIAP(mace_file, patch=True, _padded=True)
     eager = CgforgeMLIAP(mace_file, patch=True)
     small, big = structure(seed=12), water_box(24, seed=3)
     big.rattle(0.05, seed=3)
-    calls = [(small, 2, 1), (small, 2, 0), (big, 1, 0), (small, 2, 1)]
+    calls = [(small, 2, 1), (small, 2, 0), (big, 1, 0), (small, 2, 1), (small, 2, 1)]
     seen = []
     for atoms, n_domains, d in calls:
         got = per_domain(padded, domains_of(padded, atoms, n_domains)[d])
         want = per_domain(eager, domains_of(eager, atoms, n_domains)[d])
         assert padded.last_path == "padded" and eager.last_path == "eager"
         assert_matches(got, want)
+        assert padded.last_field == eager.last_field  # the same cut, made on the device
+        (nodes, edges), (atoms_given, pairs_given) = padded.last_field
+        assert nodes < atoms_given and edges < pairs_given
         step = padded._step
-        seen.append((step.capacities, step._room.capacities, step.n_growths))
-    (first, room0, _), (_, _, grown0), (third, room2, grown2), (fourth, _, grown3) = seen
-    assert grown0 == 0 and grown2 >= 2 and grown3 == grown2  # the big box grew the buffers and the species rooms
-    assert third[0] > first[0] and third[1] > first[1] and fourth == third  # pairs, nodes; never shrunk
-    assert padded._step._pair_margin == 2 * PAIR_MARGIN  # the pairs outgrew their room once: twice the room since
-    assert all(b >= a for a, b in zip(room0, room2)) and room2 != room0  # a species overflowed: run again
+        seen.append((step.capacities, step._buf.atoms, step._buf.edges, step.n_growths, edges))
+    (first, atoms0, _, grown0, _), _, (third, atoms2, _, grown2, _), (fourth, _, _, _, _), last = seen
+    assert grown0 == 1  # the first call ran on every pair, then the field got a room of its own
+    assert grown2 > grown0 and third[0] > first[0] and atoms2 > atoms0  # the big box grew LAMMPS's buffers
+    assert fourth[0] == third[0]  # ... which never shrink
+    assert last[2] < third[0] and last[4] <= last[2] <= 1.5 * last[4] + 256  # the layout: the field and its room
+    assert padded._step._pair_margin >= 2 * PAIR_MARGIN  # the pairs outgrew their room: more room since
 
 
 def relabel_ghosts(data: StandInData, seed: int) -> None:

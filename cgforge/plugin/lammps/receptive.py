@@ -5,7 +5,8 @@ pairs of all of them. A message-passing model of L layers sums, at a receiver, m
 of the layer before; so the listed atoms' energies read only the edges whose receiver lies within L - 1 hops of a
 listed atom, and the features of those edges' senders. Every other pair's ``fij = dE/drij`` is exactly zero.
 ``receptive_field`` finds that subgraph; the eager ghost-mode call runs the model on it alone, which on a small
-domain (many ghosts per local atom) cuts most of the pairs and nodes, and with them the call's memory and time.
+domain (many ghosts per local atom) cuts most of the pairs and nodes, and with them the call's memory and time. The
+padded step (``captured``) makes the same cut on the device, without host reads.
 """
 
 from __future__ import annotations

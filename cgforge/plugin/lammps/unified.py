@@ -61,8 +61,8 @@ class CgforgeMLIAP(_mliap_base()):
     the keywords here, docs/lammps.md's table explains; ``type_map`` also names the LAMMPS elements).
 
     _padded: internal, runs the padded step uncaptured (CPU tests). ``capture_error`` says why a capture failed;
-    ``last_path`` which path the last call took ("captured", "padded" or "eager"); ``last_field``, for an eager
-    ghost-mode call, (atoms, pairs) its model ran on of (atoms, pairs) LAMMPS gave (``receptive``), else None.
+    ``last_path`` which path the last call took ("captured", "padded" or "eager"); ``last_field``, for a ghost-mode
+    call, (atoms, pairs) its model ran on of (atoms, pairs) LAMMPS gave (``receptive``), else None.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | None = None, device: str | None = None,
@@ -250,6 +250,7 @@ class CgforgeMLIAP(_mliap_base()):
                 outcome = step.run(data, arrays, ghosts) if ghosts.one_domain else STALE
             if outcome is None:
                 self.last_path = "captured" if step.cuda_graph else "padded"
+                self.last_field = step.last_field
                 return
             if outcome == UNSORTED:
                 step.invalidate()  # its graph and buffers' memory back: not used again
