@@ -108,7 +108,7 @@ class FireState:
         up = self.started & ~(vf > 0.0)
         grow = down & (self.downhill > fire.Nmin)
         decayed = torch.where(grow, self.a * fire.fa, self.a)
-        a = decayed if fire.variant == "torchsim" else self.a  # the mixing's alpha: after or before the decay
+        a = decayed if fire.variant == "torchsim" else self.a  # TorchSim mixes with alpha decayed, ASE before it decays
         scale = torch.where(down, a / grad2.clamp(min=torch.finfo(grad2.dtype).tiny).sqrt() * vv.sqrt(), 0.0)
         mixed = (1.0 - a).index_select(0, segment)[:, None] * v + scale.index_select(0, segment)[:, None] * forces
         v = torch.where(down.index_select(0, segment)[:, None], mixed, v)
