@@ -34,6 +34,7 @@ from cgforge.plugin.runtime.capture import conv_graph, layout_listed, pad_offset
 from .arrays import LammpsArrays, write_results
 from .exchange import GhostMap
 from .owners import TOLERANCE, OwnerCheck, displaced
+from .receptive import field_masks
 from .timers import OFF
 
 if TYPE_CHECKING:
@@ -276,13 +277,8 @@ class PaddedStep:
         predecessor's, for the rows), each node's atom, the pairs that are edges, and the field's atoms."""
         b, device = self._buf, self.device
         t, n = b.atoms, b.positions.shape[0]
-        dump = torch.full((), t, dtype=torch.int64, device=device)  # writes that must not land
-        listed = torch.where(torch.arange(b.listed.shape[0], device=device) < nlist, b.listed, dump)
-        near = torch.zeros(t + 1, dtype=torch.bool, device=device).index_fill(0, listed, True)
-        for _ in range(self.layers - 1):  # a hop: from a pair's centre to its neighbour
-            near = near.index_fill(0, torch.where(valid & near.index_select(0, b.pair_i), b.pair_j, dump), True)
-        edges = valid & near.index_select(0, b.pair_i)
-        touched = near.index_fill(0, torch.where(edges, b.pair_j, dump), True)[:t]
+        listed = torch.where(torch.arange(b.listed.shape[0], device=device) < nlist, b.listed, t)  # t: none
+        edges, touched = field_masks(b.pair_i, b.pair_j, listed, t, self.layers, valid)
         touched = touched & (torch.arange(t, device=device) < ntotal)
         rank = torch.cumsum(touched, 0)
         node_of = (rank - 1).clamp(min=0, max=n - 1)  # past the room: the call runs again with more
@@ -297,7 +293,9 @@ class PaddedStep:
         with torch.no_grad():
             valid = torch.arange(p, device=device) < npairs
             unsorted = ((b.pair_i[1:] < b.pair_i[:-1]) & valid[1:]).any()
-            moved = (check != 0) & displaced(b.x, b.node_of, b.shift, self._tolerance, ntotal)
+            # a kept owners' map (exchange mode) checked; ghost mode's field graph has none
+            moved = (check != 0) if self._field else (check != 0) & displaced(b.x, b.node_of, b.shift,
+                                                                              self._tolerance, ntotal)
             if self._field:
                 node_of, atom_of_node, edges, nodes = self._receptive(valid, nlist, ntotal)
                 atom_elems = b.elems.index_select(0, atom_of_node)

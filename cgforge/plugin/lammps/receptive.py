@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ReceptiveField", "receptive_field"]
+__all__ = ["ReceptiveField", "field_masks", "receptive_field"]
 
 
 @dataclass(frozen=True)
@@ -28,19 +28,28 @@ class ReceptiveField:
     node_of: Tensor  # int64 [ntotal]: each atom's node, -1 for atoms left out
 
 
+def field_masks(centre: Tensor, neighbour: Tensor, listed: Tensor, ntotal: int, layers: int,
+                valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(pairs: bool [P], atoms: bool [ntotal]): the pairs (edges ``neighbour -> centre``, of the ``valid`` ones)
+    whose centre is within ``layers - 1`` hops of a ``listed`` atom (an entry ``ntotal``: none), and the atoms those
+    pairs and the listed atoms touch. A hop goes from a pair's centre to its neighbour: the way a layer's messages
+    come in. No host read (index fills into a slot past the atoms): the padded step makes it inside its graph."""
+    dump = torch.full((), ntotal, dtype=torch.int64, device=centre.device)  # fills that must not land
+    near = torch.zeros(ntotal + 1, dtype=torch.bool, device=centre.device).index_fill(0, listed, True)
+    for _ in range(layers - 1):
+        out = near.index_select(0, centre) if valid is None else valid & near.index_select(0, centre)
+        near = near.index_fill(0, torch.where(out, neighbour, dump), True)
+    pairs = near.index_select(0, centre) if valid is None else valid & near.index_select(0, centre)
+    return pairs, near.index_fill(0, torch.where(pairs, neighbour, dump), True)[:ntotal]
+
+
 def receptive_field(centre: Tensor, neighbour: Tensor, listed: Tensor, ntotal: int,
                     layers: int) -> ReceptiveField | None:
-    """The pairs (edges ``neighbour -> centre``) whose centre is within ``layers - 1`` hops of a ``listed`` atom, and
-    the atoms those pairs and the listed atoms touch; None when that is every pair and every atom (nothing to cut).
-    A hop goes from a pair's centre to its neighbour: the way a layer's messages come in."""
+    """The pairs and atoms of ``field_masks``, as indices; None when that is every pair and every atom (nothing to
+    cut)."""
     if layers < 1:
         raise ValueError(f"layers: expected at least 1, got {layers}")
-    near = torch.zeros(ntotal, dtype=torch.bool, device=centre.device)
-    near[listed] = True
-    for _ in range(layers - 1):
-        near = near.index_fill(0, neighbour[near[centre]], True)
-    kept = near[centre]
-    touched = near.index_fill(0, neighbour[kept], True)
+    kept, touched = field_masks(centre, neighbour, listed, ntotal, layers)
     if bool(kept.all()) and bool(touched.all()):
         return None
     atoms = touched.nonzero().squeeze(1)
