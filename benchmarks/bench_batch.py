@@ -21,6 +21,9 @@ structures per second (atom-steps per second for MD and relaxation):
 - ``torchsim-cgforge``: the same TorchSim runs over cgforge's model (``cgforge.plugin.torchsim``).
 - ``--peer-md-steps`` and ``--peer-relax-structures`` shorten both TorchSim sets of rows (a slow peer's rate compares
   as well over fewer steps or structures; the final energies compare over the structures both relaxed).
+- ``--peer-check-every``: TorchSim's ``optimize`` checks convergence every ``steps_between_swaps`` steps (5 by
+  default), so a structure may take up to 4 FIRE steps past ``--fmax`` and end lower than ``relax-batch``, which
+  stops at the first step under it; 1 makes the criterion the same (for the final energies' comparison).
 
 A TorchSim state holds one pbc for all its systems: the TorchSim rows run the periodic cells and the clusters as
 two sets, one after the other, each as one batch of TorchSim's autobatcher (``TorchSim.scaler``).
@@ -344,7 +347,7 @@ class TorchSim:
             sync(args.device)
             start = time.perf_counter()
             final = ts.optimize(system=group, model=self.model, optimizer=ts.Optimizer.fire, convergence_fn=converged,
-                                max_steps=args.steps, autobatcher=batcher)
+                                max_steps=args.steps, autobatcher=batcher, steps_between_swaps=args.peer_check_every)
             sync(args.device)
             seconds += time.perf_counter() - start
             done = (ts.system_wise_max_force(final) < args.fmax).tolist()
@@ -477,6 +480,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps of TorchSim's MD rows (default: --md-steps; its rate is what compares; 0: none)")
     parser.add_argument("--peer-relax-structures", type=int, default=None,
                         help="the first structures TorchSim relaxes (default: all --relax-structures; 0: none)")
+    parser.add_argument("--peer-check-every", type=int, default=5,
+                        help="TorchSim's FIRE checks convergence every this many steps (its steps_between_swaps, default "
+                             "5: a structure may run up to 4 steps past fmax; 1: checked every step, as relax-batch)")
     parser.add_argument("--loop-md", type=int, default=8, help="structures the velocity-Verlet loop runs")
     parser.add_argument("--loop-md-steps", type=int, default=100, help="steps of the velocity-Verlet loop")
     parser.add_argument("--timestep-fs", type=float, default=0.5)
@@ -491,7 +497,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                ("--md-steps", args.md_steps, 0), ("--loop-md", args.loop_md, 0),
                                ("--peer-md-steps", args.peer_md_steps, 0), ("--peer-relax-structures",
                                                                             args.peer_relax_structures, 0),
-                               ("--loop-md-steps", args.loop_md_steps, 1)):
+                               ("--loop-md-steps", args.loop_md_steps, 1),
+                               ("--peer-check-every", args.peer_check_every, 1)):
         if value < least:
             parser.error(f"{flag}: expected an integer >= {least}, got {value}")
     for flag, value in (("--fmax", args.fmax), ("--timestep-fs", args.timestep_fs),

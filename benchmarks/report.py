@@ -484,41 +484,67 @@ def nve_section(results: Path) -> list[str]:
     return out + [""]
 
 
-BATCH_ROWS = (("evaluation", "structures_per_s", "structures/s", ("eval-batch", "eval-loop", "eval-mace-cueq",
-                                                                   "eval-torchsim-mace", "eval-torchsim-cgforge")),
-              ("FIRE relaxation", "structures_per_s", "structures/s", ("relax-batch", "relax-loop",
-                                                                      "relax-torchsim-mace", "relax-torchsim-cgforge")),
-              ("MD", "atom_steps_per_s", "atom-steps/s", ("md-batch-nvt", "md-loop-nve", "md-torchsim-mace-nvt",
-                                                          "md-torchsim-cgforge-nvt")))
+BATCH_ROWS = (("evaluation", "eval", "structures_per_s", "structures/s",
+               ("eval-batch", "eval-loop", "eval-mace-cueq", "eval-torchsim-mace", "eval-torchsim-cgforge")),
+              ("FIRE relaxation", "relax", "structures_per_s", "structures/s",
+               ("relax-batch", "relax-loop", "relax-torchsim-mace", "relax-torchsim-cgforge")),
+              ("MD", "md", "atom_steps_per_s", "atom-steps/s",
+               ("md-batch-nvt", "md-loop-nve", "md-torchsim-mace-nvt", "md-torchsim-cgforge-nvt")))
+
+
+FIRE_ORDERS = {"ase": "ASE's", "torchsim": "TorchSim's"}
+
+
+def _every(steps: int) -> str:
+    return "every step" if steps == 1 else f"every {steps} steps"
+
+
+def _batch_size(args: dict, workload: str) -> float:
+    """How much of a workload a run did: runs of the same workload rank by it (a short check does not displace the
+    full-size run), then by date."""
+    if workload == "eval":
+        return args.get("structures") or 0
+    if workload == "relax":
+        return args.get("relax_structures") or 0
+    return (args.get("md_steps") or 0) * (args.get("structures") or 0)
 
 
 def batch_section(results: Path) -> list[str]:
-    """Per model, the newest ``bench_batch`` run of ``benchmarks/run.py batch`` that holds it: each row's throughput,
-    the issue's ratios."""
+    """Per model and workload (evaluation, relaxation, MD), the largest FP32 ``bench_batch`` run of ``benchmarks/run.py
+    batch`` that holds it, the newest among equals: each row's throughput, the issue's ratios."""
     runs = []
     for path in sorted(results.rglob("bench_batch-*.json")):
         data, rel = json.loads(path.read_text()), path.relative_to(results).as_posix()
         env, known = data.get("environment") or {}, _commit(results, rel)
-        if known is not None and env.get("date") and isinstance(data.get("rows"), dict):
+        if (known is not None and env.get("date") and isinstance(data.get("rows"), dict)
+                and (data.get("args") or {}).get("dtype", "float32") == "float32"):
             runs.append(Run(rel, env["date"], env.get("device", "unknown device"), *known, [data]))
-    newest = {}  # model -> the newest run with rows for it
-    for run in sorted(runs, key=lambda r: r.date):
-        for model, rows in run.rows[0]["rows"].items():
-            if rows:
-                newest[model] = run
+    chosen: dict[tuple[str, str], Run] = {}  # (model, workload) -> its run
+    for run in runs:
+        data = run.rows[0]
+        for model, rows in data["rows"].items():
+            for _, workload, _, _, names in BATCH_ROWS:
+                if not any(name in rows for name in names):
+                    continue
+                rank = (_batch_size(data.get("args") or {}, workload), run.date)
+                best = chosen.get((model, workload))
+                if best is None or rank > (_batch_size(best.rows[0].get("args") or {}, workload), best.date):
+                    chosen[(model, workload)] = run
     out = _opening("Many structures at once vs a loop and TorchSim", max(runs, key=lambda r: r.date) if runs else None,
                    "bench_batch run of benchmarks/run.py",
                    "`benchmarks/bench_batch.py`: water cells and clusters of 24-300 atoms, FP32; cgforge's batched "
                    "paths (one graph per batch) against a loop over cgforge's Calculator, MACE's calculator "
                    "(cuEquivariance where it imports) and TorchSim with its MACE model and over cgforge's model, in "
-                   "the same run. Each model's rows come from the newest run that holds it (named below the table). "
-                   "A row a peer could not run says why.",
+                   "the same run. Each model's workload comes from the largest run of it, the newest among equals "
+                   "(named below the table). A row a peer could not run says why.",
                    ["model", "workload", "row", "throughput", "note"])
-    if not newest:
+    if not chosen:
         return out
-    for model, run in newest.items():
-        rows = run.rows[0]["rows"][model]
-        for workload, key, unit, names in BATCH_ROWS:
+    models = list(dict.fromkeys(model for model, _ in chosen))
+    for model in models:
+        for label, workload, key, unit, names in BATCH_ROWS:
+            run = chosen.get((model, workload))
+            rows = run.rows[0]["rows"][model] if run else {}
             for name in names:
                 row = rows.get(name)
                 if row is None:
@@ -527,26 +553,36 @@ def batch_section(results: Path) -> list[str]:
                 number = row.get(key)
                 value = "-" if not isinstance(number, int | float) else (
                     f"{number:,.0f} {unit}" if number >= 100 else f"{number:.3g} {unit}")
-                out.append(f"| {model} | {workload} | {name} | {value} | {str(note)[:120]} |")
+                out.append(f"| {model} | {label} | {name} | {value} | {str(note)[:120]} |")
     out.append("")
-    for model, run in newest.items():
-        args = run.rows[0].get("args", {})
-        out += [f"{model}: {run.cite()}; structures "
-                f"{args.get('structures')}, relaxed {args.get('relax_structures')} (TorchSim: "
-                f"{args.get('peer_relax_structures') or args.get('relax_structures')}), MD steps {args.get('md_steps')} "
-                f"(TorchSim: {args.get('peer_md_steps') or args.get('md_steps')}); ratios (cgforge / peer):", ""]
-        for name, values in (run.rows[0].get("ratios") or {}).get(model, {}).items():
-            target = values.get("target")
-            if "ratio" in values:
-                said = f"{values['ratio']:.2f}x" + ("" if target is None else f" (target >= {target:g})")
-            else:
-                median = values.get("median_ev_per_atom")
-                said = (f"max {values['max_ev_per_atom']:.2e} eV/atom over {values['structures']} structures "
-                        f"converged in both" + ("" if median is None else
-                                                f", median {median:.2e}, {values['within_target']} within")
-                        + f" (target <= {target:g})")
-            out.append(f"- {model}, {name}: {said}")
-        out.append("")
+    for model in models:
+        for label, workload, *_ in BATCH_ROWS:
+            run = chosen.get((model, workload))
+            if run is None:
+                continue
+            args = run.rows[0].get("args", {})
+            size = {"eval": f"structures {args.get('structures')}",
+                    "relax": f"relaxed {args.get('relax_structures')} (TorchSim: "
+                             f"{args.get('peer_relax_structures') or args.get('relax_structures')}), FIRE in "
+                             f"{FIRE_ORDERS.get(args.get('fire_variant', 'ase'), '?')} order, TorchSim checking "
+                             f"convergence {_every(args.get('peer_check_every', 5))}",
+                    "md": f"structures {args.get('structures')}, MD steps {args.get('md_steps')} (TorchSim: "
+                          f"{args.get('peer_md_steps') or args.get('md_steps')})"}[workload]
+            out += [f"{model}, {label}: {run.cite()}; {size}; ratios (cgforge / peer):", ""]
+            for name, values in (run.rows[0].get("ratios") or {}).get(model, {}).items():
+                if name.split(":")[0] != workload:
+                    continue
+                target = values.get("target")
+                if "ratio" in values:
+                    said = f"{values['ratio']:.2f}x" + ("" if target is None else f" (target >= {target:g})")
+                else:
+                    median = values.get("median_ev_per_atom")
+                    said = (f"max {values['max_ev_per_atom']:.2e} eV/atom over {values['structures']} structures "
+                            f"converged in both" + ("" if median is None else
+                                                    f", median {median:.2e}, {values['within_target']} within")
+                            + f" (target <= {target:g})")
+                out.append(f"- {model}, {name}: {said}")
+            out.append("")
     return out
 
 
