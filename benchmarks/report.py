@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -257,6 +257,8 @@ def engine_section(runs: list[Run]) -> list[str]:
     newer run held only some of the models); the compiled engine from that run or one beside it (same folder,
     device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run, else
     from the newest run that timed them with the engine on the 5k box (a row of its own run, cited as such)."""
+    # the 5k box's rows only: a run over several boxes (bench_md's --systems) must not put another box's steps here
+    runs = [replace(run, rows=[row for row in run.rows if row.get("system", "5k") == "5k"]) for run in runs]
     picked: dict[str, Run] = {}
     for run in runs:  # oldest first: a newer run replaces an older one, model by model
         for model in dict.fromkeys(row["model"] for row in run.rows if row.get("backend") == "fastmace"):
