@@ -231,6 +231,16 @@ def plan(suites: list[str], extra: list[str]) -> list[tuple[str, tuple[str, ...]
     return steps
 
 
+def dropped_options(suites: list[str], extra: list[str]) -> list[str]:
+    """The options (``--name value``) of a one-command suite that ``extra`` replaces without naming them."""
+    if not extra or len(suites) != 1:
+        return []
+    named = {token.split("=")[0] for token in extra if token.startswith("--")}
+    command = SUITES[suites[0]].commands[0]
+    return [f"{token} {command[k + 1]}" if k + 1 < len(command) and not command[k + 1].startswith("--") else token
+            for k, token in enumerate(command) if token.startswith("--") and token not in named]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     extra: list[str] = []
     if "--" in argv:
@@ -306,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("    python benchmarks/" + " ".join(command))
         return 0
     steps = plan(args.suites, args.extra)
+    dropped = dropped_options(args.suites, args.extra)
+    if dropped:  # the replaced arguments fall back to the script's defaults: say which, before the device time goes
+        print(f"run.py: the arguments after -- replace the suite's; these of its options now take the script's "
+              f"defaults: {' '.join(dropped)}", file=sys.stderr)
     device = device_info()
     started = datetime.datetime.now(datetime.timezone.utc)
     folder = run_folder(args.results, args.name or "-".join(args.suites), device_slug(device["name"]), started.date())
