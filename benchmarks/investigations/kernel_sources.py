@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.molecules < 1 or args.top < 1:
         parser.error(f"--steps, --molecules and --top must be >= 1, got {args.steps}, {args.molecules}, {args.top}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    bench_md.DEVICE = device  # its box's FIRE relaxation runs there (a CPU check of this script)
-    atoms = bench_md.md_atoms(water_box(args.molecules), "float32")
+    atoms = bench_md.md_atoms(water_box(args.molecules), "float32", device)
     source = bench_md.fp32_source(args.model, Path(tempfile.mkdtemp()))
     calc = Calculator(source, device=device, skin=bench_md.SKIN,
                       dtype=None if args.model == "nequip-M" else "float32")  # NequIP's presets are built in FP32

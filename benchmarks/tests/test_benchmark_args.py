@@ -1,8 +1,8 @@
 """The benchmark scripts name a bad flag and exit non-zero before they need a GPU (the flags this project's GPU
 sessions pass them: a typo must not cost a device call).
 
-Development tooling, not the product: outside the default suite (pyproject's testpaths is tests/). Run with
-``.venv/bin/python -m pytest benchmarks/tests``."""
+Development tooling, not the product, but in the default suite (pyproject's testpaths: tests/ and benchmarks/tests/);
+alone: ``.venv/bin/python -m pytest benchmarks/tests``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ BAD_FLAGS = [
     ("investigations/search_host_ops.py", ["--device", "cuda", "--path", "cuda"], "--path"),
     ("bench_batch.py", ["--models", "mace-huge"], "mace-huge"),
     ("bench_batch.py", ["--fire-variant", "vv_fire"], "vv_fire"),
+    ("bench_batch.py", ["--peer-check-every", "0"], "--peer-check-every"),
+    ("investigations/kernel_sources.py", ["--model", "mace-huge"], "mace-huge"),
+    ("investigations/kernel_sources.py", ["--steps", "0"], "--steps"),
     ("nve_drift.py", ["--models", "mace-huge", "--device", "cpu"], "mace-huge"),
     ("nve_drift.py", ["--models", "bundled-nequip", "--dtype", "float64", "--device", "cpu"], "--dtype float64"),
     ("nve_drift.py", ["--ps", "0", "--device", "cpu"], "--ps"),

@@ -52,6 +52,15 @@ def test_extra_arguments_replace_the_suites(driver) -> None:
     assert all((BENCHMARKS / c[0]).is_file() for suite in driver.SUITES.values() for c in suite.commands)
 
 
+def test_extra_arguments_say_which_of_the_suites_options_they_drop(driver) -> None:
+    """Arguments after -- replace a suite's: the options they leave unnamed fall back to the script's defaults."""
+    dropped = driver.dropped_options(["engine"], ["--models", "bundled-mace", "--backends", "fastmace",
+                                                  "--ensembles", "nvt", "--md-steps", "300", "--md-warmup=100"])
+    assert dropped == ["--systems 5k", "--dtypes float32"]
+    assert driver.dropped_options(["layer"], ["mace-large"]) == []  # its command has no options
+    assert driver.dropped_options(["engine"], []) == []
+
+
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -230,6 +239,58 @@ def test_the_engine_table_cites_a_newer_engine_run_only_for_its_nvt_steps(tmp_pa
     _md_json(tmp_path / "nvt", "2026-11-22T10:00:00", [("bundled-mace", "cgforge-engine", 0.0025)])
     page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
     assert "A newer run timed the uncompiled engine alone, with no peer in that run: bundled MACE 2.50 ms (" in page
+
+
+def test_the_engine_table_keeps_to_the_5k_box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer run over several boxes (bench_md's --systems) gives the table its 5,184-atom rows only."""
+    report = _load("report")
+    monkeypatch.setattr(report, "LOG_ROWS", {})
+    _md_json(tmp_path / "a", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+                                                      ("bundled-mace", "fastmace", 0.004)])
+    _md_json(tmp_path / "b", "2026-11-21T10:00:00", [("bundled-mace", "cgforge-engine", 0.001, {"system": "1k"}),
+                                                      ("bundled-mace", "fastmace", 0.002, {"system": "1k"})])
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "| bundled MACE | 3.00 ms | - | 4.00 ms |" in page
+    assert "b/md-2026-11-21.json" not in page
+
+
+def _batch_json(folder: Path, date: str, args: dict, rows: dict, ratios: dict | None = None) -> None:
+    """A vetted bench_batch run of the bundled model: ``rows`` by name, ``args`` over bench_batch's defaults."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({"commit": {"sha": "abc1234", "source": "git", "dirty": False},
+                                                      "env": {}}))
+    (folder / f"bench_batch-{date[:10]}.json").write_text(json.dumps(
+        {"environment": {"date": date, "device": "NVIDIA H200"}, "args": {"dtype": "float32", **args},
+         "rows": {"bundled": rows}, "ratios": {"bundled": ratios or {}}}))
+
+
+def test_the_batch_table_takes_each_workload_from_its_largest_fp32_run(tmp_path: Path) -> None:
+    """Evaluation, relaxation and MD each come from the largest FP32 run of that workload, the newest among equals:
+    a newer small or FP64 check displaces none of them."""
+    report = _load("report")
+    _batch_json(tmp_path / "full", "2026-12-01T10:00:00",
+                {"structures": 1024, "relax_structures": 128, "md_steps": 1000},
+                {"eval-batch": {"structures_per_s": 3000.0}, "relax-batch": {"structures_per_s": 17.0},
+                 "md-batch-nvt": {"atom_steps_per_s": 1.0e6}},
+                {"md: batch / torchsim-mace": {"ratio": 12.0, "target": 3.0}})
+    _batch_json(tmp_path / "relax", "2026-12-02T10:00:00",
+                {"structures": 64, "relax_structures": 128, "md_steps": 0, "fire_variant": "torchsim",
+                 "peer_check_every": 1},
+                {"eval-batch": {"structures_per_s": 2000.0}, "relax-batch": {"structures_per_s": 12.7}},
+                {"relax: torchsim-mace final energies vs batch": {"max_ev_per_atom": 4e-5, "structures": 16,
+                                                                  "target": 1e-4},
+                 "eval: batch / torchsim-mace": {"ratio": 20.0, "target": None}})
+    _batch_json(tmp_path / "fp64", "2026-12-03T10:00:00",
+                {"dtype": "float64", "structures": 4096, "relax_structures": 4096, "md_steps": 0},
+                {"eval-batch": {"structures_per_s": 1.0}, "relax-batch": {"structures_per_s": 1.0}})
+    page = "\n".join(report.batch_section(tmp_path))
+    assert "| bundled | evaluation | eval-batch | 3,000 structures/s |" in page  # 1,024 structures beat 64
+    assert "| bundled | FIRE relaxation | relax-batch | 12.7 structures/s |" in page  # newest of two at 128
+    assert "| bundled | MD | md-batch-nvt | 1,000,000 atom-steps/s |" in page
+    assert "fp64/" not in page
+    assert "FIRE in TorchSim's order, TorchSim checking convergence every step" in page
+    assert "- bundled, relax: torchsim-mace final energies vs batch: max 4.00e-05 eV/atom" in page
+    assert "eval: batch / torchsim-mace: 20.00x" not in page  # the relaxation run's own evaluation is not quoted
 
 
 def test_the_page_is_current() -> None:
