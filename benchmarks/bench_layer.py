@@ -103,6 +103,9 @@ def main() -> None:
                         help="also time cgforge-table with this TPTuning (name=value,...); repeatable")
     parser.add_argument("--by-length", action="store_true",
                         help="also time each cgforge-table row with every receiver's edges in order of length")
+    parser.add_argument("--by-length-perm", action="store_true",
+                        help="also time each cgforge-table row visiting every receiver's edges in order of length "
+                             "through the graph's permutation (the edges stay where they are: receiver-sorted)")
     args = parser.parse_args()
     names = args.problems
     known = PROBLEMS | MODEL_LAYERS
@@ -126,6 +129,13 @@ def main() -> None:
         by_length = order, ConvGraph(sender[order], receiver[order], n, deterministic=True)
         print(f"edges by length: perm empty {by_length[1].tensors().perm.numel() == 0} (given order: "
               f"{graph.tensors().perm.numel() == 0})", flush=True)
+    by_perm = None
+    if args.by_length_perm:  # the same visit order, read through perm: y, r and sender stay in receiver order
+        if graph.tensors().perm.numel():
+            sys.exit("bench_layer: --by-length-perm needs receiver-sorted edges (the given graph has a perm)")
+        order = torch.argsort(lengths)
+        order = order[torch.argsort(receiver[order], stable=True)]
+        by_perm = ConvGraph.trusted(graph.tensors()._replace(perm=order.to(torch.int32).contiguous()), n)
     print(f"water: {n} nodes, {e} edges, lengths {float(lengths.min()):.2f}..{float(lengths.max()):.2f} Å", flush=True)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -154,6 +164,10 @@ def main() -> None:
             for spec, c in convs.items():
                 impls[f"cgforge-table[{spec + ',' if spec else ''}by-length]"] = (
                     lambda c=c: c.forward_table(x, y_l, r_l, coeffs, R_MAX, graph_l), (x, y_l, r_l))
+        if by_perm is not None:
+            for spec, c in convs.items():
+                impls[f"cgforge-table[{spec + ',' if spec else ''}by-length-perm]"] = (
+                    lambda c=c: c.forward_table(x, y, r, coeffs, R_MAX, by_perm), (x, y, r))
         if "cueq" in found:
             try:
                 sp, poly = cueq_channelwise(found, i1, i2, io, torch.float32)
@@ -201,12 +215,15 @@ def main() -> None:
     print(f"floor: bytes at {bandwidth / 1e9:.0f} GB/s (a measured copy) or CG multiply-adds at {tflops} TFLOP/s FP32, "
           "whichever is larger (fwd+bwd bytes | flops ms: "
           + ", ".join(f"{r['problem']} {r['floor_fb_bytes_ms']:.3f} | {r['floor_fb_flops_ms']:.3f}" for r in rows) + ")")
-    if tunings or by_length is not None:
+    if tunings or by_length is not None or by_perm is not None:
         print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default, "
               "forward's relative difference from the default's")
         specs = ("", *tunings)
+        base_specs = specs
         if by_length is not None:
-            specs += tuple(f"{spec + ',' if spec else ''}by-length" for spec in specs)
+            specs += tuple(f"{spec + ',' if spec else ''}by-length" for spec in base_specs)
+        if by_perm is not None:
+            specs += tuple(f"{spec + ',' if spec else ''}by-length-perm" for spec in base_specs)
         for row in rows:
             for spec in specs:
                 tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
