@@ -51,13 +51,13 @@ def patch(model: torch.nn.Module, *, tuning: KernelTuning | None = None) -> torc
                                         f"{cls.__module__}.{cls.__qualname__}; cgforge patches NequIP GNN models")
         graphs = _graph_cache(root) or CallGraphCache()
         plans.append((root, graphs, {where for where, *_ in sites}))
+    from cgforge.kernels.core.tuning import KernelTuning as Defaults  # the kernels load when a model is patched
+
+    given = tuning if tuning is not None else Defaults()  # None means the defaults, the harmonics kernel included
     for root, graphs, wheres in plans:
         new = stand_in.swap_in(root, _scatter_maker(graphs, wheres, tuning.tp if tuning is not None else None))
-        if tuning is not None and tuning.harmonics:
+        if given.harmonics:
             stand_in.swap_in(root, _harmonics_maker)
-        from cgforge.kernels.core.tuning import KernelTuning as Defaults  # the kernels load when a model is patched
-
-        given = tuning if tuning is not None else Defaults()
         swapped = species_linear.swap_in(root, "sc", graphs, given.linear_kernel_max_channels)
         e3nn_layers.swap_in(root, given.linear_kernel_max_channels, given.rows)
         gate.swap_in(root)
