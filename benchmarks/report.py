@@ -243,19 +243,24 @@ def layer_section(runs: list[Run]) -> list[str]:
     return out + [""]
 
 
+def _session_folder(path: str) -> str:
+    """The run folder directly under results/ that holds ``path`` (a session's calls may sit in subfolders of it)."""
+    return Path(path).parts[0]
+
+
 def _companion(runs: list[Run], run: Run, model: str, backend: str) -> Run | None:
-    """The newest run beside ``run`` (same folder, device and commit: another call on the same machine) that timed
-    ``model`` with ``backend``, where ``run`` itself did not."""
+    """The newest run beside ``run`` (the same folder under results/, or a sibling subfolder of it, device and commit:
+    another call on the same machine) that timed ``model`` with ``backend``, where ``run`` itself did not."""
     if _has(run, model=model, backend=backend):
         return run
-    return newest(runs, lambda r: Path(r.path).parent == Path(run.path).parent and r.device == run.device
+    return newest(runs, lambda r: _session_folder(r.path) == _session_folder(run.path) and r.device == run.device
                   and r.commit == run.commit and _has(r, model=model, backend=backend))
 
 
 def engine_section(runs: list[Run]) -> list[str]:
     """Per model, the newest run that timed the engine and FastMACE side by side (runs differ by model when a
-    newer run held only some of the models); the compiled engine from that run or one beside it (same folder,
-    device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run, else
+    newer run held only some of the models); the compiled engine from that run or one beside it (same folder under
+    results/, device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run, else
     from the newest run that timed them with the engine on the 5k box (a row of its own run, cited as such)."""
     # the 5k box's rows only: a run over several boxes (bench_md's --systems) must not put another box's steps here
     runs = [replace(run, rows=[row for row in run.rows if row.get("system", "5k") == "5k"]) for run in runs]

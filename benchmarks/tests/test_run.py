@@ -220,6 +220,21 @@ def test_the_engine_table_takes_compiled_and_nequip_rows_from_a_call_beside_the_
     assert "b/md-2026-11-19.json" not in page
 
 
+def test_the_engine_table_takes_compiled_rows_from_a_sibling_call_of_the_session_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's calls in subfolders of one results folder (run.py's folder per call) are beside each other; the
+    subfolder of another session folder is not."""
+    report = _load("report")
+    monkeypatch.setattr(report, "LOG_ROWS", {})
+    _md_json(tmp_path / "s1" / "engine", "2026-11-20T10:00:00", [("bundled-mace", "cgforge-engine", 0.003),
+                                                                  ("bundled-mace", "fastmace", 0.004)])
+    _md_json(tmp_path / "s1" / "compiled", "2026-11-20T10:20:00", [("bundled-mace", "cgforge-engine-compiled", 0.002)])
+    _md_json(tmp_path / "s0" / "compiled", "2026-11-19T10:00:00", [("nequip-M", "cgforge-engine-compiled", 0.001)])
+    page = "\n".join(report.engine_section(report.load_runs(tmp_path, "md")))
+    assert "| bundled MACE | 3.00 ms | 2.00 ms | 4.00 ms | 0.50 | 0.75 | - | - | - | - | 1, 2 |" in page
+    assert "s0/compiled" not in page
+
+
 def test_the_engine_table_cites_a_newer_engine_run_only_for_its_nvt_steps(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A newer run of the engine alone is cited with its NVT steps; one that timed NPT only has none to cite."""
