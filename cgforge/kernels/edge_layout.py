@@ -3,22 +3,19 @@ expressions (``edges_within``, ``layout_edges``: the reference and the CPU path)
 layout: ``padded_layout_cuda`` for the MD engine's lists (with a topology) and ``layout_listed`` for lists that arrive
 receiver-sorted, cut to a device count and without reverses (LAMMPS's pairs), whose transpose is a sort of senders.
 
-The edges selected by a mask keep their (receiver, sender) order in the first ``count`` of ``capacity`` slots; the
-free slots after them hold padding self-edges (N - 1, N - 1) of vector ``pad_offset`` (beyond the cutoff), so the
-array stays receiver-sorted. The graph's rows end at the last kept edge (``rowptr[N] = count``): the kernels that
-walk rows (the convolution, forward and backward) never visit a padding edge, which would cost as much as a real one
-(1-8 % of the edges after a capacity growth); per-edge ops see them and add zero (their length is beyond the
-cutoff). No ``nonzero``, no ``.item()``: capture-safe. ``count`` is a device scalar; an overflow (``count >
-capacity``) leaves an in-bounds layout the caller redoes with more room. With an ``EdgeTopology`` (row pointers and
-each edge's reverse, made per neighbour-list rebuild) an edge is kept with its reverse (its vector is the exact
-negation), so the transpose has the layout's rows and its permutation is the slot of each slot's reverse. Over a
-pair list of V entries sorted by receiver:
+The edges selected by a mask keep their (receiver, sender) order in ``capacity`` slots; the free slots hold padding
+self-edges (k, k) of vector ``pad_offset`` (beyond the cutoff), spread evenly over the atoms at the end of their
+rows, so the array stays receiver-sorted. No ``nonzero``, no ``.item()``: capture-safe. ``count`` is a device
+scalar; an overflow (``count > capacity``) leaves an in-bounds layout the caller redoes with more room. With an
+``EdgeTopology`` (row pointers and each edge's reverse, made per neighbour-list rebuild) an edge is kept with its
+reverse (its vector is the exact negation), so the transpose has the layout's rows and its permutation is the slot
+of each slot's reverse. Over a pair list of V entries sorted by receiver:
 
     keep[e]    = valid[e] and |pos[r] - pos[s] + S @ cell| < cutoff
     rank       = the inclusive prefix sum of keep
-    slot[e]    = rank[e] - 1
-    padding j < free = capacity - count sits in slot count + j, on atom N - 1, in no row
-    rowptr'[r] = pairs kept before row r (rowptr'[N] = count)
+    slot[e]    = rank[e] - 1 + pads_before(receiver[e]),  pads_before(r) = ceil(r * free / N)
+    padding j < free sits on atom floor(j * N / free), in slot j + (pairs kept in rows up to that atom)
+    rowptr'[r] = (pairs kept before row r) + pads_before(r)
 """
 
 from __future__ import annotations
@@ -77,13 +74,14 @@ __device__ __forceinline__ void edge_place(
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long count = pairs > 0 ? rank[pairs - 1] : 0;
     const long long free = count < capacity ? capacity - count : 0;
-    // pairs kept before entry k of the list
+    // pairs kept before entry k of the list, and padding edges on atoms before row r
     #define KEPT_BEFORE(k) ((k) > 0 ? rank[(k) - 1] : 0LL)
+    #define PADS_BEFORE(r) (((r) * free + n - 1) / n)
     const bool symmetric = reverse != nullptr;
     if (i < pairs) {
         long long slot = capacity;
         if (keep[i]) {
-            const long long s = rank[i] - 1;
+            const long long s = rank[i] - 1 + PADS_BEFORE(receiver[i]);
             if (s < capacity) {
                 slot = s;
                 out_sender[s] = sender[i];
@@ -97,7 +95,7 @@ __device__ __forceinline__ void edge_place(
                     receiver32[s] = (int)receiver[i];
                     if (symmetric) {
                         const long long back = reverse[i];
-                        const long long b = keep[back] ? rank[back] - 1 : capacity;
+                        const long long b = keep[back] ? rank[back] - 1 + PADS_BEFORE(receiver[back]) : capacity;
                         perm_t[s] = (int)(b < capacity ? b : capacity - 1);
                     }
                 }
@@ -105,9 +103,10 @@ __device__ __forceinline__ void edge_place(
         }
         slot_of_pair[i] = slot;
     }
-    if (i < free) {  // after every kept pair, on the last atom, in no row
-        const long long row = n - 1;
-        const long long s = count + i;
+    if (i < free) {
+        long long row = i * n / free;
+        row = row < n - 1 ? row : n - 1;
+        const long long s = i + KEPT_BEFORE(list_rowptr[row + 1]);  // after every kept pair of rows <= row
         out_sender[s] = row;
         out_receiver[s] = row;
         for (int k = 0; k < 3; ++k) {
@@ -121,10 +120,11 @@ __device__ __forceinline__ void edge_place(
         }
     }
     if (with_graph && i <= n) {
-        const long long p = KEPT_BEFORE(list_rowptr[i]);
+        const long long p = KEPT_BEFORE(list_rowptr[i]) + PADS_BEFORE(i);
         rowptr[i] = p < capacity ? p : capacity;
     }
     #undef KEPT_BEFORE
+    #undef PADS_BEFORE
 }
 
 #define EDGE_LAYOUT_KERNELS(T, SUFFIX)                                                                          \
@@ -252,13 +252,17 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
         kept_per_row = kept_before[1:] - kept_before[:-1]
     else:
         kept_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, receiver, keep_int)
+    kept_end = torch.cumsum(kept_per_row, 0)  # kept edges in rows <= r
+    # Padding edge j sits on atom floor(j * n / free): ceil(r * free / n) of them come before row r.
+    rows = torch.arange(n + 1, device=device)
+    pads_before = torch.div(rows * free + (n - 1), n, rounding_mode="floor")
     dump = torch.full((), cap, dtype=torch.int64, device=device)  # writes that must not land go to slot `cap`
 
-    real_slot = torch.where(keep & (rank < cap), rank, dump)
-    # Padding edge j sits in slot count + j, on the last atom: after every row, in none of them.
+    real_slot = rank + pads_before.index_select(0, receiver)
+    real_slot = torch.where(keep & (real_slot < cap), real_slot, dump)
     j = torch.arange(cap, device=device)
-    pad_row = torch.full_like(j, n - 1)
-    pad_slot = torch.where(j < free, j + count, dump)
+    pad_row = torch.div(j * n, free.clamp(min=1), rounding_mode="floor").clamp(max=n - 1)
+    pad_slot = torch.where(j < free, j + kept_end.index_select(0, pad_row), dump)
 
     def place(real: Tensor, pad: Tensor | None) -> Tensor:
         """Kept edges' rows in their slots, padding rows in theirs (None: zeros, which the slots hold already)."""
@@ -276,8 +280,9 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
     out_pad = torch.where(is_pad.unsqueeze(1), pad_vector.to(unit_shifts.dtype), unit_shifts.new_zeros(()))
     graph = None
     if with_graph:
+        pads_per_row = pads_before[1:] - pads_before[:-1]
         rowptr = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        rowptr[1:] = torch.cumsum(kept_per_row, 0).clamp(max=cap)
+        rowptr[1:] = torch.cumsum(kept_per_row + pads_per_row, 0).clamp(max=cap)
         if topology is not None:
             # Symmetric: node s sends the reverses of the edges it receives, so the transpose has the same rows
             # and lists, in row s, the slots of the reverses of row s's edges (a padding self-edge: itself).
@@ -285,10 +290,10 @@ def layout_edges(keep: Tensor, sender: Tensor, receiver: Tensor, unit_shifts: Te
             reverse_slot = place(real_slot.index_select(0, topology.reverse), pad_slot)
             perm_t = reverse_slot.clamp(max=max(cap - 1, 0)).to(torch.int32)  # overflow: garbage, in bounds
         else:
-            real = (j < count).to(torch.int64)  # the padding is in no row of the transpose either
+            ones = torch.ones(cap, dtype=torch.int64, device=device)
             rowptr_t = torch.zeros(n + 1, dtype=torch.int64, device=device)
             rowptr_t[1:] = torch.cumsum(torch.zeros(n, dtype=torch.int64, device=device).index_add_(
-                0, out_sender, real), 0)
+                0, out_sender, ones), 0)
             perm_t = torch.argsort(out_sender, stable=True).to(torch.int32)
         perm = torch.zeros(0, dtype=torch.int32, device=device)  # the layout is receiver-sorted
         graph = GraphTensors(out_sender.to(torch.int32), out_receiver.to(torch.int32), rowptr, perm, rowptr_t, perm_t)
@@ -370,13 +375,12 @@ def _listed_rank(receiver: Tensor, count: Tensor, n: int, keep: Tensor | None = 
     return kept.to(torch.int32), rank, list_rowptr
 
 
-def _sender_transpose(sender32: Tensor, n: int, count: Tensor) -> tuple[Tensor, Tensor]:
+def _sender_transpose(sender32: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """rowptr_t (int64 [n + 1]) and perm_t (int32): the slots by sender, in a stable sort (int32 keys: half the
-    radix passes of the int64 argsort of ``layout_edges``); the rows end at ``count`` (device scalar), before the
-    padding (the last atom's, in slots from ``count`` on: last in a stable sort)."""
+    radix passes of the int64 argsort of ``layout_edges``)."""
     senders, order = torch.sort(sender32, stable=True)
     rowptr_t = torch.searchsorted(senders, torch.arange(n + 1, dtype=torch.int32, device=sender32.device))
-    return torch.minimum(rowptr_t, count), order.to(torch.int32)
+    return rowptr_t, order.to(torch.int32)
 
 
 def layout_listed(sender: Tensor, receiver: Tensor, vectors: Tensor, count: Tensor, num_nodes: int, capacity: int,
@@ -406,12 +410,12 @@ def layout_listed(sender: Tensor, receiver: Tensor, vectors: Tensor, count: Tens
     keep, rank, list_rowptr = _listed_rank(receiver, count, n, keep)
     out_sender, out_receiver, out_shifts, out_pad, slot, sender32, receiver32, rowptr, _ = _place(
         keep, rank, sender, receiver, vectors, list_rowptr, None, pad_vector, n, cap, with_graph)
-    count = rank[-1] if pairs else torch.zeros((), dtype=torch.int64, device=device)
     graph = None
     if with_graph:
-        rowptr_t, perm_t = _sender_transpose(sender32, n, count)
+        rowptr_t, perm_t = _sender_transpose(sender32, n)
         graph = GraphTensors(sender32, receiver32, rowptr, torch.zeros(0, dtype=torch.int32, device=device), rowptr_t,
                              perm_t)
+    count = rank[-1] if pairs else torch.zeros((), dtype=torch.int64, device=device)
     return EdgeLayout(out_sender, out_receiver, out_shifts, out_pad, count, graph, slot)
 
 
