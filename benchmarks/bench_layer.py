@@ -192,6 +192,10 @@ def main() -> None:
                 row[f"{tag}_fwd"] = cuda_time(fn, iters=20, warmup=5)
                 row[f"{tag}_fb"] = cuda_time(lambda fn=fn, g=g, leaves=leaves: torch.autograd.grad(fn(), leaves, g),
                                              iters=20, warmup=5)
+                out = fn()  # the backward alone, over one kept forward (not fwd+bwd minus fwd: two medians' noise)
+                row[f"{tag}_bwd"] = cuda_time(lambda out=out, g=g, leaves=leaves: torch.autograd.grad(
+                    out, leaves, g, retain_graph=True), iters=20, warmup=5)
+                del out
             except torch.OutOfMemoryError:
                 row[f"{tag}_fail"] = "out of memory"
             except Exception as exc:
@@ -216,8 +220,8 @@ def main() -> None:
           "whichever is larger (fwd+bwd bytes | flops ms: "
           + ", ".join(f"{r['problem']} {r['floor_fb_bytes_ms']:.3f} | {r['floor_fb_flops_ms']:.3f}" for r in rows) + ")")
     if tunings or by_length is not None or by_perm is not None:
-        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference (the backward), fwd+bwd vs the default, "
-              "forward's relative difference from the default's")
+        print("\ncgforge-table per tuning: ms fwd, fwd+bwd, their difference, the backward timed alone, fwd+bwd vs the "
+              "default, forward's relative difference from the default's")
         specs = ("", *tunings)
         base_specs = specs
         if by_length is not None:
@@ -228,7 +232,8 @@ def main() -> None:
             for spec in specs:
                 tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
                 fwd, fb = row.get(f"{tag}_fwd", float("nan")), row.get(f"{tag}_fb", float("nan"))
-                print(f"{row['problem']:12s} {spec or 'default':44s} {fwd:8.3f} {fb:8.3f} {fb - fwd:8.3f} "
+                bwd = row.get(f"{tag}_bwd", float("nan"))
+                print(f"{row['problem']:12s} {spec or 'default':44s} {fwd:8.3f} {fb:8.3f} {fb - fwd:8.3f} {bwd:8.3f} "
                       f"{fb / row.get('cgforge-table_fb', float('nan')):6.2f}x "
                       f"{row.get(f'{tag}_vs_default', 0.0):8.1e}")
 
