@@ -105,7 +105,8 @@ def main() -> None:
                         help="also time each cgforge-table row with every receiver's edges in order of length")
     parser.add_argument("--by-length-perm", action="store_true",
                         help="also time each cgforge-table row visiting every receiver's edges in order of length "
-                             "through the graph's permutation (the edges stay where they are: receiver-sorted)")
+                             "through the graph's permutation (the edges stay where they are: receiver-sorted), and "
+                             "beside it the same kernels reading an identity permutation (the control)")
     args = parser.parse_args()
     names = args.problems
     known = PROBLEMS | MODEL_LAYERS
@@ -129,13 +130,16 @@ def main() -> None:
         by_length = order, ConvGraph(sender[order], receiver[order], n, deterministic=True)
         print(f"edges by length: perm empty {by_length[1].tensors().perm.numel() == 0} (given order: "
               f"{graph.tensors().perm.numel() == 0})", flush=True)
-    by_perm = None
+    by_perm = by_identity = None
     if args.by_length_perm:  # the same visit order, read through perm: y, r and sender stay in receiver order
         if graph.tensors().perm.numel():
             sys.exit("bench_layer: --by-length-perm needs receiver-sorted edges (the given graph has a perm)")
         order = torch.argsort(lengths)
         order = order[torch.argsort(receiver[order], stable=True)]
         by_perm = ConvGraph.trusted(graph.tensors()._replace(perm=order.to(torch.int32).contiguous()), n)
+        # the control: the same kernels reading an identity permutation (the given order)
+        identity = torch.arange(e, dtype=torch.int32, device=sender.device)
+        by_identity = ConvGraph.trusted(graph.tensors()._replace(perm=identity), n)
     print(f"water: {n} nodes, {e} edges, lengths {float(lengths.min()):.2f}..{float(lengths.max()):.2f} Å", flush=True)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -168,6 +172,8 @@ def main() -> None:
             for spec, c in convs.items():
                 impls[f"cgforge-table[{spec + ',' if spec else ''}by-length-perm]"] = (
                     lambda c=c: c.forward_table(x, y, r, coeffs, R_MAX, by_perm), (x, y, r))
+                impls[f"cgforge-table[{spec + ',' if spec else ''}identity-perm]"] = (
+                    lambda c=c: c.forward_table(x, y, r, coeffs, R_MAX, by_identity), (x, y, r))
         if "cueq" in found:
             try:
                 sp, poly = cueq_channelwise(found, i1, i2, io, torch.float32)
@@ -227,7 +233,8 @@ def main() -> None:
         if by_length is not None:
             specs += tuple(f"{spec + ',' if spec else ''}by-length" for spec in base_specs)
         if by_perm is not None:
-            specs += tuple(f"{spec + ',' if spec else ''}by-length-perm" for spec in base_specs)
+            specs += tuple(f"{spec + ',' if spec else ''}{kind}-perm" for spec in base_specs
+                           for kind in ("by-length", "identity"))
         for row in rows:
             for spec in specs:
                 tag = f"cgforge-table[{spec}]" if spec else "cgforge-table"
