@@ -15,7 +15,10 @@ SiLU), random weights; every row differentiates to x, y and the edge lengths (fo
 ``--tuning SPEC`` (repeatable) adds ``cgforge-table`` built with that ``TPTuning``, e.g. ``loop_order=chunks,
 forward_chunk=64``, or ``backward_min_blocks=5,backward_chunk=64``: per layer kernel choices side by side in one process, a second table (with each one's forward's
 relative difference from the default's); ``--by-length`` adds each of those rows with every receiver's edges
-visited shortest first (neighbouring warps then read nearby rows of the table). The floor (``layer_floor``) is a
+visited shortest first (neighbouring warps then read nearby rows of the table), the edges moved into that order;
+``--by-length-perm`` the same visit order read through the graph's permutation (the edges left receiver-sorted),
+beside a control that reads an identity permutation. Each row's backward is also timed alone, over one kept
+forward. The floor (``layer_floor``) is a
 lower bound per call: the larger of the bytes every kernel must move at the measured copy bandwidth and the CG
 multiply-adds at the device's FP32 peak. Prints the tables; JSON goes to benchmarks/results/ (or $OUT).
 """
@@ -123,19 +126,18 @@ def main() -> None:
     n, e = len(atoms), sender.shape[0]
     lengths = edge_lengths(atoms, sender, receiver)
     graph = ConvGraph(sender, receiver, n, deterministic=True)
-    by_length = None
-    if args.by_length:  # receivers' rows as before, each one's edges shortest first: warps read nearby table rows
+    by_length = by_perm = by_identity = None
+    order = None
+    if args.by_length or args.by_length_perm:  # receivers' rows as before, each one's edges shortest first
         order = torch.argsort(lengths)
         order = order[torch.argsort(receiver[order], stable=True)]
+    if args.by_length:  # the edges moved into that order: warps read nearby table rows
         by_length = order, ConvGraph(sender[order], receiver[order], n, deterministic=True)
         print(f"edges by length: perm empty {by_length[1].tensors().perm.numel() == 0} (given order: "
               f"{graph.tensors().perm.numel() == 0})", flush=True)
-    by_perm = by_identity = None
     if args.by_length_perm:  # the same visit order, read through perm: y, r and sender stay in receiver order
         if graph.tensors().perm.numel():
             sys.exit("bench_layer: --by-length-perm needs receiver-sorted edges (the given graph has a perm)")
-        order = torch.argsort(lengths)
-        order = order[torch.argsort(receiver[order], stable=True)]
         by_perm = ConvGraph.trusted(graph.tensors()._replace(perm=order.to(torch.int32).contiguous()), n)
         # the control: the same kernels reading an identity permutation (the given order)
         identity = torch.arange(e, dtype=torch.int32, device=sender.device)

@@ -259,9 +259,10 @@ def _companion(runs: list[Run], run: Run, model: str, backend: str) -> Run | Non
 
 def engine_section(runs: list[Run]) -> list[str]:
     """Per model, the newest run that timed the engine and FastMACE side by side (runs differ by model when a
-    newer run held only some of the models); the compiled engine from that run or one beside it (same folder under
-    results/, device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest such run, else
-    from the newest run that timed them with the engine on the 5k box (a row of its own run, cited as such)."""
+    newer run held only some of the models); the compiled engine from that run or one beside it (same folder
+    under results/, device and commit); NequIP models (FastMACE runs MACE only) from the run folder of the newest
+    such run, else from the newest run that timed them with the engine on the 5k box (a row of its own run, cited
+    as such)."""
     # the 5k box's rows only: a run over several boxes (bench_md's --systems) must not put another box's steps here
     runs = [replace(run, rows=[row for row in run.rows if row.get("system", "5k") == "5k"]) for run in runs]
     picked: dict[str, Run] = {}
